@@ -1,0 +1,177 @@
+"""The ops interface: the only way `dsv41.core` reaches a device.
+
+Each function below is the contract of one op (signature + docstring); the body is a dispatch
+to the implementation chosen by `dsv41.backends.registry` from the first tensor argument's
+device (or `DSV41_BACKEND`). The reference implementations (plain torch, fp32 math) live in
+`dsv41.backends.reference` and are the oracle every kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import reference  # noqa: F401  (registers the reference implementations)
+from .registry import dispatch
+
+Tensor = torch.Tensor
+
+
+def _first_device(args, kwargs) -> torch.device:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return torch.device("cpu")
+
+
+def _op(stub):
+    """Turn a documented stub into the dispatching entry point of the op of the same name."""
+    name = stub.__name__
+
+    @functools.wraps(stub)
+    def call(*args, **kwargs):
+        return dispatch(name, _first_device(args, kwargs))(*args, **kwargs)
+
+    return call
+
+
+# ---- formats --------------------------------------------------------------------------------
+@_op
+def fp4_quant(x: Tensor) -> tuple[Tensor, Tensor]:
+    """[..., D] -> (packed E2M1 uint8 [..., D/2], E4M3 scales [..., D/16]) (main KV entries)."""
+
+
+@_op
+def fp4_dequant(packed: Tensor, scale: Tensor) -> Tensor:
+    """Inverse of `fp4_quant`, fp32 out."""
+
+
+@_op
+def mxfp4_quant(x: Tensor) -> tuple[Tensor, Tensor]:
+    """[..., D] -> (packed E2M1 uint8 [..., D/2], E8M0 scales [..., D/32]) (indexer keys)."""
+
+
+@_op
+def mxfp4_dequant(packed: Tensor, scale: Tensor) -> Tensor:
+    """Inverse of `mxfp4_quant`, fp32 out."""
+
+
+@_op
+def mxfp4_act_quant(x: Tensor) -> Tensor:
+    """Quantise-dequantise through MXFP4 (the indexer query), fp32 out."""
+
+
+@_op
+def fp8_quant(x: Tensor) -> tuple[Tensor, Tensor]:
+    """[..., D] -> (E4M3 [..., D], E8M0 power-of-two scales [..., D/32]) (activations, SWA)."""
+
+
+@_op
+def fp8_dequant(q: Tensor, scale: Tensor) -> Tensor:
+    """Inverse of `fp8_quant`, fp32 out."""
+
+
+# ---- dense math -----------------------------------------------------------------------------
+@_op
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight in fp32; output in x's dtype."""
+
+
+@_op
+def rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
+    """Rotate interleaved adjacent pairs of the LAST 2*cos.shape[-1] channels of x [T, ..., D]
+    by the per-position angles (cos/sin [T, R/2]); `inverse` rotates back. Output x's dtype."""
+
+
+@_op
+def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """y = x @ W^T. With `scale`, W is stored FP8 E4M3 (E8M0 32x32 block scales) or packed FP4
+    (int8 [N, K/2], E8M0 per 32 along K) and x is FP8-quantised in blocks of 32 first."""
+
+
+@_op
+def grouped_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """Block-diagonal bf16 projection: x [T, G, K] with weight [G * R, K] (rows g*R..g*R+R-1
+    belong to group g) -> [T, G * R] bf16 (the attention's `wo_a`)."""
+
+
+@_op
+def swiglu_clamped(gate: Tensor, up: Tensor, limit: float) -> Tensor:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32."""
+
+
+# ---- attention ------------------------------------------------------------------------------
+@_op
+def sparse_attention(q: Tensor, win_kv: Tensor, win_scale: Tensor, win_mask: Tensor,
+                     glob_kv: Tensor | None, glob_scale: Tensor | None, glob_idx: Tensor | None,
+                     sink: Tensor, softmax_scale: float) -> Tensor:
+    """One softmax over a query's SWA window entries then its selected global entries.
+
+    q [T, H, D] (RoPE applied); win_kv [S, D] FP8 + win_scale [S, D/32] with win_mask [T, S];
+    glob_kv [N, D/2] packed FP4 + glob_scale [N, D/16], glob_idx [T, K] (-1 = masked); sink [H].
+    K = V. Returns [T, H, D] bf16.
+    """
+
+
+@_op
+def indexer_topk(q: Tensor, weights: Tensor, key_codes: Tensor, key_scale: Tensor, n_visible: Tensor,
+                 topk: int, candidates: Tensor | None = None, pool_blocks: int = 0,
+                 pool_block_size: int = 1) -> tuple[Tensor, Tensor | None]:
+    """CSA2 indexer: score(i, s) = sum_h relu(q_ih . k_s) * weights_ih over the MXFP4 keys.
+
+    q [T, Hi, Di] (RoPE'd, MXFP4 quantise-dequantised), weights [T, Hi] (scales folded in),
+    keys [N, Di/2] + [N, Di/32]; query t sees entries < n_visible[t]. With `candidates` [T, P]
+    (-1 padded) only those positions are scored (Reindex layers). Returns the top
+    min(topk, visible) entries sorted by position (-1 padded, ties to the lower index) and,
+    when pool_blocks > 0, the hierarchical candidate pool [T, pool_blocks * pool_block_size].
+    """
+
+
+@_op
+def compress_kv(kv: Tensor, score: Tensor, ratio: int) -> Tensor:
+    """Pool complete groups of `ratio` consecutive rows with a per-channel softmax over `score`
+    (fp32): kv, score [G * ratio, D] -> [G, D] fp32."""
+
+
+# ---- mHC ------------------------------------------------------------------------------------
+@_op
+def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
+    """[T, n, n] logits -> doubly stochastic comb: softmax over j + eps, one column
+    normalisation, then iters-1 rounds of row-then-column normalisation (divisions by sum+eps)."""
+
+
+@_op
+def mhc_mixes(x: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm_eps: float, hc_eps: float,
+              iters: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Coefficient prediction from the streams x [T, n, d]: (pre [T, n], post [T, n], comb [T, n, n])."""
+
+
+@_op
+def mhc_collapse(x: Tensor, pre: Tensor) -> Tensor:
+    """Sublayer input sum_i pre[i] * x_i: [T, n, d] -> [T, d] (fp32 math, x's dtype)."""
+
+
+@_op
+def mhc_update(x: Tensor, y: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    """Residual update: out_j = post[j] * y + sum_i comb[i][j] * x_i (fp32 math, x's dtype)."""
+
+
+# ---- MoE and Engram -------------------------------------------------------------------------
+@_op
+def moe_route(x: Tensor, gate_weight: Tensor, bias: Tensor, topk: int, route_scale: float,
+              gate_temp: float = 1.0) -> tuple[Tensor, Tensor]:
+    """sqrtsoftplus router in fp32: bias [E] or [T, E] chooses the top-k; the weights are the raw
+    scores of the chosen experts / (sum + 1e-20) * route_scale. Returns (weights [T, k], ids [T, k])."""
+
+
+@_op
+def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, experts: list, limit: float) -> Tensor:
+    """Routed experts: sum_k weights[t,k] folded in before w2 of expert ids[t,k]'s clamped SwiGLU.
+    `experts[e]` = ((w1, s1), (w2, s2), (w3, s3)). Returns fp32 [T, d]."""
+
+
+@_op
+def engram_lookup(table: Tensor, scale: Tensor, rows: Tensor) -> Tensor:
+    """Hashed row ids [T, R] -> gather FP8 (scale per 32) or INT8 (scale per row) rows ->
+    dequantised bf16 [T, R * Dh]."""

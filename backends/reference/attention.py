@@ -1,0 +1,112 @@
+"""Reference CSA2 attention ops: ratio-r KV pooling, the indexer with its candidate pool, and
+sparse attention over the FP8 SWA window plus FP4 global entries."""
+
+from __future__ import annotations
+
+import torch
+
+from ..registry import register
+from . import quant
+from .basic import einsum
+
+NEG_INF = float("-inf")
+RUNNING_MAX_INIT = -1e30  # a row with no valid entry outputs 0 (spec section 3, Attention)
+
+
+@register("compress_kv")
+def compress_kv(kv: torch.Tensor, score: torch.Tensor, ratio: int) -> torch.Tensor:
+    g, d = kv.shape[0] // ratio, kv.shape[-1]
+    kv = kv[: g * ratio].float().reshape(g, ratio, d)
+    w = torch.softmax(score[: g * ratio].float().reshape(g, ratio, d), dim=1)
+    return (w * kv).sum(1)
+
+
+def _stable_topk_sorted(scores: torch.Tensor, k: int, valid: torch.Tensor) -> torch.Tensor:
+    """Top-k column ids per row among `valid` ones, ties to the lower id, returned in ascending id
+    order with -1 padding at the end."""
+    s = scores.masked_fill(~valid, NEG_INF)
+    k = min(k, s.shape[-1])
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k]
+    ok = valid.gather(-1, order)
+    big = torch.iinfo(torch.long).max
+    ids = torch.where(ok, order, torch.full_like(order, big)).sort(-1).values
+    return torch.where(ids == big, torch.full_like(ids, -1), ids)
+
+
+def _scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q [T, H, D], weights [T, H], keys [T, P, D] or [P, D] -> [T, P] fp32."""
+    if keys.dim() == 2:
+        dots = einsum("thd,pd->thp", q.float(), keys)
+    else:
+        dots = einsum("thd,tpd->thp", q.float(), keys)
+    return (torch.relu(dots) * weights.float().unsqueeze(-1)).sum(1)
+
+
+def candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, n_blocks: int, block: int) -> torch.Tensor:
+    """Hierarchical candidate pool: blocks of `block` positions scored by their best visible
+    position; the newest (possibly partial) block is always kept; the best `n_blocks` blocks are
+    kept (ties to the older block); unreachable blocks are dropped. [T, n_blocks * block], -1 pad."""
+    t, n = scores.shape
+    nb = -(-n // block)
+    padded = torch.full((t, nb * block), NEG_INF, dtype=torch.float32, device=scores.device)
+    padded[:, :n] = scores
+    pos = torch.arange(nb * block, device=scores.device)
+    vis = pos.unsqueeze(0) < n_visible.unsqueeze(1)
+    bmax = padded.masked_fill(~vis, NEG_INF).reshape(t, nb, block).amax(-1)
+    reachable = vis.reshape(t, nb, block).any(-1)
+    newest = ((n_visible - 1).clamp_min(0) // block).unsqueeze(1)
+    bmax = bmax.scatter(1, newest, float("inf"))
+    chosen = _stable_topk_sorted(bmax, n_blocks, reachable)  # [T, n_blocks] block ids
+    cand = chosen.unsqueeze(-1) * block + torch.arange(block, device=scores.device)
+    ok = (chosen.unsqueeze(-1) >= 0) & (cand < n_visible.view(t, 1, 1))
+    return torch.where(ok, cand, torch.full_like(cand, -1)).reshape(t, -1)
+
+
+@register("indexer_topk")
+def indexer_topk(q, weights, key_codes, key_scale, n_visible, topk, candidates=None, pool_blocks=0,
+                 pool_block_size=1):
+    t = q.shape[0]
+    if candidates is None:
+        keys = quant.mxfp4_dequant(key_codes, key_scale)  # [N, Di]
+        n = keys.shape[0]
+        s = _scores(q, weights, keys)
+        valid = torch.arange(n, device=q.device).unsqueeze(0) < n_visible.unsqueeze(1)
+        idx = _stable_topk_sorted(s, topk, valid)
+        pool = candidate_pool(s.masked_fill(~valid, NEG_INF), n_visible, pool_blocks, pool_block_size) \
+            if pool_blocks > 0 else None
+        return idx, pool
+    valid = candidates >= 0
+    safe = candidates.clamp_min(0)
+    keys = quant.mxfp4_dequant(key_codes[safe], key_scale[safe])  # only the pool's keys: [T, P, Di]
+    s = _scores(q, weights, keys)
+    local = _stable_topk_sorted(s, topk, valid)
+    idx = torch.where(local >= 0, candidates.gather(-1, local.clamp_min(0)), local)
+    # candidates are ascending within each row except for -1 padding, so keep position order
+    big = torch.iinfo(torch.long).max
+    idx = torch.where(idx < 0, big, idx).sort(-1).values
+    return torch.where(idx == big, -1, idx), None
+
+
+@register("sparse_attention")
+def sparse_attention(q, win_kv, win_scale, win_mask, glob_kv, glob_scale, glob_idx, sink, softmax_scale):
+    t, h, d = q.shape
+    qf = q.float()
+    wv = quant.fp8_dequant(win_kv, win_scale)  # [S, D]
+    logits = [einsum("thd,sd->ths", qf, wv).masked_fill(~win_mask.unsqueeze(1), NEG_INF)]
+    values = [wv.unsqueeze(0).expand(t, -1, -1)]
+    if glob_idx is not None and glob_idx.shape[-1] > 0:
+        ok = glob_idx >= 0
+        rows = glob_idx.clamp_min(0)
+        gv = quant.fp4_dequant(glob_kv[rows], glob_scale[rows]) * ok.unsqueeze(-1)  # masked rows zeroed
+        logits.append(einsum("thd,tkd->thk", qf, gv).masked_fill(~ok.unsqueeze(1), NEG_INF))
+        values.append(gv)
+    lg = torch.cat(logits, -1) * softmax_scale
+    v = torch.cat(values, 1)
+    m = lg.amax(-1, keepdim=True).clamp_min(RUNNING_MAX_INIT)
+    p = torch.exp(lg - m)
+    # The denominator is summed in fp64 and rounded to fp32: a query's entries sit at different
+    # offsets in a prefill chunk than in a decode step, and an fp32 SIMD sum would depend on that.
+    denom = (p.double().sum(-1, keepdim=True) + torch.exp(sink.float().view(1, h, 1) - m).double()).float()
+    # probabilities go to bf16 before multiplying V; the denominator stays fp32
+    num = einsum("ths,tsd->thd", p.to(torch.bfloat16).float(), v)
+    return (num / denom).to(torch.bfloat16)

@@ -1,0 +1,120 @@
+"""The op registry: every op has a reference implementation and optional per-backend ones.
+
+Which backend runs an op is decided here and nowhere else:
+- `DSV41_BACKEND=reference|cuda|ascend` forces one backend for every op;
+- otherwise the device of the op's first tensor argument picks it
+  (`cpu` -> reference, `cuda` -> cuda, `npu` -> ascend).
+An op the chosen backend lacks falls back to the reference, with one warning naming the op.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+BACKENDS = ("reference", "cuda", "ascend")
+DEVICE_BACKEND = {"cpu": "reference", "cuda": "cuda", "npu": "ascend", "meta": "reference"}
+ENV_VAR = "DSV41_BACKEND"
+
+
+@dataclass
+class Op:
+    name: str
+    impls: dict[str, Callable] = field(default_factory=dict)
+    warned: set[str] = field(default_factory=set)
+
+
+_OPS: dict[str, Op] = {}
+# Loaders for the optional backends: imported the first time a tensor of theirs shows up, so
+# `import dsv41` never imports triton or torch_npu.
+_BACKEND_LOADERS: dict[str, Callable[[], None]] = {}
+_LOADED: dict[str, str | None] = {}  # backend -> None when loaded, else the reason it failed
+
+
+def register(name: str, backend: str = "reference") -> Callable[[Callable], Callable]:
+    """Decorator: `fn` implements op `name` on `backend`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+
+    def deco(fn: Callable) -> Callable:
+        _OPS.setdefault(name, Op(name)).impls[backend] = fn
+        return fn
+
+    return deco
+
+
+def register_backend_loader(backend: str, loader: Callable[[], None]) -> None:
+    _BACKEND_LOADERS[backend] = loader
+
+
+def forced_backend() -> str | None:
+    v = os.environ.get(ENV_VAR)
+    if not v:
+        return None
+    if v not in BACKENDS:
+        raise ValueError(f"{ENV_VAR}={v!r} is not one of {', '.join(BACKENDS)}")
+    return v
+
+
+def backend_for_device(device: torch.device | str) -> str:
+    forced = forced_backend()
+    if forced:
+        return forced
+    kind = torch.device(device).type
+    return DEVICE_BACKEND.get(kind, "reference")
+
+
+def ensure_backend_loaded(backend: str) -> str | None:
+    """Import a backend's implementations once; returns None when usable, else why not."""
+    if backend == "reference":
+        return None
+    if backend not in _LOADED:
+        loader = _BACKEND_LOADERS.get(backend)
+        if loader is None:
+            _LOADED[backend] = "no implementation registered"
+        else:
+            try:
+                loader()
+                _LOADED[backend] = None
+            except Exception as e:  # a missing optional dependency: say why, fall back
+                _LOADED[backend] = f"{type(e).__name__}: {e}"
+    return _LOADED[backend]
+
+
+def resolve(name: str, backend: str) -> tuple[Callable, str, str]:
+    """(implementation, backend actually used, reason) for op `name` on `backend`."""
+    op = _OPS.get(name)
+    if op is None:
+        raise KeyError(f"unknown op {name!r}")
+    if backend == "reference":
+        return op.impls["reference"], "reference", "reference backend"
+    why = ensure_backend_loaded(backend)
+    if why is None and backend in op.impls:
+        return op.impls[backend], backend, f"{backend} kernel"
+    reason = f"{backend} unavailable ({why})" if why else f"no {backend} implementation"
+    return op.impls["reference"], "reference", f"fallback: {reason}"
+
+
+def dispatch(name: str, device: torch.device | str) -> Callable:
+    backend = backend_for_device(device)
+    fn, used, reason = resolve(name, backend)
+    if used != backend:
+        op = _OPS[name]
+        if backend not in op.warned:
+            op.warned.add(backend)
+            warnings.warn(f"dsv41: op '{name}' has no usable {backend} implementation; using the reference ({reason})",
+                          RuntimeWarning, stacklevel=3)
+    return fn
+
+
+def op_names() -> list[str]:
+    return sorted(_OPS)
+
+
+def reset_warnings() -> None:
+    for op in _OPS.values():
+        op.warned.clear()

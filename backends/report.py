@@ -1,0 +1,36 @@
+"""`dsv41 backends`: for this machine, which implementation each op resolves to and why."""
+
+from __future__ import annotations
+
+import json
+
+from . import ops  # noqa: F401  (registers the reference ops)
+from .platform import cuda_unavailable_reason, npu_unavailable_reason
+from .registry import BACKENDS, forced_backend, op_names, resolve
+
+
+def backend_status() -> dict[str, str]:
+    why = {"reference": None, "cuda": cuda_unavailable_reason(), "ascend": npu_unavailable_reason()}
+    return {b: "available" if why[b] is None else f"unavailable ({why[b]})" for b in BACKENDS}
+
+
+def backend_report(as_json: bool = False) -> str:
+    status = backend_status()
+    table = {}
+    for name in op_names():
+        table[name] = {}
+        for b in BACKENDS:
+            _, used, reason = resolve(name, b)
+            table[name][b] = {"uses": used, "why": reason}
+    if as_json:
+        return json.dumps({"forced": forced_backend(), "backends": status, "ops": table})
+    lines = [f"{b}: {s}" for b, s in status.items()]
+    if forced_backend():
+        lines.append(f"DSV41_BACKEND={forced_backend()} forces every op onto that backend")
+    lines.append("")
+    w = max(len(n) for n in table)
+    lines.append(f"{'op'.ljust(w)}  " + "  ".join(b.ljust(34) for b in BACKENDS))
+    for name, row in table.items():
+        lines.append(f"{name.ljust(w)}  " + "  ".join(f"{row[b]['uses']} ({row[b]['why']})"[:34].ljust(34)
+                                                      for b in BACKENDS))
+    return "\n".join(lines)

@@ -1,0 +1,599 @@
+"""Model configuration: one `ModelConfig` for the nested Hugging Face `config.json`, the flat
+inference `config.json`, and the built-in presets (`tiny`, `mini`, `full`).
+
+Every problem found by `validate()` is reported in one `ConfigError` that lists them all, one
+line each, so a user fixes a config in one pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODEL_TYPE = "deepseek_v41"
+
+
+class ConfigError(ValueError):
+    """A malformed or inconsistent model configuration."""
+
+
+@dataclass
+class RopeScaling:
+    """YaRN parameters, applied only to layers whose compress ratio is > 0."""
+
+    factor: float = 16.0
+    original_max_position_embeddings: int = 65536
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+@dataclass
+class VisionConfig:
+    """DeepSeek-ViT tower and 3x3 aligner (used by `dsv41 info`; the tower is a later issue)."""
+
+    num_hidden_layers: int = 32
+    hidden_size: int = 1024
+    num_attention_heads: int = 16
+    intermediate_size: int = 2816
+    patch_size: int = 14
+    downsample_ratio: int = 3
+    max_image_tokens: int = 1024
+
+
+@dataclass
+class ModelConfig:
+    """Text backbone (+ Engram, DSpark, vision sizes) of DeepSeek-V4.1-Flash.
+
+    Field names follow the nested Hugging Face `text_config`. Layer roles derive from the
+    id lists: `kv_source_layer_ids` are Full layers (own compressor + indexer keys), the other
+    `index_source_layer_ids` are Reindex layers, every other layer with ratio > 0 is Reuse,
+    ratio-0 layers are SWA-only. The decoder starts at the last KV source (CED boundary).
+    """
+
+    vocab_size: int = 129280
+    hidden_size: int = 5120
+    num_hidden_layers: int = 40
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 1
+    head_dim: int = 512
+    qk_rope_head_dim: int = 64
+    q_lora_rank: int = 1280
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    sliding_window: int = 128
+    moe_intermediate_size: int = 2304
+    n_routed_experts: int = 384
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 6
+    scoring_func: str = "sqrtsoftplus"
+    routed_scaling_factor: float = 1.5
+    norm_topk_prob: bool = True
+    gate_temp: float = 1.0
+    swiglu_limit: float = 10.0
+    rms_norm_eps: float = 1e-20
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_scaling: RopeScaling | None = field(default_factory=RopeScaling)
+    max_position_embeddings: int = 1048576
+    compress_ratios: list[int] = field(
+        default_factory=lambda: [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0]
+    )
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 512
+    kv_source_layer_ids: list[int] = field(default_factory=lambda: [2, 8, 14, 20])
+    index_source_layer_ids: list[int] = field(
+        default_factory=lambda: [2, 8, 14, 20, 24, 28, 32, 36]
+    )
+    candidate_source_layer_id: int = 20
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
+    engram_layer_ids: list[int] = field(default_factory=lambda: [1, 14])
+    engram_num_embeddings: list[int] = field(default_factory=lambda: [384006168, 384016682])
+    engram_max_ngram_size: int = 4
+    engram_n_heads: int = 8
+    engram_head_dim: int = 256
+    engram_pad_token_id: int = 2
+    engram_compressed_vocab_size: int = 99092
+    engram_vocab_size: int = 16000000
+    num_nextn_predict_layers: int = 3
+    dspark_block_size: int = 5
+    dspark_noise_token_id: int = 128799
+    dspark_target_layer_ids: list[int] = field(default_factory=lambda: [37, 38, 39])
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 128
+    dspark_num_experts_per_tok: int = 3
+    image_token_id: int | None = 129264
+    vision: VisionConfig | None = field(default_factory=VisionConfig)
+    # Storage of the dense linears: "fp8" (E4M3, E8M0 32x32 block scales) or "bf16".
+    weight_dtype: str = "fp8"
+    # Routed experts: "fp4" (E2M1 pairs, E8M0 per 32) or "fp8".
+    expert_dtype: str = "fp4"
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+
+    # ---- derived layer plan -------------------------------------------------------------
+    @property
+    def decoder_start(self) -> int:
+        """First decoder layer: the last KV source (the decoder's only global KV source)."""
+        return self.kv_source_layer_ids[-1]
+
+    def layer_kind(self, layer: int) -> str:
+        """'swa' | 'full' | 'reindex' | 'reuse' for backbone layer `layer`."""
+        if self.compress_ratios[layer] == 0:
+            return "swa"
+        if layer in self.kv_source_layer_ids:
+            return "full"
+        if layer in self.index_source_layer_ids:
+            return "reindex"
+        return "reuse"
+
+    def kv_source_of(self, layer: int) -> int | None:
+        """Latest KV source layer at or below `layer` (None for SWA-only layers)."""
+        if self.compress_ratios[layer] == 0:
+            return None
+        srcs = [s for s in self.kv_source_layer_ids if s <= layer]
+        return srcs[-1] if srcs else None
+
+    def index_source_of(self, layer: int) -> int | None:
+        """Latest index source (Full or Reindex layer) at or below `layer`."""
+        if self.compress_ratios[layer] == 0:
+            return None
+        srcs = [s for s in self.index_source_layer_ids if s <= layer]
+        return srcs[-1] if srcs else None
+
+    @property
+    def n_engram_rows_per_token(self) -> int:
+        return (self.engram_max_ngram_size - 1) * self.engram_n_heads
+
+    # ---- validation ---------------------------------------------------------------------
+    def problems(self) -> list[str]:
+        """Every inconsistency in this config, one sentence each (empty when valid)."""
+        p: list[str] = []
+        L = self.num_hidden_layers
+        positive = [
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+            "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "moe_intermediate_size",
+            "n_routed_experts", "num_experts_per_tok", "hc_mult", "hc_sinkhorn_iters",
+            "index_n_heads", "index_head_dim", "index_topk", "candidate_topk_blocks",
+            "candidate_block_size", "max_position_embeddings",
+        ]
+        for name in positive:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                p.append(f"{name} must be a positive integer, got {v!r}")
+        if p:  # the checks below divide by these
+            return p
+        if self.num_key_value_heads != 1:
+            p.append(f"num_key_value_heads must be 1 (one shared K=V latent), got {self.num_key_value_heads}")
+        if self.num_attention_heads % self.o_groups:
+            p.append(
+                f"num_attention_heads ({self.num_attention_heads}) is not divisible by o_groups ({self.o_groups})"
+            )
+        if self.qk_rope_head_dim % 2 or not 0 < self.qk_rope_head_dim <= min(self.head_dim, self.index_head_dim):
+            p.append(
+                f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even and at most head_dim "
+                f"({self.head_dim}) and index_head_dim ({self.index_head_dim})"
+            )
+        for name in ("hidden_size", "head_dim", "q_lora_rank", "o_lora_rank", "moe_intermediate_size",
+                     "index_head_dim"):
+            if getattr(self, name) % 32:
+                p.append(f"{name} ({getattr(self, name)}) must be a multiple of 32 (FP8/FP4 block size)")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            p.append(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts ({self.n_routed_experts})"
+            )
+        if self.scoring_func != "sqrtsoftplus":
+            p.append(f"scoring_func must be 'sqrtsoftplus' (V4.1 routing), got {self.scoring_func!r}")
+        if self.weight_dtype not in ("fp8", "bf16"):
+            p.append(f"weight_dtype must be 'fp8' or 'bf16', got {self.weight_dtype!r}")
+        if self.expert_dtype not in ("fp4", "fp8", "bf16"):
+            p.append(f"expert_dtype must be 'fp4', 'fp8' or 'bf16', got {self.expert_dtype!r}")
+        n_ratios = L + self.num_nextn_predict_layers
+        if len(self.compress_ratios) != n_ratios:
+            p.append(
+                f"compress_ratios has {len(self.compress_ratios)} entries, expected num_hidden_layers + "
+                f"num_nextn_predict_layers = {L} + {self.num_nextn_predict_layers} = {n_ratios}"
+            )
+            return p
+        for i, r in enumerate(self.compress_ratios):
+            if r not in (0, 1, 2):
+                p.append(f"compress_ratios[{i}] = {r}: only 0 (SWA only), 1 and 2 are supported")
+        for name in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):
+            ids = getattr(self, name)
+            if list(ids) != sorted(set(ids)):
+                p.append(f"{name} must be strictly increasing, got {ids}")
+            bad = [i for i in ids if not 0 <= i < L]
+            if bad:
+                p.append(f"{name} has layer ids outside 0..{L - 1}: {bad}")
+        if p:
+            return p
+        if not self.kv_source_layer_ids:
+            p.append("kv_source_layer_ids is empty: the decoder needs a global KV source")
+            return p
+        for s in self.kv_source_layer_ids:
+            if self.compress_ratios[s] == 0:
+                p.append(f"KV source layer {s} has compress ratio 0: a KV source must compress (ratio 1 or 2)")
+        for s in self.kv_source_layer_ids:
+            if s not in self.index_source_layer_ids:
+                p.append(f"KV source layer {s} is missing from index_source_layer_ids (Full layers publish top-k)")
+        first_full = self.kv_source_layer_ids[0]
+        for s in self.index_source_layer_ids:
+            if s < first_full:
+                p.append(f"Reindex layer {s} comes before the first Full layer ({first_full}): no keys to re-score")
+            elif self.compress_ratios[s] == 0:
+                p.append(f"index source layer {s} has compress ratio 0")
+        for layer in range(L):
+            r = self.compress_ratios[layer]
+            if r > 0:
+                src = self.kv_source_of(layer)
+                if src is None:
+                    p.append(f"layer {layer} has ratio {r} but no KV source at or below it")
+                elif self.compress_ratios[src] != r:
+                    p.append(
+                        f"layer {layer} has ratio {r} but its KV source (layer {src}) has ratio "
+                        f"{self.compress_ratios[src]}"
+                    )
+        d = self.decoder_start
+        if self.compress_ratios[d] != 1:
+            p.append(f"the decoder's KV source (layer {d}, last of kv_source_layer_ids) must have ratio 1")
+        if self.candidate_source_layer_id != d:
+            p.append(
+                f"candidate_source_layer_id ({self.candidate_source_layer_id}) must be the decoder's KV source ({d})"
+            )
+        if self.rope_scaling is not None and self.rope_scaling.factor <= 0:
+            p.append(f"rope_scaling.factor must be > 0, got {self.rope_scaling.factor}")
+        if self.engram_layer_ids:
+            if len(self.engram_num_embeddings) != len(self.engram_layer_ids):
+                p.append(
+                    f"engram_num_embeddings has {len(self.engram_num_embeddings)} entries for "
+                    f"{len(self.engram_layer_ids)} engram layers"
+                )
+            if self.engram_max_ngram_size < 2:
+                p.append(f"engram_max_ngram_size must be >= 2, got {self.engram_max_ngram_size}")
+            if self.engram_head_dim % 32:
+                p.append(f"engram_head_dim ({self.engram_head_dim}) must be a multiple of 32")
+            if not 0 <= self.engram_pad_token_id < self.vocab_size:
+                p.append(f"engram_pad_token_id ({self.engram_pad_token_id}) is outside the vocabulary")
+        if self.vision is not None and self.image_token_id is not None and not 0 <= self.image_token_id < self.vocab_size:
+            p.append(f"image_token_id ({self.image_token_id}) is outside the vocabulary ({self.vocab_size})")
+        return p
+
+    def validate(self) -> "ModelConfig":
+        problems = self.problems()
+        if problems:
+            raise ConfigError("invalid model config:\n  - " + "\n  - ".join(problems))
+        return self
+
+    # ---- (de)serialisation --------------------------------------------------------------
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The nested Hugging Face `config.json` form."""
+        text = {}
+        for f in dataclasses.fields(self):
+            if f.name in ("vision", "image_token_id", "weight_dtype", "expert_dtype"):
+                continue
+            v = getattr(self, f.name)
+            text[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+        if self.rope_scaling is not None:
+            text["rope_scaling"] = {"type": "yarn", **dataclasses.asdict(self.rope_scaling)}
+        out: dict[str, Any] = {
+            "architectures": ["DeepseekV41ForCausalLM"],
+            "model_type": MODEL_TYPE,
+            "torch_dtype": "bfloat16",
+            "text_config": text,
+        }
+        if self.vision is not None:
+            out["vision_config"] = dataclasses.asdict(self.vision)
+            out["image_token_id"] = self.image_token_id
+        if self.weight_dtype == "fp8":
+            out["quantization_config"] = {
+                "quant_method": "fp8",
+                "activation_scheme": "dynamic",
+                "fmt": "e4m3",
+                "scale_fmt": "ue8m0",
+                "weight_block_size": [32, 32],
+                "expert_dtype": self.expert_dtype,
+            }
+        return out
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# Flat inference config.json key -> ModelConfig field (the one place for these renames).
+FLAT_KEYS: dict[str, str] = {
+    "vocab_size": "vocab_size",
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "head_dim": "head_dim",
+    "rope_head_dim": "qk_rope_head_dim",
+    "qk_rope_head_dim": "qk_rope_head_dim",
+    "q_lora_rank": "q_lora_rank",
+    "o_groups": "o_groups",
+    "o_lora_rank": "o_lora_rank",
+    "window_size": "sliding_window",
+    "sliding_window": "sliding_window",
+    "moe_inter_dim": "moe_intermediate_size",
+    "n_routed_experts": "n_routed_experts",
+    "n_shared_experts": "n_shared_experts",
+    "n_activated_experts": "num_experts_per_tok",
+    "score_func": "scoring_func",
+    "route_scale": "routed_scaling_factor",
+    "norm_topk_prob": "norm_topk_prob",
+    "swiglu_limit": "swiglu_limit",
+    "norm_eps": "rms_norm_eps",
+    "hc_mult": "hc_mult",
+    "hc_sinkhorn_iters": "hc_sinkhorn_iters",
+    "hc_eps": "hc_eps",
+    "rope_theta": "rope_theta",
+    "compress_rope_theta": "compress_rope_theta",
+    "max_seq_len": "max_position_embeddings",
+    "compress_ratios": "compress_ratios",
+    "index_n_heads": "index_n_heads",
+    "index_head_dim": "index_head_dim",
+    "index_topk": "index_topk",
+    "kv_source_layers": "kv_source_layer_ids",
+    "index_source_layers": "index_source_layer_ids",
+    "candidate_source_layer": "candidate_source_layer_id",
+    "candidate_topk_blocks": "candidate_topk_blocks",
+    "candidate_block_size": "candidate_block_size",
+    "engram_layers": "engram_layer_ids",
+    "engram_num_embeddings": "engram_num_embeddings",
+    "engram_max_ngram_size": "engram_max_ngram_size",
+    "engram_n_heads": "engram_n_heads",
+    "engram_head_dim": "engram_head_dim",
+    "engram_pad_id": "engram_pad_token_id",
+    "engram_compressed_vocab_size": "engram_compressed_vocab_size",
+    "engram_vocab_size": "engram_vocab_size",
+    "n_mtp_layers": "num_nextn_predict_layers",
+    "num_nextn_predict_layers": "num_nextn_predict_layers",
+    "dspark_block_size": "dspark_block_size",
+    "dspark_noise_token_id": "dspark_noise_token_id",
+    "dspark_target_layers": "dspark_target_layer_ids",
+    "dspark_markov_rank": "dspark_markov_rank",
+    "dspark_n_routed_experts": "dspark_n_routed_experts",
+    "dspark_n_activated_experts": "dspark_num_experts_per_tok",
+    "image_token_id": "image_token_id",
+}
+# Flat keys that are known and deliberately not mapped (the fp8 `dtype`, batch sizing, ...).
+FLAT_IGNORED = {"dtype", "scale_fmt", "max_batch_size", "expert_dtype", "mscale", "n_dense_layers"}
+FLAT_VISION = {
+    "vision_layers": "num_hidden_layers",
+    "vision_dim": "hidden_size",
+    "vision_heads": "num_attention_heads",
+    "vision_inter_dim": "intermediate_size",
+    "vision_patch_size": "patch_size",
+    "vision_downsample": "downsample_ratio",
+    "vision_max_tokens": "max_image_tokens",
+}
+# Flat-config defaults of the reference code that differ from the published values: absent keys
+# fall back to these (spec section 6: `max_seq_len` 4096 sizes caches and RoPE tables).
+FLAT_DEFAULTS = {"max_position_embeddings": 4096}
+
+
+def _build(kwargs: dict[str, Any], source: str) -> ModelConfig:
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        raise ConfigError(f"{source}: unknown config keys {unknown}")
+    try:
+        cfg = ModelConfig(**kwargs)
+    except TypeError as e:  # pragma: no cover - guarded by the unknown-key check
+        raise ConfigError(f"{source}: {e}") from None
+    return cfg.validate()
+
+
+def _rope_scaling(d: Any, source: str) -> RopeScaling | None:
+    if d is None:
+        return None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source}: rope_scaling must be an object, got {type(d).__name__}")
+    known = {f.name for f in dataclasses.fields(RopeScaling)}
+    return RopeScaling(**{k: v for k, v in d.items() if k in known})
+
+
+def _vision(d: Any, source: str) -> VisionConfig | None:
+    if d is None:
+        return None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source}: vision_config must be an object")
+    known = {f.name for f in dataclasses.fields(VisionConfig)}
+    aliases = {"width": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+               "mlp_dim": "intermediate_size", "max_tokens": "max_image_tokens", "downsample": "downsample_ratio"}
+    kw = {}
+    for k, v in d.items():
+        k = aliases.get(k, k)
+        if k in known:
+            kw[k] = v
+    return VisionConfig(**kw)
+
+
+# Keys of the nested text_config that are Hugging Face boilerplate, not model structure.
+HF_IGNORED = {
+    "model_type", "torch_dtype", "dtype", "architectures", "transformers_version", "use_cache",
+    "initializer_range", "tie_word_embeddings", "attention_bias", "attention_dropout", "hidden_act",
+    "pad_token_id", "first_k_dense_replace", "topk_method", "n_group", "topk_group", "ep_size",
+    "quantization_config", "num_experts", "auto_map", "_name_or_path",
+}
+
+
+def from_hf_dict(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Load the nested Hugging Face form (`model_type` deepseek_v41 with `text_config`)."""
+    if d.get("model_type") != MODEL_TYPE:
+        raise ConfigError(f"{source}: unknown model_type {d.get('model_type')!r}, expected {MODEL_TYPE!r}")
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{source}: missing the 'text_config' object")
+    kw = {k: v for k, v in text.items() if k not in HF_IGNORED}
+    if "rope_scaling" in kw:
+        kw["rope_scaling"] = _rope_scaling(kw["rope_scaling"], source)
+    kw["vision"] = _vision(d.get("vision_config"), source)
+    if "image_token_id" in d:
+        kw["image_token_id"] = d["image_token_id"]
+    q = d.get("quantization_config")
+    kw["weight_dtype"] = "fp8" if q else "bf16"
+    if q and "expert_dtype" in q:
+        kw["expert_dtype"] = q["expert_dtype"]
+    return _build(kw, source)
+
+
+def from_flat_dict(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Load the flat inference form (`dim`, `n_layers`, `norm_eps`, `kv_source_layers`, ...)."""
+    kw: dict[str, Any] = dict(FLAT_DEFAULTS)
+    vision: dict[str, Any] = {}
+    unknown = []
+    rs: dict[str, Any] = {}
+    for k, v in d.items():
+        if k in FLAT_KEYS:
+            kw[FLAT_KEYS[k]] = v
+        elif k in FLAT_VISION:
+            vision[FLAT_VISION[k]] = v
+        elif k in ("rope_factor", "original_seq_len", "beta_fast", "beta_slow"):
+            rs[k] = v
+        elif k not in FLAT_IGNORED:
+            unknown.append(k)
+    if unknown:
+        raise ConfigError(f"{source}: unknown flat config keys {sorted(unknown)}")
+    # original_seq_len > 0 turns YaRN on (ratio > 0 layers only); absent or 0 means off.
+    if rs.get("original_seq_len", 0) > 0:
+        kw["rope_scaling"] = RopeScaling(
+            factor=rs.get("rope_factor", 40.0),
+            original_max_position_embeddings=rs["original_seq_len"],
+            beta_fast=rs.get("beta_fast", 32.0),
+            beta_slow=rs.get("beta_slow", 1.0),
+        )
+    else:
+        kw["rope_scaling"] = None
+    kw["vision"] = VisionConfig(**vision) if vision else None
+    if kw["vision"] is None:
+        kw["image_token_id"] = kw.get("image_token_id")
+    kw["weight_dtype"] = "fp8" if d.get("dtype", "fp8") == "fp8" else "bf16"
+    if "expert_dtype" in d:
+        kw["expert_dtype"] = d["expert_dtype"]
+    return _build(kw, source)
+
+
+def from_dict(d: Any, source: str = "config.json") -> ModelConfig:
+    """Either config form: nested if it has `model_type` or `text_config`, else flat."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
+    if "model_type" in d or "text_config" in d:
+        return from_hf_dict(d, source)
+    return from_flat_dict(d, source)
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """Load a config from a `config.json` file or a checkpoint directory holding one."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+        if not p.exists():
+            raise ConfigError(f"{path}: checkpoint directory has no config.json")
+    if not p.exists():
+        raise ConfigError(f"{path}: no such config file")
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON ({e})") from None
+    return from_dict(d, str(p))
+
+
+# ---- presets ------------------------------------------------------------------------------
+
+def _tiny() -> ModelConfig:
+    """Seconds on 2 CPU cores; every layer mode appears, with a window of 8 so short prompts wrap
+    the SWA ring and fill compressed groups, and a top-k / pool small enough to be exceeded.
+
+    Layers: 0-1 SWA (Engram at 1) | 2 Full r2, 3 Reuse, 4 Full r2 (Engram), 5 Reuse |
+    decoder: 6 Full r1 (candidate source), 7 Reuse, 8 Reindex, 9 Reuse, 10 Reindex, 11 Reuse.
+    """
+    return ModelConfig(
+        vocab_size=512, hidden_size=128, num_hidden_layers=12, num_attention_heads=4,
+        head_dim=64, qk_rope_head_dim=32, q_lora_rank=64, o_groups=2, o_lora_rank=64,
+        sliding_window=8, moe_intermediate_size=64, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, hc_sinkhorn_iters=20,
+        rope_scaling=RopeScaling(factor=4.0, original_max_position_embeddings=256, beta_fast=32, beta_slow=1),
+        max_position_embeddings=2048,
+        compress_ratios=[0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 0, 0, 0],
+        index_n_heads=4, index_head_dim=64, index_topk=8,
+        kv_source_layer_ids=[2, 4, 6], index_source_layer_ids=[2, 4, 6, 8, 10],
+        candidate_source_layer_id=6, candidate_topk_blocks=3, candidate_block_size=4,
+        engram_layer_ids=[1, 4], engram_num_embeddings=[0, 0], engram_max_ngram_size=4,
+        engram_n_heads=2, engram_head_dim=32, engram_pad_token_id=2,
+        engram_compressed_vocab_size=0, engram_vocab_size=1000,
+        num_nextn_predict_layers=3, dspark_block_size=5, dspark_noise_token_id=3,
+        dspark_target_layer_ids=[9, 10, 11], dspark_markov_rank=32, dspark_n_routed_experts=4,
+        dspark_num_experts_per_tok=2, image_token_id=4,
+        vision=VisionConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
+                            intermediate_size=128, patch_size=14, downsample_ratio=3, max_image_tokens=64),
+    )
+
+
+def _mini() -> ModelConfig:
+    """Real per-layer widths with few layers and experts: the one-GPU benchmark config."""
+    return ModelConfig(
+        num_hidden_layers=6, n_routed_experts=16,
+        compress_ratios=[0, 2, 2, 1, 1, 1, 0, 0, 0],
+        kv_source_layer_ids=[1, 3], index_source_layer_ids=[1, 3, 4], candidate_source_layer_id=3,
+        engram_layer_ids=[0, 1], engram_num_embeddings=[0, 0], engram_vocab_size=100000,
+        dspark_target_layer_ids=[3, 4, 5], max_position_embeddings=131072,
+        rope_scaling=RopeScaling(),
+    )
+
+
+PRESETS = {"tiny": _tiny, "mini": _mini, "full": ModelConfig}
+
+
+def preset(name: str) -> ModelConfig:
+    """A built-in config. Engram table sizes of tiny/mini are filled in from their primes."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    cfg = PRESETS[name]()
+    if cfg.engram_layer_ids and 0 in cfg.engram_num_embeddings:
+        from .engram import engram_primes
+
+        primes = engram_primes(cfg)
+        cfg = cfg.replace(engram_num_embeddings=[sum(p) for p in primes])
+    return cfg.validate()
+
+
+def rope_ratio_uses_yarn(cfg: ModelConfig, ratio: int) -> bool:
+    return ratio > 0 and cfg.rope_scaling is not None
+
+
+def yarn_inv_freq(cfg: ModelConfig, ratio: int) -> "list[float]":
+    """Inverse frequencies of the interleaved RoPE pairs for a layer of this compress ratio.
+
+    Ratio-0 layers: theta `rope_theta`, no YaRN. Ratio > 0: theta `compress_rope_theta` with
+    the YaRN blend and no magnitude scaling (for the published config: pairs >= 25 divided by
+    16, pairs <= 15 unchanged, a linear ramp between).
+    """
+    dim = cfg.qk_rope_head_dim
+    base = cfg.compress_rope_theta if ratio > 0 else cfg.rope_theta
+    freqs = [1.0 / base ** (2 * i / dim) for i in range(dim // 2)]
+    if not rope_ratio_uses_yarn(cfg, ratio):
+        return freqs
+    rs = cfg.rope_scaling
+    assert rs is not None
+
+    def corr_dim(n_rot: float) -> float:
+        return dim * math.log(rs.original_max_position_embeddings / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(corr_dim(rs.beta_fast)), 0)
+    high = min(math.ceil(corr_dim(rs.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    out = []
+    for i, f in enumerate(freqs):
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+        smooth = 1.0 - ramp
+        out.append(f / rs.factor * (1 - smooth) + f * smooth)
+    return out

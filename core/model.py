@@ -1,0 +1,495 @@
+"""DeepSeek-V4.1-Flash text backbone: CED (causal encoder-decoder) + CSA2 + single-pass mHC +
+Engram + MoE, written once for every backend.
+
+Every device-specific computation goes through `dsv41.backends.ops`; this file holds the model's
+structure and the math that is plain tensor algebra. Weights are held as buffers in their
+checkpoint storage formats (FP8 + E8M0 block scales, packed FP4 experts, FP8 Engram rows), under
+the checkpoint's native names, so `state_dict()` is a checkpoint.
+
+The forward processes one sequence's chunk of consecutive tokens against its `SequenceCache`:
+a whole prompt (prefill), one token (decode), or a replay span after a prefix-cache hit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..backends import ops
+from .cache import SequenceCache
+from .config import ModelConfig, yarn_inv_freq
+from .engram import engram_multipliers, engram_primes, engram_row_ids
+
+BF16 = torch.bfloat16
+
+
+# ---- building blocks --------------------------------------------------------------------------
+
+class Linear(nn.Module):
+    """A linear layer stored as the checkpoint stores it.
+
+    storage: "fp8" (E4M3 weight + E8M0 scale per 32x32 block; activations FP8-quantised per 32),
+    "fp4" (int8 bytes holding two E2M1 values + E8M0 scale per 32 along K), "bf16" or "fp32".
+    """
+
+    def __init__(self, in_features: int, out_features: int, storage: str):
+        super().__init__()
+        self.in_features, self.out_features, self.storage = in_features, out_features, storage
+        n, k = out_features, in_features
+        if storage == "fp8":
+            self.register_buffer("weight", torch.empty(n, k, dtype=torch.float8_e4m3fn))
+            self.register_buffer("scale", torch.empty(-(-n // 32), -(-k // 32), dtype=torch.float8_e8m0fnu))
+        elif storage == "fp4":
+            self.register_buffer("weight", torch.empty(n, k // 2, dtype=torch.int8))
+            self.register_buffer("scale", torch.empty(n, k // 32, dtype=torch.float8_e8m0fnu))
+        else:
+            self.register_buffer("weight", torch.empty(n, k, dtype=BF16 if storage == "bf16" else torch.float32))
+            self.scale = None
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype = BF16) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.scale, out_dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with fp32 math (eps is 1e-20 in the text model: fp32 is required)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("weight", torch.empty(dim, dtype=BF16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, R/2] for absolute positions (angles in fp64: positions reach 1M)."""
+    ang = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(torch.float64)
+    return torch.cos(ang).float(), torch.sin(ang).float()
+
+
+@dataclass
+class ForwardContext:
+    """State shared by the layers of one forward call."""
+
+    cache: SequenceCache
+    topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index-source layer -> [T, K]
+    pool: torch.Tensor | None = None  # hierarchical candidate pool of the decoder's KV source
+    counters: Counter = field(default_factory=Counter)
+
+
+# ---- attention (CSA2) ---------------------------------------------------------------------------
+
+class Compressor(nn.Module):
+    """Full layers: token rows -> compressed latents (ratio 2: softmax pooling of pairs over
+    `wgate` scores in fp32, then RMSNorm; ratio 1: norm(wkv(x)) as a plain bf16 matmul)."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int):
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = Linear(cfg.hidden_size, cfg.head_dim, "bf16")
+        if ratio > 1:
+            self.wgate = Linear(cfg.hidden_size, cfg.head_dim, "bf16")
+        self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+
+class Indexer(nn.Module):
+    """CSA2 indexer: 32 heads x 128 scoring the MXFP4 keys of the latest KV source.
+
+    Full layers own the key path (`wk`, `k_norm`); Reindex layers own only `wq_b` and
+    `weights_proj` and re-score inside the decoder's candidate pool.
+    """
+
+    def __init__(self, cfg: ModelConfig, owns_keys: bool):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, _dense(cfg))
+        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, "bf16")
+        if owns_keys:
+            self.wk = Linear(cfg.head_dim, cfg.index_head_dim, "bf16")
+            self.k_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
+
+    def queries(self, x, qr, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MXFP4 quantise-dequantised RoPE'd queries [T, Hi, Di], head weights [T, Hi])."""
+        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
+        q = ops.mxfp4_act_quant(ops.rope(q, cos, sin))
+        w = self.weights_proj(x, torch.float32) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        return q, w
+
+
+def _dense(cfg: ModelConfig) -> str:
+    return "fp8" if cfg.weight_dtype == "fp8" else "bf16"
+
+
+class Attention(nn.Module):
+    """One query per head over [SWA window entries, selected global entries], one softmax with a
+    sink, K = V = one 512-wide latent; grouped low-rank output projection."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        self.kind = cfg.layer_kind(layer_id)
+        self.ratio = cfg.compress_ratios[layer_id]
+        h, d, dense = cfg.num_attention_heads, cfg.head_dim, _dense(cfg)
+        self.n_heads, self.head_dim = h, d
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, dense)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, h * d, dense)
+        self.wkv = Linear(cfg.hidden_size, d, dense)
+        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.wo_a = Linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, "bf16")
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, dense)
+        self.register_buffer("attn_sink", torch.empty(h, dtype=torch.float32))
+        if self.kind == "full":
+            self.compressor = Compressor(cfg, self.ratio)
+        if self.kind in ("full", "reindex"):
+            self.indexer = Indexer(cfg, owns_keys=self.kind == "full")
+        self.register_buffer("inv_freq", torch.tensor(yarn_inv_freq(cfg, self.ratio)), persistent=False)
+
+    # -- global KV (Full layers) --
+    def update_global(self, x: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext) -> None:
+        """Compress the rows of tokens not yet consumed by this KV source into cache entries:
+        latent -> (indexer key, un-rotated) -> RoPE at position j*ratio -> FP4 -> cache."""
+        g = ctx.cache.glob[self.layer_id]
+        new = pos >= g.tokens
+        if not bool(new.any()):
+            return
+        x, pos = x[new], pos[new]
+        assert int(pos[0]) == g.tokens, "compressor input must continue where it stopped"
+        comp = self.compressor
+        if self.ratio == 1:
+            lat = comp.norm(comp.wkv(x))
+        else:
+            kv, score = comp.wkv(x, torch.float32), comp.wgate(x, torch.float32)
+            if g.carry_kv is not None:
+                kv, score = torch.cat((g.carry_kv, kv)), torch.cat((g.carry_score, score))
+            n_full = kv.shape[0] // self.ratio * self.ratio
+            g.carry_kv = kv[n_full:] if n_full < kv.shape[0] else None
+            g.carry_score = score[n_full:] if n_full < kv.shape[0] else None
+            lat = comp.norm(ops.compress_kv(kv[:n_full], score[:n_full], self.ratio)).to(BF16)
+        g.tokens += x.shape[0]
+        if lat.shape[0] == 0:
+            return
+        entry_pos = (g.n + torch.arange(lat.shape[0], device=x.device)) * self.ratio
+        cos, sin = rope_tables(self.inv_freq, entry_pos)
+        key = ops.rope(self.indexer.k_norm(self.indexer.wk(lat)), cos, sin)
+        kv_codes, kv_scale = ops.fp4_quant(ops.rope(lat, cos, sin))
+        key_codes, key_scale = ops.mxfp4_quant(key)
+        g.append(kv_codes, kv_scale, key_codes, key_scale)
+        ctx.counters[f"compressed_entries.{self.layer_id}"] += lat.shape[0]
+
+    # -- top-k selection --
+    def select(self, x, qr, pos, cos, sin, ctx: ForwardContext) -> torch.Tensor:
+        """Global entries each query attends: own indexer (Full), re-scored pool (Reindex) or the
+        latest index source's choice (Reuse)."""
+        cfg = self.cfg
+        if self.kind == "reuse":
+            return ctx.topk[cfg.index_source_of(self.layer_id)]
+        g = ctx.cache.glob[cfg.kv_source_of(self.layer_id)]
+        n_vis = torch.div(pos + 1, self.ratio, rounding_mode="floor")
+        assert int(n_vis.max()) <= g.n, "a visible entry is missing from the global cache"
+        q, w = self.indexer.queries(x, qr, cos, sin)
+        keys = (g.key_codes[: g.n], g.key_scale[: g.n])
+        if self.kind == "full":
+            is_pool_source = self.layer_id == cfg.candidate_source_layer_id
+            idx, pool = ops.indexer_topk(
+                q, w, *keys, n_vis, cfg.index_topk,
+                pool_blocks=cfg.candidate_topk_blocks if is_pool_source else 0,
+                pool_block_size=cfg.candidate_block_size)
+            if is_pool_source:
+                ctx.pool = pool
+            ctx.counters[f"indexer_scored.{self.layer_id}"] += int(n_vis.sum())
+        else:
+            assert ctx.pool is not None, "Reindex layer without a candidate pool"
+            idx, _ = ops.indexer_topk(q, w, *keys, n_vis, cfg.index_topk, candidates=ctx.pool)
+            ctx.counters[f"indexer_scored.{self.layer_id}"] += int((ctx.pool >= 0).sum())
+        ctx.topk[self.layer_id] = idx
+        return idx
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        cache, t = ctx.cache, x.shape[0]
+        if self.kind == "full":
+            self.update_global(x, pos, ctx)
+        cos, sin = rope_tables(self.inv_freq, pos)
+        qr = self.q_norm(self.wq_a(x))
+        q = ops.rope(self.wq_b(qr).view(t, self.n_heads, self.head_dim), cos, sin)
+        kv8, kv_s = ops.fp8_quant(ops.rope(self.kv_norm(self.wkv(x)), cos, sin))
+
+        # SWA window: ring entries before this chunk + this chunk's own entries.
+        ring, floor = cache.swa[self.layer_id], cache.swa_floor[self.layer_id]
+        old8, old_s, old_pos = ring.window(int(pos[0]), floor)
+        win8, win_s, kpos = torch.cat((old8, kv8)), torch.cat((old_s, kv_s)), torch.cat((old_pos, pos))
+        qp = pos.unsqueeze(1)
+        mask = (kpos <= qp) & (kpos > qp - self.cfg.sliding_window) & (kpos >= floor)
+        ring.write(pos, kv8, kv_s)
+
+        if self.ratio > 0:
+            g = cache.glob[self.cfg.kv_source_of(self.layer_id)]
+            idx = self.select(x, qr, pos, cos, sin, ctx)
+            glob = (g.kv_codes[: g.n], g.kv_scale[: g.n], idx)
+        else:
+            glob = (None, None, None)
+        o = ops.sparse_attention(q, win8, win_s, mask, *glob, self.attn_sink, self.head_dim ** -0.5)
+        o = ops.rope(o, cos, sin, inverse=True)
+        # wo_a: each group of heads (group g = heads g*H/G .. ) maps to o_lora_rank.
+        o = ops.grouped_linear(o.reshape(t, self.cfg.o_groups, -1), self.wo_a.weight)
+        return self.wo_b(o)
+
+
+# ---- MoE --------------------------------------------------------------------------------------
+
+class Expert(nn.Module):
+    """Clamped SwiGLU expert: w2(silu(min(w1 x, 10)) * clamp(w3 x, -10, 10))."""
+
+    def __init__(self, dim: int, inter: int, storage: str):
+        super().__init__()
+        self.w1 = Linear(dim, inter, storage)
+        self.w2 = Linear(inter, dim, storage)
+        self.w3 = Linear(dim, inter, storage)
+
+    def parts(self):
+        return tuple((w.weight, w.scale) for w in (self.w1, self.w2, self.w3))
+
+
+class Gate(nn.Module):
+    """sqrtsoftplus router; `bias` picks experts for text tokens, `bias_vl` for image tokens."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.register_buffer("weight", torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=BF16))
+        self.register_buffer("bias", torch.empty(cfg.n_routed_experts, dtype=torch.float32))
+        if cfg.vision is not None:
+            self.register_buffer("bias_vl", torch.empty(cfg.n_routed_experts, dtype=torch.float32))
+
+
+class MoE(nn.Module):
+    """Top-k routed experts (FP4) plus one shared expert (FP8); outputs summed in fp32."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Gate(cfg)
+        self.experts = nn.ModuleList(
+            Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_dtype) for _ in range(cfg.n_routed_experts)
+        )
+        self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, _dense(cfg))
+
+    def forward(self, x: torch.Tensor, is_image: torch.Tensor | None) -> torch.Tensor:
+        cfg = self.cfg
+        bias = self.gate.bias
+        if is_image is not None and hasattr(self.gate, "bias_vl"):
+            bias = torch.where(is_image.unsqueeze(-1), self.gate.bias_vl, self.gate.bias)
+        w, ids = ops.moe_route(x, self.gate.weight, bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor,
+                               cfg.gate_temp)
+        routed = ops.moe_experts(x, w, ids, [e.parts() for e in self.experts], cfg.swiglu_limit)
+        ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+        zeros = torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)
+        shared = ops.moe_experts(x, ones, zeros, [self.shared_experts.parts()], cfg.swiglu_limit)
+        return (routed + shared).to(BF16)
+
+
+# ---- Engram -----------------------------------------------------------------------------------
+
+class EngramEmbed(nn.Module):
+    def __init__(self, rows: int, dim: int):
+        super().__init__()
+        self.register_buffer("weight", torch.empty(rows, dim, dtype=torch.float8_e4m3fn))
+        self.register_buffer("scale", torch.empty(rows, dim // 32, dtype=torch.float8_e8m0fnu))
+
+
+class Engram(nn.Module):
+    """Hashed n-gram memory added into every mHC stream before its block.
+
+    rows (24 per token) -> FP8 rows dequantised -> concat -> `wkv` -> 4 keys + 1 value; per stream
+    gate = sigmoid(sign(dot) sqrt(max(|dot|, 1e-6))) with dot the RMS-normalised, weighted
+    key . stream product scaled by d^-0.5; stream += gate * value. Gate 0 on image tokens.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, rows: int):
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        n, d = cfg.hc_mult, cfg.hidden_size
+        self.embed = EngramEmbed(rows, cfg.engram_head_dim)
+        self.wkv = Linear(cfg.n_engram_rows_per_token * cfg.engram_head_dim, (n + 1) * d, _dense(cfg))
+        self.register_buffer("q_weight", torch.empty(d, dtype=BF16))
+        self.register_buffer("k_weight", torch.empty(d, dtype=BF16))
+        self.primes = engram_primes(cfg)[cfg.engram_layer_ids.index(layer_id)]
+        self.register_buffer("multipliers", torch.zeros(cfg.engram_max_ngram_size, dtype=torch.long),
+                             persistent=False)
+
+    def set_compressed_vocab(self, n_compressed: int) -> None:
+        m = engram_multipliers(self.cfg, self.layer_id, n_compressed)
+        self.multipliers = torch.from_numpy(m).to(self.multipliers.device)
+
+    def row_ids(self, comp_ids: torch.Tensor, is_image: torch.Tensor, start: int, pad_id: int) -> torch.Tensor:
+        cfg = self.cfg
+        return engram_row_ids(comp_ids, is_image, start, self.multipliers, self.primes, pad_id,
+                              cfg.engram_max_ngram_size, cfg.engram_n_heads)
+
+    def forward(self, x: torch.Tensor, rows: torch.Tensor, is_image: torch.Tensor) -> torch.Tensor:
+        t, n, d = x.shape
+        e = ops.engram_lookup(self.embed.weight, self.embed.scale, rows)
+        kv = self.wkv(e).float()
+        k, v = kv[:, : n * d].reshape(t, n, d), kv[:, n * d:]
+        eps = self.cfg.rms_norm_eps
+        xf = x.float()
+        kn = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps)
+        xn = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        dot = (kn * self.k_weight.float() * xn * self.q_weight.float()).sum(-1) * d ** -0.5
+        gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(1e-6)))
+        gate = gate.masked_fill(is_image.unsqueeze(-1), 0.0)
+        return (xf + gate.unsqueeze(-1) * v.unsqueeze(1)).to(x.dtype)
+
+
+# ---- block and model ----------------------------------------------------------------------------
+
+class Block(nn.Module):
+    """One backbone layer: [Engram] -> attention sublayer -> FFN sublayer, both wrapped in
+    single-pass mHC (the sublayer input uses the PREVIOUS sublayer's `pre`)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, engram_rows: int | None):
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        n, d = cfg.hc_mult, cfg.hidden_size
+        self.attn = Attention(cfg, layer_id)
+        self.ffn = MoE(cfg)
+        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        mix = (2 + n) * n
+        for sub in ("attn", "ffn"):
+            self.register_buffer(f"hc_{sub}_fn", torch.empty(mix, n * d, dtype=torch.float32))
+            self.register_buffer(f"hc_{sub}_base", torch.empty(mix, dtype=torch.float32))
+            self.register_buffer(f"hc_{sub}_scale", torch.empty(3, dtype=torch.float32))
+        self.engram = Engram(cfg, layer_id, engram_rows) if engram_rows is not None else None
+
+    def mixes(self, x: torch.Tensor, sub: str):
+        cfg = self.cfg
+        return ops.mhc_mixes(x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
+                             getattr(self, f"hc_{sub}_base"), cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+
+    def attn_input(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        return self.attn_norm(ops.mhc_collapse(x, pre))
+
+    def forward(self, x, pre, pos, ctx: ForwardContext, is_image, engram_rows):
+        if self.engram is not None:
+            x = self.engram(x, engram_rows, is_image)
+        pre_a, post, comb = self.mixes(x, "attn")
+        x = ops.mhc_update(x, self.attn(self.attn_input(x, pre), pos, ctx), post, comb)
+        pre_f, post, comb = self.mixes(x, "ffn")
+        x = ops.mhc_update(x, self.ffn(self.ffn_norm(ops.mhc_collapse(x, pre_a)), is_image), post, comb)
+        return x, pre_f
+
+
+class Transformer(nn.Module):
+    """Embedding -> 4 mHC streams -> encoder layers -> decoder layers -> collapse, norm, head."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.embed = nn.Module()
+        self.embed.register_buffer("weight", torch.empty(cfg.vocab_size, d, dtype=BF16))
+        rows = dict(zip(cfg.engram_layer_ids, cfg.engram_num_embeddings))
+        self.layers = nn.ModuleList(Block(cfg, i, rows.get(i)) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.head = Linear(d, cfg.vocab_size, "bf16")
+        self.register_buffer("engram_map", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
+        self.engram_pad = 0
+
+    def set_engram_vocab(self, comp_map, n_compressed: int) -> None:
+        """Install the token -> compressed-id map (built from the tokenizer) used by Engram."""
+        self.engram_map = torch.as_tensor(comp_map, dtype=torch.long, device=self.engram_map.device)
+        self.engram_pad = int(self.engram_map[self.cfg.engram_pad_token_id])
+        for blk in self.layers:
+            if blk.engram is not None:
+                blk.engram.set_compressed_vocab(n_compressed)
+
+    def image_mask(self, ids: torch.Tensor) -> torch.Tensor:
+        tok = self.cfg.image_token_id
+        if tok is None or self.cfg.vision is None:
+            return torch.zeros_like(ids, dtype=torch.bool)
+        return ids == tok
+
+    def check_ids(self, ids: torch.Tensor, start: int) -> None:
+        cfg = self.cfg
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise ValueError(f"expected a non-empty 1-D tensor of token ids, got shape {tuple(ids.shape)}")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= cfg.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
+        if start + ids.numel() > cfg.max_position_embeddings:
+            raise ValueError(
+                f"sequence of {start + ids.numel()} tokens exceeds max_position_embeddings ({cfg.max_position_embeddings})"
+            )
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, cache: SequenceCache, *, decoder_from: int = 0,
+                all_logits: bool = False, ctx: ForwardContext | None = None) -> torch.Tensor:
+        """Run the chunk `ids` (positions cache.length ...) and return fp32 logits of the last
+        position ([V]) or, with `all_logits`, of every position the decoder processed.
+
+        decoder_from > 0 is CED prefill: the encoder runs over the whole chunk, the decoder's
+        KV source compresses every row of the encoder output, and the decoder runs only from
+        chunk index `decoder_from` on (its SWA window truncated there)."""
+        cfg = self.cfg
+        start = cache.length
+        self.check_ids(ids, start)
+        ctx = ctx or ForwardContext(cache)
+        t = ids.shape[0]
+        pos = torch.arange(start, start + t, device=ids.device)
+        is_image = self.image_mask(ids)
+        cache.tokens.extend(ids.tolist())
+        cache.is_image.extend(is_image.tolist())
+        rows = self._engram_rows(cache, start)
+
+        x = self.embed.weight[ids].unsqueeze(1).expand(t, cfg.hc_mult, cfg.hidden_size).contiguous()
+        pre = torch.zeros(t, cfg.hc_mult, dtype=torch.float32, device=ids.device)
+        pre[:, 0] = 1.0  # the first sublayer collapses with one-hot [1, 0, 0, 0]
+        ctx.counters["encoder_tokens"] += t
+        for layer in self.layers[: cfg.decoder_start]:
+            x, pre = layer(x, pre, pos, ctx, is_image, rows.get(layer.layer_id))
+        if decoder_from > 0:
+            src = self.layers[cfg.decoder_start]
+            src.attn.update_global(src.attn_input(x, pre), pos, ctx)
+            x, pre, pos, is_image = x[decoder_from:], pre[decoder_from:], pos[decoder_from:], is_image[decoder_from:]
+            rows = {k: v[decoder_from:] for k, v in rows.items()}
+            for i in range(cfg.decoder_start, cfg.num_hidden_layers):
+                cache.swa_floor[i] = max(cache.swa_floor[i], int(pos[0]))
+        ctx.counters["decoder_tokens"] += x.shape[0]
+        for layer in self.layers[cfg.decoder_start:]:
+            x, pre = layer(x, pre, pos, ctx, is_image, rows.get(layer.layer_id))
+        cache.length = start + t
+        if not all_logits:
+            x, pre = x[-1:], pre[-1:]
+        h = self.norm(ops.mhc_collapse(x, pre))
+        logits = self.head(h, torch.float32)
+        return logits if all_logits else logits[0]
+
+    def _engram_rows(self, cache: SequenceCache, start: int) -> dict[int, torch.Tensor]:
+        out = {}
+        if not self.cfg.engram_layer_ids:
+            return out
+        dev = self.engram_map.device
+        toks = torch.tensor(cache.tokens, dtype=torch.long, device=dev)
+        img = torch.tensor(cache.is_image, dtype=torch.bool, device=dev)
+        comp = self.engram_map[toks]
+        for blk in self.layers:
+            if blk.engram is not None:
+                out[blk.layer_id] = blk.engram.row_ids(comp, img, start, self.engram_pad)
+        return out
+
+
+def count_params(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter counts by checkpoint name, without allocating (meta device)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return {k: v.numel() for k, v in model.state_dict().items()}
+
+
+_ = math  # noqa

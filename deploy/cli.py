@@ -1,0 +1,210 @@
+"""`dsv41` command line: `run` (reference engine), `info` (sizes without weights), `backends`.
+
+Every user error (bad config, bad prompt, missing device, bad option) ends in one line on
+stderr, `dsv41: error: ...`, and exit status 2; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog."
+
+
+class UserError(Exception):
+    """An error caused by the user's input: printed as one line, exit status 2."""
+
+
+def _add_model_args(p: argparse.ArgumentParser, with_ckpt: bool) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--preset", choices=["tiny", "mini", "full"], help="built-in config (default: tiny)")
+    g.add_argument("--config", metavar="FILE", help="a nested Hugging Face or flat inference config.json")
+    if with_ckpt:
+        g.add_argument("--ckpt", metavar="DIR", help="checkpoint directory (config.json + *.safetensors)")
+
+
+def _resolve_config(args):
+    from ..core.config import load_config, preset
+
+    if getattr(args, "ckpt", None):
+        return load_config(args.ckpt)
+    if args.config:
+        return load_config(args.config)
+    return preset(args.preset or "tiny")
+
+
+def _device(name: str):
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available on this machine")
+    if name == "npu":
+        from ..backends.platform import npu_unavailable_reason
+
+        why = npu_unavailable_reason()
+        if why:
+            raise UserError(f"--device npu: {why}")
+    return torch.device(name)
+
+
+def _tokenizer_for(args, cfg):
+    from ..core.tokenizer import build_tiny_tokenizer, load_tokenizer
+
+    if getattr(args, "ckpt", None) and (Path(args.ckpt) / "tokenizer.json").exists():
+        return load_tokenizer(args.ckpt)
+    if not getattr(args, "ckpt", None) and not args.config and (args.preset or "tiny") == "tiny":
+        return build_tiny_tokenizer()
+    return None
+
+
+def _prompt_ids(args, tok, cfg) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise UserError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+        if not ids:
+            raise UserError("--prompt-ids is empty")
+        bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+        if bad:
+            raise UserError(f"--prompt-ids: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+        return ids
+    if tok is None:
+        raise UserError("this model has no tokenizer (use a checkpoint with tokenizer.json, or --prompt-ids)")
+    text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    ids = [cfg.bos_token_id] + tok.encode(text).ids
+    return ids
+
+
+def _load_weights(args, cfg, device):
+    """Random seeded weights, or every tensor of the checkpoint's *.safetensors (never pickle)."""
+    from ..core.weights import build_model
+
+    if not getattr(args, "ckpt", None):
+        return build_model(cfg, seed=args.seed, device=device)
+    from safetensors import safe_open
+
+    files = sorted(Path(args.ckpt).glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{args.ckpt}: no *.safetensors files in the checkpoint directory")
+    sd = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            for k in fh.keys():
+                sd[k] = fh.get_tensor(k)
+    return build_model(cfg, device=device, state_dict=sd)
+
+
+def cmd_run(args) -> int:
+    import torch
+
+    from ..core.engine import Engine, SamplingParams
+    from ..core.engram import build_compression_map
+
+    cfg = _resolve_config(args)
+    device = _device(args.device)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    tok = _tokenizer_for(args, cfg)
+    prompt = _prompt_ids(args, tok, cfg)
+    model = _load_weights(args, cfg, device)
+    if tok is not None and cfg.engram_layer_ids:
+        comp, n_comp = build_compression_map(tok, vocab_size=cfg.vocab_size, pad_token_id=cfg.engram_pad_token_id)
+        model.set_engram_vocab(comp, n_comp)
+    engine = Engine(model, prefill_mode=args.prefill_mode)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed,
+                            stop_token_ids=() if args.ignore_eos else (cfg.eos_token_id,))
+    try:
+        params.validate()
+        res = engine.generate(prompt, params)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    text = tok.decode(res.token_ids, skip_special_tokens=False) if tok is not None else None
+    out = {
+        "prompt_ids": prompt,
+        "token_ids": res.token_ids,
+        "text": text,
+        "finish_reason": res.finish_reason,
+        "prompt_tokens": res.prompt_tokens,
+        "prefill_tokens_per_s": round(res.prefill_tokens_per_s, 2),
+        "decode_tokens_per_s": round(res.decode_tokens_per_s, 2),
+        "prefill_mode": args.prefill_mode,
+        "device": str(device),
+    }
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"prompt ({len(prompt)} tokens): {prompt}")
+        print(f"generated ids: {res.token_ids}")
+        if text is not None:
+            print(f"generated text: {text!r}")
+        print(f"finish: {res.finish_reason}")
+        print(f"prefill: {out['prefill_tokens_per_s']} tokens/s ({args.prefill_mode}); "
+              f"decode: {out['decode_tokens_per_s']} tokens/s")
+    return 0
+
+
+def cmd_info(args) -> int:
+    from ..core.info import format_info, model_info
+
+    cfg = _resolve_config(args)
+    info = model_info(cfg)
+    print(json.dumps(info) if args.json else format_info(info))
+    return 0
+
+
+def cmd_backends(args) -> int:
+    from ..backends.report import backend_report
+
+    print(backend_report(as_json=args.json))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash deployment stack")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="generate with the reference engine (random weights unless --ckpt)")
+    _add_model_args(r, with_ckpt=True)
+    pr = r.add_mutually_exclusive_group()
+    pr.add_argument("--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
+    pr.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 5,17,42")
+    r.add_argument("--max-new-tokens", type=int, default=16)
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--top-k", type=int, default=0)
+    r.add_argument("--seed", type=int, default=0, help="seeds the random weights and the sampler")
+    r.add_argument("--device", choices=["cpu", "cuda", "npu"], default="cpu")
+    r.add_argument("--prefill-mode", choices=["ced", "exact"], default="ced")
+    r.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.set_defaults(func=cmd_run)
+
+    i = sub.add_parser("info", help="parameter counts and cache sizes, without allocating weights")
+    _add_model_args(i, with_ckpt=False)
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_info)
+
+    b = sub.add_parser("backends", help="which backend each op resolves to on this machine, and why")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_backends)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..core.config import ConfigError
+    from ..core.weights import WeightError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (UserError, ConfigError, WeightError) as e:
+        print(f"dsv41: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
