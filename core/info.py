@@ -63,9 +63,12 @@ Counting rules
   indexer key path `attn.indexer.{wk, k_norm}`; plus one embedding row. No head and no decoder
   layers: the decoder runs only over the last window (amortised to ~0 per token).
 
-Published config (`ModelConfig()`): kv 890 B/token; backbone 552.06B, engram 196.61B,
-dspark 14.17B, vision 0.48B, total 763.32B; activated prefill 7.83B, decode 15.84B (the spec
-quotes "about 552B, 196B, 8B, 16B").
+Published config (`ModelConfig()`): kv 890 B/token; backbone 551,880,773,744 (551.88B; equal to
+the logical count of a meta-device `Transformer` state dict), engram 196,613,849,600 (196.61B),
+dspark 14.23B, vision 0.49B, total 763.21B; activated prefill 7.90B, decode 16.13B. The spec
+quotes "about 552B, 196B, 8B, 16B": all within 1%. Decode is 40 x ~0.39B per layer (attention
+~0.13B + 7 experts x 35.4M) + head 0.66B + Engram 0.31B; prefill is the first 20 of those
+layers (both Engram layers are encoder layers) + ~2.7M for layer 20's compressor / key path.
 """
 
 from __future__ import annotations
@@ -174,8 +177,7 @@ def _dspark_params(cfg: ModelConfig) -> int:
     total = 0
     for k in range(n):
         # stage k uses compress_ratios[L + k] (0: SWA only); same Block as a backbone layer
-        stage_cfg = cfg.replace(num_experts_per_tok=cfg.dspark_num_experts_per_tok)
-        total += _block_count(stage_cfg, cfg.num_hidden_layers + k, False, cfg.dspark_n_routed_experts).total
+        total += _block_count(cfg, cfg.num_hidden_layers + k, False, cfg.dspark_n_routed_experts).total
     with torch.device("meta"):
         extra = nn.ModuleDict({
             "main_proj": Linear(len(cfg.dspark_target_layer_ids) * d, d, "bf16"),
@@ -241,8 +243,9 @@ def model_info(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def _count(n: int | float) -> str:
-    """Billions with 2 decimals for big numbers, plain counts (thousands separated) otherwise."""
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{int(n):,}"
+    """Billions with 2 decimals for big numbers (>= 1e8), plain counts (thousands separated)
+    otherwise."""
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{int(n):,}"
 
 
 def _bytes(n: int | float) -> str:

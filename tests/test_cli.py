@@ -1,0 +1,78 @@
+"""The `dsv41` command line, run as a user would (a subprocess through the console script's
+module), including its one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dsv41.core.config import ModelConfig
+
+
+def dsv41(*args, check=True):
+    p = subprocess.run([sys.executable, "-m", "dsv41.deploy.cli", *args], capture_output=True, text=True,
+                       timeout=300)
+    if check:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+def test_run_tiny_json():
+    out = json.loads(dsv41("run", "--preset", "tiny", "--prompt-ids", "5,17,42", "--max-new-tokens", "4",
+                           "--ignore-eos", "--json").stdout)
+    for key in ("token_ids", "text", "prefill_tokens_per_s", "decode_tokens_per_s"):
+        assert key in out
+    assert len(out["token_ids"]) == 4 and all(0 <= t < 512 for t in out["token_ids"])
+    assert out["prefill_tokens_per_s"] > 0 and out["decode_tokens_per_s"] > 0
+
+
+def test_run_text_prompt_prints_rates():
+    p = dsv41("run", "--prompt", "Hello there", "--max-new-tokens", "3", "--ignore-eos")
+    assert "generated ids" in p.stdout and "tokens/s" in p.stdout
+
+
+def test_info_published_config(tmp_path):
+    cfg_file = tmp_path / "config.json"
+    cfg_file.write_text(json.dumps(ModelConfig().to_hf_dict()))
+    info = json.loads(dsv41("info", "--config", str(cfg_file), "--json").stdout)
+    assert info["kv_bytes_per_token"] == 890
+    params = info["params"]
+    for k in ("backbone", "engram", "dspark", "vision", "activated_prefill", "activated_decode"):
+        assert k in params
+    assert 540e9 < params["backbone"] < 560e9 and 190e9 < params["engram"] < 200e9
+    assert "swa_bytes_per_sequence" in info
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--prompt-ids", "5,100000"], "outside the vocabulary"),
+    (["run", "--prompt-ids", "a,b"], "comma-separated integers"),
+    (["run", "--ckpt", "."], "no config.json"),
+    (["run", "--device", "cuda"], "no CUDA device"),
+    (["run", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["run", "--prompt-ids", "5", "--max-new-tokens", "5000"], "max_position_embeddings"),
+    (["info", "--config", "missing.json"], "no such config file"),
+])
+def test_errors_are_one_clear_line(args, message, tmp_path):
+    if "--ckpt" in args:
+        args = ["run", "--ckpt", str(tmp_path)]
+    p = dsv41(*args, check=False)
+    assert p.returncode == 2
+    assert message in p.stderr and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_bad_config_lists_the_problem(tmp_path):
+    d = ModelConfig().to_hf_dict()
+    d["text_config"]["compress_ratios"] = [0, 2]
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps(d))
+    p = dsv41("info", "--config", str(f), check=False)
+    assert p.returncode == 2 and "compress_ratios has 2 entries" in p.stderr
+
+
+def test_backends_lists_every_op():
+    p = dsv41("backends")
+    assert "reference: available" in p.stdout
+    for op in ("sparse_attention", "indexer_topk", "mhc_mixes", "engram_lookup", "moe_route"):
+        assert op in p.stdout

@@ -1,0 +1,183 @@
+"""Model-level invariants of the reference backbone on the tiny preset (window 8, top-k 8,
+candidate pool 3 blocks x 4): incremental decode vs exact prefill, chunked prefill, CED, CSA2
+sharing, single-pass mHC and Engram gating."""
+
+import pytest
+import torch
+from _util import rand_prompt
+
+from dsv41.backends import ops
+from dsv41.core.cache import SequenceCache
+from dsv41.core.model import ForwardContext
+
+# The reference accumulates every contraction in fp64 (backends/reference/basic.py: mm), so a
+# one-token decode step computes the same bits as the same row of a prefill. Without that,
+# one-ulp differences between gemv and gemm flip MXFP4 roundings and top-k choices, and the
+# logits then differ by O(1). The bound below allows fp32 rounding noise only.
+EXACT_REL = 1e-5
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def prefill_all(model, ids, max_tokens=None):
+    cache = SequenceCache.allocate(model.cfg, max_tokens or len(ids))
+    ctx = ForwardContext(cache)
+    return model(ids, cache, all_logits=True, ctx=ctx), cache, ctx
+
+
+def test_decode_matches_exact_prefill(tiny_model, tiny_cfg, rng):
+    n = 60  # wraps the 8-slot SWA ring 7 times, fills 30 ratio-2 groups, exceeds top-k and the pool
+    assert n > 4 * tiny_cfg.sliding_window and n // 2 > tiny_cfg.index_topk
+    assert n > tiny_cfg.candidate_topk_blocks * tiny_cfg.candidate_block_size
+    ids = rand_prompt(tiny_cfg, n, rng)
+    ref, _, _ = prefill_all(tiny_model, ids)
+    cache = SequenceCache.allocate(tiny_cfg, n)
+    errs = [rel_err(tiny_model(ids[i:i + 1], cache), ref[i]) for i in range(n)]
+    assert max(errs) <= EXACT_REL, f"decode step logits differ from exact prefill: {max(errs):.3g}"
+
+
+def test_chunked_prefill_matches_one_pass(tiny_model, tiny_cfg, rng):
+    ids = rand_prompt(tiny_cfg, 45, rng)
+    ref, _, _ = prefill_all(tiny_model, ids)
+    cache = SequenceCache.allocate(tiny_cfg, 45)
+    cuts = sorted(torch.randperm(43, generator=rng)[:4].add(1).tolist()) + [45]
+    start, outs = 0, []
+    for c in cuts:  # odd cut points split ratio-2 groups: the carried partial group must work
+        outs.append(tiny_model(ids[start:c], cache, all_logits=True))
+        start = c
+    assert rel_err(torch.cat(outs), ref) <= EXACT_REL
+
+
+def test_ced_decoder_global_kv_is_layer_source_projection_of_encoder(tiny_model, tiny_cfg, rng):
+    cfg, n = tiny_cfg, 40
+    ids = rand_prompt(cfg, n, rng)
+    src = cfg.decoder_start
+    # CED: decoder over the last window only; its global KV must still cover every token
+    ced = SequenceCache.allocate(cfg, n)
+    tiny_model(ids, ced, decoder_from=n - cfg.sliding_window)
+    _, exact, _ = prefill_all(tiny_model, ids)
+    g_ced, g_exact = ced.glob[src], exact.glob[src]
+    assert g_ced.n == g_exact.n == n
+    assert torch.equal(g_ced.kv_codes[:n], g_exact.kv_codes[:n])
+    assert torch.equal(g_ced.kv_scale[:n].view(torch.uint8), g_exact.kv_scale[:n].view(torch.uint8))
+    # ... and equal layer `src`'s compressor applied to the encoder's output, computed by hand
+    scratch = SequenceCache.allocate(cfg, n)
+    ctx = ForwardContext(scratch)
+    x = tiny_model.embed.weight[ids].unsqueeze(1).expand(n, cfg.hc_mult, cfg.hidden_size).contiguous()
+    pre = torch.zeros(n, cfg.hc_mult)
+    pre[:, 0] = 1
+    scratch.tokens.extend(ids.tolist())
+    scratch.is_image.extend([False] * n)
+    rows = tiny_model._engram_rows(scratch, 0)
+    pos = torch.arange(n)
+    for layer in tiny_model.layers[:src]:
+        x, pre = layer(x, pre, pos, ctx, torch.zeros(n, dtype=torch.bool), rows.get(layer.layer_id))
+    blk = tiny_model.layers[src]
+    lat = blk.attn.compressor.norm(blk.attn.compressor.wkv(blk.attn_input(x, pre)))
+    from dsv41.core.model import rope_tables
+
+    cos, sin = rope_tables(blk.attn.inv_freq, pos)
+    codes, _ = ops.fp4_quant(ops.rope(lat, cos, sin))
+    assert torch.equal(codes, g_ced.kv_codes[:n])
+
+
+def test_ced_equals_exact_while_prompt_fits_window(tiny_model, tiny_cfg, rng):
+    n = tiny_cfg.sliding_window
+    ids = rand_prompt(tiny_cfg, n, rng)
+    ref, _, _ = prefill_all(tiny_model, ids)
+    cache = SequenceCache.allocate(tiny_cfg, n)
+    out = tiny_model(ids, cache, decoder_from=max(0, n - tiny_cfg.sliding_window))
+    assert rel_err(out, ref[-1]) == 0.0
+
+
+def test_ced_vs_exact_difference_is_reported(tiny_model, tiny_cfg, rng):
+    """CED differs from exact prefill only through the decoder's bounded replay; measure it."""
+    errs = []
+    for n in (16, 32, 64):
+        ids = rand_prompt(tiny_cfg, n, rng)
+        ref, _, _ = prefill_all(tiny_model, ids)
+        cache = SequenceCache.allocate(tiny_cfg, n)
+        errs.append(rel_err(tiny_model(ids, cache, decoder_from=n - tiny_cfg.sliding_window), ref[-1]))
+    print(f"\n[dsv41] CED vs exact prefill, last-position logits rel. error (n=16,32,64): "
+          + ", ".join(f"{e:.3g}" for e in errs))
+    assert all(e > 0 for e in errs), "CED over a prompt longer than the window should be approximate"
+    assert all(e < 2.0 for e in errs)
+
+
+def test_reuse_layers_run_no_indexer_and_reindex_scores_only_the_pool(tiny_model, tiny_cfg, rng):
+    cfg, n = tiny_cfg, 48
+    ids = rand_prompt(cfg, n, rng)
+    _, _, ctx = prefill_all(tiny_model, ids)
+    scored = {int(k.split(".")[1]): v for k, v in ctx.counters.items() if k.startswith("indexer_scored.")}
+    kinds = {i: cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)}
+    assert set(scored) == {i for i, k in kinds.items() if k in ("full", "reindex")}
+    src = cfg.decoder_start
+    for layer, count in scored.items():
+        ratio = cfg.compress_ratios[layer]
+        visible = sum((p + 1) // ratio for p in range(n))
+        if kinds[layer] == "full":
+            assert count == visible
+        else:  # Reindex: only the pool's positions (all older chosen blocks full, newest partial)
+            nb, b = cfg.candidate_topk_blocks, cfg.candidate_block_size
+            pool = [p + 1 if -(-(p + 1) // b) <= nb else (nb - 1) * b + p % b + 1 for p in range(n)]
+            assert cfg.compress_ratios[src] == 1 and count == sum(pool)
+            assert count < visible
+
+
+def test_single_pass_mhc_uses_previous_sublayer_pre(tiny_model, tiny_cfg, rng):
+    """Recompute one block by hand: attention input from the PREVIOUS pre, FFN input from this
+    block's attention mixes, and compare with the block's output."""
+    cfg = tiny_cfg
+    blk = tiny_model.layers[0]
+    t = 6
+    x = torch.randn(t, cfg.hc_mult, cfg.hidden_size, generator=rng).to(torch.bfloat16)
+    pre_prev = torch.rand(t, cfg.hc_mult, generator=rng) + 0.1
+    cache = SequenceCache.allocate(cfg, t)
+    ctx = ForwardContext(cache)
+    pos = torch.arange(t)
+    no_img = torch.zeros(t, dtype=torch.bool)
+    out, pre_out = blk(x, pre_prev, pos, ctx, no_img, None)
+
+    cache2 = SequenceCache.allocate(cfg, t)
+    ctx2 = ForwardContext(cache2)
+    pre_a, post_a, comb_a = blk.mixes(x, "attn")
+    y = blk.attn(blk.attn_norm(ops.mhc_collapse(x, pre_prev)), pos, ctx2)
+    x1 = ops.mhc_update(x, y, post_a, comb_a)
+    pre_f, post_f, comb_f = blk.mixes(x1, "ffn")
+    x2 = ops.mhc_update(x1, blk.ffn(blk.ffn_norm(ops.mhc_collapse(x1, pre_a)), no_img), post_f, comb_f)
+    assert torch.equal(out, x2) and torch.equal(pre_out, pre_f)
+    # and using this block's own attention pre for the attention input would differ
+    y_wrong = blk.attn(blk.attn_norm(ops.mhc_collapse(x, pre_a)), pos, ForwardContext(SequenceCache.allocate(cfg, t)))
+    assert not torch.equal(y_wrong, y)
+
+
+def test_engram_gate_is_zero_on_image_tokens(tiny_model, tiny_cfg, rng):
+    cfg = tiny_cfg
+    layer = cfg.engram_layer_ids[0]
+    eng = tiny_model.layers[layer].engram
+    t = 10
+    x = torch.randn(t, cfg.hc_mult, cfg.hidden_size, generator=rng).to(torch.bfloat16)
+    ids = rand_prompt(cfg, t, rng)
+    ids[3] = ids[7] = cfg.image_token_id
+    img = tiny_model.image_mask(ids)
+    comp = tiny_model.engram_map[ids]
+    rows = eng.row_ids(comp, img, 0, tiny_model.engram_pad)
+    out = eng(x, rows, img)
+    assert torch.equal(out[img], x[img])
+    assert not torch.equal(out[~img], x[~img])
+
+
+def test_bad_token_ids_and_overlong_sequences(tiny_model, tiny_cfg):
+    cache = SequenceCache.allocate(tiny_cfg, 8)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tiny_model(torch.tensor([1, tiny_cfg.vocab_size]), cache)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tiny_model(torch.tensor([-1]), cache)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        SequenceCache.allocate(tiny_cfg, tiny_cfg.max_position_embeddings + 1)
+    big = SequenceCache.allocate(tiny_cfg, 4)
+    big.length = tiny_cfg.max_position_embeddings - 1
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        tiny_model(torch.tensor([5, 6]), big)
