@@ -1,0 +1,543 @@
+"""Reference ops against independent oracles written from MODEL.md section 3 (plain Python /
+float64 loops), plus the backend registry's dispatch rules.
+
+The format ops (fp8/fp4/mxfp4 quantise-dequantise) are trusted here: tests/test_formats.py
+checks them bit-exactly. Everything else is recomputed from the spec text.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsv41.backends import ops, registry
+from dsv41.backends.reference import quant
+from dsv41.backends.reference import attention as ref_attention
+
+
+@pytest.fixture(autouse=True)
+def _no_forced_backend(monkeypatch):
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    registry.reset_warnings()
+    yield
+    registry.reset_warnings()
+
+
+def _sigmoid(v: float) -> float:
+    return 1.0 / (1.0 + math.exp(-v))
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+# ---- mHC -------------------------------------------------------------------------------------
+
+def test_sinkhorn_doubly_stochastic():
+    logits = torch.randn(64, 4, 4) * 2
+    c = ops.sinkhorn(logits, 20, 1e-6)
+    assert c.dtype == torch.float32 and c.shape == (64, 4, 4)
+    assert (c > 0).all()
+    torch.testing.assert_close(c.sum(-1), torch.ones(64, 4), rtol=0, atol=1e-5)
+    torch.testing.assert_close(c.sum(-2), torch.ones(64, 4), rtol=0, atol=1e-5)
+
+
+def _oracle_mixes(x, fn, scale, base, norm_eps, hc_eps, iters):
+    """Loop-based reading of the spec (float64): m = (fn . X_flat) * rsqrt(mean(X_flat^2) + eps);
+    pre = sigmoid(scale0 m[0:n] + base) + hc_eps; post = 2 sigmoid(scale1 m[n:2n] + base);
+    comb[i][j] = scale2 m[2n + n i + j] + base; softmax over j + hc_eps; one column
+    normalisation; then iters - 1 rounds of row-then-column normalisation, each by (sum + hc_eps)."""
+    t_, n, d = x.shape
+    xs = x.double().tolist()
+    fns = fn.double().tolist()
+    sc = scale.double().tolist()
+    bs = base.double().tolist()
+    pres, posts, combs = [], [], []
+    for t in range(t_):
+        flat = [v for stream in xs[t] for v in stream]
+        r = 1.0 / math.sqrt(sum(v * v for v in flat) / len(flat) + norm_eps)
+        m = [sum(a * b for a, b in zip(row, flat)) * r for row in fns]
+        pre = [_sigmoid(sc[0] * m[i] + bs[i]) + hc_eps for i in range(n)]
+        post = [2 * _sigmoid(sc[1] * m[n + i] + bs[n + i]) for i in range(n)]
+        c = [[sc[2] * m[2 * n + n * i + j] + bs[2 * n + n * i + j] for j in range(n)] for i in range(n)]
+        for i in range(n):
+            mx = max(c[i])
+            e = [math.exp(v - mx) for v in c[i]]
+            s = sum(e)
+            c[i] = [v / s + hc_eps for v in e]
+
+        def colnorm(c):
+            sums = [sum(c[i][j] for i in range(n)) for j in range(n)]
+            return [[c[i][j] / (sums[j] + hc_eps) for j in range(n)] for i in range(n)]
+
+        c = colnorm(c)
+        for _ in range(iters - 1):
+            c = [[v / (sum(row) + hc_eps) for v in row] for row in c]
+            c = colnorm(c)
+        pres.append(pre)
+        posts.append(post)
+        combs.append(c)
+    return torch.tensor(pres), torch.tensor(posts), torch.tensor(combs)
+
+
+def test_mhc_mixes_matches_oracle():
+    t, n, d = 5, 4, 64
+    x = torch.randn(t, n, d).to(torch.bfloat16)
+    fn = torch.randn(6 * n, n * d) * 0.05
+    scale = torch.rand(3) + 0.5
+    base = torch.randn(6 * n) * 0.5
+    pre, post, comb = ops.mhc_mixes(x, fn, scale, base, 1e-20, 1e-6, 20)
+    opre, opost, ocomb = _oracle_mixes(x, fn, scale, base, 1e-20, 1e-6, 20)
+    assert pre.shape == (t, n) and post.shape == (t, n) and comb.shape == (t, n, n)
+    torch.testing.assert_close(pre.double(), opre, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(post.double(), opost, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(comb.double(), ocomb, rtol=1e-4, atol=1e-6)
+    # comb is non-trivial (not uniform) and pre carries hc_eps above sigmoid's range floor
+    assert comb.std() > 0.01
+    assert (pre > 1e-6).all() and (post < 2).all()
+
+
+def test_mhc_update_uses_comb_transposed():
+    t, n, d = 3, 4, 32
+    x = torch.randn(t, n, d)
+    y = torch.randn(t, d)
+    post = torch.rand(t, n) * 2
+    comb = torch.rand(t, n, n)
+    assert (comb - comb.transpose(1, 2)).abs().max() > 0.1  # clearly non-symmetric
+    out = ops.mhc_update(x, y, post, comb)
+    expect = torch.zeros(t, n, d, dtype=torch.float64)
+    for tt in range(t):
+        for j in range(n):
+            acc = post[tt, j].double() * y[tt].double()
+            for i in range(n):
+                acc = acc + comb[tt, i, j].double() * x[tt, i].double()
+            expect[tt, j] = acc
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expect, rtol=1e-5, atol=1e-5)
+    # the "comb @ X" reading would be different
+    wrong = post.unsqueeze(-1) * y.unsqueeze(1) + torch.einsum("tij,tjd->tid", comb, x)
+    assert (wrong - out).abs().max() > 1e-2
+    # bf16 streams: bf16 out, same values to bf16 precision (2^-8 relative)
+    outb = ops.mhc_update(x.bfloat16(), y.bfloat16(), post, comb)
+    assert outb.dtype == torch.bfloat16
+    expb = torch.zeros_like(expect)
+    for j in range(n):
+        expb[:, j] = post[:, j, None].double() * y.bfloat16().double() + sum(
+            comb[:, i, j, None].double() * x[:, i].bfloat16().double() for i in range(n))
+    assert (outb.double() - expb).abs().max() <= 2.0**-8 * expb.abs().max()
+
+
+def test_mhc_collapse():
+    x = torch.randn(4, 4, 32)
+    pre = torch.rand(4, 4)
+    out = ops.mhc_collapse(x, pre)
+    expect = sum(pre[:, i, None].double() * x[:, i].double() for i in range(4))
+    torch.testing.assert_close(out.double(), expect, rtol=1e-5, atol=1e-6)
+
+
+# ---- MoE -------------------------------------------------------------------------------------
+
+def _oracle_route(x, w, bias, topk, scale, temp):
+    logits = (x.double() @ w.double().t()) / temp
+    scores = torch.sqrt(F.softplus(logits))
+    bias = bias.double().expand_as(scores)
+    out = []
+    for t in range(x.shape[0]):
+        choice = (scores[t] + bias[t]).tolist()
+        ids = sorted(range(len(choice)), key=lambda e: (-choice[e], e))[:topk]
+        raw = [scores[t, e].item() for e in ids]
+        tot = sum(raw) + 1e-20
+        out.append({e: r / tot * scale for e, r in zip(ids, raw)})
+    return out
+
+
+@pytest.mark.parametrize("per_token_bias", [False, True])
+def test_moe_route_matches_dense(per_token_bias):
+    t, d, e, k = 12, 64, 16, 4
+    x = torch.randn(t, d).bfloat16()
+    w = torch.randn(e, d).bfloat16() * 0.2
+    bias = torch.randn(t, e) * 0.3 if per_token_bias else torch.randn(e) * 0.3
+    wts, ids = ops.moe_route(x, w, bias, k, 1.5, gate_temp=0.7)
+    assert wts.shape == (t, k) and ids.shape == (t, k) and wts.dtype == torch.float32
+    expect = _oracle_route(x, w, bias, k, 1.5, 0.7)
+    for tt in range(t):
+        got = dict(zip(ids[tt].tolist(), wts[tt].tolist()))
+        assert set(got) == set(expect[tt])
+        for eid, v in expect[tt].items():
+            assert got[eid] == pytest.approx(v, rel=1e-5)
+        assert sum(got.values()) == pytest.approx(1.5, rel=1e-5)
+
+
+def test_moe_route_bias_only_chooses_and_ties():
+    d, e = 32, 8
+    x = torch.randn(3, d)
+    w = torch.zeros(e, d)  # every score = sqrt(softplus(0)) = sqrt(ln 2): all tied
+    wts, ids = ops.moe_route(x, w, torch.zeros(e), 3, 1.5)
+    assert ids.tolist() == [[0, 1, 2]] * 3  # ties to the lower expert id
+    torch.testing.assert_close(wts, torch.full((3, 3), 0.5))
+    # a large bias on expert 7 makes it chosen, but its weight is still its raw score share
+    w = torch.randn(e, d)
+    bias = torch.zeros(e)
+    bias[7] = 100.0
+    wts, ids = ops.moe_route(x, w, bias, 2, 1.0)
+    scores = torch.sqrt(F.softplus(x.double() @ w.double().t()))
+    for tt in range(3):
+        assert 7 in ids[tt].tolist()
+        other = max((s, i) for i, s in enumerate(scores[tt, :7].tolist()))[1]
+        assert sorted(ids[tt].tolist()) == sorted([7, other])
+        got = dict(zip(ids[tt].tolist(), wts[tt].tolist()))
+        denom = scores[tt, 7] + scores[tt, other]
+        assert got[7] == pytest.approx((scores[tt, 7] / denom).item(), rel=1e-5)
+
+
+def _dense_experts(x, weights, ids, experts, limit, quantised=False):
+    """Every expert on every token, masked by a one-hot routing matrix (float64)."""
+    t, d = x.shape
+    e_n = len(experts)
+    mask = torch.zeros(t, e_n, dtype=torch.float64)
+    for tt in range(t):
+        for kk in range(ids.shape[1]):
+            mask[tt, ids[tt, kk]] += weights[tt, kk].double()
+    xs = (quant.fp8_qdq(x) if quantised else x.float()).double()
+    out = torch.zeros(t, d, dtype=torch.float64)
+    for e, ((w1, s1), (w2, s2), (w3, s3)) in enumerate(experts):
+        deq = (lambda w, s: w.double() if s is None else (
+            quant.fp8_block_dequant(w, s) if w.dtype == torch.float8_e4m3fn else quant.fp4_weight_dequant(w, s)).double())
+        g = (xs @ deq(w1, s1).t()).clamp(max=limit)
+        u = (xs @ deq(w3, s3).t()).clamp(-limit, limit)
+        h = g * torch.sigmoid(g) * u * mask[:, e:e + 1]
+        if quantised:
+            h = quant.fp8_qdq(h.float()).double()
+        out += h @ deq(w2, s2).t()
+    return out
+
+
+def test_moe_experts_bf16_matches_dense_loop():
+    t, d, inter, e_n, k, limit = 10, 64, 32, 6, 2, 1.0
+    x = torch.randn(t, d).bfloat16()
+    experts = [tuple((torch.randn(*shape).bfloat16() * 0.3, None)
+                     for shape in ((inter, d), (d, inter), (inter, d))) for _ in range(e_n)]
+    ids = torch.stack([torch.randperm(e_n - 1)[:k] for _ in range(t)])  # expert 5 is never used
+    weights = torch.rand(t, k) + 0.1
+    out = ops.moe_experts(x, weights, ids, experts, limit)
+    assert out.dtype == torch.float32 and out.shape == (t, d)
+    ref = _dense_experts(x, weights, ids, experts, limit)
+    assert _rel_err(out, ref) < 1e-5
+    # the clamp is exercised on both sides
+    g = x.double() @ experts[0][0][0].double().t()
+    assert (g > limit).any() and (g < -limit).any()
+
+
+def test_moe_experts_fp4_weights():
+    t, d, inter, e_n, k, limit = 8, 64, 64, 4, 2, 10.0
+    x = torch.randn(t, d).bfloat16()
+    experts = [tuple(quant.fp4_weight_quant(torch.randn(*shape) * 0.3)
+                     for shape in ((inter, d), (d, inter), (inter, d))) for _ in range(e_n)]
+    ids = torch.stack([torch.randperm(e_n)[:k] for _ in range(t)])
+    weights = torch.rand(t, k) + 0.1
+    out = ops.moe_experts(x, weights, ids, experts, limit)
+    ref = _dense_experts(x, weights, ids, experts, limit, quantised=True)
+    # one FP8 rounding of an activation may land on the other side in fp32 vs fp64: 2^-4 of
+    # one term, far below this bound
+    assert _rel_err(out, ref) < 1e-2
+
+
+# ---- attention -------------------------------------------------------------------------------
+
+def _oracle_attention(q, wv, win_mask, gv_rows, glob_idx, sink, sm_scale):
+    """Per-query loop: softmax over the valid window entries then the valid global entries
+    (no dedup), the sink adds exp(sink - max) to the denominator only; nothing valid -> 0."""
+    t_, h_, d = q.shape
+    out = torch.zeros(t_, h_, d, dtype=torch.float64)
+    qd, wvd, gvd = q.double(), wv.double(), gv_rows.double()
+    for t in range(t_):
+        vals = [wvd[s] for s in range(wv.shape[0]) if win_mask[t, s]]
+        if glob_idx is not None:
+            vals += [gvd[i] for i in glob_idx[t].tolist() if i >= 0]
+        for h in range(h_):
+            if not vals:
+                continue
+            logits = [float(qd[t, h] @ v) * sm_scale for v in vals]
+            m = max(logits)
+            p = [math.exp(l - m) for l in logits]
+            den = sum(p) + math.exp(float(sink[h]) - m)
+            out[t, h] = sum(pi * v for pi, v in zip(p, vals)) / den
+    return out
+
+
+def _attn_inputs(t=6, h=4, d=64, s=16, n=20, k=8):
+    q = (torch.randn(t, h, d) * 2).bfloat16()
+    win_kv, win_scale = quant.fp8_quant(torch.randn(s, d))
+    glob_kv, glob_scale = quant.fp4_quant(torch.randn(n, d))
+    win_mask = torch.rand(t, s) < 0.6
+    glob_idx = torch.randint(0, n, (t, k))
+    glob_idx[torch.rand(t, k) < 0.3] = -1
+    glob_idx[0, 1] = glob_idx[0, 0] = 3  # a duplicate counts twice
+    win_mask[1] = False  # no window, some global entries
+    win_mask[2] = False  # nothing at all: output 0
+    glob_idx[2] = -1
+    sink = torch.randn(h)
+    return q, win_kv, win_scale, win_mask, glob_kv, glob_scale, glob_idx, sink
+
+
+def test_sparse_attention_matches_loop():
+    q, win_kv, win_scale, win_mask, glob_kv, glob_scale, glob_idx, sink = _attn_inputs()
+    d = q.shape[-1]
+    out = ops.sparse_attention(q, win_kv, win_scale, win_mask, glob_kv, glob_scale, glob_idx, sink, d**-0.5)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    wv = quant.fp8_dequant(win_kv, win_scale)
+    gv = quant.fp4_dequant(glob_kv, glob_scale)
+    ref = _oracle_attention(q, wv, win_mask, gv, glob_idx, sink, d**-0.5)
+    # bf16 probabilities (2^-9 relative each) and a bf16 output (2^-9 relative):
+    # |err| <= 2^-9 max|v| + 2^-9 |ref|, with slack
+    vmax = max(wv.abs().max().item(), gv.abs().max().item())
+    err = (out.double() - ref).abs()
+    assert (err <= 2.0**-8 * (vmax + ref.abs())).all()
+    assert torch.equal(out[2].float(), torch.zeros_like(out[2].float()))  # all masked -> 0
+    assert not torch.isnan(out.float()).any()
+    assert ref[1].abs().max() > 0 and ref[0].abs().max() > 0
+    # the sink matters: without it (sink -> -inf) the result differs clearly
+    no_sink = _oracle_attention(q, wv, win_mask, gv, glob_idx, torch.full_like(sink, -1e4), d**-0.5)
+    assert (no_sink - ref).abs().max() > 10 * 2.0**-8 * vmax
+
+
+def test_sparse_attention_window_only():
+    q, win_kv, win_scale, win_mask, *_, sink = _attn_inputs()
+    d = q.shape[-1]
+    out = ops.sparse_attention(q, win_kv, win_scale, win_mask, None, None, None, sink, d**-0.5)
+    wv = quant.fp8_dequant(win_kv, win_scale)
+    ref = _oracle_attention(q, wv, win_mask, wv[:0], None, sink, d**-0.5)
+    err = (out.double() - ref).abs()
+    assert (err <= 2.0**-8 * (wv.abs().max() + ref.abs())).all()
+    assert torch.equal(out[1].float(), torch.zeros_like(out[1].float()))
+
+
+# ---- indexer ---------------------------------------------------------------------------------
+
+def _exact_indexer_inputs(t=6, h=4, di=64, n=40):
+    """MXFP4 queries/keys and dyadic weights: every score is exact in fp32 and fp64, so ties
+    (relu zeros, duplicated keys) are real ties in both."""
+    q = quant.mxfp4_qdq(torch.randn(t, h, di))
+    codes, kscale = quant.mxfp4_quant(torch.randn(n, di))
+    codes[12], kscale[12] = codes[5], kscale[5]  # key 12 duplicates key 5
+    codes[30], kscale[30] = codes[5], kscale[5]
+    weights = torch.randint(-4, 5, (t, h)).float() / 4
+    weights[:, 0] = 1.0
+    return q, weights, codes, kscale
+
+
+def _scores(q, weights, codes, kscale):
+    keys = quant.mxfp4_dequant(codes, kscale).double()
+    dots = torch.einsum("thd,nd->thn", q.double(), keys)
+    return (dots.clamp_min(0) * weights.double().unsqueeze(-1)).sum(1)
+
+
+def _oracle_topk(row_scores, allowed, k, width):
+    chosen = sorted(allowed, key=lambda p: (-row_scores[p], p))[:k]
+    return sorted(chosen) + [-1] * (width - len(chosen))
+
+
+def _oracle_pool(row_scores, nv, n_blocks, block):
+    nb = -(-nv // block)
+    if nv == 0:
+        return [-1] * (n_blocks * block)
+    bscore = {b: max(row_scores[p] for p in range(b * block, min(nv, b * block + block))) for b in range(nb)}
+    bscore[(nv - 1) // block] = math.inf
+    chosen = sorted(sorted(bscore, key=lambda b: (-bscore[b], b))[:n_blocks])
+    out = [p if p < nv else -1 for b in chosen for p in range(b * block, b * block + block)]
+    return out + [-1] * (n_blocks * block - len(out))
+
+
+def test_indexer_topk_matches_oracle_with_ties():
+    q, weights, codes, kscale = _exact_indexer_inputs()
+    n = codes.shape[0]
+    n_visible = torch.tensor([0, 3, 8, 21, 40, 40])
+    idx, pool = ops.indexer_topk(q, weights, codes, kscale, n_visible, 8)
+    assert pool is None and idx.shape == (6, 8)
+    s = _scores(q, weights, codes, kscale).tolist()
+    for t in range(6):
+        assert idx[t].tolist() == _oracle_topk(s[t], range(int(n_visible[t])), 8, 8), t
+    assert idx[0].tolist() == [-1] * 8
+    assert idx[1].tolist() == [0, 1, 2] + [-1] * 5
+    # there are real ties in the data (relu zeros and the duplicated keys)
+    assert any(len(set(row[:40])) < 40 for row in s)
+
+
+def test_indexer_topk_ties_go_to_lower_index():
+    n, di = 24, 64
+    q = quant.mxfp4_qdq(torch.randn(2, 4, di).abs())
+    codes, kscale = quant.mxfp4_quant(torch.randn(1, di).abs().expand(n, di).contiguous())
+    idx, _ = ops.indexer_topk(q, torch.ones(2, 4), codes, kscale, torch.tensor([24, 10]), 5)
+    assert idx.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]
+    # keep the better ones, ordered by position: raise 17 and 9 above the tie
+    codes2, kscale2 = codes.clone(), kscale.clone()
+    big_c, big_s = quant.mxfp4_quant(torch.randn(1, di).abs() * 8)
+    for p in (17, 9):
+        codes2[p], kscale2[p] = big_c[0], big_s[0]
+    idx, _ = ops.indexer_topk(q, torch.ones(2, 4), codes2, kscale2, torch.tensor([24, 10]), 5)
+    assert idx.tolist() == [[0, 1, 2, 9, 17], [0, 1, 2, 3, 9]]
+
+
+def test_indexer_topk_candidates_scores_only_candidates():
+    q, weights, codes, kscale = _exact_indexer_inputs()
+    t, n, p = 6, codes.shape[0], 12
+    s = _scores(q, weights, codes, kscale).tolist()
+    cands = torch.full((t, p), -1, dtype=torch.long)
+    for tt in range(t):
+        m = [3, 12, 7, 12, 5, 10][tt]
+        cands[tt, :m] = torch.randperm(n)[:m].sort().values
+    idx, pool = ops.indexer_topk(q, weights, codes, kscale, torch.full((t,), n), 4, candidates=cands)
+    assert pool is None and idx.shape == (t, 4)
+    for tt in range(t):
+        allowed = [c for c in cands[tt].tolist() if c >= 0]
+        assert idx[tt].tolist() == _oracle_topk(s[tt], allowed, 4, 4), tt
+    # a non-candidate never appears, even when it has the best score
+    for tt in range(t):
+        assert set(idx[tt].tolist()) - {-1} <= set(cands[tt].tolist())
+    best = [max(range(n), key=lambda i: s[tt][i]) for tt in range(t)]
+    assert any(b not in cands[tt].tolist() for tt, b in enumerate(best))
+
+
+def test_indexer_candidate_pool_matches_oracle():
+    q, weights, codes, kscale = _exact_indexer_inputs()
+    n = codes.shape[0]
+    n_visible = torch.tensor([0, 5, 13, 22, 40, 37])
+    idx, pool = ops.indexer_topk(q, weights, codes, kscale, n_visible, 8, pool_blocks=3, pool_block_size=4)
+    assert pool.shape == (6, 12)
+    s = _scores(q, weights, codes, kscale).tolist()
+    for t in range(6):
+        nv = int(n_visible[t])
+        assert pool[t].tolist() == _oracle_pool(s[t], nv, 3, 4), t
+        # the top-k itself is not restricted to the pool
+        assert idx[t].tolist() == _oracle_topk(s[t], range(nv), 8, 8)
+    assert pool[0].tolist() == [-1] * 12
+    assert pool[1].tolist() == [0, 1, 2, 3, 4, -1, -1, -1] + [-1] * 4  # unreachable blocks dropped
+
+
+def test_indexer_candidate_pool_keeps_newest_block():
+    n, di = 24, 64
+    q = quant.mxfp4_qdq(torch.rand(1, 4, di) + 0.1)
+    keys = torch.rand(n, di) + 0.1
+    keys[20:] = 0.0  # the newest (partial) block scores 0, every other block > 0
+    codes, kscale = quant.mxfp4_quant(keys)
+    _, pool = ops.indexer_topk(q, torch.ones(1, 4), codes, kscale, torch.tensor([22]), 4,
+                               pool_blocks=3, pool_block_size=4)
+    s = _scores(q, torch.ones(1, 4), codes, kscale)[0].tolist()
+    blocks = sorted(range(5), key=lambda b: (-max(s[4 * b:4 * b + 4]), b))[:2]
+    expect = [p for b in sorted(blocks) for p in range(4 * b, 4 * b + 4)] + [20, 21, -1, -1]
+    assert pool[0].tolist() == expect
+
+
+def test_candidate_pool_direct():
+    scores = torch.tensor([[1.0, 5.0, 2.0, 2.0, 9.0, 0.0, 3.0]])
+    pool = ref_attention.candidate_pool(scores, torch.tensor([7]), 2, 2)
+    # blocks: [1,5] -> 5, [2,2] -> 2, [9,0] -> 9, [3] newest -> kept
+    assert pool.tolist() == [[4, 5, 6, -1]]
+
+
+# ---- RoPE ------------------------------------------------------------------------------------
+
+def _cos_sin(t, half):
+    pos = torch.arange(t, dtype=torch.float64).unsqueeze(1) * 37 + 5
+    inv = 1.0 / 10000.0 ** (torch.arange(half, dtype=torch.float64) * 2 / (2 * half))
+    ang = pos * inv
+    return ang.cos().float(), ang.sin().float()
+
+
+def test_rope_rotates_last_dims_interleaved():
+    t, h, d, r = 5, 3, 64, 32
+    x = torch.randn(t, h, d)
+    cos, sin = _cos_sin(t, r // 2)
+    y = ops.rope(x, cos, sin)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert torch.equal(y[..., :d - r], x[..., :d - r])  # the non-rope dims are untouched
+    for tt in range(t):
+        for hh in range(h):
+            for i in range(r // 2):
+                a, b = x[tt, hh, d - r + 2 * i].item(), x[tt, hh, d - r + 2 * i + 1].item()
+                c, s = cos[tt, i].item(), sin[tt, i].item()
+                assert y[tt, hh, d - r + 2 * i].item() == pytest.approx(a * c - b * s, abs=1e-5)
+                assert y[tt, hh, d - r + 2 * i + 1].item() == pytest.approx(a * s + b * c, abs=1e-5)
+
+
+def test_rope_inverse_undoes_forward():
+    t, d, r = 7, 128, 64
+    x = torch.randn(t, d)
+    cos, sin = _cos_sin(t, r // 2)
+    y = ops.rope(x, cos, sin)
+    assert (y - x).abs().max() > 0.1
+    back = ops.rope(y, cos, sin, inverse=True)
+    torch.testing.assert_close(back, x, rtol=0, atol=1e-5)
+    # pairwise norms are preserved
+    pn = lambda z: z[:, -r:].reshape(t, r // 2, 2).norm(dim=-1)
+    torch.testing.assert_close(pn(y), pn(x), rtol=1e-5, atol=1e-6)
+    xb = x.bfloat16()
+    assert ops.rope(xb, cos, sin).dtype == torch.bfloat16
+
+
+# ---- registry --------------------------------------------------------------------------------
+
+def test_every_op_has_a_reference():
+    public = [n for n in dir(ops) if not n.startswith("_") and callable(getattr(ops, n))
+              and getattr(getattr(ops, n), "__module__", "") == ops.__name__ and n not in ("dispatch",)]
+    assert public
+    names = set(registry.op_names())
+    for n in public:
+        assert n in names, n
+        fn, used, _ = registry.resolve(n, "reference")
+        assert used == "reference" and callable(fn)
+
+
+def test_bogus_backend_env(monkeypatch):
+    monkeypatch.setenv("DSV41_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="DSV41_BACKEND"):
+        registry.dispatch("rms_norm", "cpu")
+    with pytest.raises(ValueError, match="bogus"):
+        ops.rms_norm(torch.randn(2, 32), torch.ones(32), 1e-6)
+
+
+def test_unknown_op():
+    with pytest.raises(KeyError, match="no_such_op"):
+        registry.resolve("no_such_op", "reference")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback on a machine without CUDA")
+def test_cuda_request_falls_back_to_reference():
+    fn, used, reason = registry.resolve("rms_norm", "cuda")
+    assert used == "reference" and "fallback" in reason
+    assert fn is registry.resolve("rms_norm", "reference")[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback on a machine without CUDA")
+def test_dispatch_warns_once_per_op_and_backend(monkeypatch):
+    monkeypatch.setenv("DSV41_BACKEND", "cuda")
+    x, w = torch.randn(3, 32), torch.rand(32)
+    with pytest.warns(RuntimeWarning, match="'rms_norm'.*cuda"):
+        y = ops.rms_norm(x, w, 1e-6)
+    expect = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    torch.testing.assert_close(y.double(), expect, rtol=1e-5, atol=1e-6)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        ops.rms_norm(x, w, 1e-6)
+        registry.dispatch("rms_norm", "cpu")
+    assert not [r for r in rec if "dsv41" in str(r.message)]
+    # another op warns on its own; another backend too
+    with pytest.warns(RuntimeWarning, match="'rope'"):
+        registry.dispatch("rope", "cpu")
+    monkeypatch.setenv("DSV41_BACKEND", "ascend")
+    with pytest.warns(RuntimeWarning, match="'rms_norm'.*ascend"):
+        registry.dispatch("rms_norm", "cpu")
+    # reset_warnings re-arms them
+    registry.reset_warnings()
+    with pytest.warns(RuntimeWarning, match="'rms_norm'"):
+        registry.dispatch("rms_norm", "cpu")
+    # the reference backend never warns
+    monkeypatch.setenv("DSV41_BACKEND", "reference")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        registry.dispatch("rms_norm", "cpu")
