@@ -129,9 +129,13 @@ def indexer_topk(q: Tensor, weights: Tensor, key_codes: Tensor, key_scale: Tenso
 
 
 @_op
-def compress_kv(kv: Tensor, score: Tensor, ratio: int) -> Tensor:
-    """Pool complete groups of `ratio` consecutive rows with a per-channel softmax over `score`
-    (fp32): kv, score [G * ratio, D] -> [G, D] fp32."""
+def compress_kv(kv: Tensor, score: Tensor | None, ratio: int, norm_weight: Tensor, eps: float,
+                cos: Tensor, sin: Tensor, codes: Tensor, scales: Tensor, slots: Tensor) -> Tensor:
+    """Compressor tail for G = rows // ratio complete groups, in one pass: ratio > 1 pools each
+    group with a per-channel softmax over `score` (fp32); then RMSNorm (fp32 math) -> latent
+    bf16; RoPE at the entries' positions (cos/sin [G, R/2]); FP4 (E2M1 + E4M3/16) written into
+    codes/scales [cap, ...] at `slots` [G]. kv, score [G * ratio, D] fp32 (score None at
+    ratio 1). Returns the un-rotated latent [G, D] bf16 (the indexer key's input)."""
 
 
 # ---- mHC ------------------------------------------------------------------------------------
@@ -155,6 +159,15 @@ def mhc_collapse(x: Tensor, pre: Tensor) -> Tensor:
 @_op
 def mhc_update(x: Tensor, y: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     """Residual update: out_j = post[j] * y + sum_i comb[i][j] * x_i (fp32 math, x's dtype)."""
+
+
+@_op
+def mhc_mix(x: Tensor, y: Tensor, post: Tensor, comb: Tensor, pre: Tensor, fn: Tensor | None,
+            scale: Tensor | None, base: Tensor | None, norm_eps: float, hc_eps: float, iters: int):
+    """Single-pass mHC step after a sublayer (the Mega-mHC fusion): x_new = mhc_update(x, y,
+    post, comb); x_hat = mhc_collapse(x_new, pre) (the next sublayer's input uses this
+    sublayer's `pre`); and, when `fn` is given, the next sublayer's mhc_mixes(x_new, ...).
+    Reads x and y once, writes x_new and x_hat once. Returns (x_new, x_hat, coef or None)."""
 
 
 # ---- MoE and Engram -------------------------------------------------------------------------

@@ -9,6 +9,7 @@ An op the chosen backend lacks falls back to the reference, with one warning nam
 
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -30,7 +31,8 @@ class Op:
 
 _OPS: dict[str, Op] = {}
 # Loaders for the optional backends: imported the first time a tensor of theirs shows up, so
-# `import dsv41` never imports triton or torch_npu.
+# `import dsv41` never imports triton or torch_npu. A backend's module (`dsv41.backends.<name>`,
+# e.g. `cuda`) registers its loader when imported; that import itself is deferred to first use.
 _BACKEND_LOADERS: dict[str, Callable[[], None]] = {}
 _LOADED: dict[str, str | None] = {}  # backend -> None when loaded, else the reason it failed
 
@@ -68,12 +70,23 @@ def backend_for_device(device: torch.device | str) -> str:
     return DEVICE_BACKEND.get(kind, "reference")
 
 
+def _import_backend_module(backend: str) -> Callable[[], None] | None:
+    """Import `dsv41.backends.<backend>` (if it exists) so that it registers its loader."""
+    name = f"{__package__}.{backend}"
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != name:
+            raise
+    return _BACKEND_LOADERS.get(backend)
+
+
 def ensure_backend_loaded(backend: str) -> str | None:
     """Import a backend's implementations once; returns None when usable, else why not."""
     if backend == "reference":
         return None
     if backend not in _LOADED:
-        loader = _BACKEND_LOADERS.get(backend)
+        loader = _BACKEND_LOADERS.get(backend) or _import_backend_module(backend)
         if loader is None:
             _LOADED[backend] = "no implementation registered"
         else:

@@ -31,16 +31,21 @@ class GlobalKV:
     carry_kv: torch.Tensor | None = None
     carry_score: torch.Tensor | None = None
 
-    def append(self, kv_codes, kv_scale, key_codes, key_scale) -> None:
-        m = kv_codes.shape[0]
+    def reserve(self, m: int) -> torch.Tensor:
+        """Slots for the next `m` entries (written by the caller), as a long tensor."""
         if self.n + m > self.kv_codes.shape[0]:
             raise RuntimeError(
                 f"global KV cache overflow: {self.n + m} entries > capacity {self.kv_codes.shape[0]}"
             )
-        sl = slice(self.n, self.n + m)
+        slots = torch.arange(self.n, self.n + m, device=self.kv_codes.device)
+        self.n += m
+        return slots
+
+    def append(self, kv_codes, kv_scale, key_codes, key_scale) -> None:
+        sl = slice(self.n, self.n + kv_codes.shape[0])
+        self.reserve(kv_codes.shape[0])
         self.kv_codes[sl], self.kv_scale[sl] = kv_codes, kv_scale
         self.key_codes[sl], self.key_scale[sl] = key_codes, key_scale
-        self.n += m
 
     def snapshot(self, n_tokens: int) -> "GlobalKV":
         """A copy of the state after the first `n_tokens` tokens, taken at a group boundary

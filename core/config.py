@@ -291,7 +291,7 @@ class ModelConfig:
         }
         if self.vision is not None:
             out["vision_config"] = dataclasses.asdict(self.vision)
-            out["image_token_id"] = self.image_token_id
+        out["image_token_id"] = self.image_token_id
         if self.weight_dtype == "fp8":
             out["quantization_config"] = {
                 "quant_method": "fp8",

@@ -162,7 +162,7 @@ class Attention(nn.Module):
         assert int(pos[0]) == g.tokens, "compressor input must continue where it stopped"
         comp = self.compressor
         if self.ratio == 1:
-            lat = comp.norm(comp.wkv(x))
+            kv, score = comp.wkv(x).float(), None  # a plain bf16 matmul, no activation quantisation
         else:
             kv, score = comp.wkv(x, torch.float32), comp.wgate(x, torch.float32)
             if g.carry_kv is not None:
@@ -170,17 +170,19 @@ class Attention(nn.Module):
             n_full = kv.shape[0] // self.ratio * self.ratio
             g.carry_kv = kv[n_full:] if n_full < kv.shape[0] else None
             g.carry_score = score[n_full:] if n_full < kv.shape[0] else None
-            lat = comp.norm(ops.compress_kv(kv[:n_full], score[:n_full], self.ratio)).to(BF16)
+            kv, score = kv[:n_full], score[:n_full]
         g.tokens += x.shape[0]
-        if lat.shape[0] == 0:
+        m = kv.shape[0] // self.ratio
+        if m == 0:
             return
-        entry_pos = (g.n + torch.arange(lat.shape[0], device=x.device)) * self.ratio
-        cos, sin = rope_tables(self.inv_freq, entry_pos)
+        slots = g.reserve(m)
+        cos, sin = rope_tables(self.inv_freq, slots * self.ratio)  # entry j sits at position j*ratio
+        lat = ops.compress_kv(kv, score, self.ratio, comp.norm.weight, comp.norm.eps, cos, sin,
+                              g.kv_codes, g.kv_scale, slots)
         key = ops.rope(self.indexer.k_norm(self.indexer.wk(lat)), cos, sin)
-        kv_codes, kv_scale = ops.fp4_quant(ops.rope(lat, cos, sin))
-        key_codes, key_scale = ops.mxfp4_quant(key)
-        g.append(kv_codes, kv_scale, key_codes, key_scale)
-        ctx.counters[f"compressed_entries.{self.layer_id}"] += lat.shape[0]
+        g.key_codes[slots], g.key_scale.view(torch.uint8)[slots] = (
+            t.view(torch.uint8) for t in ops.mxfp4_quant(key))
+        ctx.counters[f"compressed_entries.{self.layer_id}"] += m
 
     # -- top-k selection --
     def select(self, x, qr, pos, cos, sin, ctx: ForwardContext) -> torch.Tensor:
@@ -347,9 +349,24 @@ class Engram(nn.Module):
 
 # ---- block and model ----------------------------------------------------------------------------
 
+@dataclass
+class Streams:
+    """The mHC state between sublayers: the n streams, the next sublayer's input (collapsed with
+    the previous sublayer's `pre`) and the next sublayer's own (pre, post, comb)."""
+
+    x: torch.Tensor  # [T, n, d] bf16
+    x_hat: torch.Tensor  # [T, d] bf16
+    coef: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+    def rows(self, start: int) -> "Streams":
+        return Streams(self.x[start:], self.x_hat[start:], tuple(c[start:] for c in self.coef))
+
+
 class Block(nn.Module):
     """One backbone layer: [Engram] -> attention sublayer -> FFN sublayer, both wrapped in
-    single-pass mHC (the sublayer input uses the PREVIOUS sublayer's `pre`)."""
+    single-pass mHC: a sublayer's input collapses the streams with the PREVIOUS sublayer's
+    `pre`, so one fused `mhc_mix` per sublayer updates the streams, produces the next input
+    and predicts the next sublayer's coefficients ((2n+2)d activation traffic)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, engram_rows: int | None):
         super().__init__()
@@ -366,22 +383,40 @@ class Block(nn.Module):
             self.register_buffer(f"hc_{sub}_scale", torch.empty(3, dtype=torch.float32))
         self.engram = Engram(cfg, layer_id, engram_rows) if engram_rows is not None else None
 
-    def mixes(self, x: torch.Tensor, sub: str):
+    def hc(self, sub: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"), getattr(self, f"hc_{sub}_base")
+
+    def mix(self, x, y, coef, nxt: tuple | None):
+        """Fused residual update with `coef` (post, comb), the next input (collapse with `pre`)
+        and, when `nxt` = (fn, scale, base) is given, the next sublayer's coefficients."""
         cfg = self.cfg
-        return ops.mhc_mixes(x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
-                             getattr(self, f"hc_{sub}_base"), cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+        pre, post, comb = coef
+        fn, scale, base = nxt if nxt is not None else (None, None, None)
+        return ops.mhc_mix(x, y, post, comb, pre, fn, scale, base, cfg.rms_norm_eps, cfg.hc_eps,
+                           cfg.hc_sinkhorn_iters)
 
-    def attn_input(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-        return self.attn_norm(ops.mhc_collapse(x, pre))
-
-    def forward(self, x, pre, pos, ctx: ForwardContext, is_image, engram_rows):
+    def enter(self, x: torch.Tensor, pre_prev: torch.Tensor, engram_rows, is_image) -> Streams:
+        """Start this block from plain streams (model entry, or after a block whose last update
+        could not be fused because Engram changes the streams in between)."""
+        cfg = self.cfg
         if self.engram is not None:
             x = self.engram(x, engram_rows, is_image)
-        pre_a, post, comb = self.mixes(x, "attn")
-        x = ops.mhc_update(x, self.attn(self.attn_input(x, pre), pos, ctx), post, comb)
-        pre_f, post, comb = self.mixes(x, "ffn")
-        x = ops.mhc_update(x, self.ffn(self.ffn_norm(ops.mhc_collapse(x, pre_a)), is_image), post, comb)
-        return x, pre_f
+        coef = ops.mhc_mixes(x, *self.hc("attn"), cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+        return Streams(x, ops.mhc_collapse(x, pre_prev), coef)
+
+    def forward(self, s: Streams, pos, ctx: ForwardContext, is_image, nxt: "Block | None", nxt_rows=None):
+        """Attention and FFN; returns the streams ready for `nxt` (or, after the last block,
+        with x_hat collapsed for the final norm)."""
+        y = self.attn(self.attn_norm(s.x_hat), pos, ctx)
+        x, x_hat, coef_f = self.mix(s.x, y, s.coef, self.hc("ffn"))
+        y = self.ffn(self.ffn_norm(x_hat), is_image)
+        if nxt is not None and nxt.engram is None:
+            x, x_hat, coef = self.mix(x, y, coef_f, nxt.hc("attn"))
+            return Streams(x, x_hat, coef)
+        x, x_hat, _ = self.mix(x, y, coef_f, None)
+        if nxt is None:
+            return Streams(x, x_hat, coef_f)
+        return nxt.enter(x, coef_f[0], nxt_rows, is_image)
 
 
 class Transformer(nn.Module):
@@ -451,24 +486,25 @@ class Transformer(nn.Module):
         x = self.embed.weight[ids].unsqueeze(1).expand(t, cfg.hc_mult, cfg.hidden_size).contiguous()
         pre = torch.zeros(t, cfg.hc_mult, dtype=torch.float32, device=ids.device)
         pre[:, 0] = 1.0  # the first sublayer collapses with one-hot [1, 0, 0, 0]
+        layers = list(self.layers)
+        s = layers[0].enter(x, pre, rows.get(0), is_image)
         ctx.counters["encoder_tokens"] += t
-        for layer in self.layers[: cfg.decoder_start]:
-            x, pre = layer(x, pre, pos, ctx, is_image, rows.get(layer.layer_id))
-        if decoder_from > 0:
-            src = self.layers[cfg.decoder_start]
-            src.attn.update_global(src.attn_input(x, pre), pos, ctx)
-            x, pre, pos, is_image = x[decoder_from:], pre[decoder_from:], pos[decoder_from:], is_image[decoder_from:]
-            rows = {k: v[decoder_from:] for k, v in rows.items()}
-            for i in range(cfg.decoder_start, cfg.num_hidden_layers):
-                cache.swa_floor[i] = max(cache.swa_floor[i], int(pos[0]))
-        ctx.counters["decoder_tokens"] += x.shape[0]
-        for layer in self.layers[cfg.decoder_start:]:
-            x, pre = layer(x, pre, pos, ctx, is_image, rows.get(layer.layer_id))
+        for i, blk in enumerate(layers):
+            if i == cfg.decoder_start and decoder_from > 0:
+                # CED: the decoder's KV source compresses every row of the encoder's output; the
+                # decoder itself runs only from `decoder_from` on, its SWA window truncated there.
+                blk.attn.update_global(blk.attn_norm(s.x_hat), pos, ctx)
+                s, pos, is_image = s.rows(decoder_from), pos[decoder_from:], is_image[decoder_from:]
+                rows = {k: v[decoder_from:] for k, v in rows.items()}
+                for j in range(cfg.decoder_start, cfg.num_hidden_layers):
+                    cache.swa_floor[j] = max(cache.swa_floor[j], int(pos[0]))
+            if i == cfg.decoder_start:
+                ctx.counters["decoder_tokens"] += s.x.shape[0]
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            s = blk(s, pos, ctx, is_image, nxt, rows.get(i + 1))
         cache.length = start + t
-        if not all_logits:
-            x, pre = x[-1:], pre[-1:]
-        h = self.norm(ops.mhc_collapse(x, pre))
-        logits = self.head(h, torch.float32)
+        h = s.x_hat if all_logits else s.x_hat[-1:]
+        logits = self.head(self.norm(h), torch.float32)
         return logits if all_logits else logits[0]
 
     def _engram_rows(self, cache: SequenceCache, start: int) -> dict[int, torch.Tensor]:

@@ -8,6 +8,11 @@ from dsv41.core.config import preset
 from dsv41.core.weights import build_model
 
 
+# The tiny model's ops are small: extra intra-op threads only add synchronisation, and with
+# another busy process on a 2-core machine OpenMP's spinning makes them up to 10x slower.
+torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def tiny_cfg():
     return preset("tiny")

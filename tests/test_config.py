@@ -126,10 +126,6 @@ def test_to_hf_dict_round_trips(presets):
     assert from_dict(no_yarn.to_hf_dict()).rope_scaling is None
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "to_hf_dict drops image_token_id when vision is None, and from_hf_dict then restores the "
-    "default 129264, so a text-only config with image_token_id=None (what the flat loader "
-    "produces) does not round-trip; benign today because image_mask ignores it without vision"))
 def test_to_hf_dict_round_trips_text_only_image_token():
     cfg = from_flat_dict({k: v for k, v in FLAT.items() if not k.startswith("vision_")
                           and k != "image_token_id"})

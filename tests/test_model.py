@@ -71,11 +71,13 @@ def test_ced_decoder_global_kv_is_layer_source_projection_of_encoder(tiny_model,
     scratch.tokens.extend(ids.tolist())
     scratch.is_image.extend([False] * n)
     rows = tiny_model._engram_rows(scratch, 0)
-    pos = torch.arange(n)
-    for layer in tiny_model.layers[:src]:
-        x, pre = layer(x, pre, pos, ctx, torch.zeros(n, dtype=torch.bool), rows.get(layer.layer_id))
+    pos, no_img = torch.arange(n), torch.zeros(n, dtype=torch.bool)
+    layers = list(tiny_model.layers)
+    s = layers[0].enter(x, pre, rows.get(0), no_img)
+    for i in range(src):
+        s = layers[i](s, pos, ctx, no_img, layers[i + 1], rows.get(i + 1))
     blk = tiny_model.layers[src]
-    lat = blk.attn.compressor.norm(blk.attn.compressor.wkv(blk.attn_input(x, pre)))
+    lat = blk.attn.compressor.norm(blk.attn.compressor.wkv(blk.attn_norm(s.x_hat)))
     from dsv41.core.model import rope_tables
 
     cos, sin = rope_tables(blk.attn.inv_freq, pos)
@@ -127,28 +129,29 @@ def test_reuse_layers_run_no_indexer_and_reindex_scores_only_the_pool(tiny_model
 
 
 def test_single_pass_mhc_uses_previous_sublayer_pre(tiny_model, tiny_cfg, rng):
-    """Recompute one block by hand: attention input from the PREVIOUS pre, FFN input from this
-    block's attention mixes, and compare with the block's output."""
+    """Recompute one block with the unfused ops: the attention input collapses with the
+    PREVIOUS sublayer's pre, the FFN input with this block's attention pre; post and comb come
+    from each sublayer's own mixes. Compare with the block's fused path."""
     cfg = tiny_cfg
     blk = tiny_model.layers[0]
+    assert blk.engram is None
     t = 6
     x = torch.randn(t, cfg.hc_mult, cfg.hidden_size, generator=rng).to(torch.bfloat16)
     pre_prev = torch.rand(t, cfg.hc_mult, generator=rng) + 0.1
-    cache = SequenceCache.allocate(cfg, t)
-    ctx = ForwardContext(cache)
     pos = torch.arange(t)
     no_img = torch.zeros(t, dtype=torch.bool)
-    out, pre_out = blk(x, pre_prev, pos, ctx, no_img, None)
+    out = blk(blk.enter(x, pre_prev, None, no_img), pos, ForwardContext(SequenceCache.allocate(cfg, t)), no_img, None)
 
-    cache2 = SequenceCache.allocate(cfg, t)
-    ctx2 = ForwardContext(cache2)
-    pre_a, post_a, comb_a = blk.mixes(x, "attn")
+    eps, hc_eps, it = cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
+    pre_a, post_a, comb_a = ops.mhc_mixes(x, *blk.hc("attn"), eps, hc_eps, it)
+    ctx2 = ForwardContext(SequenceCache.allocate(cfg, t))
     y = blk.attn(blk.attn_norm(ops.mhc_collapse(x, pre_prev)), pos, ctx2)
     x1 = ops.mhc_update(x, y, post_a, comb_a)
-    pre_f, post_f, comb_f = blk.mixes(x1, "ffn")
+    pre_f, post_f, comb_f = ops.mhc_mixes(x1, *blk.hc("ffn"), eps, hc_eps, it)
     x2 = ops.mhc_update(x1, blk.ffn(blk.ffn_norm(ops.mhc_collapse(x1, pre_a)), no_img), post_f, comb_f)
-    assert torch.equal(out, x2) and torch.equal(pre_out, pre_f)
-    # and using this block's own attention pre for the attention input would differ
+    assert torch.equal(out.x, x2) and torch.equal(out.coef[0], pre_f)
+    assert torch.equal(out.x_hat, ops.mhc_collapse(x2, pre_f))
+    # using this block's own attention pre for the attention input would give another result
     y_wrong = blk.attn(blk.attn_norm(ops.mhc_collapse(x, pre_a)), pos, ForwardContext(SequenceCache.allocate(cfg, t)))
     assert not torch.equal(y_wrong, y)
 

@@ -7,18 +7,28 @@ import torch
 
 from ..registry import register
 from . import quant
-from .basic import einsum
+from .basic import einsum, rms_norm, rope
 
 NEG_INF = float("-inf")
 RUNNING_MAX_INIT = -1e30  # a row with no valid entry outputs 0 (spec section 3, Attention)
 
 
-@register("compress_kv")
-def compress_kv(kv: torch.Tensor, score: torch.Tensor, ratio: int) -> torch.Tensor:
+def pool_groups(kv: torch.Tensor, score: torch.Tensor, ratio: int) -> torch.Tensor:
+    """Softmax pooling of complete groups of `ratio` rows, per channel, fp32: [G*r, D] -> [G, D]."""
     g, d = kv.shape[0] // ratio, kv.shape[-1]
     kv = kv[: g * ratio].float().reshape(g, ratio, d)
     w = torch.softmax(score[: g * ratio].float().reshape(g, ratio, d), dim=1)
     return (w * kv).sum(1)
+
+
+@register("compress_kv")
+def compress_kv(kv, score, ratio, norm_weight, eps, cos, sin, codes, scales, slots):
+    pooled = pool_groups(kv, score, ratio) if ratio > 1 else kv.float()
+    lat = rms_norm(pooled, norm_weight, eps).to(torch.bfloat16)
+    packed, sc = quant.fp4_quant(rope(lat, cos, sin))
+    codes[slots] = packed
+    scales[slots] = sc
+    return lat
 
 
 def _stable_topk_sorted(scores: torch.Tensor, k: int, valid: torch.Tensor) -> torch.Tensor:

@@ -61,13 +61,14 @@ _DEQUANT_CACHE: dict[int, tuple] = {}
 
 
 def dequant_weight(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """Any stored weight -> fp32 [N, K], memoised per weight tensor (weights are read-only during
-    inference; the in-place version counter invalidates an entry if a weight is rewritten)."""
+    """Any stored weight -> its exact values as fp64 [N, K] (what `mm` multiplies with),
+    memoised per weight tensor: weights are read-only during inference, and the in-place
+    version counter invalidates an entry if a weight is rewritten."""
     key = id(weight)
     hit = _DEQUANT_CACHE.get(key)
     if hit is not None and hit[0]() is weight and hit[1] == weight._version:
         return hit[2]
-    w = _dequant_weight(weight, scale)
+    w = _dequant_weight(weight, scale).double()
     _DEQUANT_CACHE[key] = (weakref.ref(weight, lambda _, k=key: _DEQUANT_CACHE.pop(k, None)), weight._version, w)
     return w
 

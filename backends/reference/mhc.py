@@ -41,3 +41,11 @@ def mhc_update(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch
     # comb[i][j] weighs input stream i into output stream j (transposed w.r.t. "comb @ X").
     mixed = einsum("tij,tid->tjd", comb.float(), x.float())
     return (post.float().unsqueeze(-1) * y.float().unsqueeze(1) + mixed).to(x.dtype)
+
+
+@register("mhc_mix")
+def mhc_mix(x, y, post, comb, pre, fn, scale, base, norm_eps, hc_eps, iters):
+    x_new = mhc_update(x, y, post, comb)
+    x_hat = mhc_collapse(x_new, pre)
+    coef = mhc_mixes(x_new, fn, scale, base, norm_eps, hc_eps, iters) if fn is not None else None
+    return x_new, x_hat, coef

@@ -1,0 +1,9 @@
+"""Portable Triton kernels (CUDA Triton and triton-ascend from one source).
+
+Each module holds one kernel, its launcher(s), the torch reference it must match, and an
+`OPS` dict {op name: launcher} that the CUDA and Ascend backends register. A launcher has
+exactly the signature and semantics of the op of the same name in `dsv41.backends.ops`.
+"""
+
+# Modules registered by the backends, in order; add a kernel by adding its module here.
+KERNELS = ["mxfp4_act_quant", "fp4_kv_store"]

@@ -1,0 +1,33 @@
+"""Launch helpers shared by the Triton kernels in this folder (imports triton lazily)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+INTERPRETER_WORKERS = 4  # programs per launch under TRITON_INTERPRET=1 (keeps CPU runs fast)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def num_workers(device: torch.device | str | None = None) -> int:
+    """Program count for a 1-D persistent launch: SMs on CUDA, vector cores on Ascend,
+    a small constant under the interpreter."""
+    if interpreting():
+        return INTERPRETER_WORKERS
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).multi_processor_count
+    if dev.type == "npu":  # triton-ascend exposes the core counts through its driver
+        import triton
+
+        props = triton.runtime.driver.active.utils.get_device_properties(dev.index or 0)
+        return int(props.get("num_vectorcore") or props.get("num_aicore") or 1)
+    return INTERPRETER_WORKERS
+
+
+def grid_for(n_tiles: int, device: torch.device | str | None = None) -> int:
+    return max(1, min(n_tiles, num_workers(device)))

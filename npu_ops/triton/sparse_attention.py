@@ -1,0 +1,362 @@
+"""Sparse attention (CSA2): one softmax per query over its SWA window entries (FP8) followed by
+its selected global entries (packed FP4), split-K flash-decoding style.
+
+Inputs (`ops.sparse_attention`): q [T, H, D] bf16 (RoPE'd); win_kv [S, D] float8_e4m3fn with
+E8M0 scales per 32 channels win_scale [S, D/32] and win_mask [T, S] bool; glob_kv [N, D/2]
+(E2M1 nibbles, element 0 in the low nibble) with E4M3 scales per 16 glob_scale [N, D/16] and
+glob_idx [T, K] (-1 = masked); sink [H]; K = V. Output [T, H, D] bf16. The oracle is
+`sparse_attention_ref` (= `backends.reference.attention.sparse_attention`).
+
+How it runs:
+- The entry list of a query is S window entries (padded to whole blocks of BLOCK_N) followed by
+  K global entries; every block is pure window or pure global. A tile is (query, split, head
+  block, output-channel block); a split is a contiguous run of blocks. Tiles are walked by a
+  1-D persistent loop. With one split per query the tile normalises (sink included) and writes
+  bf16 directly; otherwise it writes an fp32 partial (unnormalised acc, running max, sum) and
+  `_combine_kernel` merges the splits.
+- FP8 / FP4 storage is decoded with integer and bit ops only (uint8 loads, exponent fields
+  built into fp32 bit patterns); scales are applied per element. Every decoded value is exact
+  in bf16 (E2M1 x E4M3: <= 6 significant bits; E4M3 x 2^k: 4 bits), so the q.k^T and p.V
+  products run as bf16 tl.dot with fp32 accumulation, heads as M, entries as N. (Under the
+  interpreter the dot operands stay fp32: same values, interpreter bf16 math is unreliable.)
+- Channels are handled as even / odd halves: a packed FP4 byte holds channel 2j (low nibble)
+  and 2j+1 (high nibble), so q.k^T = q_even.k_even^T + q_odd.k_odd^T and the output is
+  written as two interleaved halves; all row loads stay contiguous (bytes) or stride 2.
+- Online softmax: running max starts at -1e30 (an all-masked row gives 0), masked logits are
+  -inf, probabilities are rounded to bf16 before p.V, the sum stays fp32; the sink adds
+  exp(sink - max) to the denominator only.
+- Per-backend tile tables: CUDA keeps whole 512-wide rows (one decode per block, BLOCK_H heads
+  of fp32 accumulator); Ascend tiles the contraction (BLOCK_D) and the output channels
+  (BLOCK_DV, part of the tile id: q.k^T is recomputed per output block) so a program's live
+  tiles stay a few tens of KB, well inside the 192 KB unified buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...backends.reference.attention import sparse_attention as sparse_attention_ref  # noqa: F401  (the oracle)
+
+RUNNING_MAX_INIT = -1e30
+
+# Tile tables: BLOCK_D / BLOCK_DV of None mean the full head_dim (one decode per block).
+CONFIGS = {
+    "cuda": dict(BLOCK_H=32, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, min_blocks_per_split=2),
+    "npu": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=None, min_blocks_per_split=2),
+    "interp": dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=None, min_blocks_per_split=1),
+}
+COMBINE_BLOCK_H = 16
+COMBINE_BLOCK_D = 128
+
+
+# ---- decoding (integer / bit ops only) --------------------------------------------------------
+
+@triton.jit
+def _e4m3_pos(c):
+    """E4M3 code 0..126 (int32, sign cleared) -> fp32 value."""
+    e = c >> 3
+    p2 = ((tl.maximum(e, 1) + 117) << 23).to(tl.float32, bitcast=True)  # 2^(max(e,1)-10)
+    return (tl.where(e > 0, 8, 0) + (c & 7)).to(tl.float32) * p2
+
+
+@triton.jit
+def _e2m1(c):
+    """E2M1 nibble 0..15 (int32) -> fp32 value."""
+    a = c & 7
+    af = a.to(tl.float32)
+    mag = tl.where(a < 4, af * 0.5, tl.where(a == 7, 6.0, af - 2.0))
+    return tl.where(c >= 8, -mag, mag)
+
+
+@triton.jit
+def _fp8_times_e8m0(b, sb):
+    """E4M3 byte b and E8M0 scale byte sb (int32) -> fp32 value * 2^(sb-127)."""
+    e = (b >> 3) & 15
+    p2 = ((tl.maximum(e, 1) + 117) << 23).to(tl.float32, bitcast=True)
+    sc = (sb << 23).to(tl.float32, bitcast=True)
+    v = (tl.where(e > 0, 8, 0) + (b & 7)).to(tl.float32) * p2 * sc
+    return tl.where((b & 128) != 0, -v, v)
+
+
+@triton.jit
+def _win_kv(win_ptr, wsc_ptr, rows, ok, c0, j, D: tl.constexpr):
+    """Window rows [BN] (int64), channels c0 + 2j and c0 + 2j + 1 -> two fp32 [BN, len(j)]."""
+    m2 = ok[:, None]
+    ch = c0 + 2 * j
+    base = rows[:, None] * D + ch[None, :]
+    b0 = tl.load(win_ptr + base, mask=m2, other=0).to(tl.int32)
+    b1 = tl.load(win_ptr + base + 1, mask=m2, other=0).to(tl.int32)
+    sb = tl.load(wsc_ptr + rows[:, None] * (D // 32) + (ch // 32)[None, :], mask=m2, other=0).to(tl.int32)
+    return _fp8_times_e8m0(b0, sb), _fp8_times_e8m0(b1, sb)
+
+
+@triton.jit
+def _glob_kv(gkv_ptr, gsc_ptr, rows, ok, c0, j, D: tl.constexpr):
+    """Packed FP4 rows [BN] (int64), channels c0 + 2j (low nibble) and c0 + 2j + 1 (high)."""
+    m2 = ok[:, None]
+    byte = c0 // 2 + j
+    b = tl.load(gkv_ptr + rows[:, None] * (D // 2) + byte[None, :], mask=m2, other=0).to(tl.int32)
+    sc = tl.load(gsc_ptr + rows[:, None] * (D // 16) + (byte // 8)[None, :], mask=m2, other=0).to(tl.int32)
+    s = _e4m3_pos(sc & 127)
+    return _e2m1(b & 15) * s, _e2m1((b >> 4) & 15) * s
+
+
+@triton.jit
+def _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, c0, j, D: tl.constexpr, IS_GLOB: tl.constexpr):
+    if IS_GLOB:
+        e, o = _glob_kv(gkv_ptr, gsc_ptr, rows, ok, c0, j, D)
+    else:
+        e, o = _win_kv(win_ptr, wsc_ptr, rows, ok, c0, j, D)
+    return e, o
+
+
+# ---- one block of entries: logits, online softmax, p.V ----------------------------------------
+
+@triton.jit
+def _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok,
+           m_i, l_i, acc_e, acc_o, dv0, scale,
+           D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+           BLOCK_DV: tl.constexpr, IS_GLOB: tl.constexpr, DOT_DT: tl.constexpr):
+    if BLOCK_D == D and BLOCK_DV == D:
+        # whole rows: decode once, use as K and as V
+        jd = tl.arange(0, D // 2)
+        k_e, k_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, 0, jd, D, IS_GLOB)
+        v_e = k_e.to(DOT_DT)
+        v_o = k_o.to(DOT_DT)
+        s = tl.dot(q_e, tl.trans(v_e)) + tl.dot(q_o, tl.trans(v_o))
+    else:
+        jd = tl.arange(0, BLOCK_D // 2)
+        s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+        for c0 in range(0, D, BLOCK_D):
+            qp = q_ptr + qrow[:, None] + c0 + 2 * jd[None, :]
+            qe = tl.load(qp, mask=hok[:, None], other=0.0).to(tl.float32).to(DOT_DT)
+            qo = tl.load(qp + 1, mask=hok[:, None], other=0.0).to(tl.float32).to(DOT_DT)
+            k_e, k_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, c0, jd, D, IS_GLOB)
+            s += tl.dot(qe, tl.trans(k_e.to(DOT_DT)))
+            s += tl.dot(qo, tl.trans(k_o.to(DOT_DT)))
+        jv = tl.arange(0, BLOCK_DV // 2)
+        v_e, v_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, dv0, jv, D, IS_GLOB)
+        v_e = v_e.to(DOT_DT)
+        v_o = v_o.to(DOT_DT)
+    s = tl.where(ok[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    pb = p.to(tl.bfloat16).to(tl.float32).to(DOT_DT)  # probabilities rounded to bf16
+    acc_e = acc_e * alpha[:, None] + tl.dot(pb, v_e)
+    acc_o = acc_o * alpha[:, None] + tl.dot(pb, v_o)
+    return m_new, l_i, acc_e, acc_o
+
+
+@triton.jit
+def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, wmask_ptr, gkv_ptr, gsc_ptr, gidx_ptr, sink_ptr,
+                        out_ptr, pacc_ptr, pm_ptr, pl_ptr,
+                        H, S, K, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, num_programs, scale,
+                        D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT: tl.constexpr,
+                        DOT_DT: tl.constexpr):
+    pid = tl.program_id(0)
+    hh = tl.arange(0, BLOCK_H)
+    nn = tl.arange(0, BLOCK_N)
+    jv = tl.arange(0, BLOCK_DV // 2)
+    jq = tl.arange(0, BLOCK_D // 2)
+    for tile in range(pid, n_tiles, num_programs):
+        dvb = tile % n_dv
+        r = tile // n_dv
+        hb = r % n_hb
+        r = r // n_hb
+        sp = r % n_split
+        tq = r // n_split
+        heads = hb * BLOCK_H + hh
+        hok = heads < H
+        qrow = (tq * H + heads).to(tl.int64) * D
+        dv0 = dvb * BLOCK_DV
+        # q halves for the whole-row path (unused, and dropped, in the tiled path)
+        qp = q_ptr + qrow[:, None] + 2 * jq[None, :]
+        q_e = tl.load(qp, mask=hok[:, None], other=0.0).to(tl.float32).to(DOT_DT)
+        q_o = tl.load(qp + 1, mask=hok[:, None], other=0.0).to(tl.float32).to(DOT_DT)
+        m_i = tl.full([BLOCK_H], RUNNING_MAX_INIT, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc_e = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
+        acc_o = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
+        b_lo = sp * bps
+        b_hi = tl.minimum(b_lo + bps, n_blocks)
+        # window blocks
+        for nb in range(b_lo, tl.minimum(b_hi, n_wb)):
+            s_idx = nb * BLOCK_N + nn
+            inr = s_idx < S
+            ok = inr & (tl.load(wmask_ptr + tq * S + s_idx, mask=inr, other=0) != 0)
+            m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
+                                            s_idx.to(tl.int64), ok, m_i, l_i, acc_e, acc_o, dv0, scale,
+                                            D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, False, DOT_DT)
+        # global blocks
+        for nb in range(tl.maximum(b_lo, n_wb), b_hi):
+            k_idx = (nb - n_wb) * BLOCK_N + nn
+            inr = k_idx < K
+            idx = tl.load(gidx_ptr + tq * K + k_idx, mask=inr, other=-1)
+            ok = idx >= 0
+            rows = tl.maximum(idx, 0).to(tl.int64)
+            m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
+                                            rows, ok, m_i, l_i, acc_e, acc_o, dv0, scale,
+                                            D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, True, DOT_DT)
+        col = dv0 + 2 * jv
+        if SPLIT:
+            prow = ((tq * n_split + sp) * H + heads).to(tl.int64)
+            pp = pacc_ptr + prow[:, None] * D + col[None, :]
+            tl.store(pp, acc_e, mask=hok[:, None])
+            tl.store(pp + 1, acc_o, mask=hok[:, None])
+            first = hok & (dvb == 0)
+            tl.store(pm_ptr + prow, m_i, mask=first)
+            tl.store(pl_ptr + prow, l_i, mask=first)
+        else:
+            sk = tl.load(sink_ptr + heads, mask=hok, other=0.0).to(tl.float32)
+            inv = 1.0 / (l_i + tl.exp(sk - m_i))
+            op = out_ptr + qrow[:, None] + col[None, :]
+            tl.store(op, (acc_e * inv[:, None]).to(tl.bfloat16), mask=hok[:, None])
+            tl.store(op + 1, (acc_o * inv[:, None]).to(tl.bfloat16), mask=hok[:, None])
+
+
+@triton.jit
+def _combine_kernel(pacc_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, H, n_split, n_hb, n_db, n_tiles, num_programs,
+                    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    hh = tl.arange(0, BLOCK_H)
+    dd = tl.arange(0, BLOCK_D)
+    for tile in range(pid, n_tiles, num_programs):
+        db = tile % n_db
+        r = tile // n_db
+        hb = r % n_hb
+        tq = r // n_hb
+        heads = hb * BLOCK_H + hh
+        hok = heads < H
+        col = db * BLOCK_D + dd
+        mx = tl.full([BLOCK_H], RUNNING_MAX_INIT, dtype=tl.float32)
+        for sp in range(0, n_split):
+            prow = (tq * n_split + sp) * H + heads
+            mx = tl.maximum(mx, tl.load(pm_ptr + prow, mask=hok, other=RUNNING_MAX_INIT))
+        den = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        for sp in range(0, n_split):
+            prow = (tq * n_split + sp) * H + heads
+            w = tl.exp(tl.load(pm_ptr + prow, mask=hok, other=RUNNING_MAX_INIT) - mx)
+            den += w * tl.load(pl_ptr + prow, mask=hok, other=0.0)
+            a = tl.load(pacc_ptr + prow.to(tl.int64)[:, None] * D + col[None, :], mask=hok[:, None], other=0.0)
+            acc += w[:, None] * a
+        sk = tl.load(sink_ptr + heads, mask=hok, other=0.0).to(tl.float32)
+        inv = 1.0 / (den + tl.exp(sk - mx))
+        orow = (tq * H + heads).to(tl.int64) * D
+        tl.store(out_ptr + orow[:, None] + col[None, :], (acc * inv[:, None]).to(tl.bfloat16), mask=hok[:, None])
+
+
+# ---- launcher -----------------------------------------------------------------------------------
+
+def _backend_key(device: torch.device) -> str:
+    from .launch import interpreting
+
+    if interpreting():
+        return "interp"
+    return "npu" if device.type == "npu" else "cuda"
+
+
+def _pow2_at_least(n: int, lo: int) -> int:
+    p = lo
+    while p < n:
+        p *= 2
+    return p
+
+
+def sparse_attention_launch(q, win_kv, win_scale, win_mask, glob_kv, glob_scale, glob_idx, sink, softmax_scale,
+                            *, BLOCK_H: int, BLOCK_N: int, BLOCK_D: int | None, BLOCK_DV: int | None,
+                            num_warps: int | None = None, min_blocks_per_split: int = 2,
+                            n_split: int | None = None) -> torch.Tensor:
+    """`sparse_attention` with explicit tile sizes (tests and tuning); `n_split` forces the split count."""
+    from .launch import grid_for, interpreting, num_workers
+
+    t, h, d = q.shape
+    if d % 32 or d < 32:
+        raise ValueError(f"head_dim {d} must be a multiple of 32")
+    s = win_kv.shape[0]
+    if win_kv.shape != (s, d) or win_scale.shape != (s, d // 32) or win_mask.shape != (t, s):
+        raise ValueError("window tensors do not match q")
+    have_glob = glob_idx is not None and glob_idx.shape[-1] > 0
+    k = glob_idx.shape[-1] if have_glob else 0
+    if have_glob and (glob_idx.shape != (t, k) or glob_kv.shape[1:] != (d // 2,) or glob_scale.shape[1:] != (d // 16,)):
+        raise ValueError("global tensors do not match q")
+    block_d = d if BLOCK_D is None else min(BLOCK_D, d)
+    block_dv = d if BLOCK_DV is None else min(BLOCK_DV, d)
+    if d % block_d or d % block_dv or block_d < 32 or block_dv < 32:
+        raise ValueError(f"BLOCK_D {block_d} / BLOCK_DV {block_dv} must divide head_dim {d} (and be >= 32)")
+    block_h = _pow2_at_least(min(BLOCK_H, h), 16)  # tl.dot needs M >= 16; extra heads are masked
+
+    dev = q.device
+    out = torch.empty(t, h, d, dtype=torch.bfloat16, device=dev)
+    if t == 0 or h == 0:
+        return out
+    qc = q.contiguous()
+    wk = win_kv.contiguous().view(torch.uint8)
+    ws = win_scale.contiguous().view(torch.uint8)
+    wm = win_mask.contiguous().view(torch.uint8) if win_mask.dtype == torch.bool else (win_mask != 0).to(torch.uint8)
+    if have_glob:
+        gk = glob_kv.contiguous().view(torch.uint8)
+        gs = glob_scale.contiguous().view(torch.uint8)
+        gi = glob_idx.contiguous()
+        if gi.dtype not in (torch.int32, torch.int64):
+            gi = gi.long()
+    else:
+        gk, gs, gi = wk, ws, torch.full((1,), -1, dtype=torch.int32, device=dev)
+    sk = sink.contiguous()
+
+    n_hb = -(-h // block_h)
+    n_dv = d // block_dv
+    n_wb = -(-s // BLOCK_N)
+    n_blocks = n_wb + -(-k // BLOCK_N)
+    base_tiles = t * n_hb * n_dv
+    if n_split is None:
+        workers = num_workers(dev)
+        n_split = 1
+        if base_tiles < workers and n_blocks > min_blocks_per_split:
+            n_split = min(-(-workers // base_tiles), n_blocks // max(1, min_blocks_per_split))
+    n_split = max(1, min(n_split, max(1, n_blocks)))
+    bps = max(1, -(-n_blocks // n_split))
+    n_split = max(1, -(-n_blocks // bps))  # no empty split
+    split = n_split > 1
+    if split:
+        pacc = torch.empty(t, n_split, h, d, dtype=torch.float32, device=dev)
+        pm = torch.empty(t, n_split, h, dtype=torch.float32, device=dev)
+        pl = torch.empty(t, n_split, h, dtype=torch.float32, device=dev)
+    else:
+        pacc = pm = pl = out
+    n_tiles = base_tiles * n_split
+    grid = grid_for(n_tiles, dev)
+    kw = {"num_warps": num_warps} if (num_warps and dev.type == "cuda") else {}
+    dot_dt = tl.float32 if interpreting() else tl.bfloat16
+    _sparse_attn_kernel[(grid,)](qc, wk, ws, wm, gk, gs, gi, sk, out, pacc, pm, pl,
+                                 h, s, k, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, grid,
+                                 float(softmax_scale), D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
+                                 BLOCK_D=block_d, BLOCK_DV=block_dv, SPLIT=split, DOT_DT=dot_dt, **kw)
+    if split:
+        cb_h = _pow2_at_least(min(COMBINE_BLOCK_H, h), 1)
+        cb_d = min(COMBINE_BLOCK_D, d)
+        while d % cb_d:
+            cb_d //= 2
+        c_hb = -(-h // cb_h)
+        c_tiles = t * c_hb * (d // cb_d)
+        c_grid = grid_for(c_tiles, dev)
+        _combine_kernel[(c_grid,)](pacc, pm, pl, sk, out, h, n_split, c_hb, d // cb_d, c_tiles, c_grid,
+                                   D=d, BLOCK_H=cb_h, BLOCK_D=cb_d)
+    return out
+
+
+def sparse_attention(q: torch.Tensor, win_kv: torch.Tensor, win_scale: torch.Tensor, win_mask: torch.Tensor,
+                     glob_kv: torch.Tensor | None, glob_scale: torch.Tensor | None, glob_idx: torch.Tensor | None,
+                     sink: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """`ops.sparse_attention` on the Triton kernel: [T, H, D] bf16 out. Requires triton."""
+    cfg = CONFIGS[_backend_key(q.device)]
+    return sparse_attention_launch(q, win_kv, win_scale, win_mask, glob_kv, glob_scale, glob_idx, sink,
+                                   softmax_scale, **cfg)
+
+
+OPS = {"sparse_attention": sparse_attention}
