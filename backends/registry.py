@@ -66,7 +66,8 @@ def backend_for_device(device: torch.device | str) -> str:
     forced = forced_backend()
     if forced:
         return forced
-    kind = torch.device(device).type
+    # a string is parsed by hand: torch.device("npu") only works once torch_npu is imported
+    kind = device.split(":")[0] if isinstance(device, str) else torch.device(device).type
     return DEVICE_BACKEND.get(kind, "reference")
 
 

@@ -27,10 +27,15 @@ def backend_report(as_json: bool = False) -> str:
     lines = [f"{b}: {s}" for b, s in status.items()]
     if forced_backend():
         lines.append(f"DSV41_BACKEND={forced_backend()} forces every op onto that backend")
-    lines.append("")
+    lines += ["", "Per op, what a tensor on each backend's device runs:"]
     w = max(len(n) for n in table)
-    lines.append(f"{'op'.ljust(w)}  " + "  ".join(b.ljust(34) for b in BACKENDS))
+    lines.append(f"{'op'.ljust(w)}  " + "  ".join(b.ljust(24) for b in BACKENDS))
+
+    def cell(c: dict) -> str:
+        if c["uses"] != "reference" or c["why"] == "reference backend":
+            return c["uses"]
+        return "reference (unavailable)" if "unavailable" in c["why"] else "reference (no kernel)"
+
     for name, row in table.items():
-        lines.append(f"{name.ljust(w)}  " + "  ".join(f"{row[b]['uses']} ({row[b]['why']})"[:34].ljust(34)
-                                                      for b in BACKENDS))
+        lines.append(f"{name.ljust(w)}  " + "  ".join(cell(row[b]).ljust(24) for b in BACKENDS))
     return "\n".join(lines)

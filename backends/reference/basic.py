@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -27,12 +28,27 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     which the decode-vs-prefill oracle tests rely on (BLAS picks different fp32 summation
     orders for gemv and gemm, and top-k selection amplifies one-ulp differences).
     """
-    return (a.double() @ b.double()).float()
+    return (a.to(ACCUM_DTYPE) @ b.to(ACCUM_DTYPE)).float()
 
 
 def einsum(eq: str, *xs: torch.Tensor) -> torch.Tensor:
     """`torch.einsum` with the same fp64-accumulation contract as `mm`."""
-    return torch.einsum(eq, *(x.double() for x in xs)).float()
+    return torch.einsum(eq, *(x.to(ACCUM_DTYPE) for x in xs)).float()
+
+
+# fp64 by default (the oracle). Benchmarks switch to fp32 with `fp32_accumulation()` to time
+# the reference as the plain unfused torch sequence a kernel replaces.
+ACCUM_DTYPE = torch.float64
+
+
+@contextlib.contextmanager
+def fp32_accumulation():
+    global ACCUM_DTYPE
+    old, ACCUM_DTYPE = ACCUM_DTYPE, torch.float32
+    try:
+        yield
+    finally:
+        ACCUM_DTYPE = old
 
 
 @register("rms_norm")
@@ -66,9 +82,9 @@ def dequant_weight(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Te
     version counter invalidates an entry if a weight is rewritten."""
     key = id(weight)
     hit = _DEQUANT_CACHE.get(key)
-    if hit is not None and hit[0]() is weight and hit[1] == weight._version:
+    if hit is not None and hit[0]() is weight and hit[1] == weight._version and hit[2].dtype == ACCUM_DTYPE:
         return hit[2]
-    w = _dequant_weight(weight, scale).double()
+    w = _dequant_weight(weight, scale).to(ACCUM_DTYPE)
     _DEQUANT_CACHE[key] = (weakref.ref(weight, lambda _, k=key: _DEQUANT_CACHE.pop(k, None)), weight._version, w)
     return w
 

@@ -1,0 +1,213 @@
+"""Kernel benchmark on a CUDA GPU: every op with a Triton kernel against the same op's torch
+implementation (the reference ops run on CUDA tensors with fp32 accumulation, i.e. the unfused
+torch sequence the kernel replaces), at mini-preset widths.
+
+One table: op, shape, median time, bytes moved (or FLOPs), achieved GB/s (or TFLOP/s), % of the
+ceiling measured in this same run (a device-to-device copy; a bf16 8192^3 matmul), speedup over
+torch, and the issue's target where one applies. Written to stdout and to --out (markdown).
+
+    python benchmarks/ops.py [--out benchmarks/RESULTS.md] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from dsv41.backends import ops  # noqa: F401  (registers the reference ops)
+from dsv41.backends import registry
+from dsv41.backends.reference import quant
+from dsv41.backends.reference.basic import fp32_accumulation
+from dsv41.core.config import ModelConfig
+
+CFG = ModelConfig()  # real per-layer widths (the mini preset shares them)
+D, H, HI, DI, DIM, W, TOPK = CFG.head_dim, CFG.num_attention_heads, CFG.index_n_heads, CFG.index_head_dim, \
+    CFG.hidden_size, CFG.sliding_window, CFG.index_topk
+
+
+def timeit(fn: Callable[[], object], iters: int = 30, warmup: int = 5) -> float:
+    """Median seconds per call, CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def ceilings() -> tuple[float, float]:
+    """(copy GB/s, bf16 matmul TFLOP/s) measured now."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = timeit(lambda: dst.copy_(src), iters=20)
+    copy = 2 * src.numel() / t / 1e9
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    t = timeit(lambda: a @ a, iters=10)
+    return copy, 2 * 8192**3 / t / 1e12
+
+
+@dataclass
+class Case:
+    op: str
+    shape: str
+    args: tuple
+    bytes: float
+    flops: float = 0.0
+    kernel_no: int = 0  # the issue's kernel number
+    bound: str = "memory"
+
+
+def cases(quick: bool, dev: str = "cuda") -> list[Case]:
+    out: list[Case] = []
+    big = [1, 64, 256] + ([] if quick else [65536])
+    for m in big:  # 1. fp4_kv_store
+        x = torch.randn(m, D, device=dev).to(torch.bfloat16)
+        out.append(Case("fp4_quant", f"{m}x{D} bf16", (x,), m * D * 2 + m * (D // 2 + D // 16), kernel_no=1))
+    for m in [1, 64, 256] + ([] if quick else [16384]):  # 2. mxfp4_act_quant (indexer query)
+        x = torch.randn(m, HI, DI, device=dev).to(torch.bfloat16)
+        out.append(Case("mxfp4_act_quant", f"{m}x{HI}x{DI}", (x,), m * HI * DI * (2 + 4), kernel_no=2))
+    for g in [32, 128] + ([] if quick else [32768]):  # 3. compress_kv, ratio 2
+        kv, sc = torch.randn(2 * g, D, device=dev), torch.randn(2 * g, D, device=dev)
+        w = (1 + 0.1 * torch.randn(D, device=dev)).to(torch.bfloat16)
+        ang = torch.rand(g, CFG.qk_rope_head_dim // 2, device=dev) * 6
+        codes = torch.zeros(g, D // 2, dtype=torch.uint8, device=dev)
+        scales = torch.zeros(g, D // 16, dtype=torch.float8_e4m3fn, device=dev)
+        slots = torch.arange(g, device=dev)
+        out.append(Case("compress_kv", f"r2 {g} groups x{D}",
+                        (kv, sc, 2, w, 1e-20, ang.cos(), ang.sin(), codes, scales, slots),
+                        2 * 2 * g * D * 4 + g * (D * 2 + D // 2 + D // 16), kernel_no=3))
+    for n in (4096, 65536):  # 4. indexer_topk
+        keys = torch.randn(n, DI, device=dev)
+        kc, ks = quant.mxfp4_quant(keys)
+        for t in (1, 64, 256):
+            q = quant.mxfp4_qdq(torch.randn(t, HI, DI, device=dev))
+            wts = torch.randn(t, HI, device=dev) * DI ** -0.5 * HI ** -0.5
+            vis = torch.full((t,), n, dtype=torch.long, device=dev)
+            out.append(Case("indexer_topk", f"T={t} ctx={n // 1024}K", (q, wts, kc, ks, vis, TOPK),
+                            n * (DI // 2 + DI // 32) + t * HI * DI * 4, 2 * t * HI * DI * n, 4, "compute"))
+    for n in (4096, 65536):  # 5. sparse_attention (decode)
+        g_codes, g_scale = quant.fp4_quant(torch.randn(n, D, device=dev))
+        w8, ws = quant.fp8_quant(torch.randn(W, D, device=dev))
+        for t in (1, 64, 256):
+            q = torch.randn(t, H, D, device=dev).to(torch.bfloat16)
+            mask = torch.ones(t, W, dtype=torch.bool, device=dev)
+            idx = torch.randint(0, n, (t, TOPK), device=dev)
+            sink = torch.randn(H, device=dev)
+            must_read = t * TOPK * (D // 2 + D // 16) + W * (D + D // 32) + 2 * t * H * D * 2
+            out.append(Case("sparse_attention", f"T={t} ctx={n // 1024}K",
+                            (q, w8, ws, mask, g_codes, g_scale, idx, sink, D ** -0.5), must_read,
+                            4 * t * H * D * (TOPK + W), 5))
+    n = CFG.hc_mult
+    fn = torch.randn((2 + n) * n, n * DIM, device=dev) * (n * DIM) ** -0.5
+    scale, base = torch.rand(3, device=dev) + 0.5, torch.randn((2 + n) * n, device=dev) * 0.5
+    for t in [1, 64, 256] + ([] if quick else [4096]):  # 6. mega_mhc
+        x = torch.randn(t, n, DIM, device=dev).to(torch.bfloat16)
+        y = torch.randn(t, DIM, device=dev).to(torch.bfloat16)
+        post = torch.rand(t, n, device=dev) * 2
+        comb = torch.softmax(torch.randn(t, n, n, device=dev), -1)
+        pre = torch.rand(t, n, device=dev)
+        out.append(Case("mhc_mix", f"T={t} n={n} d={DIM}",
+                        (x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, CFG.hc_sinkhorn_iters),
+                        t * (2 * n + 2) * DIM * 2 + fn.numel() * 4, kernel_no=6))
+    rows = 1 << 22
+    table, tscale = quant.fp8_quant(torch.randn(rows, CFG.engram_head_dim, device=dev))
+    r = CFG.n_engram_rows_per_token
+    for t in [1, 64, 256] + ([] if quick else [4096]):  # 7. engram_lookup
+        ids = torch.randint(0, rows, (t, r), device=dev)
+        out.append(Case("engram_lookup", f"T={t} {r} rows x{CFG.engram_head_dim}", (table, tscale, ids),
+                        t * r * (CFG.engram_head_dim * (1 + 2) + CFG.engram_head_dim // 32), kernel_no=7))
+    gate = torch.randn(CFG.n_routed_experts, DIM, device=dev).to(torch.bfloat16)
+    bias = torch.randn(CFG.n_routed_experts, device=dev) * 0.1
+    for t in (1, 64, 256):  # 8. moe_route
+        x = torch.randn(t, DIM, device=dev).to(torch.bfloat16)
+        out.append(Case("moe_route", f"T={t} E={CFG.n_routed_experts} k={CFG.num_experts_per_tok}",
+                        (x, gate, bias, CFG.num_experts_per_tok, CFG.routed_scaling_factor),
+                        gate.numel() * 2 + t * DIM * 2, 2 * t * DIM * CFG.n_routed_experts, 8))
+    return out
+
+
+TARGETS = {
+    "fp4_quant": ("copy", 0.70), "mxfp4_act_quant": ("speedup", 9.5), "compress_kv": ("copy", 0.70),
+    "mhc_mix": ("speedup", 3.0), "engram_lookup": ("copy", 0.70), "sparse_attention": ("copy", 0.50),
+}
+
+
+def run(quick: bool) -> tuple[str, list[dict]]:
+    copy_gbs, mm_tflops = ceilings()
+    rows = []
+    for c in cases(quick):
+        ref = registry.resolve(c.op, "reference")[0]
+        impl, used, why = registry.resolve(c.op, "cuda")
+        with fp32_accumulation():
+            t_ref = timeit(lambda: ref(*c.args), iters=10, warmup=2)
+        t_k = timeit(lambda: impl(*c.args)) if used == "cuda" else None
+        t = t_k if t_k is not None else t_ref
+        gbs = c.bytes / t / 1e9
+        tfl = c.flops / t / 1e12 if c.flops else 0.0
+        rows.append(dict(op=c.op, k=c.kernel_no, shape=c.shape, impl=used, t=t, bytes=c.bytes, gbs=gbs,
+                         pct_copy=gbs / copy_gbs, tflops=tfl, pct_mm=tfl / mm_tflops if tfl else 0.0,
+                         speedup=(t_ref / t_k) if t_k else None))
+    dev = torch.cuda.get_device_name()
+    lines = [f"# Kernel benchmark ({datetime.date.today().isoformat()}, {dev}, torch {torch.__version__})", "",
+             f"Ceilings measured in this run: device copy {copy_gbs:.0f} GB/s; bf16 8192^3 matmul "
+             f"{mm_tflops:.0f} TFLOP/s. Speedup is over the same op's torch implementation on the GPU "
+             "(the reference ops with fp32 accumulation: the unfused sequence). 'reference' in the "
+             "impl column means no kernel is registered for that op yet.", "",
+             "| # | op | shape | impl | median | bytes | GB/s | % copy | TFLOP/s | % matmul | speedup vs torch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sp = f"{r['speedup']:.1f}x" if r["speedup"] else "-"
+        lines.append(f"| {r['k']} | {r['op']} | {r['shape']} | {r['impl']} | {r['t'] * 1e6:.1f} us | "
+                     f"{r['bytes'] / 1e6:.2f} MB | {r['gbs']:.0f} | {100 * r['pct_copy']:.0f}% | "
+                     f"{r['tflops']:.2f} | {100 * r['pct_mm']:.1f}% | {sp} |")
+    lines += ["", "Targets (issue 3), judged at the largest size of each op:", ""]
+    for op, (kind, goal) in TARGETS.items():
+        mine = [r for r in rows if r["op"] == op]
+        if not mine:
+            continue
+        last = mine[-1] if op != "sparse_attention" else max((r for r in mine if "64K" in r["shape"]),
+                                                               key=lambda r: r["bytes"])
+        if last["impl"] != "cuda":
+            lines.append(f"- {op}: no kernel registered: target not measured")
+            continue
+        val = last["speedup"] if kind == "speedup" else last["pct_copy"]
+        ok = val is not None and val >= goal
+        shown = f"{val:.1f}x" if kind == "speedup" else f"{100 * val:.0f}% of copy"
+        goal_s = f">= {goal}x" if kind == "speedup" else f">= {100 * goal:.0f}% of copy"
+        lines.append(f"- {op} ({last['shape']}): {shown} (target {goal_s}): {'met' if ok else 'MISSED'}")
+    return "\n".join(lines) + "\n", rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="also write the markdown table here")
+    ap.add_argument("--quick", action="store_true", help="skip the largest sizes")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/ops.py needs a CUDA device", file=sys.stderr)
+        return 2
+    text, _ = run(a.quick)
+    print(text)
+    if a.out:
+        with open(a.out + ".tmp", "w") as f:
+            f.write(text)
+        import os
+
+        os.replace(a.out + ".tmp", a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

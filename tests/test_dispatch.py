@@ -1,0 +1,84 @@
+"""Dispatch: device -> backend, the DSV41_BACKEND override, the one-time fallback warning, and
+the guards that keep torch_npu / triton out of `import dsv41`."""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from dsv41.backends import ops, registry
+from dsv41.backends.platform import Platform, platform_for
+
+
+@pytest.mark.parametrize("device, backend", [("cpu", "reference"), ("cuda", "cuda"), ("npu", "ascend"),
+                                             ("meta", "reference")])
+def test_device_picks_backend(device, backend, monkeypatch):
+    monkeypatch.delenv("DSV41_BACKEND", raising=False)
+    assert registry.backend_for_device(device) == backend
+
+
+def test_env_override_and_bad_value(monkeypatch):
+    monkeypatch.setenv("DSV41_BACKEND", "ascend")
+    assert registry.backend_for_device("cpu") == "ascend"
+    monkeypatch.setenv("DSV41_BACKEND", "tpu")
+    with pytest.raises(ValueError, match="DSV41_BACKEND"):
+        registry.backend_for_device("cpu")
+
+
+def test_fallback_warns_once_per_op_and_matches_reference(monkeypatch):
+    monkeypatch.setenv("DSV41_BACKEND", "ascend")  # no torch_npu here: every op falls back
+    registry.reset_warnings()
+    x, w = torch.randn(3, 32), torch.rand(32) + 0.5
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a = ops.rms_norm(x, w, 1e-6)
+        b = ops.rms_norm(x, w, 1e-6)
+        ops.rope(x, torch.ones(3, 4), torch.zeros(3, 4))
+    msgs = [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)]
+    assert len([m for m in msgs if "'rms_norm'" in m]) == 1
+    assert len([m for m in msgs if "'rope'" in m]) == 1
+    assert all("torch_npu not importable" in m for m in msgs)
+    monkeypatch.delenv("DSV41_BACKEND")
+    assert torch.equal(a, b) and torch.equal(a, ops.rms_norm(x, w, 1e-6))
+
+
+def test_resolve_reports_why(monkeypatch):
+    fn, used, why = registry.resolve("sparse_attention", "ascend")
+    assert used == "reference" and "torch_npu not importable" in why
+    with pytest.raises(KeyError):
+        registry.resolve("no_such_op", "reference")
+
+
+def test_import_dsv41_loads_no_optional_backend():
+    code = ("import sys, torch, dsv41, dsv41.core.model, dsv41.core.engine, dsv41.backends.ops, dsv41.deploy.cli;"
+            "from dsv41.backends import ops; ops.rms_norm(torch.ones(2, 32), torch.ones(32), 1e-6);"
+            "bad = [m for m in ('torch_npu', 'triton', 'vllm', 'mindspore') if m in sys.modules];"
+            "print(bad); sys.exit(1 if bad else 0)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_backends_command_names_the_ascend_reason():
+    p = subprocess.run([sys.executable, "-m", "dsv41.deploy.cli", "backends", "--json"], capture_output=True,
+                       text=True, timeout=120)
+    import json
+
+    out = json.loads(p.stdout)
+    assert out["backends"]["reference"] == "available"
+    assert out["backends"]["ascend"].startswith("unavailable (torch_npu not importable")
+    assert set(out["ops"]) == set(registry.op_names())
+
+
+def test_cpu_platform_is_a_no_op_stand_in():
+    p = platform_for("cpu")
+    assert isinstance(p, Platform) and p.kind == "cpu" and p.backend == "reference" and p.num_workers() == 1
+    s, e = p.stream(), p.event()
+    with p.use_stream(s):
+        e.record(s)
+        s.wait_event(e)
+    p.synchronize()
+    assert p.graph_class() is None and p.pinned_empty((2, 3), torch.float32).shape == (2, 3)
+    with pytest.raises(RuntimeError, match="npu"):
+        platform_for("npu")
