@@ -101,7 +101,9 @@ class Indexer(nn.Module):
     """CSA2 indexer: 32 heads x 128 scoring the MXFP4 keys of the latest KV source.
 
     Full layers own the key path (`wk`, `k_norm`); Reindex layers own only `wq_b` and
-    `weights_proj` and re-score inside the decoder's candidate pool.
+    `weights_proj` and re-score inside the decoder's candidate pool. RoPE (the layer's table)
+    rotates the LAST `qk_rope_head_dim` channels of each 128-wide indexer head, as in attention
+    (the spec does not say which channels; this is our reading, one place to change).
     """
 
     def __init__(self, cfg: ModelConfig, owns_keys: bool):

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import math
 
@@ -19,7 +18,6 @@ from dsv41.core.config import (
     VisionConfig,
     from_dict,
     from_flat_dict,
-    from_hf_dict,
     load_config,
     preset,
     yarn_inv_freq,

@@ -74,7 +74,7 @@ def test_sinkhorn_doubly_stochastic():
     wide = ops.sinkhorn(torch.randn(64, 4, 4) * 3, 20, 1e-6)
     torch.testing.assert_close(wide.sum(-2), torch.ones(64, 4), rtol=0, atol=1e-5)
     # and with enough rounds the rows follow
-    many = ops.sinkhorn(torch.randn(64, 4, 4) * 2, 2000, 1e-6)
+    many = ops.sinkhorn(torch.randn(64, 4, 4) * 2, 1000, 1e-6)
     torch.testing.assert_close(many.sum(-1), torch.ones(64, 4), rtol=0, atol=1e-5)
 
 
@@ -149,14 +149,14 @@ def test_mhc_update_uses_comb_transposed():
     # the "comb @ X" reading would be different
     wrong = post.unsqueeze(-1) * y.unsqueeze(1) + torch.einsum("tij,tjd->tid", comb, x)
     assert (wrong - out).abs().max() > 1e-2
-    # bf16 streams: bf16 out, same values to bf16 precision (2^-8 relative)
+    # bf16 streams: bf16 out, same values to bf16 precision (unit roundoff 2^-8; bound 2^-7)
     outb = ops.mhc_update(x.bfloat16(), y.bfloat16(), post, comb)
     assert outb.dtype == torch.bfloat16
     expb = torch.zeros_like(expect)
     for j in range(n):
         expb[:, j] = post[:, j, None].double() * y.bfloat16().double() + sum(
             comb[:, i, j, None].double() * x[:, i].bfloat16().double() for i in range(n))
-    assert (outb.double() - expb).abs().max() <= 2.0**-8 * expb.abs().max()
+    assert (outb.double() - expb).abs().max() <= 2.0**-7 * expb.abs().max()
 
 
 def test_mhc_collapse():
@@ -320,11 +320,11 @@ def test_sparse_attention_matches_loop():
     wv = quant.fp8_dequant(win_kv, win_scale)
     gv = quant.fp4_dequant(glob_kv, glob_scale)
     ref = _oracle_attention(q, wv, win_mask, gv, glob_idx, sink, d**-0.5)
-    # bf16 probabilities (2^-9 relative each) and a bf16 output (2^-9 relative):
-    # |err| <= 2^-9 max|v| + 2^-9 |ref|, with slack
+    # bf16 probabilities (2^-8 relative each: bf16's unit roundoff) and a bf16 output (2^-8
+    # relative): |err| <= 2^-8 max|v| + 2^-8 |ref|; asserted with a factor 2 of slack
     vmax = max(wv.abs().max().item(), gv.abs().max().item())
     err = (out.double() - ref).abs()
-    assert (err <= 2.0**-8 * (vmax + ref.abs())).all()
+    assert (err <= 2.0**-7 * (vmax + ref.abs())).all()
     assert torch.equal(out[2].float(), torch.zeros_like(out[2].float()))  # all masked -> 0
     assert not torch.isnan(out.float()).any()
     assert ref[1].abs().max() > 0 and ref[0].abs().max() > 0
@@ -344,7 +344,7 @@ def test_sparse_attention_sink_in_denominator_only(sink):
     for hh in range(h):
         logit = (q[0, hh].double() @ v[1].double()).item() * d**-0.5
         expect = v[1].double() * _sigmoid(logit - sinks[hh].item())
-        assert (out[0, hh].double() - expect).abs().max() <= 2.0**-8 * v[1].abs().max()
+        assert (out[0, hh].double() - expect).abs().max() <= 2.0**-7 * v[1].abs().max()
 
 
 def test_sparse_attention_window_only():
@@ -354,7 +354,7 @@ def test_sparse_attention_window_only():
     wv = quant.fp8_dequant(win_kv, win_scale)
     ref = _oracle_attention(q, wv, win_mask, wv[:0], None, sink, d**-0.5)
     err = (out.double() - ref).abs()
-    assert (err <= 2.0**-8 * (wv.abs().max() + ref.abs())).all()
+    assert (err <= 2.0**-7 * (wv.abs().max() + ref.abs())).all()
     assert torch.equal(out[1].float(), torch.zeros_like(out[1].float()))
 
 
@@ -547,15 +547,25 @@ def test_unknown_op():
         registry.resolve("no_such_op", "reference")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback on a machine without CUDA")
-def test_cuda_request_falls_back_to_reference():
-    fn, used, reason = registry.resolve("rms_norm", "cuda")
-    assert used == "reference" and "fallback" in reason
-    assert fn is registry.resolve("rms_norm", "reference")[0]
+@pytest.fixture
+def no_cuda_backend(monkeypatch):
+    """A fresh backend-load cache with the Triton interpreter off, so the CUDA backend's loader
+    runs again and fails as it does on a machine without CUDA (other tests may have loaded it
+    under TRITON_INTERPRET=1 in this process); monkeypatch restores the cache afterwards."""
+    if torch.cuda.is_available():
+        pytest.skip("checks the fallback on a machine without CUDA")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(registry, "_LOADED", {})
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback on a machine without CUDA")
-def test_dispatch_warns_once_per_op_and_backend(monkeypatch):
+def test_cuda_request_falls_back_to_reference(no_cuda_backend):
+    for op in ("rms_norm", "sparse_attention", "fp4_quant"):  # with and without Triton kernels
+        fn, used, reason = registry.resolve(op, "cuda")
+        assert used == "reference" and reason.startswith("fallback"), (op, reason)
+        assert fn is registry.resolve(op, "reference")[0]
+
+
+def test_dispatch_warns_once_per_op_and_backend(monkeypatch, no_cuda_backend):
     monkeypatch.setenv("DSV41_BACKEND", "cuda")
     x, w = torch.randn(3, 32), torch.rand(32)
     with pytest.warns(RuntimeWarning, match="'rms_norm'.*cuda"):
@@ -586,20 +596,88 @@ def test_dispatch_warns_once_per_op_and_backend(monkeypatch):
 
 # ---- smaller dense ops -----------------------------------------------------------------------
 
-def test_compress_kv_per_channel_softmax_pool():
-    ratio, g, d = 2, 5, 32
-    kv = torch.randn(g * ratio + 1, d).bfloat16()  # a trailing partial group is ignored
-    score = torch.randn(g * ratio + 1, d)
-    out = ops.compress_kv(kv, score, ratio)
-    assert out.shape == (g, d) and out.dtype == torch.float32
-    expect = torch.zeros(g, d, dtype=torch.float64)
+def _oracle_softmax_pool(kv, score, ratio):
+    g, d = kv.shape[0] // ratio, kv.shape[1]
+    out = torch.zeros(g, d, dtype=torch.float64)
     for gi in range(g):
         for c in range(d):
             sc = [score[gi * ratio + r, c].item() for r in range(ratio)]
             mx = max(sc)
             w = [math.exp(v - mx) for v in sc]
-            expect[gi, c] = sum(wi * kv[gi * ratio + r, c].item() for r, wi in enumerate(w)) / sum(w)
-    torch.testing.assert_close(out.double(), expect, rtol=1e-5, atol=1e-6)
+            out[gi, c] = sum(wi * kv[gi * ratio + r, c].item() for r, wi in enumerate(w)) / sum(w)
+    return out
+
+
+def _oracle_rope(x, cos, sin):
+    """Interleaved pairs of the last 2 * cos.shape[-1] channels, float64 loops."""
+    y = x.double().clone()
+    d, half = x.shape[-1], cos.shape[-1]
+    for t in range(x.shape[0]):
+        for i in range(half):
+            a, b = x[t, d - 2 * half + 2 * i].item(), x[t, d - 2 * half + 2 * i + 1].item()
+            c, s = cos[t, i].item(), sin[t, i].item()
+            y[t, d - 2 * half + 2 * i] = a * c - b * s
+            y[t, d - 2 * half + 2 * i + 1] = a * s + b * c
+    return y
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_compress_kv_pool_norm_rope_fp4_store(ratio):
+    g, d, r, cap = 5, 64, 32, 12
+    rows = g * ratio + (1 if ratio > 1 else 0)  # a trailing partial group is ignored
+    kv = torch.randn(rows, d) * 3
+    score = torch.randn(rows, d) if ratio > 1 else None
+    w = torch.rand(d) + 0.5
+    cos, sin = _cos_sin(g, r // 2)
+    codes = torch.zeros(cap, d // 2, dtype=torch.uint8)
+    scales = torch.zeros(cap, d // 16, dtype=torch.float8_e4m3fn)
+    slots = torch.tensor([7, 0, 3, 11, 5])
+    lat = ops.compress_kv(kv, score, ratio, w, 1e-20, cos, sin, codes, scales, slots)
+    assert lat.shape == (g, d) and lat.dtype == torch.bfloat16
+    pooled = _oracle_softmax_pool(kv, score, ratio) if ratio > 1 else kv[:g].double()
+    normed = pooled / torch.sqrt(pooled.pow(2).mean(-1, keepdim=True)) * w.double()
+    # the returned latent is un-rotated, bf16 (2^-8 relative rounding; bound 2^-7)
+    assert (lat.double() - normed).abs().max() <= 2.0**-7 * normed.abs().max()
+    # the cache holds FP4 of RoPE(latent) at the given slots; other slots untouched
+    rotated = _oracle_rope(lat.float(), cos, sin)
+    stored = quant.fp4_dequant(codes[slots], scales[slots]).double()
+    amax = rotated.reshape(g, d // 16, 16).abs().amax(-1, keepdim=True)
+    err = (stored - rotated).reshape(g, d // 16, 16).abs()
+    # the FP4 bound of test_formats.py, (1 + 2^-4) amax / 6, applied to the bf16 output of the
+    # RoPE op (2^-8 relative rounding; 2^-7 terms for slack)
+    bound = (1 + 2.0**-4) * amax / 6 * (1 + 2.0**-7) + 2.0**-7 * rotated.reshape(g, d // 16, 16).abs()
+    assert (err <= bound).all()
+    exp_codes, exp_scales = quant.fp4_quant(ops.rope(lat, cos, sin))
+    assert torch.equal(codes[slots], exp_codes) and torch.equal(scales[slots].float(), exp_scales.float())
+    untouched = sorted(set(range(cap)) - set(slots.tolist()))
+    assert codes[untouched].eq(0).all() and scales[untouched].float().eq(0).all()
+
+
+def test_mhc_mix_fused_step():
+    t, n, d = 3, 4, 32
+    x = torch.randn(t, n, d).bfloat16()
+    y = torch.randn(t, d).bfloat16()
+    post = torch.rand(t, n) * 2
+    comb = torch.rand(t, n, n)
+    pre = torch.rand(t, n)
+    fn = torch.randn(6 * n, n * d) * 0.05
+    scale = torch.rand(3) + 0.5
+    base = torch.randn(6 * n) * 0.5
+    x_new, x_hat, coef = ops.mhc_mix(x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, 20)
+    assert x_new.dtype == torch.bfloat16 and x_new.shape == x.shape and x_hat.shape == (t, d)
+    expect = torch.zeros(t, n, d, dtype=torch.float64)
+    for j in range(n):
+        expect[:, j] = post[:, j, None].double() * y.double() + sum(
+            comb[:, i, j, None].double() * x[:, i].double() for i in range(n))
+    assert (x_new.double() - expect).abs().max() <= 2.0**-7 * expect.abs().max()  # bf16 out
+    hat = sum(pre[:, i, None].double() * x_new[:, i].double() for i in range(n))
+    assert (x_hat.double() - hat).abs().max() <= 2.0**-7 * hat.abs().max()
+    opre, opost, ocomb = _oracle_mixes(x_new, fn, scale, base, 1e-20, 1e-6, 20)
+    torch.testing.assert_close(coef[0].double(), opre, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(coef[1].double(), opost, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(coef[2].double(), ocomb, rtol=1e-4, atol=1e-6)
+    _, _, none = ops.mhc_mix(x, y, post, comb, pre, None, None, None, 1e-20, 1e-6, 20)
+    assert none is None
 
 
 def test_rms_norm_and_swiglu():
@@ -609,8 +687,9 @@ def test_rms_norm_and_swiglu():
     assert y.dtype == torch.bfloat16
     xd = x.double()
     expect = xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True)) * w.double()
-    assert _rel_err(y, expect) < 2.0**-8
+    assert _rel_err(y, expect) < 2.0**-7  # bf16 output, unit roundoff 2^-8
     gate, up = torch.randn(3, 16) * 8, torch.randn(3, 16) * 8
+    gate[0, 0], up[0, 1], up[1, 2] = 15.0, -15.0, 12.0  # the clamps are exercised
     s = ops.swiglu_clamped(gate, up, 10.0)
     gd, ud = gate.double().clamp(max=10), up.double().clamp(-10, 10)
     torch.testing.assert_close(s.double(), gd * torch.sigmoid(gd) * ud, rtol=1e-5, atol=1e-5)
@@ -624,7 +703,7 @@ def test_grouped_linear_block_diagonal():
     y = ops.grouped_linear(x, w)
     assert y.shape == (t, g * r) and y.dtype == torch.bfloat16
     expect = torch.cat([x[:, gi].double() @ w[gi * r:(gi + 1) * r].double().t() for gi in range(g)], -1)
-    assert (y.double() - expect).abs().max() <= 2.0**-8 * expect.abs().max()
+    assert (y.double() - expect).abs().max() <= 2.0**-7 * expect.abs().max()
 
 
 def test_engram_lookup_fp8_and_int8():
@@ -636,10 +715,11 @@ def test_engram_lookup_fp8_and_int8():
     assert out.shape == (2, 3 * dh) and out.dtype == torch.bfloat16
     deq = quant.fp8_dequant(q, s)
     expect = deq[rows.reshape(-1)].reshape(2, 3 * dh)
-    assert (out.double() - expect.double()).abs().max() <= 2.0**-9 * expect.abs().max()
+    # FP8 values times a power of two are exact in bf16
+    assert torch.equal(out.double(), expect.double())
     # INT8 rows with one fp32 scale per row (the Ascend host layout)
     i8 = torch.randint(-127, 128, (rows_n, dh), dtype=torch.int8)
     rs = torch.rand(rows_n) + 0.01
     out8 = ops.engram_lookup(i8, rs, rows)
     exp8 = (i8.double() * rs.double().unsqueeze(-1))[rows.reshape(-1)].reshape(2, 3 * dh)
-    assert (out8.double() - exp8).abs().max() <= 2.0**-8 * exp8.abs().max()
+    assert (out8.double() - exp8).abs().max() <= 2.0**-7 * exp8.abs().max()

@@ -46,7 +46,7 @@ def make_inputs(g, t, h, d, s, n, k, *, glob=True, dead_rows=(2,), window_off_ro
         for r in dead_rows:
             if r < t:
                 win_mask[r] = False
-        return q, win_kv, win_scale, win_mask, None, None, None, sink
+        return [q, win_kv, win_scale, win_mask, None, None, None, sink]
     gx = torch.randn(n, d, generator=g) * torch.exp2(torch.randint(-3, 4, (n, 1), generator=g).float())
     glob_kv, glob_scale = quant.fp4_quant(gx)
     glob_idx = torch.randint(0, n, (t, k), generator=g)
@@ -60,7 +60,7 @@ def make_inputs(g, t, h, d, s, n, k, *, glob=True, dead_rows=(2,), window_off_ro
         if r < t:
             win_mask[r] = False
             glob_idx[r] = -1  # nothing at all: output 0
-    return q, win_kv, win_scale, win_mask, glob_kv, glob_scale, glob_idx, sink
+    return [q, win_kv, win_scale, win_mask, glob_kv, glob_scale, glob_idx, sink]
 
 
 def to(dev, args):

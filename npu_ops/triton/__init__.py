@@ -6,4 +6,4 @@ exactly the signature and semantics of the op of the same name in `dsv41.backend
 """
 
 # Modules registered by the backends, in order; add a kernel by adding its module here.
-KERNELS = ["mxfp4_act_quant", "fp4_kv_store"]
+KERNELS = ["mxfp4_act_quant", "fp4_kv_store", "sparse_attention", "indexer_topk", "moe_route", "compress_kv", "mega_mhc", "engram_lookup"]

@@ -39,11 +39,13 @@ import triton.language as tl
 
 from ...backends.reference.attention import sparse_attention as sparse_attention_ref  # noqa: F401  (the oracle)
 
-RUNNING_MAX_INIT = -1e30
+RUNNING_MAX_INIT = tl.constexpr(-1e30)  # a row with no valid entry outputs 0
 
 # Tile tables: BLOCK_D / BLOCK_DV of None mean the full head_dim (one decode per block).
 CONFIGS = {
-    "cuda": dict(BLOCK_H=32, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, min_blocks_per_split=2),
+    # cuda: ptxas (sm_90a, triton 3.7.1) reports 255 regs + ~80 B spill for 32x16 at 8 warps, the least
+    # of the whole-row variants tried (32x32: ~800 B, 64x32: ~1.7 KB, 16x32 at 4 warps: ~3.5 KB)
+    "cuda": dict(BLOCK_H=32, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=8, min_blocks_per_split=2),
     "npu": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=None, min_blocks_per_split=2),
     "interp": dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=None, min_blocks_per_split=1),
 }
@@ -112,40 +114,71 @@ def _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, c0, j, D: tl.constexpr, IS
     return e, o
 
 
+@triton.jit
+def _round_bf16(x):
+    """fp32 -> the nearest bf16 value (ties to even), kept in fp32; integer ops only (the
+    interpreters' fp32 -> bf16 cast truncates). Finite inputs."""
+    b = x.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot_in(x, DOT_BF16: tl.constexpr):
+    """A dot operand (fp32 holding bf16-exact values) in the dot dtype."""
+    if DOT_BF16:
+        y = x.to(tl.bfloat16)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def _to_bf16(x, NATIVE: tl.constexpr):
+    """fp32 -> bf16 with round-to-nearest-even on every backend."""
+    if NATIVE:  # compiled: the hardware cast rounds to nearest even
+        y = x.to(tl.bfloat16)
+    else:
+        y = _round_bf16(x).to(tl.bfloat16)
+    return y
+
+
 # ---- one block of entries: logits, online softmax, p.V ----------------------------------------
 
 @triton.jit
 def _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok,
            m_i, l_i, acc_e, acc_o, dv0, scale,
            D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-           BLOCK_DV: tl.constexpr, IS_GLOB: tl.constexpr, DOT_DT: tl.constexpr):
+           BLOCK_DV: tl.constexpr, IS_GLOB: tl.constexpr, DOT_BF16: tl.constexpr):
     if BLOCK_D == D and BLOCK_DV == D:
         # whole rows: decode once, use as K and as V
         jd = tl.arange(0, D // 2)
         k_e, k_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, 0, jd, D, IS_GLOB)
-        v_e = k_e.to(DOT_DT)
-        v_o = k_o.to(DOT_DT)
+        v_e = _dot_in(k_e, DOT_BF16)
+        v_o = _dot_in(k_o, DOT_BF16)
         s = tl.dot(q_e, tl.trans(v_e)) + tl.dot(q_o, tl.trans(v_o))
     else:
         jd = tl.arange(0, BLOCK_D // 2)
         s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
         for c0 in range(0, D, BLOCK_D):
             qp = q_ptr + qrow[:, None] + c0 + 2 * jd[None, :]
-            qe = tl.load(qp, mask=hok[:, None], other=0.0).to(tl.float32).to(DOT_DT)
-            qo = tl.load(qp + 1, mask=hok[:, None], other=0.0).to(tl.float32).to(DOT_DT)
+            qe = _dot_in(tl.load(qp, mask=hok[:, None], other=0.0).to(tl.float32), DOT_BF16)
+            qo = _dot_in(tl.load(qp + 1, mask=hok[:, None], other=0.0).to(tl.float32), DOT_BF16)
             k_e, k_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, c0, jd, D, IS_GLOB)
-            s += tl.dot(qe, tl.trans(k_e.to(DOT_DT)))
-            s += tl.dot(qo, tl.trans(k_o.to(DOT_DT)))
+            s += tl.dot(qe, tl.trans(_dot_in(k_e, DOT_BF16)))
+            s += tl.dot(qo, tl.trans(_dot_in(k_o, DOT_BF16)))
         jv = tl.arange(0, BLOCK_DV // 2)
         v_e, v_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, dv0, jv, D, IS_GLOB)
-        v_e = v_e.to(DOT_DT)
-        v_o = v_o.to(DOT_DT)
+        v_e = _dot_in(v_e, DOT_BF16)
+        v_o = _dot_in(v_o, DOT_BF16)
     s = tl.where(ok[None, :], s * scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    pb = p.to(tl.bfloat16).to(tl.float32).to(DOT_DT)  # probabilities rounded to bf16
+    pb = _to_bf16(p, DOT_BF16)  # probabilities rounded to bf16 (nearest even)
+    if not DOT_BF16:
+        pb = pb.to(tl.float32)
     acc_e = acc_e * alpha[:, None] + tl.dot(pb, v_e)
     acc_o = acc_o * alpha[:, None] + tl.dot(pb, v_o)
     return m_new, l_i, acc_e, acc_o
@@ -157,7 +190,7 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, wmask_ptr, gkv_ptr, gsc_ptr, gi
                         H, S, K, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, num_programs, scale,
                         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT: tl.constexpr,
-                        DOT_DT: tl.constexpr):
+                        DOT_BF16: tl.constexpr):
     pid = tl.program_id(0)
     hh = tl.arange(0, BLOCK_H)
     nn = tl.arange(0, BLOCK_N)
@@ -176,8 +209,8 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, wmask_ptr, gkv_ptr, gsc_ptr, gi
         dv0 = dvb * BLOCK_DV
         # q halves for the whole-row path (unused, and dropped, in the tiled path)
         qp = q_ptr + qrow[:, None] + 2 * jq[None, :]
-        q_e = tl.load(qp, mask=hok[:, None], other=0.0).to(tl.float32).to(DOT_DT)
-        q_o = tl.load(qp + 1, mask=hok[:, None], other=0.0).to(tl.float32).to(DOT_DT)
+        q_e = _dot_in(tl.load(qp, mask=hok[:, None], other=0.0).to(tl.float32), DOT_BF16)
+        q_o = _dot_in(tl.load(qp + 1, mask=hok[:, None], other=0.0).to(tl.float32), DOT_BF16)
         m_i = tl.full([BLOCK_H], RUNNING_MAX_INIT, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc_e = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
@@ -191,7 +224,7 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, wmask_ptr, gkv_ptr, gsc_ptr, gi
             ok = inr & (tl.load(wmask_ptr + tq * S + s_idx, mask=inr, other=0) != 0)
             m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
                                             s_idx.to(tl.int64), ok, m_i, l_i, acc_e, acc_o, dv0, scale,
-                                            D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, False, DOT_DT)
+                                            D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, False, DOT_BF16)
         # global blocks
         for nb in range(tl.maximum(b_lo, n_wb), b_hi):
             k_idx = (nb - n_wb) * BLOCK_N + nn
@@ -201,7 +234,7 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, wmask_ptr, gkv_ptr, gsc_ptr, gi
             rows = tl.maximum(idx, 0).to(tl.int64)
             m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
                                             rows, ok, m_i, l_i, acc_e, acc_o, dv0, scale,
-                                            D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, True, DOT_DT)
+                                            D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, True, DOT_BF16)
         col = dv0 + 2 * jv
         if SPLIT:
             prow = ((tq * n_split + sp) * H + heads).to(tl.int64)
@@ -215,13 +248,13 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, wmask_ptr, gkv_ptr, gsc_ptr, gi
             sk = tl.load(sink_ptr + heads, mask=hok, other=0.0).to(tl.float32)
             inv = 1.0 / (l_i + tl.exp(sk - m_i))
             op = out_ptr + qrow[:, None] + col[None, :]
-            tl.store(op, (acc_e * inv[:, None]).to(tl.bfloat16), mask=hok[:, None])
-            tl.store(op + 1, (acc_o * inv[:, None]).to(tl.bfloat16), mask=hok[:, None])
+            tl.store(op, _to_bf16(acc_e * inv[:, None], DOT_BF16), mask=hok[:, None])
+            tl.store(op + 1, _to_bf16(acc_o * inv[:, None], DOT_BF16), mask=hok[:, None])
 
 
 @triton.jit
 def _combine_kernel(pacc_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, H, n_split, n_hb, n_db, n_tiles, num_programs,
-                    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE_CAST: tl.constexpr):
     pid = tl.program_id(0)
     hh = tl.arange(0, BLOCK_H)
     dd = tl.arange(0, BLOCK_D)
@@ -248,7 +281,7 @@ def _combine_kernel(pacc_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, H, n_split, n_h
         sk = tl.load(sink_ptr + heads, mask=hok, other=0.0).to(tl.float32)
         inv = 1.0 / (den + tl.exp(sk - mx))
         orow = (tq * H + heads).to(tl.int64) * D
-        tl.store(out_ptr + orow[:, None] + col[None, :], (acc * inv[:, None]).to(tl.bfloat16), mask=hok[:, None])
+        tl.store(out_ptr + orow[:, None] + col[None, :], _to_bf16(acc * inv[:, None], NATIVE_CAST), mask=hok[:, None])
 
 
 # ---- launcher -----------------------------------------------------------------------------------
@@ -332,11 +365,11 @@ def sparse_attention_launch(q, win_kv, win_scale, win_mask, glob_kv, glob_scale,
     n_tiles = base_tiles * n_split
     grid = grid_for(n_tiles, dev)
     kw = {"num_warps": num_warps} if (num_warps and dev.type == "cuda") else {}
-    dot_dt = tl.float32 if interpreting() else tl.bfloat16
+    dot_bf16 = not interpreting()  # interpreters: fp32 dot operands (same values), integer bf16 rounding
     _sparse_attn_kernel[(grid,)](qc, wk, ws, wm, gk, gs, gi, sk, out, pacc, pm, pl,
                                  h, s, k, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, grid,
                                  float(softmax_scale), D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
-                                 BLOCK_D=block_d, BLOCK_DV=block_dv, SPLIT=split, DOT_DT=dot_dt, **kw)
+                                 BLOCK_D=block_d, BLOCK_DV=block_dv, SPLIT=split, DOT_BF16=dot_bf16, **kw)
     if split:
         cb_h = _pow2_at_least(min(COMBINE_BLOCK_H, h), 1)
         cb_d = min(COMBINE_BLOCK_D, d)
@@ -346,7 +379,7 @@ def sparse_attention_launch(q, win_kv, win_scale, win_mask, glob_kv, glob_scale,
         c_tiles = t * c_hb * (d // cb_d)
         c_grid = grid_for(c_tiles, dev)
         _combine_kernel[(c_grid,)](pacc, pm, pl, sk, out, h, n_split, c_hb, d // cb_d, c_tiles, c_grid,
-                                   D=d, BLOCK_H=cb_h, BLOCK_D=cb_d)
+                                   D=d, BLOCK_H=cb_h, BLOCK_D=cb_d, NATIVE_CAST=dot_bf16)
     return out
 
 

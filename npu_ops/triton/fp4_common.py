@@ -1,0 +1,64 @@
+"""Shared @triton.jit helpers for the FP4 main-KV format (E2M1 + E4M3 scale per 16) and bf16
+rounding, with integer/fp32 ops only (no fp8/bf16 arithmetic, no division).
+
+The encoding is the one of `fp4_kv_store.py` (see its docstring for why every comparison is
+exact and agrees with `quant.fp4_quant`), factored out so fused kernels can quantise rows they
+computed themselves; `fp4_kv_store.py` keeps its own copy unchanged.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FP4_GROUP = 16
+
+
+@triton.jit
+def e4m3_value(c):
+    """E4M3 (fn) code 0..127 (int32) -> fp32 value; 127 maps to 480 (only used as a bound)."""
+    e = c >> 3
+    m = c & 7
+    p2 = ((tl.maximum(e, 1) - 10 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(max(e,1)-10)
+    return ((e > 0).to(tl.int32) * 8 + m).to(tl.float32) * p2
+
+
+@triton.jit
+def fp4_scale_code(amax):
+    """Group amax (fp32, >= 0) -> E4M3 code (int32 0..126) of min(max(amax, 6*2^-9) / 6, 448),
+    rounded to nearest-even exactly as torch's fp32 -> float8_e4m3fn conversion of the quotient."""
+    amax = tl.maximum(amax, 0.01171875)  # 6 * 2^-9
+    # candidate code: truncate q ~ amax / 6 to the E4M3 grid
+    q = amax * 0.16666666666666666
+    qb = q.to(tl.int32, bitcast=True)
+    qe = ((qb >> 23) & 0xFF) - 127
+    c_norm = (qe + 7) * 8 + ((qb >> 20) & 7)
+    c_sub = (tl.minimum(q, 1.0) * 512.0).to(tl.int32)  # below 2^-6: multiples of 2^-9
+    c = tl.where(qe >= -6, c_norm, c_sub)
+    c = tl.minimum(tl.maximum(c, 0), 126)
+    # exact fix-up: floor code of amax / 6 ...
+    c = c + (amax >= 6.0 * e4m3_value(c + 1)).to(tl.int32) - (amax < 6.0 * e4m3_value(c)).to(tl.int32)
+    # ... then round to nearest, ties to even, saturating at 448 (code 126)
+    lo = e4m3_value(c)
+    mid6 = 3.0 * (lo + e4m3_value(c + 1))
+    up = (amax > mid6) | ((amax == mid6) & ((c & 1) == 1))
+    return tl.minimum(c + up.to(tl.int32), 126)
+
+
+@triton.jit
+def e2m1_code(x, s):
+    """E2M1 nibble (int32 0..15, sign in bit 3) of x / s for fp32 x and an E4M3 scale value s
+    (broadcastable), round to nearest, ties to the even code, saturating at 6."""
+    a = tl.abs(x)
+    return (a > 0.25 * s).to(tl.int32) + (a >= 0.75 * s).to(tl.int32) + (a > 1.25 * s).to(tl.int32) \
+        + (a >= 1.75 * s).to(tl.int32) + (a > 2.5 * s).to(tl.int32) + (a >= 3.5 * s).to(tl.int32) \
+        + (a > 5.0 * s).to(tl.int32) + (x < 0).to(tl.int32) * 8
+
+
+@triton.jit
+def bf16_rne_bits(x):
+    """fp32 -> its bf16 rounding (nearest-even, as torch's .to(bfloat16)) as int32 bits with the
+    low 16 bits cleared: `.to(tl.float32, bitcast=True)` gives the value, `>> 16` the bf16 bits.
+    Finite inputs (NaN is out of contract)."""
+    b = x.to(tl.int32, bitcast=True)
+    return (b + 0x7FFF + ((b >> 16) & 1)) & -65536

@@ -1,0 +1,263 @@
+"""CSA2 indexer over MXFP4 keys: scores in Triton, exact top-k / candidate pool in torch.
+
+score(t, s) = sum_h relu(q[t, h, :] . k[s, :]) * weights[t, h]
+
+Kernel (`_indexer_scores_kernel`): one tile = BLOCK_T queries (x all heads, padded to HP) by
+NSUB blocks of BLOCK_N keys. Key bytes are decoded inside the kernel with integer/bit ops:
+E2M1 nibbles (element 0 in the low nibble) become fp32 bit patterns, times the E8M0 scale
+(one byte per 32 channels, 2^(byte - 127), built from its bits). The low nibbles hold the even
+channels and the high nibbles the odd ones, so the queries are loaded as even / odd channel
+halves and the dot is tl.dot(q_even, k_lo) + tl.dot(q_odd, k_hi) over [BLOCK_T * HP, D/2] x
+[D/2, BLOCK_N] with fp32 accumulation; relu, the head weights and the sum over heads follow
+in fp32. Positions >= n_visible[t] (dense) or candidates < 0 (Reindex) are stored as -inf, and
+key blocks wholly past the visible range of a query block are not computed at all.
+
+Operand precision: compiled (CUDA / Ascend), the dot operands are bf16. That is exact for the
+op's contract: keys are E2M1 * 2^k, and the queries are MXFP4 quantise-dequantised (E2M1 * 2^k
+as well), both representable in bf16, so every product is exact and only the fp32 summation
+order differs from the reference (which sums in fp64). Arbitrary fp32 queries would be rounded
+to bf16 (~3 significant digits) - outside the contract. Under TRITON_INTERPRET=1 bf16 math is
+broken, so the interpreter runs the same dots in fp32 (input_precision="ieee").
+
+Selection (torch post-step, on CUDA as well): `_topk_sorted` is equivalent to the reference's
+`_stable_topk_sorted` (ties to the lower index, ascending output, -1 padding) but uses
+torch.topk on int64 keys (order-preserving int image of the fp32 score << 32 | (n-1-index)),
+which are all distinct, so the chosen set is unique and equals the stable sort's first k;
+-0.0 is folded into +0.0 first (they tie under float comparison). `_candidate_pool` is the
+reference's `candidate_pool` on top of that helper. Timing of scores alone vs the whole op:
+benchmarks/bench_indexer_topk_moe_route.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...backends.reference import attention as ref_attention
+from ...backends.reference.attention import NEG_INF
+
+MX_GROUP = 32
+_SCALE_2M127 = tl.constexpr(5.877471754111438e-39)  # 2^-127 (E8M0 byte 0), an fp32 subnormal
+
+
+def indexer_topk_ref(q, weights, key_codes, key_scale, n_visible, topk, candidates=None, pool_blocks=0,
+                     pool_block_size=1):
+    """The torch reference (the oracle)."""
+    return ref_attention.indexer_topk(q, weights, key_codes, key_scale, n_visible, topk, candidates,
+                                      pool_blocks, pool_block_size)
+
+
+def indexer_scores_ref(q, weights, key_codes, key_scale, candidates=None):
+    """Reference scores [T, N] (or [T, P] over the candidates, padding rows scored as row 0)."""
+    from ...backends.reference import quant
+
+    if candidates is None:
+        return ref_attention._scores(q, weights, quant.mxfp4_dequant(key_codes, key_scale))
+    safe = candidates.clamp_min(0)
+    return ref_attention._scores(q, weights, quant.mxfp4_dequant(key_codes[safe], key_scale[safe]))
+
+
+@triton.jit
+def _e2m1_value(c):
+    """E2M1 codes (int32 0..15, sign in bit 3) -> fp32 values, from bit patterns."""
+    m = c & 7
+    # m = 1 -> 0.5 (0x3F000000), m = 0 -> 0; m >= 2 -> 2^(m//2 - 1) * (1 + (m & 1) / 2)
+    bits = tl.where(m < 2, m * 0x3F000000, (m << 22) + 0x3F000000)
+    bits = bits | ((c & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, nvis_ptr, cand_ptr, out_ptr,
+                           T, NC, n_nc, n_tiles, num_programs,
+                           H: tl.constexpr, HP: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr,
+                           GATHER: tl.constexpr, LOWP: tl.constexpr):
+    pid = tl.program_id(0)
+    r = tl.arange(0, BLOCK_T * HP)
+    r_t = r // HP
+    r_h = r % HP
+    j = tl.arange(0, DHP)
+    jm = j < DH
+    cn = tl.arange(0, BLOCK_N)
+    tq = tl.arange(0, BLOCK_T)
+    for tile in range(pid, n_tiles, num_programs):
+        tb = tile // n_nc
+        nc = tile - tb * n_nc
+        # queries of this block: [BLOCK_T * HP, D/2] even and odd channels, fp32 head weights
+        trow = tb * BLOCK_T + r_t
+        rmask = (trow < T) & (r_h < H)
+        qrow = trow.to(tl.int64) * H + r_h
+        qoff = qrow[:, None] * (2 * DH) + 2 * j[None, :]
+        qm = rmask[:, None] & jm[None, :]
+        q_even = tl.load(q_ptr + qoff, mask=qm, other=0.0).to(tl.float32)
+        q_odd = tl.load(q_ptr + qoff + 1, mask=qm, other=0.0).to(tl.float32)
+        wh = tl.load(w_ptr + qrow, mask=rmask, other=0.0).to(tl.float32)
+        ts = tb * BLOCK_T + tq
+        tmask = ts < T
+        if GATHER:
+            limit = NC
+            nv = tl.zeros([BLOCK_T], dtype=tl.int32) + NC
+        else:
+            nv = tl.minimum(tl.load(nvis_ptr + ts, mask=tmask, other=0).to(tl.int32), NC)
+            limit = tl.max(nv, axis=0)
+        for sub in range(NSUB):
+            n0 = (nc * NSUB + sub) * BLOCK_N
+            cols = n0 + cn
+            cmask = cols < NC
+            if n0 < limit:
+                if GATHER:  # BLOCK_T == 1: this tile's query is tb
+                    rows = tl.load(cand_ptr + tb.to(tl.int64) * NC + cols, mask=cmask, other=-1)
+                    kvalid = cmask & (rows >= 0)
+                    rows = tl.maximum(rows, 0).to(tl.int64)
+                else:
+                    kvalid = cols < limit
+                    rows = cols.to(tl.int64)
+                # key tile, transposed: [D/2, BLOCK_N] bytes and their E8M0 scales
+                km = jm[:, None] & kvalid[None, :]
+                byte = tl.load(code_ptr + rows[None, :] * DH + j[:, None], mask=km, other=0).to(tl.int32) & 0xFF
+                e8 = tl.load(scale_ptr + rows[None, :] * (DH // 16) + (j // 16)[:, None], mask=km,
+                             other=127).to(tl.int32) & 0xFF
+                scale = tl.where(e8 > 0, (e8 << 23).to(tl.float32, bitcast=True), _SCALE_2M127)
+                k_lo = _e2m1_value(byte & 15) * scale  # even channels
+                k_hi = _e2m1_value(byte >> 4) * scale  # odd channels
+                if LOWP:  # exact: E2M1 * 2^k values (keys and MXFP4 queries) are bf16 numbers
+                    acc = tl.dot(q_even.to(tl.bfloat16), k_lo.to(tl.bfloat16))
+                    acc = tl.dot(q_odd.to(tl.bfloat16), k_hi.to(tl.bfloat16), acc)
+                else:
+                    acc = tl.dot(q_even, k_lo, input_precision="ieee")
+                    acc = tl.dot(q_odd, k_hi, acc, input_precision="ieee")
+                rel = tl.maximum(acc, 0.0) * wh[:, None]
+                s = tl.sum(tl.reshape(rel, (BLOCK_T, HP, BLOCK_N)), axis=1)  # [BLOCK_T, BLOCK_N]
+                ok = kvalid[None, :] & (cols[None, :] < nv[:, None])
+                s = tl.where(ok, s, float("-inf"))
+            else:
+                s = tl.full([BLOCK_T, BLOCK_N], float("-inf"), dtype=tl.float32)
+            tl.store(out_ptr + ts.to(tl.int64)[:, None] * NC + cols[None, :], s,
+                     mask=tmask[:, None] & cmask[None, :])
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _config(t: int, h: int, nc: int, gather: bool, device) -> tuple[int, int, int, int, int]:
+    """(HP, BLOCK_T, BLOCK_N, NSUB, num_warps) for a launch."""
+    from .launch import interpreting, num_workers
+
+    on_npu = torch.device(device).type == "npu"
+    if gather:
+        hp, bt = max(16, _pow2(h)), 1
+    else:
+        hp = _pow2(h)
+        rows = 64 if on_npu else 128  # query rows (queries x heads) per MMA
+        bt = max(1, min(rows // hp, _pow2(t)))
+        bt = max(bt, -(-16 // hp))  # tl.dot needs M >= 16
+        hp = max(hp, -(-16 // bt))
+    bn = 64 if (on_npu or interpreting()) else 128
+    n_tb, n_nb = -(-t // bt), -(-nc // bn)
+    target = 2 * num_workers(device)
+    nsub = 1
+    while nsub < 8 and n_tb * (-(-n_nb // (nsub * 2))) >= target:
+        nsub *= 2
+    return hp, bt, bn, nsub, 8 if bt * hp >= 128 else 4
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
+                   n_visible: torch.Tensor | None, candidates: torch.Tensor | None = None,
+                   _cfg: tuple | None = None) -> torch.Tensor:
+    """Indexer scores [T, N] (dense; positions >= n_visible[t] are -inf) or [T, P] over the
+    candidates (-1 padding is -inf), fp32. Requires triton."""
+    from .launch import grid_for, interpreting
+
+    t, h, d = q.shape
+    if d % MX_GROUP:
+        raise ValueError(f"index head dim {d} is not a multiple of {MX_GROUP}")
+    codes = key_codes.view(torch.uint8) if key_codes.dtype != torch.uint8 else key_codes
+    scales = key_scale.view(torch.uint8)
+    n = codes.shape[0]
+    if codes.shape[1:] != (d // 2,) or scales.shape != (n, d // MX_GROUP):
+        raise ValueError(f"keys {tuple(key_codes.shape)} / {tuple(key_scale.shape)} do not fit head dim {d}")
+    gather = candidates is not None
+    nc = candidates.shape[1] if gather else n
+    out = torch.empty(t, nc, dtype=torch.float32, device=q.device)
+    if t == 0 or nc == 0:
+        return out
+    hp, bt, bn, nsub, warps = _cfg or _config(t, h, nc, gather, q.device)
+    n_nc = -(-(-(-nc // bn)) // nsub)
+    n_tiles = -(-t // bt) * n_nc
+    grid = grid_for(n_tiles, q.device)
+    cand = candidates.contiguous() if gather else out  # unused pointer when dense
+    nvis = n_visible.contiguous() if not gather else out
+    extra = {} if interpreting() else {"num_warps": warps}
+    _indexer_scores_kernel[(grid,)](
+        q.contiguous(), weights.contiguous(), codes.contiguous(), scales.contiguous(), nvis, cand, out,
+        t, nc, n_nc, n_tiles, grid,
+        H=h, HP=hp, DH=d // 2, DHP=_pow2(d // 2), BLOCK_T=bt, BLOCK_N=bn, NSUB=nsub,
+        GATHER=gather, LOWP=not interpreting(), **extra)
+    return out
+
+
+# ---- selection (torch) ------------------------------------------------------------------------
+
+def _topk_sorted(scores: torch.Tensor, k: int, valid: torch.Tensor) -> torch.Tensor:
+    """Same result as `reference.attention._stable_topk_sorted` (top-k column ids among `valid`,
+    ties to the lower id, ascending, -1 padded) for finite scores, through torch.topk on
+    distinct int64 keys instead of a full stable sort."""
+    t, n = scores.shape
+    k = min(k, n)
+    if k == 0:
+        return torch.empty(t, 0, dtype=torch.long, device=scores.device)
+    s = torch.where(scores == 0, torch.zeros_like(scores), scores.float())  # -0.0 ties with +0.0
+    b = s.view(torch.int32).long()
+    b = torch.where(b < 0, b ^ 0x7FFFFFFF, b)  # order-preserving fp32 -> int
+    pos = torch.arange(n, device=scores.device)
+    key = (b << 32) | (n - 1 - pos)
+    lowest = torch.iinfo(torch.long).min
+    key = torch.where(valid, key, torch.full_like(key, lowest))
+    top = torch.topk(key, k, dim=-1, sorted=False).values
+    big = torch.iinfo(torch.long).max
+    ids = torch.where(top != lowest, (n - 1) - (top & 0xFFFFFFFF), torch.full_like(top, big)).sort(-1).values
+    return torch.where(ids == big, torch.full_like(ids, -1), ids)
+
+
+def _candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, n_blocks: int, block: int) -> torch.Tensor:
+    """`reference.attention.candidate_pool` with `_topk_sorted` for the block choice."""
+    t, n = scores.shape
+    nb = -(-n // block)
+    padded = torch.full((t, nb * block), NEG_INF, dtype=torch.float32, device=scores.device)
+    padded[:, :n] = scores
+    pos = torch.arange(nb * block, device=scores.device)
+    vis = pos.unsqueeze(0) < n_visible.unsqueeze(1)
+    bmax = padded.masked_fill(~vis, NEG_INF).reshape(t, nb, block).amax(-1)
+    reachable = vis.reshape(t, nb, block).any(-1)
+    newest = ((n_visible - 1).clamp_min(0) // block).unsqueeze(1)
+    bmax = bmax.scatter(1, newest, float("inf"))
+    chosen = _topk_sorted(bmax, n_blocks, reachable)
+    cand = chosen.unsqueeze(-1) * block + torch.arange(block, device=scores.device)
+    ok = (chosen.unsqueeze(-1) >= 0) & (cand < n_visible.view(t, 1, 1))
+    return torch.where(ok, cand, torch.full_like(cand, -1)).reshape(t, -1)
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
+                 n_visible: torch.Tensor, topk: int, candidates: torch.Tensor | None = None,
+                 pool_blocks: int = 0, pool_block_size: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`ops.indexer_topk`: Triton scores + exact torch selection (same results as the reference)."""
+    n_visible = n_visible.to(q.device)
+    s = indexer_scores(q, weights, key_codes, key_scale, n_visible, candidates)
+    if candidates is None:
+        n = s.shape[1]
+        valid = torch.arange(n, device=q.device).unsqueeze(0) < n_visible.unsqueeze(1)
+        idx = _topk_sorted(s, topk, valid)
+        pool = _candidate_pool(s, n_visible, pool_blocks, pool_block_size) if pool_blocks > 0 else None
+        return idx, pool
+    valid = candidates >= 0
+    local = _topk_sorted(s, topk, valid)
+    idx = torch.where(local >= 0, candidates.gather(-1, local.clamp_min(0)), local)
+    big = torch.iinfo(torch.long).max
+    idx = torch.where(idx < 0, big, idx).sort(-1).values
+    return torch.where(idx == big, -1, idx), None
+
+
+OPS = {"indexer_topk": indexer_topk}

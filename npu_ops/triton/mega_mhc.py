@@ -1,0 +1,277 @@
+"""Mega-mHC: the single-pass mHC step after a sublayer, fused into one kernel (op `mhc_mix`).
+
+Per token (n = 4 streams of width d): x [n, d] and the sublayer output y [d] are read once,
+x_new_j = post[j] * y + sum_i comb[i][j] * x_i (fp32) is rounded to x's dtype and written
+once, x_hat = sum_j pre[j] * x_new_j (from the rounded x_new, fp32 math) is written once, and,
+when `fn` is given, the next sublayer's coefficients come out of the same pass:
+m = (fn . x_new_flat) * rsqrt(mean(x_new_flat^2) + norm_eps), then the sigmoids and the
+Sinkhorn normalisation of the 4x4 comb in registers. Activation traffic: (2n + 2) d elements.
+
+Tiles: BLOCK_T tokens x the whole d (walked in BLOCK_D slices inside the program), so every
+slice of the fp32 weight fn [24, n*d] is read once per BLOCK_T tokens (from L2; loaded
+row-major [32, BLOCK_D] and transposed in registers). The 24 dot products run as tl.dot
+[BLOCK_T, BLOCK_D] x [BLOCK_D, 32]: on devices, x_new (exact in bf16) times fn split into three
+bf16 parts (hi + mid + lo == fn exactly), each dot from a zero accumulator and the partials
+added in fp32, so the products are exact and only the summation order differs from the
+reference's fp64 `mm`; under the interpreter (bf16 arithmetic is unreliable there) and for
+non-bf16 streams an fp32 "ieee" dot. The per-slice partial dot products are summed across
+slices with Kahan compensation (the running m grows well past one slice's share); the sum of
+squares accumulates elementwise in fp32 and reduces once at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...backends.reference.mhc import mhc_mix as mhc_mix_ref  # noqa: F401  (the oracle)
+
+N_STREAMS = 4
+N_MIX = (2 + N_STREAMS) * N_STREAMS  # 24 coefficients per token
+BLOCK_T = 16  # tokens per tile (tl.dot needs M >= 16)
+BLOCK_D = 128  # d slice per inner step
+NUM_WARPS = 4
+
+
+@triton.jit
+def _col(acc, kk, k: tl.constexpr):
+    """Column k of a [BLOCK_T, 32] tile as a [BLOCK_T] vector."""
+    return tl.sum(tl.where(kk[None, :] == k, acc, 0.0), axis=1)
+
+
+@triton.jit
+def _bf16_bits(v):
+    """fp32 -> bf16 round-to-nearest-even, done on the bits (the interpreter's cast truncates):
+    returns the rounded value as fp32 and its 16-bit pattern as int16."""
+    b = v.to(tl.int32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return (r << 16).to(tl.float32, bitcast=True), r.to(tl.int16)
+
+
+@triton.jit
+def _round_out(v, ty: tl.constexpr, OUT_BF16: tl.constexpr):
+    """v in the output dtype (bits for bf16) and its value back in fp32."""
+    if OUT_BF16:
+        f, h = _bf16_bits(v)
+        return h, f
+    else:
+        o = v.to(ty)
+        return o, o.to(tl.float32)
+
+
+@triton.jit
+def _softmax4(a, b, c, d, eps):
+    mx = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    ea = tl.exp(a - mx)
+    eb = tl.exp(b - mx)
+    ec = tl.exp(c - mx)
+    ed = tl.exp(d - mx)
+    s = ea + eb + ec + ed
+    return ea / s + eps, eb / s + eps, ec / s + eps, ed / s + eps
+
+
+@triton.jit
+def _norm4(a, b, c, d, eps):
+    s = a + b + c + d + eps
+    return a / s, b / s, c / s, d / s
+
+
+@triton.jit
+def _fn_dot(xn, fn_ptr, fn_off, fn_mask, SPLIT: tl.constexpr):
+    """xn [BLOCK_T, BLOCK_D] @ (fn slice [32, BLOCK_D])^T -> [BLOCK_T, 32] fp32. The fn slice is
+    loaded row-major (coalesced along d) and transposed in registers. Each tl.dot starts from
+    a zero accumulator and the partial products are added on the fp32 ALUs: chaining the three
+    split parts through one tensor-core accumulator cost ~5e-5 absolute in m on an H200."""
+    w = tl.load(fn_ptr + fn_off, mask=fn_mask, other=0.0).to(tl.float32)
+    if SPLIT:
+        xb = xn.to(tl.bfloat16)  # exact: xn holds bf16-rounded values
+        w_hi = w.to(tl.bfloat16)
+        r1 = w - w_hi.to(tl.float32)
+        w_mid = r1.to(tl.bfloat16)
+        w_lo = (r1 - w_mid.to(tl.float32)).to(tl.bfloat16)
+        lo = tl.dot(xb, tl.trans(w_lo)) + tl.dot(xb, tl.trans(w_mid))
+        return lo + tl.dot(xb, tl.trans(w_hi))
+    else:
+        return tl.dot(xn, tl.trans(w), input_precision="ieee")
+
+
+@triton.jit
+def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr, base_ptr,
+                    xnew_ptr, xhat_ptr, opre_ptr, opost_ptr, ocomb_ptr,
+                    T, D, norm_eps, hc_eps, iters, n_tiles, num_programs,
+                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_FN: tl.constexpr,
+                    SPLIT: tl.constexpr, OUT_BF16: tl.constexpr):
+    pid = tl.program_id(0)
+    dt = tl.arange(0, BLOCK_D)
+    kk = tl.arange(0, 32)
+    kmask = kk < 24
+    out_ty = xnew_ptr.dtype.element_ty
+    for tile in range(pid, n_tiles, num_programs):
+        tok = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        tm = tok < T
+        t4 = tok * 4
+        p0 = tl.load(post_ptr + t4 + 0, mask=tm, other=0.0).to(tl.float32)
+        p1 = tl.load(post_ptr + t4 + 1, mask=tm, other=0.0).to(tl.float32)
+        p2 = tl.load(post_ptr + t4 + 2, mask=tm, other=0.0).to(tl.float32)
+        p3 = tl.load(post_ptr + t4 + 3, mask=tm, other=0.0).to(tl.float32)
+        q0 = tl.load(pre_ptr + t4 + 0, mask=tm, other=0.0).to(tl.float32)
+        q1 = tl.load(pre_ptr + t4 + 1, mask=tm, other=0.0).to(tl.float32)
+        q2 = tl.load(pre_ptr + t4 + 2, mask=tm, other=0.0).to(tl.float32)
+        q3 = tl.load(pre_ptr + t4 + 3, mask=tm, other=0.0).to(tl.float32)
+        t16 = tok * 16
+        c00 = tl.load(comb_ptr + t16 + 0, mask=tm, other=0.0).to(tl.float32)[:, None]
+        c01 = tl.load(comb_ptr + t16 + 1, mask=tm, other=0.0).to(tl.float32)[:, None]
+        c02 = tl.load(comb_ptr + t16 + 2, mask=tm, other=0.0).to(tl.float32)[:, None]
+        c03 = tl.load(comb_ptr + t16 + 3, mask=tm, other=0.0).to(tl.float32)[:, None]
+        c10 = tl.load(comb_ptr + t16 + 4, mask=tm, other=0.0).to(tl.float32)[:, None]
+        c11 = tl.load(comb_ptr + t16 + 5, mask=tm, other=0.0).to(tl.float32)[:, None]
+        c12 = tl.load(comb_ptr + t16 + 6, mask=tm, other=0.0).to(tl.float32)[:, None]
+        c13 = tl.load(comb_ptr + t16 + 7, mask=tm, other=0.0).to(tl.float32)[:, None]
+        c20 = tl.load(comb_ptr + t16 + 8, mask=tm, other=0.0).to(tl.float32)[:, None]
+        c21 = tl.load(comb_ptr + t16 + 9, mask=tm, other=0.0).to(tl.float32)[:, None]
+        c22 = tl.load(comb_ptr + t16 + 10, mask=tm, other=0.0).to(tl.float32)[:, None]
+        c23 = tl.load(comb_ptr + t16 + 11, mask=tm, other=0.0).to(tl.float32)[:, None]
+        c30 = tl.load(comb_ptr + t16 + 12, mask=tm, other=0.0).to(tl.float32)[:, None]
+        c31 = tl.load(comb_ptr + t16 + 13, mask=tm, other=0.0).to(tl.float32)[:, None]
+        c32 = tl.load(comb_ptr + t16 + 14, mask=tm, other=0.0).to(tl.float32)[:, None]
+        c33 = tl.load(comb_ptr + t16 + 15, mask=tm, other=0.0).to(tl.float32)[:, None]
+        tok64 = tok.to(tl.int64)
+        x_row = tok64[:, None] * (4 * D)
+        y_row = tok64[:, None] * D
+        acc = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
+        comp = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
+        ss = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + dt
+            cm = cols < D
+            m2 = tm[:, None] & cm[None, :]
+            xo = x_row + cols[None, :]
+            yo = y_row + cols[None, :]
+            x0 = tl.load(x_ptr + xo, mask=m2, other=0.0).to(tl.float32)
+            x1 = tl.load(x_ptr + xo + D, mask=m2, other=0.0).to(tl.float32)
+            x2 = tl.load(x_ptr + xo + 2 * D, mask=m2, other=0.0).to(tl.float32)
+            x3 = tl.load(x_ptr + xo + 3 * D, mask=m2, other=0.0).to(tl.float32)
+            yv = tl.load(y_ptr + yo, mask=m2, other=0.0).to(tl.float32)
+            n0, f0 = _round_out(p0[:, None] * yv + (c00 * x0 + c10 * x1 + c20 * x2 + c30 * x3), out_ty, OUT_BF16)
+            n1, f1 = _round_out(p1[:, None] * yv + (c01 * x0 + c11 * x1 + c21 * x2 + c31 * x3), out_ty, OUT_BF16)
+            n2, f2 = _round_out(p2[:, None] * yv + (c02 * x0 + c12 * x1 + c22 * x2 + c32 * x3), out_ty, OUT_BF16)
+            n3, f3 = _round_out(p3[:, None] * yv + (c03 * x0 + c13 * x1 + c23 * x2 + c33 * x3), out_ty, OUT_BF16)
+            tl.store(xnew_ptr + xo, n0, mask=m2)
+            tl.store(xnew_ptr + xo + D, n1, mask=m2)
+            tl.store(xnew_ptr + xo + 2 * D, n2, mask=m2)
+            tl.store(xnew_ptr + xo + 3 * D, n3, mask=m2)
+            xh, _ = _round_out(q0[:, None] * f0 + q1[:, None] * f1 + q2[:, None] * f2 + q3[:, None] * f3,
+                               out_ty, OUT_BF16)
+            tl.store(xhat_ptr + yo, xh, mask=m2)
+            if HAS_FN:
+                ss += f0 * f0 + f1 * f1 + f2 * f2 + f3 * f3
+                fmask = kmask[:, None] & cm[None, :]
+                fo = kk[:, None].to(tl.int64) * (4 * D) + cols[None, :]
+                part = _fn_dot(f0, fn_ptr, fo, fmask, SPLIT) + _fn_dot(f1, fn_ptr, fo + D, fmask, SPLIT)
+                part += _fn_dot(f2, fn_ptr, fo + 2 * D, fmask, SPLIT) + _fn_dot(f3, fn_ptr, fo + 3 * D, fmask, SPLIT)
+                # Kahan-compensated running sum of the per-slice partial dot products
+                yk = part - comp
+                tk = acc + yk
+                comp = (tk - acc) - yk
+                acc = tk
+        if HAS_FN:
+            inv = tl.math.rsqrt(tl.sum(ss, axis=1) / (4 * D) + norm_eps)
+            base = tl.load(base_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+            s0 = tl.load(scale_ptr + 0).to(tl.float32)
+            s1 = tl.load(scale_ptr + 1).to(tl.float32)
+            s2 = tl.load(scale_ptr + 2).to(tl.float32)
+            sel = tl.where(kk < 4, s0, tl.where(kk < 8, s1, s2))
+            z = (acc * inv[:, None]) * sel[None, :] + base[None, :]  # scale * m + base
+            sg = 1.0 / (1.0 + tl.exp(-z))
+            tl.store(opre_ptr + t4[:, None] + kk[None, :], sg + hc_eps,
+                     mask=tm[:, None] & (kk[None, :] < 4))
+            tl.store(opost_ptr + t4[:, None] + kk[None, :] - 4, 2.0 * sg,
+                     mask=tm[:, None] & (kk[None, :] >= 4) & (kk[None, :] < 8))
+            a00, a01, a02, a03 = _softmax4(_col(z, kk, 8), _col(z, kk, 9), _col(z, kk, 10), _col(z, kk, 11), hc_eps)
+            a10, a11, a12, a13 = _softmax4(_col(z, kk, 12), _col(z, kk, 13), _col(z, kk, 14), _col(z, kk, 15), hc_eps)
+            a20, a21, a22, a23 = _softmax4(_col(z, kk, 16), _col(z, kk, 17), _col(z, kk, 18), _col(z, kk, 19), hc_eps)
+            a30, a31, a32, a33 = _softmax4(_col(z, kk, 20), _col(z, kk, 21), _col(z, kk, 22), _col(z, kk, 23), hc_eps)
+            a00, a10, a20, a30 = _norm4(a00, a10, a20, a30, hc_eps)  # columns
+            a01, a11, a21, a31 = _norm4(a01, a11, a21, a31, hc_eps)
+            a02, a12, a22, a32 = _norm4(a02, a12, a22, a32, hc_eps)
+            a03, a13, a23, a33 = _norm4(a03, a13, a23, a33, hc_eps)
+            for _ in range(1, iters):
+                a00, a01, a02, a03 = _norm4(a00, a01, a02, a03, hc_eps)  # rows
+                a10, a11, a12, a13 = _norm4(a10, a11, a12, a13, hc_eps)
+                a20, a21, a22, a23 = _norm4(a20, a21, a22, a23, hc_eps)
+                a30, a31, a32, a33 = _norm4(a30, a31, a32, a33, hc_eps)
+                a00, a10, a20, a30 = _norm4(a00, a10, a20, a30, hc_eps)  # columns
+                a01, a11, a21, a31 = _norm4(a01, a11, a21, a31, hc_eps)
+                a02, a12, a22, a32 = _norm4(a02, a12, a22, a32, hc_eps)
+                a03, a13, a23, a33 = _norm4(a03, a13, a23, a33, hc_eps)
+            tl.store(ocomb_ptr + t16 + 0, a00, mask=tm)
+            tl.store(ocomb_ptr + t16 + 1, a01, mask=tm)
+            tl.store(ocomb_ptr + t16 + 2, a02, mask=tm)
+            tl.store(ocomb_ptr + t16 + 3, a03, mask=tm)
+            tl.store(ocomb_ptr + t16 + 4, a10, mask=tm)
+            tl.store(ocomb_ptr + t16 + 5, a11, mask=tm)
+            tl.store(ocomb_ptr + t16 + 6, a12, mask=tm)
+            tl.store(ocomb_ptr + t16 + 7, a13, mask=tm)
+            tl.store(ocomb_ptr + t16 + 8, a20, mask=tm)
+            tl.store(ocomb_ptr + t16 + 9, a21, mask=tm)
+            tl.store(ocomb_ptr + t16 + 10, a22, mask=tm)
+            tl.store(ocomb_ptr + t16 + 11, a23, mask=tm)
+            tl.store(ocomb_ptr + t16 + 12, a30, mask=tm)
+            tl.store(ocomb_ptr + t16 + 13, a31, mask=tm)
+            tl.store(ocomb_ptr + t16 + 14, a32, mask=tm)
+            tl.store(ocomb_ptr + t16 + 15, a33, mask=tm)
+
+
+def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
+            fn: torch.Tensor | None, scale: torch.Tensor | None, base: torch.Tensor | None,
+            norm_eps: float, hc_eps: float, iters: int, *, block_t: int | None = None,
+            block_d: int | None = None, num_warps: int | None = None, workers: int | None = None,
+            split: bool | None = None):
+    """`ops.mhc_mix` in one pass: x [T, 4, d], y [T, d], post/pre [T, 4], comb [T, 4, 4];
+    fn [24, 4d] fp32, scale [3], base [24] (or fn None). Returns (x_new [T, 4, d] in x's dtype,
+    x_hat [T, d] in x's dtype, (pre, post, comb) fp32 or None). The keyword-only tile
+    parameters are for tuning and default to this module's table."""
+    from .launch import grid_for, interpreting
+
+    if x.dim() != 3 or x.shape[1] != N_STREAMS:
+        raise ValueError(f"x must be [T, {N_STREAMS}, d], got {tuple(x.shape)}")
+    t, n, d = x.shape
+    if y.shape != (t, d):
+        raise ValueError(f"y must be [{t}, {d}], got {tuple(y.shape)}")
+    if post.shape != (t, n) or pre.shape != (t, n) or comb.shape != (t, n, n):
+        raise ValueError(f"post/pre must be [{t}, {n}] and comb [{t}, {n}, {n}], got "
+                         f"{tuple(post.shape)}, {tuple(pre.shape)}, {tuple(comb.shape)}")
+    has_fn = fn is not None
+    if has_fn and (fn.shape != (N_MIX, n * d) or scale.numel() != 3 or base.numel() != N_MIX):
+        raise ValueError(f"fn must be [{N_MIX}, {n * d}], scale [3], base [{N_MIX}]")
+    x, y = x.contiguous(), y.contiguous()
+    post, comb, pre = post.contiguous(), comb.contiguous(), pre.contiguous()
+    x_new = torch.empty_like(x)
+    x_hat = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    xnew_arg, xhat_arg = (x_new.view(torch.int16), x_hat.view(torch.int16)) if x.dtype == torch.bfloat16 \
+        else (x_new, x_hat)  # bf16 results are stored as their bit patterns
+    if has_fn:
+        fn, scale, base = fn.contiguous(), scale.contiguous(), base.contiguous()
+        opre = torch.empty(t, n, dtype=torch.float32, device=x.device)
+        opost = torch.empty(t, n, dtype=torch.float32, device=x.device)
+        ocomb = torch.empty(t, n, n, dtype=torch.float32, device=x.device)
+    else:
+        fn = scale = base = opre = opost = ocomb = x_hat  # unused placeholders
+    if t == 0:
+        return x_new, x_hat, ((opre, opost, ocomb) if has_fn else None)
+    bt = block_t or BLOCK_T
+    bd = block_d or min(BLOCK_D, triton.next_power_of_2(d))
+    n_tiles = -(-t // bt)
+    grid = min(n_tiles, workers) if workers else grid_for(n_tiles, x.device)
+    if split is None:
+        split = (not interpreting()) and x.dtype == torch.bfloat16
+    kw = {} if interpreting() else {"num_warps": num_warps or NUM_WARPS}
+    _mhc_mix_kernel[(grid,)](x, y, post, comb, pre, fn, scale, base, xnew_arg, xhat_arg, opre, opost, ocomb,
+                             t, d, float(norm_eps), float(hc_eps), int(iters), n_tiles, grid,
+                             BLOCK_T=bt, BLOCK_D=bd, HAS_FN=has_fn, SPLIT=split,
+                             OUT_BF16=x.dtype == torch.bfloat16, **kw)
+    return x_new, x_hat, ((opre, opost, ocomb) if has_fn else None)
+
+
+OPS = {"mhc_mix": mhc_mix}

@@ -1,0 +1,167 @@
+"""MoE router in one kernel: fp32 logits x @ W^T, sqrt(softplus(logits / gate_temp)), + bias to
+choose the top-k (ties to the lower expert id), weights = chosen raw scores / (sum + 1e-20) *
+route_scale. Matches `moe_route_ref` (= backends.reference.moe.moe_route) within fp32 rounding.
+
+Work split (one launch): tiles are (BLOCK_T tokens) x (BLOCK_E experts); each tile computes its
+logits over the full hidden size (K loop, fp32 accumulation) and writes them to an fp32 scratch
+[T, E]. After a CTA barrier, the tile bumps an int32 counter of its token block (atomic_add,
+acq_rel); the tile that completes a token block (counter == number of expert blocks - 1) reads
+the block's full logit rows back (".cg": from L2, not a stale L1) and does the routing: softplus
+(x for x > 20 as torch, else log1p(exp(x)) with the accurate log1p(u) = log(1+u) * u / ((1+u)-1)),
+sqrt, + bias, then k rounds of "max, lowest id among the max, mask it out". Every logit comes
+from exactly one tile (no float atomics), so the result is deterministic. The counters are a
+zeroed int32 buffer per call.
+
+Dot precision: compiled, the operands are bf16 with fp32 accumulation. The gate weight is bf16
+(exact); x is split into SPLITS bf16 terms (hi + mid + lo) so that every product is exact: 1 term
+for bf16 x, 2 for fp16, 3 for fp32 (24 bits = 3 x 8). A non-bf16 weight, and every run under
+TRITON_INTERPRET=1 (bf16 math is broken there), uses fp32 dots with input_precision="ieee".
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...backends.reference import moe as ref_moe
+
+
+def moe_route_ref(x, gate_weight, bias, topk, route_scale, gate_temp=1.0):
+    """The torch reference."""
+    return ref_moe.moe_route(x, gate_weight, bias, topk, route_scale, gate_temp)
+
+
+@triton.jit
+def _moe_route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, count_ptr, wout_ptr, iout_ptr,
+                      T, E, K, bias_stride_t, gate_temp, route_scale, n_eb, n_tiles, num_programs,
+                      TOPK: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SPLITS: tl.constexpr, LOWP: tl.constexpr):
+    pid = tl.program_id(0)
+    bt = tl.arange(0, BLOCK_T)
+    be = tl.arange(0, BLOCK_E)
+    bk = tl.arange(0, BLOCK_K)
+    ecols = tl.arange(0, EP)
+    kcols = tl.arange(0, KP)
+    for tile in range(pid, n_tiles, num_programs):
+        tb = tile // n_eb
+        eb = tile - tb * n_eb
+        rows = tb * BLOCK_T + bt
+        rmask = rows < T
+        es = eb * BLOCK_E + be
+        emask = es < E
+        xrow = rows.to(tl.int64) * K
+        wrow = es.to(tl.int64) * K
+        acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + bk
+            kmask = ks < K
+            x = tl.load(x_ptr + xrow[:, None] + ks[None, :], mask=rmask[:, None] & kmask[None, :],
+                        other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + wrow[None, :] + ks[:, None], mask=kmask[:, None] & emask[None, :],
+                        other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_E]
+            if LOWP:
+                wb = w.to(tl.bfloat16)
+                xh = x.to(tl.bfloat16)
+                acc = tl.dot(xh, wb, acc)
+                if SPLITS > 1:
+                    rest = x - xh.to(tl.float32)
+                    xm = rest.to(tl.bfloat16)
+                    acc = tl.dot(xm, wb, acc)
+                    if SPLITS > 2:
+                        rest = rest - xm.to(tl.float32)
+                        acc = tl.dot(rest.to(tl.bfloat16), wb, acc)
+            else:
+                acc = tl.dot(x, w, acc, input_precision="ieee")
+        tl.store(logit_ptr + rows.to(tl.int64)[:, None] * E + es[None, :], acc,
+                 mask=rmask[:, None] & emask[None, :])
+        tl.debug_barrier()  # every thread's logits are written before the release below
+        done = tl.atomic_add(count_ptr + tb, 1, sem="acq_rel")
+        if done == n_eb - 1:  # this tile completed token block tb: route it
+            em = ecols < E
+            m2 = rmask[:, None] & em[None, :]
+            lg = tl.load(logit_ptr + rows.to(tl.int64)[:, None] * E + ecols[None, :], mask=m2, other=0.0,
+                         cache_modifier=".cg")
+            lg = lg / gate_temp
+            u = tl.exp(tl.minimum(lg, 20.0))  # (the clamp only avoids inf in the unused branch)
+            v = 1.0 + u
+            lp = tl.where(v == 1.0, u, tl.log(v) * (u / tl.where(v == 1.0, 1.0, v - 1.0)))  # log1p(u)
+            sp = tl.where(lg > 20.0, lg, lp)  # torch softplus, threshold 20
+            score = tl.sqrt(sp)
+            b = tl.load(bias_ptr + rows.to(tl.int64)[:, None] * bias_stride_t + ecols[None, :], mask=m2,
+                        other=0.0).to(tl.float32)
+            choice = tl.where(em[None, :], score + b, float("-inf"))
+            wk = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
+            ik = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
+            for r in tl.static_range(TOPK):
+                best = tl.max(choice, axis=1)
+                idx = tl.min(tl.where(choice == best[:, None], ecols[None, :], EP), axis=1)
+                hit = ecols[None, :] == idx[:, None]
+                wv = tl.sum(tl.where(hit, score, 0.0), axis=1)
+                choice = tl.where(hit, float("-inf"), choice)
+                wk = tl.where(kcols[None, :] == r, wv[:, None], wk)
+                ik = tl.where(kcols[None, :] == r, idx[:, None], ik)
+            total = tl.sum(wk, axis=1)
+            wk = wk / (total + 1e-20)[:, None] * route_scale
+            om = rmask[:, None] & (kcols[None, :] < TOPK)
+            out = rows.to(tl.int64)[:, None] * TOPK + kcols[None, :]
+            tl.store(wout_ptr + out, wk, mask=om)
+            tl.store(iout_ptr + out, ik.to(tl.int64), mask=om)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _config(t: int, e: int, device) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_E, BLOCK_K, num_warps)."""
+    from .launch import interpreting
+
+    if interpreting():
+        return 16, 16, 64, 4
+    on_npu = torch.device(device).type == "npu"
+    bt = 16 if t <= 16 else (32 if t <= 128 else 64)
+    return bt, 16 if on_npu else 32 if t > 128 else 16, 128, 4
+
+
+def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
+              gate_temp: float = 1.0, _cfg: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.moe_route`: x [T, D], gate_weight [E, D], bias [E] or [T, E] -> (weights fp32 [T, k],
+    ids int64 [T, k]). Requires triton."""
+    from .launch import grid_for, interpreting
+
+    t, d = x.shape
+    e = gate_weight.shape[0]
+    if gate_weight.shape[1] != d:
+        raise ValueError(f"gate_weight {tuple(gate_weight.shape)} does not fit x {tuple(x.shape)}")
+    if not 0 < topk <= e:
+        raise ValueError(f"topk {topk} out of range for {e} experts")
+    weights = torch.empty(t, topk, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, topk, dtype=torch.long, device=x.device)
+    if t == 0:
+        return weights, ids
+    if bias.dim() == 1:
+        bias_stride = 0
+    elif bias.shape == (t, e):
+        bias_stride = e
+    else:
+        raise ValueError(f"bias must be [{e}] or [{t}, {e}], got {tuple(bias.shape)}")
+    bt, be, bk, warps = _cfg or _config(t, e, x.device)
+    lowp = not interpreting() and gate_weight.dtype == torch.bfloat16
+    splits = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 3)
+    n_tb, n_eb = -(-t // bt), -(-e // be)
+    n_tiles = n_tb * n_eb
+    grid = grid_for(n_tiles, x.device)
+    logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    counts = torch.zeros(n_tb, dtype=torch.int32, device=x.device)
+    extra = {} if interpreting() else {"num_warps": warps}
+    _moe_route_kernel[(grid,)](
+        x.contiguous(), gate_weight.contiguous(), bias.contiguous(), logits, counts, weights, ids,
+        t, e, d, bias_stride, float(gate_temp), float(route_scale), n_eb, n_tiles, grid,
+        TOPK=topk, KP=_pow2(topk), EP=_pow2(e), BLOCK_T=bt, BLOCK_E=be, BLOCK_K=bk,
+        SPLITS=splits, LOWP=lowp, **extra)
+    return weights, ids
+
+
+OPS = {"moe_route": moe_route}

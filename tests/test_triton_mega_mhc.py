@@ -1,0 +1,136 @@
+"""Mega-mHC kernel (npu_ops/triton/mega_mhc.py, op `mhc_mix`) against the torch reference.
+
+x_new / x_hat: equal to the reference's bf16 values except for rare differences (the kernel
+sums the fp32 products in fp32, the reference in fp64, so a value lying within ~1e-7 relative
+of a bf16 rounding midpoint can round the other way; x_hat is checked against the collapse of
+the kernel's own x_new, which it inherits those flips from). The bound checked:
+every element within 1 bf16 ulp plus 2^-20 x the sum of its absolute terms (fp32 summation
+error where the terms cancel), and at most max(2, 0.1%) of the elements differing at all.
+pre / post / comb: rtol 1e-5 / atol 1e-6 (1e-5 on devices: tensor-core accumulation) against
+the reference coefficients of the kernel's own x_new (fp32 dot products vs the reference's fp64 `mm`), rtol 1e-3 / atol 1e-3 against the full
+reference (the rare x_new flips move m), comb doubly stochastic. Interpreter variant on CPU (TRITON_INTERPRET=1), compiled variant marked `gpu`.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+triton = pytest.importorskip("triton")
+
+from dsv41.backends.reference import mhc as ref  # noqa: E402
+from dsv41.npu_ops.triton import mega_mhc as mm  # noqa: E402
+from dsv41.npu_ops.triton.launch import interpreting  # noqa: E402
+
+DEVICES = [
+    pytest.param("cpu", id="interp",
+                 marks=pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", id="gpu",
+                 marks=[pytest.mark.gpu,
+                        pytest.mark.skipif(not torch.cuda.is_available() or interpreting(),
+                                           reason="needs CUDA and compiled Triton (TRITON_INTERPRET unset)")]),
+]
+
+NORM_EPS, HC_EPS, ITERS = 1e-20, 1e-6, 20
+
+
+def make_inputs(g: torch.Generator, t: int, d: int, n: int = 4):
+    x = (torch.randn(t, n, d, generator=g) * (1 + 3 * torch.rand(t, n, 1, generator=g))).to(torch.bfloat16)
+    y = torch.randn(t, d, generator=g).to(torch.bfloat16)
+    post = 2 * torch.rand(t, n, generator=g)
+    comb = ref.sinkhorn(torch.randn(t, n, n, generator=g) * 2, ITERS, HC_EPS)
+    pre = torch.rand(t, n, generator=g) + 1e-6
+    fn = torch.randn(6 * n, n * d, generator=g) * (2.0 / (n * d) ** 0.5)
+    scale = torch.rand(3, generator=g) + 0.5
+    base = torch.randn(6 * n, generator=g) * 0.5
+    return x, y, post, comb, pre, fn, scale, base
+
+
+def assert_bf16_close(got: torch.Tensor, want: torch.Tensor, mag: torch.Tensor, max_frac: float = 1e-3):
+    """Equal, or apart by at most 1 bf16 ulp of `want` plus 2^-20 * `mag` (the sum of the
+    absolute terms: fp32 summation error where terms cancel), on at most max(2, `max_frac` *
+    numel) elements."""
+    assert got.shape == want.shape and got.dtype == want.dtype == torch.bfloat16
+    g = got.detach().cpu().float()
+    w = want.float()
+    ulp = torch.where(w == 0, torch.full_like(w, 2.0 ** -133),
+                      torch.exp2(torch.floor(torch.log2(w.abs())) - 7))
+    diff = (g - w).abs()
+    bound = ulp * 1.0001 + mag.float() * 2.0 ** -20
+    assert (diff <= bound).all(), f"max diff {(diff / bound).max().item()} x bound"
+    n_diff = int((diff > 0).sum())
+    assert n_diff <= max(2, max_frac * diff.numel()), f"{n_diff} of {diff.numel()} elements differ"
+
+
+def check(dev, inputs, with_fn: bool):
+    x, y, post, comb, pre, fn, scale, base = inputs
+    if not with_fn:
+        fn = scale = base = None
+    want = ref.mhc_mix(x, y, post, comb, pre, fn, scale, base, NORM_EPS, HC_EPS, ITERS)
+    mv = lambda v: None if v is None else v.to(dev)  # noqa: E731
+    got = mm.mhc_mix(x.to(dev), y.to(dev), post.to(dev), comb.to(dev), pre.to(dev), mv(fn), mv(scale),
+                     mv(base), NORM_EPS, HC_EPS, ITERS)
+    mag_new = ref.mhc_update(x.float().abs(), y.float().abs(), post.abs(), comb.abs())
+    assert_bf16_close(got[0], want[0], mag_new)
+    # x_hat from the kernel's own x_new (a flipped x_new element moves x_hat by pre * 1 ulp)
+    x_new = got[0].cpu()
+    assert_bf16_close(got[1], ref.mhc_collapse(x_new, pre), ref.mhc_collapse(x_new.float().abs(), pre.abs()))
+    if not with_fn:
+        assert got[2] is None
+        return got
+    # the coefficients of the kernel's own x_new (a 1-ulp flip of one x_new element moves m by
+    # ~1e-5 relative, so against the reference's x_new the bound is looser)
+    own = ref.mhc_mixes(got[0].cpu(), fn, scale, base, NORM_EPS, HC_EPS, ITERS)
+    for a, b, c in zip(got[2], own, want[2]):
+        assert a.shape == b.shape and a.dtype == b.dtype == torch.float32
+        # on devices the dot products run on tensor cores (three exact bf16 x bf16 parts of
+        # fn, accumulated in hardware fp32, whose rounding is coarser than IEEE fp32)
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-6 if dev == "cpu" else 5e-5)
+        torch.testing.assert_close(a.cpu(), c, rtol=1e-3, atol=1e-3)
+    c = got[2][2].cpu().double()
+    # doubly stochastic: columns exactly (the last step), rows up to Sinkhorn's convergence
+    # after 20 rounds (the reference's rows are off by as much on the same logits)
+    torch.testing.assert_close(c.sum(-2), torch.ones_like(c.sum(-2)), rtol=0, atol=1e-5)
+    torch.testing.assert_close(c.sum(-1), torch.ones_like(c.sum(-1)), rtol=0, atol=0.1)
+    assert (c > 0).all()
+    assert c.std() > 0.01
+    return got
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("t,d", [(1, 128), (5, 128), (19, 96), (33, 256)])
+@pytest.mark.parametrize("with_fn", [True, False], ids=["fn", "nofn"])
+def test_mhc_mix_random(dev, t, d, with_fn, rng):
+    check(dev, make_inputs(rng, t, d), with_fn)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", DEVICES[1:])
+@pytest.mark.parametrize("t", [1, 64, 300])
+def test_mhc_mix_real_width(dev, t, rng):
+    check(dev, make_inputs(rng, t, 5120), True)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_mhc_mix_via_registry(dev, monkeypatch, rng):
+    from dsv41.backends import ops, registry
+
+    impl, used, reason = registry.resolve("mhc_mix", "cuda")
+    assert (impl, used) == (mm.mhc_mix, "cuda"), reason
+    if dev == "cpu":
+        monkeypatch.setenv("DSV41_BACKEND", "cuda")
+    x, y, post, comb, pre, fn, scale, base = make_inputs(rng, 3, 64)
+    got = ops.mhc_mix(x.to(dev), y.to(dev), post.to(dev), comb.to(dev), pre.to(dev), fn.to(dev),
+                      scale.to(dev), base.to(dev), NORM_EPS, HC_EPS, ITERS)
+    want = ref.mhc_mix(x, y, post, comb, pre, fn, scale, base, NORM_EPS, HC_EPS, ITERS)
+    assert_bf16_close(got[0], want[0], ref.mhc_update(x.float().abs(), y.float().abs(), post, comb))
+    torch.testing.assert_close(got[2][0].cpu(), want[2][0], rtol=1e-5, atol=1e-6)
+
+
+def test_mhc_mix_rejects_bad_shapes():
+    with pytest.raises(ValueError):
+        mm.mhc_mix(torch.zeros(2, 3, 8), torch.zeros(2, 8), torch.zeros(2, 3), torch.zeros(2, 3, 3),
+                   torch.zeros(2, 3), None, None, None, NORM_EPS, HC_EPS, ITERS)

@@ -1,0 +1,157 @@
+"""Triton MoE router (npu_ops/triton/moe_route.py) against the torch reference.
+
+Interpreter variants (TRITON_INTERPRET=1, small shapes) and `gpu`-marked compiled variants.
+Expert ids must be equal (on inputs without near-ties: every row's choice values are checked to
+be separated at the k-th boundary and between the chosen ones), weights within rtol 1e-5.
+Exact ties (duplicated gate rows, equal bias) must go to the lower expert id.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+triton = pytest.importorskip("triton")
+
+from dsv41.backends import registry  # noqa: E402
+from dsv41.npu_ops.triton import moe_route as mr  # noqa: E402
+from dsv41.npu_ops.triton.launch import interpreting  # noqa: E402
+
+DEVICES = [
+    pytest.param("cpu", id="interp",
+                 marks=pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", id="gpu",
+                 marks=[pytest.mark.gpu,
+                        pytest.mark.skipif(not torch.cuda.is_available() or interpreting(),
+                                           reason="needs CUDA and compiled Triton (TRITON_INTERPRET unset)")]),
+]
+
+
+def inputs(g, t, d, e, x_dtype=torch.bfloat16, per_token_bias=False):
+    x = (torch.randn(t, d, generator=g) * 0.5).to(x_dtype)
+    w = (torch.randn(e, d, generator=g) * d ** -0.5).to(torch.bfloat16)
+    shape = (t, e) if per_token_bias else (e,)
+    bias = torch.randn(*shape, generator=g) * 0.1
+    return x, w, bias
+
+
+def choice_values(x, w, bias, gate_temp):
+    logits = (x.double() @ w.double().t()) / gate_temp
+    return torch.sqrt(F.softplus(logits)) + bias.double()
+
+
+def separated_rows(x, w, bias, gate_temp, k, gap=1e-4):
+    """Rows whose sorted top-(k+1) choice values are pairwise separated by more than `gap`."""
+    c = choice_values(x, w, bias, gate_temp).sort(-1, descending=True).values[:, : k + 1]
+    return ((c[:, :-1] - c[:, 1:]) > gap).all(-1)
+
+
+def check(got, want, ok_rows):
+    (gw, gi), (ww, wi) = got, want
+    gw, gi = gw.cpu(), gi.cpu()
+    assert gw.dtype == ww.dtype == torch.float32 and gi.dtype == wi.dtype == torch.long
+    assert gw.shape == ww.shape and gi.shape == wi.shape
+    assert ok_rows.float().mean() > 0.5, "test data has too many near-ties"
+    assert torch.equal(gi[ok_rows], wi[ok_rows])
+    torch.testing.assert_close(gw[ok_rows], ww[ok_rows], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("t,d,e,k", [(1, 64, 16, 2), (5, 96, 40, 6), (19, 128, 24, 3), (3, 160, 8, 8)])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_moe_route_matches_reference(dev, t, d, e, k, x_dtype, rng):
+    x, w, bias = inputs(rng, t, d, e, x_dtype)
+    temp, scale = 0.7, 1.5
+    got = mr.moe_route(x.to(dev), w.to(dev), bias.to(dev), k, scale, temp)
+    want = mr.moe_route_ref(x, w, bias, k, scale, temp)
+    check(got, want, separated_rows(x, w, bias, temp, k))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.float32])
+def test_moe_route_per_token_bias_and_dtypes(dev, x_dtype, rng):
+    t, d, e, k = 7, 64, 20, 4
+    x, w, bias = inputs(rng, t, d, e, x_dtype, per_token_bias=True)
+    w = w.float()  # fp32 gate weight: fp32 dots
+    got = mr.moe_route(x.to(dev), w.to(dev), bias.to(dev), k, 2.5)
+    want = mr.moe_route_ref(x, w, bias, k, 2.5)
+    check(got, want, separated_rows(x, w, bias, 1.0, k))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_moe_route_softplus_range(dev, rng):
+    """Logits far below 0 (log1p of tiny values), around 0 and above the softplus threshold."""
+    t, d, e, k = 4, 64, 16, 5
+    x, w, _ = inputs(rng, t, d, e, torch.float32)
+    x = x * torch.tensor([[0.01], [1.0], [30.0], [200.0]])
+    bias = torch.zeros(e)
+    got = mr.moe_route(x.to(dev), w.to(dev), bias.to(dev), k, 1.0)
+    want = mr.moe_route_ref(x, w, bias, k, 1.0)
+    check(got, want, separated_rows(x, w, bias, 1.0, k, gap=1e-5))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_moe_route_ties_to_lower_id(dev, rng):
+    t, d, e, k = 3, 64, 12, 4
+    # small dyadic values: every logit is exact in fp32, whatever the summation order
+    x = (torch.randint(-8, 9, (t, d), generator=rng).float() / 4).to(torch.bfloat16)
+    w = (torch.randint(-8, 9, (e, d), generator=rng).float() / 64).to(torch.bfloat16)
+    w[7], w[9], w[2] = w[4], w[4], w[4]  # experts 2, 4, 7, 9 share a gate row
+    bias = torch.zeros(e)
+    bias[[2, 4, 7, 9]] = 5.0  # ... and win by far: all tie
+    wts, ids = mr.moe_route(x.to(dev), w.to(dev), bias.to(dev), k, 1.0)
+    assert ids.cpu().tolist() == [[2, 4, 7, 9]] * t
+    torch.testing.assert_close(wts.cpu(), torch.full((t, k), 0.25))
+    bias[9] = 5.5  # the bias only chooses: the weights stay equal
+    wts, ids = mr.moe_route(x.to(dev), w.to(dev), bias.to(dev), 3, 1.0)
+    assert ids.cpu().tolist() == [[9, 2, 4]] * t
+    torch.testing.assert_close(wts.cpu(), torch.full((t, 3), 1 / 3))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("cfg", [(16, 16, 32, 4), (32, 32, 64, 4)])
+def test_moe_route_tile_configs(dev, cfg, rng):
+    """Several token and expert blocks, ragged edges (the counter / last-tile routing)."""
+    t, d, e, k = 37, 96, 72, 6
+    x, w, bias = inputs(rng, t, d, e)
+    got = mr.moe_route(x.to(dev), w.to(dev), bias.to(dev), k, 1.0, _cfg=cfg)
+    want = mr.moe_route_ref(x, w, bias, k, 1.0)
+    check(got, want, separated_rows(x, w, bias, 1.0, k))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", DEVICES[1:])
+@pytest.mark.parametrize("t", [1, 64, 256])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_moe_route_benchmark_shapes_gpu(dev, t, x_dtype, rng):
+    d, e, k = 5120, 384, 6
+    x, w, bias = inputs(rng, t, d, e, x_dtype)
+    got = mr.moe_route(x.to(dev), w.to(dev), bias.to(dev), k, 2.5, 1.0)
+    want = mr.moe_route_ref(x, w, bias, k, 2.5, 1.0)
+    check(got, want, separated_rows(x, w, bias, 1.0, k))
+
+
+def test_moe_route_rejects_bad_shapes():
+    with pytest.raises(ValueError):
+        mr.moe_route(torch.zeros(2, 32), torch.zeros(4, 16), torch.zeros(4), 2, 1.0)
+    with pytest.raises(ValueError):
+        mr.moe_route(torch.zeros(2, 32), torch.zeros(4, 32), torch.zeros(3, 4), 2, 1.0)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_cuda_backend_registers_kernel(dev, monkeypatch, rng):
+    from dsv41.backends import ops
+    from dsv41.npu_ops.triton import KERNELS
+
+    assert "moe_route" in KERNELS
+    impl, used, reason = registry.resolve("moe_route", "cuda")
+    assert (impl, used) == (mr.moe_route, "cuda"), reason
+    if dev == "cpu":
+        monkeypatch.setenv("DSV41_BACKEND", "cuda")
+    x, w, bias = inputs(rng, 4, 64, 16)
+    got = ops.moe_route(x.to(dev), w.to(dev), bias.to(dev), 3, 1.0)
+    check(got, mr.moe_route_ref(x, w, bias, 3, 1.0), separated_rows(x, w, bias, 1.0, 3))
