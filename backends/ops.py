@@ -185,6 +185,15 @@ def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, experts: list, limit: f
 
 
 @_op
+def engram_gate(x: Tensor, k: Tensor, v: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
+                is_image: Tensor) -> Tensor:
+    """Engram's per-stream gated add: x [T, n, d] bf16, keys k [T, n, d] and value v [T, d]
+    (fp32); dot_s = sum(rms(k_s) * k_weight * rms(x_s) * q_weight) * d^-0.5 (both RMS-normalised
+    with eps); gate_s = sigmoid(sign(dot) sqrt(max(|dot|, 1e-6))), 0 on image tokens;
+    x_s + gate_s * v in fp32, cast to x's dtype."""
+
+
+@_op
 def engram_lookup(table: Tensor, scale: Tensor, rows: Tensor) -> Tensor:
     """Hashed row ids [T, R] -> gather FP8 (scale per 32) or INT8 (scale per row) rows ->
     dequantised bf16 [T, R * Dh]."""

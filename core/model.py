@@ -339,14 +339,7 @@ class Engram(nn.Module):
         e = ops.engram_lookup(self.embed.weight, self.embed.scale, rows)
         kv = self.wkv(e).float()
         k, v = kv[:, : n * d].reshape(t, n, d), kv[:, n * d:]
-        eps = self.cfg.rms_norm_eps
-        xf = x.float()
-        kn = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps)
-        xn = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        dot = (kn * self.k_weight.float() * xn * self.q_weight.float()).sum(-1) * d ** -0.5
-        gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(1e-6)))
-        gate = gate.masked_fill(is_image.unsqueeze(-1), 0.0)
-        return (xf + gate.unsqueeze(-1) * v.unsqueeze(1)).to(x.dtype)
+        return ops.engram_gate(x, k, v, self.q_weight, self.k_weight, self.cfg.rms_norm_eps, is_image)
 
 
 # ---- block and model ----------------------------------------------------------------------------

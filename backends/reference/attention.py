@@ -7,7 +7,7 @@ import torch
 
 from ..registry import register
 from . import quant
-from .basic import einsum, rms_norm, rope
+from .basic import einsum, exact_fn, rms_norm, rope
 
 NEG_INF = float("-inf")
 RUNNING_MAX_INIT = -1e30  # a row with no valid entry outputs 0 (spec section 3, Attention)
@@ -17,7 +17,7 @@ def pool_groups(kv: torch.Tensor, score: torch.Tensor, ratio: int) -> torch.Tens
     """Softmax pooling of complete groups of `ratio` rows, per channel, fp32: [G*r, D] -> [G, D]."""
     g, d = kv.shape[0] // ratio, kv.shape[-1]
     kv = kv[: g * ratio].float().reshape(g, ratio, d)
-    w = torch.softmax(score[: g * ratio].float().reshape(g, ratio, d), dim=1)
+    w = exact_fn(lambda z: torch.softmax(z, dim=1), score[: g * ratio].float().reshape(g, ratio, d))
     return (w * kv).sum(1)
 
 
@@ -113,10 +113,10 @@ def sparse_attention(q, win_kv, win_scale, win_mask, glob_kv, glob_scale, glob_i
     lg = torch.cat(logits, -1) * softmax_scale
     v = torch.cat(values, 1)
     m = lg.amax(-1, keepdim=True).clamp_min(RUNNING_MAX_INIT)
-    p = torch.exp(lg - m)
+    p = exact_fn(torch.exp, lg - m)
     # The denominator is summed in fp64 and rounded to fp32: a query's entries sit at different
     # offsets in a prefill chunk than in a decode step, and an fp32 SIMD sum would depend on that.
-    denom = (p.double().sum(-1, keepdim=True) + torch.exp(sink.float().view(1, h, 1) - m).double()).float()
+    denom = (p.double().sum(-1, keepdim=True) + torch.exp((sink.float().view(1, h, 1) - m).double())).float()
     # probabilities go to bf16 before multiplying V; the denominator stays fp32
     num = einsum("ths,tsd->thd", p.to(torch.bfloat16).float(), v)
     return (num / denom).to(torch.bfloat16)

@@ -51,6 +51,17 @@ def fp32_accumulation():
         ACCUM_DTYPE = old
 
 
+def exact_fn(fn, x: torch.Tensor) -> torch.Tensor:
+    """A transcendental function evaluated in fp64 and rounded to fp32.
+
+    torch evaluates elementwise functions with SIMD code for whole vectors and scalar libm code
+    for the tail of a tensor, which can differ by one fp32 ulp; a decode step (tiny tensors)
+    and a prefill (large ones) would then disagree. In fp64 both paths are within an fp64 ulp,
+    so the rounded fp32 result is (almost always) the same, whatever the tensor's size.
+    """
+    return fn(x.double()).float()
+
+
 @register("rms_norm")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
@@ -121,7 +132,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     g = gate.float().clamp(max=limit)
     u = up.float().clamp(-limit, limit)
-    return torch.nn.functional.silu(g) * u
+    return exact_fn(torch.nn.functional.silu, g) * u
 
 
 @register("engram_lookup")
@@ -136,3 +147,15 @@ def engram_lookup(table: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) 
         out = quant.fp8_dequant(vals, sc) if sc.dtype == torch.float8_e8m0fnu else (
             quant._groups(vals.float(), 32) * sc.float().unsqueeze(-1)).reshape(vals.shape)
     return out.reshape(t, r * table.shape[-1]).to(torch.bfloat16)
+
+
+@register("engram_gate")
+def engram_gate(x, k, v, q_weight, k_weight, eps, is_image):
+    d = x.shape[-1]
+    xf, k = x.float(), k.float()
+    kn = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps)
+    xn = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    dot = (kn * k_weight.float() * xn * q_weight.float()).sum(-1) * d ** -0.5
+    gate = exact_fn(torch.sigmoid, torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(1e-6)))
+    gate = gate.masked_fill(is_image.unsqueeze(-1), 0.0)
+    return (xf + gate.unsqueeze(-1) * v.float().unsqueeze(1)).to(x.dtype)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from ..registry import register
-from .basic import einsum, mm
+from .basic import einsum, exact_fn, mm
 
 
 @register("sinkhorn")
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    c = torch.softmax(logits.float(), dim=-1) + eps
+    c = exact_fn(lambda z: torch.softmax(z, dim=-1), logits.float()) + eps
     c = c / (c.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         c = c / (c.sum(-1, keepdim=True) + eps)
@@ -25,8 +25,8 @@ def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
     xf = x.float().reshape(t, n * d)
     m = mm(xf, fn.float().t()) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm_eps)
     scale, base = scale.float(), base.float()
-    pre = torch.sigmoid(scale[0] * m[:, :n] + base[:n]) + hc_eps
-    post = 2 * torch.sigmoid(scale[1] * m[:, n:2 * n] + base[n:2 * n])
+    pre = exact_fn(torch.sigmoid, scale[0] * m[:, :n] + base[:n]) + hc_eps
+    post = 2 * exact_fn(torch.sigmoid, scale[1] * m[:, n:2 * n] + base[n:2 * n])
     logits = (scale[2] * m[:, 2 * n:] + base[2 * n:]).reshape(t, n, n)
     return pre, post, sinkhorn(logits, iters, hc_eps)
 

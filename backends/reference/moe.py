@@ -7,13 +7,13 @@ import torch.nn.functional as F
 
 from ..registry import register
 from . import quant
-from .basic import dequant_weight, mm, swiglu_clamped
+from .basic import dequant_weight, exact_fn, mm, swiglu_clamped
 
 
 @register("moe_route")
 def moe_route(x, gate_weight, bias, topk, route_scale, gate_temp=1.0):
     logits = mm(x.float(), gate_weight.float().t()) / gate_temp
-    scores = torch.sqrt(F.softplus(logits))
+    scores = torch.sqrt(exact_fn(F.softplus, logits))  # sqrt is correctly rounded on every path
     # The bias only chooses experts; ties go to the lower expert id (stable sort).
     choice = scores + bias.float()
     ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :topk]
