@@ -22,10 +22,7 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-
-triton = pytest.importorskip("triton")
+from _triton import DEVICES, triton  # noqa: E402,F401  (sets TRITON_INTERPRET; skips without triton)
 
 from dsv41.backends import registry  # noqa: E402
 from dsv41.backends.reference import quant  # noqa: E402
@@ -33,14 +30,6 @@ from dsv41.backends.reference.basic import rope  # noqa: E402
 from dsv41.npu_ops.triton import compress_kv as ckv  # noqa: E402
 from dsv41.npu_ops.triton.launch import interpreting  # noqa: E402
 
-DEVICES = [
-    pytest.param("cpu", id="interp",
-                 marks=pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")),
-    pytest.param("cuda", id="gpu",
-                 marks=[pytest.mark.gpu,
-                        pytest.mark.skipif(not torch.cuda.is_available() or interpreting(),
-                                           reason="needs CUDA and compiled Triton (TRITON_INTERPRET unset)")]),
-]
 MIN_EXACT = 0.999
 
 

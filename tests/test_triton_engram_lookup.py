@@ -3,28 +3,15 @@ against the torch reference: FP8 E4M3 rows with E8M0 (or fp32) scales per 32, IN
 fp32 scale per row. Interpreter variant on CPU (TRITON_INTERPRET=1), compiled variant `gpu`
 (also reading a pinned host table through its device-visible address)."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-
-triton = pytest.importorskip("triton")
+from _triton import DEVICES, triton  # noqa: E402,F401  (sets TRITON_INTERPRET; skips without triton)
 
 from dsv41.backends.reference import basic  # noqa: E402
 from dsv41.npu_ops.triton import engram_lookup as eg  # noqa: E402
 from dsv41.npu_ops.triton.launch import interpreting  # noqa: E402
 
-DEVICES = [
-    pytest.param("cpu", id="interp",
-                 marks=pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")),
-    pytest.param("cuda", id="gpu",
-                 marks=[pytest.mark.gpu,
-                        pytest.mark.skipif(not torch.cuda.is_available() or interpreting(),
-                                           reason="needs CUDA and compiled Triton (TRITON_INTERPRET unset)")]),
-]
 
 
 def assert_bits_equal(got: torch.Tensor, want: torch.Tensor):

@@ -8,15 +8,10 @@ every score is exact in fp32 (dyadic weights, MXFP4 operands) so ties are real t
 (otherwise the chosen score sets are compared).
 """
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-
-triton = pytest.importorskip("triton")
+from _triton import DEVICES, triton  # noqa: E402,F401  (sets TRITON_INTERPRET; skips without triton)
 
 from dsv41.backends import registry  # noqa: E402
 from dsv41.backends.reference import attention as ref_att  # noqa: E402
@@ -24,14 +19,6 @@ from dsv41.backends.reference import quant  # noqa: E402
 from dsv41.npu_ops.triton import indexer_topk as itk  # noqa: E402
 from dsv41.npu_ops.triton.launch import interpreting  # noqa: E402
 
-DEVICES = [
-    pytest.param("cpu", id="interp",
-                 marks=pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")),
-    pytest.param("cuda", id="gpu",
-                 marks=[pytest.mark.gpu,
-                        pytest.mark.skipif(not torch.cuda.is_available() or interpreting(),
-                                           reason="needs CUDA and compiled Triton (TRITON_INTERPRET unset)")]),
-]
 RTOL = 1e-5
 
 

@@ -11,28 +11,15 @@ the reference coefficients of the kernel's own x_new (fp32 dot products vs the r
 reference (the rare x_new flips move m), comb doubly stochastic. Interpreter variant on CPU (TRITON_INTERPRET=1), compiled variant marked `gpu`.
 """
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-
-triton = pytest.importorskip("triton")
+from _triton import DEVICES, triton  # noqa: E402,F401  (sets TRITON_INTERPRET; skips without triton)
 
 from dsv41.backends.reference import mhc as ref  # noqa: E402
 from dsv41.npu_ops.triton import mega_mhc as mm  # noqa: E402
 from dsv41.npu_ops.triton.launch import interpreting  # noqa: E402
 
-DEVICES = [
-    pytest.param("cpu", id="interp",
-                 marks=pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")),
-    pytest.param("cuda", id="gpu",
-                 marks=[pytest.mark.gpu,
-                        pytest.mark.skipif(not torch.cuda.is_available() or interpreting(),
-                                           reason="needs CUDA and compiled Triton (TRITON_INTERPRET unset)")]),
-]
 
 NORM_EPS, HC_EPS, ITERS = 1e-20, 1e-6, 20
 

@@ -15,27 +15,16 @@ through the kernel on the same inputs (the model's real shapes, masks, slices an
 and compared with a bound that fits the op; the end-to-end numbers are printed for the record.
 """
 
-import os
-
 import pytest
 import torch
+from _triton import DEVICES  # noqa: F401  (sets TRITON_INTERPRET; skips without triton)
 from _util import rand_prompt
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-pytest.importorskip("triton")
 
 from dsv41.backends import registry
 from dsv41.core.cache import SequenceCache
 from dsv41.core.config import preset
 from dsv41.core.weights import build_model, random_state_dict
 
-from dsv41.npu_ops.triton.launch import interpreting  # noqa: E402
-
-GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or interpreting(),
-                                           reason="needs CUDA and compiled Triton")]
-DEVICES = [pytest.param("cpu", id="interp", marks=pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")),
-           pytest.param("cuda", id="gpu", marks=GPU)]
 # ops the model calls (fp4_quant has a kernel but the model stores KV through compress_kv)
 MODEL_OPS = {"sparse_attention", "indexer_topk", "compress_kv", "mhc_mix", "engram_lookup", "moe_route",
              "mxfp4_act_quant"}

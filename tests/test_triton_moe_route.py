@@ -6,29 +6,16 @@ be separated at the k-th boundary and between the chosen ones), weights within r
 Exact ties (duplicated gate rows, equal bias) must go to the lower expert id.
 """
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-
-triton = pytest.importorskip("triton")
+from _triton import DEVICES, triton  # noqa: E402,F401  (sets TRITON_INTERPRET; skips without triton)
 
 from dsv41.backends import registry  # noqa: E402
 from dsv41.npu_ops.triton import moe_route as mr  # noqa: E402
 from dsv41.npu_ops.triton.launch import interpreting  # noqa: E402
 
-DEVICES = [
-    pytest.param("cpu", id="interp",
-                 marks=pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")),
-    pytest.param("cuda", id="gpu",
-                 marks=[pytest.mark.gpu,
-                        pytest.mark.skipif(not torch.cuda.is_available() or interpreting(),
-                                           reason="needs CUDA and compiled Triton (TRITON_INTERPRET unset)")]),
-]
 
 
 def inputs(g, t, d, e, x_dtype=torch.bfloat16, per_token_bias=False):

@@ -6,15 +6,10 @@ and compiled on CUDA for the `gpu`-marked variants (run without TRITON_INTERPRET
 Skipped entirely where triton is not installed (the main CPU test env).
 """
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-
-triton = pytest.importorskip("triton")
+from _triton import DEVICES, triton  # noqa: E402,F401  (sets TRITON_INTERPRET; skips without triton)
 
 from dsv41.backends import registry  # noqa: E402
 from dsv41.backends.reference import quant  # noqa: E402
@@ -22,14 +17,6 @@ from dsv41.npu_ops.triton import fp4_kv_store as fkv  # noqa: E402
 from dsv41.npu_ops.triton import mxfp4_act_quant as mxa  # noqa: E402
 from dsv41.npu_ops.triton.launch import interpreting  # noqa: E402
 
-DEVICES = [
-    pytest.param("cpu", id="interp",
-                 marks=pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")),
-    pytest.param("cuda", id="gpu",
-                 marks=[pytest.mark.gpu,
-                        pytest.mark.skipif(not torch.cuda.is_available() or interpreting(),
-                                           reason="needs CUDA and compiled Triton (TRITON_INTERPRET unset)")]),
-]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -7,29 +7,16 @@ the kernel, to the global max in the reference), so the comparison is a relative
 must be exactly 0.
 """
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-
-triton = pytest.importorskip("triton")
+from _triton import DEVICES, triton  # noqa: E402,F401  (sets TRITON_INTERPRET; skips without triton)
 
 from dsv41.backends import registry  # noqa: E402
 from dsv41.backends.reference import quant  # noqa: E402
 from dsv41.npu_ops.triton import sparse_attention as sa  # noqa: E402
 from dsv41.npu_ops.triton.launch import interpreting  # noqa: E402
 
-DEVICES = [
-    pytest.param("cpu", id="interp",
-                 marks=pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")),
-    pytest.param("cuda", id="gpu",
-                 marks=[pytest.mark.gpu,
-                        pytest.mark.skipif(not torch.cuda.is_available() or interpreting(),
-                                           reason="needs CUDA and compiled Triton (TRITON_INTERPRET unset)")]),
-]
 
 # tile configurations exercised explicitly: whole rows, tiled contraction + output blocks
 TILED = dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=32, BLOCK_DV=32)

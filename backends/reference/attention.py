@@ -52,10 +52,12 @@ def _scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch
     return (torch.relu(dots) * weights.float().unsqueeze(-1)).sum(1)
 
 
-def candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, n_blocks: int, block: int) -> torch.Tensor:
+def candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, n_blocks: int, block: int,
+                   topk_sorted=None) -> torch.Tensor:
     """Hierarchical candidate pool: blocks of `block` positions scored by their best visible
     position; the newest (possibly partial) block is always kept; the best `n_blocks` blocks are
-    kept (ties to the older block); unreachable blocks are dropped. [T, n_blocks * block], -1 pad."""
+    kept (ties to the older block); unreachable blocks are dropped. [T, n_blocks * block], -1 pad.
+    `topk_sorted` may replace the block selection with a faster one of the same contract."""
     t, n = scores.shape
     nb = -(-n // block)
     padded = torch.full((t, nb * block), NEG_INF, dtype=torch.float32, device=scores.device)
@@ -66,7 +68,7 @@ def candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, n_blocks: int,
     reachable = vis.reshape(t, nb, block).any(-1)
     newest = ((n_visible - 1).clamp_min(0) // block).unsqueeze(1)
     bmax = bmax.scatter(1, newest, float("inf"))
-    chosen = _stable_topk_sorted(bmax, n_blocks, reachable)  # [T, n_blocks] block ids
+    chosen = (topk_sorted or _stable_topk_sorted)(bmax, n_blocks, reachable)  # [T, n_blocks] block ids
     cand = chosen.unsqueeze(-1) * block + torch.arange(block, device=scores.device)
     ok = (chosen.unsqueeze(-1) >= 0) & (cand < n_visible.view(t, 1, 1))
     return torch.where(ok, cand, torch.full_like(cand, -1)).reshape(t, -1)

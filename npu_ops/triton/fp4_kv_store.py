@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference import quant
+from .fp4_common import e2m1_code, e4m3_value, fp4_scale_code
 
 GROUP = 16
 BLOCK_G = 32  # groups per tile: 2 x (32 x 8) fp32 live values
@@ -39,14 +40,6 @@ def fp4_kv_store_ref(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, 
     codes.view(torch.uint8)[idx] = packed[keep]
     scales.view(torch.uint8)[idx] = scale[keep].view(torch.uint8)
 
-
-@triton.jit
-def _e4m3_value(c):
-    """E4M3 (fn) code 0..127 (int32) -> fp32 value; 127 maps to 480 (only used as a bound)."""
-    e = c >> 3
-    m = c & 7
-    p2 = ((tl.maximum(e, 1) - 10 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(max(e,1)-10)
-    return ((e > 0).to(tl.int32) * 8 + m).to(tl.float32) * p2
 
 @triton.jit
 def _fp4_kv_store_kernel(x_ptr, slot_ptr, code_ptr, scale_ptr, n_groups, groups_per_row,
@@ -64,31 +57,10 @@ def _fp4_kv_store_kernel(x_ptr, slot_ptr, code_ptr, scale_ptr, n_groups, groups_
         x0 = tl.load(x_ptr + base, mask=mask, other=0.0).to(tl.float32)      # even channels
         x1 = tl.load(x_ptr + base + 1, mask=mask, other=0.0).to(tl.float32)  # odd channels
         amax = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
-        amax = tl.maximum(amax, 0.01171875)  # 6 * 2^-9
-        # candidate E4M3 code: truncate q ~ amax / 6 to the E4M3 grid
-        q = amax * 0.16666666666666666
-        qb = q.to(tl.int32, bitcast=True)
-        qe = ((qb >> 23) & 0xFF) - 127
-        c_norm = (qe + 7) * 8 + ((qb >> 20) & 7)
-        c_sub = (tl.minimum(q, 1.0) * 512.0).to(tl.int32)  # below 2^-6: multiples of 2^-9
-        c = tl.where(qe >= -6, c_norm, c_sub)
-        c = tl.minimum(tl.maximum(c, 0), 126)
-        # exact fix-up: floor code of amax / 6 ...
-        c = c + (amax >= 6.0 * _e4m3_value(c + 1)).to(tl.int32) - (amax < 6.0 * _e4m3_value(c)).to(tl.int32)
-        # ... then round to nearest, ties to even, saturating at 448 (code 126)
-        lo = _e4m3_value(c)
-        mid6 = 3.0 * (lo + _e4m3_value(c + 1))
-        up = (amax > mid6) | ((amax == mid6) & ((c & 1) == 1))
-        c = tl.minimum(c + up.to(tl.int32), 126)
-        s = _e4m3_value(c)[:, None]
-        a0 = tl.abs(x0)
-        a1 = tl.abs(x1)
-        c0 = (a0 > 0.25 * s).to(tl.int32) + (a0 >= 0.75 * s).to(tl.int32) + (a0 > 1.25 * s).to(tl.int32) \
-            + (a0 >= 1.75 * s).to(tl.int32) + (a0 > 2.5 * s).to(tl.int32) + (a0 >= 3.5 * s).to(tl.int32) \
-            + (a0 > 5.0 * s).to(tl.int32) + (x0 < 0).to(tl.int32) * 8
-        c1 = (a1 > 0.25 * s).to(tl.int32) + (a1 >= 0.75 * s).to(tl.int32) + (a1 > 1.25 * s).to(tl.int32) \
-            + (a1 >= 1.75 * s).to(tl.int32) + (a1 > 2.5 * s).to(tl.int32) + (a1 >= 3.5 * s).to(tl.int32) \
-            + (a1 > 5.0 * s).to(tl.int32) + (x1 < 0).to(tl.int32) * 8
+        c = fp4_scale_code(amax)
+        s = e4m3_value(c)[:, None]
+        c0 = e2m1_code(x0, s)
+        c1 = e2m1_code(x1, s)
         byte = (c0 | (c1 << 4)).to(tl.uint8)
         out_row = slot * groups_per_row + gi
         tl.store(code_ptr + out_row[:, None] * 8 + j[None, :], byte, mask=mask)

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference import attention as ref_attention
-from ...backends.reference.attention import NEG_INF
+from ...backends.reference.attention import NEG_INF, candidate_pool
 
 MX_GROUP = 32
 _SCALE_2M127 = tl.constexpr(5.877471754111438e-39)  # 2^-127 (E8M0 byte 0), an fp32 subnormal
@@ -224,20 +224,7 @@ def _topk_sorted(scores: torch.Tensor, k: int, valid: torch.Tensor) -> torch.Ten
 
 def _candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, n_blocks: int, block: int) -> torch.Tensor:
     """`reference.attention.candidate_pool` with `_topk_sorted` for the block choice."""
-    t, n = scores.shape
-    nb = -(-n // block)
-    padded = torch.full((t, nb * block), NEG_INF, dtype=torch.float32, device=scores.device)
-    padded[:, :n] = scores
-    pos = torch.arange(nb * block, device=scores.device)
-    vis = pos.unsqueeze(0) < n_visible.unsqueeze(1)
-    bmax = padded.masked_fill(~vis, NEG_INF).reshape(t, nb, block).amax(-1)
-    reachable = vis.reshape(t, nb, block).any(-1)
-    newest = ((n_visible - 1).clamp_min(0) // block).unsqueeze(1)
-    bmax = bmax.scatter(1, newest, float("inf"))
-    chosen = _topk_sorted(bmax, n_blocks, reachable)
-    cand = chosen.unsqueeze(-1) * block + torch.arange(block, device=scores.device)
-    ok = (chosen.unsqueeze(-1) >= 0) & (cand < n_visible.view(t, 1, 1))
-    return torch.where(ok, cand, torch.full_like(cand, -1)).reshape(t, -1)
+    return candidate_pool(scores, n_visible, n_blocks, block, topk_sorted=_topk_sorted)
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
