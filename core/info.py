@@ -24,8 +24,8 @@ Counting rules
   instantiated on the meta device per distinct layer pattern (kind, compress ratio, Engram or
   not) from a config copy with ONE routed expert; the routed-expert part of that block
   (`ffn.experts.0.*` plus the router rows `ffn.gate.*`, all of which have one row per expert)
-  is then multiplied by `n_routed_experts`. `count_params` on the full config takes ~5 s (15360
-  expert modules on meta); this takes milliseconds. `embed` [V, d] and `norm` [d] are plain
+  is then multiplied by `n_routed_experts`. Building the whole full-config model on meta takes
+  ~5 s (15360 expert modules); this takes milliseconds. `embed` [V, d] and `norm` [d] are plain
   tensors of `Transformer` and are written out here; `head` is built as the model builds it.
   tests/test_info.py checks the result against an actually built tiny model.
 * **engram** = sum(engram_num_embeddings) * engram_head_dim (the hashed tables only).

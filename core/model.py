@@ -12,7 +12,6 @@ a whole prompt (prefill), one token (decode), or a replay span after a prefix-ca
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -515,12 +514,3 @@ class Transformer(nn.Module):
                 out[blk.layer_id] = blk.engram.row_ids(comp, img, start, self.engram_pad)
         return out
 
-
-def count_params(cfg: ModelConfig) -> dict[str, int]:
-    """Parameter counts by checkpoint name, without allocating (meta device)."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    return {k: v.numel() for k, v in model.state_dict().items()}
-
-
-_ = math  # noqa

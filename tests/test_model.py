@@ -102,7 +102,7 @@ def test_ced_vs_exact_difference_is_reported(tiny_model, tiny_cfg, rng):
         ref, _, _ = prefill_all(tiny_model, ids)
         cache = SequenceCache.allocate(tiny_cfg, n)
         errs.append(rel_err(tiny_model(ids, cache, decoder_from=n - tiny_cfg.sliding_window), ref[-1]))
-    print(f"\n[dsv41] CED vs exact prefill, last-position logits rel. error (n=16,32,64): "
+    print("\n[dsv41] CED vs exact prefill, last-position logits rel. error (n=16,32,64): "
           + ", ".join(f"{e:.3g}" for e in errs))
     assert all(e > 0 for e in errs), "CED over a prompt longer than the window should be approximate"
     assert all(e < 2.0 for e in errs)

@@ -396,7 +396,6 @@ def _oracle_pool(row_scores, nv, n_blocks, block):
 
 def test_indexer_topk_matches_oracle_with_ties():
     q, weights, codes, kscale = _exact_indexer_inputs()
-    n = codes.shape[0]
     n_visible = torch.tensor([0, 3, 8, 21, 40, 40])
     idx, pool = ops.indexer_topk(q, weights, codes, kscale, n_visible, 8)
     assert pool is None and idx.shape == (6, 8)
@@ -446,7 +445,6 @@ def test_indexer_topk_candidates_scores_only_candidates():
 
 def test_indexer_candidate_pool_matches_oracle():
     q, weights, codes, kscale = _exact_indexer_inputs()
-    n = codes.shape[0]
     n_visible = torch.tensor([0, 5, 13, 22, 40, 37])
     idx, pool = ops.indexer_topk(q, weights, codes, kscale, n_visible, 8, pool_blocks=3, pool_block_size=4)
     assert pool.shape == (6, 12)

@@ -77,7 +77,6 @@ def candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, n_blocks: int,
 @register("indexer_topk")
 def indexer_topk(q, weights, key_codes, key_scale, n_visible, topk, candidates=None, pool_blocks=0,
                  pool_block_size=1):
-    t = q.shape[0]
     if candidates is None:
         keys = quant.mxfp4_dequant(key_codes, key_scale)  # [N, Di]
         n = keys.shape[0]
