@@ -98,18 +98,25 @@ def load_into(model: Transformer, sd: dict[str, torch.Tensor]) -> Transformer:
     return model
 
 
+def materialize(model: Transformer, device: str | torch.device = "cpu") -> Transformer:
+    """A meta-device model moved to `device` with uninitialised storage; the non-persistent
+    buffers (not in any checkpoint) are recomputed there and every token id is its own Engram
+    id until a tokenizer's compression map is installed."""
+    from .config import yarn_inv_freq
+
+    cfg = model.cfg
+    model = model.to_empty(device=device)
+    for m in model.modules():
+        if hasattr(m, "inv_freq"):
+            m.inv_freq = torch.tensor(yarn_inv_freq(cfg, m.ratio), device=device)
+    model.set_engram_vocab(torch.arange(cfg.vocab_size, device=device), cfg.vocab_size)
+    return model
+
+
 def build_model(cfg, seed: int = 0, device: str | torch.device = "cpu", state_dict=None) -> Transformer:
     """A model on `device` with seeded random weights (or `state_dict`)."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    model = model.to_empty(device=device)
-    # non-persistent buffers are not in the checkpoint: recompute them on the device
-    for m in model.modules():
-        if hasattr(m, "inv_freq"):
-            from .config import yarn_inv_freq
-
-            m.inv_freq = torch.tensor(yarn_inv_freq(cfg, m.ratio), device=device)
-    # until a tokenizer's compression map is installed, every token id is its own Engram id
-    model.set_engram_vocab(torch.arange(cfg.vocab_size, device=device), cfg.vocab_size)
+    model = materialize(model, device)
     sd = state_dict if state_dict is not None else random_state_dict(model, seed)
     return load_into(model, sd)

@@ -1,4 +1,5 @@
-"""`dsv41` command line: `run` (reference engine), `info` (sizes without weights), `backends`.
+"""`dsv41` command line: `run` (reference engine), `make-checkpoint` (random-weight checkpoint
+in the shipped form), `info` (sizes without weights), `backends`.
 
 Every user error (bad config, bad prompt, missing device, bad option) ends in one line on
 stderr, `dsv41: error: ...`, and exit status 2; never a traceback.
@@ -9,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog."
 
@@ -30,7 +30,9 @@ def _resolve_config(args):
     from ..core.config import load_config, preset
 
     if getattr(args, "ckpt", None):
-        return load_config(args.ckpt)
+        from .checkpoint import read_config
+
+        return read_config(args.ckpt)
     if args.config:
         return load_config(args.config)
     return preset(args.preset or "tiny")
@@ -51,10 +53,12 @@ def _device(name: str):
 
 
 def _tokenizer_for(args, cfg):
-    from ..core.tokenizer import build_tiny_tokenizer, load_tokenizer
+    from ..core.tokenizer import build_tiny_tokenizer
 
-    if getattr(args, "ckpt", None) and (Path(args.ckpt) / "tokenizer.json").exists():
-        return load_tokenizer(args.ckpt)
+    if getattr(args, "ckpt", None):
+        from .checkpoint import read_tokenizer
+
+        return read_tokenizer(args.ckpt)
     if not getattr(args, "ckpt", None) and not args.config and (args.preset or "tiny") == "tiny":
         return build_tiny_tokenizer()
     return None
@@ -79,23 +83,16 @@ def _prompt_ids(args, tok, cfg) -> list[int]:
     return ids
 
 
-def _load_weights(args, cfg, device):
-    """Random seeded weights, or every tensor of the checkpoint's *.safetensors (never pickle)."""
+def _load_weights(args, cfg, device, tok=None):
+    """Random seeded weights, or the checkpoint's safetensors (validated, memory-mapped, one
+    tensor at a time; never pickle) with the Engram compression map of its tokenizer."""
     from ..core.weights import build_model
 
     if not getattr(args, "ckpt", None):
         return build_model(cfg, seed=args.seed, device=device)
-    from safetensors import safe_open
+    from .checkpoint import load_checkpoint_weights
 
-    files = sorted(Path(args.ckpt).glob("*.safetensors"))
-    if not files:
-        raise UserError(f"{args.ckpt}: no *.safetensors files in the checkpoint directory")
-    sd = {}
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as fh:
-            for k in fh.keys():
-                sd[k] = fh.get_tensor(k)
-    return build_model(cfg, device=device, state_dict=sd)
+    return load_checkpoint_weights(args.ckpt, cfg, device, tok)
 
 
 def cmd_run(args) -> int:
@@ -109,8 +106,8 @@ def cmd_run(args) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tok = _tokenizer_for(args, cfg)
     prompt = _prompt_ids(args, tok, cfg)
-    model = _load_weights(args, cfg, device)
-    if tok is not None and cfg.engram_layer_ids:
+    model = _load_weights(args, cfg, device, tok)
+    if tok is not None and cfg.engram_layer_ids and not args.ckpt:  # a checkpoint's is installed
         comp, n_comp = build_compression_map(tok, vocab_size=cfg.vocab_size, pad_token_id=cfg.engram_pad_token_id)
         model.set_engram_vocab(comp, n_comp)
     engine = Engine(model, prefill_mode=args.prefill_mode)
@@ -145,6 +142,37 @@ def cmd_run(args) -> int:
         print(f"prefill: {out['prefill_tokens_per_s']} tokens/s ({args.prefill_mode}); "
               f"decode: {out['decode_tokens_per_s']} tokens/s")
     return 0
+
+
+def cmd_make_checkpoint(args) -> int:
+    from .checkpoint import CheckpointExistsError, make_checkpoint, parse_size
+
+    cfg = _resolve_config(args)
+    name = args.preset or "tiny"
+    size = args.max_shard_size or ("2MB" if not args.config and name == "tiny" else "5GB")
+    try:
+        max_bytes = parse_size(size)
+    except ValueError as e:
+        raise UserError(f"--max-shard-size: {e}") from None
+    try:
+        out = make_checkpoint(cfg, args.out, seed=args.seed, max_shard_bytes=max_bytes, force=args.force)
+    except CheckpointExistsError as e:
+        raise UserError(str(e)) from None
+    except OSError as e:
+        where = e.filename or args.out
+        raise UserError(f"{where}: cannot write the checkpoint ({e.strerror or e}); nothing was written") from None
+    files = sorted(p.name for p in out.iterdir())
+    print(f"wrote {out}: " + ", ".join(files))
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from .convert import ConvertError, run_convert
+
+    try:
+        return run_convert(args)
+    except ConvertError as e:
+        raise UserError(str(e)) from None
 
 
 def cmd_info(args) -> int:
@@ -182,6 +210,20 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     r.add_argument("--json", action="store_true", help="print one JSON object")
     r.set_defaults(func=cmd_run)
+
+    m = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint in the shipped form")
+    _add_model_args(m, with_ckpt=False)
+    m.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to create")
+    m.add_argument("--seed", type=int, default=0, help="the weights of `dsv41 run --seed S`")
+    m.add_argument("--max-shard-size", metavar="SIZE", help="e.g. 2MB, 5GB (default: 2MB for tiny, else 5GB)")
+    m.add_argument("--force", action="store_true", help="replace an existing non-empty DIR")
+    m.set_defaults(func=cmd_make_checkpoint)
+
+    c = sub.add_parser("convert", help="stream a checkpoint into model-parallel shards model{i}-mp{N}.safetensors")
+    from .convert import add_convert_args
+
+    add_convert_args(c)
+    c.set_defaults(func=cmd_convert)
 
     i = sub.add_parser("info", help="parameter counts and cache sizes, without allocating weights")
     _add_model_args(i, with_ckpt=False)

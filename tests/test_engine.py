@@ -1,7 +1,6 @@
 """Reference engine: sampling, stop rules, prefix cache with SWA bounded replay."""
 
 import pytest
-import torch
 from _util import rand_prompt
 
 from dsv41.core.engine import Engine, SamplingParams

@@ -17,7 +17,6 @@ What is checked:
   M = sum_i w_i |kv_i| * rsqrt(mean(pooled^2) + eps) * |weight| (the un-cancelled magnitude).
 """
 
-import os
 
 import pytest
 import torch
@@ -28,7 +27,6 @@ from dsv41.backends import registry  # noqa: E402
 from dsv41.backends.reference import quant  # noqa: E402
 from dsv41.backends.reference.basic import rope  # noqa: E402
 from dsv41.npu_ops.triton import compress_kv as ckv  # noqa: E402
-from dsv41.npu_ops.triton.launch import interpreting  # noqa: E402
 
 MIN_EXACT = 0.999
 

@@ -10,7 +10,6 @@ from _triton import DEVICES, triton  # noqa: E402,F401  (sets TRITON_INTERPRET; 
 
 from dsv41.backends.reference import basic  # noqa: E402
 from dsv41.npu_ops.triton import engram_lookup as eg  # noqa: E402
-from dsv41.npu_ops.triton.launch import interpreting  # noqa: E402
 
 
 

@@ -17,7 +17,6 @@ from dsv41.backends import registry  # noqa: E402
 from dsv41.backends.reference import attention as ref_att  # noqa: E402
 from dsv41.backends.reference import quant  # noqa: E402
 from dsv41.npu_ops.triton import indexer_topk as itk  # noqa: E402
-from dsv41.npu_ops.triton.launch import interpreting  # noqa: E402
 
 RTOL = 1e-5
 

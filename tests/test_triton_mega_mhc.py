@@ -18,7 +18,6 @@ from _triton import DEVICES, triton  # noqa: E402,F401  (sets TRITON_INTERPRET; 
 
 from dsv41.backends.reference import mhc as ref  # noqa: E402
 from dsv41.npu_ops.triton import mega_mhc as mm  # noqa: E402
-from dsv41.npu_ops.triton.launch import interpreting  # noqa: E402
 
 
 NORM_EPS, HC_EPS, ITERS = 1e-20, 1e-6, 20

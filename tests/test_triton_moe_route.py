@@ -14,7 +14,6 @@ from _triton import DEVICES, triton  # noqa: E402,F401  (sets TRITON_INTERPRET; 
 
 from dsv41.backends import registry  # noqa: E402
 from dsv41.npu_ops.triton import moe_route as mr  # noqa: E402
-from dsv41.npu_ops.triton.launch import interpreting  # noqa: E402
 
 
 

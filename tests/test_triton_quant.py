@@ -15,7 +15,6 @@ from dsv41.backends import registry  # noqa: E402
 from dsv41.backends.reference import quant  # noqa: E402
 from dsv41.npu_ops.triton import fp4_kv_store as fkv  # noqa: E402
 from dsv41.npu_ops.triton import mxfp4_act_quant as mxa  # noqa: E402
-from dsv41.npu_ops.triton.launch import interpreting  # noqa: E402
 
 
 

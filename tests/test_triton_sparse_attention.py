@@ -15,7 +15,6 @@ from _triton import DEVICES, triton  # noqa: E402,F401  (sets TRITON_INTERPRET; 
 from dsv41.backends import registry  # noqa: E402
 from dsv41.backends.reference import quant  # noqa: E402
 from dsv41.npu_ops.triton import sparse_attention as sa  # noqa: E402
-from dsv41.npu_ops.triton.launch import interpreting  # noqa: E402
 
 
 # tile configurations exercised explicitly: whole rows, tiled contraction + output blocks

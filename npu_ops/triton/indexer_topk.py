@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference import attention as ref_attention
-from ...backends.reference.attention import NEG_INF, candidate_pool
+from ...backends.reference.attention import candidate_pool
 
 MX_GROUP = 32
 _SCALE_2M127 = tl.constexpr(5.877471754111438e-39)  # 2^-127 (E8M0 byte 0), an fp32 subnormal

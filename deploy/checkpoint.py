@@ -1,0 +1,357 @@
+"""Checkpoint directories: writing the shipped form and loading it (safetensors + JSON only).
+
+A checkpoint directory holds the nested Hugging Face `config.json`, sharded safetensors with
+`model.safetensors.index.json` (or a single / several `*.safetensors` without an index), and
+optionally `tokenizer.json` / `tokenizer_config.json`. Tensor names may be native or Hugging
+Face-style (`deploy/names.py`); tensors are in their storage dtypes (FP8 E4M3 + E8M0 block
+scales, FP4 pairs in int8 bytes + E8M0 scales, bf16 / fp32).
+
+Loading never unpickles: it memory-maps every file with `safetensors.safe_open`, validates every
+name, shape and dtype against the model before reading any data (one `WeightError` listing all
+problems), then copies one tensor at a time into the model's buffers on the target device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..core.config import ConfigError, ModelConfig, load_config
+from ..core.weights import WeightError, check_state_dict, random_state_dict
+from .names import hf_to_native
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+TOKENIZER_NAME = "tokenizer.json"
+
+# safetensors dtype strings -> torch dtypes (the ones a checkpoint of this model may hold).
+ST_DTYPES: dict[str, torch.dtype] = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "BOOL": torch.bool,
+}
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    from safetensors import SafetensorError
+
+    return (SafetensorError, OSError, RuntimeError, ValueError)
+
+
+_READ_ERRORS = _read_errors()
+
+
+# ---- writing --------------------------------------------------------------------------------
+
+class CheckpointExistsError(FileExistsError):
+    """The output directory exists and is not empty (and replacing it was not asked for)."""
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from `123`, `500KB`, `2MB`, `5GB` (1000-based) or `2MiB`, `5GiB` (1024-based)."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().upper().replace(" ", "")
+    units = {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "KB": 1000, "MB": 1000**2, "GB": 1000**3,
+             "K": 1000, "M": 1000**2, "G": 1000**3, "B": 1}
+    for u, mult in units.items():
+        if s.endswith(u):
+            num = s[: -len(u)]
+            break
+    else:
+        num, mult = s, 1
+    try:
+        value = float(num)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (use e.g. 2MB, 512KiB, 5GB or a byte count)") from None
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {text!r}")
+    return int(value * mult)
+
+
+def _plan_shards(sd: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+    """Names grouped into shards of at most `max_shard_bytes` (a bigger tensor gets its own)."""
+    shards: list[list[str]] = []
+    cur: list[str] = []
+    size = 0
+    for name, t in sd.items():
+        n = t.numel() * t.element_size()
+        if cur and size + n > max_shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(name)
+        size += n
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def write_state_dict(sd: dict[str, torch.Tensor], out_dir: str | os.PathLike, max_shard_bytes: int,
+                     *, rename=None) -> list[str]:
+    """Write `sd` as sharded safetensors + `model.safetensors.index.json` into an existing
+    directory (names optionally mapped through `rename`). Returns the shard file names."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    plan = _plan_shards(sd, max_shard_bytes)
+    n = len(plan)
+    weight_map: dict[str, str] = {}
+    files = []
+    total = 0
+    for i, names in enumerate(plan, 1):
+        fname = f"model-{i:05d}-of-{n:05d}.safetensors"
+        part = {}
+        for k in names:
+            key = rename(k) if rename else k
+            part[key] = sd[k].contiguous()
+            weight_map[key] = fname
+            total += sd[k].numel() * sd[k].element_size()
+        save_file(part, str(out / fname), metadata={"format": "pt"})
+        files.append(fname)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return files
+
+
+def _fsync_dir_tree(path: Path) -> None:
+    for f in path.iterdir():
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+
+
+def make_checkpoint(cfg: ModelConfig, out_dir: str | os.PathLike, seed: int = 0,
+                    max_shard_bytes: int = 2_000_000, *, tokenizer=None, force: bool = False) -> Path:
+    """Write a complete checkpoint of the weights `build_model(cfg, seed)` builds.
+
+    `config.json` (nested form), sharded safetensors + index in the storage dtypes, and
+    `tokenizer.json` / `tokenizer_config.json` (chat template) when `tokenizer` is given (for
+    the tiny vocabulary the tiny tokenizer is used when `tokenizer` is None). Everything goes
+    into a temporary directory next to `out_dir`, renamed into place at the end: a failure
+    leaves neither a partial `out_dir` nor the temporary directory. An existing non-empty
+    `out_dir` raises CheckpointExistsError unless `force`. OSErrors propagate (after clean-up).
+    """
+    from ..core.model import Transformer
+    from ..core.tokenizer import (
+        TINY_VOCAB_SIZE,
+        build_tiny_tokenizer,
+        write_tokenizer_files,
+    )
+
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise CheckpointExistsError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise CheckpointExistsError(f"{out}: directory exists and is not empty (use --force to replace it)")
+    cfg.validate()
+    if tokenizer is None and cfg.vocab_size == TINY_VOCAB_SIZE:
+        tokenizer = build_tiny_tokenizer()
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    sd = random_state_dict(model, seed)
+    check_state_dict(model, sd)
+
+    parent = out.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
+    try:
+        (tmp / CONFIG_NAME).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+        write_state_dict(sd, tmp, max_shard_bytes)
+        if tokenizer is not None:
+            write_tokenizer_files(tokenizer, tmp, model_max_length=cfg.max_position_embeddings)
+        _fsync_dir_tree(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=parent))
+            os.replace(out, old / "x")
+            try:
+                os.replace(tmp, out)
+            except BaseException:
+                os.replace(old / "x", out)
+                raise
+            finally:
+                shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+def read_config(ckpt_dir: str | os.PathLike) -> ModelConfig:
+    """The config of a checkpoint directory (ConfigError naming the path when absent)."""
+    p = Path(ckpt_dir)
+    if not p.is_dir():
+        raise ConfigError(f"{p}: no such checkpoint directory")
+    return load_config(p)
+
+
+def read_tokenizer(ckpt_dir: str | os.PathLike):
+    """The directory's `tokenizer.json` as a `tokenizers.Tokenizer`, or None if it has none."""
+    from ..core.tokenizer import load_tokenizer
+
+    f = Path(ckpt_dir) / TOKENIZER_NAME
+    if not f.exists():
+        return None
+    try:
+        return load_tokenizer(f)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _weight_files(d: Path) -> dict[str, Path]:
+    """Tensor name (as stored) -> file, from the index if there is one, else every
+    `*.safetensors` file in the directory. Opens each file's header (no tensor data)."""
+    index = d / INDEX_NAME
+    if index.exists():
+        try:
+            wm = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise WeightError(f"{index}: not a valid safetensors index ({e})") from None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise WeightError(f"{index}: 'weight_map' must be an object of tensor name -> file name")
+        files = sorted(set(wm.values()))
+        missing = [f for f in files if not (d / f).is_file()]
+        if missing:
+            raise WeightError(f"{d / missing[0]}: shard named in {INDEX_NAME} is missing"
+                              + (f" (and {len(missing) - 1} more: {', '.join(missing[1:])})" if len(missing) > 1 else ""))
+        for f in files:
+            if Path(f).name != f:
+                raise WeightError(f"{index}: shard {f!r} is not a plain file name in the checkpoint directory")
+        by_file = {f: _keys(d / f) for f in files}
+        absent = [f"{k} (in {f})" for k, f in wm.items() if k not in by_file[f]]
+        if absent:
+            raise WeightError(f"{index}: {len(absent)} tensor(s) listed in the index are not in their shard: "
+                              + ", ".join(absent[:5]) + (" ..." if len(absent) > 5 else ""))
+        return {k: d / f for k, f in wm.items()}
+    paths = sorted(d.glob("*.safetensors"))
+    if not paths:
+        raise WeightError(f"{d}: no *.safetensors files (and no {INDEX_NAME}) in the checkpoint directory")
+    out: dict[str, Path] = {}
+    for p in paths:
+        for k in _keys(p):
+            if k in out:
+                raise WeightError(f"{p}: tensor {k} is also in {out[k].name}")
+            out[k] = p
+    return out
+
+
+def _keys(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            return list(fh.keys())
+    except _READ_ERRORS as e:  # truncated / corrupt header, unreadable file
+        raise WeightError(f"{path}: not a readable safetensors file (truncated or corrupt: {e})") from None
+
+
+def _meta_state_dict(files: dict[str, Path]) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, Path]], list[str]]:
+    """Native name -> meta tensor of the stored shape / dtype, native name -> (stored name,
+    file), and problems (unsupported dtypes, two stored names for one native name)."""
+    from safetensors import safe_open
+
+    meta: dict[str, torch.Tensor] = {}
+    where: dict[str, tuple[str, Path]] = {}
+    problems: list[str] = []
+    by_file: dict[Path, list[str]] = {}
+    for k, f in files.items():
+        by_file.setdefault(f, []).append(k)
+    for f, keys in by_file.items():
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as fh:
+                for k in keys:
+                    sl = fh.get_slice(k)
+                    shape, st = list(sl.get_shape()), sl.get_dtype()
+                    native = hf_to_native(k)
+                    if native in where:
+                        problems.append(f"duplicate: {k} and {where[native][0]} are both {native}")
+                        continue
+                    if st not in ST_DTYPES:
+                        problems.append(f"unsupported dtype: {k} is {st}")
+                        continue
+                    meta[native] = torch.empty(shape, dtype=ST_DTYPES[st], device="meta")
+                    where[native] = (k, f)
+        except WeightError:
+            raise
+        except _READ_ERRORS as e:
+            raise WeightError(f"{f}: not a readable safetensors file (truncated or corrupt: {e})") from None
+    return meta, where, problems
+
+
+def _problem_lines(e: WeightError) -> list[str]:
+    return [line[4:] for line in str(e).splitlines() if line.startswith("  - ")]
+
+
+def load_checkpoint_weights(ckpt_dir: str | os.PathLike, cfg: ModelConfig, device: str | torch.device = "cpu",
+                            tokenizer=None):
+    """A model of `cfg` on `device` holding the directory's weights (validated first, then
+    copied one memory-mapped tensor at a time). Installs the Engram compression map of
+    `tokenizer` when given."""
+    from safetensors import safe_open
+
+    from ..core.model import Transformer
+    from ..core.weights import materialize
+
+    d = Path(ckpt_dir)
+    files = _weight_files(d)
+    meta, where, problems = _meta_state_dict(files)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    try:
+        check_state_dict(model, meta)
+    except WeightError as e:
+        problems += _problem_lines(e)
+    if problems:
+        raise WeightError(f"{d}: {len(problems)} problem(s) with the checkpoint's weights:\n  - "
+                          + "\n  - ".join(problems))
+
+    model = materialize(model, torch.device(device))
+    buffers = dict(model.named_buffers())
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for native, (stored, f) in where.items():
+        by_file.setdefault(f, []).append((native, stored))
+    with torch.no_grad():
+        for f, pairs in by_file.items():
+            try:
+                with safe_open(str(f), framework="pt", device="cpu") as fh:
+                    for native, stored in pairs:
+                        buffers[native].copy_(fh.get_tensor(stored))
+            except _READ_ERRORS as e:
+                raise WeightError(f"{f}: cannot read tensor data (truncated or corrupt: {e})") from None
+    if tokenizer is not None and cfg.engram_layer_ids:
+        from ..core.engram import build_compression_map
+
+        comp, n_comp = build_compression_map(tokenizer, vocab_size=cfg.vocab_size,
+                                             pad_token_id=cfg.engram_pad_token_id)
+        model.set_engram_vocab(comp, n_comp)
+    return model
+
+
+def load_checkpoint(ckpt_dir: str | os.PathLike, device: str | torch.device = "cpu"):
+    """(cfg, model, tokenizer or None) of a checkpoint directory, native- or HF-named, sharded
+    or single-file. Errors are one `ConfigError` / `WeightError` naming the file."""
+    cfg = read_config(ckpt_dir)
+    tok = read_tokenizer(ckpt_dir)
+    model = load_checkpoint_weights(ckpt_dir, cfg, device, tok)
+    return cfg, model, tok
