@@ -29,7 +29,7 @@ from ...backends.reference import quant
 from .fp4_common import e2m1_code, e4m3_value, fp4_scale_code
 
 GROUP = 16
-BLOCK_G = 32  # groups per tile: 2 x (32 x 8) fp32 live values
+BLOCK_G = 256  # groups per tile: 2 x (256 x 8) fp32 live values (H200 sweep: 32 -> 342 GB/s, 256 -> 528 GB/s)
 
 
 def fp4_kv_store_ref(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:

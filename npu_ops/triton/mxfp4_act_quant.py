@@ -24,7 +24,7 @@ import triton.language as tl
 from ...backends.reference import quant
 
 MX_GROUP = 32
-BLOCK_G = 16  # groups per tile: 16 x 32 fp32 = 2 KB live per tensor (well inside Ascend's UB)
+BLOCK_G = 64  # groups per tile: 64 x 32 fp32 = 8 KB live per tensor (inside Ascend UB; H200 sweep: 16 -> 1851 GB/s, 64 -> 2294 GB/s)
 
 
 def mxfp4_act_quant_ref(x: torch.Tensor) -> torch.Tensor:
