@@ -156,6 +156,14 @@ class AscendPlatform(Platform):
         for name in ("vector_core_num", "num_vector_cores"):
             if hasattr(props, name):
                 return int(getattr(props, name))
+        try:  # triton-ascend's driver reports the core counts too
+            import triton
+
+            info = triton.runtime.driver.active.utils.get_device_properties(self.device.index or 0)
+            if info.get("num_vectorcore"):
+                return int(info["num_vectorcore"])
+        except Exception:  # noqa: BLE001  (no triton-ascend: fall back to the A2 layout)
+            pass
         return 2 * self.cube_workers()
 
     def cube_workers(self) -> int:

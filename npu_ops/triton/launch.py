@@ -14,19 +14,13 @@ def interpreting() -> bool:
 
 
 def num_workers(device: torch.device | str | None = None) -> int:
-    """Program count for a 1-D persistent launch: SMs on CUDA, vector cores on Ascend,
-    a small constant under the interpreter."""
+    """Program count for a 1-D persistent launch: the device platform's worker count (SMs on
+    CUDA, vector cores on Ascend), or a small constant under the interpreter."""
     if interpreting():
         return INTERPRETER_WORKERS
-    dev = torch.device(device) if device is not None else torch.device("cuda")
-    if dev.type == "cuda":
-        return torch.cuda.get_device_properties(dev).multi_processor_count
-    if dev.type == "npu":  # triton-ascend exposes the core counts through its driver
-        import triton
+    from ...backends.platform import platform_for
 
-        props = triton.runtime.driver.active.utils.get_device_properties(dev.index or 0)
-        return int(props.get("num_vectorcore") or props.get("num_aicore") or 1)
-    return INTERPRETER_WORKERS
+    return platform_for(device if device is not None else "cuda").num_workers()
 
 
 # Resident programs per worker for a persistent launch. On CUDA one program per SM leaves too
