@@ -506,11 +506,15 @@ class Transformer(nn.Module):
         if not self.cfg.engram_layer_ids:
             return out
         dev = self.engram_map.device
-        toks = torch.tensor(cache.tokens, dtype=torch.long, device=dev)
-        img = torch.tensor(cache.is_image, dtype=torch.bool, device=dev)
+        # An n-gram ending at p >= start reaches back at most max_ngram - 1 tokens, so only that
+        # much history is hashed (not the whole sequence at every decode step); a slice that does
+        # not begin at position 0 never exposes its first slot as "before the sequence start".
+        lo = max(0, start - (self.cfg.engram_max_ngram_size - 1))
+        toks = torch.tensor(cache.tokens[lo:], dtype=torch.long, device=dev)
+        img = torch.tensor(cache.is_image[lo:], dtype=torch.bool, device=dev)
         comp = self.engram_map[toks]
         for blk in self.layers:
             if blk.engram is not None:
-                out[blk.layer_id] = blk.engram.row_ids(comp, img, start, self.engram_pad)
+                out[blk.layer_id] = blk.engram.row_ids(comp, img, start - lo, self.engram_pad)
         return out
 

@@ -184,3 +184,19 @@ def test_bad_token_ids_and_overlong_sequences(tiny_model, tiny_cfg):
     big.length = tiny_cfg.max_position_embeddings - 1
     with pytest.raises(ValueError, match="max_position_embeddings"):
         tiny_model(torch.tensor([5, 6]), big)
+
+
+def test_incremental_engram_rows_equal_full_sequence_rows(tiny_model, tiny_cfg, rng):
+    """Decode hashes only the last max_ngram - 1 tokens of history; the rows must equal those of
+    the whole sequence, image tokens included."""
+    cfg, n = tiny_cfg, 40
+    ids = rand_prompt(cfg, n, rng)
+    ids[torch.randperm(n, generator=rng)[:5]] = cfg.image_token_id
+    img = (ids == cfg.image_token_id).tolist()
+    cache = SequenceCache.allocate(cfg, n)
+    cache.tokens, cache.is_image = ids.tolist(), img
+    full = tiny_model._engram_rows(cache, 0)
+    for p in range(n):
+        cache.tokens, cache.is_image = ids[:p + 1].tolist(), img[:p + 1]
+        step = tiny_model._engram_rows(cache, p)
+        assert all(torch.equal(full[k][p], step[k][0]) for k in full), f"position {p}"
