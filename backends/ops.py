@@ -87,7 +87,8 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
 @_op
 def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """y = x @ W^T. With `scale`, W is stored FP8 E4M3 (E8M0 32x32 block scales) or packed FP4
-    (int8 [N, K/2], E8M0 per 32 along K) and x is FP8-quantised in blocks of 32 first."""
+    (int8 [N, K/2], E8M0 per 32 along K) and x is FP8-quantised in blocks of 32 first.
+    `out_dtype` float64 asks for the unrounded accumulation (row-parallel partial sums)."""
 
 
 @_op
@@ -117,7 +118,7 @@ def sparse_attention(q: Tensor, win_kv: Tensor, win_scale: Tensor, win_mask: Ten
 @_op
 def indexer_topk(q: Tensor, weights: Tensor, key_codes: Tensor, key_scale: Tensor, n_visible: Tensor,
                  topk: int, candidates: Tensor | None = None, pool_blocks: int = 0,
-                 pool_block_size: int = 1) -> tuple[Tensor, Tensor | None]:
+                 pool_block_size: int = 1, reduce_scores=None) -> tuple[Tensor, Tensor | None]:
     """CSA2 indexer: score(i, s) = sum_h relu(q_ih . k_s) * weights_ih over the MXFP4 keys.
 
     q [T, Hi, Di] (RoPE'd, MXFP4 quantise-dequantised), weights [T, Hi] (scales folded in),
@@ -125,6 +126,8 @@ def indexer_topk(q: Tensor, weights: Tensor, key_codes: Tensor, key_scale: Tenso
     (-1 padded) only those positions are scored (Reindex layers). Returns the top
     min(topk, visible) entries sorted by position (-1 padded, ties to the lower index) and,
     when pool_blocks > 0, the hierarchical candidate pool [T, pool_blocks * pool_block_size].
+    `reduce_scores` (model parallelism, heads split by rank) maps this rank's partial score sums
+    to the full sums (an all-reduce) before any selection.
     """
 
 
@@ -179,9 +182,12 @@ def moe_route(x: Tensor, gate_weight: Tensor, bias: Tensor, topk: int, route_sca
 
 
 @_op
-def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, experts: list, limit: float) -> Tensor:
+def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, experts: list, limit: float,
+                out_dtype: torch.dtype = torch.float32) -> Tensor:
     """Routed experts: sum_k weights[t,k] folded in before w2 of expert ids[t,k]'s clamped SwiGLU.
-    `experts[e]` = ((w1, s1), (w2, s2), (w3, s3)). Returns fp32 [T, d]."""
+    `experts[e]` = ((w1, s1), (w2, s2), (w3, s3)); ids < 0 are skipped (experts held by another
+    model-parallel rank). Expert outputs are summed in `out_dtype` (fp32, or fp64 for sums that
+    are combined across ranks before rounding). Returns [T, d] of `out_dtype`."""
 
 
 @_op

@@ -2,7 +2,8 @@
 implementation (the reference ops run on CUDA tensors with fp32 accumulation, i.e. the unfused
 torch sequence the kernel replaces), at mini-preset widths.
 
-One table: op, shape, median time, bytes moved (or FLOPs), achieved GB/s (or TFLOP/s), % of the
+One table: op, shape, median time (CUDA-graph replay, so Python launch overhead is out of it; the
+eager per-call time is the last column), bytes moved (or FLOPs), achieved GB/s (or TFLOP/s), % of the
 ceiling measured in this same run (a device-to-device copy; a bf16 8192^3 matmul), speedup over
 torch, and the issue's target where one applies. Written to stdout and to --out (markdown).
 
@@ -45,6 +46,28 @@ def timeit(fn: Callable[[], object], iters: int = 30, warmup: int = 5) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
     return statistics.median(times)
+
+
+def graph_time(fn: Callable[[], object], iters: int = 20, per: int = 10) -> float | None:
+    """Median seconds per call of `fn` replayed from a CUDA graph holding `per` calls: the device
+    time without Python launch overhead (decode runs captured). None if `fn` cannot be captured."""
+    try:
+        fn()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(per):
+                fn()
+        torch.cuda.synchronize()
+    except RuntimeError as e:  # a host sync inside fn: report eager time only
+        print(f"graph capture failed: {e}", file=sys.stderr)
+        torch.cuda.synchronize()
+        return None
+    return timeit(g.replay, iters=iters, warmup=2) / per
 
 
 def ceilings() -> tuple[float, float]:
@@ -153,25 +176,33 @@ def run(quick: bool) -> tuple[str, list[dict]]:
         with fp32_accumulation():
             t_ref = timeit(lambda: ref(*c.args), iters=10, warmup=2)
         t_k = timeit(lambda: impl(*c.args)) if used == "cuda" else None
-        t = t_k if t_k is not None else t_ref
+        t_g = graph_time(lambda: impl(*c.args)) if used == "cuda" else None
+        t = t_g or t_k or t_ref
         gbs = c.bytes / t / 1e9
         tfl = c.flops / t / 1e12 if c.flops else 0.0
         rows.append(dict(op=c.op, k=c.kernel_no, shape=c.shape, impl=used, t=t, bytes=c.bytes, gbs=gbs,
                          pct_copy=gbs / copy_gbs, tflops=tfl, pct_mm=tfl / mm_tflops if tfl else 0.0,
-                         speedup=(t_ref / t_k) if t_k else None))
+                         speedup=(t_ref / t_k) if t_k else None, eager=t_k, graph=t_g is not None))
     dev = torch.cuda.get_device_name()
     lines = [f"# Kernel benchmark ({datetime.date.today().isoformat()}, {dev}, torch {torch.__version__})", "",
              f"Ceilings measured in this run: device copy {copy_gbs:.0f} GB/s; bf16 8192^3 matmul "
-             f"{mm_tflops:.0f} TFLOP/s. Speedup is over the same op's torch implementation on the GPU "
-             "(the reference ops with fp32 accumulation: the unfused sequence). 'reference' in the "
-             "impl column means no kernel is registered for that op yet.", "",
-             "| # | op | shape | impl | median | bytes | GB/s | % copy | TFLOP/s | % matmul | speedup vs torch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{mm_tflops:.0f} TFLOP/s. 'median' is the kernel's device time: the median over CUDA-graph "
+             "replays of 10 calls (Python launch overhead excluded, as in captured decode; marked * "
+             "where the launcher could not be captured and the eager time is shown); GB/s, % copy and "
+             "TFLOP/s use it. 'eager' is one uncaptured call between two events, launch overhead "
+             "included. Speedup is eager over eager against the same op's torch implementation on "
+             "the GPU (the reference ops with fp32 accumulation: the unfused sequence). 'reference' "
+             "in the impl column means no kernel is registered for that op yet.", "",
+             ("| # | op | shape | impl | median | bytes | GB/s | % copy | TFLOP/s | % matmul | speedup vs torch "
+              "| eager |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         sp = f"{r['speedup']:.1f}x" if r["speedup"] else "-"
-        lines.append(f"| {r['k']} | {r['op']} | {r['shape']} | {r['impl']} | {r['t'] * 1e6:.1f} us | "
+        star = "" if r["graph"] or r["impl"] != "cuda" else "*"
+        eager = f"{r['eager'] * 1e6:.1f} us" if r["eager"] else "-"
+        lines.append(f"| {r['k']} | {r['op']} | {r['shape']} | {r['impl']} | {r['t'] * 1e6:.1f} us{star} | "
                      f"{r['bytes'] / 1e6:.2f} MB | {r['gbs']:.0f} | {100 * r['pct_copy']:.0f}% | "
-                     f"{r['tflops']:.2f} | {100 * r['pct_mm']:.1f}% | {sp} |")
+                     f"{r['tflops']:.2f} | {100 * r['pct_mm']:.1f}% | {sp} | {eager} |")
     lines += ["", "Targets (issue 3), judged at the largest size of each op:", ""]
     for op, (kind, goal) in TARGETS.items():
         mine = [r for r in rows if r["op"] == op]

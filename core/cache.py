@@ -30,6 +30,29 @@ class GlobalKV:
     # carried partial group (ratio 2): fp32 rows of kv and score not yet pooled
     carry_kv: torch.Tensor | None = None
     carry_score: torch.Tensor | None = None
+    # while a speculative checkpoint is open: (first token, kv rows, score rows) of the last
+    # chunk's un-pooled rows (carried rows included), so a rollback can rebuild the carry
+    keep_rows: bool = False
+    rows: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    def state(self) -> tuple:
+        """The scalar state and carry (entries are append-only: [0, n) never change)."""
+        return self.n, self.tokens, self.carry_kv, self.carry_score
+
+    def rollback(self, saved: tuple, n_tokens: int) -> None:
+        """Back to the state after the first `n_tokens` tokens, where `saved` is `state()` at
+        the checkpoint and n_tokens lies between it and now. Entries below n_tokens // ratio are
+        already right; a partial group is rebuilt from the recorded un-pooled rows."""
+        if n_tokens == saved[1]:
+            self.n, self.tokens, self.carry_kv, self.carry_score = saved
+            return
+        rem = n_tokens % self.ratio
+        self.n, self.tokens = n_tokens // self.ratio, n_tokens
+        self.carry_kv = self.carry_score = None
+        if rem:
+            first, kv, score = self.rows
+            i = n_tokens - rem - first
+            self.carry_kv, self.carry_score = kv[i:i + rem], score[i:i + rem]
 
     def reserve(self, m: int) -> torch.Tensor:
         """Slots for the next `m` entries (written by the caller), as a long tensor."""
@@ -97,6 +120,17 @@ class SWARing:
 
 
 @dataclass
+class CacheCheckpoint:
+    """What a multi-token verification may overwrite: the SWA ring rows of the slots its
+    positions map to (every layer) and the global KV sources' scalar state and carry."""
+
+    length: int
+    slots: torch.Tensor  # ring slots of positions length .. length + n_ahead - 1
+    swa: list[tuple[torch.Tensor, torch.Tensor]]  # their previous (fp8 rows, scale bytes) per layer
+    glob: dict[int, tuple]
+
+
+@dataclass
 class SequenceCache:
     """Everything one sequence carries between forward calls."""
 
@@ -132,6 +166,42 @@ class SequenceCache:
                 torch.full((cap, di // 32), 127, dtype=torch.uint8, device=device).view(torch.float8_e8m0fnu),
             )
         return cls(swa=swa, glob=glob, swa_floor=[0] * cfg.num_hidden_layers)
+
+    # -- speculative decoding: checkpoint before a verification, roll back rejected tokens --
+    def checkpoint(self, n_ahead: int) -> CacheCheckpoint:
+        """Save what feeding the next `n_ahead` tokens may overwrite (n_ahead <= window)."""
+        w = self.swa[0].q.shape[0] if self.swa else 1
+        if not 0 < n_ahead <= w:
+            raise ValueError(f"can checkpoint 1..{w} tokens ahead (the SWA window), got {n_ahead}")
+        dev = self.swa[0].q.device if self.swa else "cpu"
+        slots = torch.arange(self.length, self.length + n_ahead, device=dev) % w
+        saved = [(r.q[slots].clone(), r.scale.view(torch.uint8)[slots].clone()) for r in self.swa]
+        for g in self.glob.values():
+            g.keep_rows, g.rows = True, None
+        return CacheCheckpoint(self.length, slots, saved, {s: g.state() for s, g in self.glob.items()})
+
+    def rollback(self, cp: CacheCheckpoint, n_tokens: int) -> None:
+        """Forget every token from position `n_tokens` on (cp.length <= n_tokens <= length):
+        the result equals having fed only the first `n_tokens` tokens. Closes the checkpoint."""
+        if not cp.length <= n_tokens <= self.length:
+            raise ValueError(f"cannot roll back to {n_tokens} tokens (checkpoint {cp.length}, now {self.length})")
+        k, m = n_tokens - cp.length, self.length - n_tokens
+        if m > cp.slots.shape[0] - k:
+            raise ValueError("the checkpoint does not cover the tokens fed since it was taken")
+        slots = cp.slots[k:k + m]
+        for ring, (q, sc) in zip(self.swa, cp.swa):
+            ring.q[slots] = q[k:k + m]
+            ring.scale.view(torch.uint8)[slots] = sc[k:k + m]
+        del self.tokens[n_tokens:], self.is_image[n_tokens:]
+        self.length = n_tokens
+        for s, g in self.glob.items():
+            g.rollback(cp.glob[s], n_tokens)
+        self.release(cp)
+
+    def release(self, cp: CacheCheckpoint) -> None:
+        """Close a checkpoint whose tokens were all kept."""
+        for g in self.glob.values():
+            g.keep_rows, g.rows = False, None
 
 
 def kv_bytes_per_token(cfg: ModelConfig) -> float:

@@ -33,7 +33,14 @@ class RopeScaling:
 
 @dataclass
 class VisionConfig:
-    """DeepSeek-ViT tower and 3x3 aligner (used by `dsv41 info`; the tower is a later issue)."""
+    """DeepSeek-ViT tower, 3x3 aligner and image preprocessing (core/vision.py,
+    core/image_processing.py).
+
+    `max_image_tokens` counts every prompt position of one image, framing included (see
+    `image_processing.image_layout`); `min_image_size` is the side of the smallest area an image
+    is upscaled to (544^2 in the paper; the tiny preset uses a small one so its 64-token budget
+    is not always the binding limit). `rope_theta` is the 2D RoPE base (not published; 10000).
+    """
 
     num_hidden_layers: int = 32
     hidden_size: int = 1024
@@ -42,6 +49,9 @@ class VisionConfig:
     patch_size: int = 14
     downsample_ratio: int = 3
     max_image_tokens: int = 1024
+    min_image_size: int = 544
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
 
 
 @dataclass
@@ -116,6 +126,9 @@ class ModelConfig:
     weight_dtype: str = "fp8"
     # Routed experts: "fp4" (E2M1 pairs, E8M0 per 32) or "fp8".
     expert_dtype: str = "fp4"
+    # Engram rows: "fp8" (E4M3, E8M0 scale per 32) or "int8" (one fp32 scale per row; the
+    # Ascend host-offload form written by `dsv41 convert --engram-dtype int8`).
+    engram_dtype: str = "fp8"
     bos_token_id: int = 0
     eos_token_id: int = 1
 
@@ -196,6 +209,8 @@ class ModelConfig:
             p.append(f"weight_dtype must be 'fp8' or 'bf16', got {self.weight_dtype!r}")
         if self.expert_dtype not in ("fp4", "fp8", "bf16"):
             p.append(f"expert_dtype must be 'fp4', 'fp8' or 'bf16', got {self.expert_dtype!r}")
+        if self.engram_dtype not in ("fp8", "int8"):
+            p.append(f"engram_dtype must be 'fp8' or 'int8', got {self.engram_dtype!r}")
         n_ratios = L + self.num_nextn_predict_layers
         if len(self.compress_ratios) != n_ratios:
             p.append(
@@ -264,6 +279,15 @@ class ModelConfig:
                 p.append(f"engram_pad_token_id ({self.engram_pad_token_id}) is outside the vocabulary")
         if self.vision is not None and self.image_token_id is not None and not 0 <= self.image_token_id < self.vocab_size:
             p.append(f"image_token_id ({self.image_token_id}) is outside the vocabulary ({self.vocab_size})")
+        if self.vision is not None:
+            vc = self.vision
+            if vc.hidden_size % vc.num_attention_heads or (vc.hidden_size // vc.num_attention_heads) % 4:
+                p.append(f"vision hidden_size ({vc.hidden_size}) / num_attention_heads ({vc.num_attention_heads}) "
+                         "must be a multiple of 4 (2D RoPE: half the head rotates by rows, half by columns)")
+            if vc.max_image_tokens < 4:
+                p.append(f"vision max_image_tokens must be >= 4 (start, one cell, newline, end), got {vc.max_image_tokens}")
+            if vc.min_image_size < 1 or vc.patch_size < 1 or vc.downsample_ratio < 1:
+                p.append("vision min_image_size, patch_size and downsample_ratio must be >= 1")
         return p
 
     def validate(self) -> "ModelConfig":
@@ -277,7 +301,7 @@ class ModelConfig:
         """The nested Hugging Face `config.json` form."""
         text = {}
         for f in dataclasses.fields(self):
-            if f.name in ("vision", "image_token_id", "weight_dtype", "expert_dtype"):
+            if f.name in ("vision", "image_token_id", "weight_dtype", "expert_dtype", "engram_dtype"):
                 continue
             v = getattr(self, f.name)
             text[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
@@ -300,6 +324,7 @@ class ModelConfig:
                 "scale_fmt": "ue8m0",
                 "weight_block_size": [32, 32],
                 "expert_dtype": self.expert_dtype,
+                "engram_dtype": self.engram_dtype,
             }
         return out
 
@@ -442,6 +467,8 @@ def from_hf_dict(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
     kw["weight_dtype"] = "fp8" if q else "bf16"
     if q and "expert_dtype" in q:
         kw["expert_dtype"] = q["expert_dtype"]
+    if q and "engram_dtype" in q:
+        kw["engram_dtype"] = q["engram_dtype"]
     return _build(kw, source)
 
 
@@ -533,7 +560,8 @@ def _tiny() -> ModelConfig:
         dspark_target_layer_ids=[9, 10, 11], dspark_markov_rank=32, dspark_n_routed_experts=4,
         dspark_num_experts_per_tok=2, image_token_id=4,
         vision=VisionConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
-                            intermediate_size=128, patch_size=14, downsample_ratio=3, max_image_tokens=64),
+                            intermediate_size=128, patch_size=14, downsample_ratio=3, max_image_tokens=64,
+                            min_image_size=112),
     )
 
 

@@ -53,6 +53,11 @@ class SamplingParams:
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     if p.temperature == 0:
         return int(torch.argmax(logits))
+    return int(torch.multinomial(sampling_probs(logits, p).cpu(), 1, generator=gen))
+
+
+def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution `sample` draws from (temperature > 0): temperature, top-k, top-p."""
     x = logits.float() / p.temperature
     if p.top_k > 0:
         kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
@@ -63,7 +68,7 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None)
         drop = sp.cumsum(-1) - sp > p.top_p  # keep the smallest prefix reaching top_p
         probs = torch.zeros_like(probs).scatter(0, si, sp.masked_fill(drop, 0))
         probs = probs / probs.sum()
-    return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+    return probs
 
 
 @dataclass
@@ -130,6 +135,7 @@ class GenerationResult:
     finish_reason: str = "length"
     counters: Counter = field(default_factory=Counter)
     text: str | None = None
+    spec: dict | None = None  # speculative decoding statistics (`core/spec_decode.py`)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -166,13 +172,18 @@ class Engine:
         w = self.cfg.sliding_window
         return w * self.cfg.num_hidden_layers if self.replay == "exact" else w
 
-    def prefill(self, prompt: list[int], max_tokens: int) -> tuple[SequenceCache, torch.Tensor, ForwardContext, int]:
-        """Returns (cache, last logits, context with counters, prefix-hit tokens)."""
+    def prefill(self, prompt: list[int], max_tokens: int,
+                image_embeds: torch.Tensor | None = None,
+                features: bool = False) -> tuple[SequenceCache, torch.Tensor, ForwardContext, int]:
+        """Returns (cache, last logits, context with counters, prefix-hit tokens). With
+        `image_embeds` the prefix cache is bypassed (its keys are token ids, and every image's
+        placeholder ids look alike) and the whole prompt is one chunk from position 0."""
         cfg, n = self.cfg, len(prompt)
         cache = SequenceCache.allocate(cfg, max_tokens, self.device)
-        ctx = ForwardContext(cache)
+        ctx = ForwardContext(cache, features={} if features else None)
         start, hit = 0, 0
-        if self.prefix is not None:
+        use_prefix = self.prefix is not None and image_embeds is None
+        if use_prefix:
             found = self.prefix.lookup(prompt, n - 1)
             if found is not None:
                 entry, hit = found
@@ -187,12 +198,16 @@ class Engine:
         decoder_from = 0
         if self.prefill_mode == "ced":
             decoder_from = max(0, n - cfg.sliding_window - start)
-        logits = self.model(ids, cache, decoder_from=decoder_from, ctx=ctx)
-        if self.prefix is not None:
+        logits = self.model(ids, cache, decoder_from=decoder_from, ctx=ctx, image_embeds=image_embeds)
+        if use_prefix:
             self.prefix.insert(prompt, cache)
         return cache, logits, ctx, hit
 
-    def generate(self, prompt: list[int], params: SamplingParams | None = None) -> GenerationResult:
+    def generate(self, prompt: list[int], params: SamplingParams | None = None,
+                 images: list[torch.Tensor] | None = None) -> GenerationResult:
+        """`images`: preprocessed pixels (`image_processing.preprocess`), one per image span of
+        `prompt` in order (spans from `messages.encode_messages` or `expand_image_placeholders`);
+        the vision tower runs once per image and its output replaces those positions."""
         p = (params or SamplingParams()).validate()
         cfg = self.cfg
         if not prompt:
@@ -205,7 +220,12 @@ class Engine:
             )
         gen = torch.Generator().manual_seed(p.seed) if p.temperature > 0 else None
         t0 = time.perf_counter()
-        cache, logits, ctx, hit = self.prefill(prompt, total)
+        image_embeds = None
+        if images:
+            from .vision import encode_images
+
+            image_embeds = encode_images(self.model, images)
+        cache, logits, ctx, hit = self.prefill(prompt, total, image_embeds)
         t1 = time.perf_counter()
         out, reason = [], "length"
         stops = set(p.stop_token_ids)
@@ -220,3 +240,16 @@ class Engine:
             logits = self.model(torch.tensor([tok], dtype=torch.long, device=self.device), cache, ctx=ctx)
         t2 = time.perf_counter()
         return GenerationResult(out, len(prompt), t1 - t0, t2 - t1, hit, reason, ctx.counters)
+
+    def generate_speculative(self, prompt: list[int], params: SamplingParams | None = None, opts=None,
+                             images: list[torch.Tensor] | None = None) -> GenerationResult:
+        """`generate` with DSpark speculative decoding; `opts` is a `spec_decode.SpecOptions`
+        (fixed verify length or the scheduler's choice). Statistics in `result.spec`."""
+        from .spec_decode import generate_speculative
+
+        image_embeds = None
+        if images:
+            from .vision import encode_images
+
+            image_embeds = encode_images(self.model, images)
+        return generate_speculative(self, prompt, params, opts, image_embeds)

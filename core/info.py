@@ -29,7 +29,8 @@ Counting rules
   tensors of `Transformer` and are written out here; `head` is built as the model builds it.
   tests/test_info.py checks the result against an actually built tiny model.
 * **engram** = sum(engram_num_embeddings) * engram_head_dim (the hashed tables only).
-* **dspark** = the `mtp.0..2` stages (MODEL.md section 3, not yet implemented in the model),
+* **dspark** = the `mtp.0..2` stages (MODEL.md section 3, built by `core/dspark.py`; equal to its
+  logical count, checked in tests/test_info.py),
   each taken as a backbone `Block` of an SWA-only layer (ratio 0: attention without compressor
   or indexer; mHC `hc_*`; `attn_norm`, `ffn_norm`; a MoE with `dspark_n_routed_experts`
   routed experts of `moe_intermediate_size`, `n_shared_experts` shared expert(s) and the router,

@@ -22,6 +22,7 @@ from ..backends import ops
 from .cache import SequenceCache
 from .config import ModelConfig, yarn_inv_freq
 from .engram import engram_multipliers, engram_primes, engram_row_ids
+from .parallel import SINGLE, Group
 
 BF16 = torch.bfloat16
 
@@ -79,6 +80,11 @@ class ForwardContext:
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index-source layer -> [T, K]
     pool: torch.Tensor | None = None  # hierarchical candidate pool of the decoder's KV source
     counters: Counter = field(default_factory=Counter)
+    # DSpark: when a dict, the forward stores here the mean over the mHC streams at the input of
+    # each `dspark_target_layer_ids` layer ([rows, d], the rows the decoder processed)
+    features: dict[int, torch.Tensor] | None = None
+    # DSpark draft block: non-causal inside the chunk, and its KV is not written to the SWA ring
+    draft_block: bool = False
 
 
 # ---- attention (CSA2) ---------------------------------------------------------------------------
@@ -105,11 +111,14 @@ class Indexer(nn.Module):
     (the spec does not say which channels; this is our reading, one place to change).
     """
 
-    def __init__(self, cfg: ModelConfig, owns_keys: bool):
+    def __init__(self, cfg: ModelConfig, owns_keys: bool, group: Group = SINGLE):
         super().__init__()
-        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
-        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, _dense(cfg))
-        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, "bf16")
+        # Model parallel: this rank's heads only; the per-head score sums are added across
+        # ranks (`reduce_scores`) before top-k. The weight scale counts every head.
+        self.n_heads, self.head_dim = group.split(cfg.index_n_heads, "index_n_heads"), cfg.index_head_dim
+        self.weight_scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * cfg.index_head_dim, _dense(cfg))
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, "bf16")
         if owns_keys:
             self.wk = Linear(cfg.head_dim, cfg.index_head_dim, "bf16")
             self.k_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
@@ -118,7 +127,7 @@ class Indexer(nn.Module):
         """(MXFP4 quantise-dequantised RoPE'd queries [T, Hi, Di], head weights [T, Hi])."""
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
         q = ops.mxfp4_act_quant(ops.rope(q, cos, sin))
-        w = self.weights_proj(x, torch.float32) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        w = self.weights_proj(x, torch.float32) * self.weight_scale
         return q, w
 
 
@@ -130,26 +139,29 @@ class Attention(nn.Module):
     """One query per head over [SWA window entries, selected global entries], one softmax with a
     sink, K = V = one 512-wide latent; grouped low-rank output projection."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, group: Group = SINGLE):
         super().__init__()
-        self.cfg, self.layer_id = cfg, layer_id
+        self.cfg, self.layer_id, self.group = cfg, layer_id, group
         self.kind = cfg.layer_kind(layer_id)
         self.ratio = cfg.compress_ratios[layer_id]
-        h, d, dense = cfg.num_attention_heads, cfg.head_dim, _dense(cfg)
+        # Model parallel: column-parallel wq_b (this rank's heads, their sinks), wo_a on this
+        # rank's head groups, row-parallel wo_b (partial sums added across ranks).
+        h, d, dense = group.split(cfg.num_attention_heads, "num_attention_heads"), cfg.head_dim, _dense(cfg)
         self.n_heads, self.head_dim = h, d
+        self.o_groups = group.split(cfg.o_groups, "o_groups")
         self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, dense)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = Linear(cfg.q_lora_rank, h * d, dense)
         self.wkv = Linear(cfg.hidden_size, d, dense)
         self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.wo_a = Linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, "bf16")
-        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, dense)
+        self.wo_a = Linear(cfg.num_attention_heads * d // cfg.o_groups, self.o_groups * cfg.o_lora_rank, "bf16")
+        self.wo_b = Linear(self.o_groups * cfg.o_lora_rank, cfg.hidden_size, dense)
         self.register_buffer("attn_sink", torch.empty(h, dtype=torch.float32))
         if self.kind == "full":
             self.compressor = Compressor(cfg, self.ratio)
         if self.kind in ("full", "reindex"):
-            self.indexer = Indexer(cfg, owns_keys=self.kind == "full")
-        self.register_buffer("inv_freq", torch.tensor(yarn_inv_freq(cfg, self.ratio)), persistent=False)
+            self.indexer = Indexer(cfg, owns_keys=self.kind == "full", group=group)
+        self.register_buffer("inv_freq", torch.tensor(yarn_inv_freq(cfg, self.ratio), dtype=torch.float32), persistent=False)
 
     # -- global KV (Full layers) --
     def update_global(self, x: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext) -> None:
@@ -168,6 +180,8 @@ class Attention(nn.Module):
             kv, score = comp.wkv(x, torch.float32), comp.wgate(x, torch.float32)
             if g.carry_kv is not None:
                 kv, score = torch.cat((g.carry_kv, kv)), torch.cat((g.carry_score, score))
+            if g.keep_rows:  # a speculative rollback may need any of them as the new carry
+                g.rows = (g.n * self.ratio, kv, score)
             n_full = kv.shape[0] // self.ratio * self.ratio
             g.carry_kv = kv[n_full:] if n_full < kv.shape[0] else None
             g.carry_score = score[n_full:] if n_full < kv.shape[0] else None
@@ -197,18 +211,20 @@ class Attention(nn.Module):
         assert int(n_vis.max()) <= g.n, "a visible entry is missing from the global cache"
         q, w = self.indexer.queries(x, qr, cos, sin)
         keys = (g.key_codes[: g.n], g.key_scale[: g.n])
+        reduce = self.group.all_reduce_sum if self.group.world_size > 1 else None
         if self.kind == "full":
             is_pool_source = self.layer_id == cfg.candidate_source_layer_id
             idx, pool = ops.indexer_topk(
                 q, w, *keys, n_vis, cfg.index_topk,
                 pool_blocks=cfg.candidate_topk_blocks if is_pool_source else 0,
-                pool_block_size=cfg.candidate_block_size)
+                pool_block_size=cfg.candidate_block_size, reduce_scores=reduce)
             if is_pool_source:
                 ctx.pool = pool
             ctx.counters[f"indexer_scored.{self.layer_id}"] += int(n_vis.sum())
         else:
             assert ctx.pool is not None, "Reindex layer without a candidate pool"
-            idx, _ = ops.indexer_topk(q, w, *keys, n_vis, cfg.index_topk, candidates=ctx.pool)
+            idx, _ = ops.indexer_topk(q, w, *keys, n_vis, cfg.index_topk, candidates=ctx.pool,
+                                      reduce_scores=reduce)
             ctx.counters[f"indexer_scored.{self.layer_id}"] += int((ctx.pool >= 0).sum())
         ctx.topk[self.layer_id] = idx
         return idx
@@ -227,8 +243,10 @@ class Attention(nn.Module):
         old8, old_s, old_pos = ring.window(int(pos[0]), floor)
         win8, win_s, kpos = torch.cat((old8, kv8)), torch.cat((old_s, kv_s)), torch.cat((old_pos, pos))
         qp = pos.unsqueeze(1)
-        mask = (kpos <= qp) & (kpos > qp - self.cfg.sliding_window) & (kpos >= floor)
-        ring.write(pos, kv8, kv_s)
+        last = pos[-1] if ctx.draft_block else qp  # a draft block sees itself whole (non-causal)
+        mask = (kpos <= last) & (kpos > qp - self.cfg.sliding_window) & (kpos >= floor)
+        if not ctx.draft_block:  # the drafter's ring holds main-model context only
+            ring.write(pos, kv8, kv_s)
 
         if self.ratio > 0:
             g = cache.glob[self.cfg.kv_source_of(self.layer_id)]
@@ -239,8 +257,12 @@ class Attention(nn.Module):
         o = ops.sparse_attention(q, win8, win_s, mask, *glob, self.attn_sink, self.head_dim ** -0.5)
         o = ops.rope(o, cos, sin, inverse=True)
         # wo_a: each group of heads (group g = heads g*H/G .. ) maps to o_lora_rank.
-        o = ops.grouped_linear(o.reshape(t, self.cfg.o_groups, -1), self.wo_a.weight)
-        return self.wo_b(o)
+        o = ops.grouped_linear(o.reshape(t, self.o_groups, -1), self.wo_a.weight)
+        if self.group.world_size == 1:
+            return self.wo_b(o)
+        # Row-parallel wo_b: unrounded (fp64) partial sums, added across ranks, rounded once as
+        # the one-process linear rounds (fp32, then bf16).
+        return self.group.all_reduce_sum(self.wo_b(o, torch.float64)).float().to(BF16)
 
 
 # ---- MoE --------------------------------------------------------------------------------------
@@ -272,12 +294,16 @@ class Gate(nn.Module):
 class MoE(nn.Module):
     """Top-k routed experts (FP4) plus one shared expert (FP8); outputs summed in fp32."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, group: Group = SINGLE):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.group = cfg, group
         self.gate = Gate(cfg)
-        self.experts = nn.ModuleList(
-            Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_dtype) for _ in range(cfg.n_routed_experts)
+        # Model parallel: this rank holds the contiguous expert range [lo, hi), keyed by global
+        # expert id (the checkpoint's names); routing is replicated.
+        lo, hi = group.even_range(cfg.n_routed_experts)
+        self.expert_lo = lo
+        self.experts = nn.ModuleDict(
+            {str(e): Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_dtype) for e in range(lo, hi)}
         )
         self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, _dense(cfg))
 
@@ -288,20 +314,33 @@ class MoE(nn.Module):
             bias = torch.where(is_image.unsqueeze(-1), self.gate.bias_vl, self.gate.bias)
         w, ids = ops.moe_route(x, self.gate.weight, bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor,
                                cfg.gate_temp)
-        routed = ops.moe_experts(x, w, ids, [e.parts() for e in self.experts], cfg.swiglu_limit)
-        ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
-        zeros = torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)
-        shared = ops.moe_experts(x, ones, zeros, [self.shared_experts.parts()], cfg.swiglu_limit)
-        return (routed + shared).to(BF16)
+        if self.group.world_size > 1:  # local slots; experts of other ranks are skipped (-1)
+            mine = (ids >= self.expert_lo) & (ids < self.expert_lo + len(self.experts))
+            ids = torch.where(mine, ids - self.expert_lo, -1)
+        # Expert outputs are summed in fp64 (the shared expert on rank 0 only) and rounded once,
+        # after the cross-rank sum: an N-way run equals the one-process run up to fp64 rounding.
+        y = ops.moe_experts(x, w, ids, [e.parts() for e in self.experts.values()], cfg.swiglu_limit, torch.float64)
+        if self.group.rank == 0:
+            ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+            zeros = torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)
+            y = y + ops.moe_experts(x, ones, zeros, [self.shared_experts.parts()], cfg.swiglu_limit, torch.float64)
+        return self.group.all_reduce_sum(y).float().to(BF16)
 
 
 # ---- Engram -----------------------------------------------------------------------------------
 
 class EngramEmbed(nn.Module):
-    def __init__(self, rows: int, dim: int):
+    """Engram rows as stored: "fp8" (E4M3 + E8M0 scale per 32) or "int8" (+ one fp32 scale per
+    row, `dsv41 convert --engram-dtype int8`); `ops.engram_lookup` dequantises either."""
+
+    def __init__(self, rows: int, dim: int, storage: str = "fp8"):
         super().__init__()
-        self.register_buffer("weight", torch.empty(rows, dim, dtype=torch.float8_e4m3fn))
-        self.register_buffer("scale", torch.empty(rows, dim // 32, dtype=torch.float8_e8m0fnu))
+        if storage == "int8":
+            self.register_buffer("weight", torch.empty(rows, dim, dtype=torch.int8))
+            self.register_buffer("scale", torch.empty(rows, 1, dtype=torch.float32))
+        else:
+            self.register_buffer("weight", torch.empty(rows, dim, dtype=torch.float8_e4m3fn))
+            self.register_buffer("scale", torch.empty(rows, dim // 32, dtype=torch.float8_e8m0fnu))
 
 
 class Engram(nn.Module):
@@ -312,11 +351,13 @@ class Engram(nn.Module):
     key . stream product scaled by d^-0.5; stream += gate * value. Gate 0 on image tokens.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, rows: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rows: int, group: Group = SINGLE):
         super().__init__()
-        self.cfg, self.layer_id = cfg, layer_id
+        self.cfg, self.layer_id, self.group = cfg, layer_id, group
         n, d = cfg.hc_mult, cfg.hidden_size
-        self.embed = EngramEmbed(rows, cfg.engram_head_dim)
+        # Model parallel: this rank holds table rows [row_lo, row_hi) (pieces of ceil(rows/N)).
+        self.row_lo, row_hi = group.ceil_range(rows)
+        self.embed = EngramEmbed(row_hi - self.row_lo, cfg.engram_head_dim, cfg.engram_dtype)
         self.wkv = Linear(cfg.n_engram_rows_per_token * cfg.engram_head_dim, (n + 1) * d, _dense(cfg))
         self.register_buffer("q_weight", torch.empty(d, dtype=BF16))
         self.register_buffer("k_weight", torch.empty(d, dtype=BF16))
@@ -335,10 +376,38 @@ class Engram(nn.Module):
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor, is_image: torch.Tensor) -> torch.Tensor:
         t, n, d = x.shape
-        e = ops.engram_lookup(self.embed.weight, self.embed.scale, rows)
+        e = ops.engram_lookup(self.embed.weight, self.embed.scale, rows) if self.group.world_size == 1 \
+            else self.sharded_lookup(rows)
         kv = self.wkv(e).float()
         k, v = kv[:, : n * d].reshape(t, n, d), kv[:, n * d:]
         return ops.engram_gate(x, k, v, self.q_weight, self.k_weight, self.cfg.rms_norm_eps, is_image)
+
+
+    def sharded_lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        """Model-parallel lookup: rows of this rank's piece are read, the others are zero, and
+        the ranks' results are summed (exact: each row has one nonzero term)."""
+        t, r = rows.shape
+        n_local = self.embed.weight.shape[0]
+        mine = (rows >= self.row_lo) & (rows < self.row_lo + n_local)
+        if n_local:
+            local = torch.where(mine, rows - self.row_lo, 0)
+            e = ops.engram_lookup(self.embed.weight, self.embed.scale, local).view(t, r, -1)
+        else:  # the last piece may be empty
+            e = torch.zeros(t, r, self.cfg.engram_head_dim, dtype=BF16, device=rows.device)
+        e = e.masked_fill(~mine.unsqueeze(-1), 0)
+        return self.group.all_reduce_sum(e.float()).to(BF16).view(t, -1)
+
+
+def embed_rows(weight: torch.Tensor, ids: torch.Tensor, group: Group) -> torch.Tensor:
+    """Rows `ids` of a table whose rows are split evenly over `group` (vocabulary-parallel):
+    each rank reads the ids in its rows, the others give zero, and the ranks' rows are summed
+    (exact: one nonzero term)."""
+    if group.world_size == 1:
+        return weight[ids]
+    lo = group.rank * weight.shape[0]
+    mine = (ids >= lo) & (ids < lo + weight.shape[0])
+    x = weight[torch.where(mine, ids - lo, 0)].masked_fill(~mine.unsqueeze(-1), 0)
+    return group.all_reduce_sum(x.float()).to(weight.dtype)
 
 
 # ---- block and model ----------------------------------------------------------------------------
@@ -362,12 +431,12 @@ class Block(nn.Module):
     `pre`, so one fused `mhc_mix` per sublayer updates the streams, produces the next input
     and predicts the next sublayer's coefficients ((2n+2)d activation traffic)."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, engram_rows: int | None):
+    def __init__(self, cfg: ModelConfig, layer_id: int, engram_rows: int | None, group: Group = SINGLE):
         super().__init__()
         self.cfg, self.layer_id = cfg, layer_id
         n, d = cfg.hc_mult, cfg.hidden_size
-        self.attn = Attention(cfg, layer_id)
-        self.ffn = MoE(cfg)
+        self.attn = Attention(cfg, layer_id, group)
+        self.ffn = MoE(cfg, group)
         self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
         mix = (2 + n) * n
@@ -375,7 +444,7 @@ class Block(nn.Module):
             self.register_buffer(f"hc_{sub}_fn", torch.empty(mix, n * d, dtype=torch.float32))
             self.register_buffer(f"hc_{sub}_base", torch.empty(mix, dtype=torch.float32))
             self.register_buffer(f"hc_{sub}_scale", torch.empty(3, dtype=torch.float32))
-        self.engram = Engram(cfg, layer_id, engram_rows) if engram_rows is not None else None
+        self.engram = Engram(cfg, layer_id, engram_rows, group) if engram_rows is not None else None
 
     def hc(self, sub: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"), getattr(self, f"hc_{sub}_base")
@@ -416,19 +485,37 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Embedding -> 4 mHC streams -> encoder layers -> decoder layers -> collapse, norm, head."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, group: Group = SINGLE):
         super().__init__()
         cfg.validate()
-        self.cfg = cfg
+        self.cfg, self.group = cfg, group
         d = cfg.hidden_size
+        # `group` (core/parallel.py) shards the model as `dsv41 convert --model-parallel N` does:
+        # vocabulary-parallel embed / head, attention heads, experts, Engram rows; the rest is
+        # replicated. The one-process default builds the whole model.
+        vocab = group.split(cfg.vocab_size, "vocab_size")
         self.embed = nn.Module()
-        self.embed.register_buffer("weight", torch.empty(cfg.vocab_size, d, dtype=BF16))
+        self.embed.register_buffer("weight", torch.empty(vocab, d, dtype=BF16))
         rows = dict(zip(cfg.engram_layer_ids, cfg.engram_num_embeddings))
-        self.layers = nn.ModuleList(Block(cfg, i, rows.get(i)) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, rows.get(i), group) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.head = Linear(d, cfg.vocab_size, "bf16")
+        self.head = Linear(d, vocab, "bf16")
+        from .dspark import build_stages  # imports this module
+
+        self.mtp = build_stages(cfg, group)  # DSpark drafter stages `mtp.0..` (None without one)
         self.register_buffer("engram_map", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
         self.engram_pad = 0
+        if cfg.vision is not None:  # DeepSeek-ViT + aligner + framing rows (core/vision.py)
+            from .vision import (  # imports this module
+                IMAGE_FRAME,
+                Aligner,
+                VisionTransformer,
+            )
+
+            self.vision = VisionTransformer(cfg.vision)
+            self.aligner = Aligner(cfg.vision, d)
+            for name in IMAGE_FRAME:
+                self.register_buffer(name, torch.empty(d, dtype=BF16))
 
     def set_engram_vocab(self, comp_map, n_compressed: int) -> None:
         """Install the token -> compressed-id map (built from the tokenizer) used by Engram."""
@@ -459,13 +546,18 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, cache: SequenceCache, *, decoder_from: int = 0,
-                all_logits: bool = False, ctx: ForwardContext | None = None) -> torch.Tensor:
+                all_logits: bool = False, return_hidden: bool = False, ctx: ForwardContext | None = None,
+                image_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Run the chunk `ids` (positions cache.length ...) and return fp32 logits of the last
-        position ([V]) or, with `all_logits`, of every position the decoder processed.
+        position ([V]) or, with `all_logits`, of every position the decoder processed; with
+        `return_hidden`, the collapsed final streams of those positions ([T, d] bf16, for `logits`).
 
         decoder_from > 0 is CED prefill: the encoder runs over the whole chunk, the decoder's
         KV source compresses every row of the encoder output, and the decoder runs only from
-        chunk index `decoder_from` on (its SWA window truncated there)."""
+        chunk index `decoder_from` on (its SWA window truncated there).
+
+        image_embeds [n, d] replace the embeddings of the chunk's n `image_token_id` positions, in
+        order (first chunk only); without it those positions keep their token embedding."""
         cfg = self.cfg
         start = cache.length
         self.check_ids(ids, start)
@@ -473,11 +565,19 @@ class Transformer(nn.Module):
         t = ids.shape[0]
         pos = torch.arange(start, start + t, device=ids.device)
         is_image = self.image_mask(ids)
+        if image_embeds is not None:  # [image positions of this chunk, d], from vision.encode_images
+            from .vision import check_image_embeds
+
+            check_image_embeds(cfg, is_image, image_embeds, start)
         cache.tokens.extend(ids.tolist())
         cache.is_image.extend(is_image.tolist())
         rows = self._engram_rows(cache, start)
 
-        x = self.embed.weight[ids].unsqueeze(1).expand(t, cfg.hc_mult, cfg.hidden_size).contiguous()
+        x = self.embed_tokens(ids)
+        if image_embeds is not None:
+            x = x.clone()
+            x[is_image] = image_embeds.to(device=x.device, dtype=x.dtype)
+        x = x.unsqueeze(1).expand(t, cfg.hc_mult, cfg.hidden_size).contiguous()
         pre = torch.zeros(t, cfg.hc_mult, dtype=torch.float32, device=ids.device)
         pre[:, 0] = 1.0  # the first sublayer collapses with one-hot [1, 0, 0, 0]
         layers = list(self.layers)
@@ -494,12 +594,27 @@ class Transformer(nn.Module):
                     cache.swa_floor[j] = max(cache.swa_floor[j], int(pos[0]))
             if i == cfg.decoder_start:
                 ctx.counters["decoder_tokens"] += s.x.shape[0]
+            if ctx.features is not None and i in cfg.dspark_target_layer_ids:
+                ctx.features[i] = s.x.float().mean(1).to(BF16)  # DSpark feature: this layer's input
             nxt = layers[i + 1] if i + 1 < len(layers) else None
             s = blk(s, pos, ctx, is_image, nxt, rows.get(i + 1))
         cache.length = start + t
-        h = s.x_hat if all_logits else s.x_hat[-1:]
-        logits = self.head(self.norm(h), torch.float32)
+        if return_hidden:
+            return s.x_hat  # collapsed streams of every row the decoder processed; see `logits`
+        logits = self.logits(s.x_hat if all_logits else s.x_hat[-1:])
         return logits if all_logits else logits[0]
+
+    def logits(self, x_hat: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [T, V] of collapsed final streams: final norm, then the head."""
+        return self.lm_head(self.norm(x_hat))
+
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [T, V] of normed hidden rows (vocabulary-parallel: gathered over ranks)."""
+        return self.group.all_gather(self.head(h, torch.float32), -1)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, d] (vocabulary-parallel under model parallelism)."""
+        return embed_rows(self.embed.weight, ids, self.group)
 
     def _engram_rows(self, cache: SequenceCache, start: int) -> dict[int, torch.Tensor]:
         out = {}

@@ -50,6 +50,8 @@ DEFAULT_MODEL_MAX_LENGTH = 1048576
 #     user:      <｜User｜>{content}
 #     assistant: <｜Assistant｜>{content}<｜end▁of▁sentence｜>
 #   + <｜Assistant｜> when add_generation_prompt.
+# An optional `reasoning_effort` (an integer 1..100, else the template raises) adds the line
+# `Reasoning Effort: {b}` to the system prompt (MODEL.md section 3).
 # An optional `thinking` variable (when defined) appends `<think>` (true) or `</think>`
 # (false) after the generation prompt, as the V3.1+ templates do for thinking / chat mode.
 CHAT_TEMPLATE = (
@@ -60,6 +62,12 @@ CHAT_TEMPLATE = (
     "{%- set ns.system = ns.system + message['content'] -%}"
     "{%- endif -%}"
     "{%- endfor -%}"
+    "{%- if reasoning_effort is defined and reasoning_effort is not none -%}"
+    "{%- if reasoning_effort is not integer or reasoning_effort < 1 or reasoning_effort > 100 -%}"
+    "{{ raise_exception('reasoning_effort must be an integer from 1 to 100, got ' ~ reasoning_effort) }}"
+    "{%- endif -%}"
+    "{%- set ns.system = ns.system + ('\\n' if ns.system else '') + 'Reasoning Effort: ' ~ reasoning_effort -%}"
+    "{%- endif -%}"
     "{{ ns.system }}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'user' -%}"

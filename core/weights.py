@@ -41,9 +41,11 @@ def random_state_dict(model: Transformer, seed: int) -> dict[str, torch.Tensor]:
             continue
         if name.endswith("engram.embed.weight"):
             out[name], out[owner + ".scale"] = quant.fp8_quant(_randn(gen, tuple(buf.shape), 1.0))
+            if buf.dtype == torch.int8:  # INT8 storage: the FP8 rows re-quantised per row, as convert does
+                out[name], out[owner + ".scale"] = quant.int8_row_quant(quant.fp8_dequant(out[name], out[owner + ".scale"]))
         elif name.endswith("engram.embed.scale"):
             continue
-        elif name == "embed.weight":
+        elif name in ("embed.weight", "image_start", "image_newline", "image_end"):  # embedding rows
             out[name] = _randn(gen, tuple(buf.shape), 1.0).to(buf.dtype)
         elif leaf == "attn_sink":
             out[name] = _randn(gen, tuple(buf.shape), 1.0)
@@ -108,7 +110,7 @@ def materialize(model: Transformer, device: str | torch.device = "cpu") -> Trans
     model = model.to_empty(device=device)
     for m in model.modules():
         if hasattr(m, "inv_freq"):
-            m.inv_freq = torch.tensor(yarn_inv_freq(cfg, m.ratio), device=device)
+            m.inv_freq = torch.tensor(yarn_inv_freq(cfg, m.ratio), dtype=torch.float32, device=device)
     model.set_engram_vocab(torch.arange(cfg.vocab_size, device=device), cfg.vocab_size)
     return model
 

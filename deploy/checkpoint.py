@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..core.config import ConfigError, ModelConfig, load_config
+from ..core.parallel import SINGLE, Group
 from ..core.weights import WeightError, check_state_dict, random_state_dict
 from .names import hf_to_native
 
@@ -256,6 +258,41 @@ def _weight_files(d: Path) -> dict[str, Path]:
     return out
 
 
+MP_SHARD = re.compile(r"^model(\d+)-mp(\d+)\.safetensors$")  # `dsv41 convert` output
+
+
+def _rank_weight_files(d: Path, group: Group) -> dict[str, Path]:
+    """Tensor name -> file for this rank: `model{rank}-mp{N}.safetensors` of a converted
+    checkpoint (N must equal the world size, every shard must exist), or the whole
+    checkpoint's files for a one-process run of an unsplit checkpoint. Every rank reaches the
+    same verdict, so a mismatch stops all of them with the same one error."""
+    found: dict[int, set[int]] = {}
+    for p in d.glob("model*-mp*.safetensors"):
+        m = MP_SHARD.match(p.name)
+        if m:
+            found.setdefault(int(m.group(2)), set()).add(int(m.group(1)))
+    world = group.world_size
+    if not found:
+        if world > 1:
+            raise WeightError(f"{d}: not split for model parallelism (no model{{i}}-mp{world}.safetensors) but "
+                              f"this run has {world} processes; convert it with `dsv41 convert --model-parallel "
+                              f"{world}` or run one process")
+        return _weight_files(d)
+    if len(found) > 1:
+        raise WeightError(f"{d}: shards of several model-parallel sizes ({sorted(found)}); keep one set")
+    (mp, ranks), = found.items()
+    if mp != world:
+        how = (f"launch it with `torchrun --nproc-per-node {mp} -m dsv41.deploy.cli run ...`" if mp > 1
+               else "run it as one process")
+        raise WeightError(f"{d}: the checkpoint is split for {mp}-way model parallelism (model{{i}}-mp{mp}.safetensors) "
+                          f"but this run has {world} process{'es' if world > 1 else ''}; {how}")
+    missing = [f"model{i}-mp{mp}.safetensors" for i in range(mp) if i not in ranks]
+    if missing:
+        raise WeightError(f"{d}: model-parallel shard(s) missing: {', '.join(missing)}")
+    f = d / f"model{group.rank}-mp{mp}.safetensors"
+    return {k: f for k in _keys(f)}
+
+
 def _keys(path: Path) -> list[str]:
     from safetensors import safe_open
 
@@ -304,20 +341,21 @@ def _problem_lines(e: WeightError) -> list[str]:
 
 
 def load_checkpoint_weights(ckpt_dir: str | os.PathLike, cfg: ModelConfig, device: str | torch.device = "cpu",
-                            tokenizer=None):
+                            tokenizer=None, group: Group = SINGLE):
     """A model of `cfg` on `device` holding the directory's weights (validated first, then
     copied one memory-mapped tensor at a time). Installs the Engram compression map of
-    `tokenizer` when given."""
+    `tokenizer` when given. With a model-parallel `group`, this rank's shard of a converted
+    checkpoint is loaded into this rank's part of the model."""
     from safetensors import safe_open
 
     from ..core.model import Transformer
     from ..core.weights import materialize
 
     d = Path(ckpt_dir)
-    files = _weight_files(d)
+    files = _rank_weight_files(d, group)
     meta, where, problems = _meta_state_dict(files)
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg, group)
     try:
         check_state_dict(model, meta)
     except WeightError as e:
@@ -348,10 +386,11 @@ def load_checkpoint_weights(ckpt_dir: str | os.PathLike, cfg: ModelConfig, devic
     return model
 
 
-def load_checkpoint(ckpt_dir: str | os.PathLike, device: str | torch.device = "cpu"):
+def load_checkpoint(ckpt_dir: str | os.PathLike, device: str | torch.device = "cpu", group: Group = SINGLE):
     """(cfg, model, tokenizer or None) of a checkpoint directory, native- or HF-named, sharded
-    or single-file. Errors are one `ConfigError` / `WeightError` naming the file."""
+    or single-file (or this rank's model-parallel shard). Errors are one `ConfigError` /
+    `WeightError` naming the file."""
     cfg = read_config(ckpt_dir)
     tok = read_tokenizer(ckpt_dir)
-    model = load_checkpoint_weights(ckpt_dir, cfg, device, tok)
+    model = load_checkpoint_weights(ckpt_dir, cfg, device, tok, group)
     return cfg, model, tok

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog."
@@ -16,6 +17,15 @@ DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog."
 
 class UserError(Exception):
     """An error caused by the user's input: printed as one line, exit status 2."""
+
+
+class OtherRankFailed(UserError):
+    """Model parallel: another rank failed and reports the error; this rank exits quietly."""
+
+
+def _rank() -> int:
+    """This process's rank under torchrun (0 otherwise): only rank 0 prints."""
+    return int(os.environ.get("RANK", "0") or 0)
 
 
 def _add_model_args(p: argparse.ArgumentParser, with_ckpt: bool) -> None:
@@ -83,30 +93,113 @@ def _prompt_ids(args, tok, cfg) -> list[int]:
     return ids
 
 
-def _load_weights(args, cfg, device, tok=None):
-    """Random seeded weights, or the checkpoint's safetensors (validated, memory-mapped, one
-    tensor at a time; never pickle) with the Engram compression map of its tokenizer."""
-    from ..core.weights import build_model
+def _prompt_and_images(args, tok, cfg):
+    """(prompt ids, preprocessed images): `--messages` / `--image` go through the chat template
+    with each image span expanded (core/messages.py); otherwise `_prompt_ids`."""
+    images = getattr(args, "image", None) or []
+    messages = getattr(args, "messages", None)
+    if not images and messages is None:
+        return _prompt_ids(args, tok, cfg), []
+    from ..core.messages import (
+        encode_messages,
+        encode_text_with_images,
+        load_messages_file,
+    )
 
+    if args.prompt_ids is not None or (images and messages is not None):
+        raise UserError("--image goes with --prompt (put the images of --messages in the messages file)")
+    if tok is None:
+        raise UserError("this model has no tokenizer (use a checkpoint with tokenizer.json)")
+    if cfg.vision is None and images:
+        raise UserError("--image: this model has no vision tower (its config has no vision_config)")
+    try:
+        if messages is not None:
+            mm = encode_messages(tok, cfg, load_messages_file(messages), base_dir=os.path.dirname(messages) or ".")
+        else:
+            text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+            mm = encode_text_with_images(tok, cfg, text, images)
+    except ValueError as e:  # ImageError, MessagesError
+        raise UserError(str(e)) from None
+    return mm.ids, mm.images
+
+
+def _load_weights(args, cfg, device, tok=None, group=None):
+    """Random seeded weights, or the checkpoint's safetensors (validated, memory-mapped, one
+    tensor at a time; never pickle) with the Engram compression map of its tokenizer. Under
+    model parallelism every rank loads its shard, then the ranks agree on success, so a shard
+    that fails on one rank stops all of them with that rank's one error."""
+    import torch
+
+    from ..core.config import ConfigError
+    from ..core.parallel import SINGLE
+    from ..core.weights import WeightError, build_model
+
+    group = group or SINGLE
     if not getattr(args, "ckpt", None):
+        if group.world_size > 1:
+            raise UserError("a model-parallel run needs a converted checkpoint: --ckpt DIR from "
+                            f"`dsv41 convert --model-parallel {group.world_size}`")
         return build_model(cfg, seed=args.seed, device=device)
     from .checkpoint import load_checkpoint_weights
 
-    return load_checkpoint_weights(args.ckpt, cfg, device, tok)
+    model, err = None, None
+    try:
+        model = load_checkpoint_weights(args.ckpt, cfg, device, tok, group)
+    except (WeightError, ConfigError) as e:
+        err = e
+    if group.world_size > 1:
+        failed = group.all_gather(torch.tensor([float(err is not None)], device=device), 0).tolist()
+        first = next((r for r, f in enumerate(failed) if f), None)
+        if first is not None and first != group.rank:
+            raise OtherRankFailed(f"rank {first} failed")
+        if err is not None and group.rank != 0:
+            err.rank_local = True  # printed by this rank (rank 0 is fine)
+    if err is not None:
+        raise err
+    return model
+
+
+def _process_group(device):
+    """(group, device): torchrun's process group and this rank's device when launched with
+    more than one rank (RANK / WORLD_SIZE in the environment), else the one-process group."""
+    from ..core import parallel
+
+    if not parallel.launched_distributed():
+        return parallel.SINGLE, device
+    device = parallel.local_device(device)
+    return parallel.init_distributed(device), device
 
 
 def cmd_run(args) -> int:
+    """`dsv41 run`; under `torchrun --nproc-per-node N` one rank of an N-way model-parallel run
+    of a converted checkpoint (rank 0 prints; the process group is left at exit)."""
+    from ..core import parallel
+
+    group, device = _process_group(_device(args.device))
+    try:
+        return _generate(args, group, device)
+    finally:
+        parallel.destroy(group)
+
+
+def _generate(args, group, device) -> int:
     import torch
 
     from ..core.engine import Engine, SamplingParams
     from ..core.engram import build_compression_map
 
     cfg = _resolve_config(args)
-    device = _device(args.device)
+    if not args.speculative and (args.spec_len is not None or args.spec_profile):
+        raise UserError("--spec-len and --spec-profile go with --speculative")
+    if args.speculative and group.world_size > 1:
+        raise UserError("--speculative is not supported under model parallelism yet")
+    if args.speculative and cfg.num_nextn_predict_layers <= 0:
+        raise UserError("--speculative: this model has no DSpark drafter (num_nextn_predict_layers = 0)")
+    spec_opts = _spec_options(args, cfg, device) if args.speculative else None
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tok = _tokenizer_for(args, cfg)
-    prompt = _prompt_ids(args, tok, cfg)
-    model = _load_weights(args, cfg, device, tok)
+    prompt, images = _prompt_and_images(args, tok, cfg)
+    model = _load_weights(args, cfg, device, tok, group)
     if tok is not None and cfg.engram_layer_ids and not args.ckpt:  # a checkpoint's is installed
         comp, n_comp = build_compression_map(tok, vocab_size=cfg.vocab_size, pad_token_id=cfg.engram_pad_token_id)
         model.set_engram_vocab(comp, n_comp)
@@ -116,7 +209,10 @@ def cmd_run(args) -> int:
                             stop_token_ids=() if args.ignore_eos else (cfg.eos_token_id,))
     try:
         params.validate()
-        res = engine.generate(prompt, params)
+        if spec_opts is not None:
+            res = engine.generate_speculative(prompt, params, spec_opts, images=images)
+        else:
+            res = engine.generate(prompt, params, images=images)
     except ValueError as e:
         raise UserError(str(e)) from None
     text = tok.decode(res.token_ids, skip_special_tokens=False) if tok is not None else None
@@ -126,11 +222,18 @@ def cmd_run(args) -> int:
         "text": text,
         "finish_reason": res.finish_reason,
         "prompt_tokens": res.prompt_tokens,
+        "images": len(images),
         "prefill_tokens_per_s": round(res.prefill_tokens_per_s, 2),
         "decode_tokens_per_s": round(res.decode_tokens_per_s, 2),
         "prefill_mode": args.prefill_mode,
         "device": str(device),
     }
+    if group.world_size > 1:
+        out["model_parallel"] = group.world_size
+    if res.spec is not None:
+        out["speculative"] = {k: round(v, 4) if isinstance(v, float) else v for k, v in res.spec.items()}
+    if group.rank != 0:
+        return 0
     if args.json:
         print(json.dumps(out))
     else:
@@ -141,6 +244,60 @@ def cmd_run(args) -> int:
         print(f"finish: {res.finish_reason}")
         print(f"prefill: {out['prefill_tokens_per_s']} tokens/s ({args.prefill_mode}); "
               f"decode: {out['decode_tokens_per_s']} tokens/s")
+        if res.spec is not None:
+            sp = out["speculative"]
+            print(f"speculative: {sp['steps']} steps, acceptance rate {sp['acceptance_rate']:.3f} "
+                  f"({sp['accepted']}/{sp['drafted']} drafts), mean accepted length "
+                  f"{sp['mean_accepted_length']:.3f} tokens/step, mean verify length {sp['mean_verify_len']:.2f}")
+    return 0
+
+
+def _spec_options(args, cfg, device):
+    """`run --speculative`: a fixed --spec-len, or the scheduler over the throughput profile
+    (--spec-profile, else the default location; a flat step time when none was measured)."""
+    from pathlib import Path
+
+    from ..core.spec_decode import SpecOptions, ThroughputProfile, default_profile_path
+
+    if args.spec_len is not None:
+        return SpecOptions(spec_len=args.spec_len)
+    path = args.spec_profile or default_profile_path(device, cfg)
+    if args.spec_profile is None and not Path(path).exists():
+        print(f"dsv41: note: no throughput profile at {path} (run `dsv41 profile-spec`); "
+              "assuming a flat step time", file=sys.stderr)
+        return SpecOptions()
+    try:
+        return SpecOptions(profile=ThroughputProfile.load(path))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def cmd_profile_spec(args) -> int:
+    """`dsv41 profile-spec`: measure the engine throughput curve the DSpark scheduler reads."""
+    import torch
+
+    from ..backends.platform import platform_for
+    from ..core.engine import Engine
+    from ..core.spec_decode import default_profile_path, measure_profile
+
+    cfg = _resolve_config(args)
+    device = _device(args.device)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if cfg.num_nextn_predict_layers <= 0:
+        raise UserError("this model has no DSpark drafter (num_nextn_predict_layers = 0)")
+    model = _load_weights(args, cfg, device, _tokenizer_for(args, cfg))
+    try:
+        prof = measure_profile(Engine(model), prompt_len=args.prompt_len, repeats=args.repeats, seed=args.seed,
+                               sync=platform_for(device).synchronize)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    path = args.out or default_profile_path(device, cfg)
+    try:
+        prof.save(path)
+    except OSError as e:
+        raise UserError(f"{e.filename or path}: cannot write the profile ({e.strerror or e})") from None
+    curve = ", ".join(f"{n}: {v:.1f}" for n, v in zip(prof.tokens, prof.tokens_per_s))
+    print(f"wrote {path}: tokens/s by tokens verified per step {{{curve}}}; draft {prof.draft_s * 1e3:.2f} ms")
     return 0
 
 
@@ -175,6 +332,29 @@ def cmd_convert(args) -> int:
         raise UserError(str(e)) from None
 
 
+def cmd_import_mindspore(args) -> int:
+    from .checkpoint import CheckpointExistsError, parse_size
+    from .mindspore_import import MindSporeImportError, import_mindspore
+
+    try:
+        max_bytes = parse_size(args.max_shard_size)
+    except ValueError as e:
+        raise UserError(f"--max-shard-size: {e}") from None
+    try:
+        rep = import_mindspore(args.ckpt, args.out, args.config, args.strategy, tokenizer_path=args.tokenizer_path,
+                               quantize=args.quantize, max_shard_bytes=max_bytes)
+    except (MindSporeImportError, CheckpointExistsError) as e:
+        raise UserError(str(e)) from None
+    except OSError as e:
+        raise UserError(f"{e.filename or args.out}: cannot write the checkpoint ({e.strerror or e}); "
+                        "nothing was written") from None
+    print(f"imported {len(args.ckpt)} MindSpore file(s) -> {rep['out']}: {rep['tensors']} tensors, "
+          f"{rep['bytes'] / 1e6:.1f} MB in {rep['shards']} shard(s); {rep['reinterpreted']} reinterpreted from "
+          f"uint8/int8, {rep['quantised']} quantised, {rep['cast']} cast, "
+          f"{rep['skipped_training_state']} training-state entries skipped")
+    return 0
+
+
 def cmd_info(args) -> int:
     from ..core.info import format_info, model_info
 
@@ -191,15 +371,43 @@ def cmd_backends(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """Start vLLM's OpenAI-compatible server with our model (replaces this process)."""
+    from .vllm import serve
+
+    why = serve.vllm_missing_reason()
+    if why:
+        raise UserError(why)
+    try:
+        serve.check_model_dir(args.model_dir)
+        serve.server_command(args.model_dir, args.flags)
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from None
+    serve.exec_server(args.model_dir, args.flags)
+    return 0  # not reached: exec replaced the process
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash deployment stack")
     sub = p.add_subparsers(dest="command", required=True)
+
+    sv = sub.add_parser("serve", help="vLLM's OpenAI-compatible server with our model (other flags go to vLLM)",
+                        description="Runs `python -m vllm.entrypoints.openai.api_server --model MODEL_DIR` with "
+                                    "our architecture selected (--hf-overrides), --reasoning-parser deepseek_r1 and "
+                                    "VLLM_MLA_DISABLE=1; every other flag is passed to vLLM unchanged.")
+    sv.add_argument("model_dir", metavar="MODEL_DIR", help="checkpoint directory (config.json, safetensors, tokenizer)")
+    sv.add_argument("flags", nargs=argparse.REMAINDER, help="vLLM server flags, e.g. --port 8000 --max-model-len 4096")
+    sv.set_defaults(func=cmd_serve)
 
     r = sub.add_parser("run", help="generate with the reference engine (random weights unless --ckpt)")
     _add_model_args(r, with_ckpt=True)
     pr = r.add_mutually_exclusive_group()
     pr.add_argument("--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
     pr.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 5,17,42")
+    pr.add_argument("--messages", metavar="FILE", help="OpenAI-style chat messages JSON (text and image_url parts)")
+    r.add_argument("--image", action="append", metavar="FILE",
+                   help="an image for the prompt's user message (repeatable; placed at each image token of "
+                        "--prompt, else prepended)")
     r.add_argument("--max-new-tokens", type=int, default=16)
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     r.add_argument("--top-p", type=float, default=1.0)
@@ -209,7 +417,20 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prefill-mode", choices=["ced", "exact"], default="ced")
     r.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.add_argument("--speculative", action="store_true", help="DSpark speculative decoding (reports acceptance)")
+    r.add_argument("--spec-len", type=int, metavar="K", help="verify K drafts per step (default: the scheduler picks)")
+    r.add_argument("--spec-profile", metavar="FILE", help="throughput profile from `dsv41 profile-spec` "
+                   "(default: $DSV41_SPEC_PROFILE or ~/.cache/dsv41/spec-profile-<device>-<model>.json)")
     r.set_defaults(func=cmd_run)
+
+    sp = sub.add_parser("profile-spec", help="measure tokens/s vs tokens verified per step for the DSpark scheduler")
+    _add_model_args(sp, with_ckpt=True)
+    sp.add_argument("--device", choices=["cpu", "cuda", "npu"], default="cpu")
+    sp.add_argument("--out", metavar="FILE", help="where to write the JSON (default: as `run --spec-profile`)")
+    sp.add_argument("--repeats", type=int, default=5, help="timed runs per point (median; one warm-up before)")
+    sp.add_argument("--prompt-len", type=int, default=32, help="context length the steps are timed at")
+    sp.add_argument("--seed", type=int, default=0, help="random weights (without --ckpt) and prompt")
+    sp.set_defaults(func=cmd_profile_spec)
 
     m = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint in the shipped form")
     _add_model_args(m, with_ckpt=False)
@@ -224,6 +445,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_convert_args(c)
     c.set_defaults(func=cmd_convert)
+
+    ms = sub.add_parser("import-mindspore", help="a MindSpore (HyperParallel) checkpoint -> a native checkpoint")
+    ms.add_argument("--ckpt", required=True, action="append", metavar="FILE",
+                    help="MindSpore .ckpt / .safetensors file (repeat: parts of one checkpoint, or one per rank "
+                         "in rank order with --strategy)")
+    ms.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to create")
+    ms.add_argument("--config", metavar="FILE", help="config.json (default: the one next to the first --ckpt)")
+    ms.add_argument("--strategy", metavar="FILE", help="parallel strategy file: merge the per-rank slices")
+    ms.add_argument("--tokenizer-path", metavar="DIR", help="copy tokenizer.json / tokenizer_config.json from DIR")
+    ms.add_argument("--quantize", action="store_true",
+                    help="quantise floating masters into the config's storage formats (FP8 / FP4), cast others")
+    ms.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="e.g. 2MB, 5GB (default 5GB)")
+    ms.set_defaults(func=cmd_import_mindspore)
 
     i = sub.add_parser("info", help="parameter counts and cache sizes, without allocating weights")
     _add_model_args(i, with_ckpt=False)
@@ -244,7 +478,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (UserError, ConfigError, WeightError) as e:
-        print(f"dsv41: error: {e}", file=sys.stderr)
+        if isinstance(e, OtherRankFailed):
+            return 2  # the failing rank prints its error
+        if _rank() == 0:
+            print(f"dsv41: error: {e}", file=sys.stderr)
+        elif getattr(e, "rank_local", False):
+            print(f"dsv41: error: rank {_rank()}: {e}", file=sys.stderr)
         return 2
 
 

@@ -406,12 +406,12 @@ def _chunk_rows(t: SrcTensor, chunk_bytes: int, multiple: int = 1) -> int:
 
 def _engram_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 rows [r, D] -> (int8 [r, D], fp32 scale [r, 1], per-row max rel err, per-row mean rel err)."""
-    amax = x.abs().amax(-1, keepdim=True)
-    scale = amax / 127.0
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(x / safe).clamp(-127, 127)
-    err = (q * scale - x).abs() / torch.where(amax > 0, amax, torch.ones_like(amax))
-    return q.to(torch.int8), scale, err.amax(-1), err.mean(-1)
+    from ..backends.reference.quant import int8_row_quant
+
+    q, scale = int8_row_quant(x)
+    amax = scale * 127.0
+    err = (q.float() * scale - x).abs() / torch.where(amax > 0, amax, torch.ones_like(amax))
+    return q, scale, err.amax(-1), err.mean(-1)
 
 
 def _run_unit(u: Unit, writers: list[ShardWriter], files: dict, chunk: int, report: dict, bar) -> None:

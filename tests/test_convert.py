@@ -123,7 +123,8 @@ def test_mp2_reassembles_bit_exactly(tmp_path, tiny_sd):
             assert _same(shards[0][name], ref) and _same(shards[1][name], ref), name
         elif kind == "expert":
             e = int(re.search(r"experts\.(\d+)\.", name).group(1))
-            owner = e // per
+            # DSpark stages (`mtp.*`) have their own expert count
+            owner = e // (cfg.dspark_n_routed_experts // 2 if name.startswith("mtp.") else per)
             assert name in shards[owner] and name not in shards[1 - owner], name
             assert _same(shards[owner][name], ref), name
         else:
@@ -169,7 +170,8 @@ def test_expert_fp8(tmp_path, tiny_sd):
         # E4M3: 3 mantissa bits (half-ulp 2^-4 relative), subnormal step 2^-9 of the block scale
         assert ((got - want).abs() <= want.abs() * 2.0**-4 + block * 2.0**-9).all(), name
         n += 1
-    assert n == 3 * cfg.n_routed_experts * cfg.num_hidden_layers
+    assert n == 3 * (cfg.n_routed_experts * cfg.num_hidden_layers
+                     + cfg.dspark_n_routed_experts * cfg.num_nextn_predict_layers)  # + DSpark stages
     assert rep["counts"]["expert_fp8_converted"] == n
     out_cfg = load_config(tmp_path / "out")
     assert out_cfg.expert_dtype == "fp8"

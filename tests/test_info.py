@@ -42,14 +42,22 @@ def test_full_config_layers():
 def test_tiny_backbone_matches_built_model():
     cfg = preset("tiny")
     model = build_model(cfg)
-    n = 0
+    n = n_mtp = n_vision = 0
     for name, t in model.state_dict().items():
         if name.endswith(".scale") or ".engram.embed." in name:
+            continue
+        if name.startswith("mtp."):  # the DSpark drafter, counted apart
+            n_mtp += t.numel() * (2 if t.dtype == torch.int8 else 1)
+            continue
+        if name.startswith(("vision.", "aligner.", "image_")):  # the vision tower, counted apart
+            n_vision += t.numel()
             continue
         n += t.numel() * (2 if t.dtype == torch.int8 else 1)
     assert any(t.dtype == torch.int8 for t in model.state_dict().values())  # packed FP4 experts present
     info = model_info(cfg)
     assert info["params"]["backbone"] == n
+    assert info["params"]["dspark"] == n_mtp > 0
+    assert info["params"]["vision"] == n_vision > 0
     engram_rows = sum(t.shape[0] for k, t in model.state_dict().items() if k.endswith("engram.embed.weight"))
     assert info["params"]["engram"] == engram_rows * cfg.engram_head_dim
 

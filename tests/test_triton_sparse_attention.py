@@ -20,6 +20,8 @@ from dsv41.npu_ops.triton import sparse_attention as sa  # noqa: E402
 # tile configurations exercised explicitly: whole rows, tiled contraction + output blocks
 TILED = dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=32, BLOCK_DV=32)
 WHOLE = dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None)
+WHOLE_T = dict(WHOLE, QK_T=True)  # q.k^T computed as k.q^T (entries as the MMA's M)
+WHOLE_HALF = dict(WHOLE, DV_HALF=True)  # one output-channel parity per tile
 
 
 def make_inputs(g, t, h, d, s, n, k, *, glob=True, dead_rows=(2,), window_off_rows=(1,)):
@@ -73,7 +75,7 @@ def check(out, args, scale, dead_rows=()):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(sink + 1e30) of an all-masked row
 @pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("cfg", [WHOLE, TILED], ids=["whole", "tiled"])
+@pytest.mark.parametrize("cfg", [WHOLE, WHOLE_T, WHOLE_HALF, TILED], ids=["whole", "whole_t", "whole_half", "tiled"])
 @pytest.mark.parametrize("n_split", [1, 3, None])
 def test_sparse_attention_tiny(dev, cfg, n_split, rng):
     # tiny preset widths: H = 4, D = 64

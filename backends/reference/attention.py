@@ -43,13 +43,18 @@ def _stable_topk_sorted(scores: torch.Tensor, k: int, valid: torch.Tensor) -> to
     return torch.where(ids == big, torch.full_like(ids, -1), ids)
 
 
-def _scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """q [T, H, D], weights [T, H], keys [T, P, D] or [P, D] -> [T, P] fp32."""
+def _scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, reduce=None) -> torch.Tensor:
+    """q [T, H, D], weights [T, H], keys [T, P, D] or [P, D] -> [T, P] fp32.
+
+    The sum over heads runs in fp64 (each fp32 x fp32 term is exact there) and is rounded once,
+    after `reduce` (model parallelism: the sum over the other ranks' heads), so the result does
+    not depend on how the heads are split or ordered."""
     if keys.dim() == 2:
         dots = einsum("thd,pd->thp", q.float(), keys)
     else:
         dots = einsum("thd,tpd->thp", q.float(), keys)
-    return (torch.relu(dots) * weights.float().unsqueeze(-1)).sum(1)
+    s = (torch.relu(dots).double() * weights.double().unsqueeze(-1)).sum(1)
+    return (reduce(s) if reduce is not None else s).float()
 
 
 def candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, n_blocks: int, block: int,
@@ -76,11 +81,11 @@ def candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, n_blocks: int,
 
 @register("indexer_topk")
 def indexer_topk(q, weights, key_codes, key_scale, n_visible, topk, candidates=None, pool_blocks=0,
-                 pool_block_size=1):
+                 pool_block_size=1, reduce_scores=None):
     if candidates is None:
         keys = quant.mxfp4_dequant(key_codes, key_scale)  # [N, Di]
         n = keys.shape[0]
-        s = _scores(q, weights, keys)
+        s = _scores(q, weights, keys, reduce_scores)
         valid = torch.arange(n, device=q.device).unsqueeze(0) < n_visible.unsqueeze(1)
         idx = _stable_topk_sorted(s, topk, valid)
         pool = candidate_pool(s.masked_fill(~valid, NEG_INF), n_visible, pool_blocks, pool_block_size) \
@@ -89,7 +94,7 @@ def indexer_topk(q, weights, key_codes, key_scale, n_visible, topk, candidates=N
     valid = candidates >= 0
     safe = candidates.clamp_min(0)
     keys = quant.mxfp4_dequant(key_codes[safe], key_scale[safe])  # only the pool's keys: [T, P, Di]
-    s = _scores(q, weights, keys)
+    s = _scores(q, weights, keys, reduce_scores)
     local = _stable_topk_sorted(s, topk, valid)
     idx = torch.where(local >= 0, candidates.gather(-1, local.clamp_min(0)), local)
     # candidates are ascending within each row except for -1 padding, so keep position order

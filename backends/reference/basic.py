@@ -19,8 +19,9 @@ register("fp8_quant")(quant.fp8_quant)
 register("fp8_dequant")(quant.fp8_dequant)
 
 
-def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """fp32 operands, fp64 accumulation, fp32 result.
+def mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """fp32 operands, fp64 accumulation, fp32 result (fp64 `out_dtype`: left unrounded, for
+    model-parallel partial sums that are added across ranks before the one rounding).
 
     Products of fp32 values are exact in fp64 and the fp64 sum is far below fp32 resolution,
     so each output is (almost always) the correctly rounded fp32 result whatever the batch
@@ -28,7 +29,7 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     which the decode-vs-prefill oracle tests rely on (BLAS picks different fp32 summation
     orders for gemv and gemm, and top-k selection amplifies one-ulp differences).
     """
-    return (a.to(ACCUM_DTYPE) @ b.to(ACCUM_DTYPE)).float()
+    return (a.to(ACCUM_DTYPE) @ b.to(ACCUM_DTYPE)).to(out_dtype)
 
 
 def einsum(eq: str, *xs: torch.Tensor) -> torch.Tensor:
@@ -118,7 +119,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     scales per 32-wide K block or after dequantisation gives the same products; only the fp32
     summation order differs from a blockwise kernel."""
     xf = quant.fp8_qdq(x) if scale is not None else x.float()
-    return mm(xf, dequant_weight(weight, scale).t()).to(out_dtype)
+    acc = torch.float64 if out_dtype == torch.float64 else torch.float32  # fp64: unrounded partials
+    return mm(xf, dequant_weight(weight, scale).t(), acc).to(out_dtype)
 
 
 @register("grouped_linear")

@@ -35,13 +35,15 @@ def expert_forward(xq: torch.Tensor, weight: torch.Tensor | None, expert, limit:
 
 
 @register("moe_experts")
-def moe_experts(x, weights, ids, experts, limit):
+def moe_experts(x, weights, ids, experts, limit, out_dtype=torch.float32):
     # Activation quantisation is per token and per 32 channels, so quantising all rows once
     # equals quantising each expert's gathered rows.
     quantised = experts[0][0][1] is not None
     xq = quant.fp8_qdq(x) if quantised else x.float()
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=out_dtype, device=x.device)
     for e in torch.unique(ids).tolist():
+        if e < 0:  # an expert another model-parallel rank holds
+            continue
         tok, slot = (ids == e).nonzero(as_tuple=True)
-        out.index_add_(0, tok, expert_forward(xq[tok], weights[tok, slot], experts[e], limit))
+        out.index_add_(0, tok, expert_forward(xq[tok], weights[tok, slot], experts[e], limit).to(out_dtype))
     return out

@@ -190,3 +190,12 @@ def fp4_weight_quant(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp4_weight_dequant(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return mxfp4_dequant(packed.view(torch.uint8), scale)
+
+
+def int8_row_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [r, D] -> (int8 [r, D], fp32 scale [r, 1]): scale = amax / 127, round half to even,
+    clamp to +-127 (Engram rows for the Ascend host-offload path; an all-zero row keeps scale 0)."""
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(x / safe).clamp(-127, 127).to(torch.int8), scale

@@ -11,7 +11,8 @@ exponent with bias 7, 3-bit mantissa, subnormals m * 2^-9, 0x7F/0xFF NaN) to the
 values, the E8M0 byte b to the fp32 2^(b-127) (b = 0: 2^-127, b = 255: inf, as the reference's
 ldexp gives), and the fp32 product (the reference's own fp32 multiply) is rounded to bf16
 to nearest-even on the bits (the Triton interpreter's bf16 cast truncates).
-Tiles: BLOCK_R gathered rows x BLOCK_D (Dh rounded up to a power of two).
+Tiles: BLOCK_R gathered rows x BLOCK_D (Dh rounded up to a power of two), held as
+[BLOCK_R, BLOCK_D / 32, 32] so each scale is loaded once per 32-column group.
 """
 
 from __future__ import annotations
@@ -41,17 +42,20 @@ def _bf16_bits(v):
 def _engram_kernel(tab_ptr, sc_ptr, rows_ptr, out_ptr, n_rows, DH, n_tiles, num_programs,
                    MODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_D)
+    # columns as [groups of 32, 32]: one scale per group, loaded once and broadcast
+    gg = tl.arange(0, BLOCK_D // 32)
+    ee = tl.arange(0, 32)
+    cols = (gg * 32)[:, None] + ee[None, :]
     cm = cols < DH
     for t in range(pid, n_tiles, num_programs):
         r = t * BLOCK_R + tl.arange(0, BLOCK_R)
         rm = r < n_rows
         idx = tl.load(rows_ptr + r, mask=rm, other=0).to(tl.int64)
-        m2 = rm[:, None] & cm[None, :]
-        src = idx[:, None] * DH + cols[None, :]
+        m2 = rm[:, None, None] & cm[None, :, :]
+        src = idx[:, None, None] * DH + cols[None, :, :]
         if MODE == 2:  # INT8 rows, one fp32 scale per row
             q = tl.load(tab_ptr + src, mask=m2, other=0).to(tl.float32)
-            s = tl.load(sc_ptr + idx, mask=rm, other=0.0).to(tl.float32)[:, None]
+            s = tl.load(sc_ptr + idx, mask=rm, other=0.0).to(tl.float32)[:, None, None]
             v = q * s
         else:  # FP8 E4M3 bytes, one scale per 32 columns
             byte = tl.load(tab_ptr + src, mask=m2, other=0).to(tl.int32) & 0xFF
@@ -63,14 +67,15 @@ def _engram_kernel(tab_ptr, sc_ptr, rows_ptr, out_ptr, n_rows, DH, n_tiles, num_
             mag = tl.where((e == 15) & (mt == 7), float("nan"), mag)
             sign = (byte & 0x80) << 24  # set the sign bit directly: -x would be 0 - x (loses -0.0)
             q = (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-            sidx = idx[:, None] * (DH // 32) + cols[None, :] // 32
+            sidx = idx[:, None] * (DH // 32) + gg[None, :]
+            gm = rm[:, None] & (gg * 32 < DH)[None, :]
             if MODE == 0:  # E8M0 byte b -> 2^(b - 127)
-                sb = tl.load(sc_ptr + sidx, mask=m2, other=127).to(tl.int32) & 0xFF
+                sb = tl.load(sc_ptr + sidx, mask=gm, other=127).to(tl.int32) & 0xFF
                 s = tl.where(sb == 0, 5.877471754111438e-39, (sb << 23).to(tl.float32, bitcast=True))
             else:
-                s = tl.load(sc_ptr + sidx, mask=m2, other=0.0).to(tl.float32)
-            v = q * s
-        dst = r.to(tl.int64)[:, None] * DH + cols[None, :]
+                s = tl.load(sc_ptr + sidx, mask=gm, other=0.0).to(tl.float32)
+            v = q * s[:, :, None]
+        dst = r.to(tl.int64)[:, None, None] * DH + cols[None, :, :]
         tl.store(out_ptr + dst, _bf16_bits(v), mask=m2)
 
 
@@ -114,7 +119,7 @@ def engram_lookup(table: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, 
     grid = grid_for(n_tiles, rows.device)
     kw = {} if interpreting() else {"num_warps": num_warps or NUM_WARPS}
     _engram_kernel[(grid,)](tab, sc, rows.contiguous(), out.view(torch.int16), n_rows, dh, n_tiles, grid,
-                            MODE=mode, BLOCK_R=br, BLOCK_D=triton.next_power_of_2(dh), **kw)
+                            MODE=mode, BLOCK_R=br, BLOCK_D=max(32, triton.next_power_of_2(dh)), **kw)
     return out
 
 

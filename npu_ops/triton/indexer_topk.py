@@ -229,10 +229,13 @@ def _candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, n_blocks: int
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
                  n_visible: torch.Tensor, topk: int, candidates: torch.Tensor | None = None,
-                 pool_blocks: int = 0, pool_block_size: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 pool_blocks: int = 0, pool_block_size: int = 1,
+                 reduce_scores=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`ops.indexer_topk`: Triton scores + exact torch selection (same results as the reference)."""
     n_visible = n_visible.to(q.device)
     s = indexer_scores(q, weights, key_codes, key_scale, n_visible, candidates)
+    if reduce_scores is not None:  # model parallel: add the other ranks' heads (-inf stays -inf)
+        s = reduce_scores(s)
     if candidates is None:
         n = s.shape[1]
         valid = torch.arange(n, device=q.device).unsqueeze(0) < n_visible.unsqueeze(1)

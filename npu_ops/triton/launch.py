@@ -18,9 +18,17 @@ def num_workers(device: torch.device | str | None = None) -> int:
     CUDA, vector cores on Ascend), or a small constant under the interpreter."""
     if interpreting():
         return INTERPRETER_WORKERS
-    from ...backends.platform import platform_for
+    dev = torch.device(device if device is not None else "cuda")
+    key = (dev.type, dev.index)
+    n = _WORKERS.get(key)
+    if n is None:  # a device property query per launch is measurable next to a small kernel
+        from ...backends.platform import platform_for
 
-    return platform_for(device if device is not None else "cuda").num_workers()
+        n = _WORKERS[key] = platform_for(dev).num_workers()
+    return n
+
+
+_WORKERS: dict[tuple[str, int | None], int] = {}
 
 
 # Resident programs per worker for a persistent launch. On CUDA one program per SM leaves too

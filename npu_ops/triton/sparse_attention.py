@@ -15,7 +15,9 @@ How it runs:
   bf16 directly; otherwise it writes an fp32 partial (unnormalised acc, running max, sum) and
   `_combine_kernel` merges the splits.
 - FP8 / FP4 storage is decoded with integer and bit ops only (uint8 loads, exponent fields
-  built into fp32 bit patterns); scales are applied per element. Every decoded value is exact
+  built into fp32 bit patterns). The whole-row path loads a block as [BLOCK_N, groups, bytes
+  per group], so each scale byte is loaded and decoded once per group and broadcast over it
+  (the tiled path gathers the scale per element). Every decoded value is exact
   in bf16 (E2M1 x E4M3: <= 6 significant bits; E4M3 x 2^k: 4 bits), so the q.k^T and p.V
   products run as bf16 tl.dot with fp32 accumulation, heads as M, entries as N. (Under the
   interpreter the dot operands stay fp32: same values, interpreter bf16 math is unreliable.)
@@ -25,10 +27,13 @@ How it runs:
 - Online softmax: running max starts at -1e30 (an all-masked row gives 0), masked logits are
   -inf, probabilities are rounded to bf16 before p.V, the sum stays fp32; the sink adds
   exp(sink - max) to the denominator only.
-- Per-backend tile tables: CUDA keeps whole 512-wide rows (one decode per block, BLOCK_H heads
-  of fp32 accumulator); Ascend tiles the contraction (BLOCK_D) and the output channels
-  (BLOCK_DV, part of the tile id: q.k^T is recomputed per output block) so a program's live
-  tiles stay a few tens of KB, well inside the 192 KB unified buffer.
+- Per-backend tile tables: CUDA keeps whole 512-wide rows and all 64 heads in one tile (MQA:
+  each decoded row serves every head; M = 64 is one wgmma tile; q stays in shared memory);
+  Ascend tiles the contraction (BLOCK_D) and the output channels (BLOCK_DV, part of the tile
+  id: q.k^T is recomputed per output block) so a program's live tiles stay a few tens of KB,
+  well inside the 192 KB unified buffer. Two whole-row options exist for tuning: QK_T computes
+  k.q^T (entries as M) and DV_HALF gives each tile one output-channel parity (half the fp32
+  accumulator, q.k^T computed twice); neither was faster on the H200 (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -43,9 +48,12 @@ RUNNING_MAX_INIT = tl.constexpr(-1e30)  # a row with no valid entry outputs 0
 
 # Tile tables: BLOCK_D / BLOCK_DV of None mean the full head_dim (one decode per block).
 CONFIGS = {
-    # cuda: ptxas (sm_90a, triton 3.7.1) reports 255 regs + ~80 B spill for 32x16 at 8 warps, the least
-    # of the whole-row variants tried (32x32: ~800 B, 64x32: ~1.7 KB, 16x32 at 4 warps: ~3.5 KB)
-    "cuda": dict(BLOCK_H=32, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=8, min_blocks_per_split=2),
+    # cuda: all 64 heads of a token in one tile, whole 512-wide rows decoded once per block. H200
+    # sweep (T=256, 64K context, CUDA-graph time): this 530 us; BLOCK_N 16: 586; BLOCK_N 64 +
+    # QK_T: 811; 16 warps: 1208; DV_HALF (BLOCK_N 32 / 64, 4 or 8 warps): 667-759. ptxas: 255
+    # registers + ~1 KB spill (the 64x512 fp32 accumulator alone is 128 registers a thread).
+    "cuda": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=2, QK_T=False,
+                 min_blocks_per_split=2),
     "npu": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=None, min_blocks_per_split=2),
     "interp": dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=None, min_blocks_per_split=1),
 }
@@ -75,10 +83,15 @@ def _e2m1(c):
 @triton.jit
 def _fp8_times_e8m0(b, sb):
     """E4M3 byte b and E8M0 scale byte sb (int32) -> fp32 value * 2^(sb-127)."""
+    return _e4m3_signed(b) * (sb << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_signed(b):
+    """E4M3 byte b (int32 0..255, bit 7 the sign) -> fp32 value."""
     e = (b >> 3) & 15
     p2 = ((tl.maximum(e, 1) + 117) << 23).to(tl.float32, bitcast=True)
-    sc = (sb << 23).to(tl.float32, bitcast=True)
-    v = (tl.where(e > 0, 8, 0) + (b & 7)).to(tl.float32) * p2 * sc
+    v = (tl.where(e > 0, 8, 0) + (b & 7)).to(tl.float32) * p2
     return tl.where((b & 128) != 0, -v, v)
 
 
@@ -103,6 +116,51 @@ def _glob_kv(gkv_ptr, gsc_ptr, rows, ok, c0, j, D: tl.constexpr):
     sc = tl.load(gsc_ptr + rows[:, None] * (D // 16) + (byte // 8)[None, :], mask=m2, other=0).to(tl.int32)
     s = _e4m3_pos(sc & 127)
     return _e2m1(b & 15) * s, _e2m1((b >> 4) & 15) * s
+
+
+@triton.jit
+def _e2m1_fast(c):
+    """E2M1 nibble 0..15 (int32) -> fp32 value, built as fp32 bits: codes 2..7 are normal
+    numbers 2^(e-1) (1 + m/2), i.e. the 3 code bits placed under the exponent field plus a bias;
+    codes 0 / 1 are 0 / 0.5; bit 3 is the sign."""
+    a = c & 7
+    mag = tl.where(a < 2, a * 0x3F000000, (a << 22) + 0x3F000000)
+    return (mag | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _glob_rows(gkv_ptr, gsc_ptr, rows, ok, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Whole packed FP4 rows [BN] (int64) -> even / odd channel halves, fp32 [BN, D/2] each.
+    Bytes are loaded as [BN, D/16, 8] (8 bytes = one 16-channel scale group), so each E4M3
+    scale is loaded and decoded once and broadcast over its group."""
+    g = tl.arange(0, D // 16)
+    e = tl.arange(0, 8)
+    m3 = ok[:, None, None]
+    byte = (g * 8)[None, :, None] + e[None, None, :]
+    b = tl.load(gkv_ptr + rows[:, None, None] * (D // 2) + byte, mask=m3, other=0).to(tl.int32)
+    sc = tl.load(gsc_ptr + rows[:, None] * (D // 16) + g[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    s = _e4m3_pos(sc & 127)[:, :, None]
+    k_e = tl.reshape(_e2m1_fast(b & 15) * s, [BLOCK_N, D // 2])
+    k_o = tl.reshape(_e2m1_fast((b >> 4) & 15) * s, [BLOCK_N, D // 2])
+    return k_e, k_o
+
+
+@triton.jit
+def _win_rows(win_ptr, wsc_ptr, rows, ok, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Whole FP8 window rows [BN] (int64) -> even / odd channel halves, fp32 [BN, D/2] each;
+    the E8M0 scale of each 32-channel group (16 channel pairs) is loaded once per group."""
+    g = tl.arange(0, D // 32)
+    e = tl.arange(0, 16)
+    m3 = ok[:, None, None]
+    ch = (g * 32)[None, :, None] + 2 * e[None, None, :]
+    base = rows[:, None, None] * D + ch
+    b0 = tl.load(win_ptr + base, mask=m3, other=0).to(tl.int32)
+    b1 = tl.load(win_ptr + base + 1, mask=m3, other=0).to(tl.int32)
+    sb = tl.load(wsc_ptr + rows[:, None] * (D // 32) + g[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    sc = (sb << 23).to(tl.float32, bitcast=True)[:, :, None]
+    k_e = tl.reshape(_e4m3_signed(b0) * sc, [BLOCK_N, D // 2])
+    k_o = tl.reshape(_e4m3_signed(b1) * sc, [BLOCK_N, D // 2])
+    return k_e, k_o
 
 
 @triton.jit
@@ -134,6 +192,17 @@ def _dot_in(x, DOT_BF16: tl.constexpr):
 
 
 @triton.jit
+def _q_in(q, DOT_BF16: tl.constexpr):
+    """The bf16 query as a dot operand: as loaded when compiled (so it can stay in shared memory
+    as wgmma's A operand instead of occupying registers), fp32 under the interpreters."""
+    if DOT_BF16:
+        y = q
+    else:
+        y = q.to(tl.float32)
+    return y
+
+
+@triton.jit
 def _to_bf16(x, NATIVE: tl.constexpr):
     """fp32 -> bf16 with round-to-nearest-even on every backend."""
     if NATIVE:  # compiled: the hardware cast rounds to nearest even
@@ -147,16 +216,22 @@ def _to_bf16(x, NATIVE: tl.constexpr):
 
 @triton.jit
 def _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok,
-           m_i, l_i, acc_e, acc_o, dv0, scale,
+           m_i, l_i, acc_e, acc_o, dv0, half, scale,
            D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-           BLOCK_DV: tl.constexpr, IS_GLOB: tl.constexpr, DOT_BF16: tl.constexpr):
+           BLOCK_DV: tl.constexpr, IS_GLOB: tl.constexpr, DOT_BF16: tl.constexpr, QK_T: tl.constexpr,
+           DV_HALF: tl.constexpr):
     if BLOCK_D == D and BLOCK_DV == D:
         # whole rows: decode once, use as K and as V
-        jd = tl.arange(0, D // 2)
-        k_e, k_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, 0, jd, D, IS_GLOB)
+        if IS_GLOB:
+            k_e, k_o = _glob_rows(gkv_ptr, gsc_ptr, rows, ok, D, BLOCK_N)
+        else:
+            k_e, k_o = _win_rows(win_ptr, wsc_ptr, rows, ok, D, BLOCK_N)
         v_e = _dot_in(k_e, DOT_BF16)
         v_o = _dot_in(k_o, DOT_BF16)
-        s = tl.dot(q_e, tl.trans(v_e)) + tl.dot(q_o, tl.trans(v_o))
+        if QK_T:  # entries as M: a full-width MMA when BLOCK_H is small next to BLOCK_N
+            s = tl.trans(tl.dot(v_o, tl.trans(q_o), tl.dot(v_e, tl.trans(q_e))))
+        else:
+            s = tl.dot(q_o, tl.trans(v_o), tl.dot(q_e, tl.trans(v_e)))
     else:
         jd = tl.arange(0, BLOCK_D // 2)
         s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
@@ -179,8 +254,14 @@ def _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows,
     pb = _to_bf16(p, DOT_BF16)  # probabilities rounded to bf16 (nearest even)
     if not DOT_BF16:
         pb = pb.to(tl.float32)
-    acc_e = acc_e * alpha[:, None] + tl.dot(pb, v_e)
-    acc_o = acc_o * alpha[:, None] + tl.dot(pb, v_o)
+    if DV_HALF:  # this tile owns one channel parity of the output: acc_e holds it, acc_o is unused
+        if half == 0:
+            acc_e = tl.dot(pb, v_e, acc_e * alpha[:, None])
+        else:
+            acc_e = tl.dot(pb, v_o, acc_e * alpha[:, None])
+    else:
+        acc_e = tl.dot(pb, v_e, acc_e * alpha[:, None])
+        acc_o = tl.dot(pb, v_o, acc_o * alpha[:, None])
     return m_new, l_i, acc_e, acc_o
 
 
@@ -190,7 +271,7 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, wmask_ptr, gkv_ptr, gsc_ptr, gi
                         H, S, K, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, num_programs, scale,
                         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT: tl.constexpr,
-                        DOT_BF16: tl.constexpr):
+                        DOT_BF16: tl.constexpr, QK_T: tl.constexpr, DV_HALF: tl.constexpr):
     pid = tl.program_id(0)
     hh = tl.arange(0, BLOCK_H)
     nn = tl.arange(0, BLOCK_N)
@@ -209,8 +290,8 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, wmask_ptr, gkv_ptr, gsc_ptr, gi
         dv0 = dvb * BLOCK_DV
         # q halves for the whole-row path (unused, and dropped, in the tiled path)
         qp = q_ptr + qrow[:, None] + 2 * jq[None, :]
-        q_e = _dot_in(tl.load(qp, mask=hok[:, None], other=0.0).to(tl.float32), DOT_BF16)
-        q_o = _dot_in(tl.load(qp + 1, mask=hok[:, None], other=0.0).to(tl.float32), DOT_BF16)
+        q_e = _q_in(tl.load(qp, mask=hok[:, None], other=0.0), DOT_BF16)
+        q_o = _q_in(tl.load(qp + 1, mask=hok[:, None], other=0.0), DOT_BF16)
         m_i = tl.full([BLOCK_H], RUNNING_MAX_INIT, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc_e = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
@@ -223,8 +304,8 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, wmask_ptr, gkv_ptr, gsc_ptr, gi
             inr = s_idx < S
             ok = inr & (tl.load(wmask_ptr + tq * S + s_idx, mask=inr, other=0) != 0)
             m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
-                                            s_idx.to(tl.int64), ok, m_i, l_i, acc_e, acc_o, dv0, scale,
-                                            D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, False, DOT_BF16)
+                                            s_idx.to(tl.int64), ok, m_i, l_i, acc_e, acc_o, dv0, dvb, scale,
+                                            D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, False, DOT_BF16, QK_T, DV_HALF)
         # global blocks
         for nb in range(tl.maximum(b_lo, n_wb), b_hi):
             k_idx = (nb - n_wb) * BLOCK_N + nn
@@ -233,14 +314,18 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, wmask_ptr, gkv_ptr, gsc_ptr, gi
             ok = idx >= 0
             rows = tl.maximum(idx, 0).to(tl.int64)
             m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
-                                            rows, ok, m_i, l_i, acc_e, acc_o, dv0, scale,
-                                            D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, True, DOT_BF16)
-        col = dv0 + 2 * jv
+                                            rows, ok, m_i, l_i, acc_e, acc_o, dv0, dvb, scale,
+                                            D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, True, DOT_BF16, QK_T, DV_HALF)
+        if DV_HALF:
+            col = 2 * jv + dvb  # channels of this tile's parity
+        else:
+            col = dv0 + 2 * jv
         if SPLIT:
             prow = ((tq * n_split + sp) * H + heads).to(tl.int64)
             pp = pacc_ptr + prow[:, None] * D + col[None, :]
             tl.store(pp, acc_e, mask=hok[:, None])
-            tl.store(pp + 1, acc_o, mask=hok[:, None])
+            if not DV_HALF:
+                tl.store(pp + 1, acc_o, mask=hok[:, None])
             first = hok & (dvb == 0)
             tl.store(pm_ptr + prow, m_i, mask=first)
             tl.store(pl_ptr + prow, l_i, mask=first)
@@ -249,7 +334,8 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, wmask_ptr, gkv_ptr, gsc_ptr, gi
             inv = 1.0 / (l_i + tl.exp(sk - m_i))
             op = out_ptr + qrow[:, None] + col[None, :]
             tl.store(op, _to_bf16(acc_e * inv[:, None], DOT_BF16), mask=hok[:, None])
-            tl.store(op + 1, _to_bf16(acc_o * inv[:, None], DOT_BF16), mask=hok[:, None])
+            if not DV_HALF:
+                tl.store(op + 1, _to_bf16(acc_o * inv[:, None], DOT_BF16), mask=hok[:, None])
 
 
 @triton.jit
@@ -303,7 +389,8 @@ def _pow2_at_least(n: int, lo: int) -> int:
 
 def sparse_attention_launch(q, win_kv, win_scale, win_mask, glob_kv, glob_scale, glob_idx, sink, softmax_scale,
                             *, BLOCK_H: int, BLOCK_N: int, BLOCK_D: int | None, BLOCK_DV: int | None,
-                            num_warps: int | None = None, min_blocks_per_split: int = 2,
+                            num_warps: int | None = None, num_stages: int | None = None, QK_T: bool = False,
+                            DV_HALF: bool = False, min_blocks_per_split: int = 2,
                             n_split: int | None = None) -> torch.Tensor:
     """`sparse_attention` with explicit tile sizes (tests and tuning); `n_split` forces the split count."""
     from .launch import grid_for, interpreting, num_workers
@@ -343,7 +430,8 @@ def sparse_attention_launch(q, win_kv, win_scale, win_mask, glob_kv, glob_scale,
     sk = sink.contiguous()
 
     n_hb = -(-h // block_h)
-    n_dv = d // block_dv
+    dv_half = bool(DV_HALF) and block_d == d and block_dv == d  # whole rows only
+    n_dv = 2 if dv_half else d // block_dv
     n_wb = -(-s // BLOCK_N)
     n_blocks = n_wb + -(-k // BLOCK_N)
     base_tiles = t * n_hb * n_dv
@@ -364,12 +452,15 @@ def sparse_attention_launch(q, win_kv, win_scale, win_mask, glob_kv, glob_scale,
         pacc = pm = pl = out
     n_tiles = base_tiles * n_split
     grid = grid_for(n_tiles, dev)
-    kw = {"num_warps": num_warps} if (num_warps and dev.type == "cuda") else {}
+    kw = {}
+    if dev.type == "cuda" and not interpreting():
+        kw = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v}
     dot_bf16 = not interpreting()  # interpreters: fp32 dot operands (same values), integer bf16 rounding
     _sparse_attn_kernel[(grid,)](qc, wk, ws, wm, gk, gs, gi, sk, out, pacc, pm, pl,
                                  h, s, k, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, grid,
                                  float(softmax_scale), D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
-                                 BLOCK_D=block_d, BLOCK_DV=block_dv, SPLIT=split, DOT_BF16=dot_bf16, **kw)
+                                 BLOCK_D=block_d, BLOCK_DV=block_dv, SPLIT=split, DOT_BF16=dot_bf16,
+                                 QK_T=bool(QK_T), DV_HALF=dv_half, **kw)
     if split:
         cb_h = _pow2_at_least(min(COMBINE_BLOCK_H, h), 1)
         cb_d = min(COMBINE_BLOCK_D, d)

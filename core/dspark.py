@@ -1,0 +1,244 @@
+"""DSpark: the speculative drafter of DeepSeek-V4.1-Flash (`mtp.0..2`, MODEL.md section 3).
+
+Structure (checkpoint names under `mtp.K.`):
+- every stage is a backbone `Block` of an SWA-only layer (`compress_ratios[L + K]` = 0: RoPE theta
+  10000 without YaRN, no compressor / indexer / Engram) whose MoE has `dspark_n_routed_experts`
+  routed experts, top `dspark_num_experts_per_tok`, and its own shared expert; the stages are
+  chained through single-pass mHC exactly like backbone layers;
+- stage 0 owns the feature fusion: at the inputs of the `dspark_target_layer_ids` layers the main
+  model's mHC streams are averaged, concatenated and mapped by `main_proj` + `main_norm`;
+- the last stage owns the final `norm`, the Markov head and the confidence head; logits come from
+  the backbone's shared `head`.
+
+Runtime (our reading where the spec is terse; each choice is one place to change):
+- Context. For every token the main model has processed, each stage writes a KV row computed
+  from the fused feature h = main_norm(main_proj(concat)) as it computes KV for its own input:
+  kv_norm(wkv(attn_norm(h))), RoPE at the token's position, FP8, into its own ring slot
+  pos % window. Only accepted tokens are ever written, so the drafter has nothing to roll back.
+- Draft block. Tokens [last token, noise x (B-1)] at positions start+1 .. start+B (`start` = the
+  last context position) run through the stages, non-causal inside the block, each query also
+  seeing the ring's context entries within its sliding window. Block rows are never written to
+  the ring. Row j's logits predict the token at start+2+j: B drafts per forward.
+- Markov head: a rank-r factorised bigram table, `embed` [V, r] and `head` [V, r]; draft j's
+  logits = base_j + head . embed[previous draft] (the previous draft of row 0 is the last token),
+  so drafts are chosen one after another (semi-autoregressive).
+- Confidence head: a raw logit per row from concat(hidden before the final norm, Markov
+  embedding of that row's previous token); sigmoid of it estimates the row's acceptance given
+  that every earlier draft was accepted. The head and the projection run in fp32.
+The draft step's shapes are static: always B rows, and the ring window it reads is a fixed
+window - 1 entries once the context holds that many tokens. Verification: `core/spec_decode.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..backends import ops
+from .cache import SWARing
+from .config import ConfigError, ModelConfig
+from .model import (
+    Block,
+    ForwardContext,
+    Linear,
+    RMSNorm,
+    _dense,
+    embed_rows,
+    rope_tables,
+)
+from .parallel import SINGLE, Group
+
+
+def dspark_problems(cfg: ModelConfig) -> list[str]:
+    """What makes `cfg`'s DSpark fields unusable (empty when fine or when there is no drafter)."""
+    n, L = cfg.num_nextn_predict_layers, cfg.num_hidden_layers
+    if n <= 0:
+        return []
+    p = []
+    bad = [i for i in cfg.dspark_target_layer_ids if not 0 <= i < L]
+    if not cfg.dspark_target_layer_ids or bad:
+        p.append(f"dspark_target_layer_ids {cfg.dspark_target_layer_ids} must name backbone layers 0..{L - 1}")
+    ratios = cfg.compress_ratios[L:L + n]
+    if any(r != 0 for r in ratios):
+        p.append(f"compress_ratios[{L}:{L + n}] = {ratios}: DSpark stages are SWA-only (ratio 0)")
+    if cfg.dspark_block_size < 2:
+        p.append(f"dspark_block_size must be >= 2, got {cfg.dspark_block_size}")
+    if cfg.dspark_block_size >= cfg.sliding_window:
+        p.append(f"dspark_block_size ({cfg.dspark_block_size}) must be below sliding_window ({cfg.sliding_window})")
+    if not 0 <= cfg.dspark_noise_token_id < cfg.vocab_size:
+        p.append(f"dspark_noise_token_id {cfg.dspark_noise_token_id} is outside the vocabulary")
+    if not 0 < cfg.dspark_num_experts_per_tok <= cfg.dspark_n_routed_experts:
+        p.append(f"dspark_num_experts_per_tok ({cfg.dspark_num_experts_per_tok}) must be in "
+                 f"1..dspark_n_routed_experts ({cfg.dspark_n_routed_experts})")
+    if cfg.dspark_markov_rank <= 0:
+        p.append(f"dspark_markov_rank must be > 0, got {cfg.dspark_markov_rank}")
+    return p
+
+
+class MarkovHead(nn.Module):
+    """Rank-r bigram logits: embed[previous token] . head^T, both factors [V, r] (bf16)."""
+
+    def __init__(self, vocab: int, rank: int, group: Group = SINGLE):
+        super().__init__()
+        self.group = group  # model parallel: both factors split by vocabulary rows
+        vocab = group.split(vocab, "vocab_size")
+        self.embed = Linear(rank, vocab, "bf16")  # weight [V, r]: the previous token's row
+        self.head = Linear(rank, vocab, "bf16")  # weight [V, r]: scored against every token
+
+    def forward(self, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Markov embeddings [n, r] bf16, additive logits [n, V] fp32) of previous tokens [n]."""
+        e = embed_rows(self.embed.weight, prev, self.group)
+        return e, self.group.all_gather(self.head(e, torch.float32), -1)
+
+
+class ConfidenceHead(nn.Module):
+    """Raw acceptance logit of a draft row from concat(hidden before the final norm, Markov
+    embedding); no bias, no sigmoid (the scheduler applies it). Promoted to fp32 at use."""
+
+    def __init__(self, dim: int, rank: int):
+        super().__init__()
+        self.proj = Linear(dim + rank, 1, "bf16")
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.cat((h, e), -1), torch.float32)[:, 0]
+
+
+class DSparkStage(Block):
+    """One drafter stage: an SWA-only backbone block with the DSpark MoE; stage 0 adds the
+    feature fusion, the last stage the final norm and the Markov / confidence heads."""
+
+    def __init__(self, cfg: ModelConfig, index: int, group: Group = SINGLE):
+        dcfg = cfg.replace(n_routed_experts=cfg.dspark_n_routed_experts,
+                           num_experts_per_tok=cfg.dspark_num_experts_per_tok)
+        super().__init__(dcfg, cfg.num_hidden_layers + index, None, group)
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        if index == 0:
+            self.main_proj = Linear(len(cfg.dspark_target_layer_ids) * d, d, _dense(cfg))
+            self.main_norm = RMSNorm(d, eps)
+        if index == cfg.num_nextn_predict_layers - 1:
+            self.norm = RMSNorm(d, eps)
+            self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank, group)
+            self.confidence_head = ConfidenceHead(d, cfg.dspark_markov_rank)
+
+
+def build_stages(cfg: ModelConfig, group: Group = SINGLE) -> nn.ModuleList | None:
+    """The `mtp` module list of a Transformer (None when the config has no drafter)."""
+    if cfg.num_nextn_predict_layers <= 0:
+        return None
+    problems = dspark_problems(cfg)
+    if problems:
+        raise ConfigError("invalid DSpark config:\n  - " + "\n  - ".join(problems))
+    return nn.ModuleList(DSparkStage(cfg, k, group) for k in range(cfg.num_nextn_predict_layers))
+
+
+# ---- runtime ----------------------------------------------------------------------------------
+
+@dataclass
+class DraftState:
+    """The drafter's per-sequence state: one FP8 SWA ring per stage (slot = pos % window) of
+    context KV. Shaped like `SequenceCache` where `Attention` reads it (`swa`, `swa_floor` keyed
+    by layer id) so the stages run through the backbone's own attention code."""
+
+    swa: dict[int, SWARing]
+    swa_floor: dict[int, int]
+    length: int = 0  # context positions written (0 .. length-1)
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, device: torch.device | str = "cpu") -> DraftState:
+        d, w, L = cfg.head_dim, cfg.sliding_window, cfg.num_hidden_layers
+        swa = {
+            L + k: SWARing(torch.zeros(w, d, dtype=torch.float8_e4m3fn, device=device),
+                           torch.full((w, d // 32), 127, dtype=torch.uint8, device=device).view(torch.float8_e8m0fnu))
+            for k in range(cfg.num_nextn_predict_layers)
+        }
+        return cls(swa=swa, swa_floor=dict.fromkeys(swa, 0))
+
+
+@dataclass
+class Draft:
+    """One draft block's output (B rows)."""
+
+    tokens: torch.Tensor  # [B] long: drafts for the B positions after the last token
+    logits: torch.Tensor  # [B, V] fp32: base + Markov logits each draft was chosen from
+    confidence: torch.Tensor  # [B] fp32 raw acceptance logits
+
+
+def target_features(ctx: ForwardContext, cfg: ModelConfig) -> torch.Tensor:
+    """Concatenated mean-over-streams features [T, n_targets * d] of the last forward's rows
+    (the decoder's rows: with CED prefill only the last window of the prompt)."""
+    feats = [ctx.features[i] for i in cfg.dspark_target_layer_ids]
+    t = min(f.shape[0] for f in feats)
+    return torch.cat([f[f.shape[0] - t:] for f in feats], -1)
+
+
+class DSpark:
+    """Runs the `mtp` stages of a `Transformer`: absorbs context features, drafts blocks."""
+
+    def __init__(self, model):
+        if getattr(model, "mtp", None) is None:
+            raise ValueError("this model has no DSpark drafter (num_nextn_predict_layers = 0)")
+        self.model, self.cfg = model, model.cfg
+        self.stages = list(model.mtp)
+        self.block_size = self.cfg.dspark_block_size
+        dev = model.embed.weight.device
+        self._noise = torch.full((self.block_size - 1,), self.cfg.dspark_noise_token_id, dtype=torch.long, device=dev)
+        self._pre = torch.zeros(self.block_size, self.cfg.hc_mult, dtype=torch.float32, device=dev)
+        self._pre[:, 0] = 1.0  # the first sublayer collapses with one-hot [1, 0, 0, 0]
+
+    def new_state(self) -> DraftState:
+        return DraftState.allocate(self.cfg, self.model.embed.weight.device)
+
+    @torch.no_grad()
+    def absorb(self, state: DraftState, feats: torch.Tensor, start: int) -> None:
+        """Write each stage's context KV of positions start .. start+T-1 from the main model's
+        target-layer features [T, n_targets * d] (the rows must continue the context)."""
+        t = feats.shape[0]
+        if t == 0:
+            return
+        if state.length == 0:  # first rows (e.g. after CED prefill): nothing older is valid
+            for k in state.swa_floor:
+                state.swa_floor[k] = start
+        elif start != state.length:
+            raise ValueError(f"drafter context must continue at position {state.length}, got {start}")
+        s0, pos = self.stages[0], torch.arange(start, start + t, device=feats.device)
+        h = s0.main_norm(s0.main_proj(feats))
+        for st in self.stages:
+            a = st.attn
+            cos, sin = rope_tables(a.inv_freq, pos)
+            kv8, kv_s = ops.fp8_quant(ops.rope(a.kv_norm(a.wkv(st.attn_norm(h))), cos, sin))
+            state.swa[a.layer_id].write(pos, kv8, kv_s)
+        state.length = start + t
+
+    @torch.no_grad()
+    def draft(self, state: DraftState, last_token: int, choose=None) -> Draft:
+        """Draft B tokens after `last_token` (at position state.length). `choose(row, logits)`
+        picks a token from fp32 logits [V] (default: argmax)."""
+        cfg, b, dev = self.cfg, self.block_size, self._noise.device
+        start = state.length
+        ids = torch.cat((torch.tensor([last_token], dtype=torch.long, device=dev), self._noise))
+        pos = torch.arange(start, start + b, device=dev)
+        x = self.model.embed_tokens(ids).unsqueeze(1).expand(b, cfg.hc_mult, cfg.hidden_size).contiguous()
+        ctx = ForwardContext(state, draft_block=True)
+        s = self.stages[0].enter(x, self._pre, None, None)
+        for k, st in enumerate(self.stages):
+            nxt = self.stages[k + 1] if k + 1 < len(self.stages) else None
+            s = st(s, pos, ctx, None, nxt)
+        last = self.stages[-1]
+        h = s.x_hat  # hidden before the final norm [B, d] bf16
+        base = self.model.lm_head(last.norm(h))
+        # Markov head: sequential over the block (each row's previous token is the row before's draft)
+        tokens, embeds, logits = [], [], []
+        prev = torch.tensor([last_token], dtype=torch.long, device=dev)
+        for j in range(b):
+            e, add = last.markov_head(prev)
+            lj = base[j] + add[0]
+            tok = int(torch.argmax(lj)) if choose is None else int(choose(j, lj))
+            tokens.append(tok)
+            embeds.append(e)
+            logits.append(lj)
+            prev = torch.tensor([tok], dtype=torch.long, device=dev)
+        conf = last.confidence_head(h, torch.cat(embeds))
+        return Draft(torch.tensor(tokens, dtype=torch.long, device=dev), torch.stack(logits), conf)
+

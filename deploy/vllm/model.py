@@ -1,0 +1,156 @@
+"""`Dsv41ForCausalLM`: DeepSeek-V4.1-Flash from `dsv41.core` as a vLLM model.
+
+vLLM schedules, batches, allocates and prefix-caches; this class runs `core.Transformer` over
+each scheduled request's chunk (raw token ids, so Engram hashes exactly as the reference does),
+with that request's caches gathered from vLLM's pages (`paged_cache.PagedCaches`) and written
+back after the chunk. Every op goes through `dsv41.backends.ops`, so the same class runs on CPU,
+CUDA and NPU tensors. Requests are computed one after another; each one's result equals the
+reference engine's (`dsv41 run --prefill exact`) token for token, because the reference is
+batch-invariant (chunked prefill == one pass == token-by-token decode).
+
+Configuration (`--additional-config '{"dsv41": {...}}'`):
+- `replay`: "window" (default: recompute `sliding_window` tokens after a prefix-cache hit,
+  approximate) or "exact" (`sliding_window * num_hidden_layers` tokens: the same tokens as a
+  cold run).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
+
+from ...core.config import ModelConfig
+from ...core.model import Transformer
+from ...core.weights import WeightError, materialize
+from ..names import hf_to_native
+from .paged_cache import PagedCaches
+
+REPLAY_MODES = ("window", "exact")
+
+
+def plugin_options(vllm_config: VllmConfig) -> dict:
+    """Our keys of `--additional-config` (under "dsv41"), validated."""
+    extra = (vllm_config.additional_config or {}).get("dsv41", {}) or {}
+    unknown = set(extra) - {"replay"}
+    if unknown:
+        raise ValueError(f"dsv41: unknown --additional-config keys {sorted(unknown)} (known: ['replay'])")
+    replay = extra.get("replay", "window")
+    if replay not in REPLAY_MODES:
+        raise ValueError(f"dsv41: additional_config replay must be one of {REPLAY_MODES}, got {replay!r}")
+    return {"replay": replay}
+
+
+def model_config_of(vllm_config: VllmConfig) -> ModelConfig:
+    """Our `ModelConfig`, read from the checkpoint's own config.json (vLLM's config object has
+    already been reshaped by its DeepSeek-V4.1 config class)."""
+    from ..checkpoint import read_config
+
+    return read_config(vllm_config.model_config.model)
+
+
+@contextmanager
+def fp32_default_dtype():
+    """vLLM builds and runs models under its activation dtype as torch's default; the core model
+    states every dtype it needs, and this keeps any default-typed tensor fp32 regardless."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class Dsv41ForCausalLM(nn.Module):
+    """vLLM model interface over `dsv41.core.model.Transformer`."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        cfg = model_config_of(vllm_config)
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        if tp != 1:
+            raise ValueError(f"dsv41 plugin: --tensor-parallel-size {tp} is not supported yet (use 1)")
+        self.cfg, self.options = cfg, plugin_options(vllm_config)
+        device = vllm_config.device_config.device
+        with fp32_default_dtype():
+            with torch.device("meta"):
+                model = Transformer(cfg)
+            self.model = materialize(model, device)
+        w, layers = cfg.sliding_window, cfg.num_hidden_layers
+        replay = w * layers if self.options["replay"] == "exact" else w
+        self.caches = PagedCaches(cfg, vllm_config, prefix or "dsv41", replay)
+        self.tokenizer_path = vllm_config.model_config.tokenizer
+
+    # -- vLLM model interface --
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Collapsed final streams [tokens, d] of every scheduled token (see `compute_logits`)."""
+        out = torch.zeros(input_ids.shape[0], self.cfg.hidden_size, dtype=torch.bfloat16, device=input_ids.device)
+        meta = get_forward_context().attn_metadata
+        if isinstance(meta, list):  # micro-batched: one dict per micro-batch (not used on CPU)
+            raise NotImplementedError("dsv41 plugin: micro-batching is not supported")
+        if not meta or self.caches.swa[0].prefix not in meta:
+            return out  # vLLM's profiling / warm-up run: no request, no cache to touch
+        first = meta[self.caches.swa[0].prefix]
+        qsl = first.query_start_loc.tolist()
+        with fp32_default_dtype():
+            self._run_requests(meta, qsl, first.num_reqs, input_ids, positions, out)
+        return out
+
+    def _run_requests(self, meta, qsl, num_reqs, input_ids, positions, out) -> None:
+        for i in range(num_reqs):
+            a, b = qsl[i], qsl[i + 1]
+            if b <= a:
+                continue
+            start = int(positions[a])
+            ids = input_ids[a:b].long()
+            cache = self.caches.load(meta, i, start, ids)
+            out[a:b] = self.model(ids, cache, return_hidden=True)
+            self.caches.store(meta, i, start, cache, input_ids[a:b])
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (native or Hugging Face names) into the model; one error lists
+        every unexpected, misshapen, wrongly typed or missing tensor."""
+        buffers = dict(self.model.named_buffers())
+        expected = set(self.model.state_dict())
+        loaded, problems = set(), []
+        for name, t in weights:
+            native = hf_to_native(name)
+            buf = buffers.get(native)
+            if buf is None or native not in expected:
+                problems.append(f"unexpected: {name}")
+            elif tuple(t.shape) != tuple(buf.shape):
+                problems.append(f"wrong shape: {name} is {list(t.shape)}, expected {list(buf.shape)}")
+            elif t.dtype != buf.dtype:
+                problems.append(f"wrong dtype: {name} is {t.dtype}, expected {buf.dtype}")
+            else:
+                with torch.no_grad():
+                    buf.copy_(t)
+                loaded.add(native)
+        problems += [f"missing: {k} (expected shape {list(buffers[k].shape)})" for k in sorted(expected - loaded)]
+        if problems:
+            raise WeightError(f"{len(problems)} problem(s) with the weights:\n  - " + "\n  - ".join(problems))
+        self._install_engram_vocab()
+        return {f"model.{k}" for k in loaded}
+
+    def _install_engram_vocab(self) -> None:
+        if not self.cfg.engram_layer_ids:
+            return
+        from ...core.engram import build_compression_map
+        from ..checkpoint import read_tokenizer
+
+        tok = read_tokenizer(self.tokenizer_path)
+        if tok is None:
+            raise ValueError(f"dsv41 plugin: Engram needs the checkpoint's tokenizer.json ({self.tokenizer_path})")
+        comp, n = build_compression_map(tok, vocab_size=self.cfg.vocab_size, pad_token_id=self.cfg.engram_pad_token_id)
+        self.model.set_engram_vocab(comp, n)
