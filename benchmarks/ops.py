@@ -7,7 +7,7 @@ eager per-call time is the last column), bytes moved (or FLOPs), achieved GB/s (
 ceiling measured in this same run (a device-to-device copy; a bf16 8192^3 matmul), speedup over
 torch, and the issue's target where one applies. Written to stdout and to --out (markdown).
 
-    python benchmarks/ops.py [--out benchmarks/RESULTS.md] [--quick]
+    python benchmarks/ops.py [--out benchmarks/RESULTS.md] [--quick] [--only fp4_quant,mhc_mix]
 """
 
 from __future__ import annotations
@@ -167,10 +167,12 @@ TARGETS = {
 }
 
 
-def run(quick: bool) -> tuple[str, list[dict]]:
+def run(quick: bool, only: set[str] | None = None) -> tuple[str, list[dict]]:
     copy_gbs, mm_tflops = ceilings()
     rows = []
     for c in cases(quick):
+        if only and c.op not in only:
+            continue
         ref = registry.resolve(c.op, "reference")[0]
         impl, used, why = registry.resolve(c.op, "cuda")
         with fp32_accumulation():
@@ -225,11 +227,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     ap.add_argument("--quick", action="store_true", help="skip the largest sizes")
+    ap.add_argument("--only", default=None, help="comma-separated ops to time (default: all)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/ops.py needs a CUDA device", file=sys.stderr)
         return 2
-    text, _ = run(a.quick)
+    text, _ = run(a.quick, set(a.only.split(",")) if a.only else None)
     print(text)
     if a.out:
         with open(a.out + ".tmp", "w") as f:

@@ -146,7 +146,82 @@ def sweep_engram(rows, copy):
                 print(rows[-1], flush=True)
 
 
-SWEEPS = {"sparse_attention": sweep_sparse_attention, "engram_lookup": sweep_engram}
+def sweep_fp4_quant(rows, copy):
+    from dsv41.npu_ops.triton import fp4_kv_store as fkv
+
+    m = 65536
+    x = torch.randn(m, D, device="cuda").to(torch.bfloat16)
+    rc, rs = quant.fp4_quant(x)
+    nbytes = m * D * 2 + m * (D // 2 + D // 16)
+    slots = torch.arange(m, device="cuda")
+    codes = torch.empty(m, D // 2, dtype=torch.uint8, device="cuda")
+    scales = torch.empty(m, D // 16, dtype=torch.float8_e4m3fn, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    variants = [  # (BLOCK_G, num_warps, word path, programs per SM; None: the launcher's default)
+        (256, 4, False, None), (256, 8, True, None), (256, 8, True, 6), (256, 8, True, 4), (256, 8, True, 32),
+        (128, 4, True, 16), (512, 8, True, 3),
+    ]
+    for bg, nw, words, per in variants:
+        def call(bg=bg, nw=nw, words=words, per=per):
+            fkv.fp4_kv_store(x, slots, codes, scales, block_g=bg, num_warps=nw, words=words,
+                             workers=per and per * sms)
+
+        codes.fill_(0xAA)
+        call()
+        exact = torch.equal(codes, rc) and torch.equal(scales.view(torch.uint8), rs.view(torch.uint8))
+        tg = time_graph(call)
+        te = time_eager(call)
+        rows.append(f"| fp4 BLOCK_G={bg} warps={nw} words={words} per_sm={per} | {m}x{D} bf16 | exact {exact} | "
+                    f"eager {te * 1e6:.1f} us | graph {tg * 1e6:.1f} us | {nbytes / tg / 1e9:.0f} GB/s "
+                    f"({100 * nbytes / tg / 1e9 / copy:.0f}%) |")
+        print(rows[-1], flush=True)
+
+
+def sweep_mhc_mix(rows, copy):
+    from dsv41.backends.reference.basic import fp32_accumulation
+    from dsv41.npu_ops.triton import mega_mhc as mm
+
+    n, dim = CFG.hc_mult, CFG.hidden_size
+    fn = torch.randn((2 + n) * n, n * dim, device="cuda") * (n * dim) ** -0.5
+    scale, base = torch.rand(3, device="cuda") + 0.5, torch.randn((2 + n) * n, device="cuda") * 0.5
+    ref_fn = registry.resolve("mhc_mix", "reference")[0]
+    variants = [  # (block_t, block_d, num_warps, num_stages, d_split; None: the launcher's rule)
+        (16, 64, 4, 2, None), (16, 64, 4, 3, None), (16, 64, 4, 2, 16), (16, 128, 4, 2, None), (32, 64, 4, 2, None),
+    ]
+    for t in (64, 4096):
+        x = torch.randn(t, n, dim, device="cuda").to(torch.bfloat16)
+        y = torch.randn(t, dim, device="cuda").to(torch.bfloat16)
+        post = torch.rand(t, n, device="cuda") * 2
+        comb = torch.softmax(torch.randn(t, n, n, device="cuda"), -1)
+        pre = torch.rand(t, n, device="cuda")
+        args = (x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, CFG.hc_sinkhorn_iters)
+        want = ref_fn(*args)  # the fp64-accumulating oracle
+        with fp32_accumulation():  # the unfused torch sequence the kernel replaces
+            t_ref = time_eager(lambda args=args: ref_fn(*args), iters=5)
+        nbytes = t * (2 * n + 2) * dim * 2 + fn.numel() * 4
+        for bt, bd, nw, ns, ds in variants:
+            def call(args=args, bt=bt, bd=bd, nw=nw, ns=ns, ds=ds):
+                return mm.mhc_mix(*args, block_t=bt, block_d=bd, num_warps=nw, num_stages=ns, d_split=ds)
+
+            name = f"mhc T={bt} D={bd} w={nw} s={ns} split={ds}"
+            try:
+                got = call()
+                frac = (got[0] != want[0]).float().mean().item()
+                err = max((a - b).abs().max().item() for a, b in zip(got[2], want[2]))
+                te = time_eager(call)
+                tg = time_graph(call)
+            except Exception as e:  # noqa: BLE001  (a variant that does not compile is a row, not a crash)
+                rows.append(f"| {name} | T={t} | failed: {type(e).__name__}: {str(e)[:80]} |")
+                print(rows[-1], flush=True)
+                continue
+            rows.append(f"| {name} | T={t} | x_new differ {frac:.1e}, coef err {err:.1e} | eager {te * 1e6:.1f} us | "
+                        f"graph {tg * 1e6:.1f} us | {nbytes / tg / 1e9:.0f} GB/s ({100 * nbytes / tg / 1e9 / copy:.0f}%) | "
+                        f"torch {t_ref * 1e6:.0f} us, {t_ref / te:.1f}x eager |")
+            print(rows[-1], flush=True)
+
+
+SWEEPS = {"sparse_attention": sweep_sparse_attention, "engram_lookup": sweep_engram, "fp4_quant": sweep_fp4_quant,
+          "mhc_mix": sweep_mhc_mix}
 
 
 def main() -> int:

@@ -557,7 +557,8 @@ class Transformer(nn.Module):
         chunk index `decoder_from` on (its SWA window truncated there).
 
         image_embeds [n, d] replace the embeddings of the chunk's n `image_token_id` positions, in
-        order (first chunk only); without it those positions keep their token embedding."""
+        order (the reference passes whole spans with the first chunk; a chunk may also start inside a
+        span); without it those positions keep their token embedding."""
         cfg = self.cfg
         start = cache.length
         self.check_ids(ids, start)

@@ -192,11 +192,10 @@ def encode_images(model, images: list[torch.Tensor]) -> torch.Tensor:
 
 
 def check_image_embeds(cfg, is_image: torch.Tensor, image_embeds: torch.Tensor, start: int) -> None:
-    """Image embeddings come with the first prefill chunk only, one row per image position."""
+    """One row per image position of the chunk. The chunk may start anywhere (`start`): the
+    reference engine passes whole spans with the first chunk, while a serving engine's chunked
+    prefill or prefix-cache replay can begin inside or after a span."""
     n = int(is_image.sum())
-    if start != 0:
-        raise ValueError(f"image embeddings must come with the first prefill chunk (position 0), got a chunk "
-                         f"starting at {start}: every image span must fit the first chunk")
     if image_embeds.dim() != 2 or image_embeds.shape != (n, cfg.hidden_size):
         raise ValueError(f"the chunk has {n} image-token positions, so image_embeds must be [{n}, "
                          f"{cfg.hidden_size}], got {list(image_embeds.shape)}")

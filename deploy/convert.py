@@ -339,6 +339,26 @@ def plan(cfg, tensors: list[SrcTensor], mp: int, expert_dtype: str, engram_dtype
     return units
 
 
+def shard_of(cfg, native: str, t: torch.Tensor, rank: int, mp: int) -> torch.Tensor | None:
+    """Rank `rank`'s piece of one full tensor under the same rules as `plan` (for loaders that
+    receive whole tensors, e.g. the vLLM plugin under tensor parallelism); None when the rank
+    holds none of it (another rank's routed expert)."""
+    if mp == 1:
+        return t
+    m = _EXPERT.match(native)
+    if m:
+        total = {"layers": cfg.n_routed_experts, "mtp": cfg.dspark_n_routed_experts}[m.group(1)]
+        return t if int(m.group(3)) // (total // mp) == rank else None
+    if _ENGRAM.match(native):
+        c = -(-t.shape[0] // mp)
+        return t[min(t.shape[0], rank * c):min(t.shape[0], (rank + 1) * c)]
+    for rx, dim in ((_DIM0, 0), (_DIM1, 1)):
+        if rx.match(native):
+            n = _split_shape(tuple(t.shape), dim, mp, native)[dim]
+            return t.narrow(dim, rank * n, n)
+    return t
+
+
 # ---- writer -------------------------------------------------------------------------------
 
 class ShardWriter:

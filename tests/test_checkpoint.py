@@ -286,3 +286,13 @@ def test_load_errors_are_typed(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(preset("tiny").to_hf_dict()))
     with pytest.raises(WeightError, match=r"no \*\.safetensors"):
         load_checkpoint(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_loads_onto_cuda_bit_exactly(ckpt):
+    """Loading straight onto the GPU gives the same bytes as loading on the CPU."""
+    _, cpu_model, _ = load_checkpoint(ckpt, "cpu")
+    _, gpu_model, _ = load_checkpoint(ckpt, "cuda")
+    assert all(t.is_cuda for t in gpu_model.state_dict().values())
+    assert same_state(cpu_model.state_dict(), {k: v.cpu() for k, v in gpu_model.state_dict().items()})

@@ -73,8 +73,10 @@ def check(dev, inputs, with_fn: bool):
     for a, b, c in zip(got[2], own, want[2]):
         assert a.shape == b.shape and a.dtype == b.dtype == torch.float32
         # on devices the dot products run on tensor cores (three exact bf16 x bf16 parts of
-        # fn, accumulated in hardware fp32, whose rounding is coarser than IEEE fp32)
-        torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-6 if dev == "cpu" else 5e-5)
+        # fn, accumulated in hardware fp32, whose rounding is coarser than IEEE fp32) in d
+        # chunks summed afterwards; measured on the H200 at d = 5120 over 24 fresh inputs: up to
+        # 1.1e-4 beyond rtol 1e-5 (Sinkhorn's 20 rounds amplify the logits' error), hence 2e-4
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-6 if dev == "cpu" else 2e-4)
         torch.testing.assert_close(a.cpu(), c, rtol=1e-3, atol=1e-3)
     c = got[2][2].cpu().double()
     # doubly stochastic: columns exactly (the last step), rows up to Sinkhorn's convergence

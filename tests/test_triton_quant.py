@@ -141,6 +141,24 @@ def test_fp4_quant_edges(dev):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+def test_fp4_quant_bf16_word_path(dev, rng):
+    """bf16 rows go through the two-channels-per-word encoder: bit-exact with the reference on
+    E4M3 / E2M1 boundaries (exact in bf16), -0.0, fp32-subnormal values, zero groups and random
+    rows."""
+    edges = torch.cat([e4m3_boundary_rows(), mx_edge_rows().reshape(-1, 16)])
+    x = torch.cat([edges, random_rows(rng, 8, 512).reshape(-1, 16)]).to(torch.bfloat16)
+    x[::7, 5] = -0.0
+    x = x[torch.randperm(x.shape[0], generator=rng)]
+    assert fkv._words(x) is not None  # the fast path is the one under test
+    rc, rs = quant.fp4_quant(x)
+    codes = torch.zeros(x.shape[0], 8, dtype=torch.uint8, device=dev)
+    scales = torch.zeros(x.shape[0], 1, dtype=torch.float8_e4m3fn, device=dev)
+    fkv.fp4_kv_store(x.to(dev), torch.arange(x.shape[0], device=dev), codes, scales)
+    assert_bits_equal(codes, rc)
+    assert_bits_equal(scales, rs)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
 def test_fp4_kv_store_scatter(dev, dtype, slot_dtype, rng):

@@ -36,7 +36,7 @@ from dsv41.core.vision import (
 from dsv41.core.weights import build_model
 from PIL import Image
 
-from tests._util import rand_prompt
+from _util import rand_prompt
 
 
 def _png(path, w, h, gen):
@@ -339,15 +339,21 @@ def test_engram_gate_is_zero_on_image_positions(vmodel, tiny_cfg, rng):
     assert _rel(got[n:], base[n:]) > 1e-3  # text after it does use Engram
 
 
-def test_image_embeds_must_fit_first_chunk(vmodel, tiny_cfg, rng):
+def test_image_embeds_count_and_chunks_inside_a_span(vmodel, tiny_cfg, rng):
     ids, emb, n = _image_first_prompt(vmodel, tiny_cfg, rng)
     cache = SequenceCache.allocate(tiny_cfg, len(ids) + 4, "cpu")
     with pytest.raises(ValueError, match=f"{n} image-token positions"):
         vmodel(torch.tensor(ids), cache, image_embeds=emb[:-1])
     assert cache.length == 0 and not cache.tokens  # rejected before the cache changed
-    vmodel(torch.tensor([tiny_cfg.bos_token_id, 7]), cache)
-    with pytest.raises(ValueError, match="first prefill chunk"):
-        vmodel(torch.tensor(ids), cache, image_embeds=emb)
+    # a serving engine's chunks may start after position 0 and cut a span: same result as one pass
+    ids = [tiny_cfg.bos_token_id, 7] + ids
+    whole = vmodel(torch.tensor(ids), SequenceCache.allocate(tiny_cfg, len(ids), "cpu"), image_embeds=emb)
+    k = 2 + n // 2
+    cache = SequenceCache.allocate(tiny_cfg, len(ids), "cpu")
+    vmodel(torch.tensor(ids[:2]), cache)
+    vmodel(torch.tensor(ids[2:k]), cache, image_embeds=emb[:k - 2])
+    split = vmodel(torch.tensor(ids[k:]), cache, image_embeds=emb[k - 2:])
+    assert torch.equal(split, whole)
 
 
 def test_engine_images_bypass_prefix_cache(vmodel, tiny_cfg, rng):

@@ -9,15 +9,7 @@ exact`) on the same checkpoint.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -25,53 +17,11 @@ import torch
 
 pytest.importorskip("vllm")
 
-from dsv41.core.config import preset  # noqa: E402
-from dsv41.core.engine import Engine, SamplingParams  # noqa: E402
-from dsv41.core.tokenizer import CHAT_TEMPLATE  # noqa: E402
-from dsv41.deploy.checkpoint import load_checkpoint, make_checkpoint  # noqa: E402
-
-MAX_LEN = 256
-STARTUP_S = 600
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, base: str, proc: subprocess.Popen, log_path: str):
-        self.base, self.proc, self.log_path = base, proc, log_path
-
-    def request(self, path: str, body: dict | bytes | None = None, timeout: float = 120):
-        """(status, parsed JSON or text) of a GET (body None) or POST."""
-        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base + path, data=data, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                raw, status = r.read().decode(), r.status
-        except urllib.error.HTTPError as e:
-            raw, status = e.read().decode(), e.code
-        try:
-            return status, json.loads(raw)
-        except json.JSONDecodeError:
-            return status, raw
-
-    def stream(self, path: str, body: dict) -> list[dict]:
-        req = urllib.request.Request(self.base + path, data=json.dumps({**body, "stream": True}).encode(),
-                                     headers={"Content-Type": "application/json"})
-        events = []
-        with urllib.request.urlopen(req, timeout=120) as r:
-            for line in r:
-                line = line.decode().strip()
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    events.append(json.loads(line[6:]))
-        return events
-
-    def log_tail(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()[-4000:]
+from _vllm import MAX_LEN, running_server
+from dsv41.core.config import preset
+from dsv41.core.engine import Engine, SamplingParams
+from dsv41.core.tokenizer import CHAT_TEMPLATE
+from dsv41.deploy.checkpoint import load_checkpoint, make_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -94,38 +44,9 @@ def reference(ckpt):
 
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
-    port = _free_port()
-    log_path = str(tmp_path_factory.mktemp("log") / "server.log")
-    cmd = [sys.executable, "-m", "dsv41.deploy.cli", "serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
-           "--enforce-eager", "--block-size", "8", "--max-model-len", str(MAX_LEN), "--enable-prefix-caching",
-           "--gpu-memory-utilization", "0.2", "--served-model-name", "tiny",
-           "--additional-config", json.dumps({"dsv41": {"replay": "exact"}})]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    srv = Server(f"http://127.0.0.1:{port}", proc, log_path)
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited with status {proc.returncode}:\n{srv.log_tail()}")
-            try:
-                if srv.request("/health", timeout=5)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"the server was not healthy after {STARTUP_S} s:\n{srv.log_tail()}")
-            time.sleep(2)
+    with running_server(ckpt, tmp_path_factory.mktemp("log") / "server.log",
+                        ["--additional-config", json.dumps({"dsv41": {"replay": "exact"}})]) as srv:
         yield srv
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
 
 
 def _prompt(rng, n: int) -> list[int]:
@@ -193,7 +114,7 @@ def test_concurrent_requests_do_not_cross_talk(server, rng):
 def _prefix_hits(server) -> float:
     status, text = server.request("/metrics")
     assert status == 200
-    m = re.findall(r"^vllm:prefix_cache_hits(?:_total)?\{[^}]*\} ([0-9.e+]+)$", text, re.M)
+    m = re.findall(r"^vllm:prefix_cache_hits(?:_total)?\{[^}]*\} ([0-9.e+]+)$", text, re.MULTILINE)
     assert m, "no prefix-cache metric"
     return sum(float(x) for x in m)
 
@@ -221,5 +142,117 @@ def test_bad_requests_are_400_and_server_survives(server, rng):
     assert 400 <= status < 500 and "reasoning_effort" in json.dumps(body), body
     status, body = server.request("/v1/completions", b"{not json")
     assert 400 <= status < 500, body
+    ids = _prompt(rng, 6)
+    assert len(_complete(server, ids, 3)["token_ids"]) == 3  # still serving
+
+
+def _png_data_url(rng, w: int, h: int) -> tuple[str, bytes]:
+    """A random RGB PNG (Pillow) as a data URL, and its bytes."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    pixels = torch.randint(0, 256, (h, w, 3), generator=rng, dtype=torch.uint8).numpy()
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    raw = buf.getvalue()
+    return "data:image/png;base64," + base64.b64encode(raw).decode(), raw
+
+
+def _image_chat(url: str, text: str, system: str | None = None) -> list[dict]:
+    msgs = [{"role": "system", "content": system}] if system else []
+    return msgs + [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                {"type": "text", "text": text}]}]
+
+
+def _chat_tokens(server, messages, n):
+    status, body = server.request("/v1/chat/completions", {
+        "model": "tiny", "messages": messages, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True})
+    assert status == 200, body
+    return body
+
+
+def test_chat_with_image_equals_reference(server, ckpt, rng):
+    from dsv41.core.messages import encode_messages
+
+    cfg, model, tok = load_checkpoint(ckpt)
+    engine = Engine(model, prefill_mode="exact")
+    p = SamplingParams(max_new_tokens=12)
+
+    def expected(messages):
+        # vLLM writes a message's image placeholders first, then its text, joined with "\n"
+        ours = []
+        for m in messages:
+            if isinstance(m["content"], list):
+                images = [q for q in m["content"] if q["type"] == "image_url"]
+                text = "\n".join(q["text"] for q in m["content"] if q["type"] == "text")
+                parts = [x for q in images for x in (q, {"type": "text", "text": "\n"})][:-1]
+                m = dict(m, content=parts + [{"type": "text", "text": "\n" + text}])
+            ours.append(m)
+        return encode_messages(tok, cfg, ours)
+
+    url, _ = _png_data_url(rng, 61, 45)
+    msgs = _image_chat(url, "What is in this picture?")
+    want = expected(msgs)
+    assert want.image_tokens[0] > 4 and cfg.image_token_id in want.ids  # a real grid, not a 1-cell image
+    got = _chat_tokens(server, msgs, 12)
+    assert got["usage"]["prompt_tokens"] == len(want.ids)
+    if got.get("prompt_token_ids") is not None:
+        assert got["prompt_token_ids"] == want.ids
+    ref = engine.generate(want.ids, p, images=want.images).token_ids
+    assert got["choices"][0]["token_ids"] == ref
+    assert engine.generate(want.ids, p).token_ids != ref  # the image rows matter (not the token rows)
+
+    # two images of different sizes in one message: spans and rows in order
+    url2, _ = _png_data_url(rng, 20, 90)
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "image_url", "image_url": {"url": url2}},
+                                         {"type": "text", "text": "Which one is taller?"}]}]
+    want = expected(msgs)
+    assert len(want.images) == 2 and want.image_tokens[0] != want.image_tokens[1]
+    got = _chat_tokens(server, msgs, 12)
+    assert got["usage"]["prompt_tokens"] == len(want.ids)
+    assert got["choices"][0]["token_ids"] == engine.generate(want.ids, p, images=want.images).token_ids
+
+    # Twice the same long prompt whose image span holds the second request's replay start (prefix
+    # hit of H tokens, rewound by the replay length): a chunk that starts inside the span.
+    replay, block = cfg.sliding_window * cfg.num_hidden_layers, 8
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "small", "birds", "sing"]
+    system = " ".join(words[int(k)] for k in torch.randint(0, len(words), (10,), generator=rng))
+    text = "Describe it"
+    for _ in range(400):
+        msgs = _image_chat(url, text, system)
+        want = expected(msgs)
+        first = want.ids.index(cfg.image_token_id)
+        start = (len(want.ids) - 1) // block * block - replay
+        if first < start < first + want.image_tokens[0]:
+            break
+        text += " " + words[int(torch.randint(0, len(words), (1,), generator=rng))]
+    else:
+        pytest.fail("could not place the replay start inside the image span")
+    assert len(want.ids) + 12 <= MAX_LEN
+    ref = engine.generate(want.ids, p, images=want.images).token_ids
+    before = _prefix_hits(server)
+    one = _chat_tokens(server, msgs, 12)["choices"][0]["token_ids"]
+    mid = _prefix_hits(server)
+    two = _chat_tokens(server, msgs, 12)["choices"][0]["token_ids"]
+    assert _prefix_hits(server) - mid >= replay, f"no prefix-cache hit ({before} -> {mid})"
+    assert one == two == ref
+
+
+def test_corrupt_image_is_400_and_server_survives(server, rng):
+    import base64
+
+    _, raw = _png_data_url(rng, 30, 30)
+    truncated = "data:image/png;base64," + base64.b64encode(raw[: len(raw) // 2]).decode()
+    not_image = "data:image/png;base64," + base64.b64encode(b"not an image").decode()
+    for bad in (truncated, not_image):
+        status, body = server.request("/v1/chat/completions", {
+            "model": "tiny", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": bad}},
+                                                      {"type": "text", "text": "hi"}]}]})
+        assert 400 <= status < 500 and "image" in json.dumps(body).lower(), (status, body)
     ids = _prompt(rng, 6)
     assert len(_complete(server, ids, 3)["token_ids"]) == 3  # still serving

@@ -8,6 +8,11 @@ CUDA and NPU tensors. Requests are computed one after another; each one's result
 reference engine's (`dsv41 run --prefill exact`) token for token, because the reference is
 batch-invariant (chunked prefill == one pass == token-by-token decode).
 
+Images (`multimodal.py`): vLLM's processor expands each image token to the image's span;
+`embed_multimodal` runs the vision tower once per image (vLLM caches the output by image hash);
+`embed_input_ids` scatters a step's image rows into `inputs_embeds`, and each chunk's rows at
+its image positions reach the core model as `image_embeds`, wherever the chunk starts.
+
 Configuration (`--additional-config '{"dsv41": {...}}'`):
 - `replay`: "window" (default: recompute `sliding_window` tokens after a prefix-cache hit,
   approximate) or "exact" (`sliding_window * num_hidden_layers` tokens: the same tokens as a
@@ -23,11 +28,23 @@ import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
+from vllm.model_executor.models.interfaces import SupportsMultiModal
+from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from ...core.config import ModelConfig
 from ...core.model import Transformer
+from ...core.parallel import SINGLE, Group, TorchGroup
 from ...core.weights import WeightError, materialize
+from ..convert import shard_of
 from ..names import hf_to_native
+from .layers import PagedLayer
+from .multimodal import (
+    IMAGE_PLACEHOLDER,
+    Dsv41DummyInputsBuilder,
+    Dsv41MultiModalProcessor,
+    Dsv41ProcessingInfo,
+    split_pixels,
+)
 from .paged_cache import PagedCaches
 
 REPLAY_MODES = ("window", "exact")
@@ -65,29 +82,69 @@ def fp32_default_dtype():
         torch.set_default_dtype(old)
 
 
-class Dsv41ForCausalLM(nn.Module):
+def tensor_parallel_group(vllm_config: VllmConfig) -> Group:
+    """Our model-parallel group backed by vLLM's tensor-parallel group: heads, index heads and
+    vocabulary split across it, routed experts in contiguous ranges per rank (so expert
+    parallelism within the TP group comes with it), Engram rows in ceil(rows/tp) pieces.
+    Collectives run on vLLM's device group (gloo on CPU, NCCL / HCCL on devices)."""
+    if vllm_config.parallel_config.tensor_parallel_size == 1:
+        return SINGLE
+    from vllm.distributed import get_tp_group
+
+    return TorchGroup(get_tp_group().device_group)
+
+
+@MULTIMODAL_REGISTRY.register_processor(Dsv41MultiModalProcessor, info=Dsv41ProcessingInfo,
+                                        dummy_inputs=Dsv41DummyInputsBuilder)
+class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
     """vLLM model interface over `dsv41.core.model.Transformer`."""
+
+    # Engram hashes the raw ids, so vLLM passes them along with the merged embeddings.
+    requires_raw_input_tokens = True
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         cfg = model_config_of(vllm_config)
-        tp = vllm_config.parallel_config.tensor_parallel_size
-        if tp != 1:
-            raise ValueError(f"dsv41 plugin: --tensor-parallel-size {tp} is not supported yet (use 1)")
         self.cfg, self.options = cfg, plugin_options(vllm_config)
+        self.group = tensor_parallel_group(vllm_config)
         device = vllm_config.device_config.device
         with fp32_default_dtype():
             with torch.device("meta"):
-                model = Transformer(cfg)
+                model = Transformer(cfg, self.group)
             self.model = materialize(model, device)
         w, layers = cfg.sliding_window, cfg.num_hidden_layers
         replay = w * layers if self.options["replay"] == "exact" else w
-        self.caches = PagedCaches(cfg, vllm_config, prefix or "dsv41", replay)
+        self.caches = PagedCaches(cfg, vllm_config.cache_config.block_size, prefix or "dsv41", replay, PagedLayer)
         self.tokenizer_path = vllm_config.model_config.tokenizer
 
     # -- vLLM model interface --
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
+    @classmethod
+    def get_placeholder_str(cls, modality: str, i: int) -> str | None:
+        if modality == "image":
+            return IMAGE_PLACEHOLDER
+        raise ValueError(f"dsv41: unsupported modality {modality!r} (images only)")
+
+    def embed_multimodal(self, pixel_values: torch.Tensor, image_hw: torch.Tensor, **kwargs) -> list[torch.Tensor]:
+        """The span embeddings [n_i, d] of each image (the vision tower runs once per image;
+        vLLM keeps the result in its encoder cache, keyed by the image's hash)."""
+        from ...core.vision import encode_image
+
+        with fp32_default_dtype(), torch.no_grad():
+            return [encode_image(self.model, p.float()) for p in split_pixels(pixel_values, image_hw)]
+
+    def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings=None, *,
+                        is_multimodal: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings with the image rows of this step scattered into their positions."""
+        x = self.model.embed_tokens(input_ids)
+        if multimodal_embeddings is None or len(multimodal_embeddings) == 0 or is_multimodal is None:
+            return x
+        rows = torch.cat(list(multimodal_embeddings)).to(device=x.device, dtype=x.dtype)
+        mask = is_multimodal.to(x.device)
+        if int(mask.sum()) != rows.shape[0]:
+            raise ValueError(f"dsv41: {rows.shape[0]} image rows for {int(mask.sum())} image positions")
+        x = x.clone()
+        x[mask] = rows
+        return x
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
@@ -101,18 +158,23 @@ class Dsv41ForCausalLM(nn.Module):
         first = meta[self.caches.swa[0].prefix]
         qsl = first.query_start_loc.tolist()
         with fp32_default_dtype():
-            self._run_requests(meta, qsl, first.num_reqs, input_ids, positions, out)
+            self._run_requests(meta, qsl, first.num_reqs, input_ids, positions, out, inputs_embeds)
         return out
 
-    def _run_requests(self, meta, qsl, num_reqs, input_ids, positions, out) -> None:
+    def _run_requests(self, meta, qsl, num_reqs, input_ids, positions, out, inputs_embeds=None) -> None:
+        """One request after another; a chunk's image positions take their rows of
+        `inputs_embeds` (vLLM's merge of the encoder output) as `image_embeds`."""
         for i in range(num_reqs):
             a, b = qsl[i], qsl[i + 1]
             if b <= a:
                 continue
             start = int(positions[a])
             ids = input_ids[a:b].long()
-            cache = self.caches.load(meta, i, start, ids)
-            out[a:b] = self.model(ids, cache, return_hidden=True)
+            is_image, image_embeds = self.model.image_mask(ids), None
+            if inputs_embeds is not None and bool(is_image.any()):
+                image_embeds = inputs_embeds[a:b][is_image]
+            cache = self.caches.load(meta, i, start, ids, image_embeds, is_image)
+            out[a:b] = self.model(ids, cache, return_hidden=True, image_embeds=image_embeds)
             self.caches.store(meta, i, start, cache, input_ids[a:b])
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -124,8 +186,13 @@ class Dsv41ForCausalLM(nn.Module):
         buffers = dict(self.model.named_buffers())
         expected = set(self.model.state_dict())
         loaded, problems = set(), []
+        group = self.group
         for name, t in weights:
             native = hf_to_native(name)
+            if group.world_size > 1:  # vLLM hands every rank whole tensors: keep this rank's piece
+                t = shard_of(self.cfg, native, t, group.rank, group.world_size)
+                if t is None:
+                    continue  # another rank's routed expert
             buf = buffers.get(native)
             if buf is None or native not in expected:
                 problems.append(f"unexpected: {name}")

@@ -1,7 +1,8 @@
 """Our caches as vLLM's block manager sees them, and the adapter between vLLM's pages and the
 per-sequence `SequenceCache` that `dsv41.core` computes with.
 
-Cache layers (one `AttentionLayerBase` each, so vLLM allocates, frees and prefix-caches them):
+Cache layers (vLLM `AttentionLayerBase`s (`layers.PagedLayer`), so vLLM allocates,
+frees and prefix-caches them; this module itself needs no vLLM, so it is tested on any device):
 - `GlobalKVCacheLayer` per KV-source layer: one record per `ratio` tokens (`tokens_per_state`),
   prefix-cacheable. Record = E2M1 latent (D/2 B) + E4M3 scales (D/16) + MXFP4 indexer key
   (Di/2) + E8M0 key scales (Di/32) + the `ratio` token ids of the group (int32; Engram hashing
@@ -25,17 +26,15 @@ model that costs memory, not correctness (see the README's vLLM section).
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowMLASpec
 
 from ...core.cache import SequenceCache
 from ...core.config import ModelConfig
-from .backend import Dsv41PagedBackend
 
 NULL_BLOCK = 0  # vLLM's null block: never holds a request's data
 
@@ -67,7 +66,7 @@ class SWARecord:
 
     @property
     def fields(self) -> list[tuple[str, int]]:
-        return [("q", self.d), ("scale", self.d // 32), ("pos1", 4), ("token", 4),
+        return [("q", self.d), ("scale", self.d // 32), ("pos1", 4), ("token", 4), ("digest", 8),
                 ("carry", 8 * self.d if self.carry else 0)]
 
     @property
@@ -83,14 +82,23 @@ def _split(raw: torch.Tensor, fields) -> dict[str, torch.Tensor]:
     return out
 
 
-def chain_hash(prev: bytes, group_tokens: list[int]) -> bytes:
-    """8-byte hash of a global entry's whole token prefix: the previous entry's hash + this
-    entry's token ids (like vLLM's block hashes, per entry). A record whose stored hash equals
-    ours was computed for the same prefix, so its value is ours too (the model is causal)."""
-    import hashlib
+def chain_hash(prev: bytes, group_digests: list[bytes]) -> bytes:
+    """8-byte hash of a global entry's whole input prefix: the previous entry's hash + the
+    content digests of this entry's positions (like vLLM's block hashes, per entry). A record
+    whose stored hash equals ours was computed for the same inputs, so its value is ours too
+    (the model is causal)."""
+    return hashlib.blake2b(prev + b"".join(group_digests), digest_size=8).digest()
 
-    return hashlib.blake2b(prev + torch.tensor(group_tokens, dtype=torch.int32).numpy().tobytes(),
-                           digest_size=8).digest()
+
+def content_digests(ids: torch.Tensor, is_image: torch.Tensor, image_rows: torch.Tensor | None) -> list[bytes]:
+    """Per position, 8 bytes naming what the model saw there: the token id, or for an image
+    position its embedding row (image tokens share one id, so the id alone would let two
+    different images of one size look alike)."""
+    out, rows = [], iter(image_rows.cpu().contiguous().view(torch.uint8) if image_rows is not None else ())
+    for tok, img in zip(ids.tolist(), is_image.tolist()):
+        data = b"i" + next(rows).numpy().tobytes() if img and image_rows is not None else b"t%d" % tok
+        out.append(hashlib.blake2b(data, digest_size=8).digest())
+    return out
 
 
 def _as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -102,41 +110,39 @@ def _i32_bytes(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.int32).contiguous().view(torch.uint8).view(x.shape[0], -1)
 
 
-class PagedLayer(nn.Module, AttentionLayerBase):
-    """A cache owner registered in vLLM's forward context under `prefix`."""
+def pages(layer, size: int) -> torch.Tensor:
+    """[num_blocks, states per block, size] uint8 view of a cache layer's pages (its `kv_cache`:
+    vLLM binds [blocks, heads=1, states, bytes])."""
+    kv = layer.kv_cache
+    if kv.dim() == 4:
+        kv = kv[:, 0]
+    return kv.view(torch.uint8)[..., :size]
 
-    def __init__(self, prefix: str, spec: KVCacheSpec):
-        super().__init__()
-        self.prefix, self.spec = prefix, spec
-        self.kv_cache = torch.tensor([])
-        ctx = get_current_vllm_config().compilation_config.static_forward_context
-        if prefix in ctx:
-            raise ValueError(f"duplicate cache layer name: {prefix}")
-        ctx[prefix] = self
 
-    def get_attn_backend(self):
-        return Dsv41PagedBackend
+@dataclass(frozen=True)
+class LayerRequest:
+    """What a cache layer must be: `kind` "global" (one record per `ratio` tokens, prefix
+    cacheable) or "swa" (one record per token, sliding window of `window` tokens, never prefix
+    cached, replayed after a hit); every page padded to `page_bytes`."""
 
-    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        return self.spec
-
-    def pages(self, size: int) -> torch.Tensor:
-        """[num_blocks, states per block, size] uint8 view of this layer's pages."""
-        kv = self.kv_cache
-        if kv.dim() == 4:  # vLLM's [blocks, heads=1, states, bytes] view
-            kv = kv[:, 0]
-        return kv.view(torch.uint8)[..., :size]
+    prefix: str
+    kind: str
+    record_bytes: int
+    ratio: int
+    block_size: int
+    window: int
+    page_bytes: int
 
 
 class PagedCaches(nn.Module):
     """The cache layers of one model and the gather / scatter between pages and a
     `SequenceCache` for one request's chunk."""
 
-    def __init__(self, cfg: ModelConfig, vllm_config: VllmConfig, prefix: str, replay_tokens: int):
+    def __init__(self, cfg: ModelConfig, block_size: int, prefix: str, replay_tokens: int,
+                 make_layer: Callable[[LayerRequest], nn.Module]):
         super().__init__()
         self.cfg = cfg
-        bs = vllm_config.cache_config.block_size
-        self.block_size = bs
+        bs = self.block_size = block_size
         ratios = sorted({cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids})
         problems = [f"the block size ({bs}) must be a multiple of every compress ratio ({ratios})"
                     for r in ratios if bs % r][:1]
@@ -149,15 +155,11 @@ class PagedCaches(nn.Module):
         self.glob_rec = {r: GlobalRecord(d, di, r) for r in ratios}
         self.swa_rec = SWARecord(d, carry=any(r > 1 for r in ratios))
         page = max([bs * self.swa_rec.size] + [bs // r * g.size for r, g in self.glob_rec.items()])
-        common = dict(block_size=bs, num_kv_heads=1, dtype=torch.uint8, head_size_v=0, page_size_padded=page)
         self.glob = nn.ModuleDict({
-            str(s): PagedLayer(f"{prefix}.global_kv.{s}", FullAttentionSpec(
-                head_size=self.glob_rec[cfg.compress_ratios[s]].size,
-                tokens_per_state=cfg.compress_ratios[s], **common))
-            for s in cfg.kv_source_layer_ids})
+            str(s): make_layer(LayerRequest(f"{prefix}.global_kv.{s}", "global", self.glob_rec[r].size, r, bs, 0, page))
+            for s in cfg.kv_source_layer_ids for r in [cfg.compress_ratios[s]]})
         self.swa = nn.ModuleList(
-            PagedLayer(f"{prefix}.swa.{i}", SlidingWindowMLASpec(
-                head_size=self.swa_rec.size, sliding_window=replay_tokens, bounded_replay=True, **common))
+            make_layer(LayerRequest(f"{prefix}.swa.{i}", "swa", self.swa_rec.size, 1, bs, replay_tokens, page))
             for i in range(cfg.num_hidden_layers))
         self.page_bytes = page
 
@@ -166,7 +168,8 @@ class PagedCaches(nn.Module):
         bs = self.block_size
         return row[torch.div(token_pos, bs, rounding_mode="floor")].long(), torch.remainder(token_pos, bs) // ratio
 
-    def load(self, meta: dict, i: int, start: int, ids: torch.Tensor) -> SequenceCache:
+    def load(self, meta: dict, i: int, start: int, ids: torch.Tensor, image_rows: torch.Tensor | None = None,
+             is_image: torch.Tensor | None = None) -> SequenceCache:
         """A `SequenceCache` holding request i's state before position `start`, with room up to
         `end`: global entries and token ids from the global pages, window entries, the carried
         compressor rows and the window floor from the SWA pages."""
@@ -175,13 +178,16 @@ class PagedCaches(nn.Module):
         cache = SequenceCache.allocate(cfg, end, device)
         cache.length = start
         loaded = cache.paged_loaded = {}  # source -> entries present in the pages before the chunk
+        if is_image is None:
+            is_image = torch.zeros_like(ids, dtype=torch.bool)
+        digests = cache.paged_digests = content_digests(ids, is_image, image_rows)  # the chunk's positions
         for s, layer in self.glob.items():
             s = int(s)
             g, r = cache.glob[s], cfg.compress_ratios[s]
-            n_old = start // r + self._cached_entries(meta, layer, i, start, ids, r)
+            n_old = start // r + self._cached_entries(meta, layer, i, start, digests, r)
             if n_old:
                 blk, st = self._where(self._row(meta, layer, i), torch.arange(n_old, device=device) * r, r)
-                f = _split(layer.pages(self.glob_rec[r].size)[blk, st], self.glob_rec[r].fields)
+                f = _split(pages(layer, self.glob_rec[r].size)[blk, st], self.glob_rec[r].fields)
                 g.kv_codes[:n_old] = f["kv_codes"]
                 g.kv_scale.view(torch.uint8)[:n_old] = f["kv_scale"]
                 g.key_codes[:n_old] = f["key_codes"]
@@ -230,13 +236,13 @@ class PagedCaches(nn.Module):
                 blk, st = self._where(self._row(meta, layer, i), j * r, r)
                 tok = tokens[(j * r).unsqueeze(1) + torch.arange(r, device=device)]
                 h, chain = self._chain_before(meta, layer, i, n_old, r), []
-                for group in tok.tolist():
-                    h = chain_hash(h, group)
+                for jj in j.tolist():
+                    h = chain_hash(h, [self._digest(meta, i, p, start, cache) for p in range(jj * r, (jj + 1) * r)])
                     chain.append(torch.frombuffer(bytearray(h), dtype=torch.uint8))
                 rec = torch.cat((g.kv_codes[n_old:g.n], g.kv_scale[n_old:g.n].view(torch.uint8),
                                  g.key_codes[n_old:g.n], g.key_scale[n_old:g.n].view(torch.uint8),
                                  _i32_bytes(tok), torch.stack(chain).to(device)), 1)
-                layer.pages(self.glob_rec[r].size)[blk, st] = rec
+                pages(layer, self.glob_rec[r].size)[blk, st] = rec
         pos = torch.arange(max(start, end - w), end, device=device)
         for li, layer in enumerate(self.swa):
             ring = cache.swa[li]
@@ -248,10 +254,12 @@ class PagedCaches(nn.Module):
                 m = g.carry_kv.shape[0]
                 rows = torch.stack((g.carry_kv, g.carry_score), 1).contiguous().view(torch.uint8).view(m, -1)
                 carry[-m:] = rows
+            dig = torch.tensor([list(cache.paged_digests[p - start]) for p in pos.tolist()], dtype=torch.uint8,
+                               device=device).view(-1, 8)
             rec = torch.cat((ring.q.view(torch.uint8)[slots], ring.scale.view(torch.uint8)[slots],
-                             _i32_bytes(pos + 1), _i32_bytes(tokens[pos]), carry), 1)
+                             _i32_bytes(pos + 1), _i32_bytes(tokens[pos]), dig, carry), 1)
             blk, st = self._where(self._row(meta, layer, i), pos, 1)
-            layer.pages(self.swa_rec.size)[blk, st] = rec
+            pages(layer, self.swa_rec.size)[blk, st] = rec
 
     # -- helpers --
     def _chain_before(self, meta, layer, i: int, n: int, r: int) -> bytes:
@@ -259,35 +267,45 @@ class PagedCaches(nn.Module):
         if n == 0:
             return bytes(8)
         blk, st = self._where(self._row(meta, layer, i), torch.tensor([(n - 1) * r]), r)
-        rec = _split(layer.pages(self.glob_rec[r].size)[blk, st], self.glob_rec[r].fields)
+        rec = _split(pages(layer, self.glob_rec[r].size)[blk, st], self.glob_rec[r].fields)
         return bytes(rec["chain"][0].tolist())
 
-    def _cached_entries(self, meta, layer, i: int, start: int, ids: torch.Tensor, r: int) -> int:
+    def _digest(self, meta, i: int, p: int, start: int, cache: SequenceCache) -> bytes:
+        """Content digest of position p: this chunk's, or (the first position of a ratio-2 group
+        begun in the previous chunk) the one stored in layer 0's window record."""
+        if p >= start:
+            return cache.paged_digests[p - start]
+        f, valid = self._swa_records(meta, self.swa[0], i, torch.tensor([p]))
+        if not bool(valid.all()):
+            raise RuntimeError(f"the content digest of position {p} is missing from the window pages")
+        return bytes(f["digest"][0].tolist())
+
+    def _cached_entries(self, meta, layer, i: int, start: int, digests: list[bytes], r: int) -> int:
         """How many entries from `start` on are already in the pages for this very prefix: after
         a prefix hit of H tokens vLLM rewinds to H - R to replay the window, while the global
         entries of [H - R, H) sit in the hit's cached blocks (checked by chain hash)."""
         if start % r or start == 0:
             return 0  # replay starts are block-aligned and follow a hit
         h, n = self._chain_before(meta, layer, i, start // r, r), 0
-        row, toks = self._row(meta, layer, i), ids.tolist()
+        row = self._row(meta, layer, i)
         size = self.glob_rec[r].size
-        for j in range(start // r, (start + len(toks)) // r):
+        for j in range(start // r, (start + len(digests)) // r):
             blk, st = self._where(row, torch.tensor([j * r]), r)
             if int(blk) == NULL_BLOCK:
                 break
-            h = chain_hash(h, toks[j * r - start:(j + 1) * r - start])
-            stored = _split(layer.pages(size)[blk, st], self.glob_rec[r].fields)["chain"][0]
+            h = chain_hash(h, digests[j * r - start:(j + 1) * r - start])
+            stored = _split(pages(layer, size)[blk, st], self.glob_rec[r].fields)["chain"][0]
             if bytes(stored.tolist()) != h:
                 break
             n += 1
         return n
 
-    def _row(self, meta: dict, layer: PagedLayer, i: int) -> torch.Tensor:
+    def _row(self, meta: dict, layer, i: int) -> torch.Tensor:
         return meta[layer.prefix].block_table[i]
 
     def _swa_records(self, meta, layer, i, pos):
         blk, st = self._where(self._row(meta, layer, i), pos, 1)
-        f = _split(layer.pages(self.swa_rec.size)[blk, st], self.swa_rec.fields)
+        f = _split(pages(layer, self.swa_rec.size)[blk, st], self.swa_rec.fields)
         pos1 = _as(f["pos1"], torch.int32).view(-1)
         valid = (blk != NULL_BLOCK) & (pos1 == pos.to(torch.int32) + 1)
         return f, valid
@@ -307,10 +325,11 @@ class PagedCaches(nn.Module):
         r = cfg.compress_ratios[int(first)]
         layer = self.glob[first]
         blk, st = self._where(self._row(meta, layer, i), pos - torch.remainder(pos, r), r)
-        g = _split(layer.pages(self.glob_rec[r].size)[blk, st], self.glob_rec[r].fields)
+        g = _split(pages(layer, self.glob_rec[r].size)[blk, st], self.glob_rec[r].fields)
         from_glob = _as(g["token_ids"], torch.int32).view(-1, r)
         from_glob = from_glob.gather(1, torch.remainder(pos, r).unsqueeze(1)).view(-1)
-        in_glob = pos < start // r * r  # complete groups are in the (possibly prefix-cached) global pages
+        # complete groups are in the (possibly prefix-cached) global pages
+        in_glob = (pos < start // r * r) & (blk != NULL_BLOCK)
         if not bool((valid | in_glob).all()):
             raise RuntimeError(f"token ids before position {start} are missing from the caches")
         out[lo:] = torch.where(valid, got, from_glob)

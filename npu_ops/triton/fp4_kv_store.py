@@ -17,6 +17,16 @@ How the kernel stays exact with integer/fp32 ops only (no division, no fp8 arith
   significant bits), and equivalent to comparing the correctly rounded quotient with the
   midpoint (the quotient's rounding can never land on or cross a midpoint), so no division.
 Tiles: BLOCK_G groups x 8 channel pairs (even / odd channels loaded separately and packed).
+
+bf16 rows take a faster path (`_encode_words`): each group is read as 8 int32 words of two bf16
+(16-byte loads instead of one 2-byte load per element) and encoded two channels per integer op
+(SWAR on 16-bit lanes). It is the same function: every threshold mid * s has <= 7 significant
+bits, so it is a bf16 value, and for non-negative bf16 values comparing the 15-bit magnitudes as
+integers is comparing the values; a lane computes 0x8000 + |x| - T, whose bit 15 is |x| >= T
+(T + 1 for the strict comparisons), with no borrow into the other lane. The seven comparisons
+become a three-level binary search (1.75; 0.75 / 3.5; 0.25 / 1.25 / 2.5 / 5), since each level
+uses one kind of comparison (>= on levels 1-2, > on level 3). -0.0 keeps a zero sign bit, as
+`x < 0` does in the reference.
 """
 
 from __future__ import annotations
@@ -29,7 +39,12 @@ from ...backends.reference import quant
 from .fp4_common import e2m1_code, e4m3_value, fp4_scale_code
 
 GROUP = 16
-BLOCK_G = 256  # groups per tile: 2 x (256 x 8) fp32 live values (H200 sweep: 32 -> 342 GB/s, 256 -> 528 GB/s)
+# (BLOCK_G groups per tile, num_warps) per backend. Ascend / interpreter: a tile is 256 x 16
+# values (16 KB fp32), far inside half the 192 KB unified buffer. CUDA: from the H200 sweep
+# (benchmarks/sweep_kernels.py --only fp4_quant, 65536 x 512 bf16, graph time): word path
+# 128/4 44.3 us, 256/4 44.6, 256/8 40.5, 512/8 40.8, 512/4 42.8, 1024/8 42.5; the per-channel
+# path (256/4) 66.7 us.
+TILES = {"cuda": (256, 8), "default": (256, 4)}
 
 
 def fp4_kv_store_ref(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
@@ -42,8 +57,45 @@ def fp4_kv_store_ref(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, 
 
 
 @triton.jit
-def _fp4_kv_store_kernel(x_ptr, slot_ptr, code_ptr, scale_ptr, n_groups, groups_per_row,
-                         n_tiles, num_programs, BLOCK_G: tl.constexpr):
+def _lane_bits(d):
+    """Bit 15 of each 16-bit lane of d, moved to bit 0 of the lane (0 or 1 per lane)."""
+    return (d >> 15) & 0x00010001
+
+
+@triton.jit
+def _lane_const(t, STRICT: tl.constexpr):
+    """Per-group threshold t (fp32, a bf16 value) -> int32 word adding 0x8000 - T to each lane,
+    so that bit 15 of a lane of |w| + word is |x| >= t (|x| > t when STRICT)."""
+    k = 0x8000 - (t.to(tl.int32, bitcast=True) >> 16) - STRICT
+    return k | (k << 16)
+
+
+@triton.jit
+def _pick(m, a, b):
+    """Lane-wise select: a where the lane mask m is all ones, else b."""
+    return b ^ ((a ^ b) & m)
+
+
+@triton.jit
+def _encode_words(w, s):
+    """w int32 [G, 8] words of two bf16 (low half = even channel), s [G, 1] E4M3 scale values ->
+    [G, 8] bytes (even channel's E2M1 code in the low nibble), exactly `e2m1_code` per channel."""
+    mag = w & 0x7FFF7FFF
+    b2 = _lane_bits(mag + _lane_const(1.75 * s, 0))
+    m2 = b2 * 0xFFFF
+    b1 = _lane_bits(mag + _pick(m2, _lane_const(3.5 * s, 0), _lane_const(0.75 * s, 0)))
+    m1 = b1 * 0xFFFF
+    hi = _pick(m1, _lane_const(5.0 * s, 1), _lane_const(2.5 * s, 1))
+    lo = _pick(m1, _lane_const(1.25 * s, 1), _lane_const(0.25 * s, 1))
+    b0 = _lane_bits(mag + _pick(m2, hi, lo))
+    nonzero = _lane_bits(mag + 0x7FFF7FFF)
+    nib = (b2 << 2) | (b1 << 1) | b0 | ((w >> 12) & (nonzero << 3))
+    return ((nib | (nib >> 12)) & 0xFF).to(tl.uint8)
+
+
+@triton.jit
+def _fp4_kv_store_kernel(x_ptr, slot_ptr, code_ptr, scale_ptr, n_groups, n_tiles, num_programs,
+                         groups_per_row: tl.constexpr, BLOCK_G: tl.constexpr, BF16_WORDS: tl.constexpr):
     pid = tl.program_id(0)
     j = tl.arange(0, 8)
     for t in range(pid, n_tiles, num_programs):
@@ -53,24 +105,40 @@ def _fp4_kv_store_kernel(x_ptr, slot_ptr, code_ptr, scale_ptr, n_groups, groups_
         slot = tl.load(slot_ptr + row, mask=g < n_groups, other=-1).to(tl.int64)
         gmask = (g < n_groups) & (slot >= 0)
         mask = gmask[:, None]
-        base = g.to(tl.int64)[:, None] * 16 + 2 * j[None, :]
-        x0 = tl.load(x_ptr + base, mask=mask, other=0.0).to(tl.float32)      # even channels
-        x1 = tl.load(x_ptr + base + 1, mask=mask, other=0.0).to(tl.float32)  # odd channels
-        amax = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
-        c = fp4_scale_code(amax)
-        s = e4m3_value(c)[:, None]
-        c0 = e2m1_code(x0, s)
-        c1 = e2m1_code(x1, s)
-        byte = (c0 | (c1 << 4)).to(tl.uint8)
+        if BF16_WORDS:  # x_ptr: int32 words, two bf16 channels each
+            w = tl.load(x_ptr + g.to(tl.int64)[:, None] * 8 + j[None, :], mask=mask, other=0)
+            top = tl.max(tl.maximum(w & 0x7FFF, (w >> 16) & 0x7FFF), axis=1)  # |x| bits, max
+            c = fp4_scale_code((top << 16).to(tl.float32, bitcast=True))
+            byte = _encode_words(w, e4m3_value(c)[:, None])
+        else:
+            base = g.to(tl.int64)[:, None] * 16 + 2 * j[None, :]
+            x0 = tl.load(x_ptr + base, mask=mask, other=0.0).to(tl.float32)      # even channels
+            x1 = tl.load(x_ptr + base + 1, mask=mask, other=0.0).to(tl.float32)  # odd channels
+            amax = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
+            c = fp4_scale_code(amax)
+            s = e4m3_value(c)[:, None]
+            c0 = e2m1_code(x0, s)
+            c1 = e2m1_code(x1, s)
+            byte = (c0 | (c1 << 4)).to(tl.uint8)
         out_row = slot * groups_per_row + gi
         tl.store(code_ptr + out_row[:, None] * 8 + j[None, :], byte, mask=mask)
         tl.store(scale_ptr + out_row, c.to(tl.uint8), mask=gmask)
 
 
-def fp4_kv_store(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+def _words(x: torch.Tensor) -> torch.Tensor | None:
+    """Contiguous bf16 rows as int32 words of two channels, or None (other dtypes, odd offset)."""
+    if x.dtype != torch.bfloat16 or x.storage_offset() % 2:
+        return None
+    return x.view(torch.int32)
+
+
+def fp4_kv_store(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *,
+                 block_g: int | None = None, num_warps: int | None = None, words: bool | None = None,
+                 workers: int | None = None) -> None:
     """Quantise rows x [M, D] to FP4 and write them to codes[slots] ([S, D/2] uint8) and
-    scales[slots] ([S, D/16] float8_e4m3fn or uint8), in place. Requires triton."""
-    from .launch import grid_for
+    scales[slots] ([S, D/16] float8_e4m3fn or uint8), in place. Requires triton. The keyword-only
+    arguments are for tuning (tile table and the bf16 word path by default)."""
+    from .launch import grid_for, interpreting
 
     if x.dim() != 2 or x.shape[1] % GROUP:
         raise ValueError(f"x must be [M, D] with D a multiple of {GROUP}, got {tuple(x.shape)}")
@@ -85,10 +153,15 @@ def fp4_kv_store(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scal
     n_groups = m * d // GROUP
     if n_groups == 0:
         return
-    n_tiles = -(-n_groups // BLOCK_G)
-    grid = grid_for(n_tiles, x.device)
-    _fp4_kv_store_kernel[(grid,)](x.contiguous(), slots.contiguous(), cv, sv, n_groups, d // GROUP,
-                                  n_tiles, grid, BLOCK_G=BLOCK_G)
+    bg, nw = TILES["cuda"] if x.device.type == "cuda" and not interpreting() else TILES["default"]
+    bg, nw = block_g or bg, num_warps or nw
+    x = x.contiguous()
+    xw = _words(x) if words is not False else None
+    n_tiles = -(-n_groups // bg)
+    grid = min(n_tiles, workers) if workers else grid_for(n_tiles, x.device)
+    kw = {} if interpreting() else {"num_warps": nw}
+    _fp4_kv_store_kernel[(grid,)](x if xw is None else xw, slots.contiguous(), cv, sv, n_groups, n_tiles, grid,
+                                  groups_per_row=d // GROUP, BLOCK_G=bg, BF16_WORDS=xw is not None, **kw)
 
 
 def fp4_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

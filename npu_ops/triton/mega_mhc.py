@@ -7,16 +7,19 @@ when `fn` is given, the next sublayer's coefficients come out of the same pass:
 m = (fn . x_new_flat) * rsqrt(mean(x_new_flat^2) + norm_eps), then the sigmoids and the
 Sinkhorn normalisation of the 4x4 comb in registers. Activation traffic: (2n + 2) d elements.
 
-Tiles: BLOCK_T tokens x the whole d (walked in BLOCK_D slices inside the program), so every
-slice of the fp32 weight fn [24, n*d] is read once per BLOCK_T tokens (from L2; loaded
-row-major [32, BLOCK_D] and transposed in registers). The 24 dot products run as tl.dot
-[BLOCK_T, BLOCK_D] x [BLOCK_D, 32]: on devices, x_new (exact in bf16) times fn split into three
-bf16 parts (hi + mid + lo == fn exactly), each dot from a zero accumulator and the partials
-added in fp32, so the products are exact and only the summation order differs from the
-reference's fp64 `mm`; under the interpreter (bf16 arithmetic is unreliable there) and for
-non-bf16 streams an fp32 "ieee" dot. The per-slice partial dot products are summed across
-slices with Kahan compensation (the running m grows well past one slice's share); the sum of
-squares accumulates elementwise in fp32 and reduces once at the end.
+Work items: BLOCK_T tokens x one chunk of d (a whole number of BLOCK_D slices; a token tile is
+cut into enough chunks to occupy the device), so every slice of the fp32 weight fn [24, n*d] is
+read once per BLOCK_T tokens (from L2; loaded row-major [32, BLOCK_D] and transposed in
+registers). The 24 dot products run as tl.dot [BLOCK_T, BLOCK_D] x [BLOCK_D, 32]: on devices,
+x_new (exact in bf16) times fn split into three bf16 parts (hi + mid + lo == fn exactly), each
+dot from a zero accumulator and the partials added in fp32, so the products are exact and only
+the summation order differs from the reference's fp64 `mm`; under the interpreter (bf16
+arithmetic is unreliable there) and for non-bf16 streams an fp32 "ieee" dot. Within a chunk the
+per-slice partial dot products are summed with Kahan compensation (the running m grows well
+past one slice's share) and the sum of squares elementwise in fp32; each chunk writes its m, its
+Kahan residue and its sum of squares ([chunks, T, 65] fp32, written and read back: 4% of the
+activation bytes at 8 chunks, more for the few-token calls that get more chunks), and a small second kernel (`_mhc_coef_kernel`) adds them in chunk order, again
+compensated, before the sigmoids and Sinkhorn. Activations are still read and written once.
 """
 
 from __future__ import annotations
@@ -29,9 +32,18 @@ from ...backends.reference.mhc import mhc_mix as mhc_mix_ref  # noqa: F401  (the
 
 N_STREAMS = 4
 N_MIX = (2 + N_STREAMS) * N_STREAMS  # 24 coefficients per token
-BLOCK_T = 16  # tokens per tile (tl.dot needs M >= 16)
-BLOCK_D = 128  # d slice per inner step
-NUM_WARPS = 4
+# Tiles per backend: BLOCK_T tokens (tl.dot needs M >= 16) x BLOCK_D columns per inner step,
+# and d_split, the least number of d chunks a token tile is cut into (separate work items, so that
+# T = 1..4096 still gives enough programs; 1 chunk per tile left a 4096-token call with 256
+# programs, each walking 40 slices back to back). Ascend / interpreter: 16 x 128 fp32 tiles
+# (8 KB each, ~12 live) stay well inside half the 192 KB unified buffer. CUDA: from the H200
+# sweep (benchmarks/sweep_kernels.py --only mhc_mix, T=4096, d=5120, graph time): BLOCK_D 64,
+# 4 warps, 2 stages, 8 chunks 547 us; 1 stage 753 us; BLOCK_D 32 972 us; 8 warps 1330-1375 us
+# (4 / 8 / 16 chunks); the single-chunk kernel before it (BLOCK_D 128, 3 stages) 1519 us.
+TILES = {
+    "cuda": {"block_t": 16, "block_d": 64, "num_warps": 4, "num_stages": 2, "d_split": 8},
+    "default": {"block_t": 16, "block_d": 128, "num_warps": 4, "num_stages": 1, "d_split": 2},
+}
 
 
 @triton.jit
@@ -98,8 +110,8 @@ def _fn_dot(xn, fn_ptr, fn_off, fn_mask, SPLIT: tl.constexpr):
 
 @triton.jit
 def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr, base_ptr,
-                    xnew_ptr, xhat_ptr, opre_ptr, opost_ptr, ocomb_ptr,
-                    T, D, norm_eps, hc_eps, iters, n_tiles, num_programs,
+                    xnew_ptr, xhat_ptr, part_ptr, pcomp_ptr, pss_ptr,
+                    T, D, chunk, n_chunks, n_items, num_programs,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_FN: tl.constexpr,
                     SPLIT: tl.constexpr, OUT_BF16: tl.constexpr):
     pid = tl.program_id(0)
@@ -107,7 +119,9 @@ def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr
     kk = tl.arange(0, 32)
     kmask = kk < 24
     out_ty = xnew_ptr.dtype.element_ty
-    for tile in range(pid, n_tiles, num_programs):
+    for item in range(pid, n_items, num_programs):
+        tile = item // n_chunks
+        ck = item - tile * n_chunks  # which d chunk of this token tile
         tok = tile * BLOCK_T + tl.arange(0, BLOCK_T)
         tm = tok < T
         t4 = tok * 4
@@ -142,7 +156,7 @@ def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr
         acc = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
         comp = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
         ss = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
+        for d0 in range(ck * chunk, tl.minimum(ck * chunk + chunk, D), BLOCK_D):
             cols = d0 + dt
             cm = cols < D
             m2 = tm[:, None] & cm[None, :]
@@ -175,64 +189,100 @@ def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr
                 tk = acc + yk
                 comp = (tk - acc) - yk
                 acc = tk
-        if HAS_FN:
-            inv = tl.math.rsqrt(tl.sum(ss, axis=1) / (4 * D) + norm_eps)
-            base = tl.load(base_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
-            s0 = tl.load(scale_ptr + 0).to(tl.float32)
-            s1 = tl.load(scale_ptr + 1).to(tl.float32)
-            s2 = tl.load(scale_ptr + 2).to(tl.float32)
-            sel = tl.where(kk < 4, s0, tl.where(kk < 8, s1, s2))
-            z = (acc * inv[:, None]) * sel[None, :] + base[None, :]  # scale * m + base
-            sg = 1.0 / (1.0 + tl.exp(-z))
-            tl.store(opre_ptr + t4[:, None] + kk[None, :], sg + hc_eps,
-                     mask=tm[:, None] & (kk[None, :] < 4))
-            tl.store(opost_ptr + t4[:, None] + kk[None, :] - 4, 2.0 * sg,
-                     mask=tm[:, None] & (kk[None, :] >= 4) & (kk[None, :] < 8))
-            a00, a01, a02, a03 = _softmax4(_col(z, kk, 8), _col(z, kk, 9), _col(z, kk, 10), _col(z, kk, 11), hc_eps)
-            a10, a11, a12, a13 = _softmax4(_col(z, kk, 12), _col(z, kk, 13), _col(z, kk, 14), _col(z, kk, 15), hc_eps)
-            a20, a21, a22, a23 = _softmax4(_col(z, kk, 16), _col(z, kk, 17), _col(z, kk, 18), _col(z, kk, 19), hc_eps)
-            a30, a31, a32, a33 = _softmax4(_col(z, kk, 20), _col(z, kk, 21), _col(z, kk, 22), _col(z, kk, 23), hc_eps)
+        if HAS_FN:  # this chunk's share of m (with its Kahan residue) and of the sum of squares
+            po = (ck * T + tok.to(tl.int64))[:, None] * 32 + kk[None, :]
+            tl.store(part_ptr + po, acc, mask=tm[:, None])
+            tl.store(pcomp_ptr + po, comp, mask=tm[:, None])
+            tl.store(pss_ptr + ck * T + tok, tl.sum(ss, axis=1), mask=tm)
+
+
+@triton.jit
+def _kahan(acc, comp, v):
+    """One step of Kahan summation: (acc, comp) + v."""
+    yk = v - comp
+    tk = acc + yk
+    return tk, (tk - acc) - yk
+
+
+@triton.jit
+def _mhc_coef_kernel(part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
+                     T, D, n_chunks, norm_eps, hc_eps, iters, n_tiles, num_programs, BLOCK_T: tl.constexpr):
+    """The coefficient epilogue: sums the per-chunk partial dot products (compensated, in chunk
+    order) and sums of squares, then the sigmoids and the Sinkhorn normalisation in registers."""
+    pid = tl.program_id(0)
+    kk = tl.arange(0, 32)
+    kmask = kk < 24
+    for tile in range(pid, n_tiles, num_programs):
+        tok = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        tm = tok < T
+        t4 = tok * 4
+        t16 = tok * 16
+        acc = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
+        comp = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
+        ssum = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for ck in range(n_chunks):
+            po = (ck * T + tok.to(tl.int64))[:, None] * 32 + kk[None, :]
+            acc, comp = _kahan(acc, comp, tl.load(part_ptr + po, mask=tm[:, None], other=0.0))
+            acc, comp = _kahan(acc, comp, -tl.load(pcomp_ptr + po, mask=tm[:, None], other=0.0))
+            ssum += tl.load(pss_ptr + ck * T + tok, mask=tm, other=0.0)
+        acc = acc - comp
+        inv = tl.math.rsqrt(ssum / (4 * D) + norm_eps)
+        base = tl.load(base_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+        s0 = tl.load(scale_ptr + 0).to(tl.float32)
+        s1 = tl.load(scale_ptr + 1).to(tl.float32)
+        s2 = tl.load(scale_ptr + 2).to(tl.float32)
+        sel = tl.where(kk < 4, s0, tl.where(kk < 8, s1, s2))
+        z = (acc * inv[:, None]) * sel[None, :] + base[None, :]  # scale * m + base
+        sg = 1.0 / (1.0 + tl.exp(-z))
+        tl.store(opre_ptr + t4[:, None] + kk[None, :], sg + hc_eps,
+                 mask=tm[:, None] & (kk[None, :] < 4))
+        tl.store(opost_ptr + t4[:, None] + kk[None, :] - 4, 2.0 * sg,
+                 mask=tm[:, None] & (kk[None, :] >= 4) & (kk[None, :] < 8))
+        a00, a01, a02, a03 = _softmax4(_col(z, kk, 8), _col(z, kk, 9), _col(z, kk, 10), _col(z, kk, 11), hc_eps)
+        a10, a11, a12, a13 = _softmax4(_col(z, kk, 12), _col(z, kk, 13), _col(z, kk, 14), _col(z, kk, 15), hc_eps)
+        a20, a21, a22, a23 = _softmax4(_col(z, kk, 16), _col(z, kk, 17), _col(z, kk, 18), _col(z, kk, 19), hc_eps)
+        a30, a31, a32, a33 = _softmax4(_col(z, kk, 20), _col(z, kk, 21), _col(z, kk, 22), _col(z, kk, 23), hc_eps)
+        a00, a10, a20, a30 = _norm4(a00, a10, a20, a30, hc_eps)  # columns
+        a01, a11, a21, a31 = _norm4(a01, a11, a21, a31, hc_eps)
+        a02, a12, a22, a32 = _norm4(a02, a12, a22, a32, hc_eps)
+        a03, a13, a23, a33 = _norm4(a03, a13, a23, a33, hc_eps)
+        for _ in range(1, iters):
+            a00, a01, a02, a03 = _norm4(a00, a01, a02, a03, hc_eps)  # rows
+            a10, a11, a12, a13 = _norm4(a10, a11, a12, a13, hc_eps)
+            a20, a21, a22, a23 = _norm4(a20, a21, a22, a23, hc_eps)
+            a30, a31, a32, a33 = _norm4(a30, a31, a32, a33, hc_eps)
             a00, a10, a20, a30 = _norm4(a00, a10, a20, a30, hc_eps)  # columns
             a01, a11, a21, a31 = _norm4(a01, a11, a21, a31, hc_eps)
             a02, a12, a22, a32 = _norm4(a02, a12, a22, a32, hc_eps)
             a03, a13, a23, a33 = _norm4(a03, a13, a23, a33, hc_eps)
-            for _ in range(1, iters):
-                a00, a01, a02, a03 = _norm4(a00, a01, a02, a03, hc_eps)  # rows
-                a10, a11, a12, a13 = _norm4(a10, a11, a12, a13, hc_eps)
-                a20, a21, a22, a23 = _norm4(a20, a21, a22, a23, hc_eps)
-                a30, a31, a32, a33 = _norm4(a30, a31, a32, a33, hc_eps)
-                a00, a10, a20, a30 = _norm4(a00, a10, a20, a30, hc_eps)  # columns
-                a01, a11, a21, a31 = _norm4(a01, a11, a21, a31, hc_eps)
-                a02, a12, a22, a32 = _norm4(a02, a12, a22, a32, hc_eps)
-                a03, a13, a23, a33 = _norm4(a03, a13, a23, a33, hc_eps)
-            tl.store(ocomb_ptr + t16 + 0, a00, mask=tm)
-            tl.store(ocomb_ptr + t16 + 1, a01, mask=tm)
-            tl.store(ocomb_ptr + t16 + 2, a02, mask=tm)
-            tl.store(ocomb_ptr + t16 + 3, a03, mask=tm)
-            tl.store(ocomb_ptr + t16 + 4, a10, mask=tm)
-            tl.store(ocomb_ptr + t16 + 5, a11, mask=tm)
-            tl.store(ocomb_ptr + t16 + 6, a12, mask=tm)
-            tl.store(ocomb_ptr + t16 + 7, a13, mask=tm)
-            tl.store(ocomb_ptr + t16 + 8, a20, mask=tm)
-            tl.store(ocomb_ptr + t16 + 9, a21, mask=tm)
-            tl.store(ocomb_ptr + t16 + 10, a22, mask=tm)
-            tl.store(ocomb_ptr + t16 + 11, a23, mask=tm)
-            tl.store(ocomb_ptr + t16 + 12, a30, mask=tm)
-            tl.store(ocomb_ptr + t16 + 13, a31, mask=tm)
-            tl.store(ocomb_ptr + t16 + 14, a32, mask=tm)
-            tl.store(ocomb_ptr + t16 + 15, a33, mask=tm)
+        tl.store(ocomb_ptr + t16 + 0, a00, mask=tm)
+        tl.store(ocomb_ptr + t16 + 1, a01, mask=tm)
+        tl.store(ocomb_ptr + t16 + 2, a02, mask=tm)
+        tl.store(ocomb_ptr + t16 + 3, a03, mask=tm)
+        tl.store(ocomb_ptr + t16 + 4, a10, mask=tm)
+        tl.store(ocomb_ptr + t16 + 5, a11, mask=tm)
+        tl.store(ocomb_ptr + t16 + 6, a12, mask=tm)
+        tl.store(ocomb_ptr + t16 + 7, a13, mask=tm)
+        tl.store(ocomb_ptr + t16 + 8, a20, mask=tm)
+        tl.store(ocomb_ptr + t16 + 9, a21, mask=tm)
+        tl.store(ocomb_ptr + t16 + 10, a22, mask=tm)
+        tl.store(ocomb_ptr + t16 + 11, a23, mask=tm)
+        tl.store(ocomb_ptr + t16 + 12, a30, mask=tm)
+        tl.store(ocomb_ptr + t16 + 13, a31, mask=tm)
+        tl.store(ocomb_ptr + t16 + 14, a32, mask=tm)
+        tl.store(ocomb_ptr + t16 + 15, a33, mask=tm)
 
 
 def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
             fn: torch.Tensor | None, scale: torch.Tensor | None, base: torch.Tensor | None,
             norm_eps: float, hc_eps: float, iters: int, *, block_t: int | None = None,
             block_d: int | None = None, num_warps: int | None = None, workers: int | None = None,
-            split: bool | None = None):
+            split: bool | None = None, d_split: int | None = None, num_stages: int | None = None):
     """`ops.mhc_mix` in one pass: x [T, 4, d], y [T, d], post/pre [T, 4], comb [T, 4, 4];
     fn [24, 4d] fp32, scale [3], base [24] (or fn None). Returns (x_new [T, 4, d] in x's dtype,
     x_hat [T, d] in x's dtype, (pre, post, comb) fp32 or None). The keyword-only tile
     parameters are for tuning and default to this module's table."""
-    from .launch import grid_for, interpreting
+    from .launch import grid_for, interpreting, num_workers
 
     if x.dim() != 3 or x.shape[1] != N_STREAMS:
         raise ValueError(f"x must be [T, {N_STREAMS}, d], got {tuple(x.shape)}")
@@ -260,17 +310,39 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
         fn = scale = base = opre = opost = ocomb = x_hat  # unused placeholders
     if t == 0:
         return x_new, x_hat, ((opre, opost, ocomb) if has_fn else None)
-    bt = block_t or BLOCK_T
-    bd = block_d or min(BLOCK_D, triton.next_power_of_2(d))
+    tiles = TILES["cuda"] if x.device.type == "cuda" and not interpreting() else TILES["default"]
+    bt = block_t or tiles["block_t"]
+    bd = block_d or min(tiles["block_d"], triton.next_power_of_2(d))
+    # d chunks per token tile: enough work items to fill the device (each chunk a whole number
+    # of BLOCK_D slices); the chunk partials of m meet in the coefficient kernel
     n_tiles = -(-t // bt)
-    grid = min(n_tiles, workers) if workers else grid_for(n_tiles, x.device)
+    slices = -(-d // bd)
+    # at least the table's split, more when few token tiles would leave workers idle (T=64:
+    # 4 tiles; H200 sweep: 8 -> 16 chunks took 70 -> 42 us)
+    want = d_split or max(tiles["d_split"], -(-2 * num_workers(x.device) // n_tiles))
+    chunk = bd * -(-slices // want)
+    n_chunks = -(-d // chunk)
+    n_items = n_tiles * n_chunks
+    grid = min(n_items, workers) if workers else grid_for(n_items, x.device)
     if split is None:
         split = (not interpreting()) and x.dtype == torch.bfloat16
-    kw = {} if interpreting() else {"num_warps": num_warps or NUM_WARPS}
-    _mhc_mix_kernel[(grid,)](x, y, post, comb, pre, fn, scale, base, xnew_arg, xhat_arg, opre, opost, ocomb,
-                             t, d, float(norm_eps), float(hc_eps), int(iters), n_tiles, grid,
+    kw = {} if interpreting() else {"num_warps": num_warps or tiles["num_warps"],
+                                    "num_stages": num_stages or tiles["num_stages"]}
+    if has_fn:
+        part = torch.empty(n_chunks, t, 32, dtype=torch.float32, device=x.device)
+        pcomp = torch.empty_like(part)
+        pss = torch.empty(n_chunks, t, dtype=torch.float32, device=x.device)
+    else:
+        part = pcomp = pss = x_hat  # unused placeholders
+    _mhc_mix_kernel[(grid,)](x, y, post, comb, pre, fn, scale, base, xnew_arg, xhat_arg, part, pcomp, pss,
+                             t, d, chunk, n_chunks, n_items, grid,
                              BLOCK_T=bt, BLOCK_D=bd, HAS_FN=has_fn, SPLIT=split,
                              OUT_BF16=x.dtype == torch.bfloat16, **kw)
+    if has_fn:
+        cgrid = grid_for(n_tiles, x.device)
+        _mhc_coef_kernel[(cgrid,)](part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks,
+                                   float(norm_eps), float(hc_eps), int(iters), n_tiles, cgrid, BLOCK_T=bt,
+                                   **({} if interpreting() else {"num_warps": 4}))
     return x_new, x_hat, ((opre, opost, ocomb) if has_fn else None)
 
 
