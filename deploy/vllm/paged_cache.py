@@ -266,7 +266,8 @@ class PagedCaches(nn.Module):
         """The stored chain hash of entry n - 1 (8 zero bytes before the first entry)."""
         if n == 0:
             return bytes(8)
-        blk, st = self._where(self._row(meta, layer, i), torch.tensor([(n - 1) * r]), r)
+        row = self._row(meta, layer, i)
+        blk, st = self._where(row, torch.tensor([(n - 1) * r], device=row.device), r)
         rec = _split(pages(layer, self.glob_rec[r].size)[blk, st], self.glob_rec[r].fields)
         return bytes(rec["chain"][0].tolist())
 
@@ -275,7 +276,7 @@ class PagedCaches(nn.Module):
         begun in the previous chunk) the one stored in layer 0's window record."""
         if p >= start:
             return cache.paged_digests[p - start]
-        f, valid = self._swa_records(meta, self.swa[0], i, torch.tensor([p]))
+        f, valid = self._swa_records(meta, self.swa[0], i, torch.tensor([p], device=cache.swa[0].q.device))
         if not bool(valid.all()):
             raise RuntimeError(f"the content digest of position {p} is missing from the window pages")
         return bytes(f["digest"][0].tolist())
@@ -290,7 +291,7 @@ class PagedCaches(nn.Module):
         row = self._row(meta, layer, i)
         size = self.glob_rec[r].size
         for j in range(start // r, (start + len(digests)) // r):
-            blk, st = self._where(row, torch.tensor([j * r]), r)
+            blk, st = self._where(row, torch.tensor([j * r], device=row.device), r)
             if int(blk) == NULL_BLOCK:
                 break
             h = chain_hash(h, digests[j * r - start:(j + 1) * r - start])
