@@ -10,7 +10,6 @@ Prints one table; the tile tables in `npu_ops/triton/*.py` take their CUDA defau
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
@@ -20,57 +19,19 @@ from dsv41.backends import (
 )
 from dsv41.backends.reference import quant
 from dsv41.core.config import ModelConfig
+from ops import (  # benchmarks/ops.py: one timing method for the table and the sweep
+    graph_time,
+    timeit,
+)
 
 CFG = ModelConfig()
 D, H, W, TOPK = CFG.head_dim, CFG.num_attention_heads, CFG.sliding_window, CFG.index_topk
 
 
-def time_eager(fn, iters=30):
-    """Median seconds of one call between two CUDA events (includes launch overhead)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
-
-
-def time_graph(fn, iters=20, per=10):
-    """Median seconds per call of a CUDA graph holding `per` calls (launch overhead removed)."""
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(per):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3 / per)
-    return statistics.median(ts)
-
-
 def copy_gbs():
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * src.numel() / time_eager(lambda: dst.copy_(src), 10) / 1e9
+    return 2 * src.numel() / timeit(lambda: dst.copy_(src), 10) / 1e9
 
 
 def rel_err(out, ref):
@@ -110,8 +71,8 @@ def sweep_sparse_attention(rows, copy):
 
             try:
                 err = rel_err(call(), ref)
-                te = time_eager(call)
-                tg = time_graph(call)
+                te = timeit(call)
+                tg = graph_time(call)
             except Exception as e:  # noqa: BLE001  (a variant that does not compile is a row, not a crash)
                 rows.append(f"| {name} | T={t} | failed: {type(e).__name__}: {str(e)[:80]} |")
                 continue
@@ -138,8 +99,8 @@ def sweep_engram(rows, copy):
                     return el.engram_lookup(table, tscale, ids, block_r=br, num_warps=nw)
 
                 exact = torch.equal(call().view(torch.int16), ref.view(torch.int16))
-                tg = time_graph(call)
-                te = time_eager(call)
+                tg = graph_time(call)
+                te = timeit(call)
                 rows.append(f"| engram BLOCK_R={br} warps={nw} | T={t} | exact {exact} | eager {te * 1e6:.1f} us | "
                             f"graph {tg * 1e6:.1f} us | {nbytes / tg / 1e9:.0f} GB/s "
                             f"({100 * nbytes / tg / 1e9 / copy:.0f}%) |")
@@ -169,8 +130,8 @@ def sweep_fp4_quant(rows, copy):
         codes.fill_(0xAA)
         call()
         exact = torch.equal(codes, rc) and torch.equal(scales.view(torch.uint8), rs.view(torch.uint8))
-        tg = time_graph(call)
-        te = time_eager(call)
+        tg = graph_time(call)
+        te = timeit(call)
         rows.append(f"| fp4 BLOCK_G={bg} warps={nw} words={words} per_sm={per} | {m}x{D} bf16 | exact {exact} | "
                     f"eager {te * 1e6:.1f} us | graph {tg * 1e6:.1f} us | {nbytes / tg / 1e9:.0f} GB/s "
                     f"({100 * nbytes / tg / 1e9 / copy:.0f}%) |")
@@ -197,7 +158,7 @@ def sweep_mhc_mix(rows, copy):
         args = (x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, CFG.hc_sinkhorn_iters)
         want = ref_fn(*args)  # the fp64-accumulating oracle
         with fp32_accumulation():  # the unfused torch sequence the kernel replaces
-            t_ref = time_eager(lambda args=args: ref_fn(*args), iters=5)
+            t_ref = timeit(lambda args=args: ref_fn(*args), iters=5)
         nbytes = t * (2 * n + 2) * dim * 2 + fn.numel() * 4
         for bt, bd, nw, ns, ds in variants:
             def call(args=args, bt=bt, bd=bd, nw=nw, ns=ns, ds=ds):
@@ -208,8 +169,8 @@ def sweep_mhc_mix(rows, copy):
                 got = call()
                 frac = (got[0] != want[0]).float().mean().item()
                 err = max((a - b).abs().max().item() for a, b in zip(got[2], want[2]))
-                te = time_eager(call)
-                tg = time_graph(call)
+                te = timeit(call)
+                tg = graph_time(call)
             except Exception as e:  # noqa: BLE001  (a variant that does not compile is a row, not a crash)
                 rows.append(f"| {name} | T={t} | failed: {type(e).__name__}: {str(e)[:80]} |")
                 print(rows[-1], flush=True)
