@@ -307,6 +307,8 @@ class ModelConfig:
             text[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
         if self.rope_scaling is not None:
             text["rope_scaling"] = {"type": "yarn", **dataclasses.asdict(self.rope_scaling)}
+        if self.weight_dtype != "fp8":  # no quantization_config: the storage choices live here
+            text["expert_dtype"], text["engram_dtype"] = self.expert_dtype, self.engram_dtype
         out: dict[str, Any] = {
             "architectures": ["DeepseekV41ForCausalLM"],
             "model_type": MODEL_TYPE,

@@ -302,3 +302,11 @@ def test_yarn_inv_freq_ratio0_and_no_scaling():
     assert yarn_inv_freq(off, ratio=2) == pytest.approx(
         [1.0 / 160000.0 ** (2 * i / 64) for i in range(32)], rel=1e-12)
     assert math.isclose(yarn_inv_freq(off, 0)[1], 10000.0 ** (-2 / 64), rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("expert", ["fp4", "fp8", "bf16"])
+def test_bf16_weight_config_keeps_expert_dtype(tiny_cfg, expert):
+    """A bf16-weight config has no quantization_config; its expert storage still round-trips."""
+    cfg = tiny_cfg.replace(weight_dtype="bf16", expert_dtype=expert)
+    back = from_dict(json.loads(json.dumps(cfg.to_hf_dict())))
+    assert (back.weight_dtype, back.expert_dtype) == ("bf16", expert)
