@@ -59,7 +59,13 @@ CHAT_TEMPLATE = (
     "{%- set ns = namespace(system='') -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}"
+    "{%- if message['content'] is string -%}"
     "{%- set ns.system = ns.system + message['content'] -%}"
+    "{%- else -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{%- set ns.system = ns.system + part['text'] -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if reasoning_effort is defined and reasoning_effort is not none -%}"
@@ -70,10 +76,18 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{{ ns.system }}"
     "{%- for message in messages -%}"
-    "{%- if message['role'] == 'user' -%}"
-    "{{ '<｜User｜>' + message['content'] }}"
-    "{%- elif message['role'] == 'assistant' -%}"
-    "{{ '<｜Assistant｜>' + message['content'] + eos_token }}"
+    "{%- if message['role'] in ('user', 'assistant') -%}"
+    "{{ '<｜User｜>' if message['role'] == 'user' else '<｜Assistant｜>' }}"
+    "{%- if message['content'] is string -%}"
+    "{{ message['content'] }}"
+    "{%- else -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- elif part['type'] in ('image', 'image_url') -%}{{ '<｜image｜>' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{ eos_token if message['role'] == 'assistant' else '' }}"
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
@@ -83,6 +97,11 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- endif -%}"
 )
+
+# `content` is a string or a list of OpenAI-style parts ({"type": "text", "text"} and
+# {"type": "image"} / {"type": "image_url"}, rendered as one image token each, in place), so vLLM
+# keeps images where they are in a message (its "openai" content format) and the prompt equals
+# `dsv41 run --messages`'s.
 
 # A few KB of varied English: prose, dialogue, numbers, code-ish lines, punctuation.
 TINY_CORPUS = """\
