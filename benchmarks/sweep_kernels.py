@@ -28,6 +28,14 @@ CFG = ModelConfig()
 D, H, W, TOPK = CFG.head_dim, CFG.num_attention_heads, CFG.sliding_window, CFG.index_topk
 
 
+def bandwidth_row(rows, name: str, shape: str, check: str, call, nbytes: int, copy: float) -> None:
+    """Time `call` (eager and graph-replayed) and append / print its row: GB/s and % of copy."""
+    tg, te = graph_time(call), timeit(call)
+    rows.append(f"| {name} | {shape} | {check} | eager {te * 1e6:.1f} us | graph {tg * 1e6:.1f} us | "
+                f"{nbytes / tg / 1e9:.0f} GB/s ({100 * nbytes / tg / 1e9 / copy:.0f}%) |")
+    print(rows[-1], flush=True)
+
+
 def copy_gbs():
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -99,12 +107,7 @@ def sweep_engram(rows, copy):
                     return el.engram_lookup(table, tscale, ids, block_r=br, num_warps=nw)
 
                 exact = torch.equal(call().view(torch.int16), ref.view(torch.int16))
-                tg = graph_time(call)
-                te = timeit(call)
-                rows.append(f"| engram BLOCK_R={br} warps={nw} | T={t} | exact {exact} | eager {te * 1e6:.1f} us | "
-                            f"graph {tg * 1e6:.1f} us | {nbytes / tg / 1e9:.0f} GB/s "
-                            f"({100 * nbytes / tg / 1e9 / copy:.0f}%) |")
-                print(rows[-1], flush=True)
+                bandwidth_row(rows, f"engram BLOCK_R={br} warps={nw}", f"T={t}", f"exact {exact}", call, nbytes, copy)
 
 
 def sweep_fp4_quant(rows, copy):
@@ -130,12 +133,8 @@ def sweep_fp4_quant(rows, copy):
         codes.fill_(0xAA)
         call()
         exact = torch.equal(codes, rc) and torch.equal(scales.view(torch.uint8), rs.view(torch.uint8))
-        tg = graph_time(call)
-        te = timeit(call)
-        rows.append(f"| fp4 BLOCK_G={bg} warps={nw} words={words} per_sm={per} | {m}x{D} bf16 | exact {exact} | "
-                    f"eager {te * 1e6:.1f} us | graph {tg * 1e6:.1f} us | {nbytes / tg / 1e9:.0f} GB/s "
-                    f"({100 * nbytes / tg / 1e9 / copy:.0f}%) |")
-        print(rows[-1], flush=True)
+        bandwidth_row(rows, f"fp4 BLOCK_G={bg} warps={nw} words={words} per_sm={per}", f"{m}x{D} bf16",
+                      f"exact {exact}", call, nbytes, copy)
 
 
 def sweep_mhc_mix(rows, copy):

@@ -200,3 +200,20 @@ def test_incremental_engram_rows_equal_full_sequence_rows(tiny_model, tiny_cfg, 
         cache.tokens, cache.is_image = ids[:p + 1].tolist(), img[:p + 1]
         step = tiny_model._engram_rows(cache, p)
         assert all(torch.equal(full[k][p], step[k][0]) for k in full), f"position {p}"
+
+
+def test_torch_default_dtype_does_not_matter(tiny_cfg, tiny_model, fresh_seed, rng):
+    """Serving engines (vLLM) build and run models with their activation dtype as torch's default;
+    the model states every dtype it creates, so building and running it under a bf16 default
+    gives the same bits (a default-typed RoPE table once made vLLM's decode diverge)."""
+    from dsv41.core.weights import build_model
+
+    ids = rand_prompt(tiny_cfg, 12, rng)
+    want, _, _ = prefill_all(tiny_model, ids)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        got, _, _ = prefill_all(build_model(tiny_cfg, seed=fresh_seed), ids)
+    finally:
+        torch.set_default_dtype(old)
+    assert torch.equal(got, want)

@@ -22,7 +22,6 @@ Configuration (`--additional-config '{"dsv41": {...}}'`):
 from __future__ import annotations
 
 from collections.abc import Iterable
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -34,7 +33,7 @@ from vllm.multimodal import MULTIMODAL_REGISTRY
 from ...core.config import ModelConfig
 from ...core.model import Transformer
 from ...core.parallel import SINGLE, Group, TorchGroup
-from ...core.weights import WeightError, materialize
+from ...core.weights import check_state_dict, materialize
 from ..convert import shard_of
 from ..names import hf_to_native
 from .layers import PagedLayer
@@ -70,18 +69,6 @@ def model_config_of(vllm_config: VllmConfig) -> ModelConfig:
     return read_config(vllm_config.model_config.model)
 
 
-@contextmanager
-def fp32_default_dtype():
-    """vLLM builds and runs models under its activation dtype as torch's default; the core model
-    states every dtype it needs, and this keeps any default-typed tensor fp32 regardless."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def tensor_parallel_group(vllm_config: VllmConfig) -> Group:
     """Our model-parallel group backed by vLLM's tensor-parallel group: heads, index heads and
     vocabulary split across it, routed experts in contiguous ranges per rank (so expert
@@ -108,10 +95,11 @@ class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
         self.cfg, self.options = cfg, plugin_options(vllm_config)
         self.group = tensor_parallel_group(vllm_config)
         device = vllm_config.device_config.device
-        with fp32_default_dtype():
-            with torch.device("meta"):
-                model = Transformer(cfg, self.group)
-            self.model = materialize(model, device)
+        # vLLM builds models under its activation dtype as torch's default: the core model
+        # states every dtype it creates (tests/test_model.py checks it does not depend on it)
+        with torch.device("meta"):
+            model = Transformer(cfg, self.group)
+        self.model = materialize(model, device)
         w, layers = cfg.sliding_window, cfg.num_hidden_layers
         replay = w * layers if self.options["replay"] == "exact" else w
         self.caches = PagedCaches(cfg, vllm_config.cache_config.block_size, prefix or "dsv41", replay, PagedLayer)
@@ -129,7 +117,7 @@ class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
         vLLM keeps the result in its encoder cache, keyed by the image's hash)."""
         from ...core.vision import encode_image
 
-        with fp32_default_dtype(), torch.no_grad():
+        with torch.no_grad():
             return [encode_image(self.model, p.float()) for p in split_pixels(pixel_values, image_hw)]
 
     def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings=None, *,
@@ -157,8 +145,7 @@ class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
             return out  # vLLM's profiling / warm-up run: no request, no cache to touch
         first = meta[self.caches.swa[0].prefix]
         qsl = first.query_start_loc.tolist()
-        with fp32_default_dtype():
-            self._run_requests(meta, qsl, first.num_reqs, input_ids, positions, out, inputs_embeds)
+        self._run_requests(meta, qsl, first.num_reqs, input_ids, positions, out, inputs_embeds)
         return out
 
     def _run_requests(self, meta, qsl, num_reqs, input_ids, positions, out, inputs_embeds=None) -> None:
@@ -181,11 +168,11 @@ class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
         return self.model.logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (native or Hugging Face names) into the model; one error lists
-        every unexpected, misshapen, wrongly typed or missing tensor."""
-        buffers = dict(self.model.named_buffers())
-        expected = set(self.model.state_dict())
-        loaded, problems = set(), []
+        """Copy checkpoint tensors (native or Hugging Face names) into the model; one error
+        (`check_state_dict`, as for every other loader) lists every unexpected, misshapen, wrongly
+        typed or missing tensor."""
+        expected = self.model.state_dict()
+        seen: dict[str, torch.Tensor] = {}  # native name -> shape/dtype stand-in, for the check
         group = self.group
         for name, t in weights:
             native = hf_to_native(name)
@@ -193,22 +180,14 @@ class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
                 t = shard_of(self.cfg, native, t, group.rank, group.world_size)
                 if t is None:
                     continue  # another rank's routed expert
-            buf = buffers.get(native)
-            if buf is None or native not in expected:
-                problems.append(f"unexpected: {name}")
-            elif tuple(t.shape) != tuple(buf.shape):
-                problems.append(f"wrong shape: {name} is {list(t.shape)}, expected {list(buf.shape)}")
-            elif t.dtype != buf.dtype:
-                problems.append(f"wrong dtype: {name} is {t.dtype}, expected {buf.dtype}")
-            else:
+            seen[native] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            buf = expected.get(native)
+            if buf is not None and buf.shape == t.shape and buf.dtype == t.dtype:
                 with torch.no_grad():
                     buf.copy_(t)
-                loaded.add(native)
-        problems += [f"missing: {k} (expected shape {list(buffers[k].shape)})" for k in sorted(expected - loaded)]
-        if problems:
-            raise WeightError(f"{len(problems)} problem(s) with the weights:\n  - " + "\n  - ".join(problems))
+        check_state_dict(self.model, seen)
         self._install_engram_vocab()
-        return {f"model.{k}" for k in loaded}
+        return {f"model.{k}" for k in seen}
 
     def _install_engram_vocab(self) -> None:
         if not self.cfg.engram_layer_ids:
