@@ -51,13 +51,15 @@ class FakeVllm:
         self.layers = [*self.caches.glob.values(), *self.caches.swa]
 
     def new_tables(self, n_tokens: int, shared: dict | None = None, null_below: int = 0) -> dict:
+        """Fresh blocks per layer; with `shared`, the global blocks of its first `hit` tokens."""
         tables = {}
         for lay in self.layers:
-            t = torch.zeros(n_tokens // BLOCK + 2, dtype=torch.int32)
+            bs = self.caches.block_sizes[lay.prefix]
+            t = torch.zeros(n_tokens // bs + 2, dtype=torch.int32)
             for b in range(t.shape[0]):
-                if shared and ".global_kv." in lay.prefix and b < shared["blocks"]:
+                if shared and ".global_kv." in lay.prefix and (b + 1) * bs <= shared["hit"]:
                     t[b] = shared["tables"][lay.prefix][b]
-                elif ".swa." in lay.prefix and (b + 1) * BLOCK <= null_below:
+                elif ".swa." in lay.prefix and (b + 1) * bs <= null_below:
                     t[b] = NULL_BLOCK
                 else:
                     t[b] = self.free.pop()
@@ -113,15 +115,16 @@ def test_prefix_hit_replay_equals_engine(tiny_cfg, fresh_seed, rng, gen, device,
     model = build_model(cfg, seed=fresh_seed, device=device)
     r = cfg.sliding_window * (cfg.num_hidden_layers if replay == "exact" else 1)
     fake = FakeVllm(model, r, device, gen)
-    prompt = _prompt(rng, r + 3 * BLOCK + 5)
+    grain = max(fake.caches.block_sizes.values())  # vLLM schedules on the lcm of the block sizes
+    prompt = _prompt(rng, r + grain + 5)
     first_tables = fake.new_tables(len(prompt) + 8)
     fake.generate(first_tables, prompt, 4)
-    hit = (len(prompt) - 1) // BLOCK * BLOCK  # vLLM's hit: whole blocks, not the last prompt token
+    hit = (len(prompt) - 1) // grain * grain  # vLLM's hit: whole blocks, not the last prompt token
     start = hit - r
-    shared = {"blocks": hit // BLOCK, "tables": first_tables}
+    shared = {"hit": hit, "tables": first_tables}
     got = fake.generate(fake.new_tables(len(prompt) + 8, shared, null_below=start), prompt, 8, start=start)
 
-    engine = Engine(model, prefill_mode="exact", replay=replay, prefix_cache=True, prefix_block_size=BLOCK)
+    engine = Engine(model, prefill_mode="exact", replay=replay, prefix_cache=True, prefix_block_size=grain)
     engine.generate(prompt, SamplingParams(max_new_tokens=1))  # fills the engine's prefix cache
     res = engine.generate(prompt, SamplingParams(max_new_tokens=8))
     assert res.prefix_hit_tokens == hit
@@ -136,6 +139,25 @@ def test_prefix_hit_replay_equals_engine(tiny_cfg, fresh_seed, rng, gen, device,
 def test_rejects_block_size_not_dividing_replay(tiny_cfg, gen):
     with pytest.raises(ValueError, match="--block-size"):
         PagedCaches(tiny_cfg, 16, "t", tiny_cfg.sliding_window, lambda r: FakeLayer(r, gen, "cpu"))
+
+
+def test_global_pages_are_filled_not_padded(tiny_cfg, gen):
+    """Every layer's page has one size (vLLM's hybrid allocator), and the global layers reach it
+    with larger blocks of records rather than padding: at most 2x the record, on tiny and full."""
+    from dsv41.core.config import preset
+
+    for cfg in (tiny_cfg, preset("full")):
+        for bs in (8, 16, 64):
+            caches = PagedCaches(cfg, bs, "t", 128, lambda r: nn.Module())
+            for layer_prefix, block in caches.block_sizes.items():
+                if ".global_kv." not in layer_prefix:
+                    assert block == bs
+                    continue
+                ratio = cfg.compress_ratios[int(layer_prefix.rsplit(".", 1)[1])]
+                record = caches.glob_rec[ratio].size
+                assert block % bs == 0 and block % ratio == 0
+                slot = caches.page_bytes // (block // ratio)
+                assert slot * (block // ratio) == caches.page_bytes and record <= slot < 2 * record
 
 
 def test_missing_history_is_an_error(tiny_cfg, fresh_seed, rng, gen):
