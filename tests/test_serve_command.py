@@ -19,7 +19,8 @@ def test_flags_pass_through_and_select_our_architecture():
     assert cmd[cmd.index("--model") + 1] == "ckpt"
     assert cmd[-6:] == ["--port", "8123", "--max-model-len", "4096", "--reasoning-parser", "x"]
     assert cmd.count("--reasoning-parser") == 1  # the user's wins over our default
-    assert "deepseek_r1" in server_command("ckpt", [])
+    cmd = server_command("ckpt", [])
+    assert cmd[cmd.index("--reasoning-parser") + 1] in ("deepseek_v41", "deepseek_r1")
 
 
 def test_hf_overrides_is_refused():
@@ -49,12 +50,20 @@ def test_missing_checkpoint_is_one_clear_error(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
 def test_reasoning_parser_splits_thinking_with_our_tokenizer(tmp_path):
-    """The parser `dsv41 serve` selects finds our `<think>` / `</think>` tokens and splits."""
+    """The parser `dsv41 serve` selects finds our `<think>` / `</think>` tokens and splits at
+    them; with thinking off the whole output is the answer."""
     from dsv41.core.tokenizer import build_tiny_tokenizer, write_tokenizer_files
+    from dsv41.deploy.vllm.serve import default_reasoning_parser
     from transformers import PreTrainedTokenizerFast
-    from vllm.reasoning.deepseek_r1_reasoning_parser import DeepSeekR1ReasoningParser
+    from vllm.reasoning import ReasoningParserManager
 
+    name = default_reasoning_parser()
+    assert name == "deepseek_v41"  # vLLM 0.32 (the CI pin) has it
     write_tokenizer_files(build_tiny_tokenizer(), tmp_path)
-    parser = DeepSeekR1ReasoningParser(PreTrainedTokenizerFast.from_pretrained(str(tmp_path)))
-    assert parser.extract_reasoning("weigh the options</think>The answer is 4.", None) == (
-        "weigh the options", "The answer is 4.")
+    tok = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    parser_cls = ReasoningParserManager.get_reasoning_parser(name)
+    text = "weigh the options</think>The answer is 4."
+    for kwargs in ({}, {"chat_template_kwargs": {"thinking": True, "reasoning_effort": 37}}):
+        assert parser_cls(tok, **kwargs).extract_reasoning(text, None) == ("weigh the options", "The answer is 4.")
+    no_thinking = parser_cls(tok, chat_template_kwargs={"thinking": False})
+    assert no_thinking.extract_reasoning("The answer is 4.", None) == (None, "The answer is 4.")

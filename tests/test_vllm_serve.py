@@ -103,6 +103,17 @@ def test_chat_completions_and_reasoning_effort(server, reference):
     assert "Reasoning Effort" in CHAT_TEMPLATE
 
 
+def test_structured_output_constrains_the_answer_with_thinking_off(server):
+    """With thinking off the reasoning parser treats the output as the answer, so vLLM's
+    structured outputs apply from the first token (and the tiny model's free text never would
+    land on one of the choices by chance)."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "yes or no?"}], "max_tokens": 8,
+            "chat_template_kwargs": {"thinking": False}, "structured_outputs": {"choice": ["yes", "no"]}}
+    status, out = server.request("/v1/chat/completions", body)
+    assert status == 200, out
+    assert out["choices"][0]["message"]["content"] in ("yes", "no"), out
+
+
 def test_concurrent_requests_do_not_cross_talk(server, rng):
     prompts = [_prompt(rng, n) for n in (7, 13, 18, 26)]
     alone = [_complete(server, p, 12)["token_ids"] for p in prompts]

