@@ -199,7 +199,8 @@ def engram_gate(x: Tensor, k: Tensor, v: Tensor, q_weight: Tensor, k_weight: Ten
     x_s + gate_s * v in fp32, cast to x's dtype."""
 
 
-@_op
 def engram_lookup(table: Tensor, scale: Tensor, rows: Tensor) -> Tensor:
     """Hashed row ids [T, R] -> gather FP8 (scale per 32) or INT8 (scale per row) rows ->
-    dequantised bf16 [T, R * Dh]."""
+    dequantised bf16 [T, R * Dh] on rows' device. Dispatched on rows' device, not the table's:
+    a host-offloaded table (page-locked) is read in place by the CUDA kernel."""
+    return dispatch("engram_lookup", rows.device)(table, scale, rows)

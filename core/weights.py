@@ -115,10 +115,14 @@ def materialize(model: Transformer, device: str | torch.device = "cpu") -> Trans
     return model
 
 
-def build_model(cfg, seed: int = 0, device: str | torch.device = "cpu", state_dict=None) -> Transformer:
-    """A model on `device` with seeded random weights (or `state_dict`)."""
+def build_model(cfg, seed: int = 0, device: str | torch.device = "cpu", state_dict=None,
+                engram_offload: bool = False) -> Transformer:
+    """A model on `device` with seeded random weights (or `state_dict`); with
+    `engram_offload`, the Engram tables in host memory (`Transformer.offload_engram`)."""
     with torch.device("meta"):
         model = Transformer(cfg)
+    if engram_offload:
+        model.offload_engram(device)
     model = materialize(model, device)
     sd = state_dict if state_dict is not None else random_state_dict(model, seed)
     return load_into(model, sd)

@@ -341,11 +341,12 @@ def _problem_lines(e: WeightError) -> list[str]:
 
 
 def load_checkpoint_weights(ckpt_dir: str | os.PathLike, cfg: ModelConfig, device: str | torch.device = "cpu",
-                            tokenizer=None, group: Group = SINGLE):
+                            tokenizer=None, group: Group = SINGLE, engram_offload: bool = False):
     """A model of `cfg` on `device` holding the directory's weights (validated first, then
     copied one memory-mapped tensor at a time). Installs the Engram compression map of
     `tokenizer` when given. With a model-parallel `group`, this rank's shard of a converted
-    checkpoint is loaded into this rank's part of the model."""
+    checkpoint is loaded into this rank's part of the model. With `engram_offload` the Engram
+    tables are loaded into host memory instead of `device` (`Transformer.offload_engram`)."""
     from safetensors import safe_open
 
     from ..core.model import Transformer
@@ -364,6 +365,8 @@ def load_checkpoint_weights(ckpt_dir: str | os.PathLike, cfg: ModelConfig, devic
         raise WeightError(f"{d}: {len(problems)} problem(s) with the checkpoint's weights:\n  - "
                           + "\n  - ".join(problems))
 
+    if engram_offload:
+        model.offload_engram(device)
     model = materialize(model, torch.device(device))
     buffers = dict(model.named_buffers())
     by_file: dict[Path, list[tuple[str, str]]] = {}

@@ -123,6 +123,12 @@ def _prompt_and_images(args, tok, cfg):
     return mm.ids, mm.images
 
 
+def _add_engram_offload(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engram-offload", action="store_true",
+                   help="keep the Engram tables in host memory (page-locked on a device); lookups read them in "
+                        "place (CUDA) or copy the step's rows over (NPU, CPU)")
+
+
 def _load_weights(args, cfg, device, tok=None, group=None):
     """Random seeded weights, or the checkpoint's safetensors (validated, memory-mapped, one
     tensor at a time; never pickle) with the Engram compression map of its tokenizer. Under
@@ -139,12 +145,12 @@ def _load_weights(args, cfg, device, tok=None, group=None):
         if group.world_size > 1:
             raise UserError("a model-parallel run needs a converted checkpoint: --ckpt DIR from "
                             f"`dsv41 convert --model-parallel {group.world_size}`")
-        return build_model(cfg, seed=args.seed, device=device)
+        return build_model(cfg, seed=args.seed, device=device, engram_offload=args.engram_offload)
     from .checkpoint import load_checkpoint_weights
 
     model, err = None, None
     try:
-        model = load_checkpoint_weights(args.ckpt, cfg, device, tok, group)
+        model = load_checkpoint_weights(args.ckpt, cfg, device, tok, group, engram_offload=args.engram_offload)
     except (WeightError, ConfigError) as e:
         err = e
     if group.world_size > 1:
@@ -415,6 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--top-k", type=int, default=0)
     r.add_argument("--seed", type=int, default=0, help="seeds the random weights and the sampler")
     r.add_argument("--device", choices=["cpu", "cuda", "npu"], default="cpu")
+    _add_engram_offload(r)
     r.add_argument("--prefill-mode", choices=["ced", "exact"], default="ced")
     r.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     r.add_argument("--json", action="store_true", help="print one JSON object")
@@ -427,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("profile-spec", help="measure tokens/s vs tokens verified per step for the DSpark scheduler")
     _add_model_args(sp, with_ckpt=True)
     sp.add_argument("--device", choices=["cpu", "cuda", "npu"], default="cpu")
+    _add_engram_offload(sp)
     sp.add_argument("--out", metavar="FILE", help="where to write the JSON (default: as `run --spec-profile`)")
     sp.add_argument("--repeats", type=int, default=5, help="timed runs per point (median; one warm-up before)")
     sp.add_argument("--prompt-len", type=int, default=32, help="context length the steps are timed at")

@@ -193,7 +193,8 @@ def test_group_ranges():
 def test_engram_int8_checkpoint(ckpts, tmp_path, rng):
     """`convert --engram-dtype int8` loads (one process and 2 ranks): INT8 rows + per-row scale,
     dequantised by `ops.engram_lookup` within int8 rounding of the FP8 rows; the sharded INT8
-    run equals the one-process INT8 run."""
+    run, each rank's row piece offloaded to host memory (the Ascend layout), equals the
+    one-process INT8 run."""
     _, a, _ = ckpts
     c1, c2 = tmp_path / "i8mp1", tmp_path / "i8mp2"
     convert(a, c1, 1, engram_dtype="int8", progress=False)
@@ -217,6 +218,8 @@ def test_engram_int8_checkpoint(ckpts, tmp_path, rng):
     ref = all_logits(m1, ids, 10)
     print(f"[dsv41] logits INT8 vs FP8 Engram: max diff {(want8 - ref).abs().max().item():.3e} "
           f"(max |logit| {ref.abs().max().item():.3f})")
-    ranks = [load_checkpoint_weights(c2, read_config(c2), "cpu", tok, g) for g in thread_groups(MP)]
+    ranks = [load_checkpoint_weights(c2, read_config(c2), "cpu", tok, g, engram_offload=True)
+             for g in thread_groups(MP)]
+    assert all(m.layers[layer].engram.embed.host == "gather" for m in ranks)
     for g in run_ranks(lambda m: all_logits(m, ids, 10), ranks):
         assert (g - want8).abs().max().item() <= 1e-6 * want8.abs().max().item()

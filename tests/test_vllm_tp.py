@@ -1,7 +1,10 @@
 """`dsv41 serve --tensor-parallel-size 2` on CPU: our model-parallel group backed by vLLM's
-tensor-parallel group gives the reference engine's greedy tokens (vLLM CPU build only)."""
+tensor-parallel group gives the reference engine's greedy tokens (vLLM CPU build only), with
+each rank's piece of the Engram tables offloaded to host memory (`engram_offload`)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -20,10 +23,12 @@ def test_tensor_parallel_2_equals_reference(tmp_path, fresh_seed, rng):
     engine = Engine(load_checkpoint(ckpt)[1], prefill_mode="exact")
     prompts = [[int(x) for x in torch.randint(9, 500, (n,), generator=rng)] for n in (7, 20)]
     # two CPU workers: bind one OpenMP thread each (vLLM refuses to guess with one NUMA node)
-    with running_server(ckpt, tmp_path / "server.log", ["--tensor-parallel-size", "2"],
-                        {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as srv:
+    flags = ["--tensor-parallel-size", "2", "--additional-config", json.dumps({"dsv41": {"engram_offload": True}})]
+    with running_server(ckpt, tmp_path / "server.log", flags, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as srv:
         with open(srv.log_path) as f:
-            assert "world_size=2" in f.read()  # vLLM really started two TP workers
+            log = f.read()
+        assert "world_size=2" in log  # vLLM really started two TP workers
+        assert log.count("dsv41: Engram tables in host memory (gather lookups)") == 2  # one per rank
         for ids in prompts:
             status, body = srv.request("/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 10,
                                                            "temperature": 0, "ignore_eos": True,

@@ -17,6 +17,8 @@ Configuration (`--additional-config '{"dsv41": {...}}'`):
 - `replay`: "window" (default: recompute `sliding_window` tokens after a prefix-cache hit,
   approximate) or "exact" (`sliding_window * num_hidden_layers` tokens: the same tokens as a
   cold run).
+- `engram_offload`: true keeps the Engram tables in host memory (`Transformer.offload_engram`;
+  with tensor parallelism each rank's row piece), so they never take device memory.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
 from vllm.model_executor.models.interfaces import SupportsMultiModal
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
@@ -47,18 +50,24 @@ from .multimodal import (
 from .paged_cache import PagedCaches
 
 REPLAY_MODES = ("window", "exact")
+# a child of vLLM's logger, so our lines go where vLLM's go (its handlers sit on "vllm")
+logger = init_logger("vllm.dsv41")
 
 
 def plugin_options(vllm_config: VllmConfig) -> dict:
     """Our keys of `--additional-config` (under "dsv41"), validated."""
     extra = (vllm_config.additional_config or {}).get("dsv41", {}) or {}
-    unknown = set(extra) - {"replay"}
+    known = ["engram_offload", "replay"]
+    unknown = set(extra) - set(known)
     if unknown:
-        raise ValueError(f"dsv41: unknown --additional-config keys {sorted(unknown)} (known: ['replay'])")
+        raise ValueError(f"dsv41: unknown --additional-config keys {sorted(unknown)} (known: {known})")
     replay = extra.get("replay", "window")
     if replay not in REPLAY_MODES:
         raise ValueError(f"dsv41: additional_config replay must be one of {REPLAY_MODES}, got {replay!r}")
-    return {"replay": replay}
+    offload = extra.get("engram_offload", False)
+    if not isinstance(offload, bool):
+        raise ValueError(f"dsv41: additional_config engram_offload must be true or false, got {offload!r}")
+    return {"replay": replay, "engram_offload": offload}
 
 
 def model_config_of(vllm_config: VllmConfig) -> ModelConfig:
@@ -99,6 +108,9 @@ class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
         # states every dtype it creates (tests/test_model.py checks it does not depend on it)
         with torch.device("meta"):
             model = Transformer(cfg, self.group)
+        if self.options["engram_offload"]:
+            mode = model.offload_engram(device)
+            logger.info("dsv41: Engram tables in host memory (%s lookups)", mode)
         self.model = materialize(model, device)
         w, layers = cfg.sliding_window, cfg.num_hidden_layers
         replay = w * layers if self.options["replay"] == "exact" else w

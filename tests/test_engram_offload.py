@@ -1,0 +1,103 @@
+"""Engram host offload (`Transformer.offload_engram`): the tables stay in host memory whatever
+device the model moves to, and lookups through them (host gather, or on CUDA the kernel reading
+page-locked memory in place) give exactly the on-device model's logits."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from dsv41.core.cache import SequenceCache
+from dsv41.core.model import EngramEmbed
+from dsv41.core.weights import build_model
+from dsv41.deploy.checkpoint import load_checkpoint, load_checkpoint_weights, make_checkpoint
+from dsv41.deploy.convert import convert
+
+from _util import rand_prompt
+
+
+def engram_tables(model) -> list[EngramEmbed]:
+    return [m for m in model.modules() if isinstance(m, EngramEmbed)]
+
+
+def logits(model, ids: torch.Tensor, n_prefill: int) -> torch.Tensor:
+    """Every position's logits: a prefill chunk, then one-token steps (fresh rows every step)."""
+    cache = SequenceCache.allocate(model.cfg, ids.numel(), ids.device)
+    out = [model(ids[:n_prefill], cache, all_logits=True)]
+    out += [model(ids[k:k + 1], cache, all_logits=True) for k in range(n_prefill, ids.numel())]
+    return torch.cat(out)
+
+
+def test_offloaded_model_equals_on_device_model(tiny_cfg, fresh_seed, rng):
+    ids = rand_prompt(tiny_cfg, 24, rng)
+    on_device = build_model(tiny_cfg, seed=fresh_seed)
+    offloaded = build_model(tiny_cfg, seed=fresh_seed, engram_offload=True)
+    assert [e.host for e in engram_tables(offloaded)] == ["gather"] * len(tiny_cfg.engram_layer_ids)
+    assert torch.equal(logits(offloaded, ids, 16), logits(on_device, ids, 16))
+
+
+def test_int8_tables_offloaded_from_a_checkpoint(tiny_cfg, fresh_seed, tmp_path, rng):
+    make_checkpoint(tiny_cfg, tmp_path / "a", seed=fresh_seed)
+    convert(tmp_path / "a", tmp_path / "i8", 1, engram_dtype="int8", progress=False)
+    cfg, on_device, tok = load_checkpoint(tmp_path / "i8")
+    offloaded = load_checkpoint_weights(tmp_path / "i8", cfg, "cpu", tok, engram_offload=True)
+    assert all(e.weight.dtype == torch.int8 and e.host == "gather" for e in engram_tables(offloaded))
+    ids = rand_prompt(cfg, 20, rng)
+    assert torch.equal(logits(offloaded, ids, 12), logits(on_device, ids, 12))
+
+
+def test_tables_stay_on_host_when_the_model_moves(tiny_cfg, fresh_seed):
+    model = build_model(tiny_cfg, seed=fresh_seed, engram_offload=True)
+    before = {id(e): (e.weight.clone(), e.scale.clone()) for e in engram_tables(model)}
+    model.to("meta")  # stands in for `.to("cuda")` / `.to("npu")` on this CPU-only machine
+    model.to(torch.float16)  # a dtype cast must not touch the stored formats either
+    for e in engram_tables(model):
+        w, s = before[id(e)]
+        assert e.weight.device.type == "cpu" and torch.equal(e.weight.view(torch.uint8), w.view(torch.uint8))
+        assert e.scale.device.type == "cpu" and torch.equal(e.scale.view(torch.uint8), s.view(torch.uint8))
+    assert model.embed.weight.is_meta  # ... while the rest of the model did move
+
+
+def test_bad_mode_is_one_error(tiny_cfg):
+    with torch.device("meta"):
+        from dsv41.core.model import Transformer
+
+        model = Transformer(tiny_cfg)
+    with pytest.raises(ValueError, match="host lookup mode"):
+        model.offload_engram("cpu", mode="nvme")
+
+
+def test_run_flag_gives_the_same_tokens(tmp_path):
+    def run(*extra):
+        r = subprocess.run([sys.executable, "-m", "dsv41.deploy.cli", "run", "--preset", "tiny", "--seed", "11",
+                            "--prompt-ids", "0,5,17,42,99,7", "--max-new-tokens", "6", "--json", *extra],
+                           capture_output=True, text=True, timeout=300, check=False)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["token_ids"]
+
+    assert run("--engram-offload") == run()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["direct", "gather"])
+def test_cuda_offload_equals_on_device(tiny_cfg, fresh_seed, rng, mode):
+    """Page-locked host tables read in place by the Triton kernel ("direct") or gathered on the
+    host and copied ("gather"), against the tables in device memory."""
+    ids = rand_prompt(tiny_cfg, 24, rng).cuda()
+    on_device = build_model(tiny_cfg, seed=fresh_seed, device="cuda")
+    with torch.device("meta"):
+        from dsv41.core.model import Transformer
+
+        model = Transformer(tiny_cfg)
+    assert model.offload_engram("cuda", mode=mode) == mode
+    from dsv41.core.weights import load_into, materialize
+
+    model = load_into(materialize(model, "cuda"), {k: v.cpu() for k, v in on_device.state_dict().items()})
+    for e in engram_tables(model):
+        assert e.weight.device.type == "cpu" and e.weight.is_pinned()
+    assert torch.equal(logits(model, ids, 16), logits(on_device, ids, 16))
+
