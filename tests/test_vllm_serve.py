@@ -122,6 +122,15 @@ def test_concurrent_requests_do_not_cross_talk(server, rng):
     assert together == alone
 
 
+def hit_grain(cfg, block_size: int, replay: int) -> int:
+    """Prefix hits come in multiples of the largest of our layers' block sizes (their least
+    common multiple: every block is the server's --block-size times a power of two)."""
+    from dsv41.deploy.vllm.paged_cache import PagedCaches
+    from torch import nn
+
+    return max(PagedCaches(cfg, block_size, "t", replay, lambda r: nn.Module()).block_sizes.values())
+
+
 def _prefix_hits(server) -> float:
     status, text = server.request("/metrics")
     assert status == 200
@@ -132,7 +141,7 @@ def _prefix_hits(server) -> float:
 
 def test_prefix_cache_hit_with_exact_replay(server, reference, rng):
     greedy, _ = reference
-    ids = _prompt(rng, 150)  # > replay (window 8 x 12 layers = 96) + a block
+    ids = _prompt(rng, 150)  # hit: 128 tokens (whole 64-token blocks) > replay (window 8 x 12 layers = 96)
     before = _prefix_hits(server)
     first = _complete(server, ids, 10)["token_ids"]
     mid = _prefix_hits(server)
@@ -221,7 +230,8 @@ def test_chat_with_image_equals_reference(server, ckpt, rng):
 
     # Twice the same long prompt whose image span holds the second request's replay start (prefix
     # hit of H tokens, rewound by the replay length): a chunk that starts inside the span.
-    replay, block = cfg.sliding_window * cfg.num_hidden_layers, 8
+    replay = cfg.sliding_window * cfg.num_hidden_layers
+    block = hit_grain(cfg, 8, replay)
     words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "small", "birds", "sing"]
     system = " ".join(words[int(k)] for k in torch.randint(0, len(words), (10,), generator=rng))
     text = "Describe it"

@@ -11,8 +11,8 @@ frees and prefix-caches them; this module itself needs no vLLM, so it is tested 
   (`SlidingWindowMLASpec(bounded_replay=True)`), so vLLM never prefix-caches it and, on a hit,
   rewinds the computed-token count by the replay length and recomputes those tokens. Record =
   FP8 latent (D) + E8M0 scales (D/32) + int32 position + 1 (0 = never written) + int32 token
-  id + the compressor's carried fp32 row pair (kv, score; used by ratio-2 KV sources, whose
-  partial group must survive between steps).
+  id + content digest, and in the layers of ratio-2 KV sources the compressor's carried fp32
+  row pair (kv, score), whose partial group must survive between steps.
 
 Validity: a window position is read only when its page is a real block (not vLLM's null block
 0) and its record carries that position. A prefix hit's replay start H - R is block-aligned
@@ -20,14 +20,16 @@ Validity: a window position is read only when its page is a real block (not vLLM
 before it sit in null blocks: the window is truncated there exactly as the reference engine's
 bounded replay truncates it (`SequenceCache.swa_floor`).
 
-Page size: vLLM's hybrid allocator wants one page size for every layer. The SWA record (the
-largest per token, because of the carried compressor rows) is rounded up to a multiple of
-`RECORD_ALIGN` bytes and its page (`block_size` records) sets the size; each global layer then
-takes the largest block of `block_size * 2^k` tokens (k <= 4) whose records, padded to fill the
-page exactly, still hold one entry (`global_layout`). Padding whole global pages to the SWA page
-instead wasted 12.6x (ratio 1) and 24.9x (ratio 2) of the full model's global KV at block size
-64; now it is 1.6x. vLLM then schedules on the least common multiple of the block sizes (prefix
-hits are multiples of the largest global block).
+Page size: vLLM's hybrid allocator wants one page size for every layer. The SWA record of a
+ratio-2 KV source (the largest per token, because of the carried compressor rows) is rounded up
+to a multiple of `RECORD_ALIGN` bytes and its page (`block_size` records) sets the size; every
+other layer takes the largest block of `block_size * 2^k` tokens (k <= 4; for window layers the
+block also divides the replay length) whose records, padded to fill the page exactly, still
+hold one entry (`fill_layout`). Padding every page to the carry-SWA page instead wasted 12.6x
+(ratio 1) and 24.9x (ratio 2) of the full model's global KV at block size 64, and 8.5x of the
+other 37 layers' window; now both are at most 1.6x (the window at block sizes that leave room
+in the replay length). vLLM schedules on the least common multiple of the block sizes (prefix
+hits are multiples of the largest block).
 """
 
 from __future__ import annotations
@@ -161,14 +163,19 @@ class PagedCaches(nn.Module):
             raise ValueError("dsv41 vLLM plugin: " + "; ".join(problems))
         d, di = cfg.head_dim, cfg.index_head_dim
         self.glob_rec = {r: GlobalRecord(d, di, r) for r in ratios}
-        self.swa_rec = SWARecord(d, carry=any(r > 1 for r in ratios))
-        swa_bytes = -(-self.swa_rec.size // RECORD_ALIGN) * RECORD_ALIGN
-        page = self.page_bytes = bs * swa_bytes
-        layout = {r: global_layout(page, bs, r, g.size) for r, g in self.glob_rec.items()}
-        reqs = [LayerRequest(f"{prefix}.global_kv.{s}", "global", layout[r][1], r, layout[r][0], 0, page)
-                for s in cfg.kv_source_layer_ids for r in [cfg.compress_ratios[s]]]
-        reqs += [LayerRequest(f"{prefix}.swa.{i}", "swa", swa_bytes, 1, bs, replay_tokens, page)
-                 for i in range(cfg.num_hidden_layers)]
+        # only the ratio-2 KV sources carry compressor rows between chunks
+        carried = {s for s in cfg.kv_source_layer_ids if cfg.compress_ratios[s] > 1}
+        self.swa_recs = [SWARecord(d, carry=li in carried) for li in range(cfg.num_hidden_layers)]
+        page = self.page_bytes = bs * max(-(-r.size // RECORD_ALIGN) * RECORD_ALIGN for r in self.swa_recs)
+        reqs = []
+        for s in cfg.kv_source_layer_ids:
+            r = cfg.compress_ratios[s]
+            block, slot = fill_layout(page, bs, r, self.glob_rec[r].size)
+            reqs.append(LayerRequest(f"{prefix}.global_kv.{s}", "global", slot, r, block, 0, page))
+        for li, rec in enumerate(self.swa_recs):
+            # a window block must divide the replay length: the replay start is block-aligned
+            block, slot = fill_layout(page, bs, 1, rec.size, divides=replay_tokens)
+            reqs.append(LayerRequest(f"{prefix}.swa.{li}", "swa", slot, 1, block, replay_tokens, page))
         self.block_sizes = {q.prefix: q.block_size for q in reqs}  # tokens per block, per layer
         self.glob = nn.ModuleDict({q.prefix.rsplit(".", 1)[1]: make_layer(q) for q in reqs if q.kind == "global"})
         self.swa = nn.ModuleList(make_layer(q) for q in reqs if q.kind == "swa")
@@ -256,9 +263,9 @@ class PagedCaches(nn.Module):
                 pages(layer, self.glob_rec[r].size)[blk, st] = rec
         pos = torch.arange(max(start, end - w), end, device=device)
         for li, layer in enumerate(self.swa):
-            ring = cache.swa[li]
+            ring, rec_layout = cache.swa[li], self.swa_recs[li]
             slots = torch.remainder(pos, w)
-            carry = torch.zeros(pos.shape[0], 8 * cfg.head_dim if self.swa_rec.carry else 0,
+            carry = torch.zeros(pos.shape[0], 8 * cfg.head_dim if rec_layout.carry else 0,
                                 dtype=torch.uint8, device=device)
             g = cache.glob.get(li)
             if g is not None and g.carry_kv is not None:
@@ -270,7 +277,7 @@ class PagedCaches(nn.Module):
             rec = torch.cat((ring.q.view(torch.uint8)[slots], ring.scale.view(torch.uint8)[slots],
                              _i32_bytes(pos + 1), _i32_bytes(tokens[pos]), dig, carry), 1)
             blk, st = self._where(layer, self._row(meta, layer, i), pos, 1)
-            pages(layer, self.swa_rec.size)[blk, st] = rec
+            pages(layer, rec_layout.size)[blk, st] = rec
 
     # -- helpers --
     def _chain_before(self, meta, layer, i: int, n: int, r: int) -> bytes:
@@ -316,8 +323,9 @@ class PagedCaches(nn.Module):
         return meta[layer.prefix].block_table[i]
 
     def _swa_records(self, meta, layer, i, pos):
+        rec = self.swa_recs[int(layer.prefix.rsplit(".", 1)[1])]
         blk, st = self._where(layer, self._row(meta, layer, i), pos, 1)
-        f = _split(pages(layer, self.swa_rec.size)[blk, st], self.swa_rec.fields)
+        f = _split(pages(layer, rec.size)[blk, st], rec.fields)
         pos1 = _as(f["pos1"], torch.int32).view(-1)
         valid = (blk != NULL_BLOCK) & (pos1 == pos.to(torch.int32) + 1)
         return f, valid
@@ -348,20 +356,20 @@ class PagedCaches(nn.Module):
         return out.tolist()
 
 
-def global_layout(page: int, block_size: int, ratio: int, record: int) -> tuple[int, int]:
-    """(tokens per block, bytes per record) of a global layer whose pages must be `page` bytes:
-    the largest block of `block_size * 2^k` tokens (k <= log2 MAX_BLOCK_SCALE) whose
-    `block / ratio` records divide the page into slots of at least `record` bytes. k = 0 always
-    fits: the SWA page holds `block_size` records, each longer than a global one."""
+def fill_layout(page: int, block_size: int, ratio: int, record: int, divides: int | None = None) -> tuple[int, int]:
+    """(tokens per block, bytes per record slot) of a layer whose pages must be `page` bytes:
+    the largest block of `block_size * 2^k` tokens (k <= log2 MAX_BLOCK_SCALE; the block also
+    dividing `divides` when given) whose `block / ratio` records divide the page into slots of at
+    least `record` bytes. k = 0 always fits: the page holds `block_size` of the largest records."""
     scale = MAX_BLOCK_SCALE
     while scale > 1:
         states = block_size * scale // ratio
-        if page % states == 0 and page // states >= record:
+        if page % states == 0 and page // states >= record and (divides is None or divides % (block_size * scale) == 0):
             break
         scale //= 2
     states = block_size * scale // ratio
     if page // states < record:
-        raise ValueError(f"a global record of {record} bytes does not fit a page of {page} bytes")
+        raise ValueError(f"a record of {record} bytes does not fit a page of {page} bytes")
     return block_size * scale, page // states
 
 
