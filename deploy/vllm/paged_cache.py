@@ -34,6 +34,7 @@ hits are multiples of the largest block).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,14 +101,21 @@ def chain_hash(prev: bytes, group_digests: list[bytes]) -> bytes:
     return hashlib.blake2b(prev + b"".join(group_digests), digest_size=8).digest()
 
 
+@functools.lru_cache(maxsize=1 << 18)
+def _token_digest(tok: int) -> bytes:
+    return hashlib.blake2b(b"t%d" % tok, digest_size=8).digest()
+
+
 def content_digests(ids: torch.Tensor, is_image: torch.Tensor, image_rows: torch.Tensor | None) -> list[bytes]:
     """Per position, 8 bytes naming what the model saw there: the token id, or for an image
     position its embedding row (image tokens share one id, so the id alone would let two
-    different images of one size look alike)."""
+    different images of one size look alike). Token digests are cached per id."""
     out, rows = [], iter(image_rows.cpu().contiguous().view(torch.uint8) if image_rows is not None else ())
     for tok, img in zip(ids.tolist(), is_image.tolist()):
-        data = b"i" + next(rows).numpy().tobytes() if img and image_rows is not None else b"t%d" % tok
-        out.append(hashlib.blake2b(data, digest_size=8).digest())
+        if img and image_rows is not None:
+            out.append(hashlib.blake2b(b"i" + next(rows).numpy().tobytes(), digest_size=8).digest())
+        else:
+            out.append(_token_digest(tok))
     return out
 
 
