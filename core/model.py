@@ -572,7 +572,8 @@ class Transformer(nn.Module):
 
         platform = platform_for(device)
         if mode is None:
-            direct = platform.kind == "cuda" and registry.resolve("engram_lookup", "cuda")[1] == "cuda"
+            direct = (platform.kind == "cuda" and registry.forced_backend() in (None, "cuda")
+                      and registry.resolve("engram_lookup", "cuda")[1] == "cuda")
             mode = "direct" if direct else "gather"
         for m in self.modules():
             if isinstance(m, EngramEmbed):
