@@ -333,8 +333,8 @@ class EngramEmbed(nn.Module):
     """Engram rows as stored: "fp8" (E4M3 + E8M0 scale per 32) or "int8" (+ one fp32 scale per
     row, `dsv41 convert --engram-dtype int8`); `ops.engram_lookup` dequantises either.
 
-    Host offload (`Transformer.offload_engram`; the tables are 97% of the full model's Engram
-    bytes and do not fit beside the experts on one A2 / A3): the tables live in host memory
+    Host offload (`Transformer.offload_engram`; the full model's tables are 203 GB of its 512 GB
+    and do not fit beside the experts on one A2 / A3, docs/serving.md): the tables live in host memory
     (page-locked when the model runs on an accelerator) and stay there whatever device or dtype
     the model is moved to. A lookup then either reads the rows in place from the device
     ("direct": CUDA's Triton kernel on page-locked memory) or gathers the step's rows on the
