@@ -9,6 +9,7 @@ device (or `DSV41_BACKEND`). The reference implementations (plain torch, fp32 ma
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -25,13 +26,21 @@ def _first_device(args, kwargs) -> torch.device:
     return torch.device("cpu")
 
 
-def _op(stub):
-    """Turn a documented stub into the dispatching entry point of the op of the same name."""
+def _op(stub=None, *, device_arg: str | None = None):
+    """Turn a documented stub into the dispatching entry point of the op of the same name. The
+    backend follows the first tensor argument's device, or the argument named `device_arg`."""
+    if stub is None:
+        return functools.partial(_op, device_arg=device_arg)
     name = stub.__name__
+    pos = list(inspect.signature(stub).parameters).index(device_arg) if device_arg else None
 
     @functools.wraps(stub)
     def call(*args, **kwargs):
-        return dispatch(name, _first_device(args, kwargs))(*args, **kwargs)
+        if pos is None:
+            device = _first_device(args, kwargs)
+        else:
+            device = (args[pos] if len(args) > pos else kwargs[device_arg]).device
+        return dispatch(name, device)(*args, **kwargs)
 
     return call
 
@@ -199,8 +208,8 @@ def engram_gate(x: Tensor, k: Tensor, v: Tensor, q_weight: Tensor, k_weight: Ten
     x_s + gate_s * v in fp32, cast to x's dtype."""
 
 
+@_op(device_arg="rows")
 def engram_lookup(table: Tensor, scale: Tensor, rows: Tensor) -> Tensor:
     """Hashed row ids [T, R] -> gather FP8 (scale per 32) or INT8 (scale per row) rows ->
-    dequantised bf16 [T, R * Dh] on rows' device. Dispatched on rows' device, not the table's:
-    a host-offloaded table (page-locked) is read in place by the CUDA kernel."""
-    return dispatch("engram_lookup", rows.device)(table, scale, rows)
+    dequantised bf16 [T, R * Dh] on rows' device. Dispatched on rows' device: the table may be
+    held in host memory (Engram offload; page-locked on a device)."""

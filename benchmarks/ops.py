@@ -70,12 +70,16 @@ def graph_time(fn: Callable[[], object], iters: int = 20, per: int = 10) -> floa
     return timeit(g.replay, iters=iters, warmup=2) / per
 
 
-def ceilings() -> tuple[float, float]:
-    """(copy GB/s, bf16 matmul TFLOP/s) measured now."""
+def copy_gbs(iters: int = 20) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second) of a 1 GiB buffer."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    t = timeit(lambda: dst.copy_(src), iters=20)
-    copy = 2 * src.numel() / t / 1e9
+    return 2 * src.numel() / timeit(lambda: dst.copy_(src), iters=iters) / 1e9
+
+
+def ceilings() -> tuple[float, float]:
+    """(copy GB/s, bf16 matmul TFLOP/s) measured now."""
+    copy = copy_gbs()
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     t = timeit(lambda: a @ a, iters=10)
     return copy, 2 * 8192**3 / t / 1e12

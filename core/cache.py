@@ -175,7 +175,7 @@ class SequenceCache:
             raise ValueError(f"can checkpoint 1..{w} tokens ahead (the SWA window), got {n_ahead}")
         dev = self.swa[0].q.device if self.swa else "cpu"
         slots = torch.arange(self.length, self.length + n_ahead, device=dev) % w
-        saved = [(r.q[slots].clone(), r.scale.view(torch.uint8)[slots].clone()) for r in self.swa]
+        saved = [(r.q[slots], r.scale.view(torch.uint8)[slots]) for r in self.swa]  # (indexing copies)
         for g in self.glob.values():
             g.keep_rows, g.rows = True, None
         return CacheCheckpoint(self.length, slots, saved, {s: g.state() for s, g in self.glob.items()})

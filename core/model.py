@@ -338,12 +338,11 @@ class EngramEmbed(nn.Module):
     (page-locked when the model runs on an accelerator) and stay there whatever device or dtype
     the model is moved to. A lookup then either reads the rows in place from the device
     ("direct": CUDA's Triton kernel on page-locked memory) or gathers the step's rows on the
-    host and copies only those over ("gather": any device; the Ascend path). Both return exactly
-    the on-device lookup's values: the same op runs on the same rows. Tested on CPU (gather);
-    unverified on hardware at the model level on CUDA and NPU (the CUDA kernel's in-place read of a
-    page-locked table is tested on an H200)."""
-
-    HOST_MODES = ("direct", "gather")
+    host and copies only those over ("gather": any other device or table; the Ascend path). The
+    backend's `engram_lookup` picks the path from where the table is; both return exactly the
+    on-device lookup's values (the same op on the same rows). Tested on CPU; unverified on
+    hardware at the model level on CUDA and NPU (the CUDA kernel's in-place read of a page-locked
+    table is tested on an H200)."""
 
     def __init__(self, rows: int, dim: int, storage: str = "fp8"):
         super().__init__()
@@ -353,39 +352,25 @@ class EngramEmbed(nn.Module):
         else:
             self.register_buffer("weight", torch.empty(rows, dim, dtype=torch.float8_e4m3fn))
             self.register_buffer("scale", torch.empty(rows, dim // 32, dtype=torch.float8_e8m0fnu))
-        self.host: str | None = None  # None: the tables follow the model; else a HOST_MODES entry
-        self.pinned = False
+        self.offloaded, self.pinned = False, False
 
-    def to_host(self, mode: str, platform) -> None:
-        """Keep the tables in `platform`'s host memory (`Platform.pinned_empty`) from now on."""
-        if mode not in self.HOST_MODES:
-            raise ValueError(f"Engram host lookup mode must be one of {self.HOST_MODES}, got {mode!r}")
-        self.host, self._host_empty = mode, platform.pinned_empty
-        self.pinned = platform.kind != "cpu"
+    def to_host(self, pinned: bool) -> None:
+        """Keep the tables in host memory from now on, page-locked when `pinned` (a model on an
+        accelerator)."""
+        self.offloaded, self.pinned = True, pinned
         for name, buf in self._buffers.items():
             if buf is not None and not buf.is_meta and buf.device.type != "cpu":
-                self._buffers[name] = self._host_empty(buf.shape, buf.dtype).copy_(buf)
+                self._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=pinned).copy_(buf)
 
     def _apply(self, fn, recurse=True):
         # `.to(device)`, `.to_empty(...)`, `.half()` ... reach buffers through `_apply`: offloaded
         # tables keep their host storage and dtype (meta ones get host storage allocated)
-        if self.host is None:
+        if not self.offloaded:
             return super()._apply(fn, recurse)
         for name, buf in self._buffers.items():
             if buf is not None and buf.is_meta:
-                self._buffers[name] = self._host_empty(buf.shape, buf.dtype)
+                self._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=self.pinned)
         return self
-
-    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
-        """Dequantised bf16 rows [T, R * Dh] on rows' device (see the class docstring)."""
-        if self.host != "gather":
-            return ops.engram_lookup(self.weight, self.scale, rows)
-        flat = rows.reshape(-1).cpu()  # the row ids come back to the host (a sync on devices)
-        w, sc = self.weight[flat], self.scale[flat]
-        if self.pinned:  # page-locked staging makes the copies below asynchronous
-            w, sc = w.pin_memory(), sc.pin_memory()
-        w, sc = w.to(rows.device, non_blocking=True), sc.to(rows.device, non_blocking=True)
-        return ops.engram_lookup(w, sc, torch.arange(flat.numel(), device=rows.device).view(rows.shape))
 
 
 class Engram(nn.Module):
@@ -421,7 +406,8 @@ class Engram(nn.Module):
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor, is_image: torch.Tensor) -> torch.Tensor:
         t, n, d = x.shape
-        e = self.embed.lookup(rows) if self.group.world_size == 1 else self.sharded_lookup(rows)
+        e = ops.engram_lookup(self.embed.weight, self.embed.scale, rows) if self.group.world_size == 1 \
+            else self.sharded_lookup(rows)
         kv = self.wkv(e).float()
         k, v = kv[:, : n * d].reshape(t, n, d), kv[:, n * d:]
         return ops.engram_gate(x, k, v, self.q_weight, self.k_weight, self.cfg.rms_norm_eps, is_image)
@@ -435,7 +421,7 @@ class Engram(nn.Module):
         mine = (rows >= self.row_lo) & (rows < self.row_lo + n_local)
         if n_local:
             local = torch.where(mine, rows - self.row_lo, 0)
-            e = self.embed.lookup(local).view(t, r, -1)
+            e = ops.engram_lookup(self.embed.weight, self.embed.scale, local).view(t, r, -1)
         else:  # the last piece may be empty
             e = torch.zeros(t, r, self.cfg.engram_head_dim, dtype=BF16, device=rows.device)
         e = e.masked_fill(~mine.unsqueeze(-1), 0)
@@ -561,24 +547,14 @@ class Transformer(nn.Module):
             for name in IMAGE_FRAME:
                 self.register_buffer(name, torch.empty(d, dtype=BF16))
 
-    def offload_engram(self, device: torch.device | str, mode: str | None = None) -> str:
+    def offload_engram(self, device: torch.device | str) -> None:
         """Keep every Engram table in host memory while the rest of the model runs on `device`
-        (call it on the meta-device model, before `weights.materialize`, so no table is ever
-        allocated on the device). `mode`: "direct" or "gather" (see `EngramEmbed`); by default
-        "direct" where `device`'s backend has a kernel that reads page-locked host memory (CUDA
-        with Triton), else "gather". Returns the mode."""
-        from ..backends import registry
-        from ..backends.platform import platform_for
-
-        platform = platform_for(device)
-        if mode is None:
-            direct = (platform.kind == "cuda" and registry.forced_backend() in (None, "cuda")
-                      and registry.resolve("engram_lookup", "cuda")[1] == "cuda")
-            mode = "direct" if direct else "gather"
+        (page-locked when `device` is an accelerator). Call it on the meta-device model, before
+        `weights.materialize`, so no table is ever allocated on the device."""
+        pinned = str(device).split(":")[0] != "cpu"  # (torch.device("npu") needs torch_npu)
         for m in self.modules():
             if isinstance(m, EngramEmbed):
-                m.to_host(mode, platform)
-        return mode
+                m.to_host(pinned)
 
     def set_engram_vocab(self, comp_map, n_compressed: int) -> None:
         """Install the token -> compressed-id map (built from the tokenizer) used by Engram."""

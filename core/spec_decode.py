@@ -27,7 +27,6 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch
 
 from .dspark import DSpark, target_features
 from .engine import Engine, GenerationResult, SamplingParams, sample, sampling_probs
+from .tokenizer import atomic_write_text
 
 PROFILE_ENV = "DSV41_SPEC_PROFILE"
 PROFILE_VERSION = 1
@@ -81,17 +81,10 @@ class ThroughputProfile:
         return self
 
     def save(self, path: str | Path) -> Path:
-        """Write as JSON atomically (temporary file in the same folder, then rename)."""
+        """Write as JSON atomically (temporary file in the same folder, fsync, then rename)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(asdict(self), f, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write_text(path, json.dumps(asdict(self), indent=1))
         return path
 
     @classmethod

@@ -192,7 +192,7 @@ def build_tiny_tokenizer() -> Tokenizer:
     return tok
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
     """Write `text` to a temp file in the same directory, fsync, then rename over `path`."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -238,8 +238,8 @@ def write_tokenizer_files(
         "model_max_length": int(model_max_length),
         "chat_template": chat_template,
     }
-    _atomic_write_text(tok_path, tokenizer.to_str(pretty=True))
-    _atomic_write_text(cfg_path, json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    atomic_write_text(tok_path, tokenizer.to_str(pretty=True))
+    atomic_write_text(cfg_path, json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
     return tok_path, cfg_path
 
 

@@ -380,13 +380,21 @@ def load_checkpoint_weights(ckpt_dir: str | os.PathLike, cfg: ModelConfig, devic
                         buffers[native].copy_(fh.get_tensor(stored))
             except _READ_ERRORS as e:
                 raise WeightError(f"{f}: cannot read tensor data (truncated or corrupt: {e})") from None
-    if tokenizer is not None and cfg.engram_layer_ids:
-        from ..core.engram import build_compression_map
-
-        comp, n_comp = build_compression_map(tokenizer, vocab_size=cfg.vocab_size,
-                                             pad_token_id=cfg.engram_pad_token_id)
-        model.set_engram_vocab(comp, n_comp)
+    if tokenizer is not None:
+        install_engram_vocab(model, tokenizer)
     return model
+
+
+def install_engram_vocab(model, tokenizer) -> None:
+    """Install the Engram compression map of `tokenizer` (the token -> compressed id map the
+    hashes use) into `model`; nothing to do for a model without Engram layers."""
+    cfg = model.cfg
+    if not cfg.engram_layer_ids:
+        return
+    from ..core.engram import build_compression_map
+
+    comp, n_comp = build_compression_map(tokenizer, vocab_size=cfg.vocab_size, pad_token_id=cfg.engram_pad_token_id)
+    model.set_engram_vocab(comp, n_comp)
 
 
 def load_checkpoint(ckpt_dir: str | os.PathLike, device: str | torch.device = "cpu", group: Group = SINGLE):

@@ -192,7 +192,7 @@ def _generate(args, group, device) -> int:
     import torch
 
     from ..core.engine import Engine, SamplingParams
-    from ..core.engram import build_compression_map
+    from .checkpoint import install_engram_vocab
 
     cfg = _resolve_config(args)
     if not args.speculative and (args.spec_len is not None or args.spec_profile):
@@ -206,9 +206,8 @@ def _generate(args, group, device) -> int:
     tok = _tokenizer_for(args, cfg)
     prompt, images = _prompt_and_images(args, tok, cfg)
     model = _load_weights(args, cfg, device, tok, group)
-    if tok is not None and cfg.engram_layer_ids and not args.ckpt:  # a checkpoint's is installed
-        comp, n_comp = build_compression_map(tok, vocab_size=cfg.vocab_size, pad_token_id=cfg.engram_pad_token_id)
-        model.set_engram_vocab(comp, n_comp)
+    if tok is not None and not args.ckpt:  # a checkpoint's map is installed by the loader
+        install_engram_vocab(model, tok)
     engine = Engine(model, prefill_mode=args.prefill_mode)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed,
@@ -384,10 +383,12 @@ def cmd_serve(args) -> int:
     why = serve.vllm_missing_reason()
     if why:
         raise UserError(why)
+    from .checkpoint import read_config
+
     try:
-        serve.check_model_dir(args.model_dir)
+        read_config(args.model_dir)  # a missing directory or a bad config fails here, not in vLLM
         serve.server_command(args.model_dir, args.flags)
-    except (FileNotFoundError, ValueError) as e:
+    except ValueError as e:  # ConfigError too
         raise UserError(str(e)) from None
     serve.exec_server(args.model_dir, args.flags)
     return 0  # not reached: exec replaced the process

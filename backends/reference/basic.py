@@ -137,8 +137,23 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     return exact_fn(torch.nn.functional.silu, g) * u
 
 
+def gather_rows_to(table: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor):
+    """For a table held elsewhere than `rows` (Engram host offload): gather the rows where the
+    table is and copy only those (page-locked staging when they go to a device). Returns
+    (rows' entries, their scales, ids into them), all on rows' device: a lookup of those equals
+    the lookup in the whole table."""
+    flat = rows.reshape(-1).to(table.device)  # the ids come to the host (a sync on devices)
+    vals, sc = table[flat], scale[flat]
+    if vals.device.type == "cpu" and rows.device.type != "cpu":
+        vals, sc = vals.pin_memory(), sc.pin_memory()
+    vals, sc = vals.to(rows.device, non_blocking=True), sc.to(rows.device, non_blocking=True)
+    return vals, sc, torch.arange(flat.numel(), device=rows.device).view(rows.shape)
+
+
 @register("engram_lookup")
 def engram_lookup(table: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    if table.device != rows.device:  # a host-offloaded table
+        table, scale, rows = gather_rows_to(table, scale, rows)
     t, r = rows.shape
     flat = rows.reshape(-1)
     vals = table[flat]

@@ -109,8 +109,8 @@ class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
         with torch.device("meta"):
             model = Transformer(cfg, self.group)
         if self.options["engram_offload"]:
-            mode = model.offload_engram(device)
-            logger.info("dsv41: Engram tables in host memory (%s lookups)", mode)
+            model.offload_engram(device)
+            logger.info("dsv41: Engram tables in host memory")
         self.model = materialize(model, device)
         w, layers = cfg.sliding_window, cfg.num_hidden_layers
         replay = w * layers if self.options["replay"] == "exact" else w
@@ -204,11 +204,9 @@ class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
     def _install_engram_vocab(self) -> None:
         if not self.cfg.engram_layer_ids:
             return
-        from ...core.engram import build_compression_map
-        from ..checkpoint import read_tokenizer
+        from ..checkpoint import install_engram_vocab, read_tokenizer
 
         tok = read_tokenizer(self.tokenizer_path)
         if tok is None:
             raise ValueError(f"dsv41 plugin: Engram needs the checkpoint's tokenizer.json ({self.tokenizer_path})")
-        comp, n = build_compression_map(tok, vocab_size=self.cfg.vocab_size, pad_token_id=self.cfg.engram_pad_token_id)
-        self.model.set_engram_vocab(comp, n)
+        install_engram_vocab(self.model, tok)

@@ -270,22 +270,23 @@ class PagedCaches(nn.Module):
                                  _i32_bytes(tok), torch.stack(chain).to(device)), 1)
                 pages(layer, self.glob_rec[r].size)[blk, st] = rec
         pos = torch.arange(max(start, end - w), end, device=device)
+        slots = torch.remainder(pos, w)
+        digests = b"".join(cache.paged_digests[p - start] for p in range(int(pos[0]), end)) if pos.numel() else b""
+        # the record's tail after the latent is the same in every layer (carry aside)
+        tail = torch.cat((_i32_bytes(pos + 1), _i32_bytes(tokens[pos]),
+                          torch.frombuffer(bytearray(digests), dtype=torch.uint8).view(-1, 8).to(device)), 1)
         for li, layer in enumerate(self.swa):
             ring, rec_layout = cache.swa[li], self.swa_recs[li]
-            slots = torch.remainder(pos, w)
-            carry = torch.zeros(pos.shape[0], 8 * cfg.head_dim if rec_layout.carry else 0,
-                                dtype=torch.uint8, device=device)
-            g = cache.glob.get(li)
-            if g is not None and g.carry_kv is not None:
-                m = g.carry_kv.shape[0]
-                rows = torch.stack((g.carry_kv, g.carry_score), 1).contiguous().view(torch.uint8).view(m, -1)
-                carry[-m:] = rows
-            dig = torch.tensor([list(cache.paged_digests[p - start]) for p in pos.tolist()], dtype=torch.uint8,
-                               device=device).view(-1, 8)
-            rec = torch.cat((ring.q.view(torch.uint8)[slots], ring.scale.view(torch.uint8)[slots],
-                             _i32_bytes(pos + 1), _i32_bytes(tokens[pos]), dig, carry), 1)
+            parts = [ring.q.view(torch.uint8)[slots], ring.scale.view(torch.uint8)[slots], tail]
+            if rec_layout.carry:
+                carry = torch.zeros(pos.shape[0], 8 * cfg.head_dim, dtype=torch.uint8, device=device)
+                g = cache.glob[li]
+                if g.carry_kv is not None:
+                    m = g.carry_kv.shape[0]
+                    carry[-m:] = torch.stack((g.carry_kv, g.carry_score), 1).contiguous().view(torch.uint8).view(m, -1)
+                parts.append(carry)
             blk, st = self._where(layer, self._row(meta, layer, i), pos, 1)
-            pages(layer, rec_layout.size)[blk, st] = rec
+            pages(layer, rec_layout.size)[blk, st] = torch.cat(parts, 1)
 
     # -- helpers --
     def _chain_before(self, meta, layer, i: int, n: int, r: int) -> bytes:
@@ -311,8 +312,8 @@ class PagedCaches(nn.Module):
         """How many entries from `start` on are already in the pages for this very prefix: after
         a prefix hit of H tokens vLLM rewinds to H - R to replay the window, while the global
         entries of [H - R, H) sit in the hit's cached blocks (checked by chain hash)."""
-        if start % r or start == 0:
-            return 0  # replay starts are block-aligned and follow a hit
+        if start % self.block_size or start == 0:
+            return 0  # replay starts are block-aligned (and multiples of r) and follow a hit
         h, n = self._chain_before(meta, layer, i, start // r, r), 0
         row = self._row(meta, layer, i)
         size = self.glob_rec[r].size

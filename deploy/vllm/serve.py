@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
 from . import ARCHITECTURE, PLUGIN_NAME
 
@@ -63,14 +62,6 @@ def _vllm_ascend_without_torch_npu() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("vllm_ascend") is not None and importlib.util.find_spec("torch_npu") is None
-
-
-def check_model_dir(model_dir: str) -> None:
-    d = Path(model_dir)
-    if not d.is_dir():
-        raise FileNotFoundError(f"{model_dir}: no such checkpoint directory")
-    if not (d / "config.json").exists():
-        raise FileNotFoundError(f"{model_dir}: not a checkpoint (no config.json)")
 
 
 def vllm_missing_reason() -> str | None:

@@ -3,8 +3,8 @@
 Tables: FP8 E4M3 [rows, Dh] (torch.float8_e4m3fn) with E8M0 scales [rows, Dh/32]
 (float8_e8m0fnu) or plain fp32/bf16/fp16 scales [rows, Dh/32]; or INT8 [rows, Dh] with
 one fp32 scale per row ([rows] or [rows, 1]). Every gathered row is one contiguous load of Dh
-bytes; the table may be a device tensor or pinned host memory (read through its
-device-visible address).
+bytes; the table may be a device tensor or, on CUDA, pinned host memory (read through its
+device-visible address; unverified at the model level, kernel tested on an H200).
 
 Bit-exact with `engram_lookup_ref`: E4M3 bytes are decoded with integer ops (sign, 4-bit
 exponent with bias 7, 3-bit mantissa, subnormals m * 2^-9, 0x7F/0xFF NaN) to their exact fp32
@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.basic import engram_lookup as engram_lookup_ref  # noqa: F401  (the oracle)
+from ...backends.reference.basic import gather_rows_to
 
 BLOCK_R = 16  # gathered rows per tile
 NUM_WARPS = 4
@@ -82,8 +83,14 @@ def _engram_kernel(tab_ptr, sc_ptr, rows_ptr, out_ptr, n_rows, DH, n_tiles, num_
 def engram_lookup(table: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, *,
                   block_r: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """`ops.engram_lookup`: gather rows [T, R] of `table` and dequantise them to bf16
-    [T, R * Dh] on rows' device. `table`/`scale` may be pinned host tensors (CUDA)."""
+    [T, R * Dh] on rows' device. On CUDA a page-locked host table is read in place; any other
+    table off rows' device (host memory on Ascend, or not page-locked) has the step's rows
+    gathered where it is and copied over first (`gather_rows_to`)."""
     from .launch import grid_for, interpreting
+
+    in_place = table.device == rows.device or (rows.device.type == "cuda" and table.is_pinned() and scale.is_pinned())
+    if not in_place:
+        table, scale, rows = gather_rows_to(table, scale, rows)
 
     if rows.dim() != 2:
         raise ValueError(f"rows must be [T, R], got {tuple(rows.shape)}")
