@@ -515,7 +515,7 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Embedding -> 4 mHC streams -> encoder layers -> decoder layers -> collapse, norm, head."""
 
-    def __init__(self, cfg: ModelConfig, group: Group = SINGLE):
+    def __init__(self, cfg: ModelConfig, group: Group = SINGLE, with_drafter: bool = True):
         super().__init__()
         cfg.validate()
         self.cfg, self.group = cfg, group
@@ -532,7 +532,9 @@ class Transformer(nn.Module):
         self.head = Linear(d, vocab, "bf16")
         from .dspark import build_stages  # imports this module
 
-        self.mtp = build_stages(cfg, group)  # DSpark drafter stages `mtp.0..` (None without one)
+        # DSpark drafter stages `mtp.0..` (None without one, or when `with_drafter` is False:
+        # a run without speculative decoding never allocates them)
+        self.mtp = build_stages(cfg, group) if with_drafter else None
         self.register_buffer("engram_map", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
         self.engram_pad = 0
         if cfg.vision is not None:  # DeepSeek-ViT + aligner + framing rows (core/vision.py)

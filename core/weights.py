@@ -15,16 +15,18 @@ def _randn(gen: torch.Generator, shape, std: float) -> torch.Tensor:
     return torch.randn(shape, generator=gen, dtype=torch.float32) * std
 
 
-def random_state_dict(model: Transformer, seed: int) -> dict[str, torch.Tensor]:
+def random_state_dict(model: Transformer, seed: int, *, prefix: str = "", cfg=None) -> dict[str, torch.Tensor]:
     """A full state dict of seeded random weights in storage formats (CPU tensors).
 
     Each tensor gets its own generator seeded from (seed, name), so the values of a name do not
-    depend on which other tensors exist (model-parallel shards and partial loads agree).
+    depend on which other tensors exist (model-parallel shards and partial loads agree). With
+    `prefix` (and the model's `cfg`), `model` is the submodule at that name: its tensors get
+    their full names and the values they have in the whole model (`iter_random_state`).
     """
-    cfg = model.cfg
+    cfg = cfg or model.cfg
     out: dict[str, torch.Tensor] = {}
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
-    for name, buf in model.state_dict().items():
+    linears = {name: m for name, m in model.named_modules(prefix=prefix.rstrip(".")) if isinstance(m, Linear)}
+    for name, buf in model.state_dict(prefix=prefix).items():
         gen = torch.Generator().manual_seed(_name_seed(seed, name))
         owner, _, leaf = name.rpartition(".")
         if owner in linears:
@@ -116,13 +118,101 @@ def materialize(model: Transformer, device: str | torch.device = "cpu") -> Trans
 
 
 def build_model(cfg, seed: int = 0, device: str | torch.device = "cpu", state_dict=None,
-                engram_offload: bool = False) -> Transformer:
+                engram_offload: bool = False, *, with_drafter: bool = True, progress: bool = False) -> Transformer:
     """A model on `device` with seeded random weights (or `state_dict`); with
-    `engram_offload`, the Engram tables in host memory (`Transformer.offload_engram`)."""
+    `engram_offload`, the Engram tables in host memory (`Transformer.offload_engram`).
+
+    Random weights are drawn and copied in one unit at a time (`iter_random_state`), so the
+    peak memory is the model plus one unit's temporaries, not a second copy of the weights;
+    `progress` shows a bar over the bytes. Without `with_drafter` the DSpark stages are not built."""
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg, with_drafter=with_drafter)
     if engram_offload:
         model.offload_engram(device)
     model = materialize(model, device)
-    sd = state_dict if state_dict is not None else random_state_dict(model, seed)
-    return load_into(model, sd)
+    if state_dict is not None:
+        return load_into(model, state_dict)
+    expected = model.state_dict()
+    filled: set[str] = set()
+    with torch.no_grad(), progress_bar(storage_bytes(model), "random weights", progress) as bar:
+        for sd in iter_random_state(model, seed):
+            check_state_dict_part(expected, sd)
+            for name, t in sd.items():
+                expected[name].copy_(t)
+                bar.update(t.numel() * t.element_size())
+            filled.update(sd)
+    if filled != set(expected):  # pragma: no cover - the units cover the state dict by construction
+        raise WeightError(f"random weights left {len(set(expected) - filled)} tensor(s) unset")
+    return model
+
+
+# ---- streaming: bounded memory for random weights and checkpoint writing --------------------
+
+UNIT_BYTES = 256 << 20  # storage bytes per streamed unit (its fp32 temporaries are a few times this)
+
+
+def storage_bytes(module: torch.nn.Module) -> int:
+    """Bytes of `module`'s checkpoint tensors in their storage dtypes (works on meta)."""
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+
+
+def weight_units(module: torch.nn.Module, prefix: str = "", max_bytes: int = UNIT_BYTES):
+    """(prefix, module) pieces covering `module`'s state dict, each at most `max_bytes` unless
+    it is a single module without children (a Linear, an Engram table). A split module's own
+    tensors go into a holder module of their own (`prefix` stays that of the split module)."""
+    if storage_bytes(module) <= max_bytes or not any(True for _ in module.children()):
+        yield prefix, module
+        return
+    own = {k: v for k, v in module.state_dict().items() if "." not in k}
+    if own:
+        holder = torch.nn.Module()
+        for k, v in own.items():
+            holder.register_buffer(k, v)
+        yield prefix, holder
+    for name, child in module.named_children():
+        yield from weight_units(child, f"{prefix}{name}.", max_bytes)
+
+
+def iter_random_state(model: Transformer, seed: int, max_bytes: int = UNIT_BYTES):
+    """`random_state_dict(model, seed)` in pieces (dicts of full names -> tensors), one
+    `weight_units` unit at a time: the same values, bounded memory."""
+    for prefix, unit in weight_units(model, "", max_bytes):
+        yield random_state_dict(unit, seed, prefix=prefix, cfg=model.cfg)
+
+
+def check_state_dict_part(expected: dict[str, torch.Tensor], part: dict[str, torch.Tensor]) -> None:
+    """A streamed piece against the model's state dict: names, shapes and dtypes."""
+    bad = [k for k, t in part.items()
+           if k not in expected or tuple(t.shape) != tuple(expected[k].shape) or t.dtype != expected[k].dtype]
+    if bad:
+        raise WeightError(f"{len(bad)} streamed tensor(s) do not match the model, e.g. {bad[:3]}")
+
+
+def progress_bar(total: int, desc: str, enabled: bool = True):
+    """A tqdm bar over bytes on stderr (a no-op bar when disabled or when stderr is not a
+    terminal and DSV41_PROGRESS is unset, so logs and tests stay clean)."""
+    import os
+    import sys
+
+    from tqdm import tqdm
+
+    show = enabled and (sys.stderr.isatty() or os.environ.get("DSV41_PROGRESS") == "1")
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not show,
+                dynamic_ncols=True, file=sys.stderr)
+
+
+# ---- non-finite values -------------------------------------------------------------------------
+
+# Bit masks of the NaN / Inf encodings of the 8-bit float formats (all exponent bits set).
+_FP8_SPECIAL = {torch.float8_e4m3fn: (0x7F, 0x7F), torch.float8_e5m2: (0x7C, 0x7C),
+                torch.float8_e8m0fnu: (0xFF, 0xFF)}
+
+
+def count_nonfinite(t: torch.Tensor) -> int:
+    """How many NaN / Inf values `t` holds (0 for integer tensors: packed FP4 has neither)."""
+    if t.dtype in _FP8_SPECIAL:
+        mask, special = _FP8_SPECIAL[t.dtype]
+        return int(((t.view(torch.uint8) & mask) == special).sum())
+    if t.is_floating_point():
+        return int((~torch.isfinite(t)).sum())
+    return 0

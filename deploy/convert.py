@@ -43,7 +43,7 @@ import os
 import re
 import shutil
 import struct
-import tempfile
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,12 +155,19 @@ def discover(src: Path) -> list[SrcTensor]:
             wmap = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ConvertError(f"{index}: unreadable index ({e})") from None
+        if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
+            raise ConvertError(f"{index}: 'weight_map' must be an object of tensor name -> file name")
         files = sorted(set(wmap.values()))
+        outside = [f for f in files if Path(f).name != f or f in (".", "..")]
+        if outside:  # as the loader: shards are plain names inside the checkpoint directory
+            raise ConvertError(f"{index}: shard {outside[0]!r} is not a plain file name in the checkpoint directory")
     else:
         wmap = None
         files = sorted(p.name for p in src.glob("*.safetensors"))
         if not files:
-            raise ConvertError(f"{src}: no *.safetensors files and no model.safetensors.index.json")
+            from .checkpoint import no_weights_message
+
+            raise ConvertError(no_weights_message(src))
     out: list[SrcTensor] = []
     seen: dict[str, Path] = {}
     for fn in files:
@@ -381,7 +388,7 @@ class ShardWriter:
         raw += b" " * (-len(raw) % 8)
         self.base = 8 + len(raw)
         self.size = self.base + off
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask
         self._write_all(struct.pack("<Q", len(raw)) + raw, 0)
 
     def _write_all(self, data, pos: int) -> None:
@@ -571,7 +578,28 @@ def convert(src_dir, dst_dir, model_parallel: int, expert_dtype: str = "fp4", en
         "largest_source_tensor_bytes": max((t.nbytes for t in tensors), default=0),
     }
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    from .outdir import DestinationBusy, clean_stale_temps, destination_lock
+
+    try:
+        with destination_lock(dst):
+            _check_destination(dst)  # again, now that no other writer can create it
+            for p in clean_stale_temps(dst):
+                print(f"dsv41: note: removed {p}, left by an interrupted run", file=sys.stderr)
+            return _convert_into(dst, cfg, units, report, mp, tok_files, progress, chunk_bytes, t0)
+    except DestinationBusy as e:
+        raise ConvertError(str(e)) from None
+    except OSError as e:  # disk full, a read-only or special destination: the temp dir is gone
+        raise ConvertError(f"{e.filename or dst}: {e.strerror or e}; nothing was written") from None
+
+
+def _convert_into(dst: Path, cfg, units: list[Unit], report: dict, mp: int, tok_files: list[Path],
+                  progress: bool, chunk_bytes: int, t0: float) -> dict:
+    """`convert`'s writing half (holding the destination lock): the shards, config and
+    tokenizer into a temporary folder beside `dst`, renamed to `dst` at the end; any failure
+    removes the temporary folder."""
+    from .outdir import temp_dir_beside
+
+    tmp = temp_dir_beside(dst)
     writers: list[ShardWriter] = []
     files: dict = {}
     bar = None
@@ -590,9 +618,9 @@ def convert(src_dir, dst_dir, model_parallel: int, expert_dtype: str = "fp4", en
             w.close()
         if report["bytes_read"] != report["source_bytes"]:
             raise ConvertError(f"read {report['bytes_read']} of {report['source_bytes']} source bytes")
-        out_cfg = cfg.replace(expert_dtype=expert_dtype).to_hf_dict()
+        out_cfg = cfg.replace(expert_dtype=report["expert_dtype"]).to_hf_dict()
         out_cfg["model_parallel"] = mp
-        out_cfg.setdefault("quantization_config", {})["engram_dtype"] = engram_dtype
+        out_cfg.setdefault("quantization_config", {})["engram_dtype"] = report["engram_dtype"]
         (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2) + "\n")
         for p in tok_files:
             shutil.copyfile(p, tmp / p.name)

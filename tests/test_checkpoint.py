@@ -160,21 +160,24 @@ def test_unwritable_location_fails_cleanly(tmp_path):
 
 
 def test_failure_mid_write_leaves_nothing(tmp_path, tiny_cfg, monkeypatch):
-    import safetensors.torch as st
+    """A full disk (ENOSPC) while the second shard is written: the error propagates and
+    neither the temporary folder nor the lock file nor the destination is left."""
+    from dsv41.deploy import convert as conv
 
-    calls = []
-    real = st.save_file
+    shards = []
+    real = conv.ShardWriter._write_all
 
-    def flaky(tensors, filename, metadata=None):
-        calls.append(filename)
-        if len(calls) == 2:
-            raise OSError(28, "No space left on device", filename)
-        return real(tensors, filename, metadata=metadata)
+    def flaky(self, data, pos):
+        if self.path.name not in shards:
+            shards.append(self.path.name)
+        if len(shards) == 2:
+            raise OSError(28, "No space left on device", str(self.path))
+        return real(self, data, pos)
 
-    monkeypatch.setattr(st, "save_file", flaky)
+    monkeypatch.setattr(conv.ShardWriter, "_write_all", flaky)
     with pytest.raises(OSError):
         make_checkpoint(tiny_cfg, tmp_path / "ck", seed=SEED, max_shard_bytes=2_000_000)
-    assert len(calls) == 2 and listing(tmp_path) == []
+    assert len(shards) == 2 and listing(tmp_path) == []
 
 
 # ---- loading --------------------------------------------------------------------------------
