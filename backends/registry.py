@@ -113,10 +113,27 @@ def resolve(name: str, backend: str) -> tuple[Callable, str, str]:
     return op.impls["reference"], "reference", f"fallback: {reason}"
 
 
+_UNAVAILABLE_WARNED: set[str] = set()  # backends whose "unavailable" warning was given
+
+
+def _warn_unavailable_once(backend: str) -> bool:
+    """One warning per process for a backend that cannot load at all (e.g. forced with
+    DSV41_BACKEND on a machine without it), rather than one per op; True when it applies."""
+    why = _LOADED.get(backend)
+    if backend == "reference" or why is None:
+        return False
+    if backend not in _UNAVAILABLE_WARNED:
+        _UNAVAILABLE_WARNED.add(backend)
+        how = f"{ENV_VAR}={backend}" if forced_backend() == backend else f"the {backend} backend"
+        warnings.warn(f"dsv41: {how}: the {backend} backend is unavailable ({why}); every op uses the reference",
+                      RuntimeWarning, stacklevel=4)
+    return True
+
+
 def dispatch(name: str, device: torch.device | str) -> Callable:
     backend = backend_for_device(device)
     fn, used, reason = resolve(name, backend)
-    if used != backend:
+    if used != backend and not _warn_unavailable_once(backend):
         op = _OPS[name]
         if backend not in op.warned:
             op.warned.add(backend)
@@ -132,3 +149,4 @@ def op_names() -> list[str]:
 def reset_warnings() -> None:
     for op in _OPS.values():
         op.warned.clear()
+    _UNAVAILABLE_WARNED.clear()

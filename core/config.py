@@ -169,7 +169,9 @@ class ModelConfig:
     # ---- validation ---------------------------------------------------------------------
     def problems(self) -> list[str]:
         """Every inconsistency in this config, one sentence each (empty when valid)."""
-        p: list[str] = []
+        p: list[str] = type_problems(self)
+        if p:  # the checks below compare and divide these values
+            return p
         L = self.num_hidden_layers
         positive = [
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
@@ -334,6 +336,56 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+def _type_ok(v: Any, kind: str) -> bool:
+    """Whether a JSON value `v` fits the annotation `kind` of a config field (a float field
+    takes an int; neither takes a bool, NaN or infinity)."""
+    if kind.endswith(" | None"):
+        return v is None or _type_ok(v, kind[: -len(" | None")])
+    if kind == "bool":
+        return isinstance(v, bool)
+    if kind == "int":
+        return isinstance(v, int) and not isinstance(v, bool)
+    if kind == "float":
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if kind == "str":
+        return isinstance(v, str)
+    if kind == "list[int]":
+        return isinstance(v, list) and all(_type_ok(x, "int") for x in v)
+    return True  # nested dataclasses: checked field by field by `type_problems`
+
+
+def type_problems(obj: Any, prefix: str = "") -> list[str]:
+    """Fields of a config dataclass (and its nested RopeScaling / VisionConfig) whose values
+    are not of the annotated type, e.g. `rope_scaling.factor` given as "x"."""
+    out = []
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            out += type_problems(v, f"{prefix}{f.name}.")
+        elif not _type_ok(v, str(f.type)):
+            want = str(f.type).replace("list[int]", "a list of integers").replace(" | None", " or null")
+            out.append(f"{prefix}{f.name} must be {want}, got {v!r}")
+    return out
+
+
+# Fields a config file must state: without them an empty or truncated file would silently be
+# the published (full-size) model.
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers")
+
+
+def quantization_problems(q: Any) -> list[str]:
+    """What this stack cannot honour in a Hugging Face `quantization_config` (its FP8 blocks
+    are 32 x 32: `weight_block_size` must say so when given)."""
+    if not q:
+        return []
+    if not isinstance(q, dict):
+        return [f"quantization_config must be an object, got {type(q).__name__}"]
+    wbs = q.get("weight_block_size", [32, 32])
+    if wbs != [32, 32]:
+        return [f"quantization_config.weight_block_size must be [32, 32] (the FP8 block size), got {wbs!r}"]
+    return []
+
+
 # Flat inference config.json key -> ModelConfig field (the one place for these renames).
 FLAT_KEYS: dict[str, str] = {
     "vocab_size": "vocab_size",
@@ -411,11 +463,18 @@ def _build(kwargs: dict[str, Any], source: str) -> ModelConfig:
     unknown = sorted(set(kwargs) - names)
     if unknown:
         raise ConfigError(f"{source}: unknown config keys {unknown}")
+    missing = [k for k in REQUIRED_FIELDS if k not in kwargs]
+    if missing:
+        raise ConfigError(f"{source}: the config does not state {', '.join(missing)} (flat form: vocab_size, dim, "
+                          "n_layers); an incomplete config is not read as the full model (use --preset full for that)")
     try:
         cfg = ModelConfig(**kwargs)
     except TypeError as e:  # pragma: no cover - guarded by the unknown-key check
         raise ConfigError(f"{source}: {e}") from None
-    return cfg.validate()
+    try:
+        return cfg.validate()
+    except ConfigError as e:  # name the file: "FILE: invalid model config:" + the problems
+        raise ConfigError(f"{source}: {e}") from None
 
 
 def _rope_scaling(d: Any, source: str) -> RopeScaling | None:
@@ -466,6 +525,9 @@ def from_hf_dict(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
     if "image_token_id" in d:
         kw["image_token_id"] = d["image_token_id"]
     q = d.get("quantization_config")
+    bad_q = quantization_problems(q)
+    if bad_q:
+        raise ConfigError(f"{source}: {bad_q[0]}")
     kw["weight_dtype"] = "fp8" if q else "bf16"
     if q and "expert_dtype" in q:
         kw["expert_dtype"] = q["expert_dtype"]
@@ -575,6 +637,9 @@ def _mini() -> ModelConfig:
         kv_source_layer_ids=[1, 3], index_source_layer_ids=[1, 3, 4], candidate_source_layer_id=3,
         engram_layer_ids=[0, 1], engram_num_embeddings=[0, 0], engram_vocab_size=100000,
         dspark_target_layer_ids=[3, 4, 5], max_position_embeddings=131072,
+        # the drafter in proportion: the published one has a third of the backbone's experts
+        # (128 of 384); 8 of 16 keeps every model-parallel split up to 8 ways
+        dspark_n_routed_experts=8,
         rope_scaling=RopeScaling(),
     )
 

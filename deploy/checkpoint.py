@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import re
 import shutil
@@ -84,8 +85,8 @@ def parse_size(text: str | int) -> int:
         value = float(num)
     except ValueError:
         raise ValueError(f"not a size: {text!r} (use e.g. 2MB, 512KiB, 5GB or a byte count)") from None
-    if value <= 0:
-        raise ValueError(f"size must be positive, got {text!r}")
+    if not math.isfinite(value) or value <= 0 or value * mult < 1:
+        raise ValueError(f"size must be a positive, finite number of bytes, got {text!r}")
     return int(value * mult)
 
 
@@ -226,13 +227,11 @@ def check_output_dir(out: Path, force: bool) -> None:
         raise CheckpointExistsError(f"{out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise CheckpointExistsError(f"{out}: directory exists and is not empty (use --force to replace it)")
-    parent = out.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise CheckpointExistsError(f"{out}: cannot write: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise PermissionError(errno.EACCES, "no write permission", str(parent))
+    from .outdir import unwritable_reason
+
+    why = unwritable_reason(out)
+    if why:
+        raise PermissionError(errno.EACCES, why, str(out))
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:

@@ -589,7 +589,8 @@ def convert(src_dir, dst_dir, model_parallel: int, expert_dtype: str = "fp4", en
     except DestinationBusy as e:
         raise ConvertError(str(e)) from None
     except OSError as e:  # disk full, a read-only or special destination: the temp dir is gone
-        raise ConvertError(f"{e.filename or dst}: {e.strerror or e}; nothing was written") from None
+        raise ConvertError(f"{dst}: cannot write the converted checkpoint ({e.filename + ': ' if e.filename else ''}"
+                           f"{e.strerror or e}); nothing was written") from None
 
 
 def _convert_into(dst: Path, cfg, units: list[Unit], report: dict, mp: int, tok_files: list[Path],

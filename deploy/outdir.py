@@ -42,6 +42,19 @@ def temp_dir_beside(dst: str | os.PathLike, kind: str = "tmp") -> Path:
             continue
 
 
+def unwritable_reason(path: str | os.PathLike) -> str | None:
+    """Why `path` could not be created (its nearest existing ancestor is not a writable
+    directory), or None; checked before slow work so it fails at once."""
+    parent = Path(path).parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"no write permission on {parent}"
+    return None
+
+
 def lock_path(dst: Path) -> Path:
     return dst.parent / f".{dst.name}.lock"
 

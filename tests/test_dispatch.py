@@ -27,7 +27,9 @@ def test_env_override_and_bad_value(monkeypatch):
         registry.backend_for_device("cpu")
 
 
-def test_fallback_warns_once_per_op_and_matches_reference(monkeypatch):
+def test_unavailable_forced_backend_warns_once_and_matches_reference(monkeypatch):
+    """DSV41_BACKEND naming a backend that cannot load: one warning for the process (not one
+    per op), and the reference's results."""
     monkeypatch.setenv("DSV41_BACKEND", "ascend")  # no torch_npu here: every op falls back
     registry.reset_warnings()
     x, w = torch.randn(3, 32), torch.rand(32) + 0.5
@@ -37,9 +39,8 @@ def test_fallback_warns_once_per_op_and_matches_reference(monkeypatch):
         b = ops.rms_norm(x, w, 1e-6)
         ops.rope(x, torch.ones(3, 4), torch.zeros(3, 4))
     msgs = [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)]
-    assert len([m for m in msgs if "'rms_norm'" in m]) == 1
-    assert len([m for m in msgs if "'rope'" in m]) == 1
-    assert all("torch_npu not importable" in m for m in msgs)
+    assert len(msgs) == 1, msgs
+    assert "DSV41_BACKEND=ascend" in msgs[0] and "torch_npu not importable" in msgs[0]
     monkeypatch.delenv("DSV41_BACKEND")
     assert torch.equal(a, b) and torch.equal(a, ops.rms_norm(x, w, 1e-6))
 
