@@ -225,13 +225,13 @@ def _check_prompt(prompt: list[int], images: list, params, cfg) -> None:
 
 def _first_contact_notes(args, tok, group) -> None:
     """One line each, on rank 0, once everything is checked and before the weights are built:
-    random weights, no tokenizer."""
+    random weights, a preset or config without a tokenizer."""
     if group.rank != 0:
         return
     if not getattr(args, "ckpt", None):
         print(f"dsv41: note: random weights (seed {args.seed}; no --ckpt): the generated text is meaningless",
               file=sys.stderr)
-    if tok is None:
+    if tok is None and not getattr(args, "ckpt", None):
         print(f"dsv41: note: {_model_name(args)} has no tokenizer: prompts are token ids (--prompt-ids) and "
               "the output is ids only", file=sys.stderr)
 
@@ -567,6 +567,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print one JSON object")
     r.add_argument("--speculative", action="store_true", help="DSpark speculative decoding (reports acceptance)")
     r.add_argument("--spec-len", type=int, metavar="K", help="verify K drafts per step (default: the scheduler picks)")
+    r.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
+                   help="run N model-parallel ranks on this host (a converted --ckpt; torchrun's launcher, "
+                        "reporting a failure as one line)")
     r.add_argument("--spec-profile", metavar="FILE", help="throughput profile from `dsv41 profile-spec` "
                    "(default: $DSV41_SPEC_PROFILE or ~/.cache/dsv41/spec-profile-<device>-<model>.json)")
     r.set_defaults(func=cmd_run)
@@ -640,6 +643,14 @@ def main(argv: list[str] | None = None) -> int:
     from ..core.weights import WeightError
 
     args = build_parser().parse_args(argv)
+    if getattr(args, "nproc_per_node", 1) != 1:
+        from ..core.parallel import launched_distributed
+        from .launch import launch
+
+        if args.nproc_per_node < 1 or launched_distributed():
+            print("dsv41: error: --nproc-per-node must be >= 1 and is not for use under torchrun", file=sys.stderr)
+            return 2
+        return launch(args.nproc_per_node, sys.argv[1:] if argv is None else list(argv))
     try:
         return args.func(args)
     except (UserError, ConfigError, WeightError, OSError) as e:

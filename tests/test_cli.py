@@ -30,6 +30,9 @@ def test_run_tiny_json():
 def test_run_text_prompt_prints_rates():
     p = dsv41("run", "--prompt", "Hello there", "--max-new-tokens", "3", "--ignore-eos")
     assert "generated ids" in p.stdout and "tokens/s" in p.stdout
+    # random weights say so, in one line, and nothing else goes to stderr
+    assert p.stderr.strip().splitlines() == ["dsv41: note: random weights (seed 0; no --ckpt): the generated text "
+                                             "is meaningless"]
 
 
 def test_info_published_config(tmp_path):
@@ -76,3 +79,12 @@ def test_backends_lists_every_op():
     assert "reference: available" in p.stdout
     for op in ("sparse_attention", "indexer_topk", "mhc_mixes", "engram_lookup", "moe_route"):
         assert op in p.stdout
+
+
+def test_model_parallel_failure_is_one_line(tmp_path):
+    """`run --nproc-per-node 2` (torchrun's launcher in-process): a rank's error is the whole
+    report, without torchrun's traceback and log lines after it."""
+    p = dsv41("run", "--nproc-per-node", "2", "--prompt-ids", "5,100000", check=False)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [
+        "dsv41: error: --prompt-ids: token id 100000 is outside the vocabulary [0, 512)"]
