@@ -638,9 +638,18 @@ def error_text(message: str) -> str:
     return "\n".join([f"dsv41: error: {head}: {bullets[0]} (and {len(bullets) - 1} more below)", *lines[1:]])
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    """An allocation the memory estimate did not foresee (a long generation, a busy machine):
+    MemoryError, torch.OutOfMemoryError (accelerators) or the CPU allocator's RuntimeError."""
+    import torch
+
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..core.config import ConfigError
     from ..core.weights import WeightError
+
 
     args = build_parser().parse_args(argv)
     if getattr(args, "nproc_per_node", 1) != 1:
@@ -653,6 +662,12 @@ def main(argv: list[str] | None = None) -> int:
         return launch(args.nproc_per_node, sys.argv[1:] if argv is None else list(argv))
     try:
         return args.func(args)
+    except (MemoryError, RuntimeError) as e:
+        if not _out_of_memory(e):
+            raise
+        print(error_text(f"out of memory ({str(e).splitlines()[0] if str(e) else type(e).__name__}); try a "
+                         "smaller preset, fewer tokens or a bigger machine"), file=sys.stderr)
+        return 2
     except (UserError, ConfigError, WeightError, OSError) as e:
         if isinstance(e, OtherRankFailed):
             return 2  # the failing rank prints its error

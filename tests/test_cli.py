@@ -31,8 +31,8 @@ def test_run_text_prompt_prints_rates():
     p = dsv41("run", "--prompt", "Hello there", "--max-new-tokens", "3", "--ignore-eos")
     assert "generated ids" in p.stdout and "tokens/s" in p.stdout
     # random weights say so, in one line, and nothing else goes to stderr
-    assert p.stderr.strip().splitlines() == ["dsv41: note: random weights (seed 0; no --ckpt): the generated text "
-                                             "is meaningless"]
+    note = "dsv41: note: random weights (seed 0; no --ckpt): the generated text is meaningless"
+    assert p.stderr.strip().splitlines() == [note]
 
 
 def test_info_published_config(tmp_path):

@@ -8,11 +8,14 @@ import stat
 
 import pytest
 import torch
-
 from dsv41.core.config import ConfigError, from_dict, preset
 from dsv41.deploy import cli, outdir
 from dsv41.deploy import convert as conv
-from dsv41.deploy.checkpoint import load_checkpoint_weights, make_checkpoint, read_config
+from dsv41.deploy.checkpoint import (
+    load_checkpoint_weights,
+    make_checkpoint,
+    read_config,
+)
 
 SEED = 0
 
@@ -264,13 +267,12 @@ def test_pickle_only_folder_says_how_to_convert(capsys, tmp_path):
 def test_nan_weights_are_one_error(tmp_path, tiny_ckpt):
     import shutil
 
-    from safetensors.torch import load_file, save_file
-
     from dsv41.core.weights import WeightError, count_nonfinite
+    from safetensors.torch import load_file, save_file
 
     src = tmp_path / "nan"
     shutil.copytree(tiny_ckpt, src)
-    shard = sorted(src.glob("model-*.safetensors"))[0]
+    shard = min(src.glob("model-*.safetensors"))
     sd = load_file(shard)
     name = next(k for k, v in sd.items() if v.dtype == torch.bfloat16)
     sd[name] = sd[name].clone()
@@ -329,10 +331,9 @@ def test_mini_drafter_in_proportion():
 # ---- images of a messages file ----------------------------------------------------------------
 
 def test_messages_images_stay_in_their_folder(tmp_path):
-    from PIL import Image
-
     from dsv41.core.messages import MessagesError, encode_messages
     from dsv41.core.tokenizer import build_tiny_tokenizer
+    from PIL import Image
 
     tok, cfg = build_tiny_tokenizer(), preset("tiny")
     inside, outside = tmp_path / "msgs", tmp_path / "elsewhere"
@@ -397,3 +398,13 @@ def test_profile_spec_warns_when_the_curve_is_not_increasing(capsys, tmp_path, m
     assert code == 0 and "wrote" in out
     assert any(line.startswith("dsv41: warning: the measured curve is not increasing (tokens/s at 3 tokens <= "
                                "at 2)") for line in err)
+
+
+def test_unforeseen_out_of_memory_is_one_line(capsys, monkeypatch):
+    def alloc(args):
+        torch.empty(1 << 62, dtype=torch.uint8)  # the CPU allocator's RuntimeError
+
+    monkeypatch.setattr(cli, "cmd_info", alloc)
+    code, _, err = run_cli(capsys, "info")
+    one_error(code, err, "out of memory (")
+    assert "can't allocate memory" in err[0]
