@@ -42,9 +42,7 @@ def random_state_dict(model: Transformer, seed: int, *, prefix: str = "", cfg=No
                 out[name] = w.to(buf.dtype)
             continue
         if name.endswith("engram.embed.weight"):
-            out[name], out[owner + ".scale"] = quant.fp8_quant(_randn(gen, tuple(buf.shape), 1.0))
-            if buf.dtype == torch.int8:  # INT8 storage: the FP8 rows re-quantised per row, as convert does
-                out[name], out[owner + ".scale"] = quant.int8_row_quant(quant.fp8_dequant(out[name], out[owner + ".scale"]))
+            out[name], out[owner + ".scale"] = _engram_rows(gen, tuple(buf.shape), 1.0, buf.dtype == torch.int8)
         elif name.endswith("engram.embed.scale"):
             continue
         elif name in ("embed.weight", "image_start", "image_newline", "image_end"):  # embedding rows
@@ -64,6 +62,28 @@ def random_state_dict(model: Transformer, seed: int, *, prefix: str = "", cfg=No
         else:  # norm weights, Engram q/k weights: around 1
             out[name] = (1.0 + 0.1 * _randn(gen, tuple(buf.shape), 1.0)).to(buf.dtype)
     return out
+
+
+def _engram_rows(gen: torch.Generator, shape: tuple, std: float, int8: bool,
+                 chunk_bytes: int = 64 << 20) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 rows `quant.fp8_quant(_randn(gen, shape, std))` (INT8 storage: those re-quantised
+    per row, as convert does), drawn and quantised a row chunk at a time so the fp32
+    temporaries are one chunk, not the whole table (the largest tensors of the model). The
+    values are those of the whole draw: torch's CPU normal draw is sequential in blocks of 16
+    values, a row holds a multiple of 32, and both quantisations are row-local."""
+    rows, dim = shape
+    step = max(1, chunk_bytes // (4 * max(dim, 1)))
+    q_out = sc_out = None
+    for a in range(0, max(rows, 1), step):
+        b = min(rows, a + step)
+        q, sc = quant.fp8_quant(_randn(gen, (b - a, dim), std))
+        if int8:
+            q, sc = quant.int8_row_quant(quant.fp8_dequant(q, sc))
+        if q_out is None:  # the outputs' dtypes and row shapes come from the first chunk
+            q_out = torch.empty((rows, *q.shape[1:]), dtype=q.dtype)
+            sc_out = torch.empty((rows, *sc.shape[1:]), dtype=sc.dtype)
+        q_out[a:b], sc_out[a:b] = q, sc
+    return q_out, sc_out
 
 
 def _name_seed(seed: int, name: str) -> int:

@@ -83,26 +83,25 @@ class MemoryNeed:
 def weights_need(cfg, device: torch.device, *, with_drafter: bool, engram_offload: bool,
                  random_weights: bool, group=None) -> MemoryNeed:
     """Bytes the weights take where they live, plus the host temporaries of drawing random
-    weights (the largest tensor in fp32, twice: the draw and its quantisation)."""
+    weights: the largest tensor other than the Engram tables (drawn in row chunks) as its fp32
+    draw and its converted copy, about 6 bytes per value."""
     from ..core.model import EngramEmbed, Transformer
     from ..core.parallel import SINGLE
 
     with torch.device("meta"):
         model = Transformer(cfg, group or SINGLE, with_drafter=with_drafter)
-    engram = set()
-    if engram_offload:
-        engram = {f"{n}.{k}" for n, m in model.named_modules() if isinstance(m, EngramEmbed)
-                  for k in m.state_dict()}
+    engram = {f"{n}.{k}" for n, m in model.named_modules() if isinstance(m, EngramEmbed) for k in m.state_dict()}
     dev = host = largest = 0
     for k, t in model.state_dict().items():
         n = t.numel() * t.element_size()
-        largest = max(largest, t.numel())
-        if k in engram:
+        if k not in engram:
+            largest = max(largest, t.numel())
+        if k in engram and engram_offload:
             host += n
         else:
             dev += n
     if random_weights:
-        host += 2 * 4 * largest
+        host += 6 * largest
     dev += int(dev * HEADROOM_FRACTION) + HEADROOM_BYTES
     if device.type == "cpu":
         return MemoryNeed(0, dev + host)

@@ -408,3 +408,18 @@ def test_unforeseen_out_of_memory_is_one_line(capsys, monkeypatch):
     code, _, err = run_cli(capsys, "info")
     one_error(code, err, "out of memory (")
     assert "can't allocate memory" in err[0]
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_engram_rows_drawn_in_chunks_equal_the_whole_draw(int8):
+    """The Engram tables (the largest tensors) are drawn a row chunk at a time: same values."""
+    from dsv41.backends.reference import quant
+    from dsv41.core.weights import _engram_rows, _randn
+
+    q, sc = quant.fp8_quant(_randn(torch.Generator().manual_seed(3), (1000, 64), 1.0))
+    if int8:
+        q, sc = quant.int8_row_quant(quant.fp8_dequant(q, sc))
+    q2, sc2 = _engram_rows(torch.Generator().manual_seed(3), (1000, 64), 1.0, int8, chunk_bytes=64 * 4 * 33)
+    assert q2.dtype == q.dtype and sc2.dtype == sc.dtype
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(sc2.view(torch.uint8), sc.view(torch.uint8))
