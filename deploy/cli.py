@@ -646,10 +646,28 @@ def _out_of_memory(e: BaseException) -> bool:
     return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
 
 
+def _exit_on_sigterm(signum, frame):
+    """SIGTERM (kill, a scheduler, torchrun stopping the other ranks) unwinds like Ctrl-C, so
+    the writers remove their temporary folders; status 143 as for a plain SIGTERM."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     from ..core.config import ConfigError
     from ..core.weights import WeightError
-
 
     args = build_parser().parse_args(argv)
     if getattr(args, "nproc_per_node", 1) != 1:

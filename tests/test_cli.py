@@ -88,3 +88,17 @@ def test_model_parallel_failure_is_one_line(tmp_path):
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [
         "dsv41: error: --prompt-ids: token id 100000 is outside the vocabulary [0, 512)"]
+
+
+def test_sigterm_mid_write_leaves_nothing(tmp_path):
+    """SIGTERM while the second shard is written (here sent by the writer itself, to hit that
+    moment): status 143 and no temporary folder, lock or destination left."""
+    code = ("import os, signal, sys; from dsv41.deploy import cli, convert as conv; real = conv.ShardWriter._write_all\n"
+            "def w(self, data, pos):\n"
+            "    if self.path.name.startswith('model-00002'): os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    return real(self, data, pos)\n"
+            "conv.ShardWriter._write_all = w\n"
+            f"sys.exit(cli.main(['make-checkpoint', '--out', {str(tmp_path / 'ck')!r}]))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 143, p.stderr
+    assert "Traceback" not in p.stderr and list(tmp_path.iterdir()) == []
