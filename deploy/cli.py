@@ -231,7 +231,7 @@ def _first_contact_notes(args, tok, group) -> None:
     if not getattr(args, "ckpt", None):
         print(f"dsv41: note: random weights (seed {args.seed}; no --ckpt): the generated text is meaningless",
               file=sys.stderr)
-    if tok is None and not getattr(args, "ckpt", None):
+    if tok is None and not getattr(args, "ckpt", None) and hasattr(args, "prompt_ids"):  # `run`, not profile-spec
         print(f"dsv41: note: {_model_name(args)} has no tokenizer: prompts are token ids (--prompt-ids) and "
               "the output is ids only", file=sys.stderr)
 

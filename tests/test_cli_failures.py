@@ -262,6 +262,9 @@ def test_pickle_only_folder_says_how_to_convert(capsys, tmp_path):
     code, _, err = run_cli(capsys, "run", "--ckpt", d, "--prompt-ids", "5")
     one_error(code, err, "only PyTorch pickle files (pytorch_model.bin), which are never loaded")
     assert "save_file(torch.load('pytorch_model.bin', weights_only=True)" in err[0]
+    code, _, err = run_cli(capsys, "convert", "--hf-ckpt-path", d, "--save-path", tmp_path / "mp",
+                           "--model-parallel", "1", "--no-progress")
+    one_error(code, err, "only PyTorch pickle files (pytorch_model.bin), which are never loaded")
 
 
 def test_nan_weights_are_one_error(tmp_path, tiny_ckpt):
