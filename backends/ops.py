@@ -94,6 +94,12 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
 
 
 @_op
+def rope_tables(inv_freq: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """cos / sin [T, R/2] fp32 of the angles positions[t] * inv_freq[i] (positions reach 1M, so
+    the angle must be formed in more than fp32 precision or from exact pieces)."""
+
+
+@_op
 def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """y = x @ W^T. With `scale`, W is stored FP8 E4M3 (E8M0 32x32 block scales) or packed FP4
     (int8 [N, K/2], E8M0 per 32 along K) and x is FP8-quantised in blocks of 32 first.
