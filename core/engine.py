@@ -160,6 +160,7 @@ class GenerationResult:
     counters: Counter = field(default_factory=Counter)  # work of every step the sequence was in
     text: str | None = None
     spec: dict | None = None  # speculative decoding statistics (`core/spec_decode.py`)
+    logits: list[torch.Tensor] | None = None  # fp32 [V] per sampled token (Engine(record_logits=True))
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -187,6 +188,7 @@ class Sequence:
     out: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     counters: Counter = field(default_factory=Counter)
+    logits: list[torch.Tensor] = field(default_factory=list)  # with Engine(record_logits=True)
     t_admit: float = 0.0
     t_first: float = 0.0
     t_done: float = 0.0
@@ -197,7 +199,8 @@ class Sequence:
 
     def result(self) -> GenerationResult:
         return GenerationResult(list(self.out), len(self.prompt), self.t_first - self.t_admit, self.t_done - self.t_first,
-                                self.hit, self.finish_reason or "length", self.counters)
+                                self.hit, self.finish_reason or "length", self.counters,
+                                logits=self.logits or None)
 
 
 class Engine:
@@ -205,7 +208,7 @@ class Engine:
 
     def __init__(self, model: Transformer, *, prefill_mode: str = "ced", replay: str = "window",
                  prefix_cache: bool = False, prefix_capacity: int = 1024, block_size: int = 16,
-                 max_batch: int = 64, max_tokens_per_step: int = 2048):
+                 max_batch: int = 64, max_tokens_per_step: int = 2048, record_logits: bool = False):
         if prefill_mode not in ("ced", "exact"):
             raise ValueError(f"prefill_mode must be 'ced' or 'exact', got {prefill_mode!r}")
         if replay not in ("window", "exact"):
@@ -217,6 +220,7 @@ class Engine:
         self.model, self.cfg = model, model.cfg
         self.prefill_mode, self.replay = prefill_mode, replay
         self.max_batch, self.max_tokens_per_step = max_batch, max_tokens_per_step
+        self.record_logits = record_logits  # keep each sampled row's logits (tests, debugging)
         self.pool = KVPool(self.cfg, block_size=block_size, device=self.device,
                            drafter=getattr(model, "mtp", None) is not None)
         self.prefix = PrefixCache(self.pool, prefix_capacity) if prefix_cache else None
@@ -346,6 +350,8 @@ class Engine:
             if self.prefix is not None and seq.image_rows is None and not seq.out:
                 self.prefix.insert(seq.prompt, seq.state.glob_blocks)
             tok = sample(logits[row], seq.params, seq.gen)
+            if self.record_logits:
+                seq.logits.append(logits[row].clone())
             row += 1
             if not seq.out:
                 seq.t_first = now
