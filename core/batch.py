@@ -134,6 +134,9 @@ def build_step(cfg: ModelConfig, pool: KVPool, chunks: list[Chunk], device: torc
         st, start = ch.state, ch.state.length
         if not ch.ids:
             raise ValueError("a chunk must hold at least one token")
+        if start + len(ch.ids) > cfg.max_position_embeddings:
+            raise ValueError(f"sequence of {start + len(ch.ids)} tokens exceeds max_position_embeddings "
+                             f"({cfg.max_position_embeddings})")
         img = [image_token_id is not None and t == image_token_id for t in ch.ids]
         del st.tokens[start:], st.is_image[start:]  # (after a rollback: forget rejected tokens)
         st.tokens += ch.ids
