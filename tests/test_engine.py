@@ -122,22 +122,23 @@ def _mixed_prompts(cfg, rng, shared):
 
 @pytest.mark.parametrize("prefill_mode", ["exact", "ced"])
 def test_batch_invariance(tiny_model, tiny_cfg, rng, prefill_mode):
-    """Every sequence's greedy tokens and logits are identical alone and inside a continuous
-    batch of mixed lengths: steps mix prefill chunks (16 tokens per step) with decode rows, and
+    """Every sequence's tokens (greedy, or sampled with its own seed) and logits are identical
+    alone and inside a continuous batch of mixed lengths: steps mix prefill chunks (16 tokens per step) with decode rows, and
     two prompts hit the prefix cache of a third."""
     shared = rand_prompt(tiny_cfg, 48, rng).tolist()
     prompts = _mixed_prompts(tiny_cfg, rng, shared)
-    params = SamplingParams(max_new_tokens=6)
+    # half of them sampled, each with its own seed
+    params = [SamplingParams(max_new_tokens=6, temperature=0.8 if i % 2 else 0.0, seed=i) for i in range(len(prompts))]
     alone = []
-    for p in prompts:
+    for p, sp in zip(prompts, params):
         e = Engine(tiny_model, prefill_mode=prefill_mode, record_logits=True, prefix_cache=True)
         _prefill(e, shared + [5])  # the same cached prefix the batch will find
-        alone.append(e.generate(p, params))
+        alone.append(e.generate(p, sp))
     e = Engine(tiny_model, prefill_mode=prefill_mode, record_logits=True, prefix_cache=True,
                max_tokens_per_step=16, max_batch=5)
     _prefill(e, shared + [5])
     steps = []
-    batch = e.generate_batch([(p, params, None) for p in prompts], on_step=lambda: steps.append(1))
+    batch = e.generate_batch([(p, sp, None) for p, sp in zip(prompts, params)], on_step=lambda: steps.append(1))
     assert len(steps) < sum(len(p) + 6 for p in prompts) / 4  # really batched
     assert [r.prefix_hit_tokens for r in batch] == [r.prefix_hit_tokens for r in alone]
     assert sum(r.prefix_hit_tokens > 0 for r in batch) == 2
