@@ -12,9 +12,9 @@ Structure (checkpoint names under `mtp.K.`):
 
 Runtime (our reading where the spec is terse; each choice is one place to change):
 - Context. For every token the main model has processed, each stage writes a KV row computed
-  from the fused feature h = main_norm(main_proj(concat)) as it computes KV for its own input:
-  kv_norm(wkv(attn_norm(h))), RoPE at the token's position, FP8, into its own ring slot
-  pos % window. Only accepted tokens are ever written, so the drafter has nothing to roll back.
+  from the fused feature h = main_norm(main_proj(concat)): kv_norm(wkv(h)) (no `attn_norm` on
+  this path, as in the official drafter), RoPE at the token's position, FP8, into its own ring
+  slot pos % window. Only accepted tokens are ever written, so the drafter has nothing to roll back.
 - Draft block. Tokens [last token, noise x (B-1)] at positions start+1 .. start+B (`start` = the
   last context position) run through the stages, non-causal inside the block, each query also
   seeing the ring's context entries within its sliding window. Block rows are never written to
@@ -207,7 +207,8 @@ class DSpark:
         for st in self.stages:
             a = st.attn
             cos, sin = rope_tables(a.inv_freq, pos)
-            kv8, kv_s = ops.fp8_quant(ops.rope(a.kv_norm(a.wkv(st.attn_norm(h))), cos, sin))
+            # the official drafter feeds main_x to wkv directly: no attn_norm on the context path
+            kv8, kv_s = ops.fp8_quant(ops.rope(a.kv_norm(a.wkv(h)), cos, sin))
             state.swa[a.layer_id].write(pos, kv8, kv_s)
         state.length = start + t
 
