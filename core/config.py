@@ -407,6 +407,7 @@ FLAT_VISION = {
     "vision_max_n_token": "max_image_tokens",
     "vision_min_pixels": "min_pixels",
     "vision_max_wh_ratio": "max_wh_ratio",
+    "vision_rope_theta": "rope_theta",
 }
 # Flat-config defaults of the reference code that differ from the published values: absent keys
 # fall back to these (spec section 6: `max_seq_len` 4096 sizes caches and RoPE tables).

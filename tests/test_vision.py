@@ -380,6 +380,23 @@ def test_tower_matches_the_official_arithmetic(vmodel, tiny_cfg, size, rng):
     assert err < 2e-2  # bf16 activations: roundings flipped by fp32 vs fp64 matmul sums (up to 6e-3)
 
 
+def test_vision_preprocessing_keys_load_from_both_config_forms(tiny_cfg):
+    from dsv41.core.config import from_dict
+    from test_config import FLAT
+
+    released = {k: v for k, v in FLAT.items() if k != "vision_max_tokens"}
+    released.update(vision_min_pixels=295936, vision_max_n_token=1024, vision_max_wh_ratio=None,
+                    vision_rope_theta=10000.0)
+    assert from_dict(released).vision == VisionConfig()
+    vc = from_dict({**released, "vision_min_pixels": 1000, "vision_max_wh_ratio": 2.5}).vision
+    assert (vc.min_pixels, vc.max_wh_ratio) == (1000, 2.5)
+    nested = tiny_cfg.to_hf_dict()
+    assert from_dict(nested).vision == tiny_cfg.vision
+    del nested["vision_config"]["min_pixels"]
+    nested["vision_config"]["min_image_size"] = 100  # the earlier form: the side of the minimum area
+    assert from_dict(nested).vision.min_pixels == 100 * 100
+
+
 def test_expand_placeholders():
     assert expand_image_placeholders([1, 4, 9, 4], 4, [3, 2]) == [1, 4, 4, 4, 9, 4, 4]
     with pytest.raises(ValueError, match="2 image placeholder"):
