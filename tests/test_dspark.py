@@ -69,42 +69,48 @@ def test_draft_block_is_noncausal_static_and_leaves_the_drafter_state(tiny_model
 
 
 def test_context_kv_is_kv_norm_of_wkv_of_main_x(tiny_model, tiny_cfg, rng):
-    """Each stage's ring holds FP8(RoPE(kv_norm(wkv(main_x)))) with main_x = main_norm(main_proj(
+    """Each stage's pool holds FP8(RoPE(kv_norm(wkv(main_x)))) with main_x = main_norm(main_proj(
     features)): no attn_norm on the context path (the official drafter has none there)."""
     from dsv41.backends import ops
+    from dsv41.core.cache import KVPool, SequenceState
     from dsv41.core.model import rope_tables
 
     drafter = DSpark(tiny_model)
     t = 6
     feats = (torch.randn(t, len(tiny_cfg.dspark_target_layer_ids) * tiny_cfg.hidden_size, generator=rng)
              ).to(torch.bfloat16)
-    state = drafter.new_state()
-    drafter.absorb(state, feats, 0)
+
+    def absorbed():
+        pool, state = KVPool(tiny_cfg, block_size=4), SequenceState()
+        state.ensure_blocks(pool, t)
+        drafter.absorb(pool, state, feats, 0)
+        return pool, drafter._rows_at(pool, state, list(range(t)))
+
+    pool, rows = absorbed()
     s0, pos = drafter.stages[0], torch.arange(t)
     main_x = s0.main_norm(s0.main_proj(feats))
-    w = tiny_cfg.sliding_window
     for st in drafter.stages:
         a = st.attn
         cos, sin = rope_tables(a.inv_freq, pos)
-        ring = state.swa[a.layer_id]
+        got = pool.swa[a.layer_id]
         want_q, want_s = ops.fp8_quant(ops.rope(a.kv_norm(a.wkv(main_x)), cos, sin))
-        assert torch.equal(ring.q[pos % w].view(torch.uint8), want_q.view(torch.uint8))
-        assert torch.equal(ring.scale[pos % w].view(torch.uint8), want_s.view(torch.uint8))
+        assert torch.equal(got.kv[rows].view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(got.scale[rows].view(torch.uint8), want_s.view(torch.uint8))
         # the former reading (attn_norm first) writes other bytes: the check above can fail
         old_q, _ = ops.fp8_quant(ops.rope(a.kv_norm(a.wkv(st.attn_norm(main_x))), cos, sin))
-        assert not torch.equal(ring.q[pos % w].view(torch.uint8), old_q.view(torch.uint8))
+        assert not torch.equal(got.kv[rows].view(torch.uint8), old_q.view(torch.uint8))
     # attn_norm's weights play no part in the context KV
     saved = [st.attn_norm.weight.clone() for st in drafter.stages]
     try:
         for st in drafter.stages:
             st.attn_norm.weight.mul_(3)
-        again = drafter.new_state()
-        drafter.absorb(again, feats, 0)
+        again, rows2 = absorbed()
     finally:
         for st, ws in zip(drafter.stages, saved):
             st.attn_norm.weight.copy_(ws)
-    for k, ring in state.swa.items():
-        assert torch.equal(again.swa[k].q.view(torch.uint8), ring.q.view(torch.uint8))
+    for st in drafter.stages:
+        k = st.attn.layer_id
+        assert torch.equal(again.swa[k].kv[rows2].view(torch.uint8), pool.swa[k].kv[rows].view(torch.uint8))
 
 
 # ---- lossless greedy ------------------------------------------------------------------------------

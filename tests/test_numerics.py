@@ -14,7 +14,7 @@ from dsv41.backends.reference import attention as ref_attention
 from dsv41.backends.reference import quant
 from dsv41.backends.reference.basic import rms_norm
 from dsv41.backends.reference.moe import moe_experts
-from dsv41.core.cache import SequenceCache
+from dsv41.core.engine import SingleSequence
 
 BF16 = torch.bfloat16
 
@@ -117,9 +117,9 @@ def test_official_indexer_head_weights_are_bf16(rng):
     keys = torch.randn(9, 64, generator=rng)
     weights = torch.randn(5, 4, generator=rng) * 2 ** -4  # weights_proj(x) * (64 * 4)^-0.5
     with numerics.numerics("official"):
-        got = ref_attention._scores(q, weights, keys)
-    assert torch.equal(got, ref_attention._scores(q, weights.to(BF16).float(), keys))
-    assert not torch.equal(got, ref_attention._scores(q, weights, keys))
+        got = ref_attention._partial_scores(q, weights, keys)
+    assert torch.equal(got, ref_attention._partial_scores(q, weights.to(BF16).float(), keys))
+    assert not torch.equal(got, ref_attention._partial_scores(q, weights, keys))
 
 
 def test_official_mode_changes_the_model_and_keeps_decode_equal_to_prefill(tiny_model, tiny_cfg, rng):
@@ -127,13 +127,13 @@ def test_official_mode_changes_the_model_and_keeps_decode_equal_to_prefill(tiny_
     ids = rand_prompt(tiny_cfg, n, rng)
 
     def prefill():
-        return tiny_model(ids, SequenceCache.allocate(tiny_cfg, n), all_logits=True)
+        return SingleSequence(tiny_model).feed(ids, all_logits=True)
 
     exact = prefill()
     with numerics.numerics("official"):
         ref = prefill()
-        cache = SequenceCache.allocate(tiny_cfg, n)
-        steps = torch.stack([tiny_model(ids[i:i + 1], cache) for i in range(n)])
+        seq = SingleSequence(tiny_model)
+        steps = torch.stack([seq.feed(ids[i:i + 1]) for i in range(n)])
     assert rel(steps, ref) <= 1e-5  # batch-invariant in this mode too
     assert rel(ref, exact) > 1e-4  # the roundings reach the logits
     print(f"\n[dsv41] tiny model logits, official vs exact: max rel diff {rel(ref, exact):.2e}")

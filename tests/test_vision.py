@@ -12,9 +12,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from dsv41.core.cache import SequenceCache
 from dsv41.core.config import VisionConfig
-from dsv41.core.engine import Engine, SamplingParams
+from dsv41.core.engine import Engine, SamplingParams, SingleSequence
 from dsv41.core.image_processing import (
     ImageError,
     expand_image_placeholders,
@@ -476,8 +475,7 @@ def test_truncated_png_is_a_clear_error(tmp_path, rng, tiny_cfg):
 # ---- model input ------------------------------------------------------------------------------
 
 def _logits(model, ids, embeds):
-    cache = SequenceCache.allocate(model.cfg, len(ids) + 1, "cpu")
-    return model(torch.tensor(ids), cache, all_logits=True, image_embeds=embeds)
+    return SingleSequence(model).feed(ids, all_logits=True, image_embeds=embeds)
 
 
 def _image_first_prompt(vmodel, tiny_cfg, rng, size=(120, 90)):
@@ -543,20 +541,17 @@ def test_engram_gate_is_zero_on_image_positions(vmodel, tiny_cfg, rng):
     assert _rel(got[n:], base[n:]) > 1e-3  # text after it does use Engram
 
 
-def test_image_embeds_count_and_chunks_inside_a_span(vmodel, tiny_cfg, rng):
+def test_image_embeds_chunks_inside_a_span(vmodel, tiny_cfg, rng):
+    """A serving engine's chunks may start after position 0 and cut a span: same result as one
+    pass."""
     ids, emb, n = _image_first_prompt(vmodel, tiny_cfg, rng)
-    cache = SequenceCache.allocate(tiny_cfg, len(ids) + 4, "cpu")
-    with pytest.raises(ValueError, match=f"{n} image-token positions"):
-        vmodel(torch.tensor(ids), cache, image_embeds=emb[:-1])
-    assert cache.length == 0 and not cache.tokens  # rejected before the cache changed
-    # a serving engine's chunks may start after position 0 and cut a span: same result as one pass
     ids = [tiny_cfg.bos_token_id, 7] + ids
-    whole = vmodel(torch.tensor(ids), SequenceCache.allocate(tiny_cfg, len(ids), "cpu"), image_embeds=emb)
+    whole = SingleSequence(vmodel).feed(ids, image_embeds=emb)
     k = 2 + n // 2
-    cache = SequenceCache.allocate(tiny_cfg, len(ids), "cpu")
-    vmodel(torch.tensor(ids[:2]), cache)
-    vmodel(torch.tensor(ids[2:k]), cache, image_embeds=emb[:k - 2])
-    split = vmodel(torch.tensor(ids[k:]), cache, image_embeds=emb[k - 2:])
+    seq = SingleSequence(vmodel, block_size=4)
+    seq.feed(ids[:2])
+    seq.feed(ids[2:k], image_embeds=emb[:k - 2])
+    split = seq.feed(ids[k:], image_embeds=emb[k - 2:])
     assert torch.equal(split, whole)
 
 
