@@ -128,15 +128,24 @@ def build_step(cfg: ModelConfig, pool: KVPool, chunks: list[Chunk], device: torc
     """Lay out one step of `chunks` (one per sequence): allocate the blocks the new positions
     need, advance each state (tokens, length, floors) and build the step's tensors."""
     n_gram = max(cfg.engram_max_ngram_size, 1)
+    for ch in chunks:  # everything checked before any state changes
+        start = ch.state.length
+        if not ch.ids:
+            raise ValueError("a chunk must hold at least one token")
+        bad = [t for t in ch.ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+        if start + len(ch.ids) > cfg.max_position_embeddings:
+            raise ValueError(f"sequence of {start + len(ch.ids)} tokens exceeds max_position_embeddings "
+                             f"({cfg.max_position_embeddings})")
+        n_img = sum(1 for t in ch.ids if image_token_id is not None and t == image_token_id)
+        if ch.image_embeds is not None and tuple(ch.image_embeds.shape) != (n_img, cfg.hidden_size):
+            raise ValueError(f"the chunk has {n_img} image-token positions, so image_embeds must be "
+                             f"[{n_img}, {cfg.hidden_size}], got {list(ch.image_embeds.shape)}")
     ids, pos, seq, ngram, ngram_img, is_img, dec_rows, logit_rows, images = [], [], [], [], [], [], [], [], []
     n_dec = 0
     for b, ch in enumerate(chunks):
         st, start = ch.state, ch.state.length
-        if not ch.ids:
-            raise ValueError("a chunk must hold at least one token")
-        if start + len(ch.ids) > cfg.max_position_embeddings:
-            raise ValueError(f"sequence of {start + len(ch.ids)} tokens exceeds max_position_embeddings "
-                             f"({cfg.max_position_embeddings})")
         img = [image_token_id is not None and t == image_token_id for t in ch.ids]
         del st.tokens[start:], st.is_image[start:]  # (after a rollback: forget rejected tokens)
         st.tokens += ch.ids

@@ -448,6 +448,10 @@ class SingleSequence:
     def length(self) -> int:
         return self.state.length
 
+    @property
+    def tokens(self) -> list[int]:
+        return self.state.tokens[: self.state.length]
+
     def feed(self, ids, *, decoder_from: int = 0, all_logits: bool = False, return_hidden: bool = False,
              image_embeds: torch.Tensor | None = None, ctx: ForwardContext | None = None) -> torch.Tensor:
         """Run `ids` at positions length .. and return the last row's logits [V] (all decoder

@@ -541,17 +541,20 @@ def test_engram_gate_is_zero_on_image_positions(vmodel, tiny_cfg, rng):
     assert _rel(got[n:], base[n:]) > 1e-3  # text after it does use Engram
 
 
-def test_image_embeds_chunks_inside_a_span(vmodel, tiny_cfg, rng):
-    """A serving engine's chunks may start after position 0 and cut a span: same result as one
-    pass."""
+def test_image_embeds_count_and_chunks_inside_a_span(vmodel, tiny_cfg, rng):
     ids, emb, n = _image_first_prompt(vmodel, tiny_cfg, rng)
+    cache = SingleSequence(vmodel)
+    with pytest.raises(ValueError, match=f"{n} image-token positions"):
+        cache.feed(ids, image_embeds=emb[:-1])
+    assert cache.length == 0 and not cache.tokens  # rejected before the cache changed
+    # a serving engine's chunks may start after position 0 and cut a span: same result as one pass
     ids = [tiny_cfg.bos_token_id, 7] + ids
     whole = SingleSequence(vmodel).feed(ids, image_embeds=emb)
     k = 2 + n // 2
-    seq = SingleSequence(vmodel, block_size=4)
-    seq.feed(ids[:2])
-    seq.feed(ids[2:k], image_embeds=emb[:k - 2])
-    split = seq.feed(ids[k:], image_embeds=emb[k - 2:])
+    cache = SingleSequence(vmodel)
+    cache.feed(ids[:2])
+    cache.feed(ids[2:k], image_embeds=emb[:k - 2])
+    split = cache.feed(ids[k:], image_embeds=emb[k - 2:])
     assert torch.equal(split, whole)
 
 
