@@ -14,7 +14,7 @@ import inspect
 import torch
 
 from . import reference  # noqa: F401  (registers the reference implementations)
-from .registry import dispatch
+from .registry import backend_for_device, dispatch
 
 Tensor = torch.Tensor
 
@@ -43,6 +43,13 @@ def _op(stub=None, *, device_arg: str | None = None):
         return dispatch(name, device)(*args, **kwargs)
 
     return call
+
+
+def partial_sum_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype of unrounded partial sums that are combined across model-parallel ranks (or
+    across experts) before their one rounding: float64 on the reference backend, so N ranks
+    reproduce the one-process bits; float32 on devices (NPUs and HCCL have no fp64)."""
+    return torch.float64 if backend_for_device(device) == "reference" else torch.float32
 
 
 # ---- formats --------------------------------------------------------------------------------

@@ -257,9 +257,9 @@ class Attention(nn.Module):
         o = ops.grouped_linear(o.reshape(t, self.o_groups, -1), self.wo_a.weight)
         if self.group.world_size == 1:
             return self.wo_b(o)
-        # Row-parallel wo_b: unrounded (fp64) partial sums, added across ranks, rounded once as
-        # the one-process linear rounds (fp32, then bf16).
-        return self.group.all_reduce_sum(self.wo_b(o, torch.float64)).float().to(BF16)
+        # Row-parallel wo_b: unrounded partial sums, added across ranks, rounded once as the
+        # one-process linear rounds (fp32, then bf16).
+        return self.group.all_reduce_sum(self.wo_b(o, ops.partial_sum_dtype(o.device))).float().to(BF16)
 
 
 # ---- MoE --------------------------------------------------------------------------------------
@@ -314,13 +314,15 @@ class MoE(nn.Module):
         if self.group.world_size > 1:  # local slots; experts of other ranks are skipped (-1)
             mine = (ids >= self.expert_lo) & (ids < self.expert_lo + len(self.experts))
             ids = torch.where(mine, ids - self.expert_lo, -1)
-        # Expert outputs are summed in fp64 (the shared expert on rank 0 only) and rounded once,
-        # after the cross-rank sum: an N-way run equals the one-process run up to fp64 rounding.
-        y = ops.moe_experts(x, w, ids, [e.parts() for e in self.experts.values()], cfg.swiglu_limit, torch.float64)
+        # Expert outputs are summed unrounded (`partial_sum_dtype`: fp64 on the reference; the
+        # shared expert on rank 0 only) and rounded once, after the cross-rank sum: on the
+        # reference an N-way run equals the one-process run bit for bit.
+        acc = ops.partial_sum_dtype(x.device)
+        y = ops.moe_experts(x, w, ids, [e.parts() for e in self.experts.values()], cfg.swiglu_limit, acc)
         if self.group.rank == 0:
             ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
             zeros = torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)
-            y = y + ops.moe_experts(x, ones, zeros, [self.shared_experts.parts()], cfg.swiglu_limit, torch.float64)
+            y = y + ops.moe_experts(x, ones, zeros, [self.shared_experts.parts()], cfg.swiglu_limit, acc)
         return self.group.all_reduce_sum(y).float().to(BF16)
 
 
@@ -601,9 +603,8 @@ class Transformer(nn.Module):
         rows = Rows.of(batch, cfg, cache.block_size)
         t = batch.num_tokens
         x = self.embed_tokens(batch.ids)
-        if batch.image_embeds is not None:
-            x = x.clone()
-            x[batch.is_image] = batch.image_embeds.to(device=x.device, dtype=x.dtype)
+        if batch.image_embeds is not None:  # (masked_scatter: no host read of the mask)
+            x = x.masked_scatter(batch.is_image.unsqueeze(-1), batch.image_embeds.to(device=x.device, dtype=x.dtype))
         engram = self._engram_rows(batch)
         x = x.unsqueeze(1).expand(t, cfg.hc_mult, cfg.hidden_size).contiguous()
         pre = torch.zeros(t, cfg.hc_mult, dtype=torch.float32, device=x.device)
