@@ -179,8 +179,10 @@ def _process_group(device):
 def cmd_run(args) -> int:
     """`dsv41 run`; under `torchrun --nproc-per-node N` one rank of an N-way model-parallel run
     of a converted checkpoint (rank 0 prints; the process group is left at exit)."""
+    from ..backends import numerics
     from ..core import parallel
 
+    numerics.set_mode(args.numerics or ("exact" if args.device == "cpu" else "official"))
     group, device = _process_group(_device(args.device))
     try:
         return _generate(args, group, device)
@@ -470,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", choices=["cpu", "cuda", "npu"], default="cpu")
     _add_engram_offload(r)
     r.add_argument("--prefill-mode", choices=["ced", "exact"], default="ced")
+    r.add_argument("--numerics", choices=["exact", "official"],
+                   help="reference arithmetic: exact (fp32, fp64 sums) or official (bf16 where the official "
+                        "code rounds; see README); default exact on cpu, official elsewhere")
     r.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     r.add_argument("--json", action="store_true", help="print one JSON object")
     r.add_argument("--speculative", action="store_true", help="DSpark speculative decoding (reports acceptance)")

@@ -79,6 +79,51 @@ def test_draft_block_is_noncausal_static_and_leaves_the_context(tiny_model, tiny
     assert (d2.logits[0] - d.logits[0]).abs().max() > 1e-3 * d.logits[0].abs().max()
 
 
+def test_context_kv_is_kv_norm_of_wkv_of_main_x(tiny_model, tiny_cfg, rng):
+    """Each stage's pool holds FP8(RoPE(kv_norm(wkv(main_x)))) with main_x = main_norm(main_proj(
+    features)): no attn_norm on the context path (the official drafter has none there)."""
+    from dsv41.backends import ops
+    from dsv41.core.cache import KVPool, SequenceState
+    from dsv41.core.model import rope_tables
+
+    drafter = DSpark(tiny_model)
+    t = 6
+    feats = (torch.randn(t, len(tiny_cfg.dspark_target_layer_ids) * tiny_cfg.hidden_size, generator=rng)
+             ).to(torch.bfloat16)
+
+    def absorbed():
+        pool, state = KVPool(tiny_cfg, block_size=4), SequenceState()
+        state.ensure_blocks(pool, t)
+        drafter.absorb(pool, state, feats, 0)
+        return pool, drafter._rows_at(pool, state, list(range(t)))
+
+    pool, rows = absorbed()
+    s0, pos = drafter.stages[0], torch.arange(t)
+    main_x = s0.main_norm(s0.main_proj(feats))
+    for st in drafter.stages:
+        a = st.attn
+        cos, sin = rope_tables(a.inv_freq, pos)
+        got = pool.swa[a.layer_id]
+        want_q, want_s = ops.fp8_quant(ops.rope(a.kv_norm(a.wkv(main_x)), cos, sin))
+        assert torch.equal(got.kv[rows].view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(got.scale[rows].view(torch.uint8), want_s.view(torch.uint8))
+        # the former reading (attn_norm first) writes other bytes: the check above can fail
+        old_q, _ = ops.fp8_quant(ops.rope(a.kv_norm(a.wkv(st.attn_norm(main_x))), cos, sin))
+        assert not torch.equal(got.kv[rows].view(torch.uint8), old_q.view(torch.uint8))
+    # attn_norm's weights play no part in the context KV
+    saved = [st.attn_norm.weight.clone() for st in drafter.stages]
+    try:
+        for st in drafter.stages:
+            st.attn_norm.weight.mul_(3)
+        again, rows2 = absorbed()
+    finally:
+        for st, ws in zip(drafter.stages, saved):
+            st.attn_norm.weight.copy_(ws)
+    for st in drafter.stages:
+        k = st.attn.layer_id
+        assert torch.equal(again.swa[k].kv[rows2].view(torch.uint8), pool.swa[k].kv[rows].view(torch.uint8))
+
+
 def test_every_draft_row_sees_the_whole_context_window(tiny_model, tiny_cfg, rng):
     """The official drafter: every block row attends to ALL min(window, start+1) context entries
     (plus the block); no per-row sliding limit. Changing the OLDEST context entry in the window
