@@ -342,24 +342,24 @@ def _generate_file(args, cfg, tok, group, device) -> int:
     """`run --prompts-file`: every request of the file in one continuous batch."""
     from ..core.engine import Engine, SamplingParams
     from .checkpoint import install_engram_vocab
-    from .prompts_file import read_prompts_file, run_prompts_file
+    from .prompts_file import encode_prompts_file, run_prompts_file
 
     if args.speculative or args.prompt is not None or args.prompt_ids is not None or args.messages or args.image:
         raise UserError("--prompts-file takes the prompts from the file (no --prompt / --prompt-ids / --messages / "
                         "--image / --speculative)")
+    base = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed,
+                          stop_token_ids=() if args.ignore_eos else (cfg.eos_token_id,))
     try:
-        read_prompts_file(args.prompts_file)  # every line checked before any weight is built
+        encoded = encode_prompts_file(args, tok, cfg, base)  # every line checked before any weight is built
     except ValueError as e:
         raise UserError(str(e)) from None
     model = _load_weights(args, cfg, device, tok, group, with_drafter=False)
     if tok is not None and not args.ckpt:
         install_engram_vocab(model, tok)
     engine = Engine(model, prefill_mode=args.prefill_mode, max_batch=args.max_batch)
-    base = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed,
-                          stop_token_ids=() if args.ignore_eos else (cfg.eos_token_id,))
     try:
-        rows = run_prompts_file(args, engine, tok, cfg, base)
+        rows = run_prompts_file(args, engine, tok, cfg, base, encoded)
     except ValueError as e:
         raise UserError(str(e)) from None
     if group.rank != 0:

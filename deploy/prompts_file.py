@@ -95,10 +95,9 @@ def encode_request(req: FileRequest, tok, cfg, base_dir: str, image_roots=None) 
     return mm.ids, mm.images
 
 
-def run_prompts_file(args, engine, tok, cfg, base_params) -> list[dict]:
-    """Run every request of the file as one continuous batch; results in input order plus a
-    summary (total generated tokens / wall time)."""
-    import time
+def encode_prompts_file(args, tok, cfg, base_params) -> tuple[list[FileRequest], list[tuple]]:
+    """(requests, batch of (ids, params, images)): every request encoded and checked (token
+    ids, images, sampling options, context length), so a bad line fails before weights are built."""
     from dataclasses import replace
 
     reqs = read_prompts_file(args.prompts_file)
@@ -108,7 +107,19 @@ def run_prompts_file(args, engine, tok, cfg, base_params) -> list[dict]:
     for r in reqs:
         ids, images = encode_request(r, tok, cfg, base_dir, roots)
         params = replace(base_params, **r.options).validate()
+        if len(ids) + params.max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(f"line {r.line}: prompt of {len(ids)} tokens + max_new_tokens {params.max_new_tokens} "
+                             f"exceeds max_position_embeddings ({cfg.max_position_embeddings})")
         batch.append((ids, params, images))
+    return reqs, batch
+
+
+def run_prompts_file(args, engine, tok, cfg, base_params, encoded=None) -> list[dict]:
+    """Run every request of the file as one continuous batch; results in input order plus a
+    summary (total generated tokens / wall time). `encoded`: `encode_prompts_file`'s result."""
+    import time
+
+    reqs, batch = encoded or encode_prompts_file(args, tok, cfg, base_params)
     t0 = time.perf_counter()
     results = engine.generate_batch(batch)
     wall = time.perf_counter() - t0
