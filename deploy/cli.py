@@ -207,7 +207,7 @@ def _sampling_params(args, cfg):
         raise UserError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt: "
                         f"max_position_embeddings is {cfg.max_position_embeddings}")
     if args.spec_len is not None and not 0 <= args.spec_len <= cfg.dspark_block_size:
-        raise UserError(f"--spec-len must be in 0..{cfg.dspark_block_size} (dspark_block_size), got {args.spec_len}")
+        raise UserError(f"--spec-len: spec_len must be in 0..{cfg.dspark_block_size} (dspark_block_size), got {args.spec_len}")
     return params
 
 

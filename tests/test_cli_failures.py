@@ -62,7 +62,7 @@ def _config_file(tmp_path, edit) -> str:
     (["run", "--max-new-tokens", "2040", "--prompt-ids", "5," * 9 + "5"], "exceeds max_position_embeddings"),
     (["run", "--prompt-ids", "5,4,6"], "holds the image token (id 4) but no image"),
     (["run", "--preset", "mini", "--prompt", "hi"], "the mini preset has no tokenizer"),
-    (["run", "--speculative", "--spec-len", "9"], "--spec-len must be in 0..5"),
+    (["run", "--speculative", "--spec-len", "9"], "--spec-len: spec_len must be in 0..5"),
     (["make-checkpoint", "--out", "{tmp}/x", "--max-shard-size", "infGB"], "finite number of bytes"),
     (["make-checkpoint", "--out", "{tmp}/x", "--max-shard-size", "nanMB"], "finite number of bytes"),
     (["profile-spec", "--out", "{tmp}"], "is a directory"),
