@@ -675,6 +675,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+MAX_LISTED = 20  # problems listed under an error's first line
+
+
 def error_text(message: str) -> str:
     """`dsv41: error: <summary>` first, whatever the error: a message listing problems as
     "HEADER:\n  - a\n  - b" becomes "HEADER: a" on the first line (with "(and N more below)")
@@ -686,7 +689,10 @@ def error_text(message: str) -> str:
     head = lines[0].rstrip().rstrip(":")
     if len(bullets) == 1:
         return f"dsv41: error: {head}: {bullets[0]}"
-    return "\n".join([f"dsv41: error: {head}: {bullets[0]} (and {len(bullets) - 1} more below)", *lines[1:]])
+    rest = lines[1:]
+    if len(rest) > MAX_LISTED:  # a wholly mismatched checkpoint lists hundreds of tensors
+        rest = [*rest[:MAX_LISTED], f"  ... and {len(rest) - MAX_LISTED} more"]
+    return "\n".join([f"dsv41: error: {head}: {bullets[0]} (and {len(bullets) - 1} more below)", *rest])
 
 
 def _out_of_memory(e: BaseException) -> bool:

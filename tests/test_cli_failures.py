@@ -109,6 +109,9 @@ def test_problem_list_keeps_bullets_after_one_summary_line(capsys, tmp_path):
 def test_error_text_shapes():
     assert cli.error_text("plain") == "dsv41: error: plain"
     assert cli.error_text("head:\n  - only") == "dsv41: error: head: only"
+    long = cli.error_text("head:\n" + "\n".join(f"  - p{i}" for i in range(30))).splitlines()
+    assert long[0] == "dsv41: error: head: p0 (and 29 more below)"
+    assert len(long) == 1 + cli.MAX_LISTED + 1 and long[-1] == "  ... and 10 more"
 
 
 def test_memory_is_estimated_before_allocating(capsys, monkeypatch):
