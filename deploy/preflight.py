@@ -82,18 +82,20 @@ class MemoryNeed:
 
 def weights_need(cfg, device: torch.device, *, with_drafter: bool, engram_offload: bool,
                  random_weights: bool, group=None) -> MemoryNeed:
-    """Bytes the weights take where they live, plus the host temporaries of drawing random
-    weights: the largest tensor other than the Engram tables (drawn in row chunks) as its fp32
-    draw and its converted copy, about 6 bytes per value."""
+    """Bytes the weights take where they live, plus host temporaries: for random weights the
+    largest tensor other than the Engram tables (drawn in row chunks) as its fp32 draw and its
+    converted copy, about 6 bytes per value; for a checkpoint the largest tensor read in and
+    the masks of its NaN check."""
     from ..core.model import EngramEmbed, Transformer
     from ..core.parallel import SINGLE
 
     with torch.device("meta"):
         model = Transformer(cfg, group or SINGLE, with_drafter=with_drafter)
     engram = {f"{n}.{k}" for n, m in model.named_modules() if isinstance(m, EngramEmbed) for k in m.state_dict()}
-    dev = host = largest = 0
+    dev = host = largest = largest_bytes = 0
     for k, t in model.state_dict().items():
         n = t.numel() * t.element_size()
+        largest_bytes = max(largest_bytes, n)
         if k not in engram:
             largest = max(largest, t.numel())
         if k in engram and engram_offload:
@@ -102,6 +104,8 @@ def weights_need(cfg, device: torch.device, *, with_drafter: bool, engram_offloa
             dev += n
     if random_weights:
         host += 6 * largest
+    else:  # a checkpoint tensor read into memory, and the NaN check's masks over it
+        host += 3 * largest_bytes
     dev += int(dev * HEADROOM_FRACTION) + HEADROOM_BYTES
     if device.type == "cpu":
         return MemoryNeed(0, dev + host)
