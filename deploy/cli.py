@@ -237,6 +237,7 @@ def _first_contact_notes(args, tok, group) -> None:
 
 
 def _model_name(args) -> str:
+    """How messages name the model: the checkpoint, the config file or the preset."""
     if getattr(args, "ckpt", None):
         return f"checkpoint {args.ckpt}"
     if args.config:
@@ -287,7 +288,7 @@ def _generate(args, group, device) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tok = _tokenizer_for(args, cfg)
     if args.prompts_file:
-        return _generate_file(args, cfg, tok, group, device)
+        return _generate_file(args, cfg, tok, group, device, params)
     prompt, images = _prompt_and_images(args, tok, cfg)
     _check_prompt(prompt, images, params, cfg)
     model = _load_weights(args, cfg, device, tok, group, with_drafter=args.speculative)
@@ -338,18 +339,16 @@ def _generate(args, group, device) -> int:
     return 0
 
 
-def _generate_file(args, cfg, tok, group, device) -> int:
-    """`run --prompts-file`: every request of the file in one continuous batch."""
-    from ..core.engine import Engine, SamplingParams
+def _generate_file(args, cfg, tok, group, device, base) -> int:
+    """`run --prompts-file`: every request of the file in one continuous batch (`base`: the
+    command's sampling options, which a line may override)."""
+    from ..core.engine import Engine
     from .checkpoint import install_engram_vocab
     from .prompts_file import encode_prompts_file, run_prompts_file
 
     if args.speculative or args.prompt is not None or args.prompt_ids is not None or args.messages or args.image:
         raise UserError("--prompts-file takes the prompts from the file (no --prompt / --prompt-ids / --messages / "
                         "--image / --speculative)")
-    base = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed,
-                          stop_token_ids=() if args.ignore_eos else (cfg.eos_token_id,))
     try:
         encoded = encode_prompts_file(args, tok, cfg, base)  # every line checked before any weight is built
     except ValueError as e:
