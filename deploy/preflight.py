@@ -1,8 +1,8 @@
 """Checks made before slow work: will the weights fit in memory?
 
 `check_memory` estimates the bytes a command is about to allocate from the meta-device model
-(exact storage bytes of every checkpoint tensor, this rank's shard under model parallelism)
-and compares them with what is free: on CPU the host's available memory (`MemAvailable`, capped
+(exact storage bytes of every checkpoint tensor, this rank's shard under model parallelism;
+on the reference backend also its cache of dequantised weights) and compares them with what is free: on CPU the host's available memory (`MemAvailable`, capped
 by a cgroup limit when one is set), on an accelerator its free device memory (and host memory
 for Engram tables kept there by `--engram-offload`). When the weights cannot fit it raises one
 `InsufficientMemory` saying how much is needed and how much is available, instead of a
@@ -102,6 +102,7 @@ def weights_need(cfg, device: torch.device, *, with_drafter: bool, engram_offloa
             host += n
         else:
             dev += n
+    dev += _reference_dequant_bytes(model, device)
     if random_weights:
         host += 6 * largest
     else:  # a checkpoint tensor read into memory, and the NaN check's masks over it
@@ -110,6 +111,23 @@ def weights_need(cfg, device: torch.device, *, with_drafter: bool, engram_offloa
     if device.type == "cpu":
         return MemoryNeed(0, dev + host)
     return MemoryNeed(dev, host)
+
+
+def _reference_dequant_bytes(model, device: torch.device) -> int:
+    """The reference backend keeps each Linear weight it has used dequantised in its
+    accumulation dtype (`backends/reference/basic.dequant_weight`, fp64: 8 bytes per value,
+    8x an FP8 weight, 16x a packed FP4 byte); over a run every weight that runs is in it. Counted
+    in full when ops on `device` resolve to the reference (CPU, or DSV41_BACKEND=reference);
+    the vision tower runs only with images and is left out."""
+    from ..backends.reference.basic import ACCUM_DTYPE
+    from ..backends.registry import backend_for_device
+    from ..core.model import Linear
+
+    if backend_for_device(device) != "reference":
+        return 0
+    per_value = torch.empty((), dtype=ACCUM_DTYPE).element_size()
+    return per_value * sum(m.out_features * m.in_features for name, m in model.named_modules()
+                           if isinstance(m, Linear) and not name.startswith(("vision.", "aligner.")))
 
 
 def _gb(n: int) -> str:

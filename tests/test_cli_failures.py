@@ -429,3 +429,20 @@ def test_engram_rows_drawn_in_chunks_equal_the_whole_draw(int8):
     assert q2.dtype == q.dtype and sc2.dtype == sc.dtype
     assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(sc2.view(torch.uint8), sc.view(torch.uint8))
+
+
+def test_memory_estimate_counts_the_reference_dequant_cache(monkeypatch):
+    """On the reference backend every used Linear weight is also kept dequantised in fp64:
+    the estimate counts 8 bytes per weight value there, nothing on other backends."""
+    from dsv41.core.model import Linear, Transformer
+    from dsv41.deploy.preflight import HEADROOM_FRACTION, weights_need
+
+    cfg, cpu = preset("tiny"), torch.device("cpu")
+    ref = weights_need(cfg, cpu, with_drafter=False, engram_offload=False, random_weights=False).host
+    monkeypatch.setenv("DSV41_BACKEND", "cuda")  # ops would resolve elsewhere: no reference cache
+    other = weights_need(cfg, cpu, with_drafter=False, engram_offload=False, random_weights=False).host
+    with torch.device("meta"):
+        model = Transformer(cfg, with_drafter=False)
+    values = sum(m.out_features * m.in_features for n, m in model.named_modules()
+                 if isinstance(m, Linear) and not n.startswith(("vision.", "aligner.")))
+    assert abs((ref - other) - 8 * values * (1 + HEADROOM_FRACTION)) <= 1  # the headroom scales it too
