@@ -1,20 +1,24 @@
 """Sparse attention (CSA2): one softmax per query over its SWA window entries (FP8) followed by
-its selected global entries (packed FP4), split-K flash-decoding style.
+its selected global entries (packed FP4), read in place from the paged cache pools, split-K
+flash-decoding style.
 
-Inputs (`ops.sparse_attention`): q [T, H, D] bf16 (RoPE'd); win_kv [S, D] float8_e4m3fn with
-E8M0 scales per 32 channels win_scale [S, D/32] and win_mask [T, S] bool; glob_kv [N, D/2]
-(E2M1 nibbles, element 0 in the low nibble) with E4M3 scales per 16 glob_scale [N, D/16] and
-glob_idx [T, K] (-1 = masked); sink [H]; K = V. Output [T, H, D] bf16. The oracle is
+Inputs (`ops.sparse_attention`): q [T, H, D] bf16 (RoPE'd); the SWA pool swa_kv [Nw, D]
+float8_e4m3fn with E8M0 scales per 32 channels swa_scale [Nw, D/32], and win_idx [T, S]: the
+pool rows each query attends (-1 = masked); the global pool glob_kv [Ng, D/2] (E2M1 nibbles,
+element 0 in the low nibble) with E4M3 scales per 16 glob_scale [Ng, D/16], and glob_idx
+[T, K] pool rows (-1 = masked); sink [H]; K = V. Output [T, H, D] bf16. The oracle is
 `sparse_attention_ref` (= `backends.reference.attention.sparse_attention`).
 
 How it runs:
-- The entry list of a query is S window entries (padded to whole blocks of BLOCK_N) followed by
-  K global entries; every block is pure window or pure global. A tile is (query, split, head
+- The entry list of a query is its S window rows (padded to whole blocks of BLOCK_N) followed
+  by its K global rows; every block is pure window or pure global, and both kinds are gathered
+  by pool row (each query has its own rows: tokens of different sequences share a launch). A tile is (query, split, head
   block, output-channel block); a split is a contiguous run of blocks. Tiles are walked by a
   1-D persistent loop. With one split per query the tile normalises (sink included) and writes
   bf16 directly; otherwise it writes an fp32 partial (unnormalised acc, running max, sum) and
   `_combine_kernel` merges the splits.
-- FP8 / FP4 storage is decoded with integer and bit ops only (uint8 loads, exponent fields
+- FP8 / FP4 storage is decoded with integer and bit ops only (int8 loads masked to 0..255:
+  Ascend takes no uint8 pointers; exponent fields
   built into fp32 bit patterns). The whole-row path loads a block as [BLOCK_N, groups, bytes
   per group], so each scale byte is loaded and decoded once per group and broadcast over it
   (the tiled path gathers the scale per element). Every decoded value is exact
@@ -54,9 +58,17 @@ CONFIGS = {
     # registers + ~1 KB spill (the 64x512 fp32 accumulator alone is 128 registers a thread).
     "cuda": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=2, QK_T=False,
                  min_blocks_per_split=2),
+    # cuda at decode shapes (few tokens): 16-head tiles and one split per entry block, so a
+    # T=1 step spreads its 640 entries x 64 heads over ~80 programs (flash-decoding); each
+    # program's accumulator is 16x512 fp32 (no spill) and the combine reads 32 KB per tile.
+    "cuda_decode": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=4, num_stages=2,
+                        QK_T=False, min_blocks_per_split=1),
     "npu": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=None, min_blocks_per_split=2),
     "interp": dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=None, min_blocks_per_split=1),
 }
+# a backend's "<key>_decode" entry is used when the main entry's tiles (tokens x head blocks)
+# would occupy fewer than 1 / DECODE_FILL_FRACTION of the workers
+DECODE_FILL_FRACTION = 2
 COMBINE_BLOCK_H = 16
 COMBINE_BLOCK_D = 128
 
@@ -101,9 +113,9 @@ def _win_kv(win_ptr, wsc_ptr, rows, ok, c0, j, D: tl.constexpr):
     m2 = ok[:, None]
     ch = c0 + 2 * j
     base = rows[:, None] * D + ch[None, :]
-    b0 = tl.load(win_ptr + base, mask=m2, other=0).to(tl.int32)
-    b1 = tl.load(win_ptr + base + 1, mask=m2, other=0).to(tl.int32)
-    sb = tl.load(wsc_ptr + rows[:, None] * (D // 32) + (ch // 32)[None, :], mask=m2, other=0).to(tl.int32)
+    b0 = tl.load(win_ptr + base, mask=m2, other=0).to(tl.int32) & 0xFF
+    b1 = tl.load(win_ptr + base + 1, mask=m2, other=0).to(tl.int32) & 0xFF
+    sb = tl.load(wsc_ptr + rows[:, None] * (D // 32) + (ch // 32)[None, :], mask=m2, other=0).to(tl.int32) & 0xFF
     return _fp8_times_e8m0(b0, sb), _fp8_times_e8m0(b1, sb)
 
 
@@ -112,8 +124,8 @@ def _glob_kv(gkv_ptr, gsc_ptr, rows, ok, c0, j, D: tl.constexpr):
     """Packed FP4 rows [BN] (int64), channels c0 + 2j (low nibble) and c0 + 2j + 1 (high)."""
     m2 = ok[:, None]
     byte = c0 // 2 + j
-    b = tl.load(gkv_ptr + rows[:, None] * (D // 2) + byte[None, :], mask=m2, other=0).to(tl.int32)
-    sc = tl.load(gsc_ptr + rows[:, None] * (D // 16) + (byte // 8)[None, :], mask=m2, other=0).to(tl.int32)
+    b = tl.load(gkv_ptr + rows[:, None] * (D // 2) + byte[None, :], mask=m2, other=0).to(tl.int32) & 0xFF
+    sc = tl.load(gsc_ptr + rows[:, None] * (D // 16) + (byte // 8)[None, :], mask=m2, other=0).to(tl.int32) & 0xFF
     s = _e4m3_pos(sc & 127)
     return _e2m1(b & 15) * s, _e2m1((b >> 4) & 15) * s
 
@@ -137,8 +149,8 @@ def _glob_rows(gkv_ptr, gsc_ptr, rows, ok, D: tl.constexpr, BLOCK_N: tl.constexp
     e = tl.arange(0, 8)
     m3 = ok[:, None, None]
     byte = (g * 8)[None, :, None] + e[None, None, :]
-    b = tl.load(gkv_ptr + rows[:, None, None] * (D // 2) + byte, mask=m3, other=0).to(tl.int32)
-    sc = tl.load(gsc_ptr + rows[:, None] * (D // 16) + g[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    b = tl.load(gkv_ptr + rows[:, None, None] * (D // 2) + byte, mask=m3, other=0).to(tl.int32) & 0xFF
+    sc = tl.load(gsc_ptr + rows[:, None] * (D // 16) + g[None, :], mask=ok[:, None], other=0).to(tl.int32) & 0xFF
     s = _e4m3_pos(sc & 127)[:, :, None]
     k_e = tl.reshape(_e2m1_fast(b & 15) * s, [BLOCK_N, D // 2])
     k_o = tl.reshape(_e2m1_fast((b >> 4) & 15) * s, [BLOCK_N, D // 2])
@@ -154,9 +166,9 @@ def _win_rows(win_ptr, wsc_ptr, rows, ok, D: tl.constexpr, BLOCK_N: tl.constexpr
     m3 = ok[:, None, None]
     ch = (g * 32)[None, :, None] + 2 * e[None, None, :]
     base = rows[:, None, None] * D + ch
-    b0 = tl.load(win_ptr + base, mask=m3, other=0).to(tl.int32)
-    b1 = tl.load(win_ptr + base + 1, mask=m3, other=0).to(tl.int32)
-    sb = tl.load(wsc_ptr + rows[:, None] * (D // 32) + g[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    b0 = tl.load(win_ptr + base, mask=m3, other=0).to(tl.int32) & 0xFF
+    b1 = tl.load(win_ptr + base + 1, mask=m3, other=0).to(tl.int32) & 0xFF
+    sb = tl.load(wsc_ptr + rows[:, None] * (D // 32) + g[None, :], mask=ok[:, None], other=0).to(tl.int32) & 0xFF
     sc = (sb << 23).to(tl.float32, bitcast=True)[:, :, None]
     k_e = tl.reshape(_e4m3_signed(b0) * sc, [BLOCK_N, D // 2])
     k_o = tl.reshape(_e4m3_signed(b1) * sc, [BLOCK_N, D // 2])
@@ -266,7 +278,7 @@ def _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows,
 
 
 @triton.jit
-def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, wmask_ptr, gkv_ptr, gsc_ptr, gidx_ptr, sink_ptr,
+def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gidx_ptr, sink_ptr,
                         out_ptr, pacc_ptr, pm_ptr, pl_ptr,
                         H, S, K, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, num_programs, scale,
                         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -298,19 +310,20 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, wmask_ptr, gkv_ptr, gsc_ptr, gi
         acc_o = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
         b_lo = sp * bps
         b_hi = tl.minimum(b_lo + bps, n_blocks)
-        # window blocks
+        # window blocks: this query's SWA pool rows
         for nb in range(b_lo, tl.minimum(b_hi, n_wb)):
             s_idx = nb * BLOCK_N + nn
             inr = s_idx < S
-            ok = inr & (tl.load(wmask_ptr + tq * S + s_idx, mask=inr, other=0) != 0)
+            widx = tl.load(widx_ptr + tq.to(tl.int64) * S + s_idx, mask=inr, other=-1)
+            ok = widx >= 0
             m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
-                                            s_idx.to(tl.int64), ok, m_i, l_i, acc_e, acc_o, dv0, dvb, scale,
+                                            tl.maximum(widx, 0).to(tl.int64), ok, m_i, l_i, acc_e, acc_o, dv0, dvb, scale,
                                             D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, False, DOT_BF16, QK_T, DV_HALF)
         # global blocks
         for nb in range(tl.maximum(b_lo, n_wb), b_hi):
             k_idx = (nb - n_wb) * BLOCK_N + nn
             inr = k_idx < K
-            idx = tl.load(gidx_ptr + tq * K + k_idx, mask=inr, other=-1)
+            idx = tl.load(gidx_ptr + tq.to(tl.int64) * K + k_idx, mask=inr, other=-1)
             ok = idx >= 0
             rows = tl.maximum(idx, 0).to(tl.int64)
             m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
@@ -387,7 +400,7 @@ def _pow2_at_least(n: int, lo: int) -> int:
     return p
 
 
-def sparse_attention_launch(q, win_kv, win_scale, win_mask, glob_kv, glob_scale, glob_idx, sink, softmax_scale,
+def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink, softmax_scale,
                             *, BLOCK_H: int, BLOCK_N: int, BLOCK_D: int | None, BLOCK_DV: int | None,
                             num_warps: int | None = None, num_stages: int | None = None, QK_T: bool = False,
                             DV_HALF: bool = False, min_blocks_per_split: int = 2,
@@ -398,13 +411,17 @@ def sparse_attention_launch(q, win_kv, win_scale, win_mask, glob_kv, glob_scale,
     t, h, d = q.shape
     if d % 32 or d < 32:
         raise ValueError(f"head_dim {d} must be a multiple of 32")
-    s = win_kv.shape[0]
-    if win_kv.shape != (s, d) or win_scale.shape != (s, d // 32) or win_mask.shape != (t, s):
-        raise ValueError("window tensors do not match q")
+    s = win_idx.shape[-1]
+    if swa_kv.dim() != 2 or swa_kv.shape[1] != d or swa_scale.shape != (swa_kv.shape[0], d // 32) \
+            or win_idx.shape != (t, s):
+        raise ValueError(f"window pool {tuple(swa_kv.shape)} / {tuple(swa_scale.shape)} or win_idx "
+                         f"{tuple(win_idx.shape)} do not match q {tuple(q.shape)}")
     have_glob = glob_idx is not None and glob_idx.shape[-1] > 0
     k = glob_idx.shape[-1] if have_glob else 0
-    if have_glob and (glob_idx.shape != (t, k) or glob_kv.shape[1:] != (d // 2,) or glob_scale.shape[1:] != (d // 16,)):
-        raise ValueError("global tensors do not match q")
+    if have_glob and (glob_idx.shape != (t, k) or glob_kv.shape[1:] != (d // 2,)
+                      or glob_scale.shape != (glob_kv.shape[0], d // 16)):
+        raise ValueError(f"global pool {tuple(glob_kv.shape)} / {tuple(glob_scale.shape)} or glob_idx "
+                         f"{tuple(glob_idx.shape)} do not match q {tuple(q.shape)}")
     block_d = d if BLOCK_D is None else min(BLOCK_D, d)
     block_dv = d if BLOCK_DV is None else min(BLOCK_DV, d)
     if d % block_d or d % block_dv or block_d < 32 or block_dv < 32:
@@ -416,15 +433,14 @@ def sparse_attention_launch(q, win_kv, win_scale, win_mask, glob_kv, glob_scale,
     if t == 0 or h == 0:
         return out
     qc = q.contiguous()
-    wk = win_kv.contiguous().view(torch.uint8)
-    ws = win_scale.contiguous().view(torch.uint8)
-    wm = win_mask.contiguous().view(torch.uint8) if win_mask.dtype == torch.bool else (win_mask != 0).to(torch.uint8)
+    # storage bytes as int8 (Ascend loads no uint8 pointers); the kernel masks them to 0..255
+    wk = swa_kv.contiguous().view(torch.int8)
+    ws = swa_scale.contiguous().view(torch.int8)
+    wi = _index_rows(win_idx)
     if have_glob:
-        gk = glob_kv.contiguous().view(torch.uint8)
-        gs = glob_scale.contiguous().view(torch.uint8)
-        gi = glob_idx.contiguous()
-        if gi.dtype not in (torch.int32, torch.int64):
-            gi = gi.long()
+        gk = glob_kv.contiguous().view(torch.int8)
+        gs = glob_scale.contiguous().view(torch.int8)
+        gi = _index_rows(glob_idx)
     else:
         gk, gs, gi = wk, ws, torch.full((1,), -1, dtype=torch.int32, device=dev)
     sk = sink.contiguous()
@@ -436,10 +452,7 @@ def sparse_attention_launch(q, win_kv, win_scale, win_mask, glob_kv, glob_scale,
     n_blocks = n_wb + -(-k // BLOCK_N)
     base_tiles = t * n_hb * n_dv
     if n_split is None:
-        workers = num_workers(dev)
-        n_split = 1
-        if base_tiles < workers and n_blocks > min_blocks_per_split:
-            n_split = min(-(-workers // base_tiles), n_blocks // max(1, min_blocks_per_split))
+        n_split = _auto_splits(base_tiles, n_blocks, num_workers(dev), min_blocks_per_split)
     n_split = max(1, min(n_split, max(1, n_blocks)))
     bps = max(1, -(-n_blocks // n_split))
     n_split = max(1, -(-n_blocks // bps))  # no empty split
@@ -456,7 +469,7 @@ def sparse_attention_launch(q, win_kv, win_scale, win_mask, glob_kv, glob_scale,
     if dev.type == "cuda" and not interpreting():
         kw = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v}
     dot_bf16 = not interpreting()  # interpreters: fp32 dot operands (same values), integer bf16 rounding
-    _sparse_attn_kernel[(grid,)](qc, wk, ws, wm, gk, gs, gi, sk, out, pacc, pm, pl,
+    _sparse_attn_kernel[(grid,)](qc, wk, ws, wi, gk, gs, gi, sk, out, pacc, pm, pl,
                                  h, s, k, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, grid,
                                  float(softmax_scale), D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
                                  BLOCK_D=block_d, BLOCK_DV=block_dv, SPLIT=split, DOT_BF16=dot_bf16,
@@ -474,12 +487,41 @@ def sparse_attention_launch(q, win_kv, win_scale, win_mask, glob_kv, glob_scale,
     return out
 
 
-def sparse_attention(q: torch.Tensor, win_kv: torch.Tensor, win_scale: torch.Tensor, win_mask: torch.Tensor,
+def _index_rows(idx: torch.Tensor) -> torch.Tensor:
+    """Pool-row indices as int32 / int64 (other integer types widened), contiguous."""
+    if idx.dtype not in (torch.int32, torch.int64):
+        idx = idx.long()
+    return idx.contiguous()
+
+
+def _auto_splits(base_tiles: int, n_blocks: int, workers: int, min_blocks_per_split: int) -> int:
+    """Splits per query (flash-decoding): enough tiles to give every worker one, each split at
+    least `min_blocks_per_split` entry blocks; 1 when the queries alone fill the workers."""
+    if base_tiles >= workers or n_blocks <= min_blocks_per_split:
+        return 1
+    return max(1, min(-(-workers // base_tiles), n_blocks // max(1, min_blocks_per_split)))
+
+
+def config_for(device: torch.device, t: int, h: int) -> dict:
+    """The tile table entry for a launch: the decode entry when the queries' whole-head tiles
+    would leave most workers idle (small T: flash-decoding over head blocks and entry splits)."""
+    from .launch import num_workers
+
+    key = _backend_key(device)
+    decode = key + "_decode"
+    if decode in CONFIGS:
+        cfg = CONFIGS[key]
+        if t * -(-h // cfg["BLOCK_H"]) < num_workers(device) // DECODE_FILL_FRACTION:
+            return CONFIGS[decode]
+    return CONFIGS[key]
+
+
+def sparse_attention(q: torch.Tensor, swa_kv: torch.Tensor, swa_scale: torch.Tensor, win_idx: torch.Tensor,
                      glob_kv: torch.Tensor | None, glob_scale: torch.Tensor | None, glob_idx: torch.Tensor | None,
                      sink: torch.Tensor, softmax_scale: float) -> torch.Tensor:
     """`ops.sparse_attention` on the Triton kernel: [T, H, D] bf16 out. Requires triton."""
-    cfg = CONFIGS[_backend_key(q.device)]
-    return sparse_attention_launch(q, win_kv, win_scale, win_mask, glob_kv, glob_scale, glob_idx, sink,
+    cfg = config_for(q.device, q.shape[0], q.shape[1])
+    return sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink,
                                    softmax_scale, **cfg)
 
 
