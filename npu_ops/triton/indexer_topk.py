@@ -41,21 +41,24 @@ MX_GROUP = 32
 _SCALE_2M127 = tl.constexpr(5.877471754111438e-39)  # 2^-127 (E8M0 byte 0), an fp32 subnormal
 
 
-def indexer_topk_ref(q, weights, key_codes, key_scale, n_visible, topk, candidates=None, pool_blocks=0,
-                     pool_block_size=1):
+def indexer_topk_ref(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, topk,
+                     candidates=None, pool_blocks=0, pool_block_size=1):
     """The torch reference (the oracle)."""
-    return ref_attention.indexer_topk(q, weights, key_codes, key_scale, n_visible, topk, candidates,
-                                      pool_blocks, pool_block_size)
+    return ref_attention.indexer_topk(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible,
+                                      topk, candidates, pool_blocks, pool_block_size)
 
 
-def indexer_scores_ref(q, weights, key_codes, key_scale, candidates=None):
-    """Reference scores [T, N] (or [T, P] over the candidates, padding rows scored as row 0)."""
+def indexer_scores_ref(q, weights, key_codes, key_scale, block_table, entries_per_block, candidates=None):
+    """Reference scores [T, N] over each token's N = nb * E addressable entries (or [T, P] over
+    the candidates' entries, padding scored as entry 0), from the reference's own pieces."""
     from ...backends.reference import quant
 
-    if candidates is None:
-        return ref_attention._scores(q, weights, quant.mxfp4_dequant(key_codes, key_scale))
-    safe = candidates.clamp_min(0)
-    return ref_attention._scores(q, weights, quant.mxfp4_dequant(key_codes[safe], key_scale[safe]))
+    t = q.shape[0]
+    n = block_table.shape[1] * entries_per_block
+    ent = candidates if candidates is not None else torch.arange(n, device=q.device).unsqueeze(0).expand(t, n)
+    rows = ref_attention.entry_slots(block_table, entries_per_block, ent.clamp_min(0))
+    keys = quant.mxfp4_dequant(key_codes[rows], key_scale[rows])  # [T, P, Di]
+    return ref_attention._finish_scores(ref_attention._partial_scores(q, weights, keys))
 
 
 @triton.jit
@@ -69,31 +72,62 @@ def _e2m1_value(c):
 
 
 @triton.jit
-def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, nvis_ptr, cand_ptr, out_ptr,
-                           T, NC, n_nc, n_tiles, num_programs,
+def _key_scores(q_even, q_odd, wh, code_ptr, scale_ptr, rows, kvalid, j, jm,
+                DH: tl.constexpr, NQ: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr, LOWP: tl.constexpr):
+    """Scores [NQ, BLOCK_N] of NQ queries (rows [NQ * HP, D/2] of even / odd channels, head
+    weights wh) against the MXFP4 keys at pool rows `rows` [BLOCK_N] (int64; kvalid masks)."""
+    # key tile, transposed: [D/2, BLOCK_N] bytes (int8 loads masked to 0..255) and E8M0 scales
+    km = jm[:, None] & kvalid[None, :]
+    byte = tl.load(code_ptr + rows[None, :] * DH + j[:, None], mask=km, other=0).to(tl.int32) & 0xFF
+    e8 = tl.load(scale_ptr + rows[None, :] * (DH // 16) + (j // 16)[:, None], mask=km,
+                 other=127).to(tl.int32) & 0xFF
+    scale = tl.where(e8 > 0, (e8 << 23).to(tl.float32, bitcast=True), _SCALE_2M127)
+    k_lo = _e2m1_value(byte & 15) * scale  # even channels
+    k_hi = _e2m1_value(byte >> 4) * scale  # odd channels
+    if LOWP:  # exact: E2M1 * 2^k values (keys and MXFP4 queries) are bf16 numbers
+        acc = tl.dot(q_even.to(tl.bfloat16), k_lo.to(tl.bfloat16))
+        acc = tl.dot(q_odd.to(tl.bfloat16), k_hi.to(tl.bfloat16), acc)
+    else:
+        acc = tl.dot(q_even, k_lo, input_precision="ieee")
+        acc = tl.dot(q_odd, k_hi, acc, input_precision="ieee")
+    rel = tl.maximum(acc, 0.0) * wh[:, None]
+    return tl.sum(tl.reshape(rel, (NQ, HP, BLOCK_N)), axis=1)
+
+
+@triton.jit
+def _load_queries(q_ptr, w_ptr, t0, T, H: tl.constexpr, HP: tl.constexpr, DH: tl.constexpr,
+                  DHP: tl.constexpr, NQ: tl.constexpr):
+    """Queries t0 .. t0 + NQ - 1 (all heads, padded to HP): even / odd channel halves
+    [NQ * HP, DHP] and fp32 head weights [NQ * HP] (0 for padding)."""
+    r = tl.arange(0, NQ * HP)
+    r_h = r % HP
+    trow = t0 + r // HP
+    rmask = (trow < T) & (r_h < H)
+    qrow = trow.to(tl.int64) * H + r_h
+    j = tl.arange(0, DHP)
+    qoff = qrow[:, None] * (2 * DH) + 2 * j[None, :]
+    qm = rmask[:, None] & (j < DH)[None, :]
+    q_even = tl.load(q_ptr + qoff, mask=qm, other=0.0).to(tl.float32)
+    q_odd = tl.load(q_ptr + qoff + 1, mask=qm, other=0.0).to(tl.float32)
+    wh = tl.load(w_ptr + qrow, mask=rmask, other=0.0).to(tl.float32)
+    return q_even, q_odd, wh
+
+
+@triton.jit
+def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_ptr, cand_ptr, out_ptr,
+                           T, NC, NB, E, n_nc, n_tiles, num_programs,
                            H: tl.constexpr, HP: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr,
                            GATHER: tl.constexpr, LOWP: tl.constexpr):
     pid = tl.program_id(0)
-    r = tl.arange(0, BLOCK_T * HP)
-    r_t = r // HP
-    r_h = r % HP
     j = tl.arange(0, DHP)
     jm = j < DH
     cn = tl.arange(0, BLOCK_N)
     tq = tl.arange(0, BLOCK_T)
     for tile in range(pid, n_tiles, num_programs):
-        tb = tile // n_nc
+        tb = tile // n_nc + tl.zeros([], dtype=tl.int32)  # a tensor also under the interpreter
         nc = tile - tb * n_nc
-        # queries of this block: [BLOCK_T * HP, D/2] even and odd channels, fp32 head weights
-        trow = tb * BLOCK_T + r_t
-        rmask = (trow < T) & (r_h < H)
-        qrow = trow.to(tl.int64) * H + r_h
-        qoff = qrow[:, None] * (2 * DH) + 2 * j[None, :]
-        qm = rmask[:, None] & jm[None, :]
-        q_even = tl.load(q_ptr + qoff, mask=qm, other=0.0).to(tl.float32)
-        q_odd = tl.load(q_ptr + qoff + 1, mask=qm, other=0.0).to(tl.float32)
-        wh = tl.load(w_ptr + qrow, mask=rmask, other=0.0).to(tl.float32)
+        q_even, q_odd, wh = _load_queries(q_ptr, w_ptr, tb * BLOCK_T, T, H, HP, DH, DHP, BLOCK_T)
         ts = tb * BLOCK_T + tq
         tmask = ts < T
         if GATHER:
@@ -107,30 +141,38 @@ def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, nvis_ptr, cand_ptr
             cols = n0 + cn
             cmask = cols < NC
             if n0 < limit:
-                if GATHER:  # BLOCK_T == 1: this tile's query is tb
-                    rows = tl.load(cand_ptr + tb.to(tl.int64) * NC + cols, mask=cmask, other=-1)
-                    kvalid = cmask & (rows >= 0)
-                    rows = tl.maximum(rows, 0).to(tl.int64)
+                if GATHER:  # BLOCK_T == 1: this tile's query is tb; candidates are entry ids
+                    ent = tl.load(cand_ptr + tb.to(tl.int64) * NC + cols, mask=cmask, other=-1)
+                    kvalid = cmask & (ent >= 0)
+                    ent = tl.maximum(ent, 0)
+                    blk = tl.load(table_ptr + tb.to(tl.int64) * NB + ent // E, mask=kvalid, other=0)
+                    rows = blk.to(tl.int64) * E + ent % E
+                    s = _key_scores(q_even, q_odd, wh, code_ptr, scale_ptr, rows, kvalid, j, jm,
+                                    DH, BLOCK_T, HP, BLOCK_N, LOWP)
+                    ok = kvalid[None, :]
                 else:
-                    kvalid = cols < limit
-                    rows = cols.to(tl.int64)
-                # key tile, transposed: [D/2, BLOCK_N] bytes and their E8M0 scales
-                km = jm[:, None] & kvalid[None, :]
-                byte = tl.load(code_ptr + rows[None, :] * DH + j[:, None], mask=km, other=0).to(tl.int32) & 0xFF
-                e8 = tl.load(scale_ptr + rows[None, :] * (DH // 16) + (j // 16)[:, None], mask=km,
-                             other=127).to(tl.int32) & 0xFF
-                scale = tl.where(e8 > 0, (e8 << 23).to(tl.float32, bitcast=True), _SCALE_2M127)
-                k_lo = _e2m1_value(byte & 15) * scale  # even channels
-                k_hi = _e2m1_value(byte >> 4) * scale  # odd channels
-                if LOWP:  # exact: E2M1 * 2^k values (keys and MXFP4 queries) are bf16 numbers
-                    acc = tl.dot(q_even.to(tl.bfloat16), k_lo.to(tl.bfloat16))
-                    acc = tl.dot(q_odd.to(tl.bfloat16), k_hi.to(tl.bfloat16), acc)
-                else:
-                    acc = tl.dot(q_even, k_lo, input_precision="ieee")
-                    acc = tl.dot(q_odd, k_hi, acc, input_precision="ieee")
-                rel = tl.maximum(acc, 0.0) * wh[:, None]
-                s = tl.sum(tl.reshape(rel, (BLOCK_T, HP, BLOCK_N)), axis=1)  # [BLOCK_T, BLOCK_N]
-                ok = kvalid[None, :] & (cols[None, :] < nv[:, None])
+                    # entry c of query t sits at pool row table[t, c // E] * E + c % E
+                    vis = tmask[:, None] & (cols[None, :] < nv[:, None])  # [BLOCK_T, BLOCK_N]
+                    blk = tl.load(table_ptr + ts.to(tl.int64)[:, None] * NB + (cols // E)[None, :], mask=vis,
+                                  other=0).to(tl.int64)
+                    bmax = tl.max(tl.where(vis, blk, -1), axis=0)
+                    bmin = tl.min(tl.where(vis, blk, 1 << 62), axis=0)
+                    kvalid = bmax >= 0
+                    differ = tl.max((kvalid & (bmax != bmin)).to(tl.int32), axis=0)
+                    if differ == 0:  # every query that sees these entries reads the same rows: one MMA
+                        rows = tl.maximum(bmax, 0) * E + cols % E
+                        s = _key_scores(q_even, q_odd, wh, code_ptr, scale_ptr, rows, kvalid, j, jm,
+                                        DH, BLOCK_T, HP, BLOCK_N, LOWP)
+                    else:  # queries of different sequences: each against its own rows
+                        s = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+                        for i in range(BLOCK_T):
+                            vis_i = tl.max(tl.where(tq[:, None] == i, vis.to(tl.int32), 0), axis=0) > 0
+                            blk_i = tl.max(tl.where(tq[:, None] == i, blk, 0), axis=0)
+                            qe_i, qo_i, wh_i = _load_queries(q_ptr, w_ptr, tb * BLOCK_T + i, T, H, HP, DH, DHP, 1)
+                            s_i = _key_scores(qe_i, qo_i, wh_i, code_ptr, scale_ptr, blk_i * E + cols % E, vis_i,
+                                              j, jm, DH, 1, HP, BLOCK_N, LOWP)
+                            s = tl.where(tq[:, None] == i, s_i, s)
+                    ok = vis
                 s = tl.where(ok, s, float("-inf"))
             else:
                 s = tl.full([BLOCK_T, BLOCK_N], float("-inf"), dtype=tl.float32)
@@ -165,22 +207,31 @@ def _config(t: int, h: int, nc: int, gather: bool, device) -> tuple[int, int, in
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
-                   n_visible: torch.Tensor | None, candidates: torch.Tensor | None = None,
-                   _cfg: tuple | None = None) -> torch.Tensor:
-    """Indexer scores [T, N] (dense; positions >= n_visible[t] are -inf) or [T, P] over the
-    candidates (-1 padding is -inf), fp32. Requires triton."""
+                   block_table: torch.Tensor, entries_per_block: int, n_visible: torch.Tensor | None,
+                   candidates: torch.Tensor | None = None, _cfg: tuple | None = None) -> torch.Tensor:
+    """Indexer scores [T, N] over each token's N = nb * E entries (dense; entries >= n_visible[t]
+    are -inf) or [T, P] over the candidate entry ids (-1 padding is -inf), fp32, with the keys
+    read in place from the pool through the per-token block tables. Requires triton."""
     from .launch import grid_for, interpreting
 
     t, h, d = q.shape
     if d % MX_GROUP:
         raise ValueError(f"index head dim {d} is not a multiple of {MX_GROUP}")
-    codes = key_codes.view(torch.uint8) if key_codes.dtype != torch.uint8 else key_codes
-    scales = key_scale.view(torch.uint8)
-    n = codes.shape[0]
-    if codes.shape[1:] != (d // 2,) or scales.shape != (n, d // MX_GROUP):
-        raise ValueError(f"keys {tuple(key_codes.shape)} / {tuple(key_scale.shape)} do not fit head dim {d}")
+    # key bytes as int8 (Ascend loads no uint8 pointers); the kernel masks them to 0..255
+    codes = key_codes.view(torch.int8)
+    scales = key_scale.view(torch.int8)
+    n_pool = codes.shape[0]
+    if codes.shape[1:] != (d // 2,) or scales.shape != (n_pool, d // MX_GROUP):
+        raise ValueError(f"key pool {tuple(key_codes.shape)} / {tuple(key_scale.shape)} does not fit head dim {d}")
+    e = int(entries_per_block)
+    if block_table.dim() != 2 or block_table.shape[0] != t or e <= 0:
+        raise ValueError(f"block_table {tuple(block_table.shape)} must be [T={t}, nb] with entries_per_block "
+                         f"{entries_per_block} > 0")
+    nb = block_table.shape[1]
     gather = candidates is not None
-    nc = candidates.shape[1] if gather else n
+    if gather and (candidates.dim() != 2 or candidates.shape[0] != t):
+        raise ValueError(f"candidates {tuple(candidates.shape)} must be [T={t}, P]")
+    nc = candidates.shape[1] if gather else nb * e
     out = torch.empty(t, nc, dtype=torch.float32, device=q.device)
     if t == 0 or nc == 0:
         return out
@@ -188,15 +239,110 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tens
     n_nc = -(-(-(-nc // bn)) // nsub)
     n_tiles = -(-t // bt) * n_nc
     grid = grid_for(n_tiles, q.device)
-    cand = candidates.contiguous() if gather else out  # unused pointer when dense
-    nvis = n_visible.contiguous() if not gather else out
+    table = block_table.contiguous()
+    cand = candidates.contiguous() if gather else table  # unused pointer when dense
+    nvis = n_visible.contiguous() if not gather else table
     extra = {} if interpreting() else {"num_warps": warps}
     _indexer_scores_kernel[(grid,)](
-        q.contiguous(), weights.contiguous(), codes.contiguous(), scales.contiguous(), nvis, cand, out,
-        t, nc, n_nc, n_tiles, grid,
+        q.contiguous(), weights.contiguous(), codes.contiguous(), scales.contiguous(), table, nvis, cand, out,
+        t, nc, nb, e, n_nc, n_tiles, grid,
         H=h, HP=hp, DH=d // 2, DHP=_pow2(d // 2), BLOCK_T=bt, BLOCK_N=bn, NSUB=nsub,
         GATHER=gather, LOWP=not interpreting(), **extra)
     return out
+
+
+# ---- selection (Triton): radix select + ordered compaction ------------------------------------
+
+@triton.jit
+def _order_key(x):
+    """fp32 scores -> int32 keys whose signed order is the scores' order (-0.0 folded into +0.0,
+    which tie under float comparison)."""
+    b = x.to(tl.int32, bitcast=True)
+    b = tl.where(b == -2147483648, 0, b)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
+@triton.jit
+def _topk_select_kernel(s_ptr, nvis_ptr, out_ptr, T, N, K, KOUT, num_programs,
+                        BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """Per query row t (persistent loop): the K largest of scores[t, :n_visible[t]] (ties to the
+    lower entry id), written as ascending entry ids to out[t, :KOUT], -1 padded.
+
+    The K-th largest key is found digit by digit (RADIX_BITS at a time, most significant first):
+    a histogram of the current digit over the entries matching the prefix found so far picks
+    the digit holding the K-th; then one ordered pass keeps the entries above it and the first
+    (lowest-id) entries equal to it, placing them by a running prefix sum, so the output is
+    ascending without a sort."""
+    pid = tl.program_id(0)
+    NBIN: tl.constexpr = 1 << RADIX_BITS
+    bins = tl.arange(0, 2 * NBIN)  # bins >= NBIN collect the entries outside the prefix
+    cols = tl.arange(0, BLOCK)
+    for t in range(pid, T, num_programs):
+        t64 = t + tl.zeros([], dtype=tl.int64)  # 64-bit row offsets (a plain int under the interpreter)
+        row = s_ptr + t64 * N
+        orow = out_ptr + t64 * KOUT
+        nv = tl.minimum(tl.load(nvis_ptr + t).to(tl.int32), N)
+        if nv <= K:  # everything visible is selected
+            for c0 in range(0, KOUT, BLOCK):
+                c = c0 + cols
+                tl.store(orow + c, tl.where(c < nv, c, -1).to(tl.int64), mask=c < KOUT)
+        else:
+            prefix = tl.zeros([], dtype=tl.int32)  # digits found so far (unsigned key bits)
+            pmask = tl.zeros([], dtype=tl.int32)
+            need = K  # how many of the entries matching the prefix are still to be taken
+            for p in range(0, 32 // RADIX_BITS):
+                shift = 32 - RADIX_BITS * (p + 1)
+                hist = tl.zeros([2 * NBIN], dtype=tl.int32)
+                for c0 in range(0, nv, BLOCK):
+                    c = c0 + cols
+                    m = c < nv
+                    u = _order_key(tl.load(row + c, mask=m, other=0.0)) ^ -2147483648  # unsigned order
+                    match = m & ((u & pmask) == prefix)
+                    digit = (u >> shift) & (NBIN - 1)
+                    hist += tl.histogram(tl.where(match, digit, NBIN), 2 * NBIN)
+                hist = tl.where(bins < NBIN, hist, 0)
+                at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # entries with digit >= bin
+                dsel = tl.max(tl.where((bins < NBIN) & (at_or_above >= need), bins, -1), axis=0)
+                need -= tl.sum(tl.where(bins > dsel, hist, 0), axis=0)
+                prefix = prefix | (dsel << shift)
+                pmask = pmask | ((NBIN - 1) << shift)
+            thr = prefix ^ -2147483648  # the K-th largest key, signed order
+            n_sel = tl.zeros([], dtype=tl.int32)
+            n_eq = tl.zeros([], dtype=tl.int32)
+            for c0 in range(0, nv, BLOCK):
+                c = c0 + cols
+                m = c < nv
+                key = _order_key(tl.load(row + c, mask=m, other=0.0))
+                gt = (m & (key > thr)).to(tl.int32)
+                eq = (m & (key == thr)).to(tl.int32)
+                take = gt | (eq & ((n_eq + tl.cumsum(eq, axis=0) - eq) < need).to(tl.int32))
+                pos = n_sel + tl.cumsum(take, axis=0) - take
+                tl.store(orow + pos, c.to(tl.int64), mask=take != 0)
+                n_sel += tl.sum(take, axis=0)
+                n_eq += tl.sum(eq, axis=0)
+
+
+def topk_select(scores: torch.Tensor, n_visible: torch.Tensor, k: int, *, block: int | None = None) -> torch.Tensor:
+    """The reference's `_stable_topk_sorted(scores, k, arange < n_visible)` for finite visible
+    scores, in one Triton launch (a program per query row): [T, min(k, N)] int64."""
+    from .launch import grid_for, interpreting
+
+    t, n = scores.shape
+    kout = min(k, n)
+    out = torch.empty(t, kout, dtype=torch.long, device=scores.device)
+    if t == 0 or kout == 0:
+        return out
+    blk = block or (256 if interpreting() else SELECT_BLOCK)
+    grid = grid_for(t, scores.device)
+    extra = {} if interpreting() else {"num_warps": SELECT_WARPS}
+    _topk_select_kernel[(grid,)](scores.contiguous(), n_visible.contiguous(), out, t, n, k, kout, grid,
+                                 BLOCK=blk, RADIX_BITS=RADIX_BITS, **extra)
+    return out
+
+
+SELECT_BLOCK = 4096  # scores per iteration of the selection passes (compiled)
+SELECT_WARPS = 16
+RADIX_BITS = 8  # digit width of the radix select: 4 histogram passes over a row
 
 
 # ---- selection (torch) ------------------------------------------------------------------------
@@ -228,18 +374,17 @@ def _candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, n_blocks: int
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
-                 n_visible: torch.Tensor, topk: int, candidates: torch.Tensor | None = None,
-                 pool_blocks: int = 0, pool_block_size: int = 1,
+                 block_table: torch.Tensor, entries_per_block: int, n_visible: torch.Tensor, topk: int,
+                 candidates: torch.Tensor | None = None, pool_blocks: int = 0, pool_block_size: int = 1,
                  reduce_scores=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`ops.indexer_topk`: Triton scores + exact torch selection (same results as the reference)."""
+    """`ops.indexer_topk`: Triton scores over the paged key pool, then the Triton radix select
+    (dense) or the exact torch selection (candidates, candidate pool): the reference's results."""
     n_visible = n_visible.to(q.device)
-    s = indexer_scores(q, weights, key_codes, key_scale, n_visible, candidates)
+    s = indexer_scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, candidates)
     if reduce_scores is not None:  # model parallel: add the other ranks' heads (-inf stays -inf)
         s = reduce_scores(s)
     if candidates is None:
-        n = s.shape[1]
-        valid = torch.arange(n, device=q.device).unsqueeze(0) < n_visible.unsqueeze(1)
-        idx = _topk_sorted(s, topk, valid)
+        idx = topk_select(s, n_visible, topk)
         pool = _candidate_pool(s, n_visible, pool_blocks, pool_block_size) if pool_blocks > 0 else None
         return idx, pool
     valid = candidates >= 0
