@@ -1,16 +1,24 @@
-"""CSA2 indexer over MXFP4 keys: scores in Triton, exact top-k / candidate pool in torch.
+"""CSA2 indexer over MXFP4 keys read in place from the paged key pool: scores and the top-k
+selection in Triton (the candidate pool and the Reindex selection in torch).
 
-score(t, s) = sum_h relu(q[t, h, :] . k[s, :]) * weights[t, h]
+score(t, j) = sum_h relu(q[t, h, :] . k[row(t, j), :]) * weights[t, h], where entry j of token
+t's sequence sits at pool row row(t, j) = block_table[t, j // E] * E + j % E.
 
-Kernel (`_indexer_scores_kernel`): one tile = BLOCK_T queries (x all heads, padded to HP) by
-NSUB blocks of BLOCK_N keys. Key bytes are decoded inside the kernel with integer/bit ops:
-E2M1 nibbles (element 0 in the low nibble) become fp32 bit patterns, times the E8M0 scale
-(one byte per 32 channels, 2^(byte - 127), built from its bits). The low nibbles hold the even
+Scores (`_indexer_scores_kernel`): one tile = BLOCK_T queries (x all heads, padded to HP) by
+NSUB blocks of BLOCK_N entries, tiles walked by a 1-D persistent loop; at decode shapes (few
+queries) the N entries alone give hundreds of tiles, so a long context is spread over every
+worker. Each tile resolves its entries' pool rows through the queries' block tables: when
+every query of the tile that sees an entry reads the same row (tokens of one sequence, the
+prefill case) the keys are decoded once and scored by all of them in one MMA; otherwise (tokens
+of different sequences side by side) each query is scored against its own rows. Key bytes
+(int8 loads masked to 0..255: Ascend takes no uint8 pointers) are decoded with integer/bit ops:
+E2M1 nibbles (element 0 in the low nibble) become fp32 bit patterns, times the E8M0 scale (one
+byte per 32 channels, 2^(byte - 127), built from its bits). The low nibbles hold the even
 channels and the high nibbles the odd ones, so the queries are loaded as even / odd channel
 halves and the dot is tl.dot(q_even, k_lo) + tl.dot(q_odd, k_hi) over [BLOCK_T * HP, D/2] x
-[D/2, BLOCK_N] with fp32 accumulation; relu, the head weights and the sum over heads follow
-in fp32. Positions >= n_visible[t] (dense) or candidates < 0 (Reindex) are stored as -inf, and
-key blocks wholly past the visible range of a query block are not computed at all.
+[D/2, BLOCK_N] with fp32 accumulation; relu, the head weights and the sum over heads follow in
+fp32. Entries >= n_visible[t] (dense) or candidates < 0 (Reindex) are stored as -inf, and entry
+blocks wholly past the visible range of a query block are not computed at all.
 
 Operand precision: compiled (CUDA / Ascend), the dot operands are bf16. That is exact for the
 op's contract: keys are E2M1 * 2^k, and the queries are MXFP4 quantise-dequantised (E2M1 * 2^k
@@ -19,13 +27,14 @@ order differs from the reference (which sums in fp64). Arbitrary fp32 queries wo
 to bf16 (~3 significant digits) - outside the contract. Under TRITON_INTERPRET=1 bf16 math is
 broken, so the interpreter runs the same dots in fp32 (input_precision="ieee").
 
-Selection (torch post-step, on CUDA as well): `_topk_sorted` is equivalent to the reference's
-`_stable_topk_sorted` (ties to the lower index, ascending output, -1 padding) but uses
-torch.topk on int64 keys (order-preserving int image of the fp32 score << 32 | (n-1-index)),
-which are all distinct, so the chosen set is unique and equals the stable sort's first k;
--0.0 is folded into +0.0 first (they tie under float comparison). `_candidate_pool` is the
-reference's `candidate_pool` on top of that helper. Timing of scores alone vs the whole op:
-benchmarks/bench_indexer_topk_moe_route.py.
+Selection (`_topk_select_kernel`, dense path): a program per query row finds the K-th largest
+score by radix select over order-preserving int32 keys (-0.0 folded into +0.0; 4 passes of an
+8-bit digit histogram, `tl.histogram`), then one ordered pass keeps the scores above it and the
+lowest-id entries equal to it, placed by a running prefix sum: the reference's
+`_stable_topk_sorted` (ties to the lower id, ascending ids, -1 padding) without a sort and
+without a host sync. The Reindex path (candidates) and the candidate pool use `_topk_sorted`
+(torch.topk on distinct int64 keys, same contract). `tl.histogram` on Ascend is unverified on
+hardware (the triton-ascend interpreter accepts it).
 """
 
 from __future__ import annotations
@@ -116,8 +125,8 @@ def _load_queries(q_ptr, w_ptr, t0, T, H: tl.constexpr, HP: tl.constexpr, DH: tl
 @triton.jit
 def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_ptr, cand_ptr, out_ptr,
                            T, NC, NB, E, n_nc, n_tiles, num_programs,
-                           H: tl.constexpr, HP: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr,
-                           BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr,
+                           H: tl.constexpr, HP: tl.constexpr, HP1: tl.constexpr, DH: tl.constexpr,
+                           DHP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr,
                            GATHER: tl.constexpr, LOWP: tl.constexpr):
     pid = tl.program_id(0)
     j = tl.arange(0, DHP)
@@ -168,9 +177,10 @@ def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_pt
                         for i in range(BLOCK_T):
                             vis_i = tl.max(tl.where(tq[:, None] == i, vis.to(tl.int32), 0), axis=0) > 0
                             blk_i = tl.max(tl.where(tq[:, None] == i, blk, 0), axis=0)
-                            qe_i, qo_i, wh_i = _load_queries(q_ptr, w_ptr, tb * BLOCK_T + i, T, H, HP, DH, DHP, 1)
+                            # one query's heads padded to HP1 >= 16 rows (tl.dot's least M)
+                            qe_i, qo_i, wh_i = _load_queries(q_ptr, w_ptr, tb * BLOCK_T + i, T, H, HP1, DH, DHP, 1)
                             s_i = _key_scores(qe_i, qo_i, wh_i, code_ptr, scale_ptr, blk_i * E + cols % E, vis_i,
-                                              j, jm, DH, 1, HP, BLOCK_N, LOWP)
+                                              j, jm, DH, 1, HP1, BLOCK_N, LOWP)
                             s = tl.where(tq[:, None] == i, s_i, s)
                     ok = vis
                 s = tl.where(ok, s, float("-inf"))
@@ -246,7 +256,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tens
     _indexer_scores_kernel[(grid,)](
         q.contiguous(), weights.contiguous(), codes.contiguous(), scales.contiguous(), table, nvis, cand, out,
         t, nc, nb, e, n_nc, n_tiles, grid,
-        H=h, HP=hp, DH=d // 2, DHP=_pow2(d // 2), BLOCK_T=bt, BLOCK_N=bn, NSUB=nsub,
+        H=h, HP=hp, HP1=max(hp, 16), DH=d // 2, DHP=_pow2(d // 2), BLOCK_T=bt, BLOCK_N=bn, NSUB=nsub,
         GATHER=gather, LOWP=not interpreting(), **extra)
     return out
 
