@@ -123,11 +123,11 @@ def _load_queries(q_ptr, w_ptr, t0, T, H: tl.constexpr, HP: tl.constexpr, DH: tl
 
 
 @triton.jit
-def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_ptr, cand_ptr, out_ptr,
-                           T, NC, NB, E, n_nc, n_tiles, num_programs,
+def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_ptr, cand_ptr, out_ptr, max_ptr,
+                           T, NC, NB, E, G, n_nc, n_tiles, num_programs,
                            H: tl.constexpr, HP: tl.constexpr, HP1: tl.constexpr, DH: tl.constexpr,
                            DHP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr,
-                           GATHER: tl.constexpr, LOWP: tl.constexpr):
+                           GATHER: tl.constexpr, LOWP: tl.constexpr, MAXG: tl.constexpr):
     pid = tl.program_id(0)
     j = tl.arange(0, DHP)
     jm = j < DH
@@ -188,6 +188,14 @@ def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_pt
                 s = tl.full([BLOCK_T, BLOCK_N], float("-inf"), dtype=tl.float32)
             tl.store(out_ptr + ts.to(tl.int64)[:, None] * NC + cols[None, :], s,
                      mask=tmask[:, None] & cmask[None, :])
+            if MAXG > 0:  # each query's maximum over every MAXG entries (bounds the top-k select)
+                if MAXG == 1:
+                    mx = s
+                else:
+                    mx = tl.max(tl.reshape(s, (BLOCK_T, BLOCK_N // MAXG, MAXG)), axis=2)
+                gc = n0 // MAXG + tl.arange(0, BLOCK_N // MAXG)
+                tl.store(max_ptr + ts.to(tl.int64)[:, None] * G + gc[None, :], mx,
+                         mask=tmask[:, None] & (gc < G)[None, :])
 
 
 def _pow2(n: int) -> int:
@@ -222,6 +230,14 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tens
     """Indexer scores [T, N] over each token's N = nb * E entries (dense; entries >= n_visible[t]
     are -inf) or [T, P] over the candidate entry ids (-1 padding is -inf), fp32, with the keys
     read in place from the pool through the per-token block tables. Requires triton."""
+    return _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, candidates,
+                   _cfg=_cfg)[0]
+
+
+def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, candidates=None,
+            topk: int = 0, _cfg: tuple | None = None, maxg: int | None = None):
+    """`indexer_scores` plus, when topk > 0 (dense), the chunk maxima that bound the top-k
+    select: (scores, maxima [T, ceil(N / maxg)] or None, maxg)."""
     from .launch import grid_for, interpreting
 
     t, h, d = q.shape
@@ -244,8 +260,16 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tens
     nc = candidates.shape[1] if gather else nb * e
     out = torch.empty(t, nc, dtype=torch.float32, device=q.device)
     if t == 0 or nc == 0:
-        return out
+        return out, None, 0
     hp, bt, bn, nsub, warps = _cfg or _config(t, h, nc, gather, q.device)
+    if gather or topk <= 0:
+        maxg = 0
+    elif maxg is None:
+        maxg = select_chunk(nc, topk, bn)
+    if maxg and bn % maxg:
+        raise ValueError(f"chunk {maxg} must divide BLOCK_N {bn}")
+    g = -(-nc // maxg) if maxg else 1
+    maxima = torch.empty(t, g, dtype=torch.float32, device=q.device) if maxg else out
     n_nc = -(-(-(-nc // bn)) // nsub)
     n_tiles = -(-t // bt) * n_nc
     grid = grid_for(n_tiles, q.device)
@@ -254,14 +278,14 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tens
     nvis = n_visible.contiguous() if not gather else table
     extra = {} if interpreting() else {"num_warps": warps}
     _indexer_scores_kernel[(grid,)](
-        q.contiguous(), weights.contiguous(), codes.contiguous(), scales.contiguous(), table, nvis, cand, out,
-        t, nc, nb, e, n_nc, n_tiles, grid,
+        q.contiguous(), weights.contiguous(), codes.contiguous(), scales.contiguous(), table, nvis, cand, out, maxima,
+        t, nc, nb, e, g, n_nc, n_tiles, grid,
         H=h, HP=hp, HP1=max(hp, 16), DH=d // 2, DHP=_pow2(d // 2), BLOCK_T=bt, BLOCK_N=bn, NSUB=nsub,
-        GATHER=gather, LOWP=not interpreting(), **extra)
-    return out
+        GATHER=gather, LOWP=not interpreting(), MAXG=maxg, **extra)
+    return out, (maxima if maxg else None), maxg
 
 
-# ---- selection (Triton): radix select + ordered compaction ------------------------------------
+# ---- selection (Triton): bound from chunk maxima, compaction, radix select ----------------------
 
 @triton.jit
 def _order_key(x):
@@ -273,19 +297,75 @@ def _order_key(x):
 
 
 @triton.jit
-def _topk_select_kernel(s_ptr, nvis_ptr, out_ptr, T, N, K, KOUT, num_programs,
-                        BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
-    """Per query row t (persistent loop): the K largest of scores[t, :n_visible[t]] (ties to the
-    lower entry id), written as ascending entry ids to out[t, :KOUT], -1 padded.
-
-    The K-th largest key is found digit by digit (RADIX_BITS at a time, most significant first):
-    a histogram of the current digit over the entries matching the prefix found so far picks
-    the digit holding the K-th; then one ordered pass keeps the entries above it and the first
-    (lowest-id) entries equal to it, placing them by a running prefix sum, so the output is
-    ascending without a sort."""
-    pid = tl.program_id(0)
+def _kth_key(src, n, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """The k-th largest order key among the fp32 values src[0:n] (1 <= k <= n), found digit by
+    digit (RADIX_BITS at a time, most significant first: a histogram of the digit over the
+    values matching the prefix found so far picks the digit holding the k-th), and how many
+    values equal to it belong to the top k (the rest of the top k is strictly above it)."""
     NBIN: tl.constexpr = 1 << RADIX_BITS
-    bins = tl.arange(0, 2 * NBIN)  # bins >= NBIN collect the entries outside the prefix
+    bins = tl.arange(0, 2 * NBIN)  # bins >= NBIN collect the values outside the prefix
+    cols = tl.arange(0, BLOCK)
+    prefix = tl.zeros([], dtype=tl.int32)  # digits found so far (unsigned key bits)
+    pmask = tl.zeros([], dtype=tl.int32)
+    need = k + tl.zeros([], dtype=tl.int32)  # how many of the values matching the prefix to take
+    for p in range(0, 32 // RADIX_BITS):
+        shift = 32 - RADIX_BITS * (p + 1)
+        hist = tl.zeros([2 * NBIN], dtype=tl.int32)
+        for c0 in range(0, n, BLOCK):
+            c = c0 + cols
+            m = c < n
+            u = _order_key(tl.load(src + c, mask=m, other=0.0)) ^ -2147483648  # unsigned order
+            digit = (u >> shift) & (NBIN - 1)
+            hist += tl.histogram(tl.where(m & ((u & pmask) == prefix), digit, NBIN), 2 * NBIN)
+        hist = tl.where(bins < NBIN, hist, 0)
+        at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # values with digit >= bin
+        dsel = tl.max(tl.where((bins < NBIN) & (at_or_above >= need), bins, -1), axis=0)
+        need -= tl.sum(tl.where(bins > dsel, hist, 0), axis=0)
+        prefix = prefix | (dsel << shift)
+        pmask = pmask | ((NBIN - 1) << shift)
+    return prefix ^ -2147483648, need
+
+
+@triton.jit
+def _take_ordered(src, pos_src, n, thr, need, orow, BLOCK: tl.constexpr, POS: tl.constexpr):
+    """Write, in ascending order, the ids of the values in src[0:n] above `thr` (order key) and
+    of the first `need` equal to it: ids from pos_src[0:n] when POS, else the indices."""
+    cols = tl.arange(0, BLOCK)
+    n_sel = tl.zeros([], dtype=tl.int32)
+    n_eq = tl.zeros([], dtype=tl.int32)
+    for c0 in range(0, n, BLOCK):
+        c = c0 + cols
+        m = c < n
+        key = _order_key(tl.load(src + c, mask=m, other=0.0))
+        gt = (m & (key > thr)).to(tl.int32)
+        eq = (m & (key == thr)).to(tl.int32)
+        take = gt | (eq & ((n_eq + tl.cumsum(eq, axis=0) - eq) < need).to(tl.int32))
+        pos = n_sel + tl.cumsum(take, axis=0) - take
+        if POS:
+            ids = tl.load(pos_src + c, mask=m, other=0)
+        else:
+            ids = c
+        tl.store(orow + pos, ids.to(tl.int64), mask=take != 0)
+        n_sel += tl.sum(take, axis=0)
+        n_eq += tl.sum(eq, axis=0)
+
+
+@triton.jit
+def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_ptr, T, N, G, K, KOUT, num_programs,
+                        MAXG: tl.constexpr, CAP: tl.constexpr, USE_MAX: tl.constexpr, BLOCK: tl.constexpr,
+                        RADIX_BITS: tl.constexpr):
+    """Per query row t (persistent loop): the K largest of scores[t, :n_visible[t]] (ties to the
+    lower entry id) as ascending entry ids in out[t, :KOUT], -1 padded.
+
+    1. A lower bound L of the K-th largest score: the K-th largest of the row's chunk maxima
+       (max_ptr [T, G], one per MAXG entries, written by the scores kernel): K chunks have a
+       score >= L, so every score of the top K is >= L.
+    2. The scores >= L are compacted in entry order (a running prefix sum) into the row's
+       survivor buffer (CAP entries; typically a little over K of them).
+    3. The K-th largest survivor by radix select, then one ordered pass over the survivors takes
+       those above it and the first ones equal to it: ascending ids without a sort.
+    Rows whose survivors overflow CAP (many ties at the bound) run steps 3 on the whole row."""
+    pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     for t in range(pid, T, num_programs):
         t64 = t + tl.zeros([], dtype=tl.int64)  # 64-bit row offsets (a plain int under the interpreter)
@@ -297,44 +377,49 @@ def _topk_select_kernel(s_ptr, nvis_ptr, out_ptr, T, N, K, KOUT, num_programs,
                 c = c0 + cols
                 tl.store(orow + c, tl.where(c < nv, c, -1).to(tl.int64), mask=c < KOUT)
         else:
-            prefix = tl.zeros([], dtype=tl.int32)  # digits found so far (unsigned key bits)
-            pmask = tl.zeros([], dtype=tl.int32)
-            need = K  # how many of the entries matching the prefix are still to be taken
-            for p in range(0, 32 // RADIX_BITS):
-                shift = 32 - RADIX_BITS * (p + 1)
-                hist = tl.zeros([2 * NBIN], dtype=tl.int32)
-                for c0 in range(0, nv, BLOCK):
-                    c = c0 + cols
-                    m = c < nv
-                    u = _order_key(tl.load(row + c, mask=m, other=0.0)) ^ -2147483648  # unsigned order
-                    match = m & ((u & pmask) == prefix)
-                    digit = (u >> shift) & (NBIN - 1)
-                    hist += tl.histogram(tl.where(match, digit, NBIN), 2 * NBIN)
-                hist = tl.where(bins < NBIN, hist, 0)
-                at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # entries with digit >= bin
-                dsel = tl.max(tl.where((bins < NBIN) & (at_or_above >= need), bins, -1), axis=0)
-                need -= tl.sum(tl.where(bins > dsel, hist, 0), axis=0)
-                prefix = prefix | (dsel << shift)
-                pmask = pmask | ((NBIN - 1) << shift)
-            thr = prefix ^ -2147483648  # the K-th largest key, signed order
-            n_sel = tl.zeros([], dtype=tl.int32)
-            n_eq = tl.zeros([], dtype=tl.int32)
+            g = (nv + MAXG - 1) // MAXG  # chunks holding a visible entry
+            bound = tl.full([], -2147483648, dtype=tl.int32)
+            if USE_MAX:
+                if g >= K:
+                    bound, _ = _kth_key(max_ptr + t64 * G, g, K, BLOCK, RADIX_BITS)
+            srow = surv_s_ptr + t64 * CAP
+            prow = surv_p_ptr + t64 * CAP
+            cnt = tl.zeros([], dtype=tl.int32)
             for c0 in range(0, nv, BLOCK):
                 c = c0 + cols
                 m = c < nv
-                key = _order_key(tl.load(row + c, mask=m, other=0.0))
-                gt = (m & (key > thr)).to(tl.int32)
-                eq = (m & (key == thr)).to(tl.int32)
-                take = gt | (eq & ((n_eq + tl.cumsum(eq, axis=0) - eq) < need).to(tl.int32))
-                pos = n_sel + tl.cumsum(take, axis=0) - take
-                tl.store(orow + pos, c.to(tl.int64), mask=take != 0)
-                n_sel += tl.sum(take, axis=0)
-                n_eq += tl.sum(eq, axis=0)
+                x = tl.load(row + c, mask=m, other=0.0)
+                keep = (m & (_order_key(x) >= bound)).to(tl.int32)
+                pos = cnt + tl.cumsum(keep, axis=0) - keep
+                ok = (keep != 0) & (pos < CAP)
+                tl.store(srow + pos, x, mask=ok)
+                tl.store(prow + pos, c, mask=ok)
+                cnt += tl.sum(keep, axis=0)
+            if cnt <= CAP:
+                thr, need = _kth_key(srow, cnt, K, BLOCK, RADIX_BITS)
+                _take_ordered(srow, prow, cnt, thr, need, orow, BLOCK, True)
+            else:
+                thr, need = _kth_key(row, nv, K, BLOCK, RADIX_BITS)
+                _take_ordered(row, prow, nv, thr, need, orow, BLOCK, False)
 
 
-def topk_select(scores: torch.Tensor, n_visible: torch.Tensor, k: int, *, block: int | None = None) -> torch.Tensor:
+def select_chunk(n: int, k: int, block_n: int) -> int:
+    """Entries per chunk maximum (a power of two dividing the scores kernel's BLOCK_N): about
+    SELECT_MAXIMA_PER_K * k maxima per row, so their k-th largest is a tight bound."""
+    g = 1
+    while g * 2 <= block_n and n // (g * 2) >= SELECT_MAXIMA_PER_K * k:
+        g *= 2
+    return g
+
+
+def topk_select(scores: torch.Tensor, n_visible: torch.Tensor, k: int, maxima: torch.Tensor | None = None,
+                maxg: int = 1, *, block: int | None = None, capacity: int | None = None,
+                num_warps: int | None = None) -> torch.Tensor:
     """The reference's `_stable_topk_sorted(scores, k, arange < n_visible)` for finite visible
-    scores, in one Triton launch (a program per query row): [T, min(k, N)] int64."""
+    scores, in one Triton launch (a program per query row, no host sync): [T, min(k, N)] int64.
+    `maxima` [T, ceil(N / maxg)]: each row's maximum over every `maxg` entries (entries past
+    n_visible excluded), which bounds the selection; without it every visible score is a
+    survivor."""
     from .launch import grid_for, interpreting
 
     t, n = scores.shape
@@ -342,17 +427,25 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor, k: int, *, block:
     out = torch.empty(t, kout, dtype=torch.long, device=scores.device)
     if t == 0 or kout == 0:
         return out
-    blk = block or (256 if interpreting() else SELECT_BLOCK)
+    blk = block or (64 if interpreting() else SELECT_BLOCK)
+    cap = capacity or max(SELECT_CAPACITY, _pow2(4 * k))
+    surv_s = torch.empty(t, cap, dtype=torch.float32, device=scores.device)
+    surv_p = torch.empty(t, cap, dtype=torch.int32, device=scores.device)
+    use_max = maxima is not None
+    g = maxima.shape[1] if use_max else 1
     grid = grid_for(t, scores.device)
-    extra = {} if interpreting() else {"num_warps": SELECT_WARPS}
-    _topk_select_kernel[(grid,)](scores.contiguous(), n_visible.contiguous(), out, t, n, k, kout, grid,
-                                 BLOCK=blk, RADIX_BITS=RADIX_BITS, **extra)
+    extra = {} if interpreting() else {"num_warps": num_warps or SELECT_WARPS}
+    _topk_select_kernel[(grid,)](scores.contiguous(), maxima.contiguous() if use_max else scores,
+                                 n_visible.contiguous(), out, surv_s, surv_p, t, n, g, k, kout, grid,
+                                 MAXG=maxg, CAP=cap, USE_MAX=use_max, BLOCK=blk, RADIX_BITS=RADIX_BITS, **extra)
     return out
 
 
-SELECT_BLOCK = 4096  # scores per iteration of the selection passes (compiled)
-SELECT_WARPS = 16
-RADIX_BITS = 8  # digit width of the radix select: 4 histogram passes over a row
+SELECT_BLOCK = 1024  # values per iteration of the selection passes (compiled)
+SELECT_WARPS = 8
+SELECT_CAPACITY = 4096  # survivor buffer per row (at least 4 k)
+SELECT_MAXIMA_PER_K = 8  # chunk maxima per row, in units of k
+RADIX_BITS = 4  # digit width of the radix select (8 passes; the 2 * 16 bins give one per lane)
 
 
 # ---- selection (torch) ------------------------------------------------------------------------
@@ -390,11 +483,12 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor
     """`ops.indexer_topk`: Triton scores over the paged key pool, then the Triton radix select
     (dense) or the exact torch selection (candidates, candidate pool): the reference's results."""
     n_visible = n_visible.to(q.device)
-    s = indexer_scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, candidates)
+    s, maxima, maxg = _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible,
+                              candidates, topk=topk if reduce_scores is None else 0)
     if reduce_scores is not None:  # model parallel: add the other ranks' heads (-inf stays -inf)
-        s = reduce_scores(s)
+        s = reduce_scores(s)  # (this rank's maxima would not bound the summed scores: none taken)
     if candidates is None:
-        idx = topk_select(s, n_visible, topk)
+        idx = topk_select(s, n_visible, topk, maxima, maxg or 1)
         pool = _candidate_pool(s, n_visible, pool_blocks, pool_block_size) if pool_blocks > 0 else None
         return idx, pool
     valid = candidates >= 0
