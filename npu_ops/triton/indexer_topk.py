@@ -351,7 +351,8 @@ def _take_ordered(src, pos_src, n, thr, need, orow, BLOCK: tl.constexpr, POS: tl
 
 
 @triton.jit
-def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_ptr, T, N, G, K, KOUT, num_programs,
+def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr, surv_p_ptr,
+                        T, N, G, K, KOUT, num_programs,
                         MAXG: tl.constexpr, CAP: tl.constexpr, USE_MAX: tl.constexpr, BLOCK: tl.constexpr,
                         RADIX_BITS: tl.constexpr):
     """Per query row t (persistent loop): the K largest of scores[t, :n_visible[t]] (ties to the
@@ -360,11 +361,14 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_pt
     1. A lower bound L of the K-th largest score: the K-th largest of the row's chunk maxima
        (max_ptr [T, G], one per MAXG entries, written by the scores kernel): K chunks have a
        score >= L, so every score of the top K is >= L.
-    2. The scores >= L are compacted in entry order (a running prefix sum) into the row's
-       survivor buffer (CAP entries; typically a little over K of them).
+    2. The chunks whose maximum is >= L are listed (in order), and their scores >= L compacted
+       in entry order (a running prefix sum) into the row's survivor buffer (CAP entries;
+       typically a little over K of them). Only those chunks' scores are read.
     3. The K-th largest survivor by radix select, then one ordered pass over the survivors takes
        those above it and the first ones equal to it: ascending ids without a sort.
-    Rows whose survivors overflow CAP (many ties at the bound) run steps 3 on the whole row."""
+    Rows without maxima, with fewer than K chunks, or whose survivors overflow CAP (many ties at
+    the bound) run step 3 on the whole row."""
+    CH: tl.constexpr = BLOCK // MAXG  # chunks per iteration of the survivor pass
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     for t in range(pid, T, num_programs):
@@ -377,24 +381,35 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_pt
                 c = c0 + cols
                 tl.store(orow + c, tl.where(c < nv, c, -1).to(tl.int64), mask=c < KOUT)
         else:
-            g = (nv + MAXG - 1) // MAXG  # chunks holding a visible entry
-            bound = tl.full([], -2147483648, dtype=tl.int32)
-            if USE_MAX:
-                if g >= K:
-                    bound, _ = _kth_key(max_ptr + t64 * G, g, K, BLOCK, RADIX_BITS)
             srow = surv_s_ptr + t64 * CAP
             prow = surv_p_ptr + t64 * CAP
-            cnt = tl.zeros([], dtype=tl.int32)
-            for c0 in range(0, nv, BLOCK):
-                c = c0 + cols
-                m = c < nv
-                x = tl.load(row + c, mask=m, other=0.0)
-                keep = (m & (_order_key(x) >= bound)).to(tl.int32)
-                pos = cnt + tl.cumsum(keep, axis=0) - keep
-                ok = (keep != 0) & (pos < CAP)
-                tl.store(srow + pos, x, mask=ok)
-                tl.store(prow + pos, c, mask=ok)
-                cnt += tl.sum(keep, axis=0)
+            cnt = tl.full([], CAP + 1, dtype=tl.int32)  # "overflowed" unless the bounded path runs
+            g = (nv + MAXG - 1) // MAXG  # chunks holding a visible entry
+            if USE_MAX:
+                if g >= K:
+                    maxrow = max_ptr + t64 * G
+                    crow = chunk_ptr + t64 * G
+                    bound, _ = _kth_key(maxrow, g, K, BLOCK, RADIX_BITS)
+                    n_ch = tl.zeros([], dtype=tl.int32)
+                    for c0 in range(0, g, BLOCK):  # the chunks that can hold a top-K score
+                        ch = c0 + cols
+                        keep = ((ch < g) & (_order_key(tl.load(maxrow + ch, mask=ch < g, other=0.0)) >= bound))
+                        keep = keep.to(tl.int32)
+                        tl.store(crow + n_ch + tl.cumsum(keep, axis=0) - keep, ch, mask=keep != 0)
+                        n_ch += tl.sum(keep, axis=0)
+                    cnt = tl.zeros([], dtype=tl.int32)
+                    for c0 in range(0, n_ch, CH):  # their scores >= bound, in entry order
+                        ci = c0 + tl.arange(0, CH)
+                        chid = tl.load(crow + ci, mask=ci < n_ch, other=0)
+                        ent = tl.reshape(chid[:, None] * MAXG + tl.arange(0, MAXG)[None, :], [BLOCK])
+                        m = tl.reshape((ci < n_ch)[:, None] & (tl.arange(0, MAXG) >= 0)[None, :], [BLOCK]) & (ent < nv)
+                        x = tl.load(row + ent, mask=m, other=0.0)
+                        keep = (m & (_order_key(x) >= bound)).to(tl.int32)
+                        pos = cnt + tl.cumsum(keep, axis=0) - keep
+                        ok = (keep != 0) & (pos < CAP)
+                        tl.store(srow + pos, x, mask=ok)
+                        tl.store(prow + pos, ent, mask=ok)
+                        cnt += tl.sum(keep, axis=0)
             if cnt <= CAP:
                 thr, need = _kth_key(srow, cnt, K, BLOCK, RADIX_BITS)
                 _take_ordered(srow, prow, cnt, thr, need, orow, BLOCK, True)
@@ -403,11 +418,13 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_pt
                 _take_ordered(row, prow, nv, thr, need, orow, BLOCK, False)
 
 
-def select_chunk(n: int, k: int, block_n: int) -> int:
+def select_chunk(n: int, k: int, block_n: int, per_k: int | None = None) -> int:
     """Entries per chunk maximum (a power of two dividing the scores kernel's BLOCK_N): about
-    SELECT_MAXIMA_PER_K * k maxima per row, so their k-th largest is a tight bound."""
+    per_k * k maxima per row (default SELECT_MAXIMA_PER_K), so their k-th largest is a tight
+    bound and only about 1 / per_k of the row's chunks are read again."""
+    per_k = per_k or SELECT_MAXIMA_PER_K
     g = 1
-    while g * 2 <= block_n and n // (g * 2) >= SELECT_MAXIMA_PER_K * k:
+    while g * 2 <= block_n and n // (g * 2) >= per_k * k:
         g *= 2
     return g
 
@@ -433,10 +450,13 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor, k: int, maxima: t
     surv_p = torch.empty(t, cap, dtype=torch.int32, device=scores.device)
     use_max = maxima is not None
     g = maxima.shape[1] if use_max else 1
+    if use_max and (blk % maxg or maxima.shape[0] != t):
+        raise ValueError(f"maxima {tuple(maxima.shape)} every {maxg} do not fit block {blk} / {t} rows")
+    chunks = torch.empty(t, g, dtype=torch.int32, device=scores.device)  # a row's listed chunks
     grid = grid_for(t, scores.device)
     extra = {} if interpreting() else {"num_warps": num_warps or SELECT_WARPS}
     _topk_select_kernel[(grid,)](scores.contiguous(), maxima.contiguous() if use_max else scores,
-                                 n_visible.contiguous(), out, surv_s, surv_p, t, n, g, k, kout, grid,
+                                 n_visible.contiguous(), out, chunks, surv_s, surv_p, t, n, g, k, kout, grid,
                                  MAXG=maxg, CAP=cap, USE_MAX=use_max, BLOCK=blk, RADIX_BITS=RADIX_BITS, **extra)
     return out
 
