@@ -55,7 +55,7 @@ def sweep_sparse_attention(rows, copy, tokens=(1, 64, 256)):
         {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "min_blocks_per_split": 1},  # decode table
         {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "min_blocks_per_split": 2},
         {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "min_blocks_per_split": 1},
-        {"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "min_blocks_per_split": 1},
+        {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "min_blocks_per_split": 1},
         {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "min_blocks_per_split": 1},
         {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "min_blocks_per_split": 1},
         {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "min_blocks_per_split": 1},
