@@ -46,19 +46,17 @@ def rel_err(out, ref):
 
 
 def sweep_sparse_attention(rows, copy, tokens=(1, 64, 256)):
-    """Whole-row tile variants at a 64K context, paged pools; the first rows are the decode table
-    candidates (16- / 32-head tiles, flash-decoding splits), then the prefill ones."""
+    """Tile variants at a 64K context, paged pools: the decode table candidates (16- / 64-head
+    tiles, tiled or whole rows, flash-decoding splits), then the prefill table."""
     from dsv41.npu_ops.triton import sparse_attention as sa
 
     variants = [
-        {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},  # the prefill table
-        {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "min_blocks_per_split": 1},  # decode table
-        {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "min_blocks_per_split": 2},
-        {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "min_blocks_per_split": 1},
-        {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "min_blocks_per_split": 1},
-        {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "min_blocks_per_split": 1},
-        {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "min_blocks_per_split": 1},
-        {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "min_blocks_per_split": 1},
+        {"BLOCK_H": 16, "BLOCK_N": 32, "BLOCK_D": 128, "BLOCK_DV": 128, "num_warps": 8, "min_blocks_per_split": 1},
+        {"BLOCK_H": 16, "BLOCK_N": 32, "BLOCK_D": 256, "BLOCK_DV": 256, "num_warps": 8, "min_blocks_per_split": 1},
+        {"BLOCK_H": 16, "BLOCK_N": 32, "BLOCK_D": 128, "BLOCK_DV": 128, "num_warps": 8, "min_blocks_per_split": 2},
+        {"BLOCK_H": 64, "BLOCK_N": 32, "BLOCK_D": 128, "BLOCK_DV": 128, "num_warps": 4, "min_blocks_per_split": 1},
+        {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "min_blocks_per_split": 1},  # whole rows
+        {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8},  # the prefill table
     ]
     ref_fn = registry.resolve("sparse_attention", "reference")[0]
     n = 65536
@@ -67,7 +65,7 @@ def sweep_sparse_attention(rows, copy, tokens=(1, 64, 256)):
         ref = ref_fn(*args)
         flops = 4 * t * H * D * (TOPK + W)
         for v in variants:
-            cfg = dict(v, BLOCK_D=None, BLOCK_DV=None)
+            cfg = dict({"BLOCK_D": None, "BLOCK_DV": None, "num_stages": 2}, **v)
             name = "sa " + " ".join(f"{k}={val}" for k, val in v.items())
 
             def call(args=args, cfg=cfg):
@@ -104,8 +102,7 @@ def sweep_indexer(rows, copy, tokens=(1, 64)):
         want = ref_fn(q, w, kc, ks, tab, e, vis, TOPK)[0]
         bandwidth_row(rows, "indexer scores", f"T={t} 64K", "-",
                       lambda q=q, w=w, tab=tab, vis=vis: itk.indexer_scores(q, w, kc, ks, tab, e, vis), nbytes, copy)
-        for blk, warps, per_k in ((1024, 8, 8), (2048, 8, 8), (4096, 16, 8), (1024, 4, 8), (1024, 8, 2),
-                                  (1024, 8, 4), (2048, 16, 16), (4096, 8, 4)):
+        for blk, warps, per_k in ((4096, 16, 8), (4096, 16, 4), (4096, 16, 16), (4096, 8, 8)):
             def call(q=q, w=w, tab=tab, vis=vis, blk=blk, warps=warps, per_k=per_k):
                 s, maxima, maxg = itk._scores(q, w, kc, ks, tab, e, vis, topk=TOPK,
                                               maxg=itk.select_chunk(n, TOPK, 128, per_k))

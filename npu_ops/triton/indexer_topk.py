@@ -81,43 +81,51 @@ def _e2m1_value(c):
 
 
 @triton.jit
-def _key_scores(q_even, q_odd, wh, code_ptr, scale_ptr, rows, kvalid, j, jm,
-                DH: tl.constexpr, NQ: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr, LOWP: tl.constexpr):
-    """Scores [NQ, BLOCK_N] of NQ queries (rows [NQ * HP, D/2] of even / odd channels, head
-    weights wh) against the MXFP4 keys at pool rows `rows` [BLOCK_N] (int64; kvalid masks)."""
-    # key tile, transposed: [D/2, BLOCK_N] bytes (int8 loads masked to 0..255) and E8M0 scales
-    km = jm[:, None] & kvalid[None, :]
-    byte = tl.load(code_ptr + rows[None, :] * DH + j[:, None], mask=km, other=0).to(tl.int32) & 0xFF
-    e8 = tl.load(scale_ptr + rows[None, :] * (DH // 16) + (j // 16)[:, None], mask=km,
+def _key_scores(q_even, q_odd, wh, code_ptr, scale_ptr, rows, kvalid,
+                DH: tl.constexpr, DHP: tl.constexpr, NQ: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr,
+                LOWP: tl.constexpr):
+    """Scores [NQ, BLOCK_N] of NQ queries (rows [NQ * HP, DHP] of even / odd channels, head
+    weights wh) against the MXFP4 keys at pool rows `rows` [BLOCK_N] (int64; kvalid masks).
+    Key rows are one contiguous load of [BLOCK_N, DHP/16, 16] bytes (int8, masked to 0..255;
+    16 bytes = one 32-channel scale group), so each E8M0 scale is loaded once per group."""
+    g = tl.arange(0, DHP // 16)
+    e = tl.arange(0, 16)
+    byte = (g * 16)[None, :, None] + e[None, None, :]
+    km = kvalid[:, None, None] & (byte < DH)
+    b = tl.load(code_ptr + rows[:, None, None] * DH + byte, mask=km, other=0).to(tl.int32) & 0xFF
+    e8 = tl.load(scale_ptr + rows[:, None] * (DH // 16) + g[None, :], mask=kvalid[:, None] & (g < DH // 16)[None, :],
                  other=127).to(tl.int32) & 0xFF
-    scale = tl.where(e8 > 0, (e8 << 23).to(tl.float32, bitcast=True), _SCALE_2M127)
-    k_lo = _e2m1_value(byte & 15) * scale  # even channels
-    k_hi = _e2m1_value(byte >> 4) * scale  # odd channels
+    scale = tl.where(e8 > 0, (e8 << 23).to(tl.float32, bitcast=True), _SCALE_2M127)[:, :, None]
+    k_lo = tl.reshape(_e2m1_value(b & 15) * scale, [BLOCK_N, DHP])  # even channels
+    k_hi = tl.reshape(_e2m1_value(b >> 4) * scale, [BLOCK_N, DHP])  # odd channels
     if LOWP:  # exact: E2M1 * 2^k values (keys and MXFP4 queries) are bf16 numbers
-        acc = tl.dot(q_even.to(tl.bfloat16), k_lo.to(tl.bfloat16))
-        acc = tl.dot(q_odd.to(tl.bfloat16), k_hi.to(tl.bfloat16), acc)
+        acc = tl.dot(q_even, tl.trans(k_lo.to(tl.bfloat16)))
+        acc = tl.dot(q_odd, tl.trans(k_hi.to(tl.bfloat16)), acc)
     else:
-        acc = tl.dot(q_even, k_lo, input_precision="ieee")
-        acc = tl.dot(q_odd, k_hi, acc, input_precision="ieee")
+        acc = tl.dot(q_even, tl.trans(k_lo), input_precision="ieee")
+        acc = tl.dot(q_odd, tl.trans(k_hi), acc, input_precision="ieee")
     rel = tl.maximum(acc, 0.0) * wh[:, None]
     return tl.sum(tl.reshape(rel, (NQ, HP, BLOCK_N)), axis=1)
 
 
 @triton.jit
 def _load_queries(q_ptr, w_ptr, t0, T, H: tl.constexpr, HP: tl.constexpr, DH: tl.constexpr,
-                  DHP: tl.constexpr, NQ: tl.constexpr):
+                  DHP: tl.constexpr, NQ: tl.constexpr, LOWP: tl.constexpr):
     """Queries t0 .. t0 + NQ - 1 (all heads, padded to HP): even / odd channel halves
-    [NQ * HP, DHP] and fp32 head weights [NQ * HP] (0 for padding)."""
+    [NQ * HP, DHP] (one contiguous load, split into pairs) and fp32 head weights [NQ * HP]
+    (0 for padding)."""
     r = tl.arange(0, NQ * HP)
     r_h = r % HP
     trow = t0 + r // HP
     rmask = (trow < T) & (r_h < H)
     qrow = trow.to(tl.int64) * H + r_h
-    j = tl.arange(0, DHP)
-    qoff = qrow[:, None] * (2 * DH) + 2 * j[None, :]
-    qm = rmask[:, None] & (j < DH)[None, :]
-    q_even = tl.load(q_ptr + qoff, mask=qm, other=0.0).to(tl.float32)
-    q_odd = tl.load(q_ptr + qoff + 1, mask=qm, other=0.0).to(tl.float32)
+    c = tl.arange(0, 2 * DHP)
+    x = tl.load(q_ptr + qrow[:, None] * (2 * DH) + c[None, :], mask=rmask[:, None] & (c < 2 * DH)[None, :],
+                other=0.0)
+    # compiled: bf16 at once (exact for MXFP4 queries; the MMA's A operand is held by every warp,
+    # so its width is registers); interpreters: fp32
+    x = x.to(tl.bfloat16) if LOWP else x.to(tl.float32)
+    q_even, q_odd = tl.split(tl.reshape(x, [NQ * HP, DHP, 2]))
     wh = tl.load(w_ptr + qrow, mask=rmask, other=0.0).to(tl.float32)
     return q_even, q_odd, wh
 
@@ -129,14 +137,12 @@ def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_pt
                            DHP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr,
                            GATHER: tl.constexpr, LOWP: tl.constexpr, MAXG: tl.constexpr):
     pid = tl.program_id(0)
-    j = tl.arange(0, DHP)
-    jm = j < DH
     cn = tl.arange(0, BLOCK_N)
     tq = tl.arange(0, BLOCK_T)
     for tile in range(pid, n_tiles, num_programs):
         tb = tile // n_nc + tl.zeros([], dtype=tl.int32)  # a tensor also under the interpreter
         nc = tile - tb * n_nc
-        q_even, q_odd, wh = _load_queries(q_ptr, w_ptr, tb * BLOCK_T, T, H, HP, DH, DHP, BLOCK_T)
+        q_even, q_odd, wh = _load_queries(q_ptr, w_ptr, tb * BLOCK_T, T, H, HP, DH, DHP, BLOCK_T, LOWP)
         ts = tb * BLOCK_T + tq
         tmask = ts < T
         if GATHER:
@@ -156,8 +162,8 @@ def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_pt
                     ent = tl.maximum(ent, 0)
                     blk = tl.load(table_ptr + tb.to(tl.int64) * NB + ent // E, mask=kvalid, other=0)
                     rows = blk.to(tl.int64) * E + ent % E
-                    s = _key_scores(q_even, q_odd, wh, code_ptr, scale_ptr, rows, kvalid, j, jm,
-                                    DH, BLOCK_T, HP, BLOCK_N, LOWP)
+                    s = _key_scores(q_even, q_odd, wh, code_ptr, scale_ptr, rows, kvalid,
+                                    DH, DHP, BLOCK_T, HP, BLOCK_N, LOWP)
                     ok = kvalid[None, :]
                 else:
                     # entry c of query t sits at pool row table[t, c // E] * E + c % E
@@ -170,17 +176,17 @@ def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_pt
                     differ = tl.max((kvalid & (bmax != bmin)).to(tl.int32), axis=0)
                     if differ == 0:  # every query that sees these entries reads the same rows: one MMA
                         rows = tl.maximum(bmax, 0) * E + cols % E
-                        s = _key_scores(q_even, q_odd, wh, code_ptr, scale_ptr, rows, kvalid, j, jm,
-                                        DH, BLOCK_T, HP, BLOCK_N, LOWP)
+                        s = _key_scores(q_even, q_odd, wh, code_ptr, scale_ptr, rows, kvalid,
+                                        DH, DHP, BLOCK_T, HP, BLOCK_N, LOWP)
                     else:  # queries of different sequences: each against its own rows
                         s = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
                         for i in range(BLOCK_T):
                             vis_i = tl.max(tl.where(tq[:, None] == i, vis.to(tl.int32), 0), axis=0) > 0
                             blk_i = tl.max(tl.where(tq[:, None] == i, blk, 0), axis=0)
                             # one query's heads padded to HP1 >= 16 rows (tl.dot's least M)
-                            qe_i, qo_i, wh_i = _load_queries(q_ptr, w_ptr, tb * BLOCK_T + i, T, H, HP1, DH, DHP, 1)
+                            qe_i, qo_i, wh_i = _load_queries(q_ptr, w_ptr, tb * BLOCK_T + i, T, H, HP1, DH, DHP, 1, LOWP)
                             s_i = _key_scores(qe_i, qo_i, wh_i, code_ptr, scale_ptr, blk_i * E + cols % E, vis_i,
-                                              j, jm, DH, 1, HP1, BLOCK_N, LOWP)
+                                              DH, DHP, 1, HP1, BLOCK_N, LOWP)
                             s = tl.where(tq[:, None] == i, s_i, s)
                     ok = vis
                 s = tl.where(ok, s, float("-inf"))
@@ -215,13 +221,15 @@ def _config(t: int, h: int, nc: int, gather: bool, device) -> tuple[int, int, in
         bt = max(1, min(rows // hp, _pow2(t)))
         bt = max(bt, -(-16 // hp))  # tl.dot needs M >= 16
         hp = max(hp, -(-16 // bt))
-    bn = 64 if (on_npu or interpreting()) else 128
+    # compiled on CUDA: 8 warps and 128-entry blocks for one query (M = 32 rows), 64-entry blocks
+    # for more (sm_90 ptxas: 202 and 255 registers, no spill; 4 warps spill)
+    bn = 64 if (on_npu or interpreting() or bt * hp > 32) else 128
     n_tb, n_nb = -(-t // bt), -(-nc // bn)
     target = 2 * num_workers(device)
     nsub = 1
     while nsub < 8 and n_tb * (-(-n_nb // (nsub * 2))) >= target:
         nsub *= 2
-    return hp, bt, bn, nsub, 8 if bt * hp >= 128 else 4
+    return hp, bt, bn, nsub, 8
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
@@ -297,32 +305,48 @@ def _order_key(x):
 
 
 @triton.jit
+def _radix_digit(hist, need, prefix, pmask, shift, NBIN: tl.constexpr):
+    """One radix step: from the histogram of the current digit (bins >= NBIN: values outside the
+    prefix), the digit holding the need-th largest; returns the updated need, prefix and mask."""
+    bins = tl.arange(0, 2 * NBIN)
+    hist = tl.where(bins < NBIN, hist, 0)
+    at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # values with digit >= bin
+    dsel = tl.max(tl.where((bins < NBIN) & (at_or_above >= need), bins, -1), axis=0)
+    need -= tl.sum(tl.where(bins > dsel, hist, 0), axis=0)
+    return need, prefix | (dsel << shift), pmask | ((NBIN - 1) << shift)
+
+
+@triton.jit
 def _kth_key(src, n, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
     """The k-th largest order key among the fp32 values src[0:n] (1 <= k <= n), found digit by
     digit (RADIX_BITS at a time, most significant first: a histogram of the digit over the
     values matching the prefix found so far picks the digit holding the k-th), and how many
-    values equal to it belong to the top k (the rest of the top k is strictly above it)."""
+    values equal to it belong to the top k (the rest of the top k is strictly above it).
+    When n <= BLOCK the values are loaded once and every pass runs on registers."""
     NBIN: tl.constexpr = 1 << RADIX_BITS
-    bins = tl.arange(0, 2 * NBIN)  # bins >= NBIN collect the values outside the prefix
     cols = tl.arange(0, BLOCK)
     prefix = tl.zeros([], dtype=tl.int32)  # digits found so far (unsigned key bits)
     pmask = tl.zeros([], dtype=tl.int32)
     need = k + tl.zeros([], dtype=tl.int32)  # how many of the values matching the prefix to take
-    for p in range(0, 32 // RADIX_BITS):
-        shift = 32 - RADIX_BITS * (p + 1)
-        hist = tl.zeros([2 * NBIN], dtype=tl.int32)
-        for c0 in range(0, n, BLOCK):
-            c = c0 + cols
-            m = c < n
-            u = _order_key(tl.load(src + c, mask=m, other=0.0)) ^ -2147483648  # unsigned order
+    if n <= BLOCK:
+        m = cols < n
+        u = _order_key(tl.load(src + cols, mask=m, other=0.0)) ^ -2147483648  # unsigned order
+        for p in range(0, 32 // RADIX_BITS):
+            shift = 32 - RADIX_BITS * (p + 1)
             digit = (u >> shift) & (NBIN - 1)
-            hist += tl.histogram(tl.where(m & ((u & pmask) == prefix), digit, NBIN), 2 * NBIN)
-        hist = tl.where(bins < NBIN, hist, 0)
-        at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # values with digit >= bin
-        dsel = tl.max(tl.where((bins < NBIN) & (at_or_above >= need), bins, -1), axis=0)
-        need -= tl.sum(tl.where(bins > dsel, hist, 0), axis=0)
-        prefix = prefix | (dsel << shift)
-        pmask = pmask | ((NBIN - 1) << shift)
+            hist = tl.histogram(tl.where(m & ((u & pmask) == prefix), digit, NBIN), 2 * NBIN)
+            need, prefix, pmask = _radix_digit(hist, need, prefix, pmask, shift, NBIN)
+    else:
+        for p in range(0, 32 // RADIX_BITS):
+            shift = 32 - RADIX_BITS * (p + 1)
+            hist = tl.zeros([2 * NBIN], dtype=tl.int32)
+            for c0 in range(0, n, BLOCK):
+                c = c0 + cols
+                m = c < n
+                u = _order_key(tl.load(src + c, mask=m, other=0.0)) ^ -2147483648
+                digit = (u >> shift) & (NBIN - 1)
+                hist += tl.histogram(tl.where(m & ((u & pmask) == prefix), digit, NBIN), 2 * NBIN)
+            need, prefix, pmask = _radix_digit(hist, need, prefix, pmask, shift, NBIN)
     return prefix ^ -2147483648, need
 
 
@@ -461,8 +485,8 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor, k: int, maxima: t
     return out
 
 
-SELECT_BLOCK = 1024  # values per iteration of the selection passes (compiled)
-SELECT_WARPS = 8
+SELECT_BLOCK = 4096  # values per iteration of the selection passes (compiled); a set this small stays in registers
+SELECT_WARPS = 16  # sm_90 ptxas: 115 registers at BLOCK 4096 (8 warps: 191)
 SELECT_CAPACITY = 4096  # survivor buffer per row (at least 4 k)
 SELECT_MAXIMA_PER_K = 8  # chunk maxima per row, in units of k
 RADIX_BITS = 4  # digit width of the radix select (8 passes; the 2 * 16 bins give one per lane)

@@ -58,10 +58,11 @@ CONFIGS = {
     # registers + ~1 KB spill (the 64x512 fp32 accumulator alone is 128 registers a thread).
     "cuda": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=2, QK_T=False,
                  min_blocks_per_split=2),
-    # cuda at decode shapes (few tokens): 16-head tiles and one split per entry block, so a
-    # T=1 step spreads its 640 entries x 64 heads over ~80 programs (flash-decoding); each
-    # program's accumulator is 16x512 fp32 (no spill) and the combine reads 32 KB per tile.
-    "cuda_decode": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=4, num_stages=2,
+    # cuda at decode shapes (few tokens): 16-head tiles, the contraction and the output channels
+    # in blocks of 128 (a 16-row MMA operand is held by every warp, so whole 512-wide rows
+    # spill: sm_90 ptxas 255 registers + 1-2 KB stack; this tile: no spill), one split per
+    # entry block (flash-decoding), so a T=1 step spreads over ~320 programs.
+    "cuda_decode": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=8, num_stages=2,
                         QK_T=False, min_blocks_per_split=1),
     "npu": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=None, min_blocks_per_split=2),
     "interp": dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=None, min_blocks_per_split=1),
@@ -69,8 +70,7 @@ CONFIGS = {
 # a backend's "<key>_decode" entry is used when the main entry's tiles (tokens x head blocks)
 # would occupy fewer than 1 / DECODE_FILL_FRACTION of the workers
 DECODE_FILL_FRACTION = 2
-COMBINE_BLOCK_H = 16
-COMBINE_BLOCK_D = 128
+COMBINE_ELEMS = 4096  # partial-accumulator elements a combine tile loads at once (splits x channels)
 
 
 # ---- decoding (integer / bit ops only) --------------------------------------------------------
@@ -84,50 +84,12 @@ def _e4m3_pos(c):
 
 
 @triton.jit
-def _e2m1(c):
-    """E2M1 nibble 0..15 (int32) -> fp32 value."""
-    a = c & 7
-    af = a.to(tl.float32)
-    mag = tl.where(a < 4, af * 0.5, tl.where(a == 7, 6.0, af - 2.0))
-    return tl.where(c >= 8, -mag, mag)
-
-
-@triton.jit
-def _fp8_times_e8m0(b, sb):
-    """E4M3 byte b and E8M0 scale byte sb (int32) -> fp32 value * 2^(sb-127)."""
-    return _e4m3_signed(b) * (sb << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _e4m3_signed(b):
     """E4M3 byte b (int32 0..255, bit 7 the sign) -> fp32 value."""
     e = (b >> 3) & 15
     p2 = ((tl.maximum(e, 1) + 117) << 23).to(tl.float32, bitcast=True)
     v = (tl.where(e > 0, 8, 0) + (b & 7)).to(tl.float32) * p2
     return tl.where((b & 128) != 0, -v, v)
-
-
-@triton.jit
-def _win_kv(win_ptr, wsc_ptr, rows, ok, c0, j, D: tl.constexpr):
-    """Window rows [BN] (int64), channels c0 + 2j and c0 + 2j + 1 -> two fp32 [BN, len(j)]."""
-    m2 = ok[:, None]
-    ch = c0 + 2 * j
-    base = rows[:, None] * D + ch[None, :]
-    b0 = tl.load(win_ptr + base, mask=m2, other=0).to(tl.int32) & 0xFF
-    b1 = tl.load(win_ptr + base + 1, mask=m2, other=0).to(tl.int32) & 0xFF
-    sb = tl.load(wsc_ptr + rows[:, None] * (D // 32) + (ch // 32)[None, :], mask=m2, other=0).to(tl.int32) & 0xFF
-    return _fp8_times_e8m0(b0, sb), _fp8_times_e8m0(b1, sb)
-
-
-@triton.jit
-def _glob_kv(gkv_ptr, gsc_ptr, rows, ok, c0, j, D: tl.constexpr):
-    """Packed FP4 rows [BN] (int64), channels c0 + 2j (low nibble) and c0 + 2j + 1 (high)."""
-    m2 = ok[:, None]
-    byte = c0 // 2 + j
-    b = tl.load(gkv_ptr + rows[:, None] * (D // 2) + byte[None, :], mask=m2, other=0).to(tl.int32) & 0xFF
-    sc = tl.load(gsc_ptr + rows[:, None] * (D // 16) + (byte // 8)[None, :], mask=m2, other=0).to(tl.int32) & 0xFF
-    s = _e4m3_pos(sc & 127)
-    return _e2m1(b & 15) * s, _e2m1((b >> 4) & 15) * s
 
 
 @triton.jit
@@ -141,47 +103,68 @@ def _e2m1_fast(c):
 
 
 @triton.jit
-def _glob_rows(gkv_ptr, gsc_ptr, rows, ok, D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Whole packed FP4 rows [BN] (int64) -> even / odd channel halves, fp32 [BN, D/2] each.
-    Bytes are loaded as [BN, D/16, 8] (8 bytes = one 16-channel scale group), so each E4M3
-    scale is loaded and decoded once and broadcast over its group."""
-    g = tl.arange(0, D // 16)
+def _glob_cols(gkv_ptr, gsc_ptr, rows, ok, c0, W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Packed FP4 rows [BN] (int64), channels c0 .. c0 + W -> even / odd channel halves, fp32
+    [BN, W/2] each (a byte holds channel 2j in its low nibble, 2j + 1 in its high one). The
+    bytes are one contiguous load of [BN, W/16, 8] (8 bytes = one 16-channel scale group), so
+    each E4M3 scale is loaded and decoded once and broadcast over its group."""
+    g = tl.arange(0, W // 16)
     e = tl.arange(0, 8)
-    m3 = ok[:, None, None]
-    byte = (g * 8)[None, :, None] + e[None, None, :]
-    b = tl.load(gkv_ptr + rows[:, None, None] * (D // 2) + byte, mask=m3, other=0).to(tl.int32) & 0xFF
-    sc = tl.load(gsc_ptr + rows[:, None] * (D // 16) + g[None, :], mask=ok[:, None], other=0).to(tl.int32) & 0xFF
+    byte = c0 // 2 + (g * 8)[None, :, None] + e[None, None, :]
+    b = tl.load(gkv_ptr + rows[:, None, None] * (D // 2) + byte, mask=ok[:, None, None], other=0).to(tl.int32) & 0xFF
+    sc = tl.load(gsc_ptr + rows[:, None] * (D // 16) + (c0 // 16 + g)[None, :], mask=ok[:, None],
+                 other=0).to(tl.int32) & 0xFF
     s = _e4m3_pos(sc & 127)[:, :, None]
-    k_e = tl.reshape(_e2m1_fast(b & 15) * s, [BLOCK_N, D // 2])
-    k_o = tl.reshape(_e2m1_fast((b >> 4) & 15) * s, [BLOCK_N, D // 2])
+    k_e = tl.reshape(_e2m1_fast(b & 15) * s, [BLOCK_N, W // 2])
+    k_o = tl.reshape(_e2m1_fast((b >> 4) & 15) * s, [BLOCK_N, W // 2])
     return k_e, k_o
 
 
 @triton.jit
-def _win_rows(win_ptr, wsc_ptr, rows, ok, D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Whole FP8 window rows [BN] (int64) -> even / odd channel halves, fp32 [BN, D/2] each;
-    the E8M0 scale of each 32-channel group (16 channel pairs) is loaded once per group."""
-    g = tl.arange(0, D // 32)
-    e = tl.arange(0, 16)
-    m3 = ok[:, None, None]
-    ch = (g * 32)[None, :, None] + 2 * e[None, None, :]
-    base = rows[:, None, None] * D + ch
-    b0 = tl.load(win_ptr + base, mask=m3, other=0).to(tl.int32) & 0xFF
-    b1 = tl.load(win_ptr + base + 1, mask=m3, other=0).to(tl.int32) & 0xFF
-    sb = tl.load(wsc_ptr + rows[:, None] * (D // 32) + g[None, :], mask=ok[:, None], other=0).to(tl.int32) & 0xFF
+def _win_cols(win_ptr, wsc_ptr, rows, ok, c0, W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """FP8 window rows [BN] (int64), channels c0 .. c0 + W -> even / odd channel halves, fp32
+    [BN, W/2] each. The bytes are one contiguous load of [BN, W/32, 32] (vector loads, one
+    pointer per vector), split into channel pairs; the E8M0 scale of each 32-channel group is
+    loaded once and broadcast over it."""
+    g = tl.arange(0, W // 32)
+    e = tl.arange(0, 32)
+    ch = c0 + (g * 32)[None, :, None] + e[None, None, :]
+    b = tl.load(win_ptr + rows[:, None, None] * D + ch, mask=ok[:, None, None], other=0).to(tl.int32) & 0xFF
+    b0, b1 = tl.split(tl.reshape(b, [BLOCK_N, W // 32, 16, 2]))
+    sb = tl.load(wsc_ptr + rows[:, None] * (D // 32) + (c0 // 32 + g)[None, :], mask=ok[:, None],
+                 other=0).to(tl.int32) & 0xFF
     sc = (sb << 23).to(tl.float32, bitcast=True)[:, :, None]
-    k_e = tl.reshape(_e4m3_signed(b0) * sc, [BLOCK_N, D // 2])
-    k_o = tl.reshape(_e4m3_signed(b1) * sc, [BLOCK_N, D // 2])
+    k_e = tl.reshape(_e4m3_signed(b0) * sc, [BLOCK_N, W // 2])
+    k_o = tl.reshape(_e4m3_signed(b1) * sc, [BLOCK_N, W // 2])
     return k_e, k_o
 
 
 @triton.jit
-def _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, c0, j, D: tl.constexpr, IS_GLOB: tl.constexpr):
+def _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, c0, W: tl.constexpr, D: tl.constexpr,
+        BLOCK_N: tl.constexpr, IS_GLOB: tl.constexpr):
+    """Even / odd channel halves [BN, W/2] of channels c0 .. c0 + W of the window or global rows."""
     if IS_GLOB:
-        e, o = _glob_kv(gkv_ptr, gsc_ptr, rows, ok, c0, j, D)
+        e, o = _glob_cols(gkv_ptr, gsc_ptr, rows, ok, c0, W, D, BLOCK_N)
     else:
-        e, o = _win_kv(win_ptr, wsc_ptr, rows, ok, c0, j, D)
+        e, o = _win_cols(win_ptr, wsc_ptr, rows, ok, c0, W, D, BLOCK_N)
     return e, o
+
+
+@triton.jit
+def _load_halves(ptr, row, ok, c0, W: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows `row` (element offsets, [BLOCK]) of a row-major tensor, columns c0 .. c0 + W, as even
+    / odd column halves [BLOCK, W/2] each: one contiguous load, split into pairs."""
+    c = tl.arange(0, W)
+    x = tl.load(ptr + row[:, None] + c0 + c[None, :], mask=ok[:, None], other=0.0)
+    return tl.split(tl.reshape(x, [BLOCK, W // 2, 2]))
+
+
+@triton.jit
+def _store_halves(ptr, row, ok, c0, x_e, x_o, W: tl.constexpr, BLOCK: tl.constexpr):
+    """Interleave even / odd column halves [BLOCK, W/2] back into columns c0 .. c0 + W of rows
+    `row` (element offsets): one contiguous store."""
+    c = tl.arange(0, W)
+    tl.store(ptr + row[:, None] + c0 + c[None, :], tl.reshape(tl.join(x_e, x_o), [BLOCK, W]), mask=ok[:, None])
 
 
 @triton.jit
@@ -227,35 +210,33 @@ def _to_bf16(x, NATIVE: tl.constexpr):
 # ---- one block of entries: logits, online softmax, p.V ----------------------------------------
 
 @triton.jit
-def _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok,
+def _block(q_ptr, qrow, hok, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok,
            m_i, l_i, acc_e, acc_o, dv0, half, scale,
            D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
            BLOCK_DV: tl.constexpr, IS_GLOB: tl.constexpr, DOT_BF16: tl.constexpr, QK_T: tl.constexpr,
            DV_HALF: tl.constexpr):
     if BLOCK_D == D and BLOCK_DV == D:
         # whole rows: decode once, use as K and as V
-        if IS_GLOB:
-            k_e, k_o = _glob_rows(gkv_ptr, gsc_ptr, rows, ok, D, BLOCK_N)
-        else:
-            k_e, k_o = _win_rows(win_ptr, wsc_ptr, rows, ok, D, BLOCK_N)
+        k_e, k_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, 0, D, D, BLOCK_N, IS_GLOB)
         v_e = _dot_in(k_e, DOT_BF16)
         v_o = _dot_in(k_o, DOT_BF16)
+        # q is re-read per block (L1 / L2 hits) instead of held across the loop: as the MMA's A
+        # operand every warp holds all of it, which alone took half the registers at 4 warps
+        q_e, q_o = _load_halves(q_ptr, qrow, hok, 0, D, BLOCK_H)
+        q_e = _q_in(q_e, DOT_BF16)
+        q_o = _q_in(q_o, DOT_BF16)
         if QK_T:  # entries as M: a full-width MMA when BLOCK_H is small next to BLOCK_N
             s = tl.trans(tl.dot(v_o, tl.trans(q_o), tl.dot(v_e, tl.trans(q_e))))
         else:
             s = tl.dot(q_o, tl.trans(v_o), tl.dot(q_e, tl.trans(v_e)))
     else:
-        jd = tl.arange(0, BLOCK_D // 2)
         s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
         for c0 in range(0, D, BLOCK_D):
-            qp = q_ptr + qrow[:, None] + c0 + 2 * jd[None, :]
-            qe = _dot_in(tl.load(qp, mask=hok[:, None], other=0.0).to(tl.float32), DOT_BF16)
-            qo = _dot_in(tl.load(qp + 1, mask=hok[:, None], other=0.0).to(tl.float32), DOT_BF16)
-            k_e, k_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, c0, jd, D, IS_GLOB)
-            s += tl.dot(qe, tl.trans(_dot_in(k_e, DOT_BF16)))
-            s += tl.dot(qo, tl.trans(_dot_in(k_o, DOT_BF16)))
-        jv = tl.arange(0, BLOCK_DV // 2)
-        v_e, v_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, dv0, jv, D, IS_GLOB)
+            qe, qo = _load_halves(q_ptr, qrow, hok, c0, BLOCK_D, BLOCK_H)
+            k_e, k_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, c0, BLOCK_D, D, BLOCK_N, IS_GLOB)
+            s += tl.dot(_dot_in(qe.to(tl.float32), DOT_BF16), tl.trans(_dot_in(k_e, DOT_BF16)))
+            s += tl.dot(_dot_in(qo.to(tl.float32), DOT_BF16), tl.trans(_dot_in(k_o, DOT_BF16)))
+        v_e, v_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, dv0, BLOCK_DV, D, BLOCK_N, IS_GLOB)
         v_e = _dot_in(v_e, DOT_BF16)
         v_o = _dot_in(v_o, DOT_BF16)
     s = tl.where(ok[None, :], s * scale, float("-inf"))
@@ -288,7 +269,6 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
     hh = tl.arange(0, BLOCK_H)
     nn = tl.arange(0, BLOCK_N)
     jv = tl.arange(0, BLOCK_DV // 2)
-    jq = tl.arange(0, BLOCK_D // 2)
     for tile in range(pid, n_tiles, num_programs):
         dvb = tile % n_dv
         r = tile // n_dv
@@ -300,10 +280,6 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
         hok = heads < H
         qrow = (tq * H + heads).to(tl.int64) * D
         dv0 = dvb * BLOCK_DV
-        # q halves for the whole-row path (unused, and dropped, in the tiled path)
-        qp = q_ptr + qrow[:, None] + 2 * jq[None, :]
-        q_e = _q_in(tl.load(qp, mask=hok[:, None], other=0.0), DOT_BF16)
-        q_o = _q_in(tl.load(qp + 1, mask=hok[:, None], other=0.0), DOT_BF16)
         m_i = tl.full([BLOCK_H], RUNNING_MAX_INIT, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc_e = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
@@ -316,7 +292,7 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
             inr = s_idx < S
             widx = tl.load(widx_ptr + tq.to(tl.int64) * S + s_idx, mask=inr, other=-1)
             ok = widx >= 0
-            m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
+            m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
                                             tl.maximum(widx, 0).to(tl.int64), ok, m_i, l_i, acc_e, acc_o, dv0, dvb, scale,
                                             D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, False, DOT_BF16, QK_T, DV_HALF)
         # global blocks
@@ -326,61 +302,57 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
             idx = tl.load(gidx_ptr + tq.to(tl.int64) * K + k_idx, mask=inr, other=-1)
             ok = idx >= 0
             rows = tl.maximum(idx, 0).to(tl.int64)
-            m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
+            m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
                                             rows, ok, m_i, l_i, acc_e, acc_o, dv0, dvb, scale,
                                             D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, True, DOT_BF16, QK_T, DV_HALF)
-        if DV_HALF:
-            col = 2 * jv + dvb  # channels of this tile's parity
-        else:
-            col = dv0 + 2 * jv
+        col = 2 * jv + dvb  # DV_HALF: the channels of this tile's parity
         if SPLIT:
             prow = ((tq * n_split + sp) * H + heads).to(tl.int64)
-            pp = pacc_ptr + prow[:, None] * D + col[None, :]
-            tl.store(pp, acc_e, mask=hok[:, None])
-            if not DV_HALF:
-                tl.store(pp + 1, acc_o, mask=hok[:, None])
+            if DV_HALF:
+                tl.store(pacc_ptr + prow[:, None] * D + col[None, :], acc_e, mask=hok[:, None])
+            else:
+                _store_halves(pacc_ptr, prow * D, hok, dv0, acc_e, acc_o, BLOCK_DV, BLOCK_H)
             first = hok & (dvb == 0)
             tl.store(pm_ptr + prow, m_i, mask=first)
             tl.store(pl_ptr + prow, l_i, mask=first)
         else:
             sk = tl.load(sink_ptr + heads, mask=hok, other=0.0).to(tl.float32)
             inv = 1.0 / (l_i + tl.exp(sk - m_i))
-            op = out_ptr + qrow[:, None] + col[None, :]
-            tl.store(op, _to_bf16(acc_e * inv[:, None], DOT_BF16), mask=hok[:, None])
-            if not DV_HALF:
-                tl.store(op + 1, _to_bf16(acc_o * inv[:, None], DOT_BF16), mask=hok[:, None])
+            if DV_HALF:
+                tl.store(out_ptr + qrow[:, None] + col[None, :], _to_bf16(acc_e * inv[:, None], DOT_BF16),
+                         mask=hok[:, None])
+            else:
+                _store_halves(out_ptr, qrow, hok, dv0, _to_bf16(acc_e * inv[:, None], DOT_BF16),
+                              _to_bf16(acc_o * inv[:, None], DOT_BF16), BLOCK_DV, BLOCK_H)
 
 
 @triton.jit
-def _combine_kernel(pacc_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, H, n_split, n_hb, n_db, n_tiles, num_programs,
-                    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE_CAST: tl.constexpr):
+def _combine_kernel(pacc_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, H, n_split, n_db, n_tiles, num_programs,
+                    D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE_CAST: tl.constexpr):
+    """Merge the splits of one (query, head, channel block) per tile: every split's running max,
+    sum and partial accumulator are loaded at once ([SPLITS] and [SPLITS, BLOCK_D], SPLITS >=
+    n_split), so the merge costs one round trip to memory, not one per split."""
     pid = tl.program_id(0)
-    hh = tl.arange(0, BLOCK_H)
+    sp = tl.arange(0, SPLITS)
+    spm = sp < n_split
     dd = tl.arange(0, BLOCK_D)
     for tile in range(pid, n_tiles, num_programs):
         db = tile % n_db
         r = tile // n_db
-        hb = r % n_hb
-        tq = r // n_hb
-        heads = hb * BLOCK_H + hh
-        hok = heads < H
+        head = r % H
+        tq = r // H
+        prow = ((tq * n_split + sp) * H + head).to(tl.int64)
+        m = tl.load(pm_ptr + prow, mask=spm, other=RUNNING_MAX_INIT)
+        mx = tl.max(m, axis=0)
+        w = tl.where(spm, tl.exp(m - mx), 0.0)
+        den = tl.sum(w * tl.load(pl_ptr + prow, mask=spm, other=0.0), axis=0)
         col = db * BLOCK_D + dd
-        mx = tl.full([BLOCK_H], RUNNING_MAX_INIT, dtype=tl.float32)
-        for sp in range(0, n_split):
-            prow = (tq * n_split + sp) * H + heads
-            mx = tl.maximum(mx, tl.load(pm_ptr + prow, mask=hok, other=RUNNING_MAX_INIT))
-        den = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        for sp in range(0, n_split):
-            prow = (tq * n_split + sp) * H + heads
-            w = tl.exp(tl.load(pm_ptr + prow, mask=hok, other=RUNNING_MAX_INIT) - mx)
-            den += w * tl.load(pl_ptr + prow, mask=hok, other=0.0)
-            a = tl.load(pacc_ptr + prow.to(tl.int64)[:, None] * D + col[None, :], mask=hok[:, None], other=0.0)
-            acc += w[:, None] * a
-        sk = tl.load(sink_ptr + heads, mask=hok, other=0.0).to(tl.float32)
+        a = tl.load(pacc_ptr + prow[:, None] * D + col[None, :], mask=spm[:, None], other=0.0)
+        acc = tl.sum(w[:, None] * a, axis=0)
+        sk = tl.load(sink_ptr + head).to(tl.float32)
         inv = 1.0 / (den + tl.exp(sk - mx))
-        orow = (tq * H + heads).to(tl.int64) * D
-        tl.store(out_ptr + orow[:, None] + col[None, :], _to_bf16(acc * inv[:, None], NATIVE_CAST), mask=hok[:, None])
+        orow = (tq * H + head).to(tl.int64) * D
+        tl.store(out_ptr + orow + col, _to_bf16(acc * inv, NATIVE_CAST))
 
 
 # ---- launcher -----------------------------------------------------------------------------------
@@ -475,15 +447,14 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
                                  BLOCK_D=block_d, BLOCK_DV=block_dv, SPLIT=split, DOT_BF16=dot_bf16,
                                  QK_T=bool(QK_T), DV_HALF=dv_half, **kw)
     if split:
-        cb_h = _pow2_at_least(min(COMBINE_BLOCK_H, h), 1)
-        cb_d = min(COMBINE_BLOCK_D, d)
+        splits = _pow2_at_least(n_split, 2)
+        cb_d = min(d, _pow2_at_least(max(32, COMBINE_ELEMS // splits), 32))  # [splits, cb_d] fp32 per tile
         while d % cb_d:
             cb_d //= 2
-        c_hb = -(-h // cb_h)
-        c_tiles = t * c_hb * (d // cb_d)
+        c_tiles = t * h * (d // cb_d)
         c_grid = grid_for(c_tiles, dev)
-        _combine_kernel[(c_grid,)](pacc, pm, pl, sk, out, h, n_split, c_hb, d // cb_d, c_tiles, c_grid,
-                                   D=d, BLOCK_H=cb_h, BLOCK_D=cb_d, NATIVE_CAST=dot_bf16)
+        _combine_kernel[(c_grid,)](pacc, pm, pl, sk, out, h, n_split, d // cb_d, c_tiles, c_grid,
+                                   D=d, SPLITS=splits, BLOCK_D=cb_d, NATIVE_CAST=dot_bf16)
     return out
 
 
