@@ -58,18 +58,21 @@ CONFIGS = {
     # registers + ~1 KB spill (the 64x512 fp32 accumulator alone is 128 registers a thread).
     "cuda": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=2, QK_T=False,
                  min_blocks_per_split=2),
-    # cuda at decode shapes (few tokens): 16-head tiles, the contraction and the output channels
-    # in blocks of 128 (a 16-row MMA operand is held by every warp, so whole 512-wide rows
-    # spill: sm_90 ptxas 255 registers + 1-2 KB stack; this tile: no spill), one split per
-    # entry block (flash-decoding), so a T=1 step spreads over ~320 programs.
-    "cuda_decode": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=8, num_stages=2,
+    # cuda at decode shapes (few tokens): all 64 heads per tile (wgmma M = 64, 4 warps = one warp
+    # group), the contraction and the output channels in blocks of 128, one split per entry
+    # block (flash-decoding): a T=1 step is 4 channel blocks x 20 splits = 80 programs. H200
+    # sweep (T=1, 64K, CUDA-graph time, with the combine): this 13.9 us; 16-head tiles with
+    # 128 / 256-channel blocks and 8 warps 28.6 / 23.0 us; 16-head whole rows 23.3 us. At T=64
+    # 16-head tiles took 322 us (whole rows) / 995 us (128-channel blocks) and this entry is
+    # unmeasured, so T > 16 keeps the prefill table (DECODE_FILL_FRACTION).
+    "cuda_decode": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=4, num_stages=2,
                         QK_T=False, min_blocks_per_split=1),
     "npu": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=None, min_blocks_per_split=2),
     "interp": dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=None, min_blocks_per_split=1),
 }
 # a backend's "<key>_decode" entry is used when the main entry's tiles (tokens x head blocks)
-# would occupy fewer than 1 / DECODE_FILL_FRACTION of the workers
-DECODE_FILL_FRACTION = 2
+# would occupy at most 1 / DECODE_FILL_FRACTION of the workers (T <= 16 on the H200's 132 SMs)
+DECODE_FILL_FRACTION = 8
 COMBINE_ELEMS = 4096  # partial-accumulator elements a combine tile loads at once (splits x channels)
 
 
@@ -136,6 +139,26 @@ def _win_cols(win_ptr, wsc_ptr, rows, ok, c0, W: tl.constexpr, D: tl.constexpr, 
     sc = (sb << 23).to(tl.float32, bitcast=True)[:, :, None]
     k_e = tl.reshape(_e4m3_signed(b0) * sc, [BLOCK_N, W // 2])
     k_o = tl.reshape(_e4m3_signed(b1) * sc, [BLOCK_N, W // 2])
+    return k_e, k_o
+
+
+@triton.jit
+def _win_rows(win_ptr, wsc_ptr, rows, ok, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Whole FP8 window rows [BN] (int64) -> even / odd channel halves, fp32 [BN, D/2] each;
+    the E8M0 scale of each 32-channel group (16 channel pairs) is loaded once per group. Byte
+    loads at stride 2: the whole-row tiles keep this form, the one run on the H200 with 64-head
+    whole-row tiles (the split form of `_win_cols` faulted there with an illegal address)."""
+    g = tl.arange(0, D // 32)
+    e = tl.arange(0, 16)
+    m3 = ok[:, None, None]
+    ch = (g * 32)[None, :, None] + 2 * e[None, None, :]
+    base = rows[:, None, None] * D + ch
+    b0 = tl.load(win_ptr + base, mask=m3, other=0).to(tl.int32) & 0xFF
+    b1 = tl.load(win_ptr + base + 1, mask=m3, other=0).to(tl.int32) & 0xFF
+    sb = tl.load(wsc_ptr + rows[:, None] * (D // 32) + g[None, :], mask=ok[:, None], other=0).to(tl.int32) & 0xFF
+    sc = (sb << 23).to(tl.float32, bitcast=True)[:, :, None]
+    k_e = tl.reshape(_e4m3_signed(b0) * sc, [BLOCK_N, D // 2])
+    k_o = tl.reshape(_e4m3_signed(b1) * sc, [BLOCK_N, D // 2])
     return k_e, k_o
 
 
@@ -210,21 +233,19 @@ def _to_bf16(x, NATIVE: tl.constexpr):
 # ---- one block of entries: logits, online softmax, p.V ----------------------------------------
 
 @triton.jit
-def _block(q_ptr, qrow, hok, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok,
+def _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok,
            m_i, l_i, acc_e, acc_o, dv0, half, scale,
            D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
            BLOCK_DV: tl.constexpr, IS_GLOB: tl.constexpr, DOT_BF16: tl.constexpr, QK_T: tl.constexpr,
            DV_HALF: tl.constexpr):
     if BLOCK_D == D and BLOCK_DV == D:
         # whole rows: decode once, use as K and as V
-        k_e, k_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, 0, D, D, BLOCK_N, IS_GLOB)
+        if IS_GLOB:
+            k_e, k_o = _glob_cols(gkv_ptr, gsc_ptr, rows, ok, 0, D, D, BLOCK_N)
+        else:
+            k_e, k_o = _win_rows(win_ptr, wsc_ptr, rows, ok, D, BLOCK_N)
         v_e = _dot_in(k_e, DOT_BF16)
         v_o = _dot_in(k_o, DOT_BF16)
-        # q is re-read per block (L1 / L2 hits) instead of held across the loop: as the MMA's A
-        # operand every warp holds all of it, which alone took half the registers at 4 warps
-        q_e, q_o = _load_halves(q_ptr, qrow, hok, 0, D, BLOCK_H)
-        q_e = _q_in(q_e, DOT_BF16)
-        q_o = _q_in(q_o, DOT_BF16)
         if QK_T:  # entries as M: a full-width MMA when BLOCK_H is small next to BLOCK_N
             s = tl.trans(tl.dot(v_o, tl.trans(q_o), tl.dot(v_e, tl.trans(q_e))))
         else:
@@ -269,6 +290,7 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
     hh = tl.arange(0, BLOCK_H)
     nn = tl.arange(0, BLOCK_N)
     jv = tl.arange(0, BLOCK_DV // 2)
+    jq = tl.arange(0, BLOCK_D // 2)
     for tile in range(pid, n_tiles, num_programs):
         dvb = tile % n_dv
         r = tile // n_dv
@@ -280,6 +302,11 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
         hok = heads < H
         qrow = (tq * H + heads).to(tl.int64) * D
         dv0 = dvb * BLOCK_DV
+        # q halves for the whole-row path (unused, and dropped, in the tiled path); loaded as bf16
+        # straight into the MMA (compiled, it can stay in shared memory as wgmma's A operand)
+        qp = q_ptr + qrow[:, None] + 2 * jq[None, :]
+        q_e = _q_in(tl.load(qp, mask=hok[:, None], other=0.0), DOT_BF16)
+        q_o = _q_in(tl.load(qp + 1, mask=hok[:, None], other=0.0), DOT_BF16)
         m_i = tl.full([BLOCK_H], RUNNING_MAX_INIT, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc_e = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
@@ -292,7 +319,7 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
             inr = s_idx < S
             widx = tl.load(widx_ptr + tq.to(tl.int64) * S + s_idx, mask=inr, other=-1)
             ok = widx >= 0
-            m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
+            m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
                                             tl.maximum(widx, 0).to(tl.int64), ok, m_i, l_i, acc_e, acc_o, dv0, dvb, scale,
                                             D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, False, DOT_BF16, QK_T, DV_HALF)
         # global blocks
@@ -302,14 +329,23 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
             idx = tl.load(gidx_ptr + tq.to(tl.int64) * K + k_idx, mask=inr, other=-1)
             ok = idx >= 0
             rows = tl.maximum(idx, 0).to(tl.int64)
-            m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
+            m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
                                             rows, ok, m_i, l_i, acc_e, acc_o, dv0, dvb, scale,
                                             D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, True, DOT_BF16, QK_T, DV_HALF)
-        col = 2 * jv + dvb  # DV_HALF: the channels of this tile's parity
+        # whole rows: two stores at stride 2 (the form run with 64-head whole-row tiles on the
+        # H200); tiled: one contiguous store of the interleaved halves
+        STRIDED: tl.constexpr = DV_HALF or (BLOCK_D == D and BLOCK_DV == D)
+        if DV_HALF:
+            col = 2 * jv + dvb  # channels of this tile's parity
+        else:
+            col = dv0 + 2 * jv
         if SPLIT:
             prow = ((tq * n_split + sp) * H + heads).to(tl.int64)
-            if DV_HALF:
-                tl.store(pacc_ptr + prow[:, None] * D + col[None, :], acc_e, mask=hok[:, None])
+            if STRIDED:
+                pp = pacc_ptr + prow[:, None] * D + col[None, :]
+                tl.store(pp, acc_e, mask=hok[:, None])
+                if not DV_HALF:
+                    tl.store(pp + 1, acc_o, mask=hok[:, None])
             else:
                 _store_halves(pacc_ptr, prow * D, hok, dv0, acc_e, acc_o, BLOCK_DV, BLOCK_H)
             first = hok & (dvb == 0)
@@ -318,9 +354,11 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
         else:
             sk = tl.load(sink_ptr + heads, mask=hok, other=0.0).to(tl.float32)
             inv = 1.0 / (l_i + tl.exp(sk - m_i))
-            if DV_HALF:
-                tl.store(out_ptr + qrow[:, None] + col[None, :], _to_bf16(acc_e * inv[:, None], DOT_BF16),
-                         mask=hok[:, None])
+            if STRIDED:
+                op = out_ptr + qrow[:, None] + col[None, :]
+                tl.store(op, _to_bf16(acc_e * inv[:, None], DOT_BF16), mask=hok[:, None])
+                if not DV_HALF:
+                    tl.store(op + 1, _to_bf16(acc_o * inv[:, None], DOT_BF16), mask=hok[:, None])
             else:
                 _store_halves(out_ptr, qrow, hok, dv0, _to_bf16(acc_e * inv[:, None], DOT_BF16),
                               _to_bf16(acc_o * inv[:, None], DOT_BF16), BLOCK_DV, BLOCK_H)
@@ -482,7 +520,7 @@ def config_for(device: torch.device, t: int, h: int) -> dict:
     decode = key + "_decode"
     if decode in CONFIGS:
         cfg = CONFIGS[key]
-        if t * -(-h // cfg["BLOCK_H"]) < num_workers(device) // DECODE_FILL_FRACTION:
+        if t * -(-h // cfg["BLOCK_H"]) <= num_workers(device) // DECODE_FILL_FRACTION:
             return CONFIGS[decode]
     return CONFIGS[key]
 
