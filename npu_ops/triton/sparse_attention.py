@@ -12,16 +12,18 @@ element 0 in the low nibble) with E4M3 scales per 16 glob_scale [Ng, D/16], and 
 How it runs:
 - The entry list of a query is its S window rows (padded to whole blocks of BLOCK_N) followed
   by its K global rows; every block is pure window or pure global, and both kinds are gathered
-  by pool row (each query has its own rows: tokens of different sequences share a launch). A tile is (query, split, head
-  block, output-channel block); a split is a contiguous run of blocks. Tiles are walked by a
-  1-D persistent loop. With one split per query the tile normalises (sink included) and writes
-  bf16 directly; otherwise it writes an fp32 partial (unnormalised acc, running max, sum) and
-  `_combine_kernel` merges the splits.
+  by pool row (each query has its own rows: tokens of different sequences share a launch). A
+  tile is (query, split, head block, output-channel block); a split is a contiguous run of
+  blocks. Tiles are walked by a 1-D persistent loop. With one split per query the tile
+  normalises (sink included) and writes bf16 directly; otherwise it writes an fp32 partial
+  (unnormalised acc, running max, sum) and `_combine_kernel` merges the splits, loading every
+  split of a (query, head, channel block) at once.
 - FP8 / FP4 storage is decoded with integer and bit ops only (int8 loads masked to 0..255:
-  Ascend takes no uint8 pointers; exponent fields
-  built into fp32 bit patterns). The whole-row path loads a block as [BLOCK_N, groups, bytes
-  per group], so each scale byte is loaded and decoded once per group and broadcast over it
-  (the tiled path gathers the scale per element). Every decoded value is exact
+  Ascend takes no uint8 pointers; exponent fields built into fp32 bit patterns). Blocks are
+  loaded as [BLOCK_N, groups, bytes per group], so each scale byte is loaded and decoded once
+  per group and broadcast over it; the tiled path loads window bytes contiguously and splits
+  them into channel pairs (`tl.split`), the whole-row path keeps two stride-2 byte loads (the
+  form run with 64-head whole-row tiles on the H200). Every decoded value is exact
   in bf16 (E2M1 x E4M3: <= 6 significant bits; E4M3 x 2^k: 4 bits), so the q.k^T and p.V
   products run as bf16 tl.dot with fp32 accumulation, heads as M, entries as N. (Under the
   interpreter the dot operands stay fp32: same values, interpreter bf16 math is unreliable.)
@@ -31,7 +33,9 @@ How it runs:
 - Online softmax: running max starts at -1e30 (an all-masked row gives 0), masked logits are
   -inf, probabilities are rounded to bf16 before p.V, the sum stays fp32; the sink adds
   exp(sink - max) to the denominator only.
-- Per-backend tile tables: CUDA keeps whole 512-wide rows and all 64 heads in one tile (MQA:
+- Per-backend tile tables (`config_for`): at decode shapes (T <= 16 on the H200) CUDA takes
+  all 64 heads with 128-channel contraction / output blocks and one split per entry block;
+  otherwise CUDA keeps whole 512-wide rows and all 64 heads in one tile (MQA:
   each decoded row serves every head; M = 64 is one wgmma tile; q stays in shared memory);
   Ascend tiles the contraction (BLOCK_D) and the output channels (BLOCK_DV, part of the tile
   id: q.k^T is recomputed per output block) so a program's live tiles stay a few tens of KB,
