@@ -59,8 +59,9 @@ def exact_fn(fn, x: torch.Tensor) -> torch.Tensor:
     for the tail of a tensor, which can differ by one fp32 ulp; a decode step (tiny tensors)
     and a prefill (large ones) would then disagree. In fp64 both paths are within an fp64 ulp,
     so the rounded fp32 result is (almost always) the same, whatever the tensor's size.
+    Under `fp32_accumulation()` (benchmarks, the Ascend backend's NPU-legal fallback) it runs in fp32.
     """
-    return fn(x.double()).float()
+    return fn(x.to(ACCUM_DTYPE)).float()
 
 
 @register("rms_norm")
