@@ -37,7 +37,7 @@ BACKEND = "ascend"
 # backends/ascend_contract.py; keys are the ops' Python argument names).
 TORCH_NPU_DTYPES = {
     "npu_rms_norm": {"input": ("bfloat16", "float32")},
-    "npu_dynamic_quant": {"x": ("bfloat16",), "dst_type": ("int8",)},
+    "npu_dynamic_quant": {"input": ("bfloat16",), "dst_type": ("int8",)},
     "npu_quant_matmul": {"x1": ("int8",), "x2": ("int8",), "scale": ("float32",), "pertoken_scale": ("float32",),
                          "output_dtype": ("bfloat16",)},
     "npu_moe_init_routing_v2": {"x": ("bfloat16",), "expert_idx": ("int32",)},
