@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ..registry import register
 from . import quant
-from .basic import dequant_weight, exact_fn, mm, swiglu_clamped
+from .basic import dequant_weight, exact_fn, int8_linear, mm, swiglu_clamped
 
 
 @register("moe_route")
@@ -26,6 +26,11 @@ def expert_forward(xq: torch.Tensor, weight: torch.Tensor | None, expert, limit:
     """One clamped-SwiGLU expert on rows xq [t, d] (already FP8 quantise-dequantised when the
     expert is quantised); `weight` [t] multiplies before w2, whose input is FP8-quantised again."""
     (w1, s1), (w2, s2), (w3, s3) = expert
+    if quant.is_int8_channel_weight(w1, s1):  # W8A8: per-token int8 activations at each GEMM
+        h = swiglu_clamped(int8_linear(xq, w1, s1), int8_linear(xq, w3, s3), limit)
+        if weight is not None:
+            h = h * weight.unsqueeze(-1)
+        return int8_linear(h, w2, s2)
     h = swiglu_clamped(mm(xq, dequant_weight(w1, s1).t()), mm(xq, dequant_weight(w3, s3).t()), limit)
     if weight is not None:
         h = h * weight.unsqueeze(-1)
@@ -38,8 +43,9 @@ def expert_forward(xq: torch.Tensor, weight: torch.Tensor | None, expert, limit:
 def moe_experts(x, weights, ids, experts, limit, out_dtype=torch.float32):
     # Activation quantisation is per token and per 32 channels, so quantising all rows once
     # equals quantising each expert's gathered rows.
-    quantised = experts[0][0][1] is not None
-    xq = quant.fp8_qdq(x) if quantised else x.float()
+    (w1, s1) = experts[0][0]
+    fp8_acts = s1 is not None and not quant.is_int8_channel_weight(w1, s1)  # W8A8 quantises per GEMM
+    xq = quant.fp8_qdq(x) if fp8_acts else x.float()
     out = torch.zeros(x.shape[0], x.shape[1], dtype=out_dtype, device=x.device)
     for e in torch.unique(ids).tolist():
         if e < 0:  # an expert another model-parallel rank holds
