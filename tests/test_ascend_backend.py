@@ -141,3 +141,25 @@ def test_partial_sum_dtype(monkeypatch):
     assert ops.partial_sum_dtype("cuda") == torch.float32
     monkeypatch.setenv("DSV41_BACKEND", "reference")
     assert ops.partial_sum_dtype("npu") == torch.float32  # never fp64 on an NPU
+
+
+def test_load_registers_every_op_without_the_reference(monkeypatch):
+    """`ascend.load` on a machine that pretends to have an NPU (torch_npu itself is never
+    called): every op gets an Ascend entry, so nothing falls back to the fp64 reference."""
+    from dsv41.backends import registry
+
+    saved = {n: dict(op.impls) for n, op in registry._OPS.items()}
+    monkeypatch.setattr(ascend, "npu_unavailable_reason", lambda: None)
+    monkeypatch.setattr(ascend, "triton_op_names", lambda: ([], "no triton in this test"))
+    monkeypatch.setattr(ascend, "IMPLEMENTATIONS", {})
+    try:
+        ascend.load()
+        for name in op_names():
+            assert "ascend" in registry._OPS[name].impls, name
+            assert registry._OPS[name].impls["ascend"] is not registry._OPS[name].impls["reference"], name
+        assert registry._OPS["rms_norm"].impls["ascend"] is ascend.npu_rms_norm
+        assert set(ascend.IMPLEMENTATIONS) == set(op_names())
+    finally:
+        for n, impls in saved.items():
+            registry._OPS[n].impls.clear()
+            registry._OPS[n].impls.update(impls)
