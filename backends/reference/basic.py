@@ -71,6 +71,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (y * weight.float()).to(x.dtype)
 
 
+@register("rope_tables")
+def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ang = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(torch.float64)
+    return torch.cos(ang).float(), torch.sin(ang).float()
+
+
 @register("rope")
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     r = cos.shape[-1] * 2
