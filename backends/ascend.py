@@ -326,6 +326,27 @@ def _fp32_reference(name: str):
     return run
 
 
+def _host_reference(name: str):
+    """The reference implementation of `name` run on the host (its fp64 math stays off the NPU;
+    small inputs and outputs cross the bus, one host synchronisation): for ops whose precision
+    needs fp64 and whose tensors are tiny (rope_tables: positions up to 1M times fp32
+    frequencies). Tensor results come back to the first tensor argument's device."""
+    from .registry import resolve
+
+    ref = resolve(name, "reference")[0]
+
+    def run(*args, **kwargs):
+        dev = next((a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        host = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+        out = ref(*host, **{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+        if isinstance(out, tuple):
+            return tuple(o.to(dev) if isinstance(o, torch.Tensor) else o for o in out)
+        return out.to(dev) if isinstance(out, torch.Tensor) else out
+
+    run.__name__ = f"{name}_host_reference"
+    return run
+
+
 def _unavailable(name: str, why: str):
     """An op that cannot run legally on the NPU without its kernel: one clear error."""
 
@@ -377,6 +398,8 @@ def fp4_quant_int(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # Ops whose reference has fp64 accumulation only (no float8): legal in fp32 on the NPU.
 FP32_REFERENCE_OPS = ("rope", "grouped_linear", "swiglu_clamped", "sinkhorn", "mhc_mixes", "mhc_collapse",
                       "mhc_update", "mhc_mix", "moe_route", "engram_gate")
+# Ops whose reference needs fp64 on tiny tensors: run on the host, results copied to the NPU.
+HOST_REFERENCE_OPS = ("rope_tables",)
 # Ops that touch float8 data: integer-op versions here (a Triton kernel wins where one exists).
 INTEGER_OPS = {"fp8_quant": fp8_quant_int, "fp8_dequant": fp8_dequant_int, "fp4_dequant": fp4_dequant_int,
                "mxfp4_dequant": mxfp4_dequant_int, "mxfp4_quant": mxfp4_quant_int, "fp4_quant": fp4_quant_int,
@@ -403,6 +426,9 @@ def plan(op_names: list[str], triton_ops: list[str], triton_why: str | None) -> 
             out[name] = (INTEGER_OPS[name], "integer-op version on the NPU (uint8 bytes; no float8 tensors)")
         elif name == "engram_lookup":
             out[name] = (engram_lookup_int8, "INT8 tables: gather + fp32 scale; FP8 tables: error (needs triton-ascend)")
+        elif name in HOST_REFERENCE_OPS:
+            out[name] = (_host_reference(name), "reference on the host in fp64, tables copied to the NPU "
+                                                "(fallback; one host sync)")
         elif name in FP32_REFERENCE_OPS:
             out[name] = (_fp32_reference(name), "reference math with fp32 accumulation on the NPU (fallback; no fp64)")
         else:
