@@ -19,6 +19,17 @@ from .registry import backend_for_device, dispatch
 Tensor = torch.Tensor
 
 
+def partial_sum_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype of unrounded partial sums that are all-reduced across model-parallel ranks
+    before the one rounding (row-parallel `linear`, `moe_experts`): float64 on the reference
+    backend (so N ranks reproduce 1 rank bit for bit), float32 on CUDA and Ascend (Atlas A2/A3
+    have no fp64 matmul and HCCL no fp64 all-reduce). Callers pass it as `out_dtype`."""
+    kind = device.split(":")[0] if isinstance(device, str) else torch.device(device).type
+    if kind == "npu" or backend_for_device(device) != "reference":
+        return torch.float32
+    return torch.float64
+
+
 def _first_device(args, kwargs) -> torch.device:
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor):
@@ -43,13 +54,6 @@ def _op(stub=None, *, device_arg: str | None = None):
         return dispatch(name, device)(*args, **kwargs)
 
     return call
-
-
-def partial_sum_dtype(device: torch.device | str) -> torch.dtype:
-    """The dtype of unrounded partial sums that are combined across model-parallel ranks (or
-    across experts) before their one rounding: float64 on the reference backend, so N ranks
-    reproduce the one-process bits; float32 on devices (NPUs and HCCL have no fp64)."""
-    return torch.float64 if backend_for_device(device) == "reference" else torch.float32
 
 
 # ---- formats --------------------------------------------------------------------------------
@@ -110,7 +114,9 @@ def rope_tables(inv_freq: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
 def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """y = x @ W^T. With `scale`, W is stored FP8 E4M3 (E8M0 32x32 block scales) or packed FP4
     (int8 [N, K/2], E8M0 per 32 along K) and x is FP8-quantised in blocks of 32 first.
-    `out_dtype` float64 asks for the unrounded accumulation (row-parallel partial sums)."""
+    `out_dtype` float64 asks for the unrounded accumulation (row-parallel partial sums; take it
+    from `partial_sum_dtype`: device backends refuse float64). `scale` fp32 [N, 1] with an int8
+    W: per-output-channel INT8 weight (W8A8); x is then int8-quantised per token."""
 
 
 @_op

@@ -36,7 +36,9 @@ class Linear(nn.Module):
     """A linear layer stored as the checkpoint stores it.
 
     storage: "fp8" (E4M3 weight + E8M0 scale per 32x32 block; activations FP8-quantised per 32),
-    "fp4" (int8 bytes holding two E2M1 values + E8M0 scale per 32 along K), "bf16" or "fp32".
+    "fp4" (int8 bytes holding two E2M1 values + E8M0 scale per 32 along K), "int8" (W8A8: int8
+    weight + one fp32 scale per output channel [N, 1]; activations int8-quantised per token at
+    run time, as `dsv41 convert --linear-dtype int8` writes for Atlas A2/A3), "bf16" or "fp32".
     """
 
     def __init__(self, in_features: int, out_features: int, storage: str):
@@ -49,6 +51,9 @@ class Linear(nn.Module):
         elif storage == "fp4":
             self.register_buffer("weight", torch.empty(n, k // 2, dtype=torch.int8))
             self.register_buffer("scale", torch.empty(n, k // 32, dtype=torch.float8_e8m0fnu))
+        elif storage == "int8":
+            self.register_buffer("weight", torch.empty(n, k, dtype=torch.int8))
+            self.register_buffer("scale", torch.empty(n, 1, dtype=torch.float32))
         else:
             self.register_buffer("weight", torch.empty(n, k, dtype=BF16 if storage == "bf16" else torch.float32))
             self.scale = None
