@@ -14,9 +14,20 @@ import inspect
 import torch
 
 from . import reference  # noqa: F401  (registers the reference implementations)
-from .registry import dispatch
+from .registry import backend_for_device, dispatch
 
 Tensor = torch.Tensor
+
+
+def partial_sum_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype of unrounded partial sums that are all-reduced across model-parallel ranks
+    before the one rounding (row-parallel `linear`, `moe_experts`): float64 on the reference
+    backend (so N ranks reproduce 1 rank bit for bit), float32 on CUDA and Ascend (Atlas A2/A3
+    have no fp64 matmul and HCCL no fp64 all-reduce). Callers pass it as `out_dtype`."""
+    kind = device.split(":")[0] if isinstance(device, str) else torch.device(device).type
+    if kind == "npu" or backend_for_device(device) != "reference":
+        return torch.float32
+    return torch.float64
 
 
 def _first_device(args, kwargs) -> torch.device:
@@ -94,10 +105,18 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
 
 
 @_op
+def rope_tables(inv_freq: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """cos / sin [T, R/2] fp32 of the angles positions[t] * inv_freq[i] (positions reach 1M, so
+    the angle must be formed in more than fp32 precision or from exact pieces)."""
+
+
+@_op
 def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """y = x @ W^T. With `scale`, W is stored FP8 E4M3 (E8M0 32x32 block scales) or packed FP4
     (int8 [N, K/2], E8M0 per 32 along K) and x is FP8-quantised in blocks of 32 first.
-    `out_dtype` float64 asks for the unrounded accumulation (row-parallel partial sums)."""
+    `out_dtype` float64 asks for the unrounded accumulation (row-parallel partial sums; take it
+    from `partial_sum_dtype`: device backends refuse float64). `scale` fp32 [N, 1] with an int8
+    W: per-output-channel INT8 weight (W8A8); x is then int8-quantised per token."""
 
 
 @_op

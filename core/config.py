@@ -37,9 +37,10 @@ class VisionConfig:
     core/image_processing.py).
 
     `max_image_tokens` counts every prompt position of one image, framing included (see
-    `image_processing.image_layout`); `min_image_size` is the side of the smallest area an image
-    is upscaled to (544^2 in the paper; the tiny preset uses a small one so its 64-token budget
-    is not always the binding limit). `rope_theta` is the 2D RoPE base (not published; 10000).
+    `image_processing.image_layout`); `min_pixels` is the smallest area an image is upscaled to
+    (544^2, flat key `vision_min_pixels`; the tiny preset uses a small one so its 64-token budget
+    is not always the binding limit); `max_wh_ratio` (flat `vision_max_wh_ratio`, null as
+    released) caps width / height. `rope_theta` is the 2D RoPE base (10000).
     """
 
     num_hidden_layers: int = 32
@@ -49,7 +50,8 @@ class VisionConfig:
     patch_size: int = 14
     downsample_ratio: int = 3
     max_image_tokens: int = 1024
-    min_image_size: int = 544
+    min_pixels: int = 544 * 544
+    max_wh_ratio: float | None = None
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
 
@@ -205,10 +207,10 @@ class ModelConfig:
             )
         if self.scoring_func != "sqrtsoftplus":
             p.append(f"scoring_func must be 'sqrtsoftplus' (V4.1 routing), got {self.scoring_func!r}")
-        if self.weight_dtype not in ("fp8", "bf16"):
-            p.append(f"weight_dtype must be 'fp8' or 'bf16', got {self.weight_dtype!r}")
-        if self.expert_dtype not in ("fp4", "fp8", "bf16"):
-            p.append(f"expert_dtype must be 'fp4', 'fp8' or 'bf16', got {self.expert_dtype!r}")
+        if self.weight_dtype not in ("fp8", "bf16", "int8"):
+            p.append(f"weight_dtype must be 'fp8', 'bf16' or 'int8' (W8A8), got {self.weight_dtype!r}")
+        if self.expert_dtype not in ("fp4", "fp8", "bf16", "int8"):
+            p.append(f"expert_dtype must be 'fp4', 'fp8', 'bf16' or 'int8', got {self.expert_dtype!r}")
         if self.engram_dtype not in ("fp8", "int8"):
             p.append(f"engram_dtype must be 'fp8' or 'int8', got {self.engram_dtype!r}")
         n_ratios = L + self.num_nextn_predict_layers
@@ -286,8 +288,10 @@ class ModelConfig:
                          "must be a multiple of 4 (2D RoPE: half the head rotates by rows, half by columns)")
             if vc.max_image_tokens < 4:
                 p.append(f"vision max_image_tokens must be >= 4 (start, one cell, newline, end), got {vc.max_image_tokens}")
-            if vc.min_image_size < 1 or vc.patch_size < 1 or vc.downsample_ratio < 1:
-                p.append("vision min_image_size, patch_size and downsample_ratio must be >= 1")
+            if vc.min_pixels < 0 or vc.patch_size < 1 or vc.downsample_ratio < 1:
+                p.append("vision min_pixels must be >= 0, patch_size and downsample_ratio >= 1")
+            if vc.max_wh_ratio is not None and not vc.max_wh_ratio > 0:
+                p.append(f"vision max_wh_ratio must be positive or null, got {vc.max_wh_ratio}")
         return p
 
     def validate(self) -> "ModelConfig":
@@ -318,7 +322,10 @@ class ModelConfig:
         if self.vision is not None:
             out["vision_config"] = dataclasses.asdict(self.vision)
         out["image_token_id"] = self.image_token_id
-        if self.weight_dtype == "fp8":
+        if self.weight_dtype == "int8":  # W8A8 (`dsv41 convert --linear-dtype int8`)
+            out["quantization_config"] = {"quant_method": "w8a8", "linear_dtype": "int8",
+                                          "expert_dtype": self.expert_dtype, "engram_dtype": self.engram_dtype}
+        elif self.weight_dtype == "fp8":
             out["quantization_config"] = {
                 "quant_method": "fp8",
                 "activation_scheme": "dynamic",
@@ -400,6 +407,10 @@ FLAT_VISION = {
     "vision_patch_size": "patch_size",
     "vision_downsample": "downsample_ratio",
     "vision_max_tokens": "max_image_tokens",
+    "vision_max_n_token": "max_image_tokens",
+    "vision_min_pixels": "min_pixels",
+    "vision_max_wh_ratio": "max_wh_ratio",
+    "vision_rope_theta": "rope_theta",
 }
 # Flat-config defaults of the reference code that differ from the published values: absent keys
 # fall back to these (spec section 6: `max_seq_len` 4096 sizes caches and RoPE tables).
@@ -440,6 +451,8 @@ def _vision(d: Any, source: str) -> VisionConfig | None:
         k = aliases.get(k, k)
         if k in known:
             kw[k] = v
+        elif k == "min_image_size":  # an earlier form of this file: the side of the minimum area
+            kw.setdefault("min_pixels", v * v)
     return VisionConfig(**kw)
 
 
@@ -466,7 +479,7 @@ def from_hf_dict(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
     if "image_token_id" in d:
         kw["image_token_id"] = d["image_token_id"]
     q = d.get("quantization_config")
-    kw["weight_dtype"] = "fp8" if q else "bf16"
+    kw["weight_dtype"] = ("int8" if isinstance(q, dict) and q.get("linear_dtype") == "int8" else "fp8") if q else "bf16"
     if q and "expert_dtype" in q:
         kw["expert_dtype"] = q["expert_dtype"]
     if q and "engram_dtype" in q:
@@ -563,7 +576,7 @@ def _tiny() -> ModelConfig:
         dspark_num_experts_per_tok=2, image_token_id=4,
         vision=VisionConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
                             intermediate_size=128, patch_size=14, downsample_ratio=3, max_image_tokens=64,
-                            min_image_size=112),
+                            min_pixels=112 * 112),
     )
 
 

@@ -30,6 +30,9 @@ def random_state_dict(model: Transformer, seed: int) -> dict[str, torch.Tensor]:
         if owner in linears:
             if leaf == "scale":
                 continue  # produced together with the weight
+            if leaf == "bias":  # the vision tower's biased linears
+                out[name] = _randn(gen, tuple(buf.shape), 0.02).to(buf.dtype)
+                continue
             lin = linears[owner]
             w = _randn(gen, (lin.out_features, lin.in_features), 1.0 / math.sqrt(lin.in_features))
             if lin.storage == "fp8":

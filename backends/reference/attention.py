@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import numerics
 from ..registry import register
 from . import quant
 from .basic import einsum, exact_fn, rms_norm, rope
@@ -24,6 +25,8 @@ def pool_groups(kv: torch.Tensor, score: torch.Tensor, ratio: int) -> torch.Tens
 @register("compress_kv")
 def compress_kv(kv, score, ratio, norm_weight, eps, cos, sin, codes, scales, slots):
     pooled = pool_groups(kv, score, ratio) if ratio > 1 else kv.float()
+    if ratio > 1 and numerics.official():  # the official pooled latent is bf16 before its norm
+        pooled = pooled.to(torch.bfloat16)
     lat = rms_norm(pooled, norm_weight, eps).to(torch.bfloat16)
     packed, sc = quant.fp4_quant(rope(lat, cos, sin))
     codes[slots] = packed
@@ -48,7 +51,10 @@ def _partial_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) 
 
     The sum over heads runs in fp64 (each fp32 x fp32 term is exact there) and is rounded once
     by `_finish_scores`, after the model-parallel reduction, so the result does not depend on
-    how the heads are split or ordered."""
+    how the heads are split or ordered. Official numerics: the head weights are bf16
+    (`weights_proj`'s output; the folded power-of-two scale does not change the rounding)."""
+    if numerics.official():
+        weights = weights.to(torch.bfloat16)
     if keys.dim() == 2:
         dots = einsum("thd,pd->thp", q.float(), keys)
     else:
