@@ -47,6 +47,7 @@ from ...backends.reference import attention as ref_attention
 from ...backends.reference.attention import candidate_pool
 
 MX_GROUP = 32
+RADIX_BITS_DEFAULT = 4  # digit width of the radix select (8 passes; the 2 * 16 bins give one per lane)
 _SCALE_2M127 = tl.constexpr(5.877471754111438e-39)  # 2^-127 (E8M0 byte 0), an fp32 subnormal
 
 
@@ -208,28 +209,53 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _config(t: int, h: int, nc: int, gather: bool, device) -> tuple[int, int, int, int, int]:
-    """(HP, BLOCK_T, BLOCK_N, NSUB, num_warps) for a launch."""
-    from .launch import interpreting, num_workers
-
-    on_npu = torch.device(device).type == "npu"
+def tile_shape(t: int, h: int, gather: bool, on_npu: bool, interp: bool) -> tuple[int, int, int]:
+    """(HP, BLOCK_T, BLOCK_N): heads padded, queries and entries per tile."""
     if gather:
         hp, bt = max(16, _pow2(h)), 1
     else:
         hp = _pow2(h)
-        rows = 64 if on_npu else 128  # query rows (queries x heads) per MMA
+        # query rows (queries x heads) per MMA; on Ascend 32 keep a program's tiles within half
+        # the unified buffer (tests/test_triton_ub.py: 64 rows need ~131 KB of the 96 KB)
+        rows = 32 if on_npu else 128
         bt = max(1, min(rows // hp, _pow2(t)))
         bt = max(bt, -(-16 // hp))  # tl.dot needs M >= 16
         hp = max(hp, -(-16 // bt))
     # compiled on CUDA: 8 warps and 128-entry blocks for one query (M = 32 rows), 64-entry blocks
     # for more (sm_90 ptxas: 202 and 255 registers, no spill; 4 warps spill)
-    bn = 64 if (on_npu or interpreting() or bt * hp > 32) else 128
+    bn = 64 if (on_npu or interp or bt * hp > 32) else 128
+    return hp, bt, bn
+
+
+def _config(t: int, h: int, nc: int, gather: bool, device) -> tuple[int, int, int, int, int]:
+    """(HP, BLOCK_T, BLOCK_N, NSUB, num_warps) for a launch."""
+    from .launch import interpreting, num_workers
+
+    hp, bt, bn = tile_shape(t, h, gather, torch.device(device).type == "npu", interpreting())
     n_tb, n_nb = -(-t // bt), -(-nc // bn)
-    target = 2 * num_workers(device)
+    target = 2 * num_workers(device, "cube")
     nsub = 1
     while nsub < 8 and n_tb * (-(-n_nb // (nsub * 2))) >= target:
         nsub *= 2
     return hp, bt, bn, nsub, 8
+
+
+def ub_tiles(shape: tuple, d: int, maxg: int = 1) -> dict[str, tuple[int, ...]]:
+    """Live tiles of one scores program at its peak (shape = `tile_shape(...)`, index head dim
+    d): the queries (loaded pairs, two halves), head weights, the block table rows, the key
+    bytes and scales, the two decoded halves, the dot result and the scores."""
+    hp, bt, bn = shape
+    m, dh = bt * hp, _pow2(d // 2)
+    return {"q": (m, 2 * dh), "q_even": (m, dh), "q_odd": (m, dh), "w": (m,), "blk": (bt, bn), "vis": (bt, bn),
+            "bytes": (bn, dh), "scales": (bn, dh // 16), "k_lo": (bn, dh), "k_hi": (bn, dh), "acc": (m, bn),
+            "s": (bt, bn), "maxima": (bt, bn // max(1, maxg))}
+
+
+def select_ub_tiles(block: int, radix_bits: int = RADIX_BITS_DEFAULT) -> dict[str, tuple[int, ...]]:
+    """Live tiles of one selection program at its peak: a block of keys with its mask, digits,
+    prefix sums and ids, and the histogram."""
+    return {"keys": (block,), "mask": (block,), "digit": (block,), "cumsum": (block,), "ids": (block,),
+            "hist": (2 << radix_bits,)}
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
@@ -246,14 +272,14 @@ def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_
             topk: int = 0, _cfg: tuple | None = None, maxg: int | None = None):
     """`indexer_scores` plus, when topk > 0 (dense), the chunk maxima that bound the top-k
     select: (scores, maxima [T, ceil(N / maxg)] or None, maxg)."""
-    from .launch import grid_for, interpreting
+    from .launch import as_int8, grid_for, interpreting
 
     t, h, d = q.shape
     if d % MX_GROUP:
         raise ValueError(f"index head dim {d} is not a multiple of {MX_GROUP}")
     # key bytes as int8 (Ascend loads no uint8 pointers); the kernel masks them to 0..255
-    codes = key_codes.view(torch.int8)
-    scales = key_scale.view(torch.int8)
+    codes = as_int8(key_codes)
+    scales = as_int8(key_scale)
     n_pool = codes.shape[0]
     if codes.shape[1:] != (d // 2,) or scales.shape != (n_pool, d // MX_GROUP):
         raise ValueError(f"key pool {tuple(key_codes.shape)} / {tuple(key_scale.shape)} does not fit head dim {d}")
@@ -280,7 +306,7 @@ def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_
     maxima = torch.empty(t, g, dtype=torch.float32, device=q.device) if maxg else out
     n_nc = -(-(-(-nc // bn)) // nsub)
     n_tiles = -(-t // bt) * n_nc
-    grid = grid_for(n_tiles, q.device)
+    grid = grid_for(n_tiles, q.device, cores="cube")  # tl.dot: one program per AI core on Ascend
     table = block_table.contiguous()
     cand = candidates.contiguous() if gather else table  # unused pointer when dense
     nvis = n_visible.contiguous() if not gather else table
@@ -468,7 +494,7 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor, k: int, maxima: t
     out = torch.empty(t, kout, dtype=torch.long, device=scores.device)
     if t == 0 or kout == 0:
         return out
-    blk = block or (64 if interpreting() else SELECT_BLOCK)
+    blk = block or (64 if interpreting() else SELECT_BLOCK_NPU if scores.device.type == "npu" else SELECT_BLOCK)
     cap = capacity or max(SELECT_CAPACITY, _pow2(4 * k))
     surv_s = torch.empty(t, cap, dtype=torch.float32, device=scores.device)
     surv_p = torch.empty(t, cap, dtype=torch.int32, device=scores.device)
@@ -486,10 +512,11 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor, k: int, maxima: t
 
 
 SELECT_BLOCK = 4096  # values per iteration of the selection passes (compiled); a set this small stays in registers
+SELECT_BLOCK_NPU = 2048  # within half the unified buffer (tests/test_triton_ub.py)
 SELECT_WARPS = 16  # sm_90 ptxas: 115 registers at BLOCK 4096 (8 warps: 191)
 SELECT_CAPACITY = 4096  # survivor buffer per row (at least 4 k)
 SELECT_MAXIMA_PER_K = 8  # chunk maxima per row, in units of k
-RADIX_BITS = 4  # digit width of the radix select (8 passes; the 2 * 16 bins give one per lane)
+RADIX_BITS = RADIX_BITS_DEFAULT
 
 
 # ---- selection (torch) ------------------------------------------------------------------------

@@ -420,7 +420,7 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
                             DV_HALF: bool = False, min_blocks_per_split: int = 2,
                             n_split: int | None = None) -> torch.Tensor:
     """`sparse_attention` with explicit tile sizes (tests and tuning); `n_split` forces the split count."""
-    from .launch import grid_for, interpreting, num_workers
+    from .launch import as_int8, grid_for, interpreting, num_workers
 
     t, h, d = q.shape
     if d % 32 or d < 32:
@@ -448,12 +448,12 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
         return out
     qc = q.contiguous()
     # storage bytes as int8 (Ascend loads no uint8 pointers); the kernel masks them to 0..255
-    wk = swa_kv.contiguous().view(torch.int8)
-    ws = swa_scale.contiguous().view(torch.int8)
+    wk = as_int8(swa_kv.contiguous())
+    ws = as_int8(swa_scale.contiguous())
     wi = _index_rows(win_idx)
     if have_glob:
-        gk = glob_kv.contiguous().view(torch.int8)
-        gs = glob_scale.contiguous().view(torch.int8)
+        gk = as_int8(glob_kv.contiguous())
+        gs = as_int8(glob_scale.contiguous())
         gi = _index_rows(glob_idx)
     else:
         gk, gs, gi = wk, ws, torch.full((1,), -1, dtype=torch.int32, device=dev)
@@ -466,7 +466,7 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
     n_blocks = n_wb + -(-k // BLOCK_N)
     base_tiles = t * n_hb * n_dv
     if n_split is None:
-        n_split = _auto_splits(base_tiles, n_blocks, num_workers(dev), min_blocks_per_split)
+        n_split = _auto_splits(base_tiles, n_blocks, num_workers(dev, "cube"), min_blocks_per_split)
     n_split = max(1, min(n_split, max(1, n_blocks)))
     bps = max(1, -(-n_blocks // n_split))
     n_split = max(1, -(-n_blocks // bps))  # no empty split
@@ -478,7 +478,7 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
     else:
         pacc = pm = pl = out
     n_tiles = base_tiles * n_split
-    grid = grid_for(n_tiles, dev)
+    grid = grid_for(n_tiles, dev, cores="cube")  # tl.dot: one program per AI core on Ascend
     kw = {}
     if dev.type == "cuda" and not interpreting():
         kw = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v}
@@ -498,6 +498,24 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
         _combine_kernel[(c_grid,)](pacc, pm, pl, sk, out, h, n_split, d // cb_d, c_tiles, c_grid,
                                    D=d, SPLITS=splits, BLOCK_D=cb_d, NATIVE_CAST=dot_bf16)
     return out
+
+
+def ub_tiles(cfg: dict, d: int) -> dict[str, tuple[int, ...]]:
+    """Live tiles of one program at its peak (a tile table entry, head_dim d): the running
+    state (max, sum, two accumulator halves), the logits and probabilities, and the block being
+    used: in the tiled path a query chunk and one decoded contraction chunk (bytes, scales, two
+    halves) or the decoded output block; whole rows hold q and both decoded halves."""
+    bh, bn = cfg["BLOCK_H"], cfg["BLOCK_N"]
+    bd = d if cfg["BLOCK_D"] is None else min(cfg["BLOCK_D"], d)
+    bdv = d if cfg["BLOCK_DV"] is None else min(cfg["BLOCK_DV"], d)
+    tiles = {"m": (bh,), "l": (bh,), "acc_e": (bh, bdv // 2), "acc_o": (bh, bdv // 2), "s": (bh, bn),
+             "p": (bh, bn), "rows": (bn,), "ok": (bn,)}
+    if bd == d and bdv == d:
+        tiles.update(q_e=(bh, d // 2), q_o=(bh, d // 2), bytes=(bn, d), k_e=(bn, d // 2), k_o=(bn, d // 2))
+    else:
+        w = max(bd, bdv)
+        tiles.update(q=(bh, bd), bytes=(bn, w), scales=(bn, w // 16), k_e=(bn, w // 2), k_o=(bn, w // 2))
+    return tiles
 
 
 def _index_rows(idx: torch.Tensor) -> torch.Tensor:
@@ -524,7 +542,7 @@ def config_for(device: torch.device, t: int, h: int) -> dict:
     decode = key + "_decode"
     if decode in CONFIGS:
         cfg = CONFIGS[key]
-        if t * -(-h // cfg["BLOCK_H"]) <= num_workers(device) // DECODE_FILL_FRACTION:
+        if t * -(-h // cfg["BLOCK_H"]) <= num_workers(device, "cube") // DECODE_FILL_FRACTION:
             return CONFIGS[decode]
     return CONFIGS[key]
 
