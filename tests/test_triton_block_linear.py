@@ -11,11 +11,13 @@ reference, so fp32 outputs agree to ~1e-6 relative and bf16 outputs to the final
 import pytest
 import torch
 
-from _triton import DEVICES, triton  # noqa: F401  (sets TRITON_INTERPRET; skips without triton)
+from _triton import DEVICES, cuda_only, triton  # noqa: F401  (sets TRITON_INTERPRET; skips without triton)
 
 from dsv41.backends.reference import basic, moe, quant  # noqa: E402
 from dsv41.npu_ops.triton import block_linear as bl  # noqa: E402
 from dsv41.npu_ops.triton import moe_experts as me  # noqa: E402
+
+pytestmark = cuda_only
 
 BOUND = {torch.bfloat16: 4e-3, torch.float32: 2e-5, torch.float64: 2e-5}
 

@@ -9,7 +9,7 @@ Interpreter variants on CPU and `gpu`-marked compiled variants at model widths.
 import pytest
 import torch
 
-from _triton import DEVICES, triton  # noqa: F401  (sets TRITON_INTERPRET; skips without triton)
+from _triton import DEVICES, cuda_only, triton  # noqa: F401  (sets TRITON_INTERPRET; skips without triton)
 
 from dsv41.backends import cuda, registry  # noqa: E402
 from dsv41.backends.reference import basic, mhc, quant  # noqa: E402
@@ -20,6 +20,8 @@ from dsv41.npu_ops.triton import mxfp4_quant as mq  # noqa: E402
 from dsv41.npu_ops.triton import rms_norm as rn  # noqa: E402
 from dsv41.npu_ops.triton import rope as rp  # noqa: E402
 from dsv41.npu_ops.triton import swiglu as sw  # noqa: E402
+
+pytestmark = cuda_only
 
 GPU = [DEVICES[1]]
 
