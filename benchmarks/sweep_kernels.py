@@ -206,8 +206,9 @@ def sweep_linear(rows, copy):
               dict(bn=64, bk=256, num_warps=4, num_stages=3), dict(bn=128, bk=128, num_warps=4, num_stages=4),
               dict(bn=64, bk=128, num_warps=4, num_stages=6), dict(bn=64, bk=128, num_warps=8, num_stages=4),
               dict(bn=64, bk=128, split_k=4), dict(bn=64, bk=128, split_k=10), dict(bn=64, bk=128, split_k=1),
-              dict(bn=32, bk=256, split_k=5, num_warps=4, num_stages=4)]
-    prefill = [dict(), dict(bm=128, bn=128, bk=64, num_warps=8, num_stages=4),
+              dict(bn=128, bk=256, num_warps=4, num_stages=3), dict(bn=128, bk=128, num_warps=8, num_stages=4),
+              dict(bn=256, bk=128, num_warps=8, num_stages=3), dict(bn=64, bk=64, num_warps=4, num_stages=8)]
+    prefill = [dict(), dict(bm=128, bn=128, bk=64, num_warps=8, num_stages=3), dict(bm=128, bn=128, bk=64, num_warps=8, num_stages=4),
                dict(bm=128, bn=256, bk=64, num_warps=8, num_stages=3), dict(bm=64, bn=128, bk=64, num_warps=4, num_stages=4),
                dict(bm=128, bn=128, bk=128, num_warps=8, num_stages=3), dict(bm=256, bn=128, bk=64, num_warps=8, num_stages=3)]
     for m, variants in ((1, decode), (64, decode), (4096, prefill)):
@@ -235,8 +236,8 @@ def sweep_moe(rows, copy):
     d, inter, n_exp, topk = CFG.hidden_size, CFG.moe_intermediate_size, 16, CFG.num_experts_per_tok
     experts = [tuple(quant.fp4_weight_quant(torch.randn(a, b, device="cuda") * b ** -0.5)
                      for a, b in ((inter, d), (d, inter), (inter, d))) for _ in range(n_exp)]
-    variants = [dict(), dict(bn_up=64, bn_down=64), dict(bn_up=32, bn_down=128), dict(bk=256),
-                dict(num_stages=3), dict(num_warps=8), dict(bn_up=16 * 2, bn_down=32)]
+    variants = [dict(), dict(bn_down=128), dict(bn_down=32), dict(bk=256), dict(bk=64),
+                dict(num_stages=3), dict(num_stages=6), dict(num_warps=8), dict(bm=16), dict(bm=32)]
     for t in (1, 8, 64, 2048):
         x = torch.randn(t, d, device="cuda").to(torch.bfloat16)
         ids = torch.stack([torch.randperm(n_exp, device="cuda")[:topk] for _ in range(t)])
@@ -246,8 +247,9 @@ def sweep_moe(rows, copy):
         active = int(torch.unique(ids).numel())
         nbytes = active * 3 * inter * d * (0.5 + 1 / 32) + t * d * 6
         flops = 2 * t * topk * 3 * inter * d
-        for v in variants if t <= 64 else variants[:1] + [dict(bm=128, bn_up=64, bn_down=128, bk=64, num_warps=8,
-                                                                num_stages=3), dict(bm=64, bn_up=64, bn_down=128, bk=64)]:
+        for v in variants if t <= 64 else variants[:1] + [dict(bm=128, bn_down=128, bk=64, num_warps=8,
+                                                                num_stages=3), dict(bm=128, bn_down=128, bk=128, num_warps=4),
+                                                           dict(bm=64, bn_down=64, bk=128)]:
             name = "moe fp4 " + " ".join(f"{a}={b}" for a, b in v.items())
             _variant_row(rows, name, f"T={t} {active} experts", lambda x=x, ids=ids, wts=wts, v=v:
                          me.moe_experts(x, wts, ids, experts, 10.0, **v), want, nbytes, flops, copy)

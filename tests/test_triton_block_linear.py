@@ -72,7 +72,7 @@ def test_linear_rejects_bad_shapes():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", [DEVICES[1]])
 @pytest.mark.parametrize("fmt", ["fp8", "fp4", "bf16"])
-@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize("m", [1, 7, 64, 300, 1100])
 def test_linear_model_shapes_gpu(dev, fmt, m, rng):
     for out_dtype in (torch.bfloat16, torch.float32):
         check_linear(dev, fmt, m, 5120, 1536, out_dtype, rng)

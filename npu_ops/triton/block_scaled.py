@@ -134,3 +134,54 @@ def bf16_bits16(v):
     """fp32 -> bf16 (round to nearest even; the interpreter's cast truncates) as int16 bits."""
     b = v.to(tl.int32, bitcast=True)
     return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.int16)
+
+
+@triton.jit
+def e2m1_fp16(c):
+    """E2M1 nibble (int32 0..15) -> fp16 whose value is the E2M1 value times 2^-14, by placing the
+    nibble's exponent and mantissa bits into fp16's (0.5 becomes the subnormal 2^-15): three
+    integer ops, exact. The 2^14 goes into the block scale."""
+    return (((c & 7) << 9) | ((c & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def scaled_block_step(acc, q_ptr, qs_ptr, arow, amask, w_ptr, s_ptr, rn, nmask, kc, k_hi, K, s_stride,
+                      W_KIND: tl.constexpr, LOWP: tl.constexpr):
+    """acc [BM, BN] + (one 32-wide K block kc..kc+31 of FP8 activations q [., K] with E8M0 scales
+    qs [., K/32], rows `arow`) @ (the same block of a scaled weight, rows `rn`)^T.
+
+    As MODEL.md's low-precision linear: the block's fp32 partial sum of the unscaled FP8 x FP8 (or
+    FP8 x E2M1) products, times both power-of-two scales, added to the fp32 accumulator. The
+    products are exact (fp16 operands on devices: E4M3 and E2M1 values are fp16-exact), so this
+    equals the reference up to fp32 summation order. Nothing is scaled per element: the weight goes
+    from its load straight into the dot (hardware fp8 -> fp16 conversion; FP4 by bit placement).
+    Blocks at or past k_hi contribute 0."""
+    kok = kc < k_hi
+    am = amask & kok
+    nm = nmask & kok
+    blk = kc // 32
+    sa = e8m0_value(tl.load(qs_ptr + arow * (K // 32) + blk, mask=am, other=0).to(tl.int32))
+    rn64 = rn.to(tl.int64)
+    if W_KIND == 1:
+        cols = kc + tl.arange(0, 32)
+        a = tl.load(q_ptr + arow[:, None] * K + cols[None, :], mask=am[:, None], other=0.0)
+        w = tl.load(w_ptr + rn64[:, None] * K + cols[None, :], mask=nm[:, None], other=0.0)
+        sw = e8m0_value(tl.load(s_ptr + (rn64 // 32) * s_stride + blk, mask=nm, other=0).to(tl.int32))
+        if LOWP:
+            part = tl.dot(a.to(tl.float16), tl.trans(w.to(tl.float16)))
+        else:
+            part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    else:
+        j = tl.arange(0, 16)
+        ae = tl.load(q_ptr + arow[:, None] * K + kc + 2 * j[None, :], mask=am[:, None], other=0.0)
+        ao = tl.load(q_ptr + arow[:, None] * K + kc + 2 * j[None, :] + 1, mask=am[:, None], other=0.0)
+        b = tl.load(w_ptr + rn64[:, None] * (K // 2) + kc // 2 + j[None, :], mask=nm[:, None], other=0).to(tl.int32)
+        wlo = e2m1_fp16(b & 15)
+        whi = e2m1_fp16((b >> 4) & 15)
+        sw = e8m0_value(tl.load(s_ptr + rn64 * s_stride + blk, mask=nm, other=0).to(tl.int32)) * 16384.0
+        if LOWP:
+            part = tl.dot(ae.to(tl.float16), tl.trans(wlo)) + tl.dot(ao.to(tl.float16), tl.trans(whi))
+        else:
+            part = tl.dot(ae.to(tl.float32), tl.trans(wlo.to(tl.float32)), input_precision="ieee") \
+                + tl.dot(ao.to(tl.float32), tl.trans(whi.to(tl.float32)), input_precision="ieee")
+    return acc + part * sa[:, None] * sw[None, :]

@@ -2,20 +2,22 @@
 
 Per call, with R = T * k routed rows (token t, slot j -> flat row t * k + j):
 1. Rows are sorted by expert (torch: one stable sort of the ids, ids < 0 last, and a
-   searchsorted for each expert's segment; no host sync, so the call can be captured).
-2. `_gate_up_kernel`, grid (experts, I / BN): each program walks its expert's rows in BM-row
-   tiles, gathers the token rows of x (FP8-quantised per 32 in the kernel, or once beforehand for
-   large T), streams its BN columns of w1 and w3 (FP4 / FP8 dequantised in registers), and in
-   the epilogue applies the clamped SwiGLU, the routing weight, and the FP8 quantisation of the
-   w2 input (its BN columns hold whole groups of 32). h [R, I] is written once, in expert order,
-   as bf16 (exact: FP8 values times a power of two).
-3. `_down_kernel`, grid (experts, d / BN): h rows times w2, each expert's output row written in
-   fp32 to its flat row (t * k + j).
+   searchsorted for each expert's segment; no host sync, so the call can be captured), and x is
+   FP8-quantised once (`fp8_quant`).
+2. `_gate_up_kernel`, grid (experts, I / 32, row-tile slots): each program walks its expert's
+   rows in BM-row tiles, gathers the token rows of the quantised x, streams its 32 columns of w1
+   and w3 one 32-wide scale block at a time (`scaled_block_step`: FP8 or E2M1 straight into the
+   dot, both scales on the block's partial sum), and in the epilogue applies the clamped SwiGLU,
+   the routing weight, and the FP8 quantisation of the w2 input (its 32 columns are one group):
+   codes [R, I] and E8M0 scales [R, I / 32], written once, in expert order.
+3. `_down_kernel`, grid (experts, d / BN, slots): h rows times w2, each expert's output row
+   written in fp32 to its flat row (t * k + j).
 4. `_combine_kernel`: out[t] = sum over the slots j with ids >= 0, in slot order, fp32.
-Each expert's weights are read once per call (per BM rows), which is the weight-read floor for
-1..64 tokens. Expert weights stay the model's own tensors: the kernels reach expert e's
-tensors through a table of element offsets from the first expert's tensors (built once per set
-of experts and cached), so nothing is stacked or copied.
+Each expert's weights are read once per call for up to BM rows (decode: one slot, so a program
+walks all its expert's row tiles), which is the weight-read floor for 1..64 tokens. Expert
+weights stay the model's own tensors: the kernels reach expert e's tensors through a table of
+element offsets from the first expert's tensors (built once per set of experts and cached), so
+nothing is stacked or copied. bf16 experts take plain bf16 dots and a bf16 w2 input.
 
 Numerics as block_linear (exact bf16 operands, fp32 sums): the reference's values up to fp32
 summation order and the device exp in SiLU. Output fp32 (also for out_dtype float64: no fp64 on
@@ -31,71 +33,92 @@ import triton.language as tl
 
 from ...backends.reference.moe import moe_experts as moe_experts_ref  # noqa: F401  (the oracle)
 from .block_linear import DECODE_MAX_M, _dot_acc, weight_kind
-from .block_scaled import W_DENSE, W_FP4, bf16_bits16, fp8_qdq_groups, load_weight_tile
+from .block_scaled import (W_DENSE, W_FP4, bf16_bits16, fp8_code, fp8_exponent, load_weight_tile, pow2,
+                           scaled_block_step)
 from .swiglu import swiglu_tile
 
 # Tiles: BN columns of the expert's intermediate width (gate/up) or of d (down), BK along K.
 TILES = {"cuda": {"bn_up": 32, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 4},
-         "cuda_prefill": {"bm": 64, "bn_up": 64, "bn_down": 128, "bk": 64, "num_warps": 4, "num_stages": 3},
+         "cuda_prefill": {"bm": 64, "bn_up": 32, "bn_down": 128, "bk": 64, "num_warps": 4, "num_stages": 3},
          "interp": {"bm": 16, "bn_up": 32, "bn_down": 32, "bk": 64}}
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_ptr, h_ptr,
-                    K, I, s_stride, limit, TOPK: tl.constexpr, W_KIND: tl.constexpr, QUANT_A: tl.constexpr,
-                    QUANT_H: tl.constexpr, LOWP: tl.constexpr,
+def _gate_up_kernel(x_ptr, q_ptr, qs_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_ptr,
+                    hq_ptr, hs_ptr, hb_ptr, K, I, s_stride, limit,
+                    TOPK: tl.constexpr, W_KIND: tl.constexpr, LOWP: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     e = tl.program_id(0)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    pn = tl.program_id(1)
+    rn = pn * BN + tl.arange(0, BN)
+    nmask = rn < I
     start = tl.load(bounds_ptr + e)
     end = tl.load(bounds_ptr + e + 1)
     w1 = w_base + tl.load(table_ptr + e * 6 + 0)
     w3 = w_base + tl.load(table_ptr + e * 6 + 1)
     s1 = s_base + tl.load(table_ptr + e * 6 + 3)
     s3 = s_base + tl.load(table_ptr + e * 6 + 4)
-    for m0 in range(start, end, BM):
+    # program (e, pn, slot) takes row tiles slot, slot + n_slots, ... of its expert's segment
+    for m0 in range(start + tl.program_id(2) * BM, end, BM * tl.num_programs(2)):
         rows = m0 + tl.arange(0, BM)
         rmask = rows < end
         f = tl.load(perm_ptr + rows, mask=rmask, other=0)
-        xrow = (f // TOPK) * K
+        tok = f // TOPK
         acc1 = tl.zeros((BM, BN), dtype=tl.float32)
         acc3 = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
-            kk = k0 + tl.arange(0, BK)
-            a = tl.load(x_ptr + xrow[:, None] + kk[None, :], mask=rmask[:, None] & (kk[None, :] < K),
-                        other=0.0).to(tl.float32)
-            if QUANT_A:
-                a = fp8_qdq_groups(a, BM, BK)
-            acc1 = _dot_acc(acc1, a, load_weight_tile(w1, s1, rn, k0, I, K, s_stride, BN, BK, W_KIND), 1, LOWP)
-            acc3 = _dot_acc(acc3, a, load_weight_tile(w3, s3, rn, k0, I, K, s_stride, BN, BK, W_KIND), 1, LOWP)
+            if W_KIND == 0:
+                kk = k0 + tl.arange(0, BK)
+                a = tl.load(x_ptr + tok[:, None] * K + kk[None, :], mask=rmask[:, None] & (kk[None, :] < K),
+                            other=0.0).to(tl.float32)
+                acc1 = _dot_acc(acc1, a, load_weight_tile(w1, s1, rn, k0, I, K, s_stride, BN, BK, W_KIND), 1, LOWP)
+                acc3 = _dot_acc(acc3, a, load_weight_tile(w3, s3, rn, k0, I, K, s_stride, BN, BK, W_KIND), 1, LOWP)
+            else:
+                for kb in tl.static_range(BK // 32):
+                    acc1 = scaled_block_step(acc1, q_ptr, qs_ptr, tok, rmask, w1, s1, rn, nmask, k0 + kb * 32, K, K,
+                                             s_stride, W_KIND, LOWP)
+                    acc3 = scaled_block_step(acc3, q_ptr, qs_ptr, tok, rmask, w3, s3, rn, nmask, k0 + kb * 32, K, K,
+                                             s_stride, W_KIND, LOWP)
         h = swiglu_tile(acc1, acc3, limit) * tl.load(wts_ptr + f, mask=rmask, other=0.0)[:, None]
-        if QUANT_H:
-            h = fp8_qdq_groups(h, BM, BN)
-        tl.store(h_ptr + rows.to(tl.int64)[:, None] * I + rn[None, :], bf16_bits16(h),
-                 mask=rmask[:, None] & (rn[None, :] < I))
+        rows64 = rows.to(tl.int64)
+        omask = rmask[:, None] & nmask[None, :]
+        if W_KIND == 0:  # bf16 experts: the w2 input rounded to bf16
+            tl.store(hb_ptr + rows64[:, None] * I + rn[None, :], bf16_bits16(h), mask=omask)
+        else:  # FP8-quantise the w2 input: this tile's BN = 32 columns are one group
+            ex = fp8_exponent(tl.max(tl.abs(h), axis=1))
+            tl.store(hq_ptr + rows64[:, None] * I + rn[None, :], fp8_code(h * pow2(-ex)[:, None]).to(tl.uint8),
+                     mask=omask)
+            tl.store(hs_ptr + rows64 * (I // 32) + pn, tl.minimum(tl.maximum(ex + 127, 0), 254).to(tl.uint8),
+                     mask=rmask)
 
 
 @triton.jit
-def _down_kernel(h_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, y_ptr, I, D, s_stride,
+def _down_kernel(hb_ptr, hq_ptr, hs_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, y_ptr, I, D, s_stride,
                  W_KIND: tl.constexpr, LOWP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     e = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = rn < D
     start = tl.load(bounds_ptr + e)
     end = tl.load(bounds_ptr + e + 1)
     w2 = w_base + tl.load(table_ptr + e * 6 + 2)
     s2 = s_base + tl.load(table_ptr + e * 6 + 5)
-    for m0 in range(start, end, BM):
+    for m0 in range(start + tl.program_id(2) * BM, end, BM * tl.num_programs(2)):
         rows = m0 + tl.arange(0, BM)
         rmask = rows < end
-        hrow = rows.to(tl.int64) * I
+        rows64 = rows.to(tl.int64)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, I, BK):
-            kk = k0 + tl.arange(0, BK)
-            a = tl.load(h_ptr + hrow[:, None] + kk[None, :], mask=rmask[:, None] & (kk[None, :] < I),
-                        other=0.0).to(tl.float32)
-            acc = _dot_acc(acc, a, load_weight_tile(w2, s2, rn, k0, D, I, s_stride, BN, BK, W_KIND), 1, LOWP)
+            if W_KIND == 0:
+                kk = k0 + tl.arange(0, BK)
+                a = tl.load(hb_ptr + rows64[:, None] * I + kk[None, :], mask=rmask[:, None] & (kk[None, :] < I),
+                            other=0.0).to(tl.float32)
+                acc = _dot_acc(acc, a, load_weight_tile(w2, s2, rn, k0, D, I, s_stride, BN, BK, W_KIND), 1, LOWP)
+            else:
+                for kb in tl.static_range(BK // 32):
+                    acc = scaled_block_step(acc, hq_ptr, hs_ptr, rows64, rmask, w2, s2, rn, nmask, k0 + kb * 32, I, I,
+                                            s_stride, W_KIND, LOWP)
         f = tl.load(perm_ptr + rows, mask=rmask, other=0)
-        tl.store(y_ptr + f[:, None] * D + rn[None, :], acc, mask=rmask[:, None] & (rn[None, :] < D))
+        tl.store(y_ptr + f[:, None] * D + rn[None, :], acc, mask=rmask[:, None] & nmask[None, :])
 
 
 @triton.jit
@@ -155,7 +178,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
                 num_stages: int | None = None) -> torch.Tensor:
     """`ops.moe_experts` on a device: x [T, d], weights / ids [T, k] -> [T, d] fp32 (float64
     requested: fp32). Keyword tile parameters are for tuning (defaults: TILES)."""
-    from .fp8_quant import fp8_qdq_bf16
+    from .fp8_quant import fp8_quant
     from .launch import interpreting
 
     t, d = x.shape
@@ -185,20 +208,29 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
         ar = _ARANGE[(x.device, n_exp)] = torch.arange(n_exp + 1, device=x.device, dtype=sorted_key.dtype)
     bounds = torch.searchsorted(sorted_key, ar)
 
-    quantised = kind != W_DENSE
-    quant_a = quantised
-    xa = x.contiguous()
-    if quant_a and t > DECODE_MAX_M and not interp:
-        xa, quant_a = fp8_qdq_bf16(xa), False
-    h = torch.empty(r, inter, dtype=torch.bfloat16, device=x.device)
+    xc = x.contiguous()
+    if kind == W_DENSE:
+        q = qs = xc  # unused placeholders
+        hb = torch.empty(r, inter, dtype=torch.bfloat16, device=x.device)
+        hq = hs = hb
+    else:
+        if bn_up != 32 or inter % 32:
+            raise ValueError("moe_experts kernel: quantised experts need bn_up = 32 (one FP8 group per tile)")
+        q, qs = fp8_quant(xc)
+        qs = qs.view(torch.uint8)
+        hq = torch.empty(r, inter, dtype=torch.float8_e4m3fn, device=x.device)
+        hs = torch.empty(r, inter // 32, dtype=torch.uint8, device=x.device)
+        hb = hq
     y = torch.empty(r, d, dtype=torch.float32, device=x.device)
-    w_arg = w_base
-    _gate_up_kernel[(n_exp, -(-inter // bn_up))](
-        xa, perm, bounds, weights.float().contiguous().reshape(-1), w_arg, s_base, table, h.view(torch.int16),
-        d, inter, s_up, float(limit), TOPK=topk, W_KIND=kind, QUANT_A=quant_a, QUANT_H=quantised, LOWP=not interp,
-        BM=bm, BN=bn_up, BK=bk, **kw)
-    _down_kernel[(n_exp, -(-d // bn_down))](
-        h, perm, bounds, w_arg, s_base, table, y, inter, d, s_down, W_KIND=kind, LOWP=not interp,
+    # row-tile slots per expert: 1 (each program walks all of its expert's tiles) for decode;
+    # for prefill, enough that each program takes about two tiles
+    slots = 1 if t <= DECODE_MAX_M or interp else max(1, -(-r // (bm * min(n_exp, r) * 2)))
+    _gate_up_kernel[(n_exp, -(-inter // bn_up), slots)](
+        xc, q, qs, perm, bounds, weights.float().contiguous().reshape(-1), w_base, s_base, table,
+        hq.view(torch.uint8) if kind != W_DENSE else hq, hs, hb.view(torch.int16) if kind == W_DENSE else hb,
+        d, inter, s_up, float(limit), TOPK=topk, W_KIND=kind, LOWP=not interp, BM=bm, BN=bn_up, BK=bk, **kw)
+    _down_kernel[(n_exp, -(-d // bn_down), slots)](
+        hb, hq, hs, perm, bounds, w_base, s_base, table, y, inter, d, s_down, W_KIND=kind, LOWP=not interp,
         BM=bm, BN=bn_down, BK=bk, **kw)
     cb = min(1024, triton.next_power_of_2(d))
     _combine_kernel[(t, -(-d // cb))](y, ids.contiguous(), out, d, TOPK=topk, BLOCK=cb)
