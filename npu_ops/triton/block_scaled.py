@@ -173,8 +173,9 @@ def scaled_block_step(acc, q_ptr, qs_ptr, arow, amask, w_ptr, s_ptr, rn, nmask, 
             part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
     else:
         j = tl.arange(0, 16)
-        ae = tl.load(q_ptr + arow[:, None] * K + kc + 2 * j[None, :], mask=am[:, None], other=0.0)
-        ao = tl.load(q_ptr + arow[:, None] * K + kc + 2 * j[None, :] + 1, mask=am[:, None], other=0.0)
+        cols = kc + tl.arange(0, 32)
+        a = tl.load(q_ptr + arow[:, None] * K + cols[None, :], mask=am[:, None], other=0.0)
+        ae, ao = tl.split(tl.reshape(a, (a.shape[0], 16, 2)))  # elements 2j and 2j + 1
         b = tl.load(w_ptr + rn64[:, None] * (K // 2) + kc // 2 + j[None, :], mask=nm[:, None], other=0).to(tl.int32)
         wlo = e2m1_fp16(b & 15)
         whi = e2m1_fp16((b >> 4) & 15)

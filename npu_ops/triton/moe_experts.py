@@ -46,7 +46,7 @@ TILES = {"cuda": {"bn_up": 32, "bn_down": 64, "bk": 128, "num_warps": 4, "num_st
 @triton.jit
 def _gate_up_kernel(x_ptr, q_ptr, qs_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_ptr,
                     hq_ptr, hs_ptr, hb_ptr, K, I, s_stride, limit,
-                    TOPK: tl.constexpr, W_KIND: tl.constexpr, LOWP: tl.constexpr,
+                    TOPK: tl.constexpr, W_KIND: tl.constexpr, LOWP: tl.constexpr, ALIGN: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     e = tl.program_id(0)
     pn = tl.program_id(1)
@@ -54,10 +54,10 @@ def _gate_up_kernel(x_ptr, q_ptr, qs_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base,
     nmask = rn < I
     start = tl.load(bounds_ptr + e)
     end = tl.load(bounds_ptr + e + 1)
-    w1 = w_base + tl.load(table_ptr + e * 6 + 0)
-    w3 = w_base + tl.load(table_ptr + e * 6 + 1)
-    s1 = s_base + tl.load(table_ptr + e * 6 + 3)
-    s3 = s_base + tl.load(table_ptr + e * 6 + 4)
+    w1 = w_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 0), ALIGN)
+    w3 = w_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 1), ALIGN)
+    s1 = s_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 3), ALIGN)
+    s3 = s_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 4), ALIGN)
     # program (e, pn, slot) takes row tiles slot, slot + n_slots, ... of its expert's segment
     for m0 in range(start + tl.program_id(2) * BM, end, BM * tl.num_programs(2)):
         rows = m0 + tl.arange(0, BM)
@@ -94,14 +94,15 @@ def _gate_up_kernel(x_ptr, q_ptr, qs_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base,
 
 @triton.jit
 def _down_kernel(hb_ptr, hq_ptr, hs_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, y_ptr, I, D, s_stride,
-                 W_KIND: tl.constexpr, LOWP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 W_KIND: tl.constexpr, LOWP: tl.constexpr, ALIGN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr):
     e = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     nmask = rn < D
     start = tl.load(bounds_ptr + e)
     end = tl.load(bounds_ptr + e + 1)
-    w2 = w_base + tl.load(table_ptr + e * 6 + 2)
-    s2 = s_base + tl.load(table_ptr + e * 6 + 5)
+    w2 = w_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 2), ALIGN)
+    s2 = s_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 5), ALIGN)
     for m0 in range(start + tl.program_id(2) * BM, end, BM * tl.num_programs(2)):
         rows = m0 + tl.arange(0, BM)
         rmask = rows < end
@@ -166,9 +167,12 @@ def _expert_table(experts: list, device: torch.device):
         offs += [(t.data_ptr() - s_base.data_ptr()) if t is not None else 0 for t in (b1, b3, b2)]
         rows.append(offs)
     table = torch.tensor(rows, dtype=torch.int64, device=device)
+    # The offsets come from memory, so the compiler cannot see that the tensors are aligned: say
+    # so (16 elements) when it is true, or every weight load is split into single-byte loads.
+    align = 16 if all(o % 16 == 0 for r in rows for o in r) else 1
     k_in = w1.shape[1] * (2 if kind == W_FP4 else 1)
     hit = _TABLES[key] = (w_base, s_base, table, kind, inter, k_in,
-                          (s1.shape[1] if s1 is not None else 0, s2.shape[1] if s2 is not None else 0))
+                          (s1.shape[1] if s1 is not None else 0, s2.shape[1] if s2 is not None else 0), align)
     return hit
 
 
@@ -189,7 +193,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     if ids.shape != weights.shape or ids.shape[0] != t:
         raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [{t}, k]")
     n_exp = len(experts)
-    w_base, s_base, table, kind, inter, k_in, (s_up, s_down) = _expert_table(experts, x.device)
+    w_base, s_base, table, kind, inter, k_in, (s_up, s_down), align = _expert_table(experts, x.device)
     if k_in != d:
         raise ValueError(f"expert input width {k_in} != x width {d}")
     interp = interpreting()
@@ -228,9 +232,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     _gate_up_kernel[(n_exp, -(-inter // bn_up), slots)](
         xc, q, qs, perm, bounds, weights.float().contiguous().reshape(-1), w_base, s_base, table,
         hq.view(torch.uint8) if kind != W_DENSE else hq, hs, hb.view(torch.int16) if kind == W_DENSE else hb,
-        d, inter, s_up, float(limit), TOPK=topk, W_KIND=kind, LOWP=not interp, BM=bm, BN=bn_up, BK=bk, **kw)
+        d, inter, s_up, float(limit), TOPK=topk, W_KIND=kind, LOWP=not interp, ALIGN=align, BM=bm, BN=bn_up, BK=bk, **kw)
     _down_kernel[(n_exp, -(-d // bn_down), slots)](
-        hb, hq, hs, perm, bounds, w_base, s_base, table, y, inter, d, s_down, W_KIND=kind, LOWP=not interp,
+        hb, hq, hs, perm, bounds, w_base, s_base, table, y, inter, d, s_down, W_KIND=kind, LOWP=not interp, ALIGN=align,
         BM=bm, BN=bn_down, BK=bk, **kw)
     cb = min(1024, triton.next_power_of_2(d))
     _combine_kernel[(t, -(-d // cb))](y, ids.contiguous(), out, d, TOPK=topk, BLOCK=cb)
