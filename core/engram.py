@@ -247,6 +247,7 @@ def engram_window_row_ids(comp: torch.Tensor, valid: torch.Tensor, multipliers, 
         h = torch.bitwise_xor(h, prod[:, n - 1])
         hashes.append(h)
     hash_cols = torch.stack(hashes, dim=1).repeat_interleave(n_heads, dim=1)  # [M, n_rows]
-    p_t = torch.tensor([int(p) for p in primes], dtype=torch.int64, device=dev)
+    p_t = primes.to(dev) if isinstance(primes, torch.Tensor) else \
+        torch.tensor([int(p) for p in primes], dtype=torch.int64, device=dev)
     offsets = torch.cumsum(p_t, 0) - p_t
     return torch.remainder(hash_cols, p_t[None, :]) + offsets[None, :]

@@ -406,7 +406,10 @@ class Engram(nn.Module):
 
     def window_row_ids(self, comp: torch.Tensor, valid: torch.Tensor, pad_id: int) -> torch.Tensor:
         """Row ids [T, 24] from compressed ids at p, p-1, .. [T, N] and their validity."""
-        return engram_window_row_ids(comp, valid, self.multipliers, self.primes, pad_id, self.cfg.engram_n_heads)
+        # the primes as a tensor on the ids' device, made once (nothing crosses the bus in a step)
+        if getattr(self, "_primes_t", None) is None or self._primes_t.device != comp.device:
+            self._primes_t = torch.tensor(self.primes, dtype=torch.int64, device=comp.device)
+        return engram_window_row_ids(comp, valid, self.multipliers, self._primes_t, pad_id, self.cfg.engram_n_heads)
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor, is_image: torch.Tensor) -> torch.Tensor:
         t, n, d = x.shape

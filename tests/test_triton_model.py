@@ -102,8 +102,10 @@ def test_kernels_match_reference_inside_the_model(dev, fresh_seed, monkeypatch):
             want = ref(*args, **kwargs)
             msg = _compare(name, got, want, args)
             if name == "compress_kv" and msg is None:
-                if not (torch.equal(k_args[7], args[7]) and torch.equal(k_args[8].view(torch.uint8),
-                                                                        args[8].view(torch.uint8))):
+                # row 0 (the null block) takes every write that completes no entry, from many rows
+                # at once: its bytes are whichever landed last, and nothing ever reads them
+                if not (torch.equal(k_args[7][1:], args[7][1:]) and torch.equal(k_args[8][1:].view(torch.uint8),
+                                                                                args[8][1:].view(torch.uint8))):
                     msg = "cache bytes differ"
             seen[name] = seen.get(name, 0) + 1
             if msg:
