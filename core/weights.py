@@ -75,16 +75,24 @@ def norm_mean(owner: str) -> float:
     return 1.0
 
 
-def fp4_at_rms(w: torch.Tensor, target: float, steps: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP4 expert storage of `w` rescaled so the decoded weight's RMS equals `target`
-    (power-of-two scales make it a fixed point found in a few steps, to about 1e-3)."""
-    packed, scale = quant.fp4_weight_quant(w)
+def fp4_at_rms(w: torch.Tensor, target: float, tol: float = 1e-3, steps: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP4 expert storage of `w` times a factor c chosen so the decoded weight's RMS equals `target`
+    (to `tol`): fixed-point steps c *= target / rms, kept inside the bracket found so far and
+    bisected when a step leaves it (E2M1 rounding makes rms(c) a staircase the plain iteration
+    can circle around)."""
+    c, lo, hi = 1.0, 0.0, math.inf
     for _ in range(steps):
+        packed, scale = quant.fp4_weight_quant(w * c)
         rms = float(quant.fp4_weight_dequant(packed, scale).pow(2).mean().sqrt())
-        if rms == 0 or abs(rms / target - 1) < 1e-3:
+        if rms == 0 or abs(rms / target - 1) < tol:
             break
-        w = w * (target / rms)
-        packed, scale = quant.fp4_weight_quant(w)
+        if rms > target:
+            hi = min(hi, c)
+        else:
+            lo = max(lo, c)
+        c = c * target / rms
+        if not lo < c < hi:
+            c = (lo + hi) / 2
     return packed, scale
 
 
