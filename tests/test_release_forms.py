@@ -3,15 +3,13 @@ flat `inference/config.json`, and the Engram compressed vocabulary checked again
 (MODEL.md sections 1, 3 and 5)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
+from _util import dsv41
 from test_config import RELEASED_FLAT
 from test_ops_reference import _oracle_engram_gate
 
@@ -29,15 +27,6 @@ from dsv41.deploy.checkpoint import (
 )
 
 PROMPT = "5,17,42,99,7,300"
-
-
-def dsv41(*args, check=True):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "dsv41.deploy.cli", *args], capture_output=True, text=True,
-                       timeout=300, env=env, check=False)
-    if check:
-        assert p.returncode == 0, p.stderr
-    return p
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
