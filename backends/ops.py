@@ -14,9 +14,20 @@ import inspect
 import torch
 
 from . import reference  # noqa: F401  (registers the reference implementations)
-from .registry import dispatch
+from .registry import backend_for_device, dispatch
 
 Tensor = torch.Tensor
+
+
+def partial_sum_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype of unrounded partial sums that are all-reduced across model-parallel ranks
+    before the one rounding (row-parallel `linear`, `moe_experts`): float64 on the reference
+    backend (so N ranks reproduce 1 rank bit for bit), float32 on CUDA and Ascend (Atlas A2/A3
+    have no fp64 matmul and HCCL no fp64 all-reduce). Callers pass it as `out_dtype`."""
+    kind = device.split(":")[0] if isinstance(device, str) else torch.device(device).type
+    if kind == "npu" or backend_for_device(device) != "reference":
+        return torch.float32
+    return torch.float64
 
 
 def _first_device(args, kwargs) -> torch.device:
@@ -94,10 +105,18 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
 
 
 @_op
+def rope_tables(inv_freq: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """cos / sin [T, R/2] fp32 of the angles positions[t] * inv_freq[i] (positions reach 1M, so
+    the angle must be formed in more than fp32 precision or from exact pieces)."""
+
+
+@_op
 def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """y = x @ W^T. With `scale`, W is stored FP8 E4M3 (E8M0 32x32 block scales) or packed FP4
     (int8 [N, K/2], E8M0 per 32 along K) and x is FP8-quantised in blocks of 32 first.
-    `out_dtype` float64 asks for the unrounded accumulation (row-parallel partial sums)."""
+    `out_dtype` float64 asks for the unrounded accumulation (row-parallel partial sums; take it
+    from `partial_sum_dtype`: device backends refuse float64). `scale` fp32 [N, 1] with an int8
+    W: per-output-channel INT8 weight (W8A8); x is then int8-quantised per token."""
 
 
 @_op
@@ -113,30 +132,35 @@ def swiglu_clamped(gate: Tensor, up: Tensor, limit: float) -> Tensor:
 
 # ---- attention ------------------------------------------------------------------------------
 @_op
-def sparse_attention(q: Tensor, win_kv: Tensor, win_scale: Tensor, win_mask: Tensor,
+def sparse_attention(q: Tensor, swa_kv: Tensor, swa_scale: Tensor, win_idx: Tensor,
                      glob_kv: Tensor | None, glob_scale: Tensor | None, glob_idx: Tensor | None,
                      sink: Tensor, softmax_scale: float) -> Tensor:
-    """One softmax over a query's SWA window entries then its selected global entries.
+    """One softmax over a query's SWA window entries then its selected global entries, read in
+    place from the paged cache pools.
 
-    q [T, H, D] (RoPE applied); win_kv [S, D] FP8 + win_scale [S, D/32] with win_mask [T, S];
-    glob_kv [N, D/2] packed FP4 + glob_scale [N, D/16], glob_idx [T, K] (-1 = masked); sink [H].
-    K = V. Returns [T, H, D] bf16.
+    q [T, H, D] (RoPE applied); swa_kv [Nw, D] FP8 + swa_scale [Nw, D/32] E8M0 (the rows of the
+    layer's SWA block pool); win_idx [T, S]: the pool rows each query attends (-1 = masked);
+    glob_kv [Ng, D/2] packed FP4 + glob_scale [Ng, D/16] (the rows of the KV source's global
+    block pool), glob_idx [T, K] pool rows (-1 = masked); sink [H]. K = V. Duplicated rows count
+    as often as they appear. Returns [T, H, D] bf16.
     """
 
 
 @_op
-def indexer_topk(q: Tensor, weights: Tensor, key_codes: Tensor, key_scale: Tensor, n_visible: Tensor,
-                 topk: int, candidates: Tensor | None = None, pool_blocks: int = 0,
-                 pool_block_size: int = 1, reduce_scores=None) -> tuple[Tensor, Tensor | None]:
+def indexer_topk(q: Tensor, weights: Tensor, key_codes: Tensor, key_scale: Tensor, block_table: Tensor,
+                 entries_per_block: int, n_visible: Tensor, topk: int, candidates: Tensor | None = None,
+                 pool_blocks: int = 0, pool_block_size: int = 1, reduce_scores=None) -> tuple[Tensor, Tensor | None]:
     """CSA2 indexer: score(i, s) = sum_h relu(q_ih . k_s) * weights_ih over the MXFP4 keys.
 
     q [T, Hi, Di] (RoPE'd, MXFP4 quantise-dequantised), weights [T, Hi] (scales folded in),
-    keys [N, Di/2] + [N, Di/32]; query t sees entries < n_visible[t]. With `candidates` [T, P]
-    (-1 padded) only those positions are scored (Reindex layers). Returns the top
-    min(topk, visible) entries sorted by position (-1 padded, ties to the lower index) and,
-    when pool_blocks > 0, the hierarchical candidate pool [T, pool_blocks * pool_block_size].
-    `reduce_scores` (model parallelism, heads split by rank) maps this rank's partial score sums
-    to the full sums (an all-reduce) before any selection.
+    key pool [Ng, Di/2] + [Ng, Di/32]; block_table [T, nb]: row t is the global block table of
+    token t's sequence, whose entry j sits at pool row block_table[t, j // E] * E + j % E
+    (E = entries_per_block). Query t sees entries j < n_visible[t] (N = nb * E addressable).
+    With `candidates` [T, P] (entry ids, -1 padded) only those are scored (Reindex layers).
+    Returns the top min(topk, N) entry ids sorted by position (-1 padded, ties to the lower
+    id) and, when pool_blocks > 0, the hierarchical candidate pool [T, pool_blocks *
+    pool_block_size] of entry ids. `reduce_scores` (model parallelism, heads split by rank)
+    maps this rank's partial score sums to the full sums (an all-reduce) before any selection.
     """
 
 

@@ -1,10 +1,26 @@
-"""Per-sequence caches in their real storage formats (MODEL.md section 4).
+"""Paged caches in their real storage formats (MODEL.md section 4), shared by many sequences.
 
-- Global KV per KV-source layer: packed E2M1 bytes + one E4M3 scale per 16 channels (288 B per
-  512-wide entry) and the MXFP4 indexer key (64 B + 4 E8M0 scales); one entry per `ratio` tokens.
-- SWA: an FP8 E4M3 ring of `sliding_window` slots per layer (slot = pos % window) with an E8M0
-  scale per 32 channels; never persisted, rebuilt by bounded replay.
-- Compressor state: the carried partial group (fp32 kv and score rows) per ratio-2 Full layer.
+Every cache kind lives in a pool of fixed-size blocks; a sequence reaches its blocks through a
+block table (one per kind), as in vLLM. Block 0 of every pool is the null block: it never holds
+a sequence's data, table slots that hold nothing point at it, and writes that must not land
+anywhere (tokens whose global entries are shared prefix blocks, rows that complete no
+compressor group) are sent to it.
+
+- Global KV (`GlobalPool`, per KV-source layer): one entry per `ratio` tokens, packed E2M1 bytes
+  + an E4M3 scale per 16 channels (288 B per 512-wide entry) and the MXFP4 indexer key (64 B + 4
+  E8M0 scales). A block covers `block_size` tokens, i.e. `block_size / ratio` entries, so one
+  global block table addresses every KV source and prefix blocks are shared across all of them.
+- SWA (per backbone layer and per DSpark stage): FP8 E4M3 rows + an E8M0 scale per 32 channels,
+  addressed by position through the SWA block table. Blocks that fall out of every future window
+  are freed by the engine (vLLM's sliding-window allocation), so a chunk of any length writes all
+  of its rows before its queries read their windows. Never persisted: rebuilt by bounded replay.
+- Compressor rows (per ratio > 1 KV source): each token's fp32 (kv, score) rows at its position,
+  through the SWA table: a compressor group that spans two steps finds its earlier rows there.
+
+Host-side bookkeeping (`SequenceState`) holds what the engine knows before a step: token ids,
+lengths, block lists and the floors bounded replay and CED put on the window. Rolling back a
+speculative verification only moves `length` back: every entry is addressed by position, so
+rejected tokens' rows are simply overwritten later.
 """
 
 from __future__ import annotations
@@ -15,193 +31,201 @@ import torch
 
 from .config import ModelConfig
 
+NULL_BLOCK = 0
+# window floors are kept per layer group: encoder layers, decoder layers, DSpark stages
+FLOOR_ENCODER, FLOOR_DECODER, FLOOR_DRAFT = 0, 1, 2
+
+
+def e8m0_ones(shape, device) -> torch.Tensor:
+    """E8M0 scales of 1.0 (byte 127): unwritten rows decode to finite values."""
+    return torch.full(shape, 127, dtype=torch.uint8, device=device).view(torch.float8_e8m0fnu)
+
 
 @dataclass
-class GlobalKV:
-    """Compressed entries of one KV source layer."""
+class GlobalPool:
+    """Compressed entries of one KV source layer, `entries_per_block` per block."""
 
     ratio: int
-    kv_codes: torch.Tensor  # [cap, D/2] uint8
-    kv_scale: torch.Tensor  # [cap, D/16] float8_e4m3fn
-    key_codes: torch.Tensor  # [cap, Di/2] uint8
-    key_scale: torch.Tensor  # [cap, Di/32] float8_e8m0fnu
-    n: int = 0  # entries written
-    tokens: int = 0  # tokens consumed (n * ratio + rows in the carried group)
-    # carried partial group (ratio 2): fp32 rows of kv and score not yet pooled
-    carry_kv: torch.Tensor | None = None
-    carry_score: torch.Tensor | None = None
-    # while a speculative checkpoint is open: (first token, kv rows, score rows) of the last
-    # chunk's un-pooled rows (carried rows included), so a rollback can rebuild the carry
-    keep_rows: bool = False
-    rows: tuple[int, torch.Tensor, torch.Tensor] | None = None
-
-    def state(self) -> tuple:
-        """The scalar state and carry (entries are append-only: [0, n) never change)."""
-        return self.n, self.tokens, self.carry_kv, self.carry_score
-
-    def rollback(self, saved: tuple, n_tokens: int) -> None:
-        """Back to the state after the first `n_tokens` tokens, where `saved` is `state()` at
-        the checkpoint and n_tokens lies between it and now. Entries below n_tokens // ratio are
-        already right; a partial group is rebuilt from the recorded un-pooled rows."""
-        if n_tokens == saved[1]:
-            self.n, self.tokens, self.carry_kv, self.carry_score = saved
-            return
-        rem = n_tokens % self.ratio
-        self.n, self.tokens = n_tokens // self.ratio, n_tokens
-        self.carry_kv = self.carry_score = None
-        if rem:
-            first, kv, score = self.rows
-            i = n_tokens - rem - first
-            self.carry_kv, self.carry_score = kv[i:i + rem], score[i:i + rem]
-
-    def reserve(self, m: int) -> torch.Tensor:
-        """Slots for the next `m` entries (written by the caller), as a long tensor."""
-        if self.n + m > self.kv_codes.shape[0]:
-            raise RuntimeError(
-                f"global KV cache overflow: {self.n + m} entries > capacity {self.kv_codes.shape[0]}"
-            )
-        slots = torch.arange(self.n, self.n + m, device=self.kv_codes.device)
-        self.n += m
-        return slots
-
-    def append(self, kv_codes, kv_scale, key_codes, key_scale) -> None:
-        sl = slice(self.n, self.n + kv_codes.shape[0])
-        self.reserve(kv_codes.shape[0])
-        self.kv_codes[sl], self.kv_scale[sl] = kv_codes, kv_scale
-        self.key_codes[sl], self.key_scale[sl] = key_codes, key_scale
-
-    def snapshot(self, n_tokens: int) -> "GlobalKV":
-        """A copy of the state after the first `n_tokens` tokens, taken at a group boundary
-        (n_tokens % ratio == 0, so no partial group is carried)."""
-        if n_tokens % self.ratio or n_tokens > self.tokens:
-            raise ValueError(f"cannot snapshot {n_tokens} tokens (ratio {self.ratio}, {self.tokens} consumed)")
-        n = n_tokens // self.ratio
-        cl = lambda t: t[:n].clone()  # noqa: E731
-        return GlobalKV(self.ratio, cl(self.kv_codes), cl(self.kv_scale), cl(self.key_codes), cl(self.key_scale),
-                        n, n_tokens)
-
-    def restore_into(self, dst: "GlobalKV", n_tokens: int) -> None:
-        """Copy the state after the first `n_tokens` (a group boundary) into `dst`."""
-        if n_tokens % self.ratio or n_tokens > self.tokens:
-            raise ValueError(f"cannot restore {n_tokens} tokens (ratio {self.ratio}, {self.tokens} stored)")
-        n = n_tokens // self.ratio
-        dst.n = 0
-        dst.append(self.kv_codes[:n], self.kv_scale[:n], self.key_codes[:n], self.key_scale[:n])
-        dst.tokens = n_tokens
-        dst.carry_kv = dst.carry_score = None
+    entries_per_block: int
+    kv_codes: torch.Tensor  # [blocks * E, D/2] uint8
+    kv_scale: torch.Tensor  # [blocks * E, D/16] float8_e4m3fn
+    key_codes: torch.Tensor  # [blocks * E, Di/2] uint8
+    key_scale: torch.Tensor  # [blocks * E, Di/32] float8_e8m0fnu
 
     def nbytes_per_entry(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in (self.kv_codes, self.kv_scale, self.key_codes, self.key_scale))
 
 
 @dataclass
-class SWARing:
-    """FP8 ring of one layer: slot = pos % window."""
+class SWAPool:
+    """FP8 window rows of one layer, one per token position."""
 
-    q: torch.Tensor  # [W, D] float8_e4m3fn
-    scale: torch.Tensor  # [W, D/32] float8_e8m0fnu
+    kv: torch.Tensor  # [blocks * block_size, D] float8_e4m3fn
+    scale: torch.Tensor  # [blocks * block_size, D/32] float8_e8m0fnu
 
-    def window(self, start: int, floor: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Entries for positions [max(floor, start - W + 1), start) in position order:
-        (fp8 values, scales, positions)."""
-        w = self.q.shape[0]
-        lo = max(floor, start - w + 1, 0)
-        pos = torch.arange(lo, start, device=self.q.device)
-        slots = pos % w
-        return self.q[slots], self.scale[slots], pos
+    def write(self, rows: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor) -> None:
+        # index_copy has no float8 kernels: write the bytes through uint8 views
+        self.kv.view(torch.uint8).index_copy_(0, rows, kv.view(torch.uint8))
+        self.scale.view(torch.uint8).index_copy_(0, rows, scale.view(torch.uint8))
 
-    def write(self, pos: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
-        w = self.q.shape[0]
-        keep = slice(max(0, pos.shape[0] - w), None)  # only the newest W entries survive
-        slots = pos[keep] % w
-        self.q[slots] = q[keep]
-        # index_put has no E8M0 kernel: write the scale bytes through a uint8 view
-        self.scale.view(torch.uint8)[slots] = scale[keep].view(torch.uint8)
+
+class KVPool:
+    """The block pools of every cache kind, and their free lists (host side)."""
+
+    def __init__(self, cfg: ModelConfig, *, block_size: int = 16, swa_blocks: int = 8, global_blocks: int = 8,
+                 device: torch.device | str = "cpu", drafter: bool | None = None):
+        ratios = {cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids}
+        if any(block_size % r for r in ratios):
+            raise ValueError(f"block_size {block_size} must be a multiple of every compress ratio {sorted(ratios)}")
+        self.cfg, self.block_size, self.device = cfg, block_size, torch.device(device)
+        n_draft = cfg.num_nextn_predict_layers if (drafter is None or drafter) else 0
+        self.n_swa_layers = cfg.num_hidden_layers + max(n_draft, 0)
+        self.swa: list[SWAPool] = []
+        self.carry: dict[int, torch.Tensor] = {}
+        self.glob: dict[int, GlobalPool] = {}
+        self.swa_capacity = self.global_capacity = 0
+        self._free_swa: list[int] = []
+        self._free_glob: list[int] = []
+        self.glob_refs: list[int] = []  # references per global block (prefix sharing)
+        self.grow(swa_blocks, global_blocks)
+
+    # -- memory --
+    def _alloc_swa(self, n_blocks: int):
+        cfg, rows = self.cfg, n_blocks * self.block_size
+        d = cfg.head_dim
+        swa = [SWAPool(torch.zeros(rows, d, dtype=torch.float8_e4m3fn, device=self.device),
+                       e8m0_ones((rows, d // 32), self.device)) for _ in range(self.n_swa_layers)]
+        carry = {s: torch.zeros(rows, 2, d, dtype=torch.float32, device=self.device)
+                 for s in self.cfg.kv_source_layer_ids if cfg.compress_ratios[s] > 1}
+        return swa, carry
+
+    def _alloc_glob(self, n_blocks: int) -> dict[int, GlobalPool]:
+        cfg, out = self.cfg, {}
+        d, di = cfg.head_dim, cfg.index_head_dim
+        for s in cfg.kv_source_layer_ids:
+            r = cfg.compress_ratios[s]
+            e = self.block_size // r
+            n = n_blocks * e
+            out[s] = GlobalPool(r, e, torch.zeros(n, d // 2, dtype=torch.uint8, device=self.device),
+                                torch.zeros(n, d // 16, dtype=torch.float8_e4m3fn, device=self.device),
+                                torch.zeros(n, di // 2, dtype=torch.uint8, device=self.device),
+                                e8m0_ones((n, di // 32), self.device))
+        return out
+
+    def grow(self, swa_blocks: int, global_blocks: int) -> None:
+        """Make room for at least this many blocks of each kind (null block included); existing
+        contents are kept. Only between steps: pool tensors are replaced."""
+        if swa_blocks > self.swa_capacity:
+            swa, carry = self._alloc_swa(swa_blocks)
+            for new, old in zip(swa, self.swa):
+                new.kv[: old.kv.shape[0]] = old.kv
+                new.scale.view(torch.uint8)[: old.scale.shape[0]] = old.scale.view(torch.uint8)
+            for s, old in self.carry.items():
+                carry[s][: old.shape[0]] = old
+            self._free_swa += range(max(self.swa_capacity, 1), swa_blocks)
+            self.swa, self.carry, self.swa_capacity = swa, carry, swa_blocks
+        if global_blocks > self.global_capacity:
+            glob = self._alloc_glob(global_blocks)
+            for s, old in self.glob.items():
+                for name in ("kv_codes", "kv_scale", "key_codes", "key_scale"):
+                    src, dst = getattr(old, name), getattr(glob[s], name)
+                    if src.dtype == torch.float8_e8m0fnu:
+                        src, dst = src.view(torch.uint8), dst.view(torch.uint8)
+                    dst[: src.shape[0]] = src
+            self._free_glob += range(max(self.global_capacity, 1), global_blocks)
+            self.glob_refs += [0] * (global_blocks - len(self.glob_refs))
+            self.glob, self.global_capacity = glob, global_blocks
+
+    # -- blocks --
+    def take_swa(self) -> int:
+        if not self._free_swa:
+            self.grow(max(2, self.swa_capacity * 2), self.global_capacity)
+        return self._free_swa.pop()
+
+    def free_swa(self, block: int) -> None:
+        if block != NULL_BLOCK:
+            self._free_swa.append(block)
+
+    def take_global(self, evict=None) -> int:
+        """A free global block; when none is free, `evict()` may return one (prefix cache)."""
+        if not self._free_glob and evict is not None:
+            b = evict()
+            if b is not None:
+                self.glob_refs[b] = 1
+                return b
+        if not self._free_glob:
+            self.grow(self.swa_capacity, max(2, self.global_capacity * 2))
+        b = self._free_glob.pop()
+        self.glob_refs[b] = 1
+        return b
+
+    def ref_global(self, block: int) -> None:
+        self.glob_refs[block] += 1
+
+    def release_global(self, block: int, keep=None) -> None:
+        """Drop one reference; a block nobody holds goes back to the free list unless `keep(block)`
+        (the prefix cache keeps it, evictable, until the memory is needed)."""
+        if block == NULL_BLOCK:
+            return
+        self.glob_refs[block] -= 1
+        if self.glob_refs[block] == 0 and not (keep is not None and keep(block)):
+            self._free_glob.append(block)
+
+    def reclaim_global(self, block: int) -> None:
+        """A kept block the prefix cache no longer indexes, back to the free list."""
+        if self.glob_refs[block] == 0:
+            self._free_glob.append(block)
+
+    @property
+    def free_global_blocks(self) -> int:
+        return len(self._free_glob)
 
 
 @dataclass
-class CacheCheckpoint:
-    """What a multi-token verification may overwrite: the SWA ring rows of the slots its
-    positions map to (every layer) and the global KV sources' scalar state and carry."""
+class SequenceState:
+    """What the engine knows about one sequence's cache before a step (host side)."""
 
-    length: int
-    slots: torch.Tensor  # ring slots of positions length .. length + n_ahead - 1
-    swa: list[tuple[torch.Tensor, torch.Tensor]]  # their previous (fp8 rows, scale bytes) per layer
-    glob: dict[int, tuple]
-
-
-@dataclass
-class SequenceCache:
-    """Everything one sequence carries between forward calls."""
-
-    swa: list[SWARing]
-    glob: dict[int, GlobalKV]
-    tokens: list[int] = field(default_factory=list)  # ids seen so far (Engram hashing)
+    tokens: list[int] = field(default_factory=list)  # ids at positions 0 .. (Engram hashing)
     is_image: list[bool] = field(default_factory=list)
-    length: int = 0  # tokens whose global state is in the cache
-    # per-layer lowest position a SWA query may see (bounded replay truncates the window)
-    swa_floor: list[int] = field(default_factory=list)
+    length: int = 0  # positions whose rows are in the caches
+    swa_blocks: list[int] = field(default_factory=list)  # logical SWA block -> pool block (0 = freed)
+    glob_blocks: list[int] = field(default_factory=list)  # logical global block -> pool block
+    floors: list[int] = field(default_factory=lambda: [0, 0, 0])  # lowest visible position per layer group
+    glob_from: int = 0  # positions below this have their global entries already (shared prefix)
+    draft_length: int = 0  # DSpark context positions written (0 .. draft_length - 1)
 
-    @classmethod
-    def allocate(cls, cfg: ModelConfig, max_tokens: int, device: torch.device | str = "cpu") -> "SequenceCache":
-        if max_tokens > cfg.max_position_embeddings:
-            raise ValueError(
-                f"sequence of {max_tokens} tokens exceeds max_position_embeddings ({cfg.max_position_embeddings})"
-            )
-        d, di, w = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
-        swa = [
-            SWARing(torch.zeros(w, d, dtype=torch.float8_e4m3fn, device=device),
-                    torch.full((w, d // 32), 127, dtype=torch.uint8, device=device).view(torch.float8_e8m0fnu))
-            for _ in range(cfg.num_hidden_layers)
-        ]
-        glob = {}
-        for src in cfg.kv_source_layer_ids:
-            r = cfg.compress_ratios[src]
-            cap = max(1, -(-max_tokens // r))
-            glob[src] = GlobalKV(
-                r,
-                torch.zeros(cap, d // 2, dtype=torch.uint8, device=device),
-                torch.zeros(cap, d // 16, dtype=torch.float8_e4m3fn, device=device),
-                torch.zeros(cap, di // 2, dtype=torch.uint8, device=device),
-                torch.full((cap, di // 32), 127, dtype=torch.uint8, device=device).view(torch.float8_e8m0fnu),
-            )
-        return cls(swa=swa, glob=glob, swa_floor=[0] * cfg.num_hidden_layers)
+    def ensure_blocks(self, pool: KVPool, end: int) -> None:
+        """Blocks for every position below `end` (SWA, compressor rows and global entries)."""
+        n = -(-end // pool.block_size)
+        while len(self.swa_blocks) < n:
+            self.swa_blocks.append(pool.take_swa())
+        while len(self.glob_blocks) < n:
+            self.glob_blocks.append(pool.take_global())
 
-    # -- speculative decoding: checkpoint before a verification, roll back rejected tokens --
-    def checkpoint(self, n_ahead: int) -> CacheCheckpoint:
-        """Save what feeding the next `n_ahead` tokens may overwrite (n_ahead <= window)."""
-        w = self.swa[0].q.shape[0] if self.swa else 1
-        if not 0 < n_ahead <= w:
-            raise ValueError(f"can checkpoint 1..{w} tokens ahead (the SWA window), got {n_ahead}")
-        dev = self.swa[0].q.device if self.swa else "cpu"
-        slots = torch.arange(self.length, self.length + n_ahead, device=dev) % w
-        saved = [(r.q[slots], r.scale.view(torch.uint8)[slots]) for r in self.swa]  # (indexing copies)
-        for g in self.glob.values():
-            g.keep_rows, g.rows = True, None
-        return CacheCheckpoint(self.length, slots, saved, {s: g.state() for s, g in self.glob.items()})
+    def free_old_swa(self, pool: KVPool, keep_from: int) -> None:
+        """Free SWA blocks whose positions all lie below `keep_from` (out of every future window)."""
+        last = keep_from // pool.block_size  # blocks 0 .. last-1 end at or below keep_from
+        for i in range(min(last, len(self.swa_blocks))):
+            if self.swa_blocks[i] != NULL_BLOCK:
+                pool.free_swa(self.swa_blocks[i])
+                self.swa_blocks[i] = NULL_BLOCK
 
-    def rollback(self, cp: CacheCheckpoint, n_tokens: int) -> None:
-        """Forget every token from position `n_tokens` on (cp.length <= n_tokens <= length):
-        the result equals having fed only the first `n_tokens` tokens. Closes the checkpoint."""
-        if not cp.length <= n_tokens <= self.length:
-            raise ValueError(f"cannot roll back to {n_tokens} tokens (checkpoint {cp.length}, now {self.length})")
-        k, m = n_tokens - cp.length, self.length - n_tokens
-        if m > cp.slots.shape[0] - k:
-            raise ValueError("the checkpoint does not cover the tokens fed since it was taken")
-        slots = cp.slots[k:k + m]
-        for ring, (q, sc) in zip(self.swa, cp.swa):
-            ring.q[slots] = q[k:k + m]
-            ring.scale.view(torch.uint8)[slots] = sc[k:k + m]
-        del self.tokens[n_tokens:], self.is_image[n_tokens:]
-        self.length = n_tokens
-        for s, g in self.glob.items():
-            g.rollback(cp.glob[s], n_tokens)
-        self.release(cp)
+    def release(self, pool: KVPool, keep=None) -> None:
+        """Give every block back (global ones through their reference counts)."""
+        for b in self.swa_blocks:
+            pool.free_swa(b)
+        for b in self.glob_blocks:
+            pool.release_global(b, keep)
+        self.swa_blocks, self.glob_blocks = [], []
 
-    def release(self, cp: CacheCheckpoint) -> None:
-        """Close a checkpoint whose tokens were all kept."""
-        for g in self.glob.values():
-            g.keep_rows, g.rows = False, None
+
+def entry_rows(block_table: torch.Tensor, entries_per_block: int, entries: torch.Tensor) -> torch.Tensor:
+    """Pool rows of logical entries: entry j of the sequence whose table row is block_table[t]
+    sits at row block_table[t, j // E] * E + j % E. entries [T, K] (< 0: none -> -1)."""
+    ok = entries >= 0
+    e = entries.clamp_min(0)
+    blk = block_table.gather(1, (e // entries_per_block).clamp_max(block_table.shape[1] - 1))
+    return torch.where(ok, blk * entries_per_block + e % entries_per_block, -1)
 
 
 def kv_bytes_per_token(cfg: ModelConfig) -> float:
@@ -212,6 +236,6 @@ def kv_bytes_per_token(cfg: ModelConfig) -> float:
 
 
 def swa_bytes_per_sequence(cfg: ModelConfig) -> int:
-    """FP8 ring bytes of one sequence: every backbone layer keeps `sliding_window` slots of
+    """FP8 window bytes of one sequence: every backbone layer keeps `sliding_window` rows of
     head_dim E4M3 bytes + one E8M0 scale per 32 channels."""
     return cfg.num_hidden_layers * cfg.sliding_window * (cfg.head_dim + cfg.head_dim // 32)

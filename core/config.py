@@ -37,9 +37,10 @@ class VisionConfig:
     core/image_processing.py).
 
     `max_image_tokens` counts every prompt position of one image, framing included (see
-    `image_processing.image_layout`); `min_image_size` is the side of the smallest area an image
-    is upscaled to (544^2 in the paper; the tiny preset uses a small one so its 64-token budget
-    is not always the binding limit). `rope_theta` is the 2D RoPE base (not published; 10000).
+    `image_processing.image_layout`); `min_pixels` is the smallest area an image is upscaled to
+    (544^2, flat key `vision_min_pixels`; the tiny preset uses a small one so its 64-token budget
+    is not always the binding limit); `max_wh_ratio` (flat `vision_max_wh_ratio`, null as
+    released) caps width / height. `rope_theta` is the 2D RoPE base (10000).
     """
 
     num_hidden_layers: int = 32
@@ -49,7 +50,8 @@ class VisionConfig:
     patch_size: int = 14
     downsample_ratio: int = 3
     max_image_tokens: int = 1024
-    min_image_size: int = 544
+    min_pixels: int = 544 * 544
+    max_wh_ratio: float | None = None
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
 
@@ -292,8 +294,10 @@ class ModelConfig:
                          "must be a multiple of 4 (2D RoPE: half the head rotates by rows, half by columns)")
             if vc.max_image_tokens < 4:
                 p.append(f"vision max_image_tokens must be >= 4 (start, one cell, newline, end), got {vc.max_image_tokens}")
-            if vc.min_image_size < 1 or vc.patch_size < 1 or vc.downsample_ratio < 1:
-                p.append("vision min_image_size, patch_size and downsample_ratio must be >= 1")
+            if vc.min_pixels < 0 or vc.patch_size < 1 or vc.downsample_ratio < 1:
+                p.append("vision min_pixels must be >= 0, patch_size and downsample_ratio >= 1")
+            if vc.max_wh_ratio is not None and not vc.max_wh_ratio > 0:
+                p.append(f"vision max_wh_ratio must be positive or null, got {vc.max_wh_ratio}")
         return p
 
     def validate(self) -> "ModelConfig":
@@ -402,8 +406,8 @@ FLAT_KEYS: dict[str, str] = {
 # Flat keys that are known and deliberately not mapped (the fp8 `dtype`, batch sizing, ...).
 FLAT_IGNORED = {"dtype", "scale_fmt", "max_batch_size", "expert_dtype", "mscale", "n_dense_layers"}
 # Flat vision keys -> VisionConfig fields: the released file's names (`vision_n_layers`, ...,
-# `vision_max_n_token`, `vision_rope_theta`) and shorter aliases. `vision_min_pixels` and
-# `vision_max_wh_ratio` are handled in `_flat_vision`.
+# `vision_max_n_token`, `vision_min_pixels`, `vision_max_wh_ratio`, `vision_rope_theta`) and
+# shorter aliases.
 FLAT_VISION = {
     "vision_n_layers": "num_hidden_layers",
     "vision_layers": "num_hidden_layers",
@@ -416,9 +420,10 @@ FLAT_VISION = {
     "vision_downsample": "downsample_ratio",
     "vision_max_n_token": "max_image_tokens",
     "vision_max_tokens": "max_image_tokens",
+    "vision_min_pixels": "min_pixels",
+    "vision_max_wh_ratio": "max_wh_ratio",
     "vision_rope_theta": "rope_theta",
 }
-FLAT_VISION_SPECIAL = ("vision_min_pixels", "vision_max_wh_ratio")
 # Flat-config defaults of the reference code that differ from the published values: absent keys
 # fall back to these (spec section 6: `max_seq_len` 4096 sizes caches and RoPE tables).
 FLAT_DEFAULTS = {"max_position_embeddings": 4096}
@@ -458,6 +463,8 @@ def _vision(d: Any, source: str) -> VisionConfig | None:
         k = aliases.get(k, k)
         if k in known:
             kw[k] = v
+        elif k == "min_image_size":  # an earlier form of this file: the side of the minimum area
+            kw.setdefault("min_pixels", v * v)
     return VisionConfig(**kw)
 
 
@@ -503,8 +510,6 @@ def from_flat_dict(d: dict[str, Any], source: str = "config.json") -> ModelConfi
             kw[FLAT_KEYS[k]] = v
         elif k in FLAT_VISION:
             vision[FLAT_VISION[k]] = v
-        elif k in FLAT_VISION_SPECIAL:
-            vision.update(_flat_vision(k, v, source))
         elif k in ("rope_factor", "original_seq_len", "beta_fast", "beta_slow"):
             rs[k] = v
         elif k not in FLAT_IGNORED:
@@ -528,22 +533,6 @@ def from_flat_dict(d: dict[str, Any], source: str = "config.json") -> ModelConfi
     if "expert_dtype" in d:
         kw["expert_dtype"] = d["expert_dtype"]
     return _build(kw, source)
-
-
-def _flat_vision(key: str, value: Any, source: str) -> dict[str, Any]:
-    """VisionConfig fields of the flat preprocessing keys: `vision_min_pixels` is the area an
-    image smaller than it is upscaled to (the side `min_image_size` squared: 295936 = 544^2);
-    `vision_max_wh_ratio` null means no aspect-ratio limit (the released value; a limit is not
-    supported)."""
-    if key == "vision_max_wh_ratio":
-        if value is not None:
-            raise ConfigError(f"{source}: vision_max_wh_ratio = {value!r} is not supported (only null, as released)")
-        return {}
-    side = math.isqrt(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else -1
-    if side * side != value:
-        raise ConfigError(f"{source}: vision_min_pixels must be a positive square number of pixels "
-                          f"(e.g. 295936 = 544^2), got {value!r}")
-    return {"min_image_size": side}
 
 
 def from_dict(d: Any, source: str = "config.json") -> ModelConfig:
@@ -604,7 +593,7 @@ def _tiny() -> ModelConfig:
         dspark_num_experts_per_tok=2, image_token_id=4,
         vision=VisionConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
                             intermediate_size=128, patch_size=14, downsample_ratio=3, max_image_tokens=64,
-                            min_image_size=112),
+                            min_pixels=112 * 112),
     )
 
 

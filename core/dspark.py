@@ -12,21 +12,21 @@ Structure (checkpoint names under `mtp.K.`):
 
 Runtime (our reading where the spec is terse; each choice is one place to change):
 - Context. For every token the main model has processed, each stage writes a KV row computed
-  from the fused feature h = main_norm(main_proj(concat)) as it computes KV for its own input:
-  kv_norm(wkv(attn_norm(h))), RoPE at the token's position, FP8, into its own ring slot
-  pos % window. Only accepted tokens are ever written, so the drafter has nothing to roll back.
+  from the fused feature h = main_norm(main_proj(concat)) (the official drafter: no
+  `attn_norm` on this path): kv_norm(wkv(h)), RoPE at the token's position, FP8, into its SWA
+  pool at the token's position. Only accepted tokens are written as context.
 - Draft block. Tokens [last token, noise x (B-1)] at positions start+1 .. start+B (`start` = the
-  last context position) run through the stages, non-causal inside the block, each query also
-  seeing the ring's context entries within its sliding window. Block rows are never written to
-  the ring. Row j's logits predict the token at start+2+j: B drafts per forward.
+  last context position) run through the stages, non-causal inside the block; EVERY block row
+  sees all valid context entries of the window (min(window, start+1) of them, no per-row
+  sliding limit) plus all B block rows. Row j's logits predict the token at start+2+j: B
+  drafts per forward.
 - Markov head: a rank-r factorised bigram table, `embed` [V, r] and `head` [V, r]; draft j's
   logits = base_j + head . embed[previous draft] (the previous draft of row 0 is the last token),
   so drafts are chosen one after another (semi-autoregressive).
 - Confidence head: a raw logit per row from concat(hidden before the final norm, Markov
   embedding of that row's previous token); sigmoid of it estimates the row's acceptance given
   that every earlier draft was accepted. The head and the projection run in fp32.
-The draft step's shapes are static: always B rows, and the ring window it reads is a fixed
-window - 1 entries once the context holds that many tokens. Verification: `core/spec_decode.py`.
+The draft step's shapes are static: always B rows over a window of `sliding_window + B` keys. Verification: `core/spec_decode.py`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from ..backends import ops
-from .cache import SWARing
+from .batch import Rows, StepBatch
+from .cache import FLOOR_DRAFT, KVPool, SequenceState
 from .config import ConfigError, ModelConfig
 from .model import (
     Block,
@@ -136,27 +137,6 @@ def build_stages(cfg: ModelConfig, group: Group = SINGLE) -> nn.ModuleList | Non
 # ---- runtime ----------------------------------------------------------------------------------
 
 @dataclass
-class DraftState:
-    """The drafter's per-sequence state: one FP8 SWA ring per stage (slot = pos % window) of
-    context KV. Shaped like `SequenceCache` where `Attention` reads it (`swa`, `swa_floor` keyed
-    by layer id) so the stages run through the backbone's own attention code."""
-
-    swa: dict[int, SWARing]
-    swa_floor: dict[int, int]
-    length: int = 0  # context positions written (0 .. length-1)
-
-    @classmethod
-    def allocate(cls, cfg: ModelConfig, device: torch.device | str = "cpu") -> DraftState:
-        d, w, L = cfg.head_dim, cfg.sliding_window, cfg.num_hidden_layers
-        swa = {
-            L + k: SWARing(torch.zeros(w, d, dtype=torch.float8_e4m3fn, device=device),
-                           torch.full((w, d // 32), 127, dtype=torch.uint8, device=device).view(torch.float8_e8m0fnu))
-            for k in range(cfg.num_nextn_predict_layers)
-        }
-        return cls(swa=swa, swa_floor=dict.fromkeys(swa, 0))
-
-
-@dataclass
 class Draft:
     """One draft block's output (B rows)."""
 
@@ -174,7 +154,9 @@ def target_features(ctx: ForwardContext, cfg: ModelConfig) -> torch.Tensor:
 
 
 class DSpark:
-    """Runs the `mtp` stages of a `Transformer`: absorbs context features, drafts blocks."""
+    """Runs the `mtp` stages of a `Transformer`: absorbs context features into the stages' SWA
+    pools (the sequence's SWA block table addresses them by position, like the backbone's
+    layers) and drafts blocks through the backbone's own batched `Block` code."""
 
     def __init__(self, model):
         if getattr(model, "mtp", None) is None:
@@ -183,48 +165,70 @@ class DSpark:
         self.stages = list(model.mtp)
         self.block_size = self.cfg.dspark_block_size
         dev = model.embed.weight.device
-        self._noise = torch.full((self.block_size - 1,), self.cfg.dspark_noise_token_id, dtype=torch.long, device=dev)
+        self._noise = [self.cfg.dspark_noise_token_id] * (self.block_size - 1)
         self._pre = torch.zeros(self.block_size, self.cfg.hc_mult, dtype=torch.float32, device=dev)
         self._pre[:, 0] = 1.0  # the first sublayer collapses with one-hot [1, 0, 0, 0]
 
-    def new_state(self) -> DraftState:
-        return DraftState.allocate(self.cfg, self.model.embed.weight.device)
+    def _rows_at(self, pool: KVPool, state: SequenceState, pos: list[int]) -> torch.Tensor:
+        bs = pool.block_size
+        return torch.tensor([state.swa_blocks[p // bs] * bs + p % bs for p in pos], dtype=torch.long,
+                            device=self._pre.device)
 
     @torch.no_grad()
-    def absorb(self, state: DraftState, feats: torch.Tensor, start: int) -> None:
+    def absorb(self, pool: KVPool, state: SequenceState, feats: torch.Tensor, start: int) -> None:
         """Write each stage's context KV of positions start .. start+T-1 from the main model's
-        target-layer features [T, n_targets * d] (the rows must continue the context)."""
+        target-layer features [T, n_targets * d] (the rows must continue the context): the
+        official drafter's kv_norm(wkv(main_x)), RoPE at the position, FP8."""
         t = feats.shape[0]
         if t == 0:
             return
-        if state.length == 0:  # first rows (e.g. after CED prefill): nothing older is valid
-            for k in state.swa_floor:
-                state.swa_floor[k] = start
-        elif start != state.length:
-            raise ValueError(f"drafter context must continue at position {state.length}, got {start}")
-        s0, pos = self.stages[0], torch.arange(start, start + t, device=feats.device)
+        if state.draft_length == 0:  # first rows (e.g. after CED prefill): nothing older is valid
+            state.floors[FLOOR_DRAFT] = start
+        elif start != state.draft_length:
+            raise ValueError(f"drafter context must continue at position {state.draft_length}, got {start}")
+        s0 = self.stages[0]
+        pos = list(range(start, start + t))
+        rows = self._rows_at(pool, state, pos)
         h = s0.main_norm(s0.main_proj(feats))
+        cos, sin = None, None
         for st in self.stages:
             a = st.attn
-            cos, sin = rope_tables(a.inv_freq, pos)
-            kv8, kv_s = ops.fp8_quant(ops.rope(a.kv_norm(a.wkv(st.attn_norm(h))), cos, sin))
-            state.swa[a.layer_id].write(pos, kv8, kv_s)
-        state.length = start + t
+            if cos is None:  # every stage is a ratio-0 layer: one RoPE table
+                cos, sin = rope_tables(a.inv_freq, torch.tensor(pos, device=feats.device))
+            kv8, kv_s = ops.fp8_quant(ops.rope(a.kv_norm(a.wkv(h)), cos, sin))
+            pool.swa[a.layer_id].write(rows, kv8, kv_s)
+        state.draft_length = start + t
+
+    def _block_batch(self, pool: KVPool, state: SequenceState, last_token: int) -> StepBatch:
+        """The draft block as a one-sequence step: rows at positions n .. n+B-1 (n = context
+        length), each seeing the context window [n - W, n) and the whole block. The block's own
+        rows go to the stages' pools at their positions as scratch: the context written there
+        later (`absorb`) replaces them before any window reads them as context."""
+        cfg, b, dev = self.cfg, self.block_size, self._pre.device
+        n = state.draft_length
+        state.ensure_blocks(pool, n + b)
+        t = lambda x, dt=torch.long: torch.tensor(x, dtype=dt, device=dev)  # noqa: E731
+        pos = t(list(range(n, n + b)))
+        return StepBatch(
+            ids=t([last_token] + self._noise), positions=pos, seq=t([0] * b),
+            swa_table=t([state.swa_blocks]), glob_table=t([state.glob_blocks]), floors=t([state.floors]),
+            glob_from=t([state.glob_from]), ngram_ids=t([[-1]] * b), ngram_image=t([[False]] * b, torch.bool),
+            is_image=t([False] * b, torch.bool),
+            draft_window=(torch.full_like(pos, n - cfg.sliding_window), torch.full_like(pos, n + b - 1)))
 
     @torch.no_grad()
-    def draft(self, state: DraftState, last_token: int, choose=None) -> Draft:
-        """Draft B tokens after `last_token` (at position state.length). `choose(row, logits)`
-        picks a token from fp32 logits [V] (default: argmax)."""
-        cfg, b, dev = self.cfg, self.block_size, self._noise.device
-        start = state.length
-        ids = torch.cat((torch.tensor([last_token], dtype=torch.long, device=dev), self._noise))
-        pos = torch.arange(start, start + b, device=dev)
-        x = self.model.embed_tokens(ids).unsqueeze(1).expand(b, cfg.hc_mult, cfg.hidden_size).contiguous()
-        ctx = ForwardContext(state, draft_block=True)
-        s = self.stages[0].enter(x, self._pre, None, None)
+    def draft(self, pool: KVPool, state: SequenceState, last_token: int, choose=None) -> Draft:
+        """Draft B tokens after `last_token` (at position state.draft_length). `choose(row,
+        logits)` picks a token from fp32 logits [V] (default: argmax)."""
+        cfg, b, dev = self.cfg, self.block_size, self._pre.device
+        batch = self._block_batch(pool, state, last_token)
+        rows = Rows.of(batch, cfg, pool.block_size)
+        x = self.model.embed_tokens(batch.ids).unsqueeze(1).expand(b, cfg.hc_mult, cfg.hidden_size).contiguous()
+        ctx = ForwardContext(cache=pool)
+        s = self.stages[0].enter(x, self._pre, None, rows.is_image)
         for k, st in enumerate(self.stages):
             nxt = self.stages[k + 1] if k + 1 < len(self.stages) else None
-            s = st(s, pos, ctx, None, nxt)
+            s = st(s, rows, ctx, nxt)
         last = self.stages[-1]
         h = s.x_hat  # hidden before the final norm [B, d] bf16
         base = self.model.lm_head(last.norm(h))
@@ -241,4 +245,3 @@ class DSpark:
             prev = torch.tensor([tok], dtype=torch.long, device=dev)
         conf = last.confidence_head(h, torch.cat(embeds))
         return Draft(torch.tensor(tokens, dtype=torch.long, device=dev), torch.stack(logits), conf)
-

@@ -1,29 +1,41 @@
-"""The reference engine: prefill (CED or exact), decode, sampling, and a prefix cache of global
-KV with SWA bounded replay. It is what `dsv41 run` uses and the oracle for the vLLM plugin.
+"""The reference engine: continuous batching over one paged forward (nano-vllm's scheduler +
+model runner, in small). It is what `dsv41 run` uses and the oracle for the vLLM plugin.
+
+Each `step()` runs ONE forward over a flat batch: one token of every decoding sequence plus
+prefill chunks of admitted sequences, up to `max_tokens_per_step` tokens and `max_batch`
+running sequences. Caches live in the block pools of a `KVPool` shared by every sequence.
 
 Prefill modes
 - `exact`: every layer over every prompt token (the official reference's behaviour; oracle).
 - `ced` (default): the encoder runs over every prompt token, the decoder's KV source compresses
   every row of the encoder's output, and the decoder runs only over the last `sliding_window`
-  prompt tokens with its SWA window truncated there (decoder bounded replay, approximate).
+  prompt tokens with its window floored there (decoder bounded replay, approximate).
 
-Prefix cache
-Global KV + compressor state are snapshotted at block boundaries after each prefill and keyed
-by a chain hash of the token blocks. On a hit of H tokens, the global state is restored and the
-SWA state is rebuilt by replaying from H - R (R = `sliding_window` by default, or
-`sliding_window * num_hidden_layers` with replay="exact", which rebuilds it exactly) with the
-SWA window truncated to the replayed span. Cached global KV is reused, never rewritten.
+Prefix cache (`prefix_cache=True`)
+Global KV blocks are shared between sequences: after a prompt's prefill, each full block is
+indexed by a chain hash of the prompt's token blocks up to it. A new prompt whose first H tokens
+(a multiple of the block size, at most n - 1) hit takes those blocks by reference, and its SWA
+state is rebuilt by replaying from H - R (R = `sliding_window`, or `sliding_window *
+num_hidden_layers` with replay="exact", which rebuilds it exactly) with every window floored at
+the replay start. Shared global entries are never rewritten. Unreferenced cached blocks stay
+until their memory is needed (LRU). Prompts with images bypass it.
+
+Batch invariance: the reference backend's arithmetic does not depend on what else is in the
+batch (fp64 contractions, per-token ops), so a sequence's greedy tokens and logits are the same
+alone or inside any mix of prefill and decode rows.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
-from .cache import GlobalKV, SequenceCache
+from .batch import Chunk, StepBatch, build_step
+from .cache import KVPool, SequenceState
 from .model import ForwardContext, Transformer
 
 
@@ -41,8 +53,8 @@ class SamplingParams:
     def validate(self) -> "SamplingParams":
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not self.temperature >= 0 or self.temperature == float("inf"):  # (NaN fails both)
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -71,58 +83,70 @@ def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
-@dataclass
-class PrefixEntry:
-    tokens: tuple[int, ...]
-    glob: dict[int, GlobalKV]
-
-
 class PrefixCache:
-    """Global KV + compressor state keyed by token blocks (chain hash), LRU over snapshots."""
+    """Global KV blocks indexed by the chain hash of the token blocks up to them; unreferenced
+    blocks are kept (LRU, at most `capacity`) until the pool needs the memory."""
 
-    def __init__(self, block_size: int, capacity: int = 16):
-        self.block_size, self.capacity = block_size, capacity
-        self.entries: OrderedDict[int, PrefixEntry] = OrderedDict()  # id -> snapshot
-        self.index: dict[int, tuple[int, int]] = {}  # chain hash -> (snapshot id, n tokens)
+    def __init__(self, pool: KVPool, capacity: int = 1024):
+        self.pool, self.capacity = pool, capacity
+        self.block_of: OrderedDict[bytes, int] = OrderedDict()  # chain hash -> pool block
+        self.hash_of: dict[int, bytes] = {}
         self.stats = Counter()
-        self._next = 0
 
-    def _hashes(self, tokens, n_blocks):
-        h, out = 0, []
+    def hashes(self, tokens: list[int], n_blocks: int) -> list[bytes]:
+        bs, h, out = self.pool.block_size, b"", []
         for k in range(n_blocks):
-            h = hash((h, tuple(tokens[k * self.block_size:(k + 1) * self.block_size])))
+            blk = tokens[k * bs:(k + 1) * bs]
+            h = hashlib.blake2b(h + b",".join(b"%d" % t for t in blk), digest_size=16).digest()
             out.append(h)
         return out
 
-    def lookup(self, tokens: list[int], max_tokens: int) -> tuple[PrefixEntry, int] | None:
-        """Longest cached prefix of at most `max_tokens` tokens."""
+    def lookup(self, tokens: list[int], max_tokens: int) -> list[int]:
+        """Pool blocks of the longest cached prefix of at most `max_tokens` tokens (referenced
+        for the caller)."""
         self.stats["queries"] += 1
-        best = None
-        for h in self._hashes(tokens, max_tokens // self.block_size):
-            hit = self.index.get(h)
-            if hit is None or hit[0] not in self.entries:
+        found = []
+        for h in self.hashes(tokens, max_tokens // self.pool.block_size):
+            b = self.block_of.get(h)
+            if b is None:
                 break
-            entry = self.entries[hit[0]]
-            if entry.tokens[: hit[1]] != tuple(tokens[: hit[1]]):
-                break  # a hash collision: never serve another prompt's state
-            best = (entry, hit[1])
-        if best:
-            self.entries.move_to_end(next(k for k, v in self.entries.items() if v is best[0]))
+            found.append(b)
+            self.block_of.move_to_end(h)
+        for b in found:
+            self.pool.ref_global(b)
+        if found:
             self.stats["hits"] += 1
-            self.stats["hit_tokens"] += best[1]
-        return best
+            self.stats["hit_tokens"] += len(found) * self.pool.block_size
+        return found
 
-    def insert(self, tokens: list[int], cache: SequenceCache) -> None:
-        n = len(tokens) // self.block_size * self.block_size
-        if n == 0:
-            return
-        sid, self._next = self._next, self._next + 1
-        self.entries[sid] = PrefixEntry(tuple(tokens[:n]), {s: g.snapshot(n) for s, g in cache.glob.items()})
-        for k, h in enumerate(self._hashes(tokens, n // self.block_size)):
-            self.index[h] = (sid, (k + 1) * self.block_size)
-        while len(self.entries) > self.capacity:
-            self.entries.popitem(last=False)
-        self.stats["inserts"] += 1
+    def insert(self, tokens: list[int], blocks: list[int]) -> None:
+        """Index the full blocks of a prefilled prompt (`blocks`: its global blocks in order)."""
+        n = len(tokens) // self.pool.block_size
+        for h, b in zip(self.hashes(tokens, n), blocks[:n]):
+            if h not in self.block_of and b not in self.hash_of:
+                self.block_of[h], self.hash_of[b] = b, h
+                self.stats["inserts"] += 1
+        self._trim()
+
+    def keep(self, block: int) -> bool:
+        """Whether a block nobody references stays cached (else it is freed)."""
+        return block in self.hash_of
+
+    def evict(self) -> int | None:
+        """Forget the least recently used unreferenced block and return it (None: none)."""
+        for h, b in self.block_of.items():
+            if self.pool.glob_refs[b] == 0:
+                del self.block_of[h], self.hash_of[b]
+                return b
+        return None
+
+    def _trim(self) -> None:
+        idle = [b for b in self.block_of.values() if self.pool.glob_refs[b] == 0]
+        for _ in range(len(idle) - self.capacity):
+            b = self.evict()
+            if b is None:
+                break
+            self.pool.reclaim_global(b)
 
 
 @dataclass
@@ -133,9 +157,10 @@ class GenerationResult:
     decode_s: float
     prefix_hit_tokens: int = 0
     finish_reason: str = "length"
-    counters: Counter = field(default_factory=Counter)
+    counters: Counter = field(default_factory=Counter)  # work of every step the sequence was in
     text: str | None = None
     spec: dict | None = None  # speculative decoding statistics (`core/spec_decode.py`)
+    logits: list[torch.Tensor] | None = None  # fp32 [V] per sampled token (Engine(record_logits=True))
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -147,22 +172,62 @@ class GenerationResult:
         return n / self.decode_s if self.decode_s > 0 and n else 0.0
 
 
+@dataclass
+class Sequence:
+    """One request inside the engine."""
+
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    state: SequenceState
+    image_rows: torch.Tensor | None = None  # vision output for every image position, in order
+    gen: torch.Generator | None = None
+    fed: int = 0  # prompt tokens sent to the model so far
+    decoder_from: int = 0
+    hit: int = 0
+    out: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    counters: Counter = field(default_factory=Counter)
+    logits: list[torch.Tensor] = field(default_factory=list)  # with Engine(record_logits=True)
+    t_admit: float = 0.0
+    t_first: float = 0.0
+    t_done: float = 0.0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.prompt)
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(list(self.out), len(self.prompt), self.t_first - self.t_admit, self.t_done - self.t_first,
+                                self.hit, self.finish_reason or "length", self.counters,
+                                logits=self.logits or None)
+
+
 class Engine:
-    """Single-sequence reference engine over a `Transformer`."""
+    """Continuous-batching reference engine over a `Transformer`."""
 
     def __init__(self, model: Transformer, *, prefill_mode: str = "ced", replay: str = "window",
-                 prefix_cache: bool = False, prefix_block_size: int | None = None, prefix_capacity: int = 16):
+                 prefix_cache: bool = False, prefix_capacity: int = 1024, block_size: int = 16,
+                 max_batch: int = 64, max_tokens_per_step: int = 2048, record_logits: bool = False):
         if prefill_mode not in ("ced", "exact"):
             raise ValueError(f"prefill_mode must be 'ced' or 'exact', got {prefill_mode!r}")
         if replay not in ("window", "exact"):
             raise ValueError(f"replay must be 'window' or 'exact', got {replay!r}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_tokens_per_step < 1:
+            raise ValueError(f"max_tokens_per_step must be >= 1, got {max_tokens_per_step}")
         self.model, self.cfg = model, model.cfg
         self.prefill_mode, self.replay = prefill_mode, replay
-        ratio_lcm = 2 if 2 in self.cfg.compress_ratios else 1
-        bs = prefix_block_size or max(self.cfg.candidate_block_size, 16)
-        if bs % ratio_lcm:
-            raise ValueError(f"prefix_block_size ({bs}) must be a multiple of every compress ratio")
-        self.prefix = PrefixCache(bs, prefix_capacity) if prefix_cache else None
+        self.max_batch, self.max_tokens_per_step = max_batch, max_tokens_per_step
+        self.record_logits = record_logits  # keep each sampled row's logits (tests, debugging)
+        self.pool = KVPool(self.cfg, block_size=block_size, device=self.device,
+                           drafter=getattr(model, "mtp", None) is not None)
+        self.prefix = PrefixCache(self.pool, prefix_capacity) if prefix_cache else None
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.counters = Counter()
+        self._next = 0
 
     @property
     def device(self) -> torch.device:
@@ -172,42 +237,11 @@ class Engine:
         w = self.cfg.sliding_window
         return w * self.cfg.num_hidden_layers if self.replay == "exact" else w
 
-    def prefill(self, prompt: list[int], max_tokens: int,
-                image_embeds: torch.Tensor | None = None,
-                features: bool = False) -> tuple[SequenceCache, torch.Tensor, ForwardContext, int]:
-        """Returns (cache, last logits, context with counters, prefix-hit tokens). With
-        `image_embeds` the prefix cache is bypassed (its keys are token ids, and every image's
-        placeholder ids look alike) and the whole prompt is one chunk from position 0."""
-        cfg, n = self.cfg, len(prompt)
-        cache = SequenceCache.allocate(cfg, max_tokens, self.device)
-        ctx = ForwardContext(cache, features={} if features else None)
-        start, hit = 0, 0
-        use_prefix = self.prefix is not None and image_embeds is None
-        if use_prefix:
-            found = self.prefix.lookup(prompt, n - 1)
-            if found is not None:
-                entry, hit = found
-                for s, g in entry.glob.items():
-                    g.restore_into(cache.glob[s], hit)
-                start = max(0, hit - self.replay_length())
-                cache.length = start
-                cache.tokens = list(prompt[:start])
-                cache.is_image = self.model.image_mask(torch.tensor(prompt[:start], dtype=torch.long)).tolist()
-                cache.swa_floor = [start] * cfg.num_hidden_layers
-        ids = torch.tensor(prompt[start:], dtype=torch.long, device=self.device)
-        decoder_from = 0
-        if self.prefill_mode == "ced":
-            decoder_from = max(0, n - cfg.sliding_window - start)
-        logits = self.model(ids, cache, decoder_from=decoder_from, ctx=ctx, image_embeds=image_embeds)
-        if use_prefix:
-            self.prefix.insert(prompt, cache)
-        return cache, logits, ctx, hit
-
-    def generate(self, prompt: list[int], params: SamplingParams | None = None,
-                 images: list[torch.Tensor] | None = None) -> GenerationResult:
-        """`images`: preprocessed pixels (`image_processing.preprocess`), one per image span of
-        `prompt` in order (spans from `messages.encode_messages` or `expand_image_placeholders`);
-        the vision tower runs once per image and its output replaces those positions."""
+    # -- requests --
+    def add(self, prompt: list[int], params: SamplingParams | None = None,
+            images: list[torch.Tensor] | None = None) -> Sequence:
+        """Queue a request. `images`: preprocessed pixels (`image_processing.preprocess`), one
+        per image span of `prompt` in order; the vision tower runs once per image."""
         p = (params or SamplingParams()).validate()
         cfg = self.cfg
         if not prompt:
@@ -218,28 +252,146 @@ class Engine:
                 f"prompt of {len(prompt)} tokens + max_new_tokens {p.max_new_tokens} exceeds "
                 f"max_position_embeddings ({cfg.max_position_embeddings})"
             )
-        gen = torch.Generator().manual_seed(p.seed) if p.temperature > 0 else None
-        t0 = time.perf_counter()
-        image_embeds = None
+        bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+        seq = Sequence(self._next, list(prompt), p, SequenceState(),
+                       gen=torch.Generator().manual_seed(p.seed) if p.temperature > 0 else None)
+        self._next += 1
+        n_img = sum(1 for t in prompt if t == cfg.image_token_id) if cfg.vision is not None else 0
         if images:
             from .vision import encode_images
 
-            image_embeds = encode_images(self.model, images)
-        cache, logits, ctx, hit = self.prefill(prompt, total, image_embeds)
-        t1 = time.perf_counter()
-        out, reason = [], "length"
-        stops = set(p.stop_token_ids)
-        while True:
-            tok = sample(logits, p, gen)
-            out.append(tok)
-            if tok in stops:
-                reason = "stop"
-                break
-            if len(out) >= p.max_new_tokens:
-                break
-            logits = self.model(torch.tensor([tok], dtype=torch.long, device=self.device), cache, ctx=ctx)
-        t2 = time.perf_counter()
-        return GenerationResult(out, len(prompt), t1 - t0, t2 - t1, hit, reason, ctx.counters)
+            seq.image_rows = encode_images(self.model, images)
+            if seq.image_rows.shape[0] != n_img:
+                raise ValueError(f"the prompt has {n_img} image-token positions but the images give "
+                                 f"{seq.image_rows.shape[0]} rows")
+        elif n_img:
+            raise ValueError(f"the prompt holds {n_img} image-token positions but no image was given")
+        self.waiting.append(seq)
+        return seq
+
+    def _admit(self, seq: Sequence) -> None:
+        """Start a sequence: prefix-cache hit (shared global blocks, replay start) and CED."""
+        cfg, n, st = self.cfg, len(seq.prompt), seq.state
+        seq.t_admit = time.perf_counter()
+        if self.prefix is not None and seq.image_rows is None:
+            blocks = self.prefix.lookup(seq.prompt, n - 1)
+            if blocks:
+                hit = len(blocks) * self.pool.block_size
+                start = max(0, hit - self.replay_length())
+                st.glob_blocks = list(blocks)
+                st.swa_blocks = [0] * (start // self.pool.block_size)
+                st.tokens = list(seq.prompt[:start])
+                st.is_image = [False] * start
+                st.length, st.glob_from, st.floors = start, hit, [start] * 3
+                seq.fed, seq.hit = start, hit
+        if self.prefill_mode == "ced":
+            seq.decoder_from = max(0, n - cfg.sliding_window)
+        self.running.append(seq)
+
+    # -- one step --
+    def _schedule(self) -> list[tuple[Sequence, list[int], str]]:
+        while self.waiting and len(self.running) < self.max_batch:
+            self._admit(self.waiting.pop(0))
+        work, budget = [], self.max_tokens_per_step
+        for seq in self.running:  # decodes first: one token each
+            if not seq.prefilling and budget > 0:
+                work.append((seq, [seq.out[-1]], "last"))
+                budget -= 1
+        for seq in self.running:  # then prefill chunks, oldest first
+            if seq.prefilling and budget > 0:
+                n = min(len(seq.prompt) - seq.fed, budget)
+                ids = seq.prompt[seq.fed:seq.fed + n]
+                last = seq.fed + n == len(seq.prompt)
+                work.append((seq, ids, "last" if last else "none"))
+                budget -= n
+        return work
+
+    def _image_rows(self, seq: Sequence, start: int, ids: list[int]) -> torch.Tensor | None:
+        if seq.image_rows is None:
+            return None
+        tok = self.cfg.image_token_id
+        before = sum(1 for t in seq.prompt[:start] if t == tok)
+        here = sum(1 for t in ids if t == tok)
+        return seq.image_rows[before:before + here] if here else None
+
+    def run_chunks(self, chunks: list[Chunk], ctx: ForwardContext | None = None, check: bool = False):
+        """One forward over `chunks`; returns (logits of the requested rows, the context)."""
+        batch = build_step(self.cfg, self.pool, chunks, self.device, self._image_token())
+        ctx = ctx or ForwardContext()
+        logits = self.model(batch, self.pool, ctx=ctx, check=check)
+        return logits, ctx, batch
+
+    def _image_token(self) -> int | None:
+        return self.cfg.image_token_id if self.cfg.vision is not None else None
+
+    def step(self) -> list[Sequence]:
+        """Schedule, run one forward, sample; returns the sequences that finished."""
+        work = self._schedule()
+        if not work:
+            return []
+        chunks = []
+        for seq, ids, want in work:
+            start = seq.state.length
+            dec = seq.decoder_from if seq.prefilling else 0
+            chunks.append(Chunk(seq.state, ids, dec, want, self._image_rows(seq, start, ids)))
+            if seq.prefilling:
+                seq.fed += len(ids)
+        logits, ctx, _ = self.run_chunks(chunks)
+        counts = ctx.counts()
+        self.counters += counts
+        finished, row = [], 0
+        now = time.perf_counter()
+        for seq, ids, want in work:
+            seq.counters += counts
+            if want == "none":
+                continue
+            if self.prefix is not None and seq.image_rows is None and not seq.out:
+                self.prefix.insert(seq.prompt, seq.state.glob_blocks)
+            tok = sample(logits[row], seq.params, seq.gen)
+            if self.record_logits:
+                seq.logits.append(logits[row].clone())
+            row += 1
+            if not seq.out:
+                seq.t_first = now
+            seq.out.append(tok)
+            if tok in seq.params.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif len(seq.out) >= seq.params.max_new_tokens:
+                seq.finish_reason = "length"
+            if seq.finish_reason:
+                seq.t_done = now
+                finished.append(seq)
+        for seq in finished:
+            self.finish(seq)
+        for seq in self.running:  # windows only look back sliding_window - 1 positions
+            seq.state.free_old_swa(self.pool, seq.state.length - 2 * self.cfg.sliding_window)
+        return finished
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a sequence's blocks (prefix-cached global blocks stay, evictable)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.state.release(self.pool, self.prefix.keep if self.prefix is not None else None)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- whole requests --
+    def generate_batch(self, requests: list[tuple[list[int], SamplingParams | None, list[torch.Tensor] | None]],
+                       on_step=None) -> list[GenerationResult]:
+        """Run every request to completion in one continuous batch; results in input order."""
+        seqs = [self.add(prompt, params, images) for prompt, params, images in requests]
+        while self.has_work():
+            self.step()
+            if on_step is not None:
+                on_step()
+        return [s.result() for s in seqs]
+
+    def generate(self, prompt: list[int], params: SamplingParams | None = None,
+                 images: list[torch.Tensor] | None = None) -> GenerationResult:
+        return self.generate_batch([(prompt, params, images)])[0]
 
     def generate_speculative(self, prompt: list[int], params: SamplingParams | None = None, opts=None,
                              images: list[torch.Tensor] | None = None) -> GenerationResult:
@@ -247,9 +399,73 @@ class Engine:
         (fixed verify length or the scheduler's choice). Statistics in `result.spec`."""
         from .spec_decode import generate_speculative
 
-        image_embeds = None
-        if images:
-            from .vision import encode_images
+        return generate_speculative(self, prompt, params, opts, images)
 
-            image_embeds = encode_images(self.model, images)
-        return generate_speculative(self, prompt, params, opts, image_embeds)
+    # -- one sequence at a time (speculative decoding, tools, tests) --
+    def prefill_alone(self, prompt: list[int], params: SamplingParams | None = None,
+                      images: list[torch.Tensor] | None = None, features: bool = False):
+        """Admit one request and run its prefill by itself; returns (sequence, last logits [V],
+        the DSpark target features of the decoder's prompt rows or None)."""
+        seq = self.add(prompt, params, images)
+        self.waiting.remove(seq)
+        self._admit(seq)
+        self.running.remove(seq)
+        feats, logits = [], None
+        while seq.prefilling:
+            n = min(len(seq.prompt) - seq.fed, self.max_tokens_per_step)
+            ids = seq.prompt[seq.fed:seq.fed + n]
+            last = seq.fed + n == len(seq.prompt)
+            ch = Chunk(seq.state, ids, seq.decoder_from, "last" if last else "none",
+                       self._image_rows(seq, seq.state.length, ids))
+            seq.fed += n
+            lg, ctx, _ = self.run_chunks([ch], ForwardContext(features={} if features else None))
+            seq.counters += ctx.counts()
+            if features and ctx.features:
+                feats.append(target_features_of(ctx, self.cfg))
+            if last:
+                logits = lg[0]
+        if self.prefix is not None and seq.image_rows is None:
+            self.prefix.insert(seq.prompt, seq.state.glob_blocks)
+        return seq, logits, (torch.cat(feats) if feats else None)
+
+
+def target_features_of(ctx: ForwardContext, cfg) -> torch.Tensor:
+    """Concatenated mean-over-streams features [rows, n_targets * d] of a step's decoder rows."""
+    return torch.cat([ctx.features[i] for i in cfg.dspark_target_layer_ids], -1)
+
+
+class SingleSequence:
+    """One sequence fed chunk by chunk through the batched forward (a batch of one): the
+    convenience tests and tools use to drive the model directly."""
+
+    def __init__(self, model: Transformer, pool: KVPool | None = None, block_size: int = 16):
+        self.model = model
+        self.pool = pool or KVPool(model.cfg, block_size=block_size, device=model.embed.weight.device,
+                                   drafter=getattr(model, "mtp", None) is not None)
+        self.state = SequenceState()
+
+    @property
+    def length(self) -> int:
+        return self.state.length
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.state.tokens[: self.state.length]
+
+    def feed(self, ids, *, decoder_from: int = 0, all_logits: bool = False, return_hidden: bool = False,
+             image_embeds: torch.Tensor | None = None, ctx: ForwardContext | None = None) -> torch.Tensor:
+        """Run `ids` at positions length .. and return the last row's logits [V] (all decoder
+        rows' [T, V] with `all_logits`; the collapsed final streams with `return_hidden`)."""
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        chunk = Chunk(self.state, ids, decoder_from, "all" if (all_logits or return_hidden) else "last", image_embeds)
+        image_token = self.model.cfg.image_token_id if self.model.cfg.vision is not None else None
+        batch = build_step(self.model.cfg, self.pool, [chunk], self.model.embed.weight.device, image_token)
+        out = self.model(batch, self.pool, ctx=ctx, return_hidden=return_hidden)
+        return out if (all_logits or return_hidden) else out[0]
+
+    def rollback(self, n_tokens: int) -> None:
+        """Forget every position from `n_tokens` on (rows are addressed by position, so the
+        rejected tokens' rows are simply overwritten later)."""
+        if not 0 <= n_tokens <= self.state.length:
+            raise ValueError(f"cannot roll back to {n_tokens} tokens (now {self.state.length})")
+        self.state.length = n_tokens

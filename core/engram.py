@@ -235,7 +235,16 @@ def engram_row_ids(
     s = torch.arange(max_ngram, device=dev)
     src = pos[:, None] - s[None, :]  # [M, max_ngram]
     valid = (src >= 0) & (src > last_img[:, None])
-    slots = torch.where(valid, tok[src.clamp(min=0)], torch.full_like(src, int(pad_id)))
+    return engram_window_row_ids(tok[src.clamp(min=0)], valid, multipliers, primes, pad_id, n_heads)
+
+
+def engram_window_row_ids(comp: torch.Tensor, valid: torch.Tensor, multipliers, primes: Sequence[int],
+                          pad_id: int, n_heads: int) -> torch.Tensor:
+    """Row ids from per-position n-gram windows: comp [M, N] compressed ids at p, p-1, ..,
+    p-N+1 and valid [M, N] (False slots hash as `pad_id`). The hash of `engram_row_ids`,
+    for callers that know each position's window (a batch of many sequences)."""
+    dev, max_ngram = comp.device, comp.shape[1]
+    slots = torch.where(valid, comp.to(torch.int64), torch.full_like(comp, int(pad_id), dtype=torch.int64))
     if isinstance(multipliers, torch.Tensor):
         mult = multipliers.to(device=dev, dtype=torch.int64)[:max_ngram]
     else:

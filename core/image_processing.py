@@ -1,25 +1,30 @@
 """Image preprocessing for DeepSeek-ViT and the prompt framing of one image (Pillow, CPU).
 
-Size rule (`image_layout`), from the image's width and height alone, so the number of prompt
-positions is known before any forward pass:
+The official rule (MODEL.md section 3, Vision), from the image's width W and height H alone, so
+the number of prompt positions is known before any forward pass:
 
-1. keep the aspect ratio; upscale so the area is at least `min_image_size`^2 (never downscale
-   in this step);
-2. the image then covers ceil(W / 14) x ceil(H / 14) patches (padded right / bottom with grey
-   127) and the aligner groups them 3 x 3 into ceil(cols / 3) x ceil(rows / 3) cells (the
-   patch grid is padded to a multiple of 3, with zero features);
-3. one image occupies rows * (cols + 1) + 2 prompt positions: `image_start`, each row's cells
-   followed by one `image_newline`, `image_end` (see `core/vision.py`);
-4. if that exceeds `max_image_tokens`, the scale is lowered (bisection on the scale factor,
-   aspect kept, each side at least 1 px) to the largest one that fits. The budget wins over the
-   minimum area. With the published config a square image caps at 1302 px (31 x 31 cells,
-   994 positions; 32 x 32 cells would take 1058 > 1024).
+1. if `max_wh_ratio` is set and W > H x ratio, W = H x ratio (the image is then stretched, not
+   padded, in step 5);
+2. if 0 < W x H < `min_pixels`, both sides are scaled by sqrt(min_pixels / (W x H)) and
+   truncated to whole pixels;
+3. the canvas is each side rounded UP to a multiple of the patch size (14);
+4. if the framed token count rows x (cols + 1) + 2 (aligner cells = ceil(patches / 3)) exceeds
+   `max_image_tokens`, the canvas is solved in closed form: r = H / W,
+   w* = sqrt((budget - 2) / r + 0.25) - 0.5, h* = w* x r, cell = 14 x 3 = 42 px; w* < 1 gives
+   one column ((budget - 2) // 2 cells tall), h* < 1 one row (budget - 3 cells wide), else
+   beta = min(floor(w*) x 42 / W, floor(h*) x 42 / H) and the canvas is
+   floor(W x beta / 14) x 14 by floor(H x beta / 14) x 14 px;
+5. the image goes onto the canvas with `PIL.ImageOps.pad` (fit keeping its aspect ratio,
+   bicubic, centred, grey (127, 127, 127) bars); a max-ratio image is plainly resized instead;
+6. pixels / 255, then (x - 0.5) / 0.5, bf16 ([3, H, W], values in [-1, 1]).
 
-All positions of an image hold `image_token_id` in the prompt; the model replaces their
-embeddings with the encoder's output (`Transformer.forward(image_embeds=...)`).
+One image occupies rows * (cols + 1) + 2 prompt positions: `image_start`, each row's cells
+followed by one `image_newline`, `image_end` (see `core/vision.py`). With the published config
+(544^2 minimum area, 1024 positions) a square image gets a 1302 px canvas at most (31 x 31
+cells, 994 positions). All positions of an image hold `image_token_id` in the prompt; the model
+replaces their embeddings with the encoder's output (`Transformer.forward(image_embeds=...)`).
 
-Pixels: RGB (EXIF orientation applied), bicubic resize, grey 127 padding, scaled as
-x / 127.5 - 1 into [-1, 1]; tensor [3, rows_px, cols_px] fp32 (`preprocess`).
+Reading an image (`load_image`) also applies its EXIF orientation, as a viewer shows it.
 """
 
 from __future__ import annotations
@@ -44,14 +49,15 @@ class ImageError(ValueError):
 
 @dataclass(frozen=True)
 class ImageLayout:
-    """Where one image of a given size ends up: resized pixels, ViT patch grid, aligner cells."""
+    """Where one image of a given size ends up: its canvas, ViT patch grid and aligner cells."""
 
-    width: int  # resized image, before padding
+    width: int  # canvas in pixels (a multiple of the patch size)
     height: int
-    patch_cols: int  # ViT grid (image padded to a multiple of patch_size)
+    patch_cols: int  # ViT grid
     patch_rows: int
     cols: int  # aligner cells (patch grid padded to a multiple of downsample_ratio)
     rows: int
+    stretch: bool = False  # max_wh_ratio applied: resized onto the canvas, no bars
 
     @property
     def num_tokens(self) -> int:
@@ -59,33 +65,39 @@ class ImageLayout:
         return self.rows * (self.cols + 1) + 2
 
 
-def _layout_at(vc: VisionConfig, width: int, height: int, scale: float) -> ImageLayout:
-    w = max(1, math.floor(width * scale + 0.5))
-    h = max(1, math.floor(height * scale + 0.5))
-    pc, pr = -(-w // vc.patch_size), -(-h // vc.patch_size)
-    r = vc.downsample_ratio
-    return ImageLayout(w, h, pc, pr, -(-pc // r), -(-pr // r))
+def _canvas_layout(vc: VisionConfig, width: int, height: int, stretch: bool) -> ImageLayout:
+    p, r = vc.patch_size, vc.downsample_ratio
+    pc, pr = width // p, height // p
+    return ImageLayout(width, height, pc, pr, -(-pc // r), -(-pr // r), stretch)
 
 
 def image_layout(vc: VisionConfig, width: int, height: int) -> ImageLayout:
-    """The layout of a `width` x `height` image (rules in the module docstring)."""
+    """The layout of a `width` x `height` image (the official rule: module docstring).
+
+    The arithmetic follows the official expressions term by term (Python floats, the same
+    operation order), so the floors land on the same side of every integer."""
     if int(width) != width or int(height) != height or width < 1 or height < 1:
         raise ValueError(f"image size must be positive integers, got {width} x {height}")
-    width, height = int(width), int(height)
-    hi = max(1.0, vc.min_image_size / math.sqrt(width * height))
-    best = _layout_at(vc, width, height, hi)
-    if best.num_tokens <= vc.max_image_tokens:
+    w, h = int(width), int(height)
+    p, cell, budget = vc.patch_size, vc.patch_size * vc.downsample_ratio, vc.max_image_tokens
+    stretch = vc.max_wh_ratio is not None and w > h * vc.max_wh_ratio
+    if stretch:
+        w = h * vc.max_wh_ratio
+    if 0 < w * h < vc.min_pixels:
+        f = math.sqrt(vc.min_pixels / (w * h))
+        w, h = int(w * f), int(h * f)
+    best = _canvas_layout(vc, math.ceil(w / p) * p, math.ceil(h / p) * p, stretch)
+    if best.num_tokens <= budget:
         return best
-    # Token count is non-decreasing in the scale: bisect between a 1 x 1 px image (4 positions,
-    # always within budget) and the infeasible upper scale.
-    lo = 1.0 / max(width, height)
-    for _ in range(64):
-        mid = 0.5 * (lo + hi)
-        if _layout_at(vc, width, height, mid).num_tokens <= vc.max_image_tokens:
-            lo = mid
-        else:
-            hi = mid
-    return _layout_at(vc, width, height, lo)
+    ratio = h / w
+    w_star = math.sqrt((budget - 2) / ratio + 0.25) - 0.5
+    h_star = w_star * ratio
+    if w_star < 1:  # taller than any grid of two or more cell columns: one column
+        return _canvas_layout(vc, cell, (budget - 2) // 2 * cell, stretch)
+    if h_star < 1:  # one row
+        return _canvas_layout(vc, (budget - 3) * cell, cell, stretch)
+    beta = min(math.floor(w_star) * cell / w, math.floor(h_star) * cell / h)
+    return _canvas_layout(vc, math.floor(w * beta / p) * p, math.floor(h * beta / p) * p, stretch)
 
 
 def num_image_tokens(vc: VisionConfig, width: int, height: int) -> int:
@@ -126,30 +138,34 @@ def load_image(src, name: str | None = None):
         raise ImageError(f"{label}: cannot convert the image to RGB ({type(e).__name__}: {e})") from None
 
 
+def normalize_pixels(canvas) -> torch.Tensor:
+    """RGB canvas (Pillow) -> [3, H, W] bf16: x / 255, then (x - 0.5) / 0.5, in fp32 first."""
+    x = torch.from_numpy(np.asarray(canvas, dtype=np.uint8).copy()).permute(2, 0, 1).float()
+    return ((x / 255 - 0.5) / 0.5).to(torch.bfloat16)
+
+
 def preprocess(vc: VisionConfig, image, name: str | None = None) -> torch.Tensor:
-    """Image (path, bytes or Pillow image) -> pixels [3, patch_rows*14, patch_cols*14] fp32 in
-    [-1, 1]: resized per `image_layout`, padded right / bottom with grey 127."""
-    from PIL import Image
+    """Image (path, bytes or Pillow image) -> pixels [3, patch_rows*14, patch_cols*14] bf16 in
+    [-1, 1]: fitted, centred on the `image_layout` canvas with grey 127 bars (module docstring)."""
+    from PIL import Image, ImageOps
 
     img = load_image(image, name)
     lay = image_layout(vc, *img.size)
-    if img.size != (lay.width, lay.height):
-        img = img.resize((lay.width, lay.height), Image.Resampling.BICUBIC)
-    p = vc.patch_size
-    canvas = Image.new("RGB", (lay.patch_cols * p, lay.patch_rows * p), (PAD_GREY,) * 3)
-    canvas.paste(img, (0, 0))
-    arr = np.asarray(canvas, dtype=np.float32) / 127.5 - 1.0
-    return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
+    size = (lay.width, lay.height)
+    if lay.stretch:
+        canvas = img.resize(size, Image.Resampling.BICUBIC)
+    else:
+        canvas = ImageOps.pad(img, size, method=Image.Resampling.BICUBIC, color=(PAD_GREY,) * 3,
+                              centering=(0.5, 0.5))
+    return normalize_pixels(canvas)
 
 
 def layout_of_pixels(vc: VisionConfig, pixels: torch.Tensor) -> ImageLayout:
-    """The patch / cell grid of a preprocessed pixel tensor [3, H, W] (width / height are the
-    padded size here: the resized size is not recoverable from the pixels)."""
-    p, r = vc.patch_size, vc.downsample_ratio
+    """The patch / cell grid of a preprocessed pixel tensor [3, H, W] (its canvas)."""
+    p = vc.patch_size
     if pixels.dim() != 3 or pixels.shape[0] != 3 or pixels.shape[1] % p or pixels.shape[2] % p:
         raise ValueError(f"pixels must be [3, H, W] with H and W multiples of {p}, got {tuple(pixels.shape)}")
-    pr, pc = pixels.shape[1] // p, pixels.shape[2] // p
-    return ImageLayout(pixels.shape[2], pixels.shape[1], pc, pr, -(-pc // r), -(-pr // r))
+    return _canvas_layout(vc, pixels.shape[2], pixels.shape[1], False)
 
 
 def expand_image_placeholders(ids: list[int], image_token_id: int, counts: list[int]) -> list[int]:

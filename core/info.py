@@ -45,10 +45,11 @@ Counting rules
     Markov embedding), no bias) and `mtp.2.norm` [d].
   The embedding and the output head are shared with the backbone and not counted again.
 * **vision** = DeepSeek-ViT + aligner + image embeddings, with w = vision width, m = vision
-  MLP width: patch embedding 3 * patch^2 -> w (588 x 1024, no bias); per layer q, k, v, o
-  (w^2 each, no biases), SwiGLU w1, w3 (w x m) and w2 (m x w), 2 RMSNorms (w each); a final
-  RMSNorm (w); aligner Linear(9w -> d) + Linear(d -> d) (no biases); `image_start`,
-  `image_newline`, `image_end` (d each). 2D RoPE has no parameters. 0 when `cfg.vision` is None.
+  MLP width: patch embedding 3 * patch^2 -> w with bias (588 x 1024 + 1024); per layer the
+  fused `wqkv` (3w^2 + 3w bias), `wo` (w^2 + w bias), the fused SwiGLU `w1` (2 w m) and `w2`
+  (m w), 2 RMSNorms (w each); a final RMSNorm (w); aligner `w1` (9w -> d) and `w2` (d -> d),
+  both with biases; `image_start`, `image_newline`, `image_end` (d each). 2D RoPE has no
+  parameters. 0 when `cfg.vision` is None.
 * **total** = backbone + engram + dspark + vision.
 * **activated_decode** (per generated token): for all layers, the whole attention module
   (including compressor and indexer where present: they run for every token), `attn_norm`,
@@ -196,9 +197,9 @@ def _vision_params(cfg: ModelConfig) -> int:
     if vc is None:
         return 0
     w, m, d = vc.hidden_size, vc.intermediate_size, cfg.hidden_size
-    patch = 3 * vc.patch_size ** 2 * w
-    layer = 4 * w * w + 3 * w * m + 2 * w
-    aligner = vc.downsample_ratio ** 2 * w * d + d * d
+    patch = 3 * vc.patch_size ** 2 * w + w
+    layer = 4 * w * w + 4 * w + 3 * w * m + 2 * w
+    aligner = vc.downsample_ratio ** 2 * w * d + d + d * d + d
     return patch + vc.num_hidden_layers * layer + w + aligner + 3 * d
 
 

@@ -6,8 +6,10 @@ structure and the math that is plain tensor algebra. Weights are held as buffers
 checkpoint storage formats (FP8 + E8M0 block scales, packed FP4 experts, FP8 Engram rows), under
 the checkpoint's native names, so `state_dict()` is a checkpoint.
 
-The forward processes one sequence's chunk of consecutive tokens against its `SequenceCache`:
-a whole prompt (prefill), one token (decode), or a replay span after a prefix-cache hit.
+The forward processes one `StepBatch` (core/batch.py): a flat batch of tokens from many
+sequences (prefill chunks, decode tokens, replay spans after prefix-cache hits, verification
+blocks, mixed freely), reading and writing the paged pools of `cache.KVPool` in place through the
+batch's block tables. Nothing in it asks the host for a value.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import torch
 from torch import nn
 
 from ..backends import ops
-from .cache import SequenceCache
+from .batch import Rows, StepBatch
+from .cache import FLOOR_DECODER, FLOOR_DRAFT, FLOOR_ENCODER, KVPool, entry_rows
 from .config import ModelConfig, yarn_inv_freq
-from .engram import engram_multipliers, engram_primes, engram_row_ids
+from .engram import engram_multipliers, engram_primes, engram_window_row_ids
 from .parallel import SINGLE, Group
 
 BF16 = torch.bfloat16
@@ -33,7 +36,9 @@ class Linear(nn.Module):
     """A linear layer stored as the checkpoint stores it.
 
     storage: "fp8" (E4M3 weight + E8M0 scale per 32x32 block; activations FP8-quantised per 32),
-    "fp4" (int8 bytes holding two E2M1 values + E8M0 scale per 32 along K), "bf16" or "fp32".
+    "fp4" (int8 bytes holding two E2M1 values + E8M0 scale per 32 along K), "int8" (W8A8: int8
+    weight + one fp32 scale per output channel [N, 1]; activations int8-quantised per token at
+    run time, as `dsv41 convert --linear-dtype int8` writes for Atlas A2/A3), "bf16" or "fp32".
     """
 
     def __init__(self, in_features: int, out_features: int, storage: str):
@@ -46,6 +51,9 @@ class Linear(nn.Module):
         elif storage == "fp4":
             self.register_buffer("weight", torch.empty(n, k // 2, dtype=torch.int8))
             self.register_buffer("scale", torch.empty(n, k // 32, dtype=torch.float8_e8m0fnu))
+        elif storage == "int8":
+            self.register_buffer("weight", torch.empty(n, k, dtype=torch.int8))
+            self.register_buffer("scale", torch.empty(n, 1, dtype=torch.float32))
         else:
             self.register_buffer("weight", torch.empty(n, k, dtype=BF16 if storage == "bf16" else torch.float32))
             self.scale = None
@@ -67,24 +75,30 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, R/2] for absolute positions (angles in fp64: positions reach 1M)."""
-    ang = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(torch.float64)
-    return torch.cos(ang).float(), torch.sin(ang).float()
+    """cos/sin [T, R/2] for absolute positions (`ops.rope_tables`: positions reach 1M)."""
+    return ops.rope_tables(inv_freq, positions)
 
 
 @dataclass
 class ForwardContext:
     """State shared by the layers of one forward call."""
 
-    cache: SequenceCache
-    topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index-source layer -> [T, K]
+    cache: KVPool | None = None
+    topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index-source layer -> [T, K] entry ids
     pool: torch.Tensor | None = None  # hierarchical candidate pool of the decoder's KV source
+    # work counts (tensors added up without a host sync; read them after the step)
     counters: Counter = field(default_factory=Counter)
     # DSpark: when a dict, the forward stores here the mean over the mHC streams at the input of
     # each `dspark_target_layer_ids` layer ([rows, d], the rows the decoder processed)
     features: dict[int, torch.Tensor] | None = None
-    # DSpark draft block: non-causal inside the chunk, and its KV is not written to the SWA ring
-    draft_block: bool = False
+    precompressed: set[int] = field(default_factory=set)  # KV sources already fed this step (CED)
+
+    def count(self, name: str, n) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def counts(self) -> Counter:
+        """The counters as plain ints (syncs with the device once)."""
+        return Counter({k: int(v) for k, v in self.counters.items()})
 
 
 # ---- attention (CSA2) ---------------------------------------------------------------------------
@@ -161,56 +175,51 @@ class Attention(nn.Module):
             self.compressor = Compressor(cfg, self.ratio)
         if self.kind in ("full", "reindex"):
             self.indexer = Indexer(cfg, owns_keys=self.kind == "full", group=group)
+        # which window floor applies (bounded replay and CED truncate windows per layer group)
+        self.floor_group = (FLOOR_DRAFT if layer_id >= cfg.num_hidden_layers
+                            else FLOOR_DECODER if layer_id >= cfg.decoder_start else FLOOR_ENCODER)
         self.register_buffer("inv_freq", torch.tensor(yarn_inv_freq(cfg, self.ratio), dtype=torch.float32), persistent=False)
 
     # -- global KV (Full layers) --
-    def update_global(self, x: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext) -> None:
-        """Compress the rows of tokens not yet consumed by this KV source into cache entries:
-        latent -> (indexer key, un-rotated) -> RoPE at position j*ratio -> FP4 -> cache."""
+    def update_global(self, x: torch.Tensor, rows: Rows, ctx: ForwardContext) -> None:
+        """Compress the rows into cache entries: latent -> (indexer key, un-rotated) -> RoPE at
+        position j*ratio -> FP4 -> cache. Every row is a candidate group end (fixed shapes): a
+        row at p completes entry p // ratio when (p + 1) % ratio == 0, from the compressor rows
+        of positions p-ratio+1 .. p (this step's, or kept from earlier steps at their positions);
+        rows completing nothing, or whose entry exists already (a shared prefix), write to the
+        null block."""
+        comp, r, pos = self.compressor, self.ratio, rows.pos
         g = ctx.cache.glob[self.layer_id]
-        new = pos >= g.tokens
-        if not bool(new.any()):
-            return
-        x, pos = x[new], pos[new]
-        assert int(pos[0]) == g.tokens, "compressor input must continue where it stopped"
-        comp = self.compressor
-        if self.ratio == 1:
+        if r == 1:
             kv, score = comp.wkv(x).float(), None  # a plain bf16 matmul, no activation quantisation
         else:
-            kv, score = comp.wkv(x, torch.float32), comp.wgate(x, torch.float32)
-            if g.carry_kv is not None:
-                kv, score = torch.cat((g.carry_kv, kv)), torch.cat((g.carry_score, score))
-            if g.keep_rows:  # a speculative rollback may need any of them as the new carry
-                g.rows = (g.n * self.ratio, kv, score)
-            n_full = kv.shape[0] // self.ratio * self.ratio
-            g.carry_kv = kv[n_full:] if n_full < kv.shape[0] else None
-            g.carry_score = score[n_full:] if n_full < kv.shape[0] else None
-            kv, score = kv[:n_full], score[:n_full]
-        g.tokens += x.shape[0]
-        m = kv.shape[0] // self.ratio
-        if m == 0:
-            return
-        slots = g.reserve(m)
-        cos, sin = rope_tables(self.inv_freq, slots * self.ratio)  # entry j sits at position j*ratio
-        lat = ops.compress_kv(kv, score, self.ratio, comp.norm.weight, comp.norm.eps, cos, sin,
-                              g.kv_codes, g.kv_scale, slots)
+            carry = ctx.cache.carry[self.layer_id]
+            carry.index_copy_(0, rows.swa_rows, torch.stack((comp.wkv(x, torch.float32), comp.wgate(x, torch.float32)), 1))
+            group = pos.unsqueeze(1) - torch.arange(r - 1, -1, -1, device=pos.device)  # [T, r] oldest first
+            rows_g = carry[rows.swa_rows_at(group.clamp_min(0)).flatten()]  # [T * r, 2, D]
+            kv, score = rows_g[:, 0], rows_g[:, 1]
+        entry = torch.div(pos, r, rounding_mode="floor")
+        write = ((pos + 1) % r == 0) & (pos >= rows.glob_from)
+        slots = torch.where(write, entry_rows(rows.glob_table, g.entries_per_block, entry.unsqueeze(1))[:, 0], 0)
+        cos, sin = rope_tables(self.inv_freq, entry * r)  # entry j sits at position j*ratio
+        lat = ops.compress_kv(kv, score, r, comp.norm.weight, comp.norm.eps, cos, sin, g.kv_codes, g.kv_scale, slots)
         key = ops.rope(self.indexer.k_norm(self.indexer.wk(lat)), cos, sin)
-        g.key_codes[slots], g.key_scale.view(torch.uint8)[slots] = (
-            t.view(torch.uint8) for t in ops.mxfp4_quant(key))
-        ctx.counters[f"compressed_entries.{self.layer_id}"] += m
+        codes, scales = ops.mxfp4_quant(key)
+        g.key_codes.index_copy_(0, slots, codes.view(torch.uint8))
+        g.key_scale.view(torch.uint8).index_copy_(0, slots, scales.view(torch.uint8))
+        ctx.count(f"compressed_entries.{self.layer_id}", write.sum())
 
     # -- top-k selection --
-    def select(self, x, qr, pos, cos, sin, ctx: ForwardContext) -> torch.Tensor:
-        """Global entries each query attends: own indexer (Full), re-scored pool (Reindex) or the
-        latest index source's choice (Reuse)."""
+    def select(self, x, qr, rows: Rows, cos, sin, ctx: ForwardContext) -> torch.Tensor:
+        """Global entry ids each query attends: own indexer (Full), re-scored pool (Reindex) or
+        the latest index source's choice (Reuse)."""
         cfg = self.cfg
         if self.kind == "reuse":
             return ctx.topk[cfg.index_source_of(self.layer_id)]
         g = ctx.cache.glob[cfg.kv_source_of(self.layer_id)]
-        n_vis = torch.div(pos + 1, self.ratio, rounding_mode="floor")
-        assert int(n_vis.max()) <= g.n, "a visible entry is missing from the global cache"
+        n_vis = torch.div(rows.pos + 1, self.ratio, rounding_mode="floor")
         q, w = self.indexer.queries(x, qr, cos, sin)
-        keys = (g.key_codes[: g.n], g.key_scale[: g.n])
+        keys = (g.key_codes, g.key_scale, rows.glob_table, g.entries_per_block)
         reduce = self.group.all_reduce_sum if self.group.world_size > 1 else None
         if self.kind == "full":
             is_pool_source = self.layer_id == cfg.candidate_source_layer_id
@@ -220,49 +229,42 @@ class Attention(nn.Module):
                 pool_block_size=cfg.candidate_block_size, reduce_scores=reduce)
             if is_pool_source:
                 ctx.pool = pool
-            ctx.counters[f"indexer_scored.{self.layer_id}"] += int(n_vis.sum())
+            ctx.count(f"indexer_scored.{self.layer_id}", n_vis.sum())
         else:
             assert ctx.pool is not None, "Reindex layer without a candidate pool"
-            idx, _ = ops.indexer_topk(q, w, *keys, n_vis, cfg.index_topk, candidates=ctx.pool,
-                                      reduce_scores=reduce)
-            ctx.counters[f"indexer_scored.{self.layer_id}"] += int((ctx.pool >= 0).sum())
+            idx, _ = ops.indexer_topk(q, w, *keys, n_vis, cfg.index_topk, candidates=ctx.pool, reduce_scores=reduce)
+            ctx.count(f"indexer_scored.{self.layer_id}", (ctx.pool >= 0).sum())
         ctx.topk[self.layer_id] = idx
         return idx
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        cache, t = ctx.cache, x.shape[0]
-        if self.kind == "full":
-            self.update_global(x, pos, ctx)
-        cos, sin = rope_tables(self.inv_freq, pos)
+    def forward(self, x: torch.Tensor, rows: Rows, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        if self.kind == "full" and self.layer_id not in ctx.precompressed:
+            self.update_global(x, rows, ctx)
+        cos, sin = rope_tables(self.inv_freq, rows.pos)
         qr = self.q_norm(self.wq_a(x))
         q = ops.rope(self.wq_b(qr).view(t, self.n_heads, self.head_dim), cos, sin)
         kv8, kv_s = ops.fp8_quant(ops.rope(self.kv_norm(self.wkv(x)), cos, sin))
-
-        # SWA window: ring entries before this chunk + this chunk's own entries.
-        ring, floor = cache.swa[self.layer_id], cache.swa_floor[self.layer_id]
-        old8, old_s, old_pos = ring.window(int(pos[0]), floor)
-        win8, win_s, kpos = torch.cat((old8, kv8)), torch.cat((old_s, kv_s)), torch.cat((old_pos, pos))
-        qp = pos.unsqueeze(1)
-        last = pos[-1] if ctx.draft_block else qp  # a draft block sees itself whole (non-causal)
-        mask = (kpos <= last) & (kpos > qp - self.cfg.sliding_window) & (kpos >= floor)
-        if not ctx.draft_block:  # the drafter's ring holds main-model context only
-            ring.write(pos, kv8, kv_s)
-
+        # this step's SWA entries go in first (positions address them, so nothing older is
+        # overwritten), then every query reads its window from the pool
+        swa = ctx.cache.swa[self.layer_id]
+        swa.write(rows.swa_rows, kv8, kv_s)
+        win = rows.window(self.floor_group)
         if self.ratio > 0:
-            g = cache.glob[self.cfg.kv_source_of(self.layer_id)]
-            idx = self.select(x, qr, pos, cos, sin, ctx)
-            glob = (g.kv_codes[: g.n], g.kv_scale[: g.n], idx)
+            g = ctx.cache.glob[self.cfg.kv_source_of(self.layer_id)]
+            idx = self.select(x, qr, rows, cos, sin, ctx)
+            glob = (g.kv_codes, g.kv_scale, entry_rows(rows.glob_table, g.entries_per_block, idx))
         else:
             glob = (None, None, None)
-        o = ops.sparse_attention(q, win8, win_s, mask, *glob, self.attn_sink, self.head_dim ** -0.5)
+        o = ops.sparse_attention(q, swa.kv, swa.scale, win, *glob, self.attn_sink, self.head_dim ** -0.5)
         o = ops.rope(o, cos, sin, inverse=True)
         # wo_a: each group of heads (group g = heads g*H/G .. ) maps to o_lora_rank.
         o = ops.grouped_linear(o.reshape(t, self.o_groups, -1), self.wo_a.weight)
         if self.group.world_size == 1:
             return self.wo_b(o)
-        # Row-parallel wo_b: unrounded (fp64) partial sums, added across ranks, rounded once as
-        # the one-process linear rounds (fp32, then bf16).
-        return self.group.all_reduce_sum(self.wo_b(o, torch.float64)).float().to(BF16)
+        # Row-parallel wo_b: unrounded partial sums, added across ranks, rounded once as the
+        # one-process linear rounds (fp32, then bf16).
+        return self.group.all_reduce_sum(self.wo_b(o, ops.partial_sum_dtype(o.device))).float().to(BF16)
 
 
 # ---- MoE --------------------------------------------------------------------------------------
@@ -318,13 +320,15 @@ class MoE(nn.Module):
         if self.group.world_size > 1:  # local slots; experts of other ranks are skipped (-1)
             mine = (ids >= self.expert_lo) & (ids < self.expert_lo + len(self.experts))
             ids = torch.where(mine, ids - self.expert_lo, -1)
-        # Expert outputs are summed in fp64 (the shared expert on rank 0 only) and rounded once,
-        # after the cross-rank sum: an N-way run equals the one-process run up to fp64 rounding.
-        y = ops.moe_experts(x, w, ids, [e.parts() for e in self.experts.values()], cfg.swiglu_limit, torch.float64)
+        # Expert outputs are summed unrounded (`partial_sum_dtype`: fp64 on the reference; the
+        # shared expert on rank 0 only) and rounded once, after the cross-rank sum: on the
+        # reference an N-way run equals the one-process run bit for bit.
+        acc = ops.partial_sum_dtype(x.device)
+        y = ops.moe_experts(x, w, ids, [e.parts() for e in self.experts.values()], cfg.swiglu_limit, acc)
         if self.group.rank == 0:
             ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
             zeros = torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)
-            y = y + ops.moe_experts(x, ones, zeros, [self.shared_experts.parts()], cfg.swiglu_limit, torch.float64)
+            y = y + ops.moe_experts(x, ones, zeros, [self.shared_experts.parts()], cfg.swiglu_limit, acc)
         return self.group.all_reduce_sum(y).float().to(BF16)
 
 
@@ -402,10 +406,9 @@ class Engram(nn.Module):
         m = engram_multipliers(self.cfg, self.layer_id, n_compressed)
         self.multipliers = torch.from_numpy(m).to(self.multipliers.device)
 
-    def row_ids(self, comp_ids: torch.Tensor, is_image: torch.Tensor, start: int, pad_id: int) -> torch.Tensor:
-        cfg = self.cfg
-        return engram_row_ids(comp_ids, is_image, start, self.multipliers, self.primes, pad_id,
-                              cfg.engram_max_ngram_size, cfg.engram_n_heads)
+    def window_row_ids(self, comp: torch.Tensor, valid: torch.Tensor, pad_id: int) -> torch.Tensor:
+        """Row ids [T, 24] from compressed ids at p, p-1, .. [T, N] and their validity."""
+        return engram_window_row_ids(comp, valid, self.multipliers, self.primes, pad_id, self.cfg.engram_n_heads)
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor, is_image: torch.Tensor) -> torch.Tensor:
         t, n, d = x.shape
@@ -454,8 +457,8 @@ class Streams:
     x_hat: torch.Tensor  # [T, d] bf16
     coef: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
-    def rows(self, start: int) -> "Streams":
-        return Streams(self.x[start:], self.x_hat[start:], tuple(c[start:] for c in self.coef))
+    def select(self, index: torch.Tensor) -> "Streams":
+        return Streams(self.x[index], self.x_hat[index], tuple(c[index] for c in self.coef))
 
 
 class Block(nn.Module):
@@ -500,10 +503,11 @@ class Block(nn.Module):
         coef = ops.mhc_mixes(x, *self.hc("attn"), cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
         return Streams(x, ops.mhc_collapse(x, pre_prev), coef)
 
-    def forward(self, s: Streams, pos, ctx: ForwardContext, is_image, nxt: "Block | None", nxt_rows=None):
+    def forward(self, s: Streams, rows: Rows, ctx: ForwardContext, nxt: "Block | None", nxt_engram=None):
         """Attention and FFN; returns the streams ready for `nxt` (or, after the last block,
         with x_hat collapsed for the final norm)."""
-        y = self.attn(self.attn_norm(s.x_hat), pos, ctx)
+        is_image = rows.is_image
+        y = self.attn(self.attn_norm(s.x_hat), rows, ctx)
         x, x_hat, coef_f = self.mix(s.x, y, s.coef, self.hc("ffn"))
         y = self.ffn(self.ffn_norm(x_hat), is_image)
         if nxt is not None and nxt.engram is None:
@@ -512,7 +516,7 @@ class Block(nn.Module):
         x, x_hat, _ = self.mix(x, y, coef_f, None)
         if nxt is None:
             return Streams(x, x_hat, coef_f)
-        return nxt.enter(x, coef_f[0], nxt_rows, is_image)
+        return nxt.enter(x, coef_f[0], nxt_engram, is_image)
 
 
 class Transformer(nn.Module):
@@ -573,79 +577,70 @@ class Transformer(nn.Module):
             return torch.zeros_like(ids, dtype=torch.bool)
         return ids == tok
 
-    def check_ids(self, ids: torch.Tensor, start: int) -> None:
+    def check_batch(self, batch: StepBatch) -> None:
+        """Token ids inside the vocabulary and positions inside the context (one host read of
+        two small reductions; callers that validated their inputs skip it with check=False)."""
         cfg = self.cfg
+        ids = batch.ids
         if ids.dim() != 1 or ids.numel() == 0:
             raise ValueError(f"expected a non-empty 1-D tensor of token ids, got shape {tuple(ids.shape)}")
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= cfg.vocab_size:
             bad = lo if lo < 0 else hi
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
-        if start + ids.numel() > cfg.max_position_embeddings:
-            raise ValueError(
-                f"sequence of {start + ids.numel()} tokens exceeds max_position_embeddings ({cfg.max_position_embeddings})"
-            )
+        end = int(batch.positions.max()) + 1
+        if end > cfg.max_position_embeddings:
+            raise ValueError(f"sequence of {end} tokens exceeds max_position_embeddings ({cfg.max_position_embeddings})")
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor, cache: SequenceCache, *, decoder_from: int = 0,
-                all_logits: bool = False, return_hidden: bool = False, ctx: ForwardContext | None = None,
-                image_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the chunk `ids` (positions cache.length ...) and return fp32 logits of the last
-        position ([V]) or, with `all_logits`, of every position the decoder processed; with
-        `return_hidden`, the collapsed final streams of those positions ([T, d] bf16, for `logits`).
+    def forward(self, batch: StepBatch, cache: KVPool, *, ctx: ForwardContext | None = None,
+                return_hidden: bool = False, check: bool = True) -> torch.Tensor:
+        """Run one step and return fp32 logits [n, V] of the batch's `logit_rows` (decoder rows;
+        all of them when None), or with `return_hidden` the collapsed final streams of every
+        decoder row ([rows, d] bf16, for `logits`).
 
-        decoder_from > 0 is CED prefill: the encoder runs over the whole chunk, the decoder's
-        KV source compresses every row of the encoder output, and the decoder runs only from
-        chunk index `decoder_from` on (its SWA window truncated there).
-
-        image_embeds [n, d] replace the embeddings of the chunk's n `image_token_id` positions, in
-        order (the reference passes whole spans with the first chunk; a chunk may also start inside a
-        span); without it those positions keep their token embedding."""
+        CED prefill: rows outside `batch.decoder_rows` run through the encoder only; the
+        decoder's KV source compresses every row of the encoder's output first, then the
+        decoder runs over its rows (their windows floored by the batch's decoder floors).
+        `batch.image_embeds` replace the embeddings of the image positions, in row order."""
         cfg = self.cfg
-        start = cache.length
-        self.check_ids(ids, start)
-        ctx = ctx or ForwardContext(cache)
-        t = ids.shape[0]
-        pos = torch.arange(start, start + t, device=ids.device)
-        is_image = self.image_mask(ids)
-        if image_embeds is not None:  # [image positions of this chunk, d], from vision.encode_images
-            from .vision import check_image_embeds
-
-            check_image_embeds(cfg, is_image, image_embeds, start)
-        cache.tokens.extend(ids.tolist())
-        cache.is_image.extend(is_image.tolist())
-        rows = self._engram_rows(cache, start)
-
-        x = self.embed_tokens(ids)
-        if image_embeds is not None:
-            x = x.clone()
-            x[is_image] = image_embeds.to(device=x.device, dtype=x.dtype)
+        if check:
+            self.check_batch(batch)
+        ctx = ctx or ForwardContext()
+        ctx.cache = cache
+        rows = Rows.of(batch, cfg, cache.block_size)
+        t = batch.num_tokens
+        x = self.embed_tokens(batch.ids)
+        if batch.image_embeds is not None:  # (masked_scatter: no host read of the mask)
+            x = x.masked_scatter(batch.is_image.unsqueeze(-1), batch.image_embeds.to(device=x.device, dtype=x.dtype))
+        engram = self._engram_rows(batch)
         x = x.unsqueeze(1).expand(t, cfg.hc_mult, cfg.hidden_size).contiguous()
-        pre = torch.zeros(t, cfg.hc_mult, dtype=torch.float32, device=ids.device)
+        pre = torch.zeros(t, cfg.hc_mult, dtype=torch.float32, device=x.device)
         pre[:, 0] = 1.0  # the first sublayer collapses with one-hot [1, 0, 0, 0]
         layers = list(self.layers)
-        s = layers[0].enter(x, pre, rows.get(0), is_image)
-        ctx.counters["encoder_tokens"] += t
+        s = layers[0].enter(x, pre, engram.get(0), rows.is_image)
+        ctx.count("encoder_tokens", t)
         for i, blk in enumerate(layers):
-            if i == cfg.decoder_start and decoder_from > 0:
+            if i == cfg.decoder_start and batch.decoder_rows is not None:
                 # CED: the decoder's KV source compresses every row of the encoder's output; the
-                # decoder itself runs only from `decoder_from` on, its SWA window truncated there.
-                blk.attn.update_global(blk.attn_norm(s.x_hat), pos, ctx)
-                s, pos, is_image = s.rows(decoder_from), pos[decoder_from:], is_image[decoder_from:]
-                rows = {k: v[decoder_from:] for k, v in rows.items()}
-                for j in range(cfg.decoder_start, cfg.num_hidden_layers):
-                    cache.swa_floor[j] = max(cache.swa_floor[j], int(pos[0]))
+                # decoder itself runs only over its rows
+                blk.attn.update_global(blk.attn_norm(s.x_hat), rows, ctx)
+                ctx.precompressed.add(blk.layer_id)
+                sel = batch.decoder_rows
+                s, rows = s.select(sel), rows.select(sel)
+                engram = {k: v[sel] for k, v in engram.items()}
+                if rows.num == 0:
+                    break
             if i == cfg.decoder_start:
-                ctx.counters["decoder_tokens"] += s.x.shape[0]
+                ctx.count("decoder_tokens", rows.num)
             if ctx.features is not None and i in cfg.dspark_target_layer_ids:
                 ctx.features[i] = s.x.float().mean(1).to(BF16)  # DSpark feature: this layer's input
             nxt = layers[i + 1] if i + 1 < len(layers) else None
-            s = blk(s, pos, ctx, is_image, nxt, rows.get(i + 1))
-        cache.length = start + t
+            s = blk(s, rows, ctx, nxt, engram.get(i + 1))
         if return_hidden:
             return s.x_hat  # collapsed streams of every row the decoder processed; see `logits`
-        logits = self.logits(s.x_hat if all_logits else s.x_hat[-1:])
-        return logits if all_logits else logits[0]
+        h = s.x_hat if batch.logit_rows is None else s.x_hat[batch.logit_rows]
+        return self.logits(h)
 
     def logits(self, x_hat: torch.Tensor) -> torch.Tensor:
         """fp32 logits [T, V] of collapsed final streams: final norm, then the head."""
@@ -659,20 +654,14 @@ class Transformer(nn.Module):
         """Token embeddings [T, d] (vocabulary-parallel under model parallelism)."""
         return embed_rows(self.embed.weight, ids, self.group)
 
-    def _engram_rows(self, cache: SequenceCache, start: int) -> dict[int, torch.Tensor]:
-        out = {}
+    def _engram_rows(self, batch: StepBatch) -> dict[int, torch.Tensor]:
+        """Hashed Engram row ids [T, 24] per Engram layer, from the n-gram inputs the batch
+        carries (token ids at p, p-1, ..; a slot before the sequence start or on an image token,
+        and every older slot behind it, hashes as the pad id)."""
         if not self.cfg.engram_layer_ids:
-            return out
-        dev = self.engram_map.device
-        # An n-gram ending at p >= start reaches back at most max_ngram - 1 tokens, so only that
-        # much history is hashed (not the whole sequence at every decode step); a slice that does
-        # not begin at position 0 never exposes its first slot as "before the sequence start".
-        lo = max(0, start - (self.cfg.engram_max_ngram_size - 1))
-        toks = torch.tensor(cache.tokens[lo:], dtype=torch.long, device=dev)
-        img = torch.tensor(cache.is_image[lo:], dtype=torch.bool, device=dev)
-        comp = self.engram_map[toks]
-        for blk in self.layers:
-            if blk.engram is not None:
-                out[blk.layer_id] = blk.engram.row_ids(comp, img, start - lo, self.engram_pad)
-        return out
-
+            return {}
+        ids = batch.ngram_ids
+        valid = (ids >= 0) & torch.cumprod((~batch.ngram_image).to(torch.int32), 1).bool()
+        comp = self.engram_map[ids.clamp_min(0)]
+        return {blk.layer_id: blk.engram.window_row_ids(comp, valid, self.engram_pad)
+                for blk in self.layers if blk.engram is not None}

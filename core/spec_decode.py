@@ -3,7 +3,7 @@
 One step: the drafter proposes B tokens after the last emitted token; the scheduler picks how
 many (k) to verify; the main model runs ONE forward over [last token, k drafts]; the longest
 agreeing prefix (a drafts) is accepted plus one token from the target (the correction, or a
-bonus when all k agree); the caches forget the k - a rejected tokens (`SequenceCache.rollback`).
+bonus when all k agree); the sequence's length moves back over the k - a rejected tokens.
 
 - Greedy: a draft is accepted when it equals the target's argmax. The CPU reference is
   batch-invariant (a chunked forward computes the same bits as token-by-token decode), so the
@@ -33,8 +33,10 @@ from pathlib import Path
 
 import torch
 
+from .batch import Chunk
 from .dspark import DSpark, target_features
 from .engine import Engine, GenerationResult, SamplingParams, sample, sampling_probs
+from .model import ForwardContext
 from .tokenizer import atomic_write_text
 
 PROFILE_ENV = "DSV41_SPEC_PROFILE"
@@ -141,7 +143,7 @@ def default_profile_path(device: torch.device | str, cfg) -> Path:
 
 def prefix_survival(conf_logits: torch.Tensor) -> torch.Tensor:
     """S_j = prod_{i<=j} sigmoid(c_i): probability that drafts 0..j are all accepted."""
-    return torch.cumprod(torch.sigmoid(conf_logits.double()), 0)
+    return torch.cumprod(torch.sigmoid(conf_logits.float()), 0)
 
 
 def choose_verify_len(conf_logits: torch.Tensor, profile: ThroughputProfile, max_k: int) -> int:
@@ -170,9 +172,9 @@ def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: list[int], gen: tor
     """Rejection sampling: target distributions p [k+1, V], draft distributions q [k, V] the
     drafts were drawn from. Returns (accepted drafts a, next token); the emitted tokens are
     distributed exactly as sampling from p one token at a time."""
-    p, q = p.double().cpu(), q.double().cpu()
+    p, q = p.float().cpu(), q.float().cpu()
     for i, x in enumerate(drafts):
-        u = float(torch.rand((), generator=gen, dtype=torch.float64))
+        u = float(torch.rand((), generator=gen))
         if u * float(q[i, x]) < float(p[i, x]):
             continue
         resid = (p[i] - q[i]).clamp_min(0)
@@ -217,34 +219,29 @@ class _Stats:
 
 
 def generate_speculative(engine: Engine, prompt: list[int], params: SamplingParams | None = None,
-                         opts: SpecOptions | None = None, image_embeds: torch.Tensor | None = None,
+                         opts: SpecOptions | None = None, images: list[torch.Tensor] | None = None,
                          drafter=None) -> GenerationResult:
     """`Engine.generate` with DSpark speculation (statistics in `result.spec`). `drafter` may be
-    any object with DSpark's `new_state` / `absorb` / `draft` / `block_size` (tests)."""
+    any object with DSpark's `absorb` / `draft` / `block_size` (tests). The sequence runs by
+    itself through the engine's batched forward; a rejected suffix is rolled back by moving
+    the sequence's length back (every cache row is addressed by position)."""
     p = (params or SamplingParams()).validate()
     opts = opts or SpecOptions()
-    cfg, model = engine.cfg, engine.model
+    cfg, model, pool = engine.cfg, engine.model, engine.pool
     drafter = drafter or DSpark(model)
     b = drafter.block_size
     if opts.spec_len is not None and not 0 <= opts.spec_len <= b:
         raise ValueError(f"spec_len must be in 0..{b} (dspark_block_size), got {opts.spec_len}")
     profile = opts.profile or flat_profile(b + 1)
-    if not prompt:
-        raise ValueError("the prompt is empty")
-    total = len(prompt) + p.max_new_tokens
-    if total > cfg.max_position_embeddings:
-        raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens {p.max_new_tokens} exceeds "
-                         f"max_position_embeddings ({cfg.max_position_embeddings})")
     greedy = p.temperature == 0
     gen = None if greedy else torch.Generator().manual_seed(p.seed)
     choose = None if greedy else (
         lambda j, lg: int(torch.multinomial(sampling_probs(lg, p).cpu(), 1, generator=gen)))
 
     t0 = time.perf_counter()
-    cache, logits, ctx, hit = engine.prefill(prompt, total, image_embeds, features=True)
-    state = drafter.new_state()
-    feats = target_features(ctx, cfg)
-    drafter.absorb(state, feats, cache.length - feats.shape[0])
+    seq, logits, feats = engine.prefill_alone(prompt, p, images, features=True)
+    state = seq.state
+    drafter.absorb(pool, state, feats, state.length - feats.shape[0])
     t1 = time.perf_counter()
 
     stats, out, reason = _Stats(), [], "length"
@@ -260,37 +257,37 @@ def generate_speculative(engine: Engine, prompt: list[int], params: SamplingPara
 
     tok = sample(logits, p, gen)
     done = emit(tok)
-    while not done:
-        ta = time.perf_counter()
-        draft = drafter.draft(state, tok, choose)
-        k = opts.spec_len if opts.spec_len is not None else choose_verify_len(draft.confidence, profile, b)
-        k = min(k, p.max_new_tokens - len(out) - 1)  # never verify past the requested length
-        drafts = draft.tokens[:k].tolist()
-        tb = time.perf_counter()
-        start = cache.length
-        cp = cache.checkpoint(k + 1)
-        ids = torch.tensor([tok] + drafts, dtype=torch.long, device=engine.device)
-        logits = model(ids, cache, all_logits=True, ctx=ctx)
-        if greedy:
-            a, nxt = accept_greedy(logits, drafts)
-        else:
-            q = torch.stack([sampling_probs(lg, p) for lg in draft.logits[:k]]) if k else logits[:0]
-            a, nxt = accept_sampled(torch.stack([sampling_probs(lg, p) for lg in logits]), q, drafts, gen)
-        if a < k:
-            cache.rollback(cp, start + 1 + a)
-        else:
-            cache.release(cp)
-        drafter.absorb(state, target_features(ctx, cfg)[: a + 1], start)
-        stats.steps, stats.drafted, stats.accepted = stats.steps + 1, stats.drafted + k, stats.accepted + a
-        stats.draft_s += tb - ta
-        stats.verify_s += time.perf_counter() - tb
-        for t in drafts[:a] + [nxt]:
-            done = emit(t)
-            if done:
-                break
-        tok = nxt
+    try:
+        while not done:
+            ta = time.perf_counter()
+            draft = drafter.draft(pool, state, tok, choose)
+            k = opts.spec_len if opts.spec_len is not None else choose_verify_len(draft.confidence, profile, b)
+            k = min(k, p.max_new_tokens - len(out) - 1)  # never verify past the requested length
+            drafts = draft.tokens[:k].tolist()
+            tb = time.perf_counter()
+            start = state.length
+            logits, ctx, _ = engine.run_chunks([Chunk(state, [tok] + drafts, 0, "all")], ForwardContext(features={}))
+            seq.counters += ctx.counts()
+            if greedy:
+                a, nxt = accept_greedy(logits, drafts)
+            else:
+                q = torch.stack([sampling_probs(lg, p) for lg in draft.logits[:k]]) if k else logits[:0]
+                a, nxt = accept_sampled(torch.stack([sampling_probs(lg, p) for lg in logits]), q, drafts, gen)
+            state.length = start + 1 + a  # roll back the rejected drafts
+            drafter.absorb(pool, state, target_features(ctx, cfg)[: a + 1], start)
+            state.free_old_swa(pool, state.length - 2 * cfg.sliding_window)
+            stats.steps, stats.drafted, stats.accepted = stats.steps + 1, stats.drafted + k, stats.accepted + a
+            stats.draft_s += tb - ta
+            stats.verify_s += time.perf_counter() - tb
+            for t in drafts[:a] + [nxt]:
+                done = emit(t)
+                if done:
+                    break
+            tok = nxt
+    finally:
+        engine.finish(seq)
     t2 = time.perf_counter()
-    return GenerationResult(out, len(prompt), t1 - t0, t2 - t1, hit, reason, ctx.counters, spec=stats.as_dict())
+    return GenerationResult(out, len(prompt), t1 - t0, t2 - t1, seq.hit, reason, seq.counters, spec=stats.as_dict())
 
 
 # ---- measuring the throughput curve ---------------------------------------------------------------
@@ -309,12 +306,11 @@ def measure_profile(engine: Engine, *, prompt_len: int = 32, repeats: int = 5, s
         raise ValueError(f"prompt_len must be in 1..{cfg.max_position_embeddings - b - 2}, got {prompt_len}")
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(5, cfg.vocab_size, (prompt_len,), generator=gen).tolist()
-    cache, logits, ctx, _ = engine.prefill(prompt, prompt_len + b + 2, features=True)
-    state = drafter.new_state()
-    feats = target_features(ctx, cfg)
-    drafter.absorb(state, feats, cache.length - feats.shape[0])
+    seq, logits, feats = engine.prefill_alone(prompt, SamplingParams(max_new_tokens=b + 2), features=True)
+    state, pool = seq.state, engine.pool
+    drafter.absorb(pool, state, feats, state.length - feats.shape[0])
     tok = int(torch.argmax(logits))
-    ids = torch.tensor([tok] + drafter.draft(state, tok).tokens.tolist(), dtype=torch.long, device=engine.device)
+    ids = [tok] + drafter.draft(pool, state, tok).tokens.tolist()
 
     def timed(fn) -> float:
         times = []
@@ -328,11 +324,11 @@ def measure_profile(engine: Engine, *, prompt_len: int = 32, repeats: int = 5, s
         return statistics.median(times)
 
     def verify(n: int):
-        start = cache.length
-        cp = cache.checkpoint(n)
-        model(ids[:n], cache, all_logits=True, ctx=ctx)
-        cache.rollback(cp, start)
+        start = state.length
+        engine.run_chunks([Chunk(state, ids[:n], 0, "all")])
+        state.length = start  # every run sees the same cache
 
     tps = [n / timed(lambda n=n: verify(n)) for n in range(1, b + 2)]
-    draft_s = timed(lambda: drafter.draft(state, tok))
+    draft_s = timed(lambda: drafter.draft(pool, state, tok))
+    engine.finish(seq)
     return ThroughputProfile(list(range(1, b + 2)), tps, draft_s, device_key(engine.device), model_key(cfg)).check()

@@ -114,9 +114,12 @@ def random_state_dict(model: Transformer, seed: int, init: str = DEFAULT_INIT) -
     for name, buf in model.state_dict().items():
         gen = torch.Generator().manual_seed(_name_seed(seed, name))
         owner, _, leaf = name.rpartition(".")
-        if owner in linears and leaf in ("weight", "scale"):
+        if owner in linears and leaf in ("weight", "scale", "bias"):
             if leaf == "scale":
                 continue  # produced together with the weight
+            if leaf == "bias":  # the vision tower's biased linears
+                out[name] = _randn(gen, tuple(buf.shape), 0.02).to(buf.dtype)
+                continue
             lin = linears[owner]
             std = (projection_gain(owner) if real else 1.0) / math.sqrt(lin.in_features)
             w = _randn(gen, (lin.out_features, lin.in_features), std)

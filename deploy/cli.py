@@ -179,8 +179,10 @@ def _process_group(device):
 def cmd_run(args) -> int:
     """`dsv41 run`; under `torchrun --nproc-per-node N` one rank of an N-way model-parallel run
     of a converted checkpoint (rank 0 prints; the process group is left at exit)."""
+    from ..backends import numerics
     from ..core import parallel
 
+    numerics.set_mode(args.numerics or ("exact" if args.device == "cpu" else "official"))
     group, device = _process_group(_device(args.device))
     try:
         return _generate(args, group, device)
@@ -204,11 +206,13 @@ def _generate(args, group, device) -> int:
     spec_opts = _spec_options(args, cfg, device) if args.speculative else None
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tok = _tokenizer_for(args, cfg)
+    if args.prompts_file:
+        return _generate_file(args, cfg, tok, group, device)
     prompt, images = _prompt_and_images(args, tok, cfg)
     model = _load_weights(args, cfg, device, tok, group)
     if tok is not None and not args.ckpt:  # a checkpoint's map is installed by the loader
         install_engram_vocab(model, tok)
-    engine = Engine(model, prefill_mode=args.prefill_mode)
+    engine = Engine(model, prefill_mode=args.prefill_mode, max_batch=args.max_batch)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed,
                             stop_token_ids=() if args.ignore_eos else (cfg.eos_token_id,))
@@ -254,6 +258,44 @@ def _generate(args, group, device) -> int:
             print(f"speculative: {sp['steps']} steps, acceptance rate {sp['acceptance_rate']:.3f} "
                   f"({sp['accepted']}/{sp['drafted']} drafts), mean accepted length "
                   f"{sp['mean_accepted_length']:.3f} tokens/step, mean verify length {sp['mean_verify_len']:.2f}")
+    return 0
+
+
+def _generate_file(args, cfg, tok, group, device) -> int:
+    """`run --prompts-file`: every request of the file in one continuous batch."""
+    from ..core.engine import Engine, SamplingParams
+    from .checkpoint import install_engram_vocab
+    from .prompts_file import read_prompts_file, run_prompts_file
+
+    if args.speculative or args.prompt is not None or args.prompt_ids is not None or args.messages or args.image:
+        raise UserError("--prompts-file takes the prompts from the file (no --prompt / --prompt-ids / --messages / "
+                        "--image / --speculative)")
+    try:
+        read_prompts_file(args.prompts_file)  # every line checked before any weight is built
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    model = _load_weights(args, cfg, device, tok, group)
+    if tok is not None and not args.ckpt:
+        install_engram_vocab(model, tok)
+    engine = Engine(model, prefill_mode=args.prefill_mode, max_batch=args.max_batch)
+    base = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed,
+                          stop_token_ids=() if args.ignore_eos else (cfg.eos_token_id,))
+    try:
+        rows = run_prompts_file(args, engine, tok, cfg, base)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if group.rank != 0:
+        return 0
+    for row in rows:
+        if args.json:
+            print(json.dumps(row))
+        elif "line" in row:
+            text = f" {row['text']!r}" if row["text"] is not None else ""
+            print(f"[line {row['line']}] {row['finish_reason']}: {row['token_ids']}{text}")
+        else:
+            print(f"{row['requests']} requests, {row['generated_tokens']} tokens in {row['wall_s']} s: "
+                  f"{row['total_tokens_per_s']} tokens/s (max batch {args.max_batch})")
     return 0
 
 
@@ -413,6 +455,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
     pr.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 5,17,42")
     pr.add_argument("--messages", metavar="FILE", help="OpenAI-style chat messages JSON (text and image_url parts)")
+    r.add_argument("--prompts-file", metavar="FILE.jsonl",
+                   help="one request per line ({\"prompt\" | \"prompt_ids\" | \"messages\": ..., optional "
+                        "\"max_new_tokens\", \"temperature\", \"seed\"}), run as one continuous batch; results in "
+                        "input order, then the total tokens/s")
+    r.add_argument("--max-batch", type=int, default=64, metavar="N",
+                   help="most sequences decoding at once (continuous batching; default 64)")
     r.add_argument("--image", action="append", metavar="FILE",
                    help="an image for the prompt's user message (repeatable; placed at each image token of "
                         "--prompt, else prepended)")
@@ -424,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", choices=["cpu", "cuda", "npu"], default="cpu")
     _add_engram_offload(r)
     r.add_argument("--prefill-mode", choices=["ced", "exact"], default="ced")
+    r.add_argument("--numerics", choices=["exact", "official"],
+                   help="reference arithmetic: exact (fp32, fp64 sums) or official (bf16 where the official "
+                        "code rounds; see README); default exact on cpu, official elsewhere")
     r.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     r.add_argument("--json", action="store_true", help="print one JSON object")
     r.add_argument("--speculative", action="store_true", help="DSpark speculative decoding (reports acceptance)")

@@ -14,7 +14,9 @@ Native -> Hugging Face, applied to dot-separated components of a name:
   `w2` -> `down_proj`, `w3` -> `up_proj`.
 
 Every other component (`wq_a`, `wkv`, `wo_a`, `compressor`, `indexer`, `engram`, `mtp`,
-`bias_vl`, ...) keeps its native spelling. `hf_to_native` is the inverse on every name that
+`bias_vl`, ...) keeps its native spelling, and the vision tower (`vision.*`, `aligner.*`) keeps
+its official names whole (only the `model.` prefix): its `attn` / `mlp` are not the text
+layers' modules. `hf_to_native` is the inverse on every name that
 `native_to_hf` produces, and is the identity on native names, so a loader may apply it to every
 key of a checkpoint in either naming.
 """
@@ -57,8 +59,13 @@ def _is_expert_proj(parts: list[str], i: int) -> bool:
     return i >= 2 and parts[i - 2] == "experts" and parts[i - 1].isdigit()
 
 
+_VERBATIM_TOP = ("vision", "aligner")
+
+
 def _rename(parts: list[str], comps: dict, proj: dict, scale: tuple, bias: tuple) -> list[str]:
     out = list(parts)
+    if parts[0] in _VERBATIM_TOP:
+        return out
     last = len(parts) - 1
     for i, c in enumerate(parts):
         if c in comps:

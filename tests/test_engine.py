@@ -3,7 +3,9 @@
 import pytest
 from _util import rand_prompt
 
-from dsv41.core.engine import Engine, SamplingParams
+import torch
+
+from dsv41.core.engine import Engine, SamplingParams, SingleSequence
 
 
 def rel_err(a, b):
@@ -53,9 +55,16 @@ def test_prompt_beyond_context_is_rejected(tiny_model, tiny_cfg):
         Engine(tiny_model, prefill_mode="fast")
 
 
+def _prefill(e: Engine, prompt):
+    """Run one prompt's prefill by itself: (last logits, work counters, prefix-hit tokens)."""
+    seq, logits, _ = e.prefill_alone(prompt, SamplingParams(max_new_tokens=1))
+    e.finish(seq)
+    return logits, seq.counters, seq.hit
+
+
 def _cold(model, prompt):
-    _, logits, ctx, _ = Engine(model, prefill_mode="exact").prefill(prompt, len(prompt) + 1)
-    return logits, ctx
+    logits, counters, _ = _prefill(Engine(model, prefill_mode="exact"), prompt)
+    return logits, counters
 
 
 def test_prefix_hit_with_exact_replay_matches_cold_path(tiny_model, tiny_cfg, rng):
@@ -63,16 +72,16 @@ def test_prefix_hit_with_exact_replay_matches_cold_path(tiny_model, tiny_cfg, rn
     replay = cfg.sliding_window * cfg.num_hidden_layers  # 96
     prompt = rand_prompt(cfg, 150, rng).tolist()
     cold, cold_ctx = _cold(tiny_model, prompt)
-    e = Engine(tiny_model, prefill_mode="exact", replay="exact", prefix_cache=True, prefix_block_size=16)
-    e.prefill(prompt[:140] + [7, 7, 7], 200)  # shares 140 tokens: 8 full blocks = 128 cached
-    _, logits, ctx, hit = e.prefill(prompt, 200)
+    e = Engine(tiny_model, prefill_mode="exact", replay="exact", prefix_cache=True, block_size=16)
+    _prefill(e, prompt[:140] + [7, 7, 7])  # shares 140 tokens: 8 full blocks = 128 cached
+    logits, counters, hit = _prefill(e, prompt)
     assert hit == 128 and e.prefix.stats["hits"] == 1
     # the encoder skipped the cached prefix except the replayed span (counted, not assumed)
-    assert ctx.counters["encoder_tokens"] == len(prompt) - (hit - replay)
-    assert cold_ctx.counters["encoder_tokens"] == len(prompt)
+    assert counters["encoder_tokens"] == len(prompt) - (hit - replay)
+    assert cold_ctx["encoder_tokens"] == len(prompt)
     # the global KV of the cached prefix was reused, not recomputed
     src = cfg.kv_source_layer_ids[0]
-    assert ctx.counters[f"compressed_entries.{src}"] == (len(prompt) - hit) // cfg.compress_ratios[src]
+    assert counters[f"compressed_entries.{src}"] == (len(prompt) - hit) // cfg.compress_ratios[src]
     assert rel_err(logits, cold) <= 1e-5
 
 
@@ -82,11 +91,11 @@ def test_prefix_hit_with_window_replay_is_bounded_and_measured(tiny_model, tiny_
     for _ in range(3):
         prompt = rand_prompt(cfg, 70, rng).tolist()
         cold, _ = _cold(tiny_model, prompt)
-        e = Engine(tiny_model, prefill_mode="exact", prefix_cache=True, prefix_block_size=16)
-        e.prefill(prompt[:64], 200)
-        _, logits, ctx, hit = e.prefill(prompt, 200)
+        e = Engine(tiny_model, prefill_mode="exact", prefix_cache=True, block_size=16)
+        _prefill(e, prompt[:64])
+        logits, counters, hit = _prefill(e, prompt)
         assert hit == 64
-        assert ctx.counters["encoder_tokens"] == len(prompt) - hit + cfg.sliding_window
+        assert counters["encoder_tokens"] == len(prompt) - hit + cfg.sliding_window
         errs.append(rel_err(logits, cold))
     print("\n[dsv41] prefix hit, default bounded replay (window 8, 12 layers) vs cold path, "
           "last-position logits rel. error: " + ", ".join(f"{e:.3g}" for e in errs))
@@ -94,10 +103,75 @@ def test_prefix_hit_with_window_replay_is_bounded_and_measured(tiny_model, tiny_
 
 
 def test_prefix_cache_never_serves_a_different_prompt(tiny_model, tiny_cfg, rng):
-    e = Engine(tiny_model, prefix_cache=True, prefix_block_size=16)
+    e = Engine(tiny_model, prefix_cache=True, block_size=16)
     a = rand_prompt(tiny_cfg, 40, rng).tolist()
     b = list(a)
     b[3] = (b[3] + 1 - 5) % (tiny_cfg.vocab_size - 5) + 5  # differs inside the first block
-    e.prefill(a, 64)
-    _, _, _, hit = e.prefill(b, 64)
-    assert hit == 0
+    _prefill(e, a)
+    assert _prefill(e, b)[2] == 0
+
+
+def _mixed_prompts(cfg, rng, shared):
+    """Prompts of mixed lengths; two of them extend `shared` (prefix-cache hits)."""
+    lens = [3, 17, 40, 9, 25, 1, 33, 12]
+    out = [rand_prompt(cfg, n, rng).tolist() for n in lens]
+    out[2] = shared + out[2][:6]
+    out[6] = shared + out[6][:3]
+    return out
+
+
+@pytest.mark.parametrize("prefill_mode", ["exact", "ced"])
+def test_batch_invariance(tiny_model, tiny_cfg, rng, prefill_mode):
+    """Every sequence's tokens (greedy, or sampled with its own seed) and logits are identical
+    alone and inside a continuous batch of mixed lengths: steps mix prefill chunks (16 tokens per step) with decode rows, and
+    two prompts hit the prefix cache of a third."""
+    shared = rand_prompt(tiny_cfg, 48, rng).tolist()
+    prompts = _mixed_prompts(tiny_cfg, rng, shared)
+    # half of them sampled, each with its own seed
+    params = [SamplingParams(max_new_tokens=6, temperature=0.8 if i % 2 else 0.0, seed=i) for i in range(len(prompts))]
+    alone = []
+    for p, sp in zip(prompts, params):
+        e = Engine(tiny_model, prefill_mode=prefill_mode, record_logits=True, prefix_cache=True)
+        _prefill(e, shared + [5])  # the same cached prefix the batch will find
+        alone.append(e.generate(p, sp))
+    e = Engine(tiny_model, prefill_mode=prefill_mode, record_logits=True, prefix_cache=True,
+               max_tokens_per_step=16, max_batch=5)
+    _prefill(e, shared + [5])
+    steps = []
+    batch = e.generate_batch([(p, sp, None) for p, sp in zip(prompts, params)], on_step=lambda: steps.append(1))
+    assert len(steps) < sum(len(p) + 6 for p in prompts) / 4  # really batched
+    assert [r.prefix_hit_tokens for r in batch] == [r.prefix_hit_tokens for r in alone]
+    assert sum(r.prefix_hit_tokens > 0 for r in batch) == 2
+    for i, (a, b) in enumerate(zip(alone, batch)):
+        assert a.token_ids == b.token_ids, i
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), i
+
+
+def test_decode_equals_exact_prefill_in_a_batch(tiny_model, tiny_cfg, rng):
+    """Greedy decode inside a batch computes the logits an exact prefill of the generated
+    sequence gives at the same positions (bit for bit on the reference backend)."""
+    prompts = [rand_prompt(tiny_cfg, n, rng).tolist() for n in (5, 30, 11)]
+    e = Engine(tiny_model, prefill_mode="exact", record_logits=True, max_tokens_per_step=8)
+    res = e.generate_batch([(p, SamplingParams(max_new_tokens=5), None) for p in prompts])
+    for p, r in zip(prompts, res):
+        full = SingleSequence(tiny_model).feed(p + r.token_ids[:-1], all_logits=True)
+        for j, lg in enumerate(r.logits):
+            assert torch.equal(full[len(p) - 1 + j], lg), j
+
+
+def test_block_size_does_not_change_results(tiny_model, tiny_cfg, rng):
+    prompt = rand_prompt(tiny_cfg, 37, rng).tolist()
+    runs = [Engine(tiny_model, block_size=bs, record_logits=True, max_tokens_per_step=13).generate(
+        prompt, SamplingParams(max_new_tokens=4)) for bs in (2, 16, 64)]
+    assert all(r.token_ids == runs[0].token_ids for r in runs)
+    assert all(torch.equal(a, b) for r in runs for a, b in zip(r.logits, runs[0].logits))
+
+
+def test_finished_sequences_return_their_blocks(tiny_model, tiny_cfg, rng):
+    e = Engine(tiny_model, max_batch=3)
+    prompts = [rand_prompt(tiny_cfg, n, rng).tolist() for n in (20, 7, 33, 4, 15)]
+    e.generate_batch([(p, SamplingParams(max_new_tokens=3), None) for p in prompts])
+    pool = e.pool
+    assert not e.running and not e.waiting
+    assert pool.free_global_blocks == pool.global_capacity - 1  # all but the null block
+    assert len(pool._free_swa) == pool.swa_capacity - 1

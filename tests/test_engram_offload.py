@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from dsv41.core.cache import SequenceCache
+from dsv41.core.engine import SingleSequence
 from dsv41.core.model import EngramEmbed
 from dsv41.core.weights import build_model
 from dsv41.deploy.checkpoint import load_checkpoint, load_checkpoint_weights, make_checkpoint
@@ -25,9 +25,9 @@ def engram_tables(model) -> list[EngramEmbed]:
 
 def logits(model, ids: torch.Tensor, n_prefill: int) -> torch.Tensor:
     """Every position's logits: a prefill chunk, then one-token steps (fresh rows every step)."""
-    cache = SequenceCache.allocate(model.cfg, ids.numel(), ids.device)
-    out = [model(ids[:n_prefill], cache, all_logits=True)]
-    out += [model(ids[k:k + 1], cache, all_logits=True) for k in range(n_prefill, ids.numel())]
+    cache = SingleSequence(model)
+    out = [cache.feed(ids[:n_prefill], all_logits=True)]
+    out += [cache.feed(ids[k:k + 1], all_logits=True) for k in range(n_prefill, ids.numel())]
     return torch.cat(out)
 
 

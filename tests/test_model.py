@@ -7,7 +7,10 @@ import torch
 from _util import rand_prompt
 
 from dsv41.backends import ops
-from dsv41.core.cache import SequenceCache
+from dsv41.core.batch import Chunk, Rows, build_step
+from dsv41.core.cache import entry_rows
+from dsv41.core.engine import SingleSequence
+from dsv41.core.engram import engram_row_ids
 from dsv41.core.model import ForwardContext
 
 # The reference accumulates every contraction in fp64 (backends/reference/basic.py: mm), so a
@@ -21,10 +24,25 @@ def rel_err(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-def prefill_all(model, ids, max_tokens=None):
-    cache = SequenceCache.allocate(model.cfg, max_tokens or len(ids))
-    ctx = ForwardContext(cache)
-    return model(ids, cache, all_logits=True, ctx=ctx), cache, ctx
+def prefill_all(model, ids):
+    seq, ctx = SingleSequence(model), ForwardContext()
+    return seq.feed(ids, all_logits=True, ctx=ctx), seq, ctx
+
+
+def global_entries(seq: SingleSequence, src: int, n: int):
+    """(FP4 codes, E4M3 scale bytes) of entries 0..n-1 of KV source `src`, read through the
+    sequence's block table."""
+    g = seq.pool.glob[src]
+    table = torch.tensor([seq.state.glob_blocks])
+    rows = entry_rows(table, g.entries_per_block, torch.arange(n).unsqueeze(0))[0]
+    return g.kv_codes[rows], g.kv_scale[rows].view(torch.uint8)
+
+
+def batch_rows(model, ids, image_token_id=None):
+    """(Rows, context, batch) of one sequence's chunk `ids` from position 0, on a fresh pool."""
+    seq = SingleSequence(model)
+    batch = build_step(model.cfg, seq.pool, [Chunk(seq.state, ids.tolist())], "cpu", image_token_id)
+    return Rows.of(batch, model.cfg, seq.pool.block_size), ForwardContext(cache=seq.pool), batch
 
 
 def test_decode_matches_exact_prefill(tiny_model, tiny_cfg, rng):
@@ -33,19 +51,19 @@ def test_decode_matches_exact_prefill(tiny_model, tiny_cfg, rng):
     assert n > tiny_cfg.candidate_topk_blocks * tiny_cfg.candidate_block_size
     ids = rand_prompt(tiny_cfg, n, rng)
     ref, _, _ = prefill_all(tiny_model, ids)
-    cache = SequenceCache.allocate(tiny_cfg, n)
-    errs = [rel_err(tiny_model(ids[i:i + 1], cache), ref[i]) for i in range(n)]
+    seq = SingleSequence(tiny_model)
+    errs = [rel_err(seq.feed(ids[i:i + 1]), ref[i]) for i in range(n)]
     assert max(errs) <= EXACT_REL, f"decode step logits differ from exact prefill: {max(errs):.3g}"
 
 
 def test_chunked_prefill_matches_one_pass(tiny_model, tiny_cfg, rng):
     ids = rand_prompt(tiny_cfg, 45, rng)
     ref, _, _ = prefill_all(tiny_model, ids)
-    cache = SequenceCache.allocate(tiny_cfg, 45)
+    seq = SingleSequence(tiny_model, block_size=4)
     cuts = sorted(torch.randperm(43, generator=rng)[:4].add(1).tolist()) + [45]
     start, outs = 0, []
     for c in cuts:  # odd cut points split ratio-2 groups: the carried partial group must work
-        outs.append(tiny_model(ids[start:c], cache, all_logits=True))
+        outs.append(seq.feed(ids[start:c], all_logits=True))
         start = c
     assert rel_err(torch.cat(outs), ref) <= EXACT_REL
 
@@ -55,42 +73,40 @@ def test_ced_decoder_global_kv_is_layer_source_projection_of_encoder(tiny_model,
     ids = rand_prompt(cfg, n, rng)
     src = cfg.decoder_start
     # CED: decoder over the last window only; its global KV must still cover every token
-    ced = SequenceCache.allocate(cfg, n)
-    tiny_model(ids, ced, decoder_from=n - cfg.sliding_window)
+    ced = SingleSequence(tiny_model)
+    ced_ctx = ForwardContext()
+    ced.feed(ids, decoder_from=n - cfg.sliding_window, ctx=ced_ctx)
     _, exact, _ = prefill_all(tiny_model, ids)
-    g_ced, g_exact = ced.glob[src], exact.glob[src]
-    assert g_ced.n == g_exact.n == n
-    assert torch.equal(g_ced.kv_codes[:n], g_exact.kv_codes[:n])
-    assert torch.equal(g_ced.kv_scale[:n].view(torch.uint8), g_exact.kv_scale[:n].view(torch.uint8))
+    assert ced_ctx.counts()["decoder_tokens"] == cfg.sliding_window
+    assert ced_ctx.counts()[f"compressed_entries.{src}"] == n
+    c_ced, s_ced = global_entries(ced, src, n)
+    c_exact, s_exact = global_entries(exact, src, n)
+    assert torch.equal(c_ced, c_exact) and torch.equal(s_ced, s_exact)
     # ... and equal layer `src`'s compressor applied to the encoder's output, computed by hand
-    scratch = SequenceCache.allocate(cfg, n)
-    ctx = ForwardContext(scratch)
+    rows, ctx, batch = batch_rows(tiny_model, ids)
     x = tiny_model.embed.weight[ids].unsqueeze(1).expand(n, cfg.hc_mult, cfg.hidden_size).contiguous()
     pre = torch.zeros(n, cfg.hc_mult)
     pre[:, 0] = 1
-    scratch.tokens.extend(ids.tolist())
-    scratch.is_image.extend([False] * n)
-    rows = tiny_model._engram_rows(scratch, 0)
-    pos, no_img = torch.arange(n), torch.zeros(n, dtype=torch.bool)
+    engram = tiny_model._engram_rows(batch)
+    pos = torch.arange(n)
     layers = list(tiny_model.layers)
-    s = layers[0].enter(x, pre, rows.get(0), no_img)
+    s = layers[0].enter(x, pre, engram.get(0), rows.is_image)
     for i in range(src):
-        s = layers[i](s, pos, ctx, no_img, layers[i + 1], rows.get(i + 1))
+        s = layers[i](s, rows, ctx, layers[i + 1], engram.get(i + 1))
     blk = tiny_model.layers[src]
     lat = blk.attn.compressor.norm(blk.attn.compressor.wkv(blk.attn_norm(s.x_hat)))
     from dsv41.core.model import rope_tables
 
     cos, sin = rope_tables(blk.attn.inv_freq, pos)
     codes, _ = ops.fp4_quant(ops.rope(lat, cos, sin))
-    assert torch.equal(codes, g_ced.kv_codes[:n])
+    assert torch.equal(codes, c_ced)
 
 
 def test_ced_equals_exact_while_prompt_fits_window(tiny_model, tiny_cfg, rng):
     n = tiny_cfg.sliding_window
     ids = rand_prompt(tiny_cfg, n, rng)
     ref, _, _ = prefill_all(tiny_model, ids)
-    cache = SequenceCache.allocate(tiny_cfg, n)
-    out = tiny_model(ids, cache, decoder_from=max(0, n - tiny_cfg.sliding_window))
+    out = SingleSequence(tiny_model).feed(ids, decoder_from=max(0, n - tiny_cfg.sliding_window))
     assert rel_err(out, ref[-1]) == 0.0
 
 
@@ -100,8 +116,7 @@ def test_ced_vs_exact_difference_is_reported(tiny_model, tiny_cfg, rng):
     for n in (16, 32, 64):
         ids = rand_prompt(tiny_cfg, n, rng)
         ref, _, _ = prefill_all(tiny_model, ids)
-        cache = SequenceCache.allocate(tiny_cfg, n)
-        errs.append(rel_err(tiny_model(ids, cache, decoder_from=n - tiny_cfg.sliding_window), ref[-1]))
+        errs.append(rel_err(SingleSequence(tiny_model).feed(ids, decoder_from=n - tiny_cfg.sliding_window), ref[-1]))
     print("\n[dsv41] CED vs exact prefill, last-position logits rel. error (n=16,32,64): "
           + ", ".join(f"{e:.3g}" for e in errs))
     assert all(e > 0 for e in errs), "CED over a prompt longer than the window should be approximate"
@@ -112,7 +127,7 @@ def test_reuse_layers_run_no_indexer_and_reindex_scores_only_the_pool(tiny_model
     cfg, n = tiny_cfg, 48
     ids = rand_prompt(cfg, n, rng)
     _, _, ctx = prefill_all(tiny_model, ids)
-    scored = {int(k.split(".")[1]): v for k, v in ctx.counters.items() if k.startswith("indexer_scored.")}
+    scored = {int(k.split(".")[1]): v for k, v in ctx.counts().items() if k.startswith("indexer_scored.")}
     kinds = {i: cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)}
     assert set(scored) == {i for i, k in kinds.items() if k in ("full", "reindex")}
     src = cfg.decoder_start
@@ -138,21 +153,23 @@ def test_single_pass_mhc_uses_previous_sublayer_pre(tiny_model, tiny_cfg, rng):
     t = 6
     x = torch.randn(t, cfg.hc_mult, cfg.hidden_size, generator=rng).to(torch.bfloat16)
     pre_prev = torch.rand(t, cfg.hc_mult, generator=rng) + 0.1
-    pos = torch.arange(t)
+    ids = rand_prompt(cfg, t, rng)
     no_img = torch.zeros(t, dtype=torch.bool)
-    out = blk(blk.enter(x, pre_prev, None, no_img), pos, ForwardContext(SequenceCache.allocate(cfg, t)), no_img, None)
+    rows, ctx, _ = batch_rows(tiny_model, ids)
+    out = blk(blk.enter(x, pre_prev, None, no_img), rows, ctx, None)
 
     eps, hc_eps, it = cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
     pre_a, post_a, comb_a = ops.mhc_mixes(x, *blk.hc("attn"), eps, hc_eps, it)
-    ctx2 = ForwardContext(SequenceCache.allocate(cfg, t))
-    y = blk.attn(blk.attn_norm(ops.mhc_collapse(x, pre_prev)), pos, ctx2)
+    rows2, ctx2, _ = batch_rows(tiny_model, ids)
+    y = blk.attn(blk.attn_norm(ops.mhc_collapse(x, pre_prev)), rows2, ctx2)
     x1 = ops.mhc_update(x, y, post_a, comb_a)
     pre_f, post_f, comb_f = ops.mhc_mixes(x1, *blk.hc("ffn"), eps, hc_eps, it)
     x2 = ops.mhc_update(x1, blk.ffn(blk.ffn_norm(ops.mhc_collapse(x1, pre_a)), no_img), post_f, comb_f)
     assert torch.equal(out.x, x2) and torch.equal(out.coef[0], pre_f)
     assert torch.equal(out.x_hat, ops.mhc_collapse(x2, pre_f))
     # using this block's own attention pre for the attention input would give another result
-    y_wrong = blk.attn(blk.attn_norm(ops.mhc_collapse(x, pre_a)), pos, ForwardContext(SequenceCache.allocate(cfg, t)))
+    rows3, ctx3, _ = batch_rows(tiny_model, ids)
+    y_wrong = blk.attn(blk.attn_norm(ops.mhc_collapse(x, pre_a)), rows3, ctx3)
     assert not torch.equal(y_wrong, y)
 
 
@@ -166,24 +183,24 @@ def test_engram_gate_is_zero_on_image_tokens(tiny_model, tiny_cfg, rng):
     ids[3] = ids[7] = cfg.image_token_id
     img = tiny_model.image_mask(ids)
     comp = tiny_model.engram_map[ids]
-    rows = eng.row_ids(comp, img, 0, tiny_model.engram_pad)
+    rows = engram_row_ids(comp, img, 0, eng.multipliers, eng.primes, tiny_model.engram_pad,
+                          cfg.engram_max_ngram_size, cfg.engram_n_heads)
     out = eng(x, rows, img)
     assert torch.equal(out[img], x[img])
     assert not torch.equal(out[~img], x[~img])
 
 
 def test_bad_token_ids_and_overlong_sequences(tiny_model, tiny_cfg):
-    cache = SequenceCache.allocate(tiny_cfg, 8)
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        tiny_model(torch.tensor([1, tiny_cfg.vocab_size]), cache)
+        SingleSequence(tiny_model).feed([1, tiny_cfg.vocab_size])
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        tiny_model(torch.tensor([-1]), cache)
+        SingleSequence(tiny_model).feed([-1])
+    big = SingleSequence(tiny_model)
+    big.feed([5])
+    n = tiny_cfg.max_position_embeddings - 1
+    big.state.length, big.state.tokens, big.state.is_image = n, [5] * n, [False] * n
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        SequenceCache.allocate(tiny_cfg, tiny_cfg.max_position_embeddings + 1)
-    big = SequenceCache.allocate(tiny_cfg, 4)
-    big.length = tiny_cfg.max_position_embeddings - 1
-    with pytest.raises(ValueError, match="max_position_embeddings"):
-        tiny_model(torch.tensor([5, 6]), big)
+        big.feed([5, 6])
 
 
 def test_incremental_engram_rows_equal_full_sequence_rows(tiny_model, tiny_cfg, rng):
@@ -192,13 +209,19 @@ def test_incremental_engram_rows_equal_full_sequence_rows(tiny_model, tiny_cfg, 
     cfg, n = tiny_cfg, 40
     ids = rand_prompt(cfg, n, rng)
     ids[torch.randperm(n, generator=rng)[:5]] = cfg.image_token_id
-    img = (ids == cfg.image_token_id).tolist()
-    cache = SequenceCache.allocate(cfg, n)
-    cache.tokens, cache.is_image = ids.tolist(), img
-    full = tiny_model._engram_rows(cache, 0)
-    for p in range(n):
-        cache.tokens, cache.is_image = ids[:p + 1].tolist(), img[:p + 1]
-        step = tiny_model._engram_rows(cache, p)
+    img = ids == cfg.image_token_id
+    full = tiny_model._engram_rows(batch_rows(tiny_model, ids, cfg.image_token_id)[2])
+    # the batch's n-gram windows give the rows the whole-sequence hash gives
+    for layer, rows in full.items():
+        eng = tiny_model.layers[layer].engram
+        comp = tiny_model.engram_map[ids]
+        want = engram_row_ids(comp, img, 0, eng.multipliers, eng.primes, tiny_model.engram_pad,
+                              cfg.engram_max_ngram_size, cfg.engram_n_heads)
+        assert torch.equal(rows, want)
+    seq = SingleSequence(tiny_model)
+    for p in range(n):  # one token per step: the windows carry the history
+        batch = build_step(cfg, seq.pool, [Chunk(seq.state, [int(ids[p])])], "cpu", cfg.image_token_id)
+        step = tiny_model._engram_rows(batch)
         assert all(torch.equal(full[k][p], step[k][0]) for k in full), f"position {p}"
 
 

@@ -314,6 +314,16 @@ def _oracle_attention(q, wv, win_mask, gv_rows, glob_idx, sink, sm_scale):
     return out
 
 
+def _win_idx(mask: torch.Tensor) -> torch.Tensor:
+    """Pool rows of a [T, S] window mask over pool rows 0..S-1 (-1 = masked)."""
+    return torch.where(mask, torch.arange(mask.shape[1]), -1)
+
+
+def _one_seq(codes: torch.Tensor, q: torch.Tensor):
+    """(block table, entries per block) addressing pool rows 0..N-1 as one sequence's entries."""
+    return torch.zeros(q.shape[0], 1, dtype=torch.long), codes.shape[0]
+
+
 def _attn_inputs(t=6, h=4, d=64, s=16, n=20, k=8):
     q = (torch.randn(t, h, d) * 2).bfloat16()
     win_kv, win_scale = quant.fp8_quant(torch.randn(s, d))
@@ -332,7 +342,7 @@ def _attn_inputs(t=6, h=4, d=64, s=16, n=20, k=8):
 def test_sparse_attention_matches_loop():
     q, win_kv, win_scale, win_mask, glob_kv, glob_scale, glob_idx, sink = _attn_inputs()
     d = q.shape[-1]
-    out = ops.sparse_attention(q, win_kv, win_scale, win_mask, glob_kv, glob_scale, glob_idx, sink, d**-0.5)
+    out = ops.sparse_attention(q, win_kv, win_scale, _win_idx(win_mask), glob_kv, glob_scale, glob_idx, sink, d**-0.5)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     wv = quant.fp8_dequant(win_kv, win_scale)
     gv = quant.fp4_dequant(glob_kv, glob_scale)
@@ -357,7 +367,7 @@ def test_sparse_attention_sink_in_denominator_only(sink):
     q = torch.randn(1, h, d).bfloat16()
     mask = torch.tensor([[False, True, False]])
     sinks = torch.tensor([sink, -sink])
-    out = ops.sparse_attention(q, win_kv, win_scale, mask, None, None, None, sinks, d**-0.5)
+    out = ops.sparse_attention(q, win_kv, win_scale, _win_idx(mask), None, None, None, sinks, d**-0.5)
     for hh in range(h):
         logit = (q[0, hh].double() @ v[1].double()).item() * d**-0.5
         expect = v[1].double() * _sigmoid(logit - sinks[hh].item())
@@ -367,7 +377,7 @@ def test_sparse_attention_sink_in_denominator_only(sink):
 def test_sparse_attention_window_only():
     q, win_kv, win_scale, win_mask, *_, sink = _attn_inputs()
     d = q.shape[-1]
-    out = ops.sparse_attention(q, win_kv, win_scale, win_mask, None, None, None, sink, d**-0.5)
+    out = ops.sparse_attention(q, win_kv, win_scale, _win_idx(win_mask), None, None, None, sink, d**-0.5)
     wv = quant.fp8_dequant(win_kv, win_scale)
     ref = _oracle_attention(q, wv, win_mask, wv[:0], None, sink, d**-0.5)
     err = (out.double() - ref).abs()
@@ -414,7 +424,7 @@ def _oracle_pool(row_scores, nv, n_blocks, block):
 def test_indexer_topk_matches_oracle_with_ties():
     q, weights, codes, kscale = _exact_indexer_inputs()
     n_visible = torch.tensor([0, 3, 8, 21, 40, 40])
-    idx, pool = ops.indexer_topk(q, weights, codes, kscale, n_visible, 8)
+    idx, pool = ops.indexer_topk(q, weights, codes, kscale, *_one_seq(codes, q), n_visible, 8)
     assert pool is None and idx.shape == (6, 8)
     s = _scores(q, weights, codes, kscale).tolist()
     for t in range(6):
@@ -429,14 +439,14 @@ def test_indexer_topk_ties_go_to_lower_index():
     n, di = 24, 64
     q = quant.mxfp4_qdq(torch.randn(2, 4, di).abs())
     codes, kscale = quant.mxfp4_quant(torch.randn(1, di).abs().expand(n, di).contiguous())
-    idx, _ = ops.indexer_topk(q, torch.ones(2, 4), codes, kscale, torch.tensor([24, 10]), 5)
+    idx, _ = ops.indexer_topk(q, torch.ones(2, 4), codes, kscale, *_one_seq(codes, q), torch.tensor([24, 10]), 5)
     assert idx.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]
     # keep the better ones, ordered by position: raise 17 and 9 above the tie
     codes2, kscale2 = codes.clone(), kscale.clone()
     big_c, big_s = quant.mxfp4_quant(torch.randn(1, di).abs() * 8)
     for p in (17, 9):
         codes2[p], kscale2[p] = big_c[0], big_s[0]
-    idx, _ = ops.indexer_topk(q, torch.ones(2, 4), codes2, kscale2, torch.tensor([24, 10]), 5)
+    idx, _ = ops.indexer_topk(q, torch.ones(2, 4), codes2, kscale2, *_one_seq(codes2, q), torch.tensor([24, 10]), 5)
     assert idx.tolist() == [[0, 1, 2, 9, 17], [0, 1, 2, 3, 9]]
 
 
@@ -448,7 +458,7 @@ def test_indexer_topk_candidates_scores_only_candidates():
     for tt in range(t):
         m = [3, 12, 7, 12, 5, 10][tt]
         cands[tt, :m] = torch.randperm(n)[:m].sort().values
-    idx, pool = ops.indexer_topk(q, weights, codes, kscale, torch.full((t,), n), 4, candidates=cands)
+    idx, pool = ops.indexer_topk(q, weights, codes, kscale, *_one_seq(codes, q), torch.full((t,), n), 4, candidates=cands)
     assert pool is None and idx.shape == (t, 4)
     for tt in range(t):
         allowed = [c for c in cands[tt].tolist() if c >= 0]
@@ -463,7 +473,7 @@ def test_indexer_topk_candidates_scores_only_candidates():
 def test_indexer_candidate_pool_matches_oracle():
     q, weights, codes, kscale = _exact_indexer_inputs()
     n_visible = torch.tensor([0, 5, 13, 22, 40, 37])
-    idx, pool = ops.indexer_topk(q, weights, codes, kscale, n_visible, 8, pool_blocks=3, pool_block_size=4)
+    idx, pool = ops.indexer_topk(q, weights, codes, kscale, *_one_seq(codes, q), n_visible, 8, pool_blocks=3, pool_block_size=4)
     assert pool.shape == (6, 12)
     s = _scores(q, weights, codes, kscale).tolist()
     for t in range(6):
@@ -481,7 +491,7 @@ def test_indexer_candidate_pool_keeps_newest_block():
     keys = torch.rand(n, di) + 0.1
     keys[20:] = 0.0  # the newest (partial) block scores 0, every other block > 0
     codes, kscale = quant.mxfp4_quant(keys)
-    _, pool = ops.indexer_topk(q, torch.ones(1, 4), codes, kscale, torch.tensor([22]), 4,
+    _, pool = ops.indexer_topk(q, torch.ones(1, 4), codes, kscale, *_one_seq(codes, q), torch.tensor([22]), 4,
                                pool_blocks=3, pool_block_size=4)
     s = _scores(q, torch.ones(1, 4), codes, kscale)[0].tolist()
     blocks = sorted(range(5), key=lambda b: (-max(s[4 * b:4 * b + 4]), b))[:2]
@@ -540,7 +550,8 @@ def test_rope_inverse_undoes_forward():
 
 def test_every_op_has_a_reference():
     public = [n for n in dir(ops) if not n.startswith("_") and callable(getattr(ops, n))
-              and getattr(getattr(ops, n), "__module__", "") == ops.__name__ and n not in ("dispatch",)]
+              and getattr(getattr(ops, n), "__module__", "") == ops.__name__
+              and hasattr(getattr(ops, n), "__wrapped__")]  # the @_op entry points, not helpers
     assert public
     names = set(registry.op_names())
     for n in public:
@@ -782,3 +793,30 @@ def test_engram_gate_rejects_one_shared_row():
     w = torch.ones(32).bfloat16()
     with pytest.raises(ValueError, match=r"q_weight must be \[n_streams, d\] = \[4, 32\]"):
         ops.engram_gate(x, k, v, w, w, 1e-20, torch.zeros(2, dtype=torch.bool))
+
+
+def test_indexer_topk_paged_equals_per_sequence():
+    """Two sequences whose entries sit in scattered pool blocks give exactly the top-k, pool and
+    scores each sequence gets alone from a dense key array."""
+    q, weights, codes, kscale = _exact_indexer_inputs(t=6, n=40)
+    e = 4  # entries per block
+    # sequence A: entries 0..23 (6 blocks), sequence B: entries 0..15 (4 blocks), both in one pool
+    dense = {"A": (codes[:24], kscale[:24]), "B": (codes[24:40], kscale[24:40])}
+    blocks = {"A": [7, 2, 9, 4, 1, 8], "B": [5, 3, 0, 6]}
+    pool_c = torch.zeros(10 * e, codes.shape[1], dtype=codes.dtype)
+    pool_s = torch.zeros(10 * e, kscale.shape[1], dtype=torch.uint8).view(kscale.dtype)
+    for name, (c, s) in dense.items():
+        for j in range(c.shape[0]):
+            row = blocks[name][j // e] * e + j % e
+            pool_c[row] = c[j]
+            pool_s.view(torch.uint8)[row] = s[j].view(torch.uint8)
+    seq = ["A", "B", "A", "B", "A", "A"]
+    table = torch.tensor([blocks[s] + [0] * (6 - len(blocks[s])) for s in seq])
+    n_visible = torch.tensor([3, 16, 21, 9, 24, 12])
+    idx, pool = ops.indexer_topk(q, weights, pool_c, pool_s, table, e, n_visible, 8, pool_blocks=2, pool_block_size=4)
+    for t, name in enumerate(seq):
+        c, s = dense[name]
+        ref_idx, ref_pool = ops.indexer_topk(q[t:t + 1], weights[t:t + 1], c, s, *_one_seq(c, q[t:t + 1]),
+                                             n_visible[t:t + 1], 8, pool_blocks=2, pool_block_size=4)
+        assert idx[t].tolist() == ref_idx[0].tolist(), (t, name)
+        assert pool[t].tolist() == ref_pool[0].tolist(), (t, name)

@@ -70,9 +70,7 @@ class FakeVllm:
         meta = {k: Meta(v) for k, v in tables.items()}
         x = torch.tensor(ids, dtype=torch.long, device=self.device)
         is_image = self.model.image_mask(x)
-        cache = self.caches.load(meta, 0, start, x, image_rows, is_image)
-        h = self.model(x, cache, return_hidden=True, image_embeds=image_rows)
-        self.caches.store(meta, 0, start, cache, x)
+        h = self.caches.run_chunk(self.model, meta, 0, start, x, image_rows, is_image)
         return self.model.logits(h[-1:])[0]
 
     def generate(self, tables, prompt: list[int], n: int, chunks=(), start: int = 0) -> list[int]:
@@ -124,7 +122,7 @@ def test_prefix_hit_replay_equals_engine(tiny_cfg, fresh_seed, rng, gen, device,
     shared = {"hit": hit, "tables": first_tables}
     got = fake.generate(fake.new_tables(len(prompt) + 8, shared, null_below=start), prompt, 8, start=start)
 
-    engine = Engine(model, prefill_mode="exact", replay=replay, prefix_cache=True, prefix_block_size=grain)
+    engine = Engine(model, prefill_mode="exact", replay=replay, prefix_cache=True, block_size=grain)
     engine.generate(prompt, SamplingParams(max_new_tokens=1))  # fills the engine's prefix cache
     res = engine.generate(prompt, SamplingParams(max_new_tokens=8))
     assert res.prefix_hit_tokens == hit

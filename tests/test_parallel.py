@@ -14,7 +14,7 @@ import pytest
 import torch
 from _util import rand_prompt
 from dsv41.backends import ops
-from dsv41.core.cache import SequenceCache
+from dsv41.core.engine import SingleSequence
 from dsv41.core.config import preset
 from dsv41.core.engine import Engine, SamplingParams
 from dsv41.core.engram import build_compression_map
@@ -92,10 +92,10 @@ def ckpts(tmp_path_factory, fresh_seed):
 
 def all_logits(model, ids: torch.Tensor, n_prefill: int) -> torch.Tensor:
     """Logits of every position: exact prefill of ids[:n_prefill], then one-token decode steps."""
-    cache = SequenceCache.allocate(model.cfg, ids.numel(), "cpu")
-    out = [model(ids[:n_prefill], cache, all_logits=True)]
+    cache = SingleSequence(model)
+    out = [cache.feed(ids[:n_prefill], all_logits=True)]
     for k in range(n_prefill, ids.numel()):
-        out.append(model(ids[k:k + 1], cache, all_logits=True))
+        out.append(cache.feed(ids[k:k + 1], all_logits=True))
     return torch.cat(out)
 
 

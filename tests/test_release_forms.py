@@ -52,8 +52,6 @@ def flat_config(cfg) -> dict:
     for key, field in FLAT_VISION.items():
         if key in released:
             out[key] = getattr(cfg.vision, field)
-    out["vision_min_pixels"] = cfg.vision.min_image_size ** 2
-    out["vision_max_wh_ratio"] = None
     assert set(out) - {"max_seq_len"} == released  # every key the release holds, no other
     return out
 

@@ -21,8 +21,8 @@ from _triton import DEVICES  # noqa: F401  (sets TRITON_INTERPRET; skips without
 from _util import rand_prompt
 
 from dsv41.backends import registry
-from dsv41.core.cache import SequenceCache
 from dsv41.core.config import preset
+from dsv41.core.engine import SingleSequence
 from dsv41.core.weights import build_model, random_state_dict
 
 # ops the model calls (fp4_quant has a kernel but the model stores KV through compress_kv)
@@ -42,8 +42,7 @@ def _pair(seed, device="cuda"):
 
 
 def _logits(model, ids):
-    cache = SequenceCache.allocate(model.cfg, len(ids), ids.device)
-    return model(ids, cache, all_logits=True).float().cpu()
+    return SingleSequence(model).feed(ids, all_logits=True).float().cpu()
 
 
 def _rel(a, b):
@@ -113,10 +112,10 @@ def test_kernels_match_reference_inside_the_model(dev, fresh_seed, monkeypatch):
     n = 48 if dev == "cuda" else 24  # the interpreter is slow; 24 still exceeds top-k and the pool
     ids = rand_prompt(cfg, n, torch.Generator().manual_seed(fresh_seed + 1))
     _logits(gpu, ids.to(dev))
-    cache = SequenceCache.allocate(cfg, n, dev)  # and a CED prefill + decode steps
-    gpu(ids[:n - 4].to(dev), cache, decoder_from=n - 4 - cfg.sliding_window)
+    cache = SingleSequence(gpu)  # and a CED prefill + decode steps
+    cache.feed(ids[:n - 4], decoder_from=n - 4 - cfg.sliding_window)
     for t in ids[n - 4:].tolist():
-        gpu(torch.tensor([t], device=dev), cache)
+        cache.feed([t])
     print(f"\n[dsv41] kernel calls replayed inside the model: {seen}")
     assert not failures, failures[:10]
     missing = (MODEL_OPS & set(kernels)) - set(seen)

@@ -51,12 +51,12 @@ def test_section_8_gains_and_means_by_name():
     assert projection_gain("layers.2.ffn.experts.5.w1") == 1.5 and projection_gain("layers.2.ffn.experts.5.w3") == 1.5
     assert projection_gain("mtp.0.ffn.shared_experts.w2") == 1.05
     for other in ("layers.3.attn.indexer.wq_b", "layers.3.attn.compressor.wkv", "layers.1.engram.wkv", "head",
-                  "mtp.0.main_proj", "vision.layers.0.ffn.w1", "aligner.fc1"):
+                  "mtp.0.main_proj", "vision.blocks.0.mlp.w1", "aligner.w1"):
         assert projection_gain(other) == 1.0, other
     assert norm_mean("layers.3.attn_norm") == 0.025 and norm_mean("mtp.2.ffn_norm") == 0.2
     assert norm_mean("layers.3.attn.q_norm") == 0.97 and norm_mean("layers.3.attn.kv_norm") == 0.4
     assert norm_mean("layers.4.attn.compressor.norm") == 0.6 and norm_mean("layers.4.attn.indexer.k_norm") == 0.5
-    for other in ("norm", "mtp.0.main_norm", "mtp.2.norm", "vision.layers.0.attn_norm", "vision.norm"):
+    for other in ("norm", "mtp.0.main_norm", "mtp.2.norm", "vision.blocks.0.norm1", "vision.norm"):
         assert norm_mean(other) == 1.0, other
 
 

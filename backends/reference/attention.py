@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import numerics
 from ..registry import register
 from . import quant
 from .basic import einsum, exact_fn, rms_norm, rope
@@ -24,6 +25,8 @@ def pool_groups(kv: torch.Tensor, score: torch.Tensor, ratio: int) -> torch.Tens
 @register("compress_kv")
 def compress_kv(kv, score, ratio, norm_weight, eps, cos, sin, codes, scales, slots):
     pooled = pool_groups(kv, score, ratio) if ratio > 1 else kv.float()
+    if ratio > 1 and numerics.official():  # the official pooled latent is bf16 before its norm
+        pooled = pooled.to(torch.bfloat16)
     lat = rms_norm(pooled, norm_weight, eps).to(torch.bfloat16)
     packed, sc = quant.fp4_quant(rope(lat, cos, sin))
     codes[slots] = packed
@@ -43,17 +46,24 @@ def _stable_topk_sorted(scores: torch.Tensor, k: int, valid: torch.Tensor) -> to
     return torch.where(ids == big, torch.full_like(ids, -1), ids)
 
 
-def _scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, reduce=None) -> torch.Tensor:
-    """q [T, H, D], weights [T, H], keys [T, P, D] or [P, D] -> [T, P] fp32.
+def _partial_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q [T, H, D], weights [T, H], keys [T, P, D] or [P, D] -> [T, P] fp64 sums over heads.
 
-    The sum over heads runs in fp64 (each fp32 x fp32 term is exact there) and is rounded once,
-    after `reduce` (model parallelism: the sum over the other ranks' heads), so the result does
-    not depend on how the heads are split or ordered."""
+    The sum over heads runs in fp64 (each fp32 x fp32 term is exact there) and is rounded once
+    by `_finish_scores`, after the model-parallel reduction, so the result does not depend on
+    how the heads are split or ordered. Official numerics: the head weights are bf16
+    (`weights_proj`'s output; the folded power-of-two scale does not change the rounding)."""
+    if numerics.official():
+        weights = weights.to(torch.bfloat16)
     if keys.dim() == 2:
         dots = einsum("thd,pd->thp", q.float(), keys)
     else:
         dots = einsum("thd,tpd->thp", q.float(), keys)
-    s = (torch.relu(dots).double() * weights.double().unsqueeze(-1)).sum(1)
+    return (torch.relu(dots).double() * weights.double().unsqueeze(-1)).sum(1)
+
+
+def _finish_scores(s: torch.Tensor, reduce=None) -> torch.Tensor:
+    """`reduce` (model parallelism: the sum over the other ranks' heads), then one rounding."""
     return (reduce(s) if reduce is not None else s).float()
 
 
@@ -79,22 +89,47 @@ def candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, n_blocks: int,
     return torch.where(ok, cand, torch.full_like(cand, -1)).reshape(t, -1)
 
 
+def entry_slots(block_table: torch.Tensor, entries_per_block: int, entries: torch.Tensor) -> torch.Tensor:
+    """Pool rows of logical entries: entry j of the sequence whose block table is `block_table`
+    sits at row block_table[j // E] * E + j % E (E = entries_per_block). block_table [T, nb],
+    entries [T, ...] (negative = none, mapped to -1)."""
+    ok = entries >= 0
+    e = entries.clamp_min(0)
+    flat = e.reshape(e.shape[0], -1)
+    blk = block_table.gather(1, (flat // entries_per_block).clamp_max(block_table.shape[1] - 1))
+    rows = (blk.clamp_min(0) * entries_per_block + flat % entries_per_block).view_as(e)
+    return torch.where(ok, rows, torch.full_like(rows, -1))
+
+
+def _sequence_groups(block_table: torch.Tensor):
+    """Tokens grouped by their sequence (identical block-table rows): [(token ids, table row)]."""
+    rows, inverse = torch.unique(block_table, dim=0, return_inverse=True)
+    return [(torch.nonzero(inverse == g).flatten(), rows[g]) for g in range(rows.shape[0])]
+
+
 @register("indexer_topk")
-def indexer_topk(q, weights, key_codes, key_scale, n_visible, topk, candidates=None, pool_blocks=0,
-                 pool_block_size=1, reduce_scores=None):
+def indexer_topk(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, topk,
+                 candidates=None, pool_blocks=0, pool_block_size=1, reduce_scores=None):
+    t = q.shape[0]
+    n = block_table.shape[1] * entries_per_block  # entries addressable through the tables
     if candidates is None:
-        keys = quant.mxfp4_dequant(key_codes, key_scale)  # [N, Di]
-        n = keys.shape[0]
-        s = _scores(q, weights, keys, reduce_scores)
+        # each sequence's keys are dequantised once and scored by all of its tokens
+        s = torch.empty(t, n, dtype=torch.float64, device=q.device)
+        for toks, table in _sequence_groups(block_table):
+            slots = entry_slots(table.unsqueeze(0), entries_per_block,
+                                torch.arange(n, device=q.device).unsqueeze(0))[0].clamp_min(0)
+            keys = quant.mxfp4_dequant(key_codes[slots], key_scale[slots])  # [N, Di]
+            s[toks] = _partial_scores(q[toks], weights[toks], keys)
+        s = _finish_scores(s, reduce_scores)
         valid = torch.arange(n, device=q.device).unsqueeze(0) < n_visible.unsqueeze(1)
         idx = _stable_topk_sorted(s, topk, valid)
         pool = candidate_pool(s.masked_fill(~valid, NEG_INF), n_visible, pool_blocks, pool_block_size) \
             if pool_blocks > 0 else None
         return idx, pool
     valid = candidates >= 0
-    safe = candidates.clamp_min(0)
-    keys = quant.mxfp4_dequant(key_codes[safe], key_scale[safe])  # only the pool's keys: [T, P, Di]
-    s = _scores(q, weights, keys, reduce_scores)
+    slots = entry_slots(block_table, entries_per_block, candidates).clamp_min(0)
+    keys = quant.mxfp4_dequant(key_codes[slots], key_scale[slots])  # only the pool's keys: [T, P, Di]
+    s = _finish_scores(_partial_scores(q, weights, keys), reduce_scores)
     local = _stable_topk_sorted(s, topk, valid)
     idx = torch.where(local >= 0, candidates.gather(-1, local.clamp_min(0)), local)
     # candidates are ascending within each row except for -1 padding, so keep position order
@@ -103,19 +138,30 @@ def indexer_topk(q, weights, key_codes, key_scale, n_visible, topk, candidates=N
     return torch.where(idx == big, -1, idx), None
 
 
+# prefill chunks are processed in pieces of this many tokens (bounds the gathered [T, S, D] rows)
+ATTENTION_TOKEN_CHUNK = 256
+
+
 @register("sparse_attention")
-def sparse_attention(q, win_kv, win_scale, win_mask, glob_kv, glob_scale, glob_idx, sink, softmax_scale):
-    t, h, d = q.shape
+def sparse_attention(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink, softmax_scale):
+    t = q.shape[0]
+    if t > ATTENTION_TOKEN_CHUNK:  # every token is independent: pieces give the same bits
+        c = ATTENTION_TOKEN_CHUNK
+        return torch.cat([sparse_attention(q[i:i + c], swa_kv, swa_scale, win_idx[i:i + c], glob_kv, glob_scale,
+                                           None if glob_idx is None else glob_idx[i:i + c], sink, softmax_scale)
+                          for i in range(0, t, c)])
+    h = q.shape[1]
     qf = q.float()
-    wv = quant.fp8_dequant(win_kv, win_scale)  # [S, D]
-    logits = [einsum("thd,sd->ths", qf, wv).masked_fill(~win_mask.unsqueeze(1), NEG_INF)]
-    values = [wv.unsqueeze(0).expand(t, -1, -1)]
-    if glob_idx is not None and glob_idx.shape[-1] > 0:
-        ok = glob_idx >= 0
-        rows = glob_idx.clamp_min(0)
-        gv = quant.fp4_dequant(glob_kv[rows], glob_scale[rows]) * ok.unsqueeze(-1)  # masked rows zeroed
-        logits.append(einsum("thd,tkd->thk", qf, gv).masked_fill(~ok.unsqueeze(1), NEG_INF))
-        values.append(gv)
+    logits, values = [], []
+    for idx, dequant, kv, sc in ((win_idx, quant.fp8_dequant, swa_kv, swa_scale),
+                                 (glob_idx, quant.fp4_dequant, glob_kv, glob_scale)):
+        if idx is None or idx.shape[-1] == 0:
+            continue
+        ok = idx >= 0
+        rows = idx.clamp_min(0)
+        v = dequant(kv[rows], sc[rows]) * ok.unsqueeze(-1)  # [T, S, D]; masked rows zeroed
+        logits.append(einsum("thd,tsd->ths", qf, v).masked_fill(~ok.unsqueeze(1), NEG_INF))
+        values.append(v)
     lg = torch.cat(logits, -1) * softmax_scale
     v = torch.cat(values, 1)
     m = lg.amax(-1, keepdim=True).clamp_min(RUNNING_MAX_INIT)

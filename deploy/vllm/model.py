@@ -2,8 +2,9 @@
 
 vLLM schedules, batches, allocates and prefix-caches; this class runs `core.Transformer` over
 each scheduled request's chunk (raw token ids, so Engram hashes exactly as the reference does),
-with that request's caches gathered from vLLM's pages (`paged_cache.PagedCaches`) and written
-back after the chunk. Every op goes through `dsv41.backends.ops`, so the same class runs on CPU,
+with that request's caches gathered from vLLM's pages into a private pool
+(`paged_cache.PagedCaches`) and written back after the chunk (interim: one forward per
+request; issue 13 runs one forward per step over vLLM's pages in place). Every op goes through `dsv41.backends.ops`, so the same class runs on CPU,
 CUDA and NPU tensors. Requests are computed one after another; each one's result equals the
 reference engine's (`dsv41 run --prefill exact`) token for token, because the reference is
 batch-invariant (chunked prefill == one pass == token-by-token decode).
@@ -172,9 +173,7 @@ class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
             is_image, image_embeds = self.model.image_mask(ids), None
             if inputs_embeds is not None and bool(is_image.any()):
                 image_embeds = inputs_embeds[a:b][is_image]
-            cache = self.caches.load(meta, i, start, ids, image_embeds, is_image)
-            out[a:b] = self.model(ids, cache, return_hidden=True, image_embeds=image_embeds)
-            self.caches.store(meta, i, start, cache, input_ids[a:b])
+            out[a:b] = self.caches.run_chunk(self.model, meta, i, start, ids, image_embeds, is_image)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden_states)

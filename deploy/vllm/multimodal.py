@@ -2,9 +2,9 @@
 
 vLLM renders the chat template with one image token per image (`IMAGE_PLACEHOLDER`, our
 tokenizer's `<｜image｜>`, in the text the template sees), tokenises it, and this processor
-- preprocesses each image with `core.image_processing.preprocess` (resize, grey padding,
+- preprocesses each image with `core.image_processing.preprocess` (the official canvas,
   [-1, 1]) and hands the pixels on as `pixel_values` (flattened, one slice per image) with the
-  padded size `image_hw` [n, 2];
+  canvas size `image_hw` [n, 2];
 - replaces each image token by the image's whole span: `image_token_id` repeated
   `rows * (cols + 1) + 2` times (start, rows of cells + newline, end; `core/vision.py`).
 
@@ -109,7 +109,8 @@ class Dsv41MultiModalProcessor(BaseMultiModalProcessor[Dsv41ProcessingInfo]):
         pixels = []
         for k, image in enumerate(hf_data.get("images") or []):
             try:
-                pixels.append(preprocess(vc, image, name=f"image {k}"))
+                # bf16 pixels carried as fp32 (exact), the dtype vLLM's transports were tested with
+                pixels.append(preprocess(vc, image, name=f"image {k}").float())
             except ImageError as e:  # vLLM answers a ValueError from here with a 400
                 raise ValueError(str(e)) from None
         if not pixels:

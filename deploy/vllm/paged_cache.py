@@ -1,5 +1,9 @@
 """Our caches as vLLM's block manager sees them, and the adapter between vLLM's pages and the
-per-sequence `SequenceCache` that `dsv41.core` computes with.
+block pools that `dsv41.core` computes with.
+
+Interim (until the plugin hands vLLM's pages to the ops in place, issue 13): each scheduled
+request's state is gathered from its pages into a private one-sequence `KVPool`
+(`RequestCache`), the core's batched forward runs on it, and what the chunk added is written back.
 
 Cache layers (vLLM `AttentionLayerBase`s (`layers.PagedLayer`), so vLLM allocates,
 frees and prefix-caches them; this module itself needs no vLLM, so it is tested on any device):
@@ -18,7 +22,7 @@ Validity: a window position is read only when its page is a real block (not vLLM
 0) and its record carries that position. A prefix hit's replay start H - R is block-aligned
 (H is a multiple of the block size and so must be R, checked at start-up), so the positions
 before it sit in null blocks: the window is truncated there exactly as the reference engine's
-bounded replay truncates it (`SequenceCache.swa_floor`).
+bounded replay truncates it (the sequence's window floors).
 
 Page size: vLLM's hybrid allocator wants one page size for every layer. The SWA record of a
 ratio-2 KV source (the largest per token, because of the carried compressor rows) is rounded up
@@ -36,13 +40,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ...core.cache import SequenceCache
+from ...core.cache import FLOOR_DECODER, FLOOR_ENCODER, KVPool, SequenceState
 from ...core.config import ModelConfig
 
 NULL_BLOCK = 0  # vLLM's null block: never holds a request's data
@@ -154,7 +159,7 @@ class LayerRequest:
 
 class PagedCaches(nn.Module):
     """The cache layers of one model and the gather / scatter between pages and a
-    `SequenceCache` for one request's chunk."""
+    request's private pool for one chunk (`RequestCache`)."""
 
     def __init__(self, cfg: ModelConfig, block_size: int, prefix: str, replay_tokens: int,
                  make_layer: Callable[[LayerRequest], nn.Module]):
@@ -195,96 +200,108 @@ class PagedCaches(nn.Module):
         return row[torch.div(token_pos, bs, rounding_mode="floor")].long(), torch.remainder(token_pos, bs) // ratio
 
     def load(self, meta: dict, i: int, start: int, ids: torch.Tensor, image_rows: torch.Tensor | None = None,
-             is_image: torch.Tensor | None = None) -> SequenceCache:
-        """A `SequenceCache` holding request i's state before position `start`, with room up to
-        `end`: global entries and token ids from the global pages, window entries, the carried
-        compressor rows and the window floor from the SWA pages."""
+             is_image: torch.Tensor | None = None) -> "RequestCache":
+        """Request i's state before position `start`, in a private pool with room up to the
+        chunk's end: global entries and token ids from the global pages, window entries, the
+        carried compressor rows and the window floor from the SWA pages."""
         cfg, w = self.cfg, self.cfg.sliding_window
         device, end = ids.device, start + ids.shape[0]
-        cache = SequenceCache.allocate(cfg, end, device)
-        cache.length = start
-        loaded = cache.paged_loaded = {}  # source -> entries present in the pages before the chunk
+        rc = RequestCache.allocate(cfg, start, end, device)
         if is_image is None:
             is_image = torch.zeros_like(ids, dtype=torch.bool)
-        digests = cache.paged_digests = content_digests(ids, is_image, image_rows)  # the chunk's positions
+        rc.digests = content_digests(ids, is_image, image_rows)  # the chunk's positions
+        glob_from = end
         for s, layer in self.glob.items():
             s = int(s)
-            g, r = cache.glob[s], cfg.compress_ratios[s]
-            n_old = start // r + self._cached_entries(meta, layer, i, start, digests, r)
+            g, r = rc.pool.glob[s], cfg.compress_ratios[s]
+            n_old = start // r + self._cached_entries(meta, layer, i, start, rc.digests, r)
             if n_old:
                 blk, st = self._where(layer, self._row(meta, layer, i), torch.arange(n_old, device=device) * r, r)
                 f = _split(pages(layer, self.glob_rec[r].size)[blk, st], self.glob_rec[r].fields)
-                g.kv_codes[:n_old] = f["kv_codes"]
-                g.kv_scale.view(torch.uint8)[:n_old] = f["kv_scale"]
-                g.key_codes[:n_old] = f["key_codes"]
-                g.key_scale.view(torch.uint8)[:n_old] = f["key_scale"]
+                rows = rc.entry_rows(s, n_old)
+                g.kv_codes[rows] = f["kv_codes"]
+                g.kv_scale.view(torch.uint8)[rows] = f["kv_scale"]
+                g.key_codes[rows] = f["key_codes"]
+                g.key_scale.view(torch.uint8)[rows] = f["key_scale"]
             # after a prefix hit the entries of the hit's replayed tail are reused, not recomputed
-            g.n, g.tokens = n_old, max(start, n_old * r)
-            loaded[s] = n_old
-        floor_all = []
+            glob_from = min(glob_from, max(start, n_old * r))
+            rc.loaded[s] = n_old
+        rc.state.glob_from = glob_from
+        floors = []
+        pos = torch.arange(max(0, start - w + 1), start, device=device)
         for li, layer in enumerate(self.swa):
-            pos = torch.arange(max(0, start - w + 1), start, device=device)
             f, valid = self._swa_records(meta, layer, i, pos)
             # the window starts after the newest position this request does not hold
             bad = (~valid).nonzero()
             floor = int(pos[bad[-1, 0]]) + 1 if bad.numel() else 0
             keep = pos >= floor
-            ring = cache.swa[li]
-            slots = torch.remainder(pos[keep], w)
-            ring.q.view(torch.uint8)[slots] = f["q"][keep]
-            ring.scale.view(torch.uint8)[slots] = f["scale"][keep]
-            cache.swa_floor[li] = floor
-            floor_all.append(floor)
+            rows = rc.swa_rows(pos[keep])
+            ring = rc.pool.swa[li]
+            ring.kv.view(torch.uint8)[rows] = f["q"][keep]
+            ring.scale.view(torch.uint8)[rows] = f["scale"][keep]
+            floors.append(floor)
             src_ratio = cfg.compress_ratios[li] if li in cfg.kv_source_layer_ids else 0
             m = start % src_ratio if src_ratio > 1 else 0
             if m:
                 if not bool(valid[-m:].all()):
                     raise RuntimeError(f"layer {li}: the compressor's carried rows before position {start} are missing")
                 carry = _as(f["carry"][-m:], torch.float32).view(m, 2, cfg.head_dim)
-                g = cache.glob[li]
-                g.carry_kv, g.carry_score = carry[:, 0].clone(), carry[:, 1].clone()
-        cache.tokens = self._history(meta, i, start, device)
-        cache.is_image = [cfg.vision is not None and t == cfg.image_token_id for t in cache.tokens]
-        return cache
+                rc.pool.carry[li][rc.swa_rows(pos[-m:])] = carry
+        dec = cfg.decoder_start
+        rc.state.floors[FLOOR_ENCODER] = max(floors[:dec], default=0)
+        rc.state.floors[FLOOR_DECODER] = max(floors[dec:], default=0)
+        rc.state.tokens = self._history(meta, i, start, device)
+        rc.state.is_image = [cfg.vision is not None and t == cfg.image_token_id for t in rc.state.tokens]
+        return rc
 
-    def store(self, meta: dict, i: int, start: int, cache: SequenceCache, ids: torch.Tensor) -> None:
-        """Write back what the chunk [start, cache.length) added: new global entries (with their
-        token ids), the window entries, and the carried compressor rows."""
-        cfg, w, end = self.cfg, self.cfg.sliding_window, cache.length
+    def run_chunk(self, model, meta: dict, i: int, start: int, ids: torch.Tensor,
+                  image_rows: torch.Tensor | None = None, is_image: torch.Tensor | None = None) -> torch.Tensor:
+        """Request i's chunk `ids` at positions start..: load, one forward of the core model
+        (collapsed final streams of every row), store."""
+        from ...core.batch import Chunk, build_step
+
+        rc = self.load(meta, i, start, ids, image_rows, is_image)
+        image_token = self.cfg.image_token_id if self.cfg.vision is not None else None
+        batch = build_step(self.cfg, rc.pool, [Chunk(rc.state, ids.tolist(), 0, "all", image_rows)], ids.device,
+                           image_token)
+        h = model(batch, rc.pool, return_hidden=True, check=False)
+        self.store(meta, i, start, rc, ids)
+        return h
+
+    def store(self, meta: dict, i: int, start: int, rc: "RequestCache", ids: torch.Tensor) -> None:
+        """Write back what the chunk [start, end) added: new global entries (with their token
+        ids), the window entries, and the compressor rows of ratio-2 sources."""
+        cfg, w, end = self.cfg, self.cfg.sliding_window, rc.state.length
         device = ids.device
-        tokens = torch.tensor(cache.tokens, dtype=torch.int32, device=device)  # positions [0, end)
+        tokens = torch.tensor(rc.state.tokens[:end], dtype=torch.int32, device=device)  # positions [0, end)
         for s, layer in self.glob.items():
             s = int(s)
-            g, r = cache.glob[s], cfg.compress_ratios[s]
-            n_old = cache.paged_loaded[s]
-            if g.n > n_old:
-                j = torch.arange(n_old, g.n, device=device)
+            g, r = rc.pool.glob[s], cfg.compress_ratios[s]
+            n_old, n_new = rc.loaded[s], end // r
+            if n_new > n_old:
+                j = torch.arange(n_old, n_new, device=device)
                 blk, st = self._where(layer, self._row(meta, layer, i), j * r, r)
                 tok = tokens[(j * r).unsqueeze(1) + torch.arange(r, device=device)]
                 h, chain = self._chain_before(meta, layer, i, n_old, r), []
                 for jj in j.tolist():
-                    h = chain_hash(h, [self._digest(meta, i, p, start, cache) for p in range(jj * r, (jj + 1) * r)])
+                    h = chain_hash(h, [self._digest(meta, i, p, start, rc) for p in range(jj * r, (jj + 1) * r)])
                     chain.append(torch.frombuffer(bytearray(h), dtype=torch.uint8))
-                rec = torch.cat((g.kv_codes[n_old:g.n], g.kv_scale[n_old:g.n].view(torch.uint8),
-                                 g.key_codes[n_old:g.n], g.key_scale[n_old:g.n].view(torch.uint8),
+                rows = rc.entry_rows(s, n_new)[n_old:]
+                rec = torch.cat((g.kv_codes[rows], g.kv_scale[rows].view(torch.uint8),
+                                 g.key_codes[rows], g.key_scale[rows].view(torch.uint8),
                                  _i32_bytes(tok), torch.stack(chain).to(device)), 1)
                 pages(layer, self.glob_rec[r].size)[blk, st] = rec
         pos = torch.arange(max(start, end - w), end, device=device)
-        slots = torch.remainder(pos, w)
-        digests = b"".join(cache.paged_digests[p - start] for p in range(int(pos[0]), end)) if pos.numel() else b""
+        rows = rc.swa_rows(pos)
+        digests = b"".join(rc.digests[p - start] for p in range(int(pos[0]), end)) if pos.numel() else b""
         # the record's tail after the latent is the same in every layer (carry aside)
         tail = torch.cat((_i32_bytes(pos + 1), _i32_bytes(tokens[pos]),
                           torch.frombuffer(bytearray(digests), dtype=torch.uint8).view(-1, 8).to(device)), 1)
         for li, layer in enumerate(self.swa):
-            ring, rec_layout = cache.swa[li], self.swa_recs[li]
-            parts = [ring.q.view(torch.uint8)[slots], ring.scale.view(torch.uint8)[slots], tail]
+            ring, rec_layout = rc.pool.swa[li], self.swa_recs[li]
+            parts = [ring.kv.view(torch.uint8)[rows], ring.scale.view(torch.uint8)[rows], tail]
             if rec_layout.carry:
-                carry = torch.zeros(pos.shape[0], 8 * cfg.head_dim, dtype=torch.uint8, device=device)
-                g = cache.glob[li]
-                if g.carry_kv is not None:
-                    m = g.carry_kv.shape[0]
-                    carry[-m:] = torch.stack((g.carry_kv, g.carry_score), 1).contiguous().view(torch.uint8).view(m, -1)
-                parts.append(carry)
+                parts.append(rc.pool.carry[li][rows].contiguous().view(torch.uint8).view(pos.shape[0], -1))
             blk, st = self._where(layer, self._row(meta, layer, i), pos, 1)
             pages(layer, rec_layout.size)[blk, st] = torch.cat(parts, 1)
 
@@ -298,12 +315,12 @@ class PagedCaches(nn.Module):
         rec = _split(pages(layer, self.glob_rec[r].size)[blk, st], self.glob_rec[r].fields)
         return bytes(rec["chain"][0].tolist())
 
-    def _digest(self, meta, i: int, p: int, start: int, cache: SequenceCache) -> bytes:
+    def _digest(self, meta, i: int, p: int, start: int, rc: "RequestCache") -> bytes:
         """Content digest of position p: this chunk's, or (the first position of a ratio-2 group
         begun in the previous chunk) the one stored in layer 0's window record."""
         if p >= start:
-            return cache.paged_digests[p - start]
-        f, valid = self._swa_records(meta, self.swa[0], i, torch.tensor([p], device=cache.swa[0].q.device))
+            return rc.digests[p - start]
+        f, valid = self._swa_records(meta, self.swa[0], i, torch.tensor([p], device=rc.pool.device))
         if not bool(valid.all()):
             raise RuntimeError(f"the content digest of position {p} is missing from the window pages")
         return bytes(f["digest"][0].tolist())
@@ -363,6 +380,38 @@ class PagedCaches(nn.Module):
             raise RuntimeError(f"token ids before position {start} are missing from the caches")
         out[lo:] = torch.where(valid, got, from_glob)
         return out.tolist()
+
+
+@dataclass
+class RequestCache:
+    """One request's state gathered from vLLM's pages: a private one-sequence pool whose blocks
+    cover positions 0 .. end, and what the adapter needs to write the chunk back."""
+
+    pool: KVPool
+    state: SequenceState
+    loaded: dict  # KV source -> entries present in the pages before the chunk
+    digests: list
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, start: int, end: int, device) -> "RequestCache":
+        bs = math.lcm(16, *(cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids))
+        n = -(-end // bs) + 1
+        pool = KVPool(cfg, block_size=bs, swa_blocks=n, global_blocks=n, device=device, drafter=False)
+        state = SequenceState()
+        state.ensure_blocks(pool, end)
+        state.length = start
+        return cls(pool, state, {}, [])
+
+    def entry_rows(self, src: int, n: int) -> torch.Tensor:
+        """Pool rows of global entries 0 .. n-1 of KV source `src`."""
+        e = self.pool.glob[src].entries_per_block
+        j = torch.arange(n, device=self.pool.device)
+        return torch.tensor(self.state.glob_blocks, device=self.pool.device)[j // e] * e + j % e
+
+    def swa_rows(self, pos: torch.Tensor) -> torch.Tensor:
+        """Pool rows of window / compressor entries at positions `pos`."""
+        bs = self.pool.block_size
+        return torch.tensor(self.state.swa_blocks, device=pos.device)[pos // bs] * bs + pos % bs
 
 
 def fill_layout(page: int, block_size: int, ratio: int, record: int, divides: int | None = None) -> tuple[int, int]:

@@ -1,0 +1,191 @@
+"""The execution interface: one forward over a flat batch of tokens from many sequences.
+
+`StepBatch` is everything a step needs, built on the host before the step (`build_step`): token
+ids, positions, each token's sequence, one block table per cache kind, the window floors, the
+Engram n-gram inputs, which rows go through the decoder and which rows' logits are wanted. The
+forward reads and writes the paged pools (`cache.KVPool`) in place through the tables and never
+asks the host anything: a decode step's shapes depend only on its batch size (and the table
+width the caller chooses), so it can be captured as a device graph.
+
+`Rows` is the per-row view of a batch that the layers use (positions, the rows where each token's
+SWA entry goes, its sequence's table rows, its window); the decoder takes a subset of it in CED
+prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .cache import FLOOR_DECODER, KVPool, SequenceState
+from .config import ModelConfig
+
+
+@dataclass
+class StepBatch:
+    """One forward step over T tokens of B sequences (tensors on the model's device)."""
+
+    ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    seq: torch.Tensor  # [T] long: the token's sequence (row of the per-sequence tensors)
+    swa_table: torch.Tensor  # [B, nbw] long: logical SWA block -> pool block (0 = none)
+    glob_table: torch.Tensor  # [B, nbg] long: logical global block -> pool block
+    floors: torch.Tensor  # [B, 3] long: lowest visible window position (encoder, decoder, drafter)
+    glob_from: torch.Tensor  # [B] long: global entries of positions below this exist already
+    ngram_ids: torch.Tensor  # [T, N] long: ids at positions p, p-1, .. p-N+1 (-1 before the start)
+    ngram_image: torch.Tensor  # [T, N] bool: those positions hold image tokens
+    is_image: torch.Tensor  # [T] bool
+    decoder_rows: torch.Tensor | None = None  # rows the decoder runs (CED prefill); None = all
+    logit_rows: torch.Tensor | None = None  # decoder rows whose logits are returned; None = all
+    image_embeds: torch.Tensor | None = None  # [image rows of the batch, d], in row order
+    # the DSpark draft block: every row sees its sequence's context window [lo, block start) and
+    # the whole block (non-causal); None = the causal sliding window
+    draft_window: tuple[torch.Tensor, torch.Tensor] | None = None  # (lo [T], hi [T]) positions
+
+    @property
+    def num_tokens(self) -> int:
+        return self.ids.shape[0]
+
+
+@dataclass
+class Rows:
+    """The rows one layer processes, with what they need to find their cache entries."""
+
+    pos: torch.Tensor  # [T]
+    seq: torch.Tensor  # [T]
+    is_image: torch.Tensor  # [T]
+    swa_table: torch.Tensor  # [T, nbw]: the row's sequence's SWA table
+    glob_table: torch.Tensor  # [T, nbg]
+    floors: torch.Tensor  # [T, 3]
+    glob_from: torch.Tensor  # [T]
+    win_lo: torch.Tensor  # [T] first key position of the window
+    win_hi: torch.Tensor  # [T] last key position of the window
+    width: int  # key slots per row (window size, or window + block for a draft)
+    block_size: int
+    _win: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, b: StepBatch, cfg: ModelConfig, block_size: int) -> "Rows":
+        seq, w = b.seq, cfg.sliding_window
+        if b.draft_window is None:
+            lo, hi, width = b.positions - (w - 1), b.positions, w
+        else:
+            lo, hi = b.draft_window
+            width = w + cfg.dspark_block_size
+        return cls(b.positions, seq, b.is_image, b.swa_table[seq], b.glob_table[seq], b.floors[seq], b.glob_from[seq],
+                   lo, hi, width, block_size)
+
+    def select(self, index: torch.Tensor) -> "Rows":
+        pick = lambda t: t[index]  # noqa: E731
+        return replace(self, pos=pick(self.pos), seq=pick(self.seq), is_image=pick(self.is_image),
+                       swa_table=pick(self.swa_table), glob_table=pick(self.glob_table), floors=pick(self.floors),
+                       glob_from=pick(self.glob_from), win_lo=pick(self.win_lo), win_hi=pick(self.win_hi), _win={})
+
+    @property
+    def num(self) -> int:
+        return self.pos.shape[0]
+
+    def swa_rows_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """Pool rows of positions [T, ...] of each row's sequence (positions >= 0)."""
+        bs = self.block_size
+        flat = positions.reshape(self.num, -1)
+        blk = self.swa_table.gather(1, (flat // bs).clamp_max(self.swa_table.shape[1] - 1))
+        return (blk * bs + flat % bs).view_as(positions)
+
+    @property
+    def swa_rows(self) -> torch.Tensor:
+        """Where each row's own SWA entry (and compressor rows) is written."""
+        if "own" not in self._win:
+            self._win["own"] = self.swa_rows_at(self.pos.unsqueeze(1))[:, 0]
+        return self._win["own"]
+
+    def window(self, group: int) -> torch.Tensor:
+        """[T, width] pool rows each query attends in its window (-1 = masked), oldest first;
+        positions below the layer group's floor were never computed for this sequence."""
+        if group not in self._win:
+            kpos = self.win_lo.unsqueeze(1) + torch.arange(self.width, device=self.pos.device)
+            ok = (kpos >= self.floors[:, group:group + 1]) & (kpos >= 0) & (kpos <= self.win_hi.unsqueeze(1))
+            self._win[group] = torch.where(ok, self.swa_rows_at(kpos.clamp_min(0)), -1)
+        return self._win[group]
+
+
+@dataclass
+class Chunk:
+    """What one sequence runs in a step: `ids` at positions state.length .. ; `decoder_from`: the
+    first position the decoder runs (CED prefill; 0 = every row); `logits`: "last", "all" or
+    "none" of the decoder's rows; `image_embeds`: rows for this chunk's image positions."""
+
+    state: SequenceState
+    ids: list[int]
+    decoder_from: int = 0
+    logits: str = "last"
+    image_embeds: torch.Tensor | None = None
+
+
+def build_step(cfg: ModelConfig, pool: KVPool, chunks: list[Chunk], device: torch.device | str,
+               image_token_id: int | None = None) -> StepBatch:
+    """Lay out one step of `chunks` (one per sequence): allocate the blocks the new positions
+    need, advance each state (tokens, length, floors) and build the step's tensors."""
+    n_gram = max(cfg.engram_max_ngram_size, 1)
+    for ch in chunks:  # everything checked before any state changes
+        start = ch.state.length
+        if not ch.ids:
+            raise ValueError("a chunk must hold at least one token")
+        bad = [t for t in ch.ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+        if start + len(ch.ids) > cfg.max_position_embeddings:
+            raise ValueError(f"sequence of {start + len(ch.ids)} tokens exceeds max_position_embeddings "
+                             f"({cfg.max_position_embeddings})")
+        n_img = sum(1 for t in ch.ids if image_token_id is not None and t == image_token_id)
+        if ch.image_embeds is not None and tuple(ch.image_embeds.shape) != (n_img, cfg.hidden_size):
+            raise ValueError(f"the chunk has {n_img} image-token positions, so image_embeds must be "
+                             f"[{n_img}, {cfg.hidden_size}], got {list(ch.image_embeds.shape)}")
+    ids, pos, seq, ngram, ngram_img, is_img, dec_rows, logit_rows, images = [], [], [], [], [], [], [], [], []
+    n_dec = 0
+    for b, ch in enumerate(chunks):
+        st, start = ch.state, ch.state.length
+        img = [image_token_id is not None and t == image_token_id for t in ch.ids]
+        del st.tokens[start:], st.is_image[start:]  # (after a rollback: forget rejected tokens)
+        st.tokens += ch.ids
+        st.is_image += img
+        st.ensure_blocks(pool, start + len(ch.ids))
+        if ch.decoder_from > start:  # CED: the decoder never computed rows below decoder_from
+            st.floors[FLOOR_DECODER] = max(st.floors[FLOOR_DECODER], ch.decoder_from)
+        for j, t in enumerate(ch.ids):
+            p = start + j
+            ids.append(t)
+            pos.append(p)
+            seq.append(b)
+            is_img.append(img[j])
+            ngram.append([st.tokens[p - s] if p - s >= 0 else -1 for s in range(n_gram)])
+            ngram_img.append([p - s >= 0 and st.is_image[p - s] for s in range(n_gram)])
+            if p >= ch.decoder_from:
+                if ch.logits == "all" or (ch.logits == "last" and j == len(ch.ids) - 1):
+                    logit_rows.append(n_dec)
+                dec_rows.append(len(ids) - 1)
+                n_dec += 1
+        if ch.image_embeds is not None:
+            images.append(ch.image_embeds)
+        st.length = start + len(ch.ids)
+    t = torch.tensor
+    width = lambda lists: max(1, max(len(x) for x in lists))  # noqa: E731
+    swa = [c.state.swa_blocks for c in chunks]
+    glob = [c.state.glob_blocks for c in chunks]
+    pad = lambda lists: [x + [0] * (width(lists) - len(x)) for x in lists]  # noqa: E731
+    return StepBatch(
+        ids=t(ids, dtype=torch.long, device=device),
+        positions=t(pos, dtype=torch.long, device=device),
+        seq=t(seq, dtype=torch.long, device=device),
+        swa_table=t(pad(swa), dtype=torch.long, device=device),
+        glob_table=t(pad(glob), dtype=torch.long, device=device),
+        floors=t([c.state.floors for c in chunks], dtype=torch.long, device=device),
+        glob_from=t([c.state.glob_from for c in chunks], dtype=torch.long, device=device),
+        ngram_ids=t(ngram, dtype=torch.long, device=device),
+        ngram_image=t(ngram_img, dtype=torch.bool, device=device),
+        is_image=t(is_img, dtype=torch.bool, device=device),
+        decoder_rows=None if len(dec_rows) == len(ids) else t(dec_rows, dtype=torch.long, device=device),
+        logit_rows=None if len(logit_rows) == n_dec else t(logit_rows, dtype=torch.long, device=device),
+        image_embeds=torch.cat(images) if images else None,
+    )
