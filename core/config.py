@@ -207,10 +207,10 @@ class ModelConfig:
             )
         if self.scoring_func != "sqrtsoftplus":
             p.append(f"scoring_func must be 'sqrtsoftplus' (V4.1 routing), got {self.scoring_func!r}")
-        if self.weight_dtype not in ("fp8", "bf16"):
-            p.append(f"weight_dtype must be 'fp8' or 'bf16', got {self.weight_dtype!r}")
-        if self.expert_dtype not in ("fp4", "fp8", "bf16"):
-            p.append(f"expert_dtype must be 'fp4', 'fp8' or 'bf16', got {self.expert_dtype!r}")
+        if self.weight_dtype not in ("fp8", "bf16", "int8"):
+            p.append(f"weight_dtype must be 'fp8', 'bf16' or 'int8' (W8A8), got {self.weight_dtype!r}")
+        if self.expert_dtype not in ("fp4", "fp8", "bf16", "int8"):
+            p.append(f"expert_dtype must be 'fp4', 'fp8', 'bf16' or 'int8', got {self.expert_dtype!r}")
         if self.engram_dtype not in ("fp8", "int8"):
             p.append(f"engram_dtype must be 'fp8' or 'int8', got {self.engram_dtype!r}")
         if not isinstance(self.norm_topk_prob, bool):
@@ -328,7 +328,10 @@ class ModelConfig:
         if self.vision is not None:
             out["vision_config"] = dataclasses.asdict(self.vision)
         out["image_token_id"] = self.image_token_id
-        if self.weight_dtype == "fp8":
+        if self.weight_dtype == "int8":  # W8A8 (`dsv41 convert --linear-dtype int8`)
+            out["quantization_config"] = {"quant_method": "w8a8", "linear_dtype": "int8",
+                                          "expert_dtype": self.expert_dtype, "engram_dtype": self.engram_dtype}
+        elif self.weight_dtype == "fp8":
             out["quantization_config"] = {
                 "quant_method": "fp8",
                 "activation_scheme": "dynamic",
@@ -491,7 +494,7 @@ def from_hf_dict(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
     if "image_token_id" in d:
         kw["image_token_id"] = d["image_token_id"]
     q = d.get("quantization_config")
-    kw["weight_dtype"] = "fp8" if q else "bf16"
+    kw["weight_dtype"] = ("int8" if isinstance(q, dict) and q.get("linear_dtype") == "int8" else "fp8") if q else "bf16"
     if q and "expert_dtype" in q:
         kw["expert_dtype"] = q["expert_dtype"]
     if q and "engram_dtype" in q:

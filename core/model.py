@@ -146,7 +146,8 @@ class Indexer(nn.Module):
 
 
 def _dense(cfg: ModelConfig) -> str:
-    return "fp8" if cfg.weight_dtype == "fp8" else "bf16"
+    """Storage of the dense quantised linears: the checkpoint's FP8, W8A8 INT8, or bf16."""
+    return cfg.weight_dtype if cfg.weight_dtype in ("fp8", "int8") else "bf16"
 
 
 class Attention(nn.Module):

@@ -94,10 +94,8 @@ def encode_request(req: FileRequest, tok, cfg, base_dir: str) -> tuple[list[int]
     return mm.ids, mm.images
 
 
-def run_prompts_file(args, engine, tok, cfg, base_params) -> list[dict]:
-    """Run every request of the file as one continuous batch; results in input order plus a
-    summary (total generated tokens / wall time)."""
-    import time
+def encode_prompts_file(args, tok, cfg, base_params) -> tuple[list[FileRequest], list[tuple]]:
+    """Every request of the file as (prompt ids, sampling parameters, images)."""
     from dataclasses import replace
 
     reqs = read_prompts_file(args.prompts_file)
@@ -107,6 +105,14 @@ def run_prompts_file(args, engine, tok, cfg, base_params) -> list[dict]:
         ids, images = encode_request(r, tok, cfg, base_dir)
         params = replace(base_params, **r.options).validate()
         batch.append((ids, params, images))
+    return reqs, batch
+
+
+def run_prompts_file(engine, tok, reqs: list[FileRequest], batch: list[tuple]) -> list[dict]:
+    """Run the encoded requests as one continuous batch; results in input order plus a summary
+    (total generated tokens / wall time)."""
+    import time
+
     t0 = time.perf_counter()
     results = engine.generate_batch(batch)
     wall = time.perf_counter() - t0
