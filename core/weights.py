@@ -127,6 +127,8 @@ def random_state_dict(model: Transformer, seed: int, init: str = DEFAULT_INIT) -
                 out[name], out[owner + ".scale"] = quant.fp8_block_quant(w)
             elif lin.storage == "fp4":
                 out[name], out[owner + ".scale"] = fp4_at_rms(w, std) if real else quant.fp4_weight_quant(w)
+            elif lin.storage == "int8":  # W8A8: per-output-channel scales, as `convert --linear-dtype int8`
+                out[name], out[owner + ".scale"] = quant.int8_row_quant(w)
             else:
                 out[name] = w.to(buf.dtype)
             continue

@@ -12,6 +12,7 @@ from dsv41.core.weights import (
     EMBED_RMS,
     ROUTER_GAIN,
     build_model,
+    check_state_dict,
     norm_mean,
     projection_gain,
     random_state_dict,
@@ -118,3 +119,17 @@ def test_draw_is_seeded_and_checked(meta_model, tiny_cfg, draws, fresh_seed):
     model = build_model(tiny_cfg, seed=fresh_seed + 1)
     assert not torch.equal(model.embed.weight, a["embed.weight"])
     assert rms(model.embed.weight) == pytest.approx(EMBED_RMS, rel=0.03)
+
+
+def test_w8a8_linears_are_drawn_in_their_storage(tiny_cfg, fresh_seed):
+    """A W8A8 config (int8 linears and experts, per-output-channel scales) draws int8 weights whose
+    decoded values have the same statistics."""
+    cfg = tiny_cfg.replace(weight_dtype="int8", expert_dtype="int8")
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    sd = random_state_dict(model, fresh_seed)
+    for owner, gain in [("layers.3.attn.wq_a", 1.6), ("layers.3.ffn.experts.1.w2", 1.05)]:
+        w, s = sd[owner + ".weight"], sd[owner + ".scale"]
+        assert w.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (w.shape[0], 1)
+        assert rms(w.float() * s) == pytest.approx(gain / math.sqrt(w.shape[1]), rel=0.04), owner
+    check_state_dict(model, sd)  # names, shapes and dtypes are the model's
