@@ -406,6 +406,9 @@ FLAT_KEYS: dict[str, str] = {
     "dspark_n_activated_experts": "dspark_num_experts_per_tok",
     "image_token_id": "image_token_id",
 }
+# Keys of the reference code's ModelArgs that a dump of it carries but V4.1 leaves at one value:
+# accepted at that value (first entry), anything else is a clear error.
+FLAT_NEUTRAL = {"n_hash_layers": (0,), "scale_dtype": ("fp8",)}  # no hash routing; E8M0 scales
 # Flat keys that are known and deliberately not mapped (the fp8 `dtype`, batch sizing, ...).
 FLAT_IGNORED = {"dtype", "scale_fmt", "max_batch_size", "expert_dtype", "mscale", "n_dense_layers"}
 # Flat vision keys -> VisionConfig fields: the released file's names (`vision_n_layers`, ...,
@@ -515,6 +518,9 @@ def from_flat_dict(d: dict[str, Any], source: str = "config.json") -> ModelConfi
             vision[FLAT_VISION[k]] = v
         elif k in ("rope_factor", "original_seq_len", "beta_fast", "beta_slow"):
             rs[k] = v
+        elif k in FLAT_NEUTRAL:
+            if v not in FLAT_NEUTRAL[k]:
+                raise ConfigError(f"{source}: {k} = {v!r} is not supported (V4.1 uses {FLAT_NEUTRAL[k][0]!r})")
         elif k not in FLAT_IGNORED:
             unknown.append(k)
     if unknown:

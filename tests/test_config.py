@@ -197,6 +197,16 @@ def test_released_flat_config_loads():
     assert cfg.norm_topk_prob is True  # absent from the released file
 
 
+def test_flat_reference_args_at_their_v41_values():
+    """A dump of the reference ModelArgs also carries `n_hash_layers` and `scale_dtype`: accepted at
+    V4.1's values, a clear error otherwise."""
+    assert from_flat_dict({**RELEASED_FLAT, "n_hash_layers": 0, "scale_dtype": "fp8"}) == from_flat_dict(RELEASED_FLAT)
+    with pytest.raises(ConfigError, match=r"n_hash_layers = 3 is not supported \(V4.1 uses 0\)"):
+        from_flat_dict({**RELEASED_FLAT, "n_hash_layers": 3})
+    with pytest.raises(ConfigError, match="scale_dtype = 'fp32' is not supported"):
+        from_flat_dict({**RELEASED_FLAT, "scale_dtype": "fp32"})
+
+
 def test_norm_topk_prob_and_compressed_vocab_validated():
     with pytest.raises(ConfigError, match="norm_topk_prob must be true or false, got 'yes'"):
         from_dict(_nested(norm_topk_prob="yes"))
