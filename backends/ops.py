@@ -115,8 +115,9 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None, out_dtype: to
     """y = x @ W^T. With `scale`, W is stored FP8 E4M3 (E8M0 32x32 block scales) or packed FP4
     (int8 [N, K/2], E8M0 per 32 along K) and x is FP8-quantised in blocks of 32 first.
     `out_dtype` float64 asks for the unrounded accumulation (row-parallel partial sums; take it
-    from `partial_sum_dtype`: device backends refuse float64). `scale` fp32 [N, 1] with an int8
-    W: per-output-channel INT8 weight (W8A8); x is then int8-quantised per token."""
+    from `partial_sum_dtype`: on devices there is no fp64, CUDA returns fp32 and Ascend refuses).
+    `scale` fp32 [N, 1] with an int8 W: per-output-channel INT8 weight (W8A8); x is then
+    int8-quantised per token."""
 
 
 @_op
@@ -221,7 +222,8 @@ def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, experts: list, limit: f
     """Routed experts: sum_k weights[t,k] folded in before w2 of expert ids[t,k]'s clamped SwiGLU.
     `experts[e]` = ((w1, s1), (w2, s2), (w3, s3)); ids < 0 are skipped (experts held by another
     model-parallel rank). Expert outputs are summed in `out_dtype` (fp32, or fp64 for sums that
-    are combined across ranks before rounding). Returns [T, d] of `out_dtype`."""
+    are combined across ranks before rounding; device backends sum in fp32 and return fp32 for
+    the fp64 request). Returns [T, d] of `out_dtype`."""
 
 
 @_op

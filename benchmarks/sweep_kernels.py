@@ -176,8 +176,87 @@ def sweep_mhc_mix(rows, copy):
             print(rows[-1], flush=True)
 
 
+def _variant_row(rows, name, shape, call, want, nbytes, flops, copy):
+    """Check `call` against `want` (relative error in norm), time it, append / print its row."""
+    try:
+        got = call()
+        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        te = timeit(call)
+        tg = graph_time(call) or te
+    except Exception as e:  # noqa: BLE001  (a variant that does not compile is a row, not a crash)
+        rows.append(f"| {name} | {shape} | failed: {type(e).__name__}: {str(e)[:100]} |")
+        print(rows[-1], flush=True)
+        return
+    rows.append(f"| {name} | {shape} | err {err:.1e} | eager {te * 1e6:.1f} us | graph {tg * 1e6:.1f} us | "
+                f"{nbytes / tg / 1e9:.0f} GB/s ({100 * nbytes / tg / 1e9 / copy:.0f}%) | {flops / tg / 1e12:.0f} TFLOP/s |")
+    print(rows[-1], flush=True)
+
+
+def sweep_linear(rows, copy):
+    """The FP8 block-scaled linear at K=5120, N=6144: decode tiles (M = 1, 64) and prefill tiles
+    (M = 4096), against the fp32-accumulating torch reference; plus cuBLAS bf16 on the same
+    (pre-dequantised) operands as the prefill yardstick."""
+    from dsv41.backends.reference.basic import fp32_accumulation
+    from dsv41.backends.reference.basic import linear as linear_ref
+    from dsv41.npu_ops.triton import block_linear as bl
+
+    k, n = 5120, 6144
+    w, s = quant.fp8_block_quant(torch.randn(n, k, device="cuda") * k ** -0.5)
+    decode = [dict(bn=64, bk=128, num_warps=4, num_stages=4), dict(bn=32, bk=128, num_warps=4, num_stages=4),
+              dict(bn=64, bk=256, num_warps=4, num_stages=3), dict(bn=128, bk=128, num_warps=4, num_stages=4),
+              dict(bn=64, bk=128, num_warps=4, num_stages=6), dict(bn=64, bk=128, num_warps=8, num_stages=4),
+              dict(bn=64, bk=128, split_k=4), dict(bn=64, bk=128, split_k=10), dict(bn=64, bk=128, split_k=1),
+              dict(bn=128, bk=256, num_warps=4, num_stages=3), dict(bn=128, bk=128, num_warps=8, num_stages=4),
+              dict(bn=256, bk=128, num_warps=8, num_stages=3), dict(bn=64, bk=64, num_warps=4, num_stages=8)]
+    prefill = [dict(), dict(bm=128, bn=128, bk=64, num_warps=8, num_stages=3), dict(bm=128, bn=128, bk=64, num_warps=8, num_stages=4),
+               dict(bm=128, bn=256, bk=64, num_warps=8, num_stages=3), dict(bm=64, bn=128, bk=64, num_warps=4, num_stages=4),
+               dict(bm=128, bn=128, bk=128, num_warps=8, num_stages=3), dict(bm=256, bn=128, bk=64, num_warps=8, num_stages=3)]
+    for m, variants in ((1, decode), (64, decode), (4096, prefill)):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        with fp32_accumulation():
+            want = linear_ref(x, w, s)
+        nbytes = n * k * (1 + 1 / 1024) + m * k * 2 + m * n * 2
+        for v in variants:
+            name = "linear fp8 " + " ".join(f"{a}={b}" for a, b in v.items())
+            _variant_row(rows, name, f"M={m} K={k} N={n}", lambda x=x, v=v: bl.linear(x, w, s, **v), want, nbytes,
+                         2 * m * n * k, copy)
+        if m == 4096:
+            wb = quant.fp8_block_dequant(w, s).to(torch.bfloat16)
+            _variant_row(rows, "cuBLAS bf16 (weight pre-dequantised)", f"M={m} K={k} N={n}", lambda x=x: x @ wb.t(),
+                         want, nbytes, 2 * m * n * k, copy)
+
+
+def sweep_moe(rows, copy):
+    """The grouped FP4 experts (mini preset: 16 experts, d 5120, width 2304, top-6) at 1, 8, 64
+    and 2048 tokens; bytes = the active experts' weights read once."""
+    from dsv41.backends.reference.basic import fp32_accumulation
+    from dsv41.backends.reference.moe import moe_experts as moe_ref
+    from dsv41.npu_ops.triton import moe_experts as me
+
+    d, inter, n_exp, topk = CFG.hidden_size, CFG.moe_intermediate_size, 16, CFG.num_experts_per_tok
+    experts = [tuple(quant.fp4_weight_quant(torch.randn(a, b, device="cuda") * b ** -0.5)
+                     for a, b in ((inter, d), (d, inter), (inter, d))) for _ in range(n_exp)]
+    variants = [dict(), dict(bn_down=128), dict(bn_down=32), dict(bk=256), dict(bk=64),
+                dict(num_stages=3), dict(num_stages=6), dict(num_warps=8), dict(bm=16), dict(bm=32)]
+    for t in (1, 8, 64, 2048):
+        x = torch.randn(t, d, device="cuda").to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(n_exp, device="cuda")[:topk] for _ in range(t)])
+        wts = torch.rand(t, topk, device="cuda")
+        with fp32_accumulation():
+            want = moe_ref(x, wts, ids, experts, 10.0)
+        active = int(torch.unique(ids).numel())
+        nbytes = active * 3 * inter * d * (0.5 + 1 / 32) + t * d * 6
+        flops = 2 * t * topk * 3 * inter * d
+        for v in variants if t <= 64 else variants[:1] + [dict(bm=128, bn_down=128, bk=64, num_warps=8,
+                                                                num_stages=3), dict(bm=128, bn_down=128, bk=128, num_warps=4),
+                                                           dict(bm=64, bn_down=64, bk=128)]:
+            name = "moe fp4 " + " ".join(f"{a}={b}" for a, b in v.items())
+            _variant_row(rows, name, f"T={t} {active} experts", lambda x=x, ids=ids, wts=wts, v=v:
+                         me.moe_experts(x, wts, ids, experts, 10.0, **v), want, nbytes, flops, copy)
+
+
 SWEEPS = {"sparse_attention": sweep_sparse_attention, "engram_lookup": sweep_engram, "fp4_quant": sweep_fp4_quant,
-          "mhc_mix": sweep_mhc_mix}
+          "mhc_mix": sweep_mhc_mix, "linear": sweep_linear, "moe_experts": sweep_moe}
 
 
 def main() -> int:
