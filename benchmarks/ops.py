@@ -7,7 +7,7 @@ eager per-call time is the last column), bytes moved (or FLOPs), achieved GB/s (
 ceiling measured in this same run (a device-to-device copy; a bf16 8192^3 matmul), speedup over
 torch, and the issue's target where one applies. Written to stdout and to --out (markdown).
 
-    python benchmarks/ops.py [--out benchmarks/RESULTS.md] [--quick] [--only fp4_quant,mhc_mix]
+    python benchmarks/ops.py [--out benchmarks/RESULTS.md] [--quick] [--only fp4_quant,mhc_mix] [--tokens 1,64]
 """
 
 from __future__ import annotations
@@ -96,6 +96,39 @@ class Case:
     bound: str = "memory"
 
 
+POOL_BLOCK = 64  # entries per block of the benchmark's paged pools
+
+
+def paged_index_keys(n: int, dev: str, spare_blocks: int = 8):
+    """MXFP4 index keys of one n-entry sequence scattered over a pool of POOL_BLOCK-entry blocks
+    (plus spare blocks): (codes, scales, block table [1, nb], entries per block)."""
+    nb = -(-n // POOL_BLOCK)
+    kc, ks = quant.mxfp4_quant(torch.randn((nb + spare_blocks) * POOL_BLOCK, DI, device=dev))
+    table = torch.randperm(nb + spare_blocks, device=dev)[:nb].unsqueeze(0)
+    return kc, ks, table, POOL_BLOCK
+
+
+def sparse_attention_args(t: int, n: int, dev: str, masked_fraction: float = 0.0):
+    """`sparse_attention` arguments for t consecutive tokens of one sequence at an n-entry
+    global context: window rows = the last W positions of each token in a block-scattered SWA
+    pool, K random global pool rows per token; and the bytes that must be read (unique rows)."""
+    g_codes, g_scale = quant.fp4_quant(torch.randn(n + POOL_BLOCK, D, device=dev))
+    span = W + t - 1  # window positions touched by the t tokens
+    nb = -(-span // POOL_BLOCK)
+    w8, ws = quant.fp8_quant(torch.randn((nb + 4) * POOL_BLOCK, D, device=dev))
+    blocks = torch.randperm(nb + 4, device=dev)[:nb]
+    pos = torch.arange(t, device=dev).unsqueeze(1) + torch.arange(W, device=dev).unsqueeze(0)  # [t, W]
+    win_idx = blocks[pos // POOL_BLOCK] * POOL_BLOCK + pos % POOL_BLOCK
+    glob_idx = torch.randint(0, n + POOL_BLOCK, (t, TOPK), device=dev)
+    if masked_fraction:
+        win_idx[torch.rand(t, W, device=dev) < masked_fraction] = -1
+        glob_idx[torch.rand(t, TOPK, device=dev) < masked_fraction] = -1
+    q = torch.randn(t, H, D, device=dev).to(torch.bfloat16)
+    sink = torch.randn(H, device=dev)
+    must_read = t * TOPK * (D // 2 + D // 16) + span * (D + D // 32) + 2 * t * H * D * 2
+    return (q, w8, ws, win_idx, g_codes, g_scale, glob_idx, sink, D ** -0.5), must_read
+
+
 def cases(quick: bool, dev: str = "cuda") -> list[Case]:
     out: list[Case] = []
     big = [1, 64, 256] + ([] if quick else [65536])
@@ -115,26 +148,19 @@ def cases(quick: bool, dev: str = "cuda") -> list[Case]:
         out.append(Case("compress_kv", f"r2 {g} groups x{D}",
                         (kv, sc, 2, w, 1e-20, ang.cos(), ang.sin(), codes, scales, slots),
                         2 * 2 * g * D * 4 + g * (D * 2 + D // 2 + D // 16), kernel_no=3))
-    for n in (4096, 65536):  # 4. indexer_topk
-        keys = torch.randn(n, DI, device=dev)
-        kc, ks = quant.mxfp4_quant(keys)
+    for n in (4096, 65536):  # 4. indexer_topk (keys in scattered pool blocks, one sequence)
+        kc, ks, table, e = paged_index_keys(n, dev)
         for t in (1, 64, 256):
             q = quant.mxfp4_qdq(torch.randn(t, HI, DI, device=dev))
             wts = torch.randn(t, HI, device=dev) * DI ** -0.5 * HI ** -0.5
             vis = torch.full((t,), n, dtype=torch.long, device=dev)
-            out.append(Case("indexer_topk", f"T={t} ctx={n // 1024}K", (q, wts, kc, ks, vis, TOPK),
+            out.append(Case("indexer_topk", f"T={t} ctx={n // 1024}K",
+                            (q, wts, kc, ks, table.expand(t, -1), e, vis, TOPK),
                             n * (DI // 2 + DI // 32) + t * HI * DI * 4, 2 * t * HI * DI * n, 4, "compute"))
-    for n in (4096, 65536):  # 5. sparse_attention (decode)
-        g_codes, g_scale = quant.fp4_quant(torch.randn(n, D, device=dev))
-        w8, ws = quant.fp8_quant(torch.randn(W, D, device=dev))
+    for n in (4096, 65536):  # 5. sparse_attention (decode; pools with scattered blocks)
         for t in (1, 64, 256):
-            q = torch.randn(t, H, D, device=dev).to(torch.bfloat16)
-            mask = torch.ones(t, W, dtype=torch.bool, device=dev)
-            idx = torch.randint(0, n, (t, TOPK), device=dev)
-            sink = torch.randn(H, device=dev)
-            must_read = t * TOPK * (D // 2 + D // 16) + W * (D + D // 32) + 2 * t * H * D * 2
-            out.append(Case("sparse_attention", f"T={t} ctx={n // 1024}K",
-                            (q, w8, ws, mask, g_codes, g_scale, idx, sink, D ** -0.5), must_read,
+            args, must_read = sparse_attention_args(t, n, dev)
+            out.append(Case("sparse_attention", f"T={t} ctx={n // 1024}K", args, must_read,
                             4 * t * H * D * (TOPK + W), 5))
     n = CFG.hc_mult
     fn = torch.randn((2 + n) * n, n * DIM, device=dev) * (n * DIM) ** -0.5
@@ -248,6 +274,8 @@ TARGETS = {
     "fp4_quant": ("copy", 0.70), "mxfp4_act_quant": ("speedup", 9.5), "compress_kv": ("copy", 0.70),
     "mhc_mix": ("speedup", 3.0), "engram_lookup": ("copy", 0.70), "sparse_attention": ("copy", 0.50),
 }
+# issue 12, kernels at decode shapes: CUDA-graph time at most this many seconds
+DECODE_TARGETS = {("sparse_attention", "T=1 ctx=64K"): 10e-6, ("indexer_topk", "T=1 ctx=64K"): 25e-6}
 
 
 # issue 12: the FP8 linear at M=1 (K=5120, N=6144) and the fused MoE at 1..64 tokens near their
@@ -255,11 +283,13 @@ TARGETS = {
 TARGETS_12 = [("linear", "fp8 M=1 K=", 0.80), ("moe_experts", "fp4 T=1 ", 0.80), ("moe_experts", "fp4 T=64 ", 0.80)]
 
 
-def run(quick: bool, only: set[str] | None = None) -> tuple[str, list[dict]]:
+def run(quick: bool, only: set[str] | None = None, tokens: set[int] | None = None) -> tuple[str, list[dict]]:
     copy_gbs, mm_tflops = ceilings()
     rows = []
     for c in cases(quick):
         if only and c.op not in only:
+            continue
+        if tokens and c.shape.startswith("T=") and int(c.shape[2:].split()[0]) not in tokens:
             continue
         ref = registry.resolve(c.op, "reference")[0]
         impl, used, why = registry.resolve(c.op, "cuda")
@@ -316,6 +346,16 @@ def run(quick: bool, only: set[str] | None = None) -> tuple[str, list[dict]]:
         shown = f"{val:.1f}x" if kind == "speedup" else f"{100 * val:.0f}% of copy"
         goal_s = f">= {goal}x" if kind == "speedup" else f">= {100 * goal:.0f}% of copy"
         lines.append(f"- {op} ({last['shape']}): {shown} (target {goal_s}): {'met' if ok else 'MISSED'}")
+    decode = [(key, goal, next((r for r in rows if (r["op"], r["shape"]) == key), None))
+              for key, goal in DECODE_TARGETS.items()]
+    if any(r for *_, r in decode):
+        lines += ["", "Decode targets (issue 12), CUDA-graph time:", ""]
+    for (op, shape), goal, r in decode:
+        if r is None:
+            continue
+        ok = r["impl"] == "cuda" and r["graph"] and r["t"] <= goal
+        lines.append(f"- {op} ({shape}): {r['t'] * 1e6:.1f} us (target <= {goal * 1e6:.0f} us): "
+                     f"{'met' if ok else 'MISSED'}")
     return "\n".join(lines) + "\n", rows
 
 
@@ -324,11 +364,13 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     ap.add_argument("--quick", action="store_true", help="skip the largest sizes")
     ap.add_argument("--only", default=None, help="comma-separated ops to time (default: all)")
+    ap.add_argument("--tokens", default=None, help="comma-separated token counts T to keep (default: all)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/ops.py needs a CUDA device", file=sys.stderr)
         return 2
-    text, _ = run(a.quick, set(a.only.split(",")) if a.only else None)
+    text, _ = run(a.quick, set(a.only.split(",")) if a.only else None,
+                  {int(x) for x in a.tokens.split(",")} if a.tokens else None)
     print(text)
     if a.out:
         with open(a.out + ".tmp", "w") as f:

@@ -63,7 +63,7 @@ def _mhc_partials_kernel(x_ptr, fn_ptr, part_ptr, pcomp_ptr, pss_ptr, T, D, chun
 def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
               hc_eps: float, iters: int):
     """x [T, 4, d] -> (pre [T, 4], post [T, 4], comb [T, 4, 4]) fp32."""
-    from .launch import grid_for, interpreting, num_workers
+    from .launch import grid_for, interpreting, needs_int64, num_workers
 
     if x.dim() != 3 or x.shape[1] != N_STREAMS:
         raise ValueError(f"x must be [T, {N_STREAMS}, d], got {tuple(x.shape)}")
@@ -93,7 +93,7 @@ def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
                                   BLOCK_T=bt, BLOCK_D=bd, SPLIT=split, **kw)
     cgrid = grid_for(n_tiles, x.device)
     _mhc_coef_kernel[(cgrid,)](part, pcomp, pss, scale, base, pre, post, comb, t, d, n_chunks, float(norm_eps),
-                               float(hc_eps), int(iters), n_tiles, cgrid, BLOCK_T=bt,
+                               float(hc_eps), int(iters), n_tiles, cgrid, BLOCK_T=bt, WIDE=needs_int64(x, fn),
                                **({} if interpreting() else {"num_warps": 4}))
     return pre, post, comb
 
