@@ -210,9 +210,10 @@ def mhc_mix(x: Tensor, y: Tensor, post: Tensor, comb: Tensor, pre: Tensor, fn: T
 # ---- MoE and Engram -------------------------------------------------------------------------
 @_op
 def moe_route(x: Tensor, gate_weight: Tensor, bias: Tensor, topk: int, route_scale: float,
-              gate_temp: float = 1.0) -> tuple[Tensor, Tensor]:
+              gate_temp: float = 1.0, norm_topk_prob: bool = True) -> tuple[Tensor, Tensor]:
     """sqrtsoftplus router in fp32: bias [E] or [T, E] chooses the top-k; the weights are the raw
-    scores of the chosen experts / (sum + 1e-20) * route_scale. Returns (weights [T, k], ids [T, k])."""
+    scores of the chosen experts, divided by (their sum + 1e-20) only when `norm_topk_prob` and
+    topk > 1, then times route_scale. Returns (weights [T, k], ids [T, k])."""
 
 
 @_op
@@ -229,8 +230,9 @@ def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, experts: list, limit: f
 def engram_gate(x: Tensor, k: Tensor, v: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
                 is_image: Tensor) -> Tensor:
     """Engram's per-stream gated add: x [T, n, d] bf16, keys k [T, n, d] and value v [T, d]
-    (fp32); dot_s = sum(rms(k_s) * k_weight * rms(x_s) * q_weight) * d^-0.5 (both RMS-normalised
-    with eps); gate_s = sigmoid(sign(dot) sqrt(max(|dot|, 1e-6))), 0 on image tokens;
+    (fp32), q_weight / k_weight [n, d] (row s weights stream s);
+    dot_s = sum(rms(k_s) * k_weight[s] * rms(x_s) * q_weight[s]) * d^-0.5 (both RMS-normalised
+    with eps); gate_s = sigmoid(sign(dot_s) sqrt(max(|dot_s|, 1e-6))), 0 on image tokens;
     x_s + gate_s * v in fp32, cast to x's dtype."""
 
 

@@ -92,8 +92,8 @@ def engram_multipliers(cfg: Any, layer_id: int, compressed_vocab_size: int | Non
     and 67716810739261 for layer 14. The bound keeps every `token * multiplier` product of a
     compressed id below INT64_MAX, so only the XOR mixes bits.
 
-    `compressed_vocab_size` defaults to `cfg.engram_compressed_vocab_size`; pass the count
-    returned by `build_compression_map` when the config leaves it 0 (the tiny preset does).
+    `compressed_vocab_size` defaults to `cfg.engram_compressed_vocab_size`, which must equal the
+    count `build_compression_map` returns for the model's tokenizer (`check_compressed_vocab`).
     """
     cv = int(cfg.engram_compressed_vocab_size if compressed_vocab_size is None else compressed_vocab_size)
     if cv <= 0:
@@ -177,6 +177,17 @@ def build_compression_map(
         fill = lookup[pad_token_id] if 0 <= pad_token_id < V and lookup[pad_token_id] >= 0 else 0
         lookup[missing] = fill
     return lookup, len(key_to_new)
+
+
+def check_compressed_vocab(cfg: Any, n_compressed: int) -> None:
+    """Raise ValueError unless the config's `engram_compressed_vocab_size` equals the size of the
+    token map built from the tokenizer (the hash multipliers depend on it, so a mismatch would
+    silently hash every n-gram to other rows)."""
+    if cfg.engram_layer_ids and int(cfg.engram_compressed_vocab_size) != int(n_compressed):
+        raise ValueError(
+            f"engram_compressed_vocab_size is {cfg.engram_compressed_vocab_size} in the config, but the "
+            f"tokenizer's Engram token map has {n_compressed} entries: the config and the tokenizer do not "
+            "belong together")
 
 
 def engram_row_ids(

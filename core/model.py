@@ -295,7 +295,8 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    """Top-k routed experts (FP4) plus one shared expert (FP8); outputs summed in fp32."""
+    """Top-k routed experts (FP4) plus one shared expert (FP8); outputs summed in fp32. The
+    routing weights are normalised over the chosen experts only with `norm_topk_prob`."""
 
     def __init__(self, cfg: ModelConfig, group: Group = SINGLE):
         super().__init__()
@@ -316,7 +317,7 @@ class MoE(nn.Module):
         if is_image is not None and hasattr(self.gate, "bias_vl"):
             bias = torch.where(is_image.unsqueeze(-1), self.gate.bias_vl, self.gate.bias)
         w, ids = ops.moe_route(x, self.gate.weight, bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor,
-                               cfg.gate_temp)
+                               cfg.gate_temp, cfg.norm_topk_prob)
         if self.group.world_size > 1:  # local slots; experts of other ranks are skipped (-1)
             mine = (ids >= self.expert_lo) & (ids < self.expert_lo + len(self.experts))
             ids = torch.where(mine, ids - self.expert_lo, -1)
@@ -382,8 +383,10 @@ class Engram(nn.Module):
     """Hashed n-gram memory added into every mHC stream before its block.
 
     rows (24 per token) -> FP8 rows dequantised -> concat -> `wkv` -> 4 keys + 1 value; per stream
-    gate = sigmoid(sign(dot) sqrt(max(|dot|, 1e-6))) with dot the RMS-normalised, weighted
-    key . stream product scaled by d^-0.5; stream += gate * value. Gate 0 on image tokens.
+    s, gate_s = sigmoid(sign(dot_s) sqrt(max(|dot_s|, 1e-6))) with dot_s the RMS-normalised key
+    s . stream s product weighted by `k_weight[s]` * `q_weight[s]` and scaled by d^-0.5; stream s
+    += gate_s * value. `q_weight` / `k_weight` are [hc_mult, d]: one row per mHC stream (the
+    official checkpoints hold distinct rows). Gate 0 on image tokens.
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int, rows: int, group: Group = SINGLE):
@@ -394,8 +397,8 @@ class Engram(nn.Module):
         self.row_lo, row_hi = group.ceil_range(rows)
         self.embed = EngramEmbed(row_hi - self.row_lo, cfg.engram_head_dim, cfg.engram_dtype)
         self.wkv = Linear(cfg.n_engram_rows_per_token * cfg.engram_head_dim, (n + 1) * d, _dense(cfg))
-        self.register_buffer("q_weight", torch.empty(d, dtype=BF16))
-        self.register_buffer("k_weight", torch.empty(d, dtype=BF16))
+        self.register_buffer("q_weight", torch.empty(n, d, dtype=BF16))
+        self.register_buffer("k_weight", torch.empty(n, d, dtype=BF16))
         self.primes = engram_primes(cfg)[cfg.engram_layer_ids.index(layer_id)]
         self.register_buffer("multipliers", torch.zeros(cfg.engram_max_ngram_size, dtype=torch.long),
                              persistent=False)

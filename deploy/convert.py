@@ -23,6 +23,10 @@ Splits (rank i of mp gets):
 * everything else (including `vision.*`, `aligner.*`, `image_*`) replicated on every rank.
 Split FP8 block-scaled weights must split on 32-row/column block boundaries (checked).
 
+The released file form of `attn.wo_a` (FP8 E4M3 + `.scale`, E8M0 per 32x32 block; see
+`names.RELEASED_FP8_BF16`) is dequantised to the bf16 weight the model holds, as the official
+convert.py does (exact: an E4M3 value times a power of two), then split on dim 0 like `wo_a`.
+
 Optional re-encodings: `expert_dtype='fp8'` turns FP4 routed experts (int8 pairs + E8M0 per 32)
 into FP8 E4M3 with E8M0 32x32 block scales (via fp32, exactly what `fp8_block_quant` does);
 `engram_dtype='int8'` re-quantises the FP8 Engram rows to int8 with one fp32 scale per row
@@ -232,7 +236,8 @@ class OutTensor:
 @dataclass
 class Unit:
     """Source tensors consumed together and what each rank gets from them."""
-    kind: str                       # replicate | dim0 | dim1 | expert | engram | expert_fp8 | engram_int8 | linear_int8
+    # replicate | dim0 | dim1 | expert | engram | expert_fp8 | engram_int8 | linear_int8 | dequant_dim0
+    kind: str
     src: list[SrcTensor]
     outs: dict[int, list[OutTensor]] = field(default_factory=dict)   # rank -> outputs
     split: str = "expert"           # linear_int8: how the int8 weight is split (dim0 | dim1 | replicate | expert)
@@ -283,10 +288,15 @@ def _int8_outs(kind: str, name: str, shape: tuple, mp: int, rank: int | None) ->
 
 def plan(cfg, tensors: list[SrcTensor], mp: int, expert_dtype: str, engram_dtype: str,
          linear_dtype: str = "native") -> list[Unit]:
+    from .names import released_fp8_bf16
+
     expected = expected_tensors(cfg)
     by_native = {t.native: t for t in tensors}
-    problems = []
+    released, problems = released_fp8_bf16({t.native: (t.shape, ST_TO_TORCH[t.dtype]) for t in tensors}, expected)
+    released_names = {f"{o}.{leaf}" for o in released for leaf in ("weight", "scale")}
     for t in tensors:
+        if t.native in released_names:
+            continue
         if t.native in expected:
             shape, dt = expected[t.native]
             if t.shape != shape or ST_TO_TORCH[t.dtype] != dt:
@@ -305,6 +315,11 @@ def plan(cfg, tensors: list[SrcTensor], mp: int, expert_dtype: str, engram_dtype
     n_experts = {"layers": cfg.n_routed_experts, "mtp": cfg.dspark_n_routed_experts}
     units: list[Unit] = []
     paired: set[str] = set()
+    for owner in released:  # FP8 wo_a of the release -> the model's bf16, split on dim 0
+        w, s = by_native[owner + ".weight"], by_native[owner + ".scale"]
+        shape = _split_shape(w.shape, 0, mp, w.name)
+        paired.update((w.native, s.native))
+        units.append(Unit("dequant_dim0", [w, s], {i: [OutTensor(w.native, "BF16", shape)] for i in range(mp)}))
     if linear_dtype == "int8":  # the scales travel with their weights, whichever comes first
         for t in tensors:
             if t.native.endswith(".weight") and (t.dtype == "F8_E4M3" or (t.dtype == "I8" and _EXPERT.match(t.native))) \
@@ -523,6 +538,20 @@ def _run_unit(u: Unit, writers: list[ShardWriter], files: dict, chunk: int, repo
 
     w, s = u.src
     fw, fs = fh(w), fh(s)
+    if u.kind == "dequant_dim0":
+        per = w.shape[0] // len(writers)
+        step = _chunk_rows(w, max(1, chunk // 8), 32)  # whole 32-row scale blocks per chunk
+        for a in range(0, w.rows, step):
+            b = min(w.rows, a + step)
+            xw, xs = read_rows(fw, w, a, b), read_rows(fs, s, a // 32, -(-b // 32))
+            tick(xw.numel() + xs.numel())
+            x = quant.fp8_block_dequant(xw, xs).to(torch.bfloat16)
+            for r in range(len(writers)):
+                lo, hi = max(a, r * per), min(b, (r + 1) * per)
+                if lo < hi:
+                    writers[r].write(w.native, x[lo - a:hi - a])
+        report["counts"]["fp8_dequantised"] += 1
+        return
     if u.kind == "expert_fp8":
         (r,) = u.outs
         step = _chunk_rows(w, max(1, chunk // 16), 32)   # fp32 temporaries are ~16x the packed bytes
@@ -668,7 +697,8 @@ def convert(src_dir, dst_dir, model_parallel: int, expert_dtype: str = "fp4", en
 
     tensors = discover(src)
     units = plan(cfg, tensors, mp, expert_dtype, engram_dtype, linear_dtype)
-    counts = {k: 0 for k in ("replicate", "dim0", "dim1", "expert", "engram", "expert_fp8", "engram_int8", "linear_int8")}
+    counts = {k: 0 for k in ("replicate", "dim0", "dim1", "expert", "engram", "expert_fp8", "engram_int8", "linear_int8",
+                             "dequant_dim0")}
     for u in units:
         counts[u.kind] += 1
     report: dict[str, Any] = {
@@ -677,7 +707,8 @@ def convert(src_dir, dst_dir, model_parallel: int, expert_dtype: str = "fp4", en
         "source_tensors": len(tensors), "source_bytes": sum(t.nbytes for t in tensors),
         "consumed_tensors": sum(len(u.src) for u in units),
         "units": counts,
-        "counts": {"expert_fp8_converted": 0, "engram_int8_converted": 0, "linear_int8_converted": 0},
+        "counts": {"expert_fp8_converted": 0, "engram_int8_converted": 0, "linear_int8_converted": 0,
+                   "fp8_dequantised": 0},
         "bytes_read": 0, "engram_int8_error": {}, "linear_dtype": linear_dtype, "linear_int8_error": {},
         "largest_source_tensor_bytes": max((t.nbytes for t in tensors), default=0),
     }
@@ -757,6 +788,8 @@ def format_report(rep: dict) -> str:
             f"{rep['seconds']:.2f} s ({rep['mb_per_s']:.1f} MB/s)"
         ),
     ]
+    if rep["counts"]["fp8_dequantised"]:
+        lines.append(f"  {rep['counts']['fp8_dequantised']} released-form FP8 wo_a weight(s) dequantised to bf16")
     for kind, e in sorted(rep.get("linear_int8_error", {}).items()):
         lines.append(f"  int8 {kind}: {e['tensors']} tensor(s), {e['rows']} rows, relative error vs the release "
                      f"weight (of row amax): max {e['max_rel']:.3e}, mean {e['mean_rel']:.3e}")

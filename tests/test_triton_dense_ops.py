@@ -133,9 +133,10 @@ def check_mhc_engram(dev, t, d, rng):
     qw = (torch.rand(n, d, generator=rng) + 0.5).to(torch.bfloat16)
     kw = (torch.rand(n, d, generator=rng) + 0.5).to(torch.bfloat16)
     img = torch.rand(t, generator=rng) < 0.3
-    for q_w, k_w in ((qw, kw), (qw[0], kw[0])):  # per-stream [n, d] weights, and shared [d]
-        got = eg.engram_gate(x.to(dev), k.to(dev), v.to(dev), q_w.to(dev), k_w.to(dev), 1e-20, img.to(dev))
-        assert rel_err(got, basic.engram_gate(x, k, v, q_w, k_w, 1e-20, img)) < 4e-3
+    got = eg.engram_gate(x.to(dev), k.to(dev), v.to(dev), qw.to(dev), kw.to(dev), 1e-20, img.to(dev))
+    assert rel_err(got, basic.engram_gate(x, k, v, qw, kw, 1e-20, img)) < 4e-3
+    with pytest.raises(ValueError, match=rf"q_weight must be \[n_streams, d\] = \[{n}, {d}\]"):
+        eg.engram_gate(x.to(dev), k.to(dev), v.to(dev), qw[0].to(dev), kw[0].to(dev), 1e-20, img.to(dev))
 
 
 @pytest.mark.parametrize("dev", DEVICES)

@@ -191,7 +191,10 @@ def engram_lookup(table: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) 
 
 @register("engram_gate")
 def engram_gate(x, k, v, q_weight, k_weight, eps, is_image):
-    d = x.shape[-1]
+    n, d = x.shape[-2:]
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if tuple(w.shape) != (n, d):  # one row per mHC stream: [d] would silently share one row
+            raise ValueError(f"engram_gate: {name} must be [n_streams, d] = [{n}, {d}], got {list(w.shape)}")
     xf, k = x.float(), k.float()
     kn = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps)
     xn = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
