@@ -78,6 +78,8 @@ def _compare(op, got, want, args):
     if op == "compress_kv":
         e = _rel(got, want)
         return None if e <= BF16_REL else f"latent rel err {e:.3g}"
+    if isinstance(got, tuple):  # e.g. rope_tables' (cos, sin)
+        return next((m for m in (_compare(op, g, w, args) for g, w in zip(got, want)) if m), None)
     e = _rel(got, want)
     return None if e <= BF16_REL else f"rel err {e:.3g}"
 
