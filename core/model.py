@@ -36,7 +36,9 @@ class Linear(nn.Module):
     """A linear layer stored as the checkpoint stores it.
 
     storage: "fp8" (E4M3 weight + E8M0 scale per 32x32 block; activations FP8-quantised per 32),
-    "fp4" (int8 bytes holding two E2M1 values + E8M0 scale per 32 along K), "bf16" or "fp32".
+    "fp4" (int8 bytes holding two E2M1 values + E8M0 scale per 32 along K), "int8" (W8A8: int8
+    weight + one fp32 scale per output channel [N, 1]; activations int8-quantised per token at
+    run time, as `dsv41 convert --linear-dtype int8` writes for Atlas A2/A3), "bf16" or "fp32".
     """
 
     def __init__(self, in_features: int, out_features: int, storage: str):
@@ -49,6 +51,9 @@ class Linear(nn.Module):
         elif storage == "fp4":
             self.register_buffer("weight", torch.empty(n, k // 2, dtype=torch.int8))
             self.register_buffer("scale", torch.empty(n, k // 32, dtype=torch.float8_e8m0fnu))
+        elif storage == "int8":
+            self.register_buffer("weight", torch.empty(n, k, dtype=torch.int8))
+            self.register_buffer("scale", torch.empty(n, 1, dtype=torch.float32))
         else:
             self.register_buffer("weight", torch.empty(n, k, dtype=BF16 if storage == "bf16" else torch.float32))
             self.scale = None
@@ -141,7 +146,8 @@ class Indexer(nn.Module):
 
 
 def _dense(cfg: ModelConfig) -> str:
-    return "fp8" if cfg.weight_dtype == "fp8" else "bf16"
+    """Storage of the dense quantised linears: the checkpoint's FP8, W8A8 INT8, or bf16."""
+    return cfg.weight_dtype if cfg.weight_dtype in ("fp8", "int8") else "bf16"
 
 
 class Attention(nn.Module):
@@ -289,7 +295,8 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    """Top-k routed experts (FP4) plus one shared expert (FP8); outputs summed in fp32."""
+    """Top-k routed experts (FP4) plus one shared expert (FP8); outputs summed in fp32. The
+    routing weights are normalised over the chosen experts only with `norm_topk_prob`."""
 
     def __init__(self, cfg: ModelConfig, group: Group = SINGLE):
         super().__init__()
@@ -310,7 +317,7 @@ class MoE(nn.Module):
         if is_image is not None and hasattr(self.gate, "bias_vl"):
             bias = torch.where(is_image.unsqueeze(-1), self.gate.bias_vl, self.gate.bias)
         w, ids = ops.moe_route(x, self.gate.weight, bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor,
-                               cfg.gate_temp)
+                               cfg.gate_temp, cfg.norm_topk_prob)
         if self.group.world_size > 1:  # local slots; experts of other ranks are skipped (-1)
             mine = (ids >= self.expert_lo) & (ids < self.expert_lo + len(self.experts))
             ids = torch.where(mine, ids - self.expert_lo, -1)
@@ -376,8 +383,10 @@ class Engram(nn.Module):
     """Hashed n-gram memory added into every mHC stream before its block.
 
     rows (24 per token) -> FP8 rows dequantised -> concat -> `wkv` -> 4 keys + 1 value; per stream
-    gate = sigmoid(sign(dot) sqrt(max(|dot|, 1e-6))) with dot the RMS-normalised, weighted
-    key . stream product scaled by d^-0.5; stream += gate * value. Gate 0 on image tokens.
+    s, gate_s = sigmoid(sign(dot_s) sqrt(max(|dot_s|, 1e-6))) with dot_s the RMS-normalised key
+    s . stream s product weighted by `k_weight[s]` * `q_weight[s]` and scaled by d^-0.5; stream s
+    += gate_s * value. `q_weight` / `k_weight` are [hc_mult, d]: one row per mHC stream (the
+    official checkpoints hold distinct rows). Gate 0 on image tokens.
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int, rows: int, group: Group = SINGLE):
@@ -388,8 +397,8 @@ class Engram(nn.Module):
         self.row_lo, row_hi = group.ceil_range(rows)
         self.embed = EngramEmbed(row_hi - self.row_lo, cfg.engram_head_dim, cfg.engram_dtype)
         self.wkv = Linear(cfg.n_engram_rows_per_token * cfg.engram_head_dim, (n + 1) * d, _dense(cfg))
-        self.register_buffer("q_weight", torch.empty(d, dtype=BF16))
-        self.register_buffer("k_weight", torch.empty(d, dtype=BF16))
+        self.register_buffer("q_weight", torch.empty(n, d, dtype=BF16))
+        self.register_buffer("k_weight", torch.empty(n, d, dtype=BF16))
         self.primes = engram_primes(cfg)[cfg.engram_layer_ids.index(layer_id)]
         self.register_buffer("multipliers", torch.zeros(cfg.engram_max_ngram_size, dtype=torch.long),
                              persistent=False)
@@ -400,7 +409,10 @@ class Engram(nn.Module):
 
     def window_row_ids(self, comp: torch.Tensor, valid: torch.Tensor, pad_id: int) -> torch.Tensor:
         """Row ids [T, 24] from compressed ids at p, p-1, .. [T, N] and their validity."""
-        return engram_window_row_ids(comp, valid, self.multipliers, self.primes, pad_id, self.cfg.engram_n_heads)
+        # the primes as a tensor on the ids' device, made once (nothing crosses the bus in a step)
+        if getattr(self, "_primes_t", None) is None or self._primes_t.device != comp.device:
+            self._primes_t = torch.tensor(self.primes, dtype=torch.int64, device=comp.device)
+        return engram_window_row_ids(comp, valid, self.multipliers, self._primes_t, pad_id, self.cfg.engram_n_heads)
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor, is_image: torch.Tensor) -> torch.Tensor:
         t, n, d = x.shape

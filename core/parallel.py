@@ -7,8 +7,10 @@ expert combine, vocabulary-parallel embedding, Engram rows, indexer scores) and 
 `TorchGroup` runs them through `torch.distributed` (gloo on CPU, NCCL on CUDA, HCCL on NPU); a
 serving engine (the vLLM plugin) can back the same interface with its own tensor-parallel group.
 
-Exactness: callers hand `all_reduce_sum` unrounded partial sums (fp64 on the reference) and
-round once afterwards, so an N-way run reproduces the one-process run up to fp64 rounding.
+Exactness: callers hand `all_reduce_sum` unrounded partial sums and round once afterwards. Their
+dtype comes from `dsv41.backends.ops.partial_sum_dtype(device)`: fp64 on the CPU reference (an
+N-way run reproduces the one-process run up to fp64 rounding), fp32 on CUDA and NPU (HCCL on
+Atlas A2/A3 reduces fp32 / bf16 / integers only; the official code rounds to bf16 anyway).
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ class TorchGroup(Group):
         self.world_size = dist.get_world_size(pg)
 
     def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float64 and x.device.type == "npu":
+            raise ValueError("an fp64 all-reduce on NPU tensors: HCCL has no fp64 sum; take the partial sums' "
+                             "dtype from dsv41.backends.ops.partial_sum_dtype(device) (float32 on the NPU)")
         out = x.contiguous().clone()
         self._dist.all_reduce(out, op=self._dist.ReduceOp.SUM, group=self._pg)
         return out

@@ -27,8 +27,8 @@ import torch
 
 from ..core.config import ConfigError, ModelConfig, load_config
 from ..core.parallel import SINGLE, Group
-from ..core.weights import WeightError, check_state_dict
-from .names import hf_to_native
+from ..core.weights import DEFAULT_INIT, WeightError, check_state_dict
+from .names import hf_to_native, released_fp8_bf16
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -143,8 +143,8 @@ def _fsync_dir_tree(path: Path) -> None:
 
 def make_checkpoint(cfg: ModelConfig, out_dir: str | os.PathLike, seed: int = 0,
                     max_shard_bytes: int = 2_000_000, *, tokenizer=None, force: bool = False,
-                    progress: bool = False) -> Path:
-    """Write a complete checkpoint of the weights `build_model(cfg, seed)` builds.
+                    progress: bool = False, init: str = DEFAULT_INIT) -> Path:
+    """Write a complete checkpoint of the weights `build_model(cfg, seed, init=init)` builds.
 
     `config.json` (nested form), sharded safetensors + index in the storage dtypes, and
     `tokenizer.json` / `tokenizer_config.json` (chat template) when `tokenizer` is given (for
@@ -159,6 +159,8 @@ def make_checkpoint(cfg: ModelConfig, out_dir: str | os.PathLike, seed: int = 0,
     killed run are removed first. A failure leaves neither a partial `out_dir` nor the temporary
     directory. Files and folders follow the umask. An existing non-empty `out_dir` raises
     CheckpointExistsError unless `force`. OSErrors propagate (after clean-up).
+    With a tokenizer, `config.json` records the size of its Engram token map as
+    `engram_compressed_vocab_size` (what loading checks the tokenizer against).
     """
     from ..core.model import Transformer
     from ..core.tokenizer import (
@@ -175,6 +177,11 @@ def make_checkpoint(cfg: ModelConfig, out_dir: str | os.PathLike, seed: int = 0,
     cfg.validate()
     if tokenizer is None and cfg.vocab_size == TINY_VOCAB_SIZE:
         tokenizer = build_tiny_tokenizer()
+    if tokenizer is not None and cfg.engram_layer_ids:
+        from ..core.engram import build_compression_map
+
+        n_comp = build_compression_map(tokenizer, vocab_size=cfg.vocab_size, pad_token_id=cfg.engram_pad_token_id)[1]
+        cfg = cfg.replace(engram_compressed_vocab_size=n_comp).validate()
 
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -199,7 +206,7 @@ def make_checkpoint(cfg: ModelConfig, out_dir: str | os.PathLike, seed: int = 0,
                 writer_of.update(dict.fromkeys((o.name for o in outs), writers[-1]))
             total = sum(o.nbytes for o in layout)
             with progress_bar(total, "writing checkpoint", progress) as bar:
-                for part in iter_random_state(model, seed):
+                for part in iter_random_state(model, seed, init):
                     for k, t in part.items():
                         bar.update(writer_of[k].write(k, t))
             for w in writers:
@@ -436,6 +443,7 @@ def load_checkpoint_weights(ckpt_dir: str | os.PathLike, cfg: ModelConfig, devic
             del meta[native], where[native]
     with torch.device("meta"):
         model = Transformer(cfg, group, with_drafter=with_drafter)
+    dequant = _released_forms(model, meta, problems)
     try:
         check_state_dict(model, meta)
     except WeightError as e:
@@ -443,6 +451,7 @@ def load_checkpoint_weights(ckpt_dir: str | os.PathLike, cfg: ModelConfig, devic
     if problems:
         raise WeightError(f"{d}: {len(problems)} problem(s) with the checkpoint's weights:\n  - "
                           + "\n  - ".join(problems))
+    vocab = engram_vocab(cfg, tokenizer, d) if tokenizer is not None else None
 
     if engram_offload:
         model.offload_engram(device)
@@ -450,7 +459,8 @@ def load_checkpoint_weights(ckpt_dir: str | os.PathLike, cfg: ModelConfig, devic
     buffers = dict(model.named_buffers())
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for native, (stored, f) in where.items():
-        by_file.setdefault(f, []).append((native, stored))
+        if native.rpartition(".")[0] not in dequant:
+            by_file.setdefault(f, []).append((native, stored))
     total = sum(t.numel() * t.element_size() for t in meta.values())
     with torch.no_grad(), progress_bar(total, "loading weights", progress) as bar:
         for f, pairs in by_file.items():
@@ -468,21 +478,66 @@ def load_checkpoint_weights(ckpt_dir: str | os.PathLike, cfg: ModelConfig, devic
                 raise
             except _READ_ERRORS as e:
                 raise WeightError(f"{f}: cannot read tensor data (truncated or corrupt: {e})") from None
-    if tokenizer is not None:
-        install_engram_vocab(model, tokenizer)
+        for owner in dequant:
+            buffers[owner + ".weight"].copy_(_read_dequantised(where, owner))
+    if vocab is not None:
+        model.set_engram_vocab(*vocab)
     return model
+
+
+def _released_forms(model, meta: dict[str, torch.Tensor], problems: list[str]) -> list[str]:
+    """Accept the released file form of `attn.wo_a` (FP8 + E8M0 block `.scale`, `names.RELEASED_FP8_BF16`)
+    for the model's bf16 weight: `meta` then shows the bf16 weight the loader will produce (the
+    scale is consumed). Returns the owners to dequantise on load; adds pair problems."""
+    expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    owners, bad = released_fp8_bf16({k: (tuple(v.shape), v.dtype) for k, v in meta.items()}, expected)
+    problems += bad
+    for owner in owners:
+        meta[owner + ".weight"] = torch.empty(meta[owner + ".weight"].shape, dtype=torch.bfloat16, device="meta")
+        del meta[owner + ".scale"]
+    return owners
+
+
+def _read_dequantised(where: dict[str, tuple[str, Path]], owner: str) -> torch.Tensor:
+    """The bf16 weight of a released-form FP8 `owner` (exact: an E4M3 value times a power of two)."""
+    from safetensors import safe_open
+
+    from ..backends.reference.quant import fp8_block_dequant
+
+    parts = []
+    for leaf in ("weight", "scale"):
+        stored, f = where[f"{owner}.{leaf}"]
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as fh:
+                parts.append(fh.get_tensor(stored))
+        except _READ_ERRORS as e:
+            raise WeightError(f"{f}: cannot read tensor data (truncated or corrupt: {e})") from None
+    return fp8_block_dequant(*parts).to(torch.bfloat16)
+
+
+def engram_vocab(cfg: ModelConfig, tokenizer, where: str | os.PathLike = "") -> tuple | None:
+    """(token -> compressed id map, its size) of `tokenizer` for Engram's hashes, None for a
+    model without Engram layers. A config whose `engram_compressed_vocab_size` differs from the
+    map's size is a ConfigError (naming `where`): the config and tokenizer do not belong together."""
+    if not cfg.engram_layer_ids:
+        return None
+    from ..core.engram import build_compression_map, check_compressed_vocab
+
+    comp, n_comp = build_compression_map(tokenizer, vocab_size=cfg.vocab_size, pad_token_id=cfg.engram_pad_token_id)
+    try:
+        check_compressed_vocab(cfg, n_comp)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}" if str(where) else str(e)) from None
+    return comp, n_comp
 
 
 def install_engram_vocab(model, tokenizer) -> None:
     """Install the Engram compression map of `tokenizer` (the token -> compressed id map the
-    hashes use) into `model`; nothing to do for a model without Engram layers."""
-    cfg = model.cfg
-    if not cfg.engram_layer_ids:
-        return
-    from ..core.engram import build_compression_map
-
-    comp, n_comp = build_compression_map(tokenizer, vocab_size=cfg.vocab_size, pad_token_id=cfg.engram_pad_token_id)
-    model.set_engram_vocab(comp, n_comp)
+    hashes use) into `model` after checking it against the config (`engram_vocab`); nothing to
+    do for a model without Engram layers."""
+    vocab = engram_vocab(model.cfg, tokenizer)
+    if vocab is not None:
+        model.set_engram_vocab(*vocab)
 
 
 def load_checkpoint(ckpt_dir: str | os.PathLike, device: str | torch.device = "cpu", group: Group = SINGLE):

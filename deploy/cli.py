@@ -287,6 +287,8 @@ def _generate(args, group, device) -> int:
     spec_opts = _spec_options(args, cfg, device) if args.speculative else None
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tok = _tokenizer_for(args, cfg)
+    if args.max_batch < 1:
+        raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.prompts_file:
         return _generate_file(args, cfg, tok, group, device, params)
     prompt, images = _prompt_and_images(args, tok, cfg)
@@ -294,7 +296,9 @@ def _generate(args, group, device) -> int:
     model = _load_weights(args, cfg, device, tok, group, with_drafter=args.speculative)
     if tok is not None and not args.ckpt:  # a checkpoint's map is installed by the loader
         install_engram_vocab(model, tok)
-    engine = Engine(model, prefill_mode=args.prefill_mode, max_batch=args.max_batch)
+    graphs = device.type != "cpu" and not args.eager and not args.speculative
+    engine = Engine(model, prefill_mode=args.prefill_mode, max_batch=1, graphs=graphs,
+                    max_model_len=min(len(prompt) + max(args.max_new_tokens, 1), cfg.max_position_embeddings))
     try:
         if spec_opts is not None:
             res = engine.generate_speculative(prompt, params, spec_opts, images=images)
@@ -349,16 +353,18 @@ def _generate_file(args, cfg, tok, group, device, base) -> int:
     if args.speculative or args.prompt is not None or args.prompt_ids is not None or args.messages or args.image:
         raise UserError("--prompts-file takes the prompts from the file (no --prompt / --prompt-ids / --messages / "
                         "--image / --speculative)")
-    try:
-        encoded = encode_prompts_file(args, tok, cfg, base)  # every line checked before any weight is built
+    try:  # every line read, checked and encoded before any weight is built
+        reqs, batch = encode_prompts_file(args, tok, cfg, base)
     except ValueError as e:
         raise UserError(str(e)) from None
     model = _load_weights(args, cfg, device, tok, group, with_drafter=False)
     if tok is not None and not args.ckpt:
         install_engram_vocab(model, tok)
-    engine = Engine(model, prefill_mode=args.prefill_mode, max_batch=args.max_batch)
+    longest = min(max(len(ids) + p.max_new_tokens for ids, p, _ in batch), cfg.max_position_embeddings)
     try:
-        rows = run_prompts_file(args, engine, tok, cfg, base, encoded)
+        engine = Engine(model, prefill_mode=args.prefill_mode, max_batch=args.max_batch,
+                        graphs=device.type != "cpu" and not args.eager, max_model_len=longest)
+        rows = run_prompts_file(engine, tok, reqs, batch)
     except ValueError as e:
         raise UserError(str(e)) from None
     if group.rank != 0:
@@ -592,6 +598,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "input order, then the total tokens/s")
     r.add_argument("--max-batch", type=int, default=64, metavar="N",
                    help="most sequences decoding at once (continuous batching; default 64)")
+    r.add_argument("--eager", action="store_true",
+                   help="on a device, run every step eagerly instead of replaying captured decode graphs")
     r.add_argument("--image", action="append", metavar="FILE",
                    help="an image for the prompt's user message (repeatable; placed at each image token of "
                         "--prompt, else prepended)")

@@ -23,11 +23,22 @@ Splits (rank i of mp gets):
 * everything else (including `vision.*`, `aligner.*`, `image_*`) replicated on every rank.
 Split FP8 block-scaled weights must split on 32-row/column block boundaries (checked).
 
+The released file form of `attn.wo_a` (FP8 E4M3 + `.scale`, E8M0 per 32x32 block; see
+`names.RELEASED_FP8_BF16`) is dequantised to the bf16 weight the model holds, as the official
+convert.py does (exact: an E4M3 value times a power of two), then split on dim 0 like `wo_a`.
+
 Optional re-encodings: `expert_dtype='fp8'` turns FP4 routed experts (int8 pairs + E8M0 per 32)
 into FP8 E4M3 with E8M0 32x32 block scales (via fp32, exactly what `fp8_block_quant` does);
 `engram_dtype='int8'` re-quantises the FP8 Engram rows to int8 with one fp32 scale per row
 (`scale` becomes F32 [rows, 1]; scale = amax/127, round half to even, clamp to +-127) and
 reports the error against the FP8 rows.
+
+`linear_dtype='int8'` (W8A8 for Atlas A2/A3, which have no FP8 matmul) turns every FP8
+block-scaled linear and every FP4 routed expert into an int8 weight [N, K] with one fp32 scale
+per output channel (`scale` F32 [N, 1]; amax/127 per row of the dequantised weight, round half to
+even) -- the per-channel weight of vllm-ascend's W8A8_DYNAMIC scheme, whose activations are
+quantised per token at run time -- writes `quant_model_description.json` (W8A8_DYNAMIC per int8
+weight, FLOAT for the rest) and reports the quantisation error per tensor kind.
 
 Output: the shards, a nested Hugging Face `config.json` (the source config, `expert_dtype` set in
 `quantization_config` together with `engram_dtype`, and a top-level `model_parallel`), and the
@@ -232,9 +243,11 @@ class OutTensor:
 @dataclass
 class Unit:
     """Source tensors consumed together and what each rank gets from them."""
-    kind: str                       # replicate | dim0 | dim1 | expert | engram | expert_fp8 | engram_int8
+    # replicate | dim0 | dim1 | expert | engram | expert_fp8 | engram_int8 | linear_int8 | dequant_dim0
+    kind: str
     src: list[SrcTensor]
     outs: dict[int, list[OutTensor]] = field(default_factory=dict)   # rank -> outputs
+    split: str = "expert"           # linear_int8: how the int8 weight is split (dim0 | dim1 | replicate | expert)
 
 
 def expected_tensors(cfg) -> dict[str, tuple[tuple, torch.dtype]]:
@@ -265,11 +278,32 @@ def _split_shape(shape: tuple, dim: int, mp: int, name: str) -> tuple:
     return tuple(s)
 
 
-def plan(cfg, tensors: list[SrcTensor], mp: int, expert_dtype: str, engram_dtype: str) -> list[Unit]:
+def _int8_outs(kind: str, name: str, shape: tuple, mp: int, rank: int | None) -> dict[int, list[OutTensor]]:
+    """Per rank, the int8 weight [N, K] and fp32 scale [N, 1] pieces of a W8A8 linear split as
+    `kind` (dim0: rows, dim1: columns -- every rank keeps the full per-row scale)."""
+    owner = name.rsplit(".", 1)[0]
+    n, k = shape
+    if kind == "expert":
+        return {rank: [OutTensor(owner + ".weight", "I8", (n, k)), OutTensor(owner + ".scale", "F32", (n, 1))]}
+    if kind == "dim0":
+        n = _split_shape(shape, 0, mp, name)[0]
+    if kind == "dim1":
+        k = _split_shape(shape, 1, mp, name)[1]
+    return {i: [OutTensor(owner + ".weight", "I8", (n, k)), OutTensor(owner + ".scale", "F32", (n, 1))]
+            for i in range(mp)}
+
+
+def plan(cfg, tensors: list[SrcTensor], mp: int, expert_dtype: str, engram_dtype: str,
+         linear_dtype: str = "native") -> list[Unit]:
+    from .names import released_fp8_bf16
+
     expected = expected_tensors(cfg)
     by_native = {t.native: t for t in tensors}
-    problems = []
+    released, problems = released_fp8_bf16({t.native: (t.shape, ST_TO_TORCH[t.dtype]) for t in tensors}, expected)
+    released_names = {f"{o}.{leaf}" for o in released for leaf in ("weight", "scale")}
     for t in tensors:
+        if t.native in released_names:
+            continue
         if t.native in expected:
             shape, dt = expected[t.native]
             if t.shape != shape or ST_TO_TORCH[t.dtype] != dt:
@@ -288,6 +322,16 @@ def plan(cfg, tensors: list[SrcTensor], mp: int, expert_dtype: str, engram_dtype
     n_experts = {"layers": cfg.n_routed_experts, "mtp": cfg.dspark_n_routed_experts}
     units: list[Unit] = []
     paired: set[str] = set()
+    for owner in released:  # FP8 wo_a of the release -> the model's bf16, split on dim 0
+        w, s = by_native[owner + ".weight"], by_native[owner + ".scale"]
+        shape = _split_shape(w.shape, 0, mp, w.name)
+        paired.update((w.native, s.native))
+        units.append(Unit("dequant_dim0", [w, s], {i: [OutTensor(w.native, "BF16", shape)] for i in range(mp)}))
+    if linear_dtype == "int8":  # the scales travel with their weights, whichever comes first
+        for t in tensors:
+            if t.native.endswith(".weight") and (t.dtype == "F8_E4M3" or (t.dtype == "I8" and _EXPERT.match(t.native))) \
+                    and not _ENGRAM.match(t.native):
+                paired.add(t.native[: -len(".weight")] + ".scale")
     for t in tensors:
         if t.native in paired:
             continue
@@ -301,6 +345,11 @@ def plan(cfg, tensors: list[SrcTensor], mp: int, expert_dtype: str, engram_dtype
             rank = e // (total // mp)
             owner = n.rsplit(".", 1)[0]
             w, s = by_native.get(owner + ".weight"), by_native.get(owner + ".scale")
+            if linear_dtype == "int8" and w is not None and s is not None and w.dtype in ("I8", "F8_E4M3"):
+                paired.update((w.native, s.native))
+                k = w.shape[1] * (2 if w.dtype == "I8" else 1)
+                units.append(Unit("linear_int8", [w, s], _int8_outs("expert", w.native, (w.shape[0], k), mp, rank)))
+                continue
             if expert_dtype == "fp8" and w is not None and w.dtype == "I8":
                 if w is None or s is None or s.dtype != "F8_E8M0" or len(w.shape) != 2:
                     raise ConvertError(f"{owner}: an FP4 expert needs an int8 weight and an E8M0 scale")
@@ -328,6 +377,15 @@ def plan(cfg, tensors: list[SrcTensor], mp: int, expert_dtype: str, engram_dtype
             else:
                 units.append(Unit("engram", [t], {i: [OutTensor(n, t.dtype, (b - a, *t.shape[1:]))]
                                                   for i, (a, b) in enumerate(ranges)}))
+            continue
+        if linear_dtype == "int8" and n.endswith(".weight") and t.dtype == "F8_E4M3":
+            s = by_native.get(n[: -len(".weight")] + ".scale")
+            if s is None or s.dtype != "F8_E8M0":
+                raise ConvertError(f"{t.name}: an FP8 linear needs an E8M0 block scale")
+            kind = "dim0" if _DIM0.match(n) else "dim1" if _DIM1.match(n) else "replicate"
+            paired.update((t.native, s.native))
+            units.append(Unit("linear_int8", [t, s], _int8_outs(kind, n, t.shape, mp, None)))
+            units[-1].split = kind
             continue
         for kind, rx, dim in (("dim0", _DIM0, 0), ("dim1", _DIM1, 1)):
             if rx.match(n):
@@ -487,6 +545,20 @@ def _run_unit(u: Unit, writers: list[ShardWriter], files: dict, chunk: int, repo
 
     w, s = u.src
     fw, fs = fh(w), fh(s)
+    if u.kind == "dequant_dim0":
+        per = w.shape[0] // len(writers)
+        step = _chunk_rows(w, max(1, chunk // 8), 32)  # whole 32-row scale blocks per chunk
+        for a in range(0, w.rows, step):
+            b = min(w.rows, a + step)
+            xw, xs = read_rows(fw, w, a, b), read_rows(fs, s, a // 32, -(-b // 32))
+            tick(xw.numel() + xs.numel())
+            x = quant.fp8_block_dequant(xw, xs).to(torch.bfloat16)
+            for r in range(len(writers)):
+                lo, hi = max(a, r * per), min(b, (r + 1) * per)
+                if lo < hi:
+                    writers[r].write(w.native, x[lo - a:hi - a])
+        report["counts"]["fp8_dequantised"] += 1
+        return
     if u.kind == "expert_fp8":
         (r,) = u.outs
         step = _chunk_rows(w, max(1, chunk // 16), 32)   # fp32 temporaries are ~16x the packed bytes
@@ -498,6 +570,10 @@ def _run_unit(u: Unit, writers: list[ShardWriter], files: dict, chunk: int, repo
             writers[r].write(w.native, q)
             writers[r].write(s.native, sc)
         report["counts"]["expert_fp8_converted"] += 1
+        return
+
+    if u.kind == "linear_int8":
+        _run_linear_int8(u, w, s, fw, fs, writers, chunk, report, tick)
         return
 
     # engram_int8
@@ -523,6 +599,67 @@ def _run_unit(u: Unit, writers: list[ShardWriter], files: dict, chunk: int, repo
     report["counts"]["engram_int8_converted"] += 1
 
 
+def tensor_kind(native: str) -> str:
+    """The kind of a tensor for error reports: its name with layer / expert numbers as '*'."""
+    return re.sub(r"\.\d+(?=\.)", ".*", native.rsplit(".", 1)[0])
+
+
+def _run_linear_int8(u: Unit, w: SrcTensor, s: SrcTensor, fw, fs, writers, chunk: int, report: dict, tick) -> None:
+    """FP8 (32x32 block scales) or FP4 (E8M0 per 32) weight rows -> int8 + fp32 scale per row,
+    written split as `u.split`; the relative error of the dequantised int8 weight (per row, of
+    the row's amax) goes to the report under the tensor's kind."""
+    from ..backends.reference import quant
+
+    fp4 = w.dtype == "I8"
+    step = _chunk_rows(w, max(1, chunk // 16), 32)  # whole 32-row scale blocks; fp32 temporaries
+    worst, err_sum, n_rows = 0.0, 0.0, 0
+    owner = w.native.rsplit(".", 1)[0]
+    for a in range(0, w.rows, step):
+        b = min(w.rows, a + step)
+        xw = read_rows(fw, w, a, b)
+        xs = read_rows(fs, s, a, b) if fp4 else read_rows(fs, s, a // 32, -(-b // 32))
+        tick(xw.numel() + xs.numel())
+        x = quant.fp4_weight_dequant(xw, xs) if fp4 else quant.fp8_block_dequant(xw, xs)[: b - a]
+        q, sc = quant.int8_row_quant(x)
+        amax = (sc * 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+        err = ((q.float() * sc - x).abs() / amax).amax(-1)
+        worst, err_sum, n_rows = max(worst, float(err.max())), err_sum + float(err.sum()), n_rows + err.numel()
+        mp = len(writers)
+        if u.split == "dim0":
+            per = w.shape[0] // mp
+            for r in range(mp):
+                lo, hi = max(a, r * per), min(b, (r + 1) * per)
+                if lo < hi:
+                    writers[r].write(owner + ".weight", q[lo - a:hi - a])
+                    writers[r].write(owner + ".scale", sc[lo - a:hi - a])
+        elif u.split == "dim1":
+            per = q.shape[1] // mp
+            for r in range(mp):
+                writers[r].write(owner + ".weight", q[:, r * per:(r + 1) * per])
+                writers[r].write(owner + ".scale", sc)
+        else:
+            for r in u.outs:
+                writers[r].write(owner + ".weight", q)
+                writers[r].write(owner + ".scale", sc)
+    e = report["linear_int8_error"].setdefault(tensor_kind(w.native), {"tensors": 0, "rows": 0, "max_rel": 0.0, "sum_rel": 0.0})
+    e["tensors"] += 1
+    e["rows"] += n_rows
+    e["max_rel"] = max(e["max_rel"], worst)
+    e["sum_rel"] += err_sum
+    report["counts"]["linear_int8_converted"] += 1
+
+
+def quant_description(units: list[Unit]) -> dict[str, str]:
+    """vllm-ascend's `quant_model_description.json` for a W8A8 conversion: W8A8_DYNAMIC for each
+    int8 weight, FLOAT for every other weight (names as written, i.e. native)."""
+    desc = {"model_quant_type": "W8A8_DYNAMIC"}
+    for u in units:
+        for o in next(iter(u.outs.values()), []):
+            if o.name.endswith(".weight"):
+                desc[o.name] = "W8A8_DYNAMIC" if u.kind == "linear_int8" else "FLOAT"
+    return desc
+
+
 # ---- driver -------------------------------------------------------------------------------
 
 def _check_destination(dst: Path) -> None:
@@ -538,7 +675,8 @@ def _check_destination(dst: Path) -> None:
 
 
 def convert(src_dir, dst_dir, model_parallel: int, expert_dtype: str = "fp4", engram_dtype: str = "fp8",
-            tokenizer_path=None, progress: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
+            tokenizer_path=None, progress: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+            linear_dtype: str = "native") -> dict:
     """Convert `src_dir` into `model_parallel` shards in `dst_dir`; returns a report dict."""
     from ..core.config import ConfigError, load_config
 
@@ -548,6 +686,8 @@ def convert(src_dir, dst_dir, model_parallel: int, expert_dtype: str = "fp4", en
         raise ConvertError(f"--expert-dtype must be fp4 or fp8, got {expert_dtype!r}")
     if engram_dtype not in ("fp8", "int8"):
         raise ConvertError(f"--engram-dtype must be fp8 or int8, got {engram_dtype!r}")
+    if linear_dtype not in ("native", "int8"):
+        raise ConvertError(f"--linear-dtype must be native or int8, got {linear_dtype!r}")
     if not src.is_dir():
         raise ConvertError(f"{src}: the source checkpoint directory does not exist")
     _check_destination(dst)
@@ -563,8 +703,9 @@ def convert(src_dir, dst_dir, model_parallel: int, expert_dtype: str = "fp4", en
         raise ConvertError(f"{tok_dir}: no {' or '.join(TOKENIZER_FILES)} found")
 
     tensors = discover(src)
-    units = plan(cfg, tensors, mp, expert_dtype, engram_dtype)
-    counts = {k: 0 for k in ("replicate", "dim0", "dim1", "expert", "engram", "expert_fp8", "engram_int8")}
+    units = plan(cfg, tensors, mp, expert_dtype, engram_dtype, linear_dtype)
+    counts = {k: 0 for k in ("replicate", "dim0", "dim1", "expert", "engram", "expert_fp8", "engram_int8", "linear_int8",
+                             "dequant_dim0")}
     for u in units:
         counts[u.kind] += 1
     report: dict[str, Any] = {
@@ -573,8 +714,9 @@ def convert(src_dir, dst_dir, model_parallel: int, expert_dtype: str = "fp4", en
         "source_tensors": len(tensors), "source_bytes": sum(t.nbytes for t in tensors),
         "consumed_tensors": sum(len(u.src) for u in units),
         "units": counts,
-        "counts": {"expert_fp8_converted": 0, "engram_int8_converted": 0},
-        "bytes_read": 0, "engram_int8_error": {},
+        "counts": {"expert_fp8_converted": 0, "engram_int8_converted": 0, "linear_int8_converted": 0,
+                   "fp8_dequantised": 0},
+        "bytes_read": 0, "engram_int8_error": {}, "linear_dtype": linear_dtype, "linear_int8_error": {},
         "largest_source_tensor_bytes": max((t.nbytes for t in tensors), default=0),
     }
 
@@ -622,6 +764,9 @@ def _convert_into(dst: Path, cfg, units: list[Unit], report: dict, mp: int, tok_
         out_cfg = cfg.replace(expert_dtype=report["expert_dtype"]).to_hf_dict()
         out_cfg["model_parallel"] = mp
         out_cfg.setdefault("quantization_config", {})["engram_dtype"] = report["engram_dtype"]
+        if report["linear_dtype"] == "int8":
+            out_cfg["quantization_config"].update(linear_dtype="int8", expert_dtype="int8")
+            (tmp / "quant_model_description.json").write_text(json.dumps(quant_description(units), indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2) + "\n")
         for p in tok_files:
             shutil.copyfile(p, tmp / p.name)
@@ -643,6 +788,10 @@ def _convert_into(dst: Path, cfg, units: list[Unit], report: dict, mp: int, tok_
     report["written_tensors"] = [len(p) for p in per_rank]
     report["bytes_written"] = sum(w.size for w in writers)
     report["files"] = [SHARD_NAME.format(i=r, mp=mp) for r in range(mp)] + ["config.json"] + [p.name for p in tok_files]
+    if report["linear_dtype"] == "int8":
+        report["files"].append("quant_model_description.json")
+    for e in report["linear_int8_error"].values():
+        e["mean_rel"] = e.pop("sum_rel") / max(e["rows"], 1)
     report["seconds"] = dt
     report["mb_per_s"] = report["source_bytes"] / 1e6 / dt if dt > 0 else float("inf")
     return report
@@ -668,6 +817,11 @@ def format_report(rep: dict) -> str:
             f"{rep['seconds']:.2f} s ({rep['mb_per_s']:.1f} MB/s)"
         ),
     ]
+    if rep["counts"]["fp8_dequantised"]:
+        lines.append(f"  {rep['counts']['fp8_dequantised']} released-form FP8 wo_a weight(s) dequantised to bf16")
+    for kind, e in sorted(rep.get("linear_int8_error", {}).items()):
+        lines.append(f"  int8 {kind}: {e['tensors']} tensor(s), {e['rows']} rows, relative error vs the release "
+                     f"weight (of row amax): max {e['max_rel']:.3e}, mean {e['mean_rel']:.3e}")
     for name, e in rep["engram_int8_error"].items():
         lines.append(f"  engram int8 {name}: {e['rows']} rows, relative error vs FP8 (of row amax): "
                      f"max {e['max_rel']:.3e}, mean {e['mean_rel']:.3e}")
@@ -680,6 +834,8 @@ def add_convert_args(p) -> None:
     p.add_argument("--model-parallel", required=True, type=int, metavar="N", help="number of shards")
     p.add_argument("--expert-dtype", choices=["fp4", "fp8"], default="fp4", help="routed-expert storage")
     p.add_argument("--engram-dtype", choices=["fp8", "int8"], default="fp8", help="Engram row storage")
+    p.add_argument("--linear-dtype", choices=["native", "int8"], default="native",
+                   help="int8: W8A8 per-output-channel INT8 linears and experts (Atlas A2/A3)")
     p.add_argument("--tokenizer-path", metavar="DIR", help="where tokenizer.json/tokenizer_config.json are "
                    "(default: the source directory)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -688,6 +844,7 @@ def add_convert_args(p) -> None:
 def run_convert(args) -> int:
     """CLI entry: raises ConvertError on user errors (the CLI prints it as one line)."""
     rep = convert(args.hf_ckpt_path, args.save_path, args.model_parallel, args.expert_dtype,
-                  args.engram_dtype, args.tokenizer_path, progress=not getattr(args, "no_progress", False))
+                  args.engram_dtype, args.tokenizer_path, progress=not getattr(args, "no_progress", False),
+                  linear_dtype=getattr(args, "linear_dtype", "native"))
     print(format_report(rep))
     return 0

@@ -114,12 +114,11 @@ def encode_prompts_file(args, tok, cfg, base_params) -> tuple[list[FileRequest],
     return reqs, batch
 
 
-def run_prompts_file(args, engine, tok, cfg, base_params, encoded=None) -> list[dict]:
-    """Run every request of the file as one continuous batch; results in input order plus a
-    summary (total generated tokens / wall time). `encoded`: `encode_prompts_file`'s result."""
+def run_prompts_file(engine, tok, reqs: list[FileRequest], batch: list[tuple]) -> list[dict]:
+    """Run the encoded requests as one continuous batch; results in input order plus a summary
+    (total generated tokens / wall time)."""
     import time
 
-    reqs, batch = encoded or encode_prompts_file(args, tok, cfg, base_params)
     t0 = time.perf_counter()
     results = engine.generate_batch(batch)
     wall = time.perf_counter() - t0

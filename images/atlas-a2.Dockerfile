@@ -3,24 +3,30 @@
 #
 # Build from the repository root after `python3 -m pip wheel --no-deps -w dist .`:
 #   docker build -f images/atlas-a2.Dockerfile -t dsv41:atlas-a2 .
-# BASE_IMAGE: vllm-ascend's DeepSeek-V4.1-Flash image for A2 (its vLLM knows the DeepSeek-V4.1
-# config and the SWA bounded-replay cache spec our plugin uses); any A2 vllm-ascend image whose
-# vLLM is that new works (docs/serving.md, "Version pairs").
+# BASE_IMAGE defaults to ASCEND_A2_IMAGE of images/versions.env (the one place of the version set; a test
+# keeps this default equal to it). No digest is published in the sources we could read: pin one
+# with --build-arg BASE_IMAGE=<name>@sha256:<digest>.
 ARG BASE_IMAGE=quay.io/ascend/vllm-ascend:deepseek-v4.1-flash
 FROM ${BASE_IMAGE}
 
 # --no-deps: torch, torch_npu, triton-ascend, vllm and vllm-ascend come from the base image as one
-# validated set; our wheel is pure Python and must not move any of them.
+# validated set; our wheel is pure Python and must not move any of them. check_versions.py fails
+# the build when the base's set differs from versions.env (ALLOW_VERSION_DRIFT=1 builds anyway).
+ARG ALLOW_VERSION_DRIFT=0
 COPY dist/dsv41-*.whl /tmp/wheels/
+COPY images/versions.env images/check_versions.py /opt/dsv41/
 RUN python3 -m pip install --no-cache-dir --no-deps /tmp/wheels/dsv41-*.whl \
     && rm -rf /tmp/wheels \
-    && python3 -c "from importlib.metadata import entry_points as e; assert 'dsv41' in e(group='vllm.general_plugins').names"
+    && python3 -c "from importlib.metadata import entry_points as e; assert 'dsv41' in e(group='vllm.general_plugins').names" \
+    && ALLOW_VERSION_DRIFT=${ALLOW_VERSION_DRIFT} python3 /opt/dsv41/check_versions.py ascend /opt/dsv41/versions.env
 
 COPY images/ascend-entrypoint.sh /usr/local/bin/dsv41-entrypoint
 
-# Torch-NPU allocator: expandable segments reduce fragmentation over long serving runs.
-ENV PYTORCH_NPU_ALLOC_CONF=expandable_segments:True
-
+# No PYTORCH_NPU_ALLOC_CONF here: vllm-ascend sets its own allocator configuration.
 EXPOSE 8000
+# vLLM's /health answers 200 once the engine is up; loading the full model takes many minutes.
+# DSV41_HEALTH_URL overrides the address (e.g. when serving on another --port).
+HEALTHCHECK --interval=30s --timeout=10s --start-period=3600s --retries=3 \
+    CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen(os.environ.get('DSV41_HEALTH_URL', 'http://127.0.0.1:8000/health'), timeout=5)"]
 # `docker run ... IMAGE MODEL_DIR [vLLM flags]` runs `dsv41 serve MODEL_DIR [vLLM flags]`.
 ENTRYPOINT ["/usr/local/bin/dsv41-entrypoint"]

@@ -2,11 +2,8 @@
 single-file checkpoints, the name table, and one clear error for every damaged checkpoint."""
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,18 +17,10 @@ from dsv41.deploy.names import hf_to_native, native_to_hf
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from _util import dsv41
+
 SEED = 7
 PROMPT = "5,17,42,99,7"
-
-
-def dsv41(*args, check=True):
-    # one intra-op thread, as in conftest: on a small busy machine OpenMP spinning is much slower
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "dsv41.deploy.cli", *args], capture_output=True, text=True,
-                       timeout=300, env=env, check=False)
-    if check:
-        assert p.returncode == 0, p.stderr
-    return p
 
 
 def listing(path: Path) -> list[str]:

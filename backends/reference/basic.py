@@ -59,8 +59,9 @@ def exact_fn(fn, x: torch.Tensor) -> torch.Tensor:
     for the tail of a tensor, which can differ by one fp32 ulp; a decode step (tiny tensors)
     and a prefill (large ones) would then disagree. In fp64 both paths are within an fp64 ulp,
     so the rounded fp32 result is (almost always) the same, whatever the tensor's size.
+    Under `fp32_accumulation()` (benchmarks, the Ascend backend's NPU-legal fallback) it runs in fp32.
     """
-    return fn(x.double()).float()
+    return fn(x.to(ACCUM_DTYPE)).float()
 
 
 @register("rms_norm")
@@ -110,6 +111,8 @@ def dequant_weight(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Te
 def _dequant_weight(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     if scale is None:
         return weight.float()
+    if quant.is_int8_channel_weight(weight, scale):
+        return weight.float() * scale.float().reshape(-1, 1)
     if weight.dtype == torch.float8_e4m3fn:
         return quant.fp8_block_dequant(weight, scale)
     if weight.dtype in (torch.int8, torch.uint8):
@@ -123,10 +126,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     """Low-precision linear. The reference dequantises both operands and multiplies in fp32:
     every scale is a power of two (E8M0 weights, 2^ceil activation scales), so applying the
     scales per 32-wide K block or after dequantisation gives the same products; only the fp32
-    summation order differs from a blockwise kernel."""
-    xf = quant.fp8_qdq(x) if scale is not None else x.float()
+    summation order differs from a blockwise kernel.
+    W8A8 (int8 weight, fp32 scale per output channel): x is int8-quantised per token and the
+    integer dot products (exact in fp64) are scaled by both scales before the one rounding."""
     acc = torch.float64 if out_dtype == torch.float64 else torch.float32  # fp64: unrounded partials
+    if quant.is_int8_channel_weight(weight, scale):
+        return int8_linear(x, weight, scale, acc).to(out_dtype)
+    xf = quant.fp8_qdq(x) if scale is not None else x.float()
     return mm(xf, dequant_weight(weight, scale).t(), acc).to(out_dtype)
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype=torch.float32) -> torch.Tensor:
+    """W8A8: per-token dynamic int8 activations times int8 weights, integer sums (exact in the
+    fp64 accumulation), then x_scale[t] * w_scale[n] once (bf16 input rounding as the NPU's
+    npu_dynamic_quant takes bf16)."""
+    q, xs = quant.int8_token_qdq(x.to(torch.bfloat16).float())
+    w = dequant_weight(weight, None)  # the int8 values, exact
+    acc = (q.to(ACCUM_DTYPE) @ w.t()) * xs.to(ACCUM_DTYPE) * scale.reshape(1, -1).to(ACCUM_DTYPE)
+    return acc.to(out_dtype)
 
 
 @register("grouped_linear")
@@ -174,7 +191,10 @@ def engram_lookup(table: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) 
 
 @register("engram_gate")
 def engram_gate(x, k, v, q_weight, k_weight, eps, is_image):
-    d = x.shape[-1]
+    n, d = x.shape[-2:]
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if tuple(w.shape) != (n, d):  # one row per mHC stream: [d] would silently share one row
+            raise ValueError(f"engram_gate: {name} must be [n_streams, d] = [{n}, {d}], got {list(w.shape)}")
     xf, k = x.float(), k.float()
     kn = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps)
     xn = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

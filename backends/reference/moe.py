@@ -8,19 +8,20 @@ import torch.nn.functional as F
 from .. import numerics
 from ..registry import register
 from . import quant
-from .basic import dequant_weight, exact_fn, mm, swiglu_clamped
+from .basic import dequant_weight, exact_fn, int8_linear, mm, swiglu_clamped
 
 
 @register("moe_route")
-def moe_route(x, gate_weight, bias, topk, route_scale, gate_temp=1.0):
+def moe_route(x, gate_weight, bias, topk, route_scale, gate_temp=1.0, norm_topk_prob=True):
     logits = mm(x.float(), gate_weight.float().t()) / gate_temp
     scores = torch.sqrt(exact_fn(F.softplus, logits))  # sqrt is correctly rounded on every path
     # The bias only chooses experts; ties go to the lower expert id (stable sort).
     choice = scores + bias.float()
     ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :topk]
     w = scores.gather(-1, ids)
-    w = w / (w.sum(-1, keepdim=True) + 1e-20) * route_scale
-    return w, ids
+    if norm_topk_prob and topk > 1:  # (true as released); one chosen expert keeps its raw score
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * route_scale, ids
 
 
 def _bf16(x: torch.Tensor) -> torch.Tensor:
@@ -35,6 +36,11 @@ def expert_forward(xq: torch.Tensor, weight: torch.Tensor | None, expert, limit:
     (before the FP8 quantisation) and the w2 output to bf16, as the official expert does."""
     (w1, s1), (w2, s2), (w3, s3) = expert
     rnd = _bf16 if numerics.official() else (lambda t: t)
+    if quant.is_int8_channel_weight(w1, s1):  # W8A8: per-token int8 activations at each GEMM
+        h = swiglu_clamped(rnd(int8_linear(xq, w1, s1)), rnd(int8_linear(xq, w3, s3)), limit)
+        if weight is not None:
+            h = h * weight.unsqueeze(-1)
+        return rnd(int8_linear(rnd(h), w2, s2))
     h = swiglu_clamped(rnd(mm(xq, dequant_weight(w1, s1).t())), rnd(mm(xq, dequant_weight(w3, s3).t())), limit)
     if weight is not None:
         h = h * weight.unsqueeze(-1)
@@ -48,8 +54,9 @@ def expert_forward(xq: torch.Tensor, weight: torch.Tensor | None, expert, limit:
 def moe_experts(x, weights, ids, experts, limit, out_dtype=torch.float32):
     # Activation quantisation is per token and per 32 channels, so quantising all rows once
     # equals quantising each expert's gathered rows.
-    quantised = experts[0][0][1] is not None
-    xq = quant.fp8_qdq(x) if quantised else x.float()
+    (w1, s1) = experts[0][0]
+    fp8_acts = s1 is not None and not quant.is_int8_channel_weight(w1, s1)  # W8A8 quantises per GEMM
+    xq = quant.fp8_qdq(x) if fp8_acts else x.float()
     # Official numerics: the bf16 expert outputs are summed in fp32, one expert after another in
     # ascending id order (a token meets each expert once, so each index_add_ is one fp32 add).
     acc = torch.float32 if numerics.official() else out_dtype

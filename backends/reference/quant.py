@@ -199,3 +199,17 @@ def int8_row_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = x.abs().amax(-1, keepdim=True) / 127.0
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     return torch.round(x / safe).clamp(-127, 127).to(torch.int8), scale
+
+
+def int8_token_qdq(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token symmetric INT8 of activations [..., K] (W8A8; what torch_npu's
+    npu_dynamic_quant computes from bf16 input): (int8 values as fp32, fp32 scale [..., 1]),
+    scale = amax / 127, round half to even. Rows of zeros get scale 0 and values 0."""
+    return int8_row_quant(x)
+
+
+def is_int8_channel_weight(weight: torch.Tensor, scale: torch.Tensor | None) -> bool:
+    """A W8A8 weight: int8 [N, K] with one fp32 scale per output channel (FP4 experts are int8
+    bytes too, but with E8M0 scales)."""
+    return scale is not None and weight.dtype == torch.int8 and scale.dtype == torch.float32 \
+        and scale.numel() == weight.shape[0]

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.attention import compress_kv as compress_kv_ref  # noqa: F401 (the oracle)
-from .fp4_common import FP4_GROUP, bf16_rne_bits, e2m1_code, e4m3_value, fp4_scale_code
+from .fp4_common import FP4_GROUP, bf16_rne_bits, byte_to_int8, e2m1_code, e4m3_value, fp4_scale_code, offsets
 
 # (BLOCK_G, num_warps) per ratio. CUDA: 8 (ratio 2) / 16 (ratio 1) rows of 512 fp32 in flight
 # per program keep ~64 KB of loads outstanding per SM. Ascend / interpreter: <= 4 fp32 row
@@ -45,11 +45,24 @@ TILES = {
 }
 
 
+def ub_tiles(block_g: int, d: int, ratio: int) -> dict[str, tuple[int, ...]]:
+    """Live tiles of one program at its peak: at ratio 2 the two score and two kv rows plus the
+    exponentials while pooling; then the pooled row, the bf16 latent (as fp32 bits), the norm
+    weight, the RoPE halves with cos / sin and their rotations, and the FP4 codes / bytes."""
+    row = (block_g, d)
+    half = (block_g, d // 2)
+    tiles = {"x": row, "latent": row, "weight": (1, d), "a": half, "b": half, "cos": half, "sin": half,
+             "ra": half, "rb": half, "codes": half, "scales": (block_g, d // 16)}
+    if ratio == 2:
+        tiles.update(s0=row, s1=row, k0=row, k1=row, e0=row, e1=row)
+    return tiles
+
+
 @triton.jit
 def _compress_kv_kernel(kv_ptr, score_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, lat_ptr, code_ptr, scale_ptr,
                         n_groups, cap, eps, n_tiles, num_programs,
                         D: tl.constexpr, HALF_R: tl.constexpr, RATIO: tl.constexpr,
-                        BLOCK_G: tl.constexpr):
+                        BLOCK_G: tl.constexpr, WIDE: tl.constexpr):
     NG: tl.constexpr = D // 16  # FP4 groups per row
     HALF_D: tl.constexpr = D // 2
     pid = tl.program_id(0)
@@ -64,7 +77,7 @@ def _compress_kv_kernel(kv_ptr, score_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, la
     for t in range(pid, n_tiles, num_programs):
         g = t * BLOCK_G + tl.arange(0, BLOCK_G)
         gmask = g < n_groups
-        g64 = g.to(tl.int64)
+        g64 = offsets(g, WIDE)  # int32 unless a tensor has 2^31 elements
         m2 = gmask[:, None]
         if RATIO == 1:
             x = tl.load(kv_ptr + g64[:, None] * D + ch, mask=m2, other=0.0).to(tl.float32)
@@ -101,11 +114,12 @@ def _compress_kv_kernel(kv_ptr, score_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, la
         amax = tl.maximum(tl.max(tl.abs(a3), axis=2), tl.max(tl.abs(b3), axis=2))
         sc = fp4_scale_code(amax)  # [BLOCK_G, NG] E4M3 codes
         sv = e4m3_value(sc)[:, :, None]
-        byte = (e2m1_code(a3, sv) | (e2m1_code(b3, sv) << 4)).to(tl.uint8)
-        slot = tl.load(slot_ptr + g, mask=gmask, other=0).to(tl.int64)
+        byte = e2m1_code(a3, sv) | (e2m1_code(b3, sv) << 4)
+        slot = offsets(tl.load(slot_ptr + g, mask=gmask, other=0), WIDE)
         slot = tl.where(slot < 0, slot + cap, slot)  # torch indexing semantics for negative slots
-        tl.store(code_ptr + slot[:, None, None] * HALF_D + p3, byte, mask=gmask[:, None, None])
-        tl.store(scale_ptr + slot[:, None] * NG + q2, sc.to(tl.uint8), mask=m2)
+        # bytes through int8 pointers (no uint8 pointer stores on Atlas A2/A3)
+        tl.store(code_ptr + slot[:, None, None] * HALF_D + p3, byte_to_int8(byte), mask=gmask[:, None, None])
+        tl.store(scale_ptr + slot[:, None] * NG + q2, sc.to(tl.int8), mask=m2)  # E4M3 codes 0..126
 
 
 def _tiles(device: torch.device, ratio: int) -> tuple[int, int]:
@@ -120,7 +134,7 @@ def compress_kv(kv, score, ratio, norm_weight, eps, cos, sin, codes, scales, slo
     cos / sin [G, R/2] fp32, codes [cap, D/2] uint8, scales [cap, D/16] float8_e4m3fn (or
     uint8), slots [G] -> writes codes[slots] / scales[slots]; returns the latent [G, D] bf16.
     ratio 1 or 2; D a power of two >= 16; R <= D. Requires triton."""
-    from .launch import grid_for, interpreting
+    from .launch import as_int8, grid_for, interpreting, needs_int64
 
     if ratio not in (1, 2):
         raise ValueError(f"compress ratio {ratio} is not supported (1 or 2)")
@@ -154,8 +168,9 @@ def compress_kv(kv, score, ratio, norm_weight, eps, cos, sin, codes, scales, slo
     if kv.device.type == "cuda" and not interpreting():
         extra["enable_fp_fusion"] = False  # a*c - b*s etc. rounded like torch, no FMA contraction
     _compress_kv_kernel[(grid,)](kv_c, score_c, norm_weight.contiguous(), cos.contiguous(), sin.contiguous(),
-                                 slots.contiguous(), lat.view(torch.int16), cv, sv, n, cv.shape[0], float(eps),
-                                 n_tiles, grid, D=d, HALF_R=half_r, RATIO=ratio, BLOCK_G=block_g, **extra)
+                                 slots.contiguous(), lat.view(torch.int16), as_int8(cv), as_int8(sv), n, cv.shape[0],
+                                 float(eps), n_tiles, grid, D=d, HALF_R=half_r, RATIO=ratio, BLOCK_G=block_g,
+                                 WIDE=needs_int64(kv, cv, lat), **extra)
     return lat
 
 

@@ -24,9 +24,20 @@ import triton.language as tl
 from ...backends.reference.basic import engram_lookup as engram_lookup_ref  # noqa: F401  (the oracle)
 from ...backends.reference.basic import gather_rows_to
 
+from .fp4_common import offsets
+
 BLOCK_R = 16  # gathered rows per tile
+BLOCK_R_NPU = 8  # Ascend: 8 x 256-wide rows keep ~6 live tiles inside half the 192 KB unified buffer
 NUM_WARPS = 4
 MODE_FP8_E8M0, MODE_FP8_F32, MODE_INT8 = 0, 1, 2
+
+
+def ub_tiles(block_r: int, dh: int) -> dict[str, tuple[int, ...]]:
+    """Live tiles of one program at its peak (the FP8 path): the gathered bytes, exponent,
+    mantissa, magnitude and value tiles [BLOCK_R, BLOCK_D], the scales and the bf16 bits out."""
+    bd = max(32, 1 << max(0, dh - 1).bit_length())
+    t = (block_r, bd)
+    return {"byte": t, "e": t, "mantissa": t, "mag": t, "value": t, "bits": t, "scales": (block_r, bd // 32)}
 
 
 @triton.jit
@@ -41,7 +52,7 @@ def _bf16_bits(v):
 
 @triton.jit
 def _engram_kernel(tab_ptr, sc_ptr, rows_ptr, out_ptr, n_rows, DH, n_tiles, num_programs,
-                   MODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                   MODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, WIDE: tl.constexpr):
     pid = tl.program_id(0)
     # columns as [groups of 32, 32]: one scale per group, loaded once and broadcast
     gg = tl.arange(0, BLOCK_D // 32)
@@ -51,14 +62,14 @@ def _engram_kernel(tab_ptr, sc_ptr, rows_ptr, out_ptr, n_rows, DH, n_tiles, num_
     for t in range(pid, n_tiles, num_programs):
         r = t * BLOCK_R + tl.arange(0, BLOCK_R)
         rm = r < n_rows
-        idx = tl.load(rows_ptr + r, mask=rm, other=0).to(tl.int64)
+        idx = offsets(tl.load(rows_ptr + r, mask=rm, other=0), WIDE)
         m2 = rm[:, None, None] & cm[None, :, :]
         src = idx[:, None, None] * DH + cols[None, :, :]
         if MODE == 2:  # INT8 rows, one fp32 scale per row
             q = tl.load(tab_ptr + src, mask=m2, other=0).to(tl.float32)
             s = tl.load(sc_ptr + idx, mask=rm, other=0.0).to(tl.float32)[:, None, None]
             v = q * s
-        else:  # FP8 E4M3 bytes, one scale per 32 columns
+        else:  # FP8 E4M3 bytes (loaded through an int8 pointer), one scale per 32 columns
             byte = tl.load(tab_ptr + src, mask=m2, other=0).to(tl.int32) & 0xFF
             e = (byte >> 3) & 15
             mt = byte & 7
@@ -76,7 +87,7 @@ def _engram_kernel(tab_ptr, sc_ptr, rows_ptr, out_ptr, n_rows, DH, n_tiles, num_
             else:
                 s = tl.load(sc_ptr + sidx, mask=gm, other=0.0).to(tl.float32)
             v = q * s[:, :, None]
-        dst = r.to(tl.int64)[:, None, None] * DH + cols[None, :, :]
+        dst = offsets(r, WIDE)[:, None, None] * DH + cols[None, :, :]
         tl.store(out_ptr + dst, _bf16_bits(v), mask=m2)
 
 
@@ -86,7 +97,7 @@ def engram_lookup(table: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, 
     [T, R * Dh] on rows' device. On CUDA a page-locked host table is read in place; any other
     table off rows' device (host memory on Ascend, or not page-locked) has the step's rows
     gathered where it is and copied over first (`gather_rows_to`)."""
-    from .launch import grid_for, interpreting
+    from .launch import grid_for, interpreting, needs_int64
 
     in_place = table.device == rows.device or (rows.device.type == "cuda" and table.is_pinned() and scale.is_pinned())
     if not in_place:
@@ -106,12 +117,12 @@ def engram_lookup(table: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, 
         if dh % 32 or scale.shape != (n_tab, dh // 32):
             raise ValueError(f"an FP8 table [{n_tab}, {dh}] needs scales [{n_tab}, {dh // 32}], got {tuple(scale.shape)}")
         if scale.dtype == torch.float8_e8m0fnu:
-            mode, sc = MODE_FP8_E8M0, scale.view(torch.uint8)
+            mode, sc = MODE_FP8_E8M0, scale.view(torch.int8)  # int8 pointers: no uint8 loads on Atlas A2/A3
         elif scale.dtype in (torch.float32, torch.bfloat16, torch.float16):
             mode, sc = MODE_FP8_F32, scale  # plain multipliers, as the reference reads them
         else:
             raise ValueError(f"unsupported FP8 scale dtype {scale.dtype}")
-        tab = table.view(torch.uint8)
+        tab = table.view(torch.int8)
     else:
         raise ValueError(f"unsupported table dtype {table.dtype}")
     if not (tab.is_contiguous() and sc.is_contiguous()):
@@ -121,12 +132,13 @@ def engram_lookup(table: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, 
     n_rows = t * r
     if n_rows == 0:
         return out
-    br = block_r or BLOCK_R
+    br = block_r or (BLOCK_R_NPU if rows.device.type == "npu" else BLOCK_R)
     n_tiles = -(-n_rows // br)
     grid = grid_for(n_tiles, rows.device)
     kw = {} if interpreting() else {"num_warps": num_warps or NUM_WARPS}
     _engram_kernel[(grid,)](tab, sc, rows.contiguous(), out.view(torch.int16), n_rows, dh, n_tiles, grid,
-                            MODE=mode, BLOCK_R=br, BLOCK_D=max(32, triton.next_power_of_2(dh)), **kw)
+                            MODE=mode, BLOCK_R=br, BLOCK_D=max(32, triton.next_power_of_2(dh)),
+                            WIDE=needs_int64(tab, out), **kw)
     return out
 
 

@@ -62,3 +62,22 @@ def bf16_rne_bits(x):
     Finite inputs (NaN is out of contract)."""
     b = x.to(tl.int32, bitcast=True)
     return (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+
+
+@triton.jit
+def byte_to_int8(v):
+    """int32 byte values 0..255 -> the int8 with the same bits (-128..127), by arithmetic, so the
+    narrowing cast never overflows: byte data is stored through int8 pointers because
+    triton-ascend marks uint8 pointer stores unsupported on Atlas A2/A3."""
+    return (v - ((v & 0x80) << 1)).to(tl.int8)
+
+
+@triton.jit
+def offsets(i, WIDE: tl.constexpr):
+    """Index vector i as the offset type: int64 only when the launcher saw a tensor of 2^31 or
+    more elements (`launch.needs_int64`); int32 otherwise (triton-ascend runs int64 vector
+    arithmetic as scalar code)."""
+    if WIDE:
+        return i.to(tl.int64)
+    else:
+        return i.to(tl.int32)

@@ -12,7 +12,8 @@ How the kernel stays exact with integer/fp32 ops only (no division, no fp8 arith
   comparing amax with 6 * (midpoint). Every 6 * grid / midpoint value has <= 7 significant
   bits, so those products are exact, and comparing amax with 6 * m is equivalent to comparing
   the correctly rounded fp32 quotient amax / 6 (what torch computes) with m.
-- The E4M3 byte is the integer code itself (sign 0), stored through a uint8 view: no fp8 store.
+- The E4M3 byte is the integer code itself (sign 0), stored through an int8 view: no fp8 store
+  (and no uint8 pointer, which triton-ascend does not support on Atlas A2/A3).
 - The E2M1 code of x / s compares |x| with (E2M1 midpoint) * s: again exact products (<= 3 + 4
   significant bits), and equivalent to comparing the correctly rounded quotient with the
   midpoint (the quotient's rounding can never land on or cross a midpoint), so no division.
@@ -36,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference import quant
-from .fp4_common import e2m1_code, e4m3_value, fp4_scale_code
+from .fp4_common import byte_to_int8, e2m1_code, e4m3_value, fp4_scale_code, offsets
 
 GROUP = 16
 # (BLOCK_G groups per tile, num_warps) per backend. Ascend / interpreter: a tile is 256 x 16
@@ -45,6 +46,14 @@ GROUP = 16
 # 128/4 44.3 us, 256/4 44.6, 256/8 40.5, 512/8 40.8, 512/4 42.8, 1024/8 42.5; the per-channel
 # path (256/4) 66.7 us.
 TILES = {"cuda": (256, 8), "default": (256, 4)}
+
+
+def ub_tiles(block_g: int) -> dict[str, tuple[int, ...]]:
+    """Live tiles of one program at its peak (the per-channel path, the larger one): the even and
+    odd channel values, their E2M1 codes and the byte tile, [BLOCK_G, 8] each, plus per-group
+    scalars (amax, scale code and value, slot, row, masks)."""
+    return {"x0": (block_g, 8), "x1": (block_g, 8), "c0": (block_g, 8), "c1": (block_g, 8),
+            "byte": (block_g, 8), "per_group": (block_g, 8)}
 
 
 def fp4_kv_store_ref(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
@@ -79,7 +88,8 @@ def _pick(m, a, b):
 @triton.jit
 def _encode_words(w, s):
     """w int32 [G, 8] words of two bf16 (low half = even channel), s [G, 1] E4M3 scale values ->
-    [G, 8] bytes (even channel's E2M1 code in the low nibble), exactly `e2m1_code` per channel."""
+    [G, 8] bytes as int32 0..255 (even channel's E2M1 code in the low nibble), exactly
+    `e2m1_code` per channel."""
     mag = w & 0x7FFF7FFF
     b2 = _lane_bits(mag + _lane_const(1.75 * s, 0))
     m2 = b2 * 0xFFFF
@@ -90,28 +100,29 @@ def _encode_words(w, s):
     b0 = _lane_bits(mag + _pick(m2, hi, lo))
     nonzero = _lane_bits(mag + 0x7FFF7FFF)
     nib = (b2 << 2) | (b1 << 1) | b0 | ((w >> 12) & (nonzero << 3))
-    return ((nib | (nib >> 12)) & 0xFF).to(tl.uint8)
+    return (nib | (nib >> 12)) & 0xFF
 
 
 @triton.jit
 def _fp4_kv_store_kernel(x_ptr, slot_ptr, code_ptr, scale_ptr, n_groups, n_tiles, num_programs,
-                         groups_per_row: tl.constexpr, BLOCK_G: tl.constexpr, BF16_WORDS: tl.constexpr):
+                         groups_per_row: tl.constexpr, BLOCK_G: tl.constexpr, BF16_WORDS: tl.constexpr,
+                         WIDE: tl.constexpr):
     pid = tl.program_id(0)
     j = tl.arange(0, 8)
     for t in range(pid, n_tiles, num_programs):
         g = t * BLOCK_G + tl.arange(0, BLOCK_G)
         row = g // groups_per_row
         gi = g - row * groups_per_row
-        slot = tl.load(slot_ptr + row, mask=g < n_groups, other=-1).to(tl.int64)
+        slot = offsets(tl.load(slot_ptr + row, mask=g < n_groups, other=-1), WIDE)
         gmask = (g < n_groups) & (slot >= 0)
         mask = gmask[:, None]
         if BF16_WORDS:  # x_ptr: int32 words, two bf16 channels each
-            w = tl.load(x_ptr + g.to(tl.int64)[:, None] * 8 + j[None, :], mask=mask, other=0)
+            w = tl.load(x_ptr + offsets(g, WIDE)[:, None] * 8 + j[None, :], mask=mask, other=0)
             top = tl.max(tl.maximum(w & 0x7FFF, (w >> 16) & 0x7FFF), axis=1)  # |x| bits, max
             c = fp4_scale_code((top << 16).to(tl.float32, bitcast=True))
             byte = _encode_words(w, e4m3_value(c)[:, None])
         else:
-            base = g.to(tl.int64)[:, None] * 16 + 2 * j[None, :]
+            base = offsets(g, WIDE)[:, None] * 16 + 2 * j[None, :]
             x0 = tl.load(x_ptr + base, mask=mask, other=0.0).to(tl.float32)      # even channels
             x1 = tl.load(x_ptr + base + 1, mask=mask, other=0.0).to(tl.float32)  # odd channels
             amax = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
@@ -119,10 +130,10 @@ def _fp4_kv_store_kernel(x_ptr, slot_ptr, code_ptr, scale_ptr, n_groups, n_tiles
             s = e4m3_value(c)[:, None]
             c0 = e2m1_code(x0, s)
             c1 = e2m1_code(x1, s)
-            byte = (c0 | (c1 << 4)).to(tl.uint8)
+            byte = c0 | (c1 << 4)
         out_row = slot * groups_per_row + gi
-        tl.store(code_ptr + out_row[:, None] * 8 + j[None, :], byte, mask=mask)
-        tl.store(scale_ptr + out_row, c.to(tl.uint8), mask=gmask)
+        tl.store(code_ptr + out_row[:, None] * 8 + j[None, :], byte_to_int8(byte), mask=mask)
+        tl.store(scale_ptr + out_row, c.to(tl.int8), mask=gmask)  # E4M3 codes 0..126: no sign bit
 
 
 def _words(x: torch.Tensor) -> torch.Tensor | None:
@@ -138,7 +149,7 @@ def fp4_kv_store(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scal
     """Quantise rows x [M, D] to FP4 and write them to codes[slots] ([S, D/2] uint8) and
     scales[slots] ([S, D/16] float8_e4m3fn or uint8), in place. Requires triton. The keyword-only
     arguments are for tuning (tile table and the bf16 word path by default)."""
-    from .launch import grid_for, interpreting
+    from .launch import as_int8, grid_for, interpreting, needs_int64
 
     if x.dim() != 2 or x.shape[1] % GROUP:
         raise ValueError(f"x must be [M, D] with D a multiple of {GROUP}, got {tuple(x.shape)}")
@@ -160,8 +171,9 @@ def fp4_kv_store(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scal
     n_tiles = -(-n_groups // bg)
     grid = min(n_tiles, workers) if workers else grid_for(n_tiles, x.device)
     kw = {} if interpreting() else {"num_warps": nw}
-    _fp4_kv_store_kernel[(grid,)](x if xw is None else xw, slots.contiguous(), cv, sv, n_groups, n_tiles, grid,
-                                  groups_per_row=d // GROUP, BLOCK_G=bg, BF16_WORDS=xw is not None, **kw)
+    _fp4_kv_store_kernel[(grid,)](x if xw is None else xw, slots.contiguous(), as_int8(cv), as_int8(sv), n_groups,
+                                  n_tiles, grid, groups_per_row=d // GROUP, BLOCK_G=bg, BF16_WORDS=xw is not None,
+                                  WIDE=needs_int64(x, cv), **kw)
 
 
 def fp4_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

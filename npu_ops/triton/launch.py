@@ -13,22 +13,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def num_workers(device: torch.device | str | None = None) -> int:
+def num_workers(device: torch.device | str | None = None, cores: str = "vector") -> int:
     """Program count for a 1-D persistent launch: the device platform's worker count (SMs on
-    CUDA, vector cores on Ascend), or a small constant under the interpreter."""
+    CUDA; on Ascend vector cores, or AI (cube) cores for `cores="cube"` -- kernels using `tl.dot`
+    run one program per AI core, as triton-ascend's migration guide says), or a small constant
+    under the interpreter."""
+    if cores not in ("vector", "cube"):
+        raise ValueError(f"cores must be 'vector' or 'cube', got {cores!r}")
     if interpreting():
         return INTERPRETER_WORKERS
     dev = torch.device(device if device is not None else "cuda")
-    key = (dev.type, dev.index)
+    key = (dev.type, dev.index, cores)
     n = _WORKERS.get(key)
     if n is None:  # a device property query per launch is measurable next to a small kernel
         from ...backends.platform import platform_for
 
-        n = _WORKERS[key] = platform_for(dev).num_workers()
+        plat = platform_for(dev)
+        n = _WORKERS[key] = plat.cube_workers() if cores == "cube" else plat.num_workers()
     return n
 
 
-_WORKERS: dict[tuple[str, int | None], int] = {}
+_WORKERS: dict[tuple[str, int | None, str], int] = {}
 
 
 # Resident programs per worker for a persistent launch. On CUDA one program per SM leaves too
@@ -38,8 +43,40 @@ _WORKERS: dict[tuple[str, int | None], int] = {}
 PROGRAMS_PER_WORKER = {"cuda": 8}
 
 
-def grid_for(n_tiles: int, device: torch.device | str | None = None) -> int:
+def grid_for(n_tiles: int, device: torch.device | str | None = None, cores: str = "vector") -> int:
     kind = torch.device(device).type if device is not None and not isinstance(device, str) else \
         (device.split(":")[0] if device else "cuda")
     per = 1 if interpreting() else PROGRAMS_PER_WORKER.get(kind, 1)
-    return max(1, min(n_tiles, num_workers(device) * per))
+    return max(1, min(n_tiles, num_workers(device, cores) * per))
+
+
+def needs_int64(*tensors: torch.Tensor) -> bool:
+    """Whether element offsets into any of these tensors can pass 2^31 - 1. Kernels index in
+    int32 otherwise: triton-ascend's performance guide says int64 vector index arithmetic falls
+    back to scalar code (a constexpr flag picks the width at compile time)."""
+    return any(t.numel() >= 2**31 for t in tensors if t is not None)
+
+
+def as_int8(t: torch.Tensor) -> torch.Tensor:
+    """A byte tensor (uint8 / float8 / int8) viewed as int8: triton-ascend marks uint8 pointer
+    loads / stores unsupported on Atlas A2/A3, so byte data crosses the kernel boundary as int8
+    (loads are masked back to 0..255 with `& 0xFF`; stores go through `byte_to_int8`)."""
+    return t.view(torch.int8)
+
+
+# Ascend's unified buffer per AI core (Atlas A2 / A3), and the share one program's live tiles may
+# take when the compiler double-buffers its loads.
+UB_BYTES = 192 * 1024
+UB_BUDGET = UB_BYTES // 2
+
+
+def ub_estimate(tiles: dict[str, tuple[int, ...]], bytes_per_element: int = 4) -> int:
+    """Bytes of one program's live tiles at its peak: `tiles` names each live tile's shape (held
+    as 32-bit values: the kernels compute in fp32 / int32 right after loading)."""
+    total = 0
+    for shape in tiles.values():
+        n = 1
+        for d in shape:
+            n *= d
+        total += n * bytes_per_element
+    return total

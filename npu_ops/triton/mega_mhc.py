@@ -29,21 +29,35 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.mhc import mhc_mix as mhc_mix_ref  # noqa: F401  (the oracle)
+from .fp4_common import offsets
 
 N_STREAMS = 4
 N_MIX = (2 + N_STREAMS) * N_STREAMS  # 24 coefficients per token
 # Tiles per backend: BLOCK_T tokens (tl.dot needs M >= 16) x BLOCK_D columns per inner step,
 # and d_split, the least number of d chunks a token tile is cut into (separate work items, so that
 # T = 1..4096 still gives enough programs; 1 chunk per tile left a 4096-token call with 256
-# programs, each walking 40 slices back to back). Ascend / interpreter: 16 x 128 fp32 tiles
-# (8 KB each, ~12 live) stay well inside half the 192 KB unified buffer. CUDA: from the H200
+# programs, each walking 40 slices back to back). Ascend / interpreter: 16 x 64 fp32 slices
+# (~11 live, 4 KB each) plus the fn slice and its three bf16 parts (4 x 8 KB) come to ~84 KB,
+# inside half the 192 KB unified buffer (tests/test_triton_ub.py; 128 wide was ~160 KB). CUDA: from the H200
 # sweep (benchmarks/sweep_kernels.py --only mhc_mix, T=4096, d=5120, graph time): BLOCK_D 64,
 # 4 warps, 2 stages, 8 chunks 547 us; 1 stage 753 us; BLOCK_D 32 972 us; 8 warps 1330-1375 us
 # (4 / 8 / 16 chunks); the single-chunk kernel before it (BLOCK_D 128, 3 stages) 1519 us.
 TILES = {
     "cuda": {"block_t": 16, "block_d": 64, "num_warps": 4, "num_stages": 2, "d_split": 8},
-    "default": {"block_t": 16, "block_d": 128, "num_warps": 4, "num_stages": 1, "d_split": 2},
+    "default": {"block_t": 16, "block_d": 64, "num_warps": 4, "num_stages": 1, "d_split": 2},
 }
+
+
+def ub_tiles(block_t: int, block_d: int) -> dict[str, tuple[int, ...]]:
+    """Live tiles of one program of the main kernel at its peak: the four stream slices and y,
+    the four rounded outputs, x_hat, the sum of squares, the fn slice with its three bf16 parts
+    (the dot operands), the [BLOCK_T, 32] partial products, their Kahan sum and residue, and the
+    16 comb / 8 pre-post coefficient columns."""
+    s = (block_t, block_d)
+    w = (32, block_d)
+    c = (block_t, 32)
+    return {"x0": s, "x1": s, "x2": s, "x3": s, "y": s, "n0": s, "n1": s, "n2": s, "n3": s, "xhat": s, "ss": s,
+            "fn": w, "fn_hi": w, "fn_mid": w, "fn_lo": w, "part": c, "acc": c, "comp": c, "coef": (block_t, 24)}
 
 
 @triton.jit
@@ -113,7 +127,7 @@ def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr
                     xnew_ptr, xhat_ptr, part_ptr, pcomp_ptr, pss_ptr,
                     T, D, chunk, n_chunks, n_items, num_programs,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_FN: tl.constexpr,
-                    SPLIT: tl.constexpr, OUT_BF16: tl.constexpr):
+                    SPLIT: tl.constexpr, OUT_BF16: tl.constexpr, WIDE: tl.constexpr):
     pid = tl.program_id(0)
     dt = tl.arange(0, BLOCK_D)
     kk = tl.arange(0, 32)
@@ -150,7 +164,7 @@ def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr
         c31 = tl.load(comb_ptr + t16 + 13, mask=tm, other=0.0).to(tl.float32)[:, None]
         c32 = tl.load(comb_ptr + t16 + 14, mask=tm, other=0.0).to(tl.float32)[:, None]
         c33 = tl.load(comb_ptr + t16 + 15, mask=tm, other=0.0).to(tl.float32)[:, None]
-        tok64 = tok.to(tl.int64)
+        tok64 = offsets(tok, WIDE)  # int32 unless a tensor has 2^31 elements
         x_row = tok64[:, None] * (4 * D)
         y_row = tok64[:, None] * D
         acc = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
@@ -181,7 +195,7 @@ def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr
             if HAS_FN:
                 ss += f0 * f0 + f1 * f1 + f2 * f2 + f3 * f3
                 fmask = kmask[:, None] & cm[None, :]
-                fo = kk[:, None].to(tl.int64) * (4 * D) + cols[None, :]
+                fo = offsets(kk, WIDE)[:, None] * (4 * D) + cols[None, :]
                 part = _fn_dot(f0, fn_ptr, fo, fmask, SPLIT) + _fn_dot(f1, fn_ptr, fo + D, fmask, SPLIT)
                 part += _fn_dot(f2, fn_ptr, fo + 2 * D, fmask, SPLIT) + _fn_dot(f3, fn_ptr, fo + 3 * D, fmask, SPLIT)
                 # Kahan-compensated running sum of the per-slice partial dot products
@@ -190,7 +204,7 @@ def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr
                 comp = (tk - acc) - yk
                 acc = tk
         if HAS_FN:  # this chunk's share of m (with its Kahan residue) and of the sum of squares
-            po = (ck * T + tok.to(tl.int64))[:, None] * 32 + kk[None, :]
+            po = (ck * T + offsets(tok, WIDE))[:, None] * 32 + kk[None, :]
             tl.store(part_ptr + po, acc, mask=tm[:, None])
             tl.store(pcomp_ptr + po, comp, mask=tm[:, None])
             tl.store(pss_ptr + ck * T + tok, tl.sum(ss, axis=1), mask=tm)
@@ -206,7 +220,8 @@ def _kahan(acc, comp, v):
 
 @triton.jit
 def _mhc_coef_kernel(part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
-                     T, D, n_chunks, norm_eps, hc_eps, iters, n_tiles, num_programs, BLOCK_T: tl.constexpr):
+                     T, D, n_chunks, norm_eps, hc_eps, iters, n_tiles, num_programs, BLOCK_T: tl.constexpr,
+                     WIDE: tl.constexpr):
     """The coefficient epilogue: sums the per-chunk partial dot products (compensated, in chunk
     order) and sums of squares, then the sigmoids and the Sinkhorn normalisation in registers."""
     pid = tl.program_id(0)
@@ -221,7 +236,7 @@ def _mhc_coef_kernel(part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr
         comp = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
         ssum = tl.zeros((BLOCK_T,), dtype=tl.float32)
         for ck in range(n_chunks):
-            po = (ck * T + tok.to(tl.int64))[:, None] * 32 + kk[None, :]
+            po = (ck * T + offsets(tok, WIDE))[:, None] * 32 + kk[None, :]
             acc, comp = _kahan(acc, comp, tl.load(part_ptr + po, mask=tm[:, None], other=0.0))
             acc, comp = _kahan(acc, comp, -tl.load(pcomp_ptr + po, mask=tm[:, None], other=0.0))
             ssum += tl.load(pss_ptr + ck * T + tok, mask=tm, other=0.0)
@@ -282,7 +297,7 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     fn [24, 4d] fp32, scale [3], base [24] (or fn None). Returns (x_new [T, 4, d] in x's dtype,
     x_hat [T, d] in x's dtype, (pre, post, comb) fp32 or None). The keyword-only tile
     parameters are for tuning and default to this module's table."""
-    from .launch import grid_for, interpreting, num_workers
+    from .launch import grid_for, interpreting, needs_int64, num_workers
 
     if x.dim() != 3 or x.shape[1] != N_STREAMS:
         raise ValueError(f"x must be [T, {N_STREAMS}, d], got {tuple(x.shape)}")
@@ -319,15 +334,17 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     slices = -(-d // bd)
     # at least the table's split, more when few token tiles would leave workers idle (T=64:
     # 4 tiles; H200 sweep: 8 -> 16 chunks took 70 -> 42 us)
-    want = d_split or max(tiles["d_split"], -(-2 * num_workers(x.device) // n_tiles))
+    cores = "cube" if has_fn else "vector"  # the fn dot products run on tl.dot: AI cores on Ascend
+    want = d_split or max(tiles["d_split"], -(-2 * num_workers(x.device, cores) // n_tiles))
     chunk = bd * -(-slices // want)
     n_chunks = -(-d // chunk)
     n_items = n_tiles * n_chunks
-    grid = min(n_items, workers) if workers else grid_for(n_items, x.device)
+    grid = min(n_items, workers) if workers else grid_for(n_items, x.device, cores)
     if split is None:
         split = (not interpreting()) and x.dtype == torch.bfloat16
     kw = {} if interpreting() else {"num_warps": num_warps or tiles["num_warps"],
                                     "num_stages": num_stages or tiles["num_stages"]}
+    wide = needs_int64(x, fn if has_fn else None)
     if has_fn:
         part = torch.empty(n_chunks, t, 32, dtype=torch.float32, device=x.device)
         pcomp = torch.empty_like(part)
@@ -337,11 +354,11 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     _mhc_mix_kernel[(grid,)](x, y, post, comb, pre, fn, scale, base, xnew_arg, xhat_arg, part, pcomp, pss,
                              t, d, chunk, n_chunks, n_items, grid,
                              BLOCK_T=bt, BLOCK_D=bd, HAS_FN=has_fn, SPLIT=split,
-                             OUT_BF16=x.dtype == torch.bfloat16, **kw)
+                             OUT_BF16=x.dtype == torch.bfloat16, WIDE=wide, **kw)
     if has_fn:
         cgrid = grid_for(n_tiles, x.device)
         _mhc_coef_kernel[(cgrid,)](part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks,
-                                   float(norm_eps), float(hc_eps), int(iters), n_tiles, cgrid, BLOCK_T=bt,
+                                   float(norm_eps), float(hc_eps), int(iters), n_tiles, cgrid, BLOCK_T=bt, WIDE=wide,
                                    **({} if interpreting() else {"num_warps": 4}))
     return x_new, x_hat, ((opre, opost, ocomb) if has_fn else None)
 

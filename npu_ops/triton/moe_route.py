@@ -1,6 +1,7 @@
 """MoE router in one kernel: fp32 logits x @ W^T, sqrt(softplus(logits / gate_temp)), + bias to
-choose the top-k (ties to the lower expert id), weights = chosen raw scores / (sum + 1e-20) *
-route_scale. Matches `moe_route_ref` (= backends.reference.moe.moe_route) within fp32 rounding.
+choose the top-k (ties to the lower expert id), weights = chosen raw scores, divided by
+(sum + 1e-20) when `norm_topk_prob` and top-k > 1, times route_scale. Matches `moe_route_ref`
+(= backends.reference.moe.moe_route) within fp32 rounding.
 
 Work split (one launch): tiles are (BLOCK_T tokens) x (BLOCK_E experts); each tile computes its
 logits over the full hidden size (K loop, fp32 accumulation) and writes them to an fp32 scratch
@@ -25,19 +26,20 @@ import triton
 import triton.language as tl
 
 from ...backends.reference import moe as ref_moe
+from .fp4_common import offsets
 
 
-def moe_route_ref(x, gate_weight, bias, topk, route_scale, gate_temp=1.0):
+def moe_route_ref(x, gate_weight, bias, topk, route_scale, gate_temp=1.0, norm_topk_prob=True):
     """The torch reference."""
-    return ref_moe.moe_route(x, gate_weight, bias, topk, route_scale, gate_temp)
+    return ref_moe.moe_route(x, gate_weight, bias, topk, route_scale, gate_temp, norm_topk_prob)
 
 
 @triton.jit
 def _moe_route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, count_ptr, wout_ptr, iout_ptr,
                       T, E, K, bias_stride_t, gate_temp, route_scale, n_eb, n_tiles, num_programs,
-                      TOPK: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
+                      TOPK: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SPLITS: tl.constexpr, LOWP: tl.constexpr):
+                      SPLITS: tl.constexpr, LOWP: tl.constexpr, WIDE: tl.constexpr):
     pid = tl.program_id(0)
     bt = tl.arange(0, BLOCK_T)
     be = tl.arange(0, BLOCK_E)
@@ -51,8 +53,8 @@ def _moe_route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, count_ptr, wout_ptr, io
         rmask = rows < T
         es = eb * BLOCK_E + be
         emask = es < E
-        xrow = rows.to(tl.int64) * K
-        wrow = es.to(tl.int64) * K
+        xrow = offsets(rows, WIDE) * K
+        wrow = offsets(es, WIDE) * K
         acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + bk
@@ -74,14 +76,14 @@ def _moe_route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, count_ptr, wout_ptr, io
                         acc = tl.dot(rest.to(tl.bfloat16), wb, acc)
             else:
                 acc = tl.dot(x, w, acc, input_precision="ieee")
-        tl.store(logit_ptr + rows.to(tl.int64)[:, None] * E + es[None, :], acc,
+        tl.store(logit_ptr + offsets(rows, WIDE)[:, None] * E + es[None, :], acc,
                  mask=rmask[:, None] & emask[None, :])
         tl.debug_barrier()  # every thread's logits are written before the release below
         done = tl.atomic_add(count_ptr + tb, 1, sem="acq_rel")
         if done == n_eb - 1:  # this tile completed token block tb: route it
             em = ecols < E
             m2 = rmask[:, None] & em[None, :]
-            lg = tl.load(logit_ptr + rows.to(tl.int64)[:, None] * E + ecols[None, :], mask=m2, other=0.0,
+            lg = tl.load(logit_ptr + offsets(rows, WIDE)[:, None] * E + ecols[None, :], mask=m2, other=0.0,
                          cache_modifier=".cg")
             lg = lg / gate_temp
             u = tl.exp(tl.minimum(lg, 20.0))  # (the clamp only avoids inf in the unused branch)
@@ -89,7 +91,7 @@ def _moe_route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, count_ptr, wout_ptr, io
             lp = tl.where(v == 1.0, u, tl.log(v) * (u / tl.where(v == 1.0, 1.0, v - 1.0)))  # log1p(u)
             sp = tl.where(lg > 20.0, lg, lp)  # torch softplus, threshold 20
             score = tl.sqrt(sp)
-            b = tl.load(bias_ptr + rows.to(tl.int64)[:, None] * bias_stride_t + ecols[None, :], mask=m2,
+            b = tl.load(bias_ptr + offsets(rows, WIDE)[:, None] * bias_stride_t + ecols[None, :], mask=m2,
                         other=0.0).to(tl.float32)
             choice = tl.where(em[None, :], score + b, float("-inf"))
             wk = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
@@ -102,12 +104,23 @@ def _moe_route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, count_ptr, wout_ptr, io
                 choice = tl.where(hit, float("-inf"), choice)
                 wk = tl.where(kcols[None, :] == r, wv[:, None], wk)
                 ik = tl.where(kcols[None, :] == r, idx[:, None], ik)
-            total = tl.sum(wk, axis=1)
-            wk = wk / (total + 1e-20)[:, None] * route_scale
+            if NORM:  # norm_topk_prob and TOPK > 1 (decided by the launcher)
+                total = tl.sum(wk, axis=1)
+                wk = wk / (total + 1e-20)[:, None]
+            wk = wk * route_scale
             om = rmask[:, None] & (kcols[None, :] < TOPK)
-            out = rows.to(tl.int64)[:, None] * TOPK + kcols[None, :]
+            out = offsets(rows, WIDE)[:, None] * TOPK + kcols[None, :]
             tl.store(wout_ptr + out, wk, mask=om)
             tl.store(iout_ptr + out, ik.to(tl.int64), mask=om)
+
+
+def ub_tiles(bt: int, be: int, bk: int, n_experts: int, topk: int) -> dict[str, tuple[int, ...]]:
+    """Live tiles of one program at its peak: the x / weight K-slices and the logit accumulator
+    (the dot), then the routing of a completed token block over all experts (logits, scores,
+    choice, bias, hit masks) and the top-k weights / ids."""
+    ep, kp = _pow2(n_experts), _pow2(topk)
+    return {"x": (bt, bk), "w": (bk, be), "acc": (bt, be), "logits": (bt, ep), "score": (bt, ep),
+            "choice": (bt, ep), "bias": (bt, ep), "hit": (bt, ep), "wk": (bt, kp), "ik": (bt, kp)}
 
 
 def _pow2(n: int) -> int:
@@ -120,16 +133,23 @@ def _config(t: int, e: int, device) -> tuple[int, int, int, int]:
 
     if interpreting():
         return 16, 16, 64, 4
-    on_npu = torch.device(device).type == "npu"
+    kind = device.split(":")[0] if isinstance(device, str) else torch.device(device).type  # "npu" needs no torch_npu
+    on_npu = kind == "npu"
+    if on_npu:
+        # the routing stage holds ~5 [BLOCK_T, E] fp32 tiles (E = 384 -> 512 padded): 8 rows keep
+        # one program inside half the 192 KB unified buffer (tests/test_triton_ub.py);
+        # unverified on hardware (the cube unit's fractal is 16 rows; triton-ascend pads the dot)
+        return 8, 16, 128, 4
     bt = 16 if t <= 16 else (32 if t <= 128 else 64)
-    return bt, 16 if on_npu else 32 if t > 128 else 16, 128, 4
+    return bt, 32 if t > 128 else 16, 128, 4
 
 
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
-              gate_temp: float = 1.0, _cfg: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              gate_temp: float = 1.0, norm_topk_prob: bool = True,
+              _cfg: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`ops.moe_route`: x [T, D], gate_weight [E, D], bias [E] or [T, E] -> (weights fp32 [T, k],
     ids int64 [T, k]). Requires triton."""
-    from .launch import grid_for, interpreting
+    from .launch import grid_for, interpreting, needs_int64
 
     t, d = x.shape
     e = gate_weight.shape[0]
@@ -152,15 +172,15 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
     splits = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 3)
     n_tb, n_eb = -(-t // bt), -(-e // be)
     n_tiles = n_tb * n_eb
-    grid = grid_for(n_tiles, x.device)
+    grid = grid_for(n_tiles, x.device, cores="cube")  # tl.dot: one program per AI core on Ascend
     logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
     counts = torch.zeros(n_tb, dtype=torch.int32, device=x.device)
     extra = {} if interpreting() else {"num_warps": warps}
     _moe_route_kernel[(grid,)](
         x.contiguous(), gate_weight.contiguous(), bias.contiguous(), logits, counts, weights, ids,
         t, e, d, bias_stride, float(gate_temp), float(route_scale), n_eb, n_tiles, grid,
-        TOPK=topk, KP=_pow2(topk), EP=_pow2(e), BLOCK_T=bt, BLOCK_E=be, BLOCK_K=bk,
-        SPLITS=splits, LOWP=lowp, **extra)
+        TOPK=topk, NORM=bool(norm_topk_prob) and topk > 1, KP=_pow2(topk), EP=_pow2(e), BLOCK_T=bt, BLOCK_E=be,
+        BLOCK_K=bk, SPLITS=splits, LOWP=lowp, WIDE=needs_int64(x, gate_weight, logits), **extra)
     return weights, ids
 
 

@@ -22,9 +22,17 @@ import triton
 import triton.language as tl
 
 from ...backends.reference import quant
+from .fp4_common import offsets
 
 MX_GROUP = 32
 BLOCK_G = 64  # groups per tile: 64 x 32 fp32 = 8 KB live per tensor (inside Ascend UB; H200 sweep: 16 -> 1851 GB/s, 64 -> 2294 GB/s)
+
+
+def ub_tiles(block_g: int = BLOCK_G) -> dict[str, tuple[int, ...]]:
+    """Live tiles of one program at its peak: x, x / scale, |x / scale|, the codes, magnitudes
+    and the output, [BLOCK_G, 32] each, plus the per-group scalars."""
+    t = (block_g, MX_GROUP)
+    return {"x": t, "v": t, "a": t, "codes": t, "mag": t, "q": t, "per_group": (block_g, 8)}
 
 
 def mxfp4_act_quant_ref(x: torch.Tensor) -> torch.Tensor:
@@ -34,13 +42,13 @@ def mxfp4_act_quant_ref(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _mxfp4_act_quant_kernel(x_ptr, y_ptr, n_groups, n_tiles, num_programs,
-                            BLOCK_G: tl.constexpr, GROUP: tl.constexpr):
+                            BLOCK_G: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, GROUP)
     for t in range(pid, n_tiles, num_programs):
         g = t * BLOCK_G + tl.arange(0, BLOCK_G)
         gmask = g < n_groups
-        offs = g.to(tl.int64)[:, None] * GROUP + cols[None, :]
+        offs = offsets(g, WIDE)[:, None] * GROUP + cols[None, :]
         mask = gmask[:, None]
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), axis=1)
@@ -69,7 +77,7 @@ def _mxfp4_act_quant_kernel(x_ptr, y_ptr, n_groups, n_tiles, num_programs,
 def mxfp4_act_quant(x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[..., D] (fp32/bf16/fp16, D % 32 == 0) -> MXFP4 quantise-dequantised values in
     `out_dtype` (fp32 by default, as the op contract says). Requires triton; no fallback."""
-    from .launch import grid_for
+    from .launch import grid_for, needs_int64
 
     if x.shape[-1] % MX_GROUP:
         raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of {MX_GROUP}")
@@ -81,7 +89,7 @@ def mxfp4_act_quant(x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> 
         return y
     n_tiles = -(-n_groups // BLOCK_G)
     grid = grid_for(n_tiles, x.device)
-    kernel[(grid,)](xc, y, n_groups, n_tiles, grid, BLOCK_G=BLOCK_G, GROUP=MX_GROUP)
+    kernel[(grid,)](xc, y, n_groups, n_tiles, grid, BLOCK_G=BLOCK_G, GROUP=MX_GROUP, WIDE=needs_int64(xc))
     return y
 
 
