@@ -376,7 +376,8 @@ def type_problems(obj: Any, prefix: str = "") -> list[str]:
         if dataclasses.is_dataclass(v):
             out += type_problems(v, f"{prefix}{f.name}.")
         elif not _type_ok(v, str(f.type)):
-            want = str(f.type).replace("list[int]", "a list of integers").replace(" | None", " or null")
+            want = {"bool": "true or false", "list[int]": "a list of integers"}.get(str(f.type), str(f.type))
+            want = want.replace(" | None", " or null")
             out.append(f"{prefix}{f.name} must be {want}, got {v!r}")
     return out
 
