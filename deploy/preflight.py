@@ -147,7 +147,8 @@ def check_memory(cfg, device: torch.device | str, *, with_drafter: bool, engram_
         checks.insert(0, (need.device, device_available_bytes(device), f"{device} memory"))
     for n, avail, where in checks:
         if avail is not None and n > avail:
+            offload = "" if device.type == "cpu" or engram_offload else "--engram-offload, "
             raise InsufficientMemory(f"{what} needs about {_gb(n)} of {where} but {_gb(avail)} is available "
-                                     f"(try a smaller preset, --engram-offload, or a bigger machine; "
+                                     f"(try a smaller preset, {offload}or a bigger machine; "
                                      f"{SKIP_ENV}=1 skips this check)")
     return need
