@@ -366,6 +366,9 @@ class Engine:
             if seq.prefilling:
                 seq.fed += len(ids)
         logits, ctx, _ = self.run_chunks(chunks)
+        if logits.numel() and not bool(torch.isfinite(logits).all()):  # (sampling reads them anyway)
+            raise ValueError("the model produced non-finite logits (NaN or Inf): the weights or the "
+                             "device computation are broken")
         counts = ctx.counts()
         self.counters += counts
         finished, row = [], 0

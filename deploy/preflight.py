@@ -114,20 +114,21 @@ def weights_need(cfg, device: torch.device, *, with_drafter: bool, engram_offloa
 
 
 def _reference_dequant_bytes(model, device: torch.device) -> int:
-    """The reference backend keeps each Linear weight it has used dequantised in its
+    """The reference backend keeps the Linear weights it has used dequantised in its
     accumulation dtype (`backends/reference/basic.dequant_weight`, fp64: 8 bytes per value,
-    8x an FP8 weight, 16x a packed FP4 byte); over a run every weight that runs is in it. Counted
-    in full when ops on `device` resolve to the reference (CPU, or DSV41_BACKEND=reference);
+    8x an FP8 weight, 16x a packed FP4 byte), up to its bound (`DSV41_REFERENCE_CACHE_GB`).
+    Counted when ops on `device` resolve to the reference (CPU, or DSV41_BACKEND=reference);
     the vision tower runs only with images and is left out."""
-    from ..backends.reference.basic import ACCUM_DTYPE
+    from ..backends.reference.basic import ACCUM_DTYPE, DEQUANT_CACHE_BYTES
     from ..backends.registry import backend_for_device
     from ..core.model import Linear
 
     if backend_for_device(device) != "reference":
         return 0
     per_value = torch.empty((), dtype=ACCUM_DTYPE).element_size()
-    return per_value * sum(m.out_features * m.in_features for name, m in model.named_modules()
+    full = per_value * sum(m.out_features * m.in_features for name, m in model.named_modules()
                            if isinstance(m, Linear) and not name.startswith(("vision.", "aligner.")))
+    return min(full, DEQUANT_CACHE_BYTES)  # the memo is bounded (least recently used first out)
 
 
 def _gb(n: int) -> str:

@@ -836,3 +836,29 @@ def test_device_rope_tables_match_the_fp64_reference(rng):
         rcos, rsin = ops.rope_tables(f, pos)
         assert cos.dtype == torch.float32 and cos.shape == rcos.shape
         assert (cos - rcos).abs().max() < 4e-7 and (sin - rsin).abs().max() < 4e-7
+
+
+def test_dequant_memo_is_bounded(monkeypatch, rng):
+    """The reference's memo of fp64 weight copies keeps at most DEQUANT_CACHE_BYTES (least
+    recently used first out) and gives the same products as without it."""
+    from dsv41.backends.reference import basic
+
+    monkeypatch.setattr(basic, "DEQUANT_CACHE_BYTES", 3 * 64 * 64 * 8)  # three 64x64 fp64 copies
+    monkeypatch.setattr(basic, "_DEQUANT_CACHE", type(basic._DEQUANT_CACHE)())
+    monkeypatch.setattr(basic, "_cache_bytes", 0)
+    x = torch.randn(5, 64, generator=rng)
+    weights = [quant.fp8_block_quant(torch.randn(64, 64, generator=rng)) for _ in range(5)]
+    first = [ops.linear(x, w, s, torch.float32) for w, s in weights]
+    assert basic._cache_bytes <= basic.DEQUANT_CACHE_BYTES and len(basic._DEQUANT_CACHE) == 3
+    again = [ops.linear(x, w, s, torch.float32) for w, s in weights]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_engine_refuses_non_finite_logits(tiny_cfg, rng):
+    from dsv41.core.engine import Engine, SamplingParams
+    from dsv41.core.weights import build_model
+
+    model = build_model(tiny_cfg, seed=1)
+    model.norm.weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match="non-finite logits"):
+        Engine(model).generate([5, 6, 7], SamplingParams(max_new_tokens=2))
