@@ -51,6 +51,27 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
+# measured agreement of the kernels' discrete choices with the reference inside the model
+# (printed by the test): disagreements are ties or near-ties, rounded one way by the kernel's
+# fp32 and the other way by the reference's fp64 sums
+AGREEMENT: dict[str, list[float]] = {}
+# measured 1.0 under the interpreter (fp32 arithmetic, 2026-11-30); compiled kernels (bf16 dots)
+# may still split exact ties differently: one in a hundred selected entries is allowed there
+INDEXER_AGREEMENT = {"cpu": 1.0, "cuda": 0.99}
+ROUTE_TIE_REL = 1e-4
+
+
+def _route_tie(args, t: int) -> bool:
+    """Whether token t's router scores have a near-tie at the top-k boundary (the k-th and
+    (k+1)-th biased scores within ROUTE_TIE_REL of each other), computed in fp64."""
+    x, w, bias, topk = args[0], args[1], args[2], args[3]
+    temp = args[5] if len(args) > 5 else 1.0
+    s = torch.sqrt(torch.nn.functional.softplus((x[t].double() @ w.double().T) / temp))
+    b = bias if bias.dim() == 1 else bias[t]
+    top = torch.sort(s + b.double(), descending=True).values
+    return bool((top[topk - 1] - top[topk]).abs() <= ROUTE_TIE_REL * top[topk - 1].abs())
+
+
 def _compare(op, got, want, args):
     """Return a failure message or None."""
     if op in ("fp4_quant", "fp8_quant", "mxfp4_quant"):
@@ -60,13 +81,16 @@ def _compare(op, got, want, args):
         return None if torch.equal(got.cpu(), want.cpu()) else f"not bit-exact ({_rel(got, want):.3g})"
     if op == "moe_route":
         rows = (got[1] == want[1]).all(-1)
-        same = rows.float().mean().item()
-        if same < 0.95:
-            return f"ids agree on {same:.3f} of tokens"
+        AGREEMENT.setdefault(op, []).append(rows.float().mean().item())
+        untied = [t for t in (~rows).nonzero().flatten().tolist() if not _route_tie(args, t)]
+        if untied:
+            return f"expert ids differ on {len(untied)} tokens without a near-tie at the top-k boundary"
         return None if _rel(got[0][rows], want[0][rows]) <= 1e-5 else "weights differ"
     if op == "indexer_topk":
         same = (got[0] == want[0]).float().mean().item()
-        return None if same >= 0.95 else f"selected entries agree {same:.3f}"
+        AGREEMENT.setdefault(op, []).append(same)
+        bound = INDEXER_AGREEMENT.get(got[0].device.type, 0.99)
+        return None if same >= bound else f"selected entries agree {same:.3f} (< {bound})"
     if op == "mhc_mix":
         e = max(_rel(got[0], want[0]), _rel(got[1], want[1]))
         if got[2] is not None:
@@ -126,6 +150,8 @@ def test_kernels_match_reference_inside_the_model(dev, fresh_seed, monkeypatch):
     for t in ids[n - 4:].tolist():
         cache.feed([t])
     print(f"\n[dsv41] kernel calls replayed inside the model: {seen}")
+    print("[dsv41] agreement of discrete choices (min over calls): "
+          + ", ".join(f"{k} {min(v):.4f}" for k, v in AGREEMENT.items()))
     assert not failures, failures[:10]
     missing = (MODEL_OPS & set(kernels)) - set(seen)
     assert not missing, f"kernels the model never called: {missing}"
