@@ -122,6 +122,22 @@ def test_concurrent_requests_do_not_cross_talk(server, rng):
     assert together == alone
 
 
+def test_sixteen_streaming_clients_each_get_their_tokens_alone(server, rng):
+    """16 concurrent streaming clients with different prompts share vLLM's steps (one forward
+    over all of them); each one's tokens equal the same prompt served alone."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from serve_load import stream_one
+
+    prompts = [_prompt(rng, 5 + 3 * k) for k in range(16)]
+    alone = [_complete(server, p, 12)["token_ids"] for p in prompts]
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(lambda p: stream_one(server.base, "tiny", p, 12)[2], prompts))
+    assert together == alone
+
+
 def hit_grain(cfg, block_size: int, replay: int) -> int:
     """Prefix hits come in multiples of the largest of our layers' block sizes (their least
     common multiple: every block is the server's --block-size times a power of two)."""

@@ -1,9 +1,12 @@
 """Our caches as vLLM's block manager sees them, and the adapter between vLLM's pages and the
 block pools that `dsv41.core` computes with.
 
-Interim (until the plugin hands vLLM's pages to the ops in place, issue 13): each scheduled
-request's state is gathered from its pages into a private one-sequence `KVPool`
-(`RequestCache`), the core's batched forward runs on it, and what the chunk added is written back.
+Interim (until the plugin hands vLLM's pages to the ops in place): every request scheduled in a
+vLLM step has its state gathered from its pages into ONE private `KVPool` shared by the step (one
+`SequenceState` per request, `RequestCache`), the core runs ONE batched forward over all of their
+chunks (prefill chunks and decodes mixed), and what each chunk added is written back to its pages
+(`PagedCaches.run_step`). The copies in and out are the interim part: they cost host time per
+request and step, proportional to the window and the chunk.
 
 Cache layers (vLLM `AttentionLayerBase`s (`layers.PagedLayer`), so vLLM allocates,
 frees and prefix-caches them; this module itself needs no vLLM, so it is tested on any device):
@@ -157,9 +160,21 @@ class LayerRequest:
     page_bytes: int
 
 
+@dataclass
+class ScheduledChunk:
+    """One request's part of a vLLM step: row `index` of the step's block tables, its tokens
+    `ids` at positions start.., and its image rows (`is_image` marks the image positions)."""
+
+    index: int
+    start: int
+    ids: torch.Tensor
+    image_rows: torch.Tensor | None = None
+    is_image: torch.Tensor | None = None
+
+
 class PagedCaches(nn.Module):
-    """The cache layers of one model and the gather / scatter between pages and a
-    request's private pool for one chunk (`RequestCache`)."""
+    """The cache layers of one model and the gather / scatter between pages and the step's
+    private pool (`RequestCache` per request; interim, see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, block_size: int, prefix: str, replay_tokens: int,
                  make_layer: Callable[[LayerRequest], nn.Module]):
@@ -167,13 +182,9 @@ class PagedCaches(nn.Module):
         self.cfg = cfg
         bs = self.block_size = block_size
         ratios = sorted({cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids})
-        problems = [f"the block size ({bs}) must be a multiple of every compress ratio ({ratios})"
-                    for r in ratios if bs % r][:1]
-        if replay_tokens % bs:
-            problems.append(f"the SWA replay length ({replay_tokens} tokens) must be a multiple of the block size "
-                            f"({bs}); pass --block-size {_largest_divisor(replay_tokens, bs)}")
-        if problems:
-            raise ValueError("dsv41 vLLM plugin: " + "; ".join(problems))
+        problem = block_size_problem(cfg, bs, replay_tokens)
+        if problem:
+            raise ValueError("dsv41 vLLM plugin: " + problem)
         d, di = cfg.head_dim, cfg.index_head_dim
         self.glob_rec = {r: GlobalRecord(d, di, r) for r in ratios}
         # only the ratio-2 KV sources carry compressor rows between chunks
@@ -200,13 +211,14 @@ class PagedCaches(nn.Module):
         return row[torch.div(token_pos, bs, rounding_mode="floor")].long(), torch.remainder(token_pos, bs) // ratio
 
     def load(self, meta: dict, i: int, start: int, ids: torch.Tensor, image_rows: torch.Tensor | None = None,
-             is_image: torch.Tensor | None = None) -> "RequestCache":
-        """Request i's state before position `start`, in a private pool with room up to the
-        chunk's end: global entries and token ids from the global pages, window entries, the
-        carried compressor rows and the window floor from the SWA pages."""
+             is_image: torch.Tensor | None = None, pool: KVPool | None = None) -> "RequestCache":
+        """Request i's state before position `start`, in `pool` (the step's private pool; a new
+        one when None) with blocks up to the chunk's end: global entries and token ids from the
+        global pages, window entries, the carried compressor rows and the window floor from the
+        SWA pages."""
         cfg, w = self.cfg, self.cfg.sliding_window
         device, end = ids.device, start + ids.shape[0]
-        rc = RequestCache.allocate(cfg, start, end, device)
+        rc = RequestCache.allocate(cfg, start, end, device, pool)
         if is_image is None:
             is_image = torch.zeros_like(ids, dtype=torch.bool)
         rc.digests = content_digests(ids, is_image, image_rows)  # the chunk's positions
@@ -254,19 +266,29 @@ class PagedCaches(nn.Module):
         rc.state.is_image = [cfg.vision is not None and t == cfg.image_token_id for t in rc.state.tokens]
         return rc
 
-    def run_chunk(self, model, meta: dict, i: int, start: int, ids: torch.Tensor,
-                  image_rows: torch.Tensor | None = None, is_image: torch.Tensor | None = None) -> torch.Tensor:
-        """Request i's chunk `ids` at positions start..: load, one forward of the core model
-        (collapsed final streams of every row), store."""
+    def run_step(self, model, meta: dict, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """One vLLM step: every request's state loaded into one private pool, ONE forward of the
+        core model over all chunks (collapsed final streams of every row, in chunk order), then
+        each request's additions stored back to its pages."""
         from ...core.batch import Chunk, build_step
 
-        rc = self.load(meta, i, start, ids, image_rows, is_image)
+        if not chunks:
+            raise ValueError("a step needs at least one chunk")
+        device = chunks[0].ids.device
+        pool = step_pool(self.cfg, [c.start + c.ids.shape[0] for c in chunks], device)
+        rcs = [self.load(meta, c.index, c.start, c.ids, c.image_rows, c.is_image, pool) for c in chunks]
         image_token = self.cfg.image_token_id if self.cfg.vision is not None else None
-        batch = build_step(self.cfg, rc.pool, [Chunk(rc.state, ids.tolist(), 0, "all", image_rows)], ids.device,
-                           image_token)
-        h = model(batch, rc.pool, return_hidden=True, check=False)
-        self.store(meta, i, start, rc, ids)
+        batch = build_step(self.cfg, pool, [Chunk(rc.state, c.ids.tolist(), 0, "all", c.image_rows)
+                                            for rc, c in zip(rcs, chunks)], device, image_token)
+        h = model(batch, pool, return_hidden=True, check=False)
+        for rc, c in zip(rcs, chunks):
+            self.store(meta, c.index, c.start, rc, c.ids)
         return h
+
+    def run_chunk(self, model, meta: dict, i: int, start: int, ids: torch.Tensor,
+                  image_rows: torch.Tensor | None = None, is_image: torch.Tensor | None = None) -> torch.Tensor:
+        """A step of one request: request i's chunk `ids` at positions start.. (`run_step`)."""
+        return self.run_step(model, meta, [ScheduledChunk(i, start, ids, image_rows, is_image)])
 
     def store(self, meta: dict, i: int, start: int, rc: "RequestCache", ids: torch.Tensor) -> None:
         """Write back what the chunk [start, end) added: new global entries (with their token
@@ -382,10 +404,24 @@ class PagedCaches(nn.Module):
         return out.tolist()
 
 
+def private_block_size(cfg: ModelConfig) -> int:
+    """Block size of the step's private pool (any multiple of every compress ratio works)."""
+    return math.lcm(16, *(cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids))
+
+
+def step_pool(cfg: ModelConfig, ends: list[int], device) -> KVPool:
+    """A private pool with room for every request of a step up to its chunk's end (the null
+    block included), so no block is taken by growing the pool mid-load."""
+    bs = private_block_size(cfg)
+    n = sum(-(-end // bs) for end in ends) + 1
+    return KVPool(cfg, block_size=bs, swa_blocks=n, global_blocks=n, device=device, drafter=False)
+
+
 @dataclass
 class RequestCache:
-    """One request's state gathered from vLLM's pages: a private one-sequence pool whose blocks
-    cover positions 0 .. end, and what the adapter needs to write the chunk back."""
+    """One request's state gathered from vLLM's pages into a private pool (the step's, shared
+    with the step's other requests) whose blocks cover its positions 0 .. end, and what the
+    adapter needs to write the chunk back."""
 
     pool: KVPool
     state: SequenceState
@@ -393,10 +429,9 @@ class RequestCache:
     digests: list
 
     @classmethod
-    def allocate(cls, cfg: ModelConfig, start: int, end: int, device) -> "RequestCache":
-        bs = math.lcm(16, *(cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids))
-        n = -(-end // bs) + 1
-        pool = KVPool(cfg, block_size=bs, swa_blocks=n, global_blocks=n, device=device, drafter=False)
+    def allocate(cls, cfg: ModelConfig, start: int, end: int, device, pool: KVPool | None = None) -> "RequestCache":
+        if pool is None:
+            pool = step_pool(cfg, [end], device)
         state = SequenceState()
         state.ensure_blocks(pool, end)
         state.length = start
@@ -431,5 +466,32 @@ def fill_layout(page: int, block_size: int, ratio: int, record: int, divides: in
     return block_size * scale, page // states
 
 
-def _largest_divisor(n: int, at_most: int) -> int:
-    return max(k for k in range(1, at_most + 1) if n % k == 0)
+def replay_length(cfg: ModelConfig, mode: str) -> int:
+    """Tokens recomputed after a prefix-cache hit: the window ("window") or the window of every
+    layer ("exact", the same tokens as a cold run)."""
+    return cfg.sliding_window * (cfg.num_hidden_layers if mode == "exact" else 1)
+
+
+def block_size_problem(cfg: ModelConfig, block_size: int, replay_tokens: int) -> str | None:
+    """Why `block_size` cannot hold this model's pages (None when it can): it must be a
+    multiple of every compress ratio (whole global entries per block) and divide the replay
+    length (the replay start is block-aligned), naming the size that fits."""
+    ratios = sorted({cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids})
+    if block_size > 0 and not any(block_size % r for r in ratios) and replay_tokens % block_size == 0:
+        return None
+    return (f"block size {block_size} does not fit this model: it must be a multiple of every compress ratio "
+            f"({ratios}) and divide the SWA replay length ({replay_tokens} tokens); pass --block-size "
+            f"{default_block_size(cfg, replay_tokens)}")
+
+
+def default_block_size(cfg: ModelConfig, replay_tokens: int, at_most: int = 128) -> int:
+    """The block size to use when none is given: the largest power of two up to `at_most`
+    (vLLM's default, 128) that fits the page layout, else the largest fitting divisor of the
+    replay length (replay lengths are multiples of the window, so one always fits)."""
+    step = math.lcm(*{cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids})
+    fits = [b for b in range(step, at_most + 1, step) if replay_tokens % b == 0]
+    if not fits:  # (a window that is no multiple of the ratios: no block size fits at all)
+        raise ValueError(f"no block size fits this model: the SWA replay length ({replay_tokens} tokens) has no "
+                         f"divisor that is a multiple of every compress ratio")
+    powers = [b for b in fits if b & (b - 1) == 0]
+    return max(powers or fits)
