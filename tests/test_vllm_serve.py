@@ -125,16 +125,15 @@ def test_concurrent_requests_do_not_cross_talk(server, rng):
 def test_sixteen_streaming_clients_each_get_their_tokens_alone(server, rng):
     """16 concurrent streaming clients with different prompts share vLLM's steps (one forward
     over all of them); each one's tokens equal the same prompt served alone."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from serve_load import stream_one
+    def streamed(ids):
+        events = server.stream("/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 12,
+                                                   "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+        return [t for e in events for c in e["choices"] for t in (c.get("token_ids") or [])]
 
     prompts = [_prompt(rng, 5 + 3 * k) for k in range(16)]
     alone = [_complete(server, p, 12)["token_ids"] for p in prompts]
     with ThreadPoolExecutor(16) as pool:
-        together = list(pool.map(lambda p: stream_one(server.base, "tiny", p, 12)[2], prompts))
+        together = list(pool.map(streamed, prompts))
     assert together == alone
 
 
