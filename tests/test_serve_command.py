@@ -151,21 +151,3 @@ def test_configuration_error_is_one_line_and_status_2(tiny_ckpt, flags):
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("dsv41: error:"), r.stderr[-2000:]
-
-
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
-def test_serve_starts_with_no_extra_flags(tiny_ckpt, tmp_path):
-    """`dsv41 serve MODEL_DIR` (host and port aside) starts and answers, with no block size,
-    KV space, eager mode or model length given."""
-    from _vllm import running_server
-
-    log = tmp_path / "server.log"
-    with running_server(tiny_ckpt, log, [], env={"VLLM_CPU_KVCACHE_SPACE": None}, test_defaults=False) as srv:
-        status, models = srv.request("/v1/models")
-        assert status == 200
-        name = models["data"][0]["id"]
-        status, body = srv.request("/v1/completions", {"model": name, "prompt": [11, 12, 13], "max_tokens": 4,
-                                                       "temperature": 0, "ignore_eos": True})
-        assert status == 200 and body["usage"]["completion_tokens"] == 4, body
-    text = log.read_text(errors="replace")
-    assert "'block_size': 8" in text
