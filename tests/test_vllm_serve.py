@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -179,6 +180,66 @@ def test_bad_requests_are_400_and_server_survives(server, rng):
     assert 400 <= status < 500, body
     ids = _prompt(rng, 6)
     assert len(_complete(server, ids, 3)["token_ids"]) == 3  # still serving
+
+
+def _metric(server, name: str) -> float:
+    """Sum of a gauge over its label sets in vLLM's /metrics."""
+    status, text = server.request("/metrics")
+    assert status == 200
+    m = re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert m, f"no {name} metric"
+    return sum(float(x) for x in m)
+
+
+def _settled(server, baseline: float, timeout: float = 60.0) -> tuple[float, float]:
+    """(KV cache usage, running requests) once back at `baseline` and 0, or at the timeout."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        usage, running = _metric(server, "vllm:kv_cache_usage_perc"), _metric(server, "vllm:num_requests_running")
+        if (usage <= baseline and running == 0) or time.monotonic() > deadline:
+            return usage, running
+        time.sleep(0.5)
+
+
+def test_faults_free_their_blocks_and_the_server_keeps_serving(server, reference, rng):
+    """A client that disconnects mid-stream, a request whose client gives up (aborted), one over
+    --max-model-len and malformed JSON: every block comes back (vLLM's KV usage returns to its
+    idle value, nothing is left running) and the next request is still exact."""
+    import socket
+    import urllib.request
+
+    greedy, _ = reference
+    baseline, running = _settled(server, 0.0)
+    assert running == 0
+    # 1. a streaming client that reads a few tokens and hangs up
+    body = {"model": "tiny", "prompt": _prompt(rng, 40), "max_tokens": MAX_LEN - 50, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(server.base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        events = 0
+        for line in r:
+            events += line.startswith(b"data: ")
+            if events == 3:
+                break
+        assert _metric(server, "vllm:kv_cache_usage_perc") > baseline  # the request holds blocks
+    # 2. a non-streaming request whose client gives up before the answer (vLLM aborts it)
+    body = {**body, "stream": False, "prompt": _prompt(rng, 30)}
+    req = urllib.request.Request(server.base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises((socket.timeout, TimeoutError, urllib.error.URLError)):
+        urllib.request.urlopen(req, timeout=1.0)
+    # 3. over --max-model-len, and 4. malformed JSON
+    status, _ = server.request("/v1/completions", {"model": "tiny", "prompt": _prompt(rng, MAX_LEN + 1), "max_tokens": 2})
+    assert 400 <= status < 500
+    status, _ = server.request("/v1/chat/completions", b'{"model": "tiny", "messages": [')
+    assert 400 <= status < 500
+    usage, running = _settled(server, baseline)
+    assert usage <= baseline and running == 0, f"blocks not freed: usage {usage} (idle {baseline}), running {running}"
+    ids = _prompt(rng, 9)
+    assert _complete(server, ids, 8)["token_ids"] == greedy(ids, 8)
 
 
 def _png_data_url(rng, w: int, h: int) -> tuple[str, bytes]:
