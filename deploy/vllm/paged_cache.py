@@ -211,11 +211,12 @@ class PagedCaches(nn.Module):
         return row[torch.div(token_pos, bs, rounding_mode="floor")].long(), torch.remainder(token_pos, bs) // ratio
 
     def load(self, meta: dict, i: int, start: int, ids: torch.Tensor, image_rows: torch.Tensor | None = None,
-             is_image: torch.Tensor | None = None, pool: KVPool | None = None) -> "RequestCache":
+             is_image: torch.Tensor | None = None, pool: KVPool | None = None,
+             windows: bool = True) -> "RequestCache":
         """Request i's state before position `start`, in `pool` (the step's private pool; a new
         one when None) with blocks up to the chunk's end: global entries and token ids from the
-        global pages, window entries, the carried compressor rows and the window floor from the
-        SWA pages."""
+        global pages, and (`windows`; else the caller runs `_load_windows` for the whole step)
+        window entries, the carried compressor rows and the window floor from the SWA pages."""
         cfg, w = self.cfg, self.cfg.sliding_window
         device, end = ids.device, start + ids.shape[0]
         rc = RequestCache.allocate(cfg, start, end, device, pool)
@@ -239,32 +240,53 @@ class PagedCaches(nn.Module):
             glob_from = min(glob_from, max(start, n_old * r))
             rc.loaded[s] = n_old
         rc.state.glob_from = glob_from
-        floors = []
-        pos = torch.arange(max(0, start - w + 1), start, device=device)
-        for li, layer in enumerate(self.swa):
-            f, valid = self._swa_records(meta, layer, i, pos)
-            # the window starts after the newest position this request does not hold
-            bad = (~valid).nonzero()
-            floor = int(pos[bad[-1, 0]]) + 1 if bad.numel() else 0
-            keep = pos >= floor
-            rows = rc.swa_rows(pos[keep])
-            ring = rc.pool.swa[li]
-            ring.kv.view(torch.uint8)[rows] = f["q"][keep]
-            ring.scale.view(torch.uint8)[rows] = f["scale"][keep]
-            floors.append(floor)
-            src_ratio = cfg.compress_ratios[li] if li in cfg.kv_source_layer_ids else 0
-            m = start % src_ratio if src_ratio > 1 else 0
-            if m:
-                if not bool(valid[-m:].all()):
-                    raise RuntimeError(f"layer {li}: the compressor's carried rows before position {start} are missing")
-                carry = _as(f["carry"][-m:], torch.float32).view(m, 2, cfg.head_dim)
-                rc.pool.carry[li][rc.swa_rows(pos[-m:])] = carry
-        dec = cfg.decoder_start
-        rc.state.floors[FLOOR_ENCODER] = max(floors[:dec], default=0)
-        rc.state.floors[FLOOR_DECODER] = max(floors[dec:], default=0)
+        if windows:
+            self._load_windows(meta, [(i, start, rc)])
         rc.state.tokens = self._history(meta, i, start, device)
         rc.state.is_image = [cfg.vision is not None and t == cfg.image_token_id for t in rc.state.tokens]
         return rc
+
+    def _load_windows(self, meta: dict, items: list[tuple[int, int, "RequestCache"]]) -> None:
+        """For each (request i, chunk start, its RequestCache): the window entries before
+        `start`, the carried compressor rows and the window floors, from the SWA pages (one
+        gather per layer for all the requests)."""
+        cfg, w = self.cfg, self.cfg.sliding_window
+        device = items[0][2].pool.device
+        pos, req, rows = [], [], []
+        for k, (_, start, rc) in enumerate(items):
+            p = torch.arange(max(0, start - w + 1), start, device=device)
+            pos.append(p)
+            req.append(torch.full_like(p, k))
+            rows.append(rc.swa_rows(p))
+        pos, req, rows = torch.cat(pos), torch.cat(req), torch.cat(rows)
+        table_row = torch.tensor([i for i, _, _ in items], device=device)[req]
+        starts = torch.tensor([start for _, start, _ in items], device=device)
+        floors = torch.zeros(len(self.swa), len(items), dtype=torch.long, device=device)
+        for li, layer in enumerate(self.swa):
+            f, valid = self._swa_records_many(meta, layer, table_row, pos)
+            # a request's window starts after the newest position it does not hold
+            floor = torch.zeros(len(items), dtype=torch.long, device=device).scatter_reduce(
+                0, req, torch.where(valid, 0, pos + 1), "amax")
+            keep = pos >= floor[req]
+            ring = items[0][2].pool.swa[li]
+            ring.kv.view(torch.uint8)[rows[keep]] = f["q"][keep]
+            ring.scale.view(torch.uint8)[rows[keep]] = f["scale"][keep]
+            floors[li] = floor
+            src_ratio = cfg.compress_ratios[li] if li in cfg.kv_source_layer_ids else 0
+            if src_ratio > 1:  # the rows of the group each request's chunk starts inside of
+                carried = pos >= (starts - starts % src_ratio)[req]
+                if not bool(valid[carried].all()):
+                    first = int(req[carried & ~valid][0])
+                    raise RuntimeError(f"layer {li}: the compressor's carried rows before position "
+                                       f"{items[first][1]} are missing")
+                if bool(carried.any()):
+                    carry = _as(f["carry"][carried], torch.float32).view(-1, 2, cfg.head_dim)
+                    items[0][2].pool.carry[li][rows[carried]] = carry
+        dec, n_layers = cfg.decoder_start, len(self.swa)
+        enc_floor = floors[:dec].amax(0).tolist() if dec else [0] * len(items)
+        dec_floor = floors[dec:].amax(0).tolist() if dec < n_layers else [0] * len(items)
+        for k, (_, _, rc) in enumerate(items):
+            rc.state.floors[FLOOR_ENCODER], rc.state.floors[FLOOR_DECODER] = enc_floor[k], dec_floor[k]
 
     def run_step(self, model, meta: dict, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """One vLLM step: every request's state loaded into one private pool, ONE forward of the
@@ -276,7 +298,8 @@ class PagedCaches(nn.Module):
             raise ValueError("a step needs at least one chunk")
         device = chunks[0].ids.device
         pool = step_pool(self.cfg, [c.start + c.ids.shape[0] for c in chunks], device)
-        rcs = [self.load(meta, c.index, c.start, c.ids, c.image_rows, c.is_image, pool) for c in chunks]
+        rcs = [self.load(meta, c.index, c.start, c.ids, c.image_rows, c.is_image, pool, windows=False) for c in chunks]
+        self._load_windows(meta, [(c.index, c.start, rc) for c, rc in zip(chunks, rcs)])
         image_token = self.cfg.image_token_id if self.cfg.vision is not None else None
         batch = build_step(self.cfg, pool, [Chunk(rc.state, c.ids.tolist(), 0, "all", c.image_rows)
                                             for rc, c in zip(rcs, chunks)], device, image_token)
@@ -370,10 +393,18 @@ class PagedCaches(nn.Module):
     def _row(self, meta: dict, layer, i: int) -> torch.Tensor:
         return meta[layer.prefix].block_table[i]
 
-    def _swa_records(self, meta, layer, i, pos):
+    def _swa_records(self, meta, layer, i: int, pos: torch.Tensor):
+        """(record fields, valid) of request i's window records at positions `pos`."""
+        return self._swa_records_many(meta, layer, torch.full_like(pos, i), pos)
+
+    def _swa_records_many(self, meta, layer, table_row: torch.Tensor, pos: torch.Tensor):
+        """(record fields, valid) of window records at positions `pos`, each of the request
+        whose block-table row is `table_row`; valid: a real block holding that very position."""
         rec = self.swa_recs[int(layer.prefix.rsplit(".", 1)[1])]
-        blk, st = self._where(layer, self._row(meta, layer, i), pos, 1)
-        f = _split(pages(layer, rec.size)[blk, st], rec.fields)
+        bs = self.block_sizes[layer.prefix]
+        table = meta[layer.prefix].block_table
+        blk = table[table_row, torch.div(pos, bs, rounding_mode="floor")].long()
+        f = _split(pages(layer, rec.size)[blk, torch.remainder(pos, bs)], rec.fields)
         pos1 = _as(f["pos1"], torch.int32).view(-1)
         valid = (blk != NULL_BLOCK) & (pos1 == pos.to(torch.int32) + 1)
         return f, valid
