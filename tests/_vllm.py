@@ -20,6 +20,16 @@ MAX_LEN = 256
 STARTUP_S = 600
 
 
+def tiny_checkpoint(tmp_path_factory, seed: int) -> Path:
+    """A fresh tiny checkpoint (random weights of `seed`) in its own temporary directory."""
+    from dsv41.core.config import preset
+    from dsv41.deploy.checkpoint import make_checkpoint
+
+    d = tmp_path_factory.mktemp("ckpt") / "tiny"
+    make_checkpoint(preset("tiny"), d, seed=seed)
+    return d
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -135,11 +135,9 @@ def test_cpu_kv_cache_space_fits_the_model_and_the_machine(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
-    from dsv41.deploy.checkpoint import make_checkpoint
+    from _vllm import tiny_checkpoint
 
-    d = tmp_path_factory.mktemp("ckpt") / "tiny"
-    make_checkpoint(TINY, d, seed=0)
-    return d
+    return tiny_checkpoint(tmp_path_factory, 0)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")

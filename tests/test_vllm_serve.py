@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -18,18 +17,15 @@ import torch
 
 pytest.importorskip("vllm")
 
-from _vllm import MAX_LEN, running_server
-from dsv41.core.config import preset
+from _vllm import MAX_LEN, running_server, tiny_checkpoint
 from dsv41.core.engine import Engine, SamplingParams
 from dsv41.core.tokenizer import CHAT_TEMPLATE
-from dsv41.deploy.checkpoint import load_checkpoint, make_checkpoint
+from dsv41.deploy.checkpoint import load_checkpoint
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory, fresh_seed):
-    d = tmp_path_factory.mktemp("ckpt") / "tiny"
-    make_checkpoint(preset("tiny"), d, seed=fresh_seed)
-    return d
+    return tiny_checkpoint(tmp_path_factory, fresh_seed)
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +204,7 @@ def test_faults_free_their_blocks_and_the_server_keeps_serving(server, reference
     --max-model-len and malformed JSON: every block comes back (vLLM's KV usage returns to its
     idle value, nothing is left running) and the next request is still exact."""
     import socket
+    import urllib.error
     import urllib.request
 
     greedy, _ = reference

@@ -18,10 +18,9 @@ import pytest
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
-from _vllm import running_server
-from dsv41.core.config import preset
+from _vllm import running_server, tiny_checkpoint
 from dsv41.core.tokenizer import INVOKE_CLOSE, INVOKE_OPEN, PARAM_CLOSE, PARAM_OPEN, TOOL_CALLS_CLOSE, TOOL_CALLS_OPEN
-from dsv41.deploy.checkpoint import load_checkpoint, make_checkpoint
+from dsv41.deploy.checkpoint import load_checkpoint
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city over the next days",
@@ -35,9 +34,7 @@ FORCE_CALL = {"chat_template_kwargs": {"thinking": False}, "structured_outputs":
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory, fresh_seed):
-    d = tmp_path_factory.mktemp("ckpt") / "tiny"
-    make_checkpoint(preset("tiny"), d, seed=fresh_seed)
-    return d
+    return tiny_checkpoint(tmp_path_factory, fresh_seed)
 
 
 @pytest.fixture(scope="module")

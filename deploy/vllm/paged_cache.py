@@ -217,7 +217,7 @@ class PagedCaches(nn.Module):
         one when None) with blocks up to the chunk's end: global entries and token ids from the
         global pages, and (`windows`; else the caller runs `_load_windows` for the whole step)
         window entries, the carried compressor rows and the window floor from the SWA pages."""
-        cfg, w = self.cfg, self.cfg.sliding_window
+        cfg = self.cfg
         device, end = ids.device, start + ids.shape[0]
         rc = RequestCache.allocate(cfg, start, end, device, pool)
         if is_image is None:
