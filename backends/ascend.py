@@ -399,7 +399,7 @@ def fp4_quant_int(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 FP32_REFERENCE_OPS = ("rope", "grouped_linear", "swiglu_clamped", "sinkhorn", "mhc_mixes", "mhc_collapse",
                       "mhc_update", "mhc_mix", "moe_route", "engram_gate")
 # Ops whose reference needs fp64 on tiny tensors: run on the host, results copied to the NPU.
-HOST_REFERENCE_OPS = ("rope_tables",)
+HOST_REFERENCE_OPS = ()
 # Ops that touch float8 data: integer-op versions here (a Triton kernel wins where one exists).
 INTEGER_OPS = {"fp8_quant": fp8_quant_int, "fp8_dequant": fp8_dequant_int, "fp4_dequant": fp4_dequant_int,
                "mxfp4_dequant": mxfp4_dequant_int, "mxfp4_quant": mxfp4_quant_int, "fp4_quant": fp4_quant_int,
@@ -424,6 +424,10 @@ def plan(op_names: list[str], triton_ops: list[str], triton_why: str | None) -> 
             out[name] = (None, "Triton kernel (triton-ascend)")
         elif name in INTEGER_OPS:
             out[name] = (INTEGER_OPS[name], "integer-op version on the NPU (uint8 bytes; no float8 tensors)")
+        elif name == "rope_tables":
+            from .rope_tables import rope_tables
+
+            out[name] = (rope_tables, "angle-sum identities over fp64 tables made once (fp32 on the NPU, no host sync)")
         elif name == "engram_lookup":
             out[name] = (engram_lookup_int8, "INT8 tables: gather + fp32 scale; FP8 tables: error (needs triton-ascend)")
         elif name in HOST_REFERENCE_OPS:

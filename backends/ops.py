@@ -115,8 +115,9 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None, out_dtype: to
     """y = x @ W^T. With `scale`, W is stored FP8 E4M3 (E8M0 32x32 block scales) or packed FP4
     (int8 [N, K/2], E8M0 per 32 along K) and x is FP8-quantised in blocks of 32 first.
     `out_dtype` float64 asks for the unrounded accumulation (row-parallel partial sums; take it
-    from `partial_sum_dtype`: device backends refuse float64). `scale` fp32 [N, 1] with an int8
-    W: per-output-channel INT8 weight (W8A8); x is then int8-quantised per token."""
+    from `partial_sum_dtype`: on devices there is no fp64, CUDA returns fp32 and Ascend refuses).
+    `scale` fp32 [N, 1] with an int8 W: per-output-channel INT8 weight (W8A8); x is then
+    int8-quantised per token."""
 
 
 @_op
@@ -209,9 +210,10 @@ def mhc_mix(x: Tensor, y: Tensor, post: Tensor, comb: Tensor, pre: Tensor, fn: T
 # ---- MoE and Engram -------------------------------------------------------------------------
 @_op
 def moe_route(x: Tensor, gate_weight: Tensor, bias: Tensor, topk: int, route_scale: float,
-              gate_temp: float = 1.0) -> tuple[Tensor, Tensor]:
+              gate_temp: float = 1.0, norm_topk_prob: bool = True) -> tuple[Tensor, Tensor]:
     """sqrtsoftplus router in fp32: bias [E] or [T, E] chooses the top-k; the weights are the raw
-    scores of the chosen experts / (sum + 1e-20) * route_scale. Returns (weights [T, k], ids [T, k])."""
+    scores of the chosen experts, divided by (their sum + 1e-20) only when `norm_topk_prob` and
+    topk > 1, then times route_scale. Returns (weights [T, k], ids [T, k])."""
 
 
 @_op
@@ -220,15 +222,17 @@ def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, experts: list, limit: f
     """Routed experts: sum_k weights[t,k] folded in before w2 of expert ids[t,k]'s clamped SwiGLU.
     `experts[e]` = ((w1, s1), (w2, s2), (w3, s3)); ids < 0 are skipped (experts held by another
     model-parallel rank). Expert outputs are summed in `out_dtype` (fp32, or fp64 for sums that
-    are combined across ranks before rounding). Returns [T, d] of `out_dtype`."""
+    are combined across ranks before rounding; device backends sum in fp32 and return fp32 for
+    the fp64 request). Returns [T, d] of `out_dtype`."""
 
 
 @_op
 def engram_gate(x: Tensor, k: Tensor, v: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
                 is_image: Tensor) -> Tensor:
     """Engram's per-stream gated add: x [T, n, d] bf16, keys k [T, n, d] and value v [T, d]
-    (fp32); dot_s = sum(rms(k_s) * k_weight * rms(x_s) * q_weight) * d^-0.5 (both RMS-normalised
-    with eps); gate_s = sigmoid(sign(dot) sqrt(max(|dot|, 1e-6))), 0 on image tokens;
+    (fp32), q_weight / k_weight [n, d] (row s weights stream s);
+    dot_s = sum(rms(k_s) * k_weight[s] * rms(x_s) * q_weight[s]) * d^-0.5 (both RMS-normalised
+    with eps); gate_s = sigmoid(sign(dot_s) sqrt(max(|dot_s|, 1e-6))), 0 on image tokens;
     x_s + gate_s * v in fp32, cast to x's dtype."""
 
 

@@ -109,6 +109,14 @@ class Platform:
     def graph_class(self):
         return None
 
+    def graph_capture(self, graph, pool=None):
+        """Context manager capturing the work issued inside it into `graph`."""
+        raise RuntimeError("this device has no graph capture")
+
+    def graph_pool(self):
+        """A memory pool handle the graphs of one runner share (None where there is none)."""
+        return None
+
     def pinned_empty(self, shape, dtype) -> torch.Tensor:
         """Host memory the device can read directly (page-locked where a device exists)."""
         return torch.empty(shape, dtype=dtype)
@@ -135,6 +143,12 @@ class CudaPlatform(Platform):
 
     def graph_class(self):
         return torch.cuda.CUDAGraph
+
+    def graph_capture(self, graph, pool=None):
+        return torch.cuda.graph(graph, pool=pool)
+
+    def graph_pool(self):
+        return torch.cuda.graph_pool_handle()
 
     def pinned_empty(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
@@ -187,6 +201,12 @@ class AscendPlatform(Platform):
 
     def graph_class(self):
         return torch.npu.NPUGraph  # type: ignore[attr-defined]
+
+    def graph_capture(self, graph, pool=None):
+        return torch.npu.graph(graph, pool=pool)  # type: ignore[attr-defined]
+
+    def graph_pool(self):
+        return torch.npu.graph_pool_handle()  # type: ignore[attr-defined]
 
     def pinned_empty(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)

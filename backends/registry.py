@@ -4,7 +4,9 @@ Which backend runs an op is decided here and nowhere else:
 - `DSV41_BACKEND=reference|cuda|ascend` forces one backend for every op;
 - otherwise the device of the op's first tensor argument picks it
   (`cpu` -> reference, `cuda` -> cuda, `npu` -> ascend).
-An op the chosen backend lacks falls back to the reference, with one warning naming the op.
+An op the chosen backend lacks falls back to the reference, with one warning naming the op;
+under `DSV41_STRICT=1` it raises instead (the device tests run so). The choice is made once per
+(op, device type, settings) and cached: a call costs one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 BACKENDS = ("reference", "cuda", "ascend")
 DEVICE_BACKEND = {"cpu": "reference", "cuda": "cuda", "npu": "ascend", "meta": "reference"}
 ENV_VAR = "DSV41_BACKEND"
+STRICT_VAR = "DSV41_STRICT"
 
 
 @dataclass
@@ -35,6 +38,12 @@ _OPS: dict[str, Op] = {}
 # e.g. `cuda`) registers its loader when imported; that import itself is deferred to first use.
 _BACKEND_LOADERS: dict[str, Callable[[], None]] = {}
 _LOADED: dict[str, str | None] = {}  # backend -> None when loaded, else the reason it failed
+# (op, device type, DSV41_BACKEND, DSV41_STRICT) -> implementation; cleared by `register`
+_RESOLVED: dict[tuple, Callable] = {}
+
+
+class MissingImplementation(RuntimeError):
+    """A backend lacks an op under DSV41_STRICT=1 (no silent fallback to the reference)."""
 
 
 def register(name: str, backend: str = "reference") -> Callable[[Callable], Callable]:
@@ -44,6 +53,7 @@ def register(name: str, backend: str = "reference") -> Callable[[Callable], Call
 
     def deco(fn: Callable) -> Callable:
         _OPS.setdefault(name, Op(name)).impls[backend] = fn
+        _RESOLVED.clear()
         return fn
 
     return deco
@@ -113,15 +123,53 @@ def resolve(name: str, backend: str) -> tuple[Callable, str, str]:
     return op.impls["reference"], "reference", f"fallback: {reason}"
 
 
-def dispatch(name: str, device: torch.device | str) -> Callable:
-    backend = backend_for_device(device)
+_UNAVAILABLE_WARNED: set[str] = set()  # backends whose "unavailable" warning was given
+
+
+def _warn_unavailable_once(backend: str) -> bool:
+    """One warning per process for a backend that cannot load at all (e.g. forced with
+    DSV41_BACKEND on a machine without it), rather than one per op; True when it applies."""
+    why = _LOADED.get(backend)
+    if backend == "reference" or why is None:
+        return False
+    if backend not in _UNAVAILABLE_WARNED:
+        _UNAVAILABLE_WARNED.add(backend)
+        how = f"{ENV_VAR}={backend}" if forced_backend() == backend else f"the {backend} backend"
+        warnings.warn(f"dsv41: {how}: the {backend} backend is unavailable ({why}); every op uses the reference",
+                      RuntimeWarning, stacklevel=4)
+    return True
+
+
+def strict() -> bool:
+    """DSV41_STRICT=1: a backend lacking an op raises instead of falling back to the reference."""
+    return os.environ.get(STRICT_VAR, "") not in ("", "0")
+
+
+def _choose(name: str, backend: str) -> Callable:
     fn, used, reason = resolve(name, backend)
     if used != backend:
+        if strict():
+            raise MissingImplementation(f"dsv41: op '{name}' has no usable {backend} implementation ({reason}) "
+                                        f"and {STRICT_VAR}=1 forbids the reference fallback")
+        if _warn_unavailable_once(backend):
+            return fn
         op = _OPS[name]
         if backend not in op.warned:
             op.warned.add(backend)
             warnings.warn(f"dsv41: op '{name}' has no usable {backend} implementation; using the reference ({reason})",
-                          RuntimeWarning, stacklevel=3)
+                          RuntimeWarning, stacklevel=4)
+    return fn
+
+
+def dispatch(name: str, device: torch.device | str) -> Callable:
+    """The implementation of op `name` for tensors on `device`, resolved once per (op, device
+    type, DSV41_BACKEND, DSV41_STRICT) and cached."""
+    kind = device.split(":")[0] if isinstance(device, str) else device.type
+    env = os.environ
+    key = (name, kind, env.get(ENV_VAR), env.get(STRICT_VAR))
+    fn = _RESOLVED.get(key)
+    if fn is None:
+        fn = _RESOLVED[key] = _choose(name, backend_for_device(kind))
     return fn
 
 
@@ -130,5 +178,8 @@ def op_names() -> list[str]:
 
 
 def reset_warnings() -> None:
+    """Forget the warnings given and the cached choices (the next call resolves and warns again)."""
+    _RESOLVED.clear()
     for op in _OPS.values():
         op.warned.clear()
+    _UNAVAILABLE_WARNED.clear()

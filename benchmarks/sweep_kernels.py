@@ -19,14 +19,17 @@ from dsv41.backends import (
 )
 from dsv41.backends.reference import quant
 from dsv41.core.config import ModelConfig
-from ops import (  # benchmarks/ops.py: one timing method for the table and the sweep
+from ops import (  # benchmarks/ops.py: one timing method and one input set for the table and the sweep
     copy_gbs,
     graph_time,
+    paged_index_keys,
+    sparse_attention_args,
     timeit,
 )
 
 CFG = ModelConfig()
 D, H, W, TOPK = CFG.head_dim, CFG.num_attention_heads, CFG.sliding_window, CFG.index_topk
+HI, DI = CFG.index_n_heads, CFG.index_head_dim
 
 
 def bandwidth_row(rows, name: str, shape: str, check: str, call, nbytes: int, copy: float) -> None:
@@ -42,34 +45,29 @@ def rel_err(out, ref):
     return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
 
 
-def sweep_sparse_attention(rows, copy):
+def sweep_sparse_attention(rows, copy, tokens=(1, 64, 256)):
+    """Tile variants at a 64K context, paged pools: the decode table candidates (16- / 64-head
+    tiles, tiled or whole rows, flash-decoding splits), then the prefill table."""
     from dsv41.npu_ops.triton import sparse_attention as sa
 
     variants = [
-        {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
-        {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "DV_HALF": True},
-        {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "DV_HALF": True},
-        {"BLOCK_H": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2, "DV_HALF": True},
-        {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "DV_HALF": True},
-        {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "DV_HALF": True},
+        {"BLOCK_H": 16, "BLOCK_N": 32, "BLOCK_D": 128, "BLOCK_DV": 128, "num_warps": 8, "min_blocks_per_split": 1},
+        {"BLOCK_H": 16, "BLOCK_N": 32, "BLOCK_D": 256, "BLOCK_DV": 256, "num_warps": 8, "min_blocks_per_split": 1},
+        {"BLOCK_H": 16, "BLOCK_N": 32, "BLOCK_D": 128, "BLOCK_DV": 128, "num_warps": 8, "min_blocks_per_split": 2},
+        {"BLOCK_H": 64, "BLOCK_N": 32, "BLOCK_D": 128, "BLOCK_DV": 128, "num_warps": 4, "min_blocks_per_split": 1},
+        {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "min_blocks_per_split": 1},  # whole rows
+        {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8},  # the prefill table
     ]
     ref_fn = registry.resolve("sparse_attention", "reference")[0]
     n = 65536
-    g_codes, g_scale = quant.fp4_quant(torch.randn(n, D, device="cuda"))
-    w8, ws = quant.fp8_quant(torch.randn(W, D, device="cuda"))
-    for t in (1, 64, 256):
-        q = torch.randn(t, H, D, device="cuda").to(torch.bfloat16)
-        mask = torch.rand(t, W, device="cuda") < 0.9
-        idx = torch.randint(0, n, (t, TOPK), device="cuda")
-        idx[torch.rand(t, TOPK, device="cuda") < 0.05] = -1
-        sink = torch.randn(H, device="cuda")
-        args = (q, w8, ws, mask, g_codes, g_scale, idx, sink, D ** -0.5)
+    for t in tokens:
+        args, must_read = sparse_attention_args(t, n, "cuda", masked_fraction=0.05)
         ref = ref_fn(*args)
-        must_read = t * TOPK * (D // 2 + D // 16) + W * (D + D // 32) + 2 * t * H * D * 2
         flops = 4 * t * H * D * (TOPK + W)
         for v in variants:
-            cfg = dict(v, BLOCK_D=None, BLOCK_DV=None)
+            cfg = dict({"BLOCK_D": None, "BLOCK_DV": None, "num_stages": 2}, **v)
             name = "sa " + " ".join(f"{k}={val}" for k, val in v.items())
+
             def call(args=args, cfg=cfg):
                 return sa.sparse_attention_launch(*args, **cfg)
 
@@ -79,11 +77,40 @@ def sweep_sparse_attention(rows, copy):
                 tg = graph_time(call)
             except Exception as e:  # noqa: BLE001  (a variant that does not compile is a row, not a crash)
                 rows.append(f"| {name} | T={t} | failed: {type(e).__name__}: {str(e)[:80]} |")
+                print(rows[-1], flush=True)
                 continue
             rows.append(f"| {name} | T={t} 64K | err {err:.2e} | eager {te * 1e6:.1f} us | graph {tg * 1e6:.1f} us | "
                         f"{must_read / tg / 1e9:.0f} GB/s ({100 * must_read / tg / 1e9 / copy:.0f}%) | "
                         f"{flops / tg / 1e12:.1f} TFLOP/s |")
             print(rows[-1], flush=True)
+
+
+def sweep_indexer(rows, copy, tokens=(1, 64)):
+    """indexer_topk at a 64K context (paged keys): the scores kernel alone, then the whole op
+    with select variants (block, warps, maxima per k); each checked against the reference."""
+    from dsv41.npu_ops.triton import indexer_topk as itk
+
+    n = 65536
+    kc, ks, table, e = paged_index_keys(n, "cuda")
+    ref_fn = registry.resolve("indexer_topk", "reference")[0]
+    nbytes = n * (DI // 2 + DI // 32)
+    for t in tokens:
+        q = quant.mxfp4_qdq(torch.randn(t, HI, DI, device="cuda"))
+        w = torch.randn(t, HI, device="cuda") * DI ** -0.5 * HI ** -0.5
+        vis = torch.full((t,), n, dtype=torch.long, device="cuda")
+        tab = table.expand(t, -1)
+        want = ref_fn(q, w, kc, ks, tab, e, vis, TOPK)[0]
+        bandwidth_row(rows, "indexer scores", f"T={t} 64K", "-",
+                      lambda q=q, w=w, tab=tab, vis=vis: itk.indexer_scores(q, w, kc, ks, tab, e, vis), nbytes, copy)
+        for blk, warps, per_k in ((4096, 16, 8), (4096, 16, 4), (4096, 16, 16), (4096, 8, 8)):
+            def call(q=q, w=w, tab=tab, vis=vis, blk=blk, warps=warps, per_k=per_k):
+                s, maxima, maxg = itk._scores(q, w, kc, ks, tab, e, vis, topk=TOPK,
+                                              maxg=itk.select_chunk(n, TOPK, 128, per_k))
+                return itk.topk_select(s, vis, TOPK, maxima, maxg, block=blk, num_warps=warps)
+
+            exact = torch.equal(call(), want)
+            bandwidth_row(rows, f"indexer_topk select BLOCK={blk} warps={warps} maxima/k={per_k}", f"T={t} 64K",
+                          f"equal {exact}", call, nbytes, copy)
 
 
 def sweep_engram(rows, copy):
@@ -176,13 +203,93 @@ def sweep_mhc_mix(rows, copy):
             print(rows[-1], flush=True)
 
 
-SWEEPS = {"sparse_attention": sweep_sparse_attention, "engram_lookup": sweep_engram, "fp4_quant": sweep_fp4_quant,
-          "mhc_mix": sweep_mhc_mix}
+def _variant_row(rows, name, shape, call, want, nbytes, flops, copy):
+    """Check `call` against `want` (relative error in norm), time it, append / print its row."""
+    try:
+        got = call()
+        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        te = timeit(call)
+        tg = graph_time(call) or te
+    except Exception as e:  # noqa: BLE001  (a variant that does not compile is a row, not a crash)
+        rows.append(f"| {name} | {shape} | failed: {type(e).__name__}: {str(e)[:100]} |")
+        print(rows[-1], flush=True)
+        return
+    rows.append(f"| {name} | {shape} | err {err:.1e} | eager {te * 1e6:.1f} us | graph {tg * 1e6:.1f} us | "
+                f"{nbytes / tg / 1e9:.0f} GB/s ({100 * nbytes / tg / 1e9 / copy:.0f}%) | {flops / tg / 1e12:.0f} TFLOP/s |")
+    print(rows[-1], flush=True)
+
+
+def sweep_linear(rows, copy):
+    """The FP8 block-scaled linear at K=5120, N=6144: decode tiles (M = 1, 64) and prefill tiles
+    (M = 4096), against the fp32-accumulating torch reference; plus cuBLAS bf16 on the same
+    (pre-dequantised) operands as the prefill yardstick."""
+    from dsv41.backends.reference.basic import fp32_accumulation
+    from dsv41.backends.reference.basic import linear as linear_ref
+    from dsv41.npu_ops.triton import block_linear as bl
+
+    k, n = 5120, 6144
+    w, s = quant.fp8_block_quant(torch.randn(n, k, device="cuda") * k ** -0.5)
+    decode = [dict(bn=64, bk=128, num_warps=4, num_stages=4), dict(bn=32, bk=128, num_warps=4, num_stages=4),
+              dict(bn=64, bk=256, num_warps=4, num_stages=3), dict(bn=128, bk=128, num_warps=4, num_stages=4),
+              dict(bn=64, bk=128, num_warps=4, num_stages=6), dict(bn=64, bk=128, num_warps=8, num_stages=4),
+              dict(bn=64, bk=128, split_k=4), dict(bn=64, bk=128, split_k=10), dict(bn=64, bk=128, split_k=1),
+              dict(bn=128, bk=256, num_warps=4, num_stages=3), dict(bn=128, bk=128, num_warps=8, num_stages=4),
+              dict(bn=256, bk=128, num_warps=8, num_stages=3), dict(bn=64, bk=64, num_warps=4, num_stages=8)]
+    prefill = [dict(), dict(bm=128, bn=128, bk=64, num_warps=8, num_stages=3), dict(bm=128, bn=128, bk=64, num_warps=8, num_stages=4),
+               dict(bm=128, bn=256, bk=64, num_warps=8, num_stages=3), dict(bm=64, bn=128, bk=64, num_warps=4, num_stages=4),
+               dict(bm=128, bn=128, bk=128, num_warps=8, num_stages=3), dict(bm=256, bn=128, bk=64, num_warps=8, num_stages=3)]
+    for m, variants in ((1, decode), (64, decode), (4096, prefill)):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        with fp32_accumulation():
+            want = linear_ref(x, w, s)
+        nbytes = n * k * (1 + 1 / 1024) + m * k * 2 + m * n * 2
+        for v in variants:
+            name = "linear fp8 " + " ".join(f"{a}={b}" for a, b in v.items())
+            _variant_row(rows, name, f"M={m} K={k} N={n}", lambda x=x, v=v: bl.linear(x, w, s, **v), want, nbytes,
+                         2 * m * n * k, copy)
+        if m == 4096:
+            wb = quant.fp8_block_dequant(w, s).to(torch.bfloat16)
+            _variant_row(rows, "cuBLAS bf16 (weight pre-dequantised)", f"M={m} K={k} N={n}", lambda x=x: x @ wb.t(),
+                         want, nbytes, 2 * m * n * k, copy)
+
+
+def sweep_moe(rows, copy):
+    """The grouped FP4 experts (mini preset: 16 experts, d 5120, width 2304, top-6) at 1, 8, 64
+    and 2048 tokens; bytes = the active experts' weights read once."""
+    from dsv41.backends.reference.basic import fp32_accumulation
+    from dsv41.backends.reference.moe import moe_experts as moe_ref
+    from dsv41.npu_ops.triton import moe_experts as me
+
+    d, inter, n_exp, topk = CFG.hidden_size, CFG.moe_intermediate_size, 16, CFG.num_experts_per_tok
+    experts = [tuple(quant.fp4_weight_quant(torch.randn(a, b, device="cuda") * b ** -0.5)
+                     for a, b in ((inter, d), (d, inter), (inter, d))) for _ in range(n_exp)]
+    variants = [dict(), dict(bn_down=128), dict(bn_down=32), dict(bk=256), dict(bk=64),
+                dict(num_stages=3), dict(num_stages=6), dict(num_warps=8), dict(bm=16), dict(bm=32)]
+    for t in (1, 8, 64, 2048):
+        x = torch.randn(t, d, device="cuda").to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(n_exp, device="cuda")[:topk] for _ in range(t)])
+        wts = torch.rand(t, topk, device="cuda")
+        with fp32_accumulation():
+            want = moe_ref(x, wts, ids, experts, 10.0)
+        active = int(torch.unique(ids).numel())
+        nbytes = active * 3 * inter * d * (0.5 + 1 / 32) + t * d * 6
+        flops = 2 * t * topk * 3 * inter * d
+        for v in variants if t <= 64 else variants[:1] + [dict(bm=128, bn_down=128, bk=64, num_warps=8,
+                                                                num_stages=3), dict(bm=128, bn_down=128, bk=128, num_warps=4),
+                                                           dict(bm=64, bn_down=64, bk=128)]:
+            name = "moe fp4 " + " ".join(f"{a}={b}" for a, b in v.items())
+            _variant_row(rows, name, f"T={t} {active} experts", lambda x=x, ids=ids, wts=wts, v=v:
+                         me.moe_experts(x, wts, ids, experts, 10.0, **v), want, nbytes, flops, copy)
+
+
+SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_indexer, "engram_lookup": sweep_engram,
+          "fp4_quant": sweep_fp4_quant, "mhc_mix": sweep_mhc_mix, "linear": sweep_linear, "moe_experts": sweep_moe}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default=",".join(SWEEPS), help="comma-separated sweeps to run")
+    ap.add_argument("--tokens", default=None, help="token counts for the sparse_attention / indexer_topk sweeps")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/sweep_kernels.py needs a CUDA device", file=sys.stderr)
@@ -190,7 +297,10 @@ def main() -> int:
     copy = copy_gbs()
     rows = [f"copy ceiling {copy:.0f} GB/s"]
     for name in a.only.split(","):
-        SWEEPS[name](rows, copy)
+        if a.tokens and name in ("sparse_attention", "indexer_topk"):
+            SWEEPS[name](rows, copy, tokens=tuple(int(x) for x in a.tokens.split(",")))
+        else:
+            SWEEPS[name](rows, copy)
     print("\n".join(rows))
     return 0
 

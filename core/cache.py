@@ -87,6 +87,7 @@ class KVPool:
         self._free_swa: list[int] = []
         self._free_glob: list[int] = []
         self.glob_refs: list[int] = []  # references per global block (prefix sharing)
+        self.fixed = False  # set once captured graphs hold the pool tensors: no more growing
         self.grow(swa_blocks, global_blocks)
 
     # -- memory --
@@ -115,6 +116,9 @@ class KVPool:
     def grow(self, swa_blocks: int, global_blocks: int) -> None:
         """Make room for at least this many blocks of each kind (null block included); existing
         contents are kept. Only between steps: pool tensors are replaced."""
+        if self.fixed and (swa_blocks > self.swa_capacity or global_blocks > self.global_capacity):
+            raise RuntimeError(f"out of KV cache blocks ({self.swa_capacity} SWA, {self.global_capacity} global; "
+                               "the pools are fixed while decode graphs hold them): lower the batch or the length")
         if swa_blocks > self.swa_capacity:
             swa, carry = self._alloc_swa(swa_blocks)
             for new, old in zip(swa, self.swa):

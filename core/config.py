@@ -171,7 +171,9 @@ class ModelConfig:
     # ---- validation ---------------------------------------------------------------------
     def problems(self) -> list[str]:
         """Every inconsistency in this config, one sentence each (empty when valid)."""
-        p: list[str] = []
+        p: list[str] = type_problems(self)
+        if p:  # the checks below compare and divide these values
+            return p
         L = self.num_hidden_layers
         positive = [
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
@@ -213,6 +215,8 @@ class ModelConfig:
             p.append(f"expert_dtype must be 'fp4', 'fp8', 'bf16' or 'int8', got {self.expert_dtype!r}")
         if self.engram_dtype not in ("fp8", "int8"):
             p.append(f"engram_dtype must be 'fp8' or 'int8', got {self.engram_dtype!r}")
+        if not isinstance(self.norm_topk_prob, bool):
+            p.append(f"norm_topk_prob must be true or false, got {self.norm_topk_prob!r}")
         n_ratios = L + self.num_nextn_predict_layers
         if len(self.compress_ratios) != n_ratios:
             p.append(
@@ -279,6 +283,10 @@ class ModelConfig:
                 p.append(f"engram_head_dim ({self.engram_head_dim}) must be a multiple of 32")
             if not 0 <= self.engram_pad_token_id < self.vocab_size:
                 p.append(f"engram_pad_token_id ({self.engram_pad_token_id}) is outside the vocabulary")
+            cv = self.engram_compressed_vocab_size
+            if not isinstance(cv, int) or isinstance(cv, bool) or not 0 < cv <= self.vocab_size:
+                p.append(f"engram_compressed_vocab_size ({cv!r}) must be the size of the tokenizer's Engram "
+                         f"token map, between 1 and vocab_size ({self.vocab_size})")
         if self.vision is not None and self.image_token_id is not None and not 0 <= self.image_token_id < self.vocab_size:
             p.append(f"image_token_id ({self.image_token_id}) is outside the vocabulary ({self.vocab_size})")
         if self.vision is not None:
@@ -341,6 +349,57 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+def _type_ok(v: Any, kind: str) -> bool:
+    """Whether a JSON value `v` fits the annotation `kind` of a config field (a float field
+    takes an int; neither takes a bool, NaN or infinity)."""
+    if kind.endswith(" | None"):
+        return v is None or _type_ok(v, kind[: -len(" | None")])
+    if kind == "bool":
+        return isinstance(v, bool)
+    if kind == "int":
+        return isinstance(v, int) and not isinstance(v, bool)
+    if kind == "float":
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if kind == "str":
+        return isinstance(v, str)
+    if kind == "list[int]":
+        return isinstance(v, list) and all(_type_ok(x, "int") for x in v)
+    return True  # nested dataclasses: checked field by field by `type_problems`
+
+
+def type_problems(obj: Any, prefix: str = "") -> list[str]:
+    """Fields of a config dataclass (and its nested RopeScaling / VisionConfig) whose values
+    are not of the annotated type, e.g. `rope_scaling.factor` given as "x"."""
+    out = []
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            out += type_problems(v, f"{prefix}{f.name}.")
+        elif not _type_ok(v, str(f.type)):
+            want = {"bool": "true or false", "list[int]": "a list of integers"}.get(str(f.type), str(f.type))
+            want = want.replace(" | None", " or null")
+            out.append(f"{prefix}{f.name} must be {want}, got {v!r}")
+    return out
+
+
+# Fields a config file must state: without them an empty or truncated file would silently be
+# the published (full-size) model.
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers")
+
+
+def quantization_problems(q: Any) -> list[str]:
+    """What this stack cannot honour in a Hugging Face `quantization_config` (its FP8 blocks
+    are 32 x 32: `weight_block_size` must say so when given)."""
+    if not q:
+        return []
+    if not isinstance(q, dict):
+        return [f"quantization_config must be an object, got {type(q).__name__}"]
+    wbs = q.get("weight_block_size", [32, 32])
+    if wbs != [32, 32]:
+        return [f"quantization_config.weight_block_size must be [32, 32] (the FP8 block size), got {wbs!r}"]
+    return []
+
+
 # Flat inference config.json key -> ModelConfig field (the one place for these renames).
 FLAT_KEYS: dict[str, str] = {
     "vocab_size": "vocab_size",
@@ -362,6 +421,7 @@ FLAT_KEYS: dict[str, str] = {
     "score_func": "scoring_func",
     "route_scale": "routed_scaling_factor",
     "norm_topk_prob": "norm_topk_prob",
+    "gate_temp": "gate_temp",
     "swiglu_limit": "swiglu_limit",
     "norm_eps": "rms_norm_eps",
     "hc_mult": "hc_mult",
@@ -380,6 +440,7 @@ FLAT_KEYS: dict[str, str] = {
     "candidate_topk_blocks": "candidate_topk_blocks",
     "candidate_block_size": "candidate_block_size",
     "engram_layers": "engram_layer_ids",
+    "engram_layer_ids": "engram_layer_ids",
     "engram_num_embeddings": "engram_num_embeddings",
     "engram_max_ngram_size": "engram_max_ngram_size",
     "engram_n_heads": "engram_n_heads",
@@ -392,22 +453,32 @@ FLAT_KEYS: dict[str, str] = {
     "dspark_block_size": "dspark_block_size",
     "dspark_noise_token_id": "dspark_noise_token_id",
     "dspark_target_layers": "dspark_target_layer_ids",
+    "dspark_target_layer_ids": "dspark_target_layer_ids",
     "dspark_markov_rank": "dspark_markov_rank",
     "dspark_n_routed_experts": "dspark_n_routed_experts",
     "dspark_n_activated_experts": "dspark_num_experts_per_tok",
     "image_token_id": "image_token_id",
 }
+# Keys of the reference code's ModelArgs that a dump of it carries but V4.1 leaves at one value:
+# accepted at that value (first entry), anything else is a clear error.
+FLAT_NEUTRAL = {"n_hash_layers": (0,), "scale_dtype": ("fp8",)}  # no hash routing; E8M0 scales
 # Flat keys that are known and deliberately not mapped (the fp8 `dtype`, batch sizing, ...).
 FLAT_IGNORED = {"dtype", "scale_fmt", "max_batch_size", "expert_dtype", "mscale", "n_dense_layers"}
+# Flat vision keys -> VisionConfig fields: the released file's names (`vision_n_layers`, ...,
+# `vision_max_n_token`, `vision_min_pixels`, `vision_max_wh_ratio`, `vision_rope_theta`) and
+# shorter aliases.
 FLAT_VISION = {
+    "vision_n_layers": "num_hidden_layers",
     "vision_layers": "num_hidden_layers",
     "vision_dim": "hidden_size",
+    "vision_n_heads": "num_attention_heads",
     "vision_heads": "num_attention_heads",
     "vision_inter_dim": "intermediate_size",
     "vision_patch_size": "patch_size",
+    "vision_downsample_ratio": "downsample_ratio",
     "vision_downsample": "downsample_ratio",
-    "vision_max_tokens": "max_image_tokens",
     "vision_max_n_token": "max_image_tokens",
+    "vision_max_tokens": "max_image_tokens",
     "vision_min_pixels": "min_pixels",
     "vision_max_wh_ratio": "max_wh_ratio",
     "vision_rope_theta": "rope_theta",
@@ -422,11 +493,18 @@ def _build(kwargs: dict[str, Any], source: str) -> ModelConfig:
     unknown = sorted(set(kwargs) - names)
     if unknown:
         raise ConfigError(f"{source}: unknown config keys {unknown}")
+    missing = [k for k in REQUIRED_FIELDS if k not in kwargs]
+    if missing:
+        raise ConfigError(f"{source}: the config does not state {', '.join(missing)} (flat form: vocab_size, dim, "
+                          "n_layers); an incomplete config is not read as the full model (use --preset full for that)")
     try:
         cfg = ModelConfig(**kwargs)
     except TypeError as e:  # pragma: no cover - guarded by the unknown-key check
         raise ConfigError(f"{source}: {e}") from None
-    return cfg.validate()
+    try:
+        return cfg.validate()
+    except ConfigError as e:  # name the file: "FILE: invalid model config:" + the problems
+        raise ConfigError(f"{source}: {e}") from None
 
 
 def _rope_scaling(d: Any, source: str) -> RopeScaling | None:
@@ -479,6 +557,9 @@ def from_hf_dict(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
     if "image_token_id" in d:
         kw["image_token_id"] = d["image_token_id"]
     q = d.get("quantization_config")
+    bad_q = quantization_problems(q)
+    if bad_q:
+        raise ConfigError(f"{source}: {bad_q[0]}")
     kw["weight_dtype"] = ("int8" if isinstance(q, dict) and q.get("linear_dtype") == "int8" else "fp8") if q else "bf16"
     if q and "expert_dtype" in q:
         kw["expert_dtype"] = q["expert_dtype"]
@@ -500,6 +581,9 @@ def from_flat_dict(d: dict[str, Any], source: str = "config.json") -> ModelConfi
             vision[FLAT_VISION[k]] = v
         elif k in ("rope_factor", "original_seq_len", "beta_fast", "beta_slow"):
             rs[k] = v
+        elif k in FLAT_NEUTRAL:
+            if v not in FLAT_NEUTRAL[k]:
+                raise ConfigError(f"{source}: {k} = {v!r} is not supported (V4.1 uses {FLAT_NEUTRAL[k][0]!r})")
         elif k not in FLAT_IGNORED:
             unknown.append(k)
     if unknown:
@@ -550,6 +634,11 @@ def load_config(path: str | Path) -> ModelConfig:
 
 # ---- presets ------------------------------------------------------------------------------
 
+# The size of the tiny tokenizer's Engram token map (`engram.build_compression_map` of
+# `tokenizer.build_tiny_tokenizer()`; tests/test_engram.py checks it).
+TINY_ENGRAM_COMPRESSED_VOCAB = 423
+
+
 def _tiny() -> ModelConfig:
     """Seconds on 2 CPU cores; every layer mode appears, with a window of 8 so short prompts wrap
     the SWA ring and fill compressed groups, and a top-k / pool small enough to be exceeded.
@@ -570,7 +659,7 @@ def _tiny() -> ModelConfig:
         candidate_source_layer_id=6, candidate_topk_blocks=3, candidate_block_size=4,
         engram_layer_ids=[1, 4], engram_num_embeddings=[0, 0], engram_max_ngram_size=4,
         engram_n_heads=2, engram_head_dim=32, engram_pad_token_id=2,
-        engram_compressed_vocab_size=0, engram_vocab_size=1000,
+        engram_compressed_vocab_size=TINY_ENGRAM_COMPRESSED_VOCAB, engram_vocab_size=1000,
         num_nextn_predict_layers=3, dspark_block_size=5, dspark_noise_token_id=3,
         dspark_target_layer_ids=[9, 10, 11], dspark_markov_rank=32, dspark_n_routed_experts=4,
         dspark_num_experts_per_tok=2, image_token_id=4,
@@ -588,6 +677,9 @@ def _mini() -> ModelConfig:
         kv_source_layer_ids=[1, 3], index_source_layer_ids=[1, 3, 4], candidate_source_layer_id=3,
         engram_layer_ids=[0, 1], engram_num_embeddings=[0, 0], engram_vocab_size=100000,
         dspark_target_layer_ids=[3, 4, 5], max_position_embeddings=131072,
+        # the drafter in proportion: the published one has a third of the backbone's experts
+        # (128 of 384); 8 of 16 keeps every model-parallel split up to 8 ways
+        dspark_n_routed_experts=8,
         rope_scaling=RopeScaling(),
     )
 

@@ -208,7 +208,8 @@ class Engine:
 
     def __init__(self, model: Transformer, *, prefill_mode: str = "ced", replay: str = "window",
                  prefix_cache: bool = False, prefix_capacity: int = 1024, block_size: int = 16,
-                 max_batch: int = 64, max_tokens_per_step: int = 2048, record_logits: bool = False):
+                 max_batch: int = 64, max_tokens_per_step: int = 2048, record_logits: bool = False,
+                 graphs: bool = False, max_model_len: int | None = None):
         if prefill_mode not in ("ced", "exact"):
             raise ValueError(f"prefill_mode must be 'ced' or 'exact', got {prefill_mode!r}")
         if replay not in ("window", "exact"):
@@ -224,6 +225,8 @@ class Engine:
         self.pool = KVPool(self.cfg, block_size=block_size, device=self.device,
                            drafter=getattr(model, "mtp", None) is not None)
         self.prefix = PrefixCache(self.pool, prefix_capacity) if prefix_cache else None
+        self.max_model_len = max_model_len or self.cfg.max_position_embeddings
+        self.graphs = self._capture(max_model_len) if graphs else None
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.counters = Counter()
@@ -232,6 +235,22 @@ class Engine:
     @property
     def device(self) -> torch.device:
         return self.model.embed.weight.device
+
+    def _capture(self, max_model_len: int | None):
+        """Fixed pools sized for `max_batch` sequences of `max_model_len` tokens, and the decode
+        step captured per batch-size bucket over them (`graphs/decode.py`)."""
+        from ..graphs.decode import DecodeGraphs
+
+        cfg, bs = self.cfg, self.pool.block_size
+        if max_model_len is None or not 0 < max_model_len <= cfg.max_position_embeddings:
+            raise ValueError(f"decode graphs need max_model_len in 1..{cfg.max_position_embeddings}, got {max_model_len}")
+        table = -(-max_model_len // bs) + 1
+        live_swa = -(-(2 * cfg.sliding_window + self.max_tokens_per_step) // bs) + 2  # what a sequence keeps
+        self.pool.grow(self.max_batch * live_swa + 1, self.max_batch * table + 1)
+        self.pool.fixed = True
+        graphs = DecodeGraphs(self.model, self.pool, self.max_batch, table)
+        graphs.capture()
+        return graphs
 
     def replay_length(self) -> int:
         w = self.cfg.sliding_window
@@ -252,6 +271,9 @@ class Engine:
                 f"prompt of {len(prompt)} tokens + max_new_tokens {p.max_new_tokens} exceeds "
                 f"max_position_embeddings ({cfg.max_position_embeddings})"
             )
+        if total > self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens {p.max_new_tokens} exceeds the "
+                             f"engine's max_model_len ({self.max_model_len})")
         bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
@@ -317,9 +339,14 @@ class Engine:
         return seq.image_rows[before:before + here] if here else None
 
     def run_chunks(self, chunks: list[Chunk], ctx: ForwardContext | None = None, check: bool = False):
-        """One forward over `chunks`; returns (logits of the requested rows, the context)."""
+        """One forward over `chunks` (a captured decode graph when every chunk is one decode
+        token and graphs are on); returns (logits of the requested rows, the context, batch)."""
         batch = build_step(self.cfg, self.pool, chunks, self.device, self._image_token())
         ctx = ctx or ForwardContext()
+        decode = all(len(c.ids) == 1 and c.logits == "last" and c.image_embeds is None
+                     and c.decoder_from <= c.state.length - 1 for c in chunks)
+        if self.graphs is not None and decode and ctx.features is None and self.graphs.bucket(len(chunks)):
+            return self.graphs.run(batch), ctx, batch  # (graph replays keep no counters)
         logits = self.model(batch, self.pool, ctx=ctx, check=check)
         return logits, ctx, batch
 
@@ -339,6 +366,9 @@ class Engine:
             if seq.prefilling:
                 seq.fed += len(ids)
         logits, ctx, _ = self.run_chunks(chunks)
+        if logits.numel() and not bool(torch.isfinite(logits).all()):  # (sampling reads them anyway)
+            raise ValueError("the model produced non-finite logits (NaN or Inf): the weights or the "
+                             "device computation are broken")
         counts = ctx.counts()
         self.counters += counts
         finished, row = [], 0

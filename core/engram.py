@@ -92,8 +92,8 @@ def engram_multipliers(cfg: Any, layer_id: int, compressed_vocab_size: int | Non
     and 67716810739261 for layer 14. The bound keeps every `token * multiplier` product of a
     compressed id below INT64_MAX, so only the XOR mixes bits.
 
-    `compressed_vocab_size` defaults to `cfg.engram_compressed_vocab_size`; pass the count
-    returned by `build_compression_map` when the config leaves it 0 (the tiny preset does).
+    `compressed_vocab_size` defaults to `cfg.engram_compressed_vocab_size`, which must equal the
+    count `build_compression_map` returns for the model's tokenizer (`check_compressed_vocab`).
     """
     cv = int(cfg.engram_compressed_vocab_size if compressed_vocab_size is None else compressed_vocab_size)
     if cv <= 0:
@@ -179,6 +179,17 @@ def build_compression_map(
     return lookup, len(key_to_new)
 
 
+def check_compressed_vocab(cfg: Any, n_compressed: int) -> None:
+    """Raise ValueError unless the config's `engram_compressed_vocab_size` equals the size of the
+    token map built from the tokenizer (the hash multipliers depend on it, so a mismatch would
+    silently hash every n-gram to other rows)."""
+    if cfg.engram_layer_ids and int(cfg.engram_compressed_vocab_size) != int(n_compressed):
+        raise ValueError(
+            f"engram_compressed_vocab_size is {cfg.engram_compressed_vocab_size} in the config, but the "
+            f"tokenizer's Engram token map has {n_compressed} entries: the config and the tokenizer do not "
+            "belong together")
+
+
 def engram_row_ids(
     comp_ids: torch.Tensor,
     is_image: torch.Tensor | None,
@@ -247,6 +258,7 @@ def engram_window_row_ids(comp: torch.Tensor, valid: torch.Tensor, multipliers, 
         h = torch.bitwise_xor(h, prod[:, n - 1])
         hashes.append(h)
     hash_cols = torch.stack(hashes, dim=1).repeat_interleave(n_heads, dim=1)  # [M, n_rows]
-    p_t = torch.tensor([int(p) for p in primes], dtype=torch.int64, device=dev)
+    p_t = primes.to(dev) if isinstance(primes, torch.Tensor) else \
+        torch.tensor([int(p) for p in primes], dtype=torch.int64, device=dev)
     offsets = torch.cumsum(p_t, 0) - p_t
     return torch.remainder(hash_cols, p_t[None, :]) + offsets[None, :]

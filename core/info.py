@@ -65,7 +65,7 @@ Counting rules
   indexer key path `attn.indexer.{wk, k_norm}`; plus one embedding row. No head and no decoder
   layers: the decoder runs only over the last window (amortised to ~0 per token).
 
-Published config (`ModelConfig()`): kv 890 B/token; backbone 551,880,773,744 (551.88B; equal to
+Published config (`ModelConfig()`): kv 890 B/token; backbone 551,880,835,184 (551.88B; equal to
 the logical count of a meta-device `Transformer` state dict), engram 196,613,849,600 (196.61B),
 dspark 14.23B, vision 0.49B, total 763.21B; activated prefill 7.90B, decode 16.13B. The spec
 quotes "about 552B, 196B, 8B, 16B": all within 1%. Decode is 40 x ~0.39B per layer (attention

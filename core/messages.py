@@ -5,7 +5,8 @@ object with such a list under "messages", as in a request body). `content` is a 
 of parts `{"type": "text", "text": ...}` / `{"type": "image_url", "image_url": {"url": ...}}`
 (`image_url` may also be the URL string itself). Parts are concatenated without separators.
 An image URL is `data:image/...;base64,...`, `file://PATH` or a local path (relative paths are
-resolved against `base_dir`, e.g. the messages file's folder); remote URLs are not fetched.
+resolved against `base_dir`, e.g. the messages file's folder; with `image_roots` a path must
+resolve, symlinks followed, to a file inside one of those folders); remote URLs are not fetched.
 
 Each image part becomes one image token in the text given to the chat template
 (`tokenizer.CHAT_TEMPLATE`); after tokenisation each image token is expanded to that image's
@@ -76,8 +77,26 @@ def render_chat(messages: list[dict], tok_bos: str, tok_eos: str, add_generation
                                             add_generation_prompt=add_generation_prompt, **template_kwargs)
 
 
-def read_image_url(url: str, base_dir: str | os.PathLike | None, where: str):
-    """A Pillow image from a data URL, file:// URL or local path."""
+def local_image_path(url: str, base_dir: str | os.PathLike | None, roots, where: str) -> Path:
+    """The file a local image reference (`file://PATH` or a path, relative to `base_dir`) names,
+    symlinks resolved. With `roots` (folders), it must be a file inside one of them: a missing
+    file and one outside get the same error, so a messages file cannot probe which files exist."""
+    path = Path(url.removeprefix("file://")).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = Path(base_dir) / path
+    if roots is None:
+        return path
+    real = Path(os.path.realpath(path))
+    allowed = [Path(os.path.realpath(r)) for r in roots]
+    if not real.is_file() or not any(real.is_relative_to(r) for r in allowed):
+        raise MessagesError(f"{where}: image {url!r} is not a file inside {', '.join(map(str, allowed))} "
+                            "(images of a messages file must be in its folder; --allow-local-images DIR widens that)")
+    return real
+
+
+def read_image_url(url: str, base_dir: str | os.PathLike | None, where: str, roots=None):
+    """A Pillow image from a data URL, file:// URL or local path (inside `roots` when given:
+    `local_image_path`)."""
     if url.startswith("data:"):
         head, sep, data = url.partition(",")
         if not sep or not head.endswith(";base64"):
@@ -89,9 +108,7 @@ def read_image_url(url: str, base_dir: str | os.PathLike | None, where: str):
         return load_image(raw, f"{where} (data URL)")
     if url.startswith(("http://", "https://")):
         raise MessagesError(f"{where}: remote image URLs are not fetched; use a data URL or a local path")
-    path = Path(url.removeprefix("file://")).expanduser()
-    if not path.is_absolute() and base_dir is not None:
-        path = Path(base_dir) / path
+    path = local_image_path(url, base_dir, roots, where)
     return load_image(path, str(path))
 
 
@@ -107,8 +124,9 @@ def _parts(msg: dict, i: int) -> list[dict]:
 
 
 def encode_messages(tok, cfg, messages, *, base_dir=None, add_generation_prompt: bool = True,
-                    template: str = CHAT_TEMPLATE) -> MultimodalPrompt:
-    """Messages -> `MultimodalPrompt` (ids through the chat template, image spans expanded)."""
+                    template: str = CHAT_TEMPLATE, image_roots=None) -> MultimodalPrompt:
+    """Messages -> `MultimodalPrompt` (ids through the chat template, image spans expanded).
+    `image_roots`: folders local image paths must lie in (None: anywhere)."""
     if isinstance(messages, dict) and "messages" in messages:
         messages = messages["messages"]
     if not isinstance(messages, list) or not messages:
@@ -130,7 +148,7 @@ def encode_messages(tok, cfg, messages, *, base_dir=None, add_generation_prompt:
                 if not isinstance(url, str) or not url:
                     raise MessagesError(f"{where}: image_url needs a 'url' string")
                 img_text = img_text or image_token_text(tok, cfg)
-                pil.append(read_image_url(url, base_dir, where))
+                pil.append(read_image_url(url, base_dir, where, image_roots))
                 text.append(img_text)
             else:
                 raise MessagesError(f"{where}: expected {{'type': 'text', 'text': str}} or "

@@ -295,7 +295,8 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    """Top-k routed experts (FP4) plus one shared expert (FP8); outputs summed in fp32."""
+    """Top-k routed experts (FP4) plus one shared expert (FP8); outputs summed in fp32. The
+    routing weights are normalised over the chosen experts only with `norm_topk_prob`."""
 
     def __init__(self, cfg: ModelConfig, group: Group = SINGLE):
         super().__init__()
@@ -316,7 +317,7 @@ class MoE(nn.Module):
         if is_image is not None and hasattr(self.gate, "bias_vl"):
             bias = torch.where(is_image.unsqueeze(-1), self.gate.bias_vl, self.gate.bias)
         w, ids = ops.moe_route(x, self.gate.weight, bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor,
-                               cfg.gate_temp)
+                               cfg.gate_temp, cfg.norm_topk_prob)
         if self.group.world_size > 1:  # local slots; experts of other ranks are skipped (-1)
             mine = (ids >= self.expert_lo) & (ids < self.expert_lo + len(self.experts))
             ids = torch.where(mine, ids - self.expert_lo, -1)
@@ -382,8 +383,10 @@ class Engram(nn.Module):
     """Hashed n-gram memory added into every mHC stream before its block.
 
     rows (24 per token) -> FP8 rows dequantised -> concat -> `wkv` -> 4 keys + 1 value; per stream
-    gate = sigmoid(sign(dot) sqrt(max(|dot|, 1e-6))) with dot the RMS-normalised, weighted
-    key . stream product scaled by d^-0.5; stream += gate * value. Gate 0 on image tokens.
+    s, gate_s = sigmoid(sign(dot_s) sqrt(max(|dot_s|, 1e-6))) with dot_s the RMS-normalised key
+    s . stream s product weighted by `k_weight[s]` * `q_weight[s]` and scaled by d^-0.5; stream s
+    += gate_s * value. `q_weight` / `k_weight` are [hc_mult, d]: one row per mHC stream (the
+    official checkpoints hold distinct rows). Gate 0 on image tokens.
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int, rows: int, group: Group = SINGLE):
@@ -394,8 +397,8 @@ class Engram(nn.Module):
         self.row_lo, row_hi = group.ceil_range(rows)
         self.embed = EngramEmbed(row_hi - self.row_lo, cfg.engram_head_dim, cfg.engram_dtype)
         self.wkv = Linear(cfg.n_engram_rows_per_token * cfg.engram_head_dim, (n + 1) * d, _dense(cfg))
-        self.register_buffer("q_weight", torch.empty(d, dtype=BF16))
-        self.register_buffer("k_weight", torch.empty(d, dtype=BF16))
+        self.register_buffer("q_weight", torch.empty(n, d, dtype=BF16))
+        self.register_buffer("k_weight", torch.empty(n, d, dtype=BF16))
         self.primes = engram_primes(cfg)[cfg.engram_layer_ids.index(layer_id)]
         self.register_buffer("multipliers", torch.zeros(cfg.engram_max_ngram_size, dtype=torch.long),
                              persistent=False)
@@ -406,7 +409,10 @@ class Engram(nn.Module):
 
     def window_row_ids(self, comp: torch.Tensor, valid: torch.Tensor, pad_id: int) -> torch.Tensor:
         """Row ids [T, 24] from compressed ids at p, p-1, .. [T, N] and their validity."""
-        return engram_window_row_ids(comp, valid, self.multipliers, self.primes, pad_id, self.cfg.engram_n_heads)
+        # the primes as a tensor on the ids' device, made once (nothing crosses the bus in a step)
+        if getattr(self, "_primes_t", None) is None or self._primes_t.device != comp.device:
+            self._primes_t = torch.tensor(self.primes, dtype=torch.int64, device=comp.device)
+        return engram_window_row_ids(comp, valid, self.multipliers, self._primes_t, pad_id, self.cfg.engram_n_heads)
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor, is_image: torch.Tensor) -> torch.Tensor:
         t, n, d = x.shape
@@ -520,7 +526,7 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Embedding -> 4 mHC streams -> encoder layers -> decoder layers -> collapse, norm, head."""
 
-    def __init__(self, cfg: ModelConfig, group: Group = SINGLE):
+    def __init__(self, cfg: ModelConfig, group: Group = SINGLE, with_drafter: bool = True):
         super().__init__()
         cfg.validate()
         self.cfg, self.group = cfg, group
@@ -537,7 +543,9 @@ class Transformer(nn.Module):
         self.head = Linear(d, vocab, "bf16")
         from .dspark import build_stages  # imports this module
 
-        self.mtp = build_stages(cfg, group)  # DSpark drafter stages `mtp.0..` (None without one)
+        # DSpark drafter stages `mtp.0..` (None without one, or when `with_drafter` is False:
+        # a run without speculative decoding never allocates them)
+        self.mtp = build_stages(cfg, group) if with_drafter else None
         self.register_buffer("engram_map", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
         self.engram_pad = 0
         if cfg.vision is not None:  # DeepSeek-ViT + aligner + framing rows (core/vision.py)

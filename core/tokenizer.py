@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -271,10 +271,12 @@ def build_tiny_tokenizer() -> Tokenizer:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to a temp file in the same directory, fsync, then rename over `path`."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    """Write `text` to a temp file in the same directory, fsync, then rename over `path`. The
+    file is created by `open` (mode 0666 less the umask, like any written file; `mkstemp` would
+    make it 0600, unreadable to a serving user other than the writer)."""
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with open(tmp, "x", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

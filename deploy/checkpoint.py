@@ -13,19 +13,22 @@ problems), then copies one tensor at a time into the model's buffers on the targ
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import math
 import os
 import re
 import shutil
-import tempfile
+import sys
 from pathlib import Path
 
 import torch
 
 from ..core.config import ConfigError, ModelConfig, load_config
 from ..core.parallel import SINGLE, Group
-from ..core.weights import WeightError, check_state_dict, random_state_dict
-from .names import hf_to_native
+from ..core.weights import DEFAULT_INIT, WeightError, check_state_dict
+from .names import hf_to_native, released_fp8_bf16
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -82,22 +85,22 @@ def parse_size(text: str | int) -> int:
         value = float(num)
     except ValueError:
         raise ValueError(f"not a size: {text!r} (use e.g. 2MB, 512KiB, 5GB or a byte count)") from None
-    if value <= 0:
-        raise ValueError(f"size must be positive, got {text!r}")
+    if not math.isfinite(value) or value <= 0 or value * mult < 1:
+        raise ValueError(f"size must be a positive, finite number of bytes, got {text!r}")
     return int(value * mult)
 
 
-def _plan_shards(sd: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
-    """Names grouped into shards of at most `max_shard_bytes` (a bigger tensor gets its own)."""
-    shards: list[list[str]] = []
-    cur: list[str] = []
+def _plan_shards(sizes, max_shard_bytes: int) -> list[list]:
+    """Keys of (key, bytes) pairs grouped in order into shards of at most `max_shard_bytes`
+    (a bigger tensor gets its own)."""
+    shards: list[list] = []
+    cur: list = []
     size = 0
-    for name, t in sd.items():
-        n = t.numel() * t.element_size()
+    for key, n in sizes:
         if cur and size + n > max_shard_bytes:
             shards.append(cur)
             cur, size = [], 0
-        cur.append(name)
+        cur.append(key)
         size += n
     if cur:
         shards.append(cur)
@@ -111,7 +114,7 @@ def write_state_dict(sd: dict[str, torch.Tensor], out_dir: str | os.PathLike, ma
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    plan = _plan_shards(sd, max_shard_bytes)
+    plan = _plan_shards(((k, t.numel() * t.element_size()) for k, t in sd.items()), max_shard_bytes)
     n = len(plan)
     weight_map: dict[str, str] = {}
     files = []
@@ -139,15 +142,25 @@ def _fsync_dir_tree(path: Path) -> None:
 
 
 def make_checkpoint(cfg: ModelConfig, out_dir: str | os.PathLike, seed: int = 0,
-                    max_shard_bytes: int = 2_000_000, *, tokenizer=None, force: bool = False) -> Path:
-    """Write a complete checkpoint of the weights `build_model(cfg, seed)` builds.
+                    max_shard_bytes: int = 2_000_000, *, tokenizer=None, force: bool = False,
+                    progress: bool = False, init: str = DEFAULT_INIT) -> Path:
+    """Write a complete checkpoint of the weights `build_model(cfg, seed, init=init)` builds.
 
     `config.json` (nested form), sharded safetensors + index in the storage dtypes, and
     `tokenizer.json` / `tokenizer_config.json` (chat template) when `tokenizer` is given (for
-    the tiny vocabulary the tiny tokenizer is used when `tokenizer` is None). Everything goes
-    into a temporary directory next to `out_dir`, renamed into place at the end: a failure
-    leaves neither a partial `out_dir` nor the temporary directory. An existing non-empty
-    `out_dir` raises CheckpointExistsError unless `force`. OSErrors propagate (after clean-up).
+    the tiny vocabulary the tiny tokenizer is used when `tokenizer` is None).
+
+    Streamed: the shard layout comes from the meta-device model, every shard is created with its
+    full header, and the weights are drawn one unit at a time (`weights.iter_random_state`) and
+    written at their offsets, so the memory used is one unit, whatever the model's size.
+
+    Everything goes into a temporary directory next to `out_dir`, renamed into place at the end,
+    holding a lock on `out_dir` (a second writer gets `outdir.DestinationBusy`); leftovers of a
+    killed run are removed first. A failure leaves neither a partial `out_dir` nor the temporary
+    directory. Files and folders follow the umask. An existing non-empty `out_dir` raises
+    CheckpointExistsError unless `force`. OSErrors propagate (after clean-up).
+    With a tokenizer, `config.json` records the size of its Engram token map as
+    `engram_compressed_vocab_size` (what loading checks the tokenizer against).
     """
     from ..core.model import Transformer
     from ..core.tokenizer import (
@@ -155,47 +168,97 @@ def make_checkpoint(cfg: ModelConfig, out_dir: str | os.PathLike, seed: int = 0,
         build_tiny_tokenizer,
         write_tokenizer_files,
     )
+    from ..core.weights import iter_random_state, progress_bar
+    from .convert import TORCH_TO_ST, OutTensor, ShardWriter
+    from .outdir import clean_stale_temps, destination_lock, temp_dir_beside
 
     out = Path(out_dir)
+    check_output_dir(out, force)
+    cfg.validate()
+    if tokenizer is None and cfg.vocab_size == TINY_VOCAB_SIZE:
+        tokenizer = build_tiny_tokenizer()
+    if tokenizer is not None and cfg.engram_layer_ids:
+        from ..core.engram import build_compression_map
+
+        n_comp = build_compression_map(tokenizer, vocab_size=cfg.vocab_size, pad_token_id=cfg.engram_pad_token_id)[1]
+        cfg = cfg.replace(engram_compressed_vocab_size=n_comp).validate()
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    layout = [OutTensor(k, TORCH_TO_ST[v.dtype], tuple(v.shape)) for k, v in model.state_dict().items()]
+    shards = _plan_shards(((o, o.nbytes) for o in layout), max_shard_bytes)
+
+    parent = out.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    with destination_lock(out):
+        check_output_dir(out, force)  # again, now that no other writer can change it
+        for p in clean_stale_temps(out):
+            print(f"dsv41: note: removed {p}, left by an interrupted run", file=sys.stderr)
+        tmp = temp_dir_beside(out)
+        writers: list = []
+        try:
+            (tmp / CONFIG_NAME).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+            n = len(shards)
+            names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+            writer_of = {}
+            for fname, outs in zip(names, shards):
+                writers.append(ShardWriter(tmp / fname, outs, {"format": "pt"}))
+                writer_of.update(dict.fromkeys((o.name for o in outs), writers[-1]))
+            total = sum(o.nbytes for o in layout)
+            with progress_bar(total, "writing checkpoint", progress) as bar:
+                for part in iter_random_state(model, seed, init):
+                    for k, t in part.items():
+                        bar.update(writer_of[k].write(k, t))
+            for w in writers:
+                w.close()
+            weight_map = {o.name: f for f, outs in zip(names, shards) for o in outs}
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+            if tokenizer is not None:
+                write_tokenizer_files(tokenizer, tmp, model_max_length=cfg.max_position_embeddings)
+            _fsync_dir_tree(tmp)
+            _replace_dir(tmp, out)
+        except BaseException:
+            for w in writers:
+                with contextlib.suppress(OSError):
+                    w.close(check=False)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return out
+
+
+def check_output_dir(out: Path, force: bool) -> None:
+    """CheckpointExistsError unless `out` is absent, an empty directory, or `force` is given
+    for a directory; an OSError when its parent cannot be written (checked before slow work)."""
     if out.exists() and not out.is_dir():
         raise CheckpointExistsError(f"{out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise CheckpointExistsError(f"{out}: directory exists and is not empty (use --force to replace it)")
-    cfg.validate()
-    if tokenizer is None and cfg.vocab_size == TINY_VOCAB_SIZE:
-        tokenizer = build_tiny_tokenizer()
+    from .outdir import unwritable_reason
 
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    sd = random_state_dict(model, seed)
-    check_state_dict(model, sd)
+    why = unwritable_reason(out)
+    if why:
+        raise PermissionError(errno.EACCES, why, str(out))
 
-    parent = out.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Rename `tmp` to `out`, replacing an existing `out` (moved aside first, put back if the
+    rename fails); the aside folder is removed whatever happens."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    from .outdir import temp_dir_beside
+
+    old = temp_dir_beside(out, "old")
     try:
-        (tmp / CONFIG_NAME).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
-        write_state_dict(sd, tmp, max_shard_bytes)
-        if tokenizer is not None:
-            write_tokenizer_files(tokenizer, tmp, model_max_length=cfg.max_position_embeddings)
-        _fsync_dir_tree(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=parent))
-            os.replace(out, old / "x")
-            try:
-                os.replace(tmp, out)
-            except BaseException:
-                os.replace(old / "x", out)
-                raise
-            finally:
-                shutil.rmtree(old, ignore_errors=True)
-        else:
+        os.replace(out, old / "x")
+        try:
             os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+        except BaseException:
+            os.replace(old / "x", out)
+            raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 # ---- loading --------------------------------------------------------------------------------
@@ -248,7 +311,7 @@ def _weight_files(d: Path) -> dict[str, Path]:
         return {k: d / f for k, f in wm.items()}
     paths = sorted(d.glob("*.safetensors"))
     if not paths:
-        raise WeightError(f"{d}: no *.safetensors files (and no {INDEX_NAME}) in the checkpoint directory")
+        raise WeightError(no_weights_message(d))
     out: dict[str, Path] = {}
     for p in paths:
         for k in _keys(p):
@@ -256,6 +319,23 @@ def _weight_files(d: Path) -> dict[str, Path]:
                 raise WeightError(f"{p}: tensor {k} is also in {out[k].name}")
             out[k] = p
     return out
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+
+
+def no_weights_message(d: Path) -> str:
+    """Why a directory without safetensors has no loadable weights; for PyTorch pickle files
+    (`pytorch_model.bin`), that they are never loaded and how to convert them."""
+    pickles = sorted(p.name for p in d.iterdir() if p.suffix in PICKLE_SUFFIXES) if d.is_dir() else []
+    if pickles:
+        first = pickles[0]
+        return (f"{d}: no *.safetensors files, only PyTorch pickle files ({', '.join(pickles[:3])}"
+                f"{' ...' if len(pickles) > 3 else ''}), which are never loaded (unpickling can run code); "
+                "convert them in an environment you trust, e.g. `python -c \"import torch; "
+                "from safetensors.torch import save_file; "
+                f"save_file(torch.load('{first}', weights_only=True), 'model.safetensors')\"`")
+    return f"{d}: no *.safetensors files (and no {INDEX_NAME}) in the checkpoint directory"
 
 
 MP_SHARD = re.compile(r"^model(\d+)-mp(\d+)\.safetensors$")  # `dsv41 convert` output
@@ -341,22 +421,29 @@ def _problem_lines(e: WeightError) -> list[str]:
 
 
 def load_checkpoint_weights(ckpt_dir: str | os.PathLike, cfg: ModelConfig, device: str | torch.device = "cpu",
-                            tokenizer=None, group: Group = SINGLE, engram_offload: bool = False):
+                            tokenizer=None, group: Group = SINGLE, engram_offload: bool = False, *,
+                            with_drafter: bool = True, progress: bool = False):
     """A model of `cfg` on `device` holding the directory's weights (validated first, then
-    copied one memory-mapped tensor at a time). Installs the Engram compression map of
-    `tokenizer` when given. With a model-parallel `group`, this rank's shard of a converted
-    checkpoint is loaded into this rank's part of the model. With `engram_offload` the Engram
-    tables are loaded into host memory instead of `device` (`Transformer.offload_engram`)."""
+    copied one memory-mapped tensor at a time, each checked for NaN / Inf). Installs the Engram
+    compression map of `tokenizer` when given. With a model-parallel `group`, this rank's shard
+    of a converted checkpoint is loaded into this rank's part of the model. With
+    `engram_offload` the Engram tables are loaded into host memory instead of `device`
+    (`Transformer.offload_engram`). Without `with_drafter` the DSpark stages (`mtp.*`) are
+    neither built nor read. `progress` shows a bar over the bytes read."""
     from safetensors import safe_open
 
     from ..core.model import Transformer
-    from ..core.weights import materialize
+    from ..core.weights import count_nonfinite, materialize, progress_bar
 
     d = Path(ckpt_dir)
     files = _rank_weight_files(d, group)
     meta, where, problems = _meta_state_dict(files)
+    if not with_drafter:
+        for native in [k for k in where if k.startswith("mtp.")]:
+            del meta[native], where[native]
     with torch.device("meta"):
-        model = Transformer(cfg, group)
+        model = Transformer(cfg, group, with_drafter=with_drafter)
+    dequant = _released_forms(model, meta, problems)
     try:
         check_state_dict(model, meta)
     except WeightError as e:
@@ -364,6 +451,7 @@ def load_checkpoint_weights(ckpt_dir: str | os.PathLike, cfg: ModelConfig, devic
     if problems:
         raise WeightError(f"{d}: {len(problems)} problem(s) with the checkpoint's weights:\n  - "
                           + "\n  - ".join(problems))
+    vocab = engram_vocab(cfg, tokenizer, d) if tokenizer is not None else None
 
     if engram_offload:
         model.offload_engram(device)
@@ -371,30 +459,85 @@ def load_checkpoint_weights(ckpt_dir: str | os.PathLike, cfg: ModelConfig, devic
     buffers = dict(model.named_buffers())
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for native, (stored, f) in where.items():
-        by_file.setdefault(f, []).append((native, stored))
-    with torch.no_grad():
+        if native.rpartition(".")[0] not in dequant:
+            by_file.setdefault(f, []).append((native, stored))
+    total = sum(t.numel() * t.element_size() for t in meta.values())
+    with torch.no_grad(), progress_bar(total, "loading weights", progress) as bar:
         for f, pairs in by_file.items():
             try:
                 with safe_open(str(f), framework="pt", device="cpu") as fh:
                     for native, stored in pairs:
-                        buffers[native].copy_(fh.get_tensor(stored))
+                        t = fh.get_tensor(stored)
+                        bad = count_nonfinite(t)
+                        if bad:  # checked here, once, rather than on every step's logits
+                            raise WeightError(f"{f}: tensor {stored} holds {bad} NaN/Inf value(s) "
+                                              "(a corrupt or badly converted checkpoint)")
+                        buffers[native].copy_(t)
+                        bar.update(t.numel() * t.element_size())
+            except WeightError:
+                raise
             except _READ_ERRORS as e:
                 raise WeightError(f"{f}: cannot read tensor data (truncated or corrupt: {e})") from None
-    if tokenizer is not None:
-        install_engram_vocab(model, tokenizer)
+        for owner in dequant:
+            buffers[owner + ".weight"].copy_(_read_dequantised(where, owner))
+    if vocab is not None:
+        model.set_engram_vocab(*vocab)
     return model
+
+
+def _released_forms(model, meta: dict[str, torch.Tensor], problems: list[str]) -> list[str]:
+    """Accept the released file form of `attn.wo_a` (FP8 + E8M0 block `.scale`, `names.RELEASED_FP8_BF16`)
+    for the model's bf16 weight: `meta` then shows the bf16 weight the loader will produce (the
+    scale is consumed). Returns the owners to dequantise on load; adds pair problems."""
+    expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    owners, bad = released_fp8_bf16({k: (tuple(v.shape), v.dtype) for k, v in meta.items()}, expected)
+    problems += bad
+    for owner in owners:
+        meta[owner + ".weight"] = torch.empty(meta[owner + ".weight"].shape, dtype=torch.bfloat16, device="meta")
+        del meta[owner + ".scale"]
+    return owners
+
+
+def _read_dequantised(where: dict[str, tuple[str, Path]], owner: str) -> torch.Tensor:
+    """The bf16 weight of a released-form FP8 `owner` (exact: an E4M3 value times a power of two)."""
+    from safetensors import safe_open
+
+    from ..backends.reference.quant import fp8_block_dequant
+
+    parts = []
+    for leaf in ("weight", "scale"):
+        stored, f = where[f"{owner}.{leaf}"]
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as fh:
+                parts.append(fh.get_tensor(stored))
+        except _READ_ERRORS as e:
+            raise WeightError(f"{f}: cannot read tensor data (truncated or corrupt: {e})") from None
+    return fp8_block_dequant(*parts).to(torch.bfloat16)
+
+
+def engram_vocab(cfg: ModelConfig, tokenizer, where: str | os.PathLike = "") -> tuple | None:
+    """(token -> compressed id map, its size) of `tokenizer` for Engram's hashes, None for a
+    model without Engram layers. A config whose `engram_compressed_vocab_size` differs from the
+    map's size is a ConfigError (naming `where`): the config and tokenizer do not belong together."""
+    if not cfg.engram_layer_ids:
+        return None
+    from ..core.engram import build_compression_map, check_compressed_vocab
+
+    comp, n_comp = build_compression_map(tokenizer, vocab_size=cfg.vocab_size, pad_token_id=cfg.engram_pad_token_id)
+    try:
+        check_compressed_vocab(cfg, n_comp)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}" if str(where) else str(e)) from None
+    return comp, n_comp
 
 
 def install_engram_vocab(model, tokenizer) -> None:
     """Install the Engram compression map of `tokenizer` (the token -> compressed id map the
-    hashes use) into `model`; nothing to do for a model without Engram layers."""
-    cfg = model.cfg
-    if not cfg.engram_layer_ids:
-        return
-    from ..core.engram import build_compression_map
-
-    comp, n_comp = build_compression_map(tokenizer, vocab_size=cfg.vocab_size, pad_token_id=cfg.engram_pad_token_id)
-    model.set_engram_vocab(comp, n_comp)
+    hashes use) into `model` after checking it against the config (`engram_vocab`); nothing to
+    do for a model without Engram layers."""
+    vocab = engram_vocab(model.cfg, tokenizer)
+    if vocab is not None:
+        model.set_engram_vocab(*vocab)
 
 
 def load_checkpoint(ckpt_dir: str | os.PathLike, device: str | torch.device = "cpu", group: Group = SINGLE):

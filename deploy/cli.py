@@ -87,7 +87,8 @@ def _prompt_ids(args, tok, cfg) -> list[int]:
             raise UserError(f"--prompt-ids: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
         return ids
     if tok is None:
-        raise UserError("this model has no tokenizer (use a checkpoint with tokenizer.json, or --prompt-ids)")
+        raise UserError(f"{_model_name(args)} has no tokenizer, so --prompt cannot be encoded: give --prompt-ids "
+                        "(or use a checkpoint with tokenizer.json)")
     text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     ids = [cfg.bos_token_id] + tok.encode(text).ids
     return ids
@@ -114,7 +115,9 @@ def _prompt_and_images(args, tok, cfg):
         raise UserError("--image: this model has no vision tower (its config has no vision_config)")
     try:
         if messages is not None:
-            mm = encode_messages(tok, cfg, load_messages_file(messages), base_dir=os.path.dirname(messages) or ".")
+            base = os.path.dirname(messages) or "."
+            roots = [base, *(getattr(args, "allow_local_images", None) or [])]
+            mm = encode_messages(tok, cfg, load_messages_file(messages), base_dir=base, image_roots=roots)
         else:
             text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
             mm = encode_text_with_images(tok, cfg, text, images)
@@ -129,7 +132,7 @@ def _add_engram_offload(p: argparse.ArgumentParser) -> None:
                         "place (CUDA) or copy the step's rows over (NPU, CPU)")
 
 
-def _load_weights(args, cfg, device, tok=None, group=None):
+def _load_weights(args, cfg, device, tok=None, group=None, with_drafter: bool = True):
     """Random seeded weights, or the checkpoint's safetensors (validated, memory-mapped, one
     tensor at a time; never pickle) with the Engram compression map of its tokenizer. Under
     model parallelism every rank loads its shard, then the ranks agree on success, so a shard
@@ -145,13 +148,19 @@ def _load_weights(args, cfg, device, tok=None, group=None):
         if group.world_size > 1:
             raise UserError("a model-parallel run needs a converted checkpoint: --ckpt DIR from "
                             f"`dsv41 convert --model-parallel {group.world_size}`")
-        return build_model(cfg, seed=args.seed, device=device, engram_offload=args.engram_offload)
+        _check_memory(args, cfg, device, group, with_drafter)
+        _first_contact_notes(args, tok, group)
+        return build_model(cfg, seed=args.seed, device=device, engram_offload=args.engram_offload,
+                           with_drafter=with_drafter, progress=True)
     from .checkpoint import load_checkpoint_weights
 
     model, err = None, None
     try:
-        model = load_checkpoint_weights(args.ckpt, cfg, device, tok, group, engram_offload=args.engram_offload)
-    except (WeightError, ConfigError) as e:
+        _check_memory(args, cfg, device, group, with_drafter)
+        _first_contact_notes(args, tok, group)
+        model = load_checkpoint_weights(args.ckpt, cfg, device, tok, group, engram_offload=args.engram_offload,
+                                        with_drafter=with_drafter, progress=group.rank == 0)
+    except (WeightError, ConfigError, UserError) as e:
         err = e
     if group.world_size > 1:
         failed = group.all_gather(torch.tensor([float(err is not None)], device=device), 0).tolist()
@@ -163,6 +172,77 @@ def _load_weights(args, cfg, device, tok=None, group=None):
     if err is not None:
         raise err
     return model
+
+
+def _check_memory(args, cfg, device, group, with_drafter: bool) -> None:
+    """Fail with one line, before allocating, when the weights cannot fit (deploy/preflight.py)."""
+    from .preflight import InsufficientMemory, check_memory
+
+    what = f"the {'random-weight ' if not getattr(args, 'ckpt', None) else ''}model"
+    try:
+        check_memory(cfg, device, with_drafter=with_drafter, engram_offload=args.engram_offload,
+                     random_weights=not getattr(args, "ckpt", None), group=group, what=what)
+    except InsufficientMemory as e:
+        raise UserError(str(e)) from None
+
+
+def _sampling_params(args, cfg):
+    """`run`'s sampling options, validated before anything slow (NaN and infinity included)."""
+    import math
+
+    from ..core.engine import SamplingParams
+
+    for name in ("temperature", "top_p"):
+        v = getattr(args, name)
+        if not math.isfinite(v):
+            raise UserError(f"--{name.replace('_', '-')} must be a finite number, got {v}")
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed,
+                            stop_token_ids=() if args.ignore_eos else (cfg.eos_token_id,))
+    try:
+        params.validate()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if args.max_new_tokens >= cfg.max_position_embeddings:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt: "
+                        f"max_position_embeddings is {cfg.max_position_embeddings}")
+    if args.spec_len is not None and not 0 <= args.spec_len <= cfg.dspark_block_size:
+        raise UserError(f"--spec-len: spec_len must be in 0..{cfg.dspark_block_size} (dspark_block_size), got {args.spec_len}")
+    return params
+
+
+def _check_prompt(prompt: list[int], images: list, params, cfg) -> None:
+    """What can be checked of the prompt before the weights are built: the context length, and
+    image tokens without images."""
+    total = len(prompt) + params.max_new_tokens
+    if total > cfg.max_position_embeddings:
+        raise UserError(f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} exceeds "
+                        f"max_position_embeddings ({cfg.max_position_embeddings})")
+    if not images and cfg.vision is not None and cfg.image_token_id in prompt:
+        raise UserError(f"the prompt holds the image token (id {cfg.image_token_id}) but no image was given "
+                        "(pass images with --image or as image_url parts of --messages)")
+
+
+def _first_contact_notes(args, tok, group) -> None:
+    """One line each, on rank 0, once everything is checked and before the weights are built:
+    random weights, a preset or config without a tokenizer."""
+    if group.rank != 0:
+        return
+    if not getattr(args, "ckpt", None):
+        print(f"dsv41: note: random weights (seed {args.seed}; no --ckpt): the generated text is meaningless",
+              file=sys.stderr)
+    if tok is None and not getattr(args, "ckpt", None) and hasattr(args, "prompt_ids"):  # `run`, not profile-spec
+        print(f"dsv41: note: {_model_name(args)} has no tokenizer: prompts are token ids (--prompt-ids) and "
+              "the output is ids only", file=sys.stderr)
+
+
+def _model_name(args) -> str:
+    """How messages name the model: the checkpoint, the config file or the preset."""
+    if getattr(args, "ckpt", None):
+        return f"checkpoint {args.ckpt}"
+    if args.config:
+        return f"config {args.config}"
+    return f"the {args.preset or 'tiny'} preset"
 
 
 def _process_group(device):
@@ -193,10 +273,11 @@ def cmd_run(args) -> int:
 def _generate(args, group, device) -> int:
     import torch
 
-    from ..core.engine import Engine, SamplingParams
+    from ..core.engine import Engine
     from .checkpoint import install_engram_vocab
 
     cfg = _resolve_config(args)
+    params = _sampling_params(args, cfg)
     if not args.speculative and (args.spec_len is not None or args.spec_profile):
         raise UserError("--spec-len and --spec-profile go with --speculative")
     if args.speculative and group.world_size > 1:
@@ -206,18 +287,19 @@ def _generate(args, group, device) -> int:
     spec_opts = _spec_options(args, cfg, device) if args.speculative else None
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tok = _tokenizer_for(args, cfg)
+    if args.max_batch < 1:
+        raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.prompts_file:
-        return _generate_file(args, cfg, tok, group, device)
+        return _generate_file(args, cfg, tok, group, device, params)
     prompt, images = _prompt_and_images(args, tok, cfg)
-    model = _load_weights(args, cfg, device, tok, group)
+    _check_prompt(prompt, images, params, cfg)
+    model = _load_weights(args, cfg, device, tok, group, with_drafter=args.speculative)
     if tok is not None and not args.ckpt:  # a checkpoint's map is installed by the loader
         install_engram_vocab(model, tok)
-    engine = Engine(model, prefill_mode=args.prefill_mode, max_batch=args.max_batch)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed,
-                            stop_token_ids=() if args.ignore_eos else (cfg.eos_token_id,))
+    graphs = device.type != "cpu" and not args.eager and not args.speculative
+    engine = Engine(model, prefill_mode=args.prefill_mode, max_batch=1, graphs=graphs,
+                    max_model_len=min(len(prompt) + max(args.max_new_tokens, 1), cfg.max_position_embeddings))
     try:
-        params.validate()
         if spec_opts is not None:
             res = engine.generate_speculative(prompt, params, spec_opts, images=images)
         else:
@@ -261,28 +343,28 @@ def _generate(args, group, device) -> int:
     return 0
 
 
-def _generate_file(args, cfg, tok, group, device) -> int:
-    """`run --prompts-file`: every request of the file in one continuous batch."""
-    from ..core.engine import Engine, SamplingParams
+def _generate_file(args, cfg, tok, group, device, base) -> int:
+    """`run --prompts-file`: every request of the file in one continuous batch (`base`: the
+    command's sampling options, which a line may override)."""
+    from ..core.engine import Engine
     from .checkpoint import install_engram_vocab
-    from .prompts_file import read_prompts_file, run_prompts_file
+    from .prompts_file import encode_prompts_file, run_prompts_file
 
     if args.speculative or args.prompt is not None or args.prompt_ids is not None or args.messages or args.image:
         raise UserError("--prompts-file takes the prompts from the file (no --prompt / --prompt-ids / --messages / "
                         "--image / --speculative)")
-    try:
-        read_prompts_file(args.prompts_file)  # every line checked before any weight is built
+    try:  # every line read, checked and encoded before any weight is built
+        reqs, batch = encode_prompts_file(args, tok, cfg, base)
     except ValueError as e:
         raise UserError(str(e)) from None
-    model = _load_weights(args, cfg, device, tok, group)
+    model = _load_weights(args, cfg, device, tok, group, with_drafter=False)
     if tok is not None and not args.ckpt:
         install_engram_vocab(model, tok)
-    engine = Engine(model, prefill_mode=args.prefill_mode, max_batch=args.max_batch)
-    base = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed,
-                          stop_token_ids=() if args.ignore_eos else (cfg.eos_token_id,))
+    longest = min(max(len(ids) + p.max_new_tokens for ids, p, _ in batch), cfg.max_position_embeddings)
     try:
-        rows = run_prompts_file(args, engine, tok, cfg, base)
+        engine = Engine(model, prefill_mode=args.prefill_mode, max_batch=args.max_batch,
+                        graphs=device.type != "cpu" and not args.eager, max_model_len=longest)
+        rows = run_prompts_file(engine, tok, reqs, batch)
     except ValueError as e:
         raise UserError(str(e)) from None
     if group.rank != 0:
@@ -332,20 +414,61 @@ def cmd_profile_spec(args) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if cfg.num_nextn_predict_layers <= 0:
         raise UserError("this model has no DSpark drafter (num_nextn_predict_layers = 0)")
+    path = args.out or default_profile_path(device, cfg)
+    _check_writable_file(path, "--out")
+    if args.repeats < 1 or not 1 <= args.prompt_len <= cfg.max_position_embeddings - cfg.dspark_block_size - 2:
+        raise UserError(f"--repeats must be >= 1 and --prompt-len in 1..{cfg.max_position_embeddings - cfg.dspark_block_size - 2}")
     model = _load_weights(args, cfg, device, _tokenizer_for(args, cfg))
+    sync, bar = _progress_sync(platform_for(device).synchronize, cfg.dspark_block_size, args.repeats)
     try:
-        prof = measure_profile(Engine(model), prompt_len=args.prompt_len, repeats=args.repeats, seed=args.seed,
-                               sync=platform_for(device).synchronize)
+        with bar:
+            prof = measure_profile(Engine(model), prompt_len=args.prompt_len, repeats=args.repeats, seed=args.seed,
+                                   sync=sync)
     except ValueError as e:
         raise UserError(str(e)) from None
-    path = args.out or default_profile_path(device, cfg)
     try:
         prof.save(path)
     except OSError as e:
         raise UserError(f"{e.filename or path}: cannot write the profile ({e.strerror or e})") from None
     curve = ", ".join(f"{n}: {v:.1f}" for n, v in zip(prof.tokens, prof.tokens_per_s))
     print(f"wrote {path}: tokens/s by tokens verified per step {{{curve}}}; draft {prof.draft_s * 1e3:.2f} ms")
+    tps = prof.tokens_per_s
+    drops = [(prof.tokens[i], prof.tokens[i + 1]) for i in range(len(tps) - 1) if tps[i + 1] <= tps[i]]
+    if drops:
+        print(f"dsv41: warning: the measured curve is not increasing (tokens/s at {drops[0][1]} tokens <= at "
+              f"{drops[0][0]}{f' and {len(drops) - 1} more' if len(drops) > 1 else ''}): timing noise or a busy "
+              "machine; the scheduler will rarely verify more tokens. Rerun with more --repeats on an idle device",
+              file=sys.stderr)
     return 0
+
+
+def _progress_sync(sync, block_size: int, repeats: int):
+    """(sync, bar): `measure_profile` calls `sync` twice per timed run, (repeats + 1) runs per
+    point, block_size + 1 verify points and one draft point; counting the calls drives a bar."""
+    from ..core.weights import progress_bar
+
+    bar = progress_bar(2 * (repeats + 1) * (block_size + 2), "profile-spec", True)
+    bar.unit, bar.unit_scale = "sync", False
+
+    def counted():
+        sync()
+        bar.update(1)
+
+    return counted, bar
+
+
+def _check_writable_file(path, option: str) -> None:
+    """UserError unless `path` can be created or replaced (checked before slow work)."""
+    from pathlib import Path
+
+    from .outdir import unwritable_reason
+
+    p = Path(path)
+    why = "is a directory" if p.is_dir() else unwritable_reason(p)
+    if why is None and p.exists() and not os.access(p, os.W_OK):
+        why = "no write permission"
+    if why:
+        raise UserError(f"{option} {p}: cannot be written ({why})")
 
 
 def cmd_make_checkpoint(args) -> int:
@@ -358,9 +481,12 @@ def cmd_make_checkpoint(args) -> int:
         max_bytes = parse_size(size)
     except ValueError as e:
         raise UserError(f"--max-shard-size: {e}") from None
+    from .outdir import DestinationBusy
+
     try:
-        out = make_checkpoint(cfg, args.out, seed=args.seed, max_shard_bytes=max_bytes, force=args.force)
-    except CheckpointExistsError as e:
+        out = make_checkpoint(cfg, args.out, seed=args.seed, max_shard_bytes=max_bytes, force=args.force,
+                              progress=True)
+    except (CheckpointExistsError, DestinationBusy) as e:
         raise UserError(str(e)) from None
     except OSError as e:
         where = e.filename or args.out
@@ -436,6 +562,16 @@ def cmd_serve(args) -> int:
     return 0  # not reached: exec replaced the process
 
 
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that shows every option's default, except flags and options whose help already
+    says it or that have none."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash deployment stack")
     sub = p.add_subparsers(dest="command", required=True)
@@ -449,7 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("flags", nargs=argparse.REMAINDER, help="vLLM server flags, e.g. --port 8000 --max-model-len 4096")
     sv.set_defaults(func=cmd_serve)
 
-    r = sub.add_parser("run", help="generate with the reference engine (random weights unless --ckpt)")
+    r = sub.add_parser("run", help="generate with the reference engine (random weights unless --ckpt)",
+                       formatter_class=DefaultsFormatter)
     _add_model_args(r, with_ckpt=True)
     pr = r.add_mutually_exclusive_group()
     pr.add_argument("--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
@@ -461,17 +598,26 @@ def build_parser() -> argparse.ArgumentParser:
                         "input order, then the total tokens/s")
     r.add_argument("--max-batch", type=int, default=64, metavar="N",
                    help="most sequences decoding at once (continuous batching; default 64)")
+    r.add_argument("--eager", action="store_true",
+                   help="on a device, run every step eagerly instead of replaying captured decode graphs")
     r.add_argument("--image", action="append", metavar="FILE",
                    help="an image for the prompt's user message (repeatable; placed at each image token of "
                         "--prompt, else prepended)")
-    r.add_argument("--max-new-tokens", type=int, default=16)
-    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    r.add_argument("--top-p", type=float, default=1.0)
-    r.add_argument("--top-k", type=int, default=0)
+    r.add_argument("--allow-local-images", action="append", metavar="DIR",
+                   help="let --messages read local images under DIR too (repeatable; by default only under the "
+                        "messages file's folder)")
+    r.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate at most")
+    r.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    r.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    r.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")
     r.add_argument("--seed", type=int, default=0, help="seeds the random weights and the sampler")
-    r.add_argument("--device", choices=["cpu", "cuda", "npu"], default="cpu")
+    r.add_argument("--device", choices=["cpu", "cuda", "npu"], default="cpu", help="where the model runs")
     _add_engram_offload(r)
-    r.add_argument("--prefill-mode", choices=["ced", "exact"], default="ced")
+    r.add_argument("--prefill-mode", choices=["ced", "exact"], default="ced",
+                   help="ced: the encoder layers run over the whole prompt but the decoder layers only over its "
+                        "last sliding_window tokens, their global KV projected from the encoder output; an "
+                        "approximation of exact (every layer over every prompt token, as the reference "
+                        "implementation does) that prefills long prompts faster")
     r.add_argument("--numerics", choices=["exact", "official"],
                    help="reference arithmetic: exact (fp32, fp64 sums) or official (bf16 where the official "
                         "code rounds; see README); default exact on cpu, official elsewhere")
@@ -479,11 +625,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print one JSON object")
     r.add_argument("--speculative", action="store_true", help="DSpark speculative decoding (reports acceptance)")
     r.add_argument("--spec-len", type=int, metavar="K", help="verify K drafts per step (default: the scheduler picks)")
+    r.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
+                   help="run N model-parallel ranks on this host (a converted --ckpt; torchrun's launcher, "
+                        "reporting a failure as one line)")
     r.add_argument("--spec-profile", metavar="FILE", help="throughput profile from `dsv41 profile-spec` "
                    "(default: $DSV41_SPEC_PROFILE or ~/.cache/dsv41/spec-profile-<device>-<model>.json)")
     r.set_defaults(func=cmd_run)
 
-    sp = sub.add_parser("profile-spec", help="measure tokens/s vs tokens verified per step for the DSpark scheduler")
+    sp = sub.add_parser("profile-spec", help="measure tokens/s vs tokens verified per step for the DSpark scheduler",
+                        formatter_class=DefaultsFormatter)
     _add_model_args(sp, with_ckpt=True)
     sp.add_argument("--device", choices=["cpu", "cuda", "npu"], default="cpu")
     _add_engram_offload(sp)
@@ -493,7 +643,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--seed", type=int, default=0, help="random weights (without --ckpt) and prompt")
     sp.set_defaults(func=cmd_profile_spec)
 
-    m = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint in the shipped form")
+    m = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint in the shipped form",
+                       formatter_class=DefaultsFormatter)
     _add_model_args(m, with_ckpt=False)
     m.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to create")
     m.add_argument("--seed", type=int, default=0, help="the weights of `dsv41 run --seed S`")
@@ -531,21 +682,88 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+MAX_LISTED = 20  # problems listed under an error's first line
+
+
+def error_text(message: str) -> str:
+    """`dsv41: error: <summary>` first, whatever the error: a message listing problems as
+    "HEADER:\n  - a\n  - b" becomes "HEADER: a" on the first line (with "(and N more below)")
+    and keeps its list after it, so scripts and people see one line first."""
+    lines = str(message).splitlines() or [""]
+    bullets = [line[4:] for line in lines[1:] if line.startswith("  - ")]
+    if not bullets:
+        return "dsv41: error: " + "\n".join(lines)
+    head = lines[0].rstrip().rstrip(":")
+    if len(bullets) == 1:
+        return f"dsv41: error: {head}: {bullets[0]}"
+    rest = lines[1:]
+    if len(rest) > MAX_LISTED:  # a wholly mismatched checkpoint lists hundreds of tensors
+        rest = [*rest[:MAX_LISTED], f"  ... and {len(rest) - MAX_LISTED} more"]
+    return "\n".join([f"dsv41: error: {head}: {bullets[0]} (and {len(bullets) - 1} more below)", *rest])
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """An allocation the memory estimate did not foresee (a long generation, a busy machine):
+    MemoryError, torch.OutOfMemoryError (accelerators) or the CPU allocator's RuntimeError."""
+    import torch
+
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
+
+
+def _exit_on_sigterm(signum, frame):
+    """SIGTERM (kill, a scheduler, torchrun stopping the other ranks) unwinds like Ctrl-C, so
+    the writers remove their temporary folders; status 143 as for a plain SIGTERM."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     from ..core.config import ConfigError
     from ..core.weights import WeightError
 
     args = build_parser().parse_args(argv)
+    if getattr(args, "nproc_per_node", 1) != 1:
+        from ..core.parallel import launched_distributed
+        from .launch import launch
+
+        if args.nproc_per_node < 1 or launched_distributed():
+            print("dsv41: error: --nproc-per-node must be >= 1 and is not for use under torchrun", file=sys.stderr)
+            return 2
+        return launch(args.nproc_per_node, sys.argv[1:] if argv is None else list(argv))
     try:
         return args.func(args)
-    except (UserError, ConfigError, WeightError) as e:
+    except (MemoryError, RuntimeError) as e:
+        if not _out_of_memory(e):
+            raise
+        print(error_text(f"out of memory ({str(e).splitlines()[0] if str(e) else type(e).__name__}); try a "
+                         "smaller preset, fewer tokens or a bigger machine"), file=sys.stderr)
+        return 2
+    except (UserError, ConfigError, WeightError, OSError) as e:
         if isinstance(e, OtherRankFailed):
             return 2  # the failing rank prints its error
+        if isinstance(e, OSError):  # the last resort: an OS refusal we did not foresee, in one line
+            e = UserError(f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}")
         if _rank() == 0:
-            print(f"dsv41: error: {e}", file=sys.stderr)
+            print(error_text(str(e)), file=sys.stderr)
         elif getattr(e, "rank_local", False):
-            print(f"dsv41: error: rank {_rank()}: {e}", file=sys.stderr)
+            print(error_text(f"rank {_rank()}: {e}"), file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the writers have already removed their temporary files
+        if _rank() == 0:
+            print("dsv41: error: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ Splits (rank i of mp gets):
 * everything else (including `vision.*`, `aligner.*`, `image_*`) replicated on every rank.
 Split FP8 block-scaled weights must split on 32-row/column block boundaries (checked).
 
+The released file form of `attn.wo_a` (FP8 E4M3 + `.scale`, E8M0 per 32x32 block; see
+`names.RELEASED_FP8_BF16`) is dequantised to the bf16 weight the model holds, as the official
+convert.py does (exact: an E4M3 value times a power of two), then split on dim 0 like `wo_a`.
+
 Optional re-encodings: `expert_dtype='fp8'` turns FP4 routed experts (int8 pairs + E8M0 per 32)
 into FP8 E4M3 with E8M0 32x32 block scales (via fp32, exactly what `fp8_block_quant` does);
 `engram_dtype='int8'` re-quantises the FP8 Engram rows to int8 with one fp32 scale per row
@@ -50,7 +54,7 @@ import os
 import re
 import shutil
 import struct
-import tempfile
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,12 +166,19 @@ def discover(src: Path) -> list[SrcTensor]:
             wmap = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ConvertError(f"{index}: unreadable index ({e})") from None
+        if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
+            raise ConvertError(f"{index}: 'weight_map' must be an object of tensor name -> file name")
         files = sorted(set(wmap.values()))
+        outside = [f for f in files if Path(f).name != f or f in (".", "..")]
+        if outside:  # as the loader: shards are plain names inside the checkpoint directory
+            raise ConvertError(f"{index}: shard {outside[0]!r} is not a plain file name in the checkpoint directory")
     else:
         wmap = None
         files = sorted(p.name for p in src.glob("*.safetensors"))
         if not files:
-            raise ConvertError(f"{src}: no *.safetensors files and no model.safetensors.index.json")
+            from .checkpoint import no_weights_message
+
+            raise ConvertError(no_weights_message(src))
     out: list[SrcTensor] = []
     seen: dict[str, Path] = {}
     for fn in files:
@@ -232,7 +243,8 @@ class OutTensor:
 @dataclass
 class Unit:
     """Source tensors consumed together and what each rank gets from them."""
-    kind: str                       # replicate | dim0 | dim1 | expert | engram | expert_fp8 | engram_int8 | linear_int8
+    # replicate | dim0 | dim1 | expert | engram | expert_fp8 | engram_int8 | linear_int8 | dequant_dim0
+    kind: str
     src: list[SrcTensor]
     outs: dict[int, list[OutTensor]] = field(default_factory=dict)   # rank -> outputs
     split: str = "expert"           # linear_int8: how the int8 weight is split (dim0 | dim1 | replicate | expert)
@@ -283,10 +295,15 @@ def _int8_outs(kind: str, name: str, shape: tuple, mp: int, rank: int | None) ->
 
 def plan(cfg, tensors: list[SrcTensor], mp: int, expert_dtype: str, engram_dtype: str,
          linear_dtype: str = "native") -> list[Unit]:
+    from .names import released_fp8_bf16
+
     expected = expected_tensors(cfg)
     by_native = {t.native: t for t in tensors}
-    problems = []
+    released, problems = released_fp8_bf16({t.native: (t.shape, ST_TO_TORCH[t.dtype]) for t in tensors}, expected)
+    released_names = {f"{o}.{leaf}" for o in released for leaf in ("weight", "scale")}
     for t in tensors:
+        if t.native in released_names:
+            continue
         if t.native in expected:
             shape, dt = expected[t.native]
             if t.shape != shape or ST_TO_TORCH[t.dtype] != dt:
@@ -305,6 +322,11 @@ def plan(cfg, tensors: list[SrcTensor], mp: int, expert_dtype: str, engram_dtype
     n_experts = {"layers": cfg.n_routed_experts, "mtp": cfg.dspark_n_routed_experts}
     units: list[Unit] = []
     paired: set[str] = set()
+    for owner in released:  # FP8 wo_a of the release -> the model's bf16, split on dim 0
+        w, s = by_native[owner + ".weight"], by_native[owner + ".scale"]
+        shape = _split_shape(w.shape, 0, mp, w.name)
+        paired.update((w.native, s.native))
+        units.append(Unit("dequant_dim0", [w, s], {i: [OutTensor(w.native, "BF16", shape)] for i in range(mp)}))
     if linear_dtype == "int8":  # the scales travel with their weights, whichever comes first
         for t in tensors:
             if t.native.endswith(".weight") and (t.dtype == "F8_E4M3" or (t.dtype == "I8" and _EXPERT.match(t.native))) \
@@ -424,7 +446,7 @@ class ShardWriter:
         raw += b" " * (-len(raw) % 8)
         self.base = 8 + len(raw)
         self.size = self.base + off
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask
         self._write_all(struct.pack("<Q", len(raw)) + raw, 0)
 
     def _write_all(self, data, pos: int) -> None:
@@ -523,6 +545,20 @@ def _run_unit(u: Unit, writers: list[ShardWriter], files: dict, chunk: int, repo
 
     w, s = u.src
     fw, fs = fh(w), fh(s)
+    if u.kind == "dequant_dim0":
+        per = w.shape[0] // len(writers)
+        step = _chunk_rows(w, max(1, chunk // 8), 32)  # whole 32-row scale blocks per chunk
+        for a in range(0, w.rows, step):
+            b = min(w.rows, a + step)
+            xw, xs = read_rows(fw, w, a, b), read_rows(fs, s, a // 32, -(-b // 32))
+            tick(xw.numel() + xs.numel())
+            x = quant.fp8_block_dequant(xw, xs).to(torch.bfloat16)
+            for r in range(len(writers)):
+                lo, hi = max(a, r * per), min(b, (r + 1) * per)
+                if lo < hi:
+                    writers[r].write(w.native, x[lo - a:hi - a])
+        report["counts"]["fp8_dequantised"] += 1
+        return
     if u.kind == "expert_fp8":
         (r,) = u.outs
         step = _chunk_rows(w, max(1, chunk // 16), 32)   # fp32 temporaries are ~16x the packed bytes
@@ -668,7 +704,8 @@ def convert(src_dir, dst_dir, model_parallel: int, expert_dtype: str = "fp4", en
 
     tensors = discover(src)
     units = plan(cfg, tensors, mp, expert_dtype, engram_dtype, linear_dtype)
-    counts = {k: 0 for k in ("replicate", "dim0", "dim1", "expert", "engram", "expert_fp8", "engram_int8", "linear_int8")}
+    counts = {k: 0 for k in ("replicate", "dim0", "dim1", "expert", "engram", "expert_fp8", "engram_int8", "linear_int8",
+                             "dequant_dim0")}
     for u in units:
         counts[u.kind] += 1
     report: dict[str, Any] = {
@@ -677,12 +714,35 @@ def convert(src_dir, dst_dir, model_parallel: int, expert_dtype: str = "fp4", en
         "source_tensors": len(tensors), "source_bytes": sum(t.nbytes for t in tensors),
         "consumed_tensors": sum(len(u.src) for u in units),
         "units": counts,
-        "counts": {"expert_fp8_converted": 0, "engram_int8_converted": 0, "linear_int8_converted": 0},
+        "counts": {"expert_fp8_converted": 0, "engram_int8_converted": 0, "linear_int8_converted": 0,
+                   "fp8_dequantised": 0},
         "bytes_read": 0, "engram_int8_error": {}, "linear_dtype": linear_dtype, "linear_int8_error": {},
         "largest_source_tensor_bytes": max((t.nbytes for t in tensors), default=0),
     }
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    from .outdir import DestinationBusy, clean_stale_temps, destination_lock
+
+    try:
+        with destination_lock(dst):
+            _check_destination(dst)  # again, now that no other writer can create it
+            for p in clean_stale_temps(dst):
+                print(f"dsv41: note: removed {p}, left by an interrupted run", file=sys.stderr)
+            return _convert_into(dst, cfg, units, report, mp, tok_files, progress, chunk_bytes, t0)
+    except DestinationBusy as e:
+        raise ConvertError(str(e)) from None
+    except OSError as e:  # disk full, a read-only or special destination: the temp dir is gone
+        raise ConvertError(f"{dst}: cannot write the converted checkpoint ({e.filename + ': ' if e.filename else ''}"
+                           f"{e.strerror or e}); nothing was written") from None
+
+
+def _convert_into(dst: Path, cfg, units: list[Unit], report: dict, mp: int, tok_files: list[Path],
+                  progress: bool, chunk_bytes: int, t0: float) -> dict:
+    """`convert`'s writing half (holding the destination lock): the shards, config and
+    tokenizer into a temporary folder beside `dst`, renamed to `dst` at the end; any failure
+    removes the temporary folder."""
+    from .outdir import temp_dir_beside
+
+    tmp = temp_dir_beside(dst)
     writers: list[ShardWriter] = []
     files: dict = {}
     bar = None
@@ -701,10 +761,10 @@ def convert(src_dir, dst_dir, model_parallel: int, expert_dtype: str = "fp4", en
             w.close()
         if report["bytes_read"] != report["source_bytes"]:
             raise ConvertError(f"read {report['bytes_read']} of {report['source_bytes']} source bytes")
-        out_cfg = cfg.replace(expert_dtype=expert_dtype).to_hf_dict()
+        out_cfg = cfg.replace(expert_dtype=report["expert_dtype"]).to_hf_dict()
         out_cfg["model_parallel"] = mp
-        out_cfg.setdefault("quantization_config", {})["engram_dtype"] = engram_dtype
-        if linear_dtype == "int8":
+        out_cfg.setdefault("quantization_config", {})["engram_dtype"] = report["engram_dtype"]
+        if report["linear_dtype"] == "int8":
             out_cfg["quantization_config"].update(linear_dtype="int8", expert_dtype="int8")
             (tmp / "quant_model_description.json").write_text(json.dumps(quant_description(units), indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2) + "\n")
@@ -728,7 +788,7 @@ def convert(src_dir, dst_dir, model_parallel: int, expert_dtype: str = "fp4", en
     report["written_tensors"] = [len(p) for p in per_rank]
     report["bytes_written"] = sum(w.size for w in writers)
     report["files"] = [SHARD_NAME.format(i=r, mp=mp) for r in range(mp)] + ["config.json"] + [p.name for p in tok_files]
-    if linear_dtype == "int8":
+    if report["linear_dtype"] == "int8":
         report["files"].append("quant_model_description.json")
     for e in report["linear_int8_error"].values():
         e["mean_rel"] = e.pop("sum_rel") / max(e["rows"], 1)
@@ -757,6 +817,8 @@ def format_report(rep: dict) -> str:
             f"{rep['seconds']:.2f} s ({rep['mb_per_s']:.1f} MB/s)"
         ),
     ]
+    if rep["counts"]["fp8_dequantised"]:
+        lines.append(f"  {rep['counts']['fp8_dequantised']} released-form FP8 wo_a weight(s) dequantised to bf16")
     for kind, e in sorted(rep.get("linear_int8_error", {}).items()):
         lines.append(f"  int8 {kind}: {e['tensors']} tensor(s), {e['rows']} rows, relative error vs the release "
                      f"weight (of row amax): max {e['max_rel']:.3e}, mean {e['mean_rel']:.3e}")

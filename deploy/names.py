@@ -23,7 +23,14 @@ key of a checkpoint in either naming.
 
 from __future__ import annotations
 
+import re
+
 HF_PREFIX = "model."
+
+# Linears the released checkpoint stores FP8 E4M3 + `.scale` (E8M0 per 32x32 block) but the model
+# holds in bf16: `attn.wo_a` (the official convert.py dequantises it). Loaders and `dsv41 convert`
+# accept both forms and dequantise this one (native module names, without `.weight`).
+RELEASED_FP8_BF16 = re.compile(r"^(layers|mtp)\.\d+\.attn\.wo_a$")
 
 # Whole-component renames, native -> Hugging Face (any position in the name).
 _COMPONENTS: dict[str, str] = {
@@ -99,3 +106,35 @@ def hf_to_native(name: str) -> str:
 def is_hf_name(name: str) -> bool:
     """Whether `name` is in the Hugging Face spelling (it differs from its native name)."""
     return hf_to_native(name) != name
+
+
+def released_fp8_bf16(stored: dict, expected: dict) -> tuple[list[str], list[str]]:
+    """Find the released-form FP8 weights of bf16 linears (`RELEASED_FP8_BF16`).
+
+    `stored` and `expected` map native tensor names to (shape, torch dtype): the checkpoint's and
+    the model's. Returns (owners stored FP8 + `.scale` where the model wants a bf16 `.weight`
+    without a scale, problems with such pairs: a missing or misshapen scale, a misshapen weight).
+    """
+    import torch
+
+    owners, problems = [], []
+    for name, (shape, dtype) in stored.items():
+        owner, _, leaf = name.rpartition(".")
+        if leaf != "weight" or not RELEASED_FP8_BF16.match(owner) or dtype != torch.float8_e4m3fn:
+            continue
+        want = expected.get(name)
+        if want is None or want[1] != torch.bfloat16 or owner + ".scale" in expected:
+            continue
+        n, k = want[0]
+        block = (-(-n // 32), -(-k // 32))
+        scale = stored.get(owner + ".scale")
+        if tuple(shape) != tuple(want[0]):
+            problems.append(f"wrong shape: {name} is {list(shape)}, expected {list(want[0])}")
+        elif scale is None:
+            problems.append(f"missing: {owner}.scale (the E8M0 32x32 block scales of the FP8 {name})")
+        elif tuple(scale[0]) != block or scale[1] != torch.float8_e8m0fnu:
+            problems.append(f"wrong scale: {owner}.scale is {scale[1]} {list(scale[0])}, expected "
+                            f"torch.float8_e8m0fnu {list(block)} for the FP8 {name}")
+        else:
+            owners.append(owner)
+    return owners, problems

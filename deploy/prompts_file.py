@@ -73,8 +73,9 @@ def read_prompts_file(path: str) -> list[FileRequest]:
     return out
 
 
-def encode_request(req: FileRequest, tok, cfg, base_dir: str) -> tuple[list[int], list]:
-    """(prompt ids, preprocessed images) of one request."""
+def encode_request(req: FileRequest, tok, cfg, base_dir: str, image_roots=None) -> tuple[list[int], list]:
+    """(prompt ids, preprocessed images) of one request; local images only inside `image_roots`
+    (`messages.local_image_path`) when given."""
     where = f"line {req.line}"
     if req.kind == "prompt_ids":
         bad = [t for t in req.value if not 0 <= t < cfg.vocab_size]
@@ -88,25 +89,36 @@ def encode_request(req: FileRequest, tok, cfg, base_dir: str) -> tuple[list[int]
     from ..core.messages import encode_messages
 
     try:
-        mm = encode_messages(tok, cfg, req.value, base_dir=base_dir)
+        mm = encode_messages(tok, cfg, req.value, base_dir=base_dir, image_roots=image_roots)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     return mm.ids, mm.images
 
 
-def run_prompts_file(args, engine, tok, cfg, base_params) -> list[dict]:
-    """Run every request of the file as one continuous batch; results in input order plus a
-    summary (total generated tokens / wall time)."""
-    import time
+def encode_prompts_file(args, tok, cfg, base_params) -> tuple[list[FileRequest], list[tuple]]:
+    """(requests, batch of (ids, params, images)): every request encoded and checked (token
+    ids, images, sampling options, context length), so a bad line fails before weights are built."""
     from dataclasses import replace
 
     reqs = read_prompts_file(args.prompts_file)
     base_dir = os.path.dirname(args.prompts_file) or "."
+    roots = [base_dir, *(getattr(args, "allow_local_images", None) or [])]  # as run --messages
     batch = []
     for r in reqs:
-        ids, images = encode_request(r, tok, cfg, base_dir)
+        ids, images = encode_request(r, tok, cfg, base_dir, roots)
         params = replace(base_params, **r.options).validate()
+        if len(ids) + params.max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(f"line {r.line}: prompt of {len(ids)} tokens + max_new_tokens {params.max_new_tokens} "
+                             f"exceeds max_position_embeddings ({cfg.max_position_embeddings})")
         batch.append((ids, params, images))
+    return reqs, batch
+
+
+def run_prompts_file(engine, tok, reqs: list[FileRequest], batch: list[tuple]) -> list[dict]:
+    """Run the encoded requests as one continuous batch; results in input order plus a summary
+    (total generated tokens / wall time)."""
+    import time
+
     t0 = time.perf_counter()
     results = engine.generate_batch(batch)
     wall = time.perf_counter() - t0

@@ -5,6 +5,8 @@ interpreter); without triton installed (the main CPU test env) the importing mod
 `DEVICES` parametrises a test over the interpreter and the compiled (`gpu`-marked) variant.
 """
 
+import importlib
+import importlib.metadata
 import os
 
 import pytest
@@ -25,3 +27,28 @@ DEVICES = [
                         pytest.mark.skipif(not torch.cuda.is_available() or interpreting(),
                                            reason="needs CUDA and compiled Triton (TRITON_INTERPRET unset)")]),
 ]
+
+
+def _installed(dist: str) -> bool:
+    try:
+        importlib.metadata.version(dist)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+# triton-ascend's front end (the `triton_ascend` nox session) vets the portable kernels only; the
+# CUDA-only ones (npu_ops.triton.CUDA_KERNELS: fp8 loads, interleave) are skipped there.
+ASCEND_TRITON = _installed("triton-ascend")
+cuda_only = pytest.mark.skipif(ASCEND_TRITON, reason="CUDA-only kernels; triton-ascend vets the portable ones")
+
+
+def cuda_only_ops() -> set[str]:
+    """Ops implemented by CUDA-only kernel modules or by the CUDA backend's torch sequences."""
+    from dsv41.backends.cuda import TORCH_OPS
+    from dsv41.npu_ops.triton import CUDA_KERNELS
+
+    ops = set(TORCH_OPS)
+    for mod in CUDA_KERNELS:
+        ops |= set(importlib.import_module(f"dsv41.npu_ops.triton.{mod}").OPS)
+    return ops

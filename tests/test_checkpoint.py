@@ -2,11 +2,8 @@
 single-file checkpoints, the name table, and one clear error for every damaged checkpoint."""
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,18 +17,10 @@ from dsv41.deploy.names import hf_to_native, native_to_hf
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from _util import dsv41
+
 SEED = 7
 PROMPT = "5,17,42,99,7"
-
-
-def dsv41(*args, check=True):
-    # one intra-op thread, as in conftest: on a small busy machine OpenMP spinning is much slower
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "dsv41.deploy.cli", *args], capture_output=True, text=True,
-                       timeout=300, env=env, check=False)
-    if check:
-        assert p.returncode == 0, p.stderr
-    return p
 
 
 def listing(path: Path) -> list[str]:
@@ -163,21 +152,24 @@ def test_unwritable_location_fails_cleanly(tmp_path):
 
 
 def test_failure_mid_write_leaves_nothing(tmp_path, tiny_cfg, monkeypatch):
-    import safetensors.torch as st
+    """A full disk (ENOSPC) while the second shard is written: the error propagates and
+    neither the temporary folder nor the lock file nor the destination is left."""
+    from dsv41.deploy import convert as conv
 
-    calls = []
-    real = st.save_file
+    shards = []
+    real = conv.ShardWriter._write_all
 
-    def flaky(tensors, filename, metadata=None):
-        calls.append(filename)
-        if len(calls) == 2:
-            raise OSError(28, "No space left on device", filename)
-        return real(tensors, filename, metadata=metadata)
+    def flaky(self, data, pos):
+        if self.path.name not in shards:
+            shards.append(self.path.name)
+        if len(shards) == 2:
+            raise OSError(28, "No space left on device", str(self.path))
+        return real(self, data, pos)
 
-    monkeypatch.setattr(st, "save_file", flaky)
+    monkeypatch.setattr(conv.ShardWriter, "_write_all", flaky)
     with pytest.raises(OSError):
         make_checkpoint(tiny_cfg, tmp_path / "ck", seed=SEED, max_shard_bytes=2_000_000)
-    assert len(calls) == 2 and listing(tmp_path) == []
+    assert len(shards) == 2 and listing(tmp_path) == []
 
 
 # ---- loading --------------------------------------------------------------------------------

@@ -30,6 +30,9 @@ def test_run_tiny_json():
 def test_run_text_prompt_prints_rates():
     p = dsv41("run", "--prompt", "Hello there", "--max-new-tokens", "3", "--ignore-eos")
     assert "generated ids" in p.stdout and "tokens/s" in p.stdout
+    # random weights say so, in one line, and nothing else goes to stderr
+    note = "dsv41: note: random weights (seed 0; no --ckpt): the generated text is meaningless"
+    assert p.stderr.strip().splitlines() == [note]
 
 
 def test_info_published_config(tmp_path):
@@ -76,3 +79,26 @@ def test_backends_lists_every_op():
     assert "reference: available" in p.stdout
     for op in ("sparse_attention", "indexer_topk", "mhc_mixes", "engram_lookup", "moe_route"):
         assert op in p.stdout
+
+
+def test_model_parallel_failure_is_one_line(tmp_path):
+    """`run --nproc-per-node 2` (torchrun's launcher in-process): a rank's error is the whole
+    report, without torchrun's traceback and log lines after it."""
+    p = dsv41("run", "--nproc-per-node", "2", "--prompt-ids", "5,100000", check=False)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [
+        "dsv41: error: --prompt-ids: token id 100000 is outside the vocabulary [0, 512)"]
+
+
+def test_sigterm_mid_write_leaves_nothing(tmp_path):
+    """SIGTERM while the second shard is written (here sent by the writer itself, to hit that
+    moment): status 143 and no temporary folder, lock or destination left."""
+    code = ("import os, signal, sys; from dsv41.deploy import cli, convert as conv; real = conv.ShardWriter._write_all\n"
+            "def w(self, data, pos):\n"
+            "    if self.path.name.startswith('model-00002'): os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    return real(self, data, pos)\n"
+            "conv.ShardWriter._write_all = w\n"
+            f"sys.exit(cli.main(['make-checkpoint', '--out', {str(tmp_path / 'ck')!r}]))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 143, p.stderr
+    assert "Traceback" not in p.stderr and list(tmp_path.iterdir()) == []

@@ -86,6 +86,30 @@ FLAT = {
     "vision_patch_size": 14, "vision_downsample": 3, "vision_max_tokens": 1024,
 }
 
+# The released flat `inference/config.json`, key for key (the official key names: `n_mtp_layers`,
+# `engram_layer_ids`, `dspark_target_layer_ids`, `vision_n_layers`, ..., no `max_seq_len`).
+RELEASED_FLAT = {
+    "vocab_size": 129280, "dim": 5120, "moe_inter_dim": 2304, "n_layers": 40, "n_mtp_layers": 3,
+    "dspark_block_size": 5, "dspark_noise_token_id": 128799, "dspark_target_layer_ids": [37, 38, 39],
+    "dspark_markov_rank": 256, "dspark_n_routed_experts": 128, "dspark_n_activated_experts": 3,
+    "n_heads": 64, "n_routed_experts": 384, "n_shared_experts": 1, "n_activated_experts": 6,
+    "score_func": "sqrtsoftplus", "route_scale": 1.5, "swiglu_limit": 10.0, "q_lora_rank": 1280,
+    "head_dim": 512, "rope_head_dim": 64, "norm_eps": 1e-20, "o_groups": 8, "o_lora_rank": 1024,
+    "window_size": 128, "kv_source_layers": [2, 8, 14, 20],
+    "index_source_layers": [2, 8, 14, 20, 24, 28, 32, 36], "original_seq_len": 65536,
+    "rope_theta": 10000, "rope_factor": 16, "beta_fast": 32, "beta_slow": 1, "index_n_heads": 32,
+    "index_head_dim": 128, "index_topk": 512, "candidate_source_layer": 20,
+    "candidate_topk_blocks": 2048, "candidate_block_size": 8, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-06, "engram_layer_ids": [1, 14], "engram_vocab_size": 16000000,
+    "engram_num_embeddings": [384006168, 384016682], "engram_max_ngram_size": 4, "engram_pad_id": 2,
+    "engram_compressed_vocab_size": 99092, "dtype": "fp8", "expert_dtype": "fp4",
+    "compress_rope_theta": 160000, "compress_ratios": COMPRESS_RATIOS,
+    "vision_n_layers": 32, "vision_dim": 1024, "vision_n_heads": 16, "vision_inter_dim": 2816,
+    "vision_patch_size": 14, "vision_downsample_ratio": 3, "vision_max_n_token": 1024,
+    "vision_min_pixels": 295936, "vision_max_wh_ratio": None, "image_token_id": 129264,
+    "engram_n_heads": 8, "engram_head_dim": 256, "vision_rope_theta": 10000,
+}
+
 
 @pytest.fixture(scope="module")
 def presets():
@@ -161,6 +185,34 @@ def test_flat_defaults_and_rope_switch():
     # without vision keys there is no vision tower
     text_only = from_flat_dict({k: v for k, v in base.items() if not k.startswith("vision_")})
     assert text_only.vision is None
+
+
+def test_released_flat_config_loads():
+    """The released flat file (every key it holds) gives the published model; only the absent
+    `max_seq_len` falls back to the reference default."""
+    cfg = from_flat_dict(json.loads(json.dumps(RELEASED_FLAT)))
+    assert cfg == ModelConfig(max_position_embeddings=4096)
+    assert cfg.vision == VisionConfig() and cfg.vision.min_pixels == 295936 and cfg.vision.max_wh_ratio is None
+    assert cfg.engram_layer_ids == [1, 14] and cfg.dspark_target_layer_ids == [37, 38, 39]
+    assert cfg.norm_topk_prob is True  # absent from the released file
+
+
+def test_flat_reference_args_at_their_v41_values():
+    """A dump of the reference ModelArgs also carries `n_hash_layers` and `scale_dtype`: accepted at
+    V4.1's values, a clear error otherwise."""
+    assert from_flat_dict({**RELEASED_FLAT, "n_hash_layers": 0, "scale_dtype": "fp8"}) == from_flat_dict(RELEASED_FLAT)
+    with pytest.raises(ConfigError, match=r"n_hash_layers = 3 is not supported \(V4.1 uses 0\)"):
+        from_flat_dict({**RELEASED_FLAT, "n_hash_layers": 3})
+    with pytest.raises(ConfigError, match="scale_dtype = 'fp32' is not supported"):
+        from_flat_dict({**RELEASED_FLAT, "scale_dtype": "fp32"})
+
+
+def test_norm_topk_prob_and_compressed_vocab_validated():
+    with pytest.raises(ConfigError, match="norm_topk_prob must be true or false, got 'yes'"):
+        from_dict(_nested(norm_topk_prob="yes"))
+    assert from_dict(_nested(norm_topk_prob=False)).norm_topk_prob is False
+    with pytest.raises(ConfigError, match=r"engram_compressed_vocab_size \(0\) must be the size of the tokenizer"):
+        from_dict(_nested(engram_compressed_vocab_size=0))
 
 
 def test_flat_unknown_key_is_named():

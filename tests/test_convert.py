@@ -281,8 +281,10 @@ def test_index_lists_missing_tensor(tmp_path, tiny_sd):
     _no_leftovers(tmp_path, tmp_path / "out")
 
 
-@pytest.mark.parametrize("exc", [KeyboardInterrupt, OSError(28, "No space left on device")])
-def test_failure_midway_leaves_nothing(tmp_path, tiny_sd, monkeypatch, exc):
+@pytest.mark.parametrize("exc, expected", [(KeyboardInterrupt, KeyboardInterrupt),
+                                           (OSError(28, "No space left on device"), cv.ConvertError)])
+def test_failure_midway_leaves_nothing(tmp_path, tiny_sd, monkeypatch, exc, expected):
+    """Ctrl-C propagates, a full disk becomes one ConvertError; neither leaves anything."""
     cfg, sd = tiny_sd
     src = make_source(tmp_path, cfg, sd)
     real = cv.ShardWriter.write
@@ -295,8 +297,10 @@ def test_failure_midway_leaves_nothing(tmp_path, tiny_sd, monkeypatch, exc):
         return real(self, *a, **k)
 
     monkeypatch.setattr(cv.ShardWriter, "write", flaky)
-    with pytest.raises(type(exc) if isinstance(exc, BaseException) else exc):
+    with pytest.raises(expected) as info:
         cv.convert(src, tmp_path / "out", 2, progress=False)
+    if expected is cv.ConvertError:
+        assert "No space left on device" in str(info.value) and "nothing was written" in str(info.value)
     _no_leftovers(tmp_path, tmp_path / "out")
 
 

@@ -27,7 +27,9 @@ def test_env_override_and_bad_value(monkeypatch):
         registry.backend_for_device("cpu")
 
 
-def test_fallback_warns_once_per_op_and_matches_reference(monkeypatch):
+def test_unavailable_forced_backend_warns_once_and_matches_reference(monkeypatch):
+    """DSV41_BACKEND naming a backend that cannot load: one warning for the process (not one
+    per op), and the reference's results."""
     monkeypatch.setenv("DSV41_BACKEND", "ascend")  # no torch_npu here: every op falls back
     registry.reset_warnings()
     x, w = torch.randn(3, 32), torch.rand(32) + 0.5
@@ -37,9 +39,8 @@ def test_fallback_warns_once_per_op_and_matches_reference(monkeypatch):
         b = ops.rms_norm(x, w, 1e-6)
         ops.rope(x, torch.ones(3, 4), torch.zeros(3, 4))
     msgs = [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)]
-    assert len([m for m in msgs if "'rms_norm'" in m]) == 1
-    assert len([m for m in msgs if "'rope'" in m]) == 1
-    assert all("torch_npu not importable" in m for m in msgs)
+    assert len(msgs) == 1, msgs
+    assert "DSV41_BACKEND=ascend" in msgs[0] and "torch_npu not importable" in msgs[0]
     monkeypatch.delenv("DSV41_BACKEND")
     assert torch.equal(a, b) and torch.equal(a, ops.rms_norm(x, w, 1e-6))
 
@@ -82,3 +83,30 @@ def test_cpu_platform_is_a_no_op_stand_in():
     assert p.graph_class() is None and p.pinned_empty((2, 3), torch.float32).shape == (2, 3)
     with pytest.raises(RuntimeError, match="npu"):
         platform_for("npu")
+
+
+def test_dispatch_resolves_once_per_op_and_device(monkeypatch):
+    monkeypatch.delenv("DSV41_BACKEND", raising=False)
+    monkeypatch.delenv("DSV41_STRICT", raising=False)
+    seen = []
+    real = registry.resolve
+    monkeypatch.setattr(registry, "resolve", lambda name, backend: (seen.append((name, backend)), real(name, backend))[1])
+    registry.reset_warnings()
+    x, w = torch.randn(3, 32), torch.rand(32) + 0.5
+    for _ in range(3):
+        ops.rms_norm(x, w, 1e-6)
+        ops.rope(x, torch.ones(3, 4), torch.zeros(3, 4))
+    assert seen == [("rms_norm", "reference"), ("rope", "reference")]
+    monkeypatch.setenv("DSV41_BACKEND", "reference")  # a changed setting is a new choice
+    ops.rms_norm(x, w, 1e-6)
+    assert len(seen) == 3
+
+
+def test_strict_raises_instead_of_falling_back(monkeypatch):
+    monkeypatch.setenv("DSV41_BACKEND", "ascend")  # no torch_npu here
+    monkeypatch.setenv("DSV41_STRICT", "1")
+    registry.reset_warnings()
+    with pytest.raises(registry.MissingImplementation, match="op 'rms_norm' has no usable ascend.*DSV41_STRICT"):
+        ops.rms_norm(torch.randn(2, 32), torch.ones(32), 1e-6)
+    monkeypatch.setenv("DSV41_BACKEND", "reference")  # the reference itself is always allowed
+    assert ops.rms_norm(torch.ones(2, 32), torch.ones(32), 1e-6).shape == (2, 32)

@@ -99,7 +99,9 @@ def test_prefix_hit_with_window_replay_is_bounded_and_measured(tiny_model, tiny_
         errs.append(rel_err(logits, cold))
     print("\n[dsv41] prefix hit, default bounded replay (window 8, 12 layers) vs cold path, "
           "last-position logits rel. error: " + ", ".join(f"{e:.3g}" for e in errs))
-    assert all(0 < e < 2 for e in errs)
+    # regression bound: about 2x the largest error measured over seeds 1-4 and the default
+    # (0.25-0.73 with realistic random weights, 2026-11-30); unrelated logits would give ~1.4
+    assert all(0 < e < 1.5 for e in errs)
 
 
 def test_prefix_cache_never_serves_a_different_prompt(tiny_model, tiny_cfg, rng):

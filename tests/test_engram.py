@@ -91,7 +91,7 @@ def test_multipliers_published_values():
 
 
 def test_multipliers_need_compressed_vocab():
-    cfg = preset("tiny")  # engram_compressed_vocab_size is 0 there
+    cfg = preset("tiny").replace(engram_compressed_vocab_size=0)  # not recorded
     with pytest.raises(ValueError):
         engram_multipliers(cfg, 1)
     m = engram_multipliers(cfg, 1, compressed_vocab_size=300)
@@ -191,6 +191,7 @@ def test_compression_map_tiny_tokenizer_deterministic():
     first = [int(np.argmax(m1 == c)) for c in range(n1)]
     assert first == sorted(first)
     cfg = preset("tiny")
+    assert n1 == cfg.engram_compressed_vocab_size  # the tiny preset records the real size
     pad = int(m1[cfg.engram_pad_token_id])
     assert pad == 2
     # larger model vocab: extra ids add nothing and map to the pad's compressed id

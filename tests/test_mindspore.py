@@ -224,6 +224,21 @@ def test_unknown_name_one_error_nothing_written(ms, native, tmp_path):
     assert leftovers(tmp_path, "out") == []
 
 
+def test_engram_gate_rows_per_stream(ms, native, imported, tmp_path):
+    """Engram's q/k weights are [hc_mult, d] with a distinct row per stream, carried bit-exactly;
+    one shared [d] row (the form before per-stream rows) is one clear shape error."""
+    (src_dir, sd), (out, _) = native, imported
+    got = read_dir(out)
+    for leaf in ("q_weight", "k_weight"):
+        w = got[f"layers.1.engram.{leaf}"]
+        assert w.shape == (4, 128) and all(not torch.equal(w[i], w[j]) for i in range(4) for j in range(i))
+    old = {**hf_named(sd), "model.layers.1.engram.q_weight": sd["layers.1.engram.q_weight"][0].clone()}
+    ckpt = save_ms(ms, old, tmp_path / "old.ckpt")
+    with pytest.raises(WeightError, match=r"wrong shape: layers.1.engram.q_weight is \[128\], expected \[4, 128\]"):
+        import_mindspore([ckpt], tmp_path / "out", config=src_dir)
+    assert leftovers(tmp_path, "out") == []
+
+
 def test_floating_masters_quantised_on_request(ms, native, tiny_cfg, tmp_path, rng):
     """A training checkpoint's fp32 masters of FP8 / FP4 / Engram weights: a dtype error listing
     them without --quantize; with it, exactly the reference quantisers' output."""

@@ -120,7 +120,9 @@ def test_ced_vs_exact_difference_is_reported(tiny_model, tiny_cfg, rng):
     print("\n[dsv41] CED vs exact prefill, last-position logits rel. error (n=16,32,64): "
           + ", ".join(f"{e:.3g}" for e in errs))
     assert all(e > 0 for e in errs), "CED over a prompt longer than the window should be approximate"
-    assert all(e < 2.0 for e in errs)
+    # regression bound: about 2x the largest error measured over seeds 1-4 and the default
+    # (0.06-0.20 with realistic random weights, 2026-11-30)
+    assert all(e < 0.4 for e in errs)
 
 
 def test_reuse_layers_run_no_indexer_and_reindex_scores_only_the_pool(tiny_model, tiny_cfg, rng):

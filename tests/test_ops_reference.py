@@ -169,7 +169,7 @@ def test_mhc_collapse():
 
 # ---- MoE -------------------------------------------------------------------------------------
 
-def _oracle_route(x, w, bias, topk, scale, temp):
+def _oracle_route(x, w, bias, topk, scale, temp, norm=True):
     logits = (x.double() @ w.double().t()) / temp
     scores = torch.sqrt(F.softplus(logits))
     bias = bias.double().expand_as(scores)
@@ -178,9 +178,26 @@ def _oracle_route(x, w, bias, topk, scale, temp):
         choice = (scores[t] + bias[t]).tolist()
         ids = sorted(range(len(choice)), key=lambda e: (-choice[e], e))[:topk]
         raw = [scores[t, e].item() for e in ids]
-        tot = sum(raw) + 1e-20
+        tot = sum(raw) + 1e-20 if norm and topk > 1 else 1.0
         out.append({e: r / tot * scale for e, r in zip(ids, raw)})
     return out
+
+
+@pytest.mark.parametrize("norm,k", [(False, 4), (True, 1), (False, 1)])
+def test_moe_route_normalises_only_with_norm_topk_prob(norm, k):
+    """Without norm_topk_prob (or with one expert) the weights are the raw scores times the scale."""
+    t, d, e = 12, 64, 16
+    x = torch.randn(t, d).bfloat16()
+    w = torch.randn(e, d).bfloat16() * 0.2
+    bias = torch.randn(e) * 0.3
+    wts, ids = ops.moe_route(x, w, bias, k, 1.5, gate_temp=0.7, norm_topk_prob=norm)
+    expect = _oracle_route(x, w, bias, k, 1.5, 0.7, norm)
+    for tt in range(t):
+        got = dict(zip(ids[tt].tolist(), wts[tt].tolist()))
+        assert got == pytest.approx(expect[tt], rel=1e-5)
+    normed, _ = ops.moe_route(x, w, bias, k, 1.5, gate_temp=0.7, norm_topk_prob=True)
+    if k > 1:  # the two readings differ (the raw scores do not sum to 1)
+        assert not torch.allclose(wts, normed, rtol=1e-3)
 
 
 @pytest.mark.parametrize("per_token_bias", [False, True])
@@ -734,6 +751,50 @@ def test_engram_lookup_fp8_and_int8():
     assert (out8.double() - exp8).abs().max() <= 2.0**-7 * exp8.abs().max()
 
 
+def _oracle_engram_gate(x, k, v, qw, kw, eps, is_image):
+    """MODEL.md's Engram gate, one (token, stream) at a time in float64."""
+    t_n, n, d = x.shape
+    out = torch.empty(t_n, n, d, dtype=torch.float64)
+    gates = torch.zeros(t_n, n, dtype=torch.float64)
+    for t in range(t_n):
+        for s in range(n):
+            xs, ks = x[t, s].double(), k[t, s].double()
+            xn = xs / math.sqrt(float(xs.pow(2).mean()) + eps)
+            kn = ks / math.sqrt(float(ks.pow(2).mean()) + eps)
+            dot = float((kn * kw[s].double() * xn * qw[s].double()).sum()) * d ** -0.5
+            g = 0.0 if is_image[t] else _sigmoid(math.copysign(math.sqrt(max(abs(dot), 1e-6)), dot))
+            gates[t, s] = g
+            out[t, s] = xs + g * v[t].double()
+    return out, gates
+
+
+def test_engram_gate_uses_one_weight_row_per_stream():
+    """q_weight / k_weight [n, d]: stream s is gated with row s (rows differ, so gates differ)."""
+    t, n, d = 5, 4, 64
+    x = torch.randn(t, n, d).bfloat16()
+    k, v = torch.randn(t, n, d), torch.randn(t, d)
+    qw = (1 + 0.5 * torch.randn(n, d)).bfloat16()
+    kw = (1 + 0.5 * torch.randn(n, d)).bfloat16()
+    is_image = torch.tensor([False, False, True, False, False])
+    got = ops.engram_gate(x, k, v, qw, kw, 1e-20, is_image)
+    want, gates = _oracle_engram_gate(x, k, v, qw, kw, 1e-20, is_image)
+    assert got.dtype == torch.bfloat16
+    assert _rel_err(got, want) < 2.0**-7
+    assert torch.equal(got[2], x[2])  # image token: gate 0
+    # the gates differ between streams, and sharing row 0 would give a different result
+    text = ~is_image
+    assert (gates[text].max(1).values - gates[text].min(1).values).min() > 1e-3
+    shared = ops.engram_gate(x, k, v, qw[:1].expand(n, d), kw[:1].expand(n, d), 1e-20, is_image)
+    assert not torch.equal(shared[text][:, 1:], got[text][:, 1:])
+
+
+def test_engram_gate_rejects_one_shared_row():
+    x, k, v = torch.zeros(2, 4, 32).bfloat16(), torch.zeros(2, 4, 32), torch.zeros(2, 32)
+    w = torch.ones(32).bfloat16()
+    with pytest.raises(ValueError, match=r"q_weight must be \[n_streams, d\] = \[4, 32\]"):
+        ops.engram_gate(x, k, v, w, w, 1e-20, torch.zeros(2, dtype=torch.bool))
+
+
 def test_indexer_topk_paged_equals_per_sequence():
     """Two sequences whose entries sit in scattered pool blocks give exactly the top-k, pool and
     scores each sequence gets alone from a dense key array."""
@@ -759,3 +820,45 @@ def test_indexer_topk_paged_equals_per_sequence():
                                              n_visible[t:t + 1], 8, pool_blocks=2, pool_block_size=4)
         assert idx[t].tolist() == ref_idx[0].tolist(), (t, name)
         assert pool[t].tolist() == ref_pool[0].tolist(), (t, name)
+
+
+def test_device_rope_tables_match_the_fp64_reference(rng):
+    """backends/rope_tables.py (CUDA / Ascend: fp32 angle sums, no fp64 on the device) against
+    the reference's fp64 angles, at positions up to 2^20 - 1 and both RoPE thetas."""
+    from dsv41.backends.rope_tables import rope_tables as device_tables
+    from dsv41.core.config import preset, yarn_inv_freq
+
+    cfg = preset("full")
+    pos = torch.cat([torch.arange(0, 70), torch.randint(0, 2**20, (500,), generator=rng), torch.tensor([2**20 - 1])])
+    for ratio in (0, 2):
+        f = torch.tensor(yarn_inv_freq(cfg, ratio), dtype=torch.float32)
+        cos, sin = device_tables(f, pos)
+        rcos, rsin = ops.rope_tables(f, pos)
+        assert cos.dtype == torch.float32 and cos.shape == rcos.shape
+        assert (cos - rcos).abs().max() < 4e-7 and (sin - rsin).abs().max() < 4e-7
+
+
+def test_dequant_memo_is_bounded(monkeypatch, rng):
+    """The reference's memo of fp64 weight copies keeps at most DEQUANT_CACHE_BYTES (least
+    recently used first out) and gives the same products as without it."""
+    from dsv41.backends.reference import basic
+
+    monkeypatch.setattr(basic, "DEQUANT_CACHE_BYTES", 3 * 64 * 64 * 8)  # three 64x64 fp64 copies
+    monkeypatch.setattr(basic, "_DEQUANT_CACHE", type(basic._DEQUANT_CACHE)())
+    monkeypatch.setattr(basic, "_cache_bytes", 0)
+    x = torch.randn(5, 64, generator=rng)
+    weights = [quant.fp8_block_quant(torch.randn(64, 64, generator=rng)) for _ in range(5)]
+    first = [ops.linear(x, w, s, torch.float32) for w, s in weights]
+    assert basic._cache_bytes <= basic.DEQUANT_CACHE_BYTES and len(basic._DEQUANT_CACHE) == 3
+    again = [ops.linear(x, w, s, torch.float32) for w, s in weights]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_engine_refuses_non_finite_logits(tiny_cfg, rng):
+    from dsv41.core.engine import Engine, SamplingParams
+    from dsv41.core.weights import build_model
+
+    model = build_model(tiny_cfg, seed=1)
+    model.norm.weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match="non-finite logits"):
+        Engine(model).generate([5, 6, 7], SamplingParams(max_new_tokens=2))

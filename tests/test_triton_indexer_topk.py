@@ -1,6 +1,9 @@
 """Triton indexer scores + top-k (npu_ops/triton/indexer_topk.py) against the torch reference.
 
 Interpreter variants (TRITON_INTERPRET=1, small shapes) and `gpu`-marked compiled variants.
+Keys are read through block tables: `one_seq` addresses a dense key array as one sequence;
+`paged` scatters several sequences' keys over the blocks of one pool (tokens of different
+sequences side by side in a launch, so kernel tiles mix sequences).
 Scores are compared with a bound relative to the row's largest |score| (the kernel sums in fp32,
 the reference in fp64); the selected indices are compared exactly (a) on "exact" inputs where
 every score is exact in fp32 (dyadic weights, MXFP4 operands) so ties are real ties in both, and
@@ -37,6 +40,34 @@ def random_inputs(g, t, h, d, n, exact=False):
         for dup in (7, n - 1):  # duplicated keys: exact ties
             codes[dup], kscale[dup] = codes[3], kscale[3]
     return q, weights, codes, kscale
+
+
+def one_seq(codes, t):
+    """(block table, entries per block) addressing pool rows 0..N-1 as one sequence's entries."""
+    return torch.zeros(t, 1, dtype=torch.long), codes.shape[0]
+
+
+def paged(g, seqs, seq_of_token, e):
+    """Scatter each sequence's dense keys (codes, scales) over random blocks of e rows of one
+    pool (plus unused blocks holding other keys); per-token block tables (rows padded with
+    block 0). Returns (pool codes, pool scales, block_table [T, nb])."""
+    n_blocks = [-(-c.shape[0] // e) for c, _ in seqs]
+    total = sum(n_blocks) + 2
+    perm = torch.randperm(total, generator=g)
+    di2 = seqs[0][0].shape[1]
+    pool_c = torch.randint(0, 256, (total * e, di2), generator=g, dtype=torch.uint8)
+    pool_s = torch.randint(100, 140, (total * e, seqs[0][1].shape[1]), generator=g, dtype=torch.uint8)
+    tables, used = [], 0
+    for (c, sc), nb in zip(seqs, n_blocks):
+        blocks = perm[used:used + nb]
+        used += nb
+        rows = (blocks.repeat_interleave(e) * e + torch.arange(e).repeat(nb))[:c.shape[0]]
+        pool_c[rows] = c
+        pool_s[rows] = sc.view(torch.uint8)
+        tables.append(blocks.tolist())
+    width = max(n_blocks)
+    table = torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in seq_of_token])
+    return pool_c, pool_s.view(torch.float8_e8m0fnu), table
 
 
 def assert_scores_close(got, want, valid):
@@ -89,31 +120,68 @@ def test_candidate_pool_equals_reference(rng):
         assert torch.equal(itk._candidate_pool(s, nv, blocks, size), ref_att.candidate_pool(s, nv, blocks, size))
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+def test_topk_select_equals_stable_sort(dev, rng):
+    """The Triton radix select against the reference's stable sort: many ties, -0.0 / +0.0,
+    negative scores, rows with nothing visible, fewer visible than k, k wider than the row."""
+    for n, k in ((1, 4), (17, 5), (64, 64), (300, 32), (700, 600)):
+        s = torch.randint(-3, 4, (8, n), generator=rng).float()
+        s[0] = 0.0
+        s[1, ::2] = -0.0  # -0.0 ties with +0.0
+        s[2] = torch.randn(n, generator=rng)
+        s[3] = -torch.rand(n, generator=rng) * 1e30  # all negative, wide exponents
+        s[4] = torch.randn(n, generator=rng) * 1e-38  # subnormals
+        nv = torch.randint(0, n + 1, (8,), generator=rng)
+        nv[5], nv[6], nv[7] = 0, n, min(n, k)
+        valid = torch.arange(n).unsqueeze(0) < nv.unsqueeze(1)
+        masked = s.masked_fill(~valid, float("-inf"))
+        want = ref_att._stable_topk_sorted(s, k, valid)
+        assert torch.equal(itk.topk_select(masked.to(dev), nv.to(dev), k).cpu(), want), (n, k)
+        # bounded by chunk maxima (as the scores kernel writes them), and with a survivor buffer
+        # too small for the tied rows (those take the whole-row path)
+        for maxg, cap in ((1, None), (4, None), (4, 16)):
+            pad = -(-n // maxg) * maxg - n
+            maxima = torch.nn.functional.pad(masked, (0, pad), value=float("-inf")).view(8, -1, maxg).amax(-1)
+            got = itk.topk_select(masked.to(dev), nv.to(dev), k, maxima.to(dev), maxg, capacity=cap)
+            assert torch.equal(got.cpu(), want), (n, k, maxg, cap)
+
+
 # ---- kernel -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("t,h,d,n", [(1, 4, 64, 40), (5, 4, 64, 200), (3, 8, 128, 150), (2, 3, 96, 70)])
 def test_scores_match_reference(dev, t, h, d, n, rng):
     q, w, codes, kscale = random_inputs(rng, t, h, d, n)
+    table, e = one_seq(codes, t)
     nv = torch.randint(1, n + 1, (t,), generator=rng)
     nv[0] = n
-    got = itk.indexer_scores(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), nv.to(dev))
-    want = itk.indexer_scores_ref(q, w, codes, kscale)
+    got = itk.indexer_scores(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), table.to(dev), e, nv.to(dev))
+    want = itk.indexer_scores_ref(q, w, codes, kscale, table, e)
     valid = torch.arange(n).unsqueeze(0) < nv.unsqueeze(1)
     assert_scores_close(got, want, valid)
 
 
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("cfg", [(8, 2, 32, 3, 4), (16, 1, 16, 2, 4), (4, 8, 64, 4, 8)])
-def test_tile_configs(dev, cfg, rng):
-    """Padded heads, several key blocks per tile (NSUB > 1) and skipped invisible blocks."""
+@pytest.mark.parametrize("layout", ["one_seq", "paged"])
+def test_tile_configs(dev, cfg, layout, rng):
+    """Padded heads, several key blocks per tile (NSUB > 1), skipped invisible blocks; paged:
+    three sequences in scattered blocks of 8 entries, so multi-query tiles mix sequences."""
     t, h, d, n = 5, 4, 64, 333
     q, w, codes, kscale = random_inputs(rng, t, h, d, n, exact=True)
     nv = torch.tensor([n, 1, 0, 100, 200])
-    args = (q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), nv.to(dev))
+    if layout == "one_seq":
+        table, e = one_seq(codes, t)
+    else:
+        seqs = [(codes, kscale), (codes[:120].flip(0), kscale[:120].flip(0)), (codes[100:], kscale[100:])]
+        e = 8
+        codes, kscale, table = paged(rng, seqs, [0, 1, 2, 1, 2], e)
+        nv = torch.tensor([n, 1, 0, 100, 200])
+    args = (q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), table.to(dev), e, nv.to(dev))
     got = itk.indexer_scores(*args, _cfg=cfg)
-    valid = torch.arange(n).unsqueeze(0) < nv.unsqueeze(1)
-    assert torch.equal(got.cpu()[valid], itk.indexer_scores_ref(q, w, codes, kscale)[valid])
+    want = itk.indexer_scores_ref(q, w, codes, kscale, table, e)
+    valid = torch.arange(want.shape[1]).unsqueeze(0) < nv.unsqueeze(1)
+    assert torch.equal(got.cpu()[valid], want[valid])
     assert torch.isneginf(got.cpu()[~valid]).all()
 
 
@@ -122,46 +190,73 @@ def test_tile_configs(dev, cfg, rng):
 def test_topk_exact_inputs_equal_reference(dev, t, n, k, rng):
     """Exact scores: indices (with real ties) and the candidate pool equal the reference's."""
     q, w, codes, kscale = random_inputs(rng, t, 4, 64, n, exact=True)
+    table, e = one_seq(codes, t)
     nv = torch.randint(0, n + 1, (t,), generator=rng)
     nv[0], nv[-1] = 0, n
-    want_idx, want_pool = itk.indexer_topk_ref(q, w, codes, kscale, nv, k, pool_blocks=3, pool_block_size=4)
-    got_idx, got_pool = itk.indexer_topk(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), nv.to(dev), k,
-                                         pool_blocks=3, pool_block_size=4)
+    want_idx, want_pool = itk.indexer_topk_ref(q, w, codes, kscale, table, e, nv, k, pool_blocks=3, pool_block_size=4)
+    args = (q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), table.to(dev), e, nv.to(dev))
+    got_idx, got_pool = itk.indexer_topk(*args, k, pool_blocks=3, pool_block_size=4)
     assert got_idx.dtype == want_idx.dtype and torch.equal(got_idx.cpu(), want_idx)
     assert torch.equal(got_pool.cpu(), want_pool)
-    s = itk.indexer_scores(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), nv.to(dev)).cpu()
+    s = itk.indexer_scores(*args).cpu()
     valid = torch.arange(n).unsqueeze(0) < nv.unsqueeze(1)
-    assert torch.equal(s[valid], itk.indexer_scores_ref(q, w, codes, kscale)[valid])  # bit-exact here
-    got_idx, got_pool = itk.indexer_topk(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), nv.to(dev), k)
+    assert torch.equal(s[valid], itk.indexer_scores_ref(q, w, codes, kscale, table, e)[valid])  # bit-exact here
+    got_idx, got_pool = itk.indexer_topk(*args, k)
     assert got_pool is None and torch.equal(got_idx.cpu(), want_idx)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("k", [3, 12])
+def test_paged_equals_reference(dev, k, rng):
+    """Three sequences in scattered blocks of one pool (blocks of 4 entries), tokens of all of
+    them in one launch, a token that sees nothing: top-k and candidate pool equal the
+    reference's paged results exactly (exact scores)."""
+    t, n = 7, 90  # k = 3: the select is bounded by maxima of 2-entry chunks
+    q, w, codes, kscale = random_inputs(rng, t, 4, 64, n, exact=True)
+    seqs = [(codes[:90], kscale[:90]), (codes[10:50], kscale[10:50]), (codes[30:61], kscale[30:61])]
+    e = 4
+    pc, ps, table = paged(rng, seqs, [0, 1, 2, 0, 1, 2, 0], e)
+    nv = torch.tensor([90, 40, 31, 0, 7, 13, 50])
+    want_idx, want_pool = itk.indexer_topk_ref(q, w, pc, ps, table, e, nv, k, pool_blocks=2, pool_block_size=8)
+    got_idx, got_pool = itk.indexer_topk(q.to(dev), w.to(dev), pc.to(dev), ps.to(dev), table.to(dev), e, nv.to(dev),
+                                         k, pool_blocks=2, pool_block_size=8)
+    assert torch.equal(got_idx.cpu(), want_idx)
+    assert torch.equal(got_pool.cpu(), want_pool)
+    assert (want_idx[3] == -1).all() and (want_idx[0] >= 0).all()  # nothing visible / a full row
 
 
 @pytest.mark.parametrize("dev", DEVICES)
 def test_topk_random_inputs(dev, rng):
     t, h, d, n, k = 5, 8, 128, 260, 24
     q, w, codes, kscale = random_inputs(rng, t, h, d, n)
+    table, e = one_seq(codes, t)
     nv = torch.tensor([n, 1, 23, 200, 150])
-    want_idx, _ = itk.indexer_topk_ref(q, w, codes, kscale, nv, k)
-    got_idx, _ = itk.indexer_topk(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), nv.to(dev), k)
+    want_idx, _ = itk.indexer_topk_ref(q, w, codes, kscale, table, e, nv, k)
+    got_idx, _ = itk.indexer_topk(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), table.to(dev), e,
+                                  nv.to(dev), k)
     valid = torch.arange(n).unsqueeze(0) < nv.unsqueeze(1)
-    check_topk_rowwise(got_idx, want_idx, itk.indexer_scores_ref(q, w, codes, kscale), valid, k)
+    check_topk_rowwise(got_idx, want_idx, itk.indexer_scores_ref(q, w, codes, kscale, table, e), valid, k)
 
 
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("exact", [True, False])
 def test_candidates(dev, exact, rng):
+    """Reindex layers: candidate entry ids per token, resolved through each token's table."""
     t, h, d, n, p, k = 4, 4, 64, 120, 40, 6
     q, w, codes, kscale = random_inputs(rng, t, h, d, n, exact=exact)
+    e = 8
+    pc, ps, table = paged(rng, [(codes, kscale), (codes[:64].flip(0), kscale[:64].flip(0))], [0, 1, 1, 0], e)
+    lens = [n, 64, 64, n]
     cands = torch.full((t, p), -1, dtype=torch.long)
     for i, m in enumerate((3, 40, 17, 0)):
-        cands[i, :m] = torch.randperm(n, generator=rng)[:m].sort().values
-    nv = torch.full((t,), n)
-    want_idx, want_pool = itk.indexer_topk_ref(q, w, codes, kscale, nv, k, candidates=cands)
-    got_idx, got_pool = itk.indexer_topk(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), nv.to(dev), k,
-                                         candidates=cands.to(dev))
+        cands[i, :m] = torch.randperm(lens[i], generator=rng)[:m].sort().values
+    nv = torch.tensor(lens)
+    want_idx, want_pool = itk.indexer_topk_ref(q, w, pc, ps, table, e, nv, k, candidates=cands)
+    got_idx, got_pool = itk.indexer_topk(q.to(dev), w.to(dev), pc.to(dev), ps.to(dev), table.to(dev), e, nv.to(dev),
+                                         k, candidates=cands.to(dev))
     assert got_pool is None and want_pool is None
-    s_ref = itk.indexer_scores_ref(q, w, codes, kscale, cands)
-    s = itk.indexer_scores(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), None, cands.to(dev))
+    s_ref = itk.indexer_scores_ref(q, w, pc, ps, table, e, cands)
+    s = itk.indexer_scores(q.to(dev), w.to(dev), pc.to(dev), ps.to(dev), table.to(dev), e, None, cands.to(dev))
     assert_scores_close(s, s_ref, cands >= 0)
     if exact:
         assert torch.equal(got_idx.cpu(), want_idx)
@@ -182,29 +277,41 @@ def test_extreme_key_scales(dev, rng):
     ks[:8] = torch.tensor([0, 1, 2, 127, 140, 167, 100, 3], dtype=torch.uint8).unsqueeze(1)
     kscale = ks.view(torch.float8_e8m0fnu)
     q = q * 2.0 ** 60  # keep products of the tiny keys away from fp32 underflow
+    table, e = one_seq(codes, t)
     nv = torch.full((t,), n)
-    got = itk.indexer_scores(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), nv.to(dev))
-    want = itk.indexer_scores_ref(q, w, codes, kscale)
+    got = itk.indexer_scores(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), table.to(dev), e, nv.to(dev))
+    want = itk.indexer_scores_ref(q, w, codes, kscale, table, e)
     valid = torch.ones(t, n, dtype=torch.bool)
     assert_scores_close(got, want, valid)
     tiny = (quant.mxfp4_dequant(codes[:3], kscale[:3]) != 0).any(-1)
     assert tiny.all()  # the subnormal-scale keys are non-zero keys
 
 
+def test_rejects_bad_block_table(rng):
+    q, w, codes, kscale = random_inputs(rng, 2, 4, 64, 16)
+    with pytest.raises(ValueError, match="block_table"):
+        itk.indexer_topk(q, w, codes, kscale, torch.zeros(3, 1, dtype=torch.long), 16, torch.tensor([4, 4]), 2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", DEVICES[1:])
-@pytest.mark.parametrize("t,n", [(1, 4096), (3, 5000), (40, 2000)])
+@pytest.mark.parametrize("t,n", [(1, 4096), (3, 5000), (40, 2000), (64, 8192)])
 def test_benchmark_widths_gpu(dev, t, n, rng):
-    """Mini-preset widths: 32 heads x 128, top-512."""
+    """Mini-preset widths: 32 heads x 128, top-512; two sequences in blocks of 64 entries."""
     q, w, codes, kscale = random_inputs(rng, t, 32, 128, n)
-    nv = torch.randint(n // 2, n + 1, (t,), generator=rng)
+    e = 64
+    pc, ps, table = paged(rng, [(codes, kscale), (codes[: n // 2], kscale[: n // 2])],
+                          [i % 2 for i in range(t)], e)
+    lens = torch.tensor([n if i % 2 == 0 else n // 2 for i in range(t)])
+    nv = torch.minimum(torch.randint(n // 4, n + 1, (t,), generator=rng), lens)
     nv[0] = n
-    args = (q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), nv.to(dev))
-    valid = torch.arange(n).unsqueeze(0) < nv.unsqueeze(1)
-    assert_scores_close(itk.indexer_scores(*args), itk.indexer_scores_ref(q, w, codes, kscale), valid)
-    want_idx, _ = itk.indexer_topk_ref(q, w, codes, kscale, nv, 512)
+    args = (q.to(dev), w.to(dev), pc.to(dev), ps.to(dev), table.to(dev), e, nv.to(dev))
+    s_ref = itk.indexer_scores_ref(q, w, pc, ps, table, e)
+    valid = torch.arange(s_ref.shape[1]).unsqueeze(0) < nv.unsqueeze(1)
+    assert_scores_close(itk.indexer_scores(*args), s_ref, valid)
+    want_idx, _ = itk.indexer_topk_ref(q, w, pc, ps, table, e, nv, 512)
     got_idx, _ = itk.indexer_topk(*args, 512)
-    check_topk_rowwise(got_idx, want_idx, itk.indexer_scores_ref(q, w, codes, kscale), valid, 512)
+    check_topk_rowwise(got_idx, want_idx, s_ref, valid, 512)
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -218,7 +325,8 @@ def test_cuda_backend_registers_kernel(dev, monkeypatch, rng):
     if dev == "cpu":
         monkeypatch.setenv("DSV41_BACKEND", "cuda")
     q, w, codes, kscale = random_inputs(rng, 3, 4, 64, 30, exact=True)
+    table, e = one_seq(codes, 3)
     nv = torch.tensor([30, 5, 0])
-    got, _ = ops.indexer_topk(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), nv.to(dev), 8)
-    want, _ = itk.indexer_topk_ref(q, w, codes, kscale, nv, 8)
+    got, _ = ops.indexer_topk(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), table.to(dev), e, nv.to(dev), 8)
+    want, _ = itk.indexer_topk_ref(q, w, codes, kscale, table, e, nv, 8)
     assert torch.equal(got.cpu(), want)

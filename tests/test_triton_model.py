@@ -17,7 +17,7 @@ and compared with a bound that fits the op; the end-to-end numbers are printed f
 
 import pytest
 import torch
-from _triton import DEVICES  # noqa: F401  (sets TRITON_INTERPRET; skips without triton)
+from _triton import ASCEND_TRITON, DEVICES, cuda_only_ops  # noqa: F401  (sets TRITON_INTERPRET; skips without triton)
 from _util import rand_prompt
 
 from dsv41.backends import registry
@@ -27,7 +27,8 @@ from dsv41.core.weights import build_model, random_state_dict
 
 # ops the model calls (fp4_quant has a kernel but the model stores KV through compress_kv)
 MODEL_OPS = {"sparse_attention", "indexer_topk", "compress_kv", "mhc_mix", "engram_lookup", "moe_route",
-             "mxfp4_act_quant"}
+             "mxfp4_act_quant", "linear", "moe_experts", "grouped_linear", "rms_norm", "rope", "fp8_quant",
+             "mxfp4_quant", "mhc_mixes", "mhc_collapse", "engram_gate"}
 
 # bf16 outputs: one bf16 ulp of the largest element is 2^-8 of it; allow two.
 BF16_REL = 2 * 2.0**-8
@@ -52,7 +53,7 @@ def _rel(a, b):
 
 def _compare(op, got, want, args):
     """Return a failure message or None."""
-    if op in ("fp4_quant",):
+    if op in ("fp4_quant", "fp8_quant", "mxfp4_quant"):
         return None if all(torch.equal(g.view(torch.uint8).cpu(), w.view(torch.uint8).cpu())
                            for g, w in zip(got, want)) else "bytes differ"
     if op in ("mxfp4_act_quant", "engram_lookup"):
@@ -71,9 +72,14 @@ def _compare(op, got, want, args):
         if got[2] is not None:
             e = max(e, max(_rel(a, b) for a, b in zip(got[2], want[2])) / 100)  # fp32 coefficients
         return None if e <= BF16_REL else f"rel err {e:.3g}"
+    if op in ("mhc_mixes", "sinkhorn"):  # fp32 coefficients
+        e = max(_rel(a, b) for a, b in zip(got, want)) if op == "mhc_mixes" else _rel(got, want)
+        return None if e <= 1e-5 else f"rel err {e:.3g}"
     if op == "compress_kv":
         e = _rel(got, want)
         return None if e <= BF16_REL else f"latent rel err {e:.3g}"
+    if isinstance(got, tuple):  # e.g. rope_tables' (cos, sin)
+        return next((m for m in (_compare(op, g, w, args) for g, w in zip(got, want)) if m), None)
     e = _rel(got, want)
     return None if e <= BF16_REL else f"rel err {e:.3g}"
 
@@ -82,7 +88,8 @@ def _compare(op, got, want, args):
 def test_kernels_match_reference_inside_the_model(dev, fresh_seed, monkeypatch):
     cfg, cpu, gpu = _pair(fresh_seed + 1, dev)
     registry.ensure_backend_loaded("cuda")
-    kernels = {n: o.impls["cuda"] for n, o in registry._OPS.items() if "cuda" in o.impls}
+    skip = cuda_only_ops() if ASCEND_TRITON else set()  # triton-ascend vets the portable kernels
+    kernels = {n: o.impls["cuda"] for n, o in registry._OPS.items() if "cuda" in o.impls and n not in skip}
     assert kernels, "no CUDA kernel registered"
     seen, failures = {}, []
     originals = {n: registry._OPS[n].impls["reference"] for n in kernels}
@@ -97,8 +104,10 @@ def test_kernels_match_reference_inside_the_model(dev, fresh_seed, monkeypatch):
             want = ref(*args, **kwargs)
             msg = _compare(name, got, want, args)
             if name == "compress_kv" and msg is None:
-                if not (torch.equal(k_args[7], args[7]) and torch.equal(k_args[8].view(torch.uint8),
-                                                                        args[8].view(torch.uint8))):
+                # row 0 (the null block) takes every write that completes no entry, from many rows
+                # at once: its bytes are whichever landed last, and nothing ever reads them
+                if not (torch.equal(k_args[7][1:], args[7][1:]) and torch.equal(k_args[8][1:].view(torch.uint8),
+                                                                                args[8][1:].view(torch.uint8))):
                     msg = "cache bytes differ"
             seen[name] = seen.get(name, 0) + 1
             if msg:

@@ -121,6 +121,24 @@ def test_moe_route_tile_configs(dev, cfg, rng):
     check(got, want, separated_rows(x, w, bias, 1.0, k))
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("k", [1, 3])
+def test_moe_route_without_topk_normalisation(dev, k, rng):
+    """norm_topk_prob false (or top-1): the weights are the raw chosen scores times the scale."""
+    t, d, e = 6, 64, 16
+    x, w, bias, ok = separated_inputs(rng, t, d, e, 1.0, k)
+    got = mr.moe_route(x.to(dev), w.to(dev), bias.to(dev), k, 1.5, norm_topk_prob=False)
+    want = mr.moe_route_ref(x, w, bias, k, 1.5, norm_topk_prob=False)
+    check(got, want, ok)
+    raw = torch.sqrt(F.softplus(x.double() @ w.double().t())).gather(-1, want[1]) * 1.5
+    torch.testing.assert_close(want[0].double()[ok], raw[ok], rtol=1e-6, atol=0)
+    if k == 1:  # top-1: normalising is skipped even when asked for
+        check(mr.moe_route(x.to(dev), w.to(dev), bias.to(dev), k, 1.5, norm_topk_prob=True), want, ok)
+    else:  # top-3 normalised: the weights sum to the scale
+        normed = mr.moe_route(x.to(dev), w.to(dev), bias.to(dev), k, 1.5, norm_topk_prob=True)
+        torch.testing.assert_close(normed[0].cpu().sum(-1), torch.full((t,), 1.5), rtol=1e-6, atol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", DEVICES[1:])
 @pytest.mark.parametrize("t", [1, 64, 256])

@@ -1,6 +1,8 @@
 """Triton sparse attention (npu_ops/triton/sparse_attention.py) against the torch reference.
 
 Interpreter variants (`TRITON_INTERPRET=1`, small shapes) and `gpu`-marked compiled variants.
+Inputs are paged: two or three sequences whose SWA and global rows sit in scattered blocks of
+shared pools, each token gathering its own window rows and global rows (-1 entries masked).
 The output is bf16 and the probabilities are rounded to bf16 (relative to the running max in
 the kernel, to the global max in the reference), so the comparison is a relative bound:
 |err| <= 2^-8 (max|v| + |ref|) per element and max|err| <= 1e-2 max|ref|. All-masked rows
@@ -23,32 +25,61 @@ WHOLE = dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None)
 WHOLE_T = dict(WHOLE, QK_T=True)  # q.k^T computed as k.q^T (entries as the MMA's M)
 WHOLE_HALF = dict(WHOLE, DV_HALF=True)  # one output-channel parity per tile
 
+BLOCK = 8  # pool block size (rows) of both pools in these tests
 
-def make_inputs(g, t, h, d, s, n, k, *, glob=True, dead_rows=(2,), window_off_rows=(1,)):
+
+def paged_rows(g, n_seq: int, lengths: list[int], n_pool_blocks: int) -> list[torch.Tensor]:
+    """Per sequence, the pool rows of its entries 0..len-1: blocks drawn without replacement from
+    one shared pool of `n_pool_blocks` blocks, in scattered order."""
+    perm = torch.randperm(n_pool_blocks, generator=g)
+    rows, used = [], 0
+    for i in range(n_seq):
+        nb = -(-lengths[i] // BLOCK)
+        blocks = perm[used:used + nb]
+        used += nb
+        rows.append((blocks.repeat_interleave(BLOCK) * BLOCK + torch.arange(BLOCK).repeat(nb))[:lengths[i]])
+    assert used <= n_pool_blocks
+    return rows
+
+
+def make_inputs(g, t, h, d, s, n, k, *, glob=True, dead_rows=(2,), window_off_rows=(1,), n_seq=2):
+    """[q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink]: token i belongs to
+    sequence i % n_seq at position 3 + i (its window: the last s positions, older ones -1); its
+    global rows are k picks among the sequence's n // n_seq entries (30% -1, one duplicate)."""
     q = (torch.randn(t, h, d, generator=g) * 2).bfloat16()
-    wx = torch.randn(s, d, generator=g) * torch.exp2(torch.randint(-3, 4, (s, 1), generator=g).float())
-    win_kv, win_scale = quant.fp8_quant(wx)
-    win_mask = torch.rand(t, s, generator=g) < 0.6
     sink = torch.randn(h, generator=g)
+    pos = [3 + i for i in range(t)]
+    seq_len = max(pos) + 1
+    nw_blocks = n_seq * -(-seq_len // BLOCK) + 3  # spare blocks: rows no token reads
+    win_rows = paged_rows(g, n_seq, [seq_len] * n_seq, nw_blocks)
+    wx = torch.randn(nw_blocks * BLOCK, d, generator=g) * torch.exp2(
+        torch.randint(-3, 4, (nw_blocks * BLOCK, 1), generator=g).float())
+    swa_kv, swa_scale = quant.fp8_quant(wx)
+    win_idx = torch.full((t, s), -1, dtype=torch.long)
+    for i in range(t):
+        lo = pos[i] - s + 1
+        for j in range(s):
+            if lo + j >= 0:
+                win_idx[i, j] = win_rows[i % n_seq][lo + j]
+    win_idx[torch.rand(t, s, generator=g) < 0.2] = -1
+    dead = [r for r in dead_rows if r < t]
     if not glob:
-        for r in dead_rows:
-            if r < t:
-                win_mask[r] = False
-        return [q, win_kv, win_scale, win_mask, None, None, None, sink]
-    gx = torch.randn(n, d, generator=g) * torch.exp2(torch.randint(-3, 4, (n, 1), generator=g).float())
+        win_idx[dead] = -1
+        return [q, swa_kv, swa_scale, win_idx, None, None, None, sink]
+    per_seq = max(1, n // n_seq)
+    ng_blocks = n_seq * -(-per_seq // BLOCK) + 2
+    glob_rows = paged_rows(g, n_seq, [per_seq] * n_seq, ng_blocks)
+    gx = torch.randn(ng_blocks * BLOCK, d, generator=g) * torch.exp2(
+        torch.randint(-3, 4, (ng_blocks * BLOCK, 1), generator=g).float())
     glob_kv, glob_scale = quant.fp4_quant(gx)
-    glob_idx = torch.randint(0, n, (t, k), generator=g)
+    glob_idx = torch.stack([glob_rows[i % n_seq][torch.randint(0, per_seq, (k,), generator=g)] for i in range(t)])
     glob_idx[torch.rand(t, k, generator=g) < 0.3] = -1
     if t > 0 and k > 1:
-        glob_idx[0, 0] = glob_idx[0, 1] = 3  # duplicates count twice
-    for r in window_off_rows:
-        if r < t:
-            win_mask[r] = False  # global entries only
-    for r in dead_rows:
-        if r < t:
-            win_mask[r] = False
-            glob_idx[r] = -1  # nothing at all: output 0
-    return [q, win_kv, win_scale, win_mask, glob_kv, glob_scale, glob_idx, sink]
+        glob_idx[0, 0] = glob_idx[0, 1] = glob_rows[0][3]  # duplicates count twice
+    win_idx[[r for r in window_off_rows if r < t]] = -1  # global entries only
+    win_idx[dead] = -1
+    glob_idx[dead] = -1  # nothing at all: output 0
+    return [q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink]
 
 
 def to(dev, args):
@@ -60,8 +91,8 @@ def check(out, args, scale, dead_rows=()):
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape
     out = out.cpu()
     assert not torch.isnan(out.float()).any()
-    q, win_kv, win_scale, win_mask, glob_kv, glob_scale, glob_idx, sink = args
-    vmax = quant.fp8_dequant(win_kv, win_scale).abs().max().item()
+    q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink = args
+    vmax = quant.fp8_dequant(swa_kv, swa_scale).abs().max().item()
     if glob_kv is not None:
         vmax = max(vmax, quant.fp4_dequant(glob_kv, glob_scale).abs().max().item())
     err = (out.double() - ref.double()).abs()
@@ -118,6 +149,31 @@ def test_sparse_attention_real_widths(dev, rng):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(sink + 1e30) of an all-masked row
 @pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("t", [1, 3])
+def test_sparse_attention_decode_splits(dev, t, rng):
+    """Decode shapes: few tokens of three sequences, the decode tile table, one split per entry
+    block (flash-decoding) and the automatic choice; all agree with the reference."""
+    h, d = (8, 64) if dev == "cpu" else (64, 512)
+    s, n, k = (20, 90, 40) if dev == "cpu" else (128, 6000, 512)
+    args = make_inputs(rng, t, h, d, s, n, k, dead_rows=(), window_off_rows=(), n_seq=3)
+    cfg = dict(sa.CONFIGS["cuda_decode"], BLOCK_N=16)
+    n_blocks = -(-s // 16) + -(-k // 16)
+    out = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, n_split=n_blocks, **cfg)
+    check(out, args, d ** -0.5)
+    auto = sa.sparse_attention(*to(dev, args), d ** -0.5)
+    check(auto, args, d ** -0.5)
+
+
+def test_sparse_attention_rejects_mismatched_pools(rng):
+    q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink = make_inputs(rng, 2, 4, 64, 8, 20, 4)
+    with pytest.raises(ValueError, match="window pool"):
+        sa.sparse_attention(q, swa_kv, swa_scale[:-1], win_idx, glob_kv, glob_scale, glob_idx, sink, 0.1)
+    with pytest.raises(ValueError, match="global pool"):
+        sa.sparse_attention(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx[:1], sink, 0.1)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(sink + 1e30) of an all-masked row
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("sink", [-3.0, 5.0])
 def test_sparse_attention_sink_in_denominator_only(dev, sink):
     # one valid entry with logit l: out = v * sigmoid(l - sink)
@@ -125,9 +181,9 @@ def test_sparse_attention_sink_in_denominator_only(dev, sink):
     win_kv, win_scale = quant.fp8_quant(torch.randn(3, d))
     v = quant.fp8_dequant(win_kv, win_scale)
     q = torch.randn(1, h, d).bfloat16()
-    mask = torch.tensor([[False, True, False]])
+    win_idx = torch.tensor([[-1, 1, -1]])  # one valid pool row
     sinks = torch.tensor([sink, -sink])
-    out = sa.sparse_attention(*to(dev, [q, win_kv, win_scale, mask, None, None, None, sinks]), d ** -0.5).cpu()
+    out = sa.sparse_attention(*to(dev, [q, win_kv, win_scale, win_idx, None, None, None, sinks]), d ** -0.5).cpu()
     for hh in range(h):
         logit = (q[0, hh].double() @ v[1].double()).item() * d ** -0.5
         expect = v[1].double() / (1 + torch.exp(torch.tensor(sinks[hh].item() - logit, dtype=torch.float64)))

@@ -1,13 +1,13 @@
 """Unified-buffer estimate of every Ascend tile config: one program's live tiles (32-bit values)
 at the full model's shapes must fit half of the 192 KB unified buffer (the other half is for the
-compiler's double buffering). sparse_attention / indexer_topk are being rewritten elsewhere and
-are not covered here."""
+compiler's double buffering)."""
 
 import _triton  # noqa: F401  (skips without triton; sets TRITON_INTERPRET on CPU)
 import pytest
 
 from dsv41.core.config import preset
-from dsv41.npu_ops.triton import compress_kv, engram_lookup, fp4_kv_store, mega_mhc, moe_route, mxfp4_act_quant
+from dsv41.npu_ops.triton import (compress_kv, engram_lookup, fp4_kv_store, indexer_topk, mega_mhc, moe_route,
+                                  mxfp4_act_quant, sparse_attention)
 from dsv41.npu_ops.triton.launch import UB_BUDGET, UB_BYTES, ub_estimate
 
 FULL = preset("full")
@@ -33,6 +33,11 @@ CONFIGS = {
     "mega_mhc": [mega_mhc.ub_tiles(mega_mhc.TILES["default"]["block_t"], mega_mhc.TILES["default"]["block_d"])],
     "moe_route": [moe_route.ub_tiles(bt, be, bk, FULL.n_routed_experts, FULL.num_experts_per_tok)
                   for bt, be, bk in _moe_cfg()],
+    "sparse_attention": [sparse_attention.ub_tiles(sparse_attention.CONFIGS["npu"], FULL.head_dim)],
+    "indexer_topk": [indexer_topk.ub_tiles(indexer_topk.tile_shape(t, FULL.index_n_heads, gather, True, False),
+                                           FULL.index_head_dim, maxg)
+                     for t in (1, 4096) for gather, maxg in ((False, 1), (False, 64), (True, 1))]
+                    + [indexer_topk.select_ub_tiles(indexer_topk.SELECT_BLOCK_NPU)],
 }
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
+from collections import OrderedDict
 
 import torch
 
@@ -92,19 +94,39 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     return torch.cat((xf[..., :-r], out), dim=-1).to(x.dtype)
 
 
-_DEQUANT_CACHE: dict[int, tuple] = {}
+_DEQUANT_CACHE: OrderedDict[int, tuple] = OrderedDict()
+# The memo is bounded (least recently used first out): an fp64 copy is 8x an FP8 weight, so a
+# model larger than the tiny one would otherwise keep several times its size in copies.
+DEQUANT_CACHE_BYTES = int(float(os.environ.get("DSV41_REFERENCE_CACHE_GB", "4")) * 2**30)
+_cache_bytes = 0
+
+
+def _forget(key: int) -> None:
+    global _cache_bytes
+    hit = _DEQUANT_CACHE.pop(key, None)
+    if hit is not None:
+        _cache_bytes -= hit[2].numel() * hit[2].element_size()
 
 
 def dequant_weight(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """Any stored weight -> its exact values as fp64 [N, K] (what `mm` multiplies with),
-    memoised per weight tensor: weights are read-only during inference, and the in-place
-    version counter invalidates an entry if a weight is rewritten."""
+    memoised per weight tensor up to DEQUANT_CACHE_BYTES (`DSV41_REFERENCE_CACHE_GB`, default
+    4): weights are read-only during inference, and the in-place version counter invalidates an
+    entry if a weight is rewritten."""
+    global _cache_bytes
     key = id(weight)
     hit = _DEQUANT_CACHE.get(key)
     if hit is not None and hit[0]() is weight and hit[1] == weight._version and hit[2].dtype == ACCUM_DTYPE:
+        _DEQUANT_CACHE.move_to_end(key)
         return hit[2]
+    _forget(key)
     w = _dequant_weight(weight, scale).to(ACCUM_DTYPE)
-    _DEQUANT_CACHE[key] = (weakref.ref(weight, lambda _, k=key: _DEQUANT_CACHE.pop(k, None)), weight._version, w)
+    size = w.numel() * w.element_size()
+    while _DEQUANT_CACHE and _cache_bytes + size > DEQUANT_CACHE_BYTES:
+        _forget(next(iter(_DEQUANT_CACHE)))
+    if size <= DEQUANT_CACHE_BYTES:
+        _DEQUANT_CACHE[key] = (weakref.ref(weight, lambda _, k=key: _forget(k)), weight._version, w)
+        _cache_bytes += size
     return w
 
 
@@ -191,7 +213,10 @@ def engram_lookup(table: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) 
 
 @register("engram_gate")
 def engram_gate(x, k, v, q_weight, k_weight, eps, is_image):
-    d = x.shape[-1]
+    n, d = x.shape[-2:]
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if tuple(w.shape) != (n, d):  # one row per mHC stream: [d] would silently share one row
+            raise ValueError(f"engram_gate: {name} must be [n_streams, d] = [{n}, {d}], got {list(w.shape)}")
     xf, k = x.float(), k.float()
     kn = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps)
     xn = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -12,15 +12,16 @@ from .basic import dequant_weight, exact_fn, int8_linear, mm, swiglu_clamped
 
 
 @register("moe_route")
-def moe_route(x, gate_weight, bias, topk, route_scale, gate_temp=1.0):
+def moe_route(x, gate_weight, bias, topk, route_scale, gate_temp=1.0, norm_topk_prob=True):
     logits = mm(x.float(), gate_weight.float().t()) / gate_temp
     scores = torch.sqrt(exact_fn(F.softplus, logits))  # sqrt is correctly rounded on every path
     # The bias only chooses experts; ties go to the lower expert id (stable sort).
     choice = scores + bias.float()
     ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :topk]
     w = scores.gather(-1, ids)
-    w = w / (w.sum(-1, keepdim=True) + 1e-20) * route_scale
-    return w, ids
+    if norm_topk_prob and topk > 1:  # (true as released); one chosen expert keeps its raw score
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * route_scale, ids
 
 
 def _bf16(x: torch.Tensor) -> torch.Tensor:

@@ -7,3 +7,8 @@ exactly the signature and semantics of the op of the same name in `dsv41.backend
 
 # Modules registered by the backends, in order; add a kernel by adding its module here.
 KERNELS = ["mxfp4_act_quant", "fp4_kv_store", "sparse_attention", "indexer_topk", "moe_route", "compress_kv", "mega_mhc", "engram_lookup"]
+
+# CUDA-only kernels (fp8 loads, tl.interleave, per-stream split-K counters; registered by the CUDA
+# backend alone until the Ascend backend vets them).
+CUDA_KERNELS = ["block_linear", "moe_experts", "fp8_quant", "mxfp4_quant", "rms_norm", "rope", "swiglu",
+                "mhc_mixes", "engram_gate"]

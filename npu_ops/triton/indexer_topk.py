@@ -1,16 +1,24 @@
-"""CSA2 indexer over MXFP4 keys: scores in Triton, exact top-k / candidate pool in torch.
+"""CSA2 indexer over MXFP4 keys read in place from the paged key pool: scores and the top-k
+selection in Triton (the candidate pool and the Reindex selection in torch).
 
-score(t, s) = sum_h relu(q[t, h, :] . k[s, :]) * weights[t, h]
+score(t, j) = sum_h relu(q[t, h, :] . k[row(t, j), :]) * weights[t, h], where entry j of token
+t's sequence sits at pool row row(t, j) = block_table[t, j // E] * E + j % E.
 
-Kernel (`_indexer_scores_kernel`): one tile = BLOCK_T queries (x all heads, padded to HP) by
-NSUB blocks of BLOCK_N keys. Key bytes are decoded inside the kernel with integer/bit ops:
-E2M1 nibbles (element 0 in the low nibble) become fp32 bit patterns, times the E8M0 scale
-(one byte per 32 channels, 2^(byte - 127), built from its bits). The low nibbles hold the even
+Scores (`_indexer_scores_kernel`): one tile = BLOCK_T queries (x all heads, padded to HP) by
+NSUB blocks of BLOCK_N entries, tiles walked by a 1-D persistent loop; at decode shapes (few
+queries) the N entries alone give hundreds of tiles, so a long context is spread over every
+worker. Each tile resolves its entries' pool rows through the queries' block tables: when
+every query of the tile that sees an entry reads the same row (tokens of one sequence, the
+prefill case) the keys are decoded once and scored by all of them in one MMA; otherwise (tokens
+of different sequences side by side) each query is scored against its own rows. Key bytes
+(int8 loads masked to 0..255: Ascend takes no uint8 pointers) are decoded with integer/bit ops:
+E2M1 nibbles (element 0 in the low nibble) become fp32 bit patterns, times the E8M0 scale (one
+byte per 32 channels, 2^(byte - 127), built from its bits). The low nibbles hold the even
 channels and the high nibbles the odd ones, so the queries are loaded as even / odd channel
 halves and the dot is tl.dot(q_even, k_lo) + tl.dot(q_odd, k_hi) over [BLOCK_T * HP, D/2] x
-[D/2, BLOCK_N] with fp32 accumulation; relu, the head weights and the sum over heads follow
-in fp32. Positions >= n_visible[t] (dense) or candidates < 0 (Reindex) are stored as -inf, and
-key blocks wholly past the visible range of a query block are not computed at all.
+[D/2, BLOCK_N] with fp32 accumulation; relu, the head weights and the sum over heads follow in
+fp32. Entries >= n_visible[t] (dense) or candidates < 0 (Reindex) are stored as -inf, and entry
+blocks wholly past the visible range of a query block are not computed at all.
 
 Operand precision: compiled (CUDA / Ascend), the dot operands are bf16. That is exact for the
 op's contract: keys are E2M1 * 2^k, and the queries are MXFP4 quantise-dequantised (E2M1 * 2^k
@@ -19,13 +27,14 @@ order differs from the reference (which sums in fp64). Arbitrary fp32 queries wo
 to bf16 (~3 significant digits) - outside the contract. Under TRITON_INTERPRET=1 bf16 math is
 broken, so the interpreter runs the same dots in fp32 (input_precision="ieee").
 
-Selection (torch post-step, on CUDA as well): `_topk_sorted` is equivalent to the reference's
-`_stable_topk_sorted` (ties to the lower index, ascending output, -1 padding) but uses
-torch.topk on int64 keys (order-preserving int image of the fp32 score << 32 | (n-1-index)),
-which are all distinct, so the chosen set is unique and equals the stable sort's first k;
--0.0 is folded into +0.0 first (they tie under float comparison). `_candidate_pool` is the
-reference's `candidate_pool` on top of that helper. Timing of scores alone vs the whole op:
-benchmarks/bench_indexer_topk_moe_route.py.
+Selection (`_topk_select_kernel`, dense path): a program per query row finds the K-th largest
+score by radix select over order-preserving int32 keys (-0.0 folded into +0.0; 4 passes of an
+8-bit digit histogram, `tl.histogram`), then one ordered pass keeps the scores above it and the
+lowest-id entries equal to it, placed by a running prefix sum: the reference's
+`_stable_topk_sorted` (ties to the lower id, ascending ids, -1 padding) without a sort and
+without a host sync. The Reindex path (candidates) and the candidate pool use `_topk_sorted`
+(torch.topk on distinct int64 keys, same contract). `tl.histogram` on Ascend is unverified on
+hardware (the triton-ascend interpreter accepts it).
 """
 
 from __future__ import annotations
@@ -38,24 +47,28 @@ from ...backends.reference import attention as ref_attention
 from ...backends.reference.attention import candidate_pool
 
 MX_GROUP = 32
+RADIX_BITS_DEFAULT = 4  # digit width of the radix select (8 passes; the 2 * 16 bins give one per lane)
 _SCALE_2M127 = tl.constexpr(5.877471754111438e-39)  # 2^-127 (E8M0 byte 0), an fp32 subnormal
 
 
-def indexer_topk_ref(q, weights, key_codes, key_scale, n_visible, topk, candidates=None, pool_blocks=0,
-                     pool_block_size=1):
+def indexer_topk_ref(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, topk,
+                     candidates=None, pool_blocks=0, pool_block_size=1):
     """The torch reference (the oracle)."""
-    return ref_attention.indexer_topk(q, weights, key_codes, key_scale, n_visible, topk, candidates,
-                                      pool_blocks, pool_block_size)
+    return ref_attention.indexer_topk(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible,
+                                      topk, candidates, pool_blocks, pool_block_size)
 
 
-def indexer_scores_ref(q, weights, key_codes, key_scale, candidates=None):
-    """Reference scores [T, N] (or [T, P] over the candidates, padding rows scored as row 0)."""
+def indexer_scores_ref(q, weights, key_codes, key_scale, block_table, entries_per_block, candidates=None):
+    """Reference scores [T, N] over each token's N = nb * E addressable entries (or [T, P] over
+    the candidates' entries, padding scored as entry 0), from the reference's own pieces."""
     from ...backends.reference import quant
 
-    if candidates is None:
-        return ref_attention._scores(q, weights, quant.mxfp4_dequant(key_codes, key_scale))
-    safe = candidates.clamp_min(0)
-    return ref_attention._scores(q, weights, quant.mxfp4_dequant(key_codes[safe], key_scale[safe]))
+    t = q.shape[0]
+    n = block_table.shape[1] * entries_per_block
+    ent = candidates if candidates is not None else torch.arange(n, device=q.device).unsqueeze(0).expand(t, n)
+    rows = ref_attention.entry_slots(block_table, entries_per_block, ent.clamp_min(0))
+    keys = quant.mxfp4_dequant(key_codes[rows], key_scale[rows])  # [T, P, Di]
+    return ref_attention._finish_scores(ref_attention._partial_scores(q, weights, keys))
 
 
 @triton.jit
@@ -69,31 +82,68 @@ def _e2m1_value(c):
 
 
 @triton.jit
-def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, nvis_ptr, cand_ptr, out_ptr,
-                           T, NC, n_nc, n_tiles, num_programs,
-                           H: tl.constexpr, HP: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr,
-                           BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr,
-                           GATHER: tl.constexpr, LOWP: tl.constexpr):
-    pid = tl.program_id(0)
-    r = tl.arange(0, BLOCK_T * HP)
-    r_t = r // HP
+def _key_scores(q_even, q_odd, wh, code_ptr, scale_ptr, rows, kvalid,
+                DH: tl.constexpr, DHP: tl.constexpr, NQ: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr,
+                LOWP: tl.constexpr):
+    """Scores [NQ, BLOCK_N] of NQ queries (rows [NQ * HP, DHP] of even / odd channels, head
+    weights wh) against the MXFP4 keys at pool rows `rows` [BLOCK_N] (int64; kvalid masks).
+    Key rows are one contiguous load of [BLOCK_N, DHP/16, 16] bytes (int8, masked to 0..255;
+    16 bytes = one 32-channel scale group), so each E8M0 scale is loaded once per group."""
+    g = tl.arange(0, DHP // 16)
+    e = tl.arange(0, 16)
+    byte = (g * 16)[None, :, None] + e[None, None, :]
+    km = kvalid[:, None, None] & (byte < DH)
+    b = tl.load(code_ptr + rows[:, None, None] * DH + byte, mask=km, other=0).to(tl.int32) & 0xFF
+    e8 = tl.load(scale_ptr + rows[:, None] * (DH // 16) + g[None, :], mask=kvalid[:, None] & (g < DH // 16)[None, :],
+                 other=127).to(tl.int32) & 0xFF
+    scale = tl.where(e8 > 0, (e8 << 23).to(tl.float32, bitcast=True), _SCALE_2M127)[:, :, None]
+    k_lo = tl.reshape(_e2m1_value(b & 15) * scale, [BLOCK_N, DHP])  # even channels
+    k_hi = tl.reshape(_e2m1_value(b >> 4) * scale, [BLOCK_N, DHP])  # odd channels
+    if LOWP:  # exact: E2M1 * 2^k values (keys and MXFP4 queries) are bf16 numbers
+        acc = tl.dot(q_even, tl.trans(k_lo.to(tl.bfloat16)))
+        acc = tl.dot(q_odd, tl.trans(k_hi.to(tl.bfloat16)), acc)
+    else:
+        acc = tl.dot(q_even, tl.trans(k_lo), input_precision="ieee")
+        acc = tl.dot(q_odd, tl.trans(k_hi), acc, input_precision="ieee")
+    rel = tl.maximum(acc, 0.0) * wh[:, None]
+    return tl.sum(tl.reshape(rel, (NQ, HP, BLOCK_N)), axis=1)
+
+
+@triton.jit
+def _load_queries(q_ptr, w_ptr, t0, T, H: tl.constexpr, HP: tl.constexpr, DH: tl.constexpr,
+                  DHP: tl.constexpr, NQ: tl.constexpr, LOWP: tl.constexpr):
+    """Queries t0 .. t0 + NQ - 1 (all heads, padded to HP): even / odd channel halves
+    [NQ * HP, DHP] (one contiguous load, split into pairs) and fp32 head weights [NQ * HP]
+    (0 for padding)."""
+    r = tl.arange(0, NQ * HP)
     r_h = r % HP
-    j = tl.arange(0, DHP)
-    jm = j < DH
+    trow = t0 + r // HP
+    rmask = (trow < T) & (r_h < H)
+    qrow = trow.to(tl.int64) * H + r_h
+    c = tl.arange(0, 2 * DHP)
+    x = tl.load(q_ptr + qrow[:, None] * (2 * DH) + c[None, :], mask=rmask[:, None] & (c < 2 * DH)[None, :],
+                other=0.0)
+    # compiled: bf16 at once (exact for MXFP4 queries; the MMA's A operand is held by every warp,
+    # so its width is registers); interpreters: fp32
+    x = x.to(tl.bfloat16) if LOWP else x.to(tl.float32)
+    q_even, q_odd = tl.split(tl.reshape(x, [NQ * HP, DHP, 2]))
+    wh = tl.load(w_ptr + qrow, mask=rmask, other=0.0).to(tl.float32)
+    return q_even, q_odd, wh
+
+
+@triton.jit
+def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_ptr, cand_ptr, out_ptr, max_ptr,
+                           T, NC, NB, E, G, n_nc, n_tiles, num_programs,
+                           H: tl.constexpr, HP: tl.constexpr, HP1: tl.constexpr, DH: tl.constexpr,
+                           DHP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr,
+                           GATHER: tl.constexpr, LOWP: tl.constexpr, MAXG: tl.constexpr):
+    pid = tl.program_id(0)
     cn = tl.arange(0, BLOCK_N)
     tq = tl.arange(0, BLOCK_T)
     for tile in range(pid, n_tiles, num_programs):
-        tb = tile // n_nc
+        tb = tile // n_nc + tl.zeros([], dtype=tl.int32)  # a tensor also under the interpreter
         nc = tile - tb * n_nc
-        # queries of this block: [BLOCK_T * HP, D/2] even and odd channels, fp32 head weights
-        trow = tb * BLOCK_T + r_t
-        rmask = (trow < T) & (r_h < H)
-        qrow = trow.to(tl.int64) * H + r_h
-        qoff = qrow[:, None] * (2 * DH) + 2 * j[None, :]
-        qm = rmask[:, None] & jm[None, :]
-        q_even = tl.load(q_ptr + qoff, mask=qm, other=0.0).to(tl.float32)
-        q_odd = tl.load(q_ptr + qoff + 1, mask=qm, other=0.0).to(tl.float32)
-        wh = tl.load(w_ptr + qrow, mask=rmask, other=0.0).to(tl.float32)
+        q_even, q_odd, wh = _load_queries(q_ptr, w_ptr, tb * BLOCK_T, T, H, HP, DH, DHP, BLOCK_T, LOWP)
         ts = tb * BLOCK_T + tq
         tmask = ts < T
         if GATHER:
@@ -107,96 +157,366 @@ def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, nvis_ptr, cand_ptr
             cols = n0 + cn
             cmask = cols < NC
             if n0 < limit:
-                if GATHER:  # BLOCK_T == 1: this tile's query is tb
-                    rows = tl.load(cand_ptr + tb.to(tl.int64) * NC + cols, mask=cmask, other=-1)
-                    kvalid = cmask & (rows >= 0)
-                    rows = tl.maximum(rows, 0).to(tl.int64)
+                if GATHER:  # BLOCK_T == 1: this tile's query is tb; candidates are entry ids
+                    ent = tl.load(cand_ptr + tb.to(tl.int64) * NC + cols, mask=cmask, other=-1)
+                    kvalid = cmask & (ent >= 0)
+                    ent = tl.maximum(ent, 0)
+                    blk = tl.load(table_ptr + tb.to(tl.int64) * NB + ent // E, mask=kvalid, other=0)
+                    rows = blk.to(tl.int64) * E + ent % E
+                    s = _key_scores(q_even, q_odd, wh, code_ptr, scale_ptr, rows, kvalid,
+                                    DH, DHP, BLOCK_T, HP, BLOCK_N, LOWP)
+                    ok = kvalid[None, :]
                 else:
-                    kvalid = cols < limit
-                    rows = cols.to(tl.int64)
-                # key tile, transposed: [D/2, BLOCK_N] bytes and their E8M0 scales
-                km = jm[:, None] & kvalid[None, :]
-                byte = tl.load(code_ptr + rows[None, :] * DH + j[:, None], mask=km, other=0).to(tl.int32) & 0xFF
-                e8 = tl.load(scale_ptr + rows[None, :] * (DH // 16) + (j // 16)[:, None], mask=km,
-                             other=127).to(tl.int32) & 0xFF
-                scale = tl.where(e8 > 0, (e8 << 23).to(tl.float32, bitcast=True), _SCALE_2M127)
-                k_lo = _e2m1_value(byte & 15) * scale  # even channels
-                k_hi = _e2m1_value(byte >> 4) * scale  # odd channels
-                if LOWP:  # exact: E2M1 * 2^k values (keys and MXFP4 queries) are bf16 numbers
-                    acc = tl.dot(q_even.to(tl.bfloat16), k_lo.to(tl.bfloat16))
-                    acc = tl.dot(q_odd.to(tl.bfloat16), k_hi.to(tl.bfloat16), acc)
-                else:
-                    acc = tl.dot(q_even, k_lo, input_precision="ieee")
-                    acc = tl.dot(q_odd, k_hi, acc, input_precision="ieee")
-                rel = tl.maximum(acc, 0.0) * wh[:, None]
-                s = tl.sum(tl.reshape(rel, (BLOCK_T, HP, BLOCK_N)), axis=1)  # [BLOCK_T, BLOCK_N]
-                ok = kvalid[None, :] & (cols[None, :] < nv[:, None])
+                    # entry c of query t sits at pool row table[t, c // E] * E + c % E
+                    vis = tmask[:, None] & (cols[None, :] < nv[:, None])  # [BLOCK_T, BLOCK_N]
+                    blk = tl.load(table_ptr + ts.to(tl.int64)[:, None] * NB + (cols // E)[None, :], mask=vis,
+                                  other=0).to(tl.int64)
+                    bmax = tl.max(tl.where(vis, blk, -1), axis=0)
+                    bmin = tl.min(tl.where(vis, blk, 1 << 62), axis=0)
+                    kvalid = bmax >= 0
+                    differ = tl.max((kvalid & (bmax != bmin)).to(tl.int32), axis=0)
+                    if differ == 0:  # every query that sees these entries reads the same rows: one MMA
+                        rows = tl.maximum(bmax, 0) * E + cols % E
+                        s = _key_scores(q_even, q_odd, wh, code_ptr, scale_ptr, rows, kvalid,
+                                        DH, DHP, BLOCK_T, HP, BLOCK_N, LOWP)
+                    else:  # queries of different sequences: each against its own rows
+                        s = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+                        for i in range(BLOCK_T):
+                            vis_i = tl.max(tl.where(tq[:, None] == i, vis.to(tl.int32), 0), axis=0) > 0
+                            blk_i = tl.max(tl.where(tq[:, None] == i, blk, 0), axis=0)
+                            # one query's heads padded to HP1 >= 16 rows (tl.dot's least M)
+                            qe_i, qo_i, wh_i = _load_queries(q_ptr, w_ptr, tb * BLOCK_T + i, T, H, HP1, DH, DHP, 1, LOWP)
+                            s_i = _key_scores(qe_i, qo_i, wh_i, code_ptr, scale_ptr, blk_i * E + cols % E, vis_i,
+                                              DH, DHP, 1, HP1, BLOCK_N, LOWP)
+                            s = tl.where(tq[:, None] == i, s_i, s)
+                    ok = vis
                 s = tl.where(ok, s, float("-inf"))
             else:
                 s = tl.full([BLOCK_T, BLOCK_N], float("-inf"), dtype=tl.float32)
             tl.store(out_ptr + ts.to(tl.int64)[:, None] * NC + cols[None, :], s,
                      mask=tmask[:, None] & cmask[None, :])
+            if MAXG > 0:  # each query's maximum over every MAXG entries (bounds the top-k select)
+                if MAXG == 1:
+                    mx = s
+                else:
+                    mx = tl.max(tl.reshape(s, (BLOCK_T, BLOCK_N // MAXG, MAXG)), axis=2)
+                gc = n0 // MAXG + tl.arange(0, BLOCK_N // MAXG)
+                tl.store(max_ptr + ts.to(tl.int64)[:, None] * G + gc[None, :], mx,
+                         mask=tmask[:, None] & (gc < G)[None, :])
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _config(t: int, h: int, nc: int, gather: bool, device) -> tuple[int, int, int, int, int]:
-    """(HP, BLOCK_T, BLOCK_N, NSUB, num_warps) for a launch."""
-    from .launch import interpreting, num_workers
-
-    on_npu = torch.device(device).type == "npu"
+def tile_shape(t: int, h: int, gather: bool, on_npu: bool, interp: bool) -> tuple[int, int, int]:
+    """(HP, BLOCK_T, BLOCK_N): heads padded, queries and entries per tile."""
     if gather:
         hp, bt = max(16, _pow2(h)), 1
     else:
         hp = _pow2(h)
-        rows = 64 if on_npu else 128  # query rows (queries x heads) per MMA
+        # query rows (queries x heads) per MMA; on Ascend 32 keep a program's tiles within half
+        # the unified buffer (tests/test_triton_ub.py: 64 rows need ~131 KB of the 96 KB)
+        rows = 32 if on_npu else 128
         bt = max(1, min(rows // hp, _pow2(t)))
         bt = max(bt, -(-16 // hp))  # tl.dot needs M >= 16
         hp = max(hp, -(-16 // bt))
-    bn = 64 if (on_npu or interpreting()) else 128
+    # compiled on CUDA: 8 warps and 128-entry blocks for one query (M = 32 rows), 64-entry blocks
+    # for more (sm_90 ptxas: 202 and 255 registers, no spill; 4 warps spill)
+    bn = 64 if (on_npu or interp or bt * hp > 32) else 128
+    return hp, bt, bn
+
+
+def _config(t: int, h: int, nc: int, gather: bool, device) -> tuple[int, int, int, int, int]:
+    """(HP, BLOCK_T, BLOCK_N, NSUB, num_warps) for a launch."""
+    from .launch import interpreting, num_workers
+
+    hp, bt, bn = tile_shape(t, h, gather, torch.device(device).type == "npu", interpreting())
     n_tb, n_nb = -(-t // bt), -(-nc // bn)
-    target = 2 * num_workers(device)
+    target = 2 * num_workers(device, "cube")
     nsub = 1
     while nsub < 8 and n_tb * (-(-n_nb // (nsub * 2))) >= target:
         nsub *= 2
-    return hp, bt, bn, nsub, 8 if bt * hp >= 128 else 4
+    return hp, bt, bn, nsub, 8
+
+
+def ub_tiles(shape: tuple, d: int, maxg: int = 1) -> dict[str, tuple[int, ...]]:
+    """Live tiles of one scores program at its peak (shape = `tile_shape(...)`, index head dim
+    d): the queries (loaded pairs, two halves), head weights, the block table rows, the key
+    bytes and scales, the two decoded halves, the dot result and the scores."""
+    hp, bt, bn = shape
+    m, dh = bt * hp, _pow2(d // 2)
+    return {"q": (m, 2 * dh), "q_even": (m, dh), "q_odd": (m, dh), "w": (m,), "blk": (bt, bn), "vis": (bt, bn),
+            "bytes": (bn, dh), "scales": (bn, dh // 16), "k_lo": (bn, dh), "k_hi": (bn, dh), "acc": (m, bn),
+            "s": (bt, bn), "maxima": (bt, bn // max(1, maxg))}
+
+
+def select_ub_tiles(block: int, radix_bits: int = RADIX_BITS_DEFAULT) -> dict[str, tuple[int, ...]]:
+    """Live tiles of one selection program at its peak: a block of keys with its mask, digits,
+    prefix sums and ids, and the histogram."""
+    return {"keys": (block,), "mask": (block,), "digit": (block,), "cumsum": (block,), "ids": (block,),
+            "hist": (2 << radix_bits,)}
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
-                   n_visible: torch.Tensor | None, candidates: torch.Tensor | None = None,
-                   _cfg: tuple | None = None) -> torch.Tensor:
-    """Indexer scores [T, N] (dense; positions >= n_visible[t] are -inf) or [T, P] over the
-    candidates (-1 padding is -inf), fp32. Requires triton."""
-    from .launch import grid_for, interpreting
+                   block_table: torch.Tensor, entries_per_block: int, n_visible: torch.Tensor | None,
+                   candidates: torch.Tensor | None = None, _cfg: tuple | None = None) -> torch.Tensor:
+    """Indexer scores [T, N] over each token's N = nb * E entries (dense; entries >= n_visible[t]
+    are -inf) or [T, P] over the candidate entry ids (-1 padding is -inf), fp32, with the keys
+    read in place from the pool through the per-token block tables. Requires triton."""
+    return _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, candidates,
+                   _cfg=_cfg)[0]
+
+
+def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, candidates=None,
+            topk: int = 0, _cfg: tuple | None = None, maxg: int | None = None):
+    """`indexer_scores` plus, when topk > 0 (dense), the chunk maxima that bound the top-k
+    select: (scores, maxima [T, ceil(N / maxg)] or None, maxg)."""
+    from .launch import as_int8, grid_for, interpreting
 
     t, h, d = q.shape
     if d % MX_GROUP:
         raise ValueError(f"index head dim {d} is not a multiple of {MX_GROUP}")
-    codes = key_codes.view(torch.uint8) if key_codes.dtype != torch.uint8 else key_codes
-    scales = key_scale.view(torch.uint8)
-    n = codes.shape[0]
-    if codes.shape[1:] != (d // 2,) or scales.shape != (n, d // MX_GROUP):
-        raise ValueError(f"keys {tuple(key_codes.shape)} / {tuple(key_scale.shape)} do not fit head dim {d}")
+    # key bytes as int8 (Ascend loads no uint8 pointers); the kernel masks them to 0..255
+    codes = as_int8(key_codes)
+    scales = as_int8(key_scale)
+    n_pool = codes.shape[0]
+    if codes.shape[1:] != (d // 2,) or scales.shape != (n_pool, d // MX_GROUP):
+        raise ValueError(f"key pool {tuple(key_codes.shape)} / {tuple(key_scale.shape)} does not fit head dim {d}")
+    e = int(entries_per_block)
+    if block_table.dim() != 2 or block_table.shape[0] != t or e <= 0:
+        raise ValueError(f"block_table {tuple(block_table.shape)} must be [T={t}, nb] with entries_per_block "
+                         f"{entries_per_block} > 0")
+    nb = block_table.shape[1]
     gather = candidates is not None
-    nc = candidates.shape[1] if gather else n
+    if gather and (candidates.dim() != 2 or candidates.shape[0] != t):
+        raise ValueError(f"candidates {tuple(candidates.shape)} must be [T={t}, P]")
+    nc = candidates.shape[1] if gather else nb * e
     out = torch.empty(t, nc, dtype=torch.float32, device=q.device)
     if t == 0 or nc == 0:
-        return out
+        return out, None, 0
     hp, bt, bn, nsub, warps = _cfg or _config(t, h, nc, gather, q.device)
+    if gather or topk <= 0:
+        maxg = 0
+    elif maxg is None:
+        maxg = select_chunk(nc, topk, bn)
+    if maxg and bn % maxg:
+        raise ValueError(f"chunk {maxg} must divide BLOCK_N {bn}")
+    g = -(-nc // maxg) if maxg else 1
+    maxima = torch.empty(t, g, dtype=torch.float32, device=q.device) if maxg else out
     n_nc = -(-(-(-nc // bn)) // nsub)
     n_tiles = -(-t // bt) * n_nc
-    grid = grid_for(n_tiles, q.device)
-    cand = candidates.contiguous() if gather else out  # unused pointer when dense
-    nvis = n_visible.contiguous() if not gather else out
+    grid = grid_for(n_tiles, q.device, cores="cube")  # tl.dot: one program per AI core on Ascend
+    table = block_table.contiguous()
+    cand = candidates.contiguous() if gather else table  # unused pointer when dense
+    nvis = n_visible.contiguous() if not gather else table
     extra = {} if interpreting() else {"num_warps": warps}
     _indexer_scores_kernel[(grid,)](
-        q.contiguous(), weights.contiguous(), codes.contiguous(), scales.contiguous(), nvis, cand, out,
-        t, nc, n_nc, n_tiles, grid,
-        H=h, HP=hp, DH=d // 2, DHP=_pow2(d // 2), BLOCK_T=bt, BLOCK_N=bn, NSUB=nsub,
-        GATHER=gather, LOWP=not interpreting(), **extra)
+        q.contiguous(), weights.contiguous(), codes.contiguous(), scales.contiguous(), table, nvis, cand, out, maxima,
+        t, nc, nb, e, g, n_nc, n_tiles, grid,
+        H=h, HP=hp, HP1=max(hp, 16), DH=d // 2, DHP=_pow2(d // 2), BLOCK_T=bt, BLOCK_N=bn, NSUB=nsub,
+        GATHER=gather, LOWP=not interpreting(), MAXG=maxg, **extra)
+    return out, (maxima if maxg else None), maxg
+
+
+# ---- selection (Triton): bound from chunk maxima, compaction, radix select ----------------------
+
+@triton.jit
+def _order_key(x):
+    """fp32 scores -> int32 keys whose signed order is the scores' order (-0.0 folded into +0.0,
+    which tie under float comparison)."""
+    b = x.to(tl.int32, bitcast=True)
+    b = tl.where(b == -2147483648, 0, b)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
+@triton.jit
+def _radix_digit(hist, need, prefix, pmask, shift, NBIN: tl.constexpr):
+    """One radix step: from the histogram of the current digit (bins >= NBIN: values outside the
+    prefix), the digit holding the need-th largest; returns the updated need, prefix and mask."""
+    bins = tl.arange(0, 2 * NBIN)
+    hist = tl.where(bins < NBIN, hist, 0)
+    at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # values with digit >= bin
+    dsel = tl.max(tl.where((bins < NBIN) & (at_or_above >= need), bins, -1), axis=0)
+    need -= tl.sum(tl.where(bins > dsel, hist, 0), axis=0)
+    return need, prefix | (dsel << shift), pmask | ((NBIN - 1) << shift)
+
+
+@triton.jit
+def _kth_key(src, n, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """The k-th largest order key among the fp32 values src[0:n] (1 <= k <= n), found digit by
+    digit (RADIX_BITS at a time, most significant first: a histogram of the digit over the
+    values matching the prefix found so far picks the digit holding the k-th), and how many
+    values equal to it belong to the top k (the rest of the top k is strictly above it).
+    When n <= BLOCK the values are loaded once and every pass runs on registers."""
+    NBIN: tl.constexpr = 1 << RADIX_BITS
+    cols = tl.arange(0, BLOCK)
+    prefix = tl.zeros([], dtype=tl.int32)  # digits found so far (unsigned key bits)
+    pmask = tl.zeros([], dtype=tl.int32)
+    need = k + tl.zeros([], dtype=tl.int32)  # how many of the values matching the prefix to take
+    if n <= BLOCK:
+        m = cols < n
+        u = _order_key(tl.load(src + cols, mask=m, other=0.0)) ^ -2147483648  # unsigned order
+        for p in range(0, 32 // RADIX_BITS):
+            shift = 32 - RADIX_BITS * (p + 1)
+            digit = (u >> shift) & (NBIN - 1)
+            hist = tl.histogram(tl.where(m & ((u & pmask) == prefix), digit, NBIN), 2 * NBIN)
+            need, prefix, pmask = _radix_digit(hist, need, prefix, pmask, shift, NBIN)
+    else:
+        for p in range(0, 32 // RADIX_BITS):
+            shift = 32 - RADIX_BITS * (p + 1)
+            hist = tl.zeros([2 * NBIN], dtype=tl.int32)
+            for c0 in range(0, n, BLOCK):
+                c = c0 + cols
+                m = c < n
+                u = _order_key(tl.load(src + c, mask=m, other=0.0)) ^ -2147483648
+                digit = (u >> shift) & (NBIN - 1)
+                hist += tl.histogram(tl.where(m & ((u & pmask) == prefix), digit, NBIN), 2 * NBIN)
+            need, prefix, pmask = _radix_digit(hist, need, prefix, pmask, shift, NBIN)
+    return prefix ^ -2147483648, need
+
+
+@triton.jit
+def _take_ordered(src, pos_src, n, thr, need, orow, BLOCK: tl.constexpr, POS: tl.constexpr):
+    """Write, in ascending order, the ids of the values in src[0:n] above `thr` (order key) and
+    of the first `need` equal to it: ids from pos_src[0:n] when POS, else the indices."""
+    cols = tl.arange(0, BLOCK)
+    n_sel = tl.zeros([], dtype=tl.int32)
+    n_eq = tl.zeros([], dtype=tl.int32)
+    for c0 in range(0, n, BLOCK):
+        c = c0 + cols
+        m = c < n
+        key = _order_key(tl.load(src + c, mask=m, other=0.0))
+        gt = (m & (key > thr)).to(tl.int32)
+        eq = (m & (key == thr)).to(tl.int32)
+        take = gt | (eq & ((n_eq + tl.cumsum(eq, axis=0) - eq) < need).to(tl.int32))
+        pos = n_sel + tl.cumsum(take, axis=0) - take
+        if POS:
+            ids = tl.load(pos_src + c, mask=m, other=0)
+        else:
+            ids = c
+        tl.store(orow + pos, ids.to(tl.int64), mask=take != 0)
+        n_sel += tl.sum(take, axis=0)
+        n_eq += tl.sum(eq, axis=0)
+
+
+@triton.jit
+def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr, surv_p_ptr,
+                        T, N, G, K, KOUT, num_programs,
+                        MAXG: tl.constexpr, CAP: tl.constexpr, USE_MAX: tl.constexpr, BLOCK: tl.constexpr,
+                        RADIX_BITS: tl.constexpr):
+    """Per query row t (persistent loop): the K largest of scores[t, :n_visible[t]] (ties to the
+    lower entry id) as ascending entry ids in out[t, :KOUT], -1 padded.
+
+    1. A lower bound L of the K-th largest score: the K-th largest of the row's chunk maxima
+       (max_ptr [T, G], one per MAXG entries, written by the scores kernel): K chunks have a
+       score >= L, so every score of the top K is >= L.
+    2. The chunks whose maximum is >= L are listed (in order), and their scores >= L compacted
+       in entry order (a running prefix sum) into the row's survivor buffer (CAP entries;
+       typically a little over K of them). Only those chunks' scores are read.
+    3. The K-th largest survivor by radix select, then one ordered pass over the survivors takes
+       those above it and the first ones equal to it: ascending ids without a sort.
+    Rows without maxima, with fewer than K chunks, or whose survivors overflow CAP (many ties at
+    the bound) run step 3 on the whole row."""
+    CH: tl.constexpr = BLOCK // MAXG  # chunks per iteration of the survivor pass
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    for t in range(pid, T, num_programs):
+        t64 = t + tl.zeros([], dtype=tl.int64)  # 64-bit row offsets (a plain int under the interpreter)
+        row = s_ptr + t64 * N
+        orow = out_ptr + t64 * KOUT
+        nv = tl.minimum(tl.load(nvis_ptr + t).to(tl.int32), N)
+        if nv <= K:  # everything visible is selected
+            for c0 in range(0, KOUT, BLOCK):
+                c = c0 + cols
+                tl.store(orow + c, tl.where(c < nv, c, -1).to(tl.int64), mask=c < KOUT)
+        else:
+            srow = surv_s_ptr + t64 * CAP
+            prow = surv_p_ptr + t64 * CAP
+            cnt = tl.full([], CAP + 1, dtype=tl.int32)  # "overflowed" unless the bounded path runs
+            g = (nv + MAXG - 1) // MAXG  # chunks holding a visible entry
+            if USE_MAX:
+                if g >= K:
+                    maxrow = max_ptr + t64 * G
+                    crow = chunk_ptr + t64 * G
+                    bound, _ = _kth_key(maxrow, g, K, BLOCK, RADIX_BITS)
+                    n_ch = tl.zeros([], dtype=tl.int32)
+                    for c0 in range(0, g, BLOCK):  # the chunks that can hold a top-K score
+                        ch = c0 + cols
+                        keep = ((ch < g) & (_order_key(tl.load(maxrow + ch, mask=ch < g, other=0.0)) >= bound))
+                        keep = keep.to(tl.int32)
+                        tl.store(crow + n_ch + tl.cumsum(keep, axis=0) - keep, ch, mask=keep != 0)
+                        n_ch += tl.sum(keep, axis=0)
+                    cnt = tl.zeros([], dtype=tl.int32)
+                    for c0 in range(0, n_ch, CH):  # their scores >= bound, in entry order
+                        ci = c0 + tl.arange(0, CH)
+                        chid = tl.load(crow + ci, mask=ci < n_ch, other=0)
+                        ent = tl.reshape(chid[:, None] * MAXG + tl.arange(0, MAXG)[None, :], [BLOCK])
+                        m = tl.reshape((ci < n_ch)[:, None] & (tl.arange(0, MAXG) >= 0)[None, :], [BLOCK]) & (ent < nv)
+                        x = tl.load(row + ent, mask=m, other=0.0)
+                        keep = (m & (_order_key(x) >= bound)).to(tl.int32)
+                        pos = cnt + tl.cumsum(keep, axis=0) - keep
+                        ok = (keep != 0) & (pos < CAP)
+                        tl.store(srow + pos, x, mask=ok)
+                        tl.store(prow + pos, ent, mask=ok)
+                        cnt += tl.sum(keep, axis=0)
+            if cnt <= CAP:
+                thr, need = _kth_key(srow, cnt, K, BLOCK, RADIX_BITS)
+                _take_ordered(srow, prow, cnt, thr, need, orow, BLOCK, True)
+            else:
+                thr, need = _kth_key(row, nv, K, BLOCK, RADIX_BITS)
+                _take_ordered(row, prow, nv, thr, need, orow, BLOCK, False)
+
+
+def select_chunk(n: int, k: int, block_n: int, per_k: int | None = None) -> int:
+    """Entries per chunk maximum (a power of two dividing the scores kernel's BLOCK_N): about
+    per_k * k maxima per row (default SELECT_MAXIMA_PER_K), so their k-th largest is a tight
+    bound and only about 1 / per_k of the row's chunks are read again."""
+    per_k = per_k or SELECT_MAXIMA_PER_K
+    g = 1
+    while g * 2 <= block_n and n // (g * 2) >= per_k * k:
+        g *= 2
+    return g
+
+
+def topk_select(scores: torch.Tensor, n_visible: torch.Tensor, k: int, maxima: torch.Tensor | None = None,
+                maxg: int = 1, *, block: int | None = None, capacity: int | None = None,
+                num_warps: int | None = None) -> torch.Tensor:
+    """The reference's `_stable_topk_sorted(scores, k, arange < n_visible)` for finite visible
+    scores, in one Triton launch (a program per query row, no host sync): [T, min(k, N)] int64.
+    `maxima` [T, ceil(N / maxg)]: each row's maximum over every `maxg` entries (entries past
+    n_visible excluded), which bounds the selection; without it every visible score is a
+    survivor."""
+    from .launch import grid_for, interpreting
+
+    t, n = scores.shape
+    kout = min(k, n)
+    out = torch.empty(t, kout, dtype=torch.long, device=scores.device)
+    if t == 0 or kout == 0:
+        return out
+    blk = block or (64 if interpreting() else SELECT_BLOCK_NPU if scores.device.type == "npu" else SELECT_BLOCK)
+    cap = capacity or max(SELECT_CAPACITY, _pow2(4 * k))
+    surv_s = torch.empty(t, cap, dtype=torch.float32, device=scores.device)
+    surv_p = torch.empty(t, cap, dtype=torch.int32, device=scores.device)
+    use_max = maxima is not None
+    g = maxima.shape[1] if use_max else 1
+    if use_max and (blk % maxg or maxima.shape[0] != t):
+        raise ValueError(f"maxima {tuple(maxima.shape)} every {maxg} do not fit block {blk} / {t} rows")
+    chunks = torch.empty(t, g, dtype=torch.int32, device=scores.device)  # a row's listed chunks
+    grid = grid_for(t, scores.device)
+    extra = {} if interpreting() else {"num_warps": num_warps or SELECT_WARPS}
+    _topk_select_kernel[(grid,)](scores.contiguous(), maxima.contiguous() if use_max else scores,
+                                 n_visible.contiguous(), out, chunks, surv_s, surv_p, t, n, g, k, kout, grid,
+                                 MAXG=maxg, CAP=cap, USE_MAX=use_max, BLOCK=blk, RADIX_BITS=RADIX_BITS, **extra)
     return out
+
+
+SELECT_BLOCK = 4096  # values per iteration of the selection passes (compiled); a set this small stays in registers
+SELECT_BLOCK_NPU = 2048  # within half the unified buffer (tests/test_triton_ub.py)
+SELECT_WARPS = 16  # sm_90 ptxas: 115 registers at BLOCK 4096 (8 warps: 191)
+SELECT_CAPACITY = 4096  # survivor buffer per row (at least 4 k)
+SELECT_MAXIMA_PER_K = 8  # chunk maxima per row, in units of k
+RADIX_BITS = RADIX_BITS_DEFAULT
 
 
 # ---- selection (torch) ------------------------------------------------------------------------
@@ -228,18 +548,18 @@ def _candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, n_blocks: int
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
-                 n_visible: torch.Tensor, topk: int, candidates: torch.Tensor | None = None,
-                 pool_blocks: int = 0, pool_block_size: int = 1,
+                 block_table: torch.Tensor, entries_per_block: int, n_visible: torch.Tensor, topk: int,
+                 candidates: torch.Tensor | None = None, pool_blocks: int = 0, pool_block_size: int = 1,
                  reduce_scores=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`ops.indexer_topk`: Triton scores + exact torch selection (same results as the reference)."""
+    """`ops.indexer_topk`: Triton scores over the paged key pool, then the Triton radix select
+    (dense) or the exact torch selection (candidates, candidate pool): the reference's results."""
     n_visible = n_visible.to(q.device)
-    s = indexer_scores(q, weights, key_codes, key_scale, n_visible, candidates)
+    s, maxima, maxg = _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible,
+                              candidates, topk=topk if reduce_scores is None else 0)
     if reduce_scores is not None:  # model parallel: add the other ranks' heads (-inf stays -inf)
-        s = reduce_scores(s)
+        s = reduce_scores(s)  # (this rank's maxima would not bound the summed scores: none taken)
     if candidates is None:
-        n = s.shape[1]
-        valid = torch.arange(n, device=q.device).unsqueeze(0) < n_visible.unsqueeze(1)
-        idx = _topk_sorted(s, topk, valid)
+        idx = topk_select(s, n_visible, topk, maxima, maxg or 1)
         pool = _candidate_pool(s, n_visible, pool_blocks, pool_block_size) if pool_blocks > 0 else None
         return idx, pool
     valid = candidates >= 0

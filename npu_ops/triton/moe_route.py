@@ -1,6 +1,7 @@
 """MoE router in one kernel: fp32 logits x @ W^T, sqrt(softplus(logits / gate_temp)), + bias to
-choose the top-k (ties to the lower expert id), weights = chosen raw scores / (sum + 1e-20) *
-route_scale. Matches `moe_route_ref` (= backends.reference.moe.moe_route) within fp32 rounding.
+choose the top-k (ties to the lower expert id), weights = chosen raw scores, divided by
+(sum + 1e-20) when `norm_topk_prob` and top-k > 1, times route_scale. Matches `moe_route_ref`
+(= backends.reference.moe.moe_route) within fp32 rounding.
 
 Work split (one launch): tiles are (BLOCK_T tokens) x (BLOCK_E experts); each tile computes its
 logits over the full hidden size (K loop, fp32 accumulation) and writes them to an fp32 scratch
@@ -28,15 +29,15 @@ from ...backends.reference import moe as ref_moe
 from .fp4_common import offsets
 
 
-def moe_route_ref(x, gate_weight, bias, topk, route_scale, gate_temp=1.0):
+def moe_route_ref(x, gate_weight, bias, topk, route_scale, gate_temp=1.0, norm_topk_prob=True):
     """The torch reference."""
-    return ref_moe.moe_route(x, gate_weight, bias, topk, route_scale, gate_temp)
+    return ref_moe.moe_route(x, gate_weight, bias, topk, route_scale, gate_temp, norm_topk_prob)
 
 
 @triton.jit
 def _moe_route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, count_ptr, wout_ptr, iout_ptr,
                       T, E, K, bias_stride_t, gate_temp, route_scale, n_eb, n_tiles, num_programs,
-                      TOPK: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
+                      TOPK: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                       SPLITS: tl.constexpr, LOWP: tl.constexpr, WIDE: tl.constexpr):
     pid = tl.program_id(0)
@@ -103,8 +104,10 @@ def _moe_route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, count_ptr, wout_ptr, io
                 choice = tl.where(hit, float("-inf"), choice)
                 wk = tl.where(kcols[None, :] == r, wv[:, None], wk)
                 ik = tl.where(kcols[None, :] == r, idx[:, None], ik)
-            total = tl.sum(wk, axis=1)
-            wk = wk / (total + 1e-20)[:, None] * route_scale
+            if NORM:  # norm_topk_prob and TOPK > 1 (decided by the launcher)
+                total = tl.sum(wk, axis=1)
+                wk = wk / (total + 1e-20)[:, None]
+            wk = wk * route_scale
             om = rmask[:, None] & (kcols[None, :] < TOPK)
             out = offsets(rows, WIDE)[:, None] * TOPK + kcols[None, :]
             tl.store(wout_ptr + out, wk, mask=om)
@@ -142,7 +145,8 @@ def _config(t: int, e: int, device) -> tuple[int, int, int, int]:
 
 
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
-              gate_temp: float = 1.0, _cfg: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              gate_temp: float = 1.0, norm_topk_prob: bool = True,
+              _cfg: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`ops.moe_route`: x [T, D], gate_weight [E, D], bias [E] or [T, E] -> (weights fp32 [T, k],
     ids int64 [T, k]). Requires triton."""
     from .launch import grid_for, interpreting, needs_int64
@@ -175,8 +179,8 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
     _moe_route_kernel[(grid,)](
         x.contiguous(), gate_weight.contiguous(), bias.contiguous(), logits, counts, weights, ids,
         t, e, d, bias_stride, float(gate_temp), float(route_scale), n_eb, n_tiles, grid,
-        TOPK=topk, KP=_pow2(topk), EP=_pow2(e), BLOCK_T=bt, BLOCK_E=be, BLOCK_K=bk,
-        SPLITS=splits, LOWP=lowp, WIDE=needs_int64(x, gate_weight, logits), **extra)
+        TOPK=topk, NORM=bool(norm_topk_prob) and topk > 1, KP=_pow2(topk), EP=_pow2(e), BLOCK_T=bt, BLOCK_E=be,
+        BLOCK_K=bk, SPLITS=splits, LOWP=lowp, WIDE=needs_int64(x, gate_weight, logits), **extra)
     return weights, ids
 
 

@@ -1,23 +1,29 @@
 """Sparse attention (CSA2): one softmax per query over its SWA window entries (FP8) followed by
-its selected global entries (packed FP4), split-K flash-decoding style.
+its selected global entries (packed FP4), read in place from the paged cache pools, split-K
+flash-decoding style.
 
-Inputs (`ops.sparse_attention`): q [T, H, D] bf16 (RoPE'd); win_kv [S, D] float8_e4m3fn with
-E8M0 scales per 32 channels win_scale [S, D/32] and win_mask [T, S] bool; glob_kv [N, D/2]
-(E2M1 nibbles, element 0 in the low nibble) with E4M3 scales per 16 glob_scale [N, D/16] and
-glob_idx [T, K] (-1 = masked); sink [H]; K = V. Output [T, H, D] bf16. The oracle is
+Inputs (`ops.sparse_attention`): q [T, H, D] bf16 (RoPE'd); the SWA pool swa_kv [Nw, D]
+float8_e4m3fn with E8M0 scales per 32 channels swa_scale [Nw, D/32], and win_idx [T, S]: the
+pool rows each query attends (-1 = masked); the global pool glob_kv [Ng, D/2] (E2M1 nibbles,
+element 0 in the low nibble) with E4M3 scales per 16 glob_scale [Ng, D/16], and glob_idx
+[T, K] pool rows (-1 = masked); sink [H]; K = V. Output [T, H, D] bf16. The oracle is
 `sparse_attention_ref` (= `backends.reference.attention.sparse_attention`).
 
 How it runs:
-- The entry list of a query is S window entries (padded to whole blocks of BLOCK_N) followed by
-  K global entries; every block is pure window or pure global. A tile is (query, split, head
-  block, output-channel block); a split is a contiguous run of blocks. Tiles are walked by a
-  1-D persistent loop. With one split per query the tile normalises (sink included) and writes
-  bf16 directly; otherwise it writes an fp32 partial (unnormalised acc, running max, sum) and
-  `_combine_kernel` merges the splits.
-- FP8 / FP4 storage is decoded with integer and bit ops only (uint8 loads, exponent fields
-  built into fp32 bit patterns). The whole-row path loads a block as [BLOCK_N, groups, bytes
-  per group], so each scale byte is loaded and decoded once per group and broadcast over it
-  (the tiled path gathers the scale per element). Every decoded value is exact
+- The entry list of a query is its S window rows (padded to whole blocks of BLOCK_N) followed
+  by its K global rows; every block is pure window or pure global, and both kinds are gathered
+  by pool row (each query has its own rows: tokens of different sequences share a launch). A
+  tile is (query, split, head block, output-channel block); a split is a contiguous run of
+  blocks. Tiles are walked by a 1-D persistent loop. With one split per query the tile
+  normalises (sink included) and writes bf16 directly; otherwise it writes an fp32 partial
+  (unnormalised acc, running max, sum) and `_combine_kernel` merges the splits, loading every
+  split of a (query, head, channel block) at once.
+- FP8 / FP4 storage is decoded with integer and bit ops only (int8 loads masked to 0..255:
+  Ascend takes no uint8 pointers; exponent fields built into fp32 bit patterns). Blocks are
+  loaded as [BLOCK_N, groups, bytes per group], so each scale byte is loaded and decoded once
+  per group and broadcast over it; the tiled path loads window bytes contiguously and splits
+  them into channel pairs (`tl.split`), the whole-row path keeps two stride-2 byte loads (the
+  form run with 64-head whole-row tiles on the H200). Every decoded value is exact
   in bf16 (E2M1 x E4M3: <= 6 significant bits; E4M3 x 2^k: 4 bits), so the q.k^T and p.V
   products run as bf16 tl.dot with fp32 accumulation, heads as M, entries as N. (Under the
   interpreter the dot operands stay fp32: same values, interpreter bf16 math is unreliable.)
@@ -27,7 +33,9 @@ How it runs:
 - Online softmax: running max starts at -1e30 (an all-masked row gives 0), masked logits are
   -inf, probabilities are rounded to bf16 before p.V, the sum stays fp32; the sink adds
   exp(sink - max) to the denominator only.
-- Per-backend tile tables: CUDA keeps whole 512-wide rows and all 64 heads in one tile (MQA:
+- Per-backend tile tables (`config_for`): at decode shapes (T <= 16 on the H200) CUDA takes
+  all 64 heads with 128-channel contraction / output blocks and one split per entry block;
+  otherwise CUDA keeps whole 512-wide rows and all 64 heads in one tile (MQA:
   each decoded row serves every head; M = 64 is one wgmma tile; q stays in shared memory);
   Ascend tiles the contraction (BLOCK_D) and the output channels (BLOCK_DV, part of the tile
   id: q.k^T is recomputed per output block) so a program's live tiles stay a few tens of KB,
@@ -54,11 +62,22 @@ CONFIGS = {
     # registers + ~1 KB spill (the 64x512 fp32 accumulator alone is 128 registers a thread).
     "cuda": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=2, QK_T=False,
                  min_blocks_per_split=2),
+    # cuda at decode shapes (few tokens): all 64 heads per tile (wgmma M = 64, 4 warps = one warp
+    # group), the contraction and the output channels in blocks of 128, one split per entry
+    # block (flash-decoding): a T=1 step is 4 channel blocks x 20 splits = 80 programs. H200
+    # sweep (T=1, 64K, CUDA-graph time, with the combine): this 13.9 us; 16-head tiles with
+    # 128 / 256-channel blocks and 8 warps 28.6 / 23.0 us; 16-head whole rows 23.3 us. At T=64
+    # 16-head tiles took 322 us (whole rows) / 995 us (128-channel blocks) and this entry is
+    # unmeasured, so T > 16 keeps the prefill table (DECODE_FILL_FRACTION).
+    "cuda_decode": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=4, num_stages=2,
+                        QK_T=False, min_blocks_per_split=1),
     "npu": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=None, min_blocks_per_split=2),
     "interp": dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=None, min_blocks_per_split=1),
 }
-COMBINE_BLOCK_H = 16
-COMBINE_BLOCK_D = 128
+# a backend's "<key>_decode" entry is used when the main entry's tiles (tokens x head blocks)
+# would occupy at most 1 / DECODE_FILL_FRACTION of the workers (T <= 16 on the H200's 132 SMs)
+DECODE_FILL_FRACTION = 8
+COMBINE_ELEMS = 4096  # partial-accumulator elements a combine tile loads at once (splits x channels)
 
 
 # ---- decoding (integer / bit ops only) --------------------------------------------------------
@@ -72,50 +91,12 @@ def _e4m3_pos(c):
 
 
 @triton.jit
-def _e2m1(c):
-    """E2M1 nibble 0..15 (int32) -> fp32 value."""
-    a = c & 7
-    af = a.to(tl.float32)
-    mag = tl.where(a < 4, af * 0.5, tl.where(a == 7, 6.0, af - 2.0))
-    return tl.where(c >= 8, -mag, mag)
-
-
-@triton.jit
-def _fp8_times_e8m0(b, sb):
-    """E4M3 byte b and E8M0 scale byte sb (int32) -> fp32 value * 2^(sb-127)."""
-    return _e4m3_signed(b) * (sb << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _e4m3_signed(b):
     """E4M3 byte b (int32 0..255, bit 7 the sign) -> fp32 value."""
     e = (b >> 3) & 15
     p2 = ((tl.maximum(e, 1) + 117) << 23).to(tl.float32, bitcast=True)
     v = (tl.where(e > 0, 8, 0) + (b & 7)).to(tl.float32) * p2
     return tl.where((b & 128) != 0, -v, v)
-
-
-@triton.jit
-def _win_kv(win_ptr, wsc_ptr, rows, ok, c0, j, D: tl.constexpr):
-    """Window rows [BN] (int64), channels c0 + 2j and c0 + 2j + 1 -> two fp32 [BN, len(j)]."""
-    m2 = ok[:, None]
-    ch = c0 + 2 * j
-    base = rows[:, None] * D + ch[None, :]
-    b0 = tl.load(win_ptr + base, mask=m2, other=0).to(tl.int32)
-    b1 = tl.load(win_ptr + base + 1, mask=m2, other=0).to(tl.int32)
-    sb = tl.load(wsc_ptr + rows[:, None] * (D // 32) + (ch // 32)[None, :], mask=m2, other=0).to(tl.int32)
-    return _fp8_times_e8m0(b0, sb), _fp8_times_e8m0(b1, sb)
-
-
-@triton.jit
-def _glob_kv(gkv_ptr, gsc_ptr, rows, ok, c0, j, D: tl.constexpr):
-    """Packed FP4 rows [BN] (int64), channels c0 + 2j (low nibble) and c0 + 2j + 1 (high)."""
-    m2 = ok[:, None]
-    byte = c0 // 2 + j
-    b = tl.load(gkv_ptr + rows[:, None] * (D // 2) + byte[None, :], mask=m2, other=0).to(tl.int32)
-    sc = tl.load(gsc_ptr + rows[:, None] * (D // 16) + (byte // 8)[None, :], mask=m2, other=0).to(tl.int32)
-    s = _e4m3_pos(sc & 127)
-    return _e2m1(b & 15) * s, _e2m1((b >> 4) & 15) * s
 
 
 @triton.jit
@@ -129,34 +110,56 @@ def _e2m1_fast(c):
 
 
 @triton.jit
-def _glob_rows(gkv_ptr, gsc_ptr, rows, ok, D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Whole packed FP4 rows [BN] (int64) -> even / odd channel halves, fp32 [BN, D/2] each.
-    Bytes are loaded as [BN, D/16, 8] (8 bytes = one 16-channel scale group), so each E4M3
-    scale is loaded and decoded once and broadcast over its group."""
-    g = tl.arange(0, D // 16)
+def _glob_cols(gkv_ptr, gsc_ptr, rows, ok, c0, W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Packed FP4 rows [BN] (int64), channels c0 .. c0 + W -> even / odd channel halves, fp32
+    [BN, W/2] each (a byte holds channel 2j in its low nibble, 2j + 1 in its high one). The
+    bytes are one contiguous load of [BN, W/16, 8] (8 bytes = one 16-channel scale group), so
+    each E4M3 scale is loaded and decoded once and broadcast over its group."""
+    g = tl.arange(0, W // 16)
     e = tl.arange(0, 8)
-    m3 = ok[:, None, None]
-    byte = (g * 8)[None, :, None] + e[None, None, :]
-    b = tl.load(gkv_ptr + rows[:, None, None] * (D // 2) + byte, mask=m3, other=0).to(tl.int32)
-    sc = tl.load(gsc_ptr + rows[:, None] * (D // 16) + g[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    byte = c0 // 2 + (g * 8)[None, :, None] + e[None, None, :]
+    b = tl.load(gkv_ptr + rows[:, None, None] * (D // 2) + byte, mask=ok[:, None, None], other=0).to(tl.int32) & 0xFF
+    sc = tl.load(gsc_ptr + rows[:, None] * (D // 16) + (c0 // 16 + g)[None, :], mask=ok[:, None],
+                 other=0).to(tl.int32) & 0xFF
     s = _e4m3_pos(sc & 127)[:, :, None]
-    k_e = tl.reshape(_e2m1_fast(b & 15) * s, [BLOCK_N, D // 2])
-    k_o = tl.reshape(_e2m1_fast((b >> 4) & 15) * s, [BLOCK_N, D // 2])
+    k_e = tl.reshape(_e2m1_fast(b & 15) * s, [BLOCK_N, W // 2])
+    k_o = tl.reshape(_e2m1_fast((b >> 4) & 15) * s, [BLOCK_N, W // 2])
+    return k_e, k_o
+
+
+@triton.jit
+def _win_cols(win_ptr, wsc_ptr, rows, ok, c0, W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """FP8 window rows [BN] (int64), channels c0 .. c0 + W -> even / odd channel halves, fp32
+    [BN, W/2] each. The bytes are one contiguous load of [BN, W/32, 32] (vector loads, one
+    pointer per vector), split into channel pairs; the E8M0 scale of each 32-channel group is
+    loaded once and broadcast over it."""
+    g = tl.arange(0, W // 32)
+    e = tl.arange(0, 32)
+    ch = c0 + (g * 32)[None, :, None] + e[None, None, :]
+    b = tl.load(win_ptr + rows[:, None, None] * D + ch, mask=ok[:, None, None], other=0).to(tl.int32) & 0xFF
+    b0, b1 = tl.split(tl.reshape(b, [BLOCK_N, W // 32, 16, 2]))
+    sb = tl.load(wsc_ptr + rows[:, None] * (D // 32) + (c0 // 32 + g)[None, :], mask=ok[:, None],
+                 other=0).to(tl.int32) & 0xFF
+    sc = (sb << 23).to(tl.float32, bitcast=True)[:, :, None]
+    k_e = tl.reshape(_e4m3_signed(b0) * sc, [BLOCK_N, W // 2])
+    k_o = tl.reshape(_e4m3_signed(b1) * sc, [BLOCK_N, W // 2])
     return k_e, k_o
 
 
 @triton.jit
 def _win_rows(win_ptr, wsc_ptr, rows, ok, D: tl.constexpr, BLOCK_N: tl.constexpr):
     """Whole FP8 window rows [BN] (int64) -> even / odd channel halves, fp32 [BN, D/2] each;
-    the E8M0 scale of each 32-channel group (16 channel pairs) is loaded once per group."""
+    the E8M0 scale of each 32-channel group (16 channel pairs) is loaded once per group. Byte
+    loads at stride 2: the whole-row tiles keep this form, the one run on the H200 with 64-head
+    whole-row tiles (the split form of `_win_cols` faulted there with an illegal address)."""
     g = tl.arange(0, D // 32)
     e = tl.arange(0, 16)
     m3 = ok[:, None, None]
     ch = (g * 32)[None, :, None] + 2 * e[None, None, :]
     base = rows[:, None, None] * D + ch
-    b0 = tl.load(win_ptr + base, mask=m3, other=0).to(tl.int32)
-    b1 = tl.load(win_ptr + base + 1, mask=m3, other=0).to(tl.int32)
-    sb = tl.load(wsc_ptr + rows[:, None] * (D // 32) + g[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    b0 = tl.load(win_ptr + base, mask=m3, other=0).to(tl.int32) & 0xFF
+    b1 = tl.load(win_ptr + base + 1, mask=m3, other=0).to(tl.int32) & 0xFF
+    sb = tl.load(wsc_ptr + rows[:, None] * (D // 32) + g[None, :], mask=ok[:, None], other=0).to(tl.int32) & 0xFF
     sc = (sb << 23).to(tl.float32, bitcast=True)[:, :, None]
     k_e = tl.reshape(_e4m3_signed(b0) * sc, [BLOCK_N, D // 2])
     k_o = tl.reshape(_e4m3_signed(b1) * sc, [BLOCK_N, D // 2])
@@ -164,12 +167,31 @@ def _win_rows(win_ptr, wsc_ptr, rows, ok, D: tl.constexpr, BLOCK_N: tl.constexpr
 
 
 @triton.jit
-def _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, c0, j, D: tl.constexpr, IS_GLOB: tl.constexpr):
+def _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, c0, W: tl.constexpr, D: tl.constexpr,
+        BLOCK_N: tl.constexpr, IS_GLOB: tl.constexpr):
+    """Even / odd channel halves [BN, W/2] of channels c0 .. c0 + W of the window or global rows."""
     if IS_GLOB:
-        e, o = _glob_kv(gkv_ptr, gsc_ptr, rows, ok, c0, j, D)
+        e, o = _glob_cols(gkv_ptr, gsc_ptr, rows, ok, c0, W, D, BLOCK_N)
     else:
-        e, o = _win_kv(win_ptr, wsc_ptr, rows, ok, c0, j, D)
+        e, o = _win_cols(win_ptr, wsc_ptr, rows, ok, c0, W, D, BLOCK_N)
     return e, o
+
+
+@triton.jit
+def _load_halves(ptr, row, ok, c0, W: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows `row` (element offsets, [BLOCK]) of a row-major tensor, columns c0 .. c0 + W, as even
+    / odd column halves [BLOCK, W/2] each: one contiguous load, split into pairs."""
+    c = tl.arange(0, W)
+    x = tl.load(ptr + row[:, None] + c0 + c[None, :], mask=ok[:, None], other=0.0)
+    return tl.split(tl.reshape(x, [BLOCK, W // 2, 2]))
+
+
+@triton.jit
+def _store_halves(ptr, row, ok, c0, x_e, x_o, W: tl.constexpr, BLOCK: tl.constexpr):
+    """Interleave even / odd column halves [BLOCK, W/2] back into columns c0 .. c0 + W of rows
+    `row` (element offsets): one contiguous store."""
+    c = tl.arange(0, W)
+    tl.store(ptr + row[:, None] + c0 + c[None, :], tl.reshape(tl.join(x_e, x_o), [BLOCK, W]), mask=ok[:, None])
 
 
 @triton.jit
@@ -223,7 +245,7 @@ def _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows,
     if BLOCK_D == D and BLOCK_DV == D:
         # whole rows: decode once, use as K and as V
         if IS_GLOB:
-            k_e, k_o = _glob_rows(gkv_ptr, gsc_ptr, rows, ok, D, BLOCK_N)
+            k_e, k_o = _glob_cols(gkv_ptr, gsc_ptr, rows, ok, 0, D, D, BLOCK_N)
         else:
             k_e, k_o = _win_rows(win_ptr, wsc_ptr, rows, ok, D, BLOCK_N)
         v_e = _dot_in(k_e, DOT_BF16)
@@ -233,17 +255,13 @@ def _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows,
         else:
             s = tl.dot(q_o, tl.trans(v_o), tl.dot(q_e, tl.trans(v_e)))
     else:
-        jd = tl.arange(0, BLOCK_D // 2)
         s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
         for c0 in range(0, D, BLOCK_D):
-            qp = q_ptr + qrow[:, None] + c0 + 2 * jd[None, :]
-            qe = _dot_in(tl.load(qp, mask=hok[:, None], other=0.0).to(tl.float32), DOT_BF16)
-            qo = _dot_in(tl.load(qp + 1, mask=hok[:, None], other=0.0).to(tl.float32), DOT_BF16)
-            k_e, k_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, c0, jd, D, IS_GLOB)
-            s += tl.dot(qe, tl.trans(_dot_in(k_e, DOT_BF16)))
-            s += tl.dot(qo, tl.trans(_dot_in(k_o, DOT_BF16)))
-        jv = tl.arange(0, BLOCK_DV // 2)
-        v_e, v_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, dv0, jv, D, IS_GLOB)
+            qe, qo = _load_halves(q_ptr, qrow, hok, c0, BLOCK_D, BLOCK_H)
+            k_e, k_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, c0, BLOCK_D, D, BLOCK_N, IS_GLOB)
+            s += tl.dot(_dot_in(qe.to(tl.float32), DOT_BF16), tl.trans(_dot_in(k_e, DOT_BF16)))
+            s += tl.dot(_dot_in(qo.to(tl.float32), DOT_BF16), tl.trans(_dot_in(k_o, DOT_BF16)))
+        v_e, v_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, dv0, BLOCK_DV, D, BLOCK_N, IS_GLOB)
         v_e = _dot_in(v_e, DOT_BF16)
         v_o = _dot_in(v_o, DOT_BF16)
     s = tl.where(ok[None, :], s * scale, float("-inf"))
@@ -266,7 +284,7 @@ def _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows,
 
 
 @triton.jit
-def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, wmask_ptr, gkv_ptr, gsc_ptr, gidx_ptr, sink_ptr,
+def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gidx_ptr, sink_ptr,
                         out_ptr, pacc_ptr, pm_ptr, pl_ptr,
                         H, S, K, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, num_programs, scale,
                         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -288,7 +306,8 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, wmask_ptr, gkv_ptr, gsc_ptr, gi
         hok = heads < H
         qrow = (tq * H + heads).to(tl.int64) * D
         dv0 = dvb * BLOCK_DV
-        # q halves for the whole-row path (unused, and dropped, in the tiled path)
+        # q halves for the whole-row path (unused, and dropped, in the tiled path); loaded as bf16
+        # straight into the MMA (compiled, it can stay in shared memory as wgmma's A operand)
         qp = q_ptr + qrow[:, None] + 2 * jq[None, :]
         q_e = _q_in(tl.load(qp, mask=hok[:, None], other=0.0), DOT_BF16)
         q_o = _q_in(tl.load(qp + 1, mask=hok[:, None], other=0.0), DOT_BF16)
@@ -298,76 +317,84 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, wmask_ptr, gkv_ptr, gsc_ptr, gi
         acc_o = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
         b_lo = sp * bps
         b_hi = tl.minimum(b_lo + bps, n_blocks)
-        # window blocks
+        # window blocks: this query's SWA pool rows
         for nb in range(b_lo, tl.minimum(b_hi, n_wb)):
             s_idx = nb * BLOCK_N + nn
             inr = s_idx < S
-            ok = inr & (tl.load(wmask_ptr + tq * S + s_idx, mask=inr, other=0) != 0)
+            widx = tl.load(widx_ptr + tq.to(tl.int64) * S + s_idx, mask=inr, other=-1)
+            ok = widx >= 0
             m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
-                                            s_idx.to(tl.int64), ok, m_i, l_i, acc_e, acc_o, dv0, dvb, scale,
+                                            tl.maximum(widx, 0).to(tl.int64), ok, m_i, l_i, acc_e, acc_o, dv0, dvb, scale,
                                             D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, False, DOT_BF16, QK_T, DV_HALF)
         # global blocks
         for nb in range(tl.maximum(b_lo, n_wb), b_hi):
             k_idx = (nb - n_wb) * BLOCK_N + nn
             inr = k_idx < K
-            idx = tl.load(gidx_ptr + tq * K + k_idx, mask=inr, other=-1)
+            idx = tl.load(gidx_ptr + tq.to(tl.int64) * K + k_idx, mask=inr, other=-1)
             ok = idx >= 0
             rows = tl.maximum(idx, 0).to(tl.int64)
             m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
                                             rows, ok, m_i, l_i, acc_e, acc_o, dv0, dvb, scale,
                                             D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, True, DOT_BF16, QK_T, DV_HALF)
+        # whole rows: two stores at stride 2 (the form run with 64-head whole-row tiles on the
+        # H200); tiled: one contiguous store of the interleaved halves
+        STRIDED: tl.constexpr = DV_HALF or (BLOCK_D == D and BLOCK_DV == D)
         if DV_HALF:
             col = 2 * jv + dvb  # channels of this tile's parity
         else:
             col = dv0 + 2 * jv
         if SPLIT:
             prow = ((tq * n_split + sp) * H + heads).to(tl.int64)
-            pp = pacc_ptr + prow[:, None] * D + col[None, :]
-            tl.store(pp, acc_e, mask=hok[:, None])
-            if not DV_HALF:
-                tl.store(pp + 1, acc_o, mask=hok[:, None])
+            if STRIDED:
+                pp = pacc_ptr + prow[:, None] * D + col[None, :]
+                tl.store(pp, acc_e, mask=hok[:, None])
+                if not DV_HALF:
+                    tl.store(pp + 1, acc_o, mask=hok[:, None])
+            else:
+                _store_halves(pacc_ptr, prow * D, hok, dv0, acc_e, acc_o, BLOCK_DV, BLOCK_H)
             first = hok & (dvb == 0)
             tl.store(pm_ptr + prow, m_i, mask=first)
             tl.store(pl_ptr + prow, l_i, mask=first)
         else:
             sk = tl.load(sink_ptr + heads, mask=hok, other=0.0).to(tl.float32)
             inv = 1.0 / (l_i + tl.exp(sk - m_i))
-            op = out_ptr + qrow[:, None] + col[None, :]
-            tl.store(op, _to_bf16(acc_e * inv[:, None], DOT_BF16), mask=hok[:, None])
-            if not DV_HALF:
-                tl.store(op + 1, _to_bf16(acc_o * inv[:, None], DOT_BF16), mask=hok[:, None])
+            if STRIDED:
+                op = out_ptr + qrow[:, None] + col[None, :]
+                tl.store(op, _to_bf16(acc_e * inv[:, None], DOT_BF16), mask=hok[:, None])
+                if not DV_HALF:
+                    tl.store(op + 1, _to_bf16(acc_o * inv[:, None], DOT_BF16), mask=hok[:, None])
+            else:
+                _store_halves(out_ptr, qrow, hok, dv0, _to_bf16(acc_e * inv[:, None], DOT_BF16),
+                              _to_bf16(acc_o * inv[:, None], DOT_BF16), BLOCK_DV, BLOCK_H)
 
 
 @triton.jit
-def _combine_kernel(pacc_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, H, n_split, n_hb, n_db, n_tiles, num_programs,
-                    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE_CAST: tl.constexpr):
+def _combine_kernel(pacc_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, H, n_split, n_db, n_tiles, num_programs,
+                    D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE_CAST: tl.constexpr):
+    """Merge the splits of one (query, head, channel block) per tile: every split's running max,
+    sum and partial accumulator are loaded at once ([SPLITS] and [SPLITS, BLOCK_D], SPLITS >=
+    n_split), so the merge costs one round trip to memory, not one per split."""
     pid = tl.program_id(0)
-    hh = tl.arange(0, BLOCK_H)
+    sp = tl.arange(0, SPLITS)
+    spm = sp < n_split
     dd = tl.arange(0, BLOCK_D)
     for tile in range(pid, n_tiles, num_programs):
         db = tile % n_db
         r = tile // n_db
-        hb = r % n_hb
-        tq = r // n_hb
-        heads = hb * BLOCK_H + hh
-        hok = heads < H
+        head = r % H
+        tq = r // H
+        prow = ((tq * n_split + sp) * H + head).to(tl.int64)
+        m = tl.load(pm_ptr + prow, mask=spm, other=RUNNING_MAX_INIT)
+        mx = tl.max(m, axis=0)
+        w = tl.where(spm, tl.exp(m - mx), 0.0)
+        den = tl.sum(w * tl.load(pl_ptr + prow, mask=spm, other=0.0), axis=0)
         col = db * BLOCK_D + dd
-        mx = tl.full([BLOCK_H], RUNNING_MAX_INIT, dtype=tl.float32)
-        for sp in range(0, n_split):
-            prow = (tq * n_split + sp) * H + heads
-            mx = tl.maximum(mx, tl.load(pm_ptr + prow, mask=hok, other=RUNNING_MAX_INIT))
-        den = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        for sp in range(0, n_split):
-            prow = (tq * n_split + sp) * H + heads
-            w = tl.exp(tl.load(pm_ptr + prow, mask=hok, other=RUNNING_MAX_INIT) - mx)
-            den += w * tl.load(pl_ptr + prow, mask=hok, other=0.0)
-            a = tl.load(pacc_ptr + prow.to(tl.int64)[:, None] * D + col[None, :], mask=hok[:, None], other=0.0)
-            acc += w[:, None] * a
-        sk = tl.load(sink_ptr + heads, mask=hok, other=0.0).to(tl.float32)
+        a = tl.load(pacc_ptr + prow[:, None] * D + col[None, :], mask=spm[:, None], other=0.0)
+        acc = tl.sum(w[:, None] * a, axis=0)
+        sk = tl.load(sink_ptr + head).to(tl.float32)
         inv = 1.0 / (den + tl.exp(sk - mx))
-        orow = (tq * H + heads).to(tl.int64) * D
-        tl.store(out_ptr + orow[:, None] + col[None, :], _to_bf16(acc * inv[:, None], NATIVE_CAST), mask=hok[:, None])
+        orow = (tq * H + head).to(tl.int64) * D
+        tl.store(out_ptr + orow + col, _to_bf16(acc * inv, NATIVE_CAST))
 
 
 # ---- launcher -----------------------------------------------------------------------------------
@@ -387,24 +414,28 @@ def _pow2_at_least(n: int, lo: int) -> int:
     return p
 
 
-def sparse_attention_launch(q, win_kv, win_scale, win_mask, glob_kv, glob_scale, glob_idx, sink, softmax_scale,
+def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink, softmax_scale,
                             *, BLOCK_H: int, BLOCK_N: int, BLOCK_D: int | None, BLOCK_DV: int | None,
                             num_warps: int | None = None, num_stages: int | None = None, QK_T: bool = False,
                             DV_HALF: bool = False, min_blocks_per_split: int = 2,
                             n_split: int | None = None) -> torch.Tensor:
     """`sparse_attention` with explicit tile sizes (tests and tuning); `n_split` forces the split count."""
-    from .launch import grid_for, interpreting, num_workers
+    from .launch import as_int8, grid_for, interpreting, num_workers
 
     t, h, d = q.shape
     if d % 32 or d < 32:
         raise ValueError(f"head_dim {d} must be a multiple of 32")
-    s = win_kv.shape[0]
-    if win_kv.shape != (s, d) or win_scale.shape != (s, d // 32) or win_mask.shape != (t, s):
-        raise ValueError("window tensors do not match q")
+    s = win_idx.shape[-1]
+    if swa_kv.dim() != 2 or swa_kv.shape[1] != d or swa_scale.shape != (swa_kv.shape[0], d // 32) \
+            or win_idx.shape != (t, s):
+        raise ValueError(f"window pool {tuple(swa_kv.shape)} / {tuple(swa_scale.shape)} or win_idx "
+                         f"{tuple(win_idx.shape)} do not match q {tuple(q.shape)}")
     have_glob = glob_idx is not None and glob_idx.shape[-1] > 0
     k = glob_idx.shape[-1] if have_glob else 0
-    if have_glob and (glob_idx.shape != (t, k) or glob_kv.shape[1:] != (d // 2,) or glob_scale.shape[1:] != (d // 16,)):
-        raise ValueError("global tensors do not match q")
+    if have_glob and (glob_idx.shape != (t, k) or glob_kv.shape[1:] != (d // 2,)
+                      or glob_scale.shape != (glob_kv.shape[0], d // 16)):
+        raise ValueError(f"global pool {tuple(glob_kv.shape)} / {tuple(glob_scale.shape)} or glob_idx "
+                         f"{tuple(glob_idx.shape)} do not match q {tuple(q.shape)}")
     block_d = d if BLOCK_D is None else min(BLOCK_D, d)
     block_dv = d if BLOCK_DV is None else min(BLOCK_DV, d)
     if d % block_d or d % block_dv or block_d < 32 or block_dv < 32:
@@ -416,15 +447,14 @@ def sparse_attention_launch(q, win_kv, win_scale, win_mask, glob_kv, glob_scale,
     if t == 0 or h == 0:
         return out
     qc = q.contiguous()
-    wk = win_kv.contiguous().view(torch.uint8)
-    ws = win_scale.contiguous().view(torch.uint8)
-    wm = win_mask.contiguous().view(torch.uint8) if win_mask.dtype == torch.bool else (win_mask != 0).to(torch.uint8)
+    # storage bytes as int8 (Ascend loads no uint8 pointers); the kernel masks them to 0..255
+    wk = as_int8(swa_kv.contiguous())
+    ws = as_int8(swa_scale.contiguous())
+    wi = _index_rows(win_idx)
     if have_glob:
-        gk = glob_kv.contiguous().view(torch.uint8)
-        gs = glob_scale.contiguous().view(torch.uint8)
-        gi = glob_idx.contiguous()
-        if gi.dtype not in (torch.int32, torch.int64):
-            gi = gi.long()
+        gk = as_int8(glob_kv.contiguous())
+        gs = as_int8(glob_scale.contiguous())
+        gi = _index_rows(glob_idx)
     else:
         gk, gs, gi = wk, ws, torch.full((1,), -1, dtype=torch.int32, device=dev)
     sk = sink.contiguous()
@@ -436,10 +466,7 @@ def sparse_attention_launch(q, win_kv, win_scale, win_mask, glob_kv, glob_scale,
     n_blocks = n_wb + -(-k // BLOCK_N)
     base_tiles = t * n_hb * n_dv
     if n_split is None:
-        workers = num_workers(dev)
-        n_split = 1
-        if base_tiles < workers and n_blocks > min_blocks_per_split:
-            n_split = min(-(-workers // base_tiles), n_blocks // max(1, min_blocks_per_split))
+        n_split = _auto_splits(base_tiles, n_blocks, num_workers(dev, "cube"), min_blocks_per_split)
     n_split = max(1, min(n_split, max(1, n_blocks)))
     bps = max(1, -(-n_blocks // n_split))
     n_split = max(1, -(-n_blocks // bps))  # no empty split
@@ -451,35 +478,81 @@ def sparse_attention_launch(q, win_kv, win_scale, win_mask, glob_kv, glob_scale,
     else:
         pacc = pm = pl = out
     n_tiles = base_tiles * n_split
-    grid = grid_for(n_tiles, dev)
+    grid = grid_for(n_tiles, dev, cores="cube")  # tl.dot: one program per AI core on Ascend
     kw = {}
     if dev.type == "cuda" and not interpreting():
         kw = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v}
     dot_bf16 = not interpreting()  # interpreters: fp32 dot operands (same values), integer bf16 rounding
-    _sparse_attn_kernel[(grid,)](qc, wk, ws, wm, gk, gs, gi, sk, out, pacc, pm, pl,
+    _sparse_attn_kernel[(grid,)](qc, wk, ws, wi, gk, gs, gi, sk, out, pacc, pm, pl,
                                  h, s, k, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, grid,
                                  float(softmax_scale), D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
                                  BLOCK_D=block_d, BLOCK_DV=block_dv, SPLIT=split, DOT_BF16=dot_bf16,
                                  QK_T=bool(QK_T), DV_HALF=dv_half, **kw)
     if split:
-        cb_h = _pow2_at_least(min(COMBINE_BLOCK_H, h), 1)
-        cb_d = min(COMBINE_BLOCK_D, d)
+        splits = _pow2_at_least(n_split, 2)
+        cb_d = min(d, _pow2_at_least(max(32, COMBINE_ELEMS // splits), 32))  # [splits, cb_d] fp32 per tile
         while d % cb_d:
             cb_d //= 2
-        c_hb = -(-h // cb_h)
-        c_tiles = t * c_hb * (d // cb_d)
+        c_tiles = t * h * (d // cb_d)
         c_grid = grid_for(c_tiles, dev)
-        _combine_kernel[(c_grid,)](pacc, pm, pl, sk, out, h, n_split, c_hb, d // cb_d, c_tiles, c_grid,
-                                   D=d, BLOCK_H=cb_h, BLOCK_D=cb_d, NATIVE_CAST=dot_bf16)
+        _combine_kernel[(c_grid,)](pacc, pm, pl, sk, out, h, n_split, d // cb_d, c_tiles, c_grid,
+                                   D=d, SPLITS=splits, BLOCK_D=cb_d, NATIVE_CAST=dot_bf16)
     return out
 
 
-def sparse_attention(q: torch.Tensor, win_kv: torch.Tensor, win_scale: torch.Tensor, win_mask: torch.Tensor,
+def ub_tiles(cfg: dict, d: int) -> dict[str, tuple[int, ...]]:
+    """Live tiles of one program at its peak (a tile table entry, head_dim d): the running
+    state (max, sum, two accumulator halves), the logits and probabilities, and the block being
+    used: in the tiled path a query chunk and one decoded contraction chunk (bytes, scales, two
+    halves) or the decoded output block; whole rows hold q and both decoded halves."""
+    bh, bn = cfg["BLOCK_H"], cfg["BLOCK_N"]
+    bd = d if cfg["BLOCK_D"] is None else min(cfg["BLOCK_D"], d)
+    bdv = d if cfg["BLOCK_DV"] is None else min(cfg["BLOCK_DV"], d)
+    tiles = {"m": (bh,), "l": (bh,), "acc_e": (bh, bdv // 2), "acc_o": (bh, bdv // 2), "s": (bh, bn),
+             "p": (bh, bn), "rows": (bn,), "ok": (bn,)}
+    if bd == d and bdv == d:
+        tiles.update(q_e=(bh, d // 2), q_o=(bh, d // 2), bytes=(bn, d), k_e=(bn, d // 2), k_o=(bn, d // 2))
+    else:
+        w = max(bd, bdv)
+        tiles.update(q=(bh, bd), bytes=(bn, w), scales=(bn, w // 16), k_e=(bn, w // 2), k_o=(bn, w // 2))
+    return tiles
+
+
+def _index_rows(idx: torch.Tensor) -> torch.Tensor:
+    """Pool-row indices as int32 / int64 (other integer types widened), contiguous."""
+    if idx.dtype not in (torch.int32, torch.int64):
+        idx = idx.long()
+    return idx.contiguous()
+
+
+def _auto_splits(base_tiles: int, n_blocks: int, workers: int, min_blocks_per_split: int) -> int:
+    """Splits per query (flash-decoding): enough tiles to give every worker one, each split at
+    least `min_blocks_per_split` entry blocks; 1 when the queries alone fill the workers."""
+    if base_tiles >= workers or n_blocks <= min_blocks_per_split:
+        return 1
+    return max(1, min(-(-workers // base_tiles), n_blocks // max(1, min_blocks_per_split)))
+
+
+def config_for(device: torch.device, t: int, h: int) -> dict:
+    """The tile table entry for a launch: the decode entry when the queries' whole-head tiles
+    would leave most workers idle (small T: flash-decoding over head blocks and entry splits)."""
+    from .launch import num_workers
+
+    key = _backend_key(device)
+    decode = key + "_decode"
+    if decode in CONFIGS:
+        cfg = CONFIGS[key]
+        if t * -(-h // cfg["BLOCK_H"]) <= num_workers(device, "cube") // DECODE_FILL_FRACTION:
+            return CONFIGS[decode]
+    return CONFIGS[key]
+
+
+def sparse_attention(q: torch.Tensor, swa_kv: torch.Tensor, swa_scale: torch.Tensor, win_idx: torch.Tensor,
                      glob_kv: torch.Tensor | None, glob_scale: torch.Tensor | None, glob_idx: torch.Tensor | None,
                      sink: torch.Tensor, softmax_scale: float) -> torch.Tensor:
     """`ops.sparse_attention` on the Triton kernel: [T, H, D] bf16 out. Requires triton."""
-    cfg = CONFIGS[_backend_key(q.device)]
-    return sparse_attention_launch(q, win_kv, win_scale, win_mask, glob_kv, glob_scale, glob_idx, sink,
+    cfg = config_for(q.device, q.shape[0], q.shape[1])
+    return sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink,
                                    softmax_scale, **cfg)
 
 

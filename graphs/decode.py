@@ -1,0 +1,91 @@
+"""Decode graphs: the batched decode step captured once per batch-size bucket.
+
+A decode step's `StepBatch` has fixed shapes for a given number of sequences (one token each,
+block tables of a fixed width), and the forward reads nothing back to the host, so the whole
+step can be captured as one device graph (`torch.cuda.CUDAGraph`, `torch.npu.NPUGraph`, through
+the platform) and replayed with new inputs copied into persistent buffers. A batch is padded
+to the next bucket; padding rows are position 0 of an empty sequence whose block tables are all
+the null block, so everything they write lands in block 0 and nothing reads it.
+
+On CPU there is no graph: the runner runs the same padded static batch eagerly (which is how
+its bookkeeping is tested there). Graph capture on CUDA / NPU is unverified on hardware.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import torch
+
+from ..backends.platform import platform_for
+from ..core.batch import StepBatch
+from ..core.cache import KVPool
+from ..core.model import Transformer
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class DecodeGraphs:
+    """Captured decode steps of `model` over the fixed pools of `pool`, one per bucket up to
+    `max_batch` sequences, block tables `table_blocks` wide (enough for the longest sequence)."""
+
+    def __init__(self, model: Transformer, pool: KVPool, max_batch: int, table_blocks: int):
+        self.model, self.pool = model, pool
+        self.device = model.embed.weight.device
+        self.platform = platform_for(self.device)
+        self.table_blocks = table_blocks
+        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        self.graphs: dict[int, tuple] = {}  # bucket -> (graph or None, static batch, logits)
+
+    def _static(self, n: int) -> StepBatch:
+        """Persistent input buffers of one bucket, holding padding rows."""
+        z = lambda *shape, dt=torch.long: torch.zeros(shape, dtype=dt, device=self.device)  # noqa: E731
+        w, ng = self.table_blocks, max(self.model.cfg.engram_max_ngram_size, 1)
+        return StepBatch(ids=z(n), positions=z(n), seq=torch.arange(n, device=self.device), swa_table=z(n, w),
+                         glob_table=z(n, w), floors=z(n, 3), glob_from=z(n), ngram_ids=z(n, ng) - 1,
+                         ngram_image=z(n, ng, dt=torch.bool), is_image=z(n, dt=torch.bool))
+
+    def capture(self) -> None:
+        """Warm up and capture every bucket (largest first, sharing one memory pool)."""
+        graph_class = self.platform.graph_class()
+        mem = self.platform.graph_pool() if graph_class is not None else None
+        for n in sorted(self.buckets, reverse=True):
+            batch = self._static(n)
+            logits = self.model(batch, self.pool, check=False)  # warm-up: allocations, autotuning
+            graph = None
+            if graph_class is not None:
+                self.platform.synchronize()
+                graph = graph_class()
+                with self.platform.graph_capture(graph, mem):
+                    logits = self.model(batch, self.pool, check=False)
+            self.graphs[n] = (graph, batch, logits)
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        """Logits [n, V] of a decode batch (one token per sequence, no CED rows, no images),
+        by replaying the smallest bucket that holds it."""
+        n = batch.num_tokens
+        b = self.bucket(n)
+        if b is None or batch.decoder_rows is not None or batch.logit_rows is not None or batch.image_embeds is not None:
+            raise ValueError(f"not a decode batch the graphs hold ({n} tokens, buckets up to {self.buckets[-1]})")
+        if batch.swa_table.shape[1] > self.table_blocks or batch.glob_table.shape[1] > self.table_blocks:
+            raise ValueError(f"block tables wider than the captured {self.table_blocks} blocks")
+        graph, static, logits = self.graphs[b]
+        for f in fields(StepBatch):
+            dst, src = getattr(static, f.name), getattr(batch, f.name)
+            if not isinstance(dst, torch.Tensor) or f.name == "seq":
+                continue  # (row i is sequence i in both)
+            pad = -1 if f.name == "ngram_ids" else 0
+            dst[n:].fill_(pad)
+            if dst.dim() == 2 and f.name.endswith("table"):
+                dst[:n, src.shape[1]:].fill_(0)
+                dst[:n, :src.shape[1]].copy_(src)
+            else:
+                dst[:n].copy_(src)
+        if graph is None:
+            logits = self.model(static, self.pool, check=False)
+        else:
+            graph.replay()
+        return logits[:n]

@@ -1,0 +1,282 @@
+"""The low-precision linear (op `linear`): y = x @ W^T with the weight dequantised inside the
+kernel, for FP8 E4M3 weights with E8M0 32x32 block scales, packed FP4 weights with E8M0 scales
+per 32 along K, and plain bf16 / fp32 weights. Matches `linear_ref` (= the reference op).
+
+Numerics (MODEL.md, "Low-precision linears"), for scaled weights: x is FP8-quantised in groups of
+32 (`fp8_quant`, one pass; bit-exact with the reference); then per 32-wide K block the fp32 partial
+sum of the unscaled E4M3 x E4M3 (or E4M3 x E2M1) products, times both power-of-two scales, is
+added to the fp32 accumulator (`block_scaled.scaled_block_step`). The products are exact (fp16
+operands: E4M3 and E2M1 values are fp16-exact), so the result is the reference's value up to the
+fp32 summation order; no fp64 anywhere. The weight goes from its load straight into the dot
+(hardware E4M3 -> fp16; E2M1 by placing its bits into an fp16), never scaled element by element.
+Output bf16 (rounded once, to nearest even), or fp32 for `out_dtype` float32 / float64 (the
+device returns fp32 for the float64 request: row-parallel partial sums are added in fp32 on
+devices). Plain bf16 weights (the head with fp32 logits) take bf16 dots of BK-wide steps.
+
+For M >= CUBLAS_MIN_M with bf16 output the weight is dequantised to bf16 once (exact) and x
+quantised through FP8 to bf16 (exact), and cuBLAS multiplies (fp32 accumulation): prefill is
+matrix-bound, and cuBLAS's bf16 GEMM ran at twice this kernel's rate there.
+
+Work split: output tiles BM x BN; the K range is cut into SPLIT_K slices for small M (decode:
+M = 1..64 is weight-read bound and needs every SM streaming weights). Each slice writes its fp32
+partial; after a CTA barrier it bumps its tile's int32 counter (atomic, acq_rel); the program that
+completes a tile adds the SPLIT_K partials in slice order (".cg" loads: from L2, never a stale L1)
+and writes the output, then resets the counter (which stays zero between calls: one buffer per
+device and stream, no memset per call). Deterministic: every partial is read in a fixed order.
+
+Interpreter: bf16 / fp16 dots are unreliable there, so the dots run in fp32 ("ieee"), on the same
+exact operand values. Compiled (CUDA): fp16 dots for the scaled kinds, bf16 dots for plain bf16
+weights (an fp32 x split into three bf16 terms, hi + mid + lo, so the products stay exact).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...backends.reference.basic import linear as linear_ref  # noqa: F401  (the oracle)
+from .block_scaled import W_DENSE, W_FP4, W_FP8, bf16_bits16, load_weight_tile, scaled_block_step
+
+
+@triton.jit
+def _dot_acc(acc, a, w, A_TERMS: tl.constexpr, LOWP: tl.constexpr):
+    """acc + a [BM, BK] @ w[BN, BK]^T with exact products: bf16 operands on devices (a split into
+    A_TERMS bf16 parts; w is bf16-exact), fp32 "ieee" dots under the interpreter."""
+    wt = tl.trans(w)
+    if LOWP:
+        wb = wt.to(tl.bfloat16)
+        hi = a.to(tl.bfloat16)
+        acc = tl.dot(hi, wb, acc)
+        if A_TERMS > 1:
+            r = a - hi.to(tl.float32)
+            mid = r.to(tl.bfloat16)
+            acc = tl.dot(mid, wb, acc)
+            if A_TERMS > 2:
+                acc = tl.dot((r - mid.to(tl.float32)).to(tl.bfloat16), wb, acc)
+    else:
+        acc = tl.dot(a, wt, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _store_out(out_ptr, acc, rm, rn, M, N, OUT_BF16: tl.constexpr):
+    offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if OUT_BF16:
+        tl.store(out_ptr + offs, bf16_bits16(acc), mask=mask)
+    else:
+        tl.store(out_ptr + offs, acc, mask=mask)
+
+
+@triton.jit
+def _block_linear_kernel(x_ptr, q_ptr, qs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr,
+                         M, N, K, s_stride, k_per_split,
+                         W_KIND: tl.constexpr, SPLIT_K: tl.constexpr,
+                         A_TERMS: tl.constexpr, LOWP: tl.constexpr, OUT_BF16: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n_m = tl.cdiv(M, BM)
+    n_n = tl.cdiv(N, BN)
+    # grouped order: GROUP_M row tiles share each weight tile while it is in L2
+    per_group = GROUP_M * n_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    mmask = rm < M
+    nmask = rn < N
+    rm64 = rm.to(tl.int64)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    for k0 in range(k_lo, k_hi, BK):
+        if W_KIND == 0:  # plain weight: x as it is, BK-wide dots
+            kk = k0 + tl.arange(0, BK)
+            a = tl.load(x_ptr + rm64[:, None] * K + kk[None, :], mask=mmask[:, None] & (kk[None, :] < k_hi),
+                        other=0.0).to(tl.float32)
+            w = load_weight_tile(w_ptr, s_ptr, rn, k0, N, K, s_stride, BN, BK, W_KIND)
+            acc = _dot_acc(acc, a, w, A_TERMS, LOWP)
+        else:  # scaled weight: one dot per 32-wide scale block, rescaled into acc
+            for kb in tl.static_range(BK // 32):
+                acc = scaled_block_step(acc, q_ptr, qs_ptr, rm64, mmask, w_ptr, s_ptr, rn, nmask, k0 + kb * 32,
+                                        k_hi, K, s_stride, W_KIND, LOWP)
+    if SPLIT_K == 1:
+        _store_out(out_ptr, acc, rm, rn, M, N, OUT_BF16)
+    else:
+        tile = pid_m * n_n + pid_n
+        po = (pid_k * M + rm64)[:, None] * N + rn[None, :]
+        pmask = mmask[:, None] & nmask[None, :]
+        tl.store(part_ptr + po, acc, mask=pmask)
+        tl.debug_barrier()  # every thread's partial is stored before the counter moves
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:  # the last slice of this tile: reduce in slice order
+            tot = tl.zeros((BM, BN), dtype=tl.float32)
+            for s in range(SPLIT_K):
+                so = (s * M + rm64)[:, None] * N + rn[None, :]
+                tot += tl.load(part_ptr + so, mask=pmask, other=0.0, cache_modifier=".cg")
+            _store_out(out_ptr, tot, rm, rn, M, N, OUT_BF16)
+            tl.atomic_xchg(count_ptr + tile, 0)
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, s_stride, W_KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """A scaled weight [N, K] -> its exact values as bf16 (the large-M path's cuBLAS operand)."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    k0 = tl.program_id(1) * BK
+    kk = k0 + tl.arange(0, BK)
+    w = load_weight_tile(w_ptr, s_ptr, rn, k0, N, K, s_stride, BN, BK, W_KIND)
+    tl.store(out_ptr + rn.to(tl.int64)[:, None] * K + kk[None, :], bf16_bits16(w),
+             mask=(rn[:, None] < N) & (kk[None, :] < K))
+
+
+# ---- launcher -----------------------------------------------------------------------------------
+
+# Tiles. Decode (M <= 64) streams the weight: small row tiles, split K to occupy every SM; larger M
+# a conventional 128x128 GEMM tile (BK counts K per loop step: BK / 32 scale blocks). H200 sweep
+# (M=1, K=5120, N=6144): BN 64 / BK 128 / 4 warps / 4 stages 19.3 us; BN 32 26.7; 8 warps 27.9;
+# split-K 4 18.5, 10 21.4, none 27.6 (the default, 4 waves of programs, picks 6).
+DECODE = {"bn": 64, "bk": 128, "num_warps": 4, "num_stages": 4, "waves": 4}
+PREFILL = {"bm": 128, "bn": 128, "bk": 64, "num_warps": 8, "num_stages": 3, "group_m": 8}
+INTERP = {"bn": 32, "bk": 64}
+DECODE_MAX_M = 64
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """The zeroed per-tile counters of split-K launches on this device and stream (reset to 0
+    by the kernel that uses them). Allocated outside CUDA-graph capture on the first eager call."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
+def weight_kind(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
+    """W_DENSE / W_FP8 / W_FP4 from the storage dtypes (the checkpoint's formats)."""
+    if scale is None:
+        return W_DENSE
+    if weight.dtype == torch.float8_e4m3fn:
+        return W_FP8
+    if weight.dtype in (torch.int8, torch.uint8):
+        return W_FP4
+    raise TypeError(f"unsupported quantised weight dtype {weight.dtype}")
+
+
+def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor, *,
+                  bm: int | None = None, bn: int | None = None, bk: int | None = None, split_k: int | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None) -> None:
+    """out [M, N] (bf16 or fp32) = x2 [M, K] @ dequant(weight)^T; with a scaled weight x2 is
+    FP8-quantised first (`fp8_quant`, one pass). The keyword tile parameters are for tuning
+    (defaults: the tables above)."""
+    from .fp8_quant import fp8_quant
+    from .launch import interpreting, num_workers
+
+    m, k = x2.shape
+    kind = weight_kind(weight, scale)
+    n = weight.shape[0]
+    if kind != W_DENSE and k % 32:
+        raise ValueError(f"in_features {k} is not a multiple of 32 (the FP8 activation group)")
+    want_k = k if kind != W_FP4 else k // 2
+    if weight.shape[1] != want_k:
+        raise ValueError(f"weight {tuple(weight.shape)} does not match in_features {k}")
+    interp = interpreting()
+    small = m <= DECODE_MAX_M
+    if interp:
+        cfg = {"bm": 16, "bn": INTERP["bn"], "bk": INTERP["bk"], "group_m": 1}
+    elif small:
+        cfg = dict(DECODE, bm=16 if m <= 16 else (32 if m <= 32 else 64), group_m=1)
+    else:
+        cfg = dict(PREFILL)
+    bm, bn, bk = bm or cfg["bm"], bn or cfg["bn"], bk or cfg["bk"]
+    n_tiles = -(-m // bm) * -(-n // bn)
+    k_steps = -(-k // bk)
+    if split_k is None:
+        if small and not interp:
+            split_k = max(1, min(k_steps // 2, -(-DECODE["waves"] * num_workers(x2.device) // n_tiles)))
+        else:
+            split_k = 1 if not interp else min(2, k_steps)
+    k_per_split = bk * -(-k_steps // split_k)
+    split_k = -(-k // k_per_split)
+    if split_k > 1:
+        part = torch.empty(split_k, m, n, dtype=torch.float32, device=x2.device)
+        counts = _counters(x2.device, n_tiles)
+    else:
+        part = counts = out
+    if kind == W_DENSE:
+        q = qs = s = x2  # unused placeholders
+    else:
+        q, qs = fp8_quant(x2)
+        qs, s = qs.view(torch.uint8), scale.view(torch.uint8)
+    w = weight.view(torch.uint8) if kind == W_FP4 else weight
+    a_terms = 1 if x2.dtype == torch.bfloat16 else 3
+    out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    kw = {} if interp else {"num_warps": num_warps or cfg.get("num_warps", 4),
+                            "num_stages": num_stages or cfg.get("num_stages", 3)}
+    _block_linear_kernel[(n_tiles, split_k)](
+        x2, q, qs, w, s, out_arg, part, counts, m, n, k, s.shape[1] if scale is not None else 0, k_per_split,
+        W_KIND=kind, SPLIT_K=split_k, A_TERMS=a_terms, LOWP=not interp,
+        OUT_BF16=out.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], **kw)
+
+
+def dequant_bf16(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A scaled weight's exact values as a bf16 [N, K] tensor (one pass)."""
+    kind = weight_kind(weight, scale)
+    n = weight.shape[0]
+    k = weight.shape[1] * (2 if kind == W_FP4 else 1)
+    out = torch.empty(n, k, dtype=torch.bfloat16, device=weight.device)
+    bn, bk = 32, 128
+    _dequant_kernel[(-(-n // bn), -(-k // bk))](weight.view(torch.uint8) if kind == W_FP4 else weight,
+                                                scale.view(torch.uint8), out.view(torch.int16), n, k, scale.shape[1],
+                                                W_KIND=kind, BN=bn, BK=bk)
+    return out
+
+
+# From this many rows on, a scaled linear with bf16 output dequantises its weight to bf16 (one
+# pass, ~N*K*3 bytes) and multiplies in cuBLAS: H200, K=5120, N=6144, M=4096: 358 us in all
+# (719 TFLOP/s) against 1224 us for this kernel, whose per-block rescale halves the matrix rate
+# (benchmarks/sweep_kernels.py --only linear, 2026-11-30).
+CUBLAS_MIN_M = 1024
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+           out_dtype: torch.dtype = torch.bfloat16, **tiles) -> torch.Tensor:
+    """`ops.linear` on a device: x [..., K] -> [..., N] in `out_dtype` (float64 gives fp32: no
+    fp64 on devices). bf16 x and weights with bf16 output, and fp32 weights, go to torch's matmul
+    (cuBLAS, fp32 accumulation), as do scaled weights at M >= CUBLAS_MIN_M with bf16 output (the
+    weight dequantised exactly to bf16, x quantised through FP8 to bf16: exact operands); the
+    rest (decode, fp32 outputs, the bf16 head's fp32 logits) to the kernel above."""
+    from .fp8_quant import fp8_qdq_bf16
+    from .launch import interpreting
+
+    if out_dtype not in (torch.bfloat16, torch.float32, torch.float64):
+        raise ValueError(f"linear: unsupported out_dtype {out_dtype}")
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = weight.shape[0]
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    odt = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+    if not interpreting() and not tiles:
+        if scale is None and odt == weight.dtype == x2.dtype:  # bf16 x bf16 -> bf16 (or fp32 throughout)
+            return torch.matmul(x2, weight.t()).reshape(*lead, n)
+        if scale is None and weight.dtype != torch.bfloat16:  # fp32 weights: an fp32 GEMM (TF32 off)
+            return torch.matmul(x2.float(), weight.float().t()).to(odt).reshape(*lead, n)
+        if scale is not None and odt == torch.bfloat16 and m >= CUBLAS_MIN_M:
+            if k % 32:
+                raise ValueError(f"in_features {k} is not a multiple of 32 (the FP8 activation group)")
+            return torch.matmul(fp8_qdq_bf16(x2), dequant_bf16(weight, scale).t()).reshape(*lead, n)
+    out = torch.empty(m, n, dtype=odt, device=x.device)
+    if m:
+        launch_linear(x2, weight, scale, out, **tiles)
+    return out.reshape(*lead, n)
+
+
+OPS = {"linear": linear}

@@ -1,0 +1,66 @@
+"""Engram's gated add (op `engram_gate`), one program per (token, stream): x_s [d] (bf16), its key
+k_s [d] and the token's value v [d] (fp32) are read once; both RMS norms, the weighted dot
+product, gate = sigmoid(sign(dot) sqrt(max(|dot|, 1e-6))) (0 on image tokens) and x_s + gate * v
+in fp32, rounded to x's dtype. The weights are per stream, [n, d]: program (t, s) reads row s.
+Matches `engram_gate_ref` within fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...backends.reference.basic import engram_gate as engram_gate_ref  # noqa: F401  (the oracle)
+from .block_scaled import bf16_bits16
+
+
+@triton.jit
+def _engram_gate_kernel(x_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, img_ptr, y_ptr, N, D, eps, inv_sqrt_d,
+                        BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr):
+    t = tl.program_id(0)
+    s = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_D)
+    m = cols < D
+    row = (t.to(tl.int64) * N + s) * D
+    x = tl.load(x_ptr + row + cols, mask=m, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + row + cols, mask=m, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + t.to(tl.int64) * D + cols, mask=m, other=0.0).to(tl.float32)
+    qw = tl.load(qw_ptr + s * D + cols, mask=m, other=0.0).to(tl.float32)
+    kw = tl.load(kw_ptr + s * D + cols, mask=m, other=0.0).to(tl.float32)
+    kn = k * tl.math.rsqrt(tl.sum(k * k, axis=0) / D + eps)
+    xn = x * tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    dot = tl.sum(kn * kw * xn * qw, axis=0) * inv_sqrt_d
+    z = tl.sqrt(tl.maximum(tl.abs(dot), 1e-6))
+    z = tl.where(dot < 0, -z, tl.where(dot > 0, z, 0.0))
+    gate = 1.0 / (1.0 + tl.exp(-z))
+    gate = tl.where(tl.load(img_ptr + t) != 0, 0.0, gate)
+    y = x + gate * v
+    if OUT_BF16:
+        tl.store(y_ptr + row + cols, bf16_bits16(y), mask=m)
+    else:
+        tl.store(y_ptr + row + cols, y, mask=m)
+
+
+def engram_gate(x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                eps: float, is_image: torch.Tensor) -> torch.Tensor:
+    """x [T, n, d], k [T, n, d], v [T, d], weights [n, d] (one row per stream), is_image [T] -> [T, n, d]."""
+    t, n, d = x.shape
+    if k.shape != x.shape or v.shape != (t, d) or is_image.shape != (t,):
+        raise ValueError(f"engram_gate: k {tuple(k.shape)}, v {tuple(v.shape)}, is_image {tuple(is_image.shape)} "
+                         f"do not fit x {tuple(x.shape)}")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if tuple(w.shape) != (n, d):  # one row per mHC stream, as the reference requires
+            raise ValueError(f"engram_gate: {name} must be [n_streams, d] = [{n}, {d}], got {list(w.shape)}")
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    if t:
+        out_bf16 = x.dtype == torch.bfloat16
+        _engram_gate_kernel[(t, n)](xc, k.float().contiguous(), v.float().contiguous(), q_weight.contiguous(),
+                                    k_weight.contiguous(), is_image.to(torch.int8).contiguous(),
+                                    y.view(torch.int16) if out_bf16 else y, n, d, float(eps),
+                                    d ** -0.5, BLOCK_D=triton.next_power_of_2(d), OUT_BF16=out_bf16)
+    return y
+
+
+OPS = {"engram_gate": engram_gate}

@@ -1,0 +1,133 @@
+"""The mHC entry of a block (ops `mhc_mixes` and `mhc_collapse`), for the places the fused
+`mhc_mix` (mega_mhc.py) does not cover: the model entry and blocks after Engram.
+
+`mhc_mixes`: coefficient prediction from the streams x [T, n, d] alone. The work split and the
+exact dot products are mega_mhc's (its docstring): BLOCK_T tokens x one chunk of d per work item;
+the 24 dot products with fn as tl.dot on bf16 x times fn split into three bf16 parts (exact
+products, fp32 sums, Kahan-compensated across slices), written per chunk and added by mega_mhc's
+coefficient kernel (sigmoids, Sinkhorn in registers). x is read once.
+
+`mhc_collapse`: sum_i pre[i] * x_i in fp32, rounded to x's dtype; one program per token and
+d-block.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...backends.reference.mhc import mhc_collapse as mhc_collapse_ref  # noqa: F401  (the oracle)
+from ...backends.reference.mhc import mhc_mixes as mhc_mixes_ref  # noqa: F401  (the oracle)
+from .block_scaled import bf16_bits16
+from .mega_mhc import N_MIX, N_STREAMS, TILES, _fn_dot, _kahan, _mhc_coef_kernel
+
+
+@triton.jit
+def _mhc_partials_kernel(x_ptr, fn_ptr, part_ptr, pcomp_ptr, pss_ptr, T, D, chunk, n_chunks, n_items,
+                         num_programs, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr):
+    pid = tl.program_id(0)
+    dt = tl.arange(0, BLOCK_D)
+    kk = tl.arange(0, 32)
+    kmask = kk < 24
+    for item in range(pid, n_items, num_programs):
+        tile = item // n_chunks
+        ck = item - tile * n_chunks
+        tok = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        tm = tok < T
+        x_row = tok.to(tl.int64)[:, None] * (4 * D)
+        acc = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
+        comp = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
+        ss = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        for d0 in range(ck * chunk, tl.minimum(ck * chunk + chunk, D), BLOCK_D):
+            cols = d0 + dt
+            cm = cols < D
+            m2 = tm[:, None] & cm[None, :]
+            xo = x_row + cols[None, :]
+            f0 = tl.load(x_ptr + xo, mask=m2, other=0.0).to(tl.float32)
+            f1 = tl.load(x_ptr + xo + D, mask=m2, other=0.0).to(tl.float32)
+            f2 = tl.load(x_ptr + xo + 2 * D, mask=m2, other=0.0).to(tl.float32)
+            f3 = tl.load(x_ptr + xo + 3 * D, mask=m2, other=0.0).to(tl.float32)
+            ss += f0 * f0 + f1 * f1 + f2 * f2 + f3 * f3
+            fmask = kmask[:, None] & cm[None, :]
+            fo = kk[:, None].to(tl.int64) * (4 * D) + cols[None, :]
+            part = _fn_dot(f0, fn_ptr, fo, fmask, SPLIT) + _fn_dot(f1, fn_ptr, fo + D, fmask, SPLIT)
+            part += _fn_dot(f2, fn_ptr, fo + 2 * D, fmask, SPLIT) + _fn_dot(f3, fn_ptr, fo + 3 * D, fmask, SPLIT)
+            acc, comp = _kahan(acc, comp, part)
+        po = (ck * T + tok.to(tl.int64))[:, None] * 32 + kk[None, :]
+        tl.store(part_ptr + po, acc, mask=tm[:, None])
+        tl.store(pcomp_ptr + po, comp, mask=tm[:, None])
+        tl.store(pss_ptr + ck * T + tok, tl.sum(ss, axis=1), mask=tm)
+
+
+def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+              hc_eps: float, iters: int):
+    """x [T, 4, d] -> (pre [T, 4], post [T, 4], comb [T, 4, 4]) fp32."""
+    from .launch import grid_for, interpreting, needs_int64, num_workers
+
+    if x.dim() != 3 or x.shape[1] != N_STREAMS:
+        raise ValueError(f"x must be [T, {N_STREAMS}, d], got {tuple(x.shape)}")
+    t, n, d = x.shape
+    if fn.shape != (N_MIX, n * d) or scale.numel() != 3 or base.numel() != N_MIX:
+        raise ValueError(f"fn must be [{N_MIX}, {n * d}], scale [3], base [{N_MIX}]")
+    x, fn, scale, base = x.contiguous(), fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous()
+    pre = torch.empty(t, n, dtype=torch.float32, device=x.device)
+    post = torch.empty_like(pre)
+    comb = torch.empty(t, n, n, dtype=torch.float32, device=x.device)
+    if t == 0:
+        return pre, post, comb
+    tiles = TILES["cuda"] if x.device.type == "cuda" and not interpreting() else TILES["default"]
+    bt, bd = tiles["block_t"], min(tiles["block_d"], triton.next_power_of_2(d))
+    n_tiles, slices = -(-t // bt), -(-d // bd)
+    want = max(tiles["d_split"], -(-2 * num_workers(x.device) // n_tiles))
+    chunk = bd * -(-slices // want)
+    n_chunks = -(-d // chunk)
+    n_items = n_tiles * n_chunks
+    grid = grid_for(n_items, x.device)
+    split = (not interpreting()) and x.dtype == torch.bfloat16
+    kw = {} if interpreting() else {"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]}
+    part = torch.empty(n_chunks, t, 32, dtype=torch.float32, device=x.device)
+    pcomp = torch.empty_like(part)
+    pss = torch.empty(n_chunks, t, dtype=torch.float32, device=x.device)
+    _mhc_partials_kernel[(grid,)](x, fn, part, pcomp, pss, t, d, chunk, n_chunks, n_items, grid,
+                                  BLOCK_T=bt, BLOCK_D=bd, SPLIT=split, **kw)
+    cgrid = grid_for(n_tiles, x.device)
+    _mhc_coef_kernel[(cgrid,)](part, pcomp, pss, scale, base, pre, post, comb, t, d, n_chunks, float(norm_eps),
+                               float(hc_eps), int(iters), n_tiles, cgrid, BLOCK_T=bt, WIDE=needs_int64(x, fn),
+                               **({} if interpreting() else {"num_warps": 4}))
+    return pre, post, comb
+
+
+@triton.jit
+def _mhc_collapse_kernel(x_ptr, pre_ptr, y_ptr, D, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m = cols < D
+    base = t.to(tl.int64) * 4 * D + cols
+    acc = tl.load(pre_ptr + t * 4).to(tl.float32) * tl.load(x_ptr + base, mask=m, other=0.0).to(tl.float32)
+    acc += tl.load(pre_ptr + t * 4 + 1).to(tl.float32) * tl.load(x_ptr + base + D, mask=m, other=0.0).to(tl.float32)
+    acc += tl.load(pre_ptr + t * 4 + 2).to(tl.float32) * tl.load(x_ptr + base + 2 * D, mask=m, other=0.0).to(tl.float32)
+    acc += tl.load(pre_ptr + t * 4 + 3).to(tl.float32) * tl.load(x_ptr + base + 3 * D, mask=m, other=0.0).to(tl.float32)
+    if OUT_BF16:
+        tl.store(y_ptr + t.to(tl.int64) * D + cols, bf16_bits16(acc), mask=m)
+    else:
+        tl.store(y_ptr + t.to(tl.int64) * D + cols, acc, mask=m)
+
+
+def mhc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """x [T, 4, d], pre [T, 4] -> [T, d] in x's dtype."""
+    if x.dim() != 3 or x.shape[1] != N_STREAMS or pre.shape != x.shape[:2]:
+        raise ValueError(f"x must be [T, {N_STREAMS}, d] and pre [T, {N_STREAMS}], got {tuple(x.shape)}, "
+                         f"{tuple(pre.shape)}")
+    t, _, d = x.shape
+    xc = x.contiguous()
+    y = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    if t:
+        bd = min(1024, triton.next_power_of_2(d))
+        out_bf16 = x.dtype == torch.bfloat16
+        _mhc_collapse_kernel[(t, -(-d // bd))](xc, pre.float().contiguous(), y.view(torch.int16) if out_bf16 else y,
+                                              d, BLOCK_D=bd, OUT_BF16=out_bf16)
+    return y
+
+
+OPS = {"mhc_mixes": mhc_mixes, "mhc_collapse": mhc_collapse}

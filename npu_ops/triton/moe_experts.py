@@ -1,0 +1,244 @@
+"""Routed (and shared) experts as grouped kernels over the active experts (op `moe_experts`).
+
+Per call, with R = T * k routed rows (token t, slot j -> flat row t * k + j):
+1. Rows are sorted by expert (torch: one stable sort of the ids, ids < 0 last, and a
+   searchsorted for each expert's segment; no host sync, so the call can be captured), and x is
+   FP8-quantised once (`fp8_quant`).
+2. `_gate_up_kernel`, grid (experts, I / 32, row-tile slots): each program walks its expert's
+   rows in BM-row tiles, gathers the token rows of the quantised x, streams its 32 columns of w1
+   and w3 one 32-wide scale block at a time (`scaled_block_step`: FP8 or E2M1 straight into the
+   dot, both scales on the block's partial sum), and in the epilogue applies the clamped SwiGLU,
+   the routing weight, and the FP8 quantisation of the w2 input (its 32 columns are one group):
+   codes [R, I] and E8M0 scales [R, I / 32], written once, in expert order.
+3. `_down_kernel`, grid (experts, d / BN, slots): h rows times w2, each expert's output row
+   written in fp32 to its flat row (t * k + j).
+4. `_combine_kernel`: out[t] = sum over the slots j with ids >= 0, in slot order, fp32.
+Each expert's weights are read once per call for up to BM rows (decode: one slot, so a program
+walks all its expert's row tiles), which is the weight-read floor for 1..64 tokens. Expert
+weights stay the model's own tensors: the kernels reach expert e's tensors through a table of
+element offsets from the first expert's tensors (built once per set of experts and cached), so
+nothing is stacked or copied. bf16 experts take plain bf16 dots and a bf16 w2 input.
+
+Numerics as block_linear (exact bf16 operands, fp32 sums): the reference's values up to fp32
+summation order and the device exp in SiLU. Output fp32 (also for out_dtype float64: no fp64 on
+devices). Expert weights: FP4 (int8 [N, K/2] + E8M0 [N, K/32]), FP8 (+ E8M0 32x32 blocks) or
+bf16; all experts of a call share one format and shape.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...backends.reference.moe import moe_experts as moe_experts_ref  # noqa: F401  (the oracle)
+from .block_linear import DECODE_MAX_M, _dot_acc, weight_kind
+from .block_scaled import (W_DENSE, W_FP4, bf16_bits16, fp8_code, fp8_exponent, load_weight_tile, pow2,
+                           scaled_block_step)
+from .swiglu import swiglu_tile
+
+# Tiles: BN columns of the expert's intermediate width (gate/up) or of d (down), BK along K.
+TILES = {"cuda": {"bn_up": 32, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 4},
+         "cuda_prefill": {"bm": 64, "bn_up": 32, "bn_down": 128, "bk": 64, "num_warps": 4, "num_stages": 3},
+         "interp": {"bm": 16, "bn_up": 32, "bn_down": 32, "bk": 64}}
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, q_ptr, qs_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_ptr,
+                    hq_ptr, hs_ptr, hb_ptr, K, I, s_stride, limit,
+                    TOPK: tl.constexpr, W_KIND: tl.constexpr, LOWP: tl.constexpr, ALIGN: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    e = tl.program_id(0)
+    pn = tl.program_id(1)
+    rn = pn * BN + tl.arange(0, BN)
+    nmask = rn < I
+    start = tl.load(bounds_ptr + e)
+    end = tl.load(bounds_ptr + e + 1)
+    w1 = w_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 0), ALIGN)
+    w3 = w_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 1), ALIGN)
+    s1 = s_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 3), ALIGN)
+    s3 = s_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 4), ALIGN)
+    # program (e, pn, slot) takes row tiles slot, slot + n_slots, ... of its expert's segment
+    for m0 in range(start + tl.program_id(2) * BM, end, BM * tl.num_programs(2)):
+        rows = m0 + tl.arange(0, BM)
+        rmask = rows < end
+        f = tl.load(perm_ptr + rows, mask=rmask, other=0)
+        tok = f // TOPK
+        acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+        acc3 = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            if W_KIND == 0:
+                kk = k0 + tl.arange(0, BK)
+                a = tl.load(x_ptr + tok[:, None] * K + kk[None, :], mask=rmask[:, None] & (kk[None, :] < K),
+                            other=0.0).to(tl.float32)
+                acc1 = _dot_acc(acc1, a, load_weight_tile(w1, s1, rn, k0, I, K, s_stride, BN, BK, W_KIND), 1, LOWP)
+                acc3 = _dot_acc(acc3, a, load_weight_tile(w3, s3, rn, k0, I, K, s_stride, BN, BK, W_KIND), 1, LOWP)
+            else:
+                for kb in tl.static_range(BK // 32):
+                    acc1 = scaled_block_step(acc1, q_ptr, qs_ptr, tok, rmask, w1, s1, rn, nmask, k0 + kb * 32, K, K,
+                                             s_stride, W_KIND, LOWP)
+                    acc3 = scaled_block_step(acc3, q_ptr, qs_ptr, tok, rmask, w3, s3, rn, nmask, k0 + kb * 32, K, K,
+                                             s_stride, W_KIND, LOWP)
+        h = swiglu_tile(acc1, acc3, limit) * tl.load(wts_ptr + f, mask=rmask, other=0.0)[:, None]
+        rows64 = rows.to(tl.int64)
+        omask = rmask[:, None] & nmask[None, :]
+        if W_KIND == 0:  # bf16 experts: the w2 input rounded to bf16
+            tl.store(hb_ptr + rows64[:, None] * I + rn[None, :], bf16_bits16(h), mask=omask)
+        else:  # FP8-quantise the w2 input: this tile's BN = 32 columns are one group
+            ex = fp8_exponent(tl.max(tl.abs(h), axis=1))
+            tl.store(hq_ptr + rows64[:, None] * I + rn[None, :], fp8_code(h * pow2(-ex)[:, None]).to(tl.uint8),
+                     mask=omask)
+            tl.store(hs_ptr + rows64 * (I // 32) + pn, tl.minimum(tl.maximum(ex + 127, 0), 254).to(tl.uint8),
+                     mask=rmask)
+
+
+@triton.jit
+def _down_kernel(hb_ptr, hq_ptr, hs_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, y_ptr, I, D, s_stride,
+                 W_KIND: tl.constexpr, LOWP: tl.constexpr, ALIGN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr):
+    e = tl.program_id(0)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = rn < D
+    start = tl.load(bounds_ptr + e)
+    end = tl.load(bounds_ptr + e + 1)
+    w2 = w_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 2), ALIGN)
+    s2 = s_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 5), ALIGN)
+    for m0 in range(start + tl.program_id(2) * BM, end, BM * tl.num_programs(2)):
+        rows = m0 + tl.arange(0, BM)
+        rmask = rows < end
+        rows64 = rows.to(tl.int64)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            if W_KIND == 0:
+                kk = k0 + tl.arange(0, BK)
+                a = tl.load(hb_ptr + rows64[:, None] * I + kk[None, :], mask=rmask[:, None] & (kk[None, :] < I),
+                            other=0.0).to(tl.float32)
+                acc = _dot_acc(acc, a, load_weight_tile(w2, s2, rn, k0, D, I, s_stride, BN, BK, W_KIND), 1, LOWP)
+            else:
+                for kb in tl.static_range(BK // 32):
+                    acc = scaled_block_step(acc, hq_ptr, hs_ptr, rows64, rmask, w2, s2, rn, nmask, k0 + kb * 32, I, I,
+                                            s_stride, W_KIND, LOWP)
+        f = tl.load(perm_ptr + rows, mask=rmask, other=0)
+        tl.store(y_ptr + f[:, None] * D + rn[None, :], acc, mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, ids_ptr, out_ptr, D, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < D
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(TOPK):
+        ok = tl.load(ids_ptr + t * TOPK + j) >= 0
+        acc += tl.load(y_ptr + (t.to(tl.int64) * TOPK + j) * D + cols, mask=m & ok, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * D + cols, acc, mask=m)
+
+
+# ---- launcher -----------------------------------------------------------------------------------
+
+_TABLES: dict[tuple, tuple] = {}
+_ARANGE: dict[tuple, torch.Tensor] = {}
+
+
+def _expert_table(experts: list, device: torch.device):
+    """(weight base, scale base, int64 [E, 6] element offsets of (w1, w3, w2, s1, s3, s2) from the
+    bases, kind, (I, K)); cached per set of expert tensors (keyed by their addresses)."""
+    key = tuple(t.data_ptr() if t is not None else 0 for ex in experts for pair in ex for t in pair)
+    hit = _TABLES.get(key)
+    if hit is not None:
+        return hit
+    (w1, s1), (w2, s2), (w3, s3) = experts[0]
+    kind = weight_kind(w1, s1)
+    if kind == W_DENSE and w1.dtype != torch.bfloat16:
+        raise TypeError(f"moe_experts kernel: unscaled expert weights must be bf16, got {w1.dtype}")
+    inter = w1.shape[0]
+    dim = w2.shape[0]
+    w_base = w1.view(torch.uint8) if kind == W_FP4 else w1
+    s_base = s1.view(torch.uint8) if s1 is not None else w_base
+    esz = w_base.element_size()
+    rows = []
+    for i, ex in enumerate(experts):
+        (a1, b1), (a2, b2), (a3, b3) = ex
+        if a1.shape != w1.shape or a3.shape != w1.shape or a2.shape != w2.shape or a1.dtype != w1.dtype:
+            raise ValueError(f"moe_experts kernel: expert {i} differs in shape or format from expert 0")
+        if any(t.device != device or not t.is_contiguous() for t in (a1, a2, a3)):
+            raise ValueError(f"moe_experts kernel: expert {i}'s weights must be contiguous on {device}")
+        offs = [(t.data_ptr() - w_base.data_ptr()) // esz for t in (a1, a3, a2)]
+        offs += [(t.data_ptr() - s_base.data_ptr()) if t is not None else 0 for t in (b1, b3, b2)]
+        rows.append(offs)
+    table = torch.tensor(rows, dtype=torch.int64, device=device)
+    # The offsets come from memory, so the compiler cannot see that the tensors are aligned: say
+    # so (16 elements) when it is true, or every weight load is split into single-byte loads.
+    align = 16 if all(o % 16 == 0 for r in rows for o in r) else 1
+    k_in = w1.shape[1] * (2 if kind == W_FP4 else 1)
+    hit = _TABLES[key] = (w_base, s_base, table, kind, inter, k_in,
+                          (s1.shape[1] if s1 is not None else 0, s2.shape[1] if s2 is not None else 0), align)
+    return hit
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: list, limit: float,
+                out_dtype: torch.dtype = torch.float32, *, bm: int | None = None, bn_up: int | None = None,
+                bn_down: int | None = None, bk: int | None = None, num_warps: int | None = None,
+                num_stages: int | None = None) -> torch.Tensor:
+    """`ops.moe_experts` on a device: x [T, d], weights / ids [T, k] -> [T, d] fp32 (float64
+    requested: fp32). Keyword tile parameters are for tuning (defaults: TILES)."""
+    from .fp8_quant import fp8_quant
+    from .launch import interpreting
+
+    t, d = x.shape
+    topk = ids.shape[1]
+    out = torch.empty(t, d, dtype=torch.float32, device=x.device)
+    if t == 0:
+        return out
+    if ids.shape != weights.shape or ids.shape[0] != t:
+        raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [{t}, k]")
+    n_exp = len(experts)
+    w_base, s_base, table, kind, inter, k_in, (s_up, s_down), align = _expert_table(experts, x.device)
+    if k_in != d:
+        raise ValueError(f"expert input width {k_in} != x width {d}")
+    interp = interpreting()
+    tiles = TILES["interp" if interp else ("cuda" if t <= DECODE_MAX_M else "cuda_prefill")]
+    r = t * topk
+    per_expert = r / min(n_exp, r)  # rows of an active expert, on average
+    bm = bm or tiles.get("bm") or (16 if per_expert <= 16 else (32 if per_expert <= 32 else 64))
+    bn_up, bn_down, bk = bn_up or tiles["bn_up"], bn_down or tiles["bn_down"], bk or tiles["bk"]
+    kw = {} if interp else {"num_warps": num_warps or tiles["num_warps"], "num_stages": num_stages or tiles["num_stages"]}
+
+    flat = ids.reshape(-1)
+    key = torch.where(flat < 0, n_exp, flat)
+    sorted_key, perm = torch.sort(key, stable=True)
+    ar = _ARANGE.get((x.device, n_exp))
+    if ar is None:
+        ar = _ARANGE[(x.device, n_exp)] = torch.arange(n_exp + 1, device=x.device, dtype=sorted_key.dtype)
+    bounds = torch.searchsorted(sorted_key, ar)
+
+    xc = x.contiguous()
+    if kind == W_DENSE:
+        q = qs = xc  # unused placeholders
+        hb = torch.empty(r, inter, dtype=torch.bfloat16, device=x.device)
+        hq = hs = hb
+    else:
+        if bn_up != 32 or inter % 32:
+            raise ValueError("moe_experts kernel: quantised experts need bn_up = 32 (one FP8 group per tile)")
+        q, qs = fp8_quant(xc)
+        qs = qs.view(torch.uint8)
+        hq = torch.empty(r, inter, dtype=torch.float8_e4m3fn, device=x.device)
+        hs = torch.empty(r, inter // 32, dtype=torch.uint8, device=x.device)
+        hb = hq
+    y = torch.empty(r, d, dtype=torch.float32, device=x.device)
+    # row-tile slots per expert: 1 (each program walks all of its expert's tiles) for decode;
+    # for prefill, enough that each program takes about two tiles
+    slots = 1 if t <= DECODE_MAX_M or interp else max(1, -(-r // (bm * min(n_exp, r) * 2)))
+    _gate_up_kernel[(n_exp, -(-inter // bn_up), slots)](
+        xc, q, qs, perm, bounds, weights.float().contiguous().reshape(-1), w_base, s_base, table,
+        hq.view(torch.uint8) if kind != W_DENSE else hq, hs, hb.view(torch.int16) if kind == W_DENSE else hb,
+        d, inter, s_up, float(limit), TOPK=topk, W_KIND=kind, LOWP=not interp, ALIGN=align, BM=bm, BN=bn_up, BK=bk, **kw)
+    _down_kernel[(n_exp, -(-d // bn_down), slots)](
+        hb, hq, hs, perm, bounds, w_base, s_base, table, y, inter, d, s_down, W_KIND=kind, LOWP=not interp, ALIGN=align,
+        BM=bm, BN=bn_down, BK=bk, **kw)
+    cb = min(1024, triton.next_power_of_2(d))
+    _combine_kernel[(t, -(-d // cb))](y, ids.contiguous(), out, d, TOPK=topk, BLOCK=cb)
+    return out
+
+
+OPS = {"moe_experts": moe_experts}
