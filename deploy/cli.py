@@ -577,10 +577,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     sv = sub.add_parser("serve", help="vLLM's OpenAI-compatible server with our model (other flags go to vLLM)",
-                        description="Runs `python -m vllm.entrypoints.openai.api_server --model MODEL_DIR` with "
-                                    "our architecture selected (--hf-overrides), --reasoning-parser deepseek_v41 "
-                                    "(deepseek_r1 on a vLLM without it) and "
-                                    "VLLM_MLA_DISABLE=1; every other flag is passed to vLLM unchanged.")
+                        description="Runs vLLM's `serve` command on MODEL_DIR with our architecture selected "
+                                    "(--hf-overrides), a --block-size that fits the page layout, --reasoning-parser "
+                                    "and --tool-call-parser deepseek_v41, VLLM_MLA_DISABLE=1 and (CPU build) a KV "
+                                    "space that fits; every flag given is passed to vLLM and wins over these.")
     sv.add_argument("model_dir", metavar="MODEL_DIR", help="checkpoint directory (config.json, safetensors, tokenizer)")
     sv.add_argument("flags", nargs=argparse.REMAINDER, help="vLLM server flags, e.g. --port 8000 --max-model-len 4096")
     sv.set_defaults(func=cmd_serve)

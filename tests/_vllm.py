@@ -20,6 +20,16 @@ MAX_LEN = 256
 STARTUP_S = 600
 
 
+def tiny_checkpoint(tmp_path_factory, seed: int) -> Path:
+    """A fresh tiny checkpoint (random weights of `seed`) in its own temporary directory."""
+    from dsv41.core.config import preset
+    from dsv41.deploy.checkpoint import make_checkpoint
+
+    d = tmp_path_factory.mktemp("ckpt") / "tiny"
+    make_checkpoint(preset("tiny"), d, seed=seed)
+    return d
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -61,14 +71,18 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(ckpt: Path, log_path: Path, flags: list[str], env: dict | None = None):
-    """`dsv41 serve ckpt` on a free local port (tiny-model defaults + `flags`), healthy on entry
-    and stopped (its whole process group) on exit, whatever happened."""
+def running_server(ckpt: Path, log_path: Path, flags: list[str], env: dict | None = None, test_defaults: bool = True):
+    """`dsv41 serve ckpt` on a free local port (with `test_defaults`, the tests' flags and a
+    1 GiB KV space; else only `flags`), healthy on entry and stopped (its whole process group)
+    on exit, whatever happened."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "dsv41.deploy.cli", "serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
-           "--enforce-eager", "--block-size", "8", "--max-model-len", str(MAX_LEN), "--enable-prefix-caching",
-           "--gpu-memory-utilization", "0.2", "--served-model-name", "tiny", *flags]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+    cmd = [sys.executable, "-m", "dsv41.deploy.cli", "serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port)]
+    if test_defaults:
+        cmd += ["--enforce-eager", "--block-size", "8", "--max-model-len", str(MAX_LEN), "--enable-prefix-caching",
+                "--gpu-memory-utilization", "0.2", "--served-model-name", "tiny"]
+    cmd += flags
+    env = {**os.environ, **({"VLLM_CPU_KVCACHE_SPACE": "1"} if test_defaults else {}), **(env or {})}
+    env = {k: v for k, v in env.items() if v is not None}  # None in `env`: unset
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     srv = Server(f"http://127.0.0.1:{port}", proc, str(log_path))

@@ -214,3 +214,46 @@ def test_same_tokens_other_image_never_reuses_stale_entries(tiny_cfg, fresh_seed
     fresh = run(fake.new_tables(40), rows_b)
     assert torch.equal(stale, fresh)
     assert not torch.equal(fresh, run(fake.new_tables(40), rows_a))  # the image matters at all
+
+
+def test_one_step_over_many_requests_equals_each_alone(tiny_cfg, fresh_seed, rng, gen):
+    """vLLM's steps mix requests: several prefill chunks of different lengths and starts, and
+    decodes, in ONE forward over one shared private pool (`run_step`). Each request's greedy
+    tokens must equal the reference engine's for it alone."""
+    from dsv41.deploy.vllm.paged_cache import ScheduledChunk
+
+    model = build_model(tiny_cfg, seed=fresh_seed)
+    fake = FakeVllm(model, tiny_cfg.sliding_window, "cpu", gen)
+    engine = Engine(model, prefill_mode="exact")
+    prompts = [_prompt(rng, n) for n in (5, 23, 17, 9)]
+    n_new = 6
+    expected = [engine.generate(p, SamplingParams(max_new_tokens=n_new)).token_ids for p in prompts]
+    tables = [fake.new_tables(48) for _ in prompts]
+    width = max(v.shape[0] for t in tables for v in t.values())
+    meta = {k: Meta(torch.zeros(0)) for k in tables[0]}
+    for k in meta:  # one block-table row per request (vLLM's layout)
+        meta[k].block_table = torch.stack([torch.nn.functional.pad(t[k], (0, width - t[k].shape[0])) for t in tables])
+    # request 1 prefills in two chunks (the second beside the others' decodes); request 3 starts late
+    plan = {0: [(0, 5)], 1: [(0, 11), (11, 23)], 2: [(0, 17)], 3: [None, (0, 9)]}
+    pos = [0] * len(prompts)
+    out: list[list[int]] = [[] for _ in prompts]
+    step = 0
+    while any(len(o) < n_new for o in out):
+        chunks = []
+        for i, p in enumerate(prompts):
+            todo = plan[i][step] if step < len(plan[i]) else "decode"
+            if todo is None or len(out[i]) >= n_new:
+                continue
+            ids = torch.tensor(p[todo[0]:todo[1]] if todo != "decode" else [out[i][-1]])
+            samples = todo == "decode" or todo[1] == len(p)  # a prompt's last chunk gives a token
+            chunks.append((i, ScheduledChunk(i, pos[i], ids, None, model.image_mask(ids)), samples))
+            pos[i] += ids.shape[0]
+        assert len(chunks) > 1 or step > 3
+        h = fake.caches.run_step(model, meta, [c for _, c, _ in chunks])
+        o = 0
+        for i, c, sample in chunks:
+            o += c.ids.shape[0]
+            if sample:
+                out[i].append(int(model.logits(h[o - 1:o])[0].argmax()))
+        step += 1
+    assert out == expected

@@ -108,3 +108,35 @@ def test_chat_template_renders():
     assert s2 == "<｜begin▁of▁sentence｜><｜User｜>Hi"
     s3 = t.render(messages=msgs[1:2], add_generation_prompt=True, thinking=True, **kw)
     assert s3.endswith("<｜Assistant｜><think>")
+
+
+def test_chat_template_renders_tools_calls_and_results():
+    """Tools go to the system prompt (heading, call format, one JSON schema per line); an
+    assistant's tool calls render as one DSML calls block (strings as they are, other values
+    as JSON); tool results are <tool_result> blocks of one user turn, a user message after them
+    joining that turn."""
+    import json
+
+    from dsv41.core.messages import render_chat
+
+    fn = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}},
+                {"id": "b", "type": "function", "function": {"name": "get_time", "arguments": {}}}]},
+            {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+            {"role": "tool", "tool_call_id": "b", "content": [{"type": "text", "text": "noon"}]},
+            {"role": "user", "content": "Thanks"}]
+    s = render_chat(msgs, "<B>", "<E>", tools=[{"type": "function", "function": fn}], thinking=False)
+    head, _, rest = s.partition("<｜User｜>")
+    assert head.startswith("<B>Be brief.\n\n## Tools\n\n") and json.dumps(fn, sort_keys=True) in head
+    assert rest == ("Paris?<｜Assistant｜>\n\n<｜DSML｜ calls>\n"
+                    '<｜DSML｜ invoke name="get_weather">\n'
+                    '<｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\n'
+                    '<｜DSML｜ parameter name="days" string="false">[1, 2]</｜DSML｜ parameter>\n'
+                    "</｜DSML｜ invoke>\n"
+                    '<｜DSML｜ invoke name="get_time">\n\n'
+                    "</｜DSML｜ invoke>\n</｜DSML｜ calls><E>"
+                    "<｜User｜><tool_result>sunny</tool_result>\n\n<tool_result>noon</tool_result>\n\nThanks"
+                    "<｜Assistant｜></think>")
+    assert "## Tools" not in render_chat(msgs[:2], "<B>", "<E>")

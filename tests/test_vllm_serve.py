@@ -17,18 +17,15 @@ import torch
 
 pytest.importorskip("vllm")
 
-from _vllm import MAX_LEN, running_server
-from dsv41.core.config import preset
+from _vllm import MAX_LEN, running_server, tiny_checkpoint
 from dsv41.core.engine import Engine, SamplingParams
 from dsv41.core.tokenizer import CHAT_TEMPLATE
-from dsv41.deploy.checkpoint import load_checkpoint, make_checkpoint
+from dsv41.deploy.checkpoint import load_checkpoint
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory, fresh_seed):
-    d = tmp_path_factory.mktemp("ckpt") / "tiny"
-    make_checkpoint(preset("tiny"), d, seed=fresh_seed)
-    return d
+    return tiny_checkpoint(tmp_path_factory, fresh_seed)
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +120,21 @@ def test_concurrent_requests_do_not_cross_talk(server, rng):
     assert together == alone
 
 
+def test_sixteen_streaming_clients_each_get_their_tokens_alone(server, rng):
+    """16 concurrent streaming clients with different prompts share vLLM's steps (one forward
+    over all of them); each one's tokens equal the same prompt served alone."""
+    def streamed(ids):
+        events = server.stream("/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 12,
+                                                   "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+        return [t for e in events for c in e["choices"] for t in (c.get("token_ids") or [])]
+
+    prompts = [_prompt(rng, 5 + 3 * k) for k in range(16)]
+    alone = [_complete(server, p, 12)["token_ids"] for p in prompts]
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(streamed, prompts))
+    assert together == alone
+
+
 def hit_grain(cfg, block_size: int, replay: int) -> int:
     """Prefix hits come in multiples of the largest of our layers' block sizes (their least
     common multiple: every block is the server's --block-size times a power of two)."""
@@ -165,6 +177,67 @@ def test_bad_requests_are_400_and_server_survives(server, rng):
     assert 400 <= status < 500, body
     ids = _prompt(rng, 6)
     assert len(_complete(server, ids, 3)["token_ids"]) == 3  # still serving
+
+
+def _metric(server, name: str) -> float:
+    """Sum of a gauge over its label sets in vLLM's /metrics."""
+    status, text = server.request("/metrics")
+    assert status == 200
+    m = re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert m, f"no {name} metric"
+    return sum(float(x) for x in m)
+
+
+def _settled(server, baseline: float, timeout: float = 60.0) -> tuple[float, float]:
+    """(KV cache usage, running requests) once back at `baseline` and 0, or at the timeout."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        usage, running = _metric(server, "vllm:kv_cache_usage_perc"), _metric(server, "vllm:num_requests_running")
+        if (usage <= baseline and running == 0) or time.monotonic() > deadline:
+            return usage, running
+        time.sleep(0.5)
+
+
+def test_faults_free_their_blocks_and_the_server_keeps_serving(server, reference, rng):
+    """A client that disconnects mid-stream, a request whose client gives up (aborted), one over
+    --max-model-len and malformed JSON: every block comes back (vLLM's KV usage returns to its
+    idle value, nothing is left running) and the next request is still exact."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    greedy, _ = reference
+    baseline, running = _settled(server, 0.0)
+    assert running == 0
+    # 1. a streaming client that reads a few tokens and hangs up
+    body = {"model": "tiny", "prompt": _prompt(rng, 40), "max_tokens": MAX_LEN - 50, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(server.base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        events = 0
+        for line in r:
+            events += line.startswith(b"data: ")
+            if events == 3:
+                break
+        assert _metric(server, "vllm:kv_cache_usage_perc") > baseline  # the request holds blocks
+    # 2. a non-streaming request whose client gives up before the answer (vLLM aborts it)
+    body = {**body, "stream": False, "prompt": _prompt(rng, 30)}
+    req = urllib.request.Request(server.base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises((socket.timeout, TimeoutError, urllib.error.URLError)):
+        urllib.request.urlopen(req, timeout=1.0)
+    # 3. over --max-model-len, and 4. malformed JSON
+    status, _ = server.request("/v1/completions", {"model": "tiny", "prompt": _prompt(rng, MAX_LEN + 1), "max_tokens": 2})
+    assert 400 <= status < 500
+    status, _ = server.request("/v1/chat/completions", b'{"model": "tiny", "messages": [')
+    assert 400 <= status < 500
+    usage, running = _settled(server, baseline)
+    assert usage <= baseline and running == 0, f"blocks not freed: usage {usage} (idle {baseline}), running {running}"
+    ids = _prompt(rng, 9)
+    assert _complete(server, ids, 8)["token_ids"] == greedy(ids, 8)
 
 
 def _png_data_url(rng, w: int, h: int) -> tuple[str, bytes]:

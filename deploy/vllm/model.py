@@ -1,13 +1,14 @@
 """`Dsv41ForCausalLM`: DeepSeek-V4.1-Flash from `dsv41.core` as a vLLM model.
 
-vLLM schedules, batches, allocates and prefix-caches; this class runs `core.Transformer` over
-each scheduled request's chunk (raw token ids, so Engram hashes exactly as the reference does),
-with that request's caches gathered from vLLM's pages into a private pool
-(`paged_cache.PagedCaches`) and written back after the chunk (interim: one forward per
-request; issue 13 runs one forward per step over vLLM's pages in place). Every op goes through `dsv41.backends.ops`, so the same class runs on CPU,
-CUDA and NPU tensors. Requests are computed one after another; each one's result equals the
-reference engine's (`dsv41 run --prefill exact`) token for token, because the reference is
-batch-invariant (chunked prefill == one pass == token-by-token decode).
+vLLM schedules, batches, allocates and prefix-caches; this class runs ONE `core.Transformer`
+forward per vLLM step over every scheduled request's chunk (prefill chunks and decodes mixed;
+raw token ids, so Engram hashes exactly as the reference does). Interim: the step's requests
+have their caches gathered from vLLM's pages into one private pool shared by the step
+(`paged_cache.PagedCaches.run_step`) and written back after the forward; the ops do not yet read
+and write vLLM's pages in place. Every op goes through `dsv41.backends.ops`, so the same class
+runs on CPU, CUDA and NPU tensors. Each request's result equals the reference engine's
+(`dsv41 run --prefill exact`) token for token, because the reference is batch-invariant
+(chunked prefill == one pass == token-by-token decode == any batch).
 
 Images (`multimodal.py`): vLLM's processor expands each image token to the image's span;
 `embed_multimodal` runs the vision tower once per image (vLLM caches the output by image hash);
@@ -40,6 +41,7 @@ from ...core.parallel import SINGLE, Group, TorchGroup
 from ...core.weights import check_state_dict, materialize
 from ..convert import shard_of
 from ..names import hf_to_native
+from . import options
 from .layers import PagedLayer
 from .multimodal import (
     IMAGE_PLACEHOLDER,
@@ -48,27 +50,15 @@ from .multimodal import (
     Dsv41ProcessingInfo,
     split_pixels,
 )
-from .paged_cache import PagedCaches
+from .paged_cache import PagedCaches, ScheduledChunk, replay_length
 
-REPLAY_MODES = ("window", "exact")
 # a child of vLLM's logger, so our lines go where vLLM's go (its handlers sit on "vllm")
 logger = init_logger("vllm.dsv41")
 
 
 def plugin_options(vllm_config: VllmConfig) -> dict:
-    """Our keys of `--additional-config` (under "dsv41"), validated."""
-    extra = (vllm_config.additional_config or {}).get("dsv41", {}) or {}
-    known = ["engram_offload", "replay"]
-    unknown = set(extra) - set(known)
-    if unknown:
-        raise ValueError(f"dsv41: unknown --additional-config keys {sorted(unknown)} (known: {known})")
-    replay = extra.get("replay", "window")
-    if replay not in REPLAY_MODES:
-        raise ValueError(f"dsv41: additional_config replay must be one of {REPLAY_MODES}, got {replay!r}")
-    offload = extra.get("engram_offload", False)
-    if not isinstance(offload, bool):
-        raise ValueError(f"dsv41: additional_config engram_offload must be true or false, got {offload!r}")
-    return {"replay": replay, "engram_offload": offload}
+    """Our keys of `--additional-config` (under "dsv41"), validated (`options.plugin_options`)."""
+    return options.plugin_options(vllm_config.additional_config)
 
 
 def model_config_of(vllm_config: VllmConfig) -> ModelConfig:
@@ -113,8 +103,7 @@ class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
             model.offload_engram(device)
             logger.info("dsv41: Engram tables in host memory")
         self.model = materialize(model, device)
-        w, layers = cfg.sliding_window, cfg.num_hidden_layers
-        replay = w * layers if self.options["replay"] == "exact" else w
+        replay = replay_length(cfg, self.options["replay"])
         self.caches = PagedCaches(cfg, vllm_config.cache_config.block_size, prefix or "dsv41", replay, PagedLayer)
         self.tokenizer_path = vllm_config.model_config.tokenizer
 
@@ -162,18 +151,30 @@ class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
         return out
 
     def _run_requests(self, meta, qsl, num_reqs, input_ids, positions, out, inputs_embeds=None) -> None:
-        """One request after another; a chunk's image positions take their rows of
-        `inputs_embeds` (vLLM's merge of the encoder output) as `image_embeds`."""
+        """Every scheduled request's chunk in ONE core forward (`PagedCaches.run_step`); a
+        chunk's image positions take their rows of `inputs_embeds` (vLLM's merge of the encoder
+        output) as `image_embeds`. The rows come back in chunk order, i.e. vLLM's token order."""
+        chunks, spans = [], []
         for i in range(num_reqs):
             a, b = qsl[i], qsl[i + 1]
             if b <= a:
                 continue
-            start = int(positions[a])
             ids = input_ids[a:b].long()
             is_image, image_embeds = self.model.image_mask(ids), None
             if inputs_embeds is not None and bool(is_image.any()):
                 image_embeds = inputs_embeds[a:b][is_image]
-            out[a:b] = self.caches.run_chunk(self.model, meta, i, start, ids, image_embeds, is_image)
+            chunks.append(ScheduledChunk(i, int(positions[a]), ids, image_embeds, is_image))
+            spans.append((a, b))
+        if not chunks:
+            return
+        h = self.caches.run_step(self.model, meta, chunks)
+        if spans[0][0] == 0 and spans[-1][1] == h.shape[0] and all(p[1] == q[0] for p, q in zip(spans, spans[1:])):
+            out[: h.shape[0]] = h  # (the usual case: the requests' tokens are contiguous)
+            return
+        o = 0
+        for a, b in spans:
+            out[a:b] = h[o:o + b - a]
+            o += b - a
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden_states)

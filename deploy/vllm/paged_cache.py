@@ -1,9 +1,12 @@
 """Our caches as vLLM's block manager sees them, and the adapter between vLLM's pages and the
 block pools that `dsv41.core` computes with.
 
-Interim (until the plugin hands vLLM's pages to the ops in place, issue 13): each scheduled
-request's state is gathered from its pages into a private one-sequence `KVPool`
-(`RequestCache`), the core's batched forward runs on it, and what the chunk added is written back.
+Interim (until the plugin hands vLLM's pages to the ops in place): every request scheduled in a
+vLLM step has its state gathered from its pages into ONE private `KVPool` shared by the step (one
+`SequenceState` per request, `RequestCache`), the core runs ONE batched forward over all of their
+chunks (prefill chunks and decodes mixed), and what each chunk added is written back to its pages
+(`PagedCaches.run_step`). The copies in and out are the interim part: they cost host time per
+request and step, proportional to the window and the chunk.
 
 Cache layers (vLLM `AttentionLayerBase`s (`layers.PagedLayer`), so vLLM allocates,
 frees and prefix-caches them; this module itself needs no vLLM, so it is tested on any device):
@@ -157,9 +160,21 @@ class LayerRequest:
     page_bytes: int
 
 
+@dataclass
+class ScheduledChunk:
+    """One request's part of a vLLM step: row `index` of the step's block tables, its tokens
+    `ids` at positions start.., and its image rows (`is_image` marks the image positions)."""
+
+    index: int
+    start: int
+    ids: torch.Tensor
+    image_rows: torch.Tensor | None = None
+    is_image: torch.Tensor | None = None
+
+
 class PagedCaches(nn.Module):
-    """The cache layers of one model and the gather / scatter between pages and a
-    request's private pool for one chunk (`RequestCache`)."""
+    """The cache layers of one model and the gather / scatter between pages and the step's
+    private pool (`RequestCache` per request; interim, see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, block_size: int, prefix: str, replay_tokens: int,
                  make_layer: Callable[[LayerRequest], nn.Module]):
@@ -167,13 +182,9 @@ class PagedCaches(nn.Module):
         self.cfg = cfg
         bs = self.block_size = block_size
         ratios = sorted({cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids})
-        problems = [f"the block size ({bs}) must be a multiple of every compress ratio ({ratios})"
-                    for r in ratios if bs % r][:1]
-        if replay_tokens % bs:
-            problems.append(f"the SWA replay length ({replay_tokens} tokens) must be a multiple of the block size "
-                            f"({bs}); pass --block-size {_largest_divisor(replay_tokens, bs)}")
-        if problems:
-            raise ValueError("dsv41 vLLM plugin: " + "; ".join(problems))
+        problem = block_size_problem(cfg, bs, replay_tokens)
+        if problem:
+            raise ValueError("dsv41 vLLM plugin: " + problem)
         d, di = cfg.head_dim, cfg.index_head_dim
         self.glob_rec = {r: GlobalRecord(d, di, r) for r in ratios}
         # only the ratio-2 KV sources carry compressor rows between chunks
@@ -200,13 +211,15 @@ class PagedCaches(nn.Module):
         return row[torch.div(token_pos, bs, rounding_mode="floor")].long(), torch.remainder(token_pos, bs) // ratio
 
     def load(self, meta: dict, i: int, start: int, ids: torch.Tensor, image_rows: torch.Tensor | None = None,
-             is_image: torch.Tensor | None = None) -> "RequestCache":
-        """Request i's state before position `start`, in a private pool with room up to the
-        chunk's end: global entries and token ids from the global pages, window entries, the
-        carried compressor rows and the window floor from the SWA pages."""
-        cfg, w = self.cfg, self.cfg.sliding_window
+             is_image: torch.Tensor | None = None, pool: KVPool | None = None,
+             windows: bool = True) -> "RequestCache":
+        """Request i's state before position `start`, in `pool` (the step's private pool; a new
+        one when None) with blocks up to the chunk's end: global entries and token ids from the
+        global pages, and (`windows`; else the caller runs `_load_windows` for the whole step)
+        window entries, the carried compressor rows and the window floor from the SWA pages."""
+        cfg = self.cfg
         device, end = ids.device, start + ids.shape[0]
-        rc = RequestCache.allocate(cfg, start, end, device)
+        rc = RequestCache.allocate(cfg, start, end, device, pool)
         if is_image is None:
             is_image = torch.zeros_like(ids, dtype=torch.bool)
         rc.digests = content_digests(ids, is_image, image_rows)  # the chunk's positions
@@ -227,46 +240,78 @@ class PagedCaches(nn.Module):
             glob_from = min(glob_from, max(start, n_old * r))
             rc.loaded[s] = n_old
         rc.state.glob_from = glob_from
-        floors = []
-        pos = torch.arange(max(0, start - w + 1), start, device=device)
-        for li, layer in enumerate(self.swa):
-            f, valid = self._swa_records(meta, layer, i, pos)
-            # the window starts after the newest position this request does not hold
-            bad = (~valid).nonzero()
-            floor = int(pos[bad[-1, 0]]) + 1 if bad.numel() else 0
-            keep = pos >= floor
-            rows = rc.swa_rows(pos[keep])
-            ring = rc.pool.swa[li]
-            ring.kv.view(torch.uint8)[rows] = f["q"][keep]
-            ring.scale.view(torch.uint8)[rows] = f["scale"][keep]
-            floors.append(floor)
-            src_ratio = cfg.compress_ratios[li] if li in cfg.kv_source_layer_ids else 0
-            m = start % src_ratio if src_ratio > 1 else 0
-            if m:
-                if not bool(valid[-m:].all()):
-                    raise RuntimeError(f"layer {li}: the compressor's carried rows before position {start} are missing")
-                carry = _as(f["carry"][-m:], torch.float32).view(m, 2, cfg.head_dim)
-                rc.pool.carry[li][rc.swa_rows(pos[-m:])] = carry
-        dec = cfg.decoder_start
-        rc.state.floors[FLOOR_ENCODER] = max(floors[:dec], default=0)
-        rc.state.floors[FLOOR_DECODER] = max(floors[dec:], default=0)
+        if windows:
+            self._load_windows(meta, [(i, start, rc)])
         rc.state.tokens = self._history(meta, i, start, device)
         rc.state.is_image = [cfg.vision is not None and t == cfg.image_token_id for t in rc.state.tokens]
         return rc
 
-    def run_chunk(self, model, meta: dict, i: int, start: int, ids: torch.Tensor,
-                  image_rows: torch.Tensor | None = None, is_image: torch.Tensor | None = None) -> torch.Tensor:
-        """Request i's chunk `ids` at positions start..: load, one forward of the core model
-        (collapsed final streams of every row), store."""
+    def _load_windows(self, meta: dict, items: list[tuple[int, int, "RequestCache"]]) -> None:
+        """For each (request i, chunk start, its RequestCache): the window entries before
+        `start`, the carried compressor rows and the window floors, from the SWA pages (one
+        gather per layer for all the requests)."""
+        cfg, w = self.cfg, self.cfg.sliding_window
+        device = items[0][2].pool.device
+        pos, req, rows = [], [], []
+        for k, (_, start, rc) in enumerate(items):
+            p = torch.arange(max(0, start - w + 1), start, device=device)
+            pos.append(p)
+            req.append(torch.full_like(p, k))
+            rows.append(rc.swa_rows(p))
+        pos, req, rows = torch.cat(pos), torch.cat(req), torch.cat(rows)
+        table_row = torch.tensor([i for i, _, _ in items], device=device)[req]
+        starts = torch.tensor([start for _, start, _ in items], device=device)
+        floors = torch.zeros(len(self.swa), len(items), dtype=torch.long, device=device)
+        for li, layer in enumerate(self.swa):
+            f, valid = self._swa_records_many(meta, layer, table_row, pos)
+            # a request's window starts after the newest position it does not hold
+            floor = torch.zeros(len(items), dtype=torch.long, device=device).scatter_reduce(
+                0, req, torch.where(valid, 0, pos + 1), "amax")
+            keep = pos >= floor[req]
+            ring = items[0][2].pool.swa[li]
+            ring.kv.view(torch.uint8)[rows[keep]] = f["q"][keep]
+            ring.scale.view(torch.uint8)[rows[keep]] = f["scale"][keep]
+            floors[li] = floor
+            src_ratio = cfg.compress_ratios[li] if li in cfg.kv_source_layer_ids else 0
+            if src_ratio > 1:  # the rows of the group each request's chunk starts inside of
+                carried = pos >= (starts - starts % src_ratio)[req]
+                if not bool(valid[carried].all()):
+                    first = int(req[carried & ~valid][0])
+                    raise RuntimeError(f"layer {li}: the compressor's carried rows before position "
+                                       f"{items[first][1]} are missing")
+                if bool(carried.any()):
+                    carry = _as(f["carry"][carried], torch.float32).view(-1, 2, cfg.head_dim)
+                    items[0][2].pool.carry[li][rows[carried]] = carry
+        dec, n_layers = cfg.decoder_start, len(self.swa)
+        enc_floor = floors[:dec].amax(0).tolist() if dec else [0] * len(items)
+        dec_floor = floors[dec:].amax(0).tolist() if dec < n_layers else [0] * len(items)
+        for k, (_, _, rc) in enumerate(items):
+            rc.state.floors[FLOOR_ENCODER], rc.state.floors[FLOOR_DECODER] = enc_floor[k], dec_floor[k]
+
+    def run_step(self, model, meta: dict, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """One vLLM step: every request's state loaded into one private pool, ONE forward of the
+        core model over all chunks (collapsed final streams of every row, in chunk order), then
+        each request's additions stored back to its pages."""
         from ...core.batch import Chunk, build_step
 
-        rc = self.load(meta, i, start, ids, image_rows, is_image)
+        if not chunks:
+            raise ValueError("a step needs at least one chunk")
+        device = chunks[0].ids.device
+        pool = step_pool(self.cfg, [c.start + c.ids.shape[0] for c in chunks], device)
+        rcs = [self.load(meta, c.index, c.start, c.ids, c.image_rows, c.is_image, pool, windows=False) for c in chunks]
+        self._load_windows(meta, [(c.index, c.start, rc) for c, rc in zip(chunks, rcs)])
         image_token = self.cfg.image_token_id if self.cfg.vision is not None else None
-        batch = build_step(self.cfg, rc.pool, [Chunk(rc.state, ids.tolist(), 0, "all", image_rows)], ids.device,
-                           image_token)
-        h = model(batch, rc.pool, return_hidden=True, check=False)
-        self.store(meta, i, start, rc, ids)
+        batch = build_step(self.cfg, pool, [Chunk(rc.state, c.ids.tolist(), 0, "all", c.image_rows)
+                                            for rc, c in zip(rcs, chunks)], device, image_token)
+        h = model(batch, pool, return_hidden=True, check=False)
+        for rc, c in zip(rcs, chunks):
+            self.store(meta, c.index, c.start, rc, c.ids)
         return h
+
+    def run_chunk(self, model, meta: dict, i: int, start: int, ids: torch.Tensor,
+                  image_rows: torch.Tensor | None = None, is_image: torch.Tensor | None = None) -> torch.Tensor:
+        """A step of one request: request i's chunk `ids` at positions start.. (`run_step`)."""
+        return self.run_step(model, meta, [ScheduledChunk(i, start, ids, image_rows, is_image)])
 
     def store(self, meta: dict, i: int, start: int, rc: "RequestCache", ids: torch.Tensor) -> None:
         """Write back what the chunk [start, end) added: new global entries (with their token
@@ -348,10 +393,18 @@ class PagedCaches(nn.Module):
     def _row(self, meta: dict, layer, i: int) -> torch.Tensor:
         return meta[layer.prefix].block_table[i]
 
-    def _swa_records(self, meta, layer, i, pos):
+    def _swa_records(self, meta, layer, i: int, pos: torch.Tensor):
+        """(record fields, valid) of request i's window records at positions `pos`."""
+        return self._swa_records_many(meta, layer, torch.full_like(pos, i), pos)
+
+    def _swa_records_many(self, meta, layer, table_row: torch.Tensor, pos: torch.Tensor):
+        """(record fields, valid) of window records at positions `pos`, each of the request
+        whose block-table row is `table_row`; valid: a real block holding that very position."""
         rec = self.swa_recs[int(layer.prefix.rsplit(".", 1)[1])]
-        blk, st = self._where(layer, self._row(meta, layer, i), pos, 1)
-        f = _split(pages(layer, rec.size)[blk, st], rec.fields)
+        bs = self.block_sizes[layer.prefix]
+        table = meta[layer.prefix].block_table
+        blk = table[table_row, torch.div(pos, bs, rounding_mode="floor")].long()
+        f = _split(pages(layer, rec.size)[blk, torch.remainder(pos, bs)], rec.fields)
         pos1 = _as(f["pos1"], torch.int32).view(-1)
         valid = (blk != NULL_BLOCK) & (pos1 == pos.to(torch.int32) + 1)
         return f, valid
@@ -382,10 +435,24 @@ class PagedCaches(nn.Module):
         return out.tolist()
 
 
+def private_block_size(cfg: ModelConfig) -> int:
+    """Block size of the step's private pool (any multiple of every compress ratio works)."""
+    return math.lcm(16, *(cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids))
+
+
+def step_pool(cfg: ModelConfig, ends: list[int], device) -> KVPool:
+    """A private pool with room for every request of a step up to its chunk's end (the null
+    block included), so no block is taken by growing the pool mid-load."""
+    bs = private_block_size(cfg)
+    n = sum(-(-end // bs) for end in ends) + 1
+    return KVPool(cfg, block_size=bs, swa_blocks=n, global_blocks=n, device=device, drafter=False)
+
+
 @dataclass
 class RequestCache:
-    """One request's state gathered from vLLM's pages: a private one-sequence pool whose blocks
-    cover positions 0 .. end, and what the adapter needs to write the chunk back."""
+    """One request's state gathered from vLLM's pages into a private pool (the step's, shared
+    with the step's other requests) whose blocks cover its positions 0 .. end, and what the
+    adapter needs to write the chunk back."""
 
     pool: KVPool
     state: SequenceState
@@ -393,10 +460,9 @@ class RequestCache:
     digests: list
 
     @classmethod
-    def allocate(cls, cfg: ModelConfig, start: int, end: int, device) -> "RequestCache":
-        bs = math.lcm(16, *(cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids))
-        n = -(-end // bs) + 1
-        pool = KVPool(cfg, block_size=bs, swa_blocks=n, global_blocks=n, device=device, drafter=False)
+    def allocate(cls, cfg: ModelConfig, start: int, end: int, device, pool: KVPool | None = None) -> "RequestCache":
+        if pool is None:
+            pool = step_pool(cfg, [end], device)
         state = SequenceState()
         state.ensure_blocks(pool, end)
         state.length = start
@@ -431,5 +497,32 @@ def fill_layout(page: int, block_size: int, ratio: int, record: int, divides: in
     return block_size * scale, page // states
 
 
-def _largest_divisor(n: int, at_most: int) -> int:
-    return max(k for k in range(1, at_most + 1) if n % k == 0)
+def replay_length(cfg: ModelConfig, mode: str) -> int:
+    """Tokens recomputed after a prefix-cache hit: the window ("window") or the window of every
+    layer ("exact", the same tokens as a cold run)."""
+    return cfg.sliding_window * (cfg.num_hidden_layers if mode == "exact" else 1)
+
+
+def block_size_problem(cfg: ModelConfig, block_size: int, replay_tokens: int) -> str | None:
+    """Why `block_size` cannot hold this model's pages (None when it can): it must be a
+    multiple of every compress ratio (whole global entries per block) and divide the replay
+    length (the replay start is block-aligned), naming the size that fits."""
+    ratios = sorted({cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids})
+    if block_size > 0 and not any(block_size % r for r in ratios) and replay_tokens % block_size == 0:
+        return None
+    return (f"block size {block_size} does not fit this model: it must be a multiple of every compress ratio "
+            f"({ratios}) and divide the SWA replay length ({replay_tokens} tokens); pass --block-size "
+            f"{default_block_size(cfg, replay_tokens)}")
+
+
+def default_block_size(cfg: ModelConfig, replay_tokens: int, at_most: int = 128) -> int:
+    """The block size to use when none is given: the largest power of two up to `at_most`
+    (vLLM's default, 128) that fits the page layout, else the largest fitting divisor of the
+    replay length (replay lengths are multiples of the window, so one always fits)."""
+    step = math.lcm(*{cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids})
+    fits = [b for b in range(step, at_most + 1, step) if replay_tokens % b == 0]
+    if not fits:  # (a window that is no multiple of the ratios: no block size fits at all)
+        raise ValueError(f"no block size fits this model: the SWA replay length ({replay_tokens} tokens) has no "
+                         f"divisor that is a multiple of every compress ratio")
+    powers = [b for b in fits if b & (b - 1) == 0]
+    return max(powers or fits)
