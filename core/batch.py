@@ -114,13 +114,16 @@ class Rows:
 class Chunk:
     """What one sequence runs in a step: `ids` at positions state.length .. ; `decoder_from`: the
     first position the decoder runs (CED prefill; 0 = every row); `logits`: "last", "all" or
-    "none" of the decoder's rows; `image_embeds`: rows for this chunk's image positions."""
+    "none" of the decoder's rows; `image_embeds`: rows for this chunk's image positions;
+    `text_only`: the ids are generated tokens, text even where one equals the image token id
+    (only a prompt's image spans are image positions)."""
 
     state: SequenceState
     ids: list[int]
     decoder_from: int = 0
     logits: str = "last"
     image_embeds: torch.Tensor | None = None
+    text_only: bool = False
 
 
 def build_step(cfg: ModelConfig, pool: KVPool, chunks: list[Chunk], device: torch.device | str,
@@ -138,7 +141,7 @@ def build_step(cfg: ModelConfig, pool: KVPool, chunks: list[Chunk], device: torc
         if start + len(ch.ids) > cfg.max_position_embeddings:
             raise ValueError(f"sequence of {start + len(ch.ids)} tokens exceeds max_position_embeddings "
                              f"({cfg.max_position_embeddings})")
-        n_img = sum(1 for t in ch.ids if image_token_id is not None and t == image_token_id)
+        n_img = 0 if ch.text_only else sum(1 for t in ch.ids if image_token_id is not None and t == image_token_id)
         if ch.image_embeds is not None and tuple(ch.image_embeds.shape) != (n_img, cfg.hidden_size):
             raise ValueError(f"the chunk has {n_img} image-token positions, so image_embeds must be "
                              f"[{n_img}, {cfg.hidden_size}], got {list(ch.image_embeds.shape)}")
@@ -146,7 +149,7 @@ def build_step(cfg: ModelConfig, pool: KVPool, chunks: list[Chunk], device: torc
     n_dec = 0
     for b, ch in enumerate(chunks):
         st, start = ch.state, ch.state.length
-        img = [image_token_id is not None and t == image_token_id for t in ch.ids]
+        img = [not ch.text_only and image_token_id is not None and t == image_token_id for t in ch.ids]
         del st.tokens[start:], st.is_image[start:]  # (after a rollback: forget rejected tokens)
         st.tokens += ch.ids
         st.is_image += img

@@ -361,8 +361,10 @@ class Engine:
         chunks = []
         for seq, ids, want in work:
             start = seq.state.length
-            dec = seq.decoder_from if seq.prefilling else 0
-            chunks.append(Chunk(seq.state, ids, dec, want, self._image_rows(seq, start, ids)))
+            if seq.prefilling:
+                chunks.append(Chunk(seq.state, ids, seq.decoder_from, want, self._image_rows(seq, start, ids)))
+            else:  # a generated token is text, whatever its id
+                chunks.append(Chunk(seq.state, ids, 0, want, text_only=True))
             if seq.prefilling:
                 seq.fed += len(ids)
         logits, ctx, _ = self.run_chunks(chunks)

@@ -266,7 +266,8 @@ def generate_speculative(engine: Engine, prompt: list[int], params: SamplingPara
             drafts = draft.tokens[:k].tolist()
             tb = time.perf_counter()
             start = state.length
-            logits, ctx, _ = engine.run_chunks([Chunk(state, [tok] + drafts, 0, "all")], ForwardContext(features={}))
+            logits, ctx, _ = engine.run_chunks([Chunk(state, [tok] + drafts, 0, "all", text_only=True)],
+                                               ForwardContext(features={}))
             seq.counters += ctx.counts()
             if greedy:
                 a, nxt = accept_greedy(logits, drafts)

@@ -608,3 +608,15 @@ def test_cli_image_errors(tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("dsv41: error: ") and msg in err and len(err.splitlines()) == 1, err
+
+
+def test_a_generated_image_token_id_is_text(vmodel, tiny_cfg, rng, monkeypatch):
+    """Only a prompt's image spans are image positions: when the sampler picks the image token
+    id after an image prompt, the next steps decode it as text (no image row is looked for)."""
+    from dsv41.core import engine as engine_mod
+
+    ids, _, _ = _image_first_prompt(vmodel, tiny_cfg, rng, size=(50, 50))
+    img = preprocess(tiny_cfg.vision, Image.new("RGB", (50, 50), (200, 10, 10)))
+    monkeypatch.setattr(engine_mod, "sample", lambda logits, p, gen: tiny_cfg.image_token_id)
+    res = Engine(vmodel).generate([tiny_cfg.bos_token_id] + ids, SamplingParams(max_new_tokens=3), images=[img])
+    assert res.token_ids == [tiny_cfg.image_token_id] * 3
