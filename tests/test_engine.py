@@ -122,6 +122,7 @@ def _mixed_prompts(cfg, rng, shared):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefill_mode", ["exact", "ced"])
 def test_batch_invariance(tiny_model, tiny_cfg, rng, prefill_mode):
     """Every sequence's tokens (greedy, or sampled with its own seed) and logits are identical

@@ -31,6 +31,8 @@ from dsv41.deploy.convert import convert
 
 MP = 2
 
+pytestmark = pytest.mark.slow  # every test starts 2-rank process groups
+
 
 class ThreadGroup(Group):
     """N ranks as threads of one process (same rank-order sums as a 2-rank gloo all-reduce)."""

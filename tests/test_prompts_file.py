@@ -14,6 +14,7 @@ def _run(capsys, *argv) -> list[dict]:
     return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 def test_prompts_file_equals_separate_runs(tmp_path, capsys, tiny_cfg, rng):
     """Mixed prompt kinds, lengths, token budgets, temperatures and seeds in one batch (max batch
     5, so sequences are admitted while others decode): every result equals its own run."""

@@ -108,6 +108,7 @@ def _compare(op, got, want, args):
     return None if e <= BF16_REL else f"rel err {e:.3g}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dev", DEVICES)
 def test_kernels_match_reference_inside_the_model(dev, fresh_seed, monkeypatch):
     cfg, cpu, gpu = _pair(fresh_seed + 1, dev)
