@@ -88,6 +88,7 @@ class KVPool:
         self._free_glob: list[int] = []
         self.glob_refs: list[int] = []  # references per global block (prefix sharing)
         self.fixed = False  # set once captured graphs hold the pool tensors: no more growing
+        self.evictor = None  # () -> a cached global block nobody holds, or None (the prefix cache)
         self.grow(swa_blocks, global_blocks)
 
     # -- memory --
@@ -150,10 +151,11 @@ class KVPool:
         if block != NULL_BLOCK:
             self._free_swa.append(block)
 
-    def take_global(self, evict=None) -> int:
-        """A free global block; when none is free, `evict()` may return one (prefix cache)."""
-        if not self._free_glob and evict is not None:
-            b = evict()
+    def take_global(self) -> int:
+        """A free global block; when none is free, an unreferenced prefix-cached block (LRU),
+        and only then more memory."""
+        if not self._free_glob and self.evictor is not None:
+            b = self.evictor()
             if b is not None:
                 self.glob_refs[b] = 1
                 return b

@@ -92,6 +92,7 @@ class PrefixCache:
         self.block_of: OrderedDict[bytes, int] = OrderedDict()  # chain hash -> pool block
         self.hash_of: dict[int, bytes] = {}
         self.stats = Counter()
+        pool.evictor = self.evict  # cached blocks give way before the pool grows
 
     def hashes(self, tokens: list[int], n_blocks: int) -> list[bytes]:
         bs, h, out = self.pool.block_size, b"", []

@@ -178,3 +178,19 @@ def test_finished_sequences_return_their_blocks(tiny_model, tiny_cfg, rng):
     assert not e.running and not e.waiting
     assert pool.free_global_blocks == pool.global_capacity - 1  # all but the null block
     assert len(pool._free_swa) == pool.swa_capacity - 1
+
+
+def test_prefix_cached_blocks_give_way_before_the_pool_grows(tiny_model, tiny_cfg, rng):
+    """Unreferenced prefix-cached blocks are reused (least recently used first) when no block is
+    free, instead of growing the pool; a later lookup of an evicted prefix misses."""
+    e = Engine(tiny_model, prefix_cache=True, block_size=16)
+    a = rand_prompt(tiny_cfg, 40, rng).tolist()
+    _prefill(e, a)
+    cached = len(e.prefix.block_of)
+    assert cached == 2 and e.pool.free_global_blocks < e.pool.global_capacity - 1
+    e.pool._free_glob.clear()  # no free block left: the next sequence must take cached ones
+    capacity = e.pool.global_capacity
+    b = rand_prompt(tiny_cfg, 20, rng).tolist()
+    _prefill(e, b)
+    assert e.pool.global_capacity == capacity and len(e.prefix.block_of) < cached + 1
+    assert _prefill(e, a)[2] < 32  # (at least one of a's blocks was evicted)
