@@ -16,25 +16,10 @@ import torch
 from dsv41.core.config import preset
 from dsv41.core.engine import Engine, SamplingParams
 from dsv41.core.weights import build_model
+from decode_engine import rate as decode_rate  # (this folder: benchmarks/decode_engine.py)
 
 TARGET_S = 10.0
 TARGET_BATCH_RATIO = 6.0
-
-
-def decode_rate(engine: Engine, prompts: list[list[int]], steps: int) -> float:
-    """Decode tokens/s of the engine with every prompt decoding: prefill first (untimed), then
-    `steps` steps that each decode one token of every sequence."""
-    for p in prompts:
-        engine.add(p, SamplingParams(max_new_tokens=steps + 2))
-    while any(s.prefilling or not s.out for s in engine.running) or engine.waiting:
-        engine.step()
-    t = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    rate = len(prompts) * steps / (time.perf_counter() - t)
-    while engine.has_work():
-        engine.step()
-    return rate
 
 
 def main() -> int:

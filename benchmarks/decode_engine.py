@@ -17,7 +17,9 @@ from dsv41.core.engine import Engine, SamplingParams
 from dsv41.core.weights import build_model
 
 
-def rate(engine: Engine, prompts, steps: int, sync) -> float:
+def rate(engine: Engine, prompts, steps: int, sync=lambda: None) -> float:
+    """Decode tokens/s with every prompt decoding: prefill and one warm step untimed, then
+    `steps` steps that each decode one token of every sequence."""
     for p in prompts:
         engine.add(p, SamplingParams(max_new_tokens=steps + 2))
     while engine.waiting or any(s.prefilling or not s.out for s in engine.running):
