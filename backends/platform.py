@@ -124,6 +124,10 @@ class Platform:
     def synchronize(self) -> None:
         pass
 
+    def is_capturing(self) -> bool:
+        """Whether the current stream is capturing a graph (host waits are not allowed then)."""
+        return False
+
 
 class CudaPlatform(Platform):
     def num_workers(self) -> int:
@@ -155,6 +159,9 @@ class CudaPlatform(Platform):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def is_capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
 
 
 class AscendPlatform(Platform):
@@ -213,6 +220,9 @@ class AscendPlatform(Platform):
 
     def synchronize(self) -> None:
         torch.npu.synchronize(self.device)  # type: ignore[attr-defined]
+
+    def is_capturing(self) -> bool:
+        return bool(torch.npu.is_current_stream_capturing())  # type: ignore[attr-defined]
 
 
 def platform_for(device: torch.device | str) -> Platform:

@@ -42,6 +42,9 @@ class StepBatch:
     # the DSpark draft block: every row sees its sequence's context window [lo, block start) and
     # the whole block (non-causal); None = the causal sliding window
     draft_window: tuple[torch.Tensor, torch.Tensor] | None = None  # (lo [T], hi [T]) positions
+    # host copies of (ngram_ids, ngram_image): Engram rows of host-held tables are gathered from
+    # them before the step (core/engram.EngramPrefetch); None = read back from the device
+    ngram_host: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -191,4 +194,5 @@ def build_step(cfg: ModelConfig, pool: KVPool, chunks: list[Chunk], device: torc
         decoder_rows=None if len(dec_rows) == len(ids) else t(dec_rows, dtype=torch.long, device=device),
         logit_rows=None if len(logit_rows) == n_dec else t(logit_rows, dtype=torch.long, device=device),
         image_embeds=torch.cat(images) if images else None,
+        ngram_host=(t(ngram, dtype=torch.long), t(ngram_img, dtype=torch.bool)),
     )

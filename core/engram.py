@@ -17,6 +17,7 @@ given; see the function docstrings):
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -262,3 +263,115 @@ def engram_window_row_ids(comp: torch.Tensor, valid: torch.Tensor, multipliers, 
         torch.tensor([int(p) for p in primes], dtype=torch.int64, device=dev)
     offsets = torch.cumsum(p_t, 0) - p_t
     return torch.remainder(hash_cols, p_t[None, :]) + offsets[None, :]
+
+
+class EngramPrefetch:
+    """Engram rows of host-held tables fetched ahead of their layers (host offload, gather path).
+
+    Before a step's device work starts, the host hashes every Engram layer's row ids from the
+    n-gram token ids it already holds (`StepBatch.ngram_host`), gathers those rows from each
+    host table into page-locked staging buffers (`gather`), and the forward then issues one
+    non-blocking copy per layer on a side stream, each followed by an event (`issue`). A layer
+    waits only on its own event, on the device (`wait`): no layer waits on the host, and the
+    copies overlap the embedding and the layers before them. Works for page-locked and pageable
+    tables alike: the copies always read the page-locked staging buffers, never the table.
+
+    Decode graphs capture the copies from the staging buffers, which are fixed per size class
+    (the next power of two of the token count); before each replay the graph runner calls
+    `gather` for the new batch, which refills the same buffers. A buffer is refilled only after
+    the copy that last read it has completed (its event), except while capturing.
+
+    Device streams and events come from the platform (`backends/platform.py`); on CPU the
+    copies are plain copies. Unverified on NPUs (tested on CPU; CUDA on an H200)."""
+
+    def __init__(self, layers: dict, engram_map: torch.Tensor, pad_id: int, device: torch.device):
+        from ..backends.platform import platform_for
+
+        # layer id -> (table, scale, multipliers [N] int64, primes [R] int64, n_heads), on the host
+        self.layers = layers
+        self.engram_map = engram_map.cpu()
+        self.pad_id = int(pad_id)
+        self.device = torch.device(device)
+        self.platform = platform_for(self.device)
+        self.side = self.platform.stream()
+        self.staging: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, object]] = {}
+        self.filled: dict[int, int] = {}  # layer -> token rows gathered for the coming step
+
+    def _buffers(self, layer: int, n_tokens: int):
+        """The (values, scales, event) staging of `layer` for `n_tokens` tokens' size class."""
+        size = 1 << max(0, n_tokens - 1).bit_length()
+        key = (layer, size)
+        if key not in self.staging:
+            table, scale = self.layers[layer][:2]
+            r = self.layers[layer][3].numel()
+            vals = self.platform.pinned_empty((size * r, *table.shape[1:]), torch.uint8)
+            sc = self.platform.pinned_empty((size * r, *scale.shape[1:]), _byte_dtype(scale))
+            self.staging[key] = (vals, sc, None)
+        return key, self.staging[key]
+
+    def gather(self, ngram_ids: torch.Tensor, ngram_image: torch.Tensor) -> None:
+        """Host side of a step: row ids from the n-gram inputs ([T, N] host tensors) and the
+        rows of every layer gathered into its staging buffers."""
+        ids = ngram_ids.cpu()
+        valid = (ids >= 0) & torch.cumprod((~ngram_image.cpu()).to(torch.int32), 1).bool()
+        comp = self.engram_map[ids.clamp_min(0)]
+        capturing = self.platform.is_capturing()
+        t = ids.shape[0]
+        for layer, (table, scale, mult, primes, n_heads) in self.layers.items():
+            rows = engram_window_row_ids(comp, valid, mult, primes, self.pad_id, n_heads).reshape(-1)
+            key, (vals, sc, event) = self._buffers(layer, t)
+            if event is not None and not capturing:
+                event.synchronize()  # the copy that last read these buffers is done
+            n = rows.numel()
+            torch.index_select(table.view(torch.uint8), 0, rows, out=vals[:n])
+            torch.index_select(scale.view(sc.dtype), 0, rows, out=sc[:n])
+            self.filled[layer] = t
+
+    def issue(self) -> dict[int, tuple]:
+        """Device side: one non-blocking copy per layer of its gathered rows on the side stream,
+        each followed by an event. Returns layer -> (values, scales, local row ids, event)."""
+        out = {}
+        cur = self.platform.current_stream()
+        self.side.wait_stream(cur)  # the destinations' memory is free once cur's earlier work is done
+        for layer, t in self.filled.items():
+            table, scale, _, primes, _ = self.layers[layer]
+            key, (vals, sc, _) = self._buffers(layer, t)
+            n = t * primes.numel()
+            dst_v = torch.empty((n, *table.shape[1:]), dtype=torch.uint8, device=self.device)
+            dst_s = torch.empty((n, *scale.shape[1:]), dtype=sc.dtype, device=self.device)
+            event = self.platform.event()
+            with self.platform.use_stream(self.side):
+                dst_v.copy_(vals[:n], non_blocking=True)
+                dst_s.copy_(sc[:n], non_blocking=True)
+                event.record(self.side)
+            self.staging[key] = (vals, sc, event)
+            local = torch.arange(n, device=self.device).view(t, -1)
+            out[layer] = FetchedRows(dst_v.view(table.dtype), dst_s.view(scale.dtype), local, event, self.platform)
+        self.filled = {}
+        return out
+
+
+@dataclass
+class FetchedRows:
+    """One layer's rows copied ahead: values / scales of the step's T x R gathered rows, the
+    row ids [T, R] into them, and the event that marks the copy done."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    rows: torch.Tensor
+    event: object
+    platform: object
+
+    def ready(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(values, scales, row ids), with the current stream waiting on the device for the copy."""
+        self.platform.current_stream().wait_event(self.event)
+        return self.values, self.scales, self.rows
+
+    def select(self, index: torch.Tensor) -> "FetchedRows":
+        """The same rows for a subset of the tokens (CED: the decoder's rows)."""
+        return replace(self, rows=self.rows[index])
+
+
+def _byte_dtype(t: torch.Tensor) -> torch.dtype:
+    """A same-width dtype `index_select` handles on the host (1-byte floats as uint8)."""
+    return torch.uint8 if t.element_size() == 1 else t.dtype

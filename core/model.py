@@ -24,7 +24,7 @@ from ..backends import ops
 from .batch import Rows, StepBatch
 from .cache import FLOOR_DECODER, FLOOR_DRAFT, FLOOR_ENCODER, KVPool, entry_rows
 from .config import ModelConfig, yarn_inv_freq
-from .engram import engram_multipliers, engram_primes, engram_window_row_ids
+from .engram import EngramPrefetch, FetchedRows, engram_multipliers, engram_primes, engram_window_row_ids
 from .parallel import SINGLE, Group
 
 BF16 = torch.bfloat16
@@ -414,10 +414,16 @@ class Engram(nn.Module):
             self._primes_t = torch.tensor(self.primes, dtype=torch.int64, device=comp.device)
         return engram_window_row_ids(comp, valid, self.multipliers, self._primes_t, pad_id, self.cfg.engram_n_heads)
 
-    def forward(self, x: torch.Tensor, rows: torch.Tensor, is_image: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows, is_image: torch.Tensor) -> torch.Tensor:
+        """`rows`: row ids [T, 24] into the table, or the step's rows already fetched from a host
+        table (`FetchedRows`: looked up once their copy is done, on the device)."""
         t, n, d = x.shape
-        e = ops.engram_lookup(self.embed.weight, self.embed.scale, rows) if self.group.world_size == 1 \
-            else self.sharded_lookup(rows)
+        if isinstance(rows, FetchedRows):
+            e = ops.engram_lookup(*rows.ready())
+        elif self.group.world_size == 1:
+            e = ops.engram_lookup(self.embed.weight, self.embed.scale, rows)
+        else:
+            e = self.sharded_lookup(rows)
         kv = self.wkv(e).float()
         k, v = kv[:, : n * d].reshape(t, n, d), kv[:, n * d:]
         return ops.engram_gate(x, k, v, self.q_weight, self.k_weight, self.cfg.rms_norm_eps, is_image)
@@ -548,6 +554,7 @@ class Transformer(nn.Module):
         self.mtp = build_stages(cfg, group) if with_drafter else None
         self.register_buffer("engram_map", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
         self.engram_pad = 0
+        self.engram_fetch, self._prefetch = None, None  # host-offloaded tables (`offload_engram`)
         if cfg.vision is not None:  # DeepSeek-ViT + aligner + framing rows (core/vision.py)
             from .vision import (  # imports this module
                 IMAGE_FRAME,
@@ -560,19 +567,30 @@ class Transformer(nn.Module):
             for name in IMAGE_FRAME:
                 self.register_buffer(name, torch.empty(d, dtype=BF16))
 
-    def offload_engram(self, device: torch.device | str) -> None:
+    def offload_engram(self, device: torch.device | str, fetch: str = "ahead") -> None:
         """Keep every Engram table in host memory while the rest of the model runs on `device`
         (page-locked when `device` is an accelerator). Call it on the meta-device model, before
-        `weights.materialize`, so no table is ever allocated on the device."""
+        `weights.materialize`, so no table is ever allocated on the device.
+
+        `fetch`: "ahead" (default) gathers each step's rows of every Engram layer on the host
+        before the step and copies them on a side stream (`engram.EngramPrefetch`: no layer
+        waits on the host); "in_place" leaves it to the backend's `engram_lookup` (CUDA's kernel
+        reads page-locked tables in place; other tables are gathered in the lookup, one host
+        read of the row ids per layer)."""
+        if fetch not in ("ahead", "in_place"):
+            raise ValueError(f"fetch must be 'ahead' or 'in_place', got {fetch!r}")
         pinned = str(device).split(":")[0] != "cpu"  # (torch.device("npu") needs torch_npu)
         for m in self.modules():
             if isinstance(m, EngramEmbed):
                 m.to_host(pinned)
+        self.engram_fetch = fetch
+        self._prefetch = None
 
     def set_engram_vocab(self, comp_map, n_compressed: int) -> None:
         """Install the token -> compressed-id map (built from the tokenizer) used by Engram."""
         self.engram_map = torch.as_tensor(comp_map, dtype=torch.long, device=self.engram_map.device)
         self.engram_pad = int(self.engram_map[self.cfg.engram_pad_token_id])
+        self._prefetch = None  # (hashes changed: built again on the next step)
         for blk in self.layers:
             if blk.engram is not None:
                 blk.engram.set_compressed_vocab(n_compressed)
@@ -619,7 +637,7 @@ class Transformer(nn.Module):
         x = self.embed_tokens(batch.ids)
         if batch.image_embeds is not None:  # (masked_scatter: no host read of the mask)
             x = x.masked_scatter(batch.is_image.unsqueeze(-1), batch.image_embeds.to(device=x.device, dtype=x.dtype))
-        engram = self._engram_rows(batch)
+        engram = self._engram_rows(batch)  # device row ids, or rows fetched ahead from host tables
         x = x.unsqueeze(1).expand(t, cfg.hc_mult, cfg.hidden_size).contiguous()
         pre = torch.zeros(t, cfg.hc_mult, dtype=torch.float32, device=x.device)
         pre[:, 0] = 1.0  # the first sublayer collapses with one-hot [1, 0, 0, 0]
@@ -634,7 +652,7 @@ class Transformer(nn.Module):
                 ctx.precompressed.add(blk.layer_id)
                 sel = batch.decoder_rows
                 s, rows = s.select(sel), rows.select(sel)
-                engram = {k: v[sel] for k, v in engram.items()}
+                engram = {k: v.select(sel) if isinstance(v, FetchedRows) else v[sel] for k, v in engram.items()}
                 if rows.num == 0:
                     break
             if i == cfg.decoder_start:
@@ -660,14 +678,37 @@ class Transformer(nn.Module):
         """Token embeddings [T, d] (vocabulary-parallel under model parallelism)."""
         return embed_rows(self.embed.weight, ids, self.group)
 
-    def _engram_rows(self, batch: StepBatch) -> dict[int, torch.Tensor]:
-        """Hashed Engram row ids [T, 24] per Engram layer, from the n-gram inputs the batch
-        carries (token ids at p, p-1, ..; a slot before the sequence start or on an image token,
-        and every older slot behind it, hashes as the pad id)."""
+    def engram_prefetch(self) -> EngramPrefetch | None:
+        """The fetch-ahead of host-held Engram tables (None when the tables are on the device,
+        fetched in place, or sharded), built on first use from the tables as loaded."""
+        if self.engram_fetch != "ahead" or self.group.world_size > 1:
+            return None
+        if self._prefetch is None:
+            layers = {}
+            for blk in self.layers:
+                e = blk.engram
+                if e is not None and e.embed.offloaded:
+                    primes = torch.tensor(e.primes, dtype=torch.long)
+                    layers[blk.layer_id] = (e.embed.weight, e.embed.scale, e.multipliers.cpu(), primes,
+                                            self.cfg.engram_n_heads)
+            self._prefetch = EngramPrefetch(layers, self.engram_map, self.engram_pad, self.embed.weight.device)
+        return self._prefetch
+
+    def _engram_rows(self, batch: StepBatch) -> dict:
+        """Per Engram layer: hashed row ids [T, 24] from the n-gram inputs the batch carries
+        (token ids at p, p-1, ..; a slot before the sequence start or on an image token, and
+        every older slot behind it, hashes as the pad id), or for a host-held table fetched
+        ahead, its rows gathered on the host and on their way to the device (`FetchedRows`)."""
         if not self.cfg.engram_layer_ids:
             return {}
+        fetched = {}
+        prefetch = self.engram_prefetch()
+        if prefetch is not None and prefetch.layers:
+            # (without host copies of the n-grams: one read back for the whole step)
+            prefetch.gather(*(batch.ngram_host or (batch.ngram_ids, batch.ngram_image)))
+            fetched = prefetch.issue()
         ids = batch.ngram_ids
         valid = (ids >= 0) & torch.cumprod((~batch.ngram_image).to(torch.int32), 1).bool()
         comp = self.engram_map[ids.clamp_min(0)]
-        return {blk.layer_id: blk.engram.window_row_ids(comp, valid, self.engram_pad)
+        return {blk.layer_id: fetched.get(blk.layer_id) or blk.engram.window_row_ids(comp, valid, self.engram_pad)
                 for blk in self.layers if blk.engram is not None}

@@ -48,7 +48,7 @@ _EXPERT_PROJ = re.compile(r"\.ffn\.(experts\.\d+|shared_experts)\.(w[123])$")
 
 
 def _randn(gen: torch.Generator, shape, std: float) -> torch.Tensor:
-    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+    return torch.randn(shape, generator=gen, dtype=torch.float32, device=gen.device) * std
 
 
 def projection_gain(owner: str) -> float:
@@ -97,7 +97,7 @@ def fp4_at_rms(w: torch.Tensor, target: float, tol: float = 1e-3, steps: int = 2
 
 
 def random_state_dict(model: Transformer, seed: int, init: str = DEFAULT_INIT, *, prefix: str = "",
-                      cfg=None) -> dict[str, torch.Tensor]:
+                      cfg=None, draw_device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """A full state dict of seeded random weights in storage formats (CPU tensors), drawn
     with the released checkpoint's statistics (`init="realistic"`) or the earlier unit draw
     (`init="unit"`; see the module docstring).
@@ -106,6 +106,10 @@ def random_state_dict(model: Transformer, seed: int, init: str = DEFAULT_INIT, *
     depend on which other tensors exist (model-parallel shards and partial loads agree). With
     `prefix` (and the model's `cfg`), `model` is the submodule at that name: its tensors get
     their full names and the values they have in the whole model (`iter_random_state`).
+
+    `draw_device` draws and quantises on that device with its own generator (benchmarks on an
+    accelerator: minutes of CPU work become seconds). The statistics are the same; the values
+    differ from the CPU draw, which stays the reproducible default.
     """
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
@@ -116,7 +120,7 @@ def random_state_dict(model: Transformer, seed: int, init: str = DEFAULT_INIT, *
     linears = {name: m for name, m in modules if isinstance(m, Linear)}
     norms = {name for name, m in modules if isinstance(m, RMSNorm)}
     for name, buf in model.state_dict(prefix=prefix).items():
-        gen = torch.Generator().manual_seed(_name_seed(seed, name))
+        gen = torch.Generator(device=draw_device).manual_seed(_name_seed(seed, name))
         owner, _, leaf = name.rpartition(".")
         if owner in linears and leaf in ("weight", "scale", "bias"):
             if leaf == "scale":
@@ -177,8 +181,8 @@ def _engram_rows(gen: torch.Generator, shape: tuple, std: float, int8: bool,
         if int8:
             q, sc = quant.int8_row_quant(quant.fp8_dequant(q, sc))
         if q_out is None:  # the outputs' dtypes and row shapes come from the first chunk
-            q_out = torch.empty((rows, *q.shape[1:]), dtype=q.dtype)
-            sc_out = torch.empty((rows, *sc.shape[1:]), dtype=sc.dtype)
+            q_out = torch.empty((rows, *q.shape[1:]), dtype=q.dtype, device=q.device)
+            sc_out = torch.empty((rows, *sc.shape[1:]), dtype=sc.dtype, device=sc.device)
         q_out[a:b], sc_out[a:b] = q, sc
     return q_out, sc_out
 
@@ -236,13 +240,14 @@ def materialize(model: Transformer, device: str | torch.device = "cpu") -> Trans
 
 def build_model(cfg, seed: int = 0, device: str | torch.device = "cpu", state_dict=None,
                 engram_offload: bool = False, init: str = DEFAULT_INIT, *, with_drafter: bool = True,
-                progress: bool = False) -> Transformer:
+                progress: bool = False, draw_device: str | torch.device = "cpu") -> Transformer:
     """A model on `device` with seeded random weights drawn by `init` (or `state_dict`); with
     `engram_offload`, the Engram tables in host memory (`Transformer.offload_engram`).
 
     Random weights are drawn and copied in one unit at a time (`iter_random_state`), so the
     peak memory is the model plus one unit's temporaries, not a second copy of the weights;
-    `progress` shows a bar over the bytes. Without `with_drafter` the DSpark stages are not built."""
+    `progress` shows a bar over the bytes. Without `with_drafter` the DSpark stages are not built.
+    `draw_device`: where the random values are drawn (`random_state_dict`; CPU by default)."""
     with torch.device("meta"):
         model = Transformer(cfg, with_drafter=with_drafter)
     if engram_offload:
@@ -253,7 +258,7 @@ def build_model(cfg, seed: int = 0, device: str | torch.device = "cpu", state_di
     expected = model.state_dict()
     filled: set[str] = set()
     with torch.no_grad(), progress_bar(storage_bytes(model), "random weights", progress) as bar:
-        for sd in iter_random_state(model, seed, init):
+        for sd in iter_random_state(model, seed, init, draw_device=draw_device):
             check_state_dict_part(expected, sd)
             for name, t in sd.items():
                 expected[name].copy_(t)
@@ -291,11 +296,12 @@ def weight_units(module: torch.nn.Module, prefix: str = "", max_bytes: int = UNI
         yield from weight_units(child, f"{prefix}{name}.", max_bytes)
 
 
-def iter_random_state(model: Transformer, seed: int, init: str = DEFAULT_INIT, max_bytes: int = UNIT_BYTES):
+def iter_random_state(model: Transformer, seed: int, init: str = DEFAULT_INIT, max_bytes: int = UNIT_BYTES,
+                      draw_device: str | torch.device = "cpu"):
     """`random_state_dict(model, seed, init)` in pieces (dicts of full names -> tensors), one
     `weight_units` unit at a time: the same values, bounded memory."""
     for prefix, unit in weight_units(model, "", max_bytes):
-        yield random_state_dict(unit, seed, init, prefix=prefix, cfg=model.cfg)
+        yield random_state_dict(unit, seed, init, prefix=prefix, cfg=model.cfg, draw_device=draw_device)
 
 
 def check_state_dict_part(expected: dict[str, torch.Tensor], part: dict[str, torch.Tensor]) -> None:

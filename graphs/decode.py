@@ -36,6 +36,7 @@ class DecodeGraphs:
         self.table_blocks = table_blocks
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         self.graphs: dict[int, tuple] = {}  # bucket -> (graph or None, static batch, logits)
+        self._replayed = None  # event after the last replay (Engram fetch-ahead buffers in use)
 
     def _static(self, n: int) -> StepBatch:
         """Persistent input buffers of one bucket, holding padding rows."""
@@ -43,7 +44,8 @@ class DecodeGraphs:
         w, ng = self.table_blocks, max(self.model.cfg.engram_max_ngram_size, 1)
         return StepBatch(ids=z(n), positions=z(n), seq=torch.arange(n, device=self.device), swa_table=z(n, w),
                          glob_table=z(n, w), floors=z(n, 3), glob_from=z(n), ngram_ids=z(n, ng) - 1,
-                         ngram_image=z(n, ng, dt=torch.bool), is_image=z(n, dt=torch.bool))
+                         ngram_image=z(n, ng, dt=torch.bool), is_image=z(n, dt=torch.bool),
+                         ngram_host=(torch.full((n, ng), -1, dtype=torch.long), torch.zeros(n, ng, dtype=torch.bool)))
 
     def capture(self) -> None:
         """Warm up and capture every bucket (largest first, sharing one memory pool)."""
@@ -73,6 +75,21 @@ class DecodeGraphs:
         if batch.swa_table.shape[1] > self.table_blocks or batch.glob_table.shape[1] > self.table_blocks:
             raise ValueError(f"block tables wider than the captured {self.table_blocks} blocks")
         graph, static, logits = self.graphs[b]
+        prefetch = self.model.engram_prefetch()
+        if prefetch is not None and prefetch.layers:
+            # host-held Engram tables: the graph copies the rows from the fetch-ahead's staging
+            # buffers, so the host fills them for this batch (padding rows hash as the pad id)
+            ids, img = batch.ngram_host or (batch.ngram_ids.cpu(), batch.ngram_image.cpu())
+            host_ids, host_img = static.ngram_host
+            host_ids[n:].fill_(-1)
+            host_img[n:].fill_(False)
+            host_ids[:n].copy_(ids)
+            host_img[:n].copy_(img)
+            if graph is not None:
+                if self._replayed is not None:
+                    self._replayed.synchronize()  # the last replay's copies have read the buffers
+                prefetch.gather(host_ids, host_img)
+                prefetch.filled = {}  # (the captured copies are the device side)
         for f in fields(StepBatch):
             dst, src = getattr(static, f.name), getattr(batch, f.name)
             if not isinstance(dst, torch.Tensor) or f.name == "seq":
@@ -88,4 +105,7 @@ class DecodeGraphs:
             logits = self.model(static, self.pool, check=False)
         else:
             graph.replay()
+            if prefetch is not None:
+                self._replayed = self.platform.event()
+                self._replayed.record()
         return logits[:n]

@@ -88,22 +88,91 @@ def test_run_flag_gives_the_same_tokens(tmp_path):
     assert run("--engram-offload") == run()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("pinned", [True, False])
-def test_cuda_offload_equals_on_device(tiny_cfg, fresh_seed, rng, pinned):
-    """Host tables on a CUDA model: page-locked ones read in place by the Triton kernel, pageable
-    ones gathered on the host and copied; both against the tables in device memory."""
+def test_rows_are_fetched_ahead_once_per_step(tiny_cfg, fresh_seed, rng, monkeypatch):
+    """The default offload gathers every Engram layer's rows once per step, before the layers
+    run (one host gather and one copy issue per forward, not one per layer)."""
+    from dsv41.core.engram import EngramPrefetch
+
+    model = build_model(tiny_cfg, seed=fresh_seed, engram_offload=True)
+    calls = []
+    for name in ("gather", "issue"):
+        orig = getattr(EngramPrefetch, name)
+        monkeypatch.setattr(EngramPrefetch, name, lambda self, *a, _o=orig, _n=name: calls.append(_n) or _o(self, *a))
+    logits(model, rand_prompt(tiny_cfg, 12, rng), 8)
+    assert calls == ["gather", "issue"] * 5
+    assert set(model.engram_prefetch().layers) == set(tiny_cfg.engram_layer_ids)
+
+
+def test_in_place_mode_and_bad_mode(tiny_cfg, fresh_seed, rng):
+    ids = rand_prompt(tiny_cfg, 16, rng)
+    on_device = build_model(tiny_cfg, seed=fresh_seed)
+    with torch.device("meta"):
+        from dsv41.core.model import Transformer
+
+        model = Transformer(tiny_cfg)
+    with pytest.raises(ValueError, match="fetch must be"):
+        model.offload_engram("cpu", "later")
+    model.offload_engram("cpu", "in_place")
+    from dsv41.core.weights import load_into, materialize
+
+    model = load_into(materialize(model, "cpu"), on_device.state_dict())
+    assert model.engram_prefetch() is None
+    assert torch.equal(logits(model, ids, 10), logits(on_device, ids, 10))
+
+
+def decode_tokens(model, prompts, graphs: bool, n_new: int = 6):
+    from dsv41.core.engine import Engine, SamplingParams
+
+    engine = Engine(model, max_batch=len(prompts), graphs=graphs, max_model_len=64)
+    res = engine.generate_batch([(p, SamplingParams(max_new_tokens=n_new), None) for p in prompts])
+    return [r.token_ids for r in res]
+
+
+def test_decode_graph_runner_with_rows_fetched_ahead(tiny_cfg, fresh_seed, rng):
+    """Decode graphs over an offloaded model (on CPU the runner replays its padded static
+    batches eagerly, refilling the host n-grams) give the on-device model's tokens."""
+    prompts = [rand_prompt(tiny_cfg, n, rng).tolist() for n in (5, 9, 3)]
+    on_device = build_model(tiny_cfg, seed=fresh_seed)
+    offloaded = build_model(tiny_cfg, seed=fresh_seed, engram_offload=True)
+    assert decode_tokens(offloaded, prompts, graphs=True) == decode_tokens(on_device, prompts, graphs=False)
+
+
+def cuda_offloaded(cfg, on_device, pinned: bool, fetch: str):
     from dsv41.core.model import Transformer
     from dsv41.core.weights import load_into, materialize
 
-    ids = rand_prompt(tiny_cfg, 24, rng).cuda()
-    on_device = build_model(tiny_cfg, seed=fresh_seed, device="cuda")
     with torch.device("meta"):
-        model = Transformer(tiny_cfg)
+        model = Transformer(cfg)
+    model.offload_engram("cuda", fetch)
     for e in engram_tables(model):
         e.to_host(pinned)
     model = load_into(materialize(model, "cuda"), {k: v.cpu() for k, v in on_device.state_dict().items()})
     for e in engram_tables(model):
         assert e.weight.device.type == "cpu" and e.weight.is_pinned() == pinned
+    return model
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fetch", ["ahead", "in_place"])
+@pytest.mark.parametrize("pinned", [True, False])
+def test_cuda_offload_equals_on_device(tiny_cfg, fresh_seed, rng, pinned, fetch):
+    """Host tables on a CUDA model, page-locked or pageable: rows fetched ahead (gathered on the
+    host, copied on a side stream), or looked up by the backend (page-locked: the Triton kernel
+    reads them in place; pageable: gathered in the lookup); against the tables in device memory."""
+    ids = rand_prompt(tiny_cfg, 24, rng).cuda()
+    on_device = build_model(tiny_cfg, seed=fresh_seed, device="cuda")
+    model = cuda_offloaded(tiny_cfg, on_device, pinned, fetch)
     assert torch.equal(logits(model, ids, 16), logits(on_device, ids, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pinned", [True, False])
+def test_cuda_decode_graphs_with_rows_fetched_ahead(tiny_cfg, fresh_seed, rng, pinned):
+    """Captured decode steps copy the rows from the fetch-ahead's staging buffers, which the
+    runner refills before each replay: the tokens of the on-device model's graphs."""
+    prompts = [rand_prompt(tiny_cfg, n, rng).tolist() for n in (5, 9, 3)]
+    on_device = build_model(tiny_cfg, seed=fresh_seed, device="cuda")
+    model = cuda_offloaded(tiny_cfg, on_device, pinned, "ahead")
+    assert decode_tokens(model, prompts, graphs=True, n_new=12) == decode_tokens(on_device, prompts, graphs=True, n_new=12)

@@ -1,0 +1,746 @@
+"""End-to-end benchmark of the device fast path on one accelerator (issue 12's benchmark).
+
+    python benchmarks/e2e.py --preset mini --device cuda [--batches 1,8,64] [--contexts 4096,32768]
+        [--prefill 8192,32768] [--out benchmarks/RESULTS-e2e.md]
+    python benchmarks/e2e.py --preset tiny --device cpu --dry-run     # the bookkeeping, on CPU
+
+One run measures, on random weights with realistic statistics (MODEL.md section 8):
+- the two ceilings: device-to-device copy bandwidth (bytes read + written) and a bf16 8192^3
+  matmul on random data;
+- decode: step time and tokens/s per (context, batch), replaying the captured decode graph
+  (`Engine(graphs=True)`, graphs/decode.py) and running the same step eagerly; the engine's own
+  tokens/s (host scheduling and sampling included) with graphs; the roofline step time = bytes a
+  step must read (dense weights, the experts the step's tokens actually route to, head, the
+  Engram rows, the KV entries each token reads) / copy bandwidth, and the fraction reached.
+  Contexts are filled by writing random entries straight into the KV pools (no 32K prefill per
+  sequence);
+- kernels per decode step by layer kind (torch.profiler over one eager step, kernels attributed
+  to the layer whose range launched them);
+- prefill tokens/s for each prompt length, CED and exact, against the FLOP roofline (matmul and
+  attention FLOPs the step's rows need / the measured bf16 matmul rate);
+- peak device memory against weights + KV pools;
+- optionally (`--offload`), decode with the Engram tables in page-locked host memory.
+Writes a dated markdown report naming the device (`--out`), and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+
+import torch
+
+from dsv41.backends import ops
+from dsv41.backends.platform import platform_for
+from dsv41.core.batch import Chunk, build_step
+from dsv41.core.cache import FLOOR_DECODER, KVPool, SequenceState
+from dsv41.core.config import preset
+from dsv41.core.engine import Engine, SamplingParams
+from dsv41.core.model import Attention, Engram, MoE, Transformer
+from dsv41.core.weights import build_model
+
+TARGETS = {"decode_b1": 0.50, "decode_b64": 0.40, "ced_vs_exact": 0.55, "prefill": 0.30, "memory": 1.15}
+
+
+# ---- timing and ceilings ---------------------------------------------------------------------
+
+class Clock:
+    """Device-synchronised wall time (CUDA events on CUDA, perf_counter elsewhere)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.platform = device, platform_for(device)
+
+    def sync(self) -> None:
+        self.platform.synchronize()
+
+    def per_call(self, fn, reps: int, warmup: int = 1) -> float:
+        """Mean seconds per call over `reps` back-to-back calls (after `warmup` calls)."""
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        if self.device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(reps):
+                fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3 / reps
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        self.sync()
+        return (time.perf_counter() - t) / reps
+
+
+def ceilings(clock: Clock, dry: bool) -> tuple[float, float]:
+    """(copy bytes/s counting read + write, bf16 matmul FLOP/s), measured now on random data."""
+    n = (1 << 24) if dry else (1 << 30)
+    src = torch.randn(n // 2, dtype=torch.bfloat16, device=clock.device)
+    dst = torch.empty_like(src)
+    t = statistics.median(clock.per_call(lambda: dst.copy_(src), 10) for _ in range(3))
+    copy = 2 * src.numel() * 2 / t
+    m = 1024 if dry else 8192
+    a = torch.randn(m, m, dtype=torch.bfloat16, device=clock.device)
+    b = torch.randn(m, m, dtype=torch.bfloat16, device=clock.device)
+    t = statistics.median(clock.per_call(lambda: a @ b, 5) for _ in range(3))
+    del src, dst, a, b
+    return copy, 2 * m ** 3 / t
+
+
+# ---- bytes and FLOPs ---------------------------------------------------------------------------
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def expert_bytes(moe: MoE) -> int:
+    e = next(iter(moe.experts.values()))
+    return sum(nbytes(b) for b in e.buffers())
+
+
+def weight_bytes_per_step(model: Transformer, n_tokens: int, active: list[int]) -> dict[str, int]:
+    """Weight bytes one decode step of `n_tokens` sequences must read: every dense weight of the
+    layers (attention, compressor, indexer, mHC, router, shared expert, Engram projections),
+    the `active[l]` routed experts of layer l, the Engram rows the tokens hash to, the head and
+    the tokens' embedding rows."""
+    cfg = model.cfg
+    out = Counter()
+    for blk, n_act in zip(model.layers, active):
+        for name, b in blk.named_buffers():
+            if ".experts." in f".{name}" or name.startswith("engram.embed."):
+                continue
+            out["dense"] += nbytes(b)
+        out["experts"] += n_act * expert_bytes(blk.ffn)
+        if blk.engram is not None:
+            e = blk.engram.embed
+            row = nbytes(e.weight[0]) + nbytes(e.scale[0])
+            out["engram_rows"] += n_tokens * cfg.n_engram_rows_per_token * row
+    out["head"] = sum(nbytes(b) for b in model.head.buffers()) + sum(nbytes(b) for b in model.norm.buffers())
+    out["embed_rows"] = n_tokens * nbytes(model.embed.weight[0])
+    return dict(out)
+
+
+def kv_bytes_per_token(cfg, pool: KVPool, pos: int) -> int:
+    """KV bytes one decode token at position `pos` reads: its SWA window in every layer, the
+    global entries it attends (top-k), the indexer keys a Full layer scores (every visible
+    entry) and a Reindex layer re-scores (the candidate pool)."""
+    swa_row = cfg.head_dim + cfg.head_dim // 32
+    kv_row = cfg.head_dim // 2 + cfg.head_dim // 16
+    key_row = cfg.index_head_dim // 2 + cfg.index_head_dim // 32
+    total = 0
+    pool_src = cfg.candidate_source_layer_id
+    n_pool = min(cfg.candidate_topk_blocks * cfg.candidate_block_size, (pos + 1) // cfg.compress_ratios[pool_src])
+    for layer in range(cfg.num_hidden_layers):
+        total += min(pos + 1, cfg.sliding_window) * swa_row
+        r = cfg.compress_ratios[layer]
+        if r == 0:
+            continue
+        n_vis = (pos + 1) // cfg.compress_ratios[cfg.kv_source_of(layer)]
+        total += min(cfg.index_topk, n_vis) * kv_row
+        kind = cfg.layer_kind(layer)
+        if kind == "full":
+            total += n_vis * key_row
+        elif kind == "reindex":
+            total += n_pool * key_row
+    return total
+
+
+def linear_flops(module: torch.nn.Module, skip=("experts.", "engram.embed", "shared_experts")) -> int:
+    """2 * in * out summed over the dense Linears of `module` (per row through it)."""
+    from dsv41.core.model import Linear
+
+    return sum(2 * m.in_features * m.out_features for name, m in module.named_modules()
+               if isinstance(m, Linear) and not any(s in name + "." for s in skip))
+
+
+def prefill_flops(model: Transformer, n: int, ced: bool) -> float:
+    """Matmul + attention FLOPs of a one-sequence prefill of n tokens (exact, or CED: the decoder
+    layers over the last `sliding_window` rows, its KV source's compressor over all rows)."""
+    cfg = model.cfg
+    d, h, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    expert = 2 * 3 * d * cfg.moe_intermediate_size
+    dec_rows = min(n, cfg.sliding_window) if ced else n
+    total = 0.0
+    for layer, blk in enumerate(model.layers):
+        rows = n if layer < cfg.decoder_start else dec_rows
+        first = n - rows  # positions first .. n-1 run through this layer
+        total += rows * (linear_flops(blk) + (cfg.num_experts_per_tok + cfg.n_shared_experts) * expert
+                         + 2 * cfg.n_routed_experts * d)  # router
+        # attention: one query per head over window + selected entries, QK and PV
+        sum_win = sum(min(p + 1, cfg.sliding_window) for p in range(first, n))
+        total += 4 * h * dh * sum_win
+        r = cfg.compress_ratios[layer]
+        if r:
+            rs = cfg.compress_ratios[cfg.kv_source_of(layer)]
+            vis = [(p + 1) // rs for p in range(first, n)]
+            total += 4 * h * dh * sum(min(v, cfg.index_topk) for v in vis)
+            kind = cfg.layer_kind(layer)
+            scored = sum(vis) if kind == "full" else (
+                sum(min(v, cfg.candidate_topk_blocks * cfg.candidate_block_size) for v in vis) if kind == "reindex" else 0)
+            total += 2 * cfg.index_n_heads * cfg.index_head_dim * scored
+        if ced and layer == cfg.decoder_start:  # the decoder's KV source compresses every row
+            total += (n - rows) * linear_flops(blk.attn.compressor)
+    total += 2 * d * cfg.vocab_size  # head, last row
+    return total
+
+
+# ---- filled contexts ---------------------------------------------------------------------------
+
+def randomise_pool(pool: KVPool, seed: int = 0) -> None:
+    """Random, finite entries in every pool tensor (the content decode reads), chunk by chunk."""
+    gen = torch.Generator(device=pool.device).manual_seed(seed)
+
+    def fill(t: torch.Tensor, kind: str) -> None:
+        flat = t.view(-1) if t.dtype != torch.float8_e8m0fnu else t.view(torch.uint8).view(-1)
+        step = 1 << 26
+        for a in range(0, flat.numel(), step):
+            part = flat[a:a + step]
+            if kind == "bytes":
+                part.copy_(torch.randint(0, 256, part.shape, generator=gen, device=pool.device, dtype=torch.uint8))
+            elif kind == "e8m0":  # powers of two 2^-7 .. 2^0
+                part.copy_(torch.randint(120, 128, part.shape, generator=gen, device=pool.device, dtype=torch.uint8))
+            elif kind == "e4m3_scale":
+                part.copy_((torch.rand(part.shape, generator=gen, device=pool.device) * 0.05 + 0.01).to(part.dtype))
+            else:  # values
+                part.copy_(torch.randn(part.shape, generator=gen, device=pool.device).mul_(0.5).to(part.dtype))
+
+    for s in pool.swa:
+        fill(s.kv, "values")
+        fill(s.scale, "e8m0")
+    for c in pool.carry.values():
+        fill(c, "values")
+    for g in pool.glob.values():
+        fill(g.kv_codes, "bytes")
+        fill(g.kv_scale, "e4m3_scale")
+        fill(g.key_codes, "bytes")
+        fill(g.key_scale, "e8m0")
+
+
+def fill_sequences(engine: Engine, n: int, ctx: int, gen: torch.Generator):
+    """`n` running sequences whose first `ctx` positions are in the caches (blocks allocated as
+    a prefill would leave them: every global block, the SWA blocks of the last two windows),
+    each about to decode its next token."""
+    cfg, pool, bs = engine.cfg, engine.pool, engine.pool.block_size
+    seqs = []
+    for _ in range(n):
+        ids = torch.randint(5, cfg.vocab_size, (ctx + 1,), generator=gen).tolist()
+        seq = engine.add(ids[:ctx], SamplingParams(max_new_tokens=engine.max_model_len - ctx))
+        engine.waiting.remove(seq)
+        st = seq.state
+        st.tokens, st.is_image, st.length = list(ids[:ctx]), [False] * ctx, ctx
+        first_live = max(0, ctx - 2 * cfg.sliding_window) // bs
+        st.swa_blocks = [0] * first_live
+        st.ensure_blocks(pool, ctx)
+        seq.fed, seq.out = ctx, [ids[ctx]]
+        engine.running.append(seq)
+        seqs.append(seq)
+    return seqs
+
+
+def decode_batch(engine: Engine, seqs):
+    """The StepBatch of one decode token of every sequence in `seqs` (states restored after)."""
+    saved = [(s.state.length, list(s.state.swa_blocks), list(s.state.glob_blocks)) for s in seqs]
+    chunks = [Chunk(s.state, [s.out[-1]], 0, "last", text_only=True) for s in seqs]
+    batch = build_step(engine.cfg, engine.pool, chunks, engine.device)
+    for s, (length, swa, glob) in zip(seqs, saved):
+        s.state.length = length
+        for b in s.state.swa_blocks[len(swa):]:
+            engine.pool.free_swa(b)
+        for b in s.state.glob_blocks[len(glob):]:
+            engine.pool.release_global(b)
+        s.state.swa_blocks, s.state.glob_blocks = swa, glob
+    return batch
+
+
+def active_experts(model: Transformer, run) -> list[int]:
+    """Distinct routed experts per layer in one forward (`run()`), read from the router."""
+    seen: list[set] = []
+    orig = ops.moe_route
+
+    def spy(*a, **k):
+        w, ids = orig(*a, **k)
+        seen.append(set(ids.flatten().tolist()))
+        return w, ids
+
+    ops.moe_route = spy
+    try:
+        run()
+    finally:
+        ops.moe_route = orig
+    return [len(s - {-1}) for s in seen[: model.cfg.num_hidden_layers]]
+
+
+# ---- kernels per layer kind ----------------------------------------------------------------------
+
+def layer_ranges(model: Transformer):
+    """Forward hooks that open a `record_function` range around every attention sublayer
+    (named by its kind), MoE and Engram module; returns the hook handles."""
+    from torch.profiler import record_function
+
+    handles, stack = [], []
+    cfg = model.cfg
+    for i, blk in enumerate(model.layers):
+        mods = [(blk.attn, f"attn.{cfg.layer_kind(i)}.{i}"), (blk.ffn, f"moe.{i}")]
+        if blk.engram is not None:
+            mods.append((blk.engram, f"engram.{i}"))
+        for mod, name in mods:
+            def pre(_m, _a, name=name):
+                r = record_function("e2e:" + name)
+                r.__enter__()
+                stack.append(r)
+
+            def post(_m, _a, _o):
+                stack.pop().__exit__(None, None, None)
+
+            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    return handles
+
+
+def kernels_by_range(trace: dict, device_kind: str) -> Counter:
+    """Device kernels / copies / sets of a chrome trace, each attributed to the innermost
+    `e2e:` range open on its launching thread when it was launched ('other' outside them).
+    On CPU (dry run) the top-level aten ops stand in for kernels."""
+    ev = trace.get("traceEvents", [])
+    ranges = defaultdict(list)  # tid -> [(start, end, name)]
+    for e in ev:
+        if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("e2e:"):
+            ranges[e.get("tid")].append((e["ts"], e["ts"] + e.get("dur", 0), e["name"][4:]))
+
+    def where(tid, ts) -> str:
+        best = None
+        for a, b, name in ranges.get(tid, ()):
+            if a <= ts <= b and (best is None or a >= best[0]):
+                best = (a, name)
+        return best[1] if best else "other"
+
+    out = Counter()
+    if device_kind == "cpu":
+        tops = [e for e in ev if e.get("cat") == "cpu_op"]
+        for e in tops:
+            out[where(e.get("tid"), e["ts"])] += 1
+        return out
+    launch = {}
+    for e in ev:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            launch[e["args"]["correlation"]] = e
+    for e in ev:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            host = launch.get(e.get("args", {}).get("correlation"))
+            out[where(host.get("tid"), host["ts"]) if host else "unattributed"] += 1
+    return out
+
+
+def kernel_table(model: Transformer, run, device: torch.device) -> tuple[dict, int]:
+    """Kernels per layer kind in one forward `run()`: {kind: (layers, kernels per layer)}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    handles = layer_ranges(model)
+    try:
+        with profile(activities=acts) as prof:
+            run()
+            platform_for(device).synchronize()
+    finally:
+        for h in handles:
+            h.remove()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    per_range = kernels_by_range(trace, device.type)
+    kinds = defaultdict(list)
+    for name, n in per_range.items():
+        kinds[name.rsplit(".", 1)[0] if name[-1].isdigit() else name].append(n)
+    table = {k: (len(v), sum(v) / len(v)) for k, v in sorted(kinds.items())}
+    return table, sum(per_range.values())
+
+
+# ---- the run -----------------------------------------------------------------------------------
+
+def pool_bytes(pool: KVPool) -> int:
+    t = [s.kv for s in pool.swa] + [s.scale for s in pool.swa] + list(pool.carry.values())
+    for g in pool.glob.values():
+        t += [g.kv_codes, g.kv_scale, g.key_codes, g.key_scale]
+    return sum(nbytes(x) for x in t)
+
+
+def model_bytes(model: Transformer, device: torch.device) -> int:
+    return sum(nbytes(b) for b in model.buffers() if b.device.type == device.type)
+
+
+class Memory:
+    """Peak device memory of a phase (CUDA's allocator statistics; nothing on CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak(self) -> int | None:
+        return torch.cuda.max_memory_allocated() if self.cuda else None
+
+
+def run_decode(model, args, clock: Clock, copy_bw: float, mem: Memory, log) -> tuple[list[dict], dict, list[dict]]:
+    """Decode rows per (context, batch, mode); the kernel table; memory rows."""
+    cfg, dev = model.cfg, clock.device
+    rows, mem_rows, kernels = [], [], {}
+    gen = torch.Generator().manual_seed(args.seed)
+    bmax = max(args.batches)
+    for ctx in args.contexts:
+        mem.reset()
+        t0 = time.perf_counter()
+        engine = Engine(model, max_batch=bmax, graphs=True, max_model_len=ctx + 64, block_size=args.block_size,
+                        max_tokens_per_step=args.max_tokens_per_step)
+        capture_s = time.perf_counter() - t0
+        seqs = fill_sequences(engine, bmax, ctx, gen)
+        randomise_pool(engine.pool, args.seed)
+        log(f"ctx {ctx}: graphs captured in {capture_s:.1f} s; {bmax} sequences filled")
+        for b in args.batches:
+            batch = decode_batch(engine, seqs[:b])
+            eager = lambda: model(batch, engine.pool, check=False)  # noqa: E731
+            graph = lambda: engine.graphs.run(batch)  # noqa: E731
+            want = eager()
+            got = graph()
+            agree = float((want.argmax(-1) == got.argmax(-1)).float().mean())
+            n_act = active_experts(model, eager)
+            t_graph = clock.per_call(graph, args.reps)
+            t_eager = clock.per_call(eager, max(2, args.reps // 8))
+            w = weight_bytes_per_step(model, b, n_act)
+            kv = b * kv_bytes_per_token(cfg, engine.pool, ctx)
+            roof = (sum(w.values()) + kv) / copy_bw
+            # the engine end to end: scheduling, the graph replay, sampling (one token per sequence)
+            engine.running = list(seqs[:b])
+            for s in seqs[:b]:
+                s.state.length, s.state.tokens = ctx, s.state.tokens[:ctx]
+            engine.step()
+            clock.sync()
+            t = time.perf_counter()
+            for _ in range(args.engine_steps):
+                engine.step()
+            clock.sync()
+            t_engine = (time.perf_counter() - t) / args.engine_steps
+            for s in seqs[:b]:  # back to ctx tokens, the next token known again
+                s.state.length, s.state.tokens = ctx, s.state.tokens[:ctx]
+                s.out = s.out[:1]
+            engine.running = list(seqs)
+            row = dict(ctx=ctx, batch=b, graph_s=t_graph, eager_s=t_eager, engine_s=t_engine, roof_s=roof,
+                       weight_bytes=w, kv_bytes=kv, active=n_act, graph_eager_top1=agree)
+            rows.append(row)
+            log(f"  b={b}: graph {t_graph * 1e3:.3f} ms, eager {t_eager * 1e3:.2f} ms, engine {t_engine * 1e3:.2f} ms, "
+                f"roofline {roof * 1e3:.3f} ms ({roof / t_graph:.0%}), experts {n_act}, graph/eager top-1 {agree:.2f}")
+        if not kernels:
+            batch = decode_batch(engine, seqs[:1])
+            kernels = dict(zip(("table", "total"), kernel_table(model, lambda: model(batch, engine.pool, check=False), dev)))
+            kernels["ctx"] = ctx
+        mem_rows.append(dict(phase=f"decode ctx {ctx}, {bmax} sequences, graphs", peak=mem.peak(),
+                             weights=model_bytes(model, dev), kv=pool_bytes(engine.pool)))
+        for s in seqs:
+            engine.finish(s)
+        del engine, seqs
+    return rows, kernels, mem_rows
+
+
+def run_prefill(model, args, clock: Clock, mm_rate: float, mem: Memory, log) -> tuple[list[dict], list[dict]]:
+    """Prefill rows per (prompt length, mode) and the memory of the longest prefill."""
+    cfg, dev = model.cfg, clock.device
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    rows, mem_rows = [], []
+    for mode in ("exact", "ced"):
+        for n in args.prefill:
+            mem.reset()
+            engine = Engine(model, prefill_mode=mode, max_batch=1, max_tokens_per_step=args.prefill_chunk,
+                            block_size=args.block_size, max_model_len=max(args.prefill) + 8)
+            blocks = -(-(n + 1) // args.block_size) + 2
+            engine.pool.grow(blocks, blocks)  # allocation outside the timed region
+            prompt = torch.randint(5, cfg.vocab_size, (n,), generator=gen).tolist()
+            warm = prompt[: min(n, args.prefill_chunk)]
+            seq, _, _ = engine.prefill_alone(warm, SamplingParams(max_new_tokens=1))  # compile / autotune
+            engine.finish(seq)
+            clock.sync()
+            t = time.perf_counter()
+            seq, logits, _ = engine.prefill_alone(prompt, SamplingParams(max_new_tokens=1))
+            clock.sync()
+            dt = time.perf_counter() - t
+            finite = bool(torch.isfinite(logits).all())
+            engine.finish(seq)
+            flops = prefill_flops(model, n, mode == "ced")
+            rows.append(dict(mode=mode, n=n, s=dt, flops=flops, roof_s=flops / mm_rate, finite=finite))
+            log(f"prefill {mode} {n}: {dt:.3f} s, {n / dt:.0f} tok/s, {flops / dt / 1e12:.1f} TFLOP/s "
+                f"({flops / mm_rate / dt:.0%} of the matmul roofline)")
+            if n == max(args.prefill):
+                mem_rows.append(dict(phase=f"prefill {mode} {n}", peak=mem.peak(), weights=model_bytes(model, dev),
+                                     kv=pool_bytes(engine.pool)))
+            del engine
+    return rows, mem_rows
+
+
+def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre, mems, offload, num, failed) -> str:
+    """The markdown report."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    L = [f"# End-to-end benchmark: {args.preset} preset on {device_name}", "",
+         f"Run {now:%Y-%m-%d %H:%M} UTC with `python benchmarks/e2e.py --preset {args.preset} --device {args.device}"
+         f"{' --dry-run' if args.dry_run else ''}` (torch {torch.__version__}); random weights with realistic "
+         f"statistics drawn on the device (seed {args.seed}, built in {build_s:.0f} s). Ceilings measured in this run: "
+         f"copy {copy_bw / 1e9:.0f} GB/s (read + write), bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s.", ""]
+    if dec:
+        L += ["## Decode", "",
+              "Step time = one decode step of every sequence (graph: the captured step replayed, inputs copied in; "
+              "eager: the same forward uncaptured). Engine = `Engine.step()` end to end with graphs (scheduling, "
+              "replay, sampling). Roofline = (weights read + KV read) / copy bandwidth; weights read = dense layers + "
+              "the routed experts the step's tokens chose + Engram rows + head.", "",
+              "| context | batch | graph ms | tok/s (graph) | eager ms | engine ms | engine tok/s | roofline ms | "
+              "of roofline | weights MB | KV MB | experts/layer |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in dec:
+            wb = sum(r["weight_bytes"].values())
+            L.append(f"| {r['ctx']} | {r['batch']} | {r['graph_s'] * 1e3:.3f} | {r['batch'] / r['graph_s']:.0f} | "
+                     f"{r['eager_s'] * 1e3:.2f} | {r['engine_s'] * 1e3:.2f} | {r['batch'] / r['engine_s']:.0f} | "
+                     f"{r['roof_s'] * 1e3:.3f} | {r['roof_s'] / r['graph_s']:.0%} | {wb / 1e6:.0f} | "
+                     f"{r['kv_bytes'] / 1e6:.1f} | {'/'.join(map(str, r['active']))} |")
+        L.append("")
+    if kernels:
+        L += [f"## Kernels per decode step (batch 1, context {kernels['ctx']}, eager, torch.profiler)", "",
+              "Device kernels, copies and sets, attributed to the sublayer whose range launched them; 'other' is "
+              "the embedding, mHC mixing, norms and head.", "",
+              "| range | layers | kernels per layer |", "|---|---|---|"]
+        for k, (n, per) in kernels["table"].items():
+            L.append(f"| {k} | {n} | {per:.0f} |")
+        L += [f"| total per step | | {kernels['total']} |", ""]
+    if pre:
+        L += ["## Prefill (one sequence)", "",
+              "Roofline = the step's matmul and attention FLOPs / the measured bf16 matmul rate.", "",
+              "| mode | prompt | seconds | tok/s | TFLOP/s | of FLOP roofline |", "|---|---|---|---|---|---|"]
+        for r in pre:
+            L.append(f"| {r['mode']} | {r['n']} | {r['s']:.3f} | {r['n'] / r['s']:.0f} | {r['flops'] / r['s'] / 1e12:.1f} | "
+                     f"{r['roof_s'] / r['s']:.0%} |")
+        L.append("")
+    if offload:
+        L += ["## Engram tables in host memory (decode, graph replay)", "",
+              "Fetched ahead: the host hashes and gathers every Engram layer's rows before the replay (included in "
+              "the time), the graph copies them on a side stream; in place: the lookup kernel reads the page-locked "
+              "table. Same argmax = the step's tokens equal the on-device model's.", "",
+              "| context | batch | on device ms | fetched ahead ms | overhead | in place ms | overhead | same argmax |",
+              "|---|---|---|---|---|---|---|---|"]
+        for r in offload:
+            d = r["device_s"]
+            L.append(f"| {r['ctx']} | {r['batch']} | {d * 1e3:.3f} | {r['ahead_s'] * 1e3:.3f} | {r['ahead_s'] / d - 1:+.1%} | "
+                     f"{r['in_place_s'] * 1e3:.3f} | {r['in_place_s'] / d - 1:+.1%} | "
+                     f"{r['ahead_same'] and r['in_place_same']} |")
+        L.append("")
+    if mems and mems[0]["peak"] is not None:
+        L += ["## Peak device memory", "", "| phase | peak GB | weights GB | KV pools GB | peak / (weights + KV) |",
+              "|---|---|---|---|---|"]
+        for m in mems:
+            L.append(f"| {m['phase']} | {m['peak'] / 1e9:.2f} | {m['weights'] / 1e9:.2f} | {m['kv'] / 1e9:.2f} | "
+                     f"{m['peak'] / (m['weights'] + m['kv']):.3f} |")
+        L.append("")
+    if num:
+        L += ["## Device numerics", "",
+              "Teacher-forced logits of one random prompt (exact prefill) on the device against the CPU reference "
+              "in the official rounding mode, same weights; greedy = greedy decode on the device (decode graphs) "
+              "against the argmax of the device's own exact prefill of prompt + generated tokens.", "",
+              "| preset | positions | cosine min | cosine mean | top-1 agree | KL mean | KL max | greedy = prefill |",
+              "|---|---|---|---|---|---|---|---|"]
+        for r in num:
+            g = r["greedy"]
+            cmp = (f"{r['positions']} | {r['cosine_min']:.5f} | {r['cosine_mean']:.5f} | {r['top1']:.3f} | "
+                   f"{r['kl_mean']:.2e} | {r['kl_max']:.2e}" if "top1" in r else "- | - | - | - | - | -")
+            L.append(f"| {r['preset']} | {cmp} | {g['agree']:.3f} of {g['positions']} |")
+        L.append("")
+    if failed:
+        L += [f"Phases that failed in this run (traceback in the log): {', '.join(failed)}.", ""]
+    L += ["## Targets", ""] + targets(dec, pre, mems)
+    return "\n".join(L) + "\n"
+
+
+def targets(dec, pre, mems) -> list[str]:
+    """One line per issue-12 target: the measured value, met or missed."""
+    out = []
+
+    def line(name, value, goal, met, fmt):
+        out.append(f"- {name}: {fmt(value)} (target {goal}): **{'met' if met else 'missed'}**")
+
+    for b, key in ((1, "decode_b1"), (64, "decode_b64")):
+        for r in (r for r in dec if r["batch"] == b):
+            f = r["roof_s"] / r["graph_s"]
+            line(f"batch-{b} decode at context {r['ctx']}, fraction of roofline", f, f">= {TARGETS[key]:.0%}",
+                 f >= TARGETS[key], lambda v: f"{v:.0%}")
+    by = {(r["mode"], r["n"]): r for r in pre}
+    for n in sorted({r["n"] for r in pre}):
+        if ("ced", n) in by and ("exact", n) in by:
+            q = by["ced", n]["s"] / by["exact", n]["s"]
+            line(f"CED / exact prefill time at {n}", q, f"<= {TARGETS['ced_vs_exact']}", q <= TARGETS["ced_vs_exact"],
+                 lambda v: f"{v:.2f}x")
+    for r in pre:
+        f = r["roof_s"] / r["s"]
+        line(f"{r['mode']} prefill {r['n']}, fraction of FLOP roofline", f, f">= {TARGETS['prefill']:.0%}",
+             f >= TARGETS["prefill"], lambda v: f"{v:.0%}")
+    for m in mems:
+        if m["peak"] is not None:
+            q = m["peak"] / (m["weights"] + m["kv"])
+            line(f"peak memory, {m['phase']}", q, f"<= {TARGETS['memory']}x weights + KV", q <= TARGETS["memory"],
+                 lambda v: f"{v:.3f}x")
+    return out
+
+
+def offloaded_copy(model: Transformer, fetch: str) -> Transformer:
+    """`model` again with its Engram tables in page-locked host memory (`fetch`: "ahead" or
+    "in_place", `Transformer.offload_engram`), the same weights."""
+    from dsv41.core.weights import load_into, materialize
+
+    dev = model.embed.weight.device
+    with torch.device("meta"):
+        off = Transformer(model.cfg, with_drafter=False)
+    off.offload_engram(dev, fetch)
+    return load_into(materialize(off, dev), model.state_dict())
+
+
+def run_offload(model_device, args, clock: Clock, log) -> list[dict]:
+    """Decode step time (graph replay; for rows fetched ahead the host gather before each
+    replay included) with the Engram tables on the device and in page-locked host memory,
+    fetched ahead or read in place, batch 1 and the largest batch at the first context."""
+    ctx = args.contexts[0]
+    rows = {b: dict(ctx=ctx, batch=b) for b in sorted({1, max(args.batches)})}
+    for name in ("device", "ahead", "in_place"):
+        model = model_device if name == "device" else offloaded_copy(model_device, name)
+        for b, row in rows.items():
+            engine = Engine(model, max_batch=b, graphs=True, max_model_len=ctx + 64, block_size=args.block_size,
+                            max_tokens_per_step=args.max_tokens_per_step)
+            seqs = fill_sequences(engine, b, ctx, torch.Generator().manual_seed(args.seed + b))  # same per model
+            randomise_pool(engine.pool, args.seed)
+            batch = decode_batch(engine, seqs)
+            row[f"{name}_s"] = clock.per_call(lambda: engine.graphs.run(batch), args.reps)
+            if name == "device":
+                row["want"] = engine.graphs.run(batch).argmax(-1).cpu()
+            else:
+                row[f"{name}_same"] = bool(torch.equal(engine.graphs.run(batch).argmax(-1).cpu(), row["want"]))
+            for s in seqs:
+                engine.finish(s)
+            del engine
+            log(f"offload {name} b={b}: {row[f'{name}_s'] * 1e3:.3f} ms")
+        del model
+    return list(rows.values())
+
+
+def run_numerics(model, args, log) -> list[dict]:
+    """Device vs CPU reference (official rounding), teacher-forced, and greedy decode vs the
+    device's own exact prefill: tiny always, the benchmark's model (built on the device) with
+    `--numerics-positions` positions on the CPU reference (0: only its greedy check)."""
+    from dsv41.deploy.device_numerics import greedy_self_consistency, teacher_forced
+
+    rows = []
+    tiny = preset("tiny")
+    t = time.perf_counter()
+    r = teacher_forced(tiny, args.device, n=64, seed=args.seed)
+    g = greedy_self_consistency(build_model(tiny, seed=args.seed, device=args.device, with_drafter=False),
+                                n_prompt=16, n_new=128, seed=args.seed)
+    rows.append(dict(preset="tiny", **r, greedy=g))
+    log(f"numerics tiny: cos min {r['cosine_min']:.5f}, top-1 {r['top1']:.3f}, KL mean {r['kl_mean']:.2e} max "
+        f"{r['kl_max']:.2e}; greedy {g['agree']:.3f} of {g['positions']} ({time.perf_counter() - t:.0f} s)")
+    g = greedy_self_consistency(model, n_prompt=32, n_new=64, seed=args.seed)
+    r = {}
+    if args.numerics_positions:
+        t = time.perf_counter()
+        ref = build_model(model.cfg, device="cpu", with_drafter=False,
+                          state_dict={k: v.cpu() for k, v in model.state_dict().items()})
+        r = teacher_forced(model.cfg, args.device, n=args.numerics_positions, seed=args.seed, ref_model=ref,
+                           dev_model=model)
+        del ref
+        log(f"numerics {args.preset}: cos min {r['cosine_min']:.5f}, top-1 {r['top1']:.3f}, KL mean "
+            f"{r['kl_mean']:.2e} ({time.perf_counter() - t:.0f} s)")
+    rows.append(dict(preset=args.preset, **r, greedy=g))
+    log(f"numerics {args.preset}: greedy {g['agree']:.3f} of {g['positions']}")
+    return rows
+
+
+def parse_ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="mini")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batches", type=parse_ints, default=[1, 8, 64])
+    ap.add_argument("--contexts", type=parse_ints, default=[4096, 32768])
+    ap.add_argument("--prefill", type=parse_ints, default=[8192, 32768])
+    ap.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill step")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-tokens-per-step", type=int, default=256, help="engine step budget (sizes the SWA pools)")
+    ap.add_argument("--reps", type=int, default=30, help="graph replays timed per decode row")
+    ap.add_argument("--engine-steps", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip", default="", help="comma list of phases to skip: decode,prefill,kernels")
+    ap.add_argument("--offload", action="store_true", help="also decode with Engram tables in host memory")
+    ap.add_argument("--numerics", action="store_true",
+                    help="device vs CPU reference logits (official rounding) and greedy vs exact prefill")
+    ap.add_argument("--numerics-positions", type=int, default=0,
+                    help="positions of the benchmark preset compared with the CPU reference (slow; 0: none)")
+    ap.add_argument("--dry-run", action="store_true", help="small ceilings (CPU bookkeeping check)")
+    ap.add_argument("--out", default="benchmarks/RESULTS-e2e.md")
+    args = ap.parse_args()
+    skip = set(args.skip.split(","))
+    dev = torch.device(args.device)
+    clock, mem = Clock(dev), Memory(dev)
+    t_start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:6.1f} s] {msg}", flush=True)
+
+    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} ({os.cpu_count()} cores)"
+    copy_bw, mm_rate = ceilings(clock, args.dry_run)
+    log(f"{device_name}: copy {copy_bw / 1e9:.0f} GB/s, bf16 matmul {mm_rate / 1e12:.1f} TFLOP/s")
+    cfg = preset(args.preset)
+    t = time.perf_counter()
+    model = build_model(cfg, seed=args.seed, device=dev, with_drafter=False, draw_device=dev)
+    clock.sync()
+    build_s = time.perf_counter() - t
+    log(f"{args.preset}: built in {build_s:.1f} s, {model_bytes(model, dev) / 1e9:.2f} GB of weights on {dev}")
+    dec, kernels, mems, pre, offload, num = [], {}, [], [], [], []
+
+    def phase(name, fn):
+        """Run one phase; a failure is logged and the others still run."""
+        try:
+            return fn()
+        except Exception:  # noqa: BLE001  (report what ran; the traceback is in the log)
+            import traceback
+
+            log(f"phase {name} FAILED:\n{traceback.format_exc()}")
+            failed.append(name)
+            return None
+
+    failed: list[str] = []
+    if "decode" not in skip:
+        dec, kernels, mems = phase("decode", lambda: run_decode(model, args, clock, copy_bw, mem, log)) or ([], {}, [])
+    if args.offload:
+        offload = phase("offload", lambda: run_offload(model, args, clock, log)) or []
+    if "prefill" not in skip:
+        pre, pm = phase("prefill", lambda: run_prefill(model, args, clock, mm_rate, mem, log)) or ([], [])
+        mems += pm
+    if args.numerics:
+        num = phase("numerics", lambda: run_numerics(model, args, log)) or []
+    text = report(args, device_name, copy_bw, mm_rate, build_s, dec, kernels, pre, mems, offload, num, failed)
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, args.out)
+    print(text)
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
