@@ -680,8 +680,8 @@ def main() -> int:
     ap.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill step")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-tokens-per-step", type=int, default=256, help="engine step budget (sizes the SWA pools)")
-    ap.add_argument("--reps", type=int, default=30, help="graph replays timed per decode row")
-    ap.add_argument("--engine-steps", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=20, help="graph replays timed per decode row")
+    ap.add_argument("--engine-steps", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", default="", help="comma list of phases to skip: decode,prefill,kernels")
     ap.add_argument("--offload", action="store_true", help="also decode with Engram tables in host memory")
@@ -723,21 +723,29 @@ def main() -> int:
             return None
 
     failed: list[str] = []
+
+    def write() -> str:
+        """The report so far, written whole (temp name, then rename) after every phase."""
+        text = report(args, device_name, copy_bw, mm_rate, build_s, dec, kernels, pre, mems, offload, num, failed)
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, args.out)
+        return text
+
     if "decode" not in skip:
         dec, kernels, mems = phase("decode", lambda: run_decode(model, args, clock, copy_bw, mem, log)) or ([], {}, [])
+        write()
     if args.offload:
         offload = phase("offload", lambda: run_offload(model, args, clock, log)) or []
+        write()
     if "prefill" not in skip:
         pre, pm = phase("prefill", lambda: run_prefill(model, args, clock, mm_rate, mem, log)) or ([], [])
         mems += pm
+        write()
     if args.numerics:
         num = phase("numerics", lambda: run_numerics(model, args, log)) or []
-    text = report(args, device_name, copy_bw, mm_rate, build_s, dec, kernels, pre, mems, offload, num, failed)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, args.out)
-    print(text)
+    print(write())
     log("done")
     return 0
 
