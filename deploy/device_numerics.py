@@ -24,6 +24,14 @@ from ..core.engine import Engine, SamplingParams, SingleSequence
 from ..core.weights import build_model
 
 
+def random_text_ids(cfg, n: int, gen: torch.Generator) -> list[int]:
+    """n random token ids that are text: the special ids (0..4) and the image token avoided."""
+    ids = torch.randint(5, cfg.vocab_size, (n,), generator=gen)
+    if cfg.vision is not None and cfg.image_token_id is not None:
+        ids = torch.where(ids == cfg.image_token_id, 5, ids)
+    return ids.tolist()
+
+
 def logits_all(model, ids: list[int]) -> torch.Tensor:
     """fp32 logits [n, V] of every position of `ids` (one exact prefill, a fresh cache). Every id
     is text, as generated tokens are, even one equal to the image token id."""
@@ -52,8 +60,7 @@ def teacher_forced(cfg, device: str | torch.device, n: int, seed: int = 0, ref_m
     if dev_model is None:
         dev_model = build_model(cfg, seed=seed, device=device, with_drafter=False,
                                 state_dict={k: v for k, v in ref_model.state_dict().items()})
-    gen = torch.Generator().manual_seed(seed + 7)
-    ids = torch.randint(5, cfg.vocab_size, (n,), generator=gen).tolist()
+    ids = random_text_ids(cfg, n, torch.Generator().manual_seed(seed + 7))
     with numerics("official"):
         ref = logits_all(ref_model, ids)
     dev = logits_all(dev_model, ids)
@@ -62,15 +69,22 @@ def teacher_forced(cfg, device: str | torch.device, n: int, seed: int = 0, ref_m
 
 def greedy_self_consistency(model, n_prompt: int, n_new: int, seed: int = 0, graphs: bool = True) -> dict:
     """Greedy decode of `n_new` tokens on the model's device vs the argmax of one exact prefill
-    of prompt + generated tokens on the same device."""
+    of prompt + generated tokens on the same device. Also: the largest difference between a
+    decode step's logits and the prefill's logits of the same position, and at each position
+    where the argmax differs, the prefill's margin between the decoded token and its top token
+    (a near-tie flips under rounding noise; a large margin would be a bug)."""
     cfg = model.cfg
-    gen = torch.Generator().manual_seed(seed + 11)
-    prompt = torch.randint(5, cfg.vocab_size, (n_prompt,), generator=gen).tolist()
+    prompt = random_text_ids(cfg, n_prompt, torch.Generator().manual_seed(seed + 11))
     use_graphs = graphs and model.embed.weight.device.type != "cpu"
-    engine = Engine(model, prefill_mode="exact", max_batch=1, graphs=use_graphs,
+    engine = Engine(model, prefill_mode="exact", max_batch=1, graphs=use_graphs, record_logits=True,
                     max_model_len=n_prompt + n_new + 8 if use_graphs else None)
-    out = engine.generate(prompt, SamplingParams(max_new_tokens=n_new)).token_ids
-    full = logits_all(model, prompt + out[:-1])  # position p predicts token p + 1
-    pred = full[n_prompt - 1:].argmax(-1).cpu().tolist()
-    agree = sum(int(a == b) for a, b in zip(pred, out))
-    return {"positions": len(out), "agree": agree / len(out), "graphs": use_graphs}
+    res = engine.generate(prompt, SamplingParams(max_new_tokens=n_new))
+    out = res.token_ids
+    full = logits_all(model, prompt + out[:-1])[n_prompt - 1:].cpu()  # row k predicts out[k]
+    dec = torch.stack([x.float().cpu() for x in res.logits])
+    pred = full.argmax(-1).tolist()
+    bad = [k for k, (a, b) in enumerate(zip(pred, out)) if a != b]
+    margins = [float(full[k].max() - full[k, out[k]]) for k in bad]
+    return {"positions": len(out), "agree": 1 - len(bad) / len(out), "graphs": use_graphs,
+            "first_mismatch": bad[0] if bad else None, "max_logit_diff": float((dec - full).abs().max()),
+            "logit_scale": float(full.abs().max()), "mismatch_margin_max": max(margins, default=0.0)}
