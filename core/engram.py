@@ -331,6 +331,7 @@ class EngramPrefetch:
         """Device side: one non-blocking copy per layer of its gathered rows on the side stream,
         each followed by an event. Returns layer -> (values, scales, local row ids, event)."""
         out = {}
+        capturing = self.platform.is_capturing()
         cur = self.platform.current_stream()
         self.side.wait_stream(cur)  # the destinations' memory is free once cur's earlier work is done
         for layer, t in self.filled.items():
@@ -344,7 +345,9 @@ class EngramPrefetch:
                 dst_v.copy_(vals[:n], non_blocking=True)
                 dst_s.copy_(sc[:n], non_blocking=True)
                 event.record(self.side)
-            self.staging[key] = (vals, sc, event)
+            # an event recorded while capturing is a dependency inside the graph, not one the
+            # host can wait on (CUDA refuses): the graph runner waits for its replays instead
+            self.staging[key] = (vals, sc, None if capturing else event)
             local = torch.arange(n, device=self.device).view(t, -1)
             out[layer] = FetchedRows(dst_v.view(table.dtype), dst_s.view(scale.dtype), local, event, self.platform)
         self.filled = {}

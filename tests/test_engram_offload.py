@@ -176,3 +176,50 @@ def test_cuda_decode_graphs_with_rows_fetched_ahead(tiny_cfg, fresh_seed, rng, p
     on_device = build_model(tiny_cfg, seed=fresh_seed, device="cuda")
     model = cuda_offloaded(tiny_cfg, on_device, pinned, "ahead")
     assert decode_tokens(model, prompts, graphs=True, n_new=12) == decode_tokens(on_device, prompts, graphs=True, n_new=12)
+
+
+def test_fetch_ahead_never_waits_on_an_event_recorded_in_a_capture(tiny_cfg, fresh_seed, rng):
+    """CUDA refuses a host wait on an event recorded while capturing a graph (seen on an H200):
+    after a captured step, the next host gather of the same buffers must not wait on it, while
+    an event recorded outside a capture is still waited on before its buffers are refilled."""
+    from dsv41.backends.platform import Platform
+
+    log = []
+
+    class Event:
+        def __init__(self, platform):
+            self.platform, self.captured = platform, False
+
+        def record(self, stream=None):
+            self.captured = self.platform.capturing
+
+        def synchronize(self):
+            assert not self.captured, "host wait on an event recorded during a capture"
+            log.append("wait")
+
+    class CapturePlatform(Platform):
+        capturing = False
+
+        def event(self):
+            return Event(self)
+
+        def is_capturing(self):
+            return self.capturing
+
+    model = build_model(tiny_cfg, seed=fresh_seed, engram_offload=True)
+    prefetch = model.engram_prefetch()
+    prefetch.platform = CapturePlatform("cpu", torch.device("cpu"))
+    ids = rand_prompt(tiny_cfg, 4, rng).tolist()
+    ngrams = torch.tensor([[ids[p - s] if p >= s else -1 for s in range(4)] for p in range(4)])
+    no_image = torch.zeros(4, 4, dtype=torch.bool)
+    prefetch.platform.capturing = True
+    prefetch.gather(ngrams, no_image)
+    captured = prefetch.issue()
+    prefetch.platform.capturing = False
+    prefetch.gather(ngrams, no_image)  # after the capture: nothing to wait on
+    assert log == []
+    eager = prefetch.issue()
+    prefetch.gather(ngrams, no_image)  # after an eager copy: wait for it, once per layer
+    assert log == ["wait"] * len(tiny_cfg.engram_layer_ids)
+    for layer in captured:
+        assert torch.equal(captured[layer].values.view(torch.uint8), eager[layer].values.view(torch.uint8))
