@@ -524,33 +524,26 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
             L.append(f"| {k} | {n} | {per:.0f} |")
         L += [f"| total per step | | {kernels['total']} |", ""]
     if pre:
-        L += ["## Prefill (one sequence)", "",
-              "Roofline = the step's matmul and attention FLOPs / the measured bf16 matmul rate.", "",
-              "| mode | prompt | seconds | tok/s | TFLOP/s | of FLOP roofline |", "|---|---|---|---|---|---|"]
-        for r in pre:
-            L.append(f"| {r['mode']} | {r['n']} | {r['s']:.3f} | {r['n'] / r['s']:.0f} | {r['flops'] / r['s'] / 1e12:.1f} | "
-                     f"{r['roof_s'] / r['s']:.0%} |")
-        L.append("")
+        L += table("Prefill (one sequence)",
+                   "Roofline = the step's matmul and attention FLOPs / the measured bf16 matmul rate.",
+                   ["mode", "prompt", "seconds", "tok/s", "TFLOP/s", "of FLOP roofline"],
+                   [[r["mode"], r["n"], f"{r['s']:.3f}", f"{r['n'] / r['s']:.0f}", f"{r['flops'] / r['s'] / 1e12:.1f}",
+                     f"{r['roof_s'] / r['s']:.0%}"] for r in pre])
     if offload:
-        L += ["## Engram tables in host memory (decode, graph replay)", "",
-              "Fetched ahead: the host hashes and gathers every Engram layer's rows before the replay (included in "
-              "the time), the graph copies them on a side stream; in place: the lookup kernel reads the page-locked "
-              "table. Same argmax = the step's tokens equal the on-device model's.", "",
-              "| context | batch | on device ms | fetched ahead ms | overhead | in place ms | overhead | same argmax |",
-              "|---|---|---|---|---|---|---|---|"]
-        for r in offload:
-            d = r["device_s"]
-            L.append(f"| {r['ctx']} | {r['batch']} | {d * 1e3:.3f} | {r['ahead_s'] * 1e3:.3f} | {r['ahead_s'] / d - 1:+.1%} | "
-                     f"{r['in_place_s'] * 1e3:.3f} | {r['in_place_s'] / d - 1:+.1%} | "
-                     f"{r['ahead_same'] and r['in_place_same']} |")
-        L.append("")
+        L += table("Engram tables in host memory (decode, graph replay)",
+                   "Fetched ahead: the host hashes and gathers every Engram layer's rows before the replay (included "
+                   "in the time), the graph copies them on a side stream; in place: the lookup kernel reads the "
+                   "page-locked table. Same argmax = the step's tokens equal the on-device model's.",
+                   ["context", "batch", "on device ms", "fetched ahead ms", "overhead", "in place ms", "overhead",
+                    "same argmax"],
+                   [[r["ctx"], r["batch"], f"{r['device_s'] * 1e3:.3f}", f"{r['ahead_s'] * 1e3:.3f}",
+                     f"{r['ahead_s'] / r['device_s'] - 1:+.1%}", f"{r['in_place_s'] * 1e3:.3f}",
+                     f"{r['in_place_s'] / r['device_s'] - 1:+.1%}", r["ahead_same"] and r["in_place_same"]]
+                    for r in offload])
     if mems and mems[0]["peak"] is not None:
-        L += ["## Peak device memory", "", "| phase | peak GB | weights GB | KV pools GB | peak / (weights + KV) |",
-              "|---|---|---|---|---|"]
-        for m in mems:
-            L.append(f"| {m['phase']} | {m['peak'] / 1e9:.2f} | {m['weights'] / 1e9:.2f} | {m['kv'] / 1e9:.2f} | "
-                     f"{m['peak'] / (m['weights'] + m['kv']):.3f} |")
-        L.append("")
+        L += table("Peak device memory", None, ["phase", "peak GB", "weights GB", "KV pools GB", "peak / (weights + KV)"],
+                   [[m["phase"], f"{m['peak'] / 1e9:.2f}", f"{m['weights'] / 1e9:.2f}", f"{m['kv'] / 1e9:.2f}",
+                     f"{m['peak'] / (m['weights'] + m['kv']):.3f}"] for m in mems])
     if num:
         L += ["## Device numerics", "",
               "Teacher-forced logits of one random prompt (exact prefill) on the device against the CPU reference "
@@ -568,6 +561,13 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
         L += [f"Phases that failed in this run (traceback in the log): {', '.join(failed)}.", ""]
     L += ["## Targets", ""] + targets(dec, pre, mems)
     return "\n".join(L) + "\n"
+
+
+def table(title: str, intro: str | None, header: list[str], rows: list[list]) -> list[str]:
+    """A report section: heading, an optional paragraph, a markdown table."""
+    out = [f"## {title}", ""] + ([intro, ""] if intro else [])
+    out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return out + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows] + [""]
 
 
 def targets(dec, pre, mems) -> list[str]:
