@@ -19,7 +19,8 @@ One run measures, on random weights with realistic statistics (MODEL.md section 
 - prefill tokens/s for each prompt length, CED and exact, against the FLOP roofline (matmul and
   attention FLOPs the step's rows need / the measured bf16 matmul rate);
 - peak device memory against weights + KV pools;
-- optionally (`--offload`), decode with the Engram tables in page-locked host memory.
+- optionally (`--offload`), decode with the Engram tables in page-locked host memory, and
+  (`--streams`) with each MoE's shared expert on a second stream beside the routed experts.
 Writes a dated markdown report naming the device (`--out`), and prints it.
 """
 
@@ -491,7 +492,8 @@ def run_prefill(model, args, clock: Clock, mm_rate: float, mem: Memory, log) -> 
     return rows, mem_rows
 
 
-def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre, mems, offload, num, failed) -> str:
+def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre, mems, offload, num, failed,
+           streams=()) -> str:
     """The markdown report."""
     now = datetime.datetime.now(datetime.timezone.utc)
     L = [f"# End-to-end benchmark: {args.preset} preset on {device_name}", "",
@@ -540,6 +542,12 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
                      f"{r['ahead_s'] / r['device_s'] - 1:+.1%}", f"{r['in_place_s'] * 1e3:.3f}",
                      f"{r['in_place_s'] / r['device_s'] - 1:+.1%}", r["ahead_same"] and r["in_place_same"]]
                     for r in offload])
+    if streams:
+        L += table("Second stream (shared expert beside the routed experts; decode, graph replay)",
+                   "Same logits = the step's logits are bit-identical with one and two streams.",
+                   ["context", "batch", "one stream ms", "two streams ms", "change", "same logits"],
+                   [[r["ctx"], r["batch"], f"{r['one_s'] * 1e3:.3f}", f"{r['two_s'] * 1e3:.3f}",
+                     f"{r['two_s'] / r['one_s'] - 1:+.1%}", r["same"]] for r in streams])
     if mems and mems[0]["peak"] is not None:
         L += table("Peak device memory", None, ["phase", "peak GB", "weights GB", "KV pools GB", "peak / (weights + KV)"],
                    [[m["phase"], f"{m['peak'] / 1e9:.2f}", f"{m['weights'] / 1e9:.2f}", f"{m['kv'] / 1e9:.2f}",
@@ -639,6 +647,35 @@ def run_offload(model_device, args, clock: Clock, log) -> list[dict]:
     return list(rows.values())
 
 
+def run_streams(model, args, clock: Clock, log) -> list[dict]:
+    """Decode step time (graph replay) with each MoE's shared expert on the main stream and on a
+    second stream beside the routed experts, batch 1 and the largest batch at the first context."""
+    ctx = args.contexts[0]
+    rows = {b: dict(ctx=ctx, batch=b) for b in sorted({1, max(args.batches)})}
+    try:
+        for on in (False, True):
+            model.overlap_streams(on)
+            for b, row in rows.items():
+                engine = Engine(model, max_batch=b, graphs=True, max_model_len=ctx + 64, block_size=args.block_size,
+                                max_tokens_per_step=args.max_tokens_per_step)
+                seqs = fill_sequences(engine, b, ctx, torch.Generator().manual_seed(args.seed + b))
+                randomise_pool(engine.pool, args.seed)
+                batch = decode_batch(engine, seqs)
+                row["two_s" if on else "one_s"] = clock.per_call(lambda: engine.graphs.run(batch), args.reps)
+                logits = engine.graphs.run(batch).cpu()
+                if on:
+                    row["same"] = bool(torch.equal(logits, row.pop("logits")))
+                else:
+                    row["logits"] = logits
+                for s in seqs:
+                    engine.finish(s)
+                del engine
+                log(f"streams {'two' if on else 'one'} b={b}: {row['two_s' if on else 'one_s'] * 1e3:.3f} ms")
+    finally:
+        model.overlap_streams(False)
+    return list(rows.values())
+
+
 def run_numerics(model, args, log) -> list[dict]:
     """Device vs CPU reference (official rounding), teacher-forced, and greedy decode vs the
     device's own exact prefill: tiny always, the benchmark's model (built on the device) with
@@ -691,6 +728,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", default="", help="comma list of phases to skip: decode,prefill,kernels")
     ap.add_argument("--offload", action="store_true", help="also decode with Engram tables in host memory")
+    ap.add_argument("--streams", action="store_true",
+                    help="also decode with the shared expert on a second stream (Transformer.overlap_streams)")
     ap.add_argument("--numerics", action="store_true",
                     help="device vs CPU reference logits (official rounding) and greedy vs exact prefill")
     ap.add_argument("--numerics-tiny-positions", type=int, default=64,
@@ -717,7 +756,7 @@ def main() -> int:
     clock.sync()
     build_s = time.perf_counter() - t
     log(f"{args.preset}: built in {build_s:.1f} s, {model_bytes(model, dev) / 1e9:.2f} GB of weights on {dev}")
-    dec, kernels, mems, pre, offload, num = [], {}, [], [], [], []
+    dec, kernels, mems, pre, offload, num, streams = [], {}, [], [], [], [], []
 
     def phase(name, fn):
         """Run one phase; a failure is logged and the others still run."""
@@ -734,7 +773,8 @@ def main() -> int:
 
     def write() -> str:
         """The report so far, written whole (temp name, then rename) after every phase."""
-        text = report(args, device_name, copy_bw, mm_rate, build_s, dec, kernels, pre, mems, offload, num, failed)
+        text = report(args, device_name, copy_bw, mm_rate, build_s, dec, kernels, pre, mems, offload, num, failed,
+                      streams)
         tmp = args.out + ".tmp"
         with open(tmp, "w") as f:
             f.write(text)
@@ -743,6 +783,9 @@ def main() -> int:
 
     if "decode" not in skip:
         dec, kernels, mems = phase("decode", lambda: run_decode(model, args, clock, copy_bw, mem, log)) or ([], {}, [])
+        write()
+    if args.streams:
+        streams = phase("streams", lambda: run_streams(model, args, clock, log)) or []
         write()
     if args.offload:
         offload = phase("offload", lambda: run_offload(model, args, clock, log)) or []

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..backends import ops
+from ..backends.platform import platform_for
 from .batch import Rows, StepBatch
 from .cache import FLOOR_DECODER, FLOOR_DRAFT, FLOOR_ENCODER, KVPool, entry_rows
 from .config import ModelConfig, yarn_inv_freq
@@ -310,6 +311,8 @@ class MoE(nn.Module):
             {str(e): Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_dtype) for e in range(lo, hi)}
         )
         self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, _dense(cfg))
+        # run the shared expert on a second stream beside the routed ones (`Transformer.overlap_streams`)
+        self.overlap_shared = False
 
     def forward(self, x: torch.Tensor, is_image: torch.Tensor | None) -> torch.Tensor:
         cfg = self.cfg
@@ -325,12 +328,36 @@ class MoE(nn.Module):
         # shared expert on rank 0 only) and rounded once, after the cross-rank sum: on the
         # reference an N-way run equals the one-process run bit for bit.
         acc = ops.partial_sum_dtype(x.device)
+        shared, side = None, None
+        if self.group.rank == 0 and self.overlap_shared:
+            # the shared expert on a second stream beside the routed experts (both only read x)
+            plat, side = self._side_stream(x.device)
+            cur = plat.current_stream()
+            side.wait_stream(cur)
+            with plat.use_stream(side):
+                shared = self.shared(x, acc)
+                done = plat.event()
+                done.record(side)
         y = ops.moe_experts(x, w, ids, [e.parts() for e in self.experts.values()], cfg.swiglu_limit, acc)
-        if self.group.rank == 0:
-            ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
-            zeros = torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)
-            y = y + ops.moe_experts(x, ones, zeros, [self.shared_experts.parts()], cfg.swiglu_limit, acc)
+        if side is not None:
+            cur.wait_event(done)
+            y = y + shared
+        elif self.group.rank == 0:
+            y = y + self.shared(x, acc)
         return self.group.all_reduce_sum(y).float().to(BF16)
+
+    def shared(self, x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+        """The shared expert's output (unrounded partial sums, `acc`)."""
+        ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+        zeros = torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)
+        return ops.moe_experts(x, ones, zeros, [self.shared_experts.parts()], self.cfg.swiglu_limit, acc)
+
+    def _side_stream(self, device: torch.device):
+        """(platform, second stream) of this layer's device, made once."""
+        if getattr(self, "_side", None) is None or self._side[0] != device:
+            plat = platform_for(device)
+            self._side = (device, plat, plat.stream())
+        return self._side[1:]
 
 
 # ---- Engram -----------------------------------------------------------------------------------
@@ -566,6 +593,14 @@ class Transformer(nn.Module):
             self.aligner = Aligner(cfg.vision, d)
             for name in IMAGE_FRAME:
                 self.register_buffer(name, torch.empty(d, dtype=BF16))
+
+    def overlap_streams(self, on: bool = True) -> None:
+        """Run each MoE's shared expert on a second device stream beside its routed experts
+        (through the platform's streams and events; the same arithmetic, so the same logits).
+        Off by default: written for CUDA / NPU, unverified on hardware, its gain unmeasured
+        (`benchmarks/e2e.py --streams` measures it)."""
+        for blk in self.layers:
+            blk.ffn.overlap_shared = on
 
     def offload_engram(self, device: torch.device | str, fetch: str = "ahead") -> None:
         """Keep every Engram table in host memory while the rest of the model runs on `device`
