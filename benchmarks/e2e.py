@@ -13,7 +13,8 @@ One run measures, on random weights with realistic statistics (MODEL.md section 
   step must read (dense weights, the experts the step's tokens actually route to, head, the
   Engram rows, the KV entries each token reads) / copy bandwidth, and the fraction reached.
   Contexts are filled by writing random entries straight into the KV pools (no 32K prefill per
-  sequence);
+  sequence). The engine captures only the buckets of `--batches` (graphs/decode.BUCKETS is
+  narrowed for the run: fewer captures, the same step);
 - kernels per decode step by layer kind (torch.profiler over one eager step, kernels attributed
   to the layer whose range launched them);
 - prefill tokens/s for each prompt length, CED and exact, against the FLOP roofline (matmul and
@@ -29,7 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import statistics
 import sys
@@ -42,10 +42,10 @@ import torch
 from dsv41.backends import ops
 from dsv41.backends.platform import platform_for
 from dsv41.core.batch import Chunk, build_step
-from dsv41.core.cache import FLOOR_DECODER, KVPool, SequenceState
+from dsv41.core.cache import KVPool
 from dsv41.core.config import preset
 from dsv41.core.engine import Engine, SamplingParams
-from dsv41.core.model import Attention, Engram, MoE, Transformer
+from dsv41.core.model import MoE, Transformer
 from dsv41.core.weights import build_model
 from dsv41.deploy.device_numerics import random_text_ids
 from dsv41.graphs import decode as decode_graphs
