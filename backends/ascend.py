@@ -10,9 +10,13 @@ triton-ascend's front end in CI (`nox -s triton_ascend`); the integer decoders a
 fallbacks run on CPU in tests/test_ascend_backend.py. Nothing here has run on an Atlas A2 / A3.
 
 NPU-legal data (Atlas A2 / A3 have no float8 / float64 tensors, HCCL no fp64 collectives):
-- FP8 E4M3, E8M0 and packed FP4 data are uint8 / int8 tensors on the NPU (a loader moves
-  `t.view(torch.uint8)`); this module decodes them with integer and fp32 ops only, and the
-  quantising ops return uint8 bytes where the reference returns float8 dtypes.
+- FP8 E4M3, E8M0 and packed FP4 data are uint8 / int8 tensors on the NPU: the platform's
+  `storage_dtype` says so (backends/platform.py), `core.weights.materialize` gives the model's
+  float8 buffers that dtype and the loaders copy the checkpoint's bytes in (`as_storage`), and
+  `core.cache.KVPool` allocates its FP8 / E8M0 pools through it. Every op here accepts those
+  uint8 forms (a uint8 tensor in a float8 slot holds that format's bytes) and decodes them with
+  integer and fp32 ops only; the quantising ops return uint8 bytes where the reference returns
+  float8 dtypes.
 - No fp64 on the NPU: an `out_dtype=torch.float64` request is refused with an error naming
   `ops.partial_sum_dtype` (fp32 there); reference ops that accumulate in fp64 run on the NPU
   with fp32 accumulation instead (`_fp32_reference`).
@@ -262,8 +266,17 @@ def npu_moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, e
     The router weight is applied after w2 (by finalize) instead of before it: equal up to
     rounding (w2 is linear, and a per-token int8 quantisation is invariant to a per-row scale).
     ids < 0 (experts of another rank) are routed to a phantom expert outside `active_expert_range`,
-    which init_routing drops; its finalize weight is 0. Assumes (from the docs) that
-    expanded_row_idx with row_idx_type=0 is finalize's expanded_src_to_dst_row."""
+    which init_routing drops; its finalize weight is 0.
+
+    Row indices (checked against CANN's kernel sources and golden scripts of MoeInitRoutingV2 /
+    MoeFinalizeRouting; unverified on hardware): init_routing's expanded_row_idx with
+    row_idx_type=0 maps each SOURCE slot s = token * K + k (row-major) to its row in expanded_x,
+    -1 where the expert is outside active_expert_range; finalize reads
+    expanded_src_to_dst_row[k * NUM_ROWS + token] (k-major) and needs every entry in
+    [0, NUM_ROWS * K). So the map is transposed to k-major, and dropped slots point at the last
+    row, which is then a row past the routed ones (undefined after the grouped matmul) and is
+    zeroed here. vllm-ascend combines with `npu_moe_token_unpermute` instead (row-major, bf16
+    only); finalize keeps fp32 partial sums for the model-parallel all-reduce."""
     import torch_npu
 
     _refuse_fp64(out_dtype, "moe_experts")
@@ -297,8 +310,13 @@ def npu_moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, e
     if fmt != "w8a8":  # the release format quantises w2's input to FP8 (bit-exact emulation)
         h = fp8_qdq_int(h)
     y = gmm(h, w2, s2)
+    n_rows = t * k
+    routed = torch.arange(n_rows, device=y.device) < counts.sum()  # rows past these are undefined
+    y = torch.where(routed.unsqueeze(1), y, torch.zeros((), dtype=y.dtype, device=y.device))
+    src_to_dst = torch.where(row_idx < 0, torch.full_like(row_idx, n_rows - 1), row_idx)
+    src_to_dst = src_to_dst.reshape(t, k).t().reshape(-1).to(torch.int32).contiguous()  # k-major
     scales = torch.where(ids < 0, torch.zeros_like(weights), weights).float()
-    out = torch_npu.npu_moe_finalize_routing(y, None, None, None, scales, row_idx, local, drop_pad_mode=0)
+    out = torch_npu.npu_moe_finalize_routing(y, None, None, None, scales, src_to_dst, local, drop_pad_mode=0)
     return out.to(out_dtype)
 
 
@@ -358,16 +376,25 @@ def _unavailable(name: str, why: str):
     return fail
 
 
-def engram_lookup_int8(table: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """`ops.engram_lookup` for INT8 Engram tables (the Ascend recipe's storage): gather + one
-    fp32 multiply per row (the reference's own math, legal on the NPU); FP8 tables need the
-    Triton kernel."""
-    if table.dtype != torch.int8:
-        raise NotImplementedError("engram_lookup of an FP8 Engram table on the NPU needs triton-ascend; "
-                                  "convert with `dsv41 convert --engram-dtype int8` (the Ascend recipe's storage)")
-    from .reference.basic import engram_lookup
+def engram_lookup_npu(table: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`ops.engram_lookup` without Triton. INT8 tables (the Ascend recipe's storage): gather + one
+    fp32 multiply per row (the reference's own math, legal on the NPU). FP8 tables (E4M3 bytes +
+    E8M0 bytes per 32, uint8 on the NPU or float8 in host memory): the rows' bytes are gathered
+    (where the table is, then copied over) and decoded with integer ops; bit-exact with the
+    reference. Tables with plain float scales need the Triton kernel."""
+    from .reference.basic import engram_lookup, gather_rows_to
 
-    return engram_lookup(table, scale, rows)
+    if table.dtype == torch.int8:
+        return engram_lookup(table, scale, rows)
+    if table.element_size() != 1 or scale.element_size() != 1:
+        raise NotImplementedError(f"engram_lookup of a {table.dtype} table with {scale.dtype} scales on the NPU needs "
+                                  "triton-ascend (only INT8 tables and FP8 tables with E8M0 scales run without it)")
+    table, scale = table.view(torch.uint8), scale.view(torch.uint8)  # bytes: no float8 reaches the NPU
+    if table.device != rows.device:
+        table, scale, rows = gather_rows_to(table, scale, rows)
+    t, r = rows.shape
+    flat = rows.reshape(-1)
+    return fp8_dequant_int(table[flat], scale[flat]).reshape(t, r * table.shape[-1]).to(torch.bfloat16)
 
 
 def mxfp4_quant_int(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -429,7 +456,8 @@ def plan(op_names: list[str], triton_ops: list[str], triton_why: str | None) -> 
 
             out[name] = (rope_tables, "angle-sum identities over fp64 tables made once (fp32 on the NPU, no host sync)")
         elif name == "engram_lookup":
-            out[name] = (engram_lookup_int8, "INT8 tables: gather + fp32 scale; FP8 tables: error (needs triton-ascend)")
+            out[name] = (engram_lookup_npu, "INT8 tables: gather + fp32 scale; FP8 tables: gather bytes + integer "
+                                            "decode (fallback)")
         elif name in HOST_REFERENCE_OPS:
             out[name] = (_host_reference(name), "reference on the host in fp64, tables copied to the NPU "
                                                 "(fallback; one host sync)")

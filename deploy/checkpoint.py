@@ -433,6 +433,7 @@ def load_checkpoint_weights(ckpt_dir: str | os.PathLike, cfg: ModelConfig, devic
     from safetensors import safe_open
 
     from ..core.model import Transformer
+    from ..backends.platform import as_storage
     from ..core.weights import count_nonfinite, materialize, progress_bar
 
     d = Path(ckpt_dir)
@@ -472,7 +473,7 @@ def load_checkpoint_weights(ckpt_dir: str | os.PathLike, cfg: ModelConfig, devic
                         if bad:  # checked here, once, rather than on every step's logits
                             raise WeightError(f"{f}: tensor {stored} holds {bad} NaN/Inf value(s) "
                                               "(a corrupt or badly converted checkpoint)")
-                        buffers[native].copy_(t)
+                        buffers[native].copy_(as_storage(t, buffers[native].dtype))  # float8: bytes on NPU
                         bar.update(t.numel() * t.element_size())
             except WeightError:
                 raise

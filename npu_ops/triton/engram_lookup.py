@@ -1,7 +1,7 @@
 """Engram row gather: hashed row ids [T, R] -> dequantised bf16 [T, R * Dh] (op `engram_lookup`).
 
-Tables: FP8 E4M3 [rows, Dh] (torch.float8_e4m3fn) with E8M0 scales [rows, Dh/32]
-(float8_e8m0fnu) or plain fp32/bf16/fp16 scales [rows, Dh/32]; or INT8 [rows, Dh] with
+Tables: FP8 E4M3 [rows, Dh] (torch.float8_e4m3fn, or its uint8 bytes: the NPU storage) with E8M0
+scales [rows, Dh/32] (float8_e8m0fnu or its uint8 bytes) or plain fp32/bf16/fp16 scales [rows, Dh/32]; or INT8 [rows, Dh] with
 one fp32 scale per row ([rows] or [rows, 1]). Every gathered row is one contiguous load of Dh
 bytes; the table may be a device tensor or, on CUDA, pinned host memory (read through its
 device-visible address; unverified at the model level, kernel tested on an H200).
@@ -113,10 +113,10 @@ def engram_lookup(table: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, 
         if scale.numel() != n_tab or scale.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"an INT8 table needs one float scale per row ([{n_tab}] or [{n_tab}, 1])")
         tab, sc = table, scale.reshape(n_tab)
-    elif table.dtype == torch.float8_e4m3fn:
+    elif table.dtype in (torch.float8_e4m3fn, torch.uint8):  # uint8: E4M3 bytes (NPU storage)
         if dh % 32 or scale.shape != (n_tab, dh // 32):
             raise ValueError(f"an FP8 table [{n_tab}, {dh}] needs scales [{n_tab}, {dh // 32}], got {tuple(scale.shape)}")
-        if scale.dtype == torch.float8_e8m0fnu:
+        if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):  # uint8: E8M0 bytes (NPU storage)
             mode, sc = MODE_FP8_E8M0, scale.view(torch.int8)  # int8 pointers: no uint8 loads on Atlas A2/A3
         elif scale.dtype in (torch.float32, torch.bfloat16, torch.float16):
             mode, sc = MODE_FP8_F32, scale  # plain multipliers, as the reference reads them
