@@ -54,6 +54,54 @@ TORCH_NPU_DTYPES = {
 # op -> what the Ascend backend runs for it (filled by `load`; `dsv41 backends` prints it).
 IMPLEMENTATIONS: dict[str, str] = {}
 
+# vllm-ascend's DeepSeek-V4 custom operators (torch.ops._C_ascend, registered by
+# `vllm_ascend.utils.enable_custom_op()`). Argument lists as declared in its
+# csrc/torch_binding.cpp at tag v0.23.0 (the source of the 0.23.0.post1 pin in
+# images/versions.env): names in order, "=" marks a default, "*" starts the keyword-only ones.
+# `nox -s torch_npu_contract` checks every torch.ops._C_ascend call in the project against this
+# table (statically; the table itself is transcribed: pip cannot fetch vllm-ascend's sources,
+# whose metadata step needs CANN).
+VLLM_ASCEND_SCHEMAS = {
+    "npu_hc_post": "x, residual, post, comb",
+    "npu_hc_pre_v2": "x, hc_fn, hc_scale, hc_base, hc_mult, hc_sinkhorn_iters, norm_eps, hc_eps",
+    "compressor": "x, wkv, wgate, state_cache, ape, norm_weight, rope_sin, rope_cos, state_block_table, cu_seqlens, "
+                  "seqused, start_pos, rope_head_dim, cmp_ratio, coff, norm_eps, rotary_mode, cache_mode",
+    "npu_vllm_quant_lightning_indexer": "query, key, weights, query_dequant_scale, key_dequant_scale, "
+                                        "query_quant_mode=, key_quant_mode=, actual_seq_lengths_query=, "
+                                        "actual_seq_lengths_key=, block_table=, metadata=, layout_query=, "
+                                        "layout_key=, sparse_count=, sparse_mode=, pre_tokens=, next_tokens=, "
+                                        "cmp_ratio=, return_value=",
+    "npu_sparse_flash_attention": "query, key, value, sparse_indices, scale_value, *, block_table=, "
+                                  "actual_seq_lengths_query=, actual_seq_lengths_kv=, query_rope=, key_rope=, "
+                                  "sparse_block_size=, layout_query=, layout_kv=, sparse_mode=, pre_tokens=, "
+                                  "next_tokens=, attention_mode=, return_softmax_lse=",
+}
+# Our ops those operators could serve, and why they do not (shown by `dsv41 backends`).
+VLLM_ASCEND_NOT_USED = {
+    "compress_kv": "vllm-ascend's `compressor` runs the wkv / wgate projections itself and keeps its own state "
+                   "cache (state_cache, ape, cache_mode); ours gets projected rows and writes FP4 entries (E2M1 + "
+                   "E4M3 per 16) into our pool",
+    "indexer_topk": "vllm-ascend's `npu_vllm_quant_lightning_indexer` scores keys in its own quant modes over its "
+                    "block table; our keys are MXFP4 (E2M1 + E8M0 per 32) and decode scores a candidate pool",
+    "sparse_attention": "vllm-ascend's `npu_sparse_flash_attention` reads key / value through one block table; ours "
+                        "takes FP8 SWA rows and FP4 global entries into one softmax with a sink",
+    "mhc_mixes": "vllm-ascend's `npu_hc_pre_v2` returns the collapsed input with post / comb, not pre: DSV4.1's "
+                 "single-pass mHC collapses with the previous sublayer's pre",
+}
+
+
+def vllm_ascend_ops() -> frozenset[str]:
+    """The VLLM_ASCEND_SCHEMAS operators this process has (vllm-ascend installed and its custom
+    ops enabled), else empty. Import-guarded: any failure means none."""
+    try:
+        from vllm_ascend.utils import enable_custom_op
+
+        if not enable_custom_op():
+            return frozenset()
+    except Exception:  # noqa: BLE001  (not installed, or its CANN libraries missing)
+        return frozenset()
+    return frozenset(n for n in VLLM_ASCEND_SCHEMAS if hasattr(torch.ops._C_ascend, n))
+
 
 def _refuse_fp64(out_dtype: torch.dtype, op: str) -> None:
     if out_dtype == torch.float64:
@@ -320,6 +368,32 @@ def npu_moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, e
     return out.to(out_dtype)
 
 
+# ---- vllm-ascend's custom operators (UNVERIFIED on hardware) ----------------------------------
+
+def vllm_ascend_mhc_update(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """`ops.mhc_update` through vllm-ascend's `npu_hc_post` (its DeepSeek-V4 model calls it with
+    the sublayer output, the streams, post and comb, each with a leading batch axis, as a drop-in
+    for the official hc_post: out_j = post[j] * y + sum_i comb[i][j] * x_i)."""
+    out = torch.ops._C_ascend.npu_hc_post(y.unsqueeze(0), x.unsqueeze(0), post.unsqueeze(0), comb.unsqueeze(0))
+    return out.squeeze(0).to(x.dtype)
+
+
+def vllm_ascend_mhc_mix(x, y, post, comb, pre, fn, scale, base, norm_eps, hc_eps, iters):
+    """`ops.mhc_mix` without its Triton kernel: the update through `npu_hc_post`, the collapse and
+    the next coefficients through the fp32 reference math."""
+    x_new = vllm_ascend_mhc_update(x, y, post, comb)
+    x_hat = _fp32_reference("mhc_collapse")(x_new, pre)
+    coef = _fp32_reference("mhc_mixes")(x_new, fn, scale, base, norm_eps, hc_eps, iters) if fn is not None else None
+    return x_new, x_hat, coef
+
+
+VLLM_ASCEND_USED = {
+    "mhc_update": (vllm_ascend_mhc_update, "npu_hc_post", "vllm-ascend torch.ops._C_ascend.npu_hc_post"),
+    "mhc_mix": (vllm_ascend_mhc_mix, "npu_hc_post", "vllm-ascend npu_hc_post + fp32 reference collapse / mixes "
+                                                    "(fallback when the Triton mega-mHC kernel is missing)"),
+}
+
+
 # ---- fallbacks that stay legal on the NPU ------------------------------------------------------
 
 def _fp32_accumulation():
@@ -440,13 +514,27 @@ FUSED_OPS = {
 }
 
 
-def plan(op_names: list[str], triton_ops: list[str], triton_why: str | None) -> dict[str, tuple]:
-    """op -> (implementation, what it is) on the NPU, by precedence: torch_npu fused op, Triton
-    kernel (triton-ascend), integer-op version, fp32 reference, else an explicit error."""
+def plan(op_names: list[str], triton_ops: list[str], triton_why: str | None,
+         vllm_ops: frozenset[str] = frozenset()) -> dict[str, tuple]:
+    """op -> (implementation, what it is) on the NPU, by precedence: torch_npu fused op,
+    vllm-ascend custom operator (`vllm_ops`: those present) where it replaces a whole op, Triton
+    kernel (triton-ascend), vllm-ascend operator plus fp32 pieces, integer-op version, fp32
+    reference, else an explicit error. Ops vllm-ascend's operators do not serve say why."""
+    out = _plan(op_names, triton_ops, triton_why, vllm_ops)
+    for name, why in VLLM_ASCEND_NOT_USED.items():
+        if name in out:
+            out[name] = (out[name][0], f"{out[name][1]} [{why}]")
+    return out
+
+
+def _plan(op_names, triton_ops, triton_why, vllm_ops) -> dict[str, tuple]:
     out = {}
     for name in op_names:
+        used = VLLM_ASCEND_USED.get(name)
         if name in FUSED_OPS:
             out[name] = FUSED_OPS[name]
+        elif used and used[1] in vllm_ops and (name == "mhc_update" or name not in triton_ops):
+            out[name] = (used[0], used[2])  # mhc_update is the vendor kernel whole; mhc_mix only in part
         elif name in triton_ops:
             out[name] = (None, "Triton kernel (triton-ascend)")
         elif name in INTEGER_OPS:
@@ -493,7 +581,7 @@ def load() -> None:
         from .cuda import register_triton_kernels
 
         register_triton_kernels(BACKEND)  # then overridden below where a fused op wins
-    for name, (fn, what) in plan(op_names(), triton_ops, triton_why).items():
+    for name, (fn, what) in plan(op_names(), triton_ops, triton_why, vllm_ascend_ops()).items():
         if fn is not None:
             register(name, BACKEND)(fn)
         IMPLEMENTATIONS[name] = what
