@@ -15,6 +15,15 @@ FP4_GROUP = 16
 
 
 @triton.jit
+def as_cmp(x):
+    """An integer vector as fp32, for a comparison inside a compute expression (`tl.where`):
+    triton-ascend's performance guide says integer compares there run as scalar code on Atlas
+    A2/A3, while fp32 compares vectorise. Exact for |x| <= 2^24; a sign test (x < 0) is exact for
+    any value. Load / store masks stay integer (those vectorise)."""
+    return x.to(tl.float32)
+
+
+@triton.jit
 def e4m3_value(c):
     """E4M3 (fn) code 0..127 (int32) -> fp32 value; 127 maps to 480 (only used as a bound)."""
     e = c >> 3
@@ -34,7 +43,7 @@ def fp4_scale_code(amax):
     qe = ((qb >> 23) & 0xFF) - 127
     c_norm = (qe + 7) * 8 + ((qb >> 20) & 7)
     c_sub = (tl.minimum(q, 1.0) * 512.0).to(tl.int32)  # below 2^-6: multiples of 2^-9
-    c = tl.where(qe >= -6, c_norm, c_sub)
+    c = tl.where(as_cmp(qe) >= -6.0, c_norm, c_sub)  # qe in [-127, 128]
     c = tl.minimum(tl.maximum(c, 0), 126)
     # exact fix-up: floor code of amax / 6 ...
     c = c + (amax >= 6.0 * e4m3_value(c + 1)).to(tl.int32) - (amax < 6.0 * e4m3_value(c)).to(tl.int32)

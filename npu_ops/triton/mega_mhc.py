@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.mhc import mhc_mix as mhc_mix_ref  # noqa: F401  (the oracle)
-from .fp4_common import offsets
+from .fp4_common import as_cmp, offsets
 
 N_STREAMS = 4
 N_MIX = (2 + N_STREAMS) * N_STREAMS  # 24 coefficients per token
@@ -63,7 +63,7 @@ def ub_tiles(block_t: int, block_d: int) -> dict[str, tuple[int, ...]]:
 @triton.jit
 def _col(acc, kk, k: tl.constexpr):
     """Column k of a [BLOCK_T, 32] tile as a [BLOCK_T] vector."""
-    return tl.sum(tl.where(kk[None, :] == k, acc, 0.0), axis=1)
+    return tl.sum(tl.where(as_cmp(kk)[None, :] == k, acc, 0.0), axis=1)
 
 
 @triton.jit
@@ -246,7 +246,8 @@ def _mhc_coef_kernel(part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr
         s0 = tl.load(scale_ptr + 0).to(tl.float32)
         s1 = tl.load(scale_ptr + 1).to(tl.float32)
         s2 = tl.load(scale_ptr + 2).to(tl.float32)
-        sel = tl.where(kk < 4, s0, tl.where(kk < 8, s1, s2))
+        kf = as_cmp(kk)
+        sel = tl.where(kf < 4.0, s0, tl.where(kf < 8.0, s1, s2))
         z = (acc * inv[:, None]) * sel[None, :] + base[None, :]  # scale * m + base
         sg = 1.0 / (1.0 + tl.exp(-z))
         tl.store(opre_ptr + t4[:, None] + kk[None, :], sg + hc_eps,
