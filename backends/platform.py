@@ -83,6 +83,30 @@ def as_storage(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
+def overlap(device: torch.device | str, side, main):
+    """(side(), main()) for two pieces of independent work on `device`. On Ascend, `side` runs on
+    an auxiliary stream while `main` runs on the current one: the vector / cube overlap
+    vllm-ascend's DeepSeek-V4 indexer uses (its weights projection, a matmul, beside the query
+    path); see `AscendPlatform.overlap`. Everywhere else side() then main(), on the calling
+    stream, so CPU and CUDA compute exactly what sequential code computes."""
+    kind = device.split(":")[0] if isinstance(device, str) else torch.device(device).type
+    if kind == "npu":
+        return platform_for(device).overlap(side, main)
+    return side(), main()
+
+
+def _tensors(out):
+    """The tensors of a result (a tensor, or a tuple / list of them)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    return []
+
+
+_AUX_STREAMS: dict = {}  # device -> the auxiliary stream `overlap` uses there
+
+
 class _NoStream:
     """CPU stand-in for a device stream: work runs in order on the calling thread."""
 
@@ -166,6 +190,10 @@ class Platform:
 
     def synchronize(self) -> None:
         pass
+
+    def overlap(self, side, main):
+        """(side(), main()), in order, on the calling stream (see the module's `overlap`)."""
+        return side(), main()
 
     def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype `dtype` data are held in on this device (`storage_dtype`)."""
@@ -263,6 +291,27 @@ class AscendPlatform(Platform):
 
     def synchronize(self) -> None:
         torch.npu.synchronize(self.device)  # type: ignore[attr-defined]
+
+    def overlap(self, side, main):
+        """`side` on an auxiliary stream, `main` on the current one, then joined (UNVERIFIED on
+        hardware; the pattern of vllm-ascend's `multistream_dsv4_dsa_overlap`): the auxiliary
+        stream first waits for the current one (side's inputs were made there), the current one
+        waits for the auxiliary one before returning (the caller reads side's results), and
+        side's result tensors are marked as used on the current stream so the caching allocator
+        does not hand their memory back to the auxiliary stream early. Both joins are stream
+        waits, no host sync, so the pattern can sit inside a captured NPU graph."""
+        cur = self.current_stream()
+        aux = _AUX_STREAMS.get(self.device)
+        if aux is None:
+            aux = _AUX_STREAMS[self.device] = self.stream()
+        aux.wait_stream(cur)
+        with self.use_stream(aux):
+            side_out = side()
+        main_out = main()
+        cur.wait_stream(aux)
+        for t in _tensors(side_out):
+            t.record_stream(cur)
+        return side_out, main_out
 
 
 _PLATFORM_CLASSES = {"cpu": Platform, "meta": Platform, "cuda": CudaPlatform, "npu": AscendPlatform}

@@ -7,6 +7,7 @@ semantics (`npu_moe_experts` against the reference through documented-semantics 
 Unverified on hardware: the emulations follow the documentation, not a device."""
 
 import inspect
+import types
 import sys
 
 import pytest
@@ -203,3 +204,62 @@ def test_engram_lookup_reads_fp8_bytes_exactly(rng):
     assert torch.equal(ascend.engram_lookup_npu(table, scale, rows), want)  # a float8 host table: its bytes
     with pytest.raises(NotImplementedError, match="needs triton-ascend"):
         ascend.engram_lookup_npu(table, scale.float(), rows)
+
+
+class _FakeNpu:
+    """The torch.npu stream API as a recorder: which stream each piece of work ran on and the
+    order of the waits (Ascend multi-stream overlap without an NPU)."""
+
+    def __init__(self):
+        self.log, self.active = [], None
+        self.main = self.Stream(self, "main")
+        self.active = self.main
+
+    class Stream:
+        def __init__(self, npu, name="aux"):
+            self.npu, self.name = npu, name
+
+        def wait_stream(self, other):
+            self.npu.log.append(f"{self.name} waits {other.name}")
+
+    def current_stream(self, device=None):
+        return self.active
+
+    def stream(self, s):
+        import contextlib
+
+        @contextlib.contextmanager
+        def switch():
+            prev, self.active = self.active, s
+            try:
+                yield
+            finally:
+                self.active = prev
+
+        return switch()
+
+
+def test_ascend_overlap_runs_side_work_on_a_second_stream(monkeypatch):
+    from dsv41.backends import platform
+
+    npu = _FakeNpu()
+    npu_stream = npu.Stream
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(
+        Stream=lambda device: npu_stream(npu), current_stream=npu.current_stream, stream=npu.stream), raising=False)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: npu.log.append(f"record {s.name}"))
+    monkeypatch.setattr(platform, "_AUX_STREAMS", {})
+    plat = platform.AscendPlatform("npu", torch.device("cpu"))
+
+    def side():
+        npu.log.append(f"side on {npu.active.name}")
+        return torch.ones(2), torch.zeros(1)
+
+    def main():
+        npu.log.append(f"main on {npu.active.name}")
+        return torch.full((2,), 3.0)
+
+    (s1, s2), m = plat.overlap(side, main)
+    assert torch.equal(s1, torch.ones(2)) and torch.equal(m, torch.full((2,), 3.0))
+    assert npu.log == ["aux waits main", "side on aux", "main on main", "main waits aux", "record main", "record main"]
+    # off Ascend: in order on the calling stream, nothing of the above
+    assert platform.overlap("cpu", lambda: 1, lambda: 2) == (1, 2)
