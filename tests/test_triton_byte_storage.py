@@ -48,3 +48,15 @@ def test_compress_kv_writes_byte_pools(rng):
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     assert torch.equal(codes, f8_codes) and torch.equal(scales, f8_scales.view(torch.uint8))
     assert not torch.equal(scales[slots], torch.zeros_like(scales[slots]))  # the rows were written
+
+
+def test_sparse_attention_reads_byte_pools(rng):
+    from test_triton_sparse_attention import make_inputs
+
+    from dsv41.npu_ops.triton import sparse_attention as sa
+
+    q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink = make_inputs(rng, 4, 2, 64, 8, 16, 4)
+    want = sa.sparse_attention(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink, 0.125)
+    got = sa.sparse_attention(q, swa_kv.view(torch.uint8), swa_scale.view(torch.uint8), win_idx, glob_kv,
+                              glob_scale.view(torch.uint8), glob_idx, sink, 0.125)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)) and want.float().abs().max() > 0
