@@ -91,8 +91,14 @@ def overlap(device: torch.device | str, side, main):
     stream, so CPU and CUDA compute exactly what sequential code computes."""
     kind = device.split(":")[0] if isinstance(device, str) else torch.device(device).type
     if kind == "npu":
-        return platform_for(device).overlap(side, main)
+        plat = _OVERLAP_PLATFORMS.get(str(device))
+        if plat is None:  # checked once per device: this runs in every indexer layer's forward
+            plat = _OVERLAP_PLATFORMS[str(device)] = platform_for(device)
+        return plat.overlap(side, main)
     return side(), main()
+
+
+_OVERLAP_PLATFORMS: dict = {}  # str(device) -> its Platform, for `overlap`
 
 
 def _tensors(out):
