@@ -282,8 +282,51 @@ def sweep_moe(rows, copy):
                          me.moe_experts(x, wts, ids, experts, 10.0, **v), want, nbytes, flops, copy)
 
 
+def sweep_decode(rows, copy):
+    """The GEMV-style decode paths (a few rows, CUDA cores, weights streamed once) against the tiled
+    kernels: the FP8 linear (K=5120, N=6144) at M = 1, 4 and the FP4 experts at T = 1, 2, 4."""
+    from dsv41.backends.reference.basic import fp32_accumulation
+    from dsv41.backends.reference.basic import linear as linear_ref
+    from dsv41.backends.reference.moe import moe_experts as moe_ref
+    from dsv41.npu_ops.triton import block_linear as bl
+    from dsv41.npu_ops.triton import moe_experts as me
+
+    k, n = 5120, 6144
+    w, s = quant.fp8_block_quant(torch.randn(n, k, device="cuda") * k ** -0.5)
+    lin = [dict(path="tiled"), dict(), dict(qx=True), dict(bk=256), dict(bk=64), dict(bn=64), dict(num_warps=2),
+           dict(num_warps=8), dict(split_k=1), dict(split_k=8), dict(num_stages=1), dict(num_stages=4)]
+    for m in (1, 4):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        with fp32_accumulation():
+            want = linear_ref(x, w, s)
+        nbytes = n * k * (1 + 1 / 1024) + m * k * 2 + m * n * 2
+        for v in lin:
+            name = "linear fp8 " + (" ".join(f"{a}={b}" for a, b in v.items()) or "default")
+            _variant_row(rows, name, f"M={m} K={k} N={n}", lambda x=x, v=v: bl.linear(x, w, s, **v), want, nbytes,
+                         2 * m * n * k, copy)
+    d, inter, n_exp, topk = CFG.hidden_size, CFG.moe_intermediate_size, 16, CFG.num_experts_per_tok
+    experts = [tuple(quant.fp4_weight_quant(torch.randn(a, b, device="cuda") * b ** -0.5)
+                     for a, b in ((inter, d), (d, inter), (inter, d))) for _ in range(n_exp)]
+    moe = [dict(path="tiled"), dict(), dict(qx=True), dict(bk=256), dict(bk=64), dict(bn_up=64), dict(bn_down=64),
+           dict(bn_down=128), dict(num_warps=2), dict(num_warps=8), dict(num_stages=1), dict(num_stages=4)]
+    for t in (1, 2, 4):
+        x = torch.randn(t, d, device="cuda").to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(n_exp, device="cuda")[:topk] for _ in range(t)])
+        wts = torch.rand(t, topk, device="cuda")
+        with fp32_accumulation():
+            want = moe_ref(x, wts, ids, experts, 10.0)
+        active = int(torch.unique(ids).numel())
+        nbytes = active * 3 * inter * d * (0.5 + 1 / 32) + t * d * 6
+        for v in moe if t == 1 else moe[:3]:
+            name = "moe fp4 " + (" ".join(f"{a}={b}" for a, b in v.items()) or "default")
+            _variant_row(rows, name, f"T={t} {active} experts", lambda x=x, ids=ids, wts=wts, v=v:
+                         me.moe_experts(x, wts, ids, experts, 10.0, **v), want, nbytes, 2 * t * topk * 3 * inter * d,
+                         copy)
+
+
 SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_indexer, "engram_lookup": sweep_engram,
-          "fp4_quant": sweep_fp4_quant, "mhc_mix": sweep_mhc_mix, "linear": sweep_linear, "moe_experts": sweep_moe}
+          "fp4_quant": sweep_fp4_quant, "mhc_mix": sweep_mhc_mix, "linear": sweep_linear, "moe_experts": sweep_moe,
+          "decode": sweep_decode}
 
 
 def main() -> int:

@@ -186,3 +186,107 @@ def scaled_block_step(acc, q_ptr, qs_ptr, arow, amask, w_ptr, s_ptr, rn, nmask, 
             part = tl.dot(ae.to(tl.float32), tl.trans(wlo.to(tl.float32)), input_precision="ieee") \
                 + tl.dot(ao.to(tl.float32), tl.trans(whi.to(tl.float32)), input_precision="ieee")
     return acc + part * sa[:, None] * sw[None, :]
+
+
+# ---- GEMV-style helpers (decode: a few activation rows, no tensor cores) -----------------------
+# At 1..4 activation rows a tile of weights is used by so few rows that the tensor cores buy
+# nothing, while every per-32-block dot costs a trip through shared memory. These helpers keep the
+# whole K block of a weight row inside one thread: the weight is dequantised to fp32 exactly, the
+# products (exact in fp32: 4 x 2 or 4 x 4 significant bits) are summed per 32-wide scale block in
+# registers, and the block sums take the weight's power-of-two scale. The activation arrives as
+# its FP8 quantise-dequantise values (the power-of-two activation scale is inside them), so the
+# result is the reference's sum(q_x * q_w) * s_x * s_w up to fp32 summation order.
+
+# e2m1 bytes -> fp32 (value * 2^-14), 4 bytes per 32-bit register: the nibbles are moved into fp16
+# bit positions two at a time (prmt + shifts + masks on whole registers) and widened to fp32.
+_E2M1_ASM = tl.constexpr("""
+{
+.reg .b32 t0, t1, a, b;
+.reg .b16 h0, h1;
+prmt.b32 t0, $8, 0, 0x4140;
+prmt.b32 t1, $8, 0, 0x4342;
+shl.b32 a, t0, 9;  and.b32 a, a, 0x0E000E00; shl.b32 b, t0, 12; and.b32 b, b, 0x80008000; or.b32 a, a, b;
+mov.b32 {h0, h1}, a; cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h1;
+shl.b32 a, t1, 9;  and.b32 a, a, 0x0E000E00; shl.b32 b, t1, 12; and.b32 b, b, 0x80008000; or.b32 a, a, b;
+mov.b32 {h0, h1}, a; cvt.f32.f16 $2, h0; cvt.f32.f16 $3, h1;
+shl.b32 a, t0, 5;  and.b32 a, a, 0x0E000E00; shl.b32 b, t0, 8; and.b32 b, b, 0x80008000; or.b32 a, a, b;
+mov.b32 {h0, h1}, a; cvt.f32.f16 $4, h0; cvt.f32.f16 $5, h1;
+shl.b32 a, t1, 5;  and.b32 a, a, 0x0E000E00; shl.b32 b, t1, 8; and.b32 b, b, 0x80008000; or.b32 a, a, b;
+mov.b32 {h0, h1}, a; cvt.f32.f16 $6, h0; cvt.f32.f16 $7, h1;
+}
+""")
+
+
+@triton.jit
+def e2m1_pairs_f32(b, ASM: tl.constexpr):
+    """Packed FP4 bytes (uint8 tensor) -> (low-nibble values, high-nibble values) as fp32, each
+    the E2M1 value times 2^-14 (exact). ASM: the packed PTX conversion (CUDA); else elementwise."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [b],
+                                           dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    else:
+        c = b.to(tl.int32)
+        lo = e2m1_fp16(c & 15).to(tl.float32)
+        hi = e2m1_fp16((c >> 4) & 15).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def fp8_qdq_pairs(xe, xo, RB: tl.constexpr, BKH: tl.constexpr):
+    """The FP8 quantise-dequantise (groups of 32 along K) of activations given as their even and
+    odd columns xe, xo [RB, BKH] (fp32; group g = columns 16g..16g+15 of each)."""
+    ge = tl.reshape(xe, (RB, BKH // 16, 16))
+    go = tl.reshape(xo, (RB, BKH // 16, 16))
+    e = fp8_exponent(tl.maximum(tl.max(tl.abs(ge), axis=2), tl.max(tl.abs(go), axis=2)))
+    inv = pow2(-e)[:, :, None]
+    sc = pow2(e)[:, :, None]
+    qe = fp8_round(ge * inv) * sc
+    qo = fp8_round(go * inv) * sc
+    return tl.reshape(qe, (RB, BKH)), tl.reshape(qo, (RB, BKH))
+
+
+@triton.jit
+def load_act_pairs(x_ptr, rows, rmask, k0, K, stride, RB: tl.constexpr, BK: tl.constexpr):
+    """Even and odd columns k0 + 2j, k0 + 2j + 1 (j < BK / 2) of activation rows `rows` [RB] of a
+    row-major [., K] tensor with row stride `stride`, as fp32 (0 outside)."""
+    j = tl.arange(0, BK // 2)
+    base = x_ptr + rows.to(tl.int64)[:, None] * stride + k0 + 2 * j[None, :]
+    m = rmask[:, None] & (k0 + 2 * j[None, :] < K)
+    return tl.load(base, mask=m, other=0.0).to(tl.float32), tl.load(base + 1, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_act(x_ptr, rows, rmask, k0, K, stride, RB: tl.constexpr, BK: tl.constexpr):
+    """Columns k0..k0+BK-1 of activation rows `rows` [RB] (row stride `stride`) as fp32."""
+    kk = k0 + tl.arange(0, BK)
+    return tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride + kk[None, :],
+                   mask=rmask[:, None] & (kk[None, :] < K), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def gemv_block_sums(w_ptr, s_ptr, rn, nmask, k0, K, s_stride, xa, xe, xo, W_KIND: tl.constexpr, RB: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
+    """[RB, BN, BK / 32]: for activation rows (FP8-exact fp32 values: xa [RB, BK] for FP8 weights,
+    even / odd columns xe, xo [RB, BK / 2] for FP4) and weight rows `rn`, the fp32 sum of each
+    32-wide K block's products, times the weight's scale. W_KIND 1: FP8 [N, K] with 32x32 scale
+    blocks; 2: packed FP4 [N, K / 2] with scales per row and 32 along K. k0 % 32 == 0."""
+    NB: tl.constexpr = BK // 32
+    rn64 = rn.to(tl.int64)
+    kb = k0 // 32 + tl.arange(0, NB)
+    if W_KIND == 1:
+        kk = k0 + tl.arange(0, BK)
+        w = tl.load(w_ptr + rn64[:, None] * K + kk[None, :], mask=nmask[:, None] & (kk[None, :] < K),
+                    other=0.0).to(tl.float32)
+        prod = tl.reshape(w[None, :, :] * xa[:, None, :], (RB, BN, NB, 32))
+        srow = rn64 // 32
+        sw = e8m0_value(tl.load(s_ptr + srow[:, None] * s_stride + kb[None, :],
+                                mask=nmask[:, None] & (kb[None, :] < s_stride), other=0).to(tl.int32))
+    else:
+        kh = k0 // 2 + tl.arange(0, BK // 2)
+        b = tl.load(w_ptr + rn64[:, None] * (K // 2) + kh[None, :], mask=nmask[:, None] & (kh[None, :] < K // 2),
+                    other=0)
+        wlo, whi = e2m1_pairs_f32(b, ASM)
+        prod = tl.reshape(wlo[None, :, :] * xe[:, None, :] + whi[None, :, :] * xo[:, None, :], (RB, BN, NB, 16))
+        sw = e8m0_value(tl.load(s_ptr + rn64[:, None] * s_stride + kb[None, :],
+                                mask=nmask[:, None] & (kb[None, :] < s_stride), other=0).to(tl.int32)) * 16384.0
+    return tl.sum(prod, axis=3) * sw[None, :, :]
