@@ -143,7 +143,10 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, D, TOPK: tl.constexpr, BLOCK: tl.co
 # through FP8 inside the gate/up kernel (the values `fp8_quant` gives), and the FP8-quantised w2
 # input goes between the kernels as its exact fp32 values, [T * k, I], by flat row t * k + j.
 
-GEMV_MAX_T = 4
+GEMV_MAX_T = 4  # the most tokens the gemv path takes (path="gemv")
+# the most tokens it takes by default: H200 (2026-11-30, 16 experts 5120 x 2304, top-6, graph
+# replay): T=1 186.6 us against 223.2 us tiled; T=2 494 against 332, T=4 1030 against 475.
+GEMV_DEFAULT_T = 1  # FP4 experts only: the FP8 gemv is slower than the tiled kernel (see block_linear)
 
 
 @triton.jit
@@ -232,7 +235,7 @@ def _down_gemv_kernel(h_ptr, ids_ptr, w_base, s_base, table_ptr, y_ptr, R, I, D,
              mask=rmask[:, None] & nmask[None, :])
 
 
-GEMV_TILES = {"cuda": {"bn_up": 32, "bn_down": 32, "bk": 128, "num_warps": 4, "num_stages": 3, "qx": False},
+GEMV_TILES = {"cuda": {"bn_up": 32, "bn_down": 32, "bk": 256, "num_warps": 4, "num_stages": 3, "qx": False},
               "interp": {"bn_up": 32, "bn_down": 32, "bk": 64, "qx": True}}
 
 
@@ -338,7 +341,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     if k_in != d:
         raise ValueError(f"expert input width {k_in} != x width {d}")
     if path is None:
-        path = "gemv" if kind != W_DENSE and t <= GEMV_MAX_T else "tiled"
+        path = "gemv" if kind == W_FP4 and t <= GEMV_DEFAULT_T else "tiled"
     if path == "gemv":
         if kind == W_DENSE or t > GEMV_MAX_T:
             raise ValueError(f"moe_experts: the gemv path takes scaled experts and <= {GEMV_MAX_T} tokens")
