@@ -293,8 +293,10 @@ def sweep_decode(rows, copy):
 
     k, n = 5120, 6144
     w, s = quant.fp8_block_quant(torch.randn(n, k, device="cuda") * k ** -0.5)
-    lin = [dict(path="tiled"), dict(), dict(qx=True), dict(bk=256), dict(bk=64), dict(bn=64), dict(num_warps=2),
-           dict(num_warps=8), dict(split_k=1), dict(split_k=8), dict(num_stages=1), dict(num_stages=4)]
+    lin = [dict(path="tiled"), dict(path="gemv"), dict(path="gemv", bk=128), dict(path="gemv", bk=512),
+           dict(path="gemv", bn=64), dict(path="gemv", bn=16), dict(path="gemv", num_warps=2),
+           dict(path="gemv", num_warps=8), dict(path="gemv", split_k=1), dict(path="gemv", split_k=2),
+           dict(path="gemv", split_k=8)]
     for m in (1, 4):
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         with fp32_accumulation():
@@ -307,8 +309,9 @@ def sweep_decode(rows, copy):
     d, inter, n_exp, topk = CFG.hidden_size, CFG.moe_intermediate_size, 16, CFG.num_experts_per_tok
     experts = [tuple(quant.fp4_weight_quant(torch.randn(a, b, device="cuda") * b ** -0.5)
                      for a, b in ((inter, d), (d, inter), (inter, d))) for _ in range(n_exp)]
-    moe = [dict(path="tiled"), dict(), dict(qx=True), dict(bk=256), dict(bk=64), dict(bn_up=64), dict(bn_down=64),
-           dict(bn_down=128), dict(num_warps=2), dict(num_warps=8), dict(num_stages=1), dict(num_stages=4)]
+    moe = [dict(path="tiled"), dict(path="gemv"), dict(path="gemv", bk=128), dict(path="gemv", bk=512),
+           dict(path="gemv", bn_up=64), dict(path="gemv", bn_down=64), dict(path="gemv", bn_down=16),
+           dict(path="gemv", num_warps=2), dict(path="gemv", num_warps=8), dict(path="gemv", bk=128, num_warps=2)]
     for t in (1, 2, 4):
         x = torch.randn(t, d, device="cuda").to(torch.bfloat16)
         ids = torch.stack([torch.randperm(n_exp, device="cuda")[:topk] for _ in range(t)])
@@ -322,6 +325,16 @@ def sweep_decode(rows, copy):
             _variant_row(rows, name, f"T={t} {active} experts", lambda x=x, ids=ids, wts=wts, v=v:
                          me.moe_experts(x, wts, ids, experts, 10.0, **v), want, nbytes, 2 * t * topk * 3 * inter * d,
                          copy)
+    shared = [tuple(quant.fp8_block_quant(torch.randn(a, b, device="cuda") * b ** -0.5)
+                    for a, b in ((inter, d), (d, inter), (inter, d)))]
+    x = torch.randn(1, d, device="cuda").to(torch.bfloat16)
+    ones, zeros = torch.ones(1, 1, device="cuda"), torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    with fp32_accumulation():
+        want = moe_ref(x, ones, zeros, shared, 10.0)
+    for v in (dict(path="tiled"), dict(path="gemv"), dict(path="gemv", bk=128)):
+        name = "moe shared fp8 " + " ".join(f"{a}={b}" for a, b in v.items())
+        _variant_row(rows, name, "T=1", lambda v=v: me.moe_experts(x, ones, zeros, shared, 10.0, **v), want,
+                     3 * inter * d * (1 + 1 / 1024) + d * 6, 2 * 3 * inter * d, copy)
 
 
 SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_indexer, "engram_lookup": sweep_engram,

@@ -36,8 +36,8 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.basic import linear as linear_ref  # noqa: F401  (the oracle)
-from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, fp8_qdq_groups, fp8_qdq_pairs, gemv_block_sums, load_act,
-                           load_act_pairs, load_weight_tile, scaled_block_step)
+from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, gemv_acc, gemv_load_w, load_weight_tile,
+                           scaled_block_step)
 
 
 @triton.jit
@@ -132,35 +132,27 @@ def _finish_tile(acc, out_ptr, part_ptr, count_ptr, tile, pid_k, rm, rn, M, N, S
 
 
 @triton.jit
-def _gemv_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride, s_stride,
+def _gemv_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride, w_stride, s_stride,
                         k_per_split, W_KIND: tl.constexpr, SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr,
-                        RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr,
-                        QX: tl.constexpr):
-    """The scaled linear for M <= GEMV_MAX_M rows (all in one program, RB >= M): x quantised
-    through FP8 in the kernel (the `fp8_quant` values), the weight streamed once over BN-row
-    tiles and SPLIT_K slices of K (block_scaled.gemv_block_sums: no tensor cores)."""
+                        RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
+    """The scaled linear for M <= GEMV_MAX_M rows (all in one program, RB >= M; x already holds
+    its FP8 quantise-dequantise values): BN weight rows streamed once over a K slice, the next
+    BK step's weight tile loaded before the current one is used (two tiles in flight)."""
+    NB: tl.constexpr = BK // 32
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, RB)
     mmask = rm < M
     rn = pid_n * BN + tl.arange(0, BN)
     nmask = rn < N
-    acc = tl.zeros((RB, BN, BK // 32), dtype=tl.float32)
+    acc = tl.zeros((RB, BN, NB), dtype=tl.float32)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
+    w, s = gemv_load_w(w_ptr, w_stride, s_ptr, s_stride, rn, nmask, k_lo, k_hi, W_KIND, BN, NB)
     for k0 in range(k_lo, k_hi, BK):
-        if W_KIND == 1:
-            xa = load_act(x_ptr, rm, mmask, k0, k_hi, x_stride, RB, BK)
-            if QX:
-                xa = fp8_qdq_groups(xa, RB, BK)
-            xe = xa
-            xo = xa
-        else:
-            xe, xo = load_act_pairs(x_ptr, rm, mmask, k0, k_hi, x_stride, RB, BK)
-            if QX:
-                xe, xo = fp8_qdq_pairs(xe, xo, RB, BK // 2)
-            xa = xe
-        acc += gemv_block_sums(w_ptr, s_ptr, rn, nmask, k0, K, s_stride, xa, xe, xo, W_KIND, RB, BN, BK, ASM)
+        w_next, s_next = gemv_load_w(w_ptr, w_stride, s_ptr, s_stride, rn, nmask, k0 + BK, k_hi, W_KIND, BN, NB)
+        acc = gemv_acc(acc, w, s, x_ptr, rm, mmask, x_stride, k0, k_hi, W_KIND, RB, NB, ASM)
+        w, s = w_next, s_next
     _finish_tile(tl.sum(acc, axis=2), out_ptr, part_ptr, count_ptr, pid_n, pid_k, rm, rn, M, N, SPLIT_K, OUT_BF16)
 
 
@@ -189,8 +181,8 @@ DECODE_MAX_M = 64
 # request only (path="gemv"): H200 2026-11-30, K=5120 N=6144, graph replay: M=1 36.6-55.9 us over
 # its tile variants against 19.5 us for the tiled kernel, M=4 112-180 against 21.5.
 GEMV_MAX_M = 4
-GEMV = {"bn": 32, "bk": 128, "num_warps": 4, "num_stages": 3, "waves": 4, "qx": False}
-GEMV_INTERP = {"bn": 32, "bk": 64, "num_warps": 4, "num_stages": 1, "qx": True}
+GEMV = {"bn": 32, "bk": 256, "num_warps": 4, "num_stages": 1, "waves": 4}
+GEMV_INTERP = {"bn": 32, "bk": 64, "num_warps": 4, "num_stages": 1}
 
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 
@@ -219,8 +211,7 @@ def weight_kind(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
 
 def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor, *,
                   bm: int | None = None, bn: int | None = None, bk: int | None = None, split_k: int | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None, path: str | None = None,
-                  qx: bool | None = None) -> None:
+                  num_warps: int | None = None, num_stages: int | None = None, path: str | None = None) -> None:
     """out [M, N] (bf16 or fp32) = x2 [M, K] @ dequant(weight)^T; with a scaled weight x2 is
     FP8-quantised first (`fp8_quant`, one pass; in the kernel on the gemv path). The keyword tile
     parameters are for tuning (defaults: the tables above); `path` ("gemv" / "tiled") overrides
@@ -243,7 +234,7 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
         if kind == W_DENSE or m > GEMV_MAX_M:
             raise ValueError(f"linear: the gemv path takes scaled weights and <= {GEMV_MAX_M} rows")
         _launch_gemv(x2, weight, scale, out, kind, bn=bn, bk=bk, split_k=split_k, num_warps=num_warps,
-                     num_stages=num_stages, qx=qx)
+                     num_stages=num_stages)
         return
     small = m <= DECODE_MAX_M
     if interp:
@@ -283,10 +274,9 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
         OUT_BF16=out.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], **kw)
 
 
-def _launch_gemv(x2, weight, scale, out, kind, *, bn=None, bk=None, split_k=None, num_warps=None, num_stages=None,
-                 qx=None):
-    """The M <= GEMV_MAX_M launch of `_gemv_linear_kernel` (split-K to give every SM work). qx:
-    quantise x through FP8 inside the kernel (else one `fp8_qdq_bf16` pass first)."""
+def _launch_gemv(x2, weight, scale, out, kind, *, bn=None, bk=None, split_k=None, num_warps=None, num_stages=None):
+    """The M <= GEMV_MAX_M launch of `_gemv_linear_kernel` (split-K to give every SM work), after
+    one `fp8_qdq_bf16` pass over x."""
     from .fp8_quant import fp8_qdq_bf16
     from .launch import interpreting, num_workers
 
@@ -296,9 +286,7 @@ def _launch_gemv(x2, weight, scale, out, kind, *, bn=None, bk=None, split_k=None
     cfg = GEMV_INTERP if interp else GEMV
     bn, bk = bn or cfg["bn"], bk or cfg["bk"]
     bk = min(bk, max(32, triton.next_power_of_2(k)))
-    qx = cfg["qx"] if qx is None else qx
-    if not qx:
-        x2 = fp8_qdq_bf16(x2)
+    x2 = fp8_qdq_bf16(x2)
     n_tiles = -(-n // bn)
     k_steps = -(-k // bk)
     if split_k is None:
@@ -314,9 +302,10 @@ def _launch_gemv(x2, weight, scale, out, kind, *, bn=None, bk=None, split_k=None
     out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
     kw = {} if interp else {"num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages or cfg["num_stages"]}
     _gemv_linear_kernel[(n_tiles, split_k)](
-        x2, w, scale.view(torch.uint8), out_arg, part, counts, m, n, k, x2.stride(0), scale.shape[1], k_per_split,
+        x2, w, scale.view(torch.uint8), out_arg, part, counts, m, n, k, x2.stride(0), weight.stride(0), scale.shape[1],
+        k_per_split,
         W_KIND=kind, SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, RB=max(1, triton.next_power_of_2(m)),
-        BN=bn, BK=bk, ASM=not interp, QX=qx, **kw)
+        BN=bn, BK=bk, ASM=not interp, **kw)
 
 
 def dequant_bf16(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -232,61 +232,59 @@ def e2m1_pairs_f32(b, ASM: tl.constexpr):
 
 
 @triton.jit
-def fp8_qdq_pairs(xe, xo, RB: tl.constexpr, BKH: tl.constexpr):
-    """The FP8 quantise-dequantise (groups of 32 along K) of activations given as their even and
-    odd columns xe, xo [RB, BKH] (fp32; group g = columns 16g..16g+15 of each)."""
-    ge = tl.reshape(xe, (RB, BKH // 16, 16))
-    go = tl.reshape(xo, (RB, BKH // 16, 16))
-    e = fp8_exponent(tl.maximum(tl.max(tl.abs(ge), axis=2), tl.max(tl.abs(go), axis=2)))
-    inv = pow2(-e)[:, :, None]
-    sc = pow2(e)[:, :, None]
-    qe = fp8_round(ge * inv) * sc
-    qo = fp8_round(go * inv) * sc
-    return tl.reshape(qe, (RB, BKH)), tl.reshape(qo, (RB, BKH))
-
-
-@triton.jit
-def load_act_pairs(x_ptr, rows, rmask, k0, K, stride, RB: tl.constexpr, BK: tl.constexpr):
-    """Even and odd columns k0 + 2j, k0 + 2j + 1 (j < BK / 2) of activation rows `rows` [RB] of a
-    row-major [., K] tensor with row stride `stride`, as fp32 (0 outside)."""
-    j = tl.arange(0, BK // 2)
-    base = x_ptr + rows.to(tl.int64)[:, None] * stride + k0 + 2 * j[None, :]
-    m = rmask[:, None] & (k0 + 2 * j[None, :] < K)
-    return tl.load(base, mask=m, other=0.0).to(tl.float32), tl.load(base + 1, mask=m, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def load_act(x_ptr, rows, rmask, k0, K, stride, RB: tl.constexpr, BK: tl.constexpr):
-    """Columns k0..k0+BK-1 of activation rows `rows` [RB] (row stride `stride`) as fp32."""
-    kk = k0 + tl.arange(0, BK)
-    return tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride + kk[None, :],
-                   mask=rmask[:, None] & (kk[None, :] < K), other=0.0).to(tl.float32)
-
-
-@triton.jit
-def gemv_block_sums(w_ptr, s_ptr, rn, nmask, k0, K, s_stride, xa, xe, xo, W_KIND: tl.constexpr, RB: tl.constexpr,
-                    BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
-    """[RB, BN, BK / 32]: for activation rows (FP8-exact fp32 values: xa [RB, BK] for FP8 weights,
-    even / odd columns xe, xo [RB, BK / 2] for FP4) and weight rows `rn`, the fp32 sum of each
-    32-wide K block's products, times the weight's scale. W_KIND 1: FP8 [N, K] with 32x32 scale
-    blocks; 2: packed FP4 [N, K / 2] with scales per row and 32 along K. k0 % 32 == 0."""
-    NB: tl.constexpr = BK // 32
+def gemv_load_w(w_ptr, w_stride, s_ptr, s_stride, rn, nmask, k0, k_hi, W_KIND: tl.constexpr, BN: tl.constexpr,
+                NB: tl.constexpr):
+    """The raw weight tile of rows `rn` [BN] and K blocks k0 / 32 .. + NB (zero at or past k_hi) and
+    its E8M0 scales as fp32 [BN, NB]: FP8 [BN, NB, 32] (W_KIND 1: 32x32 scale blocks) or packed
+    FP4 bytes [BN, NB, 16] (W_KIND 2: a scale per row and block; times 2^14, see e2m1_pairs_f32).
+    Loaded as 3-d tiles so that each thread holds whole blocks (the block sums stay in registers);
+    w_stride: the weight's row stride in elements (bytes for FP4)."""
     rn64 = rn.to(tl.int64)
     kb = k0 // 32 + tl.arange(0, NB)
+    bok = nmask[:, None] & (kb[None, :] * 32 < k_hi)
     if W_KIND == 1:
-        kk = k0 + tl.arange(0, BK)
-        w = tl.load(w_ptr + rn64[:, None] * K + kk[None, :], mask=nmask[:, None] & (kk[None, :] < K),
-                    other=0.0).to(tl.float32)
-        prod = tl.reshape(w[None, :, :] * xa[:, None, :], (RB, BN, NB, 32))
-        srow = rn64 // 32
-        sw = e8m0_value(tl.load(s_ptr + srow[:, None] * s_stride + kb[None, :],
-                                mask=nmask[:, None] & (kb[None, :] < s_stride), other=0).to(tl.int32))
+        j = tl.arange(0, 32)
+        w = tl.load(w_ptr + rn64[:, None, None] * w_stride + kb[None, :, None] * 32 + j[None, None, :],
+                    mask=bok[:, :, None], other=0.0)
+        s = e8m0_value(tl.load(s_ptr + (rn64 // 32)[:, None] * s_stride + kb[None, :], mask=bok, other=0).to(tl.int32))
     else:
-        kh = k0 // 2 + tl.arange(0, BK // 2)
-        b = tl.load(w_ptr + rn64[:, None] * (K // 2) + kh[None, :], mask=nmask[:, None] & (kh[None, :] < K // 2),
-                    other=0)
-        wlo, whi = e2m1_pairs_f32(b, ASM)
-        prod = tl.reshape(wlo[None, :, :] * xe[:, None, :] + whi[None, :, :] * xo[:, None, :], (RB, BN, NB, 16))
-        sw = e8m0_value(tl.load(s_ptr + rn64[:, None] * s_stride + kb[None, :],
-                                mask=nmask[:, None] & (kb[None, :] < s_stride), other=0).to(tl.int32)) * 16384.0
-    return tl.sum(prod, axis=3) * sw[None, :, :]
+        j = tl.arange(0, 16)
+        w = tl.load(w_ptr + rn64[:, None, None] * w_stride + kb[None, :, None] * 16 + j[None, None, :],
+                    mask=bok[:, :, None], other=0)
+        s = e8m0_value(tl.load(s_ptr + rn64[:, None] * s_stride + kb[None, :], mask=bok, other=0).to(tl.int32)) * 16384.0
+    return w, s
+
+
+@triton.jit
+def gemv_acc(acc, w, s, x_ptr, rows, rmask, stride, k0, k_hi, W_KIND: tl.constexpr, RB: tl.constexpr,
+             NB: tl.constexpr, ASM: tl.constexpr):
+    """acc [RB, BN, NB] + for each activation row r (`rows` [RB], row stride `stride`; FP8-exact
+    values) and each 32-wide K block k0 / 32 .. + NB (zero at or past k_hi): the sum of the exact
+    products with the weight tile (w, s from gemv_load_w), times the weight scale. One row at a
+    time, so every product stays in the weight tile's layout (each thread's blocks summed in its
+    registers); FP4: a block's elements 2j and 2j + 1 meet the low and high nibbles of byte j."""
+    if W_KIND == 1:
+        wf = w.to(tl.float32)
+    else:
+        wlo, whi = e2m1_pairs_f32(w, ASM)
+    kb = k0 // 32 + tl.arange(0, NB)
+    ridx = tl.arange(0, RB)
+    for r in tl.static_range(RB):
+        row = tl.sum(tl.where(ridx == r, rows, 0), axis=0).to(tl.int64)
+        ok = tl.sum(tl.where((ridx == r) & rmask, 1, 0), axis=0) > 0
+        base = x_ptr + row * stride + kb[:, None] * 32
+        m = ok & (kb[:, None] * 32 < k_hi)
+        if W_KIND == 1:
+            j = tl.arange(0, 32)
+            xa = tl.load(base + j[None, :], mask=m, other=0.0).to(tl.float32)
+            part = tl.sum(wf * xa[None, :, :], axis=2)
+        else:
+            j = tl.arange(0, 16)
+            xe = tl.load(base + 2 * j[None, :], mask=m, other=0.0).to(tl.float32)
+            xo = tl.load(base + 2 * j[None, :] + 1, mask=m, other=0.0).to(tl.float32)
+            part = tl.sum(wlo * xe[None, :, :] + whi * xo[None, :, :], axis=2)
+        if RB == 1:
+            acc += (part * s)[None, :, :]
+        else:
+            acc += tl.where((ridx == r)[:, None, None], (part * s)[None, :, :], 0.0)
+    return acc

@@ -33,8 +33,8 @@ import triton.language as tl
 
 from ...backends.reference.moe import moe_experts as moe_experts_ref  # noqa: F401  (the oracle)
 from .block_linear import DECODE_MAX_M, _dot_acc, weight_kind
-from .block_scaled import (W_DENSE, W_FP4, bf16_bits16, fp8_code, fp8_exponent, fp8_qdq_groups, fp8_qdq_pairs,
-                           gemv_block_sums, load_act, load_act_pairs, load_weight_tile, pow2, scaled_block_step)
+from .block_scaled import (W_DENSE, W_FP4, bf16_bits16, fp8_code, fp8_exponent, fp8_qdq_groups, gemv_acc, gemv_load_w,
+                           load_weight_tile, pow2, scaled_block_step)
 from .swiglu import swiglu_tile
 
 # Tiles: BN columns of the expert's intermediate width (gate/up) or of d (down), BK along K.
@@ -137,11 +137,12 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, D, TOPK: tl.constexpr, BLOCK: tl.co
 # ---- decode path: 1..GEMV_MAX_T tokens, scaled experts --------------------------------------------
 # With T tokens an expert has at most T rows, so each program takes all rows of one active expert
 # at once (RB = next power of two >= T) and streams its weights exactly once, GEMV-style
-# (block_scaled.gemv_block_sums: no tensor cores, no shared memory). Nothing is sorted: each program
+# (block_scaled.gemv_load_w / gemv_acc: no tensor cores, block sums in registers). Nothing is sorted: each program
 # finds its expert and rows from `ids` itself (slot s = the s-th smallest distinct expert id; the
-# grid has min(E, T * k) slots, the slots past the active experts do nothing). x is quantised
-# through FP8 inside the gate/up kernel (the values `fp8_quant` gives), and the FP8-quantised w2
-# input goes between the kernels as its exact fp32 values, [T * k, I], by flat row t * k + j.
+# grid has min(E, T * k) slots, the slots past the active experts do nothing). x goes in as its
+# FP8 quantise-dequantise values (one `fp8_qdq_bf16` pass: the values `fp8_quant` gives), and the
+# FP8-quantised w2 input between the kernels as its exact fp32 values, [T * k, I], by flat row
+# t * k + j.
 
 GEMV_MAX_T = 4  # the most tokens the gemv path takes (path="gemv")
 # the most tokens it takes by default: H200 (2026-11-30, 16 experts 5120 x 2304, top-6, graph
@@ -176,10 +177,10 @@ def _slot_rows(ids_ptr, R, RP2: tl.constexpr, RB: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_gemv_kernel(x_ptr, x_stride, ids_ptr, wts_ptr, w_base, s_base, table_ptr, h_ptr, R, K, I, s_stride,
-                         limit, TOPK: tl.constexpr, W_KIND: tl.constexpr, ALIGN: tl.constexpr, RP2: tl.constexpr,
-                         RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr,
-                         QX: tl.constexpr):
+def _gate_up_gemv_kernel(x_ptr, x_stride, ids_ptr, wts_ptr, w_base, s_base, table_ptr, h_ptr, R, K, I, w_stride,
+                         s_stride, limit, TOPK: tl.constexpr, W_KIND: tl.constexpr, ALIGN: tl.constexpr,
+                         RP2: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
+    NB: tl.constexpr = BK // 32
     active, e, rows, rmask = _slot_rows(ids_ptr, R, RP2, RB)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     nmask = rn < I
@@ -188,23 +189,18 @@ def _gate_up_gemv_kernel(x_ptr, x_stride, ids_ptr, wts_ptr, w_base, s_base, tabl
     s1 = s_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 3), ALIGN)
     s3 = s_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 4), ALIGN)
     tok = rows // TOPK
-    acc1 = tl.zeros((RB, BN, BK // 32), dtype=tl.float32)
-    acc3 = tl.zeros((RB, BN, BK // 32), dtype=tl.float32)
+    acc1 = tl.zeros((RB, BN, NB), dtype=tl.float32)
+    acc3 = tl.zeros((RB, BN, NB), dtype=tl.float32)
     k_end = tl.where(active, K, 0)
+    # the next step's weight tiles are loaded before the current ones are used (two in flight)
+    a1, c1 = gemv_load_w(w1, w_stride, s1, s_stride, rn, nmask, 0, k_end, W_KIND, BN, NB)
+    a3, c3 = gemv_load_w(w3, w_stride, s3, s_stride, rn, nmask, 0, k_end, W_KIND, BN, NB)
     for k0 in range(0, k_end, BK):
-        if W_KIND == 1:
-            xa = load_act(x_ptr, tok, rmask, k0, K, x_stride, RB, BK)
-            if QX:
-                xa = fp8_qdq_groups(xa, RB, BK)
-            xe = xa
-            xo = xa
-        else:
-            xe, xo = load_act_pairs(x_ptr, tok, rmask, k0, K, x_stride, RB, BK)
-            if QX:
-                xe, xo = fp8_qdq_pairs(xe, xo, RB, BK // 2)
-            xa = xe
-        acc1 += gemv_block_sums(w1, s1, rn, nmask, k0, K, s_stride, xa, xe, xo, W_KIND, RB, BN, BK, ASM)
-        acc3 += gemv_block_sums(w3, s3, rn, nmask, k0, K, s_stride, xa, xe, xo, W_KIND, RB, BN, BK, ASM)
+        n1, d1 = gemv_load_w(w1, w_stride, s1, s_stride, rn, nmask, k0 + BK, k_end, W_KIND, BN, NB)
+        n3, d3 = gemv_load_w(w3, w_stride, s3, s_stride, rn, nmask, k0 + BK, k_end, W_KIND, BN, NB)
+        acc1 = gemv_acc(acc1, a1, c1, x_ptr, tok, rmask, x_stride, k0, K, W_KIND, RB, NB, ASM)
+        acc3 = gemv_acc(acc3, a3, c3, x_ptr, tok, rmask, x_stride, k0, K, W_KIND, RB, NB, ASM)
+        a1, c1, a3, c3 = n1, d1, n3, d3
     wt = tl.load(wts_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     h = swiglu_tile(tl.sum(acc1, axis=2), tl.sum(acc3, axis=2), limit) * wt[:, None]
     h = fp8_qdq_groups(h, RB, BN)  # the w2 input's FP8 quantisation (BN % 32 == 0: whole groups)
@@ -212,37 +208,34 @@ def _gate_up_gemv_kernel(x_ptr, x_stride, ids_ptr, wts_ptr, w_base, s_base, tabl
 
 
 @triton.jit
-def _down_gemv_kernel(h_ptr, ids_ptr, w_base, s_base, table_ptr, y_ptr, R, I, D, s_stride,
+def _down_gemv_kernel(h_ptr, ids_ptr, w_base, s_base, table_ptr, y_ptr, R, I, D, w_stride, s_stride,
                       W_KIND: tl.constexpr, ALIGN: tl.constexpr, RP2: tl.constexpr, RB: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
+    NB: tl.constexpr = BK // 32
     active, e, rows, rmask = _slot_rows(ids_ptr, R, RP2, RB)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     nmask = rn < D
     w2 = w_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 2), ALIGN)
     s2 = s_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 5), ALIGN)
-    acc = tl.zeros((RB, BN, BK // 32), dtype=tl.float32)
+    acc = tl.zeros((RB, BN, NB), dtype=tl.float32)
     k_end = tl.where(active, I, 0)
+    a2, c2 = gemv_load_w(w2, w_stride, s2, s_stride, rn, nmask, 0, k_end, W_KIND, BN, NB)
     for k0 in range(0, k_end, BK):
-        if W_KIND == 1:
-            xa = load_act(h_ptr, rows, rmask, k0, I, I, RB, BK)
-            xe = xa
-            xo = xa
-        else:
-            xe, xo = load_act_pairs(h_ptr, rows, rmask, k0, I, I, RB, BK)
-            xa = xe
-        acc += gemv_block_sums(w2, s2, rn, nmask, k0, I, s_stride, xa, xe, xo, W_KIND, RB, BN, BK, ASM)
+        n2, d2 = gemv_load_w(w2, w_stride, s2, s_stride, rn, nmask, k0 + BK, k_end, W_KIND, BN, NB)
+        acc = gemv_acc(acc, a2, c2, h_ptr, rows, rmask, I, k0, I, W_KIND, RB, NB, ASM)
+        a2, c2 = n2, d2
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * D + rn[None, :], tl.sum(acc, axis=2),
              mask=rmask[:, None] & nmask[None, :])
 
 
-GEMV_TILES = {"cuda": {"bn_up": 32, "bn_down": 32, "bk": 256, "num_warps": 4, "num_stages": 3, "qx": False},
-              "interp": {"bn_up": 32, "bn_down": 32, "bk": 64, "qx": True}}
+GEMV_TILES = {"cuda": {"bn_up": 32, "bn_down": 32, "bk": 256, "num_warps": 4, "num_stages": 1},
+              "interp": {"bn_up": 32, "bn_down": 32, "bk": 64}}
 
 
 def _moe_gemv(x, weights, ids, topk, n_exp, table_args, limit, out, *, bn_up=None, bn_down=None, bk=None,
-              num_warps=None, num_stages=None, qx=None):
-    """The decode path (T <= GEMV_MAX_T, scaled experts): gate/up, down and combine kernels. qx:
-    quantise x through FP8 inside the gate/up kernel (else one `fp8_qdq_bf16` pass first)."""
+              num_warps=None, num_stages=None):
+    """The decode path (T <= GEMV_MAX_T, scaled experts): x's FP8 quantise-dequantise pass, then
+    the gate/up, down and combine kernels."""
     from .fp8_quant import fp8_qdq_bf16
     from .launch import interpreting
 
@@ -253,10 +246,11 @@ def _moe_gemv(x, weights, ids, topk, n_exp, table_args, limit, out, *, bn_up=Non
     if bn_up % 32 or inter % 32 or d % 32 or bk % 32:
         raise ValueError("moe_experts decode path: widths and tiles must be multiples of 32")
     bk_up, bk_down = min(bk, triton.next_power_of_2(d)), min(bk, triton.next_power_of_2(inter))
-    qx = tiles["qx"] if qx is None else qx
-    if not qx:
-        x = fp8_qdq_bf16(x)
+    x = fp8_qdq_bf16(x)
     kw = {} if interp else {"num_warps": num_warps or tiles["num_warps"], "num_stages": num_stages or tiles["num_stages"]}
+    def w_row(k_in):  # a weight row in storage elements (bytes for packed FP4)
+        return k_in // 2 if kind == W_FP4 else k_in
+
     t = x.shape[0]
     r = t * topk
     rb = triton.next_power_of_2(t)
@@ -266,11 +260,11 @@ def _moe_gemv(x, weights, ids, topk, n_exp, table_args, limit, out, *, bn_up=Non
     h = torch.empty(r, inter, dtype=torch.float32, device=x.device)
     y = torch.empty(r, d, dtype=torch.float32, device=x.device)
     _gate_up_gemv_kernel[(slots, -(-inter // bn_up))](
-        x, x.stride(0), flat_ids, weights.contiguous().reshape(-1), w_base, s_base, table, h, r, d, inter, s_up,
-        float(limit), TOPK=topk, W_KIND=kind, ALIGN=align, RP2=rp2, RB=rb, BN=bn_up, BK=bk_up, ASM=not interp, QX=qx,
+        x, x.stride(0), flat_ids, weights.contiguous().reshape(-1), w_base, s_base, table, h, r, d, inter, w_row(d),
+        s_up, float(limit), TOPK=topk, W_KIND=kind, ALIGN=align, RP2=rp2, RB=rb, BN=bn_up, BK=bk_up, ASM=not interp,
         **kw)
     _down_gemv_kernel[(slots, -(-d // bn_down))](
-        h, flat_ids, w_base, s_base, table, y, r, inter, d, s_down, W_KIND=kind, ALIGN=align, RP2=rp2, RB=rb,
+        h, flat_ids, w_base, s_base, table, y, r, inter, d, w_row(inter), s_down, W_KIND=kind, ALIGN=align, RP2=rp2, RB=rb,
         BN=bn_down, BK=bk_down, ASM=not interp, **kw)
     cb = min(1024, triton.next_power_of_2(d))
     _combine_kernel[(t, -(-d // cb))](y, flat_ids, out, d, TOPK=topk, BLOCK=cb)
@@ -322,7 +316,7 @@ def _expert_table(experts: list, device: torch.device):
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: list, limit: float,
                 out_dtype: torch.dtype = torch.float32, *, bm: int | None = None, bn_up: int | None = None,
                 bn_down: int | None = None, bk: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, path: str | None = None, qx: bool | None = None) -> torch.Tensor:
+                num_stages: int | None = None, path: str | None = None) -> torch.Tensor:
     """`ops.moe_experts` on a device: x [T, d], weights / ids [T, k] -> [T, d] fp32 (float64
     requested: fp32). Keyword tile parameters are for tuning (defaults: TILES / GEMV_TILES);
     `path` ("gemv" / "tiled") overrides the choice of the decode path (tests, sweeps)."""
@@ -348,7 +342,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
         x_rows = x if x.stride(-1) == 1 else x.contiguous()
         return _moe_gemv(x_rows, weights, ids, topk, n_exp,
                          (w_base, s_base, table, kind, inter, k_in, (s_up, s_down), align), limit, out,
-                         bn_up=bn_up, bn_down=bn_down, bk=bk, num_warps=num_warps, num_stages=num_stages, qx=qx)
+                         bn_up=bn_up, bn_down=bn_down, bk=bk, num_warps=num_warps, num_stages=num_stages)
     interp = interpreting()
     tiles = TILES["interp" if interp else ("cuda" if t <= DECODE_MAX_M else "cuda_prefill")]
     r = t * topk
