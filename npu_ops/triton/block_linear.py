@@ -177,11 +177,12 @@ DECODE = {"bn": 64, "bk": 128, "num_warps": 4, "num_stages": 4, "waves": 4}
 PREFILL = {"bm": 128, "bn": 128, "bk": 64, "num_warps": 8, "num_stages": 3, "group_m": 8}
 INTERP = {"bn": 32, "bk": 64}
 DECODE_MAX_M = 64
-# M <= GEMV_MAX_M: `_gemv_linear_kernel` (a few rows: CUDA cores, the weight streamed once), on
-# request only (path="gemv"): H200 2026-11-30, K=5120 N=6144, graph replay: M=1 36.6-55.9 us over
-# its tile variants against 19.5 us for the tiled kernel, M=4 112-180 against 21.5.
+# M <= GEMV_MAX_M: `_gemv_linear_kernel` (a few rows: CUDA cores, the weight streamed once; by
+# default for M <= GEMV_DEFAULT_M). H200 2026-11-30, K=5120 N=6144, graph replay: M=1 15.8 us
+# (BN 16) / 16.3-20.8 (other tiles) against 19.4 us for the tiled kernel; M=4 30-47 against 21.2.
 GEMV_MAX_M = 4
-GEMV = {"bn": 32, "bk": 256, "num_warps": 4, "num_stages": 1, "waves": 4}
+GEMV_DEFAULT_M = 1
+GEMV = {"bn": 16, "bk": 256, "num_warps": 4, "num_stages": 1, "waves": 4}
 GEMV_INTERP = {"bn": 32, "bk": 64, "num_warps": 4, "num_stages": 1}
 
 _COUNTERS: dict[tuple, torch.Tensor] = {}
@@ -229,7 +230,7 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
         raise ValueError(f"weight {tuple(weight.shape)} does not match in_features {k}")
     interp = interpreting()
     if path is None:
-        path = "tiled"
+        path = "gemv" if kind != W_DENSE and m <= GEMV_DEFAULT_M else "tiled"
     if path == "gemv":
         if kind == W_DENSE or m > GEMV_MAX_M:
             raise ValueError(f"linear: the gemv path takes scaled weights and <= {GEMV_MAX_M} rows")

@@ -197,22 +197,20 @@ def scaled_block_step(acc, q_ptr, qs_ptr, arow, amask, w_ptr, s_ptr, rn, nmask, 
 # its FP8 quantise-dequantise values (the power-of-two activation scale is inside them), so the
 # result is the reference's sum(q_x * q_w) * s_x * s_w up to fp32 summation order.
 
-# e2m1 bytes -> fp32 (value * 2^-14), 4 bytes per 32-bit register: the nibbles are moved into fp16
-# bit positions two at a time (prmt + shifts + masks on whole registers) and widened to fp32.
+# e2m1 bytes -> fp32 (value * 2^-14), 4 bytes per 32-bit register. An E2M1 nibble's fp16 bit
+# pattern (e2m1_fp16) has a zero low byte and the high byte (sign << 7) | (magnitude << 1); the
+# high bytes of all four low nibbles (l) and of all four high nibbles (h) are built with whole-
+# register shifts and masks, prmt places them two by two into fp16x2 registers, and cvt widens.
 _E2M1_ASM = tl.constexpr("""
 {
-.reg .b32 t0, t1, a, b;
+.reg .b32 a, b, l, h, r;
 .reg .b16 h0, h1;
-prmt.b32 t0, $8, 0, 0x4140;
-prmt.b32 t1, $8, 0, 0x4342;
-shl.b32 a, t0, 9;  and.b32 a, a, 0x0E000E00; shl.b32 b, t0, 12; and.b32 b, b, 0x80008000; or.b32 a, a, b;
-mov.b32 {h0, h1}, a; cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h1;
-shl.b32 a, t1, 9;  and.b32 a, a, 0x0E000E00; shl.b32 b, t1, 12; and.b32 b, b, 0x80008000; or.b32 a, a, b;
-mov.b32 {h0, h1}, a; cvt.f32.f16 $2, h0; cvt.f32.f16 $3, h1;
-shl.b32 a, t0, 5;  and.b32 a, a, 0x0E000E00; shl.b32 b, t0, 8; and.b32 b, b, 0x80008000; or.b32 a, a, b;
-mov.b32 {h0, h1}, a; cvt.f32.f16 $4, h0; cvt.f32.f16 $5, h1;
-shl.b32 a, t1, 5;  and.b32 a, a, 0x0E000E00; shl.b32 b, t1, 8; and.b32 b, b, 0x80008000; or.b32 a, a, b;
-mov.b32 {h0, h1}, a; cvt.f32.f16 $6, h0; cvt.f32.f16 $7, h1;
+shl.b32 a, $8, 1; and.b32 a, a, 0x0E0E0E0E; shl.b32 b, $8, 4; and.b32 b, b, 0x80808080; or.b32 l, a, b;
+shr.b32 a, $8, 3; and.b32 a, a, 0x0E0E0E0E; and.b32 b, $8, 0x80808080; or.b32 h, a, b;
+prmt.b32 r, l, 0, 0x1404; mov.b32 {h0, h1}, r; cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h1;
+prmt.b32 r, l, 0, 0x3424; mov.b32 {h0, h1}, r; cvt.f32.f16 $2, h0; cvt.f32.f16 $3, h1;
+prmt.b32 r, h, 0, 0x1404; mov.b32 {h0, h1}, r; cvt.f32.f16 $4, h0; cvt.f32.f16 $5, h1;
+prmt.b32 r, h, 0, 0x3424; mov.b32 {h0, h1}, r; cvt.f32.f16 $6, h0; cvt.f32.f16 $7, h1;
 }
 """)
 

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ...backends.reference.moe import moe_experts as moe_experts_ref  # noqa: F401  (the oracle)
 from .block_linear import DECODE_MAX_M, _dot_acc, weight_kind
-from .block_scaled import (W_DENSE, W_FP4, bf16_bits16, fp8_code, fp8_exponent, fp8_qdq_groups, gemv_acc, gemv_load_w,
+from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, fp8_code, fp8_exponent, fp8_qdq_groups, gemv_acc, gemv_load_w,
                            load_weight_tile, pow2, scaled_block_step)
 from .swiglu import swiglu_tile
 
@@ -144,10 +144,12 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, D, TOPK: tl.constexpr, BLOCK: tl.co
 # FP8-quantised w2 input between the kernels as its exact fp32 values, [T * k, I], by flat row
 # t * k + j.
 
-GEMV_MAX_T = 4  # the most tokens the gemv path takes (path="gemv")
-# the most tokens it takes by default: H200 (2026-11-30, 16 experts 5120 x 2304, top-6, graph
-# replay): T=1 186.6 us against 223.2 us tiled; T=2 494 against 332, T=4 1030 against 475.
-GEMV_DEFAULT_T = 1  # FP4 experts only: the FP8 gemv is slower than the tiled kernel (see block_linear)
+GEMV_MAX_T = 4  # the most tokens the gemv path takes
+# The most tokens it takes by default, per expert format. H200 2026-11-30, graph replay, 16 FP4
+# experts 5120 x 2304, top-6: T=1 102.6 us against 224.5 us tiled, T=2 221 against 334, T=4 411
+# against 428; the FP8 shared expert at T=1 35.2 against 57.6 (FP8 at 4 rows: the gemv linear
+# was slower than the tiled kernel, so FP8 experts take it at T=1 only).
+GEMV_DEFAULT_T = {W_FP4: 4, W_FP8: 1}
 
 
 @triton.jit
@@ -335,7 +337,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     if k_in != d:
         raise ValueError(f"expert input width {k_in} != x width {d}")
     if path is None:
-        path = "gemv" if kind == W_FP4 and t <= GEMV_DEFAULT_T else "tiled"
+        path = "gemv" if t <= GEMV_DEFAULT_T.get(kind, 0) else "tiled"
     if path == "gemv":
         if kind == W_DENSE or t > GEMV_MAX_T:
             raise ValueError(f"moe_experts: the gemv path takes scaled experts and <= {GEMV_MAX_T} tokens")
