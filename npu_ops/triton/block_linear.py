@@ -38,26 +38,7 @@ import triton.language as tl
 from ...backends.reference.basic import linear as linear_ref  # noqa: F401  (the oracle)
 from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, gemv_acc, gemv_load_w, load_weight_tile,
                            scaled_block_step)
-
-
-@triton.jit
-def _dot_acc(acc, a, w, A_TERMS: tl.constexpr, LOWP: tl.constexpr):
-    """acc + a [BM, BK] @ w[BN, BK]^T with exact products: bf16 operands on devices (a split into
-    A_TERMS bf16 parts; w is bf16-exact), fp32 "ieee" dots under the interpreter."""
-    wt = tl.trans(w)
-    if LOWP:
-        wb = wt.to(tl.bfloat16)
-        hi = a.to(tl.bfloat16)
-        acc = tl.dot(hi, wb, acc)
-        if A_TERMS > 1:
-            r = a - hi.to(tl.float32)
-            mid = r.to(tl.bfloat16)
-            acc = tl.dot(mid, wb, acc)
-            if A_TERMS > 2:
-                acc = tl.dot((r - mid.to(tl.float32)).to(tl.bfloat16), wb, acc)
-    else:
-        acc = tl.dot(a, wt, acc, input_precision="ieee")
-    return acc
+from .fp4_common import split_dot_acc
 
 
 @triton.jit
@@ -100,7 +81,7 @@ def _block_linear_kernel(x_ptr, q_ptr, qs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, 
             a = tl.load(x_ptr + rm64[:, None] * K + kk[None, :], mask=mmask[:, None] & (kk[None, :] < k_hi),
                         other=0.0).to(tl.float32)
             w = load_weight_tile(w_ptr, s_ptr, rn, k0, N, K, s_stride, BN, BK, W_KIND)
-            acc = _dot_acc(acc, a, w, A_TERMS, LOWP)
+            acc = split_dot_acc(acc, a, tl.trans(w), A_TERMS, LOWP)
         else:  # scaled weight: one dot per 32-wide scale block, rescaled into acc
             for kb in tl.static_range(BK // 32):
                 acc = scaled_block_step(acc, q_ptr, qs_ptr, rm64, mmask, w_ptr, s_ptr, rn, nmask, k0 + kb * 32,
@@ -199,6 +180,18 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+def _split_k_buffers(m, n, k, bk, k_steps, split_k, n_tiles, out):
+    """(split_k, K per slice, fp32 partials [split_k, M, N], tile counters) for a split-K launch;
+    slices are whole BK steps, so the split actually used can be smaller than asked. Without a
+    split the partials and counters are unused (`out` stands in)."""
+    k_per_split = bk * -(-k_steps // split_k)
+    split_k = -(-k // k_per_split)
+    if split_k == 1:
+        return split_k, k_per_split, out, out
+    return (split_k, k_per_split, torch.empty(split_k, m, n, dtype=torch.float32, device=out.device),
+            _counters(out.device, n_tiles))
+
+
 def weight_kind(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
     """W_DENSE / W_FP8 / W_FP4 from the storage dtypes (the checkpoint's formats)."""
     if scale is None:
@@ -252,13 +245,7 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
             split_k = max(1, min(k_steps // 2, -(-DECODE["waves"] * num_workers(x2.device) // n_tiles)))
         else:
             split_k = 1 if not interp else min(2, k_steps)
-    k_per_split = bk * -(-k_steps // split_k)
-    split_k = -(-k // k_per_split)
-    if split_k > 1:
-        part = torch.empty(split_k, m, n, dtype=torch.float32, device=x2.device)
-        counts = _counters(x2.device, n_tiles)
-    else:
-        part = counts = out
+    split_k, k_per_split, part, counts = _split_k_buffers(m, n, k, bk, k_steps, split_k, n_tiles, out)
     if kind == W_DENSE:
         q = qs = s = x2  # unused placeholders
     else:
@@ -292,13 +279,7 @@ def _launch_gemv(x2, weight, scale, out, kind, *, bn=None, bk=None, split_k=None
     k_steps = -(-k // bk)
     if split_k is None:
         split_k = 1 if interp else max(1, min(k_steps, -(-GEMV["waves"] * num_workers(x2.device) // n_tiles)))
-    k_per_split = bk * -(-k_steps // split_k)
-    split_k = -(-k // k_per_split)
-    if split_k > 1:
-        part = torch.empty(split_k, m, n, dtype=torch.float32, device=x2.device)
-        counts = _counters(x2.device, n_tiles)
-    else:
-        part = counts = out
+    split_k, k_per_split, part, counts = _split_k_buffers(m, n, k, bk, k_steps, split_k, n_tiles, out)
     w = weight.view(torch.uint8) if kind == W_FP4 else weight
     out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
     kw = {} if interp else {"num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages or cfg["num_stages"]}

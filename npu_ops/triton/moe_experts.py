@@ -32,9 +32,10 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.moe import moe_experts as moe_experts_ref  # noqa: F401  (the oracle)
-from .block_linear import DECODE_MAX_M, _dot_acc, weight_kind
-from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, fp8_code, fp8_exponent, fp8_qdq_groups, gemv_acc, gemv_load_w,
-                           load_weight_tile, pow2, scaled_block_step)
+from .block_linear import DECODE_MAX_M, weight_kind
+from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, fp8_code, fp8_exponent, fp8_qdq_groups, gemv_acc,
+                           gemv_load_w, load_weight_tile, pow2, scaled_block_step)
+from .fp4_common import split_dot_acc
 from .swiglu import swiglu_tile
 
 # Tiles: BN columns of the expert's intermediate width (gate/up) or of d (down), BK along K.
@@ -71,8 +72,10 @@ def _gate_up_kernel(x_ptr, q_ptr, qs_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base,
                 kk = k0 + tl.arange(0, BK)
                 a = tl.load(x_ptr + tok[:, None] * K + kk[None, :], mask=rmask[:, None] & (kk[None, :] < K),
                             other=0.0).to(tl.float32)
-                acc1 = _dot_acc(acc1, a, load_weight_tile(w1, s1, rn, k0, I, K, s_stride, BN, BK, W_KIND), 1, LOWP)
-                acc3 = _dot_acc(acc3, a, load_weight_tile(w3, s3, rn, k0, I, K, s_stride, BN, BK, W_KIND), 1, LOWP)
+                acc1 = split_dot_acc(acc1, a, tl.trans(load_weight_tile(w1, s1, rn, k0, I, K, s_stride, BN, BK, W_KIND)), 1,
+                                     LOWP)
+                acc3 = split_dot_acc(acc3, a, tl.trans(load_weight_tile(w3, s3, rn, k0, I, K, s_stride, BN, BK, W_KIND)), 1,
+                                     LOWP)
             else:
                 for kb in tl.static_range(BK // 32):
                     acc1 = scaled_block_step(acc1, q_ptr, qs_ptr, tok, rmask, w1, s1, rn, nmask, k0 + kb * 32, K, K,
@@ -113,7 +116,8 @@ def _down_kernel(hb_ptr, hq_ptr, hs_ptr, perm_ptr, bounds_ptr, w_base, s_base, t
                 kk = k0 + tl.arange(0, BK)
                 a = tl.load(hb_ptr + rows64[:, None] * I + kk[None, :], mask=rmask[:, None] & (kk[None, :] < I),
                             other=0.0).to(tl.float32)
-                acc = _dot_acc(acc, a, load_weight_tile(w2, s2, rn, k0, D, I, s_stride, BN, BK, W_KIND), 1, LOWP)
+                acc = split_dot_acc(acc, a, tl.trans(load_weight_tile(w2, s2, rn, k0, D, I, s_stride, BN, BK, W_KIND)), 1,
+                                    LOWP)
             else:
                 for kb in tl.static_range(BK // 32):
                     acc = scaled_block_step(acc, hq_ptr, hs_ptr, rows64, rmask, w2, s2, rn, nmask, k0 + kb * 32, I, I,
@@ -179,6 +183,15 @@ def _slot_rows(ids_ptr, R, RP2: tl.constexpr, RB: tl.constexpr):
 
 
 @triton.jit
+def _expert_matrix(w_base, s_base, table_ptr, e, which: tl.constexpr, ALIGN: tl.constexpr):
+    """Expert e's weight and scale pointers for matrix `which` (0: w1, 1: w3, 2: w2) from the
+    table of offsets (`_expert_table`)."""
+    w = w_base + tl.multiple_of(tl.load(table_ptr + e * 6 + which), ALIGN)
+    s = s_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 3 + which), ALIGN)
+    return w, s
+
+
+@triton.jit
 def _gate_up_gemv_kernel(x_ptr, x_stride, ids_ptr, wts_ptr, w_base, s_base, table_ptr, h_ptr, R, K, I, w_stride,
                          s_stride, limit, TOPK: tl.constexpr, W_KIND: tl.constexpr, ALIGN: tl.constexpr,
                          RP2: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
@@ -186,10 +199,8 @@ def _gate_up_gemv_kernel(x_ptr, x_stride, ids_ptr, wts_ptr, w_base, s_base, tabl
     active, e, rows, rmask = _slot_rows(ids_ptr, R, RP2, RB)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     nmask = rn < I
-    w1 = w_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 0), ALIGN)
-    w3 = w_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 1), ALIGN)
-    s1 = s_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 3), ALIGN)
-    s3 = s_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 4), ALIGN)
+    w1, s1 = _expert_matrix(w_base, s_base, table_ptr, e, 0, ALIGN)
+    w3, s3 = _expert_matrix(w_base, s_base, table_ptr, e, 1, ALIGN)
     tok = rows // TOPK
     acc1 = tl.zeros((RB, BN, NB), dtype=tl.float32)
     acc3 = tl.zeros((RB, BN, NB), dtype=tl.float32)
@@ -217,8 +228,7 @@ def _down_gemv_kernel(h_ptr, ids_ptr, w_base, s_base, table_ptr, y_ptr, R, I, D,
     active, e, rows, rmask = _slot_rows(ids_ptr, R, RP2, RB)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     nmask = rn < D
-    w2 = w_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 2), ALIGN)
-    s2 = s_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 5), ALIGN)
+    w2, s2 = _expert_matrix(w_base, s_base, table_ptr, e, 2, ALIGN)
     acc = tl.zeros((RB, BN, NB), dtype=tl.float32)
     k_end = tl.where(active, I, 0)
     a2, c2 = gemv_load_w(w2, w_stride, s2, s_stride, rn, nmask, 0, k_end, W_KIND, BN, NB)
