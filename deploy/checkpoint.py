@@ -146,7 +146,8 @@ def make_checkpoint(cfg: ModelConfig, out_dir: str | os.PathLike, seed: int = 0,
                     progress: bool = False, init: str = DEFAULT_INIT) -> Path:
     """Write a complete checkpoint of the weights `build_model(cfg, seed, init=init)` builds.
 
-    `config.json` (nested form), sharded safetensors + index in the storage dtypes, and
+    `config.json` (nested form), `inference/config.json` (the released flat form, where the
+    config can be stated in its keys), sharded safetensors + index in the storage dtypes, and
     `tokenizer.json` / `tokenizer_config.json` (chat template) when `tokenizer` is given (for
     the tiny vocabulary the tiny tokenizer is used when `tokenizer` is None).
 
@@ -198,6 +199,13 @@ def make_checkpoint(cfg: ModelConfig, out_dir: str | os.PathLike, seed: int = 0,
         writers: list = []
         try:
             (tmp / CONFIG_NAME).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+            try:  # the released flat form too, for the official inference code
+                flat = cfg.to_flat_dict()
+            except ConfigError as e:
+                print(f"dsv41: note: no inference/{CONFIG_NAME} written: {e}", file=sys.stderr)
+            else:
+                (tmp / "inference").mkdir()
+                (tmp / "inference" / CONFIG_NAME).write_text(json.dumps(flat, indent=2) + "\n")
             n = len(shards)
             names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
             writer_of = {}
