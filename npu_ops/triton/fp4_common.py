@@ -1,5 +1,6 @@
 """Shared @triton.jit helpers for the FP4 main-KV format (E2M1 + E4M3 scale per 16) and bf16
-rounding, with integer/fp32 ops only (no fp8/bf16 arithmetic, no division).
+rounding, with integer/fp32 ops only (no fp8/bf16 arithmetic, no division); plus the exact
+split-bf16 dot (`split_dot_acc`) and the offset width switch (`offsets`) other kernels share.
 
 The encoding is the one of `fp4_kv_store.py` (see its docstring for why every comparison is
 exact and agrees with `quant.fp4_quant`), factored out so fused kernels can quantise rows they
@@ -90,3 +91,23 @@ def offsets(i, WIDE: tl.constexpr):
         return i.to(tl.int64)
     else:
         return i.to(tl.int32)
+
+
+@triton.jit
+def split_dot_acc(acc, a, w, TERMS: tl.constexpr, LOWP: tl.constexpr):
+    """acc + a [M, K] @ w [K, N] with exact products: on devices (LOWP) bf16 tensor-core dots,
+    a split into TERMS bf16 parts (hi + mid + lo; w must be bf16-exact); under the interpreter
+    one fp32 "ieee" dot."""
+    if LOWP:
+        wb = w.to(tl.bfloat16)
+        hi = a.to(tl.bfloat16)
+        acc = tl.dot(hi, wb, acc)
+        if TERMS > 1:
+            r = a - hi.to(tl.float32)
+            mid = r.to(tl.bfloat16)
+            acc = tl.dot(mid, wb, acc)
+            if TERMS > 2:
+                acc = tl.dot((r - mid.to(tl.float32)).to(tl.bfloat16), wb, acc)
+    else:
+        acc = tl.dot(a, w, acc, input_precision="ieee")
+    return acc

@@ -193,21 +193,27 @@ def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr
                                out_ty, OUT_BF16)
             tl.store(xhat_ptr + yo, xh, mask=m2)
             if HAS_FN:
-                ss += f0 * f0 + f1 * f1 + f2 * f2 + f3 * f3
-                fmask = kmask[:, None] & cm[None, :]
-                fo = offsets(kk, WIDE)[:, None] * (4 * D) + cols[None, :]
-                part = _fn_dot(f0, fn_ptr, fo, fmask, SPLIT) + _fn_dot(f1, fn_ptr, fo + D, fmask, SPLIT)
-                part += _fn_dot(f2, fn_ptr, fo + 2 * D, fmask, SPLIT) + _fn_dot(f3, fn_ptr, fo + 3 * D, fmask, SPLIT)
-                # Kahan-compensated running sum of the per-slice partial dot products
-                yk = part - comp
-                tk = acc + yk
-                comp = (tk - acc) - yk
-                acc = tk
+                acc, comp, ss = _fn_partial_step(acc, comp, ss, f0, f1, f2, f3, fn_ptr, offsets(kk, WIDE), kmask,
+                                                 cols, cm, D, SPLIT)
         if HAS_FN:  # this chunk's share of m (with its Kahan residue) and of the sum of squares
             po = (ck * T + offsets(tok, WIDE))[:, None] * 32 + kk[None, :]
             tl.store(part_ptr + po, acc, mask=tm[:, None])
             tl.store(pcomp_ptr + po, comp, mask=tm[:, None])
             tl.store(pss_ptr + ck * T + tok, tl.sum(ss, axis=1), mask=tm)
+
+
+@triton.jit
+def _fn_partial_step(acc, comp, ss, f0, f1, f2, f3, fn_ptr, krow, kmask, cols, cm, D, SPLIT: tl.constexpr):
+    """One BLOCK_D slice of the mix projection for the four streams' rows f0..f3 [BLOCK_T,
+    BLOCK_D]: the sum of squares (ss) and the dot products with fn's rows `krow` ([32], 24 valid:
+    kmask) over columns `cols` (valid: cm), added to the Kahan-compensated (acc, comp)."""
+    ss += f0 * f0 + f1 * f1 + f2 * f2 + f3 * f3
+    fmask = kmask[:, None] & cm[None, :]
+    fo = krow[:, None] * (4 * D) + cols[None, :]
+    part = _fn_dot(f0, fn_ptr, fo, fmask, SPLIT) + _fn_dot(f1, fn_ptr, fo + D, fmask, SPLIT)
+    part += _fn_dot(f2, fn_ptr, fo + 2 * D, fmask, SPLIT) + _fn_dot(f3, fn_ptr, fo + 3 * D, fmask, SPLIT)
+    acc, comp = _kahan(acc, comp, part)
+    return acc, comp, ss
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference import moe as ref_moe
-from .fp4_common import as_cmp, offsets
+from .fp4_common import as_cmp, offsets, split_dot_acc
 
 
 def moe_route_ref(x, gate_weight, bias, topk, route_scale, gate_temp=1.0, norm_topk_prob=True):
@@ -63,19 +63,7 @@ def _moe_route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, count_ptr, wout_ptr, io
                         other=0.0).to(tl.float32)
             w = tl.load(w_ptr + wrow[None, :] + ks[:, None], mask=kmask[:, None] & emask[None, :],
                         other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_E]
-            if LOWP:
-                wb = w.to(tl.bfloat16)
-                xh = x.to(tl.bfloat16)
-                acc = tl.dot(xh, wb, acc)
-                if SPLITS > 1:
-                    rest = x - xh.to(tl.float32)
-                    xm = rest.to(tl.bfloat16)
-                    acc = tl.dot(xm, wb, acc)
-                    if SPLITS > 2:
-                        rest = rest - xm.to(tl.float32)
-                        acc = tl.dot(rest.to(tl.bfloat16), wb, acc)
-            else:
-                acc = tl.dot(x, w, acc, input_precision="ieee")
+            acc = split_dot_acc(acc, x, w, SPLITS, LOWP)
         tl.store(logit_ptr + offsets(rows, WIDE)[:, None] * E + es[None, :], acc,
                  mask=rmask[:, None] & emask[None, :])
         tl.debug_barrier()  # every thread's logits are written before the release below
