@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..backends import ops
-from ..backends.platform import platform_for
+from ..backends.platform import overlap, platform_for
 from .batch import Rows, StepBatch
 from .cache import FLOOR_DECODER, FLOOR_DRAFT, FLOOR_ENCODER, KVPool, entry_rows
 from .config import ModelConfig, yarn_inv_freq
@@ -140,9 +140,11 @@ class Indexer(nn.Module):
 
     def queries(self, x, qr, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """(MXFP4 quantise-dequantised RoPE'd queries [T, Hi, Di], head weights [T, Hi])."""
-        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
-        q = ops.mxfp4_act_quant(ops.rope(q, cos, sin))
-        w = self.weights_proj(x, torch.float32) * self.weight_scale
+        # independent pieces: on Ascend the weights projection (a matmul) runs on a second stream
+        # beside the query path (platform `overlap`); elsewhere one after the other
+        w, q = overlap(x.device, lambda: self.weights_proj(x, torch.float32) * self.weight_scale,
+                       lambda: ops.mxfp4_act_quant(ops.rope(self.wq_b(qr).view(-1, self.n_heads, self.head_dim),
+                                                            cos, sin)))
         return q, w
 
 
@@ -328,22 +330,15 @@ class MoE(nn.Module):
         # shared expert on rank 0 only) and rounded once, after the cross-rank sum: on the
         # reference an N-way run equals the one-process run bit for bit.
         acc = ops.partial_sum_dtype(x.device)
-        shared, side = None, None
-        if self.group.rank == 0 and self.overlap_shared:
-            # the shared expert on a second stream beside the routed experts (both only read x)
-            plat, side = self._side_stream(x.device)
-            cur = plat.current_stream()
-            side.wait_stream(cur)
-            with plat.use_stream(side):
-                shared = self.shared(x, acc)
-                done = plat.event()
-                done.record(side)
-        y = ops.moe_experts(x, w, ids, [e.parts() for e in self.experts.values()], cfg.swiglu_limit, acc)
-        if side is not None:
-            cur.wait_event(done)
+        routed = lambda: ops.moe_experts(x, w, ids, [e.parts() for e in self.experts.values()],  # noqa: E731
+                                         cfg.swiglu_limit, acc)
+        if self.group.rank != 0:
+            y = routed()
+        elif self.overlap_shared:  # the shared expert on a second stream beside the routed experts
+            shared, y = self._platform(x.device).overlap(lambda: self.shared(x, acc), routed)
             y = y + shared
-        elif self.group.rank == 0:
-            y = y + self.shared(x, acc)
+        else:
+            y = routed() + self.shared(x, acc)
         return self.group.all_reduce_sum(y).float().to(BF16)
 
     def shared(self, x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
@@ -352,12 +347,11 @@ class MoE(nn.Module):
         zeros = torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)
         return ops.moe_experts(x, ones, zeros, [self.shared_experts.parts()], self.cfg.swiglu_limit, acc)
 
-    def _side_stream(self, device: torch.device):
-        """(platform, second stream) of this layer's device, made once."""
-        if getattr(self, "_side", None) is None or self._side[0] != device:
-            plat = platform_for(device)
-            self._side = (device, plat, plat.stream())
-        return self._side[1:]
+    def _platform(self, device: torch.device):
+        """The platform of this layer's device, looked up once."""
+        if getattr(self, "_plat", None) is None or self._plat.device != device:
+            self._plat = platform_for(device)
+        return self._plat
 
 
 # ---- Engram -----------------------------------------------------------------------------------

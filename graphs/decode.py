@@ -25,6 +25,36 @@ from ..core.model import Transformer
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
+def fill_static(static: StepBatch, batch: StepBatch) -> None:
+    """Copy `batch` into the persistent buffers of a captured step with at least as many rows
+    (and block tables at least as wide): rows past the batch become padding (ids 0, n-gram ids
+    -1, null-block tables), table columns past the batch's point at the null block. `seq`
+    stays as captured (row i is sequence i in both)."""
+    n = batch.num_tokens
+    for f in fields(StepBatch):
+        dst, src = getattr(static, f.name), getattr(batch, f.name)
+        if f.name == "ngram_host":  # host copies of the n-grams (Engram rows fetched ahead)
+            if dst is None:
+                continue
+            ids, img = src if src is not None else (batch.ngram_ids.cpu(), batch.ngram_image.cpu())
+            for d, s, pad in ((dst[0], ids, -1), (dst[1], img, False)):
+                d[n:].fill_(pad)
+                d[:n].copy_(s)
+            continue
+        if isinstance(dst, tuple):  # the draft window's (lo, hi)
+            for d, s in zip(dst, src):
+                d.copy_(s)
+            continue
+        if not isinstance(dst, torch.Tensor) or f.name == "seq":
+            continue
+        dst[n:].fill_(-1 if f.name == "ngram_ids" else 0)
+        if dst.dim() == 2 and f.name.endswith("table"):
+            dst[:n, src.shape[1]:].fill_(0)
+            dst[:n, :src.shape[1]].copy_(src)
+        else:
+            dst[:n].copy_(src)
+
+
 class DecodeGraphs:
     """Captured decode steps of `model` over the fixed pools of `pool`, one per bucket up to
     `max_batch` sequences, block tables `table_blocks` wide (enough for the longest sequence)."""
@@ -75,32 +105,15 @@ class DecodeGraphs:
         if batch.swa_table.shape[1] > self.table_blocks or batch.glob_table.shape[1] > self.table_blocks:
             raise ValueError(f"block tables wider than the captured {self.table_blocks} blocks")
         graph, static, logits = self.graphs[b]
+        fill_static(static, batch)
         prefetch = self.model.engram_prefetch()
-        if prefetch is not None and prefetch.layers:
+        if graph is not None and prefetch is not None and prefetch.layers:
             # host-held Engram tables: the graph copies the rows from the fetch-ahead's staging
             # buffers, so the host fills them for this batch (padding rows hash as the pad id)
-            ids, img = batch.ngram_host or (batch.ngram_ids.cpu(), batch.ngram_image.cpu())
-            host_ids, host_img = static.ngram_host
-            host_ids[n:].fill_(-1)
-            host_img[n:].fill_(False)
-            host_ids[:n].copy_(ids)
-            host_img[:n].copy_(img)
-            if graph is not None:
-                if self._replayed is not None:
-                    self._replayed.synchronize()  # the last replay's copies have read the buffers
-                prefetch.gather(host_ids, host_img)
-                prefetch.filled = {}  # (the captured copies are the device side)
-        for f in fields(StepBatch):
-            dst, src = getattr(static, f.name), getattr(batch, f.name)
-            if not isinstance(dst, torch.Tensor) or f.name == "seq":
-                continue  # (row i is sequence i in both)
-            pad = -1 if f.name == "ngram_ids" else 0
-            dst[n:].fill_(pad)
-            if dst.dim() == 2 and f.name.endswith("table"):
-                dst[:n, src.shape[1]:].fill_(0)
-                dst[:n, :src.shape[1]].copy_(src)
-            else:
-                dst[:n].copy_(src)
+            if self._replayed is not None:
+                self._replayed.synchronize()  # the last replay's copies have read the buffers
+            prefetch.gather(*static.ngram_host)
+            prefetch.filled = {}  # (the captured copies are the device side)
         if graph is None:
             logits = self.model(static, self.pool, check=False)
         else:

@@ -35,10 +35,11 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.interfaces import SupportsMultiModal
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
+from ...backends.platform import as_storage
 from ...core.config import ModelConfig
 from ...core.model import Transformer
 from ...core.parallel import SINGLE, Group, TorchGroup
-from ...core.weights import check_state_dict, materialize
+from ...core.weights import check_state_dict, checkpoint_dtypes, materialize
 from ..convert import shard_of
 from ..names import hf_to_native
 from . import options
@@ -184,6 +185,7 @@ class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
         (`check_state_dict`, as for every other loader) lists every unexpected, misshapen, wrongly
         typed or missing tensor."""
         expected = self.model.state_dict()
+        dtypes = checkpoint_dtypes(self.model)  # float8 where a buffer holds the bytes (NPU)
         seen: dict[str, torch.Tensor] = {}  # native name -> shape/dtype stand-in, for the check
         group = self.group
         for name, t in weights:
@@ -194,9 +196,9 @@ class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
                     continue  # another rank's routed expert
             seen[native] = torch.empty(t.shape, dtype=t.dtype, device="meta")
             buf = expected.get(native)
-            if buf is not None and buf.shape == t.shape and buf.dtype == t.dtype:
+            if buf is not None and buf.shape == t.shape and dtypes[native] == t.dtype:
                 with torch.no_grad():
-                    buf.copy_(t)
+                    buf.copy_(as_storage(t, buf.dtype))
         check_state_dict(self.model, seen)
         self._install_engram_vocab()
         return {f"model.{k}" for k in seen}
