@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference import attention as ref_attention
+from ...backends.paging import table_rows
 from ...backends.reference.attention import candidate_pool
 
 MX_GROUP = 32
@@ -66,7 +67,7 @@ def indexer_scores_ref(q, weights, key_codes, key_scale, block_table, entries_pe
     t = q.shape[0]
     n = block_table.shape[1] * entries_per_block
     ent = candidates if candidates is not None else torch.arange(n, device=q.device).unsqueeze(0).expand(t, n)
-    rows = ref_attention.entry_slots(block_table, entries_per_block, ent.clamp_min(0))
+    rows = table_rows(block_table, entries_per_block, ent.clamp_min(0))
     keys = quant.mxfp4_dequant(key_codes[rows], key_scale[rows])  # [T, P, Di]
     return ref_attention._finish_scores(ref_attention._partial_scores(q, weights, keys))
 
