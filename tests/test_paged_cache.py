@@ -4,8 +4,9 @@ exactly, including chunked prefill (compressor rows carried across chunks in the
 window over freed blocks, a prefix-cache hit whose replay starts at a block-aligned position
 with the earlier window blocks null (vLLM's layout), and many requests in shared steps.
 
-Pages start as random bytes (stale data from earlier owners; block 0, vLLM's null block, starts
-zeroed as vLLM's buffer does) and block ids are shuffled. With `interleaved`, every layer's
+Pages start as random bytes (stale data from earlier owners) and block ids are shuffled; block 0,
+vLLM's null block, which every cache kind overlays in vLLM's buffer, holds bytes that decode to
+NaN in every field (0xFF), so a masked read that leaks into a result shows. With `interleaved`, every layer's
 pages sit in one buffer block by block (vLLM's block-major layouts), so each layer's records are
 row-strided views whose block stride spans the other layers' pages. The same tests run on CUDA
 tensors (marked `gpu`).
@@ -36,7 +37,7 @@ class FakeLayer(nn.Module):
         states = req.block_size // req.ratio
         if pages is None:  # a buffer of its own
             pages = torch.randint(0, 256, (N_BLOCKS, req.page_bytes), generator=gen, dtype=torch.uint8).to(device)
-            pages[NULL_BLOCK] = 0
+            pages[NULL_BLOCK] = 0xFF
         self.kv_cache = pages.view(N_BLOCKS, req.page_bytes)[:, : states * req.record_bytes].unflatten(
             1, (1, states, req.record_bytes))
 
@@ -60,7 +61,7 @@ class FakeVllm:
             probe = PagedCaches(model.cfg, BLOCK, "t", replay, lambda r: nn.Module())
             n = len(probe.requests)
             buf = torch.randint(0, 256, (N_BLOCKS, n, probe.page_bytes), generator=gen, dtype=torch.uint8).to(device)
-            buf[NULL_BLOCK] = 0
+            buf[NULL_BLOCK] = 0xFF
             slot = {p: i for i, p in enumerate(probe.requests)}
             make = lambda r: FakeLayer(r, gen, device, buf[:, slot[r.prefix]])  # noqa: E731
         self.caches = PagedCaches(model.cfg, BLOCK, "t", replay, make)

@@ -148,7 +148,9 @@ def sparse_attention(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_id
             continue
         ok = idx >= 0
         rows = idx.clamp_min(0)
-        v = dequant(kv[rows], sc[rows]) * ok.unsqueeze(-1)  # [T, S, D]; masked rows zeroed
+        # masked rows zeroed by selection: their bytes (the null block, shared by every cache
+        # kind in vLLM's pages) may decode to NaN, which a multiplication by 0 would keep
+        v = torch.where(ok.unsqueeze(-1), dequant(kv[rows], sc[rows]), 0.0)  # [T, S, D]
         logits.append(einsum("thd,tsd->ths", qf, v).masked_fill(~ok.unsqueeze(1), NEG_INF))
         values.append(v)
     lg = torch.cat(logits, -1) * softmax_scale

@@ -202,15 +202,17 @@ class PagedCaches(nn.Module):
         addresses through (per kind, in table order: (a layer whose metadata holds the group's
         table, block-number scale)) and the request fields (token ids, replay starts)."""
         layers = self._layers()
-        key = tuple(lay.kv_cache.data_ptr() for _, lay in layers) + tuple(id(meta[lay.prefix]) for _, lay in layers)
+        first: dict[int, int] = {}  # which layers share a cache group (one metadata object per group)
+        groups = tuple(first.setdefault(id(meta[lay.prefix]), i) for i, (_, lay) in enumerate(layers))
+        key = tuple(lay.kv_cache.data_ptr() for _, lay in layers) + groups
         if self._bound is not None and self._bound[0] == key:
             return self._bound[1:]
         cfg = self.cfg
-        tables: dict[tuple, int] = {}  # (kind, group metadata, block stride / records) -> table number
+        tables: dict[tuple, int] = {}  # (kind, cache group, block stride / records) -> table number
         table_src: dict[str, list[tuple[str, int]]] = {"swa": [], "global": []}
 
         def table_of(lay, kind: str, stride: int, records: int) -> int:
-            k = (kind, id(meta[lay.prefix]), stride // records)
+            k = (kind, groups[[p for _, p in layers].index(lay)], stride // records)
             if k not in tables:
                 tables[k] = len(table_src[kind])
                 table_src[kind].append((lay.prefix, stride // records))
