@@ -235,7 +235,10 @@ class SequenceState:
     draft_length: int = 0  # DSpark context positions written (0 .. draft_length - 1)
 
     def ensure_blocks(self, pool: KVPool, end: int) -> None:
-        """Blocks for every position below `end` (SWA, compressor rows and global entries)."""
+        """Blocks for every position below `end` (SWA, compressor rows and global entries); an
+        external pool's blocks come from its owner, who fills the step's tables."""
+        if pool.external:
+            return
         n = -(-end // pool.block_size)
         while len(self.swa_blocks) < n:
             self.swa_blocks.append(pool.take_swa())
