@@ -174,21 +174,43 @@ class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (native or Hugging Face names) into the model; one error
         (`check_state_dict`, as for every other loader) lists every unexpected, misshapen, wrongly
-        typed or missing tensor."""
+        typed or missing tensor. The released file form of `attn.wo_a` (FP8 + E8M0 32x32 block
+        `.scale`, `names.RELEASED_FP8_BF16`) is dequantised to the model's bf16 weight once both
+        halves have arrived, exactly as `dsv41 convert` and the checkpoint loader do."""
+        from ...backends.reference.quant import fp8_block_dequant
+        from ..names import RELEASED_FP8_BF16
+
         expected = self.model.state_dict()
         seen: dict[str, torch.Tensor] = {}  # native name -> shape/dtype stand-in, for the check
+        released: dict[str, dict[str, torch.Tensor]] = {}  # owner -> {"weight", "scale"} of the FP8 form
         group = self.group
-        for name, t in weights:
-            native = hf_to_native(name)
+
+        def take(native: str, t: torch.Tensor) -> None:
             if group.world_size > 1:  # vLLM hands every rank whole tensors: keep this rank's piece
                 t = shard_of(self.cfg, native, t, group.rank, group.world_size)
                 if t is None:
-                    continue  # another rank's routed expert
+                    return  # another rank's routed expert
             seen[native] = torch.empty(t.shape, dtype=t.dtype, device="meta")
             buf = expected.get(native)
             if buf is not None and buf.shape == t.shape and buf.dtype == t.dtype:
                 with torch.no_grad():
                     buf.copy_(t)
+
+        for name, t in weights:
+            native = hf_to_native(name)
+            owner, _, leaf = native.rpartition(".")
+            if RELEASED_FP8_BF16.match(owner) and expected.get(owner + ".weight") is not None \
+                    and expected[owner + ".weight"].dtype == torch.bfloat16 \
+                    and (leaf == "scale" or (leaf == "weight" and t.dtype == torch.float8_e4m3fn)):
+                released.setdefault(owner, {})[leaf] = t
+                continue
+            take(native, t)
+        for owner, parts in released.items():
+            if set(parts) == {"weight", "scale"}:
+                take(owner + ".weight", fp8_block_dequant(parts["weight"], parts["scale"]).to(torch.bfloat16))
+            else:  # half a pair: reported by the check as what it is
+                for leaf, t in parts.items():
+                    take(f"{owner}.{leaf}", t)
         check_state_dict(self.model, seen)
         self._install_engram_vocab()
         return {f"model.{k}" for k in seen}
