@@ -8,8 +8,9 @@ Pages start as random bytes (stale data from earlier owners) and block ids are s
 vLLM's null block, which every cache kind overlays in vLLM's buffer, holds bytes that decode to
 NaN in every field (0xFF), so a masked read that leaks into a result shows. With `interleaved`, every layer's
 pages sit in one buffer block by block (vLLM's block-major layouts), so each layer's records are
-row-strided views whose block stride spans the other layers' pages. The same tests run on CUDA
-tensors (marked `gpu`).
+row-strided views whose block stride spans the other layers' pages; with `ascend`, each layer is
+bound as vllm-ascend's runner binds a single-tensor cache (a one-tensor list, the head dimension
+after the records). The same tests run on CUDA tensors (marked `gpu`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
 class FakeLayer(nn.Module):
     """A cache layer as vLLM binds it: [blocks, heads=1, states, bytes], full of stale bytes."""
 
-    def __init__(self, req: LayerRequest, gen: torch.Generator, device, pages: torch.Tensor | None = None):
+    def __init__(self, req: LayerRequest, gen: torch.Generator, device, pages: torch.Tensor | None = None,
+                 ascend: bool = False):
         super().__init__()
         self.prefix = req.prefix
         states = req.block_size // req.ratio
@@ -40,6 +42,8 @@ class FakeLayer(nn.Module):
             pages[NULL_BLOCK] = 0xFF
         self.kv_cache = pages.view(N_BLOCKS, req.page_bytes)[:, : states * req.record_bytes].unflatten(
             1, (1, states, req.record_bytes))
+        if ascend:  # vllm-ascend's binding: a one-tensor list of [blocks, records, heads=1, bytes]
+            self.kv_cache = [self.kv_cache.transpose(1, 2)]
 
 
 class Meta:
@@ -54,9 +58,9 @@ class FakeVllm:
     prefix hit shares the global blocks of the hit, and leaves SWA blocks below the replay
     start null."""
 
-    def __init__(self, model, replay: int, device, gen, interleaved: bool = False):
+    def __init__(self, model, replay: int, device, gen, interleaved: bool = False, ascend: bool = False):
         self.model, self.device = model, device
-        make = lambda r: FakeLayer(r, gen, device)  # noqa: E731
+        make = lambda r: FakeLayer(r, gen, device, ascend=ascend)  # noqa: E731
         if interleaved:
             probe = PagedCaches(model.cfg, BLOCK, "t", replay, lambda r: nn.Module())
             n = len(probe.requests)
@@ -126,10 +130,10 @@ def gen(rng):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("interleaved", [False, True])
-def test_paged_equals_engine_with_chunked_prefill(tiny_cfg, fresh_seed, rng, gen, device, interleaved):
+@pytest.mark.parametrize("layout", ["own", "interleaved", "ascend"])
+def test_paged_equals_engine_with_chunked_prefill(tiny_cfg, fresh_seed, rng, gen, device, layout):
     model = build_model(tiny_cfg, seed=fresh_seed, device=device)
-    fake = FakeVllm(model, tiny_cfg.sliding_window, device, gen, interleaved)
+    fake = FakeVllm(model, tiny_cfg.sliding_window, device, gen, layout == "interleaved", layout == "ascend")
     prompt = _prompt(rng, 29)
     expected = Engine(model, prefill_mode="exact").generate(prompt, SamplingParams(max_new_tokens=12)).token_ids
     assert fake.generate(fake.new_tables(64), prompt, 12) == expected
@@ -199,7 +203,7 @@ def test_pages_are_filled_not_padded(tiny_cfg, gen):
             caches = PagedCaches(cfg, bs, "t", replay, lambda r: nn.Module())
             slots = {}
             for prefix, block in caches.block_sizes.items():
-                kind, layer = prefix.split(".")[1:]
+                kind, layer = prefix.split(".")[-2:]
                 ratio = cfg.compress_ratios[int(layer)] if kind == "global_kv" else 1
                 record = caches.glob_recs[int(layer)].size if kind == "global_kv" else caches.swa_recs[int(layer)].size
                 states = block // ratio

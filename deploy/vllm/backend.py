@@ -16,6 +16,7 @@ from typing import ClassVar
 import torch
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImplBase,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
@@ -35,7 +36,14 @@ class PagedMetadata:
 
 class PagedMetadataBuilder(AttentionMetadataBuilder[PagedMetadata]):
     """The per-request ranges and block table of one cache group (vLLM's persistent tensors,
-    not copies, so a captured graph sees each step's values)."""
+    not copies, so a captured graph sees each step's values).
+
+    CUDA graphs: the step reads nothing back to the host (`PagedCaches.run_step`; the images
+    path, which does, is left out while a graph is captured), so vLLM may capture single-token
+    decode batches (FULL_DECODE_ONLY and the decode half of FULL_AND_PIECEWISE). Declared from
+    the code's properties; capture through vLLM is unverified on a GPU."""
+
+    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)

@@ -81,6 +81,11 @@ def tensor_parallel_group(vllm_config: VllmConfig) -> Group:
     return TorchGroup(get_tp_group().device_group)
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on `device` (nothing may read back to the host)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 @MULTIMODAL_REGISTRY.register_processor(Dsv41MultiModalProcessor, info=Dsv41ProcessingInfo,
                                         dummy_inputs=Dsv41DummyInputsBuilder)
 class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
@@ -158,8 +163,8 @@ class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
         multimodal that hold the image token (generated tokens are never marked, so a sampled
         image token id stays text), or (None, None) in a text-only step."""
         mask, self._image_positions = self._image_positions, None
-        if inputs_embeds is None or mask is None or self.cfg.vision is None:
-            return None, None
+        if inputs_embeds is None or mask is None or self.cfg.vision is None or _capturing(input_ids.device):
+            return None, None  # (graphs capture decode batches only: no image position there)
         t = input_ids.shape[0]
         if mask.shape[0] < t:  # (vLLM's mask covers the scheduled tokens; the rest is padding)
             mask = torch.cat((mask, mask.new_zeros(t - mask.shape[0])))

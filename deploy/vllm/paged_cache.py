@@ -12,7 +12,9 @@ no per-request gather or scatter, no host-side request state, and nothing in the
 value back to the host (images aside), so a decode step is capturable.
 
 Cache layers (vLLM `AttentionLayerBase`s (`layers.PagedLayer`), so vLLM allocates,
-frees and prefix-caches them; this module itself needs no vLLM, so it is tested on any device):
+frees and prefix-caches them; this module itself needs no vLLM, so it is tested on any device).
+Their names hold "attn" (`<prefix>.attn.global_kv.<layer>`, `<prefix>.attn.swa.<layer>`):
+vllm-ascend's runner allocates KV only for layers so named (docs/serving.md).
 - `GlobalKVCacheLayer` per KV-source layer: one record per `ratio` tokens (`tokens_per_state`),
   prefix-cacheable. Record = E2M1 latent (D/2 B) + E4M3 scales (D/16) + MXFP4 indexer key
   (Di/2) + E8M0 key scales (Di/32); the first KV source's record also holds the group's
@@ -108,14 +110,18 @@ class SWARecord:
         return sum(n for _, n in self.fields)
 
 
-def record_rows(kv_cache: torch.Tensor, slot: int) -> tuple[torch.Tensor, int]:
-    """(rows [n, slot] uint8, rows per block stride) of a cache layer's pages as vLLM binds them
-    ([blocks, (heads=1,) records, bytes], any layout: blocks may be interleaved with other
-    layers' pages). Record e of block b is row b * stride + e; rows of other layers' pages in
-    between are never addressed."""
+def record_rows(kv_cache, slot: int) -> tuple[torch.Tensor, int]:
+    """(rows [n, slot] uint8, rows per block stride) of a cache layer's pages as the runner binds
+    them: vLLM [blocks, heads=1, records, bytes]; vllm-ascend a one-tensor list of [blocks,
+    records, heads=1, bytes]; any layout (blocks may be interleaved with other layers' pages).
+    Record e of block b is row b * stride + e; rows of other layers' pages in between are never
+    addressed."""
+    if isinstance(kv_cache, (list, tuple)) and len(kv_cache) != 1:
+        raise ValueError(f"dsv41: a cache layer is bound to {len(kv_cache)} tensors, expected one")
+    kv_cache = _first(kv_cache)
     kv = kv_cache.view(torch.uint8) if kv_cache.dtype != torch.uint8 else kv_cache
-    if kv.dim() == 4:
-        kv = kv[:, 0]
+    if kv.dim() == 4:  # (the one-head dimension, before or after the records)
+        kv = kv[:, 0] if kv.shape[1] == 1 else kv[:, :, 0]
     if kv.dim() != 3 or kv.shape[-1] < slot or kv.stride(-1) != 1:
         raise ValueError(f"dsv41: a cache layer's pages must be [blocks, records, >= {slot} bytes], "
                          f"got shape {tuple(kv.shape)} strides {kv.stride()}")
@@ -125,6 +131,11 @@ def record_rows(kv_cache: torch.Tensor, slot: int) -> tuple[torch.Tensor, int]:
     stride = kv.stride(0) // row
     n = (kv.shape[0] - 1) * stride + records
     return kv.as_strided((n, slot), (row, 1)), stride
+
+
+def _first(kv_cache) -> torch.Tensor:
+    """The tensor of a cache layer's binding (a tensor, or vllm-ascend's one-tensor list)."""
+    return kv_cache[0] if isinstance(kv_cache, (list, tuple)) else kv_cache
 
 
 def fields_of(raw: torch.Tensor, layout) -> dict[str, torch.Tensor]:
@@ -182,11 +193,11 @@ class PagedCaches(nn.Module):
         for s in cfg.kv_source_layer_ids:
             r = cfg.compress_ratios[s]
             block, slot = fill_layout(page, bs, r, self.glob_recs[s].size)
-            reqs.append(LayerRequest(f"{prefix}.global_kv.{s}", "global", slot, r, block, 0, page))
+            reqs.append(LayerRequest(f"{prefix}.attn.global_kv.{s}", "global", slot, r, block, 0, page))
         for li, rec in enumerate(self.swa_recs):
             # a window block must divide the replay length: the replay start is block-aligned
             block, slot = fill_layout(page, bs, 1, rec.size, divides=replay_tokens)
-            reqs.append(LayerRequest(f"{prefix}.swa.{li}", "swa", slot, 1, block, replay_tokens, page))
+            reqs.append(LayerRequest(f"{prefix}.attn.swa.{li}", "swa", slot, 1, block, replay_tokens, page))
         self.requests = {q.prefix: q for q in reqs}
         self.block_sizes = {q.prefix: q.block_size for q in reqs}  # tokens per block, per layer
         self.glob = nn.ModuleDict({q.prefix.rsplit(".", 1)[1]: make_layer(q) for q in reqs if q.kind == "global"})
@@ -204,7 +215,7 @@ class PagedCaches(nn.Module):
         layers = self._layers()
         first: dict[int, int] = {}  # which layers share a cache group (one metadata object per group)
         groups = tuple(first.setdefault(id(meta[lay.prefix]), i) for i, (_, lay) in enumerate(layers))
-        key = tuple(lay.kv_cache.data_ptr() for _, lay in layers) + groups
+        key = tuple(_first(lay.kv_cache).data_ptr() for _, lay in layers) + groups
         if self._bound is not None and self._bound[0] == key:
             return self._bound[1:]
         cfg = self.cfg
