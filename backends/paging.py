@@ -8,7 +8,8 @@ import torch
 NULL_BLOCK = 0  # block 0 of every pool never holds a sequence's data
 
 
-def table_rows(block_table: torch.Tensor, per_block: int, index: torch.Tensor, *, null_invalid: bool = False) -> torch.Tensor:
+def table_rows(block_table: torch.Tensor, per_block: int, index: torch.Tensor, *,
+               null_invalid: bool = False) -> torch.Tensor:
     """Pool rows of logical indices (token positions of a window pool, entries of a global
     pool): index j of the sequence whose table row is block_table[t] sits at row
     block_table[t, j // per_block] * per_block + j % per_block. block_table [T, nb], index

@@ -20,7 +20,8 @@ import torch
 from dsv41.core.batch import Chunk, build_step
 from dsv41.core.engine import Engine, SamplingParams, SingleSequence
 from dsv41.core.weights import build_model
-from dsv41.deploy.vllm.paged_cache import NULL_BLOCK, LayerRequest, PagedCaches
+from dsv41.backends.paging import NULL_BLOCK
+from dsv41.deploy.vllm.paged_cache import LayerRequest, PagedCaches
 from torch import nn
 
 BLOCK = 8  # divides the tiny window (8) and exact replay (8 x 12)

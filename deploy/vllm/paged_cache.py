@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ...backends.paging import NULL_BLOCK, table_rows
+from ...backends.paging import table_rows
 from ...core.batch import StepBatch
 from ...core.cache import GlobalPool, KVPool, SWAPool
 from ...core.config import ModelConfig
@@ -303,7 +303,8 @@ class PagedCaches(nn.Module):
         # the global records (-1 before the sequence start)
         n = max(cfg.engram_max_ngram_size, 1)
         back = pos.unsqueeze(1) - torch.arange(n, device=dev)
-        in_win = table_rows(swa_t[swa0.table][seq], swa0.block_size, torch.where(back >= floor[seq].unsqueeze(1), back, -1))
+        held_back = torch.where(back >= floor[seq].unsqueeze(1), back, -1)
+        in_win = table_rows(swa_t[swa0.table][seq], swa0.block_size, held_back)
         ent = table_rows(glob_t[glob0.table][seq], glob0.entries_per_block, torch.div(back, r, rounding_mode="floor"))
         from_glob = req["glob_tokens"][ent.clamp_min(0)].gather(-1, back.clamp_min(0).remainder(r).unsqueeze(-1))
         code = torch.where(in_win >= 0, req["token"][in_win.clamp_min(0)], from_glob[..., 0]).long()

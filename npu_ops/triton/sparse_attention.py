@@ -493,7 +493,8 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
     dot_bf16 = not interpreting()  # interpreters: fp32 dot operands (same values), integer bf16 rounding
     _sparse_attn_kernel[(grid,)](qc, wk, ws, wi, gk, gs, gi, sk, out, pacc, pm, pl,
                                  h, s, k, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, grid,
-                                 float(softmax_scale), wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0), D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
+                                 float(softmax_scale), wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
+                                 D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
                                  BLOCK_D=block_d, BLOCK_DV=block_dv, SPLIT=split, DOT_BF16=dot_bf16,
                                  QK_T=bool(QK_T), DV_HALF=dv_half, **kw)
     if split:
