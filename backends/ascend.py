@@ -10,9 +10,13 @@ triton-ascend's front end in CI (`nox -s triton_ascend`); the integer decoders a
 fallbacks run on CPU in tests/test_ascend_backend.py. Nothing here has run on an Atlas A2 / A3.
 
 NPU-legal data (Atlas A2 / A3 have no float8 / float64 tensors, HCCL no fp64 collectives):
-- FP8 E4M3, E8M0 and packed FP4 data are uint8 / int8 tensors on the NPU (a loader moves
-  `t.view(torch.uint8)`); this module decodes them with integer and fp32 ops only, and the
-  quantising ops return uint8 bytes where the reference returns float8 dtypes.
+- FP8 E4M3, E8M0 and packed FP4 data are uint8 / int8 tensors on the NPU: the platform's
+  `storage_dtype` says so (backends/platform.py), `core.weights.materialize` gives the model's
+  float8 buffers that dtype and the loaders copy the checkpoint's bytes in (`as_storage`), and
+  `core.cache.KVPool` allocates its FP8 / E8M0 pools through it. Every op here accepts those
+  uint8 forms (a uint8 tensor in a float8 slot holds that format's bytes) and decodes them with
+  integer and fp32 ops only; the quantising ops return uint8 bytes where the reference returns
+  float8 dtypes.
 - No fp64 on the NPU: an `out_dtype=torch.float64` request is refused with an error naming
   `ops.partial_sum_dtype` (fp32 there); reference ops that accumulate in fp64 run on the NPU
   with fp32 accumulation instead (`_fp32_reference`).
@@ -49,6 +53,54 @@ TORCH_NPU_DTYPES = {
 
 # op -> what the Ascend backend runs for it (filled by `load`; `dsv41 backends` prints it).
 IMPLEMENTATIONS: dict[str, str] = {}
+
+# vllm-ascend's DeepSeek-V4 custom operators (torch.ops._C_ascend, registered by
+# `vllm_ascend.utils.enable_custom_op()`). Argument lists as declared in its
+# csrc/torch_binding.cpp at tag v0.23.0 (the source of the 0.23.0.post1 pin in
+# images/versions.env): names in order, "=" marks a default, "*" starts the keyword-only ones.
+# `nox -s torch_npu_contract` checks every torch.ops._C_ascend call in the project against this
+# table (statically; the table itself is transcribed: pip cannot fetch vllm-ascend's sources,
+# whose metadata step needs CANN).
+VLLM_ASCEND_SCHEMAS = {
+    "npu_hc_post": "x, residual, post, comb",
+    "npu_hc_pre_v2": "x, hc_fn, hc_scale, hc_base, hc_mult, hc_sinkhorn_iters, norm_eps, hc_eps",
+    "compressor": "x, wkv, wgate, state_cache, ape, norm_weight, rope_sin, rope_cos, state_block_table, cu_seqlens, "
+                  "seqused, start_pos, rope_head_dim, cmp_ratio, coff, norm_eps, rotary_mode, cache_mode",
+    "npu_vllm_quant_lightning_indexer": "query, key, weights, query_dequant_scale, key_dequant_scale, "
+                                        "query_quant_mode=, key_quant_mode=, actual_seq_lengths_query=, "
+                                        "actual_seq_lengths_key=, block_table=, metadata=, layout_query=, "
+                                        "layout_key=, sparse_count=, sparse_mode=, pre_tokens=, next_tokens=, "
+                                        "cmp_ratio=, return_value=",
+    "npu_sparse_flash_attention": "query, key, value, sparse_indices, scale_value, *, block_table=, "
+                                  "actual_seq_lengths_query=, actual_seq_lengths_kv=, query_rope=, key_rope=, "
+                                  "sparse_block_size=, layout_query=, layout_kv=, sparse_mode=, pre_tokens=, "
+                                  "next_tokens=, attention_mode=, return_softmax_lse=",
+}
+# Our ops those operators could serve, and why they do not (shown by `dsv41 backends`).
+VLLM_ASCEND_NOT_USED = {
+    "compress_kv": "vllm-ascend's `compressor` runs the wkv / wgate projections itself and keeps its own state "
+                   "cache (state_cache, ape, cache_mode); ours gets projected rows and writes FP4 entries (E2M1 + "
+                   "E4M3 per 16) into our pool",
+    "indexer_topk": "vllm-ascend's `npu_vllm_quant_lightning_indexer` scores keys in its own quant modes over its "
+                    "block table; our keys are MXFP4 (E2M1 + E8M0 per 32) and decode scores a candidate pool",
+    "sparse_attention": "vllm-ascend's `npu_sparse_flash_attention` reads key / value through one block table; ours "
+                        "takes FP8 SWA rows and FP4 global entries into one softmax with a sink",
+    "mhc_mixes": "vllm-ascend's `npu_hc_pre_v2` returns the collapsed input with post / comb, not pre: DSV4.1's "
+                 "single-pass mHC collapses with the previous sublayer's pre",
+}
+
+
+def vllm_ascend_ops() -> frozenset[str]:
+    """The VLLM_ASCEND_SCHEMAS operators this process has (vllm-ascend installed and its custom
+    ops enabled), else empty. Import-guarded: any failure means none."""
+    try:
+        from vllm_ascend.utils import enable_custom_op
+
+        if not enable_custom_op():
+            return frozenset()
+    except Exception:  # noqa: BLE001  (not installed, or its CANN libraries missing)
+        return frozenset()
+    return frozenset(n for n in VLLM_ASCEND_SCHEMAS if hasattr(torch.ops._C_ascend, n))
 
 
 def _refuse_fp64(out_dtype: torch.dtype, op: str) -> None:
@@ -262,8 +314,17 @@ def npu_moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, e
     The router weight is applied after w2 (by finalize) instead of before it: equal up to
     rounding (w2 is linear, and a per-token int8 quantisation is invariant to a per-row scale).
     ids < 0 (experts of another rank) are routed to a phantom expert outside `active_expert_range`,
-    which init_routing drops; its finalize weight is 0. Assumes (from the docs) that
-    expanded_row_idx with row_idx_type=0 is finalize's expanded_src_to_dst_row."""
+    which init_routing drops; its finalize weight is 0.
+
+    Row indices (checked against CANN's kernel sources and golden scripts of MoeInitRoutingV2 /
+    MoeFinalizeRouting; unverified on hardware): init_routing's expanded_row_idx with
+    row_idx_type=0 maps each SOURCE slot s = token * K + k (row-major) to its row in expanded_x,
+    -1 where the expert is outside active_expert_range; finalize reads
+    expanded_src_to_dst_row[k * NUM_ROWS + token] (k-major) and needs every entry in
+    [0, NUM_ROWS * K). So the map is transposed to k-major, and dropped slots point at the last
+    row, which is then a row past the routed ones (undefined after the grouped matmul) and is
+    zeroed here. vllm-ascend combines with `npu_moe_token_unpermute` instead (row-major, bf16
+    only); finalize keeps fp32 partial sums for the model-parallel all-reduce."""
     import torch_npu
 
     _refuse_fp64(out_dtype, "moe_experts")
@@ -297,9 +358,40 @@ def npu_moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, e
     if fmt != "w8a8":  # the release format quantises w2's input to FP8 (bit-exact emulation)
         h = fp8_qdq_int(h)
     y = gmm(h, w2, s2)
+    n_rows = t * k
+    routed = torch.arange(n_rows, device=y.device) < counts.sum()  # rows past these are undefined
+    y = torch.where(routed.unsqueeze(1), y, torch.zeros((), dtype=y.dtype, device=y.device))
+    src_to_dst = torch.where(row_idx < 0, torch.full_like(row_idx, n_rows - 1), row_idx)
+    src_to_dst = src_to_dst.reshape(t, k).t().reshape(-1).to(torch.int32).contiguous()  # k-major
     scales = torch.where(ids < 0, torch.zeros_like(weights), weights).float()
-    out = torch_npu.npu_moe_finalize_routing(y, None, None, None, scales, row_idx, local, drop_pad_mode=0)
+    out = torch_npu.npu_moe_finalize_routing(y, None, None, None, scales, src_to_dst, local, drop_pad_mode=0)
     return out.to(out_dtype)
+
+
+# ---- vllm-ascend's custom operators (UNVERIFIED on hardware) ----------------------------------
+
+def vllm_ascend_mhc_update(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """`ops.mhc_update` through vllm-ascend's `npu_hc_post` (its DeepSeek-V4 model calls it with
+    the sublayer output, the streams, post and comb, each with a leading batch axis, as a drop-in
+    for the official hc_post: out_j = post[j] * y + sum_i comb[i][j] * x_i)."""
+    out = torch.ops._C_ascend.npu_hc_post(y.unsqueeze(0), x.unsqueeze(0), post.unsqueeze(0), comb.unsqueeze(0))
+    return out.squeeze(0).to(x.dtype)
+
+
+def vllm_ascend_mhc_mix(x, y, post, comb, pre, fn, scale, base, norm_eps, hc_eps, iters):
+    """`ops.mhc_mix` without its Triton kernel: the update through `npu_hc_post`, the collapse and
+    the next coefficients through the fp32 reference math."""
+    x_new = vllm_ascend_mhc_update(x, y, post, comb)
+    x_hat = _fp32_reference("mhc_collapse")(x_new, pre)
+    coef = _fp32_reference("mhc_mixes")(x_new, fn, scale, base, norm_eps, hc_eps, iters) if fn is not None else None
+    return x_new, x_hat, coef
+
+
+VLLM_ASCEND_USED = {
+    "mhc_update": (vllm_ascend_mhc_update, "npu_hc_post", "vllm-ascend torch.ops._C_ascend.npu_hc_post"),
+    "mhc_mix": (vllm_ascend_mhc_mix, "npu_hc_post", "vllm-ascend npu_hc_post + fp32 reference collapse / mixes "
+                                                    "(fallback when the Triton mega-mHC kernel is missing)"),
+}
 
 
 # ---- fallbacks that stay legal on the NPU ------------------------------------------------------
@@ -358,16 +450,25 @@ def _unavailable(name: str, why: str):
     return fail
 
 
-def engram_lookup_int8(table: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """`ops.engram_lookup` for INT8 Engram tables (the Ascend recipe's storage): gather + one
-    fp32 multiply per row (the reference's own math, legal on the NPU); FP8 tables need the
-    Triton kernel."""
-    if table.dtype != torch.int8:
-        raise NotImplementedError("engram_lookup of an FP8 Engram table on the NPU needs triton-ascend; "
-                                  "convert with `dsv41 convert --engram-dtype int8` (the Ascend recipe's storage)")
-    from .reference.basic import engram_lookup
+def engram_lookup_npu(table: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`ops.engram_lookup` without Triton. INT8 tables (the Ascend recipe's storage): gather + one
+    fp32 multiply per row (the reference's own math, legal on the NPU). FP8 tables (E4M3 bytes +
+    E8M0 bytes per 32, uint8 on the NPU or float8 in host memory): the rows' bytes are gathered
+    (where the table is, then copied over) and decoded with integer ops; bit-exact with the
+    reference. Tables with plain float scales need the Triton kernel."""
+    from .reference.basic import engram_lookup, gather_rows_to
 
-    return engram_lookup(table, scale, rows)
+    if table.dtype == torch.int8:
+        return engram_lookup(table, scale, rows)
+    if table.element_size() != 1 or scale.element_size() != 1:
+        raise NotImplementedError(f"engram_lookup of a {table.dtype} table with {scale.dtype} scales on the NPU needs "
+                                  "triton-ascend (only INT8 tables and FP8 tables with E8M0 scales run without it)")
+    table, scale = table.view(torch.uint8), scale.view(torch.uint8)  # bytes: no float8 reaches the NPU
+    if table.device != rows.device:
+        table, scale, rows = gather_rows_to(table, scale, rows)
+    t, r = rows.shape
+    flat = rows.reshape(-1)
+    return fp8_dequant_int(table[flat], scale[flat]).reshape(t, r * table.shape[-1]).to(torch.bfloat16)
 
 
 def mxfp4_quant_int(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -413,13 +514,27 @@ FUSED_OPS = {
 }
 
 
-def plan(op_names: list[str], triton_ops: list[str], triton_why: str | None) -> dict[str, tuple]:
-    """op -> (implementation, what it is) on the NPU, by precedence: torch_npu fused op, Triton
-    kernel (triton-ascend), integer-op version, fp32 reference, else an explicit error."""
+def plan(op_names: list[str], triton_ops: list[str], triton_why: str | None,
+         vllm_ops: frozenset[str] = frozenset()) -> dict[str, tuple]:
+    """op -> (implementation, what it is) on the NPU, by precedence: torch_npu fused op,
+    vllm-ascend custom operator (`vllm_ops`: those present) where it replaces a whole op, Triton
+    kernel (triton-ascend), vllm-ascend operator plus fp32 pieces, integer-op version, fp32
+    reference, else an explicit error. Ops vllm-ascend's operators do not serve say why."""
+    out = _plan(op_names, triton_ops, triton_why, vllm_ops)
+    for name, why in VLLM_ASCEND_NOT_USED.items():
+        if name in out:
+            out[name] = (out[name][0], f"{out[name][1]} [{why}]")
+    return out
+
+
+def _plan(op_names, triton_ops, triton_why, vllm_ops) -> dict[str, tuple]:
     out = {}
     for name in op_names:
+        used = VLLM_ASCEND_USED.get(name)
         if name in FUSED_OPS:
             out[name] = FUSED_OPS[name]
+        elif used and used[1] in vllm_ops and (name == "mhc_update" or name not in triton_ops):
+            out[name] = (used[0], used[2])  # mhc_update is the vendor kernel whole; mhc_mix only in part
         elif name in triton_ops:
             out[name] = (None, "Triton kernel (triton-ascend)")
         elif name in INTEGER_OPS:
@@ -429,7 +544,8 @@ def plan(op_names: list[str], triton_ops: list[str], triton_why: str | None) -> 
 
             out[name] = (rope_tables, "angle-sum identities over fp64 tables made once (fp32 on the NPU, no host sync)")
         elif name == "engram_lookup":
-            out[name] = (engram_lookup_int8, "INT8 tables: gather + fp32 scale; FP8 tables: error (needs triton-ascend)")
+            out[name] = (engram_lookup_npu, "INT8 tables: gather + fp32 scale; FP8 tables: gather bytes + integer "
+                                            "decode (fallback)")
         elif name in HOST_REFERENCE_OPS:
             out[name] = (_host_reference(name), "reference on the host in fp64, tables copied to the NPU "
                                                 "(fallback; one host sync)")
@@ -465,7 +581,7 @@ def load() -> None:
         from .cuda import register_triton_kernels
 
         register_triton_kernels(BACKEND)  # then overridden below where a fused op wins
-    for name, (fn, what) in plan(op_names(), triton_ops, triton_why).items():
+    for name, (fn, what) in plan(op_names(), triton_ops, triton_why, vllm_ascend_ops()).items():
         if fn is not None:
             register(name, BACKEND)(fn)
         IMPLEMENTATIONS[name] = what

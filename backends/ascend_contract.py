@@ -15,7 +15,11 @@ From the project's sources (`ast` as well) it collects every call `torch_npu.X(.
 -> dtypes the project passes) and checks: the name exists; some overload takes the call's
 positional count and keyword names, gets every argument without a default, and no keyword-only
 argument is passed positionally; each called custom op has a dtype table whose dtypes the docs
-allow. Problems are printed one a line with file:line; exit status 1 when there are any.
+allow. Calls of vllm-ascend's custom operators, `torch.ops._C_ascend.X(...)`, are checked the
+same way (name, counts, keyword names, required and keyword-only arguments) against the
+project's `VLLM_ASCEND_SCHEMAS` table (backends/ascend.py), which records their argument lists
+from vllm-ascend's csrc/torch_binding.cpp at the pinned version's tag.
+Problems are printed one a line with file:line; exit status 1 when there are any.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ HEADER = "torch_npu/include/torch_npu/csrc/aten/CustomFunctions.h"
 DOCS = "torch_npu/_op_plugin_docs.py"
 NPU_MODULE = "torch_npu/npu/__init__.py"
 DTYPE_TABLE = "TORCH_NPU_DTYPES"
+SCHEMA_TABLE = "VLLM_ASCEND_SCHEMAS"  # vllm-ascend's torch.ops._C_ascend argument lists (backends/ascend.py)
+VLLM_ASCEND_MODULE = "torch.ops._C_ascend"
 
 # dtype words as the docs write them -> one canonical spelling
 _DTYPE_RX = re.compile(r"(?<![A-Za-z0-9_])(u?int(?:4|8|16|32|64)|float(?:16|32|64)|bfloat16|double|bool|fp16|fp32|bf16|"
@@ -223,6 +229,30 @@ def _dotted(node: ast.AST) -> str | None:
     return None
 
 
+def parse_schema(args: str) -> tuple[list[Param], set[str]]:
+    """A VLLM_ASCEND_SCHEMAS entry ("a, b=, *, c=") -> (parameters, keyword-only names)."""
+    params, kwonly, star = [], set(), False
+    for a in (x.strip() for x in args.split(",") if x.strip()):
+        if a == "*":
+            star = True
+            continue
+        name = a.rstrip("=")
+        params.append(Param(name, "", a.endswith("=")))
+        if star:
+            kwonly.add(name)
+    return params, kwonly
+
+
+def project_schemas(files: list[Path]) -> dict[str, str]:
+    """The project's VLLM_ASCEND_SCHEMAS table (read with ast, never imported)."""
+    out = {}
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"), filename=str(f))):
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == SCHEMA_TABLE for t in node.targets):
+                out.update(ast.literal_eval(node.value))
+    return out
+
+
 def project_calls(files: list[Path], root: Path) -> tuple[list[Call], dict[str, dict[str, tuple[str, ...]]], dict[str, str]]:
     """(calls, merged dtype tables, where each table entry was declared) over `files`."""
     calls, tables, where = [], {}, {}
@@ -239,7 +269,8 @@ def project_calls(files: list[Path], root: Path) -> tuple[list[Call], dict[str, 
             name = _dotted(node.func)
             if not name:
                 continue
-            for prefix, module in (("torch_npu.npu.", "torch.npu"), ("torch.npu.", "torch.npu"), ("torch_npu.", "torch_npu")):
+            for prefix, module in (("torch_npu.npu.", "torch.npu"), ("torch.npu.", "torch.npu"), ("torch_npu.", "torch_npu"),
+                                   (VLLM_ASCEND_MODULE + ".", VLLM_ASCEND_MODULE)):
                 if name.startswith(prefix) and "." not in name[len(prefix):]:
                     star = any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords)
                     calls.append(Call(f"{rel}:{node.lineno}", module, name[len(prefix):], len(node.args),
@@ -281,10 +312,21 @@ def _doc_arg(entry: DocEntry, params: list[Param], arg: str) -> str:
     return entry.prototype[i] if 0 <= i < len(entry.prototype) else arg
 
 
-def check(wheel: Wheel, calls: list[Call], tables: dict, table_where: dict[str, str]) -> list[str]:
-    """Every problem, one line each (empty: the project's calls fit the wheel)."""
+def check(wheel: Wheel, calls: list[Call], tables: dict, table_where: dict[str, str],
+          schemas: dict[str, str] | None = None) -> list[str]:
+    """Every problem, one line each (empty: the project's calls fit the wheel, and its
+    torch.ops._C_ascend calls the vllm-ascend argument lists in `schemas`)."""
     problems = []
     for c in calls:
+        if c.module == VLLM_ASCEND_MODULE:
+            if c.name not in (schemas or {}):
+                problems.append(f"{c.where}: {VLLM_ASCEND_MODULE}.{c.name} has no {SCHEMA_TABLE} entry")
+                continue
+            params, kwonly = parse_schema(schemas[c.name])
+            why = _overload_problem(c, params, kwonly)
+            if why:
+                problems.append(f"{c.where}: {VLLM_ASCEND_MODULE}.{c.name}: {why}")
+            continue
         if c.module == "torch.npu":
             if c.name not in wheel.npu_names:
                 problems.append(f"{c.where}: torch.npu.{c.name} is not exported by torch_npu.npu (__all__)")
@@ -343,13 +385,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     wheel = read_wheel(argv[0])
     root = Path(argv[1] if len(argv) > 1 else ".").resolve()
-    calls, tables, where = project_calls(source_files(root), root)
-    problems = check(wheel, calls, tables, where)
+    files = source_files(root)
+    calls, tables, where = project_calls(files, root)
+    problems = check(wheel, calls, tables, where, project_schemas(files))
     for p in problems:
         print(p)
     n_ops = len({c.name for c in calls})
-    print(f"torch_npu contract: {len(calls)} call(s) of {n_ops} name(s), {len(tables)} dtype table(s) checked against "
-          f"{Path(argv[0]).name}: {len(problems)} problem(s)")
+    n_vendor = sum(c.module == VLLM_ASCEND_MODULE for c in calls)
+    print(f"torch_npu contract: {len(calls)} call(s) of {n_ops} name(s) ({n_vendor} to vllm-ascend's "
+          f"{VLLM_ASCEND_MODULE}), {len(tables)} dtype table(s) checked against {Path(argv[0]).name}: "
+          f"{len(problems)} problem(s)")
     return 1 if problems else 0
 
 

@@ -3,7 +3,8 @@
 `platform_for(device)` returns a `Platform`: device kind, worker count for persistent kernels
 (SM count on CUDA; vector-core and AI-core counts on Ascend, read at run time), streams and
 events, the graph-capture class (`torch.cuda.CUDAGraph` / `torch.npu.NPUGraph`), pinned host
-allocation and synchronize. The CPU platform implements streams and graphs as no-ops.
+allocation and synchronize, and the storage dtype of float8 data (`storage_dtype`: Atlas A2/A3
+hold FP8 / E8M0 bytes in uint8 tensors). The CPU platform implements streams and graphs as no-ops.
 
 torch_npu is imported lazily, only by the Ascend platform; `import dsv41` never touches it.
 The Ascend platform is written against torch_npu's documented API and is unverified on
@@ -41,6 +42,75 @@ def triton_unavailable_reason() -> str | None:
     except Exception as e:
         return f"triton not importable: {type(e).__name__}: {e}"
     return None
+
+
+# The 8-bit float formats a device may lack (checkpoint weights, KV pools, scales).
+FLOAT8_DTYPES = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu")
+                          if hasattr(torch, n))
+_SIMULATED_BYTE_STORAGE: set[str] = set()  # device kinds told to store float8 as bytes (tests)
+
+
+@contextlib.contextmanager
+def simulate_float8_as_bytes(kind: str = "cpu"):
+    """Inside, devices of `kind` store float8 data as uint8 bytes, as an NPU does: lets a CPU
+    test run the NPU storage choice (loader, pools, ops) and compare with the float8 run."""
+    fresh = kind not in _SIMULATED_BYTE_STORAGE
+    _SIMULATED_BYTE_STORAGE.add(kind)
+    try:
+        yield
+    finally:
+        if fresh:
+            _SIMULATED_BYTE_STORAGE.discard(kind)
+
+
+def storage_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The dtype a tensor of logical dtype `dtype` is held in on `device`: uint8 for the float8
+    formats where the device has no float8 tensors (Ascend), else `dtype` itself. Cheap (no
+    device query): core code allocates through it and so needs no device branch."""
+    if dtype not in FLOAT8_DTYPES:
+        return dtype
+    kind = device.split(":")[0] if isinstance(device, str) else torch.device(device).type
+    if kind in _SIMULATED_BYTE_STORAGE or _PLATFORM_CLASSES.get(kind, Platform).float8_as_bytes:
+        return torch.uint8
+    return dtype
+
+
+def as_storage(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` (a logical float8 tensor) as the bytes a `dtype` buffer holds: a uint8 view where the
+    storage is bytes, `t` unchanged otherwise (a copy then moves the bits, never the values)."""
+    if t.dtype in FLOAT8_DTYPES and dtype == torch.uint8:
+        return t.view(torch.uint8)
+    return t
+
+
+def overlap(device: torch.device | str, side, main):
+    """(side(), main()) for two pieces of independent work on `device`. On Ascend, `side` runs on
+    an auxiliary stream while `main` runs on the current one: the vector / cube overlap
+    vllm-ascend's DeepSeek-V4 indexer uses (its weights projection, a matmul, beside the query
+    path); see `AscendPlatform.overlap`. Everywhere else side() then main(), on the calling
+    stream, so CPU and CUDA compute exactly what sequential code computes."""
+    kind = device.split(":")[0] if isinstance(device, str) else torch.device(device).type
+    if kind == "npu":
+        plat = _OVERLAP_PLATFORMS.get(str(device))
+        if plat is None:  # checked once per device: this runs in every indexer layer's forward
+            plat = _OVERLAP_PLATFORMS[str(device)] = platform_for(device)
+        return plat.overlap(side, main)
+    return side(), main()
+
+
+_OVERLAP_PLATFORMS: dict = {}  # str(device) -> its Platform, for `overlap`
+
+
+def _tensors(out):
+    """The tensors of a result (a tensor, or a tuple / list of them)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    return []
+
+
+_AUX_STREAMS: dict = {}  # device -> the auxiliary stream `overlap` uses there
 
 
 class _NoStream:
@@ -81,6 +151,9 @@ class Platform:
 
     kind: str
     device: torch.device
+    # True where the device has no float8 tensors: FP8 / E8M0 data are held as uint8 bytes and
+    # decoded inside kernels / integer codecs (see `storage_dtype`)
+    float8_as_bytes = False
 
     @property
     def backend(self) -> str:
@@ -124,6 +197,14 @@ class Platform:
     def synchronize(self) -> None:
         pass
 
+    def overlap(self, side, main):
+        """(side(), main()), in order, on the calling stream (see the module's `overlap`)."""
+        return side(), main()
+
+    def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype `dtype` data are held in on this device (`storage_dtype`)."""
+        return storage_dtype(dtype, self.device)
+
 
 class CudaPlatform(Platform):
     def num_workers(self) -> int:
@@ -160,7 +241,10 @@ class CudaPlatform(Platform):
 class AscendPlatform(Platform):
     """torch_npu's device API (unverified on hardware). Vector-core and AI-core counts come from
     the device properties at run time; Atlas A2 parts have 20-24 AI cores with 2 vector cores
-    each, which is what the fallback assumes when a property is missing."""
+    each, which is what the fallback assumes when a property is missing. Atlas A2/A3 have no
+    float8 tensors: FP8 / E8M0 data live in uint8 (`float8_as_bytes`)."""
+
+    float8_as_bytes = True
 
     def _props(self):
         return torch.npu.get_device_properties(self.device)  # type: ignore[attr-defined]
@@ -213,6 +297,30 @@ class AscendPlatform(Platform):
 
     def synchronize(self) -> None:
         torch.npu.synchronize(self.device)  # type: ignore[attr-defined]
+
+    def overlap(self, side, main):
+        """`side` on an auxiliary stream, `main` on the current one, then joined (UNVERIFIED on
+        hardware; the pattern of vllm-ascend's `multistream_dsv4_dsa_overlap`): the auxiliary
+        stream first waits for the current one (side's inputs were made there), the current one
+        waits for the auxiliary one before returning (the caller reads side's results), and
+        side's result tensors are marked as used on the current stream so the caching allocator
+        does not hand their memory back to the auxiliary stream early. Both joins are stream
+        waits, no host sync, so the pattern can sit inside a captured NPU graph."""
+        cur = self.current_stream()
+        aux = _AUX_STREAMS.get(self.device)
+        if aux is None:
+            aux = _AUX_STREAMS[self.device] = self.stream()
+        aux.wait_stream(cur)
+        with self.use_stream(aux):
+            side_out = side()
+        main_out = main()
+        cur.wait_stream(aux)
+        for t in _tensors(side_out):
+            t.record_stream(cur)
+        return side_out, main_out
+
+
+_PLATFORM_CLASSES = {"cpu": Platform, "meta": Platform, "cuda": CudaPlatform, "npu": AscendPlatform}
 
 
 def platform_for(device: torch.device | str) -> Platform:

@@ -22,8 +22,9 @@ def ascend_plan() -> tuple[str, dict[str, str]]:
     if ascend.IMPLEMENTATIONS:
         return "Ascend backend (loaded), per op:", dict(ascend.IMPLEMENTATIONS)
     triton_ops, triton_why = ascend.triton_op_names()
-    plan = ascend.plan(op_names(), triton_ops, triton_why)
-    return "Ascend backend on an NPU (torch_npu present; triton as here), per op:", {n: w for n, (_, w) in plan.items()}
+    plan = ascend.plan(op_names(), triton_ops, triton_why, ascend.vllm_ascend_ops())
+    return ("Ascend backend on an NPU (torch_npu present; triton and vllm-ascend as here), per op:",
+            {n: w for n, (_, w) in plan.items()})
 
 
 def backend_report(as_json: bool = False) -> str:

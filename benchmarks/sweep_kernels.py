@@ -253,6 +253,24 @@ def sweep_linear(rows, copy):
                          want, nbytes, 2 * m * n * k, copy)
 
 
+def _fp4_experts(n_exp, d, inter):
+    """n_exp random FP4 experts (w1 [inter, d], w2 [d, inter], w3 [inter, d]) on the GPU."""
+    return [tuple(quant.fp4_weight_quant(torch.randn(a, b, device="cuda") * b ** -0.5)
+                  for a, b in ((inter, d), (d, inter), (inter, d))) for _ in range(n_exp)]
+
+
+def _moe_case(t, experts, d, inter, n_exp, topk, moe_ref, fp32_accumulation):
+    """Random routing of t tokens: (x, ids, weights, the fp32-accumulating reference output,
+    distinct active experts, bytes = their weights read once plus activations)."""
+    x = torch.randn(t, d, device="cuda").to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(n_exp, device="cuda")[:topk] for _ in range(t)])
+    wts = torch.rand(t, topk, device="cuda")
+    with fp32_accumulation():
+        want = moe_ref(x, wts, ids, experts, 10.0)
+    active = int(torch.unique(ids).numel())
+    return x, ids, wts, want, active, active * 3 * inter * d * (0.5 + 1 / 32) + t * d * 6
+
+
 def sweep_moe(rows, copy):
     """The grouped FP4 experts (mini preset: 16 experts, d 5120, width 2304, top-6) at 1, 8, 64
     and 2048 tokens; bytes = the active experts' weights read once."""
@@ -261,18 +279,11 @@ def sweep_moe(rows, copy):
     from dsv41.npu_ops.triton import moe_experts as me
 
     d, inter, n_exp, topk = CFG.hidden_size, CFG.moe_intermediate_size, 16, CFG.num_experts_per_tok
-    experts = [tuple(quant.fp4_weight_quant(torch.randn(a, b, device="cuda") * b ** -0.5)
-                     for a, b in ((inter, d), (d, inter), (inter, d))) for _ in range(n_exp)]
+    experts = _fp4_experts(n_exp, d, inter)
     variants = [dict(), dict(bn_down=128), dict(bn_down=32), dict(bk=256), dict(bk=64),
                 dict(num_stages=3), dict(num_stages=6), dict(num_warps=8), dict(bm=16), dict(bm=32)]
     for t in (1, 8, 64, 2048):
-        x = torch.randn(t, d, device="cuda").to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(n_exp, device="cuda")[:topk] for _ in range(t)])
-        wts = torch.rand(t, topk, device="cuda")
-        with fp32_accumulation():
-            want = moe_ref(x, wts, ids, experts, 10.0)
-        active = int(torch.unique(ids).numel())
-        nbytes = active * 3 * inter * d * (0.5 + 1 / 32) + t * d * 6
+        x, ids, wts, want, active, nbytes = _moe_case(t, experts, d, inter, n_exp, topk, moe_ref, fp32_accumulation)
         flops = 2 * t * topk * 3 * inter * d
         for v in variants if t <= 64 else variants[:1] + [dict(bm=128, bn_down=128, bk=64, num_warps=8,
                                                                 num_stages=3), dict(bm=128, bn_down=128, bk=128, num_warps=4),
@@ -282,8 +293,57 @@ def sweep_moe(rows, copy):
                          me.moe_experts(x, wts, ids, experts, 10.0, **v), want, nbytes, flops, copy)
 
 
+def sweep_decode(rows, copy):
+    """The GEMV-style decode paths (a few rows, CUDA cores, weights streamed once) against the tiled
+    kernels: the FP8 linear (K=5120, N=6144) at M = 1, 4 and the FP4 experts at T = 1, 2, 4."""
+    from dsv41.backends.reference.basic import fp32_accumulation
+    from dsv41.backends.reference.basic import linear as linear_ref
+    from dsv41.backends.reference.moe import moe_experts as moe_ref
+    from dsv41.npu_ops.triton import block_linear as bl
+    from dsv41.npu_ops.triton import moe_experts as me
+
+    k, n = 5120, 6144
+    w, s = quant.fp8_block_quant(torch.randn(n, k, device="cuda") * k ** -0.5)
+    lin = [dict(path="tiled"), dict(path="gemv"), dict(path="gemv", bk=128), dict(path="gemv", bk=512),
+           dict(path="gemv", bn=64), dict(path="gemv", bn=16), dict(path="gemv", num_warps=2),
+           dict(path="gemv", num_warps=8), dict(path="gemv", split_k=1), dict(path="gemv", split_k=2),
+           dict(path="gemv", split_k=8)]
+    for m in (1, 4):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        with fp32_accumulation():
+            want = linear_ref(x, w, s)
+        nbytes = n * k * (1 + 1 / 1024) + m * k * 2 + m * n * 2
+        for v in lin:
+            name = "linear fp8 " + (" ".join(f"{a}={b}" for a, b in v.items()) or "default")
+            _variant_row(rows, name, f"M={m} K={k} N={n}", lambda x=x, v=v: bl.linear(x, w, s, **v), want, nbytes,
+                         2 * m * n * k, copy)
+    d, inter, n_exp, topk = CFG.hidden_size, CFG.moe_intermediate_size, 16, CFG.num_experts_per_tok
+    experts = _fp4_experts(n_exp, d, inter)
+    moe = [dict(path="tiled"), dict(path="gemv"), dict(path="gemv", bk=128), dict(path="gemv", bk=512),
+           dict(path="gemv", bn_up=64), dict(path="gemv", bn_down=64), dict(path="gemv", bn_down=16),
+           dict(path="gemv", num_warps=2), dict(path="gemv", num_warps=8), dict(path="gemv", bk=128, num_warps=2)]
+    for t in (1, 2, 4):
+        x, ids, wts, want, active, nbytes = _moe_case(t, experts, d, inter, n_exp, topk, moe_ref, fp32_accumulation)
+        for v in moe if t == 1 else moe[:3]:
+            name = "moe fp4 " + (" ".join(f"{a}={b}" for a, b in v.items()) or "default")
+            _variant_row(rows, name, f"T={t} {active} experts", lambda x=x, ids=ids, wts=wts, v=v:
+                         me.moe_experts(x, wts, ids, experts, 10.0, **v), want, nbytes, 2 * t * topk * 3 * inter * d,
+                         copy)
+    shared = [tuple(quant.fp8_block_quant(torch.randn(a, b, device="cuda") * b ** -0.5)
+                    for a, b in ((inter, d), (d, inter), (inter, d)))]
+    x = torch.randn(1, d, device="cuda").to(torch.bfloat16)
+    ones, zeros = torch.ones(1, 1, device="cuda"), torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    with fp32_accumulation():
+        want = moe_ref(x, ones, zeros, shared, 10.0)
+    for v in (dict(path="tiled"), dict(path="gemv"), dict(path="gemv", bk=128)):
+        name = "moe shared fp8 " + " ".join(f"{a}={b}" for a, b in v.items())
+        _variant_row(rows, name, "T=1", lambda v=v: me.moe_experts(x, ones, zeros, shared, 10.0, **v), want,
+                     3 * inter * d * (1 + 1 / 1024) + d * 6, 2 * 3 * inter * d, copy)
+
+
 SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_indexer, "engram_lookup": sweep_engram,
-          "fp4_quant": sweep_fp4_quant, "mhc_mix": sweep_mhc_mix, "linear": sweep_linear, "moe_experts": sweep_moe}
+          "fp4_quant": sweep_fp4_quant, "mhc_mix": sweep_mhc_mix, "linear": sweep_linear, "moe_experts": sweep_moe,
+          "decode": sweep_decode}
 
 
 def main() -> int:

@@ -30,14 +30,23 @@ from dataclasses import dataclass, field
 import torch
 
 from ..backends.paging import NULL_BLOCK
+from ..backends.platform import storage_dtype
 from .config import ModelConfig
+
 # window floors are kept per layer group: encoder layers, decoder layers, DSpark stages
 FLOOR_ENCODER, FLOOR_DECODER, FLOOR_DRAFT = 0, 1, 2
 
 
+def pool_zeros(shape, dtype, device) -> torch.Tensor:
+    """A zeroed pool tensor of logical dtype `dtype`, held in the device's storage dtype for it
+    (uint8 bytes for float8 data on an NPU: `backends.platform.storage_dtype`)."""
+    return torch.zeros(shape, dtype=storage_dtype(dtype, device), device=device)
+
+
 def e8m0_ones(shape, device) -> torch.Tensor:
     """E8M0 scales of 1.0 (byte 127): unwritten rows decode to finite values."""
-    return torch.full(shape, 127, dtype=torch.uint8, device=device).view(torch.float8_e8m0fnu)
+    ones = torch.full(shape, 127, dtype=torch.uint8, device=device)
+    return ones.view(storage_dtype(torch.float8_e8m0fnu, device))
 
 
 @dataclass
@@ -127,7 +136,7 @@ class KVPool:
     def _alloc_swa(self, n_blocks: int):
         cfg, rows = self.cfg, n_blocks * self.block_size
         d = cfg.head_dim
-        swa = [SWAPool(torch.zeros(rows, d, dtype=torch.float8_e4m3fn, device=self.device),
+        swa = [SWAPool(pool_zeros((rows, d), torch.float8_e4m3fn, self.device),
                        e8m0_ones((rows, d // 32), self.device), self.block_size) for _ in range(self.n_swa_layers)]
         carry = {s: torch.zeros(rows, 2, d, dtype=torch.float32, device=self.device)
                  for s in self.cfg.kv_source_layer_ids if cfg.compress_ratios[s] > 1}
@@ -141,7 +150,7 @@ class KVPool:
             e = self.block_size // r
             n = n_blocks * e
             out[s] = GlobalPool(r, e, torch.zeros(n, d // 2, dtype=torch.uint8, device=self.device),
-                                torch.zeros(n, d // 16, dtype=torch.float8_e4m3fn, device=self.device),
+                                pool_zeros((n, d // 16), torch.float8_e4m3fn, self.device),
                                 torch.zeros(n, di // 2, dtype=torch.uint8, device=self.device),
                                 e8m0_ones((n, di // 32), self.device))
         return out

@@ -309,6 +309,32 @@ class ModelConfig:
         return self
 
     # ---- (de)serialisation --------------------------------------------------------------
+    def to_flat_dict(self) -> dict[str, Any]:
+        """The flat `inference/config.json` form, in the released file's key names only
+        (`FLAT_RELEASED`, plus `max_seq_len`, a field of the official code's ModelArgs that the
+        release leaves at its default), so the official inference code can read it. Raises
+        ConfigError when the config holds something those keys cannot state (the flat form
+        would load as a different model)."""
+        field_key = {}
+        for key, name in FLAT_KEYS.items():
+            if key in FLAT_RELEASED or key == "max_seq_len":
+                field_key.setdefault(name, key)
+        out: dict[str, Any] = {key: getattr(self, name) for name, key in field_key.items()}
+        rs = self.rope_scaling
+        out.update(original_seq_len=rs.original_max_position_embeddings if rs else 0,
+                   rope_factor=rs.factor if rs else 1.0, beta_fast=rs.beta_fast if rs else 32.0,
+                   beta_slow=rs.beta_slow if rs else 1.0, dtype=self.weight_dtype, expert_dtype=self.expert_dtype)
+        if self.vision is not None:
+            vision_key = {}
+            for key, name in FLAT_VISION.items():
+                if key in FLAT_RELEASED:
+                    vision_key.setdefault(name, key)
+            out.update({key: getattr(self.vision, name) for name, key in vision_key.items()})
+        if from_flat_dict(json.loads(json.dumps(out)), "flat form") != self:
+            raise ConfigError("this config has values the released flat inference/config.json keys cannot state "
+                              "(e.g. a non-default gate_temp, norm_topk_prob or weight dtype)")
+        return out
+
     def to_hf_dict(self) -> dict[str, Any]:
         """The nested Hugging Face `config.json` form."""
         text = {}
@@ -459,6 +485,22 @@ FLAT_KEYS: dict[str, str] = {
     "dspark_n_activated_experts": "dspark_num_experts_per_tok",
     "image_token_id": "image_token_id",
 }
+# The keys of the released flat `inference/config.json` (what the official inference code's
+# ModelArgs reads); `ModelConfig.to_flat_dict` writes exactly these.
+FLAT_RELEASED = frozenset({
+    "vocab_size", "dim", "moe_inter_dim", "n_layers", "n_mtp_layers", "dspark_block_size", "dspark_noise_token_id",
+    "dspark_target_layer_ids", "dspark_markov_rank", "dspark_n_routed_experts", "dspark_n_activated_experts",
+    "n_heads", "n_routed_experts", "n_shared_experts", "n_activated_experts", "score_func", "route_scale",
+    "swiglu_limit", "q_lora_rank", "head_dim", "rope_head_dim", "norm_eps", "o_groups", "o_lora_rank",
+    "window_size", "kv_source_layers", "index_source_layers", "original_seq_len", "rope_theta", "rope_factor",
+    "beta_fast", "beta_slow", "index_n_heads", "index_head_dim", "index_topk", "candidate_source_layer",
+    "candidate_topk_blocks", "candidate_block_size", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "engram_layer_ids",
+    "engram_vocab_size", "engram_num_embeddings", "engram_max_ngram_size", "engram_pad_id",
+    "engram_compressed_vocab_size", "dtype", "expert_dtype", "compress_rope_theta", "compress_ratios",
+    "vision_n_layers", "vision_dim", "vision_n_heads", "vision_inter_dim", "vision_patch_size",
+    "vision_downsample_ratio", "vision_max_n_token", "vision_min_pixels", "vision_max_wh_ratio", "image_token_id",
+    "engram_n_heads", "engram_head_dim", "vision_rope_theta",
+})
 # Keys of the reference code's ModelArgs that a dump of it carries but V4.1 leaves at one value:
 # accepted at that value (first entry), anything else is a clear error.
 FLAT_NEUTRAL = {"n_hash_layers": (0,), "scale_dtype": ("fp8",)}  # no hash routing; E8M0 scales

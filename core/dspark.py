@@ -168,6 +168,7 @@ class DSpark:
         self._noise = [self.cfg.dspark_noise_token_id] * (self.block_size - 1)
         self._pre = torch.zeros(self.block_size, self.cfg.hc_mult, dtype=torch.float32, device=dev)
         self._pre[:, 0] = 1.0  # the first sublayer collapses with one-hot [1, 0, 0, 0]
+        self.graph = None  # a captured greedy draft block (`graphs/draft.DraftGraph`), set by its owner
 
     def _rows_at(self, pool: KVPool, state: SequenceState, pos: list[int]) -> torch.Tensor:
         bs = pool.block_size
@@ -219,9 +220,19 @@ class DSpark:
     @torch.no_grad()
     def draft(self, pool: KVPool, state: SequenceState, last_token: int, choose=None) -> Draft:
         """Draft B tokens after `last_token` (at position state.draft_length). `choose(row,
-        logits)` picks a token from fp32 logits [V] (default: argmax)."""
-        cfg, b, dev = self.cfg, self.block_size, self._pre.device
+        logits)` picks a token from fp32 logits [V] (default: argmax, on the device, replaying
+        `self.graph` when one is set: `graphs/draft.py`)."""
         batch = self._block_batch(pool, state, last_token)
+        if choose is None and self.graph is not None and self.graph.holds(batch):
+            return self.graph.run(batch)
+        return self.draft_block(batch, pool, choose)
+
+    @torch.no_grad()
+    def draft_block(self, batch: StepBatch, pool: KVPool, choose=None) -> Draft:
+        """The draft block's forward over a prepared block batch (`_block_batch`; its first id
+        is the last token). Greedy (`choose` None) reads nothing back to the host, so the
+        whole block can be captured as one device graph."""
+        cfg, b = self.cfg, self.block_size
         rows = Rows.of(batch, cfg)
         x = self.model.embed_tokens(batch.ids).unsqueeze(1).expand(b, cfg.hc_mult, cfg.hidden_size).contiguous()
         ctx = ForwardContext(cache=pool)
@@ -234,14 +245,16 @@ class DSpark:
         base = self.model.lm_head(last.norm(h))
         # Markov head: sequential over the block (each row's previous token is the row before's draft)
         tokens, embeds, logits = [], [], []
-        prev = torch.tensor([last_token], dtype=torch.long, device=dev)
+        prev = batch.ids[:1]
         for j in range(b):
             e, add = last.markov_head(prev)
             lj = base[j] + add[0]
-            tok = int(torch.argmax(lj)) if choose is None else int(choose(j, lj))
-            tokens.append(tok)
+            if choose is None:
+                prev = torch.argmax(lj, -1, keepdim=True)
+            else:
+                prev = torch.tensor([int(choose(j, lj))], dtype=torch.long, device=lj.device)
+            tokens.append(prev)
             embeds.append(e)
             logits.append(lj)
-            prev = torch.tensor([tok], dtype=torch.long, device=dev)
         conf = last.confidence_head(h, torch.cat(embeds))
-        return Draft(torch.tensor(tokens, dtype=torch.long, device=dev), torch.stack(logits), conf)
+        return Draft(torch.cat(tokens), torch.stack(logits), conf)

@@ -228,6 +228,7 @@ class Engine:
         self.prefix = PrefixCache(self.pool, prefix_capacity) if prefix_cache else None
         self.max_model_len = max_model_len or self.cfg.max_position_embeddings
         self.graphs = self._capture(max_model_len) if graphs else None
+        self._draft_graph = None  # captured on first speculative use (`draft_graph`)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.counters = Counter()
@@ -252,6 +253,17 @@ class Engine:
         graphs = DecodeGraphs(self.model, self.pool, self.max_batch, table)
         graphs.capture()
         return graphs
+
+    def draft_graph(self, drafter):
+        """The greedy DSpark draft block captured over this engine's fixed pools (once per
+        engine; None without decode graphs): `graphs/draft.py`."""
+        if self.graphs is None:
+            return None
+        if self._draft_graph is None:
+            from ..graphs.draft import DraftGraph
+
+            self._draft_graph = DraftGraph(drafter, self.pool, self.graphs.table_blocks).capture()
+        return self._draft_graph
 
     def replay_length(self) -> int:
         w = self.cfg.sliding_window

@@ -1,7 +1,9 @@
 """OpenAI-style chat messages (text and images) -> prompt token ids + preprocessed images.
 
-Accepted input: a list of `{"role": "system" | "user" | "assistant", "content": ...}` (or an
-object with such a list under "messages", as in a request body). `content` is a string or a list
+Accepted input: a list of `{"role": "system" | "user" | "assistant" | "tool", "content": ...}` (or
+an object with such a list under "messages" and optionally OpenAI `tools`, as in a request body).
+An assistant message may carry OpenAI `tool_calls` (`arguments` as a JSON string or an object);
+`tool` messages are tool results. Both render in DeepSeek-V4.1's DSML form (`tokenizer.CHAT_TEMPLATE`). `content` is a string or a list
 of parts `{"type": "text", "text": ...}` / `{"type": "image_url", "image_url": {"url": ...}}`
 (`image_url` may also be the URL string itself). Parts are concatenated without separators.
 An image URL is `data:image/...;base64,...`, `file://PATH` or a local path (relative paths are
@@ -35,7 +37,7 @@ from .image_processing import (
 )
 from .tokenizer import CHAT_TEMPLATE
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class MessagesError(ValueError):
@@ -123,12 +125,55 @@ def _parts(msg: dict, i: int) -> list[dict]:
     return content
 
 
+def _tools(tools) -> list[dict] | None:
+    """OpenAI `tools` checked: a list of `{"type": "function", "function": {"name": ...}}`."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise MessagesError(f"tools must be a list of tool objects, got {type(tools).__name__}")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise MessagesError(f"tool {i}: expected {{'type': 'function', 'function': {{'name': str, ...}}}}")
+    return tools
+
+
+def _tool_calls(msg: dict, i: int) -> list[dict] | None:
+    """An assistant message's `tool_calls`, checked, with JSON-string arguments parsed into
+    objects (as vLLM's OpenAI server hands them to the template)."""
+    calls = msg.get("tool_calls")
+    if calls is None:
+        return None
+    if msg["role"] != "assistant":
+        raise MessagesError(f"message {i}: only assistant messages carry tool_calls")
+    if not isinstance(calls, list):
+        raise MessagesError(f"message {i}: tool_calls must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise MessagesError(f"message {i} tool call {j}: expected {{'function': {{'name': str, 'arguments': ...}}}}")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise MessagesError(f"message {i} tool call {j}: arguments are not valid JSON ({e})") from None
+        if not isinstance(args, dict):
+            raise MessagesError(f"message {i} tool call {j}: arguments must be a JSON object")
+        out.append({"type": "function", "id": call.get("id"), "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
 def encode_messages(tok, cfg, messages, *, base_dir=None, add_generation_prompt: bool = True,
-                    template: str = CHAT_TEMPLATE, image_roots=None) -> MultimodalPrompt:
+                    template: str = CHAT_TEMPLATE, image_roots=None, tools=None) -> MultimodalPrompt:
     """Messages -> `MultimodalPrompt` (ids through the chat template, image spans expanded).
-    `image_roots`: folders local image paths must lie in (None: anywhere)."""
+    `image_roots`: folders local image paths must lie in (None: anywhere). `tools` (OpenAI
+    format) may also come inside a request-body object beside "messages"."""
     if isinstance(messages, dict) and "messages" in messages:
+        tools = messages.get("tools", tools)
         messages = messages["messages"]
+    tools = _tools(tools)
     if not isinstance(messages, list) or not messages:
         raise MessagesError("messages must be a non-empty list of {role, content} objects")
     img_text = None
@@ -153,7 +198,11 @@ def encode_messages(tok, cfg, messages, *, base_dir=None, add_generation_prompt:
             else:
                 raise MessagesError(f"{where}: expected {{'type': 'text', 'text': str}} or "
                                     f"{{'type': 'image_url', 'image_url': {{'url': str}}}}")
-        flat.append({"role": msg["role"], "content": "".join(text)})
+        entry = {"role": msg["role"], "content": "".join(text)}
+        calls = _tool_calls(msg, i)
+        if calls:
+            entry["tool_calls"] = calls
+        flat.append(entry)
     n_markers = 0
     if cfg.vision is not None and cfg.image_token_id is not None:
         marker = tok.id_to_token(cfg.image_token_id)
@@ -162,7 +211,8 @@ def encode_messages(tok, cfg, messages, *, base_dir=None, add_generation_prompt:
         raise MessagesError(f"the message text contains the image token itself ({n_markers - len(pil)} extra); "
                             "pass images as image_url parts")
     bos, eos = tok.id_to_token(cfg.bos_token_id), tok.id_to_token(cfg.eos_token_id)
-    ids = tok.encode(render_chat(flat, bos, eos, add_generation_prompt, template), add_special_tokens=False).ids
+    extra = {"tools": tools} if tools else {}
+    ids = tok.encode(render_chat(flat, bos, eos, add_generation_prompt, template, **extra), add_special_tokens=False).ids
     return _expand(cfg, ids, pil)
 
 

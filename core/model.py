@@ -22,6 +22,7 @@ from torch import nn
 
 from ..backends import ops
 from ..backends.paging import table_rows
+from ..backends.platform import overlap
 from .batch import Rows, StepBatch
 from .cache import FLOOR_DECODER, FLOOR_DRAFT, FLOOR_ENCODER, KVPool
 from .config import ModelConfig, yarn_inv_freq
@@ -140,9 +141,11 @@ class Indexer(nn.Module):
 
     def queries(self, x, qr, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """(MXFP4 quantise-dequantised RoPE'd queries [T, Hi, Di], head weights [T, Hi])."""
-        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
-        q = ops.mxfp4_act_quant(ops.rope(q, cos, sin))
-        w = self.weights_proj(x, torch.float32) * self.weight_scale
+        # independent pieces: on Ascend the weights projection (a matmul) runs on a second stream
+        # beside the query path (platform `overlap`); elsewhere one after the other
+        w, q = overlap(x.device, lambda: self.weights_proj(x, torch.float32) * self.weight_scale,
+                       lambda: ops.mxfp4_act_quant(ops.rope(self.wq_b(qr).view(-1, self.n_heads, self.head_dim),
+                                                            cos, sin)))
         return q, w
 
 

@@ -238,6 +238,9 @@ def generate_speculative(engine: Engine, prompt: list[int], params: SamplingPara
     choose = None if greedy else (
         lambda j, lg: int(torch.multinomial(sampling_probs(lg, p).cpu(), 1, generator=gen)))
 
+    if greedy and isinstance(drafter, DSpark) and drafter.graph is None:
+        drafter.graph = engine.draft_graph(drafter)  # replayed on devices (None: eager)
+
     t0 = time.perf_counter()
     seq, logits, feats = engine.prefill_alone(prompt, p, images, features=True)
     state = seq.state

@@ -27,6 +27,7 @@ import re
 
 import torch
 
+from ..backends.platform import as_storage, storage_dtype
 from ..backends.reference import quant
 from .model import Linear, RMSNorm, Transformer
 
@@ -193,39 +194,61 @@ class WeightError(ValueError):
     """Missing, unexpected, misshapen or wrongly typed tensors, all listed in one message."""
 
 
+def checkpoint_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
+    """State-dict name -> the dtype a checkpoint holds for it: the float8 format of a buffer that
+    holds its bytes in uint8 on this device (`materialize`), else the buffer's own dtype."""
+    held = getattr(model, "float8_storage", {})
+    return {k: held.get(k, v.dtype) for k, v in model.state_dict().items()}
+
+
 def check_state_dict(model: Transformer, sd: dict[str, torch.Tensor]) -> None:
     """Compare `sd` with what `model` expects; raise one `WeightError` listing every problem."""
     expected = model.state_dict()
+    dtypes = checkpoint_dtypes(model)
     problems = []
     for k in sorted(set(expected) - set(sd)):
         e = expected[k]
-        problems.append(f"missing: {k} (expected shape {list(e.shape)}, dtype {e.dtype})")
+        problems.append(f"missing: {k} (expected shape {list(e.shape)}, dtype {dtypes[k]})")
     for k in sorted(set(sd) - set(expected)):
         problems.append(f"unexpected: {k} (shape {list(sd[k].shape)})")
     for k in sorted(set(sd) & set(expected)):
         e, g = expected[k], sd[k]
         if tuple(g.shape) != tuple(e.shape):
             problems.append(f"wrong shape: {k} is {list(g.shape)}, expected {list(e.shape)}")
-        elif g.dtype != e.dtype:
-            problems.append(f"wrong dtype: {k} is {g.dtype}, expected {e.dtype}")
+        elif g.dtype != dtypes[k]:
+            problems.append(f"wrong dtype: {k} is {g.dtype}, expected {dtypes[k]}")
     if problems:
         raise WeightError(f"{len(problems)} problem(s) with the weights:\n  - " + "\n  - ".join(problems))
 
 
 def load_into(model: Transformer, sd: dict[str, torch.Tensor]) -> Transformer:
-    """Validate, then copy every tensor into the model's buffers (on the model's device)."""
+    """Validate, then copy every tensor into the model's buffers (on the model's device; float8
+    tensors as their bytes where the buffers hold bytes)."""
     check_state_dict(model, sd)
-    model.load_state_dict(sd, strict=True, assign=False)
+    held = model.state_dict()
+    model.load_state_dict({k: as_storage(t, held[k].dtype) for k, t in sd.items()}, strict=True, assign=False)
     return model
 
 
 def materialize(model: Transformer, device: str | torch.device = "cpu") -> Transformer:
     """A meta-device model moved to `device` with uninitialised storage; the non-persistent
     buffers (not in any checkpoint) are recomputed there and every token id is its own Engram
-    id until a tokenizer's compression map is installed."""
+    id until a tokenizer's compression map is installed.
+
+    Float8 buffers get the device's storage dtype for them (`backends.platform.storage_dtype`:
+    uint8 bytes on an NPU, which has no float8 tensors; unchanged on CPU / CUDA); the model's
+    `float8_storage` names them with their checkpoint dtype, and the loaders copy float8 data in
+    as bytes (`as_storage`). Offloaded Engram tables follow the model's device too: their rows
+    reach it as bytes."""
     from .config import yarn_inv_freq
 
     cfg = model.cfg
+    model.float8_storage = {}
+    for mname, m in model.named_modules():
+        for bname, buf in m._buffers.items():
+            if buf is not None and buf.is_meta and storage_dtype(buf.dtype, device) != buf.dtype:
+                m._buffers[bname] = torch.empty(buf.shape, dtype=storage_dtype(buf.dtype, device), device="meta")
+                model.float8_storage[f"{mname}.{bname}" if mname else bname] = buf.dtype
     model = model.to_empty(device=device)
     for m in model.modules():
         if hasattr(m, "inv_freq"):
@@ -251,12 +274,13 @@ def build_model(cfg, seed: int = 0, device: str | torch.device = "cpu", state_di
     if state_dict is not None:
         return load_into(model, state_dict)
     expected = model.state_dict()
+    dtypes = checkpoint_dtypes(model)
     filled: set[str] = set()
     with torch.no_grad(), progress_bar(storage_bytes(model), "random weights", progress) as bar:
         for sd in iter_random_state(model, seed, init):
-            check_state_dict_part(expected, sd)
+            check_state_dict_part(expected, sd, dtypes)
             for name, t in sd.items():
-                expected[name].copy_(t)
+                expected[name].copy_(as_storage(t, expected[name].dtype))
                 bar.update(t.numel() * t.element_size())
             filled.update(sd)
     if filled != set(expected):  # pragma: no cover - the units cover the state dict by construction
@@ -298,10 +322,14 @@ def iter_random_state(model: Transformer, seed: int, init: str = DEFAULT_INIT, m
         yield random_state_dict(unit, seed, init, prefix=prefix, cfg=model.cfg)
 
 
-def check_state_dict_part(expected: dict[str, torch.Tensor], part: dict[str, torch.Tensor]) -> None:
-    """A streamed piece against the model's state dict: names, shapes and dtypes."""
+def check_state_dict_part(expected: dict[str, torch.Tensor], part: dict[str, torch.Tensor],
+                          dtypes: dict[str, torch.dtype] | None = None) -> None:
+    """A streamed piece against the model's state dict: names, shapes and dtypes (`dtypes`: the
+    checkpoint dtypes where they differ from the buffers', `checkpoint_dtypes`)."""
+    dtypes = dtypes or {}
     bad = [k for k, t in part.items()
-           if k not in expected or tuple(t.shape) != tuple(expected[k].shape) or t.dtype != expected[k].dtype]
+           if k not in expected or tuple(t.shape) != tuple(expected[k].shape)
+           or t.dtype != dtypes.get(k, expected[k].dtype)]
     if bad:
         raise WeightError(f"{len(bad)} streamed tensor(s) do not match the model, e.g. {bad[:3]}")
 

@@ -146,7 +146,8 @@ def make_checkpoint(cfg: ModelConfig, out_dir: str | os.PathLike, seed: int = 0,
                     progress: bool = False, init: str = DEFAULT_INIT) -> Path:
     """Write a complete checkpoint of the weights `build_model(cfg, seed, init=init)` builds.
 
-    `config.json` (nested form), sharded safetensors + index in the storage dtypes, and
+    `config.json` (nested form), `inference/config.json` (the released flat form, where the
+    config can be stated in its keys), sharded safetensors + index in the storage dtypes, and
     `tokenizer.json` / `tokenizer_config.json` (chat template) when `tokenizer` is given (for
     the tiny vocabulary the tiny tokenizer is used when `tokenizer` is None).
 
@@ -198,6 +199,13 @@ def make_checkpoint(cfg: ModelConfig, out_dir: str | os.PathLike, seed: int = 0,
         writers: list = []
         try:
             (tmp / CONFIG_NAME).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+            try:  # the released flat form too, for the official inference code
+                flat = cfg.to_flat_dict()
+            except ConfigError as e:
+                print(f"dsv41: note: no inference/{CONFIG_NAME} written: {e}", file=sys.stderr)
+            else:
+                (tmp / "inference").mkdir()
+                (tmp / "inference" / CONFIG_NAME).write_text(json.dumps(flat, indent=2) + "\n")
             n = len(shards)
             names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
             writer_of = {}
@@ -433,6 +441,7 @@ def load_checkpoint_weights(ckpt_dir: str | os.PathLike, cfg: ModelConfig, devic
     from safetensors import safe_open
 
     from ..core.model import Transformer
+    from ..backends.platform import as_storage
     from ..core.weights import count_nonfinite, materialize, progress_bar
 
     d = Path(ckpt_dir)
@@ -472,7 +481,7 @@ def load_checkpoint_weights(ckpt_dir: str | os.PathLike, cfg: ModelConfig, devic
                         if bad:  # checked here, once, rather than on every step's logits
                             raise WeightError(f"{f}: tensor {stored} holds {bad} NaN/Inf value(s) "
                                               "(a corrupt or badly converted checkpoint)")
-                        buffers[native].copy_(t)
+                        buffers[native].copy_(as_storage(t, buffers[native].dtype))  # float8: bytes on NPU
                         bar.update(t.numel() * t.element_size())
             except WeightError:
                 raise

@@ -296,9 +296,10 @@ def _generate(args, group, device) -> int:
     model = _load_weights(args, cfg, device, tok, group, with_drafter=args.speculative)
     if tok is not None and not args.ckpt:  # a checkpoint's map is installed by the loader
         install_engram_vocab(model, tok)
-    graphs = device.type != "cpu" and not args.eager and not args.speculative
+    graphs = device.type != "cpu" and not args.eager  # decode steps and greedy draft blocks replayed
+    margin = cfg.dspark_block_size if args.speculative else 0  # a draft block reaches past the last token
     engine = Engine(model, prefill_mode=args.prefill_mode, max_batch=1, graphs=graphs,
-                    max_model_len=min(len(prompt) + max(args.max_new_tokens, 1), cfg.max_position_embeddings))
+                    max_model_len=min(len(prompt) + max(args.max_new_tokens, 1) + margin, cfg.max_position_embeddings))
     try:
         if spec_opts is not None:
             res = engine.generate_speculative(prompt, params, spec_opts, images=images)

@@ -25,6 +25,30 @@ from ..core.model import Transformer
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
+def fill_static(static: StepBatch, batch: StepBatch) -> None:
+    """Copy `batch` into the persistent buffers of a captured step with at least as many rows
+    (and block tables at least as wide): rows past the batch become padding (ids 0, n-gram ids
+    -1, null-block tables), table columns past the batch's point at the null block. `seq`
+    stays as captured (row i is sequence i in both)."""
+    n = batch.num_tokens
+    for f in fields(StepBatch):
+        dst, src = getattr(static, f.name), getattr(batch, f.name)
+        if f.name.endswith("_tables"):  # one table per group: columns past the batch's -> null block
+            for d, s in zip(dst, src):
+                d[n:].fill_(0)
+                d[:n, s.shape[1]:].fill_(0)
+                d[:n, :s.shape[1]].copy_(s)
+            continue
+        if isinstance(dst, tuple):  # the draft window's (lo, hi)
+            for d, s in zip(dst, src):
+                d.copy_(s)
+            continue
+        if not isinstance(dst, torch.Tensor) or f.name == "seq":
+            continue
+        dst[n:].fill_(-1 if f.name == "ngram_ids" else 0)
+        dst[:n].copy_(src)
+
+
 class DecodeGraphs:
     """Captured decode steps of `model` over the fixed pools of `pool`, one per bucket up to
     `max_batch` sequences, block tables `table_blocks` wide (enough for the longest sequence)."""
@@ -74,18 +98,7 @@ class DecodeGraphs:
         if len(tables) != 2 or any(t.shape[1] > self.table_blocks for t in tables):
             raise ValueError(f"expected one SWA and one global table at most {self.table_blocks} blocks wide")
         graph, static, logits = self.graphs[b]
-        for f in fields(StepBatch):
-            dst, src = getattr(static, f.name), getattr(batch, f.name)
-            if f.name.endswith("tables"):
-                for d, s in zip(dst, src):
-                    d[n:].fill_(0)
-                    d[:n, s.shape[1]:].fill_(0)
-                    d[:n, :s.shape[1]].copy_(s)
-                continue
-            if not isinstance(dst, torch.Tensor) or f.name == "seq":
-                continue  # (row i is sequence i in both)
-            dst[n:].fill_(-1 if f.name == "ngram_ids" else 0)
-            dst[:n].copy_(src)
+        fill_static(static, batch)
         if graph is None:
             logits = self.model(static, self.pool, check=False)
         else:

@@ -169,3 +169,44 @@ def test_load_registers_every_op_without_the_reference(monkeypatch):
         for n, impls in saved.items():
             registry._OPS[n].impls.clear()
             registry._OPS[n].impls.update(impls)
+
+
+def _fake_hc_post():
+    """torch.ops._C_ascend.npu_hc_post on CPU with the official hc_post formula (the semantics
+    vllm-ascend's DeepSeek-V4 model relies on): out_j = post_j * x + sum_i comb[i, j] * residual_i."""
+    if not hasattr(torch.ops._C_ascend, "npu_hc_post"):
+        @torch.library.custom_op("_C_ascend::npu_hc_post", mutates_args=())
+        def npu_hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+            out = post.unsqueeze(-1) * x.float().unsqueeze(-2) + (comb.unsqueeze(-1) * residual.float().unsqueeze(-2)).sum(-3)
+            return out.to(x.dtype)
+
+
+def test_vllm_ascend_operators_in_the_plan(rng):
+    """Without vllm-ascend nothing of it is chosen; with its npu_hc_post (a CPU fake here) the
+    mHC update runs through it and equals the reference; the ops it cannot serve say why."""
+    assert ascend.vllm_ascend_ops() == frozenset()  # not installed here
+    plain = ascend.plan(op_names(), ["mhc_mix"], None)
+    assert plain["mhc_update"][0].__name__ == "mhc_update_fp32_reference"
+    assert "npu_sparse_flash_attention" in plain["sparse_attention"][1] and "compressor" in plain["compress_kv"][1]
+    with_vendor = ascend.plan(op_names(), ["mhc_mix"], None, frozenset({"npu_hc_post"}))
+    assert with_vendor["mhc_update"][0] is ascend.vllm_ascend_mhc_update
+    assert with_vendor["mhc_mix"][1].startswith("Triton")  # the whole fused kernel wins over a part
+    no_triton = ascend.plan(op_names(), [], "none", frozenset({"npu_hc_post"}))
+    assert no_triton["mhc_mix"][0] is ascend.vllm_ascend_mhc_mix
+    _fake_hc_post()
+    t, n, d = 3, 4, 32
+    x = torch.randn(t, n, d, generator=rng).to(torch.bfloat16)
+    y = torch.randn(t, d, generator=rng).to(torch.bfloat16)
+    post, comb = torch.rand(t, n, generator=rng), torch.rand(t, n, n, generator=rng)
+    want = ops.mhc_update(x, y, post, comb)
+    got = npu_legal(ascend.vllm_ascend_mhc_update, x, y, post, comb)
+    assert got.dtype == want.dtype and (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+    pre = torch.rand(t, n, generator=rng)
+    fn = torch.randn(24, n * d, generator=rng)
+    scale, base = torch.rand(3, generator=rng), torch.randn(24, generator=rng)
+    x_new, x_hat, coef = ascend.vllm_ascend_mhc_mix(x, y, post, comb, pre, fn, scale, base, 1e-6, 1e-6, 3)
+    r_new, r_hat, r_coef = ops.mhc_mix(x, y, post, comb, pre, fn, scale, base, 1e-6, 1e-6, 3)
+    assert (x_new.float() - r_new.float()).abs().max() <= 2 ** -7 * r_new.float().abs().max()
+    assert (x_hat.float() - r_hat.float()).abs().max() <= 2 ** -7 * r_hat.float().abs().max()
+    for a, b in zip(coef, r_coef):
+        assert (a - b).abs().max() <= 1e-3 * b.abs().max()

@@ -61,8 +61,9 @@ def run_check(tmp_path, wheel, code: str) -> list[str]:
     src = tmp_path / "proj"
     src.mkdir(exist_ok=True)
     (src / "mod.py").write_text(textwrap.dedent(code))
-    calls, tables, where = ac.project_calls(ac.source_files(src), src)
-    return ac.check(wheel, calls, tables, where)
+    files = ac.source_files(src)
+    calls, tables, where = ac.project_calls(files, src)
+    return ac.check(wheel, calls, tables, where, ac.project_schemas(files))
 
 
 GOOD = """
@@ -72,10 +73,13 @@ TORCH_NPU_DTYPES = {
     "npu_quant_matmul": {"x1": ("int8",), "x2": ("int8",), "scale": ("float32",), "pertoken_scale": ("float32",),
                          "output_dtype": ("bfloat16",)},
 }
+VLLM_ASCEND_SCHEMAS = {"npu_hc_post": "x, residual, post, comb", "sfa": "q, k, *, block_table=, mode="}
 def f(x, w, g, s, p):
     torch_npu.npu_rms_norm(x, g, epsilon=1e-6)
     torch_npu.npu_quant_matmul(x, w, s, pertoken_scale=p, output_dtype=torch.bfloat16)
     torch.npu.synchronize()
+    torch.ops._C_ascend.npu_hc_post(x, w, g, s)
+    torch.ops._C_ascend.sfa(x, w, block_table=g)
 """
 
 
@@ -99,6 +103,11 @@ def test_accepts_calls_that_fit(tmp_path, fake_wheel):
     ("torch_npu.npu_rms_norm(x, g, 1e-6, 3)", "4 positional arguments, the signature has 3"),
     ("torch_npu.npu_quant_matmul(x, w, s, None, p)", "keyword-only argument(s) ['offset', 'pertoken_scale'] passed positionally"),
     ("torch.npu.synchronise()", "torch.npu.synchronise is not exported"),
+    ("torch.ops._C_ascend.npu_hc_pre(x, w)", "torch.ops._C_ascend.npu_hc_pre has no VLLM_ASCEND_SCHEMAS entry"),
+    ("torch.ops._C_ascend.npu_hc_post(x, w, g)", "required argument(s) ['comb'] not given"),
+    ("torch.ops._C_ascend.npu_hc_post(x, w, g, s, p)", "5 positional arguments, the signature has 4"),
+    ("torch.ops._C_ascend.sfa(x, w, g)", "keyword-only argument(s) ['block_table'] passed positionally"),
+    ("torch.ops._C_ascend.sfa(x, w, modes=1)", "unknown argument name(s) ['modes']"),
 ])
 def test_names_a_wrong_call(tmp_path, fake_wheel, bad, expect):
     problems = run_check(tmp_path, fake_wheel, GOOD + f"    {bad}\n")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dsv41.core.config import ConfigError, preset
+from dsv41.core.config import ConfigError, from_flat_dict, load_config, preset
 from dsv41.core.model import Transformer
 from dsv41.core.weights import WeightError, random_state_dict
 from dsv41.deploy import checkpoint as ckpt_mod
@@ -105,6 +105,10 @@ def test_make_checkpoint_layout_and_dtypes(ckpt, tiny_cfg):
     assert not [p for p in ckpt.parent.iterdir() if p.name.startswith(".")]  # no temp dir left
     cfg_json = json.loads((ckpt / "config.json").read_text())
     assert "text_config" in cfg_json
+    # the released flat form beside it, in the released key names, loading as the same model
+    flat = json.loads((ckpt / "inference" / "config.json").read_text())
+    assert "dim" in flat and "text_config" not in flat
+    assert from_flat_dict(flat) == load_config(ckpt)
     assert "chat_template" in json.loads((ckpt / "tokenizer_config.json").read_text())
     wm = json.loads((ckpt / INDEX_NAME).read_text())["weight_map"]
     assert sorted(set(wm.values())) == shards

@@ -362,3 +362,17 @@ def test_bf16_weight_config_keeps_expert_dtype(tiny_cfg, expert):
     cfg = tiny_cfg.replace(weight_dtype="bf16", expert_dtype=expert)
     back = from_dict(json.loads(json.dumps(cfg.to_hf_dict())))
     assert (back.weight_dtype, back.expert_dtype) == ("bf16", expert)
+
+
+def test_flat_form_writes_the_released_keys(presets):
+    """`to_flat_dict` writes exactly the released keys (+ max_seq_len) and loads back as the same
+    config; what those keys cannot state is one error, not a silently different model."""
+    from dsv41.core.config import FLAT_RELEASED
+
+    assert FLAT_RELEASED == set(RELEASED_FLAT)
+    for cfg in presets.values():
+        flat = cfg.to_flat_dict()
+        assert set(flat) == set(RELEASED_FLAT) | {"max_seq_len"}
+        assert from_flat_dict(json.loads(json.dumps(flat))) == cfg
+    with pytest.raises(ConfigError, match="cannot state"):
+        presets["tiny"].replace(gate_temp=2.0).to_flat_dict()

@@ -40,19 +40,8 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def flat_config(cfg) -> dict:
     """`cfg` as a flat inference config.json under the released file's key names (plus
     `max_seq_len`, which the release leaves to the code default)."""
-    released = set(RELEASED_FLAT)
-    out = {}
-    for key, field in FLAT_KEYS.items():
-        if key in released:
-            out[key] = getattr(cfg, field)
-    out["max_seq_len"] = cfg.max_position_embeddings
-    rs = cfg.rope_scaling
-    out.update(original_seq_len=rs.original_max_position_embeddings, rope_factor=rs.factor,
-               beta_fast=rs.beta_fast, beta_slow=rs.beta_slow, dtype=cfg.weight_dtype, expert_dtype=cfg.expert_dtype)
-    for key, field in FLAT_VISION.items():
-        if key in released:
-            out[key] = getattr(cfg.vision, field)
-    assert set(out) - {"max_seq_len"} == released  # every key the release holds, no other
+    out = cfg.to_flat_dict()
+    assert set(out) - {"max_seq_len"} == set(RELEASED_FLAT)  # every key the release holds, no other
     return out
 
 

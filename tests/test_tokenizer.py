@@ -140,3 +140,33 @@ def test_chat_template_renders_tools_calls_and_results():
                     "<｜User｜><tool_result>sunny</tool_result>\n\n<tool_result>noon</tool_result>\n\nThanks"
                     "<｜Assistant｜></think>")
     assert "## Tools" not in render_chat(msgs[:2], "<B>", "<E>")
+
+
+def test_messages_with_tools_calls_and_results(tok, tiny_cfg):
+    """`run --messages` takes a request body with `tools`, assistant `tool_calls` (OpenAI's JSON
+    string arguments) and `tool` results: its ids are the template's rendering with the
+    arguments parsed, as vLLM's server renders them; malformed tool input is one clear error."""
+    from dsv41.core.messages import MessagesError, encode_messages, render_chat
+
+    fn = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    body = {"tools": [{"type": "function", "function": fn}], "messages": [
+        {"role": "user", "content": "Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "sunny"}]}
+    ids = encode_messages(tok, tiny_cfg, body).ids
+    parsed = [dict(body["messages"][0]),
+              {"role": "assistant", "content": "", "tool_calls": [
+                  {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+              {"role": "tool", "content": "sunny"}]
+    bos, eos = tok.id_to_token(tiny_cfg.bos_token_id), tok.id_to_token(tiny_cfg.eos_token_id)
+    text = render_chat(parsed, bos, eos, tools=body["tools"])
+    assert "## Tools" in text and "<tool_result>sunny</tool_result>" in text and 'name="city"' in text
+    assert ids == tok.encode(text, add_special_tokens=False).ids
+    bad = [({"tools": [{"type": "function"}], "messages": body["messages"][:1]}, "tool 0"),
+           ({"messages": [body["messages"][0], {"role": "assistant", "content": "", "tool_calls": [
+               {"function": {"name": "f", "arguments": "{oops"}}]}]}, "not valid JSON"),
+           ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "only assistant")]
+    for case, needle in bad:
+        with pytest.raises(MessagesError, match=needle):
+            encode_messages(tok, tiny_cfg, case)

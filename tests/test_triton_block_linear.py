@@ -62,6 +62,17 @@ def test_linear_split_k_and_fp32_input(dev, rng):
     check_linear(dev, "bf16", 2, 64, 48, torch.float32, rng, x_dtype=torch.float32)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_linear_gemv_path(dev, fmt, m, rng):
+    """The M <= GEMV_MAX_M path (x quantised in the kernel, CUDA cores), split-K and whole-K."""
+    for out_dtype in (torch.bfloat16, torch.float32):
+        check_linear(dev, fmt, m, 160, 72, out_dtype, rng, path="gemv")
+    check_linear(dev, fmt, m, 320, 40, torch.float32, rng, path="gemv", split_k=3, bk=64)
+
+
+
 def test_linear_rejects_bad_shapes():
     with pytest.raises(ValueError, match="multiple of 32"):
         bl.linear(torch.zeros(1, 40), *quant.fp8_block_quant(torch.zeros(8, 40)))
@@ -109,6 +120,15 @@ def test_moe_experts_formats(dev, fmt, rng):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+@pytest.mark.parametrize("t", [1, 2, 3])
+def test_moe_experts_gemv_path(dev, fmt, t, rng):
+    """The decode path (T <= GEMV_MAX_T): each program finds its expert and rows from the ids;
+    repeated ids across tokens, skipped (-1) slots, more experts than routed rows."""
+    check_moe(dev, fmt, t, 6, 3, 96, 64, rng, path="gemv")
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 def test_moe_shared_expert_call(dev, rng):
     """The model's shared-expert call: one expert, every token routed to it with weight 1."""
     t, d, inter = 4, 64, 96
@@ -122,6 +142,13 @@ def test_moe_shared_expert_call(dev, rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", [DEVICES[1]])
-@pytest.mark.parametrize("t", [1, 8, 64, 200])
+@pytest.mark.parametrize("t", [1, 2, 4, 8, 64, 200])
 def test_moe_experts_model_shapes_gpu(dev, t, rng):
     check_moe(dev, "fp4", t, 16, 6, 1024, 512, rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("t", [1, 3])
+def test_moe_experts_fp8_decode_gpu(dev, t, rng):
+    check_moe(dev, "fp8", t, 4, 2, 1024, 512, rng)

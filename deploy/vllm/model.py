@@ -35,10 +35,11 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.interfaces import SupportsMultiModal
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
+from ...backends.platform import as_storage
 from ...core.config import ModelConfig
 from ...core.model import Transformer
 from ...core.parallel import SINGLE, Group, TorchGroup
-from ...core.weights import check_state_dict, materialize
+from ...core.weights import check_state_dict, checkpoint_dtypes, materialize
 from ..convert import shard_of
 from ..names import hf_to_native
 from . import options
@@ -186,6 +187,7 @@ class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
         from ..names import RELEASED_FP8_BF16
 
         expected = self.model.state_dict()
+        dtypes = checkpoint_dtypes(self.model)  # float8 where a buffer holds the bytes (NPU)
         seen: dict[str, torch.Tensor] = {}  # native name -> shape/dtype stand-in, for the check
         released: dict[str, dict[str, torch.Tensor]] = {}  # owner -> {"weight", "scale"} of the FP8 form
         group = self.group
@@ -197,9 +199,9 @@ class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
                     return  # another rank's routed expert
             seen[native] = torch.empty(t.shape, dtype=t.dtype, device="meta")
             buf = expected.get(native)
-            if buf is not None and buf.shape == t.shape and buf.dtype == t.dtype:
+            if buf is not None and buf.shape == t.shape and dtypes[native] == t.dtype:
                 with torch.no_grad():
-                    buf.copy_(t)
+                    buf.copy_(as_storage(t, buf.dtype))
 
         for name, t in weights:
             native = hf_to_native(name)

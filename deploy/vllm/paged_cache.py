@@ -63,6 +63,7 @@ import torch
 from torch import nn
 
 from ...backends.paging import table_rows
+from ...backends.platform import storage_dtype
 from ...core.batch import StepBatch
 from ...core.cache import GlobalPool, KVPool, SWAPool
 from ...core.config import ModelConfig
@@ -237,15 +238,15 @@ class PagedCaches(nn.Module):
             layout = self.glob_recs[s] if s is not None else self.swa_recs[len(swa)]
             f = fields_of(raw, layout)
             t = table_of(lay, q.kind, stride, records)
+            e4m3, e8m0 = (storage_dtype(d, raw.device) for d in (torch.float8_e4m3fn, torch.float8_e8m0fnu))
             if s is not None:
-                glob[s] = GlobalPool(q.ratio, records, f["kv_codes"], _typed(f["kv_scale"], torch.float8_e4m3fn),
-                                     f["key_codes"], _typed(f["key_scale"], torch.float8_e8m0fnu), t)
+                glob[s] = GlobalPool(q.ratio, records, f["kv_codes"], _typed(f["kv_scale"], e4m3),
+                                     f["key_codes"], _typed(f["key_scale"], e8m0), t)
                 if layout.tokens:
                     req["glob_tokens"] = _typed(f["token_ids"], torch.int32)  # [rows, ratio]
                 continue
             li = len(swa)
-            swa.append(SWAPool(_typed(f["kv"], torch.float8_e4m3fn), _typed(f["scale"], torch.float8_e8m0fnu),
-                               q.block_size, t))
+            swa.append(SWAPool(_typed(f["kv"], e4m3), _typed(f["scale"], e8m0), q.block_size, t))
             if layout.carry:
                 carry[li] = _typed(f["carry"], torch.float32).view(-1, 2, cfg.head_dim)
             if layout.request:

@@ -36,27 +36,9 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.basic import linear as linear_ref  # noqa: F401  (the oracle)
-from .block_scaled import W_DENSE, W_FP4, W_FP8, bf16_bits16, load_weight_tile, scaled_block_step
-
-
-@triton.jit
-def _dot_acc(acc, a, w, A_TERMS: tl.constexpr, LOWP: tl.constexpr):
-    """acc + a [BM, BK] @ w[BN, BK]^T with exact products: bf16 operands on devices (a split into
-    A_TERMS bf16 parts; w is bf16-exact), fp32 "ieee" dots under the interpreter."""
-    wt = tl.trans(w)
-    if LOWP:
-        wb = wt.to(tl.bfloat16)
-        hi = a.to(tl.bfloat16)
-        acc = tl.dot(hi, wb, acc)
-        if A_TERMS > 1:
-            r = a - hi.to(tl.float32)
-            mid = r.to(tl.bfloat16)
-            acc = tl.dot(mid, wb, acc)
-            if A_TERMS > 2:
-                acc = tl.dot((r - mid.to(tl.float32)).to(tl.bfloat16), wb, acc)
-    else:
-        acc = tl.dot(a, wt, acc, input_precision="ieee")
-    return acc
+from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, gemv_acc, gemv_load_w, load_weight_tile,
+                           scaled_block_step)
+from .fp4_common import split_dot_acc
 
 
 @triton.jit
@@ -99,27 +81,60 @@ def _block_linear_kernel(x_ptr, q_ptr, qs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, 
             a = tl.load(x_ptr + rm64[:, None] * K + kk[None, :], mask=mmask[:, None] & (kk[None, :] < k_hi),
                         other=0.0).to(tl.float32)
             w = load_weight_tile(w_ptr, s_ptr, rn, k0, N, K, s_stride, BN, BK, W_KIND)
-            acc = _dot_acc(acc, a, w, A_TERMS, LOWP)
+            acc = split_dot_acc(acc, a, tl.trans(w), A_TERMS, LOWP)
         else:  # scaled weight: one dot per 32-wide scale block, rescaled into acc
             for kb in tl.static_range(BK // 32):
                 acc = scaled_block_step(acc, q_ptr, qs_ptr, rm64, mmask, w_ptr, s_ptr, rn, nmask, k0 + kb * 32,
                                         k_hi, K, s_stride, W_KIND, LOWP)
+    _finish_tile(acc, out_ptr, part_ptr, count_ptr, pid_m * n_n + pid_n, pid_k, rm, rn, M, N, SPLIT_K, OUT_BF16)
+
+
+@triton.jit
+def _finish_tile(acc, out_ptr, part_ptr, count_ptr, tile, pid_k, rm, rn, M, N, SPLIT_K: tl.constexpr,
+                 OUT_BF16: tl.constexpr):
+    """Store a [BM, BN] output tile, or (SPLIT_K > 1) its K slice's partial; the program that
+    completes the tile adds the partials in slice order and stores the output."""
     if SPLIT_K == 1:
         _store_out(out_ptr, acc, rm, rn, M, N, OUT_BF16)
     else:
-        tile = pid_m * n_n + pid_n
+        rm64 = rm.to(tl.int64)
         po = (pid_k * M + rm64)[:, None] * N + rn[None, :]
-        pmask = mmask[:, None] & nmask[None, :]
+        pmask = (rm[:, None] < M) & (rn[None, :] < N)
         tl.store(part_ptr + po, acc, mask=pmask)
         tl.debug_barrier()  # every thread's partial is stored before the counter moves
         done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
         if done == SPLIT_K - 1:  # the last slice of this tile: reduce in slice order
-            tot = tl.zeros((BM, BN), dtype=tl.float32)
+            tot = tl.zeros(acc.shape, dtype=tl.float32)
             for s in range(SPLIT_K):
                 so = (s * M + rm64)[:, None] * N + rn[None, :]
                 tot += tl.load(part_ptr + so, mask=pmask, other=0.0, cache_modifier=".cg")
             _store_out(out_ptr, tot, rm, rn, M, N, OUT_BF16)
             tl.atomic_xchg(count_ptr + tile, 0)
+
+
+@triton.jit
+def _gemv_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride, w_stride, s_stride,
+                        k_per_split, W_KIND: tl.constexpr, SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr,
+                        RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
+    """The scaled linear for M <= GEMV_MAX_M rows (all in one program, RB >= M; x already holds
+    its FP8 quantise-dequantise values): BN weight rows streamed once over a K slice, the next
+    BK step's weight tile loaded before the current one is used (two tiles in flight)."""
+    NB: tl.constexpr = BK // 32
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, RB)
+    mmask = rm < M
+    rn = pid_n * BN + tl.arange(0, BN)
+    nmask = rn < N
+    acc = tl.zeros((RB, BN, NB), dtype=tl.float32)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    w, s = gemv_load_w(w_ptr, w_stride, s_ptr, s_stride, rn, nmask, k_lo, k_hi, W_KIND, BN, NB)
+    for k0 in range(k_lo, k_hi, BK):
+        w_next, s_next = gemv_load_w(w_ptr, w_stride, s_ptr, s_stride, rn, nmask, k0 + BK, k_hi, W_KIND, BN, NB)
+        acc = gemv_acc(acc, w, s, x_ptr, rm, mmask, x_stride, k0, k_hi, W_KIND, RB, NB, ASM)
+        w, s = w_next, s_next
+    _finish_tile(tl.sum(acc, axis=2), out_ptr, part_ptr, count_ptr, pid_n, pid_k, rm, rn, M, N, SPLIT_K, OUT_BF16)
 
 
 @triton.jit
@@ -143,6 +158,13 @@ DECODE = {"bn": 64, "bk": 128, "num_warps": 4, "num_stages": 4, "waves": 4}
 PREFILL = {"bm": 128, "bn": 128, "bk": 64, "num_warps": 8, "num_stages": 3, "group_m": 8}
 INTERP = {"bn": 32, "bk": 64}
 DECODE_MAX_M = 64
+# M <= GEMV_MAX_M: `_gemv_linear_kernel` (a few rows: CUDA cores, the weight streamed once; by
+# default for M <= GEMV_DEFAULT_M). H200 2026-11-30, K=5120 N=6144, graph replay: M=1 15.8 us
+# (BN 16) / 16.3-20.8 (other tiles) against 19.4 us for the tiled kernel; M=4 30-47 against 21.2.
+GEMV_MAX_M = 4
+GEMV_DEFAULT_M = 1
+GEMV = {"bn": 16, "bk": 256, "num_warps": 4, "num_stages": 1, "waves": 4}
+GEMV_INTERP = {"bn": 32, "bk": 64, "num_warps": 4, "num_stages": 1}
 
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 
@@ -158,6 +180,18 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+def _split_k_buffers(m, n, k, bk, k_steps, split_k, n_tiles, out):
+    """(split_k, K per slice, fp32 partials [split_k, M, N], tile counters) for a split-K launch;
+    slices are whole BK steps, so the split actually used can be smaller than asked. Without a
+    split the partials and counters are unused (`out` stands in)."""
+    k_per_split = bk * -(-k_steps // split_k)
+    split_k = -(-k // k_per_split)
+    if split_k == 1:
+        return split_k, k_per_split, out, out
+    return (split_k, k_per_split, torch.empty(split_k, m, n, dtype=torch.float32, device=out.device),
+            _counters(out.device, n_tiles))
+
+
 def weight_kind(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
     """W_DENSE / W_FP8 / W_FP4 from the storage dtypes (the checkpoint's formats)."""
     if scale is None:
@@ -171,10 +205,11 @@ def weight_kind(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
 
 def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor, *,
                   bm: int | None = None, bn: int | None = None, bk: int | None = None, split_k: int | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None) -> None:
+                  num_warps: int | None = None, num_stages: int | None = None, path: str | None = None) -> None:
     """out [M, N] (bf16 or fp32) = x2 [M, K] @ dequant(weight)^T; with a scaled weight x2 is
-    FP8-quantised first (`fp8_quant`, one pass). The keyword tile parameters are for tuning
-    (defaults: the tables above)."""
+    FP8-quantised first (`fp8_quant`, one pass; in the kernel on the gemv path). The keyword tile
+    parameters are for tuning (defaults: the tables above); `path` ("gemv" / "tiled") overrides
+    the choice of the M <= GEMV_MAX_M path."""
     from .fp8_quant import fp8_quant
     from .launch import interpreting, num_workers
 
@@ -187,6 +222,14 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     if weight.shape[1] != want_k:
         raise ValueError(f"weight {tuple(weight.shape)} does not match in_features {k}")
     interp = interpreting()
+    if path is None:
+        path = "gemv" if kind != W_DENSE and m <= GEMV_DEFAULT_M else "tiled"
+    if path == "gemv":
+        if kind == W_DENSE or m > GEMV_MAX_M:
+            raise ValueError(f"linear: the gemv path takes scaled weights and <= {GEMV_MAX_M} rows")
+        _launch_gemv(x2, weight, scale, out, kind, bn=bn, bk=bk, split_k=split_k, num_warps=num_warps,
+                     num_stages=num_stages)
+        return
     small = m <= DECODE_MAX_M
     if interp:
         cfg = {"bm": 16, "bn": INTERP["bn"], "bk": INTERP["bk"], "group_m": 1}
@@ -202,13 +245,7 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
             split_k = max(1, min(k_steps // 2, -(-DECODE["waves"] * num_workers(x2.device) // n_tiles)))
         else:
             split_k = 1 if not interp else min(2, k_steps)
-    k_per_split = bk * -(-k_steps // split_k)
-    split_k = -(-k // k_per_split)
-    if split_k > 1:
-        part = torch.empty(split_k, m, n, dtype=torch.float32, device=x2.device)
-        counts = _counters(x2.device, n_tiles)
-    else:
-        part = counts = out
+    split_k, k_per_split, part, counts = _split_k_buffers(m, n, k, bk, k_steps, split_k, n_tiles, out)
     if kind == W_DENSE:
         q = qs = s = x2  # unused placeholders
     else:
@@ -223,6 +260,34 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
         x2, q, qs, w, s, out_arg, part, counts, m, n, k, s.shape[1] if scale is not None else 0, k_per_split,
         W_KIND=kind, SPLIT_K=split_k, A_TERMS=a_terms, LOWP=not interp,
         OUT_BF16=out.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], **kw)
+
+
+def _launch_gemv(x2, weight, scale, out, kind, *, bn=None, bk=None, split_k=None, num_warps=None, num_stages=None):
+    """The M <= GEMV_MAX_M launch of `_gemv_linear_kernel` (split-K to give every SM work), after
+    one `fp8_qdq_bf16` pass over x."""
+    from .fp8_quant import fp8_qdq_bf16
+    from .launch import interpreting, num_workers
+
+    m, k = x2.shape
+    n = weight.shape[0]
+    interp = interpreting()
+    cfg = GEMV_INTERP if interp else GEMV
+    bn, bk = bn or cfg["bn"], bk or cfg["bk"]
+    bk = min(bk, max(32, triton.next_power_of_2(k)))
+    x2 = fp8_qdq_bf16(x2)
+    n_tiles = -(-n // bn)
+    k_steps = -(-k // bk)
+    if split_k is None:
+        split_k = 1 if interp else max(1, min(k_steps, -(-GEMV["waves"] * num_workers(x2.device) // n_tiles)))
+    split_k, k_per_split, part, counts = _split_k_buffers(m, n, k, bk, k_steps, split_k, n_tiles, out)
+    w = weight.view(torch.uint8) if kind == W_FP4 else weight
+    out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    kw = {} if interp else {"num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages or cfg["num_stages"]}
+    _gemv_linear_kernel[(n_tiles, split_k)](
+        x2, w, scale.view(torch.uint8), out_arg, part, counts, m, n, k, x2.stride(0), weight.stride(0), scale.shape[1],
+        k_per_split,
+        W_KIND=kind, SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, RB=max(1, triton.next_power_of_2(m)),
+        BN=bn, BK=bk, ASM=not interp, **kw)
 
 
 def dequant_bf16(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

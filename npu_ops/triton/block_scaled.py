@@ -186,3 +186,103 @@ def scaled_block_step(acc, q_ptr, qs_ptr, arow, amask, w_ptr, s_ptr, rn, nmask, 
             part = tl.dot(ae.to(tl.float32), tl.trans(wlo.to(tl.float32)), input_precision="ieee") \
                 + tl.dot(ao.to(tl.float32), tl.trans(whi.to(tl.float32)), input_precision="ieee")
     return acc + part * sa[:, None] * sw[None, :]
+
+
+# ---- GEMV-style helpers (decode: a few activation rows, no tensor cores) -----------------------
+# At 1..4 activation rows a tile of weights is used by so few rows that the tensor cores buy
+# nothing, while every per-32-block dot costs a trip through shared memory. These helpers keep the
+# whole K block of a weight row inside one thread: the weight is dequantised to fp32 exactly, the
+# products (exact in fp32: 4 x 2 or 4 x 4 significant bits) are summed per 32-wide scale block in
+# registers, and the block sums take the weight's power-of-two scale. The activation arrives as
+# its FP8 quantise-dequantise values (the power-of-two activation scale is inside them), so the
+# result is the reference's sum(q_x * q_w) * s_x * s_w up to fp32 summation order.
+
+# e2m1 bytes -> fp32 (value * 2^-14), 4 bytes per 32-bit register. An E2M1 nibble's fp16 bit
+# pattern (e2m1_fp16) has a zero low byte and the high byte (sign << 7) | (magnitude << 1); the
+# high bytes of all four low nibbles (l) and of all four high nibbles (h) are built with whole-
+# register shifts and masks, prmt places them two by two into fp16x2 registers, and cvt widens.
+_E2M1_ASM = tl.constexpr("""
+{
+.reg .b32 a, b, l, h, r;
+.reg .b16 h0, h1;
+shl.b32 a, $8, 1; and.b32 a, a, 0x0E0E0E0E; shl.b32 b, $8, 4; and.b32 b, b, 0x80808080; or.b32 l, a, b;
+shr.b32 a, $8, 3; and.b32 a, a, 0x0E0E0E0E; and.b32 b, $8, 0x80808080; or.b32 h, a, b;
+prmt.b32 r, l, 0, 0x1404; mov.b32 {h0, h1}, r; cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h1;
+prmt.b32 r, l, 0, 0x3424; mov.b32 {h0, h1}, r; cvt.f32.f16 $2, h0; cvt.f32.f16 $3, h1;
+prmt.b32 r, h, 0, 0x1404; mov.b32 {h0, h1}, r; cvt.f32.f16 $4, h0; cvt.f32.f16 $5, h1;
+prmt.b32 r, h, 0, 0x3424; mov.b32 {h0, h1}, r; cvt.f32.f16 $6, h0; cvt.f32.f16 $7, h1;
+}
+""")
+
+
+@triton.jit
+def e2m1_pairs_f32(b, ASM: tl.constexpr):
+    """Packed FP4 bytes (uint8 tensor) -> (low-nibble values, high-nibble values) as fp32, each
+    the E2M1 value times 2^-14 (exact). ASM: the packed PTX conversion (CUDA); else elementwise."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [b],
+                                           dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    else:
+        c = b.to(tl.int32)
+        lo = e2m1_fp16(c & 15).to(tl.float32)
+        hi = e2m1_fp16((c >> 4) & 15).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def gemv_load_w(w_ptr, w_stride, s_ptr, s_stride, rn, nmask, k0, k_hi, W_KIND: tl.constexpr, BN: tl.constexpr,
+                NB: tl.constexpr):
+    """The raw weight tile of rows `rn` [BN] and K blocks k0 / 32 .. + NB (zero at or past k_hi) and
+    its E8M0 scales as fp32 [BN, NB]: FP8 [BN, NB, 32] (W_KIND 1: 32x32 scale blocks) or packed
+    FP4 bytes [BN, NB, 16] (W_KIND 2: a scale per row and block; times 2^14, see e2m1_pairs_f32).
+    Loaded as 3-d tiles so that each thread holds whole blocks (the block sums stay in registers);
+    w_stride: the weight's row stride in elements (bytes for FP4)."""
+    rn64 = rn.to(tl.int64)
+    kb = k0 // 32 + tl.arange(0, NB)
+    bok = nmask[:, None] & (kb[None, :] * 32 < k_hi)
+    if W_KIND == 1:
+        j = tl.arange(0, 32)
+        w = tl.load(w_ptr + rn64[:, None, None] * w_stride + kb[None, :, None] * 32 + j[None, None, :],
+                    mask=bok[:, :, None], other=0.0)
+        s = e8m0_value(tl.load(s_ptr + (rn64 // 32)[:, None] * s_stride + kb[None, :], mask=bok, other=0).to(tl.int32))
+    else:
+        j = tl.arange(0, 16)
+        w = tl.load(w_ptr + rn64[:, None, None] * w_stride + kb[None, :, None] * 16 + j[None, None, :],
+                    mask=bok[:, :, None], other=0)
+        s = e8m0_value(tl.load(s_ptr + rn64[:, None] * s_stride + kb[None, :], mask=bok, other=0).to(tl.int32)) * 16384.0
+    return w, s
+
+
+@triton.jit
+def gemv_acc(acc, w, s, x_ptr, rows, rmask, stride, k0, k_hi, W_KIND: tl.constexpr, RB: tl.constexpr,
+             NB: tl.constexpr, ASM: tl.constexpr):
+    """acc [RB, BN, NB] + for each activation row r (`rows` [RB], row stride `stride`; FP8-exact
+    values) and each 32-wide K block k0 / 32 .. + NB (zero at or past k_hi): the sum of the exact
+    products with the weight tile (w, s from gemv_load_w), times the weight scale. One row at a
+    time, so every product stays in the weight tile's layout (each thread's blocks summed in its
+    registers); FP4: a block's elements 2j and 2j + 1 meet the low and high nibbles of byte j."""
+    if W_KIND == 1:
+        wf = w.to(tl.float32)
+    else:
+        wlo, whi = e2m1_pairs_f32(w, ASM)
+    kb = k0 // 32 + tl.arange(0, NB)
+    ridx = tl.arange(0, RB)
+    for r in tl.static_range(RB):
+        row = tl.sum(tl.where(ridx == r, rows, 0), axis=0).to(tl.int64)
+        ok = tl.sum(tl.where((ridx == r) & rmask, 1, 0), axis=0) > 0
+        base = x_ptr + row * stride + kb[:, None] * 32
+        m = ok & (kb[:, None] * 32 < k_hi)
+        if W_KIND == 1:
+            j = tl.arange(0, 32)
+            xa = tl.load(base + j[None, :], mask=m, other=0.0).to(tl.float32)
+            part = tl.sum(wf * xa[None, :, :], axis=2)
+        else:
+            j = tl.arange(0, 16)
+            xe = tl.load(base + 2 * j[None, :], mask=m, other=0.0).to(tl.float32)
+            xo = tl.load(base + 2 * j[None, :] + 1, mask=m, other=0.0).to(tl.float32)
+            part = tl.sum(wlo * xe[None, :, :] + whi * xo[None, :, :], axis=2)
+        if RB == 1:
+            acc += (part * s)[None, :, :]
+        else:
+            acc += tl.where((ridx == r)[:, None, None], (part * s)[None, :, :], 0.0)
+    return acc

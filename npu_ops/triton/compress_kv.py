@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.attention import compress_kv as compress_kv_ref  # noqa: F401 (the oracle)
-from .fp4_common import FP4_GROUP, bf16_rne_bits, byte_to_int8, e2m1_code, e4m3_value, fp4_scale_code, offsets
+from .fp4_common import (FP4_GROUP, as_cmp, bf16_rne_bits, byte_to_int8, e2m1_code, e4m3_value, fp4_scale_code,
+                         offsets)
 
 # (BLOCK_G, num_warps) per ratio. CUDA: 8 (ratio 2) / 16 (ratio 1) rows of 512 fp32 in flight
 # per program keep ~64 KB of loads outstanding per SM. Ascend / interpreter: <= 4 fp32 row
@@ -116,7 +117,7 @@ def _compress_kv_kernel(kv_ptr, score_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, la
         sv = e4m3_value(sc)[:, :, None]
         byte = e2m1_code(a3, sv) | (e2m1_code(b3, sv) << 4)
         slot = offsets(tl.load(slot_ptr + g, mask=gmask, other=0), WIDE)
-        slot = tl.where(slot < 0, slot + cap, slot)  # torch indexing semantics for negative slots
+        slot = tl.where(as_cmp(slot) < 0.0, slot + cap, slot)  # torch indexing semantics for negative slots
         # bytes through int8 pointers (no uint8 pointer stores on Atlas A2/A3)
         tl.store(code_ptr + slot[:, None, None] * code_stride + p3, byte_to_int8(byte), mask=gmask[:, None, None])
         tl.store(scale_ptr + slot[:, None] * scale_stride + q2, sc.to(tl.int8), mask=m2)  # E4M3 codes 0..126

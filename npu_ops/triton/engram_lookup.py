@@ -1,7 +1,7 @@
 """Engram row gather: hashed row ids [T, R] -> dequantised bf16 [T, R * Dh] (op `engram_lookup`).
 
-Tables: FP8 E4M3 [rows, Dh] (torch.float8_e4m3fn) with E8M0 scales [rows, Dh/32]
-(float8_e8m0fnu) or plain fp32/bf16/fp16 scales [rows, Dh/32]; or INT8 [rows, Dh] with
+Tables: FP8 E4M3 [rows, Dh] (torch.float8_e4m3fn, or its uint8 bytes: the NPU storage) with E8M0
+scales [rows, Dh/32] (float8_e8m0fnu or its uint8 bytes) or plain fp32/bf16/fp16 scales [rows, Dh/32]; or INT8 [rows, Dh] with
 one fp32 scale per row ([rows] or [rows, 1]). Every gathered row is one contiguous load of Dh
 bytes; the table may be a device tensor or, on CUDA, pinned host memory (read through its
 device-visible address; unverified at the model level, kernel tested on an H200).
@@ -24,7 +24,7 @@ import triton.language as tl
 from ...backends.reference.basic import engram_lookup as engram_lookup_ref  # noqa: F401  (the oracle)
 from ...backends.reference.basic import gather_rows_to
 
-from .fp4_common import offsets
+from .fp4_common import as_cmp, offsets
 
 BLOCK_R = 16  # gathered rows per tile
 BLOCK_R_NPU = 8  # Ascend: 8 x 256-wide rows keep ~6 live tiles inside half the 192 KB unified buffer
@@ -44,7 +44,7 @@ def ub_tiles(block_r: int, dh: int) -> dict[str, tuple[int, ...]]:
 def _bf16_bits(v):
     """fp32 -> bf16 bits (int16), round to nearest even (NaN stays NaN: quiet bit kept)."""
     b = v.to(tl.int32, bitcast=True)
-    nan = (b & 0x7FFFFFFF) > 0x7F800000
+    nan = v != v  # a float compare (Ascend vectorises those; an int compare here would not be exact in fp32)
     r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
     r = tl.where(nan, (b >> 16) | 0x40, r)
     return r.to(tl.int16)
@@ -74,16 +74,17 @@ def _engram_kernel(tab_ptr, sc_ptr, rows_ptr, out_ptr, n_rows, DH, n_tiles, num_
             e = (byte >> 3) & 15
             mt = byte & 7
             mag_bits = ((e + 120) << 23) | (mt << 20)  # normal: 2^(e-7) * (1 + mt/8)
-            mag = tl.where(e == 0, mt.to(tl.float32) * 0.001953125,  # subnormal: mt * 2^-9
+            ef, mf = as_cmp(e), as_cmp(mt)  # fp32 compares (Ascend); bytes are exact
+            mag = tl.where(ef == 0.0, mf * 0.001953125,  # subnormal: mt * 2^-9
                            mag_bits.to(tl.float32, bitcast=True))
-            mag = tl.where((e == 15) & (mt == 7), float("nan"), mag)
+            mag = tl.where((ef == 15.0) & (mf == 7.0), float("nan"), mag)
             sign = (byte & 0x80) << 24  # set the sign bit directly: -x would be 0 - x (loses -0.0)
             q = (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
             sidx = idx[:, None] * (DH // 32) + gg[None, :]
             gm = rm[:, None] & (gg * 32 < DH)[None, :]
             if MODE == 0:  # E8M0 byte b -> 2^(b - 127)
                 sb = tl.load(sc_ptr + sidx, mask=gm, other=127).to(tl.int32) & 0xFF
-                s = tl.where(sb == 0, 5.877471754111438e-39, (sb << 23).to(tl.float32, bitcast=True))
+                s = tl.where(as_cmp(sb) == 0.0, 5.877471754111438e-39, (sb << 23).to(tl.float32, bitcast=True))
             else:
                 s = tl.load(sc_ptr + sidx, mask=gm, other=0.0).to(tl.float32)
             v = q * s[:, :, None]
@@ -113,10 +114,10 @@ def engram_lookup(table: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, 
         if scale.numel() != n_tab or scale.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"an INT8 table needs one float scale per row ([{n_tab}] or [{n_tab}, 1])")
         tab, sc = table, scale.reshape(n_tab)
-    elif table.dtype == torch.float8_e4m3fn:
+    elif table.dtype in (torch.float8_e4m3fn, torch.uint8):  # uint8: E4M3 bytes (NPU storage)
         if dh % 32 or scale.shape != (n_tab, dh // 32):
             raise ValueError(f"an FP8 table [{n_tab}, {dh}] needs scales [{n_tab}, {dh // 32}], got {tuple(scale.shape)}")
-        if scale.dtype == torch.float8_e8m0fnu:
+        if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):  # uint8: E8M0 bytes (NPU storage)
             mode, sc = MODE_FP8_E8M0, scale.view(torch.int8)  # int8 pointers: no uint8 loads on Atlas A2/A3
         elif scale.dtype in (torch.float32, torch.bfloat16, torch.float16):
             mode, sc = MODE_FP8_F32, scale  # plain multipliers, as the reference reads them

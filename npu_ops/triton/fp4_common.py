@@ -1,5 +1,6 @@
 """Shared @triton.jit helpers for the FP4 main-KV format (E2M1 + E4M3 scale per 16) and bf16
-rounding, with integer/fp32 ops only (no fp8/bf16 arithmetic, no division).
+rounding, with integer/fp32 ops only (no fp8/bf16 arithmetic, no division); plus the exact
+split-bf16 dot (`split_dot_acc`) and the offset width switch (`offsets`) other kernels share.
 
 The encoding is the one of `fp4_kv_store.py` (see its docstring for why every comparison is
 exact and agrees with `quant.fp4_quant`), factored out so fused kernels can quantise rows they
@@ -12,6 +13,15 @@ import triton
 import triton.language as tl
 
 FP4_GROUP = 16
+
+
+@triton.jit
+def as_cmp(x):
+    """An integer vector as fp32, for a comparison inside a compute expression (`tl.where`):
+    triton-ascend's performance guide says integer compares there run as scalar code on Atlas
+    A2/A3, while fp32 compares vectorise. Exact for |x| <= 2^24; a sign test (x < 0) is exact for
+    any value. Load / store masks stay integer (those vectorise)."""
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -34,7 +44,7 @@ def fp4_scale_code(amax):
     qe = ((qb >> 23) & 0xFF) - 127
     c_norm = (qe + 7) * 8 + ((qb >> 20) & 7)
     c_sub = (tl.minimum(q, 1.0) * 512.0).to(tl.int32)  # below 2^-6: multiples of 2^-9
-    c = tl.where(qe >= -6, c_norm, c_sub)
+    c = tl.where(as_cmp(qe) >= -6.0, c_norm, c_sub)  # qe in [-127, 128]
     c = tl.minimum(tl.maximum(c, 0), 126)
     # exact fix-up: floor code of amax / 6 ...
     c = c + (amax >= 6.0 * e4m3_value(c + 1)).to(tl.int32) - (amax < 6.0 * e4m3_value(c)).to(tl.int32)
@@ -81,3 +91,23 @@ def offsets(i, WIDE: tl.constexpr):
         return i.to(tl.int64)
     else:
         return i.to(tl.int32)
+
+
+@triton.jit
+def split_dot_acc(acc, a, w, TERMS: tl.constexpr, LOWP: tl.constexpr):
+    """acc + a [M, K] @ w [K, N] with exact products: on devices (LOWP) bf16 tensor-core dots,
+    a split into TERMS bf16 parts (hi + mid + lo; w must be bf16-exact); under the interpreter
+    one fp32 "ieee" dot."""
+    if LOWP:
+        wb = w.to(tl.bfloat16)
+        hi = a.to(tl.bfloat16)
+        acc = tl.dot(hi, wb, acc)
+        if TERMS > 1:
+            r = a - hi.to(tl.float32)
+            mid = r.to(tl.bfloat16)
+            acc = tl.dot(mid, wb, acc)
+            if TERMS > 2:
+                acc = tl.dot((r - mid.to(tl.float32)).to(tl.bfloat16), wb, acc)
+    else:
+        acc = tl.dot(a, w, acc, input_precision="ieee")
+    return acc

@@ -177,12 +177,16 @@ def fp4_kv_store(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scal
 
 
 def fp4_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ops.fp4_quant` on top of the store kernel: [..., D] -> (uint8 [..., D/2], E4M3 [..., D/16])."""
+    """`ops.fp4_quant` on top of the store kernel: [..., D] -> (uint8 [..., D/2], E4M3 [..., D/16];
+    its uint8 bytes on an NPU)."""
+    from ...backends.platform import storage_dtype
+
     d = x.shape[-1]
     x2 = x.reshape(-1, d)
     m = x2.shape[0]
     codes = torch.empty(m, d // 2, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(m, d // GROUP, dtype=torch.float8_e4m3fn, device=x.device)
+    # E4M3 scales in the device's storage dtype for them (uint8 bytes on an NPU)
+    scales = torch.empty(m, d // GROUP, dtype=storage_dtype(torch.float8_e4m3fn, x.device), device=x.device)
     fp4_kv_store(x2, torch.arange(m, device=x.device), codes, scales)
     return codes.reshape(*x.shape[:-1], d // 2), scales.reshape(*x.shape[:-1], d // GROUP)
 

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.mhc import mhc_mix as mhc_mix_ref  # noqa: F401  (the oracle)
-from .fp4_common import offsets
+from .fp4_common import as_cmp, offsets
 
 N_STREAMS = 4
 N_MIX = (2 + N_STREAMS) * N_STREAMS  # 24 coefficients per token
@@ -63,7 +63,7 @@ def ub_tiles(block_t: int, block_d: int) -> dict[str, tuple[int, ...]]:
 @triton.jit
 def _col(acc, kk, k: tl.constexpr):
     """Column k of a [BLOCK_T, 32] tile as a [BLOCK_T] vector."""
-    return tl.sum(tl.where(kk[None, :] == k, acc, 0.0), axis=1)
+    return tl.sum(tl.where(as_cmp(kk)[None, :] == k, acc, 0.0), axis=1)
 
 
 @triton.jit
@@ -193,21 +193,27 @@ def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr
                                out_ty, OUT_BF16)
             tl.store(xhat_ptr + yo, xh, mask=m2)
             if HAS_FN:
-                ss += f0 * f0 + f1 * f1 + f2 * f2 + f3 * f3
-                fmask = kmask[:, None] & cm[None, :]
-                fo = offsets(kk, WIDE)[:, None] * (4 * D) + cols[None, :]
-                part = _fn_dot(f0, fn_ptr, fo, fmask, SPLIT) + _fn_dot(f1, fn_ptr, fo + D, fmask, SPLIT)
-                part += _fn_dot(f2, fn_ptr, fo + 2 * D, fmask, SPLIT) + _fn_dot(f3, fn_ptr, fo + 3 * D, fmask, SPLIT)
-                # Kahan-compensated running sum of the per-slice partial dot products
-                yk = part - comp
-                tk = acc + yk
-                comp = (tk - acc) - yk
-                acc = tk
+                acc, comp, ss = _fn_partial_step(acc, comp, ss, f0, f1, f2, f3, fn_ptr, offsets(kk, WIDE), kmask,
+                                                 cols, cm, D, SPLIT)
         if HAS_FN:  # this chunk's share of m (with its Kahan residue) and of the sum of squares
             po = (ck * T + offsets(tok, WIDE))[:, None] * 32 + kk[None, :]
             tl.store(part_ptr + po, acc, mask=tm[:, None])
             tl.store(pcomp_ptr + po, comp, mask=tm[:, None])
             tl.store(pss_ptr + ck * T + tok, tl.sum(ss, axis=1), mask=tm)
+
+
+@triton.jit
+def _fn_partial_step(acc, comp, ss, f0, f1, f2, f3, fn_ptr, krow, kmask, cols, cm, D, SPLIT: tl.constexpr):
+    """One BLOCK_D slice of the mix projection for the four streams' rows f0..f3 [BLOCK_T,
+    BLOCK_D]: the sum of squares (ss) and the dot products with fn's rows `krow` ([32], 24 valid:
+    kmask) over columns `cols` (valid: cm), added to the Kahan-compensated (acc, comp)."""
+    ss += f0 * f0 + f1 * f1 + f2 * f2 + f3 * f3
+    fmask = kmask[:, None] & cm[None, :]
+    fo = krow[:, None] * (4 * D) + cols[None, :]
+    part = _fn_dot(f0, fn_ptr, fo, fmask, SPLIT) + _fn_dot(f1, fn_ptr, fo + D, fmask, SPLIT)
+    part += _fn_dot(f2, fn_ptr, fo + 2 * D, fmask, SPLIT) + _fn_dot(f3, fn_ptr, fo + 3 * D, fmask, SPLIT)
+    acc, comp = _kahan(acc, comp, part)
+    return acc, comp, ss
 
 
 @triton.jit
@@ -246,7 +252,8 @@ def _mhc_coef_kernel(part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr
         s0 = tl.load(scale_ptr + 0).to(tl.float32)
         s1 = tl.load(scale_ptr + 1).to(tl.float32)
         s2 = tl.load(scale_ptr + 2).to(tl.float32)
-        sel = tl.where(kk < 4, s0, tl.where(kk < 8, s1, s2))
+        kf = as_cmp(kk)
+        sel = tl.where(kf < 4.0, s0, tl.where(kf < 8.0, s1, s2))
         z = (acc * inv[:, None]) * sel[None, :] + base[None, :]  # scale * m + base
         sg = 1.0 / (1.0 + tl.exp(-z))
         tl.store(opre_ptr + t4[:, None] + kk[None, :], sg + hc_eps,

@@ -20,7 +20,7 @@ import triton.language as tl
 from ...backends.reference.mhc import mhc_collapse as mhc_collapse_ref  # noqa: F401  (the oracle)
 from ...backends.reference.mhc import mhc_mixes as mhc_mixes_ref  # noqa: F401  (the oracle)
 from .block_scaled import bf16_bits16
-from .mega_mhc import N_MIX, N_STREAMS, TILES, _fn_dot, _kahan, _mhc_coef_kernel
+from .mega_mhc import N_MIX, N_STREAMS, TILES, _fn_partial_step, _mhc_coef_kernel
 
 
 @triton.jit
@@ -48,12 +48,8 @@ def _mhc_partials_kernel(x_ptr, fn_ptr, part_ptr, pcomp_ptr, pss_ptr, T, D, chun
             f1 = tl.load(x_ptr + xo + D, mask=m2, other=0.0).to(tl.float32)
             f2 = tl.load(x_ptr + xo + 2 * D, mask=m2, other=0.0).to(tl.float32)
             f3 = tl.load(x_ptr + xo + 3 * D, mask=m2, other=0.0).to(tl.float32)
-            ss += f0 * f0 + f1 * f1 + f2 * f2 + f3 * f3
-            fmask = kmask[:, None] & cm[None, :]
-            fo = kk[:, None].to(tl.int64) * (4 * D) + cols[None, :]
-            part = _fn_dot(f0, fn_ptr, fo, fmask, SPLIT) + _fn_dot(f1, fn_ptr, fo + D, fmask, SPLIT)
-            part += _fn_dot(f2, fn_ptr, fo + 2 * D, fmask, SPLIT) + _fn_dot(f3, fn_ptr, fo + 3 * D, fmask, SPLIT)
-            acc, comp = _kahan(acc, comp, part)
+            acc, comp, ss = _fn_partial_step(acc, comp, ss, f0, f1, f2, f3, fn_ptr, kk.to(tl.int64), kmask, cols, cm,
+                                             D, SPLIT)
         po = (ck * T + tok.to(tl.int64))[:, None] * 32 + kk[None, :]
         tl.store(part_ptr + po, acc, mask=tm[:, None])
         tl.store(pcomp_ptr + po, comp, mask=tm[:, None])

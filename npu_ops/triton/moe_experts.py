@@ -32,9 +32,10 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.moe import moe_experts as moe_experts_ref  # noqa: F401  (the oracle)
-from .block_linear import DECODE_MAX_M, _dot_acc, weight_kind
-from .block_scaled import (W_DENSE, W_FP4, bf16_bits16, fp8_code, fp8_exponent, load_weight_tile, pow2,
-                           scaled_block_step)
+from .block_linear import DECODE_MAX_M, weight_kind
+from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, fp8_code, fp8_exponent, fp8_qdq_groups, gemv_acc,
+                           gemv_load_w, load_weight_tile, pow2, scaled_block_step)
+from .fp4_common import split_dot_acc
 from .swiglu import swiglu_tile
 
 # Tiles: BN columns of the expert's intermediate width (gate/up) or of d (down), BK along K.
@@ -71,8 +72,10 @@ def _gate_up_kernel(x_ptr, q_ptr, qs_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base,
                 kk = k0 + tl.arange(0, BK)
                 a = tl.load(x_ptr + tok[:, None] * K + kk[None, :], mask=rmask[:, None] & (kk[None, :] < K),
                             other=0.0).to(tl.float32)
-                acc1 = _dot_acc(acc1, a, load_weight_tile(w1, s1, rn, k0, I, K, s_stride, BN, BK, W_KIND), 1, LOWP)
-                acc3 = _dot_acc(acc3, a, load_weight_tile(w3, s3, rn, k0, I, K, s_stride, BN, BK, W_KIND), 1, LOWP)
+                acc1 = split_dot_acc(acc1, a, tl.trans(load_weight_tile(w1, s1, rn, k0, I, K, s_stride, BN, BK, W_KIND)), 1,
+                                     LOWP)
+                acc3 = split_dot_acc(acc3, a, tl.trans(load_weight_tile(w3, s3, rn, k0, I, K, s_stride, BN, BK, W_KIND)), 1,
+                                     LOWP)
             else:
                 for kb in tl.static_range(BK // 32):
                     acc1 = scaled_block_step(acc1, q_ptr, qs_ptr, tok, rmask, w1, s1, rn, nmask, k0 + kb * 32, K, K,
@@ -113,7 +116,8 @@ def _down_kernel(hb_ptr, hq_ptr, hs_ptr, perm_ptr, bounds_ptr, w_base, s_base, t
                 kk = k0 + tl.arange(0, BK)
                 a = tl.load(hb_ptr + rows64[:, None] * I + kk[None, :], mask=rmask[:, None] & (kk[None, :] < I),
                             other=0.0).to(tl.float32)
-                acc = _dot_acc(acc, a, load_weight_tile(w2, s2, rn, k0, D, I, s_stride, BN, BK, W_KIND), 1, LOWP)
+                acc = split_dot_acc(acc, a, tl.trans(load_weight_tile(w2, s2, rn, k0, D, I, s_stride, BN, BK, W_KIND)), 1,
+                                    LOWP)
             else:
                 for kb in tl.static_range(BK // 32):
                     acc = scaled_block_step(acc, hq_ptr, hs_ptr, rows64, rmask, w2, s2, rn, nmask, k0 + kb * 32, I, I,
@@ -132,6 +136,151 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, D, TOPK: tl.constexpr, BLOCK: tl.co
         ok = tl.load(ids_ptr + t * TOPK + j) >= 0
         acc += tl.load(y_ptr + (t.to(tl.int64) * TOPK + j) * D + cols, mask=m & ok, other=0.0)
     tl.store(out_ptr + t.to(tl.int64) * D + cols, acc, mask=m)
+
+
+# ---- decode path: 1..GEMV_MAX_T tokens, scaled experts --------------------------------------------
+# With T tokens an expert has at most T rows, so each program takes all rows of one active expert
+# at once (RB = next power of two >= T) and streams its weights exactly once, GEMV-style
+# (block_scaled.gemv_load_w / gemv_acc: no tensor cores, block sums in registers). Nothing is sorted: each program
+# finds its expert and rows from `ids` itself (slot s = the s-th smallest distinct expert id; the
+# grid has min(E, T * k) slots, the slots past the active experts do nothing). x goes in as its
+# FP8 quantise-dequantise values (one `fp8_qdq_bf16` pass: the values `fp8_quant` gives), and the
+# FP8-quantised w2 input between the kernels as its exact fp32 values, [T * k, I], by flat row
+# t * k + j.
+
+GEMV_MAX_T = 4  # the most tokens the gemv path takes
+# The most tokens it takes by default, per expert format. H200 2026-11-30, graph replay, 16 FP4
+# experts 5120 x 2304, top-6: T=1 102.6 us against 224.5 us tiled, T=2 221 against 334, T=4 411
+# against 428; the FP8 shared expert at T=1 35.2 against 57.6 (FP8 at 4 rows: the gemv linear
+# was slower than the tiled kernel, so FP8 experts take it at T=1 only).
+GEMV_DEFAULT_T = {W_FP4: 4, W_FP8: 1}
+
+
+@triton.jit
+def _slot_rows(ids_ptr, R, RP2: tl.constexpr, RB: tl.constexpr):
+    """(active?, expert id, flat rows [RB], row mask [RB]) of this program's slot (program_id 0)."""
+    s = tl.program_id(0)
+    fa = tl.arange(0, RP2)
+    ka = tl.load(ids_ptr + fa, mask=fa < R, other=-1)
+    kb = tl.load(ids_ptr + fa, mask=fa < R, other=-1)
+    ka2 = ka[:, None]
+    kb2 = kb[None, :]
+    same = (ka2 == kb2) & (ka2 >= 0)
+    earlier = fa[None, :] < fa[:, None]
+    first = (ka >= 0) & (tl.sum((same & earlier).to(tl.int32), axis=1) == 0)
+    # distinct ids below each entry's id: entries that are first of their id and smaller
+    below = tl.sum((first[None, :] & (kb2 < ka2) & (kb2 >= 0)).to(tl.int32), axis=1)
+    pick = first & (below == s)
+    active = tl.sum(pick.to(tl.int32), axis=0) > 0
+    e = tl.sum(tl.where(pick, ka, 0), axis=0)
+    mine = (ka == e) & active
+    pos = tl.cumsum(mine.to(tl.int32), axis=0) - 1
+    r = tl.arange(0, RB)
+    hit = mine[None, :] & (pos[None, :] == r[:, None])
+    rows = tl.sum(tl.where(hit, fa[None, :], 0), axis=1)
+    rmask = tl.sum(hit.to(tl.int32), axis=1) > 0
+    return active, e, rows, rmask
+
+
+@triton.jit
+def _expert_matrix(w_base, s_base, table_ptr, e, which: tl.constexpr, ALIGN: tl.constexpr):
+    """Expert e's weight and scale pointers for matrix `which` (0: w1, 1: w3, 2: w2) from the
+    table of offsets (`_expert_table`)."""
+    w = w_base + tl.multiple_of(tl.load(table_ptr + e * 6 + which), ALIGN)
+    s = s_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 3 + which), ALIGN)
+    return w, s
+
+
+@triton.jit
+def _gate_up_gemv_kernel(x_ptr, x_stride, ids_ptr, wts_ptr, w_base, s_base, table_ptr, h_ptr, R, K, I, w_stride,
+                         s_stride, limit, TOPK: tl.constexpr, W_KIND: tl.constexpr, ALIGN: tl.constexpr,
+                         RP2: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
+    NB: tl.constexpr = BK // 32
+    active, e, rows, rmask = _slot_rows(ids_ptr, R, RP2, RB)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = rn < I
+    w1, s1 = _expert_matrix(w_base, s_base, table_ptr, e, 0, ALIGN)
+    w3, s3 = _expert_matrix(w_base, s_base, table_ptr, e, 1, ALIGN)
+    tok = rows // TOPK
+    acc1 = tl.zeros((RB, BN, NB), dtype=tl.float32)
+    acc3 = tl.zeros((RB, BN, NB), dtype=tl.float32)
+    k_end = tl.where(active, K, 0)
+    # the next step's weight tiles are loaded before the current ones are used (two in flight)
+    a1, c1 = gemv_load_w(w1, w_stride, s1, s_stride, rn, nmask, 0, k_end, W_KIND, BN, NB)
+    a3, c3 = gemv_load_w(w3, w_stride, s3, s_stride, rn, nmask, 0, k_end, W_KIND, BN, NB)
+    for k0 in range(0, k_end, BK):
+        n1, d1 = gemv_load_w(w1, w_stride, s1, s_stride, rn, nmask, k0 + BK, k_end, W_KIND, BN, NB)
+        n3, d3 = gemv_load_w(w3, w_stride, s3, s_stride, rn, nmask, k0 + BK, k_end, W_KIND, BN, NB)
+        acc1 = gemv_acc(acc1, a1, c1, x_ptr, tok, rmask, x_stride, k0, K, W_KIND, RB, NB, ASM)
+        acc3 = gemv_acc(acc3, a3, c3, x_ptr, tok, rmask, x_stride, k0, K, W_KIND, RB, NB, ASM)
+        a1, c1, a3, c3 = n1, d1, n3, d3
+    wt = tl.load(wts_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    h = swiglu_tile(tl.sum(acc1, axis=2), tl.sum(acc3, axis=2), limit) * wt[:, None]
+    h = fp8_qdq_groups(h, RB, BN)  # the w2 input's FP8 quantisation (BN % 32 == 0: whole groups)
+    tl.store(h_ptr + rows.to(tl.int64)[:, None] * I + rn[None, :], h, mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _down_gemv_kernel(h_ptr, ids_ptr, w_base, s_base, table_ptr, y_ptr, R, I, D, w_stride, s_stride,
+                      W_KIND: tl.constexpr, ALIGN: tl.constexpr, RP2: tl.constexpr, RB: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
+    NB: tl.constexpr = BK // 32
+    active, e, rows, rmask = _slot_rows(ids_ptr, R, RP2, RB)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = rn < D
+    w2, s2 = _expert_matrix(w_base, s_base, table_ptr, e, 2, ALIGN)
+    acc = tl.zeros((RB, BN, NB), dtype=tl.float32)
+    k_end = tl.where(active, I, 0)
+    a2, c2 = gemv_load_w(w2, w_stride, s2, s_stride, rn, nmask, 0, k_end, W_KIND, BN, NB)
+    for k0 in range(0, k_end, BK):
+        n2, d2 = gemv_load_w(w2, w_stride, s2, s_stride, rn, nmask, k0 + BK, k_end, W_KIND, BN, NB)
+        acc = gemv_acc(acc, a2, c2, h_ptr, rows, rmask, I, k0, I, W_KIND, RB, NB, ASM)
+        a2, c2 = n2, d2
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * D + rn[None, :], tl.sum(acc, axis=2),
+             mask=rmask[:, None] & nmask[None, :])
+
+
+GEMV_TILES = {"cuda": {"bn_up": 32, "bn_down": 32, "bk": 256, "num_warps": 4, "num_stages": 1},
+              "interp": {"bn_up": 32, "bn_down": 32, "bk": 64}}
+
+
+def _moe_gemv(x, weights, ids, topk, n_exp, table_args, limit, out, *, bn_up=None, bn_down=None, bk=None,
+              num_warps=None, num_stages=None):
+    """The decode path (T <= GEMV_MAX_T, scaled experts): x's FP8 quantise-dequantise pass, then
+    the gate/up, down and combine kernels."""
+    from .fp8_quant import fp8_qdq_bf16
+    from .launch import interpreting
+
+    w_base, s_base, table, kind, inter, d, (s_up, s_down), align = table_args
+    interp = interpreting()
+    tiles = GEMV_TILES["interp" if interp else "cuda"]
+    bn_up, bn_down, bk = bn_up or tiles["bn_up"], bn_down or tiles["bn_down"], bk or tiles["bk"]
+    if bn_up % 32 or inter % 32 or d % 32 or bk % 32:
+        raise ValueError("moe_experts decode path: widths and tiles must be multiples of 32")
+    bk_up, bk_down = min(bk, triton.next_power_of_2(d)), min(bk, triton.next_power_of_2(inter))
+    x = fp8_qdq_bf16(x)
+    kw = {} if interp else {"num_warps": num_warps or tiles["num_warps"], "num_stages": num_stages or tiles["num_stages"]}
+    def w_row(k_in):  # a weight row in storage elements (bytes for packed FP4)
+        return k_in // 2 if kind == W_FP4 else k_in
+
+    t = x.shape[0]
+    r = t * topk
+    rb = triton.next_power_of_2(t)
+    rp2 = max(2, triton.next_power_of_2(r))
+    slots = min(n_exp, r)
+    flat_ids = ids.contiguous().reshape(-1)
+    h = torch.empty(r, inter, dtype=torch.float32, device=x.device)
+    y = torch.empty(r, d, dtype=torch.float32, device=x.device)
+    _gate_up_gemv_kernel[(slots, -(-inter // bn_up))](
+        x, x.stride(0), flat_ids, weights.contiguous().reshape(-1), w_base, s_base, table, h, r, d, inter, w_row(d),
+        s_up, float(limit), TOPK=topk, W_KIND=kind, ALIGN=align, RP2=rp2, RB=rb, BN=bn_up, BK=bk_up, ASM=not interp,
+        **kw)
+    _down_gemv_kernel[(slots, -(-d // bn_down))](
+        h, flat_ids, w_base, s_base, table, y, r, inter, d, w_row(inter), s_down, W_KIND=kind, ALIGN=align, RP2=rp2, RB=rb,
+        BN=bn_down, BK=bk_down, ASM=not interp, **kw)
+    cb = min(1024, triton.next_power_of_2(d))
+    _combine_kernel[(t, -(-d // cb))](y, flat_ids, out, d, TOPK=topk, BLOCK=cb)
+    return out
 
 
 # ---- launcher -----------------------------------------------------------------------------------
@@ -179,9 +328,10 @@ def _expert_table(experts: list, device: torch.device):
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: list, limit: float,
                 out_dtype: torch.dtype = torch.float32, *, bm: int | None = None, bn_up: int | None = None,
                 bn_down: int | None = None, bk: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None) -> torch.Tensor:
+                num_stages: int | None = None, path: str | None = None) -> torch.Tensor:
     """`ops.moe_experts` on a device: x [T, d], weights / ids [T, k] -> [T, d] fp32 (float64
-    requested: fp32). Keyword tile parameters are for tuning (defaults: TILES)."""
+    requested: fp32). Keyword tile parameters are for tuning (defaults: TILES / GEMV_TILES);
+    `path` ("gemv" / "tiled") overrides the choice of the decode path (tests, sweeps)."""
     from .fp8_quant import fp8_quant
     from .launch import interpreting
 
@@ -196,6 +346,15 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     w_base, s_base, table, kind, inter, k_in, (s_up, s_down), align = _expert_table(experts, x.device)
     if k_in != d:
         raise ValueError(f"expert input width {k_in} != x width {d}")
+    if path is None:
+        path = "gemv" if t <= GEMV_DEFAULT_T.get(kind, 0) else "tiled"
+    if path == "gemv":
+        if kind == W_DENSE or t > GEMV_MAX_T:
+            raise ValueError(f"moe_experts: the gemv path takes scaled experts and <= {GEMV_MAX_T} tokens")
+        x_rows = x if x.stride(-1) == 1 else x.contiguous()
+        return _moe_gemv(x_rows, weights, ids, topk, n_exp,
+                         (w_base, s_base, table, kind, inter, k_in, (s_up, s_down), align), limit, out,
+                         bn_up=bn_up, bn_down=bn_down, bk=bk, num_warps=num_warps, num_stages=num_stages)
     interp = interpreting()
     tiles = TILES["interp" if interp else ("cuda" if t <= DECODE_MAX_M else "cuda_prefill")]
     r = t * topk

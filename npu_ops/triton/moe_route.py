@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference import moe as ref_moe
-from .fp4_common import offsets
+from .fp4_common import as_cmp, offsets, split_dot_acc
 
 
 def moe_route_ref(x, gate_weight, bias, topk, route_scale, gate_temp=1.0, norm_topk_prob=True):
@@ -63,19 +63,7 @@ def _moe_route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, count_ptr, wout_ptr, io
                         other=0.0).to(tl.float32)
             w = tl.load(w_ptr + wrow[None, :] + ks[:, None], mask=kmask[:, None] & emask[None, :],
                         other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_E]
-            if LOWP:
-                wb = w.to(tl.bfloat16)
-                xh = x.to(tl.bfloat16)
-                acc = tl.dot(xh, wb, acc)
-                if SPLITS > 1:
-                    rest = x - xh.to(tl.float32)
-                    xm = rest.to(tl.bfloat16)
-                    acc = tl.dot(xm, wb, acc)
-                    if SPLITS > 2:
-                        rest = rest - xm.to(tl.float32)
-                        acc = tl.dot(rest.to(tl.bfloat16), wb, acc)
-            else:
-                acc = tl.dot(x, w, acc, input_precision="ieee")
+            acc = split_dot_acc(acc, x, w, SPLITS, LOWP)
         tl.store(logit_ptr + offsets(rows, WIDE)[:, None] * E + es[None, :], acc,
                  mask=rmask[:, None] & emask[None, :])
         tl.debug_barrier()  # every thread's logits are written before the release below
@@ -99,11 +87,12 @@ def _moe_route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, count_ptr, wout_ptr, io
             for r in tl.static_range(TOPK):
                 best = tl.max(choice, axis=1)
                 idx = tl.min(tl.where(choice == best[:, None], ecols[None, :], EP), axis=1)
-                hit = ecols[None, :] == idx[:, None]
+                hit = as_cmp(ecols)[None, :] == as_cmp(idx)[:, None]  # ids < EP: exact in fp32
                 wv = tl.sum(tl.where(hit, score, 0.0), axis=1)
                 choice = tl.where(hit, float("-inf"), choice)
-                wk = tl.where(kcols[None, :] == r, wv[:, None], wk)
-                ik = tl.where(kcols[None, :] == r, idx[:, None], ik)
+                at_r = as_cmp(kcols)[None, :] == r
+                wk = tl.where(at_r, wv[:, None], wk)
+                ik = tl.where(at_r, idx[:, None], ik)
             if NORM:  # norm_topk_prob and TOPK > 1 (decided by the launcher)
                 total = tl.sum(wk, axis=1)
                 wk = wk / (total + 1e-20)[:, None]

@@ -67,7 +67,7 @@ def _mxfp4_act_quant_kernel(x_ptr, y_ptr, n_groups, n_tiles, num_programs,
             + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) \
             + (a > 5.0).to(tl.int32)
         cf = c.to(tl.float32)
-        mag = tl.where(c < 4, cf * 0.5, tl.where(c == 7, 6.0, cf - 2.0))
+        mag = tl.where(cf < 4.0, cf * 0.5, tl.where(cf == 7.0, 6.0, cf - 2.0))  # fp32 compares (Ascend)
         # sign by bit ops (x < 0 gives a negative code, so -0.0 for values rounding to zero, as
         # the reference; a float negation may lower to 0 - mag and lose that)
         q = ((mag * scl[:, None]).to(tl.int32, bitcast=True) | ((v < 0).to(tl.int32) << 31)).to(tl.float32, bitcast=True)
