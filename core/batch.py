@@ -7,6 +7,11 @@ forward reads and writes the paged pools (`cache.KVPool`) in place through the t
 asks the host anything: a decode step's shapes depend only on its batch size (and the table
 width the caller chooses), so it can be captured as a device graph.
 
+Block tables come in groups: `swa_tables` / `glob_tables` hold one table per group, and each
+pool of the `KVPool` names the table it is addressed through and its block size (the reference
+engine has one group per kind; vLLM's hybrid allocator gives layer groups their own tables and
+block sizes). Rows are addressed by `backends.paging.table_rows` only.
+
 `Rows` is the per-row view of a batch that the layers use (positions, the rows where each token's
 SWA entry goes, its sequence's table rows, its window); the decoder takes a subset of it in CED
 prefill.
@@ -18,7 +23,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .cache import FLOOR_DECODER, KVPool, SequenceState
+from ..backends.paging import table_rows
+from .cache import FLOOR_DECODER, GlobalPool, KVPool, SequenceState, SWAPool
 from .config import ModelConfig
 
 
@@ -29,8 +35,8 @@ class StepBatch:
     ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
     seq: torch.Tensor  # [T] long: the token's sequence (row of the per-sequence tensors)
-    swa_table: torch.Tensor  # [B, nbw] long: logical SWA block -> pool block (0 = none)
-    glob_table: torch.Tensor  # [B, nbg] long: logical global block -> pool block
+    swa_tables: tuple  # per table group: [B, nbw] long, logical SWA block -> pool block (0 = none)
+    glob_tables: tuple  # per table group: [B, nbg] long, logical global block -> pool block
     floors: torch.Tensor  # [B, 3] long: lowest visible window position (encoder, decoder, drafter)
     glob_from: torch.Tensor  # [B] long: global entries of positions below this exist already
     ngram_ids: torch.Tensor  # [T, N] long: ids at positions p, p-1, .. p-N+1 (-1 before the start)
@@ -58,59 +64,65 @@ class Rows:
     pos: torch.Tensor  # [T]
     seq: torch.Tensor  # [T]
     is_image: torch.Tensor  # [T]
-    swa_table: torch.Tensor  # [T, nbw]: the row's sequence's SWA table
-    glob_table: torch.Tensor  # [T, nbg]
+    swa_tables: tuple  # per table group [T, nbw]: the row's sequence's SWA table
+    glob_tables: tuple  # per table group [T, nbg]
     floors: torch.Tensor  # [T, 3]
     glob_from: torch.Tensor  # [T]
     win_lo: torch.Tensor  # [T] first key position of the window
     win_hi: torch.Tensor  # [T] last key position of the window
     width: int  # key slots per row (window size, or window + block for a draft)
-    block_size: int
     _win: dict = field(default_factory=dict)
 
     @classmethod
-    def of(cls, b: StepBatch, cfg: ModelConfig, block_size: int) -> "Rows":
+    def of(cls, b: StepBatch, cfg: ModelConfig) -> "Rows":
         seq, w = b.seq, cfg.sliding_window
         if b.draft_window is None:
             lo, hi, width = b.positions - (w - 1), b.positions, w
         else:
             lo, hi = b.draft_window
             width = w + cfg.dspark_block_size
-        return cls(b.positions, seq, b.is_image, b.swa_table[seq], b.glob_table[seq], b.floors[seq], b.glob_from[seq],
-                   lo, hi, width, block_size)
+        return cls(b.positions, seq, b.is_image, tuple(t[seq] for t in b.swa_tables),
+                   tuple(t[seq] for t in b.glob_tables), b.floors[seq], b.glob_from[seq], lo, hi, width)
 
     def select(self, index: torch.Tensor) -> "Rows":
         pick = lambda t: t[index]  # noqa: E731
         return replace(self, pos=pick(self.pos), seq=pick(self.seq), is_image=pick(self.is_image),
-                       swa_table=pick(self.swa_table), glob_table=pick(self.glob_table), floors=pick(self.floors),
-                       glob_from=pick(self.glob_from), win_lo=pick(self.win_lo), win_hi=pick(self.win_hi), _win={})
+                       swa_tables=tuple(map(pick, self.swa_tables)), glob_tables=tuple(map(pick, self.glob_tables)),
+                       floors=pick(self.floors), glob_from=pick(self.glob_from), win_lo=pick(self.win_lo),
+                       win_hi=pick(self.win_hi), _win={})
 
     @property
     def num(self) -> int:
         return self.pos.shape[0]
 
-    def swa_rows_at(self, positions: torch.Tensor) -> torch.Tensor:
-        """Pool rows of positions [T, ...] of each row's sequence (positions >= 0)."""
-        bs = self.block_size
-        flat = positions.reshape(self.num, -1)
-        blk = self.swa_table.gather(1, (flat // bs).clamp_max(self.swa_table.shape[1] - 1))
-        return (blk * bs + flat % bs).view_as(positions)
+    def glob_table(self, g: GlobalPool) -> torch.Tensor:
+        """[T, nbg] the global table each row's entries of pool `g` are addressed through."""
+        return self.glob_tables[g.table]
 
-    @property
-    def swa_rows(self) -> torch.Tensor:
-        """Where each row's own SWA entry (and compressor rows) is written."""
-        if "own" not in self._win:
-            self._win["own"] = self.swa_rows_at(self.pos.unsqueeze(1))[:, 0]
-        return self._win["own"]
+    def swa_rows_at(self, swa: SWAPool, positions: torch.Tensor) -> torch.Tensor:
+        """Rows of window pool `swa` (and its compressor rows) at positions [T, ...] >= 0 of each
+        row's sequence."""
+        return table_rows(self.swa_tables[swa.table], swa.block_size, positions)
 
-    def window(self, group: int) -> torch.Tensor:
-        """[T, width] pool rows each query attends in its window (-1 = masked), oldest first;
-        positions below the layer group's floor were never computed for this sequence."""
-        if group not in self._win:
+    def swa_rows(self, swa: SWAPool) -> torch.Tensor:
+        """Where each row's own entry of window pool `swa` (and its compressor rows) is written."""
+        key = ("own", swa.table, swa.block_size)
+        if key not in self._win:
+            self._win[key] = self.swa_rows_at(swa, self.pos.unsqueeze(1))[:, 0]
+        return self._win[key]
+
+    def window(self, swa: SWAPool, group: int) -> torch.Tensor:
+        """[T, width] rows of window pool `swa` each query attends (-1 = masked), oldest first.
+        Positions below the layer group's floor were never computed for this sequence, and
+        positions in the null block are not held (below a bounded replay's start, or outside
+        every window: the block was given back)."""
+        key = (group, swa.table, swa.block_size)
+        if key not in self._win:
             kpos = self.win_lo.unsqueeze(1) + torch.arange(self.width, device=self.pos.device)
-            ok = (kpos >= self.floors[:, group:group + 1]) & (kpos >= 0) & (kpos <= self.win_hi.unsqueeze(1))
-            self._win[group] = torch.where(ok, self.swa_rows_at(kpos.clamp_min(0)), -1)
-        return self._win[group]
+            ok = (kpos >= self.floors[:, group:group + 1]) & (kpos <= self.win_hi.unsqueeze(1))
+            self._win[key] = table_rows(self.swa_tables[swa.table], swa.block_size, torch.where(ok, kpos, -1),
+                                        null_invalid=True)
+        return self._win[key]
 
 
 @dataclass
@@ -184,8 +196,8 @@ def build_step(cfg: ModelConfig, pool: KVPool, chunks: list[Chunk], device: torc
         ids=t(ids, dtype=torch.long, device=device),
         positions=t(pos, dtype=torch.long, device=device),
         seq=t(seq, dtype=torch.long, device=device),
-        swa_table=t(pad(swa), dtype=torch.long, device=device),
-        glob_table=t(pad(glob), dtype=torch.long, device=device),
+        swa_tables=(t(pad(swa), dtype=torch.long, device=device),),
+        glob_tables=(t(pad(glob), dtype=torch.long, device=device),),
         floors=t([c.state.floors for c in chunks], dtype=torch.long, device=device),
         glob_from=t([c.state.glob_from for c in chunks], dtype=torch.long, device=device),
         ngram_ids=t(ngram, dtype=torch.long, device=device),

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..backends.paging import NULL_BLOCK
 from ..backends.platform import storage_dtype
 from .config import ModelConfig
 
-NULL_BLOCK = 0
 # window floors are kept per layer group: encoder layers, decoder layers, DSpark stages
 FLOOR_ENCODER, FLOOR_DECODER, FLOOR_DRAFT = 0, 1, 2
 
@@ -51,7 +51,9 @@ def e8m0_ones(shape, device) -> torch.Tensor:
 
 @dataclass
 class GlobalPool:
-    """Compressed entries of one KV source layer, `entries_per_block` per block."""
+    """Compressed entries of one KV source layer, `entries_per_block` per block, addressed
+    through the step's global table number `table`. The tensors may be row-strided views (a
+    field of vLLM's page records): only their rows are addressed."""
 
     ratio: int
     entries_per_block: int
@@ -59,6 +61,7 @@ class GlobalPool:
     kv_scale: torch.Tensor  # [blocks * E, D/16] float8_e4m3fn
     key_codes: torch.Tensor  # [blocks * E, Di/2] uint8
     key_scale: torch.Tensor  # [blocks * E, Di/32] float8_e8m0fnu
+    table: int = 0
 
     def nbytes_per_entry(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in (self.kv_codes, self.kv_scale, self.key_codes, self.key_scale))
@@ -66,10 +69,14 @@ class GlobalPool:
 
 @dataclass
 class SWAPool:
-    """FP8 window rows of one layer, one per token position."""
+    """FP8 window rows of one layer, one per token position, `block_size` positions per block,
+    addressed through the step's SWA table number `table` (the layer's compressor rows, when it
+    is a ratio-2 KV source, use the same addresses). Row-strided views allowed."""
 
     kv: torch.Tensor  # [blocks * block_size, D] float8_e4m3fn
     scale: torch.Tensor  # [blocks * block_size, D/32] float8_e8m0fnu
+    block_size: int = 16
+    table: int = 0
 
     def write(self, rows: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor) -> None:
         # index_copy has no float8 kernels: write the bytes through uint8 views
@@ -78,7 +85,12 @@ class SWAPool:
 
 
 class KVPool:
-    """The block pools of every cache kind, and their free lists (host side)."""
+    """The block pools of every cache kind, and their free lists (host side).
+
+    Two ways to build one: `KVPool(cfg, block_size=..)` owns its tensors (one block size, one
+    table per kind, grown on demand: the reference engine); `KVPool.over(..)` wraps tensors
+    someone else allocates and addresses (vLLM's pages: a block size and a table per layer, no
+    allocation here)."""
 
     def __init__(self, cfg: ModelConfig, *, block_size: int = 16, swa_blocks: int = 8, global_blocks: int = 8,
                  device: torch.device | str = "cpu", drafter: bool | None = None):
@@ -96,15 +108,36 @@ class KVPool:
         self._free_glob: list[int] = []
         self.glob_refs: list[int] = []  # references per global block (prefix sharing)
         self.fixed = False  # set once captured graphs hold the pool tensors: no more growing
+        self.external = False  # tensors owned (and blocks allocated) by someone else
         self.evictor = None  # () -> a cached global block nobody holds, or None (the prefix cache)
         self.grow(swa_blocks, global_blocks)
+
+    @classmethod
+    def over(cls, cfg: ModelConfig, swa: list[SWAPool], carry: dict[int, torch.Tensor],
+             glob: dict[int, GlobalPool], device: torch.device | str) -> "KVPool":
+        """A pool over tensors allocated elsewhere (e.g. strided field views of vLLM's pages),
+        each pool with its own block size and table number; the owner allocates blocks, so
+        nothing here grows or frees. `carry[s]` [rows, 2, D] fp32 shares layer s's SWA rows."""
+        if len(swa) != cfg.num_hidden_layers and len(swa) != cfg.num_hidden_layers + cfg.num_nextn_predict_layers:
+            raise ValueError(f"expected a window pool per layer ({cfg.num_hidden_layers}), got {len(swa)}")
+        missing = [s for s in cfg.kv_source_layer_ids if s not in glob
+                   or (cfg.compress_ratios[s] > 1 and s not in carry)]
+        if missing:
+            raise ValueError(f"KV source layers {missing} lack their global pool or compressor rows")
+        pool = cls.__new__(cls)
+        pool.cfg, pool.block_size, pool.device = cfg, None, torch.device(device)
+        pool.n_swa_layers, pool.swa, pool.carry, pool.glob = len(swa), swa, carry, glob
+        pool.swa_capacity = pool.global_capacity = 0
+        pool._free_swa, pool._free_glob, pool.glob_refs = [], [], []
+        pool.fixed, pool.external, pool.evictor = True, True, None
+        return pool
 
     # -- memory --
     def _alloc_swa(self, n_blocks: int):
         cfg, rows = self.cfg, n_blocks * self.block_size
         d = cfg.head_dim
         swa = [SWAPool(pool_zeros((rows, d), torch.float8_e4m3fn, self.device),
-                       e8m0_ones((rows, d // 32), self.device)) for _ in range(self.n_swa_layers)]
+                       e8m0_ones((rows, d // 32), self.device), self.block_size) for _ in range(self.n_swa_layers)]
         carry = {s: torch.zeros(rows, 2, d, dtype=torch.float32, device=self.device)
                  for s in self.cfg.kv_source_layer_ids if cfg.compress_ratios[s] > 1}
         return swa, carry
@@ -125,6 +158,8 @@ class KVPool:
     def grow(self, swa_blocks: int, global_blocks: int) -> None:
         """Make room for at least this many blocks of each kind (null block included); existing
         contents are kept. Only between steps: pool tensors are replaced."""
+        if self.external and (swa_blocks > self.swa_capacity or global_blocks > self.global_capacity):
+            raise RuntimeError("this pool wraps tensors allocated elsewhere: blocks come from their owner")
         if self.fixed and (swa_blocks > self.swa_capacity or global_blocks > self.global_capacity):
             raise RuntimeError(f"out of KV cache blocks ({self.swa_capacity} SWA, {self.global_capacity} global; "
                                "the pools are fixed while decode graphs hold them): lower the batch or the length")
@@ -209,7 +244,10 @@ class SequenceState:
     draft_length: int = 0  # DSpark context positions written (0 .. draft_length - 1)
 
     def ensure_blocks(self, pool: KVPool, end: int) -> None:
-        """Blocks for every position below `end` (SWA, compressor rows and global entries)."""
+        """Blocks for every position below `end` (SWA, compressor rows and global entries); an
+        external pool's blocks come from its owner, who fills the step's tables."""
+        if pool.external:
+            return
         n = -(-end // pool.block_size)
         while len(self.swa_blocks) < n:
             self.swa_blocks.append(pool.take_swa())
@@ -231,15 +269,6 @@ class SequenceState:
         for b in self.glob_blocks:
             pool.release_global(b, keep)
         self.swa_blocks, self.glob_blocks = [], []
-
-
-def entry_rows(block_table: torch.Tensor, entries_per_block: int, entries: torch.Tensor) -> torch.Tensor:
-    """Pool rows of logical entries: entry j of the sequence whose table row is block_table[t]
-    sits at row block_table[t, j // E] * E + j % E. entries [T, K] (< 0: none -> -1)."""
-    ok = entries >= 0
-    e = entries.clamp_min(0)
-    blk = block_table.gather(1, (e // entries_per_block).clamp_max(block_table.shape[1] - 1))
-    return torch.where(ok, blk * entries_per_block + e % entries_per_block, -1)
 
 
 def kv_bytes_per_token(cfg: ModelConfig) -> float:

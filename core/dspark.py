@@ -212,7 +212,7 @@ class DSpark:
         pos = t(list(range(n, n + b)))
         return StepBatch(
             ids=t([last_token] + self._noise), positions=pos, seq=t([0] * b),
-            swa_table=t([state.swa_blocks]), glob_table=t([state.glob_blocks]), floors=t([state.floors]),
+            swa_tables=(t([state.swa_blocks]),), glob_tables=(t([state.glob_blocks]),), floors=t([state.floors]),
             glob_from=t([state.glob_from]), ngram_ids=t([[-1]] * b), ngram_image=t([[False]] * b, torch.bool),
             is_image=t([False] * b, torch.bool),
             draft_window=(torch.full_like(pos, n - cfg.sliding_window), torch.full_like(pos, n + b - 1)))
@@ -233,7 +233,7 @@ class DSpark:
         is the last token). Greedy (`choose` None) reads nothing back to the host, so the
         whole block can be captured as one device graph."""
         cfg, b = self.cfg, self.block_size
-        rows = Rows.of(batch, cfg, pool.block_size)
+        rows = Rows.of(batch, cfg)
         x = self.model.embed_tokens(batch.ids).unsqueeze(1).expand(b, cfg.hc_mult, cfg.hidden_size).contiguous()
         ctx = ForwardContext(cache=pool)
         s = self.stages[0].enter(x, self._pre, None, rows.is_image)

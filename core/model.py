@@ -21,9 +21,10 @@ import torch
 from torch import nn
 
 from ..backends import ops
+from ..backends.paging import table_rows
 from ..backends.platform import overlap, platform_for
 from .batch import Rows, StepBatch
-from .cache import FLOOR_DECODER, FLOOR_DRAFT, FLOOR_ENCODER, KVPool, entry_rows
+from .cache import FLOOR_DECODER, FLOOR_DRAFT, FLOOR_ENCODER, KVPool
 from .config import ModelConfig, yarn_inv_freq
 from .engram import EngramPrefetch, FetchedRows, engram_multipliers, engram_primes, engram_window_row_ids
 from .parallel import SINGLE, Group
@@ -197,14 +198,15 @@ class Attention(nn.Module):
         if r == 1:
             kv, score = comp.wkv(x).float(), None  # a plain bf16 matmul, no activation quantisation
         else:
-            carry = ctx.cache.carry[self.layer_id]
-            carry.index_copy_(0, rows.swa_rows, torch.stack((comp.wkv(x, torch.float32), comp.wgate(x, torch.float32)), 1))
+            carry, swa = ctx.cache.carry[self.layer_id], ctx.cache.swa[self.layer_id]  # (same rows)
+            carry.index_copy_(0, rows.swa_rows(swa),
+                              torch.stack((comp.wkv(x, torch.float32), comp.wgate(x, torch.float32)), 1))
             group = pos.unsqueeze(1) - torch.arange(r - 1, -1, -1, device=pos.device)  # [T, r] oldest first
-            rows_g = carry[rows.swa_rows_at(group.clamp_min(0)).flatten()]  # [T * r, 2, D]
+            rows_g = carry[rows.swa_rows_at(swa, group.clamp_min(0)).flatten()]  # [T * r, 2, D]
             kv, score = rows_g[:, 0], rows_g[:, 1]
         entry = torch.div(pos, r, rounding_mode="floor")
         write = ((pos + 1) % r == 0) & (pos >= rows.glob_from)
-        slots = torch.where(write, entry_rows(rows.glob_table, g.entries_per_block, entry.unsqueeze(1))[:, 0], 0)
+        slots = torch.where(write, table_rows(rows.glob_table(g), g.entries_per_block, entry.unsqueeze(1))[:, 0], 0)
         cos, sin = rope_tables(self.inv_freq, entry * r)  # entry j sits at position j*ratio
         lat = ops.compress_kv(kv, score, r, comp.norm.weight, comp.norm.eps, cos, sin, g.kv_codes, g.kv_scale, slots)
         key = ops.rope(self.indexer.k_norm(self.indexer.wk(lat)), cos, sin)
@@ -223,7 +225,7 @@ class Attention(nn.Module):
         g = ctx.cache.glob[cfg.kv_source_of(self.layer_id)]
         n_vis = torch.div(rows.pos + 1, self.ratio, rounding_mode="floor")
         q, w = self.indexer.queries(x, qr, cos, sin)
-        keys = (g.key_codes, g.key_scale, rows.glob_table, g.entries_per_block)
+        keys = (g.key_codes, g.key_scale, rows.glob_table(g), g.entries_per_block)
         reduce = self.group.all_reduce_sum if self.group.world_size > 1 else None
         if self.kind == "full":
             is_pool_source = self.layer_id == cfg.candidate_source_layer_id
@@ -252,12 +254,12 @@ class Attention(nn.Module):
         # this step's SWA entries go in first (positions address them, so nothing older is
         # overwritten), then every query reads its window from the pool
         swa = ctx.cache.swa[self.layer_id]
-        swa.write(rows.swa_rows, kv8, kv_s)
-        win = rows.window(self.floor_group)
+        swa.write(rows.swa_rows(swa), kv8, kv_s)
+        win = rows.window(swa, self.floor_group)
         if self.ratio > 0:
             g = ctx.cache.glob[self.cfg.kv_source_of(self.layer_id)]
             idx = self.select(x, qr, rows, cos, sin, ctx)
-            glob = (g.kv_codes, g.kv_scale, entry_rows(rows.glob_table, g.entries_per_block, idx))
+            glob = (g.kv_codes, g.kv_scale, table_rows(rows.glob_table(g), g.entries_per_block, idx))
         else:
             glob = (None, None, None)
         o = ops.sparse_attention(q, swa.kv, swa.scale, win, *glob, self.attn_sink, self.head_dim ** -0.5)
@@ -661,7 +663,7 @@ class Transformer(nn.Module):
             self.check_batch(batch)
         ctx = ctx or ForwardContext()
         ctx.cache = cache
-        rows = Rows.of(batch, cfg, cache.block_size)
+        rows = Rows.of(batch, cfg)
         t = batch.num_tokens
         x = self.embed_tokens(batch.ids)
         if batch.image_embeds is not None:  # (masked_scatter: no host read of the mask)

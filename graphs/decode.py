@@ -41,6 +41,12 @@ def fill_static(static: StepBatch, batch: StepBatch) -> None:
                 d[n:].fill_(pad)
                 d[:n].copy_(s)
             continue
+        if f.name.endswith("_tables"):  # one table per group: columns past the batch's -> null block
+            for d, s in zip(dst, src):
+                d[n:].fill_(0)
+                d[:n, s.shape[1]:].fill_(0)
+                d[:n, :s.shape[1]].copy_(s)
+            continue
         if isinstance(dst, tuple):  # the draft window's (lo, hi)
             for d, s in zip(dst, src):
                 d.copy_(s)
@@ -48,11 +54,7 @@ def fill_static(static: StepBatch, batch: StepBatch) -> None:
         if not isinstance(dst, torch.Tensor) or f.name == "seq":
             continue
         dst[n:].fill_(-1 if f.name == "ngram_ids" else 0)
-        if dst.dim() == 2 and f.name.endswith("table"):
-            dst[:n, src.shape[1]:].fill_(0)
-            dst[:n, :src.shape[1]].copy_(src)
-        else:
-            dst[:n].copy_(src)
+        dst[:n].copy_(src)
 
 
 class DecodeGraphs:
@@ -72,8 +74,8 @@ class DecodeGraphs:
         """Persistent input buffers of one bucket, holding padding rows."""
         z = lambda *shape, dt=torch.long: torch.zeros(shape, dtype=dt, device=self.device)  # noqa: E731
         w, ng = self.table_blocks, max(self.model.cfg.engram_max_ngram_size, 1)
-        return StepBatch(ids=z(n), positions=z(n), seq=torch.arange(n, device=self.device), swa_table=z(n, w),
-                         glob_table=z(n, w), floors=z(n, 3), glob_from=z(n), ngram_ids=z(n, ng) - 1,
+        return StepBatch(ids=z(n), positions=z(n), seq=torch.arange(n, device=self.device), swa_tables=(z(n, w),),
+                         glob_tables=(z(n, w),), floors=z(n, 3), glob_from=z(n), ngram_ids=z(n, ng) - 1,
                          ngram_image=z(n, ng, dt=torch.bool), is_image=z(n, dt=torch.bool),
                          ngram_host=(torch.full((n, ng), -1, dtype=torch.long), torch.zeros(n, ng, dtype=torch.bool)))
 
@@ -102,8 +104,9 @@ class DecodeGraphs:
         b = self.bucket(n)
         if b is None or batch.decoder_rows is not None or batch.logit_rows is not None or batch.image_embeds is not None:
             raise ValueError(f"not a decode batch the graphs hold ({n} tokens, buckets up to {self.buckets[-1]})")
-        if batch.swa_table.shape[1] > self.table_blocks or batch.glob_table.shape[1] > self.table_blocks:
-            raise ValueError(f"block tables wider than the captured {self.table_blocks} blocks")
+        tables = (*batch.swa_tables, *batch.glob_tables)
+        if len(tables) != 2 or any(t.shape[1] > self.table_blocks for t in tables):
+            raise ValueError(f"expected one SWA and one global table at most {self.table_blocks} blocks wide")
         graph, static, logits = self.graphs[b]
         fill_static(static, batch)
         prefetch = self.model.engram_prefetch()

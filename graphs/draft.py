@@ -34,7 +34,7 @@ class DraftGraph:
         b, w, ng = drafter.block_size, table_blocks, max(drafter.cfg.engram_max_ngram_size, 1)
         z = lambda *shape, dt=torch.long: torch.zeros(shape, dtype=dt, device=self.device)  # noqa: E731
         self.static = StepBatch(ids=z(b), positions=torch.arange(b, device=self.device), seq=z(b),
-                                swa_table=z(1, w), glob_table=z(1, w), floors=z(1, 3), glob_from=z(1),
+                                swa_tables=(z(1, w),), glob_tables=(z(1, w),), floors=z(1, 3), glob_from=z(1),
                                 ngram_ids=z(b, ng) - 1, ngram_image=z(b, ng, dt=torch.bool), is_image=z(b, dt=torch.bool),
                                 draft_window=(z(b), z(b) + b - 1))
         self.graph, self.out = None, None
@@ -53,14 +53,14 @@ class DraftGraph:
 
     def holds(self, batch: StepBatch) -> bool:
         """Whether `batch` fits the captured buffers (B rows, tables no wider)."""
-        return batch.num_tokens == self.drafter.block_size and batch.swa_table.shape[1] <= self.table_blocks \
-            and batch.glob_table.shape[1] <= self.table_blocks
+        return batch.num_tokens == self.drafter.block_size and all(
+            t.shape[1] <= self.table_blocks for t in (*batch.swa_tables, *batch.glob_tables))
 
     def run(self, batch: StepBatch) -> Draft:
         """The greedy draft of a block batch (`DSpark._block_batch`), by replaying the graph."""
         if not self.holds(batch):
             raise ValueError(f"not a draft block the graph holds ({batch.num_tokens} rows, tables of "
-                             f"{batch.swa_table.shape[1]} blocks; captured {self.drafter.block_size} rows, "
+                             f"{max(t.shape[1] for t in batch.swa_tables)} blocks; captured {self.drafter.block_size} rows, "
                              f"{self.table_blocks} blocks)")
         fill_static(self.static, batch)
         if self.graph is None:

@@ -8,7 +8,7 @@ from _util import rand_prompt
 
 from dsv41.backends import ops
 from dsv41.core.batch import Chunk, Rows, build_step
-from dsv41.core.cache import entry_rows
+from dsv41.backends.paging import table_rows
 from dsv41.core.engine import SingleSequence
 from dsv41.core.engram import engram_row_ids
 from dsv41.core.model import ForwardContext
@@ -34,7 +34,7 @@ def global_entries(seq: SingleSequence, src: int, n: int):
     sequence's block table."""
     g = seq.pool.glob[src]
     table = torch.tensor([seq.state.glob_blocks])
-    rows = entry_rows(table, g.entries_per_block, torch.arange(n).unsqueeze(0))[0]
+    rows = table_rows(table, g.entries_per_block, torch.arange(n).unsqueeze(0))[0]
     return g.kv_codes[rows], g.kv_scale[rows].view(torch.uint8)
 
 
@@ -42,7 +42,7 @@ def batch_rows(model, ids, image_token_id=None):
     """(Rows, context, batch) of one sequence's chunk `ids` from position 0, on a fresh pool."""
     seq = SingleSequence(model)
     batch = build_step(model.cfg, seq.pool, [Chunk(seq.state, ids.tolist())], "cpu", image_token_id)
-    return Rows.of(batch, model.cfg, seq.pool.block_size), ForwardContext(cache=seq.pool), batch
+    return Rows.of(batch, model.cfg), ForwardContext(cache=seq.pool), batch
 
 
 def test_decode_matches_exact_prefill(tiny_model, tiny_cfg, rng):

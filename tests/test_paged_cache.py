@@ -1,24 +1,31 @@
-"""The vLLM plugin's page adapter (`deploy/vllm/paged_cache.py`) without vLLM: caches gathered
-from / scattered to block-table pages must reproduce the reference engine exactly, including
-chunked prefill (compressor carry across chunks), SWA ring wrap, and a prefix-cache hit whose
-replay starts at a block-aligned position with the earlier window blocks null (vLLM's layout).
+"""The vLLM plugin's in-place step (`deploy/vllm/paged_cache.py`) without vLLM: ONE core forward
+per step over vLLM-style pages and per-layer block tables must reproduce the reference engine
+exactly, including chunked prefill (compressor rows carried across chunks in the pages), the
+window over freed blocks, a prefix-cache hit whose replay starts at a block-aligned position
+with the earlier window blocks null (vLLM's layout), and many requests in shared steps.
 
-Pages start as random bytes (stale data from earlier owners) and block ids are shuffled. The
-same tests run on CUDA tensors (marked `gpu`), where both paths run the same kernels on the same
-chunks, so they must agree bit for bit as well.
+Pages start as random bytes (stale data from earlier owners) and block ids are shuffled; block 0,
+vLLM's null block, which every cache kind overlays in vLLM's buffer, holds bytes that decode to
+NaN in every field (0xFF), so a masked read that leaks into a result shows. With `interleaved`, every layer's
+pages sit in one buffer block by block (vLLM's block-major layouts), so each layer's records are
+row-strided views whose block stride spans the other layers' pages; with `ascend`, each layer is
+bound as vllm-ascend's runner binds a single-tensor cache (a one-tensor list, the head dimension
+after the records). The same tests run on CUDA tensors (marked `gpu`).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from dsv41.core.engine import Engine, SamplingParams
+from dsv41.core.batch import Chunk, build_step
+from dsv41.core.engine import Engine, SamplingParams, SingleSequence
 from dsv41.core.weights import build_model
-from dsv41.deploy.vllm.paged_cache import NULL_BLOCK, LayerRequest, PagedCaches
+from dsv41.backends.paging import NULL_BLOCK
+from dsv41.deploy.vllm.paged_cache import LayerRequest, PagedCaches
 from torch import nn
 
 BLOCK = 8  # divides the tiny window (8) and exact replay (8 x 12)
-N_BLOCKS = 1024
+N_BLOCKS = 512
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])]
 
@@ -26,17 +33,25 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
 class FakeLayer(nn.Module):
     """A cache layer as vLLM binds it: [blocks, heads=1, states, bytes], full of stale bytes."""
 
-    def __init__(self, req: LayerRequest, gen: torch.Generator, device):
+    def __init__(self, req: LayerRequest, gen: torch.Generator, device, pages: torch.Tensor | None = None,
+                 ascend: bool = False):
         super().__init__()
         self.prefix = req.prefix
         states = req.block_size // req.ratio
-        self.kv_cache = torch.randint(0, 256, (N_BLOCKS, 1, states, req.record_bytes), generator=gen,
-                                      dtype=torch.uint8).to(device)
+        if pages is None:  # a buffer of its own
+            pages = torch.randint(0, 256, (N_BLOCKS, req.page_bytes), generator=gen, dtype=torch.uint8).to(device)
+            pages[NULL_BLOCK] = 0xFF
+        self.kv_cache = pages.view(N_BLOCKS, req.page_bytes)[:, : states * req.record_bytes].unflatten(
+            1, (1, states, req.record_bytes))
+        if ascend:  # vllm-ascend's binding: a one-tensor list of [blocks, records, heads=1, bytes]
+            self.kv_cache = [self.kv_cache.transpose(1, 2)]
 
 
 class Meta:
-    def __init__(self, table: torch.Tensor):
-        self.block_table = table.unsqueeze(0)
+    """One cache group's metadata of a step (what `backend.PagedMetadataBuilder` builds)."""
+
+    def __init__(self, block_table: torch.Tensor, query_start_loc: torch.Tensor):
+        self.block_table, self.query_start_loc, self.num_reqs = block_table, query_start_loc, block_table.shape[0]
 
 
 class FakeVllm:
@@ -44,9 +59,17 @@ class FakeVllm:
     prefix hit shares the global blocks of the hit, and leaves SWA blocks below the replay
     start null."""
 
-    def __init__(self, model, replay: int, device, gen):
+    def __init__(self, model, replay: int, device, gen, interleaved: bool = False, ascend: bool = False):
         self.model, self.device = model, device
-        self.caches = PagedCaches(model.cfg, BLOCK, "t", replay, lambda r: FakeLayer(r, gen, device))
+        make = lambda r: FakeLayer(r, gen, device, ascend=ascend)  # noqa: E731
+        if interleaved:
+            probe = PagedCaches(model.cfg, BLOCK, "t", replay, lambda r: nn.Module())
+            n = len(probe.requests)
+            buf = torch.randint(0, 256, (N_BLOCKS, n, probe.page_bytes), generator=gen, dtype=torch.uint8).to(device)
+            buf[NULL_BLOCK] = 0xFF
+            slot = {p: i for i, p in enumerate(probe.requests)}
+            make = lambda r: FakeLayer(r, gen, device, buf[:, slot[r.prefix]])  # noqa: E731
+        self.caches = PagedCaches(model.cfg, BLOCK, "t", replay, make)
         self.free = (torch.randperm(N_BLOCKS - 1, generator=gen) + 1).tolist()
         self.layers = [*self.caches.glob.values(), *self.caches.swa]
 
@@ -63,14 +86,26 @@ class FakeVllm:
                     t[b] = NULL_BLOCK
                 else:
                     t[b] = self.free.pop()
-            tables[lay.prefix] = t.to(self.device)
+            tables[lay.prefix] = t
         return tables
 
+    def run(self, chunks: list[tuple[dict, list[int], int]], image_rows=None) -> torch.Tensor:
+        """One step over (tables, ids, start) per request: the collapsed streams of every token."""
+        ids = torch.tensor([t for _, c, _ in chunks for t in c], dtype=torch.long, device=self.device)
+        pos = torch.tensor([s + j for _, c, s in chunks for j in range(len(c))], device=self.device)
+        qsl = torch.tensor([0, *torch.tensor([len(c) for _, c, _ in chunks]).cumsum(0).tolist()],
+                           dtype=torch.int32, device=self.device)
+        meta = {}
+        for lay in self.layers:
+            rows = [t[lay.prefix] for t, _, _ in chunks]
+            width = max(r.shape[0] for r in rows)
+            table = torch.stack([nn.functional.pad(r, (0, width - r.shape[0])) for r in rows]).to(self.device)
+            meta[lay.prefix] = Meta(table, qsl)
+        is_image = self.model.image_mask(ids) if image_rows is not None else None
+        return self.caches.run_step(self.model, meta, ids, pos, qsl, len(chunks), is_image, image_rows)
+
     def step(self, tables, ids: list[int], start: int, image_rows=None) -> torch.Tensor:
-        meta = {k: Meta(v) for k, v in tables.items()}
-        x = torch.tensor(ids, dtype=torch.long, device=self.device)
-        is_image = self.model.image_mask(x)
-        h = self.caches.run_chunk(self.model, meta, 0, start, x, image_rows, is_image)
+        h = self.run([(tables, ids, start)], image_rows)
         return self.model.logits(h[-1:])[0]
 
     def generate(self, tables, prompt: list[int], n: int, chunks=(), start: int = 0) -> list[int]:
@@ -96,9 +131,10 @@ def gen(rng):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_paged_equals_engine_with_chunked_prefill(tiny_cfg, fresh_seed, rng, gen, device):
+@pytest.mark.parametrize("layout", ["own", "interleaved", "ascend"])
+def test_paged_equals_engine_with_chunked_prefill(tiny_cfg, fresh_seed, rng, gen, device, layout):
     model = build_model(tiny_cfg, seed=fresh_seed, device=device)
-    fake = FakeVllm(model, tiny_cfg.sliding_window, device, gen)
+    fake = FakeVllm(model, tiny_cfg.sliding_window, device, gen, layout == "interleaved", layout == "ascend")
     prompt = _prompt(rng, 29)
     expected = Engine(model, prefill_mode="exact").generate(prompt, SamplingParams(max_new_tokens=12)).token_ids
     assert fake.generate(fake.new_tables(64), prompt, 12) == expected
@@ -168,9 +204,9 @@ def test_pages_are_filled_not_padded(tiny_cfg, gen):
             caches = PagedCaches(cfg, bs, "t", replay, lambda r: nn.Module())
             slots = {}
             for prefix, block in caches.block_sizes.items():
-                kind, layer = prefix.split(".")[1:]
+                kind, layer = prefix.split(".")[-2:]
                 ratio = cfg.compress_ratios[int(layer)] if kind == "global_kv" else 1
-                record = caches.glob_rec[ratio].size if kind == "global_kv" else caches.swa_recs[int(layer)].size
+                record = caches.glob_recs[int(layer)].size if kind == "global_kv" else caches.swa_recs[int(layer)].size
                 states = block // ratio
                 slot = caches.page_bytes // states
                 assert block % bs == 0 and block % ratio == 0 and slot * states == caches.page_bytes
@@ -182,78 +218,102 @@ def test_pages_are_filled_not_padded(tiny_cfg, gen):
                 assert max(slots.values()) == 4672 and sorted(set(slots.values())) == [584, 4672]
 
 
-def test_missing_history_is_an_error(tiny_cfg, fresh_seed, rng, gen):
-    """A chunk starting mid-sequence whose earlier tokens are in no page (null blocks
-    everywhere) must fail loudly, never hash Engram n-grams from garbage."""
-    model = build_model(tiny_cfg, seed=fresh_seed)
-    fake = FakeVllm(model, tiny_cfg.sliding_window, "cpu", gen)
-    tables = {k: torch.zeros_like(v) for k, v in fake.new_tables(32).items()}
-    for v in tables.values():
-        v[2:] = torch.arange(2, v.shape[0]) + 40
-    with pytest.raises(RuntimeError, match="missing"):
-        fake.step(tables, _prompt(rng, 3), 16)
-
-
-def test_same_tokens_other_image_never_reuses_stale_entries(tiny_cfg, fresh_seed, rng, gen):
-    """Image positions share one token id: a request whose pages still hold another request's
-    entries for the same ids but a different image must recompute them (content digests)."""
+def test_image_chunks_equal_engine(tiny_cfg, fresh_seed, rng, gen):
+    """A prompt with an image span, prefilled in chunks that cut the span (Engram's n-grams
+    cross the chunk boundaries and the image flags come back from the pages), then a decode
+    that samples the image token id (text, not an image position): equal to the reference."""
     cfg = tiny_cfg
     model = build_model(cfg, seed=fresh_seed)
     fake = FakeVllm(model, cfg.sliding_window, "cpu", gen)
     prompt = _prompt(rng, 30)
     prompt[3:15] = [cfg.image_token_id] * 12
-    rows_a, rows_b = (torch.randn(12, cfg.hidden_size, generator=rng).to(torch.bfloat16) for _ in range(2))
-
-    def run(tables, rows):  # chunked prefill: the second chunk starts at an aligned position
-        fake.step(tables, prompt[:16], 0, rows)
-        return fake.step(tables, prompt[16:], 16)
-
-    reused = fake.new_tables(40)
-    run(reused, rows_a)  # leaves request A's entries in these pages
-    stale = run(reused, rows_b)
-    fresh = run(fake.new_tables(40), rows_b)
-    assert torch.equal(stale, fresh)
-    assert not torch.equal(fresh, run(fake.new_tables(40), rows_a))  # the image matters at all
+    rows = torch.randn(12, cfg.hidden_size, generator=rng).to(torch.bfloat16)
+    seq = SingleSequence(model)
+    want = [seq.feed(prompt[:9], image_embeds=rows[:6]), seq.feed(prompt[9:20], image_embeds=rows[6:]),
+            seq.feed(prompt[20:])]
+    generated = Chunk(seq.state, [cfg.image_token_id], logits="last", text_only=True)  # (as the engine feeds it)
+    want.append(model(build_step(cfg, seq.pool, [generated], "cpu", cfg.image_token_id), seq.pool)[0])
+    tables = fake.new_tables(40)
+    got = [fake.step(tables, prompt[:9], 0, rows[:6]), fake.step(tables, prompt[9:20], 9, rows[6:]),
+           fake.step(tables, prompt[20:], 20), fake.step(tables, [cfg.image_token_id], 30)]
+    for k, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"step {k}"
 
 
 def test_one_step_over_many_requests_equals_each_alone(tiny_cfg, fresh_seed, rng, gen):
     """vLLM's steps mix requests: several prefill chunks of different lengths and starts, and
-    decodes, in ONE forward over one shared private pool (`run_step`). Each request's greedy
-    tokens must equal the reference engine's for it alone."""
-    from dsv41.deploy.vllm.paged_cache import ScheduledChunk
-
+    decodes, in ONE forward over the shared pages. Each request's greedy tokens must equal the
+    reference engine's for it alone; a prefix hit with replay rides along."""
     model = build_model(tiny_cfg, seed=fresh_seed)
-    fake = FakeVllm(model, tiny_cfg.sliding_window, "cpu", gen)
+    fake = FakeVllm(model, tiny_cfg.sliding_window, "cpu", gen, interleaved=True)
     engine = Engine(model, prefill_mode="exact")
     prompts = [_prompt(rng, n) for n in (5, 23, 17, 9)]
     n_new = 6
     expected = [engine.generate(p, SamplingParams(max_new_tokens=n_new)).token_ids for p in prompts]
     tables = [fake.new_tables(48) for _ in prompts]
-    width = max(v.shape[0] for t in tables for v in t.values())
-    meta = {k: Meta(torch.zeros(0)) for k in tables[0]}
-    for k in meta:  # one block-table row per request (vLLM's layout)
-        meta[k].block_table = torch.stack([torch.nn.functional.pad(t[k], (0, width - t[k].shape[0])) for t in tables])
-    # request 1 prefills in two chunks (the second beside the others' decodes); request 3 starts late
+    # request 1 prefills in two chunks (the second beside the others' decodes), odd boundary
+    # (a ratio-2 group spans the steps); request 3 starts late
     plan = {0: [(0, 5)], 1: [(0, 11), (11, 23)], 2: [(0, 17)], 3: [None, (0, 9)]}
     pos = [0] * len(prompts)
     out: list[list[int]] = [[] for _ in prompts]
     step = 0
     while any(len(o) < n_new for o in out):
-        chunks = []
+        chunks, who = [], []
         for i, p in enumerate(prompts):
             todo = plan[i][step] if step < len(plan[i]) else "decode"
             if todo is None or len(out[i]) >= n_new:
                 continue
-            ids = torch.tensor(p[todo[0]:todo[1]] if todo != "decode" else [out[i][-1]])
+            ids = p[todo[0]:todo[1]] if todo != "decode" else [out[i][-1]]
             samples = todo == "decode" or todo[1] == len(p)  # a prompt's last chunk gives a token
-            chunks.append((i, ScheduledChunk(i, pos[i], ids, None, model.image_mask(ids)), samples))
-            pos[i] += ids.shape[0]
+            chunks.append((tables[i], ids, pos[i]))
+            who.append((i, len(ids), samples))
+            pos[i] += len(ids)
         assert len(chunks) > 1 or step > 3
-        h = fake.caches.run_step(model, meta, [c for _, c, _ in chunks])
+        h = fake.run(chunks)
         o = 0
-        for i, c, sample in chunks:
-            o += c.ids.shape[0]
+        for i, n, sample in who:
+            o += n
             if sample:
                 out[i].append(int(model.logits(h[o - 1:o])[0].argmax()))
         step += 1
     assert out == expected
+
+
+def test_prefix_hit_beside_other_requests(tiny_cfg, fresh_seed, rng, gen):
+    """A request replaying after a prefix hit (exact replay, in chunks) shares its steps with a
+    fresh request; both equal the reference (the replay start is found in the pages, the hit's
+    global entries are not rewritten)."""
+    cfg = tiny_cfg
+    model = build_model(cfg, seed=fresh_seed)
+    r = cfg.sliding_window * cfg.num_hidden_layers
+    fake = FakeVllm(model, r, "cpu", gen)
+    grain = max(fake.caches.block_sizes.values())
+    prompt, other = _prompt(rng, r + grain + 5), _prompt(rng, 13)
+    first = fake.new_tables(len(prompt) + 8)
+    fake.generate(first, prompt, 2)
+    snapshot = {p: lay.kv_cache.clone() for p, lay in fake.caches.glob.items()}
+    hit = (len(prompt) - 1) // grain * grain
+    start = hit - r
+    hit_tables = fake.new_tables(len(prompt) + 8, {"hit": hit, "tables": first}, null_below=start)
+    other_tables = fake.new_tables(24)
+    cold = Engine(model, prefill_mode="exact")
+    want = [cold.generate(prompt, SamplingParams(max_new_tokens=3)).token_ids,
+            cold.generate(other, SamplingParams(max_new_tokens=3)).token_ids]
+    # the replay in chunks of 40 beside the other request's prefill, then both decode
+    got: list[list[int]] = [[], []]
+    p0, p1 = start, 0
+    while p0 < len(prompt) or len(got[0]) < 3:
+        c0 = prompt[p0:p0 + 40] if p0 < len(prompt) else [got[0][-1]]
+        c1 = other[p1:] if p1 < len(other) else [got[1][-1]]
+        steps = [(hit_tables, c0, p0)] + ([(other_tables, c1, p1)] if len(got[1]) < 3 else [])
+        h = fake.run(steps)
+        if p0 + len(c0) >= len(prompt):
+            got[0].append(int(model.logits(h[len(c0) - 1:len(c0)])[0].argmax()))
+        if len(steps) > 1:
+            got[1].append(int(model.logits(h[-1:])[0].argmax()))
+        p0, p1 = p0 + len(c0), p1 + len(c1)
+    assert got[0][:3] == want[0] and got[1][:3] == want[1]
+    for p, lay in fake.caches.glob.items():  # the hit's cached entries are untouched
+        bs = fake.caches.block_sizes[lay.prefix]
+        shared = first[lay.prefix][: hit // bs].long()
+        assert torch.equal(lay.kv_cache[shared], snapshot[p][shared])

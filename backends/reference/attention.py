@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .. import numerics
+from ..paging import table_rows
 from ..registry import register
 from . import quant
 from .basic import einsum, exact_fn, rms_norm, rope
@@ -89,18 +90,6 @@ def candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, n_blocks: int,
     return torch.where(ok, cand, torch.full_like(cand, -1)).reshape(t, -1)
 
 
-def entry_slots(block_table: torch.Tensor, entries_per_block: int, entries: torch.Tensor) -> torch.Tensor:
-    """Pool rows of logical entries: entry j of the sequence whose block table is `block_table`
-    sits at row block_table[j // E] * E + j % E (E = entries_per_block). block_table [T, nb],
-    entries [T, ...] (negative = none, mapped to -1)."""
-    ok = entries >= 0
-    e = entries.clamp_min(0)
-    flat = e.reshape(e.shape[0], -1)
-    blk = block_table.gather(1, (flat // entries_per_block).clamp_max(block_table.shape[1] - 1))
-    rows = (blk.clamp_min(0) * entries_per_block + flat % entries_per_block).view_as(e)
-    return torch.where(ok, rows, torch.full_like(rows, -1))
-
-
 def _sequence_groups(block_table: torch.Tensor):
     """Tokens grouped by their sequence (identical block-table rows): [(token ids, table row)]."""
     rows, inverse = torch.unique(block_table, dim=0, return_inverse=True)
@@ -116,7 +105,7 @@ def indexer_topk(q, weights, key_codes, key_scale, block_table, entries_per_bloc
         # each sequence's keys are dequantised once and scored by all of its tokens
         s = torch.empty(t, n, dtype=torch.float64, device=q.device)
         for toks, table in _sequence_groups(block_table):
-            slots = entry_slots(table.unsqueeze(0), entries_per_block,
+            slots = table_rows(table.unsqueeze(0), entries_per_block,
                                 torch.arange(n, device=q.device).unsqueeze(0))[0].clamp_min(0)
             keys = quant.mxfp4_dequant(key_codes[slots], key_scale[slots])  # [N, Di]
             s[toks] = _partial_scores(q[toks], weights[toks], keys)
@@ -127,7 +116,7 @@ def indexer_topk(q, weights, key_codes, key_scale, block_table, entries_per_bloc
             if pool_blocks > 0 else None
         return idx, pool
     valid = candidates >= 0
-    slots = entry_slots(block_table, entries_per_block, candidates).clamp_min(0)
+    slots = table_rows(block_table, entries_per_block, candidates).clamp_min(0)
     keys = quant.mxfp4_dequant(key_codes[slots], key_scale[slots])  # only the pool's keys: [T, P, Di]
     s = _finish_scores(_partial_scores(q, weights, keys), reduce_scores)
     local = _stable_topk_sorted(s, topk, valid)
@@ -159,7 +148,9 @@ def sparse_attention(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_id
             continue
         ok = idx >= 0
         rows = idx.clamp_min(0)
-        v = dequant(kv[rows], sc[rows]) * ok.unsqueeze(-1)  # [T, S, D]; masked rows zeroed
+        # masked rows zeroed by selection: their bytes (the null block, shared by every cache
+        # kind in vLLM's pages) may decode to NaN, which a multiplication by 0 would keep
+        v = torch.where(ok.unsqueeze(-1), dequant(kv[rows], sc[rows]), 0.0)  # [T, S, D]
         logits.append(einsum("thd,tsd->ths", qf, v).masked_fill(~ok.unsqueeze(1), NEG_INF))
         values.append(v)
     lg = torch.cat(logits, -1) * softmax_scale

@@ -1,10 +1,11 @@
 """The attention backend vLLM sees for our cache layers.
 
-vLLM builds one metadata object per KV cache group per step; ours only carries what the paged
-cache adapter needs (per-request token ranges and the group's block table). The attention math
-itself is not here: the model runs `dsv41.core` over each request with caches gathered from
-vLLM's pages, and `core` calls `dsv41.backends.ops`, which dispatches on the tensors' device
-(reference on CPU, Triton on CUDA, torch_npu / Triton-Ascend on NPU).
+vLLM builds one metadata object per KV cache group per step; ours only carries what the model
+needs (per-request token ranges and the group's block table, both vLLM's own device tensors).
+The attention math itself is not here: the model runs `dsv41.core` over the step with vLLM's
+pages and block tables handed to the ops, and `core` calls `dsv41.backends.ops`, which
+dispatches on the tensors' device (reference on CPU, Triton on CUDA, torch_npu / Triton-Ascend
+on NPU).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import ClassVar
 import torch
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImplBase,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
@@ -25,15 +27,23 @@ from vllm.v1.attention.backend import (
 class PagedMetadata:
     """One KV cache group's view of a step: request i owns tokens
     [query_start_loc[i], query_start_loc[i+1]) of the flattened batch and the pages in
-    block_table[i] (CPU tensors: the adapter indexes them from Python)."""
+    block_table[i] (device tensors; nothing is read back to the host)."""
 
-    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, CPU
-    block_table: torch.Tensor  # [num_reqs, max_blocks] int32, CPU
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
     num_reqs: int
 
 
 class PagedMetadataBuilder(AttentionMetadataBuilder[PagedMetadata]):
-    """Copies the per-request ranges and block table of one cache group."""
+    """The per-request ranges and block table of one cache group (vLLM's persistent tensors,
+    not copies, so a captured graph sees each step's values).
+
+    CUDA graphs: the step reads nothing back to the host (`PagedCaches.run_step`; the images
+    path, which does, is left out while a graph is captured), so vLLM may capture single-token
+    decode batches (FULL_DECODE_ONLY and the decode half of FULL_AND_PIECEWISE). Declared from
+    the code's properties; capture through vLLM is unverified on a GPU."""
+
+    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -42,7 +52,7 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedMetadata]):
               fast_build: bool = False) -> PagedMetadata:
         m = common_attn_metadata
         n = m.num_reqs
-        return PagedMetadata(m.query_start_loc_cpu[: n + 1].clone(), m.block_table_tensor[:n].cpu(), n)
+        return PagedMetadata(m.query_start_loc, m.block_table_tensor, n)
 
 
 class PagedImpl(AttentionImplBase):

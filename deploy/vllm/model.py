@@ -1,19 +1,19 @@
 """`Dsv41ForCausalLM`: DeepSeek-V4.1-Flash from `dsv41.core` as a vLLM model.
 
 vLLM schedules, batches, allocates and prefix-caches; this class runs ONE `core.Transformer`
-forward per vLLM step over every scheduled request's chunk (prefill chunks and decodes mixed;
-raw token ids, so Engram hashes exactly as the reference does). Interim: the step's requests
-have their caches gathered from vLLM's pages into one private pool shared by the step
-(`paged_cache.PagedCaches.run_step`) and written back after the forward; the ops do not yet read
-and write vLLM's pages in place. Every op goes through `dsv41.backends.ops`, so the same class
+forward per vLLM step over every scheduled token (prefill chunks and decodes mixed; raw token
+ids, so Engram hashes exactly as the reference does), with vLLM's page tensors and block tables
+handed to the ops, which read and write the pages in place (`paged_cache.PagedCaches.run_step`).
+Every op goes through `dsv41.backends.ops`, so the same class
 runs on CPU, CUDA and NPU tensors. Each request's result equals the reference engine's
 (`dsv41 run --prefill exact`) token for token, because the reference is batch-invariant
 (chunked prefill == one pass == token-by-token decode == any batch).
 
 Images (`multimodal.py`): vLLM's processor expands each image token to the image's span;
 `embed_multimodal` runs the vision tower once per image (vLLM caches the output by image hash);
-`embed_input_ids` scatters a step's image rows into `inputs_embeds`, and each chunk's rows at
-its image positions reach the core model as `image_embeds`, wherever the chunk starts.
+`embed_input_ids` scatters a step's image rows into `inputs_embeds` and notes vLLM's mask of
+the step's image positions; the rows at those positions reach the core model as
+`image_embeds`, wherever a chunk starts. A generated token equal to the image token id is text.
 
 Configuration (`--additional-config '{"dsv41": {...}}'`):
 - `replay`: "window" (default: recompute `sliding_window` tokens after a prefix-cache hit,
@@ -51,7 +51,7 @@ from .multimodal import (
     Dsv41ProcessingInfo,
     split_pixels,
 )
-from .paged_cache import PagedCaches, ScheduledChunk, replay_length
+from .paged_cache import PagedCaches, replay_length
 
 # a child of vLLM's logger, so our lines go where vLLM's go (its handlers sit on "vllm")
 logger = init_logger("vllm.dsv41")
@@ -82,6 +82,11 @@ def tensor_parallel_group(vllm_config: VllmConfig) -> Group:
     return TorchGroup(get_tp_group().device_group)
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on `device` (nothing may read back to the host)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 @MULTIMODAL_REGISTRY.register_processor(Dsv41MultiModalProcessor, info=Dsv41ProcessingInfo,
                                         dummy_inputs=Dsv41DummyInputsBuilder)
 class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
@@ -107,6 +112,7 @@ class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
         replay = replay_length(cfg, self.options["replay"])
         self.caches = PagedCaches(cfg, vllm_config.cache_config.block_size, prefix or "dsv41", replay, PagedLayer)
         self.tokenizer_path = vllm_config.model_config.tokenizer
+        self._image_positions: torch.Tensor | None = None  # vLLM's mask of this step's image positions
 
     # -- vLLM model interface --
     @classmethod
@@ -127,6 +133,7 @@ class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
                         is_multimodal: torch.Tensor | None = None) -> torch.Tensor:
         """Token embeddings with the image rows of this step scattered into their positions."""
         x = self.model.embed_tokens(input_ids)
+        self._image_positions = None if is_multimodal is None else is_multimodal.to(input_ids.device)
         if multimodal_embeddings is None or len(multimodal_embeddings) == 0 or is_multimodal is None:
             return x
         rows = torch.cat(list(multimodal_embeddings)).to(device=x.device, dtype=x.dtype)
@@ -139,43 +146,33 @@ class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-        """Collapsed final streams [tokens, d] of every scheduled token (see `compute_logits`)."""
-        out = torch.zeros(input_ids.shape[0], self.cfg.hidden_size, dtype=torch.bfloat16, device=input_ids.device)
+        """Collapsed final streams [tokens, d] of every scheduled token (see `compute_logits`):
+        ONE core forward over the step, in place on vLLM's pages."""
         meta = get_forward_context().attn_metadata
         if isinstance(meta, list):  # micro-batched: one dict per micro-batch (not used on CPU)
             raise NotImplementedError("dsv41 plugin: micro-batching is not supported")
         if not meta or self.caches.swa[0].prefix not in meta:
-            return out  # vLLM's profiling / warm-up run: no request, no cache to touch
+            # vLLM's profiling / warm-up run: no request, no cache to touch
+            return torch.zeros(input_ids.shape[0], self.cfg.hidden_size, dtype=torch.bfloat16, device=input_ids.device)
         first = meta[self.caches.swa[0].prefix]
-        qsl = first.query_start_loc.tolist()
-        self._run_requests(meta, qsl, first.num_reqs, input_ids, positions, out, inputs_embeds)
-        return out
+        is_image, image_embeds = self._step_images(input_ids, inputs_embeds)
+        return self.caches.run_step(self.model, meta, input_ids, positions, first.query_start_loc, first.num_reqs,
+                                    is_image, image_embeds)
 
-    def _run_requests(self, meta, qsl, num_reqs, input_ids, positions, out, inputs_embeds=None) -> None:
-        """Every scheduled request's chunk in ONE core forward (`PagedCaches.run_step`); a
-        chunk's image positions take their rows of `inputs_embeds` (vLLM's merge of the encoder
-        output) as `image_embeds`. The rows come back in chunk order, i.e. vLLM's token order."""
-        chunks, spans = [], []
-        for i in range(num_reqs):
-            a, b = qsl[i], qsl[i + 1]
-            if b <= a:
-                continue
-            ids = input_ids[a:b].long()
-            is_image, image_embeds = self.model.image_mask(ids), None
-            if inputs_embeds is not None and bool(is_image.any()):
-                image_embeds = inputs_embeds[a:b][is_image]
-            chunks.append(ScheduledChunk(i, int(positions[a]), ids, image_embeds, is_image))
-            spans.append((a, b))
-        if not chunks:
-            return
-        h = self.caches.run_step(self.model, meta, chunks)
-        if spans[0][0] == 0 and spans[-1][1] == h.shape[0] and all(p[1] == q[0] for p, q in zip(spans, spans[1:])):
-            out[: h.shape[0]] = h  # (the usual case: the requests' tokens are contiguous)
-            return
-        o = 0
-        for a, b in spans:
-            out[a:b] = h[o:o + b - a]
-            o += b - a
+    def _step_images(self, input_ids: torch.Tensor, inputs_embeds: torch.Tensor | None):
+        """(image positions, their rows of `inputs_embeds`) of this step: positions vLLM marked
+        multimodal that hold the image token (generated tokens are never marked, so a sampled
+        image token id stays text), or (None, None) in a text-only step."""
+        mask, self._image_positions = self._image_positions, None
+        if inputs_embeds is None or mask is None or self.cfg.vision is None or _capturing(input_ids.device):
+            return None, None  # (graphs capture decode batches only: no image position there)
+        t = input_ids.shape[0]
+        if mask.shape[0] < t:  # (vLLM's mask covers the scheduled tokens; the rest is padding)
+            mask = torch.cat((mask, mask.new_zeros(t - mask.shape[0])))
+        is_image = mask[:t] & (input_ids == self.cfg.image_token_id)
+        if not bool(is_image.any()):  # (one host read, in steps that carry image positions only)
+            return None, None
+        return is_image, inputs_embeds[is_image]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden_states)
@@ -183,22 +180,44 @@ class Dsv41ForCausalLM(nn.Module, SupportsMultiModal):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (native or Hugging Face names) into the model; one error
         (`check_state_dict`, as for every other loader) lists every unexpected, misshapen, wrongly
-        typed or missing tensor."""
+        typed or missing tensor. The released file form of `attn.wo_a` (FP8 + E8M0 32x32 block
+        `.scale`, `names.RELEASED_FP8_BF16`) is dequantised to the model's bf16 weight once both
+        halves have arrived, exactly as `dsv41 convert` and the checkpoint loader do."""
+        from ...backends.reference.quant import fp8_block_dequant
+        from ..names import RELEASED_FP8_BF16
+
         expected = self.model.state_dict()
         dtypes = checkpoint_dtypes(self.model)  # float8 where a buffer holds the bytes (NPU)
         seen: dict[str, torch.Tensor] = {}  # native name -> shape/dtype stand-in, for the check
+        released: dict[str, dict[str, torch.Tensor]] = {}  # owner -> {"weight", "scale"} of the FP8 form
         group = self.group
-        for name, t in weights:
-            native = hf_to_native(name)
+
+        def take(native: str, t: torch.Tensor) -> None:
             if group.world_size > 1:  # vLLM hands every rank whole tensors: keep this rank's piece
                 t = shard_of(self.cfg, native, t, group.rank, group.world_size)
                 if t is None:
-                    continue  # another rank's routed expert
+                    return  # another rank's routed expert
             seen[native] = torch.empty(t.shape, dtype=t.dtype, device="meta")
             buf = expected.get(native)
             if buf is not None and buf.shape == t.shape and dtypes[native] == t.dtype:
                 with torch.no_grad():
                     buf.copy_(as_storage(t, buf.dtype))
+
+        for name, t in weights:
+            native = hf_to_native(name)
+            owner, _, leaf = native.rpartition(".")
+            if RELEASED_FP8_BF16.match(owner) and expected.get(owner + ".weight") is not None \
+                    and expected[owner + ".weight"].dtype == torch.bfloat16 \
+                    and (leaf == "scale" or (leaf == "weight" and t.dtype == torch.float8_e4m3fn)):
+                released.setdefault(owner, {})[leaf] = t
+                continue
+            take(native, t)
+        for owner, parts in released.items():
+            if set(parts) == {"weight", "scale"}:
+                take(owner + ".weight", fp8_block_dequant(parts["weight"], parts["scale"]).to(torch.bfloat16))
+            else:  # half a pair: reported by the check as what it is
+                for leaf, t in parts.items():
+                    take(f"{owner}.{leaf}", t)
         check_state_dict(self.model, seen)
         self._install_engram_vocab()
         return {f"model.{k}" for k in seen}

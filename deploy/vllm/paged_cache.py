@@ -1,31 +1,45 @@
-"""Our caches as vLLM's block manager sees them, and the adapter between vLLM's pages and the
-block pools that `dsv41.core` computes with.
+"""Our caches as vLLM's block manager sees them, and the step that runs the core model IN PLACE on
+vLLM's pages.
 
-Interim (until the plugin hands vLLM's pages to the ops in place): every request scheduled in a
-vLLM step has its state gathered from its pages into ONE private `KVPool` shared by the step (one
-`SequenceState` per request, `RequestCache`), the core runs ONE batched forward over all of their
-chunks (prefill chunks and decodes mixed), and what each chunk added is written back to its pages
-(`PagedCaches.run_step`). The copies in and out are the interim part: they cost host time per
-request and step, proportional to the window and the chunk.
+vLLM allocates one uint8 page buffer per cache layer; every page is `block_size_layer` records
+of `record_bytes`, so a field of a record is a row-strided view of the pages
+(`raw[:, offset:offset + n]`, row = block * records per block + record in block, exactly the
+address the core computes). `PagedCaches.pool` wraps those views in a `core.cache.KVPool`
+(`KVPool.over`: a block size and a block-table number per layer), and `run_step` builds ONE
+`StepBatch` from vLLM's per-group block tables and runs ONE `Transformer.forward` over every
+scheduled token (prefill chunks and decodes mixed). The ops read and write the pages in place:
+no per-request gather or scatter, no host-side request state, and nothing in the step reads a
+value back to the host (images aside), so a decode step is capturable.
 
 Cache layers (vLLM `AttentionLayerBase`s (`layers.PagedLayer`), so vLLM allocates,
-frees and prefix-caches them; this module itself needs no vLLM, so it is tested on any device):
+frees and prefix-caches them; this module itself needs no vLLM, so it is tested on any device).
+Their names hold "attn" (`<prefix>.attn.global_kv.<layer>`, `<prefix>.attn.swa.<layer>`):
+vllm-ascend's runner allocates KV only for layers so named (docs/serving.md).
 - `GlobalKVCacheLayer` per KV-source layer: one record per `ratio` tokens (`tokens_per_state`),
   prefix-cacheable. Record = E2M1 latent (D/2 B) + E4M3 scales (D/16) + MXFP4 indexer key
-  (Di/2) + E8M0 key scales (Di/32) + the `ratio` token ids of the group (int32; Engram hashing
-  needs the ids before a chunk, and a prefix hit must bring them along).
+  (Di/2) + E8M0 key scales (Di/32); the first KV source's record also holds the group's
+  `ratio` token ids (int32, first: Engram's n-grams reach up to 3 tokens before a replay start,
+  whose window pages are null, and a prefix hit brings them along with the entries).
 - `SWACacheLayer` per backbone layer: a sliding-window cache with bounded replay
   (`SlidingWindowMLASpec(bounded_replay=True)`), so vLLM never prefix-caches it and, on a hit,
   rewinds the computed-token count by the replay length and recomputes those tokens. Record =
-  FP8 latent (D) + E8M0 scales (D/32) + int32 position + 1 (0 = never written) + int32 token
-  id + content digest, and in the layers of ratio-2 KV sources the compressor's carried fp32
-  row pair (kv, score), whose partial group must survive between steps.
+  [the compressor's fp32 (kv, score) row pair, ratio-2 KV sources only: a group spanning two
+  steps finds its first row there] + [layer 0 only: int32 token id (negative: -(id + 1) at an
+  image position) and int32 replay start of the request] + FP8 latent (D) + E8M0 scales (D/32).
+  The 4-byte fields come first, so their views stay aligned.
 
-Validity: a window position is read only when its page is a real block (not vLLM's null block
-0) and its record carries that position. A prefix hit's replay start H - R is block-aligned
-(H is a multiple of the block size and so must be R, checked at start-up), so the positions
-before it sit in null blocks: the window is truncated there exactly as the reference engine's
-bounded replay truncates it (the sequence's window floors).
+What the host used to track, the pages hold (written by the step, read by the next):
+- Window validity: a window position is read only when its page is a real block. vLLM gives
+  back blocks that left every window, and a prefix hit's replay start H - R is block-aligned
+  (H is a multiple of the block size and so must be R, checked at start-up) with the blocks
+  before it null: the window is truncated there exactly as the reference engine's bounded
+  replay truncates it.
+- The replay start F of a request: a chunk whose previous position lies in a null block starts
+  at F (vLLM discards hits no longer than the replay, so F > 0 means a hit of F + R tokens);
+  later chunks read F back from layer 0's record of their previous position. Global entries of
+  positions below F + R are the hit's prefix-cached ones and are never rewritten.
+- Engram's n-gram inputs: the token ids at p-1 .. p-3 from layer 0's records, or below F from
+  the first KV source's global records.
 
 Page size: vLLM's hybrid allocator wants one page size for every layer. The SWA record of a
 ratio-2 KV source (the largest per token, because of the carried compressor rows) is rounded up
@@ -41,8 +55,6 @@ hits are multiples of the largest block).
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,26 +62,30 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ...core.cache import FLOOR_DECODER, FLOOR_ENCODER, KVPool, SequenceState
+from ...backends.paging import table_rows
+from ...backends.platform import storage_dtype
+from ...core.batch import StepBatch
+from ...core.cache import GlobalPool, KVPool, SWAPool
 from ...core.config import ModelConfig
 
-NULL_BLOCK = 0  # vLLM's null block: never holds a request's data
 RECORD_ALIGN = 64  # SWA record bytes are rounded up to this, so the page splits into many sizes
 MAX_BLOCK_SCALE = 16  # a global layer's block is at most this many SWA blocks (prefix-hit grain)
 
 
 @dataclass(frozen=True)
 class GlobalRecord:
-    """Byte layout of one global KV entry (one per `ratio` tokens)."""
+    """Byte layout of one global KV entry (one per `ratio` tokens); `tokens`: it also holds the
+    group's token ids (the first KV source only)."""
 
     d: int
     di: int
     ratio: int
+    tokens: bool = False
 
     @property
     def fields(self) -> list[tuple[str, int]]:
-        return [("kv_codes", self.d // 2), ("kv_scale", self.d // 16), ("key_codes", self.di // 2),
-                ("key_scale", self.di // 32), ("token_ids", 4 * self.ratio), ("chain", 8)]
+        return [("token_ids", 4 * self.ratio if self.tokens else 0), ("kv_codes", self.d // 2),
+                ("kv_scale", self.d // 16), ("key_codes", self.di // 2), ("key_scale", self.di // 32)]
 
     @property
     def size(self) -> int:
@@ -78,71 +94,66 @@ class GlobalRecord:
 
 @dataclass(frozen=True)
 class SWARecord:
-    """Byte layout of one SWA ring entry (one per token)."""
+    """Byte layout of one SWA entry (one per token); `carry`: room for the compressor's carried
+    (kv, score) fp32 rows; `request`: the token id and the request's replay start (layer 0)."""
 
     d: int
-    carry: bool  # room for the compressor's carried (kv, score) fp32 rows
+    carry: bool
+    request: bool = False
 
     @property
     def fields(self) -> list[tuple[str, int]]:
-        return [("q", self.d), ("scale", self.d // 32), ("pos1", 4), ("token", 4), ("digest", 8),
-                ("carry", 8 * self.d if self.carry else 0)]
+        return [("carry", 8 * self.d if self.carry else 0), ("token", 4 if self.request else 0),
+                ("floor", 4 if self.request else 0), ("kv", self.d), ("scale", self.d // 32)]
 
     @property
     def size(self) -> int:
         return sum(n for _, n in self.fields)
 
 
-def _split(raw: torch.Tensor, fields) -> dict[str, torch.Tensor]:
+def record_rows(kv_cache, slot: int) -> tuple[torch.Tensor, int]:
+    """(rows [n, slot] uint8, rows per block stride) of a cache layer's pages as the runner binds
+    them: vLLM [blocks, heads=1, records, bytes]; vllm-ascend a one-tensor list of [blocks,
+    records, heads=1, bytes]; any layout (blocks may be interleaved with other layers' pages).
+    Record e of block b is row b * stride + e; rows of other layers' pages in between are never
+    addressed."""
+    if isinstance(kv_cache, (list, tuple)) and len(kv_cache) != 1:
+        raise ValueError(f"dsv41: a cache layer is bound to {len(kv_cache)} tensors, expected one")
+    kv_cache = _first(kv_cache)
+    kv = kv_cache.view(torch.uint8) if kv_cache.dtype != torch.uint8 else kv_cache
+    if kv.dim() == 4:  # (the one-head dimension, before or after the records)
+        kv = kv[:, 0] if kv.shape[1] == 1 else kv[:, :, 0]
+    if kv.dim() != 3 or kv.shape[-1] < slot or kv.stride(-1) != 1:
+        raise ValueError(f"dsv41: a cache layer's pages must be [blocks, records, >= {slot} bytes], "
+                         f"got shape {tuple(kv.shape)} strides {kv.stride()}")
+    row, records = kv.stride(1), kv.shape[1]
+    if kv.stride(0) % (row * records):
+        raise ValueError(f"dsv41: page stride {kv.stride(0)} is not a whole number of pages of {records} x {row} B")
+    stride = kv.stride(0) // row
+    n = (kv.shape[0] - 1) * stride + records
+    return kv.as_strided((n, slot), (row, 1)), stride
+
+
+def _first(kv_cache) -> torch.Tensor:
+    """The tensor of a cache layer's binding (a tensor, or vllm-ascend's one-tensor list)."""
+    return kv_cache[0] if isinstance(kv_cache, (list, tuple)) else kv_cache
+
+
+def fields_of(raw: torch.Tensor, layout) -> dict[str, torch.Tensor]:
+    """Row-strided views of each field of the records `raw` [n, slot] (uint8)."""
     out, o = {}, 0
-    for name, n in fields:
+    for name, n in layout.fields:
         out[name] = raw[:, o:o + n]
         o += n
     return out
 
 
-def chain_hash(prev: bytes, group_digests: list[bytes]) -> bytes:
-    """8-byte hash of a global entry's whole input prefix: the previous entry's hash + the
-    content digests of this entry's positions (like vLLM's block hashes, per entry). A record
-    whose stored hash equals ours was computed for the same inputs, so its value is ours too
-    (the model is causal)."""
-    return hashlib.blake2b(prev + b"".join(group_digests), digest_size=8).digest()
-
-
-@functools.lru_cache(maxsize=1 << 18)
-def _token_digest(tok: int) -> bytes:
-    return hashlib.blake2b(b"t%d" % tok, digest_size=8).digest()
-
-
-def content_digests(ids: torch.Tensor, is_image: torch.Tensor, image_rows: torch.Tensor | None) -> list[bytes]:
-    """Per position, 8 bytes naming what the model saw there: the token id, or for an image
-    position its embedding row (image tokens share one id, so the id alone would let two
-    different images of one size look alike). Token digests are cached per id."""
-    out, rows = [], iter(image_rows.cpu().contiguous().view(torch.uint8) if image_rows is not None else ())
-    for tok, img in zip(ids.tolist(), is_image.tolist()):
-        if img and image_rows is not None:
-            out.append(hashlib.blake2b(b"i" + next(rows).numpy().tobytes(), digest_size=8).digest())
-        else:
-            out.append(_token_digest(tok))
-    return out
-
-
-def _as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Reinterpret [n, k] record bytes (a strided slice of the pages) as `dtype` [n, k / size]."""
-    return raw.new_empty(raw.shape).copy_(raw).view(dtype)
-
-
-def _i32_bytes(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.int32).contiguous().view(torch.uint8).view(x.shape[0], -1)
-
-
-def pages(layer, size: int) -> torch.Tensor:
-    """[num_blocks, states per block, size] uint8 view of a cache layer's pages (its `kv_cache`:
-    vLLM binds [blocks, heads=1, states, bytes])."""
-    kv = layer.kv_cache
-    if kv.dim() == 4:
-        kv = kv[:, 0]
-    return kv.view(torch.uint8)[..., :size]
+def _typed(field: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A uint8 field view reinterpreted as `dtype` (4-byte types: the field must be aligned)."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    if size > 1 and (field.storage_offset() % size or field.stride(0) % size):
+        raise ValueError(f"dsv41: a {dtype} field of the pages is not {size}-byte aligned")
+    return field.view(dtype)
 
 
 @dataclass(frozen=True)
@@ -160,324 +171,152 @@ class LayerRequest:
     page_bytes: int
 
 
-@dataclass
-class ScheduledChunk:
-    """One request's part of a vLLM step: row `index` of the step's block tables, its tokens
-    `ids` at positions start.., and its image rows (`is_image` marks the image positions)."""
-
-    index: int
-    start: int
-    ids: torch.Tensor
-    image_rows: torch.Tensor | None = None
-    is_image: torch.Tensor | None = None
-
-
 class PagedCaches(nn.Module):
-    """The cache layers of one model and the gather / scatter between pages and the step's
-    private pool (`RequestCache` per request; interim, see the module docstring)."""
+    """The cache layers of one model, and one step of the core model over their pages in place."""
 
     def __init__(self, cfg: ModelConfig, block_size: int, prefix: str, replay_tokens: int,
                  make_layer: Callable[[LayerRequest], nn.Module]):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.replay_tokens = cfg, replay_tokens
         bs = self.block_size = block_size
-        ratios = sorted({cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids})
         problem = block_size_problem(cfg, bs, replay_tokens)
         if problem:
             raise ValueError("dsv41 vLLM plugin: " + problem)
         d, di = cfg.head_dim, cfg.index_head_dim
-        self.glob_rec = {r: GlobalRecord(d, di, r) for r in ratios}
+        self.first_source = cfg.kv_source_layer_ids[0]  # its records hold the token ids
+        self.glob_recs = {s: GlobalRecord(d, di, cfg.compress_ratios[s], s == self.first_source)
+                          for s in cfg.kv_source_layer_ids}
         # only the ratio-2 KV sources carry compressor rows between chunks
         carried = {s for s in cfg.kv_source_layer_ids if cfg.compress_ratios[s] > 1}
-        self.swa_recs = [SWARecord(d, carry=li in carried) for li in range(cfg.num_hidden_layers)]
+        self.swa_recs = [SWARecord(d, carry=li in carried, request=li == 0) for li in range(cfg.num_hidden_layers)]
         page = self.page_bytes = bs * max(-(-r.size // RECORD_ALIGN) * RECORD_ALIGN for r in self.swa_recs)
         reqs = []
         for s in cfg.kv_source_layer_ids:
             r = cfg.compress_ratios[s]
-            block, slot = fill_layout(page, bs, r, self.glob_rec[r].size)
-            reqs.append(LayerRequest(f"{prefix}.global_kv.{s}", "global", slot, r, block, 0, page))
+            block, slot = fill_layout(page, bs, r, self.glob_recs[s].size)
+            reqs.append(LayerRequest(f"{prefix}.attn.global_kv.{s}", "global", slot, r, block, 0, page))
         for li, rec in enumerate(self.swa_recs):
             # a window block must divide the replay length: the replay start is block-aligned
             block, slot = fill_layout(page, bs, 1, rec.size, divides=replay_tokens)
-            reqs.append(LayerRequest(f"{prefix}.swa.{li}", "swa", slot, 1, block, replay_tokens, page))
+            reqs.append(LayerRequest(f"{prefix}.attn.swa.{li}", "swa", slot, 1, block, replay_tokens, page))
+        self.requests = {q.prefix: q for q in reqs}
         self.block_sizes = {q.prefix: q.block_size for q in reqs}  # tokens per block, per layer
         self.glob = nn.ModuleDict({q.prefix.rsplit(".", 1)[1]: make_layer(q) for q in reqs if q.kind == "global"})
         self.swa = nn.ModuleList(make_layer(q) for q in reqs if q.kind == "swa")
+        self._bound = None  # (key, pool, per-table (layer prefix, block stride), request fields)
 
-    # -- page addressing --
-    def _where(self, layer, row: torch.Tensor, token_pos: torch.Tensor, ratio: int):
-        """(block id, state index in the block) of each token position in `layer`'s pages."""
-        bs = self.block_sizes[layer.prefix]
-        return row[torch.div(token_pos, bs, rounding_mode="floor")].long(), torch.remainder(token_pos, bs) // ratio
+    # -- the pool over the pages --
+    def _layers(self):
+        return [*((int(s), lay) for s, lay in self.glob.items()), *((None, lay) for lay in self.swa)]
 
-    def load(self, meta: dict, i: int, start: int, ids: torch.Tensor, image_rows: torch.Tensor | None = None,
-             is_image: torch.Tensor | None = None, pool: KVPool | None = None,
-             windows: bool = True) -> "RequestCache":
-        """Request i's state before position `start`, in `pool` (the step's private pool; a new
-        one when None) with blocks up to the chunk's end: global entries and token ids from the
-        global pages, and (`windows`; else the caller runs `_load_windows` for the whole step)
-        window entries, the carried compressor rows and the window floor from the SWA pages."""
+    def pool(self, meta: dict) -> tuple[KVPool, dict, dict]:
+        """A `KVPool` over the layers' bound pages (built once per binding), the tables it
+        addresses through (per kind, in table order: (a layer whose metadata holds the group's
+        table, block-number scale)) and the request fields (token ids, replay starts)."""
+        layers = self._layers()
+        first: dict[int, int] = {}  # which layers share a cache group (one metadata object per group)
+        groups = tuple(first.setdefault(id(meta[lay.prefix]), i) for i, (_, lay) in enumerate(layers))
+        key = tuple(_first(lay.kv_cache).data_ptr() for _, lay in layers) + groups
+        if self._bound is not None and self._bound[0] == key:
+            return self._bound[1:]
         cfg = self.cfg
-        device, end = ids.device, start + ids.shape[0]
-        rc = RequestCache.allocate(cfg, start, end, device, pool)
-        if is_image is None:
-            is_image = torch.zeros_like(ids, dtype=torch.bool)
-        rc.digests = content_digests(ids, is_image, image_rows)  # the chunk's positions
-        glob_from = end
-        for s, layer in self.glob.items():
-            s = int(s)
-            g, r = rc.pool.glob[s], cfg.compress_ratios[s]
-            n_old = start // r + self._cached_entries(meta, layer, i, start, rc.digests, r)
-            if n_old:
-                blk, st = self._where(layer, self._row(meta, layer, i), torch.arange(n_old, device=device) * r, r)
-                f = _split(pages(layer, self.glob_rec[r].size)[blk, st], self.glob_rec[r].fields)
-                rows = rc.entry_rows(s, n_old)
-                g.kv_codes[rows] = f["kv_codes"]
-                g.kv_scale.view(torch.uint8)[rows] = f["kv_scale"]
-                g.key_codes[rows] = f["key_codes"]
-                g.key_scale.view(torch.uint8)[rows] = f["key_scale"]
-            # after a prefix hit the entries of the hit's replayed tail are reused, not recomputed
-            glob_from = min(glob_from, max(start, n_old * r))
-            rc.loaded[s] = n_old
-        rc.state.glob_from = glob_from
-        if windows:
-            self._load_windows(meta, [(i, start, rc)])
-        rc.state.tokens = self._history(meta, i, start, device)
-        rc.state.is_image = [cfg.vision is not None and t == cfg.image_token_id for t in rc.state.tokens]
-        return rc
+        tables: dict[tuple, int] = {}  # (kind, cache group, block stride / records) -> table number
+        table_src: dict[str, list[tuple[str, int]]] = {"swa": [], "global": []}
 
-    def _load_windows(self, meta: dict, items: list[tuple[int, int, "RequestCache"]]) -> None:
-        """For each (request i, chunk start, its RequestCache): the window entries before
-        `start`, the carried compressor rows and the window floors, from the SWA pages (one
-        gather per layer for all the requests)."""
-        cfg, w = self.cfg, self.cfg.sliding_window
-        device = items[0][2].pool.device
-        pos, req, rows = [], [], []
-        for k, (_, start, rc) in enumerate(items):
-            p = torch.arange(max(0, start - w + 1), start, device=device)
-            pos.append(p)
-            req.append(torch.full_like(p, k))
-            rows.append(rc.swa_rows(p))
-        pos, req, rows = torch.cat(pos), torch.cat(req), torch.cat(rows)
-        table_row = torch.tensor([i for i, _, _ in items], device=device)[req]
-        starts = torch.tensor([start for _, start, _ in items], device=device)
-        floors = torch.zeros(len(self.swa), len(items), dtype=torch.long, device=device)
-        for li, layer in enumerate(self.swa):
-            f, valid = self._swa_records_many(meta, layer, table_row, pos)
-            # a request's window starts after the newest position it does not hold
-            floor = torch.zeros(len(items), dtype=torch.long, device=device).scatter_reduce(
-                0, req, torch.where(valid, 0, pos + 1), "amax")
-            keep = pos >= floor[req]
-            ring = items[0][2].pool.swa[li]
-            ring.kv.view(torch.uint8)[rows[keep]] = f["q"][keep]
-            ring.scale.view(torch.uint8)[rows[keep]] = f["scale"][keep]
-            floors[li] = floor
-            src_ratio = cfg.compress_ratios[li] if li in cfg.kv_source_layer_ids else 0
-            if src_ratio > 1:  # the rows of the group each request's chunk starts inside of
-                carried = pos >= (starts - starts % src_ratio)[req]
-                if not bool(valid[carried].all()):
-                    first = int(req[carried & ~valid][0])
-                    raise RuntimeError(f"layer {li}: the compressor's carried rows before position "
-                                       f"{items[first][1]} are missing")
-                if bool(carried.any()):
-                    carry = _as(f["carry"][carried], torch.float32).view(-1, 2, cfg.head_dim)
-                    items[0][2].pool.carry[li][rows[carried]] = carry
-        dec, n_layers = cfg.decoder_start, len(self.swa)
-        enc_floor = floors[:dec].amax(0).tolist() if dec else [0] * len(items)
-        dec_floor = floors[dec:].amax(0).tolist() if dec < n_layers else [0] * len(items)
-        for k, (_, _, rc) in enumerate(items):
-            rc.state.floors[FLOOR_ENCODER], rc.state.floors[FLOOR_DECODER] = enc_floor[k], dec_floor[k]
+        def table_of(lay, kind: str, stride: int, records: int) -> int:
+            k = (kind, groups[[p for _, p in layers].index(lay)], stride // records)
+            if k not in tables:
+                tables[k] = len(table_src[kind])
+                table_src[kind].append((lay.prefix, stride // records))
+            return tables[k]
 
-    def run_step(self, model, meta: dict, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """One vLLM step: every request's state loaded into one private pool, ONE forward of the
-        core model over all chunks (collapsed final streams of every row, in chunk order), then
-        each request's additions stored back to its pages."""
-        from ...core.batch import Chunk, build_step
+        glob, swa, carry, req = {}, [], {}, {}
+        for s, lay in layers:
+            q = self.requests[lay.prefix]
+            raw, stride = record_rows(lay.kv_cache, q.record_bytes)
+            records = q.block_size // q.ratio
+            layout = self.glob_recs[s] if s is not None else self.swa_recs[len(swa)]
+            f = fields_of(raw, layout)
+            t = table_of(lay, q.kind, stride, records)
+            e4m3, e8m0 = (storage_dtype(d, raw.device) for d in (torch.float8_e4m3fn, torch.float8_e8m0fnu))
+            if s is not None:
+                glob[s] = GlobalPool(q.ratio, records, f["kv_codes"], _typed(f["kv_scale"], e4m3),
+                                     f["key_codes"], _typed(f["key_scale"], e8m0), t)
+                if layout.tokens:
+                    req["glob_tokens"] = _typed(f["token_ids"], torch.int32)  # [rows, ratio]
+                continue
+            li = len(swa)
+            swa.append(SWAPool(_typed(f["kv"], e4m3), _typed(f["scale"], e8m0), q.block_size, t))
+            if layout.carry:
+                carry[li] = _typed(f["carry"], torch.float32).view(-1, 2, cfg.head_dim)
+            if layout.request:
+                req["token"] = _typed(f["token"], torch.int32)[:, 0]
+                req["floor"] = _typed(f["floor"], torch.int32)[:, 0]
+        pool = KVPool.over(cfg, swa, carry, glob, raw.device)
+        self._bound = (key, pool, table_src, req)
+        return pool, table_src, req
 
-        if not chunks:
-            raise ValueError("a step needs at least one chunk")
-        device = chunks[0].ids.device
-        pool = step_pool(self.cfg, [c.start + c.ids.shape[0] for c in chunks], device)
-        rcs = [self.load(meta, c.index, c.start, c.ids, c.image_rows, c.is_image, pool, windows=False) for c in chunks]
-        self._load_windows(meta, [(c.index, c.start, rc) for c, rc in zip(chunks, rcs)])
-        image_token = self.cfg.image_token_id if self.cfg.vision is not None else None
-        batch = build_step(self.cfg, pool, [Chunk(rc.state, c.ids.tolist(), 0, "all", c.image_rows)
-                                            for rc, c in zip(rcs, chunks)], device, image_token)
-        h = model(batch, pool, return_hidden=True, check=False)
-        for rc, c in zip(rcs, chunks):
-            self.store(meta, c.index, c.start, rc, c.ids)
-        return h
-
-    def run_chunk(self, model, meta: dict, i: int, start: int, ids: torch.Tensor,
-                  image_rows: torch.Tensor | None = None, is_image: torch.Tensor | None = None) -> torch.Tensor:
-        """A step of one request: request i's chunk `ids` at positions start.. (`run_step`)."""
-        return self.run_step(model, meta, [ScheduledChunk(i, start, ids, image_rows, is_image)])
-
-    def store(self, meta: dict, i: int, start: int, rc: "RequestCache", ids: torch.Tensor) -> None:
-        """Write back what the chunk [start, end) added: new global entries (with their token
-        ids), the window entries, and the compressor rows of ratio-2 sources."""
-        cfg, w, end = self.cfg, self.cfg.sliding_window, rc.state.length
-        device = ids.device
-        tokens = torch.tensor(rc.state.tokens[:end], dtype=torch.int32, device=device)  # positions [0, end)
-        for s, layer in self.glob.items():
-            s = int(s)
-            g, r = rc.pool.glob[s], cfg.compress_ratios[s]
-            n_old, n_new = rc.loaded[s], end // r
-            if n_new > n_old:
-                j = torch.arange(n_old, n_new, device=device)
-                blk, st = self._where(layer, self._row(meta, layer, i), j * r, r)
-                tok = tokens[(j * r).unsqueeze(1) + torch.arange(r, device=device)]
-                h, chain = self._chain_before(meta, layer, i, n_old, r), []
-                for jj in j.tolist():
-                    h = chain_hash(h, [self._digest(meta, i, p, start, rc) for p in range(jj * r, (jj + 1) * r)])
-                    chain.append(torch.frombuffer(bytearray(h), dtype=torch.uint8))
-                rows = rc.entry_rows(s, n_new)[n_old:]
-                rec = torch.cat((g.kv_codes[rows], g.kv_scale[rows].view(torch.uint8),
-                                 g.key_codes[rows], g.key_scale[rows].view(torch.uint8),
-                                 _i32_bytes(tok), torch.stack(chain).to(device)), 1)
-                pages(layer, self.glob_rec[r].size)[blk, st] = rec
-        pos = torch.arange(max(start, end - w), end, device=device)
-        rows = rc.swa_rows(pos)
-        digests = b"".join(rc.digests[p - start] for p in range(int(pos[0]), end)) if pos.numel() else b""
-        # the record's tail after the latent is the same in every layer (carry aside)
-        tail = torch.cat((_i32_bytes(pos + 1), _i32_bytes(tokens[pos]),
-                          torch.frombuffer(bytearray(digests), dtype=torch.uint8).view(-1, 8).to(device)), 1)
-        for li, layer in enumerate(self.swa):
-            ring, rec_layout = rc.pool.swa[li], self.swa_recs[li]
-            parts = [ring.kv.view(torch.uint8)[rows], ring.scale.view(torch.uint8)[rows], tail]
-            if rec_layout.carry:
-                parts.append(rc.pool.carry[li][rows].contiguous().view(torch.uint8).view(pos.shape[0], -1))
-            blk, st = self._where(layer, self._row(meta, layer, i), pos, 1)
-            pages(layer, rec_layout.size)[blk, st] = torch.cat(parts, 1)
-
-    # -- helpers --
-    def _chain_before(self, meta, layer, i: int, n: int, r: int) -> bytes:
-        """The stored chain hash of entry n - 1 (8 zero bytes before the first entry)."""
-        if n == 0:
-            return bytes(8)
-        row = self._row(meta, layer, i)
-        blk, st = self._where(layer, row, torch.tensor([(n - 1) * r], device=row.device), r)
-        rec = _split(pages(layer, self.glob_rec[r].size)[blk, st], self.glob_rec[r].fields)
-        return bytes(rec["chain"][0].tolist())
-
-    def _digest(self, meta, i: int, p: int, start: int, rc: "RequestCache") -> bytes:
-        """Content digest of position p: this chunk's, or (the first position of a ratio-2 group
-        begun in the previous chunk) the one stored in layer 0's window record."""
-        if p >= start:
-            return rc.digests[p - start]
-        f, valid = self._swa_records(meta, self.swa[0], i, torch.tensor([p], device=rc.pool.device))
-        if not bool(valid.all()):
-            raise RuntimeError(f"the content digest of position {p} is missing from the window pages")
-        return bytes(f["digest"][0].tolist())
-
-    def _cached_entries(self, meta, layer, i: int, start: int, digests: list[bytes], r: int) -> int:
-        """How many entries from `start` on are already in the pages for this very prefix: after
-        a prefix hit of H tokens vLLM rewinds to H - R to replay the window, while the global
-        entries of [H - R, H) sit in the hit's cached blocks (checked by chain hash)."""
-        if start % self.block_size or start == 0:
-            return 0  # replay starts are block-aligned (and multiples of r) and follow a hit
-        h, n = self._chain_before(meta, layer, i, start // r, r), 0
-        row = self._row(meta, layer, i)
-        size = self.glob_rec[r].size
-        for j in range(start // r, (start + len(digests)) // r):
-            blk, st = self._where(layer, row, torch.tensor([j * r], device=row.device), r)
-            if int(blk) == NULL_BLOCK:
-                break
-            h = chain_hash(h, digests[j * r - start:(j + 1) * r - start])
-            stored = _split(pages(layer, size)[blk, st], self.glob_rec[r].fields)["chain"][0]
-            if bytes(stored.tolist()) != h:
-                break
-            n += 1
-        return n
-
-    def _row(self, meta: dict, layer, i: int) -> torch.Tensor:
-        return meta[layer.prefix].block_table[i]
-
-    def _swa_records(self, meta, layer, i: int, pos: torch.Tensor):
-        """(record fields, valid) of request i's window records at positions `pos`."""
-        return self._swa_records_many(meta, layer, torch.full_like(pos, i), pos)
-
-    def _swa_records_many(self, meta, layer, table_row: torch.Tensor, pos: torch.Tensor):
-        """(record fields, valid) of window records at positions `pos`, each of the request
-        whose block-table row is `table_row`; valid: a real block holding that very position."""
-        rec = self.swa_recs[int(layer.prefix.rsplit(".", 1)[1])]
-        bs = self.block_sizes[layer.prefix]
-        table = meta[layer.prefix].block_table
-        blk = table[table_row, torch.div(pos, bs, rounding_mode="floor")].long()
-        f = _split(pages(layer, rec.size)[blk, torch.remainder(pos, bs)], rec.fields)
-        pos1 = _as(f["pos1"], torch.int32).view(-1)
-        valid = (blk != NULL_BLOCK) & (pos1 == pos.to(torch.int32) + 1)
-        return f, valid
-
-    def _history(self, meta, i: int, start: int, device) -> list[int]:
-        """Token ids of positions [0, start) as a list, exact over the Engram n-gram reach
-        [start - (n - 1), start) (the only part read; older slots hold the pad id)."""
-        cfg = self.cfg
-        lo = max(0, start - (cfg.engram_max_ngram_size - 1))
-        pos = torch.arange(lo, start, device=device)
-        out = torch.full((start,), cfg.engram_pad_token_id, dtype=torch.int32, device=device)
-        if pos.numel() == 0:
-            return out.tolist()
-        f, valid = self._swa_records(meta, self.swa[0], i, pos)
-        got = _as(f["token"], torch.int32).view(-1)
-        first = min(self.glob, key=int)
-        r = cfg.compress_ratios[int(first)]
-        layer = self.glob[first]
-        blk, st = self._where(layer, self._row(meta, layer, i), pos - torch.remainder(pos, r), r)
-        g = _split(pages(layer, self.glob_rec[r].size)[blk, st], self.glob_rec[r].fields)
-        from_glob = _as(g["token_ids"], torch.int32).view(-1, r)
-        from_glob = from_glob.gather(1, torch.remainder(pos, r).unsqueeze(1)).view(-1)
-        # complete groups are in the (possibly prefix-cached) global pages
-        in_glob = (pos < start // r * r) & (blk != NULL_BLOCK)
-        if not bool((valid | in_glob).all()):
-            raise RuntimeError(f"token ids before position {start} are missing from the caches")
-        out[lo:] = torch.where(valid, got, from_glob)
-        return out.tolist()
-
-
-def private_block_size(cfg: ModelConfig) -> int:
-    """Block size of the step's private pool (any multiple of every compress ratio works)."""
-    return math.lcm(16, *(cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids))
-
-
-def step_pool(cfg: ModelConfig, ends: list[int], device) -> KVPool:
-    """A private pool with room for every request of a step up to its chunk's end (the null
-    block included), so no block is taken by growing the pool mid-load."""
-    bs = private_block_size(cfg)
-    n = sum(-(-end // bs) for end in ends) + 1
-    return KVPool(cfg, block_size=bs, swa_blocks=n, global_blocks=n, device=device, drafter=False)
-
-
-@dataclass
-class RequestCache:
-    """One request's state gathered from vLLM's pages into a private pool (the step's, shared
-    with the step's other requests) whose blocks cover its positions 0 .. end, and what the
-    adapter needs to write the chunk back."""
-
-    pool: KVPool
-    state: SequenceState
-    loaded: dict  # KV source -> entries present in the pages before the chunk
-    digests: list
-
-    @classmethod
-    def allocate(cls, cfg: ModelConfig, start: int, end: int, device, pool: KVPool | None = None) -> "RequestCache":
-        if pool is None:
-            pool = step_pool(cfg, [end], device)
-        state = SequenceState()
-        state.ensure_blocks(pool, end)
-        state.length = start
-        return cls(pool, state, {}, [])
-
-    def entry_rows(self, src: int, n: int) -> torch.Tensor:
-        """Pool rows of global entries 0 .. n-1 of KV source `src`."""
-        e = self.pool.glob[src].entries_per_block
-        j = torch.arange(n, device=self.pool.device)
-        return torch.tensor(self.state.glob_blocks, device=self.pool.device)[j // e] * e + j % e
-
-    def swa_rows(self, pos: torch.Tensor) -> torch.Tensor:
-        """Pool rows of window / compressor entries at positions `pos`."""
-        bs = self.pool.block_size
-        return torch.tensor(self.state.swa_blocks, device=pos.device)[pos // bs] * bs + pos % bs
+    # -- one step --
+    def run_step(self, model, meta: dict, input_ids: torch.Tensor, positions: torch.Tensor,
+                 query_start_loc: torch.Tensor, num_reqs: int, is_image: torch.Tensor | None = None,
+                 image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """ONE forward of the core model over every scheduled token of a vLLM step, reading and
+        writing the pages in place: request b owns tokens query_start_loc[b] .. [b + 1] of
+        `input_ids` / `positions`, and row b of each group's block table (`meta[layer].block_table`).
+        Tokens past query_start_loc[num_reqs] (graph padding) run as an empty sequence whose
+        tables are all the null block. `is_image` marks prompt image positions, whose rows
+        `image_embeds` ([image positions, d], in token order) replace their embeddings. Returns
+        the collapsed final streams [T, d] of every token."""
+        cfg, dev = self.cfg, input_ids.device
+        pool, table_src, req = self.pool(meta)
+        t = input_ids.shape[0]
+        b = num_reqs
+        qsl = query_start_loc[: b + 1].to(dev, torch.long)
+        pos = positions.to(dev, torch.long)
+        ids = input_ids.to(dev, torch.long)
+        seq = torch.searchsorted(qsl[1:], torch.arange(t, device=dev), right=True).clamp_max(b)  # b: padding
+        tables = {}
+        for kind, src in table_src.items():
+            tables[kind] = []
+            for prefix, scale in src:
+                bt = meta[prefix].block_table[:b].to(dev, torch.long)
+                tables[kind].append(torch.cat((bt * scale, bt.new_zeros(1, bt.shape[1]))))  # + the padding row
+        swa_t, glob_t = tables["swa"], tables["global"]
+        img = torch.zeros(t, dtype=torch.bool, device=dev) if is_image is None else is_image.to(dev)
+        swa0, glob0 = pool.swa[0], pool.glob[self.first_source]
+        row_tab = lambda tab, per, idx: table_rows(tab[seq], per, idx.unsqueeze(1))[:, 0]  # noqa: E731
+        # the request's replay start: where its window pages begin (module docstring)
+        start = pos.new_full((b + 1,), -1).scatter_reduce(0, seq, pos, "amin", include_self=False).clamp_min(0)
+        prev = table_rows(swa_t[swa0.table], swa0.block_size, (start - 1).unsqueeze(1), null_invalid=True)[:, 0]
+        floor = torch.where(prev >= 0, req["floor"][prev.clamp_min(0)].long(), start)
+        glob_from = torch.where(floor > 0, floor + self.replay_tokens, 0)
+        own0 = row_tab(swa_t[swa0.table], swa0.block_size, pos)
+        req["floor"].index_copy_(0, own0, floor[seq].to(torch.int32))
+        req["token"].index_copy_(0, own0, torch.where(img, -ids - 1, ids).to(torch.int32))
+        # the first KV source's records: the token ids of each group completed here
+        r = glob0.ratio
+        done = ((pos + 1) % r == 0) & (pos >= glob_from[seq])
+        entry = row_tab(glob_t[glob0.table], glob0.entries_per_block, torch.div(pos, r, rounding_mode="floor"))
+        group = pos.unsqueeze(1) - torch.arange(r - 1, -1, -1, device=dev)
+        held = table_rows(swa_t[swa0.table][seq], swa0.block_size, group.clamp_min(0))
+        req["glob_tokens"].index_copy_(0, torch.where(done, entry, 0), req["token"][held])
+        # Engram n-grams: ids at p, p-1, .. from layer 0's records, below the replay start from
+        # the global records (-1 before the sequence start)
+        n = max(cfg.engram_max_ngram_size, 1)
+        back = pos.unsqueeze(1) - torch.arange(n, device=dev)
+        held_back = torch.where(back >= floor[seq].unsqueeze(1), back, -1)
+        in_win = table_rows(swa_t[swa0.table][seq], swa0.block_size, held_back)
+        ent = table_rows(glob_t[glob0.table][seq], glob0.entries_per_block, torch.div(back, r, rounding_mode="floor"))
+        from_glob = req["glob_tokens"][ent.clamp_min(0)].gather(-1, back.clamp_min(0).remainder(r).unsqueeze(-1))
+        code = torch.where(in_win >= 0, req["token"][in_win.clamp_min(0)], from_glob[..., 0]).long()
+        code = torch.where(back >= 0, code, 0)
+        batch = StepBatch(
+            ids=ids, positions=pos, seq=seq,
+            swa_tables=tuple(swa_t), glob_tables=tuple(glob_t),
+            floors=torch.zeros(b + 1, 3, dtype=torch.long, device=dev), glob_from=glob_from,
+            ngram_ids=torch.where(back >= 0, torch.where(code < 0, -code - 1, code), -1),
+            ngram_image=(back >= 0) & (code < 0), is_image=img, image_embeds=image_embeds)
+        return model(batch, pool, return_hidden=True, check=False)
 
 
 def fill_layout(page: int, block_size: int, ratio: int, record: int, divides: int | None = None) -> tuple[int, int]:

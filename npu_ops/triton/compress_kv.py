@@ -61,7 +61,7 @@ def ub_tiles(block_g: int, d: int, ratio: int) -> dict[str, tuple[int, ...]]:
 
 @triton.jit
 def _compress_kv_kernel(kv_ptr, score_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, lat_ptr, code_ptr, scale_ptr,
-                        n_groups, cap, eps, n_tiles, num_programs,
+                        n_groups, cap, eps, n_tiles, num_programs, code_stride, scale_stride,
                         D: tl.constexpr, HALF_R: tl.constexpr, RATIO: tl.constexpr,
                         BLOCK_G: tl.constexpr, WIDE: tl.constexpr):
     NG: tl.constexpr = D // 16  # FP4 groups per row
@@ -119,8 +119,8 @@ def _compress_kv_kernel(kv_ptr, score_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, la
         slot = offsets(tl.load(slot_ptr + g, mask=gmask, other=0), WIDE)
         slot = tl.where(as_cmp(slot) < 0.0, slot + cap, slot)  # torch indexing semantics for negative slots
         # bytes through int8 pointers (no uint8 pointer stores on Atlas A2/A3)
-        tl.store(code_ptr + slot[:, None, None] * HALF_D + p3, byte_to_int8(byte), mask=gmask[:, None, None])
-        tl.store(scale_ptr + slot[:, None] * NG + q2, sc.to(tl.int8), mask=m2)  # E4M3 codes 0..126
+        tl.store(code_ptr + slot[:, None, None] * code_stride + p3, byte_to_int8(byte), mask=gmask[:, None, None])
+        tl.store(scale_ptr + slot[:, None] * scale_stride + q2, sc.to(tl.int8), mask=m2)  # E4M3 codes 0..126
 
 
 def _tiles(device: torch.device, ratio: int) -> tuple[int, int]:
@@ -155,8 +155,8 @@ def compress_kv(kv, score, ratio, norm_weight, eps, cos, sin, codes, scales, slo
     cv, sv = codes.view(torch.uint8), scales.view(torch.uint8)
     if cv.shape[1:] != (d // 2,) or sv.shape[1:] != (d // FP4_GROUP,) or cv.shape[0] != sv.shape[0]:
         raise ValueError(f"codes {tuple(codes.shape)} / scales {tuple(scales.shape)} do not fit rows of width {d}")
-    if not (cv.is_contiguous() and sv.is_contiguous()):
-        raise ValueError("codes and scales must be contiguous")
+    if cv.stride(-1) != 1 or sv.stride(-1) != 1:  # (row-strided views of page records are fine)
+        raise ValueError("each row of codes and scales must be contiguous")
     lat = torch.empty(n, d, dtype=torch.bfloat16, device=kv.device)
     if n == 0:
         return lat
@@ -170,8 +170,8 @@ def compress_kv(kv, score, ratio, norm_weight, eps, cos, sin, codes, scales, slo
         extra["enable_fp_fusion"] = False  # a*c - b*s etc. rounded like torch, no FMA contraction
     _compress_kv_kernel[(grid,)](kv_c, score_c, norm_weight.contiguous(), cos.contiguous(), sin.contiguous(),
                                  slots.contiguous(), lat.view(torch.int16), as_int8(cv), as_int8(sv), n, cv.shape[0],
-                                 float(eps), n_tiles, grid, D=d, HALF_R=half_r, RATIO=ratio, BLOCK_G=block_g,
-                                 WIDE=needs_int64(kv, cv, lat), **extra)
+                                 float(eps), n_tiles, grid, cv.stride(0), sv.stride(0), D=d, HALF_R=half_r,
+                                 RATIO=ratio, BLOCK_G=block_g, WIDE=needs_int64(kv, cv, lat), **extra)
     return lat
 
 

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference import attention as ref_attention
+from ...backends.paging import table_rows
 from ...backends.reference.attention import candidate_pool
 
 MX_GROUP = 32
@@ -66,7 +67,7 @@ def indexer_scores_ref(q, weights, key_codes, key_scale, block_table, entries_pe
     t = q.shape[0]
     n = block_table.shape[1] * entries_per_block
     ent = candidates if candidates is not None else torch.arange(n, device=q.device).unsqueeze(0).expand(t, n)
-    rows = ref_attention.entry_slots(block_table, entries_per_block, ent.clamp_min(0))
+    rows = table_rows(block_table, entries_per_block, ent.clamp_min(0))
     keys = quant.mxfp4_dequant(key_codes[rows], key_scale[rows])  # [T, P, Di]
     return ref_attention._finish_scores(ref_attention._partial_scores(q, weights, keys))
 
@@ -84,7 +85,7 @@ def _e2m1_value(c):
 @triton.jit
 def _key_scores(q_even, q_odd, wh, code_ptr, scale_ptr, rows, kvalid,
                 DH: tl.constexpr, DHP: tl.constexpr, NQ: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr,
-                LOWP: tl.constexpr):
+                LOWP: tl.constexpr, code_stride, scale_stride):
     """Scores [NQ, BLOCK_N] of NQ queries (rows [NQ * HP, DHP] of even / odd channels, head
     weights wh) against the MXFP4 keys at pool rows `rows` [BLOCK_N] (int64; kvalid masks).
     Key rows are one contiguous load of [BLOCK_N, DHP/16, 16] bytes (int8, masked to 0..255;
@@ -93,8 +94,8 @@ def _key_scores(q_even, q_odd, wh, code_ptr, scale_ptr, rows, kvalid,
     e = tl.arange(0, 16)
     byte = (g * 16)[None, :, None] + e[None, None, :]
     km = kvalid[:, None, None] & (byte < DH)
-    b = tl.load(code_ptr + rows[:, None, None] * DH + byte, mask=km, other=0).to(tl.int32) & 0xFF
-    e8 = tl.load(scale_ptr + rows[:, None] * (DH // 16) + g[None, :], mask=kvalid[:, None] & (g < DH // 16)[None, :],
+    b = tl.load(code_ptr + rows[:, None, None] * code_stride + byte, mask=km, other=0).to(tl.int32) & 0xFF
+    e8 = tl.load(scale_ptr + rows[:, None] * scale_stride + g[None, :], mask=kvalid[:, None] & (g < DH // 16)[None, :],
                  other=127).to(tl.int32) & 0xFF
     scale = tl.where(e8 > 0, (e8 << 23).to(tl.float32, bitcast=True), _SCALE_2M127)[:, :, None]
     k_lo = tl.reshape(_e2m1_value(b & 15) * scale, [BLOCK_N, DHP])  # even channels
@@ -133,7 +134,7 @@ def _load_queries(q_ptr, w_ptr, t0, T, H: tl.constexpr, HP: tl.constexpr, DH: tl
 
 @triton.jit
 def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_ptr, cand_ptr, out_ptr, max_ptr,
-                           T, NC, NB, E, G, n_nc, n_tiles, num_programs,
+                           T, NC, NB, E, G, n_nc, n_tiles, num_programs, code_stride, scale_stride,
                            H: tl.constexpr, HP: tl.constexpr, HP1: tl.constexpr, DH: tl.constexpr,
                            DHP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr,
                            GATHER: tl.constexpr, LOWP: tl.constexpr, MAXG: tl.constexpr):
@@ -164,7 +165,7 @@ def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_pt
                     blk = tl.load(table_ptr + tb.to(tl.int64) * NB + ent // E, mask=kvalid, other=0)
                     rows = blk.to(tl.int64) * E + ent % E
                     s = _key_scores(q_even, q_odd, wh, code_ptr, scale_ptr, rows, kvalid,
-                                    DH, DHP, BLOCK_T, HP, BLOCK_N, LOWP)
+                                    DH, DHP, BLOCK_T, HP, BLOCK_N, LOWP, code_stride, scale_stride)
                     ok = kvalid[None, :]
                 else:
                     # entry c of query t sits at pool row table[t, c // E] * E + c % E
@@ -178,7 +179,7 @@ def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_pt
                     if differ == 0:  # every query that sees these entries reads the same rows: one MMA
                         rows = tl.maximum(bmax, 0) * E + cols % E
                         s = _key_scores(q_even, q_odd, wh, code_ptr, scale_ptr, rows, kvalid,
-                                        DH, DHP, BLOCK_T, HP, BLOCK_N, LOWP)
+                                        DH, DHP, BLOCK_T, HP, BLOCK_N, LOWP, code_stride, scale_stride)
                     else:  # queries of different sequences: each against its own rows
                         s = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
                         for i in range(BLOCK_T):
@@ -187,7 +188,7 @@ def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_pt
                             # one query's heads padded to HP1 >= 16 rows (tl.dot's least M)
                             qe_i, qo_i, wh_i = _load_queries(q_ptr, w_ptr, tb * BLOCK_T + i, T, H, HP1, DH, DHP, 1, LOWP)
                             s_i = _key_scores(qe_i, qo_i, wh_i, code_ptr, scale_ptr, blk_i * E + cols % E, vis_i,
-                                              DH, DHP, 1, HP1, BLOCK_N, LOWP)
+                                              DH, DHP, 1, HP1, BLOCK_N, LOWP, code_stride, scale_stride)
                             s = tl.where(tq[:, None] == i, s_i, s)
                     ok = vis
                 s = tl.where(ok, s, float("-inf"))
@@ -278,8 +279,9 @@ def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_
     if d % MX_GROUP:
         raise ValueError(f"index head dim {d} is not a multiple of {MX_GROUP}")
     # key bytes as int8 (Ascend loads no uint8 pointers); the kernel masks them to 0..255
-    codes = as_int8(key_codes)
-    scales = as_int8(key_scale)
+    # the pool may be row-strided views (fields of vLLM's page records): rows go by stride(0)
+    codes = as_int8(key_codes if key_codes.stride(-1) == 1 else key_codes.contiguous())
+    scales = as_int8(key_scale if key_scale.stride(-1) == 1 else key_scale.contiguous())
     n_pool = codes.shape[0]
     if codes.shape[1:] != (d // 2,) or scales.shape != (n_pool, d // MX_GROUP):
         raise ValueError(f"key pool {tuple(key_codes.shape)} / {tuple(key_scale.shape)} does not fit head dim {d}")
@@ -312,8 +314,8 @@ def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_
     nvis = n_visible.contiguous() if not gather else table
     extra = {} if interpreting() else {"num_warps": warps}
     _indexer_scores_kernel[(grid,)](
-        q.contiguous(), weights.contiguous(), codes.contiguous(), scales.contiguous(), table, nvis, cand, out, maxima,
-        t, nc, nb, e, g, n_nc, n_tiles, grid,
+        q.contiguous(), weights.contiguous(), codes, scales, table, nvis, cand, out, maxima,
+        t, nc, nb, e, g, n_nc, n_tiles, grid, codes.stride(0), scales.stride(0),
         H=h, HP=hp, HP1=max(hp, 16), DH=d // 2, DHP=_pow2(d // 2), BLOCK_T=bt, BLOCK_N=bn, NSUB=nsub,
         GATHER=gather, LOWP=not interpreting(), MAXG=maxg, **extra)
     return out, (maxima if maxg else None), maxg

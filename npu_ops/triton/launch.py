@@ -51,10 +51,13 @@ def grid_for(n_tiles: int, device: torch.device | str | None = None, cores: str 
 
 
 def needs_int64(*tensors: torch.Tensor) -> bool:
-    """Whether element offsets into any of these tensors can pass 2^31 - 1. Kernels index in
+    """Whether element offsets into any of these tensors (row-strided views included) can pass
+    2^31 - 1. Kernels index in
     int32 otherwise: triton-ascend's performance guide says int64 vector index arithmetic falls
     back to scalar code (a constexpr flag picks the width at compile time)."""
-    return any(t.numel() >= 2**31 for t in tensors if t is not None)
+    # the largest offset a (possibly row-strided) tensor spans, not its element count
+    return any(t.numel() and sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) >= 2**31 - 1
+               for t in tensors if t is not None)
 
 
 def as_int8(t: torch.Tensor) -> torch.Tensor:

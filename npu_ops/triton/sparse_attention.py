@@ -110,7 +110,8 @@ def _e2m1_fast(c):
 
 
 @triton.jit
-def _glob_cols(gkv_ptr, gsc_ptr, rows, ok, c0, W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+def _glob_cols(gkv_ptr, gsc_ptr, rows, ok, c0, W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+               kv_stride, sc_stride):
     """Packed FP4 rows [BN] (int64), channels c0 .. c0 + W -> even / odd channel halves, fp32
     [BN, W/2] each (a byte holds channel 2j in its low nibble, 2j + 1 in its high one). The
     bytes are one contiguous load of [BN, W/16, 8] (8 bytes = one 16-channel scale group), so
@@ -118,8 +119,8 @@ def _glob_cols(gkv_ptr, gsc_ptr, rows, ok, c0, W: tl.constexpr, D: tl.constexpr,
     g = tl.arange(0, W // 16)
     e = tl.arange(0, 8)
     byte = c0 // 2 + (g * 8)[None, :, None] + e[None, None, :]
-    b = tl.load(gkv_ptr + rows[:, None, None] * (D // 2) + byte, mask=ok[:, None, None], other=0).to(tl.int32) & 0xFF
-    sc = tl.load(gsc_ptr + rows[:, None] * (D // 16) + (c0 // 16 + g)[None, :], mask=ok[:, None],
+    b = tl.load(gkv_ptr + rows[:, None, None] * kv_stride + byte, mask=ok[:, None, None], other=0).to(tl.int32) & 0xFF
+    sc = tl.load(gsc_ptr + rows[:, None] * sc_stride + (c0 // 16 + g)[None, :], mask=ok[:, None],
                  other=0).to(tl.int32) & 0xFF
     s = _e4m3_pos(sc & 127)[:, :, None]
     k_e = tl.reshape(_e2m1_fast(b & 15) * s, [BLOCK_N, W // 2])
@@ -128,7 +129,8 @@ def _glob_cols(gkv_ptr, gsc_ptr, rows, ok, c0, W: tl.constexpr, D: tl.constexpr,
 
 
 @triton.jit
-def _win_cols(win_ptr, wsc_ptr, rows, ok, c0, W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+def _win_cols(win_ptr, wsc_ptr, rows, ok, c0, W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+              kv_stride, sc_stride):
     """FP8 window rows [BN] (int64), channels c0 .. c0 + W -> even / odd channel halves, fp32
     [BN, W/2] each. The bytes are one contiguous load of [BN, W/32, 32] (vector loads, one
     pointer per vector), split into channel pairs; the E8M0 scale of each 32-channel group is
@@ -136,9 +138,9 @@ def _win_cols(win_ptr, wsc_ptr, rows, ok, c0, W: tl.constexpr, D: tl.constexpr, 
     g = tl.arange(0, W // 32)
     e = tl.arange(0, 32)
     ch = c0 + (g * 32)[None, :, None] + e[None, None, :]
-    b = tl.load(win_ptr + rows[:, None, None] * D + ch, mask=ok[:, None, None], other=0).to(tl.int32) & 0xFF
+    b = tl.load(win_ptr + rows[:, None, None] * kv_stride + ch, mask=ok[:, None, None], other=0).to(tl.int32) & 0xFF
     b0, b1 = tl.split(tl.reshape(b, [BLOCK_N, W // 32, 16, 2]))
-    sb = tl.load(wsc_ptr + rows[:, None] * (D // 32) + (c0 // 32 + g)[None, :], mask=ok[:, None],
+    sb = tl.load(wsc_ptr + rows[:, None] * sc_stride + (c0 // 32 + g)[None, :], mask=ok[:, None],
                  other=0).to(tl.int32) & 0xFF
     sc = (sb << 23).to(tl.float32, bitcast=True)[:, :, None]
     k_e = tl.reshape(_e4m3_signed(b0) * sc, [BLOCK_N, W // 2])
@@ -147,7 +149,7 @@ def _win_cols(win_ptr, wsc_ptr, rows, ok, c0, W: tl.constexpr, D: tl.constexpr, 
 
 
 @triton.jit
-def _win_rows(win_ptr, wsc_ptr, rows, ok, D: tl.constexpr, BLOCK_N: tl.constexpr):
+def _win_rows(win_ptr, wsc_ptr, rows, ok, D: tl.constexpr, BLOCK_N: tl.constexpr, kv_stride, sc_stride):
     """Whole FP8 window rows [BN] (int64) -> even / odd channel halves, fp32 [BN, D/2] each;
     the E8M0 scale of each 32-channel group (16 channel pairs) is loaded once per group. Byte
     loads at stride 2: the whole-row tiles keep this form, the one run on the H200 with 64-head
@@ -156,10 +158,10 @@ def _win_rows(win_ptr, wsc_ptr, rows, ok, D: tl.constexpr, BLOCK_N: tl.constexpr
     e = tl.arange(0, 16)
     m3 = ok[:, None, None]
     ch = (g * 32)[None, :, None] + 2 * e[None, None, :]
-    base = rows[:, None, None] * D + ch
+    base = rows[:, None, None] * kv_stride + ch
     b0 = tl.load(win_ptr + base, mask=m3, other=0).to(tl.int32) & 0xFF
     b1 = tl.load(win_ptr + base + 1, mask=m3, other=0).to(tl.int32) & 0xFF
-    sb = tl.load(wsc_ptr + rows[:, None] * (D // 32) + g[None, :], mask=ok[:, None], other=0).to(tl.int32) & 0xFF
+    sb = tl.load(wsc_ptr + rows[:, None] * sc_stride + g[None, :], mask=ok[:, None], other=0).to(tl.int32) & 0xFF
     sc = (sb << 23).to(tl.float32, bitcast=True)[:, :, None]
     k_e = tl.reshape(_e4m3_signed(b0) * sc, [BLOCK_N, D // 2])
     k_o = tl.reshape(_e4m3_signed(b1) * sc, [BLOCK_N, D // 2])
@@ -168,12 +170,12 @@ def _win_rows(win_ptr, wsc_ptr, rows, ok, D: tl.constexpr, BLOCK_N: tl.constexpr
 
 @triton.jit
 def _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, c0, W: tl.constexpr, D: tl.constexpr,
-        BLOCK_N: tl.constexpr, IS_GLOB: tl.constexpr):
+        BLOCK_N: tl.constexpr, IS_GLOB: tl.constexpr, kv_stride, sc_stride):
     """Even / odd channel halves [BN, W/2] of channels c0 .. c0 + W of the window or global rows."""
     if IS_GLOB:
-        e, o = _glob_cols(gkv_ptr, gsc_ptr, rows, ok, c0, W, D, BLOCK_N)
+        e, o = _glob_cols(gkv_ptr, gsc_ptr, rows, ok, c0, W, D, BLOCK_N, kv_stride, sc_stride)
     else:
-        e, o = _win_cols(win_ptr, wsc_ptr, rows, ok, c0, W, D, BLOCK_N)
+        e, o = _win_cols(win_ptr, wsc_ptr, rows, ok, c0, W, D, BLOCK_N, kv_stride, sc_stride)
     return e, o
 
 
@@ -241,13 +243,13 @@ def _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows,
            m_i, l_i, acc_e, acc_o, dv0, half, scale,
            D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
            BLOCK_DV: tl.constexpr, IS_GLOB: tl.constexpr, DOT_BF16: tl.constexpr, QK_T: tl.constexpr,
-           DV_HALF: tl.constexpr):
+           DV_HALF: tl.constexpr, kv_stride, sc_stride):
     if BLOCK_D == D and BLOCK_DV == D:
         # whole rows: decode once, use as K and as V
         if IS_GLOB:
-            k_e, k_o = _glob_cols(gkv_ptr, gsc_ptr, rows, ok, 0, D, D, BLOCK_N)
+            k_e, k_o = _glob_cols(gkv_ptr, gsc_ptr, rows, ok, 0, D, D, BLOCK_N, kv_stride, sc_stride)
         else:
-            k_e, k_o = _win_rows(win_ptr, wsc_ptr, rows, ok, D, BLOCK_N)
+            k_e, k_o = _win_rows(win_ptr, wsc_ptr, rows, ok, D, BLOCK_N, kv_stride, sc_stride)
         v_e = _dot_in(k_e, DOT_BF16)
         v_o = _dot_in(k_o, DOT_BF16)
         if QK_T:  # entries as M: a full-width MMA when BLOCK_H is small next to BLOCK_N
@@ -258,10 +260,12 @@ def _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows,
         s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
         for c0 in range(0, D, BLOCK_D):
             qe, qo = _load_halves(q_ptr, qrow, hok, c0, BLOCK_D, BLOCK_H)
-            k_e, k_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, c0, BLOCK_D, D, BLOCK_N, IS_GLOB)
+            k_e, k_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, c0, BLOCK_D, D, BLOCK_N, IS_GLOB,
+                               kv_stride, sc_stride)
             s += tl.dot(_dot_in(qe.to(tl.float32), DOT_BF16), tl.trans(_dot_in(k_e, DOT_BF16)))
             s += tl.dot(_dot_in(qo.to(tl.float32), DOT_BF16), tl.trans(_dot_in(k_o, DOT_BF16)))
-        v_e, v_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, dv0, BLOCK_DV, D, BLOCK_N, IS_GLOB)
+        v_e, v_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, dv0, BLOCK_DV, D, BLOCK_N, IS_GLOB,
+                       kv_stride, sc_stride)
         v_e = _dot_in(v_e, DOT_BF16)
         v_o = _dot_in(v_o, DOT_BF16)
     s = tl.where(ok[None, :], s * scale, float("-inf"))
@@ -287,6 +291,7 @@ def _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows,
 def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gidx_ptr, sink_ptr,
                         out_ptr, pacc_ptr, pm_ptr, pl_ptr,
                         H, S, K, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, num_programs, scale,
+                        w_stride, ws_stride, g_stride, gs_stride,
                         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT: tl.constexpr,
                         DOT_BF16: tl.constexpr, QK_T: tl.constexpr, DV_HALF: tl.constexpr):
@@ -325,7 +330,8 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
             ok = widx >= 0
             m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
                                             tl.maximum(widx, 0).to(tl.int64), ok, m_i, l_i, acc_e, acc_o, dv0, dvb, scale,
-                                            D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, False, DOT_BF16, QK_T, DV_HALF)
+                                            D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, False, DOT_BF16, QK_T, DV_HALF,
+                                            w_stride, ws_stride)
         # global blocks
         for nb in range(tl.maximum(b_lo, n_wb), b_hi):
             k_idx = (nb - n_wb) * BLOCK_N + nn
@@ -335,7 +341,8 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
             rows = tl.maximum(idx, 0).to(tl.int64)
             m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
                                             rows, ok, m_i, l_i, acc_e, acc_o, dv0, dvb, scale,
-                                            D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, True, DOT_BF16, QK_T, DV_HALF)
+                                            D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, True, DOT_BF16, QK_T, DV_HALF,
+                                            g_stride, gs_stride)
         # whole rows: two stores at stride 2 (the form run with 64-head whole-row tiles on the
         # H200); tiled: one contiguous store of the interleaved halves
         STRIDED: tl.constexpr = DV_HALF or (BLOCK_D == D and BLOCK_DV == D)
@@ -448,12 +455,13 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
         return out
     qc = q.contiguous()
     # storage bytes as int8 (Ascend loads no uint8 pointers); the kernel masks them to 0..255
-    wk = as_int8(swa_kv.contiguous())
-    ws = as_int8(swa_scale.contiguous())
+    # pools may be row-strided views (fields of vLLM's page records): rows are addressed by stride
+    wk = as_int8(_rows_view(swa_kv))
+    ws = as_int8(_rows_view(swa_scale))
     wi = _index_rows(win_idx)
     if have_glob:
-        gk = as_int8(glob_kv.contiguous())
-        gs = as_int8(glob_scale.contiguous())
+        gk = as_int8(_rows_view(glob_kv))
+        gs = as_int8(_rows_view(glob_scale))
         gi = _index_rows(glob_idx)
     else:
         gk, gs, gi = wk, ws, torch.full((1,), -1, dtype=torch.int32, device=dev)
@@ -485,7 +493,8 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
     dot_bf16 = not interpreting()  # interpreters: fp32 dot operands (same values), integer bf16 rounding
     _sparse_attn_kernel[(grid,)](qc, wk, ws, wi, gk, gs, gi, sk, out, pacc, pm, pl,
                                  h, s, k, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, grid,
-                                 float(softmax_scale), D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
+                                 float(softmax_scale), wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
+                                 D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
                                  BLOCK_D=block_d, BLOCK_DV=block_dv, SPLIT=split, DOT_BF16=dot_bf16,
                                  QK_T=bool(QK_T), DV_HALF=dv_half, **kw)
     if split:
@@ -516,6 +525,12 @@ def ub_tiles(cfg: dict, d: int) -> dict[str, tuple[int, ...]]:
         w = max(bd, bdv)
         tiles.update(q=(bh, bd), bytes=(bn, w), scales=(bn, w // 16), k_e=(bn, w // 2), k_o=(bn, w // 2))
     return tiles
+
+
+def _rows_view(pool: torch.Tensor) -> torch.Tensor:
+    """A pool [rows, width] whose rows the kernels address by `stride(0)`: as given when each
+    row is contiguous (a row-strided view of page records), else a contiguous copy."""
+    return pool if pool.stride(-1) == 1 else pool.contiguous()
 
 
 def _index_rows(idx: torch.Tensor) -> torch.Tensor:

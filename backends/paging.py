@@ -1,0 +1,25 @@
+"""Block-table address arithmetic, the one place it is written (the core's pools, the reference
+ops and the vLLM plugin all address rows through it)."""
+
+from __future__ import annotations
+
+import torch
+
+NULL_BLOCK = 0  # block 0 of every pool never holds a sequence's data
+
+
+def table_rows(block_table: torch.Tensor, per_block: int, index: torch.Tensor, *,
+               null_invalid: bool = False) -> torch.Tensor:
+    """Pool rows of logical indices (token positions of a window pool, entries of a global
+    pool): index j of the sequence whose table row is block_table[t] sits at row
+    block_table[t, j // per_block] * per_block + j % per_block. block_table [T, nb], index
+    [T, ...]; a negative index (and, with `null_invalid`, one whose block is the null block)
+    maps to -1."""
+    ok = index >= 0
+    j = index.clamp_min(0)
+    flat = j.reshape(j.shape[0], -1)
+    blk = block_table.gather(1, (flat // per_block).clamp_max(block_table.shape[1] - 1)).view_as(j)
+    if null_invalid:
+        ok = ok & (blk != NULL_BLOCK)
+    rows = blk.clamp_min(0) * per_block + j % per_block
+    return torch.where(ok, rows, torch.full_like(rows, -1))
