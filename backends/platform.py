@@ -175,6 +175,9 @@ class Platform:
     # True where the device has no float8 tensors: FP8 / E8M0 data are held as uint8 bytes and
     # decoded inside kernels / integer codecs (see `storage_dtype`)
     float8_as_bytes = False
+    # how Engram rows of host-held tables reach the device by default (`Transformer.offload_engram`):
+    # gathered on the host and copied ahead of their layers
+    engram_fetch = "ahead"
 
     @property
     def backend(self) -> str:
@@ -232,6 +235,11 @@ class Platform:
 
 
 class CudaPlatform(Platform):
+    # the lookup kernel reads page-locked host tables in place (no host gather, no sync): on the
+    # H200 (2026-11-30, mini) +0.1-0.2% decode step time against +4.5-6.1% for the fetch-ahead,
+    # whose graph replays with page-locked tables also failed a GPU test (tests/test_engram_offload.py)
+    engram_fetch = "in_place"
+
     def num_workers(self) -> int:
         return torch.cuda.get_device_properties(self.device).multi_processor_count
 

@@ -598,16 +598,19 @@ class Transformer(nn.Module):
         for blk in self.layers:
             blk.ffn.overlap_shared = on
 
-    def offload_engram(self, device: torch.device | str, fetch: str = "ahead") -> None:
+    def offload_engram(self, device: torch.device | str, fetch: str | None = None) -> None:
         """Keep every Engram table in host memory while the rest of the model runs on `device`
         (page-locked when `device` is an accelerator). Call it on the meta-device model, before
         `weights.materialize`, so no table is ever allocated on the device.
 
-        `fetch`: "ahead" (default) gathers each step's rows of every Engram layer on the host
-        before the step and copies them on a side stream (`engram.EngramPrefetch`: no layer
-        waits on the host); "in_place" leaves it to the backend's `engram_lookup` (CUDA's kernel
-        reads page-locked tables in place; other tables are gathered in the lookup, one host
-        read of the row ids per layer)."""
+        `fetch`: "ahead" gathers each step's rows of every Engram layer on the host before the
+        step and copies them on a side stream (`engram.EngramPrefetch`: no layer waits on the
+        host); "in_place" leaves it to the backend's `engram_lookup` (CUDA's kernel reads
+        page-locked tables in place; other tables are gathered in the lookup, one host read of
+        the row ids per layer). None: the device's default (`Platform.engram_fetch`: in place
+        on CUDA, ahead elsewhere)."""
+        if fetch is None:
+            fetch = platform_for(device).engram_fetch
         if fetch not in ("ahead", "in_place"):
             raise ValueError(f"fetch must be 'ahead' or 'in_place', got {fetch!r}")
         pinned = str(device).split(":")[0] != "cpu"  # (torch.device("npu") needs torch_npu)

@@ -818,12 +818,14 @@ def test_indexer_topk_paged_equals_per_sequence():
 
 def test_device_rope_tables_match_the_fp64_reference(rng):
     """backends/rope_tables.py (CUDA / Ascend: fp32 angle sums, no fp64 on the device) against
-    the reference's fp64 angles, at positions up to 2^20 - 1 and both RoPE thetas."""
+    the reference's fp64 angles, at positions from -2^20 (padding rows and window slots before a
+    sequence's start reach the op) up to 2^20 - 1 and both RoPE thetas."""
     from dsv41.backends.rope_tables import rope_tables as device_tables
     from dsv41.core.config import preset, yarn_inv_freq
 
     cfg = preset("full")
-    pos = torch.cat([torch.arange(0, 70), torch.randint(0, 2**20, (500,), generator=rng), torch.tensor([2**20 - 1])])
+    pos = torch.cat([torch.arange(-70, 70), torch.randint(-2**20, 2**20, (500,), generator=rng),
+                     torch.tensor([-2**20, 2**20 - 1])])
     for ratio in (0, 2):
         f = torch.tensor(yarn_inv_freq(cfg, ratio), dtype=torch.float32)
         cos, sin = device_tables(f, pos)
