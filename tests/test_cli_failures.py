@@ -210,8 +210,8 @@ def test_outputs_follow_the_umask(tmp_path, tiny_ckpt):
         os.umask(old)
     for d in (tmp_path / "ck", tmp_path / "mp"):
         assert (d / "tokenizer.json").exists()
-        assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in d.iterdir()} == {"0o644"}
-        assert oct(stat.S_IMODE(d.stat().st_mode)) == "0o755"
+        assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in d.rglob("*") if p.is_file()} == {"0o644"}
+        assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in [d, *d.rglob("*")] if p.is_dir()} == {"0o755"}
 
 
 def test_rerun_removes_what_a_killed_run_left(capsys, tmp_path):
@@ -235,7 +235,7 @@ def test_two_writers_of_one_destination(capsys, tmp_path, tiny_ckpt):
             conv.convert(tiny_ckpt, dst, 1, progress=False)
     assert listing(tmp_path) == []
     assert run_cli(capsys, "make-checkpoint", "--out", dst)[0] == 0
-    assert listing(tmp_path) == sorted(["ck"] + [f"ck/{p.name}" for p in dst.iterdir()])
+    assert listing(tmp_path) == sorted(["ck"] + [f"ck/{p.relative_to(dst)}" for p in dst.rglob("*")])
 
 
 def test_failed_replace_leaves_no_aside_folder(tmp_path, monkeypatch):
