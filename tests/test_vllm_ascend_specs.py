@@ -3,11 +3,13 @@ gives the same record views as vLLM's (vLLM installed only; vllm-ascend stood in
 
 vllm-ascend needs CANN and torch_npu, so `vllm_ascend.core.kv_cache_interface` is replaced by a
 minimal stand-in of its v0.23.0 classes (same constructor fields, the `page_size_bytes` of the
-branch our specs take) and the platform by one whose device type is "npu". The runner's
+branch our specs take; its global spec also as at main 182b75ea84, where block_size counts
+tokens) and the platform by one whose device type is "npu". The runner's
 allocation and binding are reproduced from its v0.23.0 `model_runner_v1.py`: one raw int8 tensor
 per layer of `num_blocks * page_size_bytes`, viewed as `AscendMLABackend.get_kv_cache_shape`
 [blocks, block_size, heads=1, head_size] with a page-sized block stride (`_adjust_kv_layout`),
-bound as a one-tensor list (`bind_kv_cache`; one more list for the `deepseek_v4` model type).
+bound as a one-tensor list (vLLM's `bind_kv_cache`; one more list for the `deepseek_v4` model
+type, and in vLLM versions that still wrap per virtual engine).
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, Slid
 N_BLOCKS = 6
 
 
-def _ascend_module() -> types.ModuleType:
-    """`vllm_ascend.core.kv_cache_interface` as at v0.23.0, reduced to what our specs reach."""
+def _ascend_module(version: str) -> types.ModuleType:
+    """`vllm_ascend.core.kv_cache_interface` as at v0.23.0 (or its global spec as at main
+    182b75ea84), reduced to what our specs reach."""
 
     @dataclasses.dataclass(frozen=True, kw_only=True)
     class AscendMLAAttentionSpec(MLAAttentionSpec):
@@ -74,15 +77,30 @@ def _ascend_module() -> types.ModuleType:
         def real_page_size_bytes(self) -> int:
             return self.storage_block_size * self.num_kv_heads * self.head_size * get_dtype_size(self.dtype)
 
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class AscendMLAAttentionSpecMain(AscendMLAAttentionSpec):
+        """main 182b75ea84: block_size counts tokens, the page holds `storage_block_size` records."""
+
+        @property
+        def storage_block_size(self) -> int:
+            return self.block_size // self.compress_ratio
+
+        @property
+        def page_size_bytes(self) -> int:
+            return self.storage_block_size * self.num_kv_heads * (
+                self.head_size * get_dtype_size(self.dtype) + self.scale_dim * get_dtype_size(self.scale_dtype))
+
     mod = types.ModuleType("vllm_ascend.core.kv_cache_interface")
-    mod.AscendMLAAttentionSpec, mod.AscendSlidingWindowMLASpec = AscendMLAAttentionSpec, AscendSlidingWindowMLASpec
+    mod.AscendMLAAttentionSpec = AscendMLAAttentionSpecMain if version == "main" else AscendMLAAttentionSpec
+    mod.AscendSlidingWindowMLASpec = AscendSlidingWindowMLASpec
     return mod
 
 
-@pytest.fixture
-def ascend(monkeypatch):
+@pytest.fixture(params=["v0.23.0", "main"])
+def ascend(monkeypatch, request):
     """The stand-in module installed (its package parents too); the platform left to each test."""
-    mod = _ascend_module()
+    mod = _ascend_module(request.param)
+    mod.version = request.param
     pkg, core = types.ModuleType("vllm_ascend"), types.ModuleType("vllm_ascend.core")
     pkg.core, core.kv_cache_interface = core, mod
     for name, m in (("vllm_ascend", pkg), ("vllm_ascend.core", core), ("vllm_ascend.core.kv_cache_interface", mod)):
@@ -124,9 +142,11 @@ def test_layers_declare_ascend_specs_with_our_pages(monkeypatch, ascend, name, b
                                                                                        "deepseek_v4")
         if q.kind == "global":
             assert type(spec) is ascend.AscendMLAAttentionSpec
-            assert (spec.block_size, spec.compress_ratio, spec.scale_dim) == (q.block_size // q.ratio, q.ratio, 0)
-            # its managers and coordinator count block_size * compress_ratio tokens per block
-            assert spec.block_size * spec.compress_ratio == q.block_size
+            records = q.block_size // q.ratio
+            if ascend.version == "v0.23.0":  # records per block; its managers count block_size * ratio tokens
+                assert (spec.block_size, spec.compress_ratio, spec.scale_dim) == (records, q.ratio, 0)
+            else:  # tokens per block, records as storage_block_size
+                assert (spec.block_size, spec.storage_block_size, spec.compress_ratio) == (q.block_size, records, q.ratio)
         else:
             assert type(spec) is ascend.AscendSlidingWindowMLASpec
             assert (spec.block_size, spec.compress_ratio, spec.sliding_window) == (q.block_size, 1, q.window)
@@ -150,7 +170,8 @@ def test_vllm_platform_keeps_vllm_specs(monkeypatch, ascend, tiny_cfg):
 def _ascend_binding(raw: torch.Tensor, spec) -> torch.Tensor:
     """vllm-ascend v0.23.0's view of a layer's raw int8 tensor (`_reshape_kv_cache_tensors` with
     `AscendMLABackend.get_kv_cache_shape` and `_adjust_kv_layout`)."""
-    shape = (raw.numel() // spec.page_size_bytes, spec.block_size, spec.num_kv_heads, spec.head_size)
+    shape = (raw.numel() // spec.page_size_bytes, getattr(spec, "storage_block_size", spec.block_size),
+             spec.num_kv_heads, spec.head_size)  # (main passes storage_block_size)
     assert shape[0] == N_BLOCKS
     page = spec.page_size_bytes // get_dtype_size(spec.dtype)
     return torch.as_strided(raw.view(spec.dtype), shape, (page, shape[2] * shape[3], shape[3], 1), raw.storage_offset())

@@ -16,7 +16,8 @@ there are unpacked as a (K, V) pair. So the same pages are declared in its terms
 - "global": `AscendMLAAttentionSpec(block_size=records per block, compress_ratio=ratio,
   head_size=record bytes, scale_dim=0)`: its page is block_size * head_size bytes (its own
   `page_size_bytes`, which ignores `page_size_padded`), and its managers count
-  block_size * compress_ratio tokens per block.
+  block_size * compress_ratio tokens per block. (vllm-ascend's main after v0.23.0 counts tokens
+  in block_size and records in `storage_block_size`; where the class has that, tokens are given.)
 - "swa": `AscendSlidingWindowMLASpec(block_size=tokens, head_size=record bytes,
   compress_ratio=1, page_size_padded=page)`, with `bounded_replay=True` where the class has the
   field (vLLM releases that know it; v0.23.0's does not, see docs/serving.md).
@@ -72,7 +73,10 @@ def ascend_specs(req: LayerRequest, mla_cls: type, swa_cls: type) -> KVCacheSpec
     common = {"num_kv_heads": 1, "head_size": req.record_bytes, "dtype": torch.uint8,
               "model_version": "deepseek_v4", "page_size_padded": req.page_bytes}
     if req.kind == "global":
-        spec = mla_cls(block_size=req.block_size // req.ratio, compress_ratio=req.ratio, scale_dim=0, **common)
+        # v0.23.0 counts records per block; later (main 182b75ea84) tokens, with the records as
+        # `storage_block_size`: the class says which
+        per_block = req.block_size if hasattr(mla_cls, "storage_block_size") else req.block_size // req.ratio
+        spec = mla_cls(block_size=per_block, compress_ratio=req.ratio, scale_dim=0, **common)
     else:
         extra = {"bounded_replay": True} if "bounded_replay" in {f.name for f in dataclasses.fields(swa_cls)} else {}
         spec = swa_cls(block_size=req.block_size, sliding_window=req.window, compress_ratio=1, **common, **extra)

@@ -115,7 +115,8 @@ def record_rows(kv_cache, slot: int) -> tuple[torch.Tensor, int]:
     """(rows [n, slot] uint8, rows per block stride) of a cache layer's pages as the runner binds
     them: vLLM [blocks, heads=1, records, bytes]; vllm-ascend (v0.23.0, `_adjust_kv_layout`) a
     one-tensor list of [blocks, records, heads=1, bytes] with a page-sized block stride, itself
-    wrapped in one more list for the `deepseek_v4` model type; any layout (blocks may be
+    wrapped in one more list for the `deepseek_v4` model type (and by vLLM versions whose
+    `bind_kv_cache` still wraps per virtual engine); any layout (blocks may be
     interleaved with other layers' pages). Record e of block b is row b * stride + e; rows of
     other layers' pages in between are never addressed."""
     kv_cache = _first(kv_cache)
