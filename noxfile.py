@@ -79,7 +79,8 @@ def vllm(session: nox.Session) -> None:
     session.run("python", "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
     session.install("-e", ".[test]")
     session.run("pytest", "-q", "tests/test_vllm_serve.py", "tests/test_vllm_tp.py", "tests/test_serve_command.py",
-                "tests/test_vllm_tools.py", "tests/test_vllm_weights.py", *session.posargs,
+                "tests/test_vllm_tools.py", "tests/test_vllm_weights.py", "tests/test_vllm_ascend_specs.py",
+                *session.posargs,
                 env={"VLLM_CPU_KVCACHE_SPACE": "1"})
 
 

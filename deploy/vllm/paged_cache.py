@@ -113,12 +113,12 @@ class SWARecord:
 
 def record_rows(kv_cache, slot: int) -> tuple[torch.Tensor, int]:
     """(rows [n, slot] uint8, rows per block stride) of a cache layer's pages as the runner binds
-    them: vLLM [blocks, heads=1, records, bytes]; vllm-ascend a one-tensor list of [blocks,
-    records, heads=1, bytes]; any layout (blocks may be interleaved with other layers' pages).
-    Record e of block b is row b * stride + e; rows of other layers' pages in between are never
-    addressed."""
-    if isinstance(kv_cache, (list, tuple)) and len(kv_cache) != 1:
-        raise ValueError(f"dsv41: a cache layer is bound to {len(kv_cache)} tensors, expected one")
+    them: vLLM [blocks, heads=1, records, bytes]; vllm-ascend (v0.23.0, `_adjust_kv_layout`) a
+    one-tensor list of [blocks, records, heads=1, bytes] with a page-sized block stride, itself
+    wrapped in one more list for the `deepseek_v4` model type (and by vLLM versions whose
+    `bind_kv_cache` still wraps per virtual engine); any layout (blocks may be
+    interleaved with other layers' pages). Record e of block b is row b * stride + e; rows of
+    other layers' pages in between are never addressed."""
     kv_cache = _first(kv_cache)
     kv = kv_cache.view(torch.uint8) if kv_cache.dtype != torch.uint8 else kv_cache
     if kv.dim() == 4:  # (the one-head dimension, before or after the records)
@@ -135,8 +135,14 @@ def record_rows(kv_cache, slot: int) -> tuple[torch.Tensor, int]:
 
 
 def _first(kv_cache) -> torch.Tensor:
-    """The tensor of a cache layer's binding (a tensor, or vllm-ascend's one-tensor list)."""
-    return kv_cache[0] if isinstance(kv_cache, (list, tuple)) else kv_cache
+    """The tensor of a cache layer's binding: a tensor, or vllm-ascend's one-tensor list (nested
+    once more for its `deepseek_v4` model type); a list of several tensors (a K / V split, or
+    vllm-ascend's scale tensor beside the cache) is not our layout."""
+    while isinstance(kv_cache, (list, tuple)):
+        if len(kv_cache) != 1:
+            raise ValueError(f"dsv41: a cache layer is bound to {len(kv_cache)} tensors, expected one")
+        kv_cache = kv_cache[0]
+    return kv_cache
 
 
 def fields_of(raw: torch.Tensor, layout) -> dict[str, torch.Tensor]:
