@@ -192,6 +192,7 @@ def build_step(cfg: ModelConfig, pool: KVPool, chunks: list[Chunk], device: torc
     swa = [c.state.swa_blocks for c in chunks]
     glob = [c.state.glob_blocks for c in chunks]
     pad = lambda lists: [x + [0] * (width(lists) - len(x)) for x in lists]  # noqa: E731
+    ngram_host = (t(ngram, dtype=torch.long), t(ngram_img, dtype=torch.bool))  # built once, sent once
     return StepBatch(
         ids=t(ids, dtype=torch.long, device=device),
         positions=t(pos, dtype=torch.long, device=device),
@@ -200,11 +201,11 @@ def build_step(cfg: ModelConfig, pool: KVPool, chunks: list[Chunk], device: torc
         glob_tables=(t(pad(glob), dtype=torch.long, device=device),),
         floors=t([c.state.floors for c in chunks], dtype=torch.long, device=device),
         glob_from=t([c.state.glob_from for c in chunks], dtype=torch.long, device=device),
-        ngram_ids=t(ngram, dtype=torch.long, device=device),
-        ngram_image=t(ngram_img, dtype=torch.bool, device=device),
+        ngram_ids=ngram_host[0].to(device),
+        ngram_image=ngram_host[1].to(device),
         is_image=t(is_img, dtype=torch.bool, device=device),
         decoder_rows=None if len(dec_rows) == len(ids) else t(dec_rows, dtype=torch.long, device=device),
         logit_rows=None if len(logit_rows) == n_dec else t(logit_rows, dtype=torch.long, device=device),
         image_embeds=torch.cat(images) if images else None,
-        ngram_host=(t(ngram, dtype=torch.long), t(ngram_img, dtype=torch.bool)),
+        ngram_host=ngram_host,
     )
