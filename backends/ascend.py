@@ -33,7 +33,7 @@ import weakref
 import torch
 
 from .platform import npu_unavailable_reason, triton_unavailable_reason
-from .registry import register, register_backend_loader
+from .registry import composite_of, register, register_backend_loader
 
 BACKEND = "ascend"
 
@@ -439,6 +439,18 @@ def _host_reference(name: str):
     return run
 
 
+def _composition(name: str):
+    """Fused op `name` as the composition of its parts, each dispatched to the NPU's own
+    implementation (a function of its own, so the registry tells it from the reference)."""
+    fn = composite_of(name)
+
+    def run(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    run.__name__ = f"{name}_composition"
+    return run
+
+
 def _unavailable(name: str, why: str):
     """An op that cannot run legally on the NPU without its kernel: one clear error."""
 
@@ -537,6 +549,8 @@ def _plan(op_names, triton_ops, triton_why, vllm_ops) -> dict[str, tuple]:
             out[name] = (used[0], used[2])  # mhc_update is the vendor kernel whole; mhc_mix only in part
         elif name in triton_ops:
             out[name] = (None, "Triton kernel (triton-ascend)")
+        elif composite_of(name) is not None:  # a fused op without an Ascend kernel: its parts on the NPU
+            out[name] = (_composition(name), "composition of the Ascend ops (backends/fused.py; no fused kernel)")
         elif name in INTEGER_OPS:
             out[name] = (INTEGER_OPS[name], "integer-op version on the NPU (uint8 bytes; no float8 tensors)")
         elif name == "rope_tables":

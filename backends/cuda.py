@@ -81,9 +81,6 @@ def load() -> None:
     register_triton_kernels(BACKEND, CUDA_KERNELS)
     for op, fn in TORCH_OPS.items():
         register(op, BACKEND)(fn)
-    from .rope_tables import rope_tables
-
-    register("rope_tables", BACKEND)(rope_tables)
 
 
 register_backend_loader(BACKEND, load)

@@ -175,6 +175,28 @@ def compress_kv(kv: Tensor, score: Tensor | None, ratio: int, norm_weight: Tenso
     ratio 1). Returns the un-rotated latent [G, D] bf16 (the indexer key's input)."""
 
 
+@_op
+def table_rows(block_table: Tensor, per_block: int, index: Tensor, *, null_invalid: bool = False) -> Tensor:
+    """Pool rows [T, ...] long of logical indices [T, ...] through per-row block tables [T, nb]
+    (`backends.paging.table_rows`, the entry point the pools and ops use; -1 where masked)."""
+
+
+# ---- fused (compositions of the ops above in one launch; backends/fused.py) -----------------
+@_op
+def rope_store_kv(q: Tensor, kv: Tensor, norm_weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
+                  swa_kv: Tensor, swa_scale: Tensor, rows: Tensor) -> Tensor:
+    """The attention's query and window-entry tails in one pass: returns rope(q, cos, sin), and
+    writes fp8_quant(rope(rms_norm(kv, norm_weight, eps), cos, sin)) into the window pool
+    (swa_kv [Nw, D] E4M3, swa_scale [Nw, D/32] E8M0; row-strided views allowed) at pool rows
+    `rows` [T]. q [T, H, D], kv [T, D] bf16, cos / sin [T, R/2]."""
+
+
+@_op
+def unrope_grouped_linear(x: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, groups: int) -> Tensor:
+    """The attention output's tail: grouped_linear(rope(x, cos, sin, inverse=True) as [T,
+    groups, H * D / groups], weight) -> [T, groups * R] bf16. x [T, H, D] bf16."""
+
+
 # ---- mHC ------------------------------------------------------------------------------------
 @_op
 def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
@@ -241,3 +263,6 @@ def engram_lookup(table: Tensor, scale: Tensor, rows: Tensor) -> Tensor:
     """Hashed row ids [T, R] -> gather FP8 (scale per 32) or INT8 (scale per row) rows ->
     dequantised bf16 [T, R * Dh] on rows' device. Dispatched on rows' device: the table may be
     held in host memory (Engram offload; page-locked on a device)."""
+
+
+from . import fused  # noqa: E402, F401  (registers the fused ops' compositions; imports this module)

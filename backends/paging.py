@@ -1,15 +1,29 @@
 """Block-table address arithmetic, the one place it is written (the core's pools, the reference
-ops and the vLLM plugin all address rows through it)."""
+ops and the vLLM plugin all address rows through it).
+
+`table_rows` is op `table_rows` (`backends.ops`): the torch arithmetic below is its
+implementation on every backend without a kernel (the reference among them); CUDA does it in one
+Triton launch (`npu_ops/triton/table_rows.py`) instead of ten small kernels.
+"""
 
 from __future__ import annotations
 
 import torch
+
+from .registry import dispatch, register_composite
 
 NULL_BLOCK = 0  # block 0 of every pool never holds a sequence's data
 
 
 def table_rows(block_table: torch.Tensor, per_block: int, index: torch.Tensor, *,
                null_invalid: bool = False) -> torch.Tensor:
+    """Op `table_rows` on block_table's backend (see `table_rows_torch`)."""
+    return dispatch("table_rows", block_table.device)(block_table, per_block, index, null_invalid=null_invalid)
+
+
+@register_composite("table_rows")
+def table_rows_torch(block_table: torch.Tensor, per_block: int, index: torch.Tensor, *,
+                     null_invalid: bool = False) -> torch.Tensor:
     """Pool rows of logical indices (token positions of a window pool, entries of a global
     pool): index j of the sequence whose table row is block_table[t] sits at row
     block_table[t, j // per_block] * per_block + j % per_block. block_table [T, nb], index
@@ -23,3 +37,10 @@ def table_rows(block_table: torch.Tensor, per_block: int, index: torch.Tensor, *
         ok = ok & (blk != NULL_BLOCK)
     rows = blk.clamp_min(0) * per_block + j % per_block
     return torch.where(ok, rows, torch.full_like(rows, -1))
+
+
+def write_rows(pools: tuple[torch.Tensor, ...], rows: torch.Tensor, values: tuple[torch.Tensor, ...]) -> None:
+    """values[i] [T, ...] into pools[i] at pool rows `rows` [T], byte for byte (index_copy has
+    no float8 kernels: the bytes go through uint8 views)."""
+    for pool, v in zip(pools, values):
+        pool.view(torch.uint8).index_copy_(0, rows, v.view(torch.uint8))

@@ -30,6 +30,8 @@ class Op:
     name: str
     impls: dict[str, Callable] = field(default_factory=dict)
     warned: set[str] = field(default_factory=set)
+    # a fused op: the composition of other ops that it stands for (`register_composite`)
+    composite: Callable | None = None
 
 
 _OPS: dict[str, Op] = {}
@@ -57,6 +59,28 @@ def register(name: str, backend: str = "reference") -> Callable[[Callable], Call
         return fn
 
     return deco
+
+
+def register_composite(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: `fn` is fused op `name` written as the composition of other ops (through
+    `backends.ops`, so each part runs on the caller's backend; or of plain torch ops that run on
+    any device, as `table_rows`' integer arithmetic). It is the reference
+    implementation, and the implementation on any backend without a fused kernel of its own: a
+    composition of that backend's ops is no fallback to the reference (no warning; allowed under
+    DSV41_STRICT=1)."""
+
+    def deco(fn: Callable) -> Callable:
+        register(name)(fn)
+        _OPS[name].composite = fn
+        return fn
+
+    return deco
+
+
+def composite_of(name: str) -> Callable | None:
+    """The composition fused op `name` stands for (None for an op that is no composition)."""
+    op = _OPS.get(name)
+    return op.composite if op is not None else None
 
 
 def register_backend_loader(backend: str, loader: Callable[[], None]) -> None:
@@ -119,6 +143,8 @@ def resolve(name: str, backend: str) -> tuple[Callable, str, str]:
     why = ensure_backend_loaded(backend)
     if why is None and backend in op.impls:
         return op.impls[backend], backend, f"{backend} kernel"
+    if why is None and op.composite is not None:
+        return op.composite, backend, f"composition of {backend} ops"
     reason = f"{backend} unavailable ({why})" if why else f"no {backend} implementation"
     return op.impls["reference"], "reference", f"fallback: {reason}"
 

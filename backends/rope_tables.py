@@ -17,7 +17,10 @@ SPLIT = 10  # p = a * 2^SPLIT + b
 _TABLES: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 
-def _tables(inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def angle_tables(inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(cos, sin) of a * 2^SPLIT * f for a in [-2^SPLIT, 2^SPLIT) (row a + 2^SPLIT), then (cos,
+    sin) of b * f for b in [0, 2^SPLIT): fp32 [2^(SPLIT+1), F] and [2^SPLIT, F], made once per
+    frequency vector (in fp64 on the host)."""
     key = (inv_freq.data_ptr(), inv_freq.device, inv_freq.shape[0], inv_freq._version)
     if key not in _TABLES:
         f = inv_freq.detach().cpu().double()  # once per frequency vector
@@ -30,7 +33,7 @@ def _tables(inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos / sin [T, R/2] fp32 of positions (-2^20 <= p < 2^20) times inv_freq."""
-    ca, sa, cb, sb = _tables(inv_freq)
+    ca, sa, cb, sb = angle_tables(inv_freq)
     p = positions.long()
     a, b = (p >> SPLIT) + (1 << SPLIT), p & ((1 << SPLIT) - 1)  # (arithmetic shift: floor for p < 0)
     ca, sa, cb, sb = ca[a], sa[a], cb[b], sb[b]

@@ -71,7 +71,9 @@ class Rows:
     win_lo: torch.Tensor  # [T] first key position of the window
     win_hi: torch.Tensor  # [T] last key position of the window
     width: int  # key slots per row (window size, or window + block for a draft)
-    _win: dict = field(default_factory=dict)
+    # what every layer would otherwise compute again from these rows (windows, write rows, RoPE
+    # tables, compressor metadata): made once per step, on first use (`memo`)
+    _memo: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, b: StepBatch, cfg: ModelConfig) -> "Rows":
@@ -89,11 +91,18 @@ class Rows:
         return replace(self, pos=pick(self.pos), seq=pick(self.seq), is_image=pick(self.is_image),
                        swa_tables=tuple(map(pick, self.swa_tables)), glob_tables=tuple(map(pick, self.glob_tables)),
                        floors=pick(self.floors), glob_from=pick(self.glob_from), win_lo=pick(self.win_lo),
-                       win_hi=pick(self.win_hi), _win={})
+                       win_hi=pick(self.win_hi), _memo={})
 
     @property
     def num(self) -> int:
         return self.pos.shape[0]
+
+    def memo(self, key: tuple, make):
+        """`make()`, computed once for these rows and `key` (a per-step quantity several layers
+        share: the key must name everything the value depends on besides the rows)."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     def glob_table(self, g: GlobalPool) -> torch.Tensor:
         """[T, nbg] the global table each row's entries of pool `g` are addressed through."""
@@ -106,23 +115,20 @@ class Rows:
 
     def swa_rows(self, swa: SWAPool) -> torch.Tensor:
         """Where each row's own entry of window pool `swa` (and its compressor rows) is written."""
-        key = ("own", swa.table, swa.block_size)
-        if key not in self._win:
-            self._win[key] = self.swa_rows_at(swa, self.pos.unsqueeze(1))[:, 0]
-        return self._win[key]
+        return self.memo(("own", swa.table, swa.block_size),
+                         lambda: self.swa_rows_at(swa, self.pos.unsqueeze(1))[:, 0])
 
     def window(self, swa: SWAPool, group: int) -> torch.Tensor:
         """[T, width] rows of window pool `swa` each query attends (-1 = masked), oldest first.
         Positions below the layer group's floor were never computed for this sequence, and
         positions in the null block are not held (below a bounded replay's start, or outside
         every window: the block was given back)."""
-        key = (group, swa.table, swa.block_size)
-        if key not in self._win:
+        def make():
             kpos = self.win_lo.unsqueeze(1) + torch.arange(self.width, device=self.pos.device)
             ok = (kpos >= self.floors[:, group:group + 1]) & (kpos <= self.win_hi.unsqueeze(1))
-            self._win[key] = table_rows(self.swa_tables[swa.table], swa.block_size, torch.where(ok, kpos, -1),
-                                        null_invalid=True)
-        return self._win[key]
+            return table_rows(self.swa_tables[swa.table], swa.block_size, torch.where(ok, kpos, -1), null_invalid=True)
+
+        return self.memo(("window", group, swa.table, swa.block_size), make)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backends.paging import NULL_BLOCK
+from ..backends.paging import NULL_BLOCK, write_rows
 from ..backends.platform import storage_dtype
 from .config import ModelConfig
 
@@ -79,9 +79,7 @@ class SWAPool:
     table: int = 0
 
     def write(self, rows: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor) -> None:
-        # index_copy has no float8 kernels: write the bytes through uint8 views
-        self.kv.view(torch.uint8).index_copy_(0, rows, kv.view(torch.uint8))
-        self.scale.view(torch.uint8).index_copy_(0, rows, scale.view(torch.uint8))
+        write_rows((self.kv, self.scale), rows, (kv, scale))
 
 
 class KVPool:

@@ -94,6 +94,19 @@ class ForwardContext:
     # each `dspark_target_layer_ids` layer ([rows, d], the rows the decoder processed)
     features: dict[int, torch.Tensor] | None = None
     precompressed: set[int] = field(default_factory=set)  # KV sources already fed this step (CED)
+    # index-source layer -> (its top-k, table group, entries per block, the pool rows of that
+    # top-k): Reuse layers attend the rows their source already addressed
+    glob_rows: dict[int, tuple] = field(default_factory=dict)
+
+    def global_rows(self, source: int, idx: torch.Tensor, rows: Rows, g) -> torch.Tensor:
+        """Pool rows [T, K] of global pool `g` holding the entries `idx` (the top-k of layer
+        `source`), addressed once per step for every layer that attends that top-k."""
+        hit = self.glob_rows.get(source)
+        if hit is not None and hit[0] is idx and hit[1:3] == (g.table, g.entries_per_block):
+            return hit[3]
+        out = table_rows(rows.glob_table(g), g.entries_per_block, idx)
+        self.glob_rows[source] = (idx, g.table, g.entries_per_block, out)
+        return out
 
     def count(self, name: str, n) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -193,27 +206,47 @@ class Attention(nn.Module):
         of positions p-ratio+1 .. p (this step's, or kept from earlier steps at their positions);
         rows completing nothing, or whose entry exists already (a shared prefix), write to the
         null block."""
-        comp, r, pos = self.compressor, self.ratio, rows.pos
+        comp, r = self.compressor, self.ratio
         g = ctx.cache.glob[self.layer_id]
+        swa = ctx.cache.swa[self.layer_id]  # (the compressor rows sit at the window's rows)
+        write, slots, cos, sin, group_rows = rows.memo(
+            ("compress", r, g.table, g.entries_per_block, swa.table, swa.block_size),
+            lambda: self._compress_plan(rows, g, swa))
         if r == 1:
             kv, score = comp.wkv(x).float(), None  # a plain bf16 matmul, no activation quantisation
         else:
-            carry, swa = ctx.cache.carry[self.layer_id], ctx.cache.swa[self.layer_id]  # (same rows)
+            carry = ctx.cache.carry[self.layer_id]
             carry.index_copy_(0, rows.swa_rows(swa),
                               torch.stack((comp.wkv(x, torch.float32), comp.wgate(x, torch.float32)), 1))
-            group = pos.unsqueeze(1) - torch.arange(r - 1, -1, -1, device=pos.device)  # [T, r] oldest first
-            rows_g = carry[rows.swa_rows_at(swa, group.clamp_min(0)).flatten()]  # [T * r, 2, D]
+            rows_g = carry[group_rows]  # [T * r, 2, D]
             kv, score = rows_g[:, 0], rows_g[:, 1]
-        entry = torch.div(pos, r, rounding_mode="floor")
-        write = ((pos + 1) % r == 0) & (pos >= rows.glob_from)
-        slots = torch.where(write, table_rows(rows.glob_table(g), g.entries_per_block, entry.unsqueeze(1))[:, 0], 0)
-        cos, sin = rope_tables(self.inv_freq, entry * r)  # entry j sits at position j*ratio
         lat = ops.compress_kv(kv, score, r, comp.norm.weight, comp.norm.eps, cos, sin, g.kv_codes, g.kv_scale, slots)
         key = ops.rope(self.indexer.k_norm(self.indexer.wk(lat)), cos, sin)
         codes, scales = ops.mxfp4_quant(key)
         g.key_codes.index_copy_(0, slots, codes.view(torch.uint8))
         g.key_scale.view(torch.uint8).index_copy_(0, slots, scales.view(torch.uint8))
         ctx.count(f"compressed_entries.{self.layer_id}", write.sum())
+
+    def _compress_plan(self, rows: Rows, g, swa) -> tuple:
+        """What `update_global` needs besides the activations, the same for every KV source of
+        this ratio and these pools in a step: (write mask [T], entry slots [T], cos / sin of the
+        entries' positions, compressor rows [T * r] of each row's group, oldest first; None at
+        ratio 1)."""
+        r, pos = self.ratio, rows.pos
+        entry = torch.div(pos, r, rounding_mode="floor")
+        write = ((pos + 1) % r == 0) & (pos >= rows.glob_from)
+        slots = torch.where(write, table_rows(rows.glob_table(g), g.entries_per_block, entry.unsqueeze(1))[:, 0], 0)
+        cos, sin = rope_tables(self.inv_freq, entry * r)  # entry j sits at position j*ratio
+        group_rows = None
+        if r > 1:
+            group = pos.unsqueeze(1) - torch.arange(r - 1, -1, -1, device=pos.device)  # [T, r] oldest first
+            group_rows = rows.swa_rows_at(swa, group.clamp_min(0)).flatten()
+        return write, slots, cos, sin, group_rows
+
+    def rope_tables(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin of the rows' positions for this layer's frequencies, made once per step
+        for all layers of the same compression ratio (their `inv_freq` is a function of it)."""
+        return rows.memo(("rope", self.ratio), lambda: rope_tables(self.inv_freq, rows.pos))
 
     # -- top-k selection --
     def select(self, x, qr, rows: Rows, cos, sin, ctx: ForwardContext) -> torch.Tensor:
@@ -247,25 +280,25 @@ class Attention(nn.Module):
         t = x.shape[0]
         if self.kind == "full" and self.layer_id not in ctx.precompressed:
             self.update_global(x, rows, ctx)
-        cos, sin = rope_tables(self.inv_freq, rows.pos)
+        cos, sin = self.rope_tables(rows)
         qr = self.q_norm(self.wq_a(x))
-        q = ops.rope(self.wq_b(qr).view(t, self.n_heads, self.head_dim), cos, sin)
-        kv8, kv_s = ops.fp8_quant(ops.rope(self.kv_norm(self.wkv(x)), cos, sin))
-        # this step's SWA entries go in first (positions address them, so nothing older is
-        # overwritten), then every query reads its window from the pool
+        # the RoPE'd query, and this step's SWA entries (normed, RoPE'd, FP8) written into the
+        # pool first (positions address them, so nothing older is overwritten): every query
+        # then reads its window from the pool
         swa = ctx.cache.swa[self.layer_id]
-        swa.write(rows.swa_rows(swa), kv8, kv_s)
+        q = ops.rope_store_kv(self.wq_b(qr).view(t, self.n_heads, self.head_dim), self.wkv(x), self.kv_norm.weight,
+                              self.kv_norm.eps, cos, sin, swa.kv, swa.scale, rows.swa_rows(swa))
         win = rows.window(swa, self.floor_group)
         if self.ratio > 0:
             g = ctx.cache.glob[self.cfg.kv_source_of(self.layer_id)]
             idx = self.select(x, qr, rows, cos, sin, ctx)
-            glob = (g.kv_codes, g.kv_scale, table_rows(rows.glob_table(g), g.entries_per_block, idx))
+            source = self.cfg.index_source_of(self.layer_id) if self.kind == "reuse" else self.layer_id
+            glob = (g.kv_codes, g.kv_scale, ctx.global_rows(source, idx, rows, g))
         else:
             glob = (None, None, None)
         o = ops.sparse_attention(q, swa.kv, swa.scale, win, *glob, self.attn_sink, self.head_dim ** -0.5)
-        o = ops.rope(o, cos, sin, inverse=True)
-        # wo_a: each group of heads (group g = heads g*H/G .. ) maps to o_lora_rank.
-        o = ops.grouped_linear(o.reshape(t, self.o_groups, -1), self.wo_a.weight)
+        # rotated back, then wo_a: each group of heads (group g = heads g*H/G .. ) maps to o_lora_rank
+        o = ops.unrope_grouped_linear(o, cos, sin, self.wo_a.weight, self.o_groups)
         if self.group.world_size == 1:
             return self.wo_b(o)
         # Row-parallel wo_b: unrounded partial sums, added across ranks, rounded once as the

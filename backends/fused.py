@@ -1,0 +1,34 @@
+"""Fused ops as the compositions they stand for.
+
+A fused op saves device launches (one kernel instead of several small ones, on the decode
+path); its meaning is the composition below, written through `backends.ops` so that each part
+runs on the caller's backend. That composition is the op's reference implementation (so the
+CPU path computes exactly what it computed before the op existed) and its implementation on any
+backend without a fused kernel of its own (`registry.register_composite`; Ascend runs it so until
+its kernels are vetted on triton-ascend). CUDA registers the Triton kernels
+(`npu_ops/triton/rope_store_kv.py`, `unrope_grouped_linear.py`), tested against these.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from .paging import write_rows
+from .registry import register_composite
+
+
+@register_composite("rope_store_kv")
+def rope_store_kv(q: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor, swa_kv: torch.Tensor, swa_scale: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The attention's RoPE'd query, and its window entry written to the window pool."""
+    kv8, kv_s = ops.fp8_quant(ops.rope(ops.rms_norm(kv, norm_weight, eps), cos, sin))
+    write_rows((swa_kv, swa_scale), rows, (kv8, kv_s))
+    return ops.rope(q, cos, sin)
+
+
+@register_composite("unrope_grouped_linear")
+def unrope_grouped_linear(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
+                          groups: int) -> torch.Tensor:
+    """The attention output rotated back, then the grouped `wo_a` projection."""
+    return ops.grouped_linear(ops.rope(x, cos, sin, inverse=True).reshape(x.shape[0], groups, -1), weight)

@@ -1,0 +1,85 @@
+"""The attention output's tail in one launch at decode sizes (op `unrope_grouped_linear`).
+
+x [T, H, D] bf16 (the attention output, RoPE'd in the last R channels of each head) is rotated
+back and multiplied by the block-diagonal bf16 `wo_a` [G * Ro, H * D / G]: output rows of group g
+read only the channels of heads g * H / G .. Program (t, n-tile) computes BN outputs of token t
+(a tile lies inside one group); each BK step loads its channels of x and their pair partners,
+rotates them back in the prologue (rounded to bf16, as `rope` returns), and accumulates the
+weight tile's products in fp32. Token is the fastest grid axis, so the programs sharing a weight
+tile run together and its second read hits L2. Above MAX_T tokens (prefill), the composition
+(`rope` kernel + cuBLAS grouped product) runs instead.
+
+The oracle is the composition `backends.fused.unrope_grouped_linear`; the rotation is the same
+fp32 arithmetic as the `rope` kernel, the product an fp32 sum in another order (within a bf16
+ulp or two of the reference's fp64 sum). CUDA only for now (unvetted on triton-ascend; Ascend
+runs the composition).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...backends.fused import unrope_grouped_linear as unrope_grouped_linear_ref  # noqa: F401  (the oracle)
+from .block_scaled import bf16_bits16
+from .rope import bf16_round, partner_cols, rope_cols
+
+MAX_T = 8  # tokens up to which the fused GEMV runs (decode); above, the composition
+TILES = {"bn": 16, "bk": 256, "num_warps": 4}
+TILES_INTERP = {"bn": 16, "bk": 64}
+
+
+@triton.jit
+def _unrope_grouped_linear_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, out_ptr, N, K, HD, D, R, RO,
+                                  BN: tl.constexpr, BK: tl.constexpr):
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = n < N
+    group = (tl.program_id(1) * BN) // RO  # a tile lies inside one group (RO % BN == 0)
+    xrow = x_ptr + t.to(tl.int64) * HD + group * K
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        kmask = kk < K
+        col = (group * K + kk) % D  # channel inside its head
+        x = tl.load(xrow + kk, mask=kmask, other=0.0).to(tl.float32)
+        xp = tl.load(xrow + kk - col + partner_cols(col, D, R), mask=kmask, other=0.0).to(tl.float32)
+        y = tl.where(col >= D - R, bf16_round(rope_cols(x, xp, cos_ptr, sin_ptr, t, col, D, R, -1.0, kmask)), x)
+        w = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + kk[None, :], mask=nmask[:, None] & kmask[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w * y[None, :], axis=1)
+    tl.store(out_ptr + t.to(tl.int64) * N + n, bf16_bits16(acc), mask=nmask)
+
+
+def unrope_grouped_linear(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
+                          groups: int) -> torch.Tensor:
+    """`ops.unrope_grouped_linear`: one launch up to MAX_T tokens, else the composition."""
+    from .launch import interpreting
+
+    t, h, d = x.shape
+    r = 2 * cos.shape[-1]
+    n, k = weight.shape
+    if groups <= 0 or (h * d) % groups or k != h * d // groups or n % groups or cos.shape != (t, r // 2) \
+            or sin.shape != cos.shape or r > d:
+        raise ValueError(f"unrope_grouped_linear: x {tuple(x.shape)}, {groups} groups, weight {tuple(weight.shape)}, "
+                         f"cos {tuple(cos.shape)} do not fit together")
+    ro = n // groups
+    bn = (TILES_INTERP if interpreting() else TILES)["bn"]
+    while ro % bn:
+        bn //= 2
+    if t > MAX_T or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
+        return unrope_grouped_linear_ref(x, cos, sin, weight, groups)
+    out = torch.empty(t, n, dtype=torch.bfloat16, device=x.device)
+    if t == 0:
+        return out
+    cfg = TILES_INTERP if interpreting() else TILES
+    bk = min(cfg["bk"], triton.next_power_of_2(k))
+    kw = {} if interpreting() else {"num_warps": cfg["num_warps"]}
+    _unrope_grouped_linear_kernel[(t, -(-n // bn))](x.contiguous(), cos.float().contiguous(), sin.float().contiguous(),
+                                                   weight, out.view(torch.int16), n, k, h * d, d, r, ro,
+                                                   BN=bn, BK=bk, **kw)
+    return out
+
+
+OPS = {"unrope_grouped_linear": unrope_grouped_linear}

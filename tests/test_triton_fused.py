@@ -1,0 +1,143 @@
+"""The fused decode-path kernels (rope_tables, table_rows, rope_store_kv, unrope_grouped_linear) against the
+compositions they stand for (backends/fused.py, on the reference ops), and the registry's
+handling of fused ops (a composition is no fallback, on any backend).
+
+Interpreter variants on CPU and `gpu`-marked compiled variants at model widths.
+"""
+
+import pytest
+import torch
+
+from _triton import DEVICES, cuda_only, triton  # noqa: F401  (sets TRITON_INTERPRET; skips without triton)
+
+from dsv41.backends import fused, ops, paging, registry  # noqa: E402
+from dsv41.backends.reference import basic, quant  # noqa: E402
+from dsv41.npu_ops.triton import rope as rp  # noqa: E402
+from dsv41.npu_ops.triton import rope_store_kv as rs  # noqa: E402
+from dsv41.npu_ops.triton import table_rows as tr  # noqa: E402
+from dsv41.npu_ops.triton import unrope_grouped_linear as ug  # noqa: E402
+
+pytestmark = cuda_only
+
+# bf16 outputs: one bf16 step of the largest element is 2^-8 of it; allow two
+BF16_REL = 2 * 2.0**-8
+
+
+def max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach().cpu().double(), want.detach().cpu().double()
+    assert torch.isfinite(got).all(), "non-finite output"
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def strided_pool(rows: int, width: int, dtype: torch.dtype, pad: int) -> torch.Tensor:
+    """A [rows, width] pool whose rows are `pad` bytes apart beyond their width (a field of a
+    page record), filled with 0xFF bytes."""
+    return torch.full((rows, width + pad), 0xFF, dtype=torch.uint8)[:, :width].view(dtype)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_rope_tables_kernel(dev, rng):
+    """One launch, against the torch angle-sum version and the fp64 reference, positions from
+    -2^20 to 2^20 - 1."""
+    from dsv41.backends.rope_tables import rope_tables as torch_tables
+
+    f = torch.rand(16, generator=rng) * 0.1
+    pos = torch.cat([torch.arange(-70, 70), torch.randint(-2**20, 2**20, (300,), generator=rng),
+                     torch.tensor([-2**20, 2**20 - 1])])
+    cos, sin = rp.rope_tables(f.to(dev), pos.to(dev))
+    tcos, tsin = torch_tables(f, pos)
+    rcos, rsin = basic.rope_tables(f, pos)
+    assert cos.shape == rcos.shape and cos.dtype == torch.float32
+    assert (cos.cpu() - tcos).abs().max() < 1e-6 and (sin.cpu() - tsin).abs().max() < 1e-6
+    assert (cos.cpu() - rcos).abs().max() < 4e-7 and (sin.cpu() - rsin).abs().max() < 4e-7
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("null_invalid", [False, True])
+def test_table_rows_kernel(dev, null_invalid, rng):
+    """Equal to the torch arithmetic: negative indices, indices past the table's last block
+    (clamped to it), null blocks, [T] and [T, S] indices, a row-strided table."""
+    t, nb, per = 5, 6, 4
+    table = torch.randint(0, 9, (t, nb + 3), generator=rng)[:, :nb]
+    table[0, 1] = 0
+    for shape in ((t, 1), (t, 11)):
+        idx = torch.randint(-3, nb * per + 6, shape, generator=rng)
+        idx[0, 0], idx[-1, -1] = -1, 5  # (a masked and a held entry in every case)
+        want = paging.table_rows_torch(table, per, idx, null_invalid=null_invalid)
+        got = tr.table_rows(table.to(dev), per, idx.to(dev), null_invalid=null_invalid)
+        assert got.dtype == torch.long and torch.equal(got.cpu(), want)
+        assert (want == -1).any() and (want >= 0).any()
+
+
+def _store_case(rng, t, h, d, r, pad):
+    q = torch.randn(t, h, d, generator=rng).to(torch.bfloat16)
+    kv = (torch.randn(t, d, generator=rng) * torch.exp2(torch.randint(-6, 7, (t, 1), generator=rng).float()))
+    w = (torch.rand(d, generator=rng) + 0.5).to(torch.bfloat16)
+    ang = torch.randn(t, r // 2, generator=rng) * 3
+    pools = (strided_pool(4 * t + 3, d, torch.float8_e4m3fn, pad), strided_pool(4 * t + 3, d // 32,
+                                                                                    torch.float8_e8m0fnu, pad))
+    rows = torch.randperm(4 * t + 3, generator=rng)[:t]
+    return q, kv.to(torch.bfloat16), w, ang.cos(), ang.sin(), pools, rows
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("t,h,d,r,pad", [(1, 4, 64, 32, 0), (5, 3, 96, 32, 16), (2, 16, 128, 64, 8)])
+def test_rope_store_kv_kernel(dev, t, h, d, r, pad, rng):
+    """The query equals the composition's bit for bit (the same rope arithmetic); the window
+    entries written (codes and scales, at the given rows of a row-strided pool, nothing else
+    touched) agree with the composition's: bytes equal except where the norm's fp32 sum, summed
+    in another order, moves one bf16 rounding (one FP8 step, dequantised within 2^-3)."""
+    q, kv, w, cos, sin, (pk, ps), rows = _store_case(rng, t, h, d, r, pad)
+    want_k, want_s = pk.clone(), ps.clone()
+    want_q = fused.rope_store_kv(q, kv, w, 1e-6, cos, sin, want_k, want_s, rows)
+    got_k, got_s = pk.to(dev), ps.to(dev)
+    got_q = rs.rope_store_kv(q.to(dev), kv.to(dev), w.to(dev), 1e-6, cos.to(dev), sin.to(dev), got_k, got_s,
+                             rows.to(dev))
+    assert torch.equal(got_q.cpu(), want_q)
+    gk, wk = got_k.cpu().view(torch.uint8), want_k.view(torch.uint8)
+    assert torch.equal(got_s.cpu().view(torch.uint8), ps.view(torch.uint8).clone().index_copy_(
+        0, rows, want_s.view(torch.uint8)[rows]))  # scales, and nothing outside the rows changed
+    assert torch.equal(gk[~torch.isin(torch.arange(gk.shape[0]), rows)], wk[~torch.isin(torch.arange(gk.shape[0]), rows)])
+    assert (gk[rows] == wk[rows]).float().mean() >= 0.99
+    deq = lambda k, s: quant.fp8_dequant(k[rows], s[rows])  # noqa: E731
+    assert max_rel(deq(got_k.cpu(), got_s.cpu()), deq(want_k, want_s)) <= 2.0**-3
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("t,h,d,r,groups,ro", [(1, 4, 64, 32, 2, 32), (3, 8, 64, 16, 4, 16), (12, 4, 64, 32, 2, 32)])
+def test_unrope_grouped_linear_kernel(dev, t, h, d, r, groups, ro, rng):
+    """Against the composition on the reference ops (rope back, then the grouped fp64 product):
+    within two bf16 steps; 12 tokens take the composition's path on the device ops."""
+    x = torch.randn(t, h, d, generator=rng).to(torch.bfloat16)
+    ang = torch.randn(t, r // 2, generator=rng) * 3
+    w = (torch.randn(groups * ro, h * d // groups, generator=rng) * 0.05).to(torch.bfloat16)
+    want = fused.unrope_grouped_linear(x, ang.cos(), ang.sin(), w, groups)
+    got = ug.unrope_grouped_linear(x.to(dev), ang.cos().to(dev), ang.sin().to(dev), w.to(dev), groups)
+    assert got.shape == want.shape == (t, groups * ro) and got.dtype == torch.bfloat16
+    assert max_rel(got, want) <= BF16_REL
+    with pytest.raises(ValueError, match="do not fit"):
+        ug.unrope_grouped_linear(x.to(dev), ang.cos().to(dev), ang.sin().to(dev), w.to(dev), 3)
+
+
+def test_fused_ops_are_compositions_on_every_backend(monkeypatch):
+    """A fused op's reference is its composition; a backend without its kernel runs the
+    composition of its own ops (no reference fallback, so allowed under DSV41_STRICT=1); CUDA
+    registers the kernels."""
+    monkeypatch.setenv("DSV41_STRICT", "1")
+    registry.reset_warnings()
+    for name in ("rope_store_kv", "unrope_grouped_linear", "table_rows"):
+        comp = registry.composite_of(name)
+        assert comp is (paging.table_rows_torch if name == "table_rows" else getattr(fused, name))
+        assert registry.resolve(name, "reference")[0] is comp
+        assert registry.resolve(name, "cuda")[1] == "cuda" and registry.resolve(name, "cuda")[0] is not comp
+    assert registry.composite_of("rope") is None
+    op = registry._OPS["unrope_grouped_linear"]
+    saved = op.impls.pop("cuda")
+    try:
+        registry.reset_warnings()
+        fn, used, why = registry.resolve("unrope_grouped_linear", "cuda")
+        assert (fn, used) == (fused.unrope_grouped_linear, "cuda") and why.startswith("composition")
+    finally:
+        op.impls["cuda"] = saved
+        registry.reset_warnings()
+    assert callable(ops.rope_store_kv) and callable(ops.unrope_grouped_linear)
