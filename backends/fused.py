@@ -6,7 +6,8 @@ runs on the caller's backend. That composition is the op's reference implementat
 CPU path computes exactly what it computed before the op existed) and its implementation on any
 backend without a fused kernel of its own (`registry.register_composite`; Ascend runs it so until
 its kernels are vetted on triton-ascend). CUDA registers the Triton kernels
-(`npu_ops/triton/rope_store_kv.py`, `unrope_grouped_linear.py`), tested against these.
+(`npu_ops/triton/rope_store_kv.py`, `rope_store_key.py`, `unrope_grouped_linear.py`), tested
+against these.
 """
 
 from __future__ import annotations
@@ -32,3 +33,11 @@ def unrope_grouped_linear(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           groups: int) -> torch.Tensor:
     """The attention output rotated back, then the grouped `wo_a` projection."""
     return ops.grouped_linear(ops.rope(x, cos, sin, inverse=True).reshape(x.shape[0], groups, -1), weight)
+
+
+@register_composite("rope_store_key")
+def rope_store_key(key: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                   key_codes: torch.Tensor, key_scale: torch.Tensor, slots: torch.Tensor) -> None:
+    """The compressed entries' indexer keys, normed, RoPE'd, MXFP4-quantised, written to the pool."""
+    codes, scales = ops.mxfp4_quant(ops.rope(ops.rms_norm(key, norm_weight, eps), cos, sin))
+    write_rows((key_codes, key_scale), slots, (codes, scales))

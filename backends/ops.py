@@ -181,6 +181,12 @@ def table_rows(block_table: Tensor, per_block: int, index: Tensor, *, null_inval
     (`backends.paging.table_rows`, the entry point the pools and ops use; -1 where masked)."""
 
 
+@_op
+def window_rows(block_table: Tensor, per_block: int, lo: Tensor, hi: Tensor, floor: Tensor, width: int) -> Tensor:
+    """Pool rows [T, width] long of each query's window positions lo[t] .. lo[t] + width - 1,
+    -1 outside [floor[t], hi[t]] or in the null block (`backends.paging.window_rows`)."""
+
+
 # ---- fused (compositions of the ops above in one launch; backends/fused.py) -----------------
 @_op
 def rope_store_kv(q: Tensor, kv: Tensor, norm_weight: Tensor, eps: float, cos: Tensor, sin: Tensor,
@@ -189,6 +195,15 @@ def rope_store_kv(q: Tensor, kv: Tensor, norm_weight: Tensor, eps: float, cos: T
     writes fp8_quant(rope(rms_norm(kv, norm_weight, eps), cos, sin)) into the window pool
     (swa_kv [Nw, D] E4M3, swa_scale [Nw, D/32] E8M0; row-strided views allowed) at pool rows
     `rows` [T]. q [T, H, D], kv [T, D] bf16, cos / sin [T, R/2]."""
+
+
+@_op
+def rope_store_key(key: Tensor, norm_weight: Tensor, eps: float, cos: Tensor, sin: Tensor, key_codes: Tensor,
+                   key_scale: Tensor, slots: Tensor) -> None:
+    """The compressed entries' indexer keys in one pass: writes mxfp4_quant(rope(rms_norm(key,
+    norm_weight, eps), cos, sin)) into the key pool (key_codes [Ng, Di/2] packed E2M1,
+    key_scale [Ng, Di/32] E8M0; row-strided views allowed) at pool rows `slots` [T]. key [T, Di]
+    bf16, cos / sin [T, R/2]."""
 
 
 @_op

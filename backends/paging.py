@@ -39,6 +39,23 @@ def table_rows_torch(block_table: torch.Tensor, per_block: int, index: torch.Ten
     return torch.where(ok, rows, torch.full_like(rows, -1))
 
 
+def window_rows(block_table: torch.Tensor, per_block: int, lo: torch.Tensor, hi: torch.Tensor, floor: torch.Tensor,
+                width: int) -> torch.Tensor:
+    """Op `window_rows` on block_table's backend (see `window_rows_torch`)."""
+    return dispatch("window_rows", block_table.device)(block_table, per_block, lo, hi, floor, width)
+
+
+@register_composite("window_rows")
+def window_rows_torch(block_table: torch.Tensor, per_block: int, lo: torch.Tensor, hi: torch.Tensor,
+                      floor: torch.Tensor, width: int) -> torch.Tensor:
+    """Pool rows [T, width] of positions lo[t] .. lo[t] + width - 1 of each row's sequence (its
+    table row block_table[t]), oldest first; -1 for a position outside [floor[t], hi[t]] or in
+    the null block (a query's sliding window)."""
+    kpos = lo.unsqueeze(1) + torch.arange(width, device=lo.device)
+    ok = (kpos >= floor.unsqueeze(1)) & (kpos <= hi.unsqueeze(1))
+    return table_rows(block_table, per_block, torch.where(ok, kpos, -1), null_invalid=True)
+
+
 def write_rows(pools: tuple[torch.Tensor, ...], rows: torch.Tensor, values: tuple[torch.Tensor, ...]) -> None:
     """values[i] [T, ...] into pools[i] at pool rows `rows` [T], byte for byte (index_copy has
     no float8 kernels: the bytes go through uint8 views)."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..backends.paging import table_rows
+from ..backends.paging import table_rows, window_rows
 from .cache import FLOOR_DECODER, GlobalPool, KVPool, SequenceState, SWAPool
 from .config import ModelConfig
 
@@ -123,12 +123,9 @@ class Rows:
         Positions below the layer group's floor were never computed for this sequence, and
         positions in the null block are not held (below a bounded replay's start, or outside
         every window: the block was given back)."""
-        def make():
-            kpos = self.win_lo.unsqueeze(1) + torch.arange(self.width, device=self.pos.device)
-            ok = (kpos >= self.floors[:, group:group + 1]) & (kpos <= self.win_hi.unsqueeze(1))
-            return table_rows(self.swa_tables[swa.table], swa.block_size, torch.where(ok, kpos, -1), null_invalid=True)
-
-        return self.memo(("window", group, swa.table, swa.block_size), make)
+        return self.memo(("window", group, swa.table, swa.block_size),
+                         lambda: window_rows(self.swa_tables[swa.table], swa.block_size, self.win_lo, self.win_hi,
+                                             self.floors[:, group], self.width))
 
 
 @dataclass

@@ -88,8 +88,8 @@ class ForwardContext:
     cache: KVPool | None = None
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index-source layer -> [T, K] entry ids
     pool: torch.Tensor | None = None  # hierarchical candidate pool of the decoder's KV source
-    # work counts (tensors added up without a host sync; read them after the step)
-    counters: Counter = field(default_factory=Counter)
+    # work counts: name -> what `count` was given (reduced and read only by `counts`)
+    counters: dict[str, list] = field(default_factory=dict)
     # DSpark: when a dict, the forward stores here the mean over the mHC streams at the input of
     # each `dspark_target_layer_ids` layer ([rows, d], the rows the decoder processed)
     features: dict[int, torch.Tensor] | None = None
@@ -109,11 +109,26 @@ class ForwardContext:
         return out
 
     def count(self, name: str, n) -> None:
-        self.counters[name] = self.counters.get(name, 0) + n
+        """Add `n` to counter `name`: an int, a tensor whose elements are added up, or a
+        function giving one. Tensors and functions are kept and reduced when the counters are
+        read (`counts`): a step that nobody reads the counters of launches nothing for them."""
+        self.counters.setdefault(name, []).append(n)
 
     def counts(self) -> Counter:
-        """The counters as plain ints (syncs with the device once)."""
-        return Counter({k: int(v) for k, v in self.counters.items()})
+        """The counters as plain ints (one read from the device for all of them)."""
+        out, names, sums = Counter(), [], []
+        for name, items in self.counters.items():
+            out[name] += 0
+            for n in items:
+                n = n() if callable(n) else n
+                if isinstance(n, torch.Tensor):
+                    names.append(name)
+                    sums.append(n.sum().long())
+                else:
+                    out[name] += int(n)
+        for name, v in zip(names, torch.stack(sums).tolist() if sums else []):
+            out[name] += v
+        return out
 
 
 # ---- attention (CSA2) ---------------------------------------------------------------------------
@@ -221,11 +236,9 @@ class Attention(nn.Module):
             rows_g = carry[group_rows]  # [T * r, 2, D]
             kv, score = rows_g[:, 0], rows_g[:, 1]
         lat = ops.compress_kv(kv, score, r, comp.norm.weight, comp.norm.eps, cos, sin, g.kv_codes, g.kv_scale, slots)
-        key = ops.rope(self.indexer.k_norm(self.indexer.wk(lat)), cos, sin)
-        codes, scales = ops.mxfp4_quant(key)
-        g.key_codes.index_copy_(0, slots, codes.view(torch.uint8))
-        g.key_scale.view(torch.uint8).index_copy_(0, slots, scales.view(torch.uint8))
-        ctx.count(f"compressed_entries.{self.layer_id}", write.sum())
+        k_norm = self.indexer.k_norm
+        ops.rope_store_key(self.indexer.wk(lat), k_norm.weight, k_norm.eps, cos, sin, g.key_codes, g.key_scale, slots)
+        ctx.count(f"compressed_entries.{self.layer_id}", write)
 
     def _compress_plan(self, rows: Rows, g, swa) -> tuple:
         """What `update_global` needs besides the activations, the same for every KV source of
@@ -256,7 +269,7 @@ class Attention(nn.Module):
         if self.kind == "reuse":
             return ctx.topk[cfg.index_source_of(self.layer_id)]
         g = ctx.cache.glob[cfg.kv_source_of(self.layer_id)]
-        n_vis = torch.div(rows.pos + 1, self.ratio, rounding_mode="floor")
+        n_vis = rows.memo(("visible", self.ratio), lambda: torch.div(rows.pos + 1, self.ratio, rounding_mode="floor"))
         q, w = self.indexer.queries(x, qr, cos, sin)
         keys = (g.key_codes, g.key_scale, rows.glob_table(g), g.entries_per_block)
         reduce = self.group.all_reduce_sum if self.group.world_size > 1 else None
@@ -268,11 +281,12 @@ class Attention(nn.Module):
                 pool_block_size=cfg.candidate_block_size, reduce_scores=reduce)
             if is_pool_source:
                 ctx.pool = pool
-            ctx.count(f"indexer_scored.{self.layer_id}", n_vis.sum())
+            ctx.count(f"indexer_scored.{self.layer_id}", n_vis)
         else:
             assert ctx.pool is not None, "Reindex layer without a candidate pool"
             idx, _ = ops.indexer_topk(q, w, *keys, n_vis, cfg.index_topk, candidates=ctx.pool, reduce_scores=reduce)
-            ctx.count(f"indexer_scored.{self.layer_id}", (ctx.pool >= 0).sum())
+            pool = ctx.pool
+            ctx.count(f"indexer_scored.{self.layer_id}", lambda: pool >= 0)
         ctx.topk[self.layer_id] = idx
         return idx
 

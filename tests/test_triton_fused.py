@@ -1,4 +1,5 @@
-"""The fused decode-path kernels (rope_tables, table_rows, rope_store_kv, unrope_grouped_linear) against the
+"""The fused decode-path kernels (rope_tables, table_rows, window_rows, rope_store_kv, rope_store_key,
+unrope_grouped_linear) against the
 compositions they stand for (backends/fused.py, on the reference ops), and the registry's
 handling of fused ops (a composition is no fallback, on any backend).
 
@@ -13,6 +14,7 @@ from _triton import DEVICES, cuda_only, triton  # noqa: F401  (sets TRITON_INTER
 from dsv41.backends import fused, ops, paging, registry  # noqa: E402
 from dsv41.backends.reference import basic, quant  # noqa: E402
 from dsv41.npu_ops.triton import rope as rp  # noqa: E402
+from dsv41.npu_ops.triton import rope_store_key as rk  # noqa: E402
 from dsv41.npu_ops.triton import rope_store_kv as rs  # noqa: E402
 from dsv41.npu_ops.triton import table_rows as tr  # noqa: E402
 from dsv41.npu_ops.triton import unrope_grouped_linear as ug  # noqa: E402
@@ -69,6 +71,22 @@ def test_table_rows_kernel(dev, null_invalid, rng):
         assert (want == -1).any() and (want >= 0).any()
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+def test_window_rows_kernel(dev, rng):
+    """Equal to the torch composition: windows reaching before the floor, past hi (a draft
+    block's), before position 0, into null blocks; the floor a column of a [T, 3] tensor."""
+    t, nb, per, width = 6, 5, 4, 7
+    table = torch.randint(0, 9, (t, nb), generator=rng)
+    table[1, 0] = 0
+    hi = torch.randint(0, nb * per, (t,), generator=rng)
+    lo = hi - width + 1 + torch.randint(0, 3, (t,), generator=rng)
+    floors = torch.randint(0, 6, (t, 3), generator=rng)
+    want = paging.window_rows_torch(table, per, lo, hi, floors[:, 1], width)
+    got = tr.window_rows(table.to(dev), per, lo.to(dev), hi.to(dev), floors.to(dev)[:, 1], width)
+    assert got.dtype == torch.long and torch.equal(got.cpu(), want)
+    assert (want == -1).any() and (want >= 0).any()
+
+
 def _store_case(rng, t, h, d, r, pad):
     q = torch.randn(t, h, d, generator=rng).to(torch.bfloat16)
     kv = (torch.randn(t, d, generator=rng) * torch.exp2(torch.randint(-6, 7, (t, 1), generator=rng).float()))
@@ -90,7 +108,7 @@ def test_rope_store_kv_kernel(dev, t, h, d, r, pad, rng):
     q, kv, w, cos, sin, (pk, ps), rows = _store_case(rng, t, h, d, r, pad)
     want_k, want_s = pk.clone(), ps.clone()
     want_q = fused.rope_store_kv(q, kv, w, 1e-6, cos, sin, want_k, want_s, rows)
-    got_k, got_s = pk.to(dev), ps.to(dev)
+    got_k, got_s = pk.clone().to(dev), ps.clone().to(dev)
     got_q = rs.rope_store_kv(q.to(dev), kv.to(dev), w.to(dev), 1e-6, cos.to(dev), sin.to(dev), got_k, got_s,
                              rows.to(dev))
     assert torch.equal(got_q.cpu(), want_q)
@@ -101,6 +119,28 @@ def test_rope_store_kv_kernel(dev, t, h, d, r, pad, rng):
     assert (gk[rows] == wk[rows]).float().mean() >= 0.99
     deq = lambda k, s: quant.fp8_dequant(k[rows], s[rows])  # noqa: E731
     assert max_rel(deq(got_k.cpu(), got_s.cpu()), deq(want_k, want_s)) <= 2.0**-3
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("t,d,r,pad", [(1, 64, 32, 0), (6, 128, 64, 8), (3, 96, 96, 4)])
+def test_rope_store_key_kernel(dev, t, d, r, pad, rng):
+    """The indexer keys written (packed E2M1 and E8M0 at the given rows of a row-strided pool,
+    nothing else touched) agree with the composition's: bytes equal except where the norm's
+    fp32 sum, summed in another order, moves one bf16 rounding (one E2M1 step)."""
+    _, key, w, cos, sin, _, slots = _store_case(rng, t, 1, d, r, pad)
+    codes = strided_pool(4 * t + 3, d // 2, torch.uint8, pad)
+    scales = strided_pool(4 * t + 3, d // 32, torch.float8_e8m0fnu, pad)
+    want_c, want_s = codes.clone(), scales.clone()
+    fused.rope_store_key(key, w, 1e-6, cos, sin, want_c, want_s, slots)
+    got_c, got_s = codes.clone().to(dev), scales.clone().to(dev)
+    assert rk.rope_store_key(key.to(dev), w.to(dev), 1e-6, cos.to(dev), sin.to(dev), got_c, got_s, slots.to(dev)) is None
+    gc, wc = got_c.cpu(), want_c
+    others = ~torch.isin(torch.arange(gc.shape[0]), slots)
+    assert torch.equal(gc[others], wc[others]) and not torch.equal(gc[slots], codes[slots])
+    assert torch.equal(got_s.cpu().view(torch.uint8), want_s.view(torch.uint8))
+    assert (gc[slots] == wc[slots]).float().mean() >= 0.99
+    deq = lambda c, s: quant.mxfp4_dequant(c[slots], s[slots])  # noqa: E731
+    assert max_rel(deq(gc, got_s.cpu()), deq(wc, want_s)) <= 2.0**-2
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -125,9 +165,9 @@ def test_fused_ops_are_compositions_on_every_backend(monkeypatch):
     registers the kernels."""
     monkeypatch.setenv("DSV41_STRICT", "1")
     registry.reset_warnings()
-    for name in ("rope_store_kv", "unrope_grouped_linear", "table_rows"):
+    for name in ("rope_store_kv", "rope_store_key", "unrope_grouped_linear", "table_rows", "window_rows"):
         comp = registry.composite_of(name)
-        assert comp is (paging.table_rows_torch if name == "table_rows" else getattr(fused, name))
+        assert comp is (getattr(paging, f"{name}_torch") if name.endswith("_rows") else getattr(fused, name))
         assert registry.resolve(name, "reference")[0] is comp
         assert registry.resolve(name, "cuda")[1] == "cuda" and registry.resolve(name, "cuda")[0] is not comp
     assert registry.composite_of("rope") is None

@@ -25,10 +25,12 @@ from dsv41.core.config import preset
 from dsv41.core.engine import SingleSequence
 from dsv41.core.weights import build_model, random_state_dict
 
-# ops the model calls (fp4_quant has a kernel but the model stores KV through compress_kv)
+# ops the model calls (fp4_quant has a kernel but the model stores KV through compress_kv; the
+# model quantises its indexer keys through rope_store_key, mxfp4_quant is tested on its own)
 MODEL_OPS = {"sparse_attention", "indexer_topk", "compress_kv", "mhc_mix", "engram_lookup", "moe_route",
              "mxfp4_act_quant", "linear", "moe_experts", "grouped_linear", "rms_norm", "rope", "fp8_quant",
-             "mxfp4_quant", "mhc_mixes", "mhc_collapse", "engram_gate"}
+             "mhc_mixes", "mhc_collapse", "engram_gate", "rope_tables", "table_rows", "window_rows", "rope_store_kv",
+             "rope_store_key", "unrope_grouped_linear"}
 
 # bf16 outputs: one bf16 ulp of the largest element is 2^-8 of it; allow two.
 BF16_REL = 2 * 2.0**-8
@@ -74,10 +76,12 @@ def _route_tie(args, t: int) -> bool:
 
 def _compare(op, got, want, args):
     """Return a failure message or None."""
+    if got is None and want is None:  # ops that only write into the cache (checked by the caller)
+        return None
     if op in ("fp4_quant", "fp8_quant", "mxfp4_quant"):
         return None if all(torch.equal(g.view(torch.uint8).cpu(), w.view(torch.uint8).cpu())
                            for g, w in zip(got, want)) else "bytes differ"
-    if op in ("mxfp4_act_quant", "engram_lookup"):
+    if op in ("mxfp4_act_quant", "engram_lookup", "table_rows", "window_rows"):
         return None if torch.equal(got.cpu(), want.cpu()) else f"not bit-exact ({_rel(got, want):.3g})"
     if op == "moe_route":
         rows = (got[1] == want[1]).all(-1)
@@ -125,9 +129,22 @@ def test_kernels_match_reference_inside_the_model(dev, fresh_seed, monkeypatch):
             k_args = list(args)
             if name == "compress_kv":
                 k_args[7], k_args[8] = args[7].clone(), args[8].clone()
+            pools = {"rope_store_kv": (6, 7, 8), "rope_store_key": (5, 6, 7)}.get(name)  # (pool, scales, rows)
+            if pools:
+                k_args[pools[0]], k_args[pools[1]] = args[pools[0]].clone(), args[pools[1]].clone()
             got = kernels[name](*k_args, **kwargs)
             want = ref(*args, **kwargs)
             msg = _compare(name, got, want, args)
+            if pools and msg is None:
+                # the entries written: the norm's fp32 sum in another order may move one bf16
+                # rounding, hence one FP8 / E2M1 step, in a rare byte (tests/test_triton_fused.py);
+                # the null row 0 takes the writes of rows completing no entry (never read)
+                rows = args[pools[2]]
+                rows = rows[rows > 0]
+                same = [(k_args[i].view(torch.uint8)[rows] == args[i].view(torch.uint8)[rows]).float().mean().item()
+                        for i in pools[:2]] if rows.numel() else [1.0]
+                if min(same) < 0.99:
+                    msg = f"entries written agree {min(same):.3f}"
             if name == "compress_kv" and msg is None:
                 # row 0 (the null block) takes every write that completes no entry, from many rows
                 # at once: its bytes are whichever landed last, and nothing ever reads them
