@@ -6,8 +6,9 @@ read only the channels of heads g * H / G .. Program (t, n-tile) computes BN out
 (a tile lies inside one group); each BK step loads its channels of x and their pair partners,
 rotates them back in the prologue (rounded to bf16, as `rope` returns), and accumulates the
 weight tile's products in fp32. Token is the fastest grid axis, so the programs sharing a weight
-tile run together and its second read hits L2. Above MAX_T tokens (prefill), the composition
-(`rope` kernel + cuBLAS grouped product) runs instead.
+tile run together and its second read hits L2. Above MAX_T tokens (prefill), or compiled for a
+weight above MAX_WEIGHT_BYTES, the composition (`rope` kernel + cuBLAS grouped product) runs
+instead.
 
 The oracle is the composition `backends.fused.unrope_grouped_linear`; the rotation is the same
 fp32 arithmetic as the `rope` kernel, the product an fp32 sum in another order (within a bf16
@@ -26,6 +27,11 @@ from .block_scaled import bf16_bits16
 from .rope import bf16_round, partner_cols, rope_cols
 
 MAX_T = 8  # tokens up to which the fused GEMV runs (decode); above, the composition
+# Compiled (CUDA), the fused GEMV runs only for weights up to this many bytes: above, cuBLAS's
+# product reads the weight near the copy bandwidth (mini's 64 MB `wo_a`: ~19 us on the H200) and
+# this kernel is unmeasured there (no device tonight); `benchmarks/fused_kernels.py` times both
+# at the model's shapes: raise the limit (None: no limit) once it wins. The interpreter ignores it.
+MAX_WEIGHT_BYTES: int | None = 8 << 20
 TILES = {"bn": 16, "bk": 256, "num_warps": 4}
 TILES_INTERP = {"bn": 16, "bk": 64}
 
@@ -68,7 +74,10 @@ def unrope_grouped_linear(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     bn = (TILES_INTERP if interpreting() else TILES)["bn"]
     while ro % bn:
         bn //= 2
-    if t > MAX_T or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
+    too_big = (not interpreting() and MAX_WEIGHT_BYTES is not None
+               and weight.numel() * weight.element_size() > MAX_WEIGHT_BYTES)
+    if t > MAX_T or too_big or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 \
+            or not weight.is_contiguous():
         return unrope_grouped_linear_ref(x, cos, sin, weight, groups)
     out = torch.empty(t, n, dtype=torch.bfloat16, device=x.device)
     if t == 0:

@@ -1,0 +1,132 @@
+"""The fused decode-path ops against the compositions they replace, at a preset's shapes, on CUDA.
+
+    python benchmarks/fused_kernels.py --preset mini [--tokens 1 8 64] [--out fused.md]
+
+Per op and token count: the fused CUDA launch and the composition of the CUDA ops it stands for
+(`backends/fused.py`, `backends/paging.*_torch`), each captured 20 times in one CUDA graph and
+replayed (GPU time per call, launch gaps included: what a decode graph pays), with the maximum
+difference of their outputs. `unrope_grouped_linear` is timed with its fused GEMV forced on
+(`MAX_WEIGHT_BYTES=None`): the row says whether raising that limit pays at this width.
+Correctness is the tests' business (tests/test_triton_fused.py); this only times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+
+def graph_time_us(fn, reps: int = 20, rounds: int = 5) -> float:
+    """GPU microseconds per call of `fn`, captured `reps` times in one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / reps)
+    return statistics.median(times)
+
+
+def cases(cfg, t: int, dev: torch.device):
+    """(name, fused call, composition call) at the attention's shapes for t tokens."""
+    from dsv41.backends import fused, paging
+    from dsv41.backends.rope_tables import rope_tables as torch_tables
+    from dsv41.npu_ops.triton import rope as rp
+    from dsv41.npu_ops.triton import rope_store_key as rk
+    from dsv41.npu_ops.triton import rope_store_kv as rs
+    from dsv41.npu_ops.triton import table_rows as tr
+    from dsv41.npu_ops.triton import unrope_grouped_linear as ug
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    h, d, r = cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim
+    di, groups, ro = cfg.index_head_dim, cfg.o_groups, cfg.o_lora_rank
+    bf = torch.bfloat16
+    q = torch.randn(t, h, d, device=dev, generator=g).to(bf)
+    kv = torch.randn(t, d, device=dev, generator=g).to(bf)
+    key = torch.randn(t, di, device=dev, generator=g).to(bf)
+    ang = torch.randn(t, r // 2, device=dev, generator=g)
+    cos, sin = ang.cos(), ang.sin()
+    w, wk = torch.ones(d, dtype=bf, device=dev), torch.ones(di, dtype=bf, device=dev)
+    n_rows = 4096
+    pool = (torch.zeros(n_rows, d, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn),
+            torch.zeros(n_rows, d // 32, dtype=torch.uint8, device=dev).view(torch.float8_e8m0fnu))
+    keys = (torch.zeros(n_rows, di // 2, dtype=torch.uint8, device=dev),
+            torch.zeros(n_rows, di // 32, dtype=torch.uint8, device=dev).view(torch.float8_e8m0fnu))
+    rows = torch.randperm(n_rows, device=dev)[:t]
+    wo_a = (torch.randn(groups * ro, h * d // groups, device=dev, generator=g) * 0.02).to(bf)
+    table = torch.randint(1, n_rows // 16, (t, 256), device=dev)
+    idx = torch.randint(-1, 256 * 16, (t, cfg.index_topk), device=dev)
+    pos = torch.randint(0, 1 << 16, (t,), device=dev)
+    floor = torch.zeros(t, dtype=torch.long, device=dev)
+    inv = torch.rand(r // 2, device=dev) * 0.1
+    w_ = cfg.sliding_window
+
+    def unrope_fused():
+        saved, ug.MAX_WEIGHT_BYTES = ug.MAX_WEIGHT_BYTES, None
+        try:
+            return ug.unrope_grouped_linear(q, cos, sin, wo_a, groups)
+        finally:
+            ug.MAX_WEIGHT_BYTES = saved
+
+    return [
+        ("rope_store_kv", lambda: rs.rope_store_kv(q, kv, w, 1e-6, cos, sin, *pool, rows),
+         lambda: fused.rope_store_kv(q, kv, w, 1e-6, cos, sin, *pool, rows)),
+        ("rope_store_key", lambda: rk.rope_store_key(key, wk, 1e-6, cos, sin, *keys, rows),
+         lambda: fused.rope_store_key(key, wk, 1e-6, cos, sin, *keys, rows)),
+        ("unrope_grouped_linear", unrope_fused, lambda: fused.unrope_grouped_linear(q, cos, sin, wo_a, groups)),
+        ("table_rows (top-k)", lambda: tr.table_rows(table, 16, idx), lambda: paging.table_rows_torch(table, 16, idx)),
+        ("window_rows", lambda: tr.window_rows(table, 16, pos - w_ + 1, pos, floor, w_),
+         lambda: paging.window_rows_torch(table, 16, pos - w_ + 1, pos, floor, w_)),
+        ("rope_tables", lambda: rp.rope_tables(inv, pos), lambda: torch_tables(inv, pos)),
+    ]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="mini")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--out", help="also write the table to this markdown file")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device (the fused kernels' launch counts are measured on CPU by benchmarks/launches.py)")
+        return 2
+    from dsv41.backends import registry
+    from dsv41.core.config import preset
+
+    registry.ensure_backend_loaded("cuda")
+    cfg = preset(args.preset)
+    dev = torch.device("cuda")
+    lines = [f"# Fused decode ops vs their compositions ({args.preset}, {torch.cuda.get_device_name()})", "",
+             "| op | tokens | fused us | composition us | max abs diff |", "|---|---|---|---|---|"]
+    for t in args.tokens:
+        for name, fast, slow in cases(cfg, t, dev):
+            a, b = fast(), slow()
+            diff = "-" if a is None else f"{max((x.float() - y.float()).abs().max().item() for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,))):.3g}"  # noqa: E501
+            lines.append(f"| {name} | {t} | {graph_time_us(fast):.1f} | {graph_time_us(slow):.1f} | {diff} |")
+            print(lines[-1], flush=True)
+    if args.out:
+        with open(args.out + ".tmp", "w") as f:
+            f.write("\n".join(lines) + "\n")
+        import os
+
+        os.replace(args.out + ".tmp", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
