@@ -187,6 +187,14 @@ def window_rows(block_table: Tensor, per_block: int, lo: Tensor, hi: Tensor, flo
     -1 outside [floor[t], hi[t]] or in the null block (`backends.paging.window_rows`)."""
 
 
+@_op
+def compress_rows(pos: Tensor, glob_from: Tensor, glob_table: Tensor, entries_per_block: int, swa_table: Tensor,
+                  swa_block: int, ratio: int) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """A compressing layer's addresses for rows at positions pos [T]: (write [T] bool, entry
+    slots [T] (0 where nothing is written), entry positions [T], compressor group rows [T *
+    ratio] or None at ratio 1) (`backends.paging.compress_rows`)."""
+
+
 # ---- fused (compositions of the ops above in one launch; backends/fused.py) -----------------
 @_op
 def rope_store_kv(q: Tensor, kv: Tensor, norm_weight: Tensor, eps: float, cos: Tensor, sin: Tensor,

@@ -56,6 +56,32 @@ def window_rows_torch(block_table: torch.Tensor, per_block: int, lo: torch.Tenso
     return table_rows(block_table, per_block, torch.where(ok, kpos, -1), null_invalid=True)
 
 
+def compress_rows(pos: torch.Tensor, glob_from: torch.Tensor, glob_table: torch.Tensor, entries_per_block: int,
+                  swa_table: torch.Tensor, swa_block: int, ratio: int) -> tuple:
+    """Op `compress_rows` on pos's backend (see `compress_rows_torch`)."""
+    return dispatch("compress_rows", pos.device)(pos, glob_from, glob_table, entries_per_block, swa_table, swa_block,
+                                                 ratio)
+
+
+@register_composite("compress_rows")
+def compress_rows_torch(pos: torch.Tensor, glob_from: torch.Tensor, glob_table: torch.Tensor, entries_per_block: int,
+                        swa_table: torch.Tensor, swa_block: int, ratio: int) -> tuple:
+    """Where a compressing layer's rows go, for rows at positions pos [T] (tables [T, nb]):
+    (write [T] bool: the row at p completes entry p // ratio, (p + 1) % ratio == 0, and that
+    entry is not held yet, p >= glob_from; slots [T]: the entry's global pool row, 0 (the null
+    row) where nothing is written; positions [T] of the entries, (p // ratio) * ratio, where
+    their RoPE puts them; group rows [T * ratio]: the window pool rows of positions p - ratio + 1
+    .. p (clamped at 0), oldest first, where their compressor rows are kept; None at ratio 1)."""
+    entry = torch.div(pos, ratio, rounding_mode="floor")
+    write = ((pos + 1) % ratio == 0) & (pos >= glob_from)
+    slots = torch.where(write, table_rows(glob_table, entries_per_block, entry.unsqueeze(1))[:, 0], 0)
+    group_rows = None
+    if ratio > 1:
+        group = pos.unsqueeze(1) - torch.arange(ratio - 1, -1, -1, device=pos.device)  # [T, r] oldest first
+        group_rows = table_rows(swa_table, swa_block, group.clamp_min(0)).flatten()
+    return write, slots, entry * ratio, group_rows
+
+
 def write_rows(pools: tuple[torch.Tensor, ...], rows: torch.Tensor, values: tuple[torch.Tensor, ...]) -> None:
     """values[i] [T, ...] into pools[i] at pool rows `rows` [T], byte for byte (index_copy has
     no float8 kernels: the bytes go through uint8 views)."""

@@ -245,15 +245,10 @@ class Attention(nn.Module):
         this ratio and these pools in a step: (write mask [T], entry slots [T], cos / sin of the
         entries' positions, compressor rows [T * r] of each row's group, oldest first; None at
         ratio 1)."""
-        r, pos = self.ratio, rows.pos
-        entry = torch.div(pos, r, rounding_mode="floor")
-        write = ((pos + 1) % r == 0) & (pos >= rows.glob_from)
-        slots = torch.where(write, table_rows(rows.glob_table(g), g.entries_per_block, entry.unsqueeze(1))[:, 0], 0)
-        cos, sin = rope_tables(self.inv_freq, entry * r)  # entry j sits at position j*ratio
-        group_rows = None
-        if r > 1:
-            group = pos.unsqueeze(1) - torch.arange(r - 1, -1, -1, device=pos.device)  # [T, r] oldest first
-            group_rows = rows.swa_rows_at(swa, group.clamp_min(0)).flatten()
+        write, slots, entry_pos, group_rows = ops.compress_rows(
+            rows.pos, rows.glob_from, rows.glob_table(g), g.entries_per_block, rows.swa_tables[swa.table],
+            swa.block_size, self.ratio)
+        cos, sin = rope_tables(self.inv_freq, entry_pos)  # entry j sits at position j*ratio
         return write, slots, cos, sin, group_rows
 
     def rope_tables(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:

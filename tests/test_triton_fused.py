@@ -1,5 +1,5 @@
-"""The fused decode-path kernels (rope_tables, table_rows, window_rows, rope_store_kv, rope_store_key,
-unrope_grouped_linear) against the
+"""The fused decode-path kernels (rope_tables, table_rows, window_rows, compress_rows, rope_store_kv,
+rope_store_key, unrope_grouped_linear) against the
 compositions they stand for (backends/fused.py, on the reference ops), and the registry's
 handling of fused ops (a composition is no fallback, on any backend).
 
@@ -87,6 +87,24 @@ def test_window_rows_kernel(dev, rng):
     assert (want == -1).any() and (want >= 0).any()
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("ratio", [1, 2, 4, 3])
+def test_compress_rows_kernel(dev, ratio, rng):
+    """Equal to the torch arithmetic: negative positions (floor division), entries held already
+    (p < glob_from), groups reaching before position 0, every position's remainder."""
+    t, nb, per = 9, 6, 4
+    gt, st = torch.randint(0, 9, (t, nb), generator=rng), torch.randint(0, 9, (t, nb + 2), generator=rng)[:, :nb]
+    pos = torch.cat([torch.tensor([-5, -1, 0, ratio - 1, 4 * ratio - 1]), torch.randint(1, nb * per, (t - 5,),
+                                                                                       generator=rng)])
+    glob_from = torch.randint(0, 8, (t,), generator=rng)
+    glob_from[3], glob_from[4] = 0, 4 * ratio  # an entry written, an entry held already
+    want = paging.compress_rows_torch(pos, glob_from, gt, per, st, per, ratio)
+    got = tr.compress_rows(pos.to(dev), glob_from.to(dev), gt.to(dev), per, st.to(dev), per, ratio)
+    assert got[0].dtype == torch.bool and want[0].any() and (ratio == 1 or not want[0].all())
+    for g, w in zip(got, want):
+        assert (g is None and w is None and ratio == 1) or torch.equal(g.cpu(), w)
+
+
 def _store_case(rng, t, h, d, r, pad):
     q = torch.randn(t, h, d, generator=rng).to(torch.bfloat16)
     kv = (torch.randn(t, d, generator=rng) * torch.exp2(torch.randint(-6, 7, (t, 1), generator=rng).float()))
@@ -165,7 +183,8 @@ def test_fused_ops_are_compositions_on_every_backend(monkeypatch):
     registers the kernels."""
     monkeypatch.setenv("DSV41_STRICT", "1")
     registry.reset_warnings()
-    for name in ("rope_store_kv", "rope_store_key", "unrope_grouped_linear", "table_rows", "window_rows"):
+    for name in ("rope_store_kv", "rope_store_key", "unrope_grouped_linear", "table_rows", "window_rows",
+                 "compress_rows"):
         comp = registry.composite_of(name)
         assert comp is (getattr(paging, f"{name}_torch") if name.endswith("_rows") else getattr(fused, name))
         assert registry.resolve(name, "reference")[0] is comp
