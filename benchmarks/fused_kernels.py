@@ -3,8 +3,8 @@
     python benchmarks/fused_kernels.py --preset mini [--tokens 1 8 64] [--out fused.md]
 
 Per op and token count: the fused CUDA launch and the composition of the CUDA ops it stands for
-(`backends/fused.py`, `backends/paging.*_torch`), each captured 20 times in one CUDA graph and
-replayed (GPU time per call, launch gaps included: what a decode graph pays), with the maximum
+(`backends/fused.py`, `backends/paging.*_torch`), each captured several times in one CUDA graph
+and replayed (GPU time per call, launch gaps included: what a decode graph pays), with the maximum
 difference of their outputs. `unrope_grouped_linear` is timed with its fused GEMV forced on
 (`MAX_WEIGHT_BYTES=None`): the row says whether raising that limit pays at this width.
 Correctness is the tests' business (tests/test_triton_fused.py); this only times.
@@ -13,33 +13,17 @@ Correctness is the tests' business (tests/test_triton_fused.py); this only times
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
 
 
-def graph_time_us(fn, reps: int = 20, rounds: int = 5) -> float:
-    """GPU microseconds per call of `fn`, captured `reps` times in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / reps)
-    return statistics.median(times)
+def graph_time_us(fn) -> str:
+    """GPU microseconds per call of `fn` replayed from a CUDA graph (`benchmarks/ops.py`)."""
+    from ops import graph_time  # benchmarks/ops.py (this script's folder is on sys.path)
+
+    t = graph_time(fn)
+    return "n/a" if t is None else f"{t * 1e6:.1f}"
 
 
 def cases(cfg, t: int, dev: torch.device):
@@ -117,7 +101,7 @@ def main(argv=None) -> int:
         for name, fast, slow in cases(cfg, t, dev):
             a, b = fast(), slow()
             diff = "-" if a is None else f"{max((x.float() - y.float()).abs().max().item() for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,))):.3g}"  # noqa: E501
-            lines.append(f"| {name} | {t} | {graph_time_us(fast):.1f} | {graph_time_us(slow):.1f} | {diff} |")
+            lines.append(f"| {name} | {t} | {graph_time_us(fast)} | {graph_time_us(slow)} | {diff} |")
             print(lines[-1], flush=True)
     if args.out:
         with open(args.out + ".tmp", "w") as f:

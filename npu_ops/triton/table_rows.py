@@ -110,16 +110,21 @@ def table_rows(block_table: torch.Tensor, per_block: int, index: torch.Tensor, *
     if block_table.dim() != 2 or index.dim() < 1 or index.shape[0] != block_table.shape[0] or per_block <= 0:
         raise ValueError(f"table_rows: block table {tuple(block_table.shape)} and index {tuple(index.shape)} "
                          f"(per block {per_block}) do not fit together")
-    out = torch.empty(index.shape, dtype=torch.long, device=index.device)
-    total = index.numel()
-    if total == 0:
-        return out
-    if block_table.shape[1] == 0:
-        raise ValueError("table_rows: the block table has no columns")
-    tab = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     idx = index.contiguous()
-    _table_rows_kernel[(-(-total // BLOCK),)](tab, idx, out, total // index.shape[0], tab.shape[1], tab.stride(0),
-                                             per_block, total, NULL_INVALID=bool(null_invalid), BLOCK=BLOCK)
+    return _rows_out("table_rows", block_table, index.shape, index.device, lambda tab, out, total: _table_rows_kernel[
+        (-(-total // BLOCK),)](tab, idx, out, total // index.shape[0], tab.shape[1], tab.stride(0), per_block, total,
+                               NULL_INVALID=bool(null_invalid), BLOCK=BLOCK))
+
+
+def _rows_out(op: str, block_table: torch.Tensor, shape, device, launch) -> torch.Tensor:
+    """A long tensor of `shape` filled by `launch(table, out, numel)` (not called when empty),
+    the table's rows addressed by stride."""
+    out = torch.empty(shape, dtype=torch.long, device=device)
+    total = out.numel()
+    if total:
+        if block_table.shape[1] == 0:
+            raise ValueError(f"{op}: the block table has no columns")
+        launch(block_table if block_table.stride(1) == 1 else block_table.contiguous(), out, total)
     return out
 
 
@@ -131,16 +136,9 @@ def window_rows(block_table: torch.Tensor, per_block: int, lo: torch.Tensor, hi:
             or per_block <= 0:
         raise ValueError(f"window_rows: block table {tuple(block_table.shape)}, lo {tuple(lo.shape)}, hi "
                          f"{tuple(hi.shape)}, floor {tuple(floor.shape)}, width {width} do not fit together")
-    out = torch.empty(t, width, dtype=torch.long, device=lo.device)
-    total = out.numel()
-    if total == 0:
-        return out
-    if block_table.shape[1] == 0:
-        raise ValueError("window_rows: the block table has no columns")
-    tab = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-    _window_rows_kernel[(-(-total // BLOCK),)](tab, lo.contiguous(), hi.contiguous(), floor, floor.stride(0), out, width,
-                                              tab.shape[1], tab.stride(0), per_block, total, BLOCK=BLOCK)
-    return out
+    return _rows_out("window_rows", block_table, (t, width), lo.device, lambda tab, out, total: _window_rows_kernel[
+        (-(-total // BLOCK),)](tab, lo.contiguous(), hi.contiguous(), floor, floor.stride(0), out, width, tab.shape[1],
+                               tab.stride(0), per_block, total, BLOCK=BLOCK))
 
 
 OPS = {"table_rows": table_rows, "window_rows": window_rows, "compress_rows": compress_rows}
