@@ -6,8 +6,8 @@ runs on the caller's backend. That composition is the op's reference implementat
 CPU path computes exactly what it computed before the op existed) and its implementation on any
 backend without a fused kernel of its own (`registry.register_composite`; Ascend runs it so until
 its kernels are vetted on triton-ascend). CUDA registers the Triton kernels
-(`npu_ops/triton/rope_store_kv.py`, `rope_store_key.py`, `unrope_grouped_linear.py`), tested
-against these.
+(`npu_ops/triton/rope_store_kv.py`, `rope_store_key.py`, `unrope_grouped_linear.py`,
+`engram_hash.py`), tested against these.
 """
 
 from __future__ import annotations
@@ -41,3 +41,13 @@ def rope_store_key(key: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos
     """The compressed entries' indexer keys, normed, RoPE'd, MXFP4-quantised, written to the pool."""
     codes, scales = ops.mxfp4_quant(ops.rope(ops.rms_norm(key, norm_weight, eps), cos, sin))
     write_rows((key_codes, key_scale), slots, (codes, scales))
+
+
+@register_composite("engram_hash")
+def engram_hash(comp: torch.Tensor, valid: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor,
+                pad_id: int, n_heads: int) -> torch.Tensor:
+    """Engram row ids of per-position n-gram windows (`core.engram.engram_window_row_ids`, the
+    hash's one definition: the host-side prefetch hashes with it too)."""
+    from ..core.engram import engram_window_row_ids
+
+    return engram_window_row_ids(comp, valid, multipliers, primes, pad_id, n_heads)

@@ -220,6 +220,13 @@ def unrope_grouped_linear(x: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, g
     groups, H * D / groups], weight) -> [T, groups * R] bf16. x [T, H, D] bf16."""
 
 
+@_op
+def engram_hash(comp: Tensor, valid: Tensor, multipliers: Tensor, primes: Tensor, pad_id: int, n_heads: int) -> Tensor:
+    """Engram row ids [M, (N - 1) * n_heads] long of n-gram windows: comp [M, N] compressed ids
+    at p, p-1, .. (valid [M, N]; invalid slots hash as `pad_id`), multipliers [N] and primes
+    [(N - 1) * n_heads] int64 (`core.engram.engram_window_row_ids`, int64 wraparound)."""
+
+
 # ---- mHC ------------------------------------------------------------------------------------
 @_op
 def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:

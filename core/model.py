@@ -26,7 +26,7 @@ from ..backends.platform import overlap, platform_for
 from .batch import Rows, StepBatch
 from .cache import FLOOR_DECODER, FLOOR_DRAFT, FLOOR_ENCODER, KVPool
 from .config import ModelConfig, yarn_inv_freq
-from .engram import EngramPrefetch, FetchedRows, engram_multipliers, engram_primes, engram_window_row_ids
+from .engram import EngramPrefetch, FetchedRows, engram_multipliers, engram_primes
 from .parallel import SINGLE, Group
 
 BF16 = torch.bfloat16
@@ -477,7 +477,7 @@ class Engram(nn.Module):
         # the primes as a tensor on the ids' device, made once (nothing crosses the bus in a step)
         if getattr(self, "_primes_t", None) is None or self._primes_t.device != comp.device:
             self._primes_t = torch.tensor(self.primes, dtype=torch.int64, device=comp.device)
-        return engram_window_row_ids(comp, valid, self.multipliers, self._primes_t, pad_id, self.cfg.engram_n_heads)
+        return ops.engram_hash(comp, valid, self.multipliers, self._primes_t, pad_id, self.cfg.engram_n_heads)
 
     def forward(self, x: torch.Tensor, rows, is_image: torch.Tensor) -> torch.Tensor:
         """`rows`: row ids [T, 24] into the table, or the step's rows already fetched from a host

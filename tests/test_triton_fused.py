@@ -1,5 +1,5 @@
 """The fused decode-path kernels (rope_tables, table_rows, window_rows, compress_rows, rope_store_kv,
-rope_store_key, unrope_grouped_linear) against the
+rope_store_key, unrope_grouped_linear, engram_hash) against the
 compositions they stand for (backends/fused.py, on the reference ops), and the registry's
 handling of fused ops (a composition is no fallback, on any backend).
 
@@ -13,6 +13,7 @@ from _triton import DEVICES, cuda_only, triton  # noqa: F401  (sets TRITON_INTER
 
 from dsv41.backends import fused, ops, paging, registry  # noqa: E402
 from dsv41.backends.reference import basic, quant  # noqa: E402
+from dsv41.npu_ops.triton import engram_hash as eh  # noqa: E402
 from dsv41.npu_ops.triton import rope as rp  # noqa: E402
 from dsv41.npu_ops.triton import rope_store_key as rk  # noqa: E402
 from dsv41.npu_ops.triton import rope_store_kv as rs  # noqa: E402
@@ -105,6 +106,28 @@ def test_compress_rows_kernel(dev, ratio, rng):
         assert (g is None and w is None and ratio == 1) or torch.equal(g.cpu(), w)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("n,heads", [(4, 8), (3, 2), (2, 1)])
+def test_engram_hash_kernel(dev, n, heads, rng):
+    """Equal to `engram_window_row_ids`: int64 products that wrap, negative hashes (the
+    remainder follows the divisor), invalid slots hashing as the pad id, the model's primes."""
+    from dsv41.core.config import preset
+    from dsv41.core.engram import engram_primes, engram_window_row_ids
+
+    m = 37
+    comp = torch.randint(0, 50_000, (m, n), generator=rng)
+    valid = torch.rand(m, n, generator=rng) > 0.2
+    mult = torch.randint(-2**62, 2**62, (n,), generator=rng)
+    primes = torch.randint(1_000, 2**31, ((n - 1) * heads,), generator=rng)
+    cfg = preset("tiny")
+    if (n - 1) * heads == len(engram_primes(cfg)[0]):
+        primes = torch.tensor(engram_primes(cfg)[0], dtype=torch.long)
+    want = engram_window_row_ids(comp, valid, mult, primes, 7, heads)
+    got = eh.engram_hash(comp.to(dev), valid.to(dev), mult.to(dev), primes.to(dev), 7, heads)
+    assert got.dtype == torch.long and torch.equal(got.cpu(), want)
+    assert ((want - (torch.cumsum(primes, 0) - primes)) < primes).all()
+
+
 def _store_case(rng, t, h, d, r, pad):
     q = torch.randn(t, h, d, generator=rng).to(torch.bfloat16)
     kv = (torch.randn(t, d, generator=rng) * torch.exp2(torch.randint(-6, 7, (t, 1), generator=rng).float()))
@@ -184,7 +207,7 @@ def test_fused_ops_are_compositions_on_every_backend(monkeypatch):
     monkeypatch.setenv("DSV41_STRICT", "1")
     registry.reset_warnings()
     for name in ("rope_store_kv", "rope_store_key", "unrope_grouped_linear", "table_rows", "window_rows",
-                 "compress_rows"):
+                 "compress_rows", "engram_hash"):
         comp = registry.composite_of(name)
         assert comp is (getattr(paging, f"{name}_torch") if name.endswith("_rows") else getattr(fused, name))
         assert registry.resolve(name, "reference")[0] is comp

@@ -30,7 +30,7 @@ from dsv41.core.weights import build_model, random_state_dict
 MODEL_OPS = {"sparse_attention", "indexer_topk", "compress_kv", "mhc_mix", "engram_lookup", "moe_route",
              "mxfp4_act_quant", "linear", "moe_experts", "grouped_linear", "rms_norm", "rope", "fp8_quant",
              "mhc_mixes", "mhc_collapse", "engram_gate", "rope_tables", "table_rows", "window_rows", "rope_store_kv",
-             "rope_store_key", "unrope_grouped_linear", "compress_rows"}
+             "rope_store_key", "unrope_grouped_linear", "compress_rows", "engram_hash"}
 
 # bf16 outputs: one bf16 ulp of the largest element is 2^-8 of it; allow two.
 BF16_REL = 2 * 2.0**-8
@@ -84,7 +84,7 @@ def _compare(op, got, want, args):
     if op == "compress_rows":  # integer addresses, a mask and None at ratio 1: exact
         return None if all((g is None and w is None) or torch.equal(g.cpu(), w.cpu())
                            for g, w in zip(got, want)) else "rows differ"
-    if op in ("mxfp4_act_quant", "engram_lookup", "table_rows", "window_rows"):
+    if op in ("mxfp4_act_quant", "engram_lookup", "table_rows", "window_rows", "engram_hash"):
         return None if torch.equal(got.cpu(), want.cpu()) else f"not bit-exact ({_rel(got, want):.3g})"
     if op == "moe_route":
         rows = (got[1] == want[1]).all(-1)
