@@ -44,10 +44,14 @@ def rope_store_key(key: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos
 
 
 @register_composite("engram_hash")
-def engram_hash(comp: torch.Tensor, valid: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor,
-                pad_id: int, n_heads: int) -> torch.Tensor:
-    """Engram row ids of per-position n-gram windows (`core.engram.engram_window_row_ids`, the
-    hash's one definition: the host-side prefetch hashes with it too)."""
+def engram_hash(ngram_ids: torch.Tensor, ngram_image: torch.Tensor, token_map: torch.Tensor,
+                multipliers: torch.Tensor, primes: torch.Tensor, pad_id: int, n_heads: int) -> torch.Tensor:
+    """Engram row ids of per-position n-gram windows: a slot is valid when it holds a token (id
+    >= 0) with no image token at or before it in the window; valid slots hash their compressed
+    id (`token_map`), the others `pad_id` (`core.engram.engram_window_row_ids`, the hash's one
+    definition: the host-side prefetch hashes with it too)."""
     from ..core.engram import engram_window_row_ids
 
+    valid = (ngram_ids >= 0) & torch.cumprod((~ngram_image).to(torch.int32), 1).bool()
+    comp = token_map[ngram_ids.clamp_min(0)]
     return engram_window_row_ids(comp, valid, multipliers, primes, pad_id, n_heads)

@@ -221,10 +221,13 @@ def unrope_grouped_linear(x: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, g
 
 
 @_op
-def engram_hash(comp: Tensor, valid: Tensor, multipliers: Tensor, primes: Tensor, pad_id: int, n_heads: int) -> Tensor:
-    """Engram row ids [M, (N - 1) * n_heads] long of n-gram windows: comp [M, N] compressed ids
-    at p, p-1, .. (valid [M, N]; invalid slots hash as `pad_id`), multipliers [N] and primes
-    [(N - 1) * n_heads] int64 (`core.engram.engram_window_row_ids`, int64 wraparound)."""
+def engram_hash(ngram_ids: Tensor, ngram_image: Tensor, token_map: Tensor, multipliers: Tensor, primes: Tensor,
+                pad_id: int, n_heads: int) -> Tensor:
+    """Engram row ids [T, (N - 1) * n_heads] long of n-gram windows: ngram_ids [T, N] token ids
+    at p, p-1, .. (-1 before the start), ngram_image [T, N] bool; a slot on or behind an image
+    token, or before the start, hashes as `pad_id`, the others as token_map[id]; multipliers
+    [N] and primes [(N - 1) * n_heads] int64 (`core.engram.engram_window_row_ids`, int64
+    wraparound)."""
 
 
 # ---- mHC ------------------------------------------------------------------------------------

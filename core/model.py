@@ -472,12 +472,15 @@ class Engram(nn.Module):
         m = engram_multipliers(self.cfg, self.layer_id, n_compressed)
         self.multipliers = torch.from_numpy(m).to(self.multipliers.device)
 
-    def window_row_ids(self, comp: torch.Tensor, valid: torch.Tensor, pad_id: int) -> torch.Tensor:
-        """Row ids [T, 24] from compressed ids at p, p-1, .. [T, N] and their validity."""
+    def window_row_ids(self, ngram_ids: torch.Tensor, ngram_image: torch.Tensor, token_map: torch.Tensor,
+                       pad_id: int) -> torch.Tensor:
+        """Row ids [T, 24] from the token ids at p, p-1, .. [T, N] (-1 before the start) and
+        whether they are image tokens (a slot on or behind an image hashes as the pad id)."""
         # the primes as a tensor on the ids' device, made once (nothing crosses the bus in a step)
-        if getattr(self, "_primes_t", None) is None or self._primes_t.device != comp.device:
-            self._primes_t = torch.tensor(self.primes, dtype=torch.int64, device=comp.device)
-        return ops.engram_hash(comp, valid, self.multipliers, self._primes_t, pad_id, self.cfg.engram_n_heads)
+        if getattr(self, "_primes_t", None) is None or self._primes_t.device != ngram_ids.device:
+            self._primes_t = torch.tensor(self.primes, dtype=torch.int64, device=ngram_ids.device)
+        return ops.engram_hash(ngram_ids, ngram_image, token_map, self.multipliers, self._primes_t, pad_id,
+                               self.cfg.engram_n_heads)
 
     def forward(self, x: torch.Tensor, rows, is_image: torch.Tensor) -> torch.Tensor:
         """`rows`: row ids [T, 24] into the table, or the step's rows already fetched from a host
@@ -783,8 +786,6 @@ class Transformer(nn.Module):
             # (without host copies of the n-grams: one read back for the whole step)
             prefetch.gather(*(batch.ngram_host or (batch.ngram_ids, batch.ngram_image)))
             fetched = prefetch.issue()
-        ids = batch.ngram_ids
-        valid = (ids >= 0) & torch.cumprod((~batch.ngram_image).to(torch.int32), 1).bool()
-        comp = self.engram_map[ids.clamp_min(0)]
-        return {blk.layer_id: fetched.get(blk.layer_id) or blk.engram.window_row_ids(comp, valid, self.engram_pad)
+        return {blk.layer_id: fetched.get(blk.layer_id)
+                or blk.engram.window_row_ids(batch.ngram_ids, batch.ngram_image, self.engram_map, self.engram_pad)
                 for blk in self.layers if blk.engram is not None}

@@ -109,21 +109,24 @@ def test_compress_rows_kernel(dev, ratio, rng):
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("n,heads", [(4, 8), (3, 2), (2, 1)])
 def test_engram_hash_kernel(dev, n, heads, rng):
-    """Equal to `engram_window_row_ids`: int64 products that wrap, negative hashes (the
-    remainder follows the divisor), invalid slots hashing as the pad id, the model's primes."""
+    """Equal to the composition (validity, token map, `engram_window_row_ids`): int64 products
+    that wrap, negative hashes (the remainder follows the divisor), slots before the start and
+    on or behind an image token hashing as the pad id, the model's primes."""
     from dsv41.core.config import preset
-    from dsv41.core.engram import engram_primes, engram_window_row_ids
+    from dsv41.core.engram import engram_primes
 
-    m = 37
-    comp = torch.randint(0, 50_000, (m, n), generator=rng)
-    valid = torch.rand(m, n, generator=rng) > 0.2
+    m, vocab = 37, 300
+    ids = torch.randint(-1, vocab, (m, n), generator=rng)
+    image = torch.rand(m, n, generator=rng) > 0.85
+    ids[0, -1], image[1, 0] = -1, True  # (a slot before the start, an image token, in every case)
+    token_map = torch.randint(0, 50_000, (vocab,), generator=rng)
     mult = torch.randint(-2**62, 2**62, (n,), generator=rng)
     primes = torch.randint(1_000, 2**31, ((n - 1) * heads,), generator=rng)
     cfg = preset("tiny")
     if (n - 1) * heads == len(engram_primes(cfg)[0]):
         primes = torch.tensor(engram_primes(cfg)[0], dtype=torch.long)
-    want = engram_window_row_ids(comp, valid, mult, primes, 7, heads)
-    got = eh.engram_hash(comp.to(dev), valid.to(dev), mult.to(dev), primes.to(dev), 7, heads)
+    want = fused.engram_hash(ids, image, token_map, mult, primes, 7, heads)
+    got = eh.engram_hash(ids.to(dev), image.to(dev), token_map.to(dev), mult.to(dev), primes.to(dev), 7, heads)
     assert got.dtype == torch.long and torch.equal(got.cpu(), want)
     assert ((want - (torch.cumsum(primes, 0) - primes)) < primes).all()
 

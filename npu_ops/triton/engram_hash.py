@@ -1,11 +1,13 @@
 """Engram's n-gram hash in one launch (op `engram_hash`).
 
-Row ids of per-position windows: slot s of row m holds comp[m, s] where valid, else the pad id;
+Row ids of per-position windows: slot s of row m is valid when it holds a token (id >= 0) and no
+slot 0 .. s holds an image token; it hashes as token_map[id] where valid, else as the pad id;
 its product with multiplier s (int64, wrapping); the hash of the n-gram of length n is the xor of
 the first n products; row j = (n - 2) * n_heads + k takes hash n modulo primes[j] (non-negative,
 as torch.remainder) plus the sum of the primes before j. The torch version
 (`core.engram.engram_window_row_ids`, the oracle) launches about a dozen kernels per layer
-(select, multiply, xors, stack, repeat, cumsum, remainder, add). Integer arithmetic only.
+(select, multiply, xors, stack, repeat, cumsum, remainder, add), and the validity and token map
+eight more per step. Integer arithmetic only.
 """
 
 from __future__ import annotations
@@ -20,15 +22,18 @@ BLOCK_M = 64
 
 
 @triton.jit
-def _engram_hash_kernel(comp_ptr, valid_ptr, mult_ptr, primes_ptr, offsets_ptr, out_ptr, M, pad_id,
+def _engram_hash_kernel(ids_ptr, image_ptr, map_ptr, mult_ptr, primes_ptr, offsets_ptr, out_ptr, M, pad_id,
                         N: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr):
     m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     mm = m < M
     n_rows = (N - 1) * HEADS
     h = tl.zeros((BLOCK_M,), dtype=tl.int64)
+    text = mm  # no image token in the slots so far
     for s in tl.static_range(N):
-        c = tl.load(comp_ptr + m * N + s, mask=mm, other=0).to(tl.int64)
-        ok = tl.load(valid_ptr + m * N + s, mask=mm, other=0) != 0
+        tok = tl.load(ids_ptr + m * N + s, mask=mm, other=-1).to(tl.int64)
+        text = text & (tl.load(image_ptr + m * N + s, mask=mm, other=1) == 0)
+        ok = (tok >= 0) & text
+        c = tl.load(map_ptr + tl.maximum(tok, 0), mask=mm, other=0).to(tl.int64)
         prod = tl.where(ok, c, pad_id) * tl.load(mult_ptr + s).to(tl.int64)  # (wraps, as torch's int64)
         h = h ^ prod
         if s >= 1:
@@ -51,20 +56,22 @@ def _offsets(primes: torch.Tensor) -> torch.Tensor:
     return _OFFSETS[key]
 
 
-def engram_hash(comp: torch.Tensor, valid: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor,
-                pad_id: int, n_heads: int) -> torch.Tensor:
-    """`ops.engram_hash`: comp / valid [M, N] -> row ids [M, (N - 1) * n_heads] long."""
-    m, n = comp.shape
-    if valid.shape != comp.shape or not isinstance(primes, torch.Tensor) or primes.shape != ((n - 1) * n_heads,) \
-            or not isinstance(multipliers, torch.Tensor) or multipliers.shape[0] < n or n < 2:
-        raise ValueError(f"engram_hash: comp {tuple(comp.shape)}, valid {tuple(valid.shape)}, {n_heads} heads, "
-                         f"primes {getattr(primes, 'shape', None)}, multipliers {getattr(multipliers, 'shape', None)} "
-                         "do not fit together")
-    out = torch.empty(m, (n - 1) * n_heads, dtype=torch.long, device=comp.device)
+def engram_hash(ngram_ids: torch.Tensor, ngram_image: torch.Tensor, token_map: torch.Tensor,
+                multipliers: torch.Tensor, primes: torch.Tensor, pad_id: int, n_heads: int) -> torch.Tensor:
+    """`ops.engram_hash`: ngram_ids / ngram_image [T, N] -> row ids [T, (N - 1) * n_heads] long."""
+    m, n = ngram_ids.shape
+    if ngram_image.shape != ngram_ids.shape or not isinstance(primes, torch.Tensor) \
+            or primes.shape != ((n - 1) * n_heads,) or not isinstance(multipliers, torch.Tensor) \
+            or multipliers.shape[0] < n or n < 2 or token_map.dim() != 1:
+        raise ValueError(f"engram_hash: ids {tuple(ngram_ids.shape)}, image {tuple(ngram_image.shape)}, {n_heads} "
+                         f"heads, primes {getattr(primes, 'shape', None)}, multipliers "
+                         f"{getattr(multipliers, 'shape', None)}, token map {tuple(token_map.shape)} do not fit together")
+    out = torch.empty(m, (n - 1) * n_heads, dtype=torch.long, device=ngram_ids.device)
     if m:
-        p = primes.to(device=comp.device, dtype=torch.int64)
-        _engram_hash_kernel[(-(-m // BLOCK_M),)](comp.contiguous(), valid.contiguous().view(torch.int8),
-                                                 multipliers.to(device=comp.device, dtype=torch.int64).contiguous(),
+        p = primes.to(device=ngram_ids.device, dtype=torch.int64)
+        _engram_hash_kernel[(-(-m // BLOCK_M),)](ngram_ids.contiguous(), ngram_image.contiguous().view(torch.int8),
+                                                 token_map.contiguous(),
+                                                 multipliers.to(device=ngram_ids.device, dtype=torch.int64).contiguous(),
                                                  p, _offsets(p), out, m, int(pad_id), N=n, HEADS=n_heads,
                                                  BLOCK_M=BLOCK_M)
     return out
