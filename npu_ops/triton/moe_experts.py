@@ -328,7 +328,7 @@ def _expert_table(experts: list, device: torch.device):
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: list, limit: float,
                 out_dtype: torch.dtype = torch.float32, *, bm: int | None = None, bn_up: int | None = None,
                 bn_down: int | None = None, bk: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, path: str | None = None) -> torch.Tensor:
+                num_stages: int | None = None, path: str | None = None, **grouped) -> torch.Tensor:
     """`ops.moe_experts` on a device: x [T, d], weights / ids [T, k] -> [T, d] fp32 (float64
     requested: fp32). Keyword tile parameters are for tuning (defaults: TILES / GEMV_TILES);
     `path` ("gemv" / "tiled") overrides the choice of the decode path (tests, sweeps)."""
@@ -347,7 +347,14 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     if k_in != d:
         raise ValueError(f"expert input width {k_in} != x width {d}")
     if path is None:
-        path = "gemv" if t <= GEMV_DEFAULT_T.get(kind, 0) else "tiled"
+        path = "gemv" if t <= GEMV_DEFAULT_T.get(kind, 0) else "grouped"
+    if path == "grouped":
+        from .moe_grouped import grouped_moe
+
+        return grouped_moe(x if x.stride(-1) == 1 else x.contiguous(), weights, ids,
+                           (w_base, s_base, table, kind, inter, k_in, (s_up, s_down), align), limit, out, bm=bm,
+                           bn_up=bn_up, bn_down=bn_down, bk=bk, num_warps=num_warps, num_stages=num_stages,
+                           **grouped)
     if path == "gemv":
         if kind == W_DENSE or t > GEMV_MAX_T:
             raise ValueError(f"moe_experts: the gemv path takes scaled experts and <= {GEMV_MAX_T} tokens")
