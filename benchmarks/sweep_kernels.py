@@ -271,23 +271,32 @@ def _moe_case(t, experts, d, inter, n_exp, topk, moe_ref, fp32_accumulation):
     return x, ids, wts, want, active, active * 3 * inter * d * (0.5 + 1 / 32) + t * d * 6
 
 
-def sweep_moe(rows, copy):
-    """The grouped FP4 experts (mini preset: 16 experts, d 5120, width 2304, top-6) at 1, 8, 64
-    and 2048 tokens; bytes = the active experts' weights read once."""
+def sweep_moe(rows, copy, tokens=(1, 8, 64, 8192)):
+    """The FP4 routed experts (mini preset: 16 experts, d 5120, width 2304, top-6): the grouped
+    tensor-core path's tile variants against the GEMV path (T <= 4) and the per-32-block tiled
+    kernels (T <= 64); bytes = the active experts' weights read once."""
     from dsv41.backends.reference.basic import fp32_accumulation
     from dsv41.backends.reference.moe import moe_experts as moe_ref
     from dsv41.npu_ops.triton import moe_experts as me
 
     d, inter, n_exp, topk = CFG.hidden_size, CFG.moe_intermediate_size, 16, CFG.num_experts_per_tok
     experts = _fp4_experts(n_exp, d, inter)
-    variants = [dict(), dict(bn_down=128), dict(bn_down=32), dict(bk=256), dict(bk=64),
-                dict(num_stages=3), dict(num_stages=6), dict(num_warps=8), dict(bm=16), dict(bm=32)]
-    for t in (1, 8, 64, 2048):
+    g = "grouped"
+    small = [dict(path=g), dict(path=g, bm=16), dict(path=g, bm=32), dict(path=g, bn_up=32, bn_down=32),
+             dict(path=g, bn_up=128, bn_down=128), dict(path=g, bk=256), dict(path=g, bk=64),
+             dict(path=g, num_warps=8), dict(path=g, num_stages=2), dict(path=g, num_stages=4)]
+    large = [dict(path=g), dict(path=g, bm=128, bn_up=128, bn_down=128, bk=64, num_warps=8, num_stages=3),
+             dict(path=g, bm=64, bn_up=64, bn_down=128, bk=128, num_warps=4, num_stages=3),
+             dict(path=g, bm=128, bn_up=64, bn_down=128, bk=128, num_warps=8, num_stages=2),
+             dict(path=g, bm=128, bn_up=64, bn_down=64, bk=64, num_warps=4, num_stages=4)]
+    for t in tokens:
         x, ids, wts, want, active, nbytes = _moe_case(t, experts, d, inter, n_exp, topk, moe_ref, fp32_accumulation)
         flops = 2 * t * topk * 3 * inter * d
-        for v in variants if t <= 64 else variants[:1] + [dict(bm=128, bn_down=128, bk=64, num_warps=8,
-                                                                num_stages=3), dict(bm=128, bn_down=128, bk=128, num_warps=4),
-                                                           dict(bm=64, bn_down=64, bk=128)]:
+        variants = ([dict(path="gemv")] if t <= me.GEMV_MAX_T else []) + \
+            ([dict(path="tiled")] if t <= 64 else []) + (small if t <= 64 else large)
+        if t == 1:
+            variants = variants[:3]
+        for v in variants:
             name = "moe fp4 " + " ".join(f"{a}={b}" for a, b in v.items())
             _variant_row(rows, name, f"T={t} {active} experts", lambda x=x, ids=ids, wts=wts, v=v:
                          me.moe_experts(x, wts, ids, experts, 10.0, **v), want, nbytes, flops, copy)
@@ -357,7 +366,7 @@ def main() -> int:
     copy = copy_gbs()
     rows = [f"copy ceiling {copy:.0f} GB/s"]
     for name in a.only.split(","):
-        if a.tokens and name in ("sparse_attention", "indexer_topk"):
+        if a.tokens and name in ("sparse_attention", "indexer_topk", "moe_experts"):
             SWEEPS[name](rows, copy, tokens=tuple(int(x) for x in a.tokens.split(",")))
         else:
             SWEEPS[name](rows, copy)
