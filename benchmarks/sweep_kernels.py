@@ -293,7 +293,7 @@ def sweep_moe(rows, copy, tokens=(1, 8, 64, 8192)):
         x, ids, wts, want, active, nbytes = _moe_case(t, experts, d, inter, n_exp, topk, moe_ref, fp32_accumulation)
         flops = 2 * t * topk * 3 * inter * d
         variants = ([dict(path="gemv")] if t <= me.GEMV_MAX_T else []) + \
-            ([dict(path="tiled")] if t <= 64 else []) + (small if t <= 64 else large)
+            ([dict(path="tiled")] if t <= 64 else []) + (small if t == 64 else small[:3] if t <= 64 else large)
         if t == 1:
             variants = variants[:3]
         for v in variants:
