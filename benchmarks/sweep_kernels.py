@@ -282,18 +282,20 @@ def sweep_moe(rows, copy, tokens=(1, 8, 64, 8192)):
     d, inter, n_exp, topk = CFG.hidden_size, CFG.moe_intermediate_size, 16, CFG.num_experts_per_tok
     experts = _fp4_experts(n_exp, d, inter)
     g = "grouped"
-    small = [dict(path=g), dict(path=g, bm=16), dict(path=g, bm=32), dict(path=g, bn_up=32, bn_down=32),
-             dict(path=g, bn_up=128, bn_down=128), dict(path=g, bk=256), dict(path=g, bk=64),
-             dict(path=g, num_warps=8), dict(path=g, num_stages=2), dict(path=g, num_stages=4)]
-    large = [dict(path=g), dict(path=g, bm=128, bn_up=128, bn_down=128, bk=64, num_warps=8, num_stages=3),
-             dict(path=g, bm=64, bn_up=64, bn_down=128, bk=128, num_warps=4, num_stages=3),
-             dict(path=g, bm=128, bn_up=64, bn_down=128, bk=128, num_warps=8, num_stages=2),
-             dict(path=g, bm=128, bn_up=64, bn_down=64, bk=64, num_warps=4, num_stages=4)]
+    small = [dict(path=g, swap=False), dict(path=g, swap=True), dict(path=g, swap=True, bm=16),
+             dict(path=g, swap=False, bm=16), dict(path=g, swap=True, bn_up=128, bn_down=128),
+             dict(path=g, swap=False, bk=256), dict(path=g, swap=True, bk=256), dict(path=g, swap=True, num_warps=8),
+             dict(path=g, swap=False, bk=64)]
+    large = [dict(path=g, swap=False), dict(path=g, swap=True),
+             dict(path=g, swap=False, bm=64, bn_up=64, bn_down=128, bk=128, num_warps=4, num_stages=3),
+             dict(path=g, swap=True, bm=64, bn_up=128, bn_down=128, bk=128, num_warps=8, num_stages=3),
+             dict(path=g, swap=True, bm=128, bn_up=64, bn_down=128, bk=128, num_warps=8, num_stages=2),
+             dict(path=g, swap=False, bm=128, bn_up=128, bn_down=128, bk=128, num_warps=8, num_stages=2)]
     for t in tokens:
         x, ids, wts, want, active, nbytes = _moe_case(t, experts, d, inter, n_exp, topk, moe_ref, fp32_accumulation)
         flops = 2 * t * topk * 3 * inter * d
         variants = ([dict(path="gemv")] if t <= me.GEMV_MAX_T else []) + \
-            ([dict(path="tiled")] if t <= 64 else []) + (small if t == 64 else small[:3] if t <= 64 else large)
+            ([dict(path="tiled")] if t == 64 else []) + (small if t == 64 else small[:3] if t <= 64 else large)
         if t == 1:
             variants = variants[:3]
         for v in variants:

@@ -8,7 +8,8 @@ Per call, with R = T * k routed rows (token t, slot j -> flat row t * k + j):
    unused) and its count of real rows. All on the device, no host sync: capturable in graphs.
    The grid is sized for the worst case, cdiv(R, BM) + min(E, R) blocks.
 2. `_gate_up_kernel`, one program per (block, BN columns of the intermediate width): the block's
-   token rows of the activation (FP8 quantise-dequantise values, bf16: exact), times the
+   token rows of the activation (FP8 quantise-dequantise values, bf16: exact; FP4 experts: in the
+   chunk-permuted column order below), times the
    expert's w1 and w3 tiles dequantised to bf16 WITH their power-of-two scale folded in, as
    tensor-core bf16 dots with fp32 accumulation over BK-wide K steps. Epilogue: clamped SwiGLU,
    routing weight, FP8 quantise-dequantise of the w2 input per 32 columns (bf16 for bf16
@@ -25,12 +26,12 @@ fp32 summation order differs from the reference (as the per-32-block kernels bef
 - Activations: FP8 E4M3 codes times 2^e with e = ceil(log2(max(amax, 1e-4) / 448)) >= -22, so
   |values| >= 2^-31: normal in bf16 (same exponent range as fp32), never rounded.
 - FP4 weights: an E2M1 value (0, 0.5 .. 6) times the E8M0 scale 2^(byte - 127) has at most two
-  significant bits, so it is exact in bf16 whenever it is a normal fp32 number. The kernel builds
-  the fp32 bit pattern directly (exponent field = byte - 1 + (magnitude >> 1)); products below
-  2^-126 (scale bytes 0 and 1 with small codes) read as 0 (the earlier kernels read scale byte 0
-  as 0 outright); bytes 253 / 254 with |code| >= 4 give weights >= 2^128, beyond fp32 and bf16:
-  out of contract, as for any fp32 implementation. Checkpoint scales sit far inside
-  (about 2^-20 .. 2^0); tests/test_triton_moe_grouped.py checks bytes 1..252 bit-exactly.
+  significant bits, so it is exact in bf16 whenever it is a normal number. The kernel takes the
+  E2M1 value times 2^-14 (`e2m1_pairs_f32`, exact) times 2^(byte - 127 + 14) in fp32, then bf16:
+  exact for every result >= 2^-126 with scale bytes 1..240. Outside that: byte 0 reads as 0 (as
+  in the other kernels), results below 2^-126 are subnormal and may round or flush, and bytes
+  >= 241 overflow the fp32 factor (weights >= 2^114: far beyond any checkpoint, whose scales sit
+  around 2^-20 .. 2^0). tests/test_triton_moe_grouped.py checks bytes 1..240 bit-exactly.
 - FP8 weights (E8M0 per 32x32 block): E4M3 value times the scale in fp32, exact when the result
   is normal (same range caveats); bf16 weights are taken as they are.
 - Under TRITON_INTERPRET=1 (no bf16 arithmetic there) the same values go through fp32 "ieee" dots.
@@ -42,13 +43,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_scaled import W_DENSE, W_FP4, W_FP8, bf16_bits16, e8m0_value, fp8_qdq_groups
+from .block_scaled import W_DENSE, W_FP4, bf16_bits16, e2m1_pairs_f32, e8m0_value, fp8_qdq_groups
 from .swiglu import swiglu_tile
 
 # Tiles per token range (H200 choices: see benchmarks/RESULTS.md, "MoE grouped path").
 TILES = {"decode": {"bm": 16, "bn_up": 64, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 3},
          "mid": {"bm": 32, "bn_up": 64, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 3},
-         "prefill": {"bm": 128, "bn_up": 64, "bn_down": 128, "bk": 64, "num_warps": 8, "num_stages": 3,
+         "prefill": {"bm": 128, "bn_up": 64, "bn_down": 128, "bk": 128, "num_warps": 8, "num_stages": 3,
                      "group_m": 8},
          "interp": {"bm": 16, "bn_up": 32, "bn_down": 32, "bk": 64}}
 DECODE_MAX_ROWS = 64 * 8  # routed rows up to which every block of a column tile runs side by side
@@ -138,62 +139,106 @@ def align_rows(flat_ids: torch.Tensor, n_exp: int, bm: int, chunk: int | None = 
 
 
 # ---- 2./3. the expert GEMMs ----------------------------------------------------------------------
+# FP4 weights are dequantised as two [BN, BK/2] tiles, the low nibbles (elements 2j) and the high
+# nibbles (2j + 1), and multiplied with the activation columns of the same parity: two dots of
+# BK/2. So that those are contiguous loads, the activation of an FP4 GEMM is stored with its
+# columns permuted inside each BK-wide chunk, evens first, then odds (`perm_cols`; x by a torch
+# copy after its quantisation, the w2 input by the gate/up epilogue). Every tile is 2-d: no
+# reshape or interleave between a load and a dot, which Triton's Hopper pipeline needs (a 3-d
+# byte tile there failed to compile).
 
 @triton.jit
-def e2m1_scaled_f32(c, sb):
-    """E2M1 nibbles c (int32 0..15) times 2^(sb - 127) for E8M0 bytes sb (int32, broadcast), as
-    fp32 built from bits: exponent field sb - 1 + (magnitude >> 1), mantissa bit for 1.5 / 3 / 6.
-    Exact for results >= 2^-126; smaller ones read as 0 (see the module docstring)."""
-    mag = c & 7
-    ef = sb - 1 + (mag >> 1)
-    bits = (ef << 23) | (((mag & 1) & (mag > 2).to(tl.int32)) << 22)
-    bits = tl.where((mag == 0) | (ef < 1), 0, bits) | ((c & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
+def perm_cols(n, P: tl.constexpr):
+    """Position of column n in the chunk-permuted layout (chunks of P: evens, then odds)."""
+    r = n % P
+    return n - r + (r % 2) * (P // 2) + r // 2
+
+
+def perm_cols_torch(x: torch.Tensor, p: int) -> torch.Tensor:
+    """x [R, C] (C % p == 0) with its columns permuted as `perm_cols` (a contiguous copy)."""
+    r, c = x.shape
+    return x.reshape(r, c // p, p // 2, 2).transpose(-1, -2).reshape(r, c)
 
 
 @triton.jit
-def dequant_tile(w_ptr, s_ptr, rn, nmask, k0, k_hi, w_stride, s_stride, W_KIND: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, LOWP: tl.constexpr):
-    """Rows `rn` [BN] x columns k0 .. k0 + BK of a weight as exact values with the scale folded
-    in (0 outside nmask or at / past k_hi): bf16 on devices (LOWP), fp32 under the interpreter.
-    W_KIND 2: packed FP4 bytes [N, K/2] (element 2j in the low nibble), E8M0 [N, K/32];
-    1: FP8 E4M3 [N, K], E8M0 per 32x32 block; 0: bf16 / fp32. Strides in elements (bytes for FP4)."""
-    NB: tl.constexpr = BK // 32
+def fp4_tiles(w_ptr, s_ptr, rn, nmask, k0, k_hi, w_stride, s_stride, BN: tl.constexpr, BK: tl.constexpr,
+              LOWP: tl.constexpr):
+    """Rows `rn` x columns k0 .. k0 + BK of a packed FP4 weight (bytes [N, K/2], element 2j in the
+    low nibble, E8M0 [N, K/32]) as (even columns, odd columns) [BN, BK/2] with the scale folded
+    in: bf16 on devices (LOWP), fp32 under the interpreter. Zero outside nmask / at or past k_hi.
+    Exact where the result is >= 2^-126 and the scale byte <= 240 (module docstring)."""
     rn64 = rn.to(tl.int64)
-    kb = k0 // 32 + tl.arange(0, NB)
-    bok = nmask[:, None] & (kb[None, :] * 32 < k_hi)
-    if W_KIND == 2:
-        j = tl.arange(0, 16)
-        byt = tl.load(w_ptr + rn64[:, None, None] * w_stride + kb[None, :, None] * 16 + j[None, None, :],
-                      mask=bok[:, :, None], other=0).to(tl.int32)
-        sb = tl.load(s_ptr + rn64[:, None] * s_stride + kb[None, :], mask=bok, other=0).to(tl.int32)[:, :, None]
-        lo = e2m1_scaled_f32(byt & 15, sb)
-        hi = e2m1_scaled_f32((byt >> 4) & 15, sb)
+    j = tl.arange(0, BK // 2)
+    m = nmask[:, None] & (k0 + 2 * j[None, :] < k_hi)
+    byt = tl.load(w_ptr + rn64[:, None] * w_stride + (k0 // 2 + j)[None, :], mask=m, other=0)
+    # the scale byte of each column (16 bytes share one; the repeats hit L1)
+    sb = tl.load(s_ptr + rn64[:, None] * s_stride + (k0 // 32 + j // 16)[None, :], mask=m, other=0)
+    sc = e8m0_value(sb.to(tl.int32)) * 16384.0  # e2m1_pairs_f32 gives the value times 2^-14
+    lo, hi = e2m1_pairs_f32(byt, LOWP)
+    lo = lo * sc
+    hi = hi * sc
+    if LOWP:
+        return lo.to(tl.bfloat16), hi.to(tl.bfloat16)
+    else:
+        return lo, hi
+
+
+@triton.jit
+def dense_tile(w_ptr, s_ptr, rn, nmask, k0, k_hi, w_stride, s_stride, W_KIND: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr, LOWP: tl.constexpr):
+    """Rows `rn` x columns k0 .. k0 + BK of an FP8 weight with E8M0 scales per 32x32 block
+    (W_KIND 1; scale folded in, exact where normal) or a bf16 / fp32 weight (0), as bf16 on
+    devices (LOWP) or fp32. Zero outside nmask / at or past k_hi."""
+    rn64 = rn.to(tl.int64)
+    kk = k0 + tl.arange(0, BK)
+    m = nmask[:, None] & (kk[None, :] < k_hi)
+    w = tl.load(w_ptr + rn64[:, None] * w_stride + kk[None, :], mask=m, other=0.0).to(tl.float32)
+    if W_KIND == 1:
+        sb = tl.load(s_ptr + (rn64 // 32)[:, None] * s_stride + (kk // 32)[None, :], mask=m, other=0)
+        w = w * e8m0_value(sb.to(tl.int32))
+    if LOWP:
+        return w.to(tl.bfloat16)
+    else:
+        return w
+
+
+@triton.jit
+def _mma(a, w, acc, SWAP: tl.constexpr, LOWP: tl.constexpr):
+    """acc + a [BM, K] @ w [BN, K]^T (acc [BM, BN]), or with SWAP acc^T + w @ a^T (acc [BN, BM]:
+    the weight tile is the dot's first operand, the form Hopper takes from registers).
+    bf16 tensor-core dots on devices; fp32 "ieee" dots under the interpreter (exact products)."""
+    if not LOWP:
+        a = a.to(tl.float32)
+    if SWAP:
         if LOWP:
-            lo = lo.to(tl.bfloat16)
-            hi = hi.to(tl.bfloat16)
-        return tl.reshape(tl.interleave(lo, hi), (BN, BK))
+            return tl.dot(w, tl.trans(a), acc)
+        else:
+            return tl.dot(w, tl.trans(a), acc, input_precision="ieee")
+    else:
+        if LOWP:
+            return tl.dot(a, tl.trans(w), acc)
+        else:
+            return tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+
+
+@triton.jit
+def _gemm_step(acc, a_ptr, arow, rmask, k0, K, w_ptr, s_ptr, rn, nmask, w_stride, s_stride,
+               W_KIND: tl.constexpr, SWAP: tl.constexpr, LOWP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One BK step of rows `arow` (element offsets of the activation rows) times a weight tile."""
+    if W_KIND == 2:  # activation columns chunk-permuted: this step's evens, then its odds
+        j = tl.arange(0, BK // 2)
+        am = rmask[:, None] & (k0 + 2 * j[None, :] < K)
+        a_lo = tl.load(a_ptr + arow[:, None] + (k0 + j)[None, :], mask=am, other=0.0)
+        a_hi = tl.load(a_ptr + arow[:, None] + (k0 + BK // 2 + j)[None, :], mask=am, other=0.0)
+        w_lo, w_hi = fp4_tiles(w_ptr, s_ptr, rn, nmask, k0, K, w_stride, s_stride, BN, BK, LOWP)
+        acc = _mma(a_lo, w_lo, acc, SWAP, LOWP)
+        acc = _mma(a_hi, w_hi, acc, SWAP, LOWP)
     else:
         kk = k0 + tl.arange(0, BK)
-        w = tl.load(w_ptr + rn64[:, None] * w_stride + kk[None, :], mask=nmask[:, None] & (kk[None, :] < k_hi),
-                    other=0.0)
-        if W_KIND == 1:
-            sb = tl.load(s_ptr + (rn64 // 32)[:, None] * s_stride + kb[None, :], mask=bok, other=0).to(tl.int32)
-            w = tl.reshape(tl.reshape(w.to(tl.float32), (BN, NB, 32)) * e8m0_value(sb)[:, :, None], (BN, BK))
-        if LOWP:
-            return w.to(tl.bfloat16)
-        else:
-            return w.to(tl.float32)
-
-
-@triton.jit
-def _dot_t(a, w, acc, LOWP: tl.constexpr):
-    """acc + a [BM, BK] @ w [BN, BK]^T: bf16 tensor-core dot on devices, fp32 "ieee" dot under
-    the interpreter (exact products either way)."""
-    if LOWP:
-        return tl.dot(a, tl.trans(w), acc)
-    else:
-        return tl.dot(a.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+        a = tl.load(a_ptr + arow[:, None] + kk[None, :], mask=rmask[:, None] & (kk[None, :] < K), other=0.0)
+        acc = _mma(a, dense_tile(w_ptr, s_ptr, rn, nmask, k0, K, w_stride, s_stride, W_KIND, BN, BK, LOWP), acc,
+                   SWAP, LOWP)
+    return acc
 
 
 @triton.jit
@@ -218,7 +263,7 @@ def _expert_ptrs(w_base, s_base, table_ptr, e, which: tl.constexpr, ALIGN: tl.co
 def _gate_up_kernel(a_ptr, rows_ptr, bexp_ptr, bcnt_ptr, wts_ptr, w_base, s_base, table_ptr, h_ptr,
                     K, I, w_stride, s_stride, limit, n_blocks, GROUP_M,
                     TOPK: tl.constexpr, W_KIND: tl.constexpr, LOWP: tl.constexpr, ALIGN: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P_OUT: tl.constexpr):
     blk, pn = _tile_of(tl.program_id(0), n_blocks, tl.cdiv(I, BN), GROUP_M)
     e = tl.load(bexp_ptr + blk)
     if e >= 0:
@@ -230,43 +275,56 @@ def _gate_up_kernel(a_ptr, rows_ptr, bexp_ptr, bcnt_ptr, wts_ptr, w_base, s_base
         nmask = rn < I
         w1, s1 = _expert_ptrs(w_base, s_base, table_ptr, e, 0, ALIGN)
         w3, s3 = _expert_ptrs(w_base, s_base, table_ptr, e, 1, ALIGN)
-        acc1 = tl.zeros((BM, BN), dtype=tl.float32)
-        acc3 = tl.zeros((BM, BN), dtype=tl.float32)
+        if SWAP:
+            acc1 = tl.zeros((BN, BM), dtype=tl.float32)
+            acc3 = tl.zeros((BN, BM), dtype=tl.float32)
+        else:
+            acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+            acc3 = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
-            kk = k0 + tl.arange(0, BK)
-            a = tl.load(a_ptr + arow[:, None] + kk[None, :], mask=rmask[:, None] & (kk[None, :] < K), other=0.0)
-            acc1 = _dot_t(a, dequant_tile(w1, s1, rn, nmask, k0, K, w_stride, s_stride, W_KIND, BN, BK, LOWP), acc1,
-                          LOWP)
-            acc3 = _dot_t(a, dequant_tile(w3, s3, rn, nmask, k0, K, w_stride, s_stride, W_KIND, BN, BK, LOWP), acc3,
-                          LOWP)
+            acc1 = _gemm_step(acc1, a_ptr, arow, rmask, k0, K, w1, s1, rn, nmask, w_stride, s_stride, W_KIND, SWAP,
+                              LOWP, BN, BK)
+            acc3 = _gemm_step(acc3, a_ptr, arow, rmask, k0, K, w3, s3, rn, nmask, w_stride, s_stride, W_KIND, SWAP,
+                              LOWP, BN, BK)
+        if SWAP:
+            acc1 = tl.trans(acc1)
+            acc3 = tl.trans(acc3)
         h = swiglu_tile(acc1, acc3, limit) * tl.load(wts_ptr + f, mask=rmask, other=0.0)[:, None]
         if W_KIND != 0:  # the w2 input's FP8 quantisation (BN % 32 == 0: whole groups); exact in bf16
             h = fp8_qdq_groups(h, BM, BN)
+        if P_OUT > 0:  # w2 is FP4: its input goes in chunk-permuted
+            cols = perm_cols(rn, P_OUT)
+        else:
+            cols = rn
         p = (blk * BM + r).to(tl.int64)
-        tl.store(h_ptr + p[:, None] * I + rn[None, :], bf16_bits16(h), mask=rmask[:, None] & nmask[None, :])
+        tl.store(h_ptr + p[:, None] * I + cols[None, :], bf16_bits16(h), mask=rmask[:, None] & nmask[None, :])
 
 
 @triton.jit
 def _down_kernel(h_ptr, rows_ptr, bexp_ptr, bcnt_ptr, w_base, s_base, table_ptr, y_ptr, I, D, w_stride, s_stride,
                  n_blocks, GROUP_M, W_KIND: tl.constexpr, LOWP: tl.constexpr, ALIGN: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     blk, pn = _tile_of(tl.program_id(0), n_blocks, tl.cdiv(D, BN), GROUP_M)
     e = tl.load(bexp_ptr + blk)
     if e >= 0:
         r = tl.arange(0, BM)
         rmask = r < tl.load(bcnt_ptr + blk)
-        p = (blk * BM + r).to(tl.int64)
+        arow = (blk * BM + r).to(tl.int64) * I
         rn = pn * BN + tl.arange(0, BN)
         nmask = rn < D
         w2, s2 = _expert_ptrs(w_base, s_base, table_ptr, e, 2, ALIGN)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if SWAP:
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, I, BK):
-            kk = k0 + tl.arange(0, BK)
-            a = tl.load(h_ptr + p[:, None] * I + kk[None, :], mask=rmask[:, None] & (kk[None, :] < I), other=0.0)
-            acc = _dot_t(a, dequant_tile(w2, s2, rn, nmask, k0, I, w_stride, s_stride, W_KIND, BN, BK, LOWP), acc,
-                         LOWP)
+            acc = _gemm_step(acc, h_ptr, arow, rmask, k0, I, w2, s2, rn, nmask, w_stride, s_stride, W_KIND, SWAP,
+                             LOWP, BN, BK)
         f = tl.load(rows_ptr + blk * BM + r, mask=rmask, other=0).to(tl.int64)
-        tl.store(y_ptr + f[:, None] * D + rn[None, :], acc, mask=rmask[:, None] & nmask[None, :])
+        if SWAP:
+            tl.store(y_ptr + f[None, :] * D + rn[:, None], acc, mask=rmask[None, :] & nmask[:, None])
+        else:
+            tl.store(y_ptr + f[:, None] * D + rn[None, :], acc, mask=rmask[:, None] & nmask[None, :])
 
 
 def tiles_for(t: int, topk: int, interp: bool) -> dict:
@@ -277,8 +335,16 @@ def tiles_for(t: int, topk: int, interp: bool) -> dict:
     return TILES["decode" if r <= 128 else ("mid" if r <= DECODE_MAX_ROWS else "prefill")]
 
 
+def _fit_bk(bk: int, width: int) -> int:
+    """The largest power-of-two BK <= bk dividing `width` (a multiple of 32): the FP4 column
+    permutation works in whole BK chunks."""
+    while width % bk:
+        bk //= 2
+    return bk
+
+
 def grouped_moe(x, weights, ids, table_args, limit, out, *, bm=None, bn_up=None, bn_down=None, bk=None,
-                bk_down=None, group_m=None, num_warps=None, num_stages=None, chunk=None):
+                bk_down=None, group_m=None, swap=None, num_warps=None, num_stages=None, chunk=None):
     """The grouped path of `moe_experts` (module docstring): out [T, d] fp32 <- x [T, d]."""
     from .fp8_quant import fp8_qdq_bf16
     from .launch import interpreting
@@ -289,19 +355,26 @@ def grouped_moe(x, weights, ids, table_args, limit, out, *, bm=None, bn_up=None,
     interp = interpreting()
     t, topk = ids.shape
     r = t * topk
-    tl_ = tiles_for(t, topk, interp)
-    bm = bm or tl_["bm"]
-    bn_up, bn_down = bn_up or tl_["bn_up"], bn_down or tl_["bn_down"]
-    bk_up = bk or tl_["bk"]
-    bk_down = bk_down or bk_up
-    if bn_up % 32 or inter % 32 or d % 32 or bk_up % 32 or bk_down % 32 or bm < 16:
-        raise ValueError("moe_experts grouped path: widths, BN and BK must be multiples of 32, BM >= 16")
-    kw = {} if interp else {"num_warps": num_warps or tl_["num_warps"], "num_stages": num_stages or tl_["num_stages"]}
+    cfg = tiles_for(t, topk, interp)
+    bm = bm or cfg["bm"]
+    bn_up, bn_down = bn_up or cfg["bn_up"], bn_down or cfg["bn_down"]
+    if bn_up % 32 or inter % 32 or d % 32 or bm < 16 or bn_down < 16 or (bk or 32) % 32 or (bk_down or 32) % 32:
+        raise ValueError("moe_experts grouped path: widths, BN (gate/up) and BK must be multiples of 32, "
+                         "BM and BN (down) at least 16")
+    bk_up = _fit_bk(bk or cfg["bk"], d)
+    bk_down = _fit_bk(bk_down or bk or cfg["bk"], inter)
+    swap = cfg.get("swap", False) if swap is None else swap
+    kw = {} if interp else {"num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages or cfg["num_stages"]}
     flat_ids = ids.contiguous().reshape(-1)
     rows, bexp, bcnt = align_rows(flat_ids, n_exp, bm, chunk)
     n_blocks = bexp.numel()
-    gm = group_m or tl_.get("group_m") or n_blocks
-    a = fp8_qdq_bf16(x) if kind != W_DENSE else x.to(torch.bfloat16).contiguous()
+    gm = group_m or cfg.get("group_m") or n_blocks
+    if kind == W_DENSE:
+        a = x.to(torch.bfloat16).contiguous()
+    else:
+        a = fp8_qdq_bf16(x)
+        if kind == W_FP4:
+            a = perm_cols_torch(a, bk_up)
     h = _buffer((n_blocks * bm, inter), torch.bfloat16, x.device)
     y = _buffer((r, d), torch.float32, x.device)
 
@@ -311,10 +384,10 @@ def grouped_moe(x, weights, ids, table_args, limit, out, *, bm=None, bn_up=None,
     _gate_up_kernel[(n_blocks * -(-inter // bn_up),)](
         a, rows, bexp, bcnt, weights.float().contiguous().reshape(-1), w_base, s_base, table, h.view(torch.int16),
         d, inter, w_row(d), s_up, float(limit), n_blocks, gm, TOPK=topk, W_KIND=kind, LOWP=not interp, ALIGN=align,
-        BM=bm, BN=bn_up, BK=bk_up, **kw)
+        SWAP=swap, BM=bm, BN=bn_up, BK=bk_up, P_OUT=bk_down if kind == W_FP4 else 0, **kw)
     _down_kernel[(n_blocks * -(-d // bn_down),)](
         h, rows, bexp, bcnt, w_base, s_base, table, y, inter, d, w_row(inter), s_down, n_blocks, gm, W_KIND=kind,
-        LOWP=not interp, ALIGN=align, BM=bm, BN=bn_down, BK=bk_down, **kw)
+        LOWP=not interp, ALIGN=align, SWAP=swap, BM=bm, BN=bn_down, BK=bk_down, **kw)
     cb = min(1024, triton.next_power_of_2(d))
     _combine_kernel[(t, -(-d // cb))](y, flat_ids, out, d, TOPK=topk, BLOCK=cb)
     return out
