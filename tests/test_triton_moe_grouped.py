@@ -110,6 +110,21 @@ def test_align_rows(dev, rng, poisoned):
         assert (used[1:] >= used[:-1]).all()  # experts in ascending order, blocks contiguous
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("chunk", [None, 32])
+def test_sort_rows(dev, chunk, rng, poisoned):
+    """The tiled path's expert order: a stable sort of the ids (-1 and absent experts left out)
+    and each expert's segment bounds, in one or several chunks."""
+    n_exp = 9
+    ids = torch.randint(-1, n_exp - 2, (150,), generator=rng)
+    perm, bounds = (v.cpu().long() for v in mg.sort_rows(ids.to(dev), n_exp, chunk))
+    keep = (ids >= 0).nonzero().flatten()
+    order = keep[torch.sort(ids[keep], stable=True).indices]
+    assert torch.equal(perm[:order.numel()], order)
+    want = torch.searchsorted(torch.sort(ids[keep]).values, torch.arange(n_exp + 1))
+    assert torch.equal(bounds, want)
+
+
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr):
     rn = tl.arange(0, BN)

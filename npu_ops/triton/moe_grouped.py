@@ -74,10 +74,11 @@ def _count_kernel(ids_ptr, cnt_ptr, R, E, CH: tl.constexpr, EP: tl.constexpr):
 
 
 @triton.jit
-def _place_kernel(ids_ptr, cnt_ptr, rows_ptr, bexp_ptr, bcnt_ptr, R, E, n_chunks, n_blocks,
+def _place_kernel(ids_ptr, cnt_ptr, rows_ptr, bexp_ptr, bcnt_ptr, bounds_ptr, R, E, n_chunks, n_blocks,
                   CH: tl.constexpr, EP: tl.constexpr, NCB: tl.constexpr, BM: tl.constexpr, BB: tl.constexpr,
-                  ONE: tl.constexpr):
+                  ONE: tl.constexpr, BLOCKS: tl.constexpr):
     """Each program places its chunk's rows at their padded positions; program 0 also writes the
+    segment bounds (bounds[e] .. bounds[e + 1]: expert e's padded segment) and, with BLOCKS, the
     block table. Expert e's segment starts at the sum of the padded counts of the experts below
     it; inside it, rows keep their flat order (chunks below, then the rank inside the chunk)."""
     c = tl.program_id(0)
@@ -103,39 +104,59 @@ def _place_kernel(ids_ptr, cnt_ptr, rows_ptr, bexp_ptr, bcnt_ptr, R, E, n_chunks
     pos = tl.sum(onehot * (pstart + before)[None, :] + onehot * rank, axis=1)
     tl.store(rows_ptr + pos, f, mask=tl.sum(onehot, axis=1) > 0)
     if c == 0:
-        for b0 in range(0, n_blocks, BB):
-            b = b0 + tl.arange(0, BB)
-            first = b * BM
-            # the expert whose padded segment holds row `first`: experts ending at or before it
-            eb = tl.sum(((pend[None, :] <= first[:, None]) & (ex[None, :] < E)).to(tl.int32), axis=1)
-            hit = ex[None, :] == eb[:, None]
-            real = tl.sum(tl.where(hit, pstart + total, 0), axis=1) - first
-            used = eb < E
-            tl.store(bexp_ptr + b, tl.where(used, eb, -1), mask=b < n_blocks)
-            tl.store(bcnt_ptr + b, tl.where(used, tl.minimum(real, BM), 0), mask=b < n_blocks)
+        tl.store(bounds_ptr + 1 + ex, pend, mask=ex < E)
+        tl.store(bounds_ptr, 0)
+    if BLOCKS:
+        if c == 0:
+            for b0 in range(0, n_blocks, BB):
+                b = b0 + tl.arange(0, BB)
+                first = b * BM
+                # the expert whose padded segment holds row `first`: experts ending at or before it
+                eb = tl.sum(((pend[None, :] <= first[:, None]) & (ex[None, :] < E)).to(tl.int32), axis=1)
+                hit = ex[None, :] == eb[:, None]
+                real = tl.sum(tl.where(hit, pstart + total, 0), axis=1) - first
+                used = eb < E
+                tl.store(bexp_ptr + b, tl.where(used, eb, -1), mask=b < n_blocks)
+                tl.store(bcnt_ptr + b, tl.where(used, tl.minimum(real, BM), 0), mask=b < n_blocks)
+
+
+def _align(flat_ids: torch.Tensor, n_exp: int, bm: int, chunk: int | None, blocks: bool):
+    """Launch the align kernels: (rows, block expert, block row count, bounds)."""
+    r = flat_ids.numel()
+    dev = flat_ids.device
+    n_blocks = -(-r // bm) + min(n_exp, r) if blocks else 1
+    ep = triton.next_power_of_2(max(n_exp, 2))
+    ch = chunk or max(16, min(1024, triton.next_power_of_2(r), 8192 // ep))
+    n_chunks = -(-r // ch)
+    rows = _buffer((n_blocks * bm if blocks else r,), torch.int32, dev)
+    bexp = _buffer((n_blocks,), torch.int32, dev)
+    bcnt = _buffer((n_blocks,), torch.int32, dev)
+    bounds = _buffer((n_exp + 1,), torch.int32, dev)
+    one = n_chunks == 1
+    cnt = rows if one else _buffer((n_chunks, ep), torch.int32, dev)
+    if not one:
+        _count_kernel[(n_chunks,)](flat_ids, cnt, r, n_exp, CH=ch, EP=ep)
+    ncb = max(2, min(triton.next_power_of_2(n_chunks), 8192 // ep))
+    _place_kernel[(n_chunks,)](flat_ids, cnt, rows, bexp, bcnt, bounds, r, n_exp, n_chunks, n_blocks, CH=ch, EP=ep,
+                               NCB=ncb, BM=bm, BB=max(2, min(256, triton.next_power_of_2(n_blocks))), ONE=one,
+                               BLOCKS=blocks)
+    return rows, bexp, bcnt, bounds
 
 
 def align_rows(flat_ids: torch.Tensor, n_exp: int, bm: int, chunk: int | None = None):
     """(rows int32 [n_blocks * bm], block expert int32 [n_blocks], block row count int32
     [n_blocks]) for flat expert ids [R] (see the module docstring; entries of `rows` past a
     block's count are unset)."""
-    r = flat_ids.numel()
-    dev = flat_ids.device
-    n_blocks = -(-r // bm) + min(n_exp, r)
-    ep = triton.next_power_of_2(max(n_exp, 2))
-    ch = chunk or max(16, min(1024, triton.next_power_of_2(r), 8192 // ep))
-    n_chunks = -(-r // ch)
-    rows = _buffer((n_blocks * bm,), torch.int32, dev)
-    bexp = _buffer((n_blocks,), torch.int32, dev)
-    bcnt = _buffer((n_blocks,), torch.int32, dev)
-    one = n_chunks == 1
-    cnt = rows if one else _buffer((n_chunks, ep), torch.int32, dev)
-    if not one:
-        _count_kernel[(n_chunks,)](flat_ids, cnt, r, n_exp, CH=ch, EP=ep)
-    ncb = max(2, min(triton.next_power_of_2(n_chunks), 8192 // ep))
-    _place_kernel[(n_chunks,)](flat_ids, cnt, rows, bexp, bcnt, r, n_exp, n_chunks, n_blocks, CH=ch, EP=ep, NCB=ncb,
-                               BM=bm, BB=max(2, min(256, triton.next_power_of_2(n_blocks))), ONE=one)
-    return rows, bexp, bcnt
+    return _align(flat_ids, n_exp, bm, chunk, True)[:3]
+
+
+def sort_rows(flat_ids: torch.Tensor, n_exp: int, chunk: int | None = None):
+    """(perm int32 [R], bounds int32 [E + 1]): the flat rows ordered by expert (stable; ids < 0
+    and >= E left out: entries past bounds[E] are unset) and expert e's rows at
+    perm[bounds[e]:bounds[e + 1]]. What a stable sort plus a searchsorted give, in one launch
+    for up to 1024 rows (two above), without a host sync."""
+    rows, _, _, bounds = _align(flat_ids, n_exp, 1, chunk, False)
+    return rows, bounds
 
 
 # ---- 2./3. the expert GEMMs ----------------------------------------------------------------------
