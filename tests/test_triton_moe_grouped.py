@@ -84,6 +84,30 @@ def test_grouped_decode_batches(dev, t, swap, rng, poisoned):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("swap", [False, True])
+def test_grouped_predequantised(dev, swap, rng, poisoned):
+    """The prefill form: FP4 experts written out as bf16 once (scales folded), then the bf16
+    GEMMs with x and the w2 input still FP8-quantised."""
+    check(dev, "fp4", 20, 4, 2, 64, 128, rng, used=3, predequant=True, swap=swap)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_predequantised_weights_exact(dev, rng, poisoned):
+    """The bf16 scratch holds every expert's w1, w3, w2 exactly (the reference's values)."""
+    from dsv41.backends.reference.basic import dequant_weight
+
+    d, inter = 128, 64
+    ex = [(weight("fp4", inter, d, rng), weight("fp4", d, inter, rng), weight("fp4", inter, d, rng)) for _ in range(3)]
+    dex = [tuple((a.to(dev), b.to(dev)) for a, b in e) for e in ex]
+    scratch, _ = mg.predequantised(me._expert_table(dex, torch.device(dev)), dev == "cpu")
+    scratch = scratch.cpu().double()
+    for i, ((w1, s1), (w2, s2), (w3, s3)) in enumerate(ex):
+        assert torch.equal(scratch[i, 0].reshape(inter, d), dequant_weight(w1, s1).double())
+        assert torch.equal(scratch[i, 1].reshape(inter, d), dequant_weight(w3, s3).double())
+        assert torch.equal(scratch[i, 2].reshape(d, inter), dequant_weight(w2, s2).double())
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 def test_grouped_several_align_chunks(dev, rng, poisoned):
     """Rows spread over several align chunks (the count pass, then prefix sums across chunks),
     K and N over several tiles."""
@@ -165,6 +189,14 @@ def test_fp4_dequant_scale_range(dev, rng):
 @pytest.mark.parametrize("swap", [False, True])
 def test_grouped_model_shapes_gpu(dev, t, swap, rng, poisoned):
     check(dev, "fp4", t, 16, 6, 1024, 512, rng, used=14, swap=swap)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("predequant", [False, True])
+def test_grouped_prefill_gpu(dev, predequant, rng, poisoned):
+    """A prefill-sized call at model-like widths, in-loop dequantisation against the bf16 scratch."""
+    check(dev, "fp4", 1500, 16, 6, 1024, 512, rng, used=16, predequant=predequant)
 
 
 @pytest.mark.gpu

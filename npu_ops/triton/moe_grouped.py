@@ -213,14 +213,14 @@ def dense_tile(w_ptr, s_ptr, rn, nmask, k0, k_hi, w_stride, s_stride, W_KIND: tl
     rn64 = rn.to(tl.int64)
     kk = k0 + tl.arange(0, BK)
     m = nmask[:, None] & (kk[None, :] < k_hi)
-    w = tl.load(w_ptr + rn64[:, None] * w_stride + kk[None, :], mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + rn64[:, None] * w_stride + kk[None, :], mask=m, other=0.0)
     if W_KIND == 1:
         sb = tl.load(s_ptr + (rn64 // 32)[:, None] * s_stride + (kk // 32)[None, :], mask=m, other=0)
-        w = w * e8m0_value(sb.to(tl.int32))
+        w = w.to(tl.float32) * e8m0_value(sb.to(tl.int32))
     if LOWP:
-        return w.to(tl.bfloat16)
+        return w.to(tl.bfloat16)  # bf16 weights: as loaded (the load feeds the dot directly)
     else:
-        return w
+        return w.to(tl.float32)
 
 
 @triton.jit
@@ -284,7 +284,8 @@ def _expert_ptrs(w_base, s_base, table_ptr, e, which: tl.constexpr, ALIGN: tl.co
 def _gate_up_kernel(a_ptr, rows_ptr, bexp_ptr, bcnt_ptr, wts_ptr, w_base, s_base, table_ptr, h_ptr,
                     K, I, w_stride, s_stride, limit, n_blocks, GROUP_M,
                     TOPK: tl.constexpr, W_KIND: tl.constexpr, LOWP: tl.constexpr, ALIGN: tl.constexpr,
-                    SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P_OUT: tl.constexpr):
+                    SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P_OUT: tl.constexpr,
+                    QUANT_H: tl.constexpr):
     blk, pn = _tile_of(tl.program_id(0), n_blocks, tl.cdiv(I, BN), GROUP_M)
     e = tl.load(bexp_ptr + blk)
     if e >= 0:
@@ -311,7 +312,7 @@ def _gate_up_kernel(a_ptr, rows_ptr, bexp_ptr, bcnt_ptr, wts_ptr, w_base, s_base
             acc1 = tl.trans(acc1)
             acc3 = tl.trans(acc3)
         h = swiglu_tile(acc1, acc3, limit) * tl.load(wts_ptr + f, mask=rmask, other=0.0)[:, None]
-        if W_KIND != 0:  # the w2 input's FP8 quantisation (BN % 32 == 0: whole groups); exact in bf16
+        if QUANT_H:  # the w2 input's FP8 quantisation (BN % 32 == 0: whole groups); exact in bf16
             h = fp8_qdq_groups(h, BM, BN)
         if P_OUT > 0:  # w2 is FP4: its input goes in chunk-permuted
             cols = perm_cols(rn, P_OUT)
@@ -348,6 +349,54 @@ def _down_kernel(h_ptr, rows_ptr, bexp_ptr, bcnt_ptr, w_base, s_base, table_ptr,
             tl.store(y_ptr + f[:, None] * D + rn[None, :], acc, mask=rmask[:, None] & nmask[None, :])
 
 
+# ---- prefill: the experts dequantised once per call -----------------------------------------------
+# With hundreds of rows per expert, dequantising inside the GEMM loop (once per row block) costs
+# more than the dots. Instead every FP4 expert is written out as bf16 once per call (scales
+# folded: exact, as above) into one scratch [E, 3, ., .] (w1 [I, d], w3 [I, d], w2 [d, I]), and
+# the same GEMM kernels run on it as bf16 experts (the loads feed the dots directly), keeping the
+# FP8 quantisation of x and of the w2 input.
+PREDEQUANT_MIN_ROWS = 256  # routed rows per expert (on average) from which it pays (estimate)
+PREDEQUANT_MAX_BYTES = 4 << 30  # the bf16 scratch may take at most this much
+_SCRATCH_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+@triton.jit
+def _fp4_to_bf16_kernel(w_base, s_base, table_ptr, out_ptr, I, D, BT: tl.constexpr, LOWP: tl.constexpr):
+    """Program (expert e, matrix m, tile): a [BT, BT] tile of matrix m (0: w1, 1: w3, 2: w2) of
+    expert e dequantised to bf16 into out [E, 3, I * D]."""
+    e = tl.program_id(0)
+    m = tl.program_id(1)
+    n_rows = tl.where(m == 2, D, I)
+    k = tl.where(m == 2, I, D)
+    n_kt = k // BT
+    pn = tl.program_id(2) // n_kt
+    pk = tl.program_id(2) - pn * n_kt
+    w = w_base + tl.load(table_ptr + e * 6 + m)
+    sc = s_base + tl.load(table_ptr + e * 6 + 3 + m)
+    rn = pn * BT + tl.arange(0, BT)
+    lo, hi = fp4_tiles(w, sc, rn, rn < n_rows, pk * BT, k, k // 2, k // 32, BT, BT, LOWP)
+    kk = pk * BT + tl.arange(0, BT)
+    dst = out_ptr + (e * 3 + m).to(tl.int64) * I * D + rn.to(tl.int64)[:, None] * k + kk[None, :]
+    tl.store(dst, tl.interleave(lo, hi), mask=(rn < n_rows)[:, None])
+
+
+def predequantised(table_args, interp: bool):
+    """(bf16 scratch [E, 3, I * D], its table args as bf16 experts) for FP4 experts."""
+    w_base, s_base, table, kind, inter, d, _, align = table_args
+    n_exp = table.shape[0]
+    bt = 64 if inter % 64 == 0 and d % 64 == 0 else 32
+    out = _buffer((n_exp, 3, inter * d), torch.bfloat16, w_base.device)
+    _fp4_to_bf16_kernel[(n_exp, 3, (inter // bt) * (d // bt))](w_base, s_base, table, out, inter, d, BT=bt,
+                                                                 LOWP=not interp)
+    key = (n_exp, inter, d, w_base.device)
+    tab = _SCRATCH_TABLES.get(key)
+    if tab is None:
+        e = torch.arange(n_exp, dtype=torch.int64) * 3 * inter * d
+        tab = torch.stack([e, e + inter * d, e + 2 * inter * d] + [torch.zeros_like(e)] * 3, dim=1)
+        tab = _SCRATCH_TABLES[key] = tab.to(w_base.device)
+    return out, (out, out, tab, W_DENSE, inter, d, (0, 0), 16)
+
+
 def tiles_for(t: int, topk: int, interp: bool) -> dict:
     """The default tiles for T tokens of top-k routing."""
     if interp:
@@ -365,8 +414,11 @@ def _fit_bk(bk: int, width: int) -> int:
 
 
 def grouped_moe(x, weights, ids, table_args, limit, out, *, bm=None, bn_up=None, bn_down=None, bk=None,
-                bk_down=None, group_m=None, swap=None, num_warps=None, num_stages=None, chunk=None):
-    """The grouped path of `moe_experts` (module docstring): out [T, d] fp32 <- x [T, d]."""
+                bk_down=None, group_m=None, swap=None, num_warps=None, num_stages=None, chunk=None,
+                predequant=None):
+    """The grouped path of `moe_experts` (module docstring): out [T, d] fp32 <- x [T, d].
+    `predequant`: FP4 experts dequantised to a bf16 scratch first (default: from
+    PREDEQUANT_MIN_ROWS rows per expert on devices, within PREDEQUANT_MAX_BYTES)."""
     from .fp8_quant import fp8_qdq_bf16
     from .launch import interpreting
     from .moe_experts import _combine_kernel
@@ -376,6 +428,14 @@ def grouped_moe(x, weights, ids, table_args, limit, out, *, bm=None, bn_up=None,
     interp = interpreting()
     t, topk = ids.shape
     r = t * topk
+    quant = kind != W_DENSE  # x and the w2 input FP8-quantised (the weights' activation format)
+    if predequant is None:
+        predequant = (not interp and kind == W_FP4 and r >= PREDEQUANT_MIN_ROWS * n_exp
+                      and n_exp * 3 * inter * d * 2 <= PREDEQUANT_MAX_BYTES)
+    scratch = None
+    if predequant and kind == W_FP4:
+        scratch, table_args = predequantised(table_args, interp)
+        w_base, s_base, table, kind, inter, d, (s_up, s_down), align = table_args
     cfg = tiles_for(t, topk, interp)
     bm = bm or cfg["bm"]
     bn_up, bn_down = bn_up or cfg["bn_up"], bn_down or cfg["bn_down"]
@@ -390,7 +450,7 @@ def grouped_moe(x, weights, ids, table_args, limit, out, *, bm=None, bn_up=None,
     rows, bexp, bcnt = align_rows(flat_ids, n_exp, bm, chunk)
     n_blocks = bexp.numel()
     gm = group_m or cfg.get("group_m") or n_blocks
-    if kind == W_DENSE:
+    if not quant:
         a = x.to(torch.bfloat16).contiguous()
     else:
         a = fp8_qdq_bf16(x)
@@ -405,10 +465,11 @@ def grouped_moe(x, weights, ids, table_args, limit, out, *, bm=None, bn_up=None,
     _gate_up_kernel[(n_blocks * -(-inter // bn_up),)](
         a, rows, bexp, bcnt, weights.float().contiguous().reshape(-1), w_base, s_base, table, h.view(torch.int16),
         d, inter, w_row(d), s_up, float(limit), n_blocks, gm, TOPK=topk, W_KIND=kind, LOWP=not interp, ALIGN=align,
-        SWAP=swap, BM=bm, BN=bn_up, BK=bk_up, P_OUT=bk_down if kind == W_FP4 else 0, **kw)
+        SWAP=swap, BM=bm, BN=bn_up, BK=bk_up, P_OUT=bk_down if kind == W_FP4 else 0, QUANT_H=quant, **kw)
     _down_kernel[(n_blocks * -(-d // bn_down),)](
         h, rows, bexp, bcnt, w_base, s_base, table, y, inter, d, w_row(inter), s_down, n_blocks, gm, W_KIND=kind,
         LOWP=not interp, ALIGN=align, SWAP=swap, BM=bm, BN=bn_down, BK=bk_down, **kw)
+    del scratch  # (kept alive until the kernels that read it are queued)
     cb = min(1024, triton.next_power_of_2(d))
     _combine_kernel[(t, -(-d // cb))](y, flat_ids, out, d, TOPK=topk, BLOCK=cb)
     return out
