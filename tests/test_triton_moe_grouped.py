@@ -13,7 +13,9 @@ import torch
 
 from _triton import DEVICES, cuda_only, triton  # noqa: F401  (sets TRITON_INTERPRET; skips without triton)
 
-from dsv41.backends.reference import moe, quant  # noqa: E402
+from test_triton_block_linear import weight  # noqa: E402  (the random weights in storage formats)
+
+from dsv41.backends.reference import moe  # noqa: E402
 from dsv41.npu_ops.triton import moe_experts as me  # noqa: E402
 from dsv41.npu_ops.triton import moe_grouped as mg  # noqa: E402
 
@@ -36,15 +38,6 @@ def poisoned(monkeypatch):
         return t.fill_(float("nan") if dtype.is_floating_point else -1)
 
     monkeypatch.setattr(mg, "_buffer", poison)
-
-
-def weight(fmt: str, n: int, k: int, rng: torch.Generator):
-    w = torch.randn(n, k, generator=rng) * k ** -0.5 * torch.exp2(torch.randint(-3, 4, (n, 1), generator=rng).float())
-    if fmt == "fp8":
-        return quant.fp8_block_quant(w)
-    if fmt == "fp4":
-        return quant.fp4_weight_quant(w)
-    return w.to(torch.bfloat16), None
 
 
 def check(dev, fmt, t, n_exp, topk, d, inter, rng, used=None, **tiles):
