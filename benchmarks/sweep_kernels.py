@@ -286,11 +286,13 @@ def sweep_moe(rows, copy, tokens=(1, 8, 64, 8192)):
              dict(path=g, swap=False, bm=16), dict(path=g, swap=True, bn_up=128, bn_down=128),
              dict(path=g, swap=False, bk=256), dict(path=g, swap=True, bk=256), dict(path=g, swap=True, num_warps=8),
              dict(path=g, swap=False, bk=64)]
-    large = [dict(path=g, swap=False), dict(path=g, swap=True),
-             dict(path=g, swap=False, bm=64, bn_up=64, bn_down=128, bk=128, num_warps=4, num_stages=3),
-             dict(path=g, swap=True, bm=64, bn_up=128, bn_down=128, bk=128, num_warps=8, num_stages=3),
-             dict(path=g, swap=True, bm=128, bn_up=64, bn_down=128, bk=128, num_warps=8, num_stages=2),
-             dict(path=g, swap=False, bm=128, bn_up=128, bn_down=128, bk=128, num_warps=8, num_stages=2)]
+    large = [dict(path=g), dict(path=g, predequant=False, swap=False), dict(path=g, predequant=False, swap=True),
+             dict(path=g, predequant=True, bm=128, bn_up=128, bn_down=128, bk=64, num_warps=8, num_stages=4),
+             dict(path=g, predequant=True, bm=64, bn_up=128, bn_down=128, bk=64, num_warps=4, num_stages=4),
+             dict(path=g, predequant=False, swap=False, bm=64, bn_up=64, bn_down=128, bk=128, num_warps=4, num_stages=3),
+             dict(path=g, predequant=False, swap=True, bm=64, bn_up=128, bn_down=128, bk=128, num_warps=8, num_stages=3),
+             dict(path=g, predequant=False, swap=True, bm=128, bn_up=64, bn_down=128, bk=128, num_warps=8, num_stages=2),
+             dict(path=g, predequant=False, swap=False, bm=128, bn_up=128, bn_down=128, bk=128, num_warps=8, num_stages=2)]
     for t in tokens:
         x, ids, wts, want, active, nbytes = _moe_case(t, experts, d, inter, n_exp, topk, moe_ref, fp32_accumulation)
         flops = 2 * t * topk * 3 * inter * d
