@@ -46,9 +46,10 @@ import triton.language as tl
 from .block_scaled import W_DENSE, W_FP4, bf16_bits16, e2m1_pairs_f32, e8m0_value, fp8_qdq_groups
 from .swiglu import swiglu_tile
 
-# Tiles per token range (H200 choices: see benchmarks/RESULTS.md, "MoE grouped path").
+# Tiles per routed-row range: the best measured on the H200 (benchmarks/RESULTS.md, "MoE: the
+# grouped tensor-core path": T=8 swap off 980 us, T=64 swap + BK 256 999 us, T=8192 41.7 ms).
 TILES = {"decode": {"bm": 16, "bn_up": 64, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 3},
-         "mid": {"bm": 32, "bn_up": 64, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 3},
+         "mid": {"bm": 32, "bn_up": 64, "bn_down": 64, "bk": 256, "num_warps": 4, "num_stages": 3, "swap": True},
          "prefill": {"bm": 128, "bn_up": 64, "bn_down": 128, "bk": 128, "num_warps": 8, "num_stages": 3,
                      "group_m": 8},
          "interp": {"bm": 16, "bn_up": 32, "bn_down": 32, "bk": 64}}
