@@ -106,6 +106,21 @@ def test_linear_fold_is_the_fp8_decode_default():
     assert bl.FOLD_MAX_M >= 64
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_linear_w8a8(dev, m, rng):
+    """INT8 weights with a per-channel fp32 scale (W8A8, `convert --linear-dtype int8`): per-token
+    int8 activations, exact int32 sums (padded to cuBLASLt's row minimum below 17 rows)."""
+    k, n = 96, 40
+    x = (torch.randn(m, k, generator=rng) * 3).to(torch.bfloat16)
+    w, s = quant.int8_row_quant(torch.randn(n, k, generator=rng) * k ** -0.5)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        want = basic.linear(x, w, s, out_dtype)
+        got = bl.linear(x.to(dev), w.to(dev), s.to(dev), out_dtype)
+        assert got.dtype == out_dtype and got.shape == (m, n)
+        assert rel_err(got, want) < BOUND[out_dtype]
+
+
 def test_linear_rejects_bad_shapes():
     with pytest.raises(ValueError, match="multiple of 32"):
         bl.linear(torch.zeros(1, 40), *quant.fp8_block_quant(torch.zeros(8, 40)))

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...backends.reference import quant
 from ...backends.reference.basic import linear as linear_ref  # noqa: F401  (the oracle)
 from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, e8m0_value, fp8_qdq_groups, gemv_acc, gemv_load_w,
                            load_weight_tile, scaled_block_step)
@@ -415,6 +416,27 @@ def dequant_bf16(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 CUBLAS_MIN_M = 1024
 
 
+# cuBLASLt's int8 GEMM (torch._int_mm) takes more than this many rows; fewer are padded with zeros.
+INT_MM_MIN_M = 17
+
+
+def int8_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, odt: torch.dtype) -> torch.Tensor:
+    """W8A8 (int8 weight [N, K], fp32 scale per output channel): x [M, K] int8-quantised per token
+    as the reference does (`quant.int8_token_qdq`, fp32 torch ops on x rounded to bf16), the
+    integer dot products summed exactly in int32 (`torch._int_mm`: cuBLASLt on CUDA; |sum| <=
+    127^2 K < 2^31), then x_scale[m] * w_scale[n] in fp32 and one rounding to `odt`."""
+    k = x2.shape[1]
+    if weight.shape[1] != k:
+        raise ValueError(f"weight {tuple(weight.shape)} does not match in_features {k}")
+    q, xs = quant.int8_token_qdq(x2.to(torch.bfloat16).float())
+    q = q.to(torch.int8)
+    m = q.shape[0]
+    if q.device.type == "cuda" and m < INT_MM_MIN_M:
+        q = torch.cat([q, q.new_zeros(INT_MM_MIN_M - m, k)])
+    acc = torch._int_mm(q, weight.t())[:m]
+    return (acc.float() * xs.reshape(m, 1) * scale.float().reshape(1, -1)).to(odt)
+
+
 # From this many rows on, bf16 x bf16 with fp32 output (the head's logits) goes to cuBLAS through
 # torch.mm(..., out_dtype=torch.float32) (bf16 products, fp32 accumulation and output: the
 # kernel's numerics class); below it to `_block_linear_kernel`, at its weight-read floor for M = 1.
@@ -456,6 +478,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
         x2 = x2.contiguous()
     m = x2.shape[0]
     odt = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+    if quant.is_int8_channel_weight(weight, scale):
+        return int8_linear(x2, weight, scale, odt).reshape(*lead, n)
     if not interpreting() and not tiles:
         if scale is None and odt == weight.dtype == x2.dtype:  # bf16 x bf16 -> bf16 (or fp32 throughout)
             return torch.matmul(x2, weight.t()).reshape(*lead, n)
