@@ -348,6 +348,27 @@ DENSE_LINEARS = [("wq_a", CFG.q_lora_rank, CFG.hidden_size), ("wq_b", H * D, CFG
                  ("idx_wq_b", HI * DI, CFG.q_lora_rank)]
 
 
+def kernel_times(call, iters: int = 10) -> str:
+    """Device time per call of each kernel `call` launches (torch.profiler over `iters` eager
+    calls), as 'name us, ...' sorted by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                call()
+            torch.cuda.synchronize()
+        tot: dict[str, float] = {}
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                tot[ev.name[:40]] = tot.get(ev.name[:40], 0.0) + ev.device_time_total / iters
+    except Exception as e:  # noqa: BLE001  (the profiler is a diagnostic, not the measurement)
+        return f"profiler failed: {type(e).__name__}: {str(e)[:80]}"
+    return ", ".join(f"{k} {v:.1f} us" for k, v in sorted(tot.items(), key=lambda kv: -kv[1]))
+
+
 def sweep_dense(rows, copy, tokens=(1, 8, 64)):
     """The dense FP8 linears at decode sizes (M = 1, 8, 64) at the model's shapes: each against
     the fp32-accumulating reference, the default path and variants of the fold path (tensor
@@ -362,10 +383,12 @@ def sweep_dense(rows, copy, tokens=(1, 8, 64)):
 
     weights = {name: quant.fp8_block_quant(torch.randn(n, k, device="cuda") * k ** -0.5)
                for name, n, k in DENSE_LINEARS}
-    variants = {1: [dict(path="gemv"), dict(path="fold", bk=128), dict(path="fold", num_warps=8),
-                    dict(path="fold", bn=64, bk=128)],
-                64: [dict(path="tiled"), dict(path="fold", bk=128), dict(path="fold", bn=64, bk=128),
-                     dict(path="fold", bn=128, bk=128, num_warps=8), dict(path="fold", bn=64, bk=64)]}
+    variants = {1: [dict(path="gemv"), dict(path="fold", bn=32, bk=256), dict(path="fold", bk=256, num_stages=3),
+                    dict(path="fold", num_stages=6), dict(path="fold", bn=128), dict(path="fold", qdq_row=False),
+                    dict(path="fold", split_k=4), dict(path="fold", split_k=16)],
+                8: [dict(path="fold", bn=32, bk=256), dict(path="fold", bk=256, num_stages=3), dict(path="fold", bn=128)],
+                64: [dict(path="tiled"), dict(path="fold", bn=128), dict(path="fold", bn=128, num_warps=8),
+                     dict(path="fold", bn=256, bk=64, num_warps=8), dict(path="fold", bk=64), dict(path="fold", split_k=1)]}
     for m in tokens:
         layer_bytes = 0
         for name, n, k in DENSE_LINEARS:
@@ -375,8 +398,8 @@ def sweep_dense(rows, copy, tokens=(1, 8, 64)):
                 want = linear_ref(x, w, s)
             nbytes = n * k * (1 + 1 / 1024) + m * k * 2 + m * n * 2
             layer_bytes += nbytes
-            floor = nbytes / (copy * 1e9 / 2) * 1e6
-            todo = [dict()] + (variants.get(m, []) if name in ("wq_a", "wo_b") else [])
+            floor = nbytes / (copy * 1e9) * 1e6
+            todo = [dict()] + (variants.get(m, []) if name in ("wq_a", "wq_b", "wo_b") else [])
             for v in todo:
                 label = f"linear fp8 {name} " + (" ".join(f"{a}={b}" for a, b in v.items()) or "default")
                 _variant_row(rows, label, f"M={m} K={k} N={n} floor {floor:.1f} us",
@@ -387,17 +410,18 @@ def sweep_dense(rows, copy, tokens=(1, 8, 64)):
             return [bl.linear(xs[name], *weights[name]) for name, _, _ in DENSE_LINEARS]
 
         tg = graph_time(layer)
+        rows.append(f"| one layer's kernels | M={m} | {kernel_times(layer)} |")
         rows.append(f"| one layer's 5 FP8 linears | M={m} | graph {tg * 1e6:.1f} us | floor "
-                    f"{layer_bytes / (copy * 1e9 / 2) * 1e6:.1f} us | {tg / (layer_bytes / (copy * 1e9 / 2)):.2f}x floor |")
+                    f"{layer_bytes / (copy * 1e9) * 1e6:.1f} us | {tg / (layer_bytes / (copy * 1e9)):.2f}x floor |")
         print(rows[-1], flush=True)
     head = (torch.randn(CFG.vocab_size, CFG.hidden_size, device="cuda") * CFG.hidden_size ** -0.5).to(torch.bfloat16)
     for m in (1, 64):
         x = torch.randn(m, CFG.hidden_size, device="cuda").to(torch.bfloat16)
         want = x.double() @ head.double().t()
         nbytes = head.numel() * 2 + m * CFG.vocab_size * 4
-        for v in (dict(), dict(tiled=True)) if m > 1 else (dict(),):
+        for v in (dict(),):
             _variant_row(rows, "head bf16 -> fp32 " + ("kernel" if v else "default"),
-                         f"M={m} floor {nbytes / (copy * 1e9 / 2) * 1e6:.0f} us",
+                         f"M={m} floor {nbytes / (copy * 1e9) * 1e6:.0f} us",
                          lambda x=x, v=v: bl.linear(x, head, None, torch.float32, **({"path": "tiled"} if v else {})),
                          want, nbytes, 2 * m * head.numel(), copy)
     n, dim = CFG.hc_mult, CFG.hidden_size
@@ -411,11 +435,16 @@ def sweep_dense(rows, copy, tokens=(1, 8, 64)):
         comb = torch.softmax(torch.randn(t, n, n, device="cuda"), -1)
         pre = torch.rand(t, n, device="cuda")
         want = registry.resolve("mhc_mix", "reference")[0](x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, its)
-        for v in (dict(fused=False), dict(fused=True), dict(fused=True, d_split=32), dict(fused=True, d_split=16)):
+        for v in (dict(fused=False), dict(fused=True), dict(fused=True, d_split=32), dict(fused=False, d_split=32)):
             def call(v=v, x=x, y=y, post=post, comb=comb, pre=pre):
                 return mm.mhc_mix(x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, its, **v)[2][2]
             _variant_row(rows, "mhc_mix " + " ".join(f"{a}={b}" for a, b in v.items()), f"T={t}", call, want[2][2],
                          t * (2 * n + 2) * dim * 2 + fn.numel() * 4, 0, copy)
+        for v in (dict(fused=False), dict(fused=True)):
+            rows.append(f"| mhc_mix kernels {v} | T={t} | " + kernel_times(
+                lambda v=v, x=x, y=y, post=post, comb=comb, pre=pre:
+                mm.mhc_mix(x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, its, **v)) + " |")
+            print(rows[-1], flush=True)
         want = registry.resolve("mhc_mixes", "reference")[0](x, fn, scale, base, 1e-20, 1e-6, its)
         for v in (dict(fused=False), dict(fused=True)):
             _variant_row(rows, "mhc_mixes " + " ".join(f"{a}={b}" for a, b in v.items()), f"T={t}",

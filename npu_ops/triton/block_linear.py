@@ -238,7 +238,11 @@ GEMV_INTERP = {"bn": 32, "bk": 64, "num_warps": 4, "num_stages": 1}
 # operands, BM = M rounded up to a power of two >= 16, at most bm_max; bn 32 folds the weight
 # scale into x, wider bn into the weight tile).
 FOLD_MAX_M = 64
-FOLD = {"bn": 32, "bm_max": 64, "bk": 256, "num_warps": 4, "num_stages": 4, "waves": 4, "qdq_row": True}
+# split-K: about `waves` programs per SM, and at most as many K slices as keep the fp32 partials
+# (written and read back: 8 * split * M * N bytes) within `part_ratio` of the weight's N * K bytes
+# (H200 2026-11-30 at M = 64: splitting K=5120 into 40 slices moved twice the weight's bytes).
+FOLD = {"bn": 64, "bm_max": 64, "bk": 128, "num_warps": 4, "num_stages": 4, "waves": 4, "qdq_row": True,
+        "part_ratio": 0.5}
 FOLD_INTERP = {"bn": 32, "bm_max": 16, "bk": 64, "qdq_row": True}
 
 def _split_k_buffers(m, n, k, bk, k_steps, split_k, n_tiles, out):
@@ -266,11 +270,13 @@ def weight_kind(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
 
 def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor, *,
                   bm: int | None = None, bn: int | None = None, bk: int | None = None, split_k: int | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None, path: str | None = None) -> None:
+                  num_warps: int | None = None, num_stages: int | None = None, path: str | None = None,
+                  qdq_row: bool | None = None) -> None:
     """out [M, N] (bf16 or fp32) = x2 [M, K] @ dequant(weight)^T; with a scaled weight x2 is
     FP8-quantised first (`fp8_quant`, one pass; in the kernel on the gemv path). The keyword tile
-    parameters are for tuning (defaults: the tables above); `path` ("gemv" / "tiled") overrides
-    the choice of the M <= GEMV_MAX_M path."""
+    parameters are for tuning (defaults: the tables above); `path` ("fold" / "gemv" / "tiled")
+    overrides the choice of path (FP8 at M <= FOLD_MAX_M: fold; other scaled weights at
+    M <= GEMV_DEFAULT_M: gemv; else tiled); `qdq_row` (fold, M = 1) quantises x in the kernel."""
     from .fp8_quant import fp8_quant
     from .launch import interpreting, num_workers
 
@@ -292,7 +298,7 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
         if kind != W_FP8:
             raise ValueError("linear: the fold path takes FP8 weights")
         _launch_fold(x2, weight, scale, out, bm=bm, bn=bn, bk=bk, split_k=split_k, num_warps=num_warps,
-                     num_stages=num_stages)
+                     num_stages=num_stages, qdq_row=qdq_row)
         return
     if path == "gemv":
         if kind == W_DENSE or m > GEMV_MAX_M:
@@ -386,7 +392,8 @@ def _launch_fold(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_k=N
     n_n, n_m = -(-n // bn), -(-m // bm)
     k_steps = -(-k // bk)
     if split_k is None:
-        split_k = 1 if interp else max(1, min(k_steps, -(-cfg["waves"] * num_workers(x2.device) // (n_n * n_m))))
+        cap = max(1, int(FOLD["part_ratio"] * k / (8 * m)))
+        split_k = 1 if interp else max(1, min(k_steps, cap, -(-cfg["waves"] * num_workers(x2.device) // (n_n * n_m))))
     split_k, k_per_split, part, counts = _split_k_buffers(m, n, k, bk, k_steps, split_k, n_n * n_m, out)
     out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
     kw = {} if interp else {"num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages or cfg["num_stages"]}

@@ -43,6 +43,9 @@ N_MIX = (2 + N_STREAMS) * N_STREAMS  # 24 coefficients per token
 # sweep (benchmarks/sweep_kernels.py --only mhc_mix, T=4096, d=5120, graph time): BLOCK_D 64,
 # 4 warps, 2 stages, 8 chunks 547 us; 1 stage 753 us; BLOCK_D 32 972 us; 8 warps 1330-1375 us
 # (4 / 8 / 16 chunks); the single-chunk kernel before it (BLOCK_D 128, 3 stages) 1519 us.
+# Tokens per coefficient work item: one per warp of a 4-warp program (the Sinkhorn rounds are a
+# serial chain per token; more tokens per thread lengthen it).
+COEF_T = 4
 TILES = {
     "cuda": {"block_t": 16, "block_d": 64, "num_warps": 4, "num_stages": 2, "d_split": 8},
     "default": {"block_t": 16, "block_d": 64, "num_warps": 4, "num_stages": 1, "d_split": 2},
@@ -94,14 +97,17 @@ def _softmax4(a, b, c, d, eps):
     eb = tl.exp(b - mx)
     ec = tl.exp(c - mx)
     ed = tl.exp(d - mx)
-    s = ea + eb + ec + ed
-    return ea / s + eps, eb / s + eps, ec / s + eps, ed / s + eps
+    r = 1.0 / (ea + eb + ec + ed)
+    return ea * r + eps, eb * r + eps, ec * r + eps, ed * r + eps
 
 
 @triton.jit
 def _norm4(a, b, c, d, eps):
-    s = a + b + c + d + eps
-    return a / s, b / s, c / s, d / s
+    """(a, b, c, d) / (a + b + c + d + eps), as one reciprocal and four products: the Sinkhorn
+    rounds are one serial chain per token (the coefficient epilogue's latency), and a division
+    costs a long instruction sequence; within 1.5 fp32 ulps of the quotients."""
+    r = 1.0 / (a + b + c + d + eps)
+    return a * r, b * r, c * r, d * r
 
 
 @triton.jit
@@ -129,7 +135,7 @@ def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr
                     T, D, chunk, n_chunks, n_items, num_programs, norm_eps, hc_eps, iters,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_FN: tl.constexpr,
                     SPLIT: tl.constexpr, OUT_BF16: tl.constexpr, WIDE: tl.constexpr, FUSED: tl.constexpr,
-                    CB: tl.constexpr):
+                    CT: tl.constexpr, CB: tl.constexpr):
     pid = tl.program_id(0)
     dt = tl.arange(0, BLOCK_D)
     kk = tl.arange(0, 32)
@@ -204,7 +210,7 @@ def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr
             tl.store(pss_ptr + ck * T + tok, tl.sum(ss, axis=1), mask=tm)
             if FUSED:  # the tile's last chunk computes the coefficients (no second launch)
                 _finish_coef(tile, count_ptr, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr,
-                             ocomb_ptr, T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T, CB, WIDE)
+                             ocomb_ptr, T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T, CT, CB, WIDE)
 
 
 @triton.jit
@@ -239,16 +245,18 @@ def _load_chunks(ptr, offs, mask, CG: tl.constexpr):
 
 
 @triton.jit
-def _coef_tile(tile, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
+def _coef_tile(t0, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
                T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T: tl.constexpr, CB: tl.constexpr,
                WIDE: tl.constexpr, CG: tl.constexpr):
-    """The coefficient epilogue of one token tile: adds the per-chunk partial dot products and sums
-    of squares (CB chunks per step: tree sums inside a step, Kahan-compensated across steps, in
-    chunk order), then the sigmoids and the Sinkhorn normalisation in registers."""
+    """The coefficient epilogue of tokens t0 .. t0 + BLOCK_T - 1: adds the per-chunk partial dot
+    products and sums of squares (CB chunks per step: tree sums inside a step, Kahan-compensated
+    across steps, in chunk order), then the sigmoids and the Sinkhorn normalisation in registers.
+    The Sinkhorn rounds are a serial chain per token, so BLOCK_T is small (COEF_T: one token per
+    warp; 16 tokens put 4 chains on each thread, ~1000 instructions a round)."""
     kk = tl.arange(0, 32)
     kmask = kk < 24
     cb = tl.arange(0, CB)
-    tok = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok = t0 + tl.arange(0, BLOCK_T)
     tm = tok < T
     t4 = tok * 4
     t16 = tok * 16
@@ -315,7 +323,7 @@ def _coef_tile(tile, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr
 
 @triton.jit
 def _finish_coef(tile, count_ptr, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
-                 T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T: tl.constexpr, CB: tl.constexpr,
+                 T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T: tl.constexpr, CT: tl.constexpr, CB: tl.constexpr,
                  WIDE: tl.constexpr):
     """After a program stored its chunk's partials of token tile `tile`: bump the tile's counter
     (acq_rel, after a CTA barrier); the program that completes the tile runs its coefficient
@@ -324,8 +332,9 @@ def _finish_coef(tile, count_ptr, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_
     tl.debug_barrier()  # every thread's partials are stored before the counter moves
     done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
     if done == n_chunks - 1:
-        _coef_tile(tile, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
-                   T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T, CB, WIDE, True)
+        for t0 in range(tile * BLOCK_T, tl.minimum(T, tile * BLOCK_T + BLOCK_T), CT):  # CT tokens at a time
+            _coef_tile(t0, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
+                       T, D, n_chunks, norm_eps, hc_eps, iters, CT, CB, WIDE, True)
         tl.atomic_xchg(count_ptr + tile, 0)
 
 
@@ -333,29 +342,30 @@ def _finish_coef(tile, count_ptr, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_
 def _mhc_coef_kernel(part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
                      T, D, n_chunks, norm_eps, hc_eps, iters, n_tiles, num_programs, BLOCK_T: tl.constexpr,
                      CB: tl.constexpr, WIDE: tl.constexpr):
-    """The coefficient epilogue as its own launch (the unfused path: Ascend, or fused=False)."""
+    """The coefficient epilogue as its own launch (the unfused path: Ascend, or fused=False), BLOCK_T
+    tokens per work item."""
     pid = tl.program_id(0)
     for tile in range(pid, n_tiles, num_programs):
-        _coef_tile(tile, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
+        _coef_tile(tile * BLOCK_T, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
                    T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T, CB, WIDE, False)
 
 
-def coef_chunk_block(block_t: int) -> int:
+def coef_chunk_block(block_t: int = COEF_T) -> int:
     """Chunks per reduction step of the coefficient epilogue: a [CB, BLOCK_T, 32] fp32 tile of
     about 4096 values (32 registers a thread at 4 warps)."""
     return max(1, 4096 // (32 * block_t))
 
 
-def launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps, iters, bt,
+def launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps, iters,
                 wide) -> None:
     """The unfused coefficient launch: one program per token tile (persistent over tiles)."""
     from .launch import grid_for, interpreting
 
-    n_tiles = -(-t // bt)
+    n_tiles = -(-t // COEF_T)
     cgrid = grid_for(n_tiles, part.device)
     _mhc_coef_kernel[(cgrid,)](part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks,
-                               float(norm_eps), float(hc_eps), int(iters), n_tiles, cgrid, BLOCK_T=bt,
-                               CB=coef_chunk_block(bt), WIDE=wide, **({} if interpreting() else {"num_warps": 4}))
+                               float(norm_eps), float(hc_eps), int(iters), n_tiles, cgrid, BLOCK_T=COEF_T,
+                               CB=coef_chunk_block(), WIDE=wide, **({} if interpreting() else {"num_warps": 4}))
 
 
 def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
@@ -428,14 +438,13 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     else:
         part = pcomp = pss = x_hat  # unused placeholders
     counts = tile_counters(x.device, n_tiles) if fused else x_hat
-    cb = coef_chunk_block(bt)
+    cb = coef_chunk_block()
     _mhc_mix_kernel[(grid,)](x, y, post, comb, pre, fn, scale, base, xnew_arg, xhat_arg, part, pcomp, pss, counts,
                              opre, opost, ocomb, t, d, chunk, n_chunks, n_items, grid, float(norm_eps), float(hc_eps),
                              int(iters), BLOCK_T=bt, BLOCK_D=bd, HAS_FN=has_fn, SPLIT=split,
-                             OUT_BF16=x.dtype == torch.bfloat16, WIDE=wide, FUSED=fused, CB=cb, **kw)
+                             OUT_BF16=x.dtype == torch.bfloat16, WIDE=wide, FUSED=fused, CT=COEF_T, CB=cb, **kw)
     if has_fn and not fused:
-        launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps, iters, bt,
-                    wide)
+        launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps, iters, wide)
     return x_new, x_hat, ((opre, opost, ocomb) if has_fn else None)
 
 

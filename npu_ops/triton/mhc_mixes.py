@@ -20,14 +20,15 @@ import triton.language as tl
 from ...backends.reference.mhc import mhc_collapse as mhc_collapse_ref  # noqa: F401  (the oracle)
 from ...backends.reference.mhc import mhc_mixes as mhc_mixes_ref  # noqa: F401  (the oracle)
 from .block_scaled import bf16_bits16
-from .mega_mhc import N_MIX, N_STREAMS, TILES, _finish_coef, _fn_partial_step, coef_chunk_block, launch_coef
+from .mega_mhc import (COEF_T, N_MIX, N_STREAMS, TILES, _finish_coef, _fn_partial_step, coef_chunk_block,
+                       launch_coef)
 
 
 @triton.jit
 def _mhc_partials_kernel(x_ptr, fn_ptr, part_ptr, pcomp_ptr, pss_ptr, count_ptr, scale_ptr, base_ptr, opre_ptr,
                          opost_ptr, ocomb_ptr, T, D, chunk, n_chunks, n_items, num_programs, norm_eps, hc_eps, iters,
                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
-                         CB: tl.constexpr, WIDE: tl.constexpr):
+                         CT: tl.constexpr, CB: tl.constexpr, WIDE: tl.constexpr):
     pid = tl.program_id(0)
     dt = tl.arange(0, BLOCK_D)
     kk = tl.arange(0, 32)
@@ -58,7 +59,7 @@ def _mhc_partials_kernel(x_ptr, fn_ptr, part_ptr, pcomp_ptr, pss_ptr, count_ptr,
         tl.store(pss_ptr + ck * T + tok, tl.sum(ss, axis=1), mask=tm)
         if FUSED:  # the tile's last chunk computes the coefficients (no second launch)
             _finish_coef(tile, count_ptr, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr,
-                         ocomb_ptr, T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T, CB, WIDE)
+                         ocomb_ptr, T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T, CT, CB, WIDE)
 
 
 def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
@@ -97,10 +98,10 @@ def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
     counts = tile_counters(x.device, n_tiles) if fused else pss
     _mhc_partials_kernel[(grid,)](x, fn, part, pcomp, pss, counts, scale, base, pre, post, comb, t, d, chunk, n_chunks,
                                   n_items, grid, float(norm_eps), float(hc_eps), int(iters),
-                                  BLOCK_T=bt, BLOCK_D=bd, SPLIT=split, FUSED=fused, CB=coef_chunk_block(bt), WIDE=wide,
+                                  BLOCK_T=bt, BLOCK_D=bd, SPLIT=split, FUSED=fused, CT=COEF_T, CB=coef_chunk_block(), WIDE=wide,
                                   **kw)
     if not fused:
-        launch_coef(part, pcomp, pss, scale, base, pre, post, comb, t, d, n_chunks, norm_eps, hc_eps, iters, bt, wide)
+        launch_coef(part, pcomp, pss, scale, base, pre, post, comb, t, d, n_chunks, norm_eps, hc_eps, iters, wide)
     return pre, post, comb
 
 
