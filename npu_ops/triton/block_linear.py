@@ -238,11 +238,12 @@ GEMV_INTERP = {"bn": 32, "bk": 64, "num_warps": 4, "num_stages": 1}
 # operands, BM = M rounded up to a power of two >= 16, at most bm_max; bn 32 folds the weight
 # scale into x, wider bn into the weight tile).
 FOLD_MAX_M = 64
-# split-K: about `waves` programs per SM, and at most as many K slices as keep the fp32 partials
-# (written and read back: 8 * split * M * N bytes) within `part_ratio` of the weight's N * K bytes
-# (H200 2026-11-30 at M = 64: splitting K=5120 into 40 slices moved twice the weight's bytes).
-FOLD = {"bn": 64, "bm_max": 64, "bk": 128, "num_warps": 4, "num_stages": 4, "waves": 4, "qdq_row": True,
-        "part_ratio": 0.5}
+# H200 2026-11-30 (benchmarks/sweep_kernels.py --only dense, graph replay, split-K for ~4 programs
+# per SM): bn 64 / bk 128 (wgmma, weight scale folded into the weight tile) against bn 32 / bk 256
+# (mma.sync, scale folded into x): M=1 wq_a 7.4 vs 9.3 us, wo_b 20.4 vs 32.7 us (gemv 8.0 / 22.5);
+# M=64 wq_a 25.5 vs 33.1 us, wo_b 41.7 vs 111.4 us (tiled 29.8 / 57.6); bn 128 / 8 warps 40.2 /
+# 54.3 us at M=64; 8 warps at M=1 14.7 / 58.4 us.
+FOLD = {"bn": 64, "bm_max": 64, "bk": 128, "num_warps": 4, "num_stages": 4, "waves": 4, "qdq_row": True}
 FOLD_INTERP = {"bn": 32, "bm_max": 16, "bk": 64, "qdq_row": True}
 
 def _split_k_buffers(m, n, k, bk, k_steps, split_k, n_tiles, out):
@@ -392,8 +393,7 @@ def _launch_fold(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_k=N
     n_n, n_m = -(-n // bn), -(-m // bm)
     k_steps = -(-k // bk)
     if split_k is None:
-        cap = max(1, int(FOLD["part_ratio"] * k / (8 * m)))
-        split_k = 1 if interp else max(1, min(k_steps, cap, -(-cfg["waves"] * num_workers(x2.device) // (n_n * n_m))))
+        split_k = 1 if interp else max(1, min(k_steps, -(-cfg["waves"] * num_workers(x2.device) // (n_n * n_m))))
     split_k, k_per_split, part, counts = _split_k_buffers(m, n, k, bk, k_steps, split_k, n_n * n_m, out)
     out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
     kw = {} if interp else {"num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages or cfg["num_stages"]}

@@ -43,6 +43,12 @@ N_MIX = (2 + N_STREAMS) * N_STREAMS  # 24 coefficients per token
 # sweep (benchmarks/sweep_kernels.py --only mhc_mix, T=4096, d=5120, graph time): BLOCK_D 64,
 # 4 warps, 2 stages, 8 chunks 547 us; 1 stage 753 us; BLOCK_D 32 972 us; 8 warps 1330-1375 us
 # (4 / 8 / 16 chunks); the single-chunk kernel before it (BLOCK_D 128, 3 stages) 1519 us.
+# The coefficient epilogue inside the main kernel (last program per token tile) instead of its own
+# launch: off by default. H200 2026-11-30, graph time per call at d = 5120: mhc_mix T=1 51.6 us
+# fused against 40.7 us unfused, T=64 62.6 against 48.2 (mhc_mixes T=1 40.8 / 34.5), measured
+# with the 16-token epilogue, before COEF_T; not measured since. It is correct on the H200
+# (tests/test_triton_mega_mhc.py, test_triton_dense_ops.py) and the CUDA path only (atomics).
+FUSED_COEF = False
 # Tokens per coefficient work item: one per warp of a 4-warp program (the Sinkhorn rounds are a
 # serial chain per token; more tokens per thread lengthen it).
 COEF_T = 4
@@ -377,9 +383,9 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     """`ops.mhc_mix` in one pass: x [T, 4, d], y [T, d], post/pre [T, 4], comb [T, 4, 4];
     fn [24, 4d] fp32, scale [3], base [24] (or fn None). Returns (x_new [T, 4, d] in x's dtype,
     x_hat [T, d] in x's dtype, (pre, post, comb) fp32 or None). The keyword-only tile
-    parameters are for tuning and default to this module's table; `fused` (default: on CUDA)
-    computes the coefficients in the main kernel's last program per token tile instead of a
-    second launch."""
+    parameters are for tuning and default to this module's table; `fused` computes the
+    coefficients in the main kernel's last program per token tile instead of a second launch
+    (default FUSED_COEF)."""
     from .launch import grid_for, interpreting, needs_int64, num_workers
 
     if x.dim() != 3 or x.shape[1] != N_STREAMS:
@@ -429,7 +435,7 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
                                     "num_stages": num_stages or tiles["num_stages"]}
     wide = needs_int64(x, fn if has_fn else None)
     if fused is None:
-        fused = x.device.type == "cuda"
+        fused = FUSED_COEF
     fused = fused and has_fn
     if has_fn:
         part = torch.empty(n_chunks, t, 32, dtype=torch.float32, device=x.device)

@@ -20,7 +20,7 @@ import triton.language as tl
 from ...backends.reference.mhc import mhc_collapse as mhc_collapse_ref  # noqa: F401  (the oracle)
 from ...backends.reference.mhc import mhc_mixes as mhc_mixes_ref  # noqa: F401  (the oracle)
 from .block_scaled import bf16_bits16
-from .mega_mhc import (COEF_T, N_MIX, N_STREAMS, TILES, _finish_coef, _fn_partial_step, coef_chunk_block,
+from .mega_mhc import (COEF_T, FUSED_COEF, N_MIX, N_STREAMS, TILES, _finish_coef, _fn_partial_step, coef_chunk_block,
                        launch_coef)
 
 
@@ -64,8 +64,8 @@ def _mhc_partials_kernel(x_ptr, fn_ptr, part_ptr, pcomp_ptr, pss_ptr, count_ptr,
 
 def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
               hc_eps: float, iters: int, *, fused: bool | None = None):
-    """x [T, 4, d] -> (pre [T, 4], post [T, 4], comb [T, 4, 4]) fp32. `fused` (default: on CUDA):
-    the coefficients come from the partials kernel's last program per token tile (one launch)."""
+    """x [T, 4, d] -> (pre [T, 4], post [T, 4], comb [T, 4, 4]) fp32. `fused`: the coefficients
+    come from the partials kernel's last program per token tile (one launch; default FUSED_COEF)."""
     from .launch import grid_for, interpreting, needs_int64, num_workers, tile_counters
 
     if x.dim() != 3 or x.shape[1] != N_STREAMS:
@@ -93,7 +93,7 @@ def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
     pcomp = torch.empty_like(part)
     pss = torch.empty(n_chunks, t, dtype=torch.float32, device=x.device)
     if fused is None:
-        fused = x.device.type == "cuda"
+        fused = FUSED_COEF
     wide = needs_int64(x, fn)
     counts = tile_counters(x.device, n_tiles) if fused else pss
     _mhc_partials_kernel[(grid,)](x, fn, part, pcomp, pss, counts, scale, base, pre, post, comb, t, d, chunk, n_chunks,
