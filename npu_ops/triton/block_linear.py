@@ -17,6 +17,14 @@ For M >= CUBLAS_MIN_M with bf16 output the weight is dequantised to bf16 once (e
 quantised through FP8 to bf16 (exact), and cuBLAS multiplies (fp32 accumulation): prefill is
 matrix-bound, and cuBLAS's bf16 GEMM ran at twice this kernel's rate there.
 
+FP8 weights at M <= FOLD_MAX_M (decode) take `_fold_linear_kernel` instead: the E8M0 scales are
+powers of two and x's FP8 quantise-dequantise values are bf16-exact, so the weight tile with its
+block scales multiplied in (or, for 32-row tiles, x's 32-wide K blocks times the weight scale)
+is an exact bf16 operand, and one bf16 tensor-core dot with fp32 accumulation covers a whole
+BK = 128 step (exact products, fp32 sums: the same class as above). The weight is the dot's wide
+side (acc [BN, BM], M padded to 16); at M = 1 each program quantises x's row itself. W8A8 weights
+(int8 [N, K], one fp32 scale per output channel) take `int8_linear` (exact int32 sums).
+
 Work split: output tiles BM x BN; the K range is cut into SPLIT_K slices for small M (decode:
 M = 1..64 is weight-read bound and needs every SM streaming weights). Each slice writes its fp32
 partial; after a CTA barrier it bumps its tile's int32 counter (atomic, acq_rel); the program that
