@@ -160,23 +160,37 @@ def sweep_fp4_quant(rows, copy):
                       f"exact {exact}", call, nbytes, copy)
 
 
+def mhc_weights():
+    """Random mix-projection weights of the mini preset on the GPU: fn [24, 4d] fp32, scale [3],
+    base [24]."""
+    n, dim = CFG.hc_mult, CFG.hidden_size
+    fn = torch.randn((2 + n) * n, n * dim, device="cuda") * (n * dim) ** -0.5
+    return fn, torch.rand(3, device="cuda") + 0.5, torch.randn((2 + n) * n, device="cuda") * 0.5
+
+
+def mhc_activations(t: int):
+    """Random mHC step inputs for t tokens: streams x [t, 4, d], sublayer output y [t, d] (bf16),
+    post / pre [t, 4] and a row-stochastic comb [t, 4, 4] (fp32)."""
+    n, dim = CFG.hc_mult, CFG.hidden_size
+    x = torch.randn(t, n, dim, device="cuda").to(torch.bfloat16)
+    y = torch.randn(t, dim, device="cuda").to(torch.bfloat16)
+    post = torch.rand(t, n, device="cuda") * 2
+    comb = torch.softmax(torch.randn(t, n, n, device="cuda"), -1)
+    return x, y, post, comb, torch.rand(t, n, device="cuda")
+
+
 def sweep_mhc_mix(rows, copy):
     from dsv41.backends.reference.basic import fp32_accumulation
     from dsv41.npu_ops.triton import mega_mhc as mm
 
     n, dim = CFG.hc_mult, CFG.hidden_size
-    fn = torch.randn((2 + n) * n, n * dim, device="cuda") * (n * dim) ** -0.5
-    scale, base = torch.rand(3, device="cuda") + 0.5, torch.randn((2 + n) * n, device="cuda") * 0.5
+    fn, scale, base = mhc_weights()
     ref_fn = registry.resolve("mhc_mix", "reference")[0]
     variants = [  # (block_t, block_d, num_warps, num_stages, d_split; None: the launcher's rule)
         (16, 64, 4, 2, None), (16, 64, 4, 3, None), (16, 64, 4, 2, 16), (16, 128, 4, 2, None), (32, 64, 4, 2, None),
     ]
     for t in (64, 4096):
-        x = torch.randn(t, n, dim, device="cuda").to(torch.bfloat16)
-        y = torch.randn(t, dim, device="cuda").to(torch.bfloat16)
-        post = torch.rand(t, n, device="cuda") * 2
-        comb = torch.softmax(torch.randn(t, n, n, device="cuda"), -1)
-        pre = torch.rand(t, n, device="cuda")
+        x, y, post, comb, pre = mhc_activations(t)
         args = (x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, CFG.hc_sinkhorn_iters)
         want = ref_fn(*args)  # the fp64-accumulating oracle
         with fp32_accumulation():  # the unfused torch sequence the kernel replaces
@@ -425,15 +439,10 @@ def sweep_dense(rows, copy, tokens=(1, 8, 64)):
                          lambda x=x, v=v: bl.linear(x, head, None, torch.float32, **({"path": "tiled"} if v else {})),
                          want, nbytes, 2 * m * head.numel(), copy)
     n, dim = CFG.hc_mult, CFG.hidden_size
-    fn = torch.randn((2 + n) * n, n * dim, device="cuda") * (n * dim) ** -0.5
-    scale, base = torch.rand(3, device="cuda") + 0.5, torch.randn((2 + n) * n, device="cuda") * 0.5
+    fn, scale, base = mhc_weights()
     its = CFG.hc_sinkhorn_iters
     for t in (1, 64):
-        x = torch.randn(t, n, dim, device="cuda").to(torch.bfloat16)
-        y = torch.randn(t, dim, device="cuda").to(torch.bfloat16)
-        post = torch.rand(t, n, device="cuda") * 2
-        comb = torch.softmax(torch.randn(t, n, n, device="cuda"), -1)
-        pre = torch.rand(t, n, device="cuda")
+        x, y, post, comb, pre = mhc_activations(t)
         want = registry.resolve("mhc_mix", "reference")[0](x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, its)
         for v in (dict(fused=False), dict(fused=True), dict(fused=True, d_split=32), dict(fused=False, d_split=32)):
             def call(v=v, x=x, y=y, post=post, comb=comb, pre=pre):
