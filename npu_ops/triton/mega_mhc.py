@@ -18,8 +18,13 @@ arithmetic is unreliable there) and for non-bf16 streams an fp32 "ieee" dot. Wit
 per-slice partial dot products are summed with Kahan compensation (the running m grows well
 past one slice's share) and the sum of squares elementwise in fp32; each chunk writes its m, its
 Kahan residue and its sum of squares ([chunks, T, 65] fp32, written and read back: 4% of the
-activation bytes at 8 chunks, more for the few-token calls that get more chunks), and a small second kernel (`_mhc_coef_kernel`) adds them in chunk order, again
-compensated, before the sigmoids and Sinkhorn. Activations are still read and written once.
+activation bytes at 8 chunks, more for the few-token calls that get more chunks), and a small
+second kernel (`_mhc_coef_kernel`, COEF_T tokens per work item) adds them in chunk order (CB
+chunks per step: a tree sum inside a step, compensated across steps) before the sigmoids and
+Sinkhorn. Activations are still read and written once. With `fused=True` (CUDA) the same
+epilogue runs in the main kernel instead: each program bumps its token tile's counter after
+storing its chunk (acq_rel, after a CTA barrier) and the tile's last program reads every chunk
+from L2 and computes the coefficients (one launch; off by default, see FUSED_COEF).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
 exact dot products are mega_mhc's (its docstring): BLOCK_T tokens x one chunk of d per work item;
 the 24 dot products with fn as tl.dot on bf16 x times fn split into three bf16 parts (exact
 products, fp32 sums, Kahan-compensated across slices), written per chunk and added by mega_mhc's
-coefficient kernel (sigmoids, Sinkhorn in registers). x is read once.
+coefficient epilogue (sigmoids, Sinkhorn in registers; its own launch, or with `fused=True` the
+partials kernel's last program per token tile). x is read once.
 
 `mhc_collapse`: sum_i pre[i] * x_i in fp32, rounded to x's dtype; one program per token and
 d-block.
