@@ -443,6 +443,9 @@ def int8_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, odt
     k = x2.shape[1]
     if weight.shape[1] != k:
         raise ValueError(f"weight {tuple(weight.shape)} does not match in_features {k}")
+    if x2.device.type == "cuda" and (k % 8 or weight.shape[0] % 8):
+        raise ValueError(f"W8A8 linear: cuBLASLt's int8 GEMM needs K and N multiples of 8, got "
+                         f"{tuple(weight.shape)}")
     q, xs = quant.int8_token_qdq(x2.to(torch.bfloat16).float())
     q = q.to(torch.int8)
     m = q.shape[0]
