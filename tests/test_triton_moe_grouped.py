@@ -101,6 +101,13 @@ def test_predequantised_weights_exact(dev, rng, poisoned):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+def test_grouped_ragged_tiles(dev, rng, poisoned):
+    """N tiles wider than what is left of the matrix (the masked weight loads; the model's widths
+    divide the tiles and take the unmasked ones)."""
+    check(dev, "fp4", 9, 4, 2, 64, 96, rng, bn_up=64, bn_down=128)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 def test_grouped_several_align_chunks(dev, rng, poisoned):
     """Rows spread over several align chunks (the count pass, then prefix sums across chunks),
     K and N over several tiles."""

@@ -184,18 +184,27 @@ def perm_cols_torch(x: torch.Tensor, p: int) -> torch.Tensor:
 
 @triton.jit
 def fp4_tiles(w_ptr, s_ptr, rn, nmask, k0, k_hi, w_stride, s_stride, BN: tl.constexpr, BK: tl.constexpr,
-              LOWP: tl.constexpr):
+              LOWP: tl.constexpr, EVEN: tl.constexpr = False):
     """Rows `rn` x columns k0 .. k0 + BK of a packed FP4 weight (bytes [N, K/2], element 2j in the
     low nibble, E8M0 [N, K/32]) as (even columns, odd columns) [BN, BK/2] with the scale folded
-    in: bf16 on devices (LOWP), fp32 under the interpreter. Zero outside nmask / at or past k_hi.
+    in: bf16 on devices (LOWP), fp32 under the interpreter. Zero outside nmask / at or past k_hi,
+    unless EVEN (the caller knows every row and column is inside: no masks).
     Exact where the result is >= 2^-126 and the scale byte <= 240 (module docstring)."""
+    NB: tl.constexpr = BK // 32
     rn64 = rn.to(tl.int64)
     j = tl.arange(0, BK // 2)
-    m = nmask[:, None] & (k0 + 2 * j[None, :] < k_hi)
-    byt = tl.load(w_ptr + rn64[:, None] * w_stride + (k0 // 2 + j)[None, :], mask=m, other=0)
-    # the scale byte of each column (16 bytes share one; the repeats hit L1)
-    sb = tl.load(s_ptr + rn64[:, None] * s_stride + (k0 // 32 + j // 16)[None, :], mask=m, other=0)
+    kb = k0 // 32 + tl.arange(0, NB)
+    wp = w_ptr + rn64[:, None] * w_stride + (k0 // 2 + j)[None, :]
+    sp = s_ptr + rn64[:, None] * s_stride + kb[None, :]
+    if EVEN:
+        byt = tl.load(wp)
+        sb = tl.load(sp)
+    else:
+        byt = tl.load(wp, mask=nmask[:, None] & (k0 + 2 * j[None, :] < k_hi), other=0)
+        sb = tl.load(sp, mask=nmask[:, None] & (kb[None, :] * 32 < k_hi), other=0)
+    # one scale per 16 bytes (32 values): E8M0 -> fp32 once, then spread over its 16 columns
     sc = e8m0_value(sb.to(tl.int32)) * 16384.0  # e2m1_pairs_f32 gives the value times 2^-14
+    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, NB, 16)), (BN, BK // 2))
     lo, hi = e2m1_pairs_f32(byt, LOWP)
     lo = lo * sc
     hi = hi * sc
@@ -245,14 +254,15 @@ def _mma(a, w, acc, SWAP: tl.constexpr, LOWP: tl.constexpr):
 
 @triton.jit
 def _gemm_step(acc, a_ptr, arow, rmask, k0, K, w_ptr, s_ptr, rn, nmask, w_stride, s_stride,
-               W_KIND: tl.constexpr, SWAP: tl.constexpr, LOWP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+               W_KIND: tl.constexpr, SWAP: tl.constexpr, LOWP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               EVEN: tl.constexpr):
     """One BK step of rows `arow` (element offsets of the activation rows) times a weight tile."""
     if W_KIND == 2:  # activation columns chunk-permuted: this step's evens, then its odds
         j = tl.arange(0, BK // 2)
         am = rmask[:, None] & (k0 + 2 * j[None, :] < K)
         a_lo = tl.load(a_ptr + arow[:, None] + (k0 + j)[None, :], mask=am, other=0.0)
         a_hi = tl.load(a_ptr + arow[:, None] + (k0 + BK // 2 + j)[None, :], mask=am, other=0.0)
-        w_lo, w_hi = fp4_tiles(w_ptr, s_ptr, rn, nmask, k0, K, w_stride, s_stride, BN, BK, LOWP)
+        w_lo, w_hi = fp4_tiles(w_ptr, s_ptr, rn, nmask, k0, K, w_stride, s_stride, BN, BK, LOWP, EVEN)
         acc = _mma(a_lo, w_lo, acc, SWAP, LOWP)
         acc = _mma(a_hi, w_hi, acc, SWAP, LOWP)
     else:
@@ -286,7 +296,7 @@ def _gate_up_kernel(a_ptr, rows_ptr, bexp_ptr, bcnt_ptr, wts_ptr, w_base, s_base
                     K, I, w_stride, s_stride, limit, n_blocks, GROUP_M,
                     TOPK: tl.constexpr, W_KIND: tl.constexpr, LOWP: tl.constexpr, ALIGN: tl.constexpr,
                     SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P_OUT: tl.constexpr,
-                    QUANT_H: tl.constexpr):
+                    QUANT_H: tl.constexpr, EVEN: tl.constexpr):
     blk, pn = _tile_of(tl.program_id(0), n_blocks, tl.cdiv(I, BN), GROUP_M)
     e = tl.load(bexp_ptr + blk)
     if e >= 0:
@@ -306,9 +316,9 @@ def _gate_up_kernel(a_ptr, rows_ptr, bexp_ptr, bcnt_ptr, wts_ptr, w_base, s_base
             acc3 = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
             acc1 = _gemm_step(acc1, a_ptr, arow, rmask, k0, K, w1, s1, rn, nmask, w_stride, s_stride, W_KIND, SWAP,
-                              LOWP, BN, BK)
+                              LOWP, BN, BK, EVEN)
             acc3 = _gemm_step(acc3, a_ptr, arow, rmask, k0, K, w3, s3, rn, nmask, w_stride, s_stride, W_KIND, SWAP,
-                              LOWP, BN, BK)
+                              LOWP, BN, BK, EVEN)
         if SWAP:
             acc1 = tl.trans(acc1)
             acc3 = tl.trans(acc3)
@@ -326,7 +336,7 @@ def _gate_up_kernel(a_ptr, rows_ptr, bexp_ptr, bcnt_ptr, wts_ptr, w_base, s_base
 @triton.jit
 def _down_kernel(h_ptr, rows_ptr, bexp_ptr, bcnt_ptr, w_base, s_base, table_ptr, y_ptr, I, D, w_stride, s_stride,
                  n_blocks, GROUP_M, W_KIND: tl.constexpr, LOWP: tl.constexpr, ALIGN: tl.constexpr,
-                 SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr):
     blk, pn = _tile_of(tl.program_id(0), n_blocks, tl.cdiv(D, BN), GROUP_M)
     e = tl.load(bexp_ptr + blk)
     if e >= 0:
@@ -342,7 +352,7 @@ def _down_kernel(h_ptr, rows_ptr, bexp_ptr, bcnt_ptr, w_base, s_base, table_ptr,
             acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, I, BK):
             acc = _gemm_step(acc, h_ptr, arow, rmask, k0, I, w2, s2, rn, nmask, w_stride, s_stride, W_KIND, SWAP,
-                             LOWP, BN, BK)
+                             LOWP, BN, BK, EVEN)
         f = tl.load(rows_ptr + blk * BM + r, mask=rmask, other=0).to(tl.int64)
         if SWAP:
             tl.store(y_ptr + f[None, :] * D + rn[:, None], acc, mask=rmask[None, :] & nmask[:, None])
@@ -466,10 +476,12 @@ def grouped_moe(x, weights, ids, table_args, limit, out, *, bm=None, bn_up=None,
     _gate_up_kernel[(n_blocks * -(-inter // bn_up),)](
         a, rows, bexp, bcnt, weights.float().contiguous().reshape(-1), w_base, s_base, table, h.view(torch.int16),
         d, inter, w_row(d), s_up, float(limit), n_blocks, gm, TOPK=topk, W_KIND=kind, LOWP=not interp, ALIGN=align,
-        SWAP=swap, BM=bm, BN=bn_up, BK=bk_up, P_OUT=bk_down if kind == W_FP4 else 0, QUANT_H=quant, **kw)
+        SWAP=swap, BM=bm, BN=bn_up, BK=bk_up, P_OUT=bk_down if kind == W_FP4 else 0, QUANT_H=quant,
+        EVEN=inter % bn_up == 0 and d % bk_up == 0, **kw)
     _down_kernel[(n_blocks * -(-d // bn_down),)](
         h, rows, bexp, bcnt, w_base, s_base, table, y, inter, d, w_row(inter), s_down, n_blocks, gm, W_KIND=kind,
-        LOWP=not interp, ALIGN=align, SWAP=swap, BM=bm, BN=bn_down, BK=bk_down, **kw)
+        LOWP=not interp, ALIGN=align, SWAP=swap, BM=bm, BN=bn_down, BK=bk_down,
+        EVEN=d % bn_down == 0 and inter % bk_down == 0, **kw)
     del scratch  # (kept alive until the kernels that read it are queued)
     cb = min(1024, triton.next_power_of_2(d))
     _combine_kernel[(t, -(-d // cb))](y, flat_ids, out, d, TOPK=topk, BLOCK=cb)
