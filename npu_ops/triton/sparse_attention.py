@@ -60,17 +60,10 @@ CONFIGS = {
     # sweep (T=256, 64K context, CUDA-graph time): this 530 us; BLOCK_N 16: 586; BLOCK_N 64 +
     # QK_T: 811; 16 warps: 1208; DV_HALF (BLOCK_N 32 / 64, 4 or 8 warps): 667-759. ptxas: 255
     # registers + ~1 KB spill (the 64x512 fp32 accumulator alone is 128 registers a thread).
-    "cuda": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=2, QK_T=False,
-                 min_blocks_per_split=2),
-    # cuda at decode shapes (few tokens): all 64 heads per tile (wgmma M = 64, 4 warps = one warp
-    # group), the contraction and the output channels in blocks of 128, one split per entry
-    # block (flash-decoding): a T=1 step is 4 channel blocks x 20 splits = 80 programs. H200
-    # sweep (T=1, 64K, CUDA-graph time, with the combine): this 13.9 us; 16-head tiles with
-    # 128 / 256-channel blocks and 8 warps 28.6 / 23.0 us; 16-head whole rows 23.3 us. At T=64
-    # 16-head tiles took 322 us (whole rows) / 995 us (128-channel blocks) and this entry is
-    # unmeasured, so T > 16 keeps the prefill table (DECODE_FILL_FRACTION).
-    "cuda_decode": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=4, num_stages=2,
-                        QK_T=False, min_blocks_per_split=1),
+    "cuda": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=256, BLOCK_DV=256, num_warps=8, num_stages=2, MQA=True,
+                 min_blocks_per_split=4),
+    "cuda_decode": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=256, BLOCK_DV=256, num_warps=8, num_stages=2, MQA=True,
+                        min_blocks_per_split=1),
     "npu": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=None, min_blocks_per_split=2),
     "interp": dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=None, min_blocks_per_split=1),
 }
@@ -375,6 +368,140 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
                               _to_bf16(acc_o * inv[:, None], DOT_BF16), BLOCK_DV, BLOCK_H)
 
 
+# ---- MQA path (CUDA): whole rows decoded once per block, as K and as V, next block prefetched ----
+
+@triton.jit
+def _entry_rows(idx_ptr, tq, L, nb, active, BLOCK_N: tl.constexpr):
+    """Pool rows [BN] (int64; row 0 where masked) and validity of entries nb*BN .. of query tq's
+    index list of length L (-1 = masked; nothing valid unless `active`)."""
+    j = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    idx = tl.load(idx_ptr + tq.to(tl.int64) * L + j, mask=(j < L) & active, other=-1)
+    return tl.maximum(idx, 0).to(tl.int64), idx >= 0
+
+
+@triton.jit
+def _win_raw(win_ptr, wsc_ptr, rows, ok, D: tl.constexpr, kv_stride, sc_stride):
+    """The stored bytes of FP8 window rows: codes [BN, D/32, 32] (contiguous vector loads) and
+    E8M0 scales [BN, D/32], int8, masked rows 0 (their bytes are never read)."""
+    g = tl.arange(0, D // 32)
+    e = tl.arange(0, 32)
+    b = tl.load(win_ptr + rows[:, None, None] * kv_stride + (g * 32)[None, :, None] + e[None, None, :],
+                mask=ok[:, None, None], other=0)
+    sb = tl.load(wsc_ptr + rows[:, None] * sc_stride + g[None, :], mask=ok[:, None], other=0)
+    return b, sb
+
+
+@triton.jit
+def _glob_raw(gkv_ptr, gsc_ptr, rows, ok, D: tl.constexpr, kv_stride, sc_stride):
+    """The stored bytes of packed FP4 global rows: codes [BN, D/16, 8] (8 bytes = one 16-channel
+    scale group) and E4M3 scales [BN, D/16], int8, masked rows 0."""
+    g = tl.arange(0, D // 16)
+    e = tl.arange(0, 8)
+    b = tl.load(gkv_ptr + rows[:, None, None] * kv_stride + (g * 8)[None, :, None] + e[None, None, :],
+                mask=ok[:, None, None], other=0)
+    sc = tl.load(gsc_ptr + rows[:, None] * sc_stride + g[None, :], mask=ok[:, None], other=0)
+    return b, sc
+
+
+@triton.jit
+def _win_values(b, sb, BLOCK_N: tl.constexpr, D: tl.constexpr, HW_CVT: tl.constexpr):
+    """FP8 window bytes -> values [BN, D] fp32 in channel order (exact in bf16). HW_CVT: the
+    hardware E4M3 conversion (compiled CUDA); else integer and bit ops."""
+    if HW_CVT:
+        v = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        v = _e4m3_signed(b.to(tl.int32) & 0xFF)
+    sc = ((sb.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)
+    return tl.reshape(v * sc[:, :, None], [BLOCK_N, D])
+
+
+@triton.jit
+def _glob_values(b, sc, BLOCK_N: tl.constexpr, D: tl.constexpr, HW_CVT: tl.constexpr):
+    """Packed FP4 bytes -> values [BN, D] fp32 in channel order (low nibble = even channel,
+    interleaved back by join + reshape). HW_CVT: the scale through the hardware E4M3 conversion."""
+    c = b.to(tl.int32) & 0xFF
+    if HW_CVT:
+        s = (sc & 127).to(tl.float8e4nv, bitcast=True).to(tl.float32)[:, :, None]
+    else:
+        s = _e4m3_pos(sc.to(tl.int32) & 127)[:, :, None]
+    v = tl.join(_e2m1_fast(c & 15) * s, _e2m1_fast(c >> 4) * s)  # [BN, D/16, 8, 2]
+    return tl.reshape(v, [BLOCK_N, D])
+
+
+@triton.jit
+def _mqa_step(q, kv, ok, m_i, l_i, acc, scale, DOT_BF16: tl.constexpr):
+    """One block of entries (kv [BN, D] fp32, bf16-exact) for all the tile's heads: logits,
+    online-softmax update, p.V with the same decoded rows as V."""
+    k = _dot_in(kv, DOT_BF16)
+    s = tl.dot(q, tl.trans(k))
+    s = tl.where(ok[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    pb = _to_bf16(p, DOT_BF16)  # probabilities rounded to bf16 (nearest even)
+    if not DOT_BF16:
+        pb = pb.to(tl.float32)
+    acc = tl.dot(pb, k, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _mqa_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gidx_ptr, sink_ptr, out_ptr, pacc_ptr, pm_ptr,
+                pl_ptr, H, S, K, n_wb, n_blocks, bps, n_split, n_hb, n_tiles, num_programs, scale,
+                w_stride, ws_stride, g_stride, gs_stride,
+                D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                SPLIT: tl.constexpr, DOT_BF16: tl.constexpr, HW_CVT: tl.constexpr):
+    """Tiles (query, split, head block), walked by a 1-D persistent loop; heads are the MMA's M
+    (all heads of a token share each decoded entry, decoded once per tile and used as K and V;
+    q [BH, D] loaded once per tile). Each block's index row and stored bytes are loaded one block
+    ahead, so the gather's memory latency overlaps the previous block's math. One split: the
+    tile normalises (sink included) and writes bf16; several: fp32 partials for `_combine_kernel`."""
+    pid = tl.program_id(0)
+    hh = tl.arange(0, BLOCK_H)
+    cd = tl.arange(0, D)
+    for tile in range(pid, n_tiles, num_programs):
+        hb = tile % n_hb
+        r = tile // n_hb
+        sp = r % n_split
+        tq = r // n_split
+        heads = hb * BLOCK_H + hh
+        hok = heads < H
+        qrow = (tq * H + heads).to(tl.int64) * D
+        q = _q_in(tl.load(q_ptr + qrow[:, None] + cd[None, :], mask=hok[:, None], other=0.0), DOT_BF16)
+        m_i = tl.full([BLOCK_H], RUNNING_MAX_INIT, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+        b_lo = sp * bps
+        b_hi = tl.minimum(b_lo + bps, n_blocks)
+        # window blocks b_lo .. w_hi: this query's SWA pool rows
+        w_hi = tl.minimum(b_hi, n_wb)
+        rows, ok = _entry_rows(widx_ptr, tq, S, b_lo, b_lo < w_hi, BLOCK_N)
+        b, sb = _win_raw(win_ptr, wsc_ptr, rows, ok, D, w_stride, ws_stride)
+        for nb in range(b_lo, w_hi):
+            rows_n, ok_n = _entry_rows(widx_ptr, tq, S, nb + 1, nb + 1 < w_hi, BLOCK_N)
+            b_n, sb_n = _win_raw(win_ptr, wsc_ptr, rows_n, ok_n, D, w_stride, ws_stride)
+            m_i, l_i, acc = _mqa_step(q, _win_values(b, sb, BLOCK_N, D, HW_CVT), ok, m_i, l_i, acc, scale, DOT_BF16)
+            ok, b, sb = ok_n, b_n, sb_n
+        # global blocks g_lo .. b_hi
+        g_lo = tl.maximum(b_lo, n_wb)
+        rows, ok = _entry_rows(gidx_ptr, tq, K, g_lo - n_wb, g_lo < b_hi, BLOCK_N)
+        b, sc = _glob_raw(gkv_ptr, gsc_ptr, rows, ok, D, g_stride, gs_stride)
+        for nb in range(g_lo, b_hi):
+            rows_n, ok_n = _entry_rows(gidx_ptr, tq, K, nb + 1 - n_wb, nb + 1 < b_hi, BLOCK_N)
+            b_n, sc_n = _glob_raw(gkv_ptr, gsc_ptr, rows_n, ok_n, D, g_stride, gs_stride)
+            m_i, l_i, acc = _mqa_step(q, _glob_values(b, sc, BLOCK_N, D, HW_CVT), ok, m_i, l_i, acc, scale, DOT_BF16)
+            ok, b, sc = ok_n, b_n, sc_n
+        if SPLIT:
+            prow = ((tq * n_split + sp) * H + heads).to(tl.int64)
+            tl.store(pacc_ptr + prow[:, None] * D + cd[None, :], acc, mask=hok[:, None])
+            tl.store(pm_ptr + prow, m_i, mask=hok)
+            tl.store(pl_ptr + prow, l_i, mask=hok)
+        else:
+            sk = tl.load(sink_ptr + heads, mask=hok, other=0.0).to(tl.float32)
+            inv = 1.0 / (l_i + tl.exp(sk - m_i))
+            tl.store(out_ptr + qrow[:, None] + cd[None, :], _to_bf16(acc * inv[:, None], DOT_BF16), mask=hok[:, None])
+
 @triton.jit
 def _combine_kernel(pacc_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, H, n_split, n_db, n_tiles, num_programs,
                     D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE_CAST: tl.constexpr):
@@ -424,9 +551,11 @@ def _pow2_at_least(n: int, lo: int) -> int:
 def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink, softmax_scale,
                             *, BLOCK_H: int, BLOCK_N: int, BLOCK_D: int | None, BLOCK_DV: int | None,
                             num_warps: int | None = None, num_stages: int | None = None, QK_T: bool = False,
-                            DV_HALF: bool = False, min_blocks_per_split: int = 2,
+                            DV_HALF: bool = False, MQA: bool = False, min_blocks_per_split: int = 2,
                             n_split: int | None = None) -> torch.Tensor:
-    """`sparse_attention` with explicit tile sizes (tests and tuning); `n_split` forces the split count."""
+    """`sparse_attention` with explicit tile sizes (tests and tuning); `n_split` forces the split
+    count. MQA (CUDA; whole rows): `_mqa_kernel` (each entry decoded once per head block and used
+    as K and as V, the next block's bytes loaded ahead) instead of `_sparse_attn_kernel`."""
     from .launch import as_int8, grid_for, interpreting, num_workers
 
     t, h, d = q.shape
@@ -447,6 +576,8 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
     block_dv = d if BLOCK_DV is None else min(BLOCK_DV, d)
     if d % block_d or d % block_dv or block_d < 32 or block_dv < 32:
         raise ValueError(f"BLOCK_D {block_d} / BLOCK_DV {block_dv} must divide head_dim {d} (and be >= 32)")
+    if MQA and (block_d != d or block_dv != d):
+        raise ValueError(f"MQA tiles take whole rows (BLOCK_D = BLOCK_DV = head_dim {d}; got {block_d} / {block_dv})")
     block_h = _pow2_at_least(min(BLOCK_H, h), 16)  # tl.dot needs M >= 16; extra heads are masked
 
     dev = q.device
@@ -468,8 +599,8 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
     sk = sink.contiguous()
 
     n_hb = -(-h // block_h)
-    dv_half = bool(DV_HALF) and block_d == d and block_dv == d  # whole rows only
-    n_dv = 2 if dv_half else d // block_dv
+    dv_half = bool(DV_HALF) and not MQA and block_d == d and block_dv == d  # whole rows only
+    n_dv = 2 if dv_half else 1 if MQA else d // block_dv
     n_wb = -(-s // BLOCK_N)
     n_blocks = n_wb + -(-k // BLOCK_N)
     base_tiles = t * n_hb * n_dv
@@ -491,12 +622,19 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
     if dev.type == "cuda" and not interpreting():
         kw = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v}
     dot_bf16 = not interpreting()  # interpreters: fp32 dot operands (same values), integer bf16 rounding
-    _sparse_attn_kernel[(grid,)](qc, wk, ws, wi, gk, gs, gi, sk, out, pacc, pm, pl,
-                                 h, s, k, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, grid,
-                                 float(softmax_scale), wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
-                                 D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
-                                 BLOCK_D=block_d, BLOCK_DV=block_dv, SPLIT=split, DOT_BF16=dot_bf16,
-                                 QK_T=bool(QK_T), DV_HALF=dv_half, **kw)
+    if MQA:
+        _mqa_kernel[(grid,)](qc, wk, ws, wi, gk, gs, gi, sk, out, pacc, pm, pl,
+                             h, s, k, n_wb, n_blocks, bps, n_split, n_hb, n_tiles, grid, float(softmax_scale),
+                             wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
+                             D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N, SPLIT=split, DOT_BF16=dot_bf16,
+                             HW_CVT=dot_bf16 and dev.type == "cuda", **kw)
+    else:
+        _sparse_attn_kernel[(grid,)](qc, wk, ws, wi, gk, gs, gi, sk, out, pacc, pm, pl,
+                                     h, s, k, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, grid,
+                                     float(softmax_scale), wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
+                                     D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
+                                     BLOCK_D=block_d, BLOCK_DV=block_dv, SPLIT=split, DOT_BF16=dot_bf16,
+                                     QK_T=bool(QK_T), DV_HALF=dv_half, **kw)
     if split:
         splits = _pow2_at_least(n_split, 2)
         cb_d = min(d, _pow2_at_least(max(32, COMBINE_ELEMS // splits), 32))  # [splits, cb_d] fp32 per tile
