@@ -60,9 +60,9 @@ CONFIGS = {
     # sweep (T=256, 64K context, CUDA-graph time): this 530 us; BLOCK_N 16: 586; BLOCK_N 64 +
     # QK_T: 811; 16 warps: 1208; DV_HALF (BLOCK_N 32 / 64, 4 or 8 warps): 667-759. ptxas: 255
     # registers + ~1 KB spill (the 64x512 fp32 accumulator alone is 128 registers a thread).
-    "cuda": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=256, BLOCK_DV=256, num_warps=8, num_stages=2, MQA=True,
+    "cuda": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=1, MQA=True,
                  min_blocks_per_split=4),
-    "cuda_decode": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=256, BLOCK_DV=256, num_warps=8, num_stages=2, MQA=True,
+    "cuda_decode": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=1, MQA=True,
                         min_blocks_per_split=1),
     "npu": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=None, min_blocks_per_split=2),
     "interp": dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=None, min_blocks_per_split=1),
