@@ -51,8 +51,8 @@ def sweep_sparse_attention(rows, copy, tokens=(1, 64, 2048)):
     split allowed), T >= 64 at 4K (a decode batch; T=2048 stands for a prefill chunk)."""
     from dsv41.npu_ops.triton import sparse_attention as sa
 
-    mqa = [dict(BLOCK_H=64, BLOCK_N=bn, num_warps=w, num_stages=st, MQA=True) for bn, w, st in
-           ((32, 8, 1), (16, 8, 1), (64, 8, 1), (32, 4, 1), (32, 8, 3))]
+    mqa = [dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=w, num_stages=st, MQA=True) for bh, bn, w, st in
+           ((64, 32, 8, 1), (64, 16, 8, 1), (64, 64, 8, 1), (32, 32, 4, 1))]
     old = [dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=4, num_stages=2),  # earlier decode table
            dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2)]  # earlier prefill table (whole rows)
     ref_fn = registry.resolve("sparse_attention", "reference")[0]
@@ -63,7 +63,7 @@ def sweep_sparse_attention(rows, copy, tokens=(1, 64, 2048)):
         flops = 4 * t * H * D * (TOPK + W)
         for v in mqa + old[:1] if t == 1 else mqa + old[1:]:
             cfg = dict(dict(BLOCK_D=None, BLOCK_DV=None, min_blocks_per_split=1 if t == 1 else 4), **v)
-            name = "sa " + " ".join(f"{k}={val}" for k, val in v.items() if k != "BLOCK_H")
+            name = "sa " + " ".join(f"{k}={val}" for k, val in v.items())
 
             def call(args=args, cfg=cfg):
                 return sa.sparse_attention_launch(*args, **cfg)

@@ -411,23 +411,30 @@ def _take_ordered(src, pos_src, n, thr, need, orow, crow, BLOCK: tl.constexpr, P
 
 
 @triton.jit
-def _sort_row(orow, n, KOUT, KP: tl.constexpr):
-    """Sort the n ids written at orow[0:n] ascending and pad orow[n:KOUT] with -1 (KP >= KOUT,
-    a power of two): the candidates' entry ids need not ascend with their columns."""
-    tl.debug_barrier()  # the row's ids, written by every thread of the program, are read back
+def _sort_row(stage, n, orow, KOUT, KP: tl.constexpr, RB: tl.constexpr):
+    """orow[0:KOUT] = the n ids at stage[0:n] in ascending order, then -1 (KP >= n, a power of
+    two): each id is stored at its rank (the ids below it, and equal ones earlier in the row),
+    counted RB ids at a time against the whole row, so no sort primitive is needed (portable;
+    the candidates' entry ids need not ascend with their columns)."""
+    tl.debug_barrier()  # the staged ids, written by every thread of the program, are read back
+    big = 1 << 62
     c = tl.arange(0, KP)
-    big = 2147483647
-    v = tl.load(orow + c, mask=c < n, other=big).to(tl.int32)
-    v = tl.sort(v)
-    tl.debug_barrier()
-    tl.store(orow + c, tl.where(v == big, -1, v).to(tl.int64), mask=c < KOUT)
+    v = tl.load(stage + c, mask=c < n, other=big)
+    for r0 in range(0, n, RB):
+        ci = r0 + tl.arange(0, RB)
+        vi = tl.load(stage + ci, mask=ci < n, other=big)
+        below = (v[None, :] < vi[:, None]) | ((v[None, :] == vi[:, None]) & (c[None, :] < ci[:, None]))
+        tl.store(orow + tl.sum(below.to(tl.int32), axis=1), vi, mask=ci < n)
+    for c0 in range(n, KOUT, KP):
+        cc = c0 + c
+        tl.store(orow + cc, tl.full([KP], -1, dtype=tl.int64), mask=cc < KOUT)
 
 
 @triton.jit
-def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr, surv_p_ptr, cand_ptr,
+def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr, surv_p_ptr, cand_ptr, stage_ptr,
                         T, N, G, K, KOUT, num_programs,
                         MAXG: tl.constexpr, CAP: tl.constexpr, USE_MAX: tl.constexpr, BLOCK: tl.constexpr,
-                        RADIX_BITS: tl.constexpr, MAP: tl.constexpr, KP: tl.constexpr):
+                        RADIX_BITS: tl.constexpr, MAP: tl.constexpr, KP: tl.constexpr, RB: tl.constexpr):
     """Per query row t (persistent loop): the K largest of scores[t, :n_visible[t]] (ties to the
     lower entry id) as ascending entry ids in out[t, :KOUT], -1 padded.
 
@@ -443,7 +450,8 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
     the bound) run step 3 on the whole row.
     MAP (Reindex: the row's columns are candidates, cand_ptr [T, N] entry ids, -1 padding scored
     -inf): the whole row is visible, the chosen columns are written as their entry ids with the
-    padding dropped (the reference's selection among valid columns), then sorted by entry id."""
+    padding dropped (the reference's selection among valid columns), staged (stage_ptr [T, KP]),
+    then placed in entry-id order."""
     CH: tl.constexpr = BLOCK // MAXG  # chunks per iteration of the survivor pass
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -452,14 +460,15 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
         row = s_ptr + t64 * N
         orow = out_ptr + t64 * KOUT
         crow = cand_ptr + t64 * N
+        stage = stage_ptr + t64 * KP
         if MAP:
             nv = N + tl.zeros([], dtype=tl.int32)
         else:
             nv = tl.minimum(tl.load(nvis_ptr + t).to(tl.int32), N)
         if nv <= K:  # everything visible is selected
             if MAP:
-                n_out = _take_ordered(row, row, nv, -2147483648, 0, orow, crow, BLOCK, False, True)
-                _sort_row(orow, n_out, KOUT, KP)
+                n_out = _take_ordered(row, row, nv, -2147483648, 0, stage, crow, BLOCK, False, True)
+                _sort_row(stage, n_out, orow, KOUT, KP, RB)
             else:
                 for c0 in range(0, KOUT, BLOCK):
                     c = c0 + cols
@@ -499,9 +508,11 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
                 _take_ordered(srow, prow, cnt, thr, need, orow, crow, BLOCK, True, False)
             else:
                 thr, need = _kth_key(row, nv, K, BLOCK, RADIX_BITS)
-                n_out = _take_ordered(row, prow, nv, thr, need, orow, crow, BLOCK, False, MAP)
                 if MAP:
-                    _sort_row(orow, n_out, KOUT, KP)
+                    n_out = _take_ordered(row, prow, nv, thr, need, stage, crow, BLOCK, False, True)
+                    _sort_row(stage, n_out, orow, KOUT, KP, RB)
+                else:
+                    _take_ordered(row, prow, nv, thr, need, orow, crow, BLOCK, False, False)
 
 
 @triton.jit
@@ -621,12 +632,13 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     chunks = torch.empty(t, g, dtype=torch.int32, device=scores.device)  # a row's listed chunks
     grid = grid_for(t, scores.device)
     extra = {} if interpreting() else {"num_warps": num_warps or SELECT_WARPS}
-    cand = candidates.contiguous() if mapped else out  # (unused pointer unless mapped)
+    cand = candidates.contiguous() if mapped else out  # (unused pointers unless mapped)
+    stage = torch.empty(t, _pow2(kout), dtype=torch.long, device=scores.device) if mapped else out
     nvis = n_visible.contiguous() if not mapped else out
     _topk_select_kernel[(grid,)](scores.contiguous(), maxima.contiguous() if use_max else scores,
-                                 nvis, out, chunks, surv_s, surv_p, cand, t, n, g, k, kout, grid,
+                                 nvis, out, chunks, surv_s, surv_p, cand, stage, t, n, g, k, kout, grid,
                                  MAXG=maxg if use_max else 1, CAP=cap, USE_MAX=use_max, BLOCK=blk,
-                                 RADIX_BITS=RADIX_BITS, MAP=mapped, KP=_pow2(kout), **extra)
+                                 RADIX_BITS=RADIX_BITS, MAP=mapped, KP=_pow2(kout), RB=SORT_ROWS, **extra)
     return out
 
 
@@ -635,6 +647,7 @@ SELECT_BLOCK_NPU = 2048  # within half the unified buffer (tests/test_triton_ub.
 SELECT_WARPS = 16  # sm_90 ptxas: 115 registers at BLOCK 4096 (8 warps: 191)
 SELECT_CAPACITY = 4096  # survivor buffer per row (at least 4 k)
 SELECT_MAXIMA_PER_K = 8  # chunk maxima per row, in units of k
+SORT_ROWS = 32  # ids ranked at a time when the Reindex selection is put in entry-id order
 SELECT_MAXIMA_MIN_PER_K = 4  # fewer chunk maxima than this many k: the bound would keep most scores
 RADIX_BITS = RADIX_BITS_DEFAULT
 

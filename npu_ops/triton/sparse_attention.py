@@ -60,10 +60,23 @@ CONFIGS = {
     # sweep (T=256, 64K context, CUDA-graph time): this 530 us; BLOCK_N 16: 586; BLOCK_N 64 +
     # QK_T: 811; 16 warps: 1208; DV_HALF (BLOCK_N 32 / 64, 4 or 8 warps): 667-759. ptxas: 255
     # registers + ~1 KB spill (the 64x512 fp32 accumulator alone is 128 registers a thread).
-    "cuda": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=1, MQA=True,
-                 min_blocks_per_split=4),
-    "cuda_decode": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=1, MQA=True,
-                        min_blocks_per_split=1),
+    "cuda": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=2, QK_T=False,
+                 min_blocks_per_split=2),
+    # cuda at decode shapes (few tokens): all 64 heads per tile (wgmma M = 64, 4 warps = one warp
+    # group), the contraction and the output channels in blocks of 128, one split per entry
+    # block (flash-decoding): a T=1 step is 4 channel blocks x 20 splits = 80 programs. H200
+    # sweep (T=1, 64K, CUDA-graph time, with the combine): this 13.9 us; 16-head tiles with
+    # 128 / 256-channel blocks and 8 warps 28.6 / 23.0 us; 16-head whole rows 23.3 us. At T=64
+    # 16-head tiles took 322 us (whole rows) / 995 us (128-channel blocks) and this entry is
+    # unmeasured, so T > 16 keeps the prefill table (DECODE_FILL_FRACTION).
+    "cuda_decode": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=4, num_stages=2,
+                        QK_T=False, min_blocks_per_split=1),
+    # cuda_mqa (opt-in, `MQA=True`): `_mqa_kernel`, whole rows decoded once as K and V, each
+    # block's bytes loaded one block ahead. Correct under the interpreter; its H200 timing is
+    # not measured yet (benchmarks/sweep_kernels.py --only sparse_attention compares it with the
+    # two entries above), so it is not the default.
+    "cuda_mqa": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=1, MQA=True,
+                     min_blocks_per_split=1),
     "npu": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=None, min_blocks_per_split=2),
     "interp": dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=None, min_blocks_per_split=1),
 }
@@ -576,6 +589,8 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
     block_dv = d if BLOCK_DV is None else min(BLOCK_DV, d)
     if d % block_d or d % block_dv or block_d < 32 or block_dv < 32:
         raise ValueError(f"BLOCK_D {block_d} / BLOCK_DV {block_dv} must divide head_dim {d} (and be >= 32)")
+    if MQA and BLOCK_N < 16:
+        raise ValueError(f"MQA tiles need BLOCK_N >= 16 (tl.dot's least N), got {BLOCK_N}")
     if MQA and (block_d != d or block_dv != d):
         raise ValueError(f"MQA tiles take whole rows (BLOCK_D = BLOCK_DV = head_dim {d}; got {block_d} / {block_dv})")
     block_h = _pow2_at_least(min(BLOCK_H, h), 16)  # tl.dot needs M >= 16; extra heads are masked
