@@ -51,8 +51,8 @@ def sweep_sparse_attention(rows, copy, tokens=(1, 64, 2048)):
     split allowed), T >= 64 at 4K (a decode batch; T=2048 stands for a prefill chunk)."""
     from dsv41.npu_ops.triton import sparse_attention as sa
 
-    mqa = [dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=w, num_stages=st, MQA=True) for bh, bn, w, st in
-           ((64, 32, 8, 1), (64, 16, 8, 1), (64, 64, 8, 1), (32, 32, 4, 1))]
+    mqa = [dict(BLOCK_H=64, BLOCK_N=bn, num_warps=w, num_stages=1, MQA=True, AHEAD=ahead) for bn, w, ahead in
+           ((16, 8, True), (16, 8, False), (32, 8, True), (16, 16, True))]
     old = [dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=4, num_stages=2),  # earlier decode table
            dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2)]  # earlier prefill table (whole rows)
     ref_fn = registry.resolve("sparse_attention", "reference")[0]

@@ -390,10 +390,19 @@ def test_prefill_chunks_equal_reference(dev, rng, monkeypatch):
     table, e = one_seq(codes, t)
     nv = torch.tensor([96, 90, 3, 50, 0, 17, 64, 95, 40])
     monkeypatch.setattr(itk, "SCORE_CHUNK_ELEMS", 2 * n)  # 2 queries per chunk
+    scored_rows = []
+    real_scores = itk._scores
+
+    def recording_scores(q, *a, **kw):  # the score matrix of one chunk: at most 2 queries
+        scored_rows.append(q.shape[0])
+        return real_scores(q, *a, **kw)
+
+    monkeypatch.setattr(itk, "_scores", recording_scores)
     want_idx, want_pool = itk.indexer_topk_ref(q, w, codes, kscale, table, e, nv, k, pool_blocks=3, pool_block_size=8)
     got_idx, got_pool = itk.indexer_topk(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), table.to(dev), e,
                                          nv.to(dev), k, pool_blocks=3, pool_block_size=8)
     assert torch.equal(got_idx.cpu(), want_idx) and torch.equal(got_pool.cpu(), want_pool)
+    assert scored_rows == [2, 2, 2, 2, 1]
     want_re, _ = itk.indexer_topk_ref(q, w, codes, kscale, table, e, nv, k, candidates=want_pool)
     got_re, _ = itk.indexer_topk(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), table.to(dev), e, nv.to(dev),
                                  k, candidates=want_pool.to(dev))

@@ -71,12 +71,15 @@ CONFIGS = {
     # unmeasured, so T > 16 keeps the prefill table (DECODE_FILL_FRACTION).
     "cuda_decode": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=4, num_stages=2,
                         QK_T=False, min_blocks_per_split=1),
-    # cuda_mqa (opt-in, `MQA=True`): `_mqa_kernel`, whole rows decoded once as K and V, each
-    # block's bytes loaded one block ahead. Correct under the interpreter; its H200 timing is
-    # not measured yet (benchmarks/sweep_kernels.py --only sparse_attention compares it with the
-    # two entries above), so it is not the default.
-    "cuda_mqa": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=1, MQA=True,
-                     min_blocks_per_split=1),
+    # cuda_mqa (opt-in, `MQA=True`): `_mqa_kernel`, whole rows decoded once as K and V (hardware
+    # E4M3 conversion, contiguous byte loads), each block's bytes loaded one block ahead.
+    # Correct under both interpreters; compiled for sm_90a on a CPU (triton 3.7.1, ptxas -v):
+    # 255 registers with 56 bytes of spill at BLOCK_N 16 / 8 warps (BLOCK_N 32: 272 bytes; the
+    # "cuda" entry above: 1152 bytes, the decode entry: 128). Its H200 timing is not measured
+    # yet (benchmarks/sweep_kernels.py --only sparse_attention compares them), so it is not
+    # the default.
+    "cuda_mqa": dict(BLOCK_H=64, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=1, MQA=True,
+                     AHEAD=True, min_blocks_per_split=1),
     "npu": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=None, min_blocks_per_split=2),
     "interp": dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=None, min_blocks_per_split=1),
 }
@@ -464,11 +467,11 @@ def _mqa_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gidx_ptr, s
                 pl_ptr, H, S, K, n_wb, n_blocks, bps, n_split, n_hb, n_tiles, num_programs, scale,
                 w_stride, ws_stride, g_stride, gs_stride,
                 D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                SPLIT: tl.constexpr, DOT_BF16: tl.constexpr, HW_CVT: tl.constexpr):
+                SPLIT: tl.constexpr, DOT_BF16: tl.constexpr, HW_CVT: tl.constexpr, AHEAD: tl.constexpr):
     """Tiles (query, split, head block), walked by a 1-D persistent loop; heads are the MMA's M
     (all heads of a token share each decoded entry, decoded once per tile and used as K and V;
-    q [BH, D] loaded once per tile). Each block's index row and stored bytes are loaded one block
-    ahead, so the gather's memory latency overlaps the previous block's math. One split: the
+    q [BH, D] loaded once per tile). AHEAD: each block's index row and stored bytes are loaded
+    one block ahead, so the gather's memory latency overlaps the previous block's math. One split: the
     tile normalises (sink included) and writes bf16; several: fp32 partials for `_combine_kernel`."""
     pid = tl.program_id(0)
     hh = tl.arange(0, BLOCK_H)
@@ -489,20 +492,30 @@ def _mqa_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gidx_ptr, s
         b_hi = tl.minimum(b_lo + bps, n_blocks)
         # window blocks b_lo .. w_hi: this query's SWA pool rows
         w_hi = tl.minimum(b_hi, n_wb)
-        rows, ok = _entry_rows(widx_ptr, tq, S, b_lo, b_lo < w_hi, BLOCK_N)
+        rows, ok = _entry_rows(widx_ptr, tq, S, b_lo, (b_lo < w_hi) & AHEAD, BLOCK_N)
         b, sb = _win_raw(win_ptr, wsc_ptr, rows, ok, D, w_stride, ws_stride)
         for nb in range(b_lo, w_hi):
-            rows_n, ok_n = _entry_rows(widx_ptr, tq, S, nb + 1, nb + 1 < w_hi, BLOCK_N)
-            b_n, sb_n = _win_raw(win_ptr, wsc_ptr, rows_n, ok_n, D, w_stride, ws_stride)
+            if AHEAD:  # the next block's index row and bytes, in flight during this block's math
+                rows_n, ok_n = _entry_rows(widx_ptr, tq, S, nb + 1, nb + 1 < w_hi, BLOCK_N)
+                b_n, sb_n = _win_raw(win_ptr, wsc_ptr, rows_n, ok_n, D, w_stride, ws_stride)
+            else:
+                rows, ok = _entry_rows(widx_ptr, tq, S, nb, nb < w_hi, BLOCK_N)
+                b, sb = _win_raw(win_ptr, wsc_ptr, rows, ok, D, w_stride, ws_stride)
+                ok_n, b_n, sb_n = ok, b, sb
             m_i, l_i, acc = _mqa_step(q, _win_values(b, sb, BLOCK_N, D, HW_CVT), ok, m_i, l_i, acc, scale, DOT_BF16)
             ok, b, sb = ok_n, b_n, sb_n
         # global blocks g_lo .. b_hi
         g_lo = tl.maximum(b_lo, n_wb)
-        rows, ok = _entry_rows(gidx_ptr, tq, K, g_lo - n_wb, g_lo < b_hi, BLOCK_N)
+        rows, ok = _entry_rows(gidx_ptr, tq, K, g_lo - n_wb, (g_lo < b_hi) & AHEAD, BLOCK_N)
         b, sc = _glob_raw(gkv_ptr, gsc_ptr, rows, ok, D, g_stride, gs_stride)
         for nb in range(g_lo, b_hi):
-            rows_n, ok_n = _entry_rows(gidx_ptr, tq, K, nb + 1 - n_wb, nb + 1 < b_hi, BLOCK_N)
-            b_n, sc_n = _glob_raw(gkv_ptr, gsc_ptr, rows_n, ok_n, D, g_stride, gs_stride)
+            if AHEAD:
+                rows_n, ok_n = _entry_rows(gidx_ptr, tq, K, nb + 1 - n_wb, nb + 1 < b_hi, BLOCK_N)
+                b_n, sc_n = _glob_raw(gkv_ptr, gsc_ptr, rows_n, ok_n, D, g_stride, gs_stride)
+            else:
+                rows, ok = _entry_rows(gidx_ptr, tq, K, nb - n_wb, nb < b_hi, BLOCK_N)
+                b, sc = _glob_raw(gkv_ptr, gsc_ptr, rows, ok, D, g_stride, gs_stride)
+                ok_n, b_n, sc_n = ok, b, sc
             m_i, l_i, acc = _mqa_step(q, _glob_values(b, sc, BLOCK_N, D, HW_CVT), ok, m_i, l_i, acc, scale, DOT_BF16)
             ok, b, sc = ok_n, b_n, sc_n
         if SPLIT:
@@ -564,7 +577,8 @@ def _pow2_at_least(n: int, lo: int) -> int:
 def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink, softmax_scale,
                             *, BLOCK_H: int, BLOCK_N: int, BLOCK_D: int | None, BLOCK_DV: int | None,
                             num_warps: int | None = None, num_stages: int | None = None, QK_T: bool = False,
-                            DV_HALF: bool = False, MQA: bool = False, min_blocks_per_split: int = 2,
+                            DV_HALF: bool = False, MQA: bool = False, AHEAD: bool = True,
+                            min_blocks_per_split: int = 2,
                             n_split: int | None = None) -> torch.Tensor:
     """`sparse_attention` with explicit tile sizes (tests and tuning); `n_split` forces the split
     count. MQA (CUDA; whole rows): `_mqa_kernel` (each entry decoded once per head block and used
@@ -642,7 +656,7 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
                              h, s, k, n_wb, n_blocks, bps, n_split, n_hb, n_tiles, grid, float(softmax_scale),
                              wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
                              D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N, SPLIT=split, DOT_BF16=dot_bf16,
-                             HW_CVT=dot_bf16 and dev.type == "cuda", **kw)
+                             HW_CVT=dot_bf16 and dev.type == "cuda", AHEAD=bool(AHEAD), **kw)
     else:
         _sparse_attn_kernel[(grid,)](qc, wk, ws, wi, gk, gs, gi, sk, out, pacc, pm, pl,
                                      h, s, k, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, grid,
