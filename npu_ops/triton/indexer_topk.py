@@ -1,5 +1,5 @@
-"""CSA2 indexer over MXFP4 keys read in place from the paged key pool: scores and the top-k
-selection in Triton (the candidate pool and the Reindex selection in torch).
+"""CSA2 indexer over MXFP4 keys read in place from the paged key pool: scores, the top-k
+selection, the Reindex selection and the candidate pool in Triton (no host sync, no torch sort).
 
 score(t, j) = sum_h relu(q[t, h, :] . k[row(t, j), :]) * weights[t, h], where entry j of token
 t's sequence sits at pool row row(t, j) = block_table[t, j // E] * E + j % E.
@@ -28,13 +28,30 @@ to bf16 (~3 significant digits) - outside the contract. Under TRITON_INTERPRET=1
 broken, so the interpreter runs the same dots in fp32 (input_precision="ieee").
 
 Selection (`_topk_select_kernel`, dense path): a program per query row finds the K-th largest
-score by radix select over order-preserving int32 keys (-0.0 folded into +0.0; 4 passes of an
-8-bit digit histogram, `tl.histogram`), then one ordered pass keeps the scores above it and the
+score by radix select over order-preserving int32 keys (-0.0 folded into +0.0; one pass per
+RADIX_BITS-bit digit, `tl.histogram`), then one ordered pass keeps the scores above it and the
 lowest-id entries equal to it, placed by a running prefix sum: the reference's
 `_stable_topk_sorted` (ties to the lower id, ascending ids, -1 padding) without a sort and
-without a host sync. The Reindex path (candidates) and the candidate pool use `_topk_sorted`
-(torch.topk on distinct int64 keys, same contract). `tl.histogram` on Ascend is unverified on
-hardware (the triton-ascend interpreter accepts it).
+without a host sync. The chunk-maxima bound (`_topk_select_kernel`) is used only when there are
+at least SELECT_MAXIMA_MIN_PER_K * k maxima; otherwise the direct select reads the row once.
+
+Reindex selection (same kernel, MAP): the row's columns are candidates (-1 padding scored -inf);
+the chosen columns are written as their entry ids with the padding dropped, then each id is
+stored at its rank among the chosen (a [RB, k] comparison count, no sort primitive): the
+reference's selection sorted by entry id, whatever the candidates' order.
+
+Candidate pool (`_pool_kernel`): the scores kernel writes each row's maxima over the pool's
+blocks (MAXG = pool block size, a power of two); the pool kernel raises the newest reachable
+block to +inf, radix-selects the best `pool_blocks` reachable blocks (ties to the older one)
+and writes them in order, expanded to their entry ids (-1 past n_visible). With model-parallel
+score reduction (or a block size that is no power of two) the pool falls back to torch
+(`_candidate_pool`).
+
+Long prefills are scored in chunks of queries (SCORE_CHUNK_ELEMS scores per chunk), so the
+[T, N] score matrix, which grows quadratically, never exists whole. `tl.histogram` on Ascend is
+unverified on hardware (the triton-ascend interpreter accepts it). The Reindex selection and
+the pool kernel are checked under both interpreters and compiled for sm_90a on a CPU
+(benchmarks/ptxas_usage.py: no spill); they have not run on the H200 yet.
 """
 
 from __future__ import annotations

@@ -33,6 +33,12 @@ How it runs:
 - Online softmax: running max starts at -1e30 (an all-masked row gives 0), masked logits are
   -inf, probabilities are rounded to bf16 before p.V, the sum stays fp32; the sink adds
   exp(sink - max) to the denominator only.
+- MQA kernel (`_mqa_kernel`, opt-in `MQA=True`, table "cuda_mqa"): a tile is (query, split,
+  head block) with whole rows; each block's entries are decoded once, in channel order (FP4
+  nibbles interleaved back with join + reshape), and serve as K (q.k^T) and as V (p.V); q is
+  loaded once per tile; the next block's index row and stored bytes are loaded while the
+  current block is computed (AHEAD). Compiled on CUDA, E4M3 goes through the hardware
+  conversion. Not measured on the H200 yet (see `CONFIGS`).
 - Per-backend tile tables (`config_for`): at decode shapes (T <= 16 on the H200) CUDA takes
   all 64 heads with 128-channel contraction / output blocks and one split per entry block;
   otherwise CUDA keeps whole 512-wide rows and all 64 heads in one tile (MQA:
@@ -73,11 +79,11 @@ CONFIGS = {
                         QK_T=False, min_blocks_per_split=1),
     # cuda_mqa (opt-in, `MQA=True`): `_mqa_kernel`, whole rows decoded once as K and V (hardware
     # E4M3 conversion, contiguous byte loads), each block's bytes loaded one block ahead.
-    # Correct under both interpreters; compiled for sm_90a on a CPU (triton 3.7.1, ptxas -v):
-    # 255 registers with 56 bytes of spill at BLOCK_N 16 / 8 warps (BLOCK_N 32: 272 bytes; the
-    # "cuda" entry above: 1152 bytes, the decode entry: 128). Its H200 timing is not measured
-    # yet (benchmarks/sweep_kernels.py --only sparse_attention compares them), so it is not
-    # the default.
+    # Correct under both interpreters; compiled for sm_90a on a CPU (triton 3.7.1, ptxas -v,
+    # benchmarks/ptxas_usage.py): 255 registers and 20-56 bytes of spill at BLOCK_N 16 / 8 warps
+    # (BLOCK_N 32: 272 bytes; the "cuda" entry above: 1152 bytes, the decode entry: 128). Its
+    # H200 timing is not measured yet (benchmarks/sweep_kernels.py --only sparse_attention), so
+    # it is not the default.
     "cuda_mqa": dict(BLOCK_H=64, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=1, MQA=True,
                      AHEAD=True, min_blocks_per_split=1),
     "npu": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=None, min_blocks_per_split=2),
