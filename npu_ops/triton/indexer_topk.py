@@ -397,6 +397,16 @@ def _kth_key(src, n, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
 
 
 @triton.jit
+def _take_flags(key, m, thr, need, n_eq):
+    """Which values of a block (order keys `key`, valid where m) belong to the top set: those
+    above `thr` and the first `need` equal to it (n_eq equal ones came in earlier blocks).
+    Returns (take, equal) as int32 flags."""
+    gt = (m & (key > thr)).to(tl.int32)
+    eq = (m & (key == thr)).to(tl.int32)
+    return gt | (eq & ((n_eq + tl.cumsum(eq, axis=0) - eq) < need).to(tl.int32)), eq
+
+
+@triton.jit
 def _take_ordered(src, pos_src, n, thr, need, orow, crow, BLOCK: tl.constexpr, POS: tl.constexpr,
                   MAP: tl.constexpr):
     """Write, in ascending order, the ids of the values in src[0:n] above `thr` (order key) and
@@ -409,10 +419,7 @@ def _take_ordered(src, pos_src, n, thr, need, orow, crow, BLOCK: tl.constexpr, P
     for c0 in range(0, n, BLOCK):
         c = c0 + cols
         m = c < n
-        key = _order_key(tl.load(src + c, mask=m, other=0.0))
-        gt = (m & (key > thr)).to(tl.int32)
-        eq = (m & (key == thr)).to(tl.int32)
-        take = gt | (eq & ((n_eq + tl.cumsum(eq, axis=0) - eq) < need).to(tl.int32))
+        take, eq = _take_flags(_order_key(tl.load(src + c, mask=m, other=0.0)), m, thr, need, n_eq)
         if POS:
             ids = tl.load(pos_src + c, mask=m, other=0)
         else:
@@ -569,10 +576,7 @@ def _pool_kernel(max_ptr, nvis_ptr, out_ptr, work_ptr, T, N, G, NBLK, OUTW, num_
         for c0 in range(0, gv, BLOCK):  # the chosen blocks in order, expanded to their entries
             c = c0 + cols
             m = c < gv
-            key = _order_key(tl.load(wrow + c, mask=m, other=0.0))
-            gt = (m & (key > thr)).to(tl.int32)
-            eq = (m & (key == thr)).to(tl.int32)
-            take = gt | (eq & ((n_eq + tl.cumsum(eq, axis=0) - eq) < need).to(tl.int32))
+            take, eq = _take_flags(_order_key(tl.load(wrow + c, mask=m, other=0.0)), m, thr, need, n_eq)
             pos = n_sel + tl.cumsum(take, axis=0) - take
             ent = c[:, None] * B + jb[None, :]
             tl.store(orow + pos[:, None] * B + jb[None, :], tl.where(ent < nv, ent, -1).to(tl.int64),

@@ -251,6 +251,34 @@ def _to_bf16(x, NATIVE: tl.constexpr):
     return y
 
 
+@triton.jit
+def _query_tile(r, n_hb, n_split, H, D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Tile index r = (query * n_split + split) * n_hb + head block -> (split, query, heads
+    [BLOCK_H], their mask, their q / output row offsets (elements, int64))."""
+    hb = r % n_hb
+    r = r // n_hb
+    sp = r % n_split
+    tq = r // n_split
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    return sp, tq, heads, heads < H, (tq * H + heads).to(tl.int64) * D
+
+
+@triton.jit
+def _online_softmax(s, ok, m_i, l_i, scale, DOT_BF16: tl.constexpr):
+    """Online-softmax update for a block of raw logits s [BH, BN] (entries valid where ok):
+    (new running max, new sum, the factor rescaling the accumulator, the probabilities rounded
+    to bf16 as the p.V operand). Masked logits are -inf; the sum stays fp32."""
+    s = tl.where(ok[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    pb = _to_bf16(p, DOT_BF16)  # probabilities rounded to bf16 (nearest even)
+    if not DOT_BF16:
+        pb = pb.to(tl.float32)
+    return m_new, l_i, alpha, pb
+
+
 # ---- one block of entries: logits, online softmax, p.V ----------------------------------------
 
 @triton.jit
@@ -283,14 +311,7 @@ def _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows,
                        kv_stride, sc_stride)
         v_e = _dot_in(v_e, DOT_BF16)
         v_o = _dot_in(v_o, DOT_BF16)
-    s = tl.where(ok[None, :], s * scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    pb = _to_bf16(p, DOT_BF16)  # probabilities rounded to bf16 (nearest even)
-    if not DOT_BF16:
-        pb = pb.to(tl.float32)
+    m_new, l_i, alpha, pb = _online_softmax(s, ok, m_i, l_i, scale, DOT_BF16)
     if DV_HALF:  # this tile owns one channel parity of the output: acc_e holds it, acc_o is unused
         if half == 0:
             acc_e = tl.dot(pb, v_e, acc_e * alpha[:, None])
@@ -311,20 +332,12 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT: tl.constexpr,
                         DOT_BF16: tl.constexpr, QK_T: tl.constexpr, DV_HALF: tl.constexpr):
     pid = tl.program_id(0)
-    hh = tl.arange(0, BLOCK_H)
     nn = tl.arange(0, BLOCK_N)
     jv = tl.arange(0, BLOCK_DV // 2)
     jq = tl.arange(0, BLOCK_D // 2)
     for tile in range(pid, n_tiles, num_programs):
         dvb = tile % n_dv
-        r = tile // n_dv
-        hb = r % n_hb
-        r = r // n_hb
-        sp = r % n_split
-        tq = r // n_split
-        heads = hb * BLOCK_H + hh
-        hok = heads < H
-        qrow = (tq * H + heads).to(tl.int64) * D
+        sp, tq, heads, hok, qrow = _query_tile(tile // n_dv, n_hb, n_split, H, D, BLOCK_H)
         dv0 = dvb * BLOCK_DV
         # q halves for the whole-row path (unused, and dropped, in the tiled path); loaded as bf16
         # straight into the MMA (compiled, it can stay in shared memory as wgmma's A operand)
@@ -402,26 +415,16 @@ def _entry_rows(idx_ptr, tq, L, nb, active, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _win_raw(win_ptr, wsc_ptr, rows, ok, D: tl.constexpr, kv_stride, sc_stride):
-    """The stored bytes of FP8 window rows: codes [BN, D/32, 32] (contiguous vector loads) and
-    E8M0 scales [BN, D/32], int8, masked rows 0 (their bytes are never read)."""
-    g = tl.arange(0, D // 32)
-    e = tl.arange(0, 32)
-    b = tl.load(win_ptr + rows[:, None, None] * kv_stride + (g * 32)[None, :, None] + e[None, None, :],
+def _raw_rows(kv_ptr, sc_ptr, rows, ok, GROUPS: tl.constexpr, GBYTES: tl.constexpr, kv_stride, sc_stride):
+    """The stored bytes of pool rows [BN] (int64): codes [BN, GROUPS, GBYTES] (one scale group
+    each, contiguous vector loads) and scales [BN, GROUPS], int8, masked rows 0 (never read).
+    FP8 window rows: D/32 groups of 32 bytes (E8M0 scales); packed FP4 global rows: D/16 groups
+    of 8 bytes (E4M3 scales)."""
+    g = tl.arange(0, GROUPS)
+    e = tl.arange(0, GBYTES)
+    b = tl.load(kv_ptr + rows[:, None, None] * kv_stride + (g * GBYTES)[None, :, None] + e[None, None, :],
                 mask=ok[:, None, None], other=0)
-    sb = tl.load(wsc_ptr + rows[:, None] * sc_stride + g[None, :], mask=ok[:, None], other=0)
-    return b, sb
-
-
-@triton.jit
-def _glob_raw(gkv_ptr, gsc_ptr, rows, ok, D: tl.constexpr, kv_stride, sc_stride):
-    """The stored bytes of packed FP4 global rows: codes [BN, D/16, 8] (8 bytes = one 16-channel
-    scale group) and E4M3 scales [BN, D/16], int8, masked rows 0."""
-    g = tl.arange(0, D // 16)
-    e = tl.arange(0, 8)
-    b = tl.load(gkv_ptr + rows[:, None, None] * kv_stride + (g * 8)[None, :, None] + e[None, None, :],
-                mask=ok[:, None, None], other=0)
-    sc = tl.load(gsc_ptr + rows[:, None] * sc_stride + g[None, :], mask=ok[:, None], other=0)
+    sc = tl.load(sc_ptr + rows[:, None] * sc_stride + g[None, :], mask=ok[:, None], other=0)
     return b, sc
 
 
@@ -455,17 +458,37 @@ def _mqa_step(q, kv, ok, m_i, l_i, acc, scale, DOT_BF16: tl.constexpr):
     """One block of entries (kv [BN, D] fp32, bf16-exact) for all the tile's heads: logits,
     online-softmax update, p.V with the same decoded rows as V."""
     k = _dot_in(kv, DOT_BF16)
-    s = tl.dot(q, tl.trans(k))
-    s = tl.where(ok[None, :], s * scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    pb = _to_bf16(p, DOT_BF16)  # probabilities rounded to bf16 (nearest even)
-    if not DOT_BF16:
-        pb = pb.to(tl.float32)
+    m_new, l_i, alpha, pb = _online_softmax(tl.dot(q, tl.trans(k)), ok, m_i, l_i, scale, DOT_BF16)
     acc = tl.dot(pb, k, acc * alpha[:, None])
     return m_new, l_i, acc
+
+
+@triton.jit
+def _mqa_range(q, idx_ptr, tq, L, off, lo, hi, kv_ptr, sc_ptr, kv_stride, sc_stride, m_i, l_i, acc, scale,
+               D: tl.constexpr, BLOCK_N: tl.constexpr, IS_GLOB: tl.constexpr, DOT_BF16: tl.constexpr,
+               HW_CVT: tl.constexpr, AHEAD: tl.constexpr):
+    """Entry blocks lo .. hi of one kind (window rows, or global rows when IS_GLOB) for the
+    tile: block nb holds entries (nb - off) * BLOCK_N .. of query tq's index list (length L).
+    AHEAD: the next block's index row and bytes are loaded before this block is computed."""
+    GROUPS: tl.constexpr = D // 16 if IS_GLOB else D // 32
+    GBYTES: tl.constexpr = 8 if IS_GLOB else 32
+    rows, ok = _entry_rows(idx_ptr, tq, L, lo - off, (lo < hi) & AHEAD, BLOCK_N)
+    b, sc = _raw_rows(kv_ptr, sc_ptr, rows, ok, GROUPS, GBYTES, kv_stride, sc_stride)
+    for nb in range(lo, hi):
+        if AHEAD:  # in flight during this block's math
+            rows_n, ok_n = _entry_rows(idx_ptr, tq, L, nb + 1 - off, nb + 1 < hi, BLOCK_N)
+            b_n, sc_n = _raw_rows(kv_ptr, sc_ptr, rows_n, ok_n, GROUPS, GBYTES, kv_stride, sc_stride)
+        else:
+            rows, ok = _entry_rows(idx_ptr, tq, L, nb - off, nb < hi, BLOCK_N)
+            b, sc = _raw_rows(kv_ptr, sc_ptr, rows, ok, GROUPS, GBYTES, kv_stride, sc_stride)
+            ok_n, b_n, sc_n = ok, b, sc
+        if IS_GLOB:
+            kv = _glob_values(b, sc, BLOCK_N, D, HW_CVT)
+        else:
+            kv = _win_values(b, sc, BLOCK_N, D, HW_CVT)
+        m_i, l_i, acc = _mqa_step(q, kv, ok, m_i, l_i, acc, scale, DOT_BF16)
+        ok, b, sc = ok_n, b_n, sc_n
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -480,50 +503,21 @@ def _mqa_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gidx_ptr, s
     one block ahead, so the gather's memory latency overlaps the previous block's math. One split: the
     tile normalises (sink included) and writes bf16; several: fp32 partials for `_combine_kernel`."""
     pid = tl.program_id(0)
-    hh = tl.arange(0, BLOCK_H)
     cd = tl.arange(0, D)
     for tile in range(pid, n_tiles, num_programs):
-        hb = tile % n_hb
-        r = tile // n_hb
-        sp = r % n_split
-        tq = r // n_split
-        heads = hb * BLOCK_H + hh
-        hok = heads < H
-        qrow = (tq * H + heads).to(tl.int64) * D
+        sp, tq, heads, hok, qrow = _query_tile(tile, n_hb, n_split, H, D, BLOCK_H)
         q = _q_in(tl.load(q_ptr + qrow[:, None] + cd[None, :], mask=hok[:, None], other=0.0), DOT_BF16)
         m_i = tl.full([BLOCK_H], RUNNING_MAX_INIT, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
         b_lo = sp * bps
         b_hi = tl.minimum(b_lo + bps, n_blocks)
-        # window blocks b_lo .. w_hi: this query's SWA pool rows
+        # window blocks b_lo .. w_hi (this query's SWA pool rows), then global blocks g_lo .. b_hi
         w_hi = tl.minimum(b_hi, n_wb)
-        rows, ok = _entry_rows(widx_ptr, tq, S, b_lo, (b_lo < w_hi) & AHEAD, BLOCK_N)
-        b, sb = _win_raw(win_ptr, wsc_ptr, rows, ok, D, w_stride, ws_stride)
-        for nb in range(b_lo, w_hi):
-            if AHEAD:  # the next block's index row and bytes, in flight during this block's math
-                rows_n, ok_n = _entry_rows(widx_ptr, tq, S, nb + 1, nb + 1 < w_hi, BLOCK_N)
-                b_n, sb_n = _win_raw(win_ptr, wsc_ptr, rows_n, ok_n, D, w_stride, ws_stride)
-            else:
-                rows, ok = _entry_rows(widx_ptr, tq, S, nb, nb < w_hi, BLOCK_N)
-                b, sb = _win_raw(win_ptr, wsc_ptr, rows, ok, D, w_stride, ws_stride)
-                ok_n, b_n, sb_n = ok, b, sb
-            m_i, l_i, acc = _mqa_step(q, _win_values(b, sb, BLOCK_N, D, HW_CVT), ok, m_i, l_i, acc, scale, DOT_BF16)
-            ok, b, sb = ok_n, b_n, sb_n
-        # global blocks g_lo .. b_hi
-        g_lo = tl.maximum(b_lo, n_wb)
-        rows, ok = _entry_rows(gidx_ptr, tq, K, g_lo - n_wb, (g_lo < b_hi) & AHEAD, BLOCK_N)
-        b, sc = _glob_raw(gkv_ptr, gsc_ptr, rows, ok, D, g_stride, gs_stride)
-        for nb in range(g_lo, b_hi):
-            if AHEAD:
-                rows_n, ok_n = _entry_rows(gidx_ptr, tq, K, nb + 1 - n_wb, nb + 1 < b_hi, BLOCK_N)
-                b_n, sc_n = _glob_raw(gkv_ptr, gsc_ptr, rows_n, ok_n, D, g_stride, gs_stride)
-            else:
-                rows, ok = _entry_rows(gidx_ptr, tq, K, nb - n_wb, nb < b_hi, BLOCK_N)
-                b, sc = _glob_raw(gkv_ptr, gsc_ptr, rows, ok, D, g_stride, gs_stride)
-                ok_n, b_n, sc_n = ok, b, sc
-            m_i, l_i, acc = _mqa_step(q, _glob_values(b, sc, BLOCK_N, D, HW_CVT), ok, m_i, l_i, acc, scale, DOT_BF16)
-            ok, b, sc = ok_n, b_n, sc_n
+        m_i, l_i, acc = _mqa_range(q, widx_ptr, tq, S, 0, b_lo, w_hi, win_ptr, wsc_ptr, w_stride, ws_stride,
+                                   m_i, l_i, acc, scale, D, BLOCK_N, False, DOT_BF16, HW_CVT, AHEAD)
+        m_i, l_i, acc = _mqa_range(q, gidx_ptr, tq, K, n_wb, tl.maximum(b_lo, n_wb), b_hi, gkv_ptr, gsc_ptr, g_stride,
+                                   gs_stride, m_i, l_i, acc, scale, D, BLOCK_N, True, DOT_BF16, HW_CVT, AHEAD)
         if SPLIT:
             prow = ((tq * n_split + sp) * H + heads).to(tl.int64)
             tl.store(pacc_ptr + prow[:, None] * D + cd[None, :], acc, mask=hok[:, None])
