@@ -472,7 +472,11 @@ def _mqa_range(q, idx_ptr, tq, L, off, lo, hi, kv_ptr, sc_ptr, kv_stride, sc_str
     AHEAD: the next block's index row and bytes are loaded before this block is computed."""
     GROUPS: tl.constexpr = D // 16 if IS_GLOB else D // 32
     GBYTES: tl.constexpr = 8 if IS_GLOB else 32
-    rows, ok = _entry_rows(idx_ptr, tq, L, lo - off, (lo < hi) & AHEAD, BLOCK_N)
+    if AHEAD:
+        first = lo < hi
+    else:  # loaded in the loop: nothing before it (lo >= 0)
+        first = lo < 0
+    rows, ok = _entry_rows(idx_ptr, tq, L, lo - off, first, BLOCK_N)
     b, sc = _raw_rows(kv_ptr, sc_ptr, rows, ok, GROUPS, GBYTES, kv_stride, sc_stride)
     for nb in range(lo, hi):
         if AHEAD:  # in flight during this block's math
