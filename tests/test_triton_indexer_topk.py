@@ -137,13 +137,15 @@ def test_topk_select_equals_stable_sort(dev, rng):
         masked = s.masked_fill(~valid, float("-inf"))
         want = ref_att._stable_topk_sorted(s, k, valid)
         assert torch.equal(itk.topk_select(masked.to(dev), nv.to(dev), k).cpu(), want), (n, k)
-        # bounded by chunk maxima (as the scores kernel writes them), and with a survivor buffer
-        # too small for the tied rows (those take the whole-row path)
-        for maxg, cap in ((1, None), (4, None), (4, 16)):
+        # bounded by chunk maxima (as the scores kernel writes them; min_maxima_per_k=0 forces
+        # the bound however few they are), and with a survivor buffer too small for the tied
+        # rows (those take the whole-row path); the default skips a bound from too few maxima
+        for maxg, cap, per_k in ((1, None, 0), (4, None, 0), (4, 16, 0), (4, None, None)):
             pad = -(-n // maxg) * maxg - n
             maxima = torch.nn.functional.pad(masked, (0, pad), value=float("-inf")).view(8, -1, maxg).amax(-1)
-            got = itk.topk_select(masked.to(dev), nv.to(dev), k, maxima.to(dev), maxg, capacity=cap)
-            assert torch.equal(got.cpu(), want), (n, k, maxg, cap)
+            got = itk.topk_select(masked.to(dev), nv.to(dev), k, maxima.to(dev), maxg, capacity=cap,
+                                  min_maxima_per_k=per_k)
+            assert torch.equal(got.cpu(), want), (n, k, maxg, cap, per_k)
 
 
 # ---- kernel -------------------------------------------------------------------------------------

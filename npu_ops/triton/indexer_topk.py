@@ -56,6 +56,8 @@ the pool kernel are checked under both interpreters and compiled for sm_90a on a
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -269,11 +271,21 @@ def ub_tiles(shape: tuple, d: int, maxg: int = 1) -> dict[str, tuple[int, ...]]:
             "s": (bt, bn), "maxima": (bt, bn // max(1, maxg))}
 
 
-def select_ub_tiles(block: int, radix_bits: int = RADIX_BITS_DEFAULT) -> dict[str, tuple[int, ...]]:
+def select_ub_tiles(block: int, radix_bits: int = RADIX_BITS_DEFAULT, topk: int = 512) -> dict[str, tuple[int, ...]]:
     """Live tiles of one selection program at its peak: a block of keys with its mask, digits,
-    prefix sums and ids, and the histogram."""
-    return {"keys": (block,), "mask": (block,), "digit": (block,), "cumsum": (block,), "ids": (block,),
-            "hist": (2 << radix_bits,)}
+    prefix sums and ids, and the histogram; the Reindex ordering's row of ids and its [rows,
+    ids] comparison tile (`sort_rows`), which come after the block's tiles are dead."""
+    kp = _pow2(topk)
+    block_tiles = {"keys": (block,), "mask": (block,), "digit": (block,), "cumsum": (block,), "ids": (block,),
+                   "hist": (2 << radix_bits,)}
+    order_tiles = {"row": (kp,), "compare": (sort_rows(kp, True), kp), "rank": (sort_rows(kp, True),)}
+    return max(block_tiles, order_tiles, key=lambda d: sum(math.prod(v) for v in d.values()))
+
+
+def sort_rows(kp: int, on_npu: bool) -> int:
+    """Ids ranked at a time by the Reindex ordering (a [rows, kp] comparison tile): SORT_ROWS on
+    CUDA; on Ascend within SORT_ELEMS_NPU elements."""
+    return max(1, min(SORT_ROWS, SORT_ELEMS_NPU // kp)) if on_npu else SORT_ROWS
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
@@ -621,12 +633,14 @@ def select_chunk(n: int, k: int, block_n: int, per_k: int | None = None) -> int:
 
 def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, maxima: torch.Tensor | None = None,
                 maxg: int = 1, *, candidates: torch.Tensor | None = None, block: int | None = None,
-                capacity: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                capacity: int | None = None, num_warps: int | None = None,
+                min_maxima_per_k: int | None = None) -> torch.Tensor:
     """The reference's `_stable_topk_sorted(scores, k, arange < n_visible)` for finite visible
     scores, in one Triton launch (a program per query row, no host sync): [T, min(k, N)] int64.
     `maxima` [T, ceil(N / maxg)]: each row's maximum over every `maxg` entries (entries past
     n_visible excluded), which bounds the selection when there are enough of them (at least
-    SELECT_MAXIMA_MIN_PER_K * k chunks; otherwise the direct select is cheaper).
+    `min_maxima_per_k` (default SELECT_MAXIMA_MIN_PER_K) * k chunks; otherwise the direct
+    select is cheaper).
     With `candidates` [T, N] (entry ids, -1 padding whose scores are -inf; n_visible unused):
     the Reindex selection, `_stable_topk_sorted(scores, k, candidates >= 0)` mapped through
     the candidates and sorted by entry id (-1 padded), as `reference.attention.indexer_topk`."""
@@ -644,7 +658,8 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
         raise ValueError(f"candidates {tuple(candidates.shape)} do not match scores {tuple(scores.shape)}")
     if not mapped and n_visible is None:
         raise ValueError("topk_select needs n_visible (or candidates)")
-    use_max = maxima is not None and not mapped and maxg > 1 and maxima.shape[1] >= SELECT_MAXIMA_MIN_PER_K * k
+    per_k = SELECT_MAXIMA_MIN_PER_K if min_maxima_per_k is None else min_maxima_per_k
+    use_max = maxima is not None and not mapped and maxg > 1 and maxima.shape[1] >= per_k * k
     if use_max and (blk % maxg or maxima.shape[0] != t):
         raise ValueError(f"maxima {tuple(maxima.shape)} every {maxg} do not fit block {blk} / {t} rows")
     g = maxima.shape[1] if use_max else 1
@@ -659,7 +674,8 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     _topk_select_kernel[(grid,)](scores.contiguous(), maxima.contiguous() if use_max else scores,
                                  nvis, out, chunks, surv_s, surv_p, cand, stage, t, n, g, k, kout, grid,
                                  MAXG=maxg if use_max else 1, CAP=cap, USE_MAX=use_max, BLOCK=blk,
-                                 RADIX_BITS=RADIX_BITS, MAP=mapped, KP=_pow2(kout), RB=SORT_ROWS, **extra)
+                                 RADIX_BITS=RADIX_BITS, MAP=mapped, KP=_pow2(kout),
+                                 RB=sort_rows(_pow2(kout), scores.device.type == "npu"), **extra)
     return out
 
 
@@ -669,6 +685,7 @@ SELECT_WARPS = 16  # sm_90 ptxas: 115 registers at BLOCK 4096 (8 warps: 191)
 SELECT_CAPACITY = 4096  # survivor buffer per row (at least 4 k)
 SELECT_MAXIMA_PER_K = 8  # chunk maxima per row, in units of k
 SORT_ROWS = 32  # ids ranked at a time when the Reindex selection is put in entry-id order
+SORT_ELEMS_NPU = 4096  # the comparison tile's elements on Ascend (unified buffer)
 SELECT_MAXIMA_MIN_PER_K = 4  # fewer chunk maxima than this many k: the bound would keep most scores
 RADIX_BITS = RADIX_BITS_DEFAULT
 
