@@ -53,6 +53,7 @@ def sweep_sparse_attention(rows, copy, tokens=(1, 64, 2048)):
 
     mqa = [dict(BLOCK_H=64, BLOCK_N=bn, num_warps=w, num_stages=1, MQA=True, AHEAD=ahead) for bn, w, ahead in
            ((16, 8, True), (16, 8, False), (32, 8, True), (16, 16, True))]
+    mqa.append(dict(mqa[0], min_blocks_per_split=4))  # fewer, longer splits: less partial traffic at T=1
     old = [dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=4, num_stages=2),  # earlier decode table
            dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2)]  # earlier prefill table (whole rows)
     ref_fn = registry.resolve("sparse_attention", "reference")[0]
