@@ -157,23 +157,37 @@ def sweep_fp4_quant(rows, copy):
                       f"exact {exact}", call, nbytes, copy)
 
 
+def mhc_weights():
+    """Random mix-projection weights of the mini preset on the GPU: fn [24, 4d] fp32, scale [3],
+    base [24]."""
+    n, dim = CFG.hc_mult, CFG.hidden_size
+    fn = torch.randn((2 + n) * n, n * dim, device="cuda") * (n * dim) ** -0.5
+    return fn, torch.rand(3, device="cuda") + 0.5, torch.randn((2 + n) * n, device="cuda") * 0.5
+
+
+def mhc_activations(t: int):
+    """Random mHC step inputs for t tokens: streams x [t, 4, d], sublayer output y [t, d] (bf16),
+    post / pre [t, 4] and a row-stochastic comb [t, 4, 4] (fp32)."""
+    n, dim = CFG.hc_mult, CFG.hidden_size
+    x = torch.randn(t, n, dim, device="cuda").to(torch.bfloat16)
+    y = torch.randn(t, dim, device="cuda").to(torch.bfloat16)
+    post = torch.rand(t, n, device="cuda") * 2
+    comb = torch.softmax(torch.randn(t, n, n, device="cuda"), -1)
+    return x, y, post, comb, torch.rand(t, n, device="cuda")
+
+
 def sweep_mhc_mix(rows, copy):
     from dsv41.backends.reference.basic import fp32_accumulation
     from dsv41.npu_ops.triton import mega_mhc as mm
 
     n, dim = CFG.hc_mult, CFG.hidden_size
-    fn = torch.randn((2 + n) * n, n * dim, device="cuda") * (n * dim) ** -0.5
-    scale, base = torch.rand(3, device="cuda") + 0.5, torch.randn((2 + n) * n, device="cuda") * 0.5
+    fn, scale, base = mhc_weights()
     ref_fn = registry.resolve("mhc_mix", "reference")[0]
     variants = [  # (block_t, block_d, num_warps, num_stages, d_split; None: the launcher's rule)
         (16, 64, 4, 2, None), (16, 64, 4, 3, None), (16, 64, 4, 2, 16), (16, 128, 4, 2, None), (32, 64, 4, 2, None),
     ]
     for t in (64, 4096):
-        x = torch.randn(t, n, dim, device="cuda").to(torch.bfloat16)
-        y = torch.randn(t, dim, device="cuda").to(torch.bfloat16)
-        post = torch.rand(t, n, device="cuda") * 2
-        comb = torch.softmax(torch.randn(t, n, n, device="cuda"), -1)
-        pre = torch.rand(t, n, device="cuda")
+        x, y, post, comb, pre = mhc_activations(t)
         args = (x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, CFG.hc_sinkhorn_iters)
         want = ref_fn(*args)  # the fp64-accumulating oracle
         with fp32_accumulation():  # the unfused torch sequence the kernel replaces
@@ -268,23 +282,36 @@ def _moe_case(t, experts, d, inter, n_exp, topk, moe_ref, fp32_accumulation):
     return x, ids, wts, want, active, active * 3 * inter * d * (0.5 + 1 / 32) + t * d * 6
 
 
-def sweep_moe(rows, copy):
-    """The grouped FP4 experts (mini preset: 16 experts, d 5120, width 2304, top-6) at 1, 8, 64
-    and 2048 tokens; bytes = the active experts' weights read once."""
+def sweep_moe(rows, copy, tokens=(1, 8, 64, 8192)):
+    """The FP4 routed experts (mini preset: 16 experts, d 5120, width 2304, top-6): the grouped
+    tensor-core path's tile variants against the GEMV path (T <= 4) and the per-32-block tiled
+    kernels (T <= 64); bytes = the active experts' weights read once."""
     from dsv41.backends.reference.basic import fp32_accumulation
     from dsv41.backends.reference.moe import moe_experts as moe_ref
     from dsv41.npu_ops.triton import moe_experts as me
 
     d, inter, n_exp, topk = CFG.hidden_size, CFG.moe_intermediate_size, 16, CFG.num_experts_per_tok
     experts = _fp4_experts(n_exp, d, inter)
-    variants = [dict(), dict(bn_down=128), dict(bn_down=32), dict(bk=256), dict(bk=64),
-                dict(num_stages=3), dict(num_stages=6), dict(num_warps=8), dict(bm=16), dict(bm=32)]
-    for t in (1, 8, 64, 2048):
+    g = "grouped"
+    small = [dict(path=g, swap=False), dict(path=g, swap=True), dict(path=g, swap=True, bm=16),
+             dict(path=g, swap=False, bm=16), dict(path=g, swap=True, bn_up=128, bn_down=128),
+             dict(path=g, swap=False, bk=256), dict(path=g, swap=True, bk=256), dict(path=g, swap=True, num_warps=8),
+             dict(path=g, swap=False, bk=64)]
+    large = [dict(path=g), dict(path=g, predequant=False, swap=False), dict(path=g, predequant=False, swap=True),
+             dict(path=g, predequant=True, bm=128, bn_up=128, bn_down=128, bk=64, num_warps=8, num_stages=4),
+             dict(path=g, predequant=True, bm=64, bn_up=128, bn_down=128, bk=64, num_warps=4, num_stages=4),
+             dict(path=g, predequant=False, swap=False, bm=64, bn_up=64, bn_down=128, bk=128, num_warps=4, num_stages=3),
+             dict(path=g, predequant=False, swap=True, bm=64, bn_up=128, bn_down=128, bk=128, num_warps=8, num_stages=3),
+             dict(path=g, predequant=False, swap=True, bm=128, bn_up=64, bn_down=128, bk=128, num_warps=8, num_stages=2),
+             dict(path=g, predequant=False, swap=False, bm=128, bn_up=128, bn_down=128, bk=128, num_warps=8, num_stages=2)]
+    for t in tokens:
         x, ids, wts, want, active, nbytes = _moe_case(t, experts, d, inter, n_exp, topk, moe_ref, fp32_accumulation)
         flops = 2 * t * topk * 3 * inter * d
-        for v in variants if t <= 64 else variants[:1] + [dict(bm=128, bn_down=128, bk=64, num_warps=8,
-                                                                num_stages=3), dict(bm=128, bn_down=128, bk=128, num_warps=4),
-                                                           dict(bm=64, bn_down=64, bk=128)]:
+        variants = ([dict(path="gemv")] if t <= me.GEMV_MAX_T else []) + \
+            ([dict(path="tiled")] if t == 64 else []) + (small if t == 64 else small[:3] if t <= 64 else large)
+        if t == 1:
+            variants = variants[:3]
+        for v in variants:
             name = "moe fp4 " + " ".join(f"{a}={b}" for a, b in v.items())
             _variant_row(rows, name, f"T={t} {active} experts", lambda x=x, ids=ids, wts=wts, v=v:
                          me.moe_experts(x, wts, ids, experts, 10.0, **v), want, nbytes, flops, copy)
@@ -338,9 +365,115 @@ def sweep_decode(rows, copy):
                      3 * inter * d * (1 + 1 / 1024) + d * 6, 2 * 3 * inter * d, copy)
 
 
+# The mini preset's dense FP8 linears of one layer, (name, N, K): q down / up projection, the KV
+# projection, the output projection's second half, the indexer's query up projection.
+DENSE_LINEARS = [("wq_a", CFG.q_lora_rank, CFG.hidden_size), ("wq_b", H * D, CFG.q_lora_rank),
+                 ("wkv", D, CFG.hidden_size), ("wo_b", CFG.hidden_size, CFG.o_groups * CFG.o_lora_rank),
+                 ("idx_wq_b", HI * DI, CFG.q_lora_rank)]
+
+
+def kernel_times(call, iters: int = 10) -> str:
+    """Device time per call of each kernel `call` launches (torch.profiler over `iters` eager
+    calls), as 'name us, ...' sorted by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                call()
+            torch.cuda.synchronize()
+        tot: dict[str, float] = {}
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                tot[ev.name[:40]] = tot.get(ev.name[:40], 0.0) + ev.device_time_total / iters
+    except Exception as e:  # noqa: BLE001  (the profiler is a diagnostic, not the measurement)
+        return f"profiler failed: {type(e).__name__}: {str(e)[:80]}"
+    return ", ".join(f"{k} {v:.1f} us" for k, v in sorted(tot.items(), key=lambda kv: -kv[1]))
+
+
+def sweep_dense(rows, copy, tokens=(1, 8, 64)):
+    """The dense FP8 linears at decode sizes (M = 1, 8, 64) at the model's shapes: each against
+    the fp32-accumulating reference, the default path and variants of the fold path (tensor
+    cores, scales folded into bf16 operands) next to the gemv / tiled paths; one layer's five
+    linears back to back in one graph against their weight-read floor; the bf16 head (fp32
+    logits); and the mHC coefficient ops fused / unfused at T = 1 and 64."""
+    from dsv41.backends.reference.basic import fp32_accumulation
+    from dsv41.backends.reference.basic import linear as linear_ref
+    from dsv41.npu_ops.triton import block_linear as bl
+    from dsv41.npu_ops.triton import mega_mhc as mm
+    from dsv41.npu_ops.triton import mhc_mixes as mx
+
+    weights = {name: quant.fp8_block_quant(torch.randn(n, k, device="cuda") * k ** -0.5)
+               for name, n, k in DENSE_LINEARS}
+    variants = {1: [dict(path="gemv"), dict(path="fold", bn=32, bk=256), dict(path="fold", bk=256, num_stages=3),
+                    dict(path="fold", num_stages=6), dict(path="fold", bn=128), dict(path="fold", qdq_row=False),
+                    dict(path="fold", split_k=4), dict(path="fold", split_k=16)],
+                8: [dict(path="fold", bn=32, bk=256), dict(path="fold", bk=256, num_stages=3), dict(path="fold", bn=128)],
+                64: [dict(path="tiled"), dict(path="fold", bn=128), dict(path="fold", bn=128, num_warps=8),
+                     dict(path="fold", bn=256, bk=64, num_warps=8), dict(path="fold", bk=64), dict(path="fold", split_k=1)]}
+    for m in tokens:
+        layer_bytes = 0
+        for name, n, k in DENSE_LINEARS:
+            w, s = weights[name]
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            with fp32_accumulation():
+                want = linear_ref(x, w, s)
+            nbytes = n * k * (1 + 1 / 1024) + m * k * 2 + m * n * 2
+            layer_bytes += nbytes
+            floor = nbytes / (copy * 1e9) * 1e6
+            todo = [dict()] + (variants.get(m, []) if name in ("wq_a", "wq_b", "wo_b") else [])
+            for v in todo:
+                label = f"linear fp8 {name} " + (" ".join(f"{a}={b}" for a, b in v.items()) or "default")
+                _variant_row(rows, label, f"M={m} K={k} N={n} floor {floor:.1f} us",
+                             lambda x=x, w=w, s=s, v=v: bl.linear(x, w, s, **v), want, nbytes, 2 * m * n * k, copy)
+        xs = {name: torch.randn(m, k, device="cuda").to(torch.bfloat16) for name, n, k in DENSE_LINEARS}
+
+        def layer(xs=xs):
+            return [bl.linear(xs[name], *weights[name]) for name, _, _ in DENSE_LINEARS]
+
+        tg = graph_time(layer)
+        rows.append(f"| one layer's kernels | M={m} | {kernel_times(layer)} |")
+        rows.append(f"| one layer's 5 FP8 linears | M={m} | graph {tg * 1e6:.1f} us | floor "
+                    f"{layer_bytes / (copy * 1e9) * 1e6:.1f} us | {tg / (layer_bytes / (copy * 1e9)):.2f}x floor |")
+        print(rows[-1], flush=True)
+    head = (torch.randn(CFG.vocab_size, CFG.hidden_size, device="cuda") * CFG.hidden_size ** -0.5).to(torch.bfloat16)
+    for m in (1, 64):
+        x = torch.randn(m, CFG.hidden_size, device="cuda").to(torch.bfloat16)
+        want = x.double() @ head.double().t()
+        nbytes = head.numel() * 2 + m * CFG.vocab_size * 4
+        for v in (dict(),):
+            _variant_row(rows, "head bf16 -> fp32 " + ("kernel" if v else "default"),
+                         f"M={m} floor {nbytes / (copy * 1e9) * 1e6:.0f} us",
+                         lambda x=x, v=v: bl.linear(x, head, None, torch.float32, **({"path": "tiled"} if v else {})),
+                         want, nbytes, 2 * m * head.numel(), copy)
+    n, dim = CFG.hc_mult, CFG.hidden_size
+    fn, scale, base = mhc_weights()
+    its = CFG.hc_sinkhorn_iters
+    for t in (1, 64):
+        x, y, post, comb, pre = mhc_activations(t)
+        want = registry.resolve("mhc_mix", "reference")[0](x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, its)
+        for v in (dict(fused=False), dict(fused=True), dict(fused=True, d_split=32), dict(fused=False, d_split=32)):
+            def call(v=v, x=x, y=y, post=post, comb=comb, pre=pre):
+                return mm.mhc_mix(x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, its, **v)[2][2]
+            _variant_row(rows, "mhc_mix " + " ".join(f"{a}={b}" for a, b in v.items()), f"T={t}", call, want[2][2],
+                         t * (2 * n + 2) * dim * 2 + fn.numel() * 4, 0, copy)
+        for v in (dict(fused=False), dict(fused=True)):
+            rows.append(f"| mhc_mix kernels {v} | T={t} | " + kernel_times(
+                lambda v=v, x=x, y=y, post=post, comb=comb, pre=pre:
+                mm.mhc_mix(x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, its, **v)) + " |")
+            print(rows[-1], flush=True)
+        want = registry.resolve("mhc_mixes", "reference")[0](x, fn, scale, base, 1e-20, 1e-6, its)
+        for v in (dict(fused=False), dict(fused=True)):
+            _variant_row(rows, "mhc_mixes " + " ".join(f"{a}={b}" for a, b in v.items()), f"T={t}",
+                         lambda v=v, x=x: mx.mhc_mixes(x, fn, scale, base, 1e-20, 1e-6, its, **v)[2], want[2],
+                         t * n * dim * 2 + fn.numel() * 4, 0, copy)
+
+
 SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_indexer, "engram_lookup": sweep_engram,
           "fp4_quant": sweep_fp4_quant, "mhc_mix": sweep_mhc_mix, "linear": sweep_linear, "moe_experts": sweep_moe,
-          "decode": sweep_decode}
+          "decode": sweep_decode, "dense": sweep_dense}
 
 
 def main() -> int:
@@ -354,7 +487,7 @@ def main() -> int:
     copy = copy_gbs()
     rows = [f"copy ceiling {copy:.0f} GB/s"]
     for name in a.only.split(","):
-        if a.tokens and name in ("sparse_attention", "indexer_topk"):
+        if a.tokens and name in ("sparse_attention", "indexer_topk", "dense", "moe_experts"):
             SWEEPS[name](rows, copy, tokens=tuple(int(x) for x in a.tokens.split(",")))
         else:
             SWEEPS[name](rows, copy)

@@ -73,6 +73,54 @@ def test_linear_gemv_path(dev, fmt, m, rng):
 
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("m", [1, 5, 17, 64])
+def test_linear_fold_path(dev, m, rng):
+    """The FP8 decode path on the tensor cores (`_fold_linear_kernel`): M = 1 (x quantised in the
+    kernel, or by the separate pass), M = 5 / 17 / 64 (padded row tiles), N and K not multiples of
+    the tiles (N = 72, K = 160 with BK = 128), scales folded into x (bn 32) or into the weight
+    tile (bn 64), split-K; outputs poisoned with NaN beforehand, fresh random inputs each call."""
+    for out_dtype in (torch.bfloat16, torch.float32):
+        check_linear(dev, "fp8", m, 160, 72, out_dtype, rng, path="fold", bk=128)
+    check_linear(dev, "fp8", m, 160, 72, torch.float32, rng, path="fold", bn=64)
+    check_linear(dev, "fp8", m, 320, 40, torch.float32, rng, path="fold", split_k=3, bk=64)
+    k, n = 96, 80
+    x = (torch.randn(m, k, generator=rng) * 3).to(torch.bfloat16)
+    w, s = weight("fp8", n, k, rng)
+    want = basic.linear(x, w, s, torch.float32)
+    for qdq_row in ([True, False] if m == 1 else [False]):
+        out = torch.full((m, n), float("nan"), device=dev)
+        bl._launch_fold(x.to(dev), w.to(dev), s.to(dev), out, qdq_row=qdq_row, split_k=2, bk=32)
+        assert rel_err(out, want) < BOUND[torch.float32], f"M={m} qdq_row={qdq_row}"
+
+
+def test_linear_fold_is_the_fp8_decode_default():
+    """FP8 weights at M <= FOLD_MAX_M take the fold path; FP4 keeps the gemv / tiled paths, and the
+    fold path refuses FP4 / bf16 weights with one clear error."""
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    w4, s4 = quant.fp4_weight_quant(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="fold path takes FP8"):
+        bl.linear(x, w4, s4, path="fold")
+    with pytest.raises(ValueError, match="fold path takes FP8"):
+        bl.linear(x, torch.randn(8, 64).to(torch.bfloat16), None, path="fold")
+    assert bl.FOLD_MAX_M >= 64
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_linear_w8a8(dev, m, rng):
+    """INT8 weights with a per-channel fp32 scale (W8A8, `convert --linear-dtype int8`): per-token
+    int8 activations, exact int32 sums (padded to cuBLASLt's row minimum below 17 rows)."""
+    k, n = 96, 40
+    x = (torch.randn(m, k, generator=rng) * 3).to(torch.bfloat16)
+    w, s = quant.int8_row_quant(torch.randn(n, k, generator=rng) * k ** -0.5)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        want = basic.linear(x, w, s, out_dtype)
+        got = bl.linear(x.to(dev), w.to(dev), s.to(dev), out_dtype)
+        assert got.dtype == out_dtype and got.shape == (m, n)
+        assert rel_err(got, want) < BOUND[out_dtype]
+
+
 def test_linear_rejects_bad_shapes():
     with pytest.raises(ValueError, match="multiple of 32"):
         bl.linear(torch.zeros(1, 40), *quant.fp8_block_quant(torch.zeros(8, 40)))

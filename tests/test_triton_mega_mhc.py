@@ -14,7 +14,7 @@ reference (the rare x_new flips move m), comb doubly stochastic. Interpreter var
 import pytest
 import torch
 
-from _triton import DEVICES, triton  # noqa: E402,F401  (sets TRITON_INTERPRET; skips without triton)
+from _triton import ASCEND_TRITON, DEVICES, triton  # noqa: E402,F401  (sets TRITON_INTERPRET; skips without triton)
 
 from dsv41.backends.reference import mhc as ref  # noqa: E402
 from dsv41.npu_ops.triton import mega_mhc as mm  # noqa: E402
@@ -51,14 +51,14 @@ def assert_bf16_close(got: torch.Tensor, want: torch.Tensor, mag: torch.Tensor, 
     assert n_diff <= max(2, max_frac * diff.numel()), f"{n_diff} of {diff.numel()} elements differ"
 
 
-def check(dev, inputs, with_fn: bool):
+def check(dev, inputs, with_fn: bool, **kw):
     x, y, post, comb, pre, fn, scale, base = inputs
     if not with_fn:
         fn = scale = base = None
     want = ref.mhc_mix(x, y, post, comb, pre, fn, scale, base, NORM_EPS, HC_EPS, ITERS)
     mv = lambda v: None if v is None else v.to(dev)  # noqa: E731
     got = mm.mhc_mix(x.to(dev), y.to(dev), post.to(dev), comb.to(dev), pre.to(dev), mv(fn), mv(scale),
-                     mv(base), NORM_EPS, HC_EPS, ITERS)
+                     mv(base), NORM_EPS, HC_EPS, ITERS, **kw)
     mag_new = ref.mhc_update(x.float().abs(), y.float().abs(), post.abs(), comb.abs())
     assert_bf16_close(got[0], want[0], mag_new)
     # x_hat from the kernel's own x_new (a flipped x_new element moves x_hat by pre * 1 ulp)
@@ -93,6 +93,18 @@ def check(dev, inputs, with_fn: bool):
 @pytest.mark.parametrize("with_fn", [True, False], ids=["fn", "nofn"])
 def test_mhc_mix_random(dev, t, d, with_fn, rng):
     check(dev, make_inputs(rng, t, d), with_fn)
+
+
+@pytest.mark.skipif(ASCEND_TRITON, reason="the fused coefficient epilogue (atomics, L2 loads) is the CUDA path")
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("t,d,d_split", [(1, 256, 4), (5, 128, 2), (33, 192, 3)])
+def test_mhc_mix_fused_coefficients(dev, t, d, d_split, rng):
+    """The coefficients from the main kernel's last program per token tile (one launch), with
+    several chunks per tile (chunk partials met through the tile counter), and again on the same
+    buffers (the counters are back at zero after each call)."""
+    inputs = make_inputs(rng, t, d)
+    for _ in range(2):
+        check(dev, inputs, True, fused=True, d_split=d_split)
 
 
 @pytest.mark.gpu

@@ -111,9 +111,10 @@ def test_moe_route_ties_to_lower_id(dev, rng):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("cfg", [(16, 16, 32, 4), (32, 32, 64, 4)])
+@pytest.mark.parametrize("cfg", [(16, 16, 32, 4), (32, 32, 64, 4), (16, 16, 32, 4, 3), (32, 32, 64, 4, 2)])
 def test_moe_route_tile_configs(dev, cfg, rng):
-    """Several token and expert blocks, ragged edges (the counter / last-tile routing)."""
+    """Several token and expert blocks, ragged edges (the counter / last-tile routing), and K
+    split into slices whose partial logits the last tile sums."""
     t, d, e, k = 37, 96, 72, 6
     x, w, bias = inputs(rng, t, d, e)
     got = mr.moe_route(x.to(dev), w.to(dev), bias.to(dev), k, 1.0, _cfg=cfg)

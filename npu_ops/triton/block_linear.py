@@ -17,6 +17,14 @@ For M >= CUBLAS_MIN_M with bf16 output the weight is dequantised to bf16 once (e
 quantised through FP8 to bf16 (exact), and cuBLAS multiplies (fp32 accumulation): prefill is
 matrix-bound, and cuBLAS's bf16 GEMM ran at twice this kernel's rate there.
 
+FP8 weights at M <= FOLD_MAX_M (decode) take `_fold_linear_kernel` instead: the E8M0 scales are
+powers of two and x's FP8 quantise-dequantise values are bf16-exact, so the weight tile with its
+block scales multiplied in (or, for 32-row tiles, x's 32-wide K blocks times the weight scale)
+is an exact bf16 operand, and one bf16 tensor-core dot with fp32 accumulation covers a whole
+BK = 128 step (exact products, fp32 sums: the same class as above). The weight is the dot's wide
+side (acc [BN, BM], M padded to 16); at M = 1 each program quantises x's row itself. W8A8 weights
+(int8 [N, K], one fp32 scale per output channel) take `int8_linear` (exact int32 sums).
+
 Work split: output tiles BM x BN; the K range is cut into SPLIT_K slices for small M (decode:
 M = 1..64 is weight-read bound and needs every SM streaming weights). Each slice writes its fp32
 partial; after a CTA barrier it bumps its tile's int32 counter (atomic, acq_rel); the program that
@@ -35,10 +43,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ...backends.reference import quant
 from ...backends.reference.basic import linear as linear_ref  # noqa: F401  (the oracle)
-from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, gemv_acc, gemv_load_w, load_weight_tile,
-                           scaled_block_step)
+from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, e8m0_value, fp8_qdq_groups, gemv_acc, gemv_load_w,
+                           load_weight_tile, scaled_block_step)
 from .fp4_common import split_dot_acc
+from .launch import tile_counters
 
 
 @triton.jit
@@ -138,6 +148,72 @@ def _gemv_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
 
 
 @triton.jit
+def _fold_dot(acc, a, b, LOWP: tl.constexpr):
+    """acc + a @ b for exact bf16-representable fp32 operands: a bf16 tensor-core dot with fp32
+    accumulation on devices, an fp32 "ieee" dot under the interpreter (same operand values)."""
+    if LOWP:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+
+
+@triton.jit
+def _fold_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride, s_stride, k_per_split,
+                        SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, QDQ_ROW: tl.constexpr,
+                        SCALE_X: tl.constexpr, LOWP: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The FP8 (E4M3, E8M0 per 32x32 block) linear at decode sizes on the tensor cores, the
+    weight as the dot's wide side: acc [BN, BM] += W tile [BN, BK] @ x tile^T [BK, BM].
+
+    The power-of-two block scales are folded into exact bf16 operands, so one dot covers BK
+    (not one per 32-wide block): x holds its FP8 quantise-dequantise values (bf16-exact); with
+    SCALE_X (BN == 32, one scale row-block per program) the weight scale of each 32-wide K block
+    multiplies that block of x; else it multiplies the weight tile ([BN, BK/32, 32] view). Either
+    way every product is exact and the sums are fp32 (the tiled kernel's numerics class).
+    QDQ_ROW (M == 1, BM padded): x's single row is quantise-dequantised here (no separate pass)."""
+    NB: tl.constexpr = BK // 32
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = pid_m * BM + tl.arange(0, BM)
+    nmask = rn < N
+    mmask = rm < M
+    rn64 = rn.to(tl.int64)
+    rm64 = rm.to(tl.int64)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    for k0 in range(k_lo, k_hi, BK):
+        kk = k0 + tl.arange(0, BK)
+        kb = k0 // 32 + tl.arange(0, NB)
+        kmask = kk < k_hi
+        bmask = kb * 32 < k_hi
+        w = tl.load(w_ptr + rn64[:, None] * K + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if QDQ_ROW:  # one activation row: quantise it here, place it in column 0 of the [BK, BM] operand
+            xr = tl.load(x_ptr + kk[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
+            xq = tl.trans(fp8_qdq_groups(xr, 1, BK))  # [BK, 1]
+            xt = tl.where((tl.arange(0, BM) == 0)[None, :], xq, 0.0)
+        else:
+            xt = tl.load(x_ptr + rm64[None, :] * x_stride + kk[:, None], mask=kmask[:, None] & mmask[None, :],
+                         other=0.0).to(tl.float32)
+        if SCALE_X:
+            sw = e8m0_value(tl.load(s_ptr + (pid_n * (BN // 32)) * s_stride + kb, mask=bmask, other=0).to(tl.int32))
+            xs = tl.reshape(tl.reshape(xt, (NB, 32, BM)) * sw[:, None, None], (BK, BM))
+            if LOWP:
+                acc = _fold_dot(acc, w.to(tl.bfloat16), xs, LOWP)
+            else:
+                acc = _fold_dot(acc, w.to(tl.float32), xs, LOWP)
+        else:
+            s = e8m0_value(tl.load(s_ptr + (rn64 // 32)[:, None] * s_stride + kb[None, :],
+                                   mask=nmask[:, None] & bmask[None, :], other=0).to(tl.int32))
+            wf = tl.reshape(tl.reshape(w.to(tl.float32), (BN, NB, 32)) * s[:, :, None], (BN, BK))
+            acc = _fold_dot(acc, wf, xt, LOWP)
+    _finish_tile(tl.trans(acc), out_ptr, part_ptr, count_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, rm, rn,
+                 M, N, SPLIT_K, OUT_BF16)
+
+
+@triton.jit
 def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, s_stride, W_KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """A scaled weight [N, K] -> its exact values as bf16 (the large-M path's cuBLAS operand)."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -166,19 +242,17 @@ GEMV_DEFAULT_M = 1
 GEMV = {"bn": 16, "bk": 256, "num_warps": 4, "num_stages": 1, "waves": 4}
 GEMV_INTERP = {"bn": 32, "bk": 64, "num_warps": 4, "num_stages": 1}
 
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """The zeroed per-tile counters of split-K launches on this device and stream (reset to 0
-    by the kernel that uses them). Allocated outside CUDA-graph capture on the first eager call."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
-
+# FP8 weights at M <= FOLD_MAX_M: `_fold_linear_kernel` (tensor cores, scales folded into bf16
+# operands, BM = M rounded up to a power of two >= 16, at most bm_max; bn 32 folds the weight
+# scale into x, wider bn into the weight tile).
+FOLD_MAX_M = 64
+# H200 2026-11-30 (benchmarks/sweep_kernels.py --only dense, graph replay, split-K for ~4 programs
+# per SM): bn 64 / bk 128 (wgmma, weight scale folded into the weight tile) against bn 32 / bk 256
+# (mma.sync, scale folded into x): M=1 wq_a 7.4 vs 9.3 us, wo_b 20.4 vs 32.7 us (gemv 8.0 / 22.5);
+# M=64 wq_a 25.5 vs 33.1 us, wo_b 41.7 vs 111.4 us (tiled 29.8 / 57.6); bn 128 / 8 warps 40.2 /
+# 54.3 us at M=64; 8 warps at M=1 14.7 / 58.4 us.
+FOLD = {"bn": 64, "bm_max": 64, "bk": 128, "num_warps": 4, "num_stages": 4, "waves": 4, "qdq_row": True}
+FOLD_INTERP = {"bn": 32, "bm_max": 16, "bk": 64, "qdq_row": True}
 
 def _split_k_buffers(m, n, k, bk, k_steps, split_k, n_tiles, out):
     """(split_k, K per slice, fp32 partials [split_k, M, N], tile counters) for a split-K launch;
@@ -189,7 +263,7 @@ def _split_k_buffers(m, n, k, bk, k_steps, split_k, n_tiles, out):
     if split_k == 1:
         return split_k, k_per_split, out, out
     return (split_k, k_per_split, torch.empty(split_k, m, n, dtype=torch.float32, device=out.device),
-            _counters(out.device, n_tiles))
+            tile_counters(out.device, n_tiles))
 
 
 def weight_kind(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
@@ -205,11 +279,13 @@ def weight_kind(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
 
 def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor, *,
                   bm: int | None = None, bn: int | None = None, bk: int | None = None, split_k: int | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None, path: str | None = None) -> None:
+                  num_warps: int | None = None, num_stages: int | None = None, path: str | None = None,
+                  qdq_row: bool | None = None) -> None:
     """out [M, N] (bf16 or fp32) = x2 [M, K] @ dequant(weight)^T; with a scaled weight x2 is
     FP8-quantised first (`fp8_quant`, one pass; in the kernel on the gemv path). The keyword tile
-    parameters are for tuning (defaults: the tables above); `path` ("gemv" / "tiled") overrides
-    the choice of the M <= GEMV_MAX_M path."""
+    parameters are for tuning (defaults: the tables above); `path` ("fold" / "gemv" / "tiled")
+    overrides the choice of path (FP8 at M <= FOLD_MAX_M: fold; other scaled weights at
+    M <= GEMV_DEFAULT_M: gemv; else tiled); `qdq_row` (fold, M = 1) quantises x in the kernel."""
     from .fp8_quant import fp8_quant
     from .launch import interpreting, num_workers
 
@@ -223,7 +299,16 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
         raise ValueError(f"weight {tuple(weight.shape)} does not match in_features {k}")
     interp = interpreting()
     if path is None:
-        path = "gemv" if kind != W_DENSE and m <= GEMV_DEFAULT_M else "tiled"
+        if kind == W_FP8 and m <= FOLD_MAX_M:
+            path = "fold"
+        else:
+            path = "gemv" if kind != W_DENSE and m <= GEMV_DEFAULT_M else "tiled"
+    if path == "fold":
+        if kind != W_FP8:
+            raise ValueError("linear: the fold path takes FP8 weights")
+        _launch_fold(x2, weight, scale, out, bm=bm, bn=bn, bk=bk, split_k=split_k, num_warps=num_warps,
+                     num_stages=num_stages, qdq_row=qdq_row)
+        return
     if path == "gemv":
         if kind == W_DENSE or m > GEMV_MAX_M:
             raise ValueError(f"linear: the gemv path takes scaled weights and <= {GEMV_MAX_M} rows")
@@ -290,6 +375,42 @@ def _launch_gemv(x2, weight, scale, out, kind, *, bn=None, bk=None, split_k=None
         BN=bn, BK=bk, ASM=not interp, **kw)
 
 
+def _launch_fold(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_k=None, num_warps=None,
+                 num_stages=None, qdq_row=None):
+    """The FP8 launch of `_fold_linear_kernel`: grid (N tiles, M tiles, K slices), split-K so that
+    about FOLD["waves"] programs per SM stream the weight. x goes through one `fp8_qdq_bf16` pass
+    first unless M == 1 (then each program quantises the row itself)."""
+    from .fp8_quant import fp8_qdq_bf16
+    from .launch import interpreting, num_workers
+
+    m, k = x2.shape
+    n = weight.shape[0]
+    interp = interpreting()
+    cfg = FOLD_INTERP if interp else FOLD
+    bn = bn or cfg["bn"]
+    bm = bm or max(16, min(cfg["bm_max"], triton.next_power_of_2(m)))
+    bk = min(bk or cfg["bk"], max(32, triton.next_power_of_2(k)))
+    if bn % 32 or bk % 32:
+        raise ValueError(f"fold path: bn {bn} and bk {bk} must be multiples of 32 (the scale block)")
+    if qdq_row is None:
+        qdq_row = m == 1 and cfg["qdq_row"]
+    if qdq_row and m != 1:
+        raise ValueError("fold path: the in-kernel activation quantisation takes one row")
+    if not qdq_row:
+        x2 = fp8_qdq_bf16(x2)
+    n_n, n_m = -(-n // bn), -(-m // bm)
+    k_steps = -(-k // bk)
+    if split_k is None:
+        split_k = 1 if interp else max(1, min(k_steps, -(-cfg["waves"] * num_workers(x2.device) // (n_n * n_m))))
+    split_k, k_per_split, part, counts = _split_k_buffers(m, n, k, bk, k_steps, split_k, n_n * n_m, out)
+    out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    kw = {} if interp else {"num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages or cfg["num_stages"]}
+    _fold_linear_kernel[(n_n, n_m, split_k)](
+        x2, weight, scale.view(torch.uint8), out_arg, part, counts, m, n, k, x2.stride(0), scale.shape[1], k_per_split,
+        SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, QDQ_ROW=qdq_row, SCALE_X=bn == 32, LOWP=not interp,
+        BM=bm, BN=bn, BK=bk, **kw)
+
+
 def dequant_bf16(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """A scaled weight's exact values as a bf16 [N, K] tensor (one pass)."""
     kind = weight_kind(weight, scale)
@@ -308,6 +429,52 @@ def dequant_bf16(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # (719 TFLOP/s) against 1224 us for this kernel, whose per-block rescale halves the matrix rate
 # (benchmarks/sweep_kernels.py --only linear, 2026-11-30).
 CUBLAS_MIN_M = 1024
+
+
+# cuBLASLt's int8 GEMM (torch._int_mm) takes more than this many rows; fewer are padded with zeros.
+INT_MM_MIN_M = 17
+
+
+def int8_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, odt: torch.dtype) -> torch.Tensor:
+    """W8A8 (int8 weight [N, K], fp32 scale per output channel): x [M, K] int8-quantised per token
+    as the reference does (`quant.int8_token_qdq`, fp32 torch ops on x rounded to bf16), the
+    integer dot products summed exactly in int32 (`torch._int_mm`: cuBLASLt on CUDA; |sum| <=
+    127^2 K < 2^31), then x_scale[m] * w_scale[n] in fp32 and one rounding to `odt`."""
+    k = x2.shape[1]
+    if weight.shape[1] != k:
+        raise ValueError(f"weight {tuple(weight.shape)} does not match in_features {k}")
+    if x2.device.type == "cuda" and (k % 8 or weight.shape[0] % 8):
+        raise ValueError(f"W8A8 linear: cuBLASLt's int8 GEMM needs K and N multiples of 8, got "
+                         f"{tuple(weight.shape)}")
+    q, xs = quant.int8_token_qdq(x2.to(torch.bfloat16).float())
+    q = q.to(torch.int8)
+    m = q.shape[0]
+    if q.device.type == "cuda" and m < INT_MM_MIN_M:
+        q = torch.cat([q, q.new_zeros(INT_MM_MIN_M - m, k)])
+    acc = torch._int_mm(q, weight.t())[:m]
+    return (acc.float() * xs.reshape(m, 1) * scale.float().reshape(1, -1)).to(odt)
+
+
+# From this many rows on, bf16 x bf16 with fp32 output (the head's logits) goes to cuBLAS through
+# torch.mm(..., out_dtype=torch.float32) (bf16 products, fp32 accumulation and output: the
+# kernel's numerics class); below it to `_block_linear_kernel`, at its weight-read floor for M = 1.
+MM_FP32_OUT_MIN_M = 2
+_MM_FP32_OUT: dict[str, bool] = {}
+
+
+def _mm_fp32_out_works(x: torch.Tensor) -> bool:
+    """Whether this torch takes `out_dtype` in torch.mm on x's device (probed once per device
+    type, on a tiny product outside any graph capture: the first call of an op is eager)."""
+    key = x.device.type
+    ok = _MM_FP32_OUT.get(key)
+    if ok is None:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=x.device)
+        try:
+            ok = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        except (TypeError, RuntimeError, NotImplementedError):
+            ok = False
+        _MM_FP32_OUT[key] = ok
+    return ok
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
@@ -329,9 +496,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
         x2 = x2.contiguous()
     m = x2.shape[0]
     odt = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+    if quant.is_int8_channel_weight(weight, scale):
+        return int8_linear(x2, weight, scale, odt).reshape(*lead, n)
     if not interpreting() and not tiles:
         if scale is None and odt == weight.dtype == x2.dtype:  # bf16 x bf16 -> bf16 (or fp32 throughout)
             return torch.matmul(x2, weight.t()).reshape(*lead, n)
+        if scale is None and odt == torch.float32 and x2.dtype == weight.dtype == torch.bfloat16 \
+                and m >= MM_FP32_OUT_MIN_M and _mm_fp32_out_works(x2):  # the head's fp32 logits, several rows
+            return torch.mm(x2, weight.t(), out_dtype=torch.float32).reshape(*lead, n)
         if scale is None and weight.dtype != torch.bfloat16:  # fp32 weights: an fp32 GEMM (TF32 off)
             return torch.matmul(x2.float(), weight.float().t()).to(odt).reshape(*lead, n)
         if scale is not None and odt == torch.bfloat16 and m >= CUBLAS_MIN_M:

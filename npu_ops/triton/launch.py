@@ -83,3 +83,19 @@ def ub_estimate(tiles: dict[str, tuple[int, ...]], bytes_per_element: int = 4) -
             n *= d
         total += n * bytes_per_element
     return total
+
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def tile_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 per-tile counters for "the last program of a tile finishes it" launches on this
+    device and stream (each kernel that bumps a counter resets it to 0, so the buffer stays zero
+    between calls: no memset per call, and kernels on one stream can share it). Allocated outside
+    CUDA-graph capture on the first eager call."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf

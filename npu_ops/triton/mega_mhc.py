@@ -18,8 +18,13 @@ arithmetic is unreliable there) and for non-bf16 streams an fp32 "ieee" dot. Wit
 per-slice partial dot products are summed with Kahan compensation (the running m grows well
 past one slice's share) and the sum of squares elementwise in fp32; each chunk writes its m, its
 Kahan residue and its sum of squares ([chunks, T, 65] fp32, written and read back: 4% of the
-activation bytes at 8 chunks, more for the few-token calls that get more chunks), and a small second kernel (`_mhc_coef_kernel`) adds them in chunk order, again
-compensated, before the sigmoids and Sinkhorn. Activations are still read and written once.
+activation bytes at 8 chunks, more for the few-token calls that get more chunks), and a small
+second kernel (`_mhc_coef_kernel`, COEF_T tokens per work item) adds them in chunk order (CB
+chunks per step: a tree sum inside a step, compensated across steps) before the sigmoids and
+Sinkhorn. Activations are still read and written once. With `fused=True` (CUDA) the same
+epilogue runs in the main kernel instead: each program bumps its token tile's counter after
+storing its chunk (acq_rel, after a CTA barrier) and the tile's last program reads every chunk
+from L2 and computes the coefficients (one launch; off by default, see FUSED_COEF).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import triton.language as tl
 
 from ...backends.reference.mhc import mhc_mix as mhc_mix_ref  # noqa: F401  (the oracle)
 from .fp4_common import as_cmp, offsets
+from .launch import tile_counters
 
 N_STREAMS = 4
 N_MIX = (2 + N_STREAMS) * N_STREAMS  # 24 coefficients per token
@@ -42,6 +48,15 @@ N_MIX = (2 + N_STREAMS) * N_STREAMS  # 24 coefficients per token
 # sweep (benchmarks/sweep_kernels.py --only mhc_mix, T=4096, d=5120, graph time): BLOCK_D 64,
 # 4 warps, 2 stages, 8 chunks 547 us; 1 stage 753 us; BLOCK_D 32 972 us; 8 warps 1330-1375 us
 # (4 / 8 / 16 chunks); the single-chunk kernel before it (BLOCK_D 128, 3 stages) 1519 us.
+# The coefficient epilogue inside the main kernel (last program per token tile) instead of its own
+# launch: off by default. H200 2026-11-30, graph time per call at d = 5120: mhc_mix T=1 51.6 us
+# fused against 40.7 us unfused, T=64 62.6 against 48.2 (mhc_mixes T=1 40.8 / 34.5), measured
+# with the 16-token epilogue, before COEF_T; not measured since. It is correct on the H200
+# (tests/test_triton_mega_mhc.py, test_triton_dense_ops.py) and the CUDA path only (atomics).
+FUSED_COEF = False
+# Tokens per coefficient work item: one per warp of a 4-warp program (the Sinkhorn rounds are a
+# serial chain per token; more tokens per thread lengthen it).
+COEF_T = 4
 TILES = {
     "cuda": {"block_t": 16, "block_d": 64, "num_warps": 4, "num_stages": 2, "d_split": 8},
     "default": {"block_t": 16, "block_d": 64, "num_warps": 4, "num_stages": 1, "d_split": 2},
@@ -93,14 +108,17 @@ def _softmax4(a, b, c, d, eps):
     eb = tl.exp(b - mx)
     ec = tl.exp(c - mx)
     ed = tl.exp(d - mx)
-    s = ea + eb + ec + ed
-    return ea / s + eps, eb / s + eps, ec / s + eps, ed / s + eps
+    r = 1.0 / (ea + eb + ec + ed)
+    return ea * r + eps, eb * r + eps, ec * r + eps, ed * r + eps
 
 
 @triton.jit
 def _norm4(a, b, c, d, eps):
-    s = a + b + c + d + eps
-    return a / s, b / s, c / s, d / s
+    """(a, b, c, d) / (a + b + c + d + eps), as one reciprocal and four products: the Sinkhorn
+    rounds are one serial chain per token (the coefficient epilogue's latency), and a division
+    costs a long instruction sequence; within 1.5 fp32 ulps of the quotients."""
+    r = 1.0 / (a + b + c + d + eps)
+    return a * r, b * r, c * r, d * r
 
 
 @triton.jit
@@ -124,10 +142,11 @@ def _fn_dot(xn, fn_ptr, fn_off, fn_mask, SPLIT: tl.constexpr):
 
 @triton.jit
 def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr, base_ptr,
-                    xnew_ptr, xhat_ptr, part_ptr, pcomp_ptr, pss_ptr,
-                    T, D, chunk, n_chunks, n_items, num_programs,
+                    xnew_ptr, xhat_ptr, part_ptr, pcomp_ptr, pss_ptr, count_ptr, opre_ptr, opost_ptr, ocomb_ptr,
+                    T, D, chunk, n_chunks, n_items, num_programs, norm_eps, hc_eps, iters,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_FN: tl.constexpr,
-                    SPLIT: tl.constexpr, OUT_BF16: tl.constexpr, WIDE: tl.constexpr):
+                    SPLIT: tl.constexpr, OUT_BF16: tl.constexpr, WIDE: tl.constexpr, FUSED: tl.constexpr,
+                    CT: tl.constexpr, CB: tl.constexpr):
     pid = tl.program_id(0)
     dt = tl.arange(0, BLOCK_D)
     kk = tl.arange(0, 32)
@@ -200,6 +219,9 @@ def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr
             tl.store(part_ptr + po, acc, mask=tm[:, None])
             tl.store(pcomp_ptr + po, comp, mask=tm[:, None])
             tl.store(pss_ptr + ck * T + tok, tl.sum(ss, axis=1), mask=tm)
+            if FUSED:  # the tile's last chunk computes the coefficients (no second launch)
+                _finish_coef(tile, count_ptr, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr,
+                             ocomb_ptr, T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T, CT, CB, WIDE)
 
 
 @triton.jit
@@ -225,85 +247,150 @@ def _kahan(acc, comp, v):
 
 
 @triton.jit
-def _mhc_coef_kernel(part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
-                     T, D, n_chunks, norm_eps, hc_eps, iters, n_tiles, num_programs, BLOCK_T: tl.constexpr,
-                     WIDE: tl.constexpr):
-    """The coefficient epilogue: sums the per-chunk partial dot products (compensated, in chunk
-    order) and sums of squares, then the sigmoids and the Sinkhorn normalisation in registers."""
-    pid = tl.program_id(0)
+def _load_chunks(ptr, offs, mask, CG: tl.constexpr):
+    """A masked load of chunk partials; CG: from L2 (".cg": written by other programs of this launch)."""
+    if CG:
+        return tl.load(ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        return tl.load(ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _coef_tile(t0, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
+               T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T: tl.constexpr, CB: tl.constexpr,
+               WIDE: tl.constexpr, CG: tl.constexpr):
+    """The coefficient epilogue of tokens t0 .. t0 + BLOCK_T - 1: adds the per-chunk partial dot
+    products and sums of squares (CB chunks per step: tree sums inside a step, Kahan-compensated
+    across steps, in chunk order), then the sigmoids and the Sinkhorn normalisation in registers.
+    The Sinkhorn rounds are a serial chain per token, so BLOCK_T is small (COEF_T: one token per
+    warp; 16 tokens put 4 chains on each thread, ~1000 instructions a round)."""
     kk = tl.arange(0, 32)
     kmask = kk < 24
-    for tile in range(pid, n_tiles, num_programs):
-        tok = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-        tm = tok < T
-        t4 = tok * 4
-        t16 = tok * 16
-        acc = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
-        comp = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
-        ssum = tl.zeros((BLOCK_T,), dtype=tl.float32)
-        for ck in range(n_chunks):
-            po = (ck * T + offsets(tok, WIDE))[:, None] * 32 + kk[None, :]
-            acc, comp = _kahan(acc, comp, tl.load(part_ptr + po, mask=tm[:, None], other=0.0))
-            acc, comp = _kahan(acc, comp, -tl.load(pcomp_ptr + po, mask=tm[:, None], other=0.0))
-            ssum += tl.load(pss_ptr + ck * T + tok, mask=tm, other=0.0)
-        acc = acc - comp
-        inv = tl.math.rsqrt(ssum / (4 * D) + norm_eps)
-        base = tl.load(base_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
-        s0 = tl.load(scale_ptr + 0).to(tl.float32)
-        s1 = tl.load(scale_ptr + 1).to(tl.float32)
-        s2 = tl.load(scale_ptr + 2).to(tl.float32)
-        kf = as_cmp(kk)
-        sel = tl.where(kf < 4.0, s0, tl.where(kf < 8.0, s1, s2))
-        z = (acc * inv[:, None]) * sel[None, :] + base[None, :]  # scale * m + base
-        sg = 1.0 / (1.0 + tl.exp(-z))
-        tl.store(opre_ptr + t4[:, None] + kk[None, :], sg + hc_eps,
-                 mask=tm[:, None] & (kk[None, :] < 4))
-        tl.store(opost_ptr + t4[:, None] + kk[None, :] - 4, 2.0 * sg,
-                 mask=tm[:, None] & (kk[None, :] >= 4) & (kk[None, :] < 8))
-        a00, a01, a02, a03 = _softmax4(_col(z, kk, 8), _col(z, kk, 9), _col(z, kk, 10), _col(z, kk, 11), hc_eps)
-        a10, a11, a12, a13 = _softmax4(_col(z, kk, 12), _col(z, kk, 13), _col(z, kk, 14), _col(z, kk, 15), hc_eps)
-        a20, a21, a22, a23 = _softmax4(_col(z, kk, 16), _col(z, kk, 17), _col(z, kk, 18), _col(z, kk, 19), hc_eps)
-        a30, a31, a32, a33 = _softmax4(_col(z, kk, 20), _col(z, kk, 21), _col(z, kk, 22), _col(z, kk, 23), hc_eps)
+    cb = tl.arange(0, CB)
+    tok = t0 + tl.arange(0, BLOCK_T)
+    tm = tok < T
+    t4 = tok * 4
+    t16 = tok * 16
+    tok_o = offsets(tok, WIDE)
+    acc = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
+    comp = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
+    ssum = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for c0 in range(0, n_chunks, CB):
+        ck = c0 + cb
+        m2 = (ck < n_chunks)[:, None] & tm[None, :]
+        ro = offsets(ck, WIDE)[:, None] * T + tok_o[None, :]  # [CB, BLOCK_T] rows of [chunks * T, 32]
+        po = ro[:, :, None] * 32 + kk[None, None, :]
+        v = _load_chunks(part_ptr, po, m2[:, :, None], CG) - _load_chunks(pcomp_ptr, po, m2[:, :, None], CG)
+        acc, comp = _kahan(acc, comp, tl.sum(v, axis=0))
+        ssum += tl.sum(_load_chunks(pss_ptr, ro, m2, CG), axis=0)
+    acc = acc - comp
+    inv = tl.math.rsqrt(ssum / (4 * D) + norm_eps)
+    base = tl.load(base_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+    s0 = tl.load(scale_ptr + 0).to(tl.float32)
+    s1 = tl.load(scale_ptr + 1).to(tl.float32)
+    s2 = tl.load(scale_ptr + 2).to(tl.float32)
+    kf = as_cmp(kk)
+    sel = tl.where(kf < 4.0, s0, tl.where(kf < 8.0, s1, s2))
+    z = (acc * inv[:, None]) * sel[None, :] + base[None, :]  # scale * m + base
+    sg = 1.0 / (1.0 + tl.exp(-z))
+    tl.store(opre_ptr + t4[:, None] + kk[None, :], sg + hc_eps,
+             mask=tm[:, None] & (kk[None, :] < 4))
+    tl.store(opost_ptr + t4[:, None] + kk[None, :] - 4, 2.0 * sg,
+             mask=tm[:, None] & (kk[None, :] >= 4) & (kk[None, :] < 8))
+    a00, a01, a02, a03 = _softmax4(_col(z, kk, 8), _col(z, kk, 9), _col(z, kk, 10), _col(z, kk, 11), hc_eps)
+    a10, a11, a12, a13 = _softmax4(_col(z, kk, 12), _col(z, kk, 13), _col(z, kk, 14), _col(z, kk, 15), hc_eps)
+    a20, a21, a22, a23 = _softmax4(_col(z, kk, 16), _col(z, kk, 17), _col(z, kk, 18), _col(z, kk, 19), hc_eps)
+    a30, a31, a32, a33 = _softmax4(_col(z, kk, 20), _col(z, kk, 21), _col(z, kk, 22), _col(z, kk, 23), hc_eps)
+    a00, a10, a20, a30 = _norm4(a00, a10, a20, a30, hc_eps)  # columns
+    a01, a11, a21, a31 = _norm4(a01, a11, a21, a31, hc_eps)
+    a02, a12, a22, a32 = _norm4(a02, a12, a22, a32, hc_eps)
+    a03, a13, a23, a33 = _norm4(a03, a13, a23, a33, hc_eps)
+    for _ in range(1, iters):
+        a00, a01, a02, a03 = _norm4(a00, a01, a02, a03, hc_eps)  # rows
+        a10, a11, a12, a13 = _norm4(a10, a11, a12, a13, hc_eps)
+        a20, a21, a22, a23 = _norm4(a20, a21, a22, a23, hc_eps)
+        a30, a31, a32, a33 = _norm4(a30, a31, a32, a33, hc_eps)
         a00, a10, a20, a30 = _norm4(a00, a10, a20, a30, hc_eps)  # columns
         a01, a11, a21, a31 = _norm4(a01, a11, a21, a31, hc_eps)
         a02, a12, a22, a32 = _norm4(a02, a12, a22, a32, hc_eps)
         a03, a13, a23, a33 = _norm4(a03, a13, a23, a33, hc_eps)
-        for _ in range(1, iters):
-            a00, a01, a02, a03 = _norm4(a00, a01, a02, a03, hc_eps)  # rows
-            a10, a11, a12, a13 = _norm4(a10, a11, a12, a13, hc_eps)
-            a20, a21, a22, a23 = _norm4(a20, a21, a22, a23, hc_eps)
-            a30, a31, a32, a33 = _norm4(a30, a31, a32, a33, hc_eps)
-            a00, a10, a20, a30 = _norm4(a00, a10, a20, a30, hc_eps)  # columns
-            a01, a11, a21, a31 = _norm4(a01, a11, a21, a31, hc_eps)
-            a02, a12, a22, a32 = _norm4(a02, a12, a22, a32, hc_eps)
-            a03, a13, a23, a33 = _norm4(a03, a13, a23, a33, hc_eps)
-        tl.store(ocomb_ptr + t16 + 0, a00, mask=tm)
-        tl.store(ocomb_ptr + t16 + 1, a01, mask=tm)
-        tl.store(ocomb_ptr + t16 + 2, a02, mask=tm)
-        tl.store(ocomb_ptr + t16 + 3, a03, mask=tm)
-        tl.store(ocomb_ptr + t16 + 4, a10, mask=tm)
-        tl.store(ocomb_ptr + t16 + 5, a11, mask=tm)
-        tl.store(ocomb_ptr + t16 + 6, a12, mask=tm)
-        tl.store(ocomb_ptr + t16 + 7, a13, mask=tm)
-        tl.store(ocomb_ptr + t16 + 8, a20, mask=tm)
-        tl.store(ocomb_ptr + t16 + 9, a21, mask=tm)
-        tl.store(ocomb_ptr + t16 + 10, a22, mask=tm)
-        tl.store(ocomb_ptr + t16 + 11, a23, mask=tm)
-        tl.store(ocomb_ptr + t16 + 12, a30, mask=tm)
-        tl.store(ocomb_ptr + t16 + 13, a31, mask=tm)
-        tl.store(ocomb_ptr + t16 + 14, a32, mask=tm)
-        tl.store(ocomb_ptr + t16 + 15, a33, mask=tm)
+    tl.store(ocomb_ptr + t16 + 0, a00, mask=tm)
+    tl.store(ocomb_ptr + t16 + 1, a01, mask=tm)
+    tl.store(ocomb_ptr + t16 + 2, a02, mask=tm)
+    tl.store(ocomb_ptr + t16 + 3, a03, mask=tm)
+    tl.store(ocomb_ptr + t16 + 4, a10, mask=tm)
+    tl.store(ocomb_ptr + t16 + 5, a11, mask=tm)
+    tl.store(ocomb_ptr + t16 + 6, a12, mask=tm)
+    tl.store(ocomb_ptr + t16 + 7, a13, mask=tm)
+    tl.store(ocomb_ptr + t16 + 8, a20, mask=tm)
+    tl.store(ocomb_ptr + t16 + 9, a21, mask=tm)
+    tl.store(ocomb_ptr + t16 + 10, a22, mask=tm)
+    tl.store(ocomb_ptr + t16 + 11, a23, mask=tm)
+    tl.store(ocomb_ptr + t16 + 12, a30, mask=tm)
+    tl.store(ocomb_ptr + t16 + 13, a31, mask=tm)
+    tl.store(ocomb_ptr + t16 + 14, a32, mask=tm)
+    tl.store(ocomb_ptr + t16 + 15, a33, mask=tm)
+
+
+@triton.jit
+def _finish_coef(tile, count_ptr, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
+                 T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T: tl.constexpr, CT: tl.constexpr, CB: tl.constexpr,
+                 WIDE: tl.constexpr):
+    """After a program stored its chunk's partials of token tile `tile`: bump the tile's counter
+    (acq_rel, after a CTA barrier); the program that completes the tile runs its coefficient
+    epilogue (reading every chunk from L2) and resets the counter to 0 (one launch, no
+    second kernel)."""
+    tl.debug_barrier()  # every thread's partials are stored before the counter moves
+    done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+    if done == n_chunks - 1:
+        for t0 in range(tile * BLOCK_T, tl.minimum(T, tile * BLOCK_T + BLOCK_T), CT):  # CT tokens at a time
+            _coef_tile(t0, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
+                       T, D, n_chunks, norm_eps, hc_eps, iters, CT, CB, WIDE, True)
+        tl.atomic_xchg(count_ptr + tile, 0)
+
+
+@triton.jit
+def _mhc_coef_kernel(part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
+                     T, D, n_chunks, norm_eps, hc_eps, iters, n_tiles, num_programs, BLOCK_T: tl.constexpr,
+                     CB: tl.constexpr, WIDE: tl.constexpr):
+    """The coefficient epilogue as its own launch (the unfused path: Ascend, or fused=False), BLOCK_T
+    tokens per work item."""
+    pid = tl.program_id(0)
+    for tile in range(pid, n_tiles, num_programs):
+        _coef_tile(tile * BLOCK_T, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
+                   T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T, CB, WIDE, False)
+
+
+def coef_chunk_block(block_t: int = COEF_T) -> int:
+    """Chunks per reduction step of the coefficient epilogue: a [CB, BLOCK_T, 32] fp32 tile of
+    about 4096 values (32 registers a thread at 4 warps)."""
+    return max(1, 4096 // (32 * block_t))
+
+
+def launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps, iters,
+                wide) -> None:
+    """The unfused coefficient launch: one program per token tile (persistent over tiles)."""
+    from .launch import grid_for, interpreting
+
+    n_tiles = -(-t // COEF_T)
+    cgrid = grid_for(n_tiles, part.device)
+    _mhc_coef_kernel[(cgrid,)](part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks,
+                               float(norm_eps), float(hc_eps), int(iters), n_tiles, cgrid, BLOCK_T=COEF_T,
+                               CB=coef_chunk_block(), WIDE=wide, **({} if interpreting() else {"num_warps": 4}))
 
 
 def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
             fn: torch.Tensor | None, scale: torch.Tensor | None, base: torch.Tensor | None,
             norm_eps: float, hc_eps: float, iters: int, *, block_t: int | None = None,
             block_d: int | None = None, num_warps: int | None = None, workers: int | None = None,
-            split: bool | None = None, d_split: int | None = None, num_stages: int | None = None):
+            split: bool | None = None, d_split: int | None = None, num_stages: int | None = None,
+            fused: bool | None = None):
     """`ops.mhc_mix` in one pass: x [T, 4, d], y [T, d], post/pre [T, 4], comb [T, 4, 4];
     fn [24, 4d] fp32, scale [3], base [24] (or fn None). Returns (x_new [T, 4, d] in x's dtype,
     x_hat [T, d] in x's dtype, (pre, post, comb) fp32 or None). The keyword-only tile
-    parameters are for tuning and default to this module's table."""
+    parameters are for tuning and default to this module's table; `fused` computes the
+    coefficients in the main kernel's last program per token tile instead of a second launch
+    (default FUSED_COEF)."""
     from .launch import grid_for, interpreting, needs_int64, num_workers
 
     if x.dim() != 3 or x.shape[1] != N_STREAMS:
@@ -352,21 +439,23 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     kw = {} if interpreting() else {"num_warps": num_warps or tiles["num_warps"],
                                     "num_stages": num_stages or tiles["num_stages"]}
     wide = needs_int64(x, fn if has_fn else None)
+    if fused is None:
+        fused = FUSED_COEF
+    fused = fused and has_fn
     if has_fn:
         part = torch.empty(n_chunks, t, 32, dtype=torch.float32, device=x.device)
         pcomp = torch.empty_like(part)
         pss = torch.empty(n_chunks, t, dtype=torch.float32, device=x.device)
     else:
         part = pcomp = pss = x_hat  # unused placeholders
-    _mhc_mix_kernel[(grid,)](x, y, post, comb, pre, fn, scale, base, xnew_arg, xhat_arg, part, pcomp, pss,
-                             t, d, chunk, n_chunks, n_items, grid,
-                             BLOCK_T=bt, BLOCK_D=bd, HAS_FN=has_fn, SPLIT=split,
-                             OUT_BF16=x.dtype == torch.bfloat16, WIDE=wide, **kw)
-    if has_fn:
-        cgrid = grid_for(n_tiles, x.device)
-        _mhc_coef_kernel[(cgrid,)](part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks,
-                                   float(norm_eps), float(hc_eps), int(iters), n_tiles, cgrid, BLOCK_T=bt, WIDE=wide,
-                                   **({} if interpreting() else {"num_warps": 4}))
+    counts = tile_counters(x.device, n_tiles) if fused else x_hat
+    cb = coef_chunk_block()
+    _mhc_mix_kernel[(grid,)](x, y, post, comb, pre, fn, scale, base, xnew_arg, xhat_arg, part, pcomp, pss, counts,
+                             opre, opost, ocomb, t, d, chunk, n_chunks, n_items, grid, float(norm_eps), float(hc_eps),
+                             int(iters), BLOCK_T=bt, BLOCK_D=bd, HAS_FN=has_fn, SPLIT=split,
+                             OUT_BF16=x.dtype == torch.bfloat16, WIDE=wide, FUSED=fused, CT=COEF_T, CB=cb, **kw)
+    if has_fn and not fused:
+        launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps, iters, wide)
     return x_new, x_hat, ((opre, opost, ocomb) if has_fn else None)
 
 

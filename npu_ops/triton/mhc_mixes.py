@@ -5,7 +5,8 @@
 exact dot products are mega_mhc's (its docstring): BLOCK_T tokens x one chunk of d per work item;
 the 24 dot products with fn as tl.dot on bf16 x times fn split into three bf16 parts (exact
 products, fp32 sums, Kahan-compensated across slices), written per chunk and added by mega_mhc's
-coefficient kernel (sigmoids, Sinkhorn in registers). x is read once.
+coefficient epilogue (sigmoids, Sinkhorn in registers; its own launch, or with `fused=True` the
+partials kernel's last program per token tile). x is read once.
 
 `mhc_collapse`: sum_i pre[i] * x_i in fp32, rounded to x's dtype; one program per token and
 d-block.
@@ -20,12 +21,15 @@ import triton.language as tl
 from ...backends.reference.mhc import mhc_collapse as mhc_collapse_ref  # noqa: F401  (the oracle)
 from ...backends.reference.mhc import mhc_mixes as mhc_mixes_ref  # noqa: F401  (the oracle)
 from .block_scaled import bf16_bits16
-from .mega_mhc import N_MIX, N_STREAMS, TILES, _fn_partial_step, _mhc_coef_kernel
+from .mega_mhc import (COEF_T, FUSED_COEF, N_MIX, N_STREAMS, TILES, _finish_coef, _fn_partial_step, coef_chunk_block,
+                       launch_coef)
 
 
 @triton.jit
-def _mhc_partials_kernel(x_ptr, fn_ptr, part_ptr, pcomp_ptr, pss_ptr, T, D, chunk, n_chunks, n_items,
-                         num_programs, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr):
+def _mhc_partials_kernel(x_ptr, fn_ptr, part_ptr, pcomp_ptr, pss_ptr, count_ptr, scale_ptr, base_ptr, opre_ptr,
+                         opost_ptr, ocomb_ptr, T, D, chunk, n_chunks, n_items, num_programs, norm_eps, hc_eps, iters,
+                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
+                         CT: tl.constexpr, CB: tl.constexpr, WIDE: tl.constexpr):
     pid = tl.program_id(0)
     dt = tl.arange(0, BLOCK_D)
     kk = tl.arange(0, 32)
@@ -54,12 +58,16 @@ def _mhc_partials_kernel(x_ptr, fn_ptr, part_ptr, pcomp_ptr, pss_ptr, T, D, chun
         tl.store(part_ptr + po, acc, mask=tm[:, None])
         tl.store(pcomp_ptr + po, comp, mask=tm[:, None])
         tl.store(pss_ptr + ck * T + tok, tl.sum(ss, axis=1), mask=tm)
+        if FUSED:  # the tile's last chunk computes the coefficients (no second launch)
+            _finish_coef(tile, count_ptr, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr,
+                         ocomb_ptr, T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T, CT, CB, WIDE)
 
 
 def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
-              hc_eps: float, iters: int):
-    """x [T, 4, d] -> (pre [T, 4], post [T, 4], comb [T, 4, 4]) fp32."""
-    from .launch import grid_for, interpreting, needs_int64, num_workers
+              hc_eps: float, iters: int, *, fused: bool | None = None):
+    """x [T, 4, d] -> (pre [T, 4], post [T, 4], comb [T, 4, 4]) fp32. `fused`: the coefficients
+    come from the partials kernel's last program per token tile (one launch; default FUSED_COEF)."""
+    from .launch import grid_for, interpreting, needs_int64, num_workers, tile_counters
 
     if x.dim() != 3 or x.shape[1] != N_STREAMS:
         raise ValueError(f"x must be [T, {N_STREAMS}, d], got {tuple(x.shape)}")
@@ -85,12 +93,16 @@ def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
     part = torch.empty(n_chunks, t, 32, dtype=torch.float32, device=x.device)
     pcomp = torch.empty_like(part)
     pss = torch.empty(n_chunks, t, dtype=torch.float32, device=x.device)
-    _mhc_partials_kernel[(grid,)](x, fn, part, pcomp, pss, t, d, chunk, n_chunks, n_items, grid,
-                                  BLOCK_T=bt, BLOCK_D=bd, SPLIT=split, **kw)
-    cgrid = grid_for(n_tiles, x.device)
-    _mhc_coef_kernel[(cgrid,)](part, pcomp, pss, scale, base, pre, post, comb, t, d, n_chunks, float(norm_eps),
-                               float(hc_eps), int(iters), n_tiles, cgrid, BLOCK_T=bt, WIDE=needs_int64(x, fn),
-                               **({} if interpreting() else {"num_warps": 4}))
+    if fused is None:
+        fused = FUSED_COEF
+    wide = needs_int64(x, fn)
+    counts = tile_counters(x.device, n_tiles) if fused else pss
+    _mhc_partials_kernel[(grid,)](x, fn, part, pcomp, pss, counts, scale, base, pre, post, comb, t, d, chunk, n_chunks,
+                                  n_items, grid, float(norm_eps), float(hc_eps), int(iters),
+                                  BLOCK_T=bt, BLOCK_D=bd, SPLIT=split, FUSED=fused, CT=COEF_T, CB=coef_chunk_block(), WIDE=wide,
+                                  **kw)
+    if not fused:
+        launch_coef(part, pcomp, pss, scale, base, pre, post, comb, t, d, n_chunks, norm_eps, hc_eps, iters, wide)
     return pre, post, comb
 
 

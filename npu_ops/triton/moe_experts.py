@@ -1,9 +1,9 @@
 """Routed (and shared) experts as grouped kernels over the active experts (op `moe_experts`).
 
 Per call, with R = T * k routed rows (token t, slot j -> flat row t * k + j):
-1. Rows are sorted by expert (torch: one stable sort of the ids, ids < 0 last, and a
-   searchsorted for each expert's segment; no host sync, so the call can be captured), and x is
-   FP8-quantised once (`fp8_quant`).
+1. Rows are sorted by expert (`moe_grouped.sort_rows`: one launch up to 1024 routed rows, two
+   above, in place of a torch stable sort + searchsorted + fills; ids < 0 left out; no host
+   sync, so the call can be captured), and x is FP8-quantised once (`fp8_quant`).
 2. `_gate_up_kernel`, grid (experts, I / 32, row-tile slots): each program walks its expert's
    rows in BM-row tiles, gathers the token rows of the quantised x, streams its 32 columns of w1
    and w3 one 32-wide scale block at a time (`scaled_block_step`: FP8 or E2M1 straight into the
@@ -36,6 +36,7 @@ from .block_linear import DECODE_MAX_M, weight_kind
 from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, fp8_code, fp8_exponent, fp8_qdq_groups, gemv_acc,
                            gemv_load_w, load_weight_tile, pow2, scaled_block_step)
 from .fp4_common import split_dot_acc
+from .moe_grouped import sort_rows
 from .swiglu import swiglu_tile
 
 # Tiles: BN columns of the expert's intermediate width (gate/up) or of d (down), BK along K.
@@ -63,7 +64,7 @@ def _gate_up_kernel(x_ptr, q_ptr, qs_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base,
     for m0 in range(start + tl.program_id(2) * BM, end, BM * tl.num_programs(2)):
         rows = m0 + tl.arange(0, BM)
         rmask = rows < end
-        f = tl.load(perm_ptr + rows, mask=rmask, other=0)
+        f = tl.load(perm_ptr + rows, mask=rmask, other=0).to(tl.int64)
         tok = f // TOPK
         acc1 = tl.zeros((BM, BN), dtype=tl.float32)
         acc3 = tl.zeros((BM, BN), dtype=tl.float32)
@@ -122,7 +123,7 @@ def _down_kernel(hb_ptr, hq_ptr, hs_ptr, perm_ptr, bounds_ptr, w_base, s_base, t
                 for kb in tl.static_range(BK // 32):
                     acc = scaled_block_step(acc, hq_ptr, hs_ptr, rows64, rmask, w2, s2, rn, nmask, k0 + kb * 32, I, I,
                                             s_stride, W_KIND, LOWP)
-        f = tl.load(perm_ptr + rows, mask=rmask, other=0)
+        f = tl.load(perm_ptr + rows, mask=rmask, other=0).to(tl.int64)
         tl.store(y_ptr + f[:, None] * D + rn[None, :], acc, mask=rmask[:, None] & nmask[None, :])
 
 
@@ -286,7 +287,6 @@ def _moe_gemv(x, weights, ids, topk, n_exp, table_args, limit, out, *, bn_up=Non
 # ---- launcher -----------------------------------------------------------------------------------
 
 _TABLES: dict[tuple, tuple] = {}
-_ARANGE: dict[tuple, torch.Tensor] = {}
 
 
 def _expert_table(experts: list, device: torch.device):
@@ -328,10 +328,13 @@ def _expert_table(experts: list, device: torch.device):
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: list, limit: float,
                 out_dtype: torch.dtype = torch.float32, *, bm: int | None = None, bn_up: int | None = None,
                 bn_down: int | None = None, bk: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, path: str | None = None) -> torch.Tensor:
+                num_stages: int | None = None, path: str | None = None, **grouped) -> torch.Tensor:
     """`ops.moe_experts` on a device: x [T, d], weights / ids [T, k] -> [T, d] fp32 (float64
     requested: fp32). Keyword tile parameters are for tuning (defaults: TILES / GEMV_TILES);
-    `path` ("gemv" / "tiled") overrides the choice of the decode path (tests, sweeps)."""
+    `path` ("gemv" / "tiled" / "grouped") overrides the choice of path (tests, sweeps); "grouped"
+    is `moe_grouped.grouped_moe` (bf16 tensor-core dots with the scales folded into the weight
+    tiles), which takes the extra keywords in `grouped` (swap, bk_down, group_m, chunk). It is
+    not the default: on the H200 it did not beat the tiled kernels yet (benchmarks/RESULTS.md)."""
     from .fp8_quant import fp8_quant
     from .launch import interpreting
 
@@ -348,6 +351,13 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
         raise ValueError(f"expert input width {k_in} != x width {d}")
     if path is None:
         path = "gemv" if t <= GEMV_DEFAULT_T.get(kind, 0) else "tiled"
+    if path == "grouped":
+        from .moe_grouped import grouped_moe
+
+        return grouped_moe(x if x.stride(-1) == 1 else x.contiguous(), weights, ids,
+                           (w_base, s_base, table, kind, inter, k_in, (s_up, s_down), align), limit, out, bm=bm,
+                           bn_up=bn_up, bn_down=bn_down, bk=bk, num_warps=num_warps, num_stages=num_stages,
+                           **grouped)
     if path == "gemv":
         if kind == W_DENSE or t > GEMV_MAX_T:
             raise ValueError(f"moe_experts: the gemv path takes scaled experts and <= {GEMV_MAX_T} tokens")
@@ -363,13 +373,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     bn_up, bn_down, bk = bn_up or tiles["bn_up"], bn_down or tiles["bn_down"], bk or tiles["bk"]
     kw = {} if interp else {"num_warps": num_warps or tiles["num_warps"], "num_stages": num_stages or tiles["num_stages"]}
 
-    flat = ids.reshape(-1)
-    key = torch.where(flat < 0, n_exp, flat)
-    sorted_key, perm = torch.sort(key, stable=True)
-    ar = _ARANGE.get((x.device, n_exp))
-    if ar is None:
-        ar = _ARANGE[(x.device, n_exp)] = torch.arange(n_exp + 1, device=x.device, dtype=sorted_key.dtype)
-    bounds = torch.searchsorted(sorted_key, ar)
+    perm, bounds = sort_rows(ids.contiguous().reshape(-1), n_exp)
 
     xc = x.contiguous()
     if kind == W_DENSE:

@@ -3,14 +3,17 @@ choose the top-k (ties to the lower expert id), weights = chosen raw scores, div
 (sum + 1e-20) when `norm_topk_prob` and top-k > 1, times route_scale. Matches `moe_route_ref`
 (= backends.reference.moe.moe_route) within fp32 rounding.
 
-Work split (one launch): tiles are (BLOCK_T tokens) x (BLOCK_E experts); each tile computes its
-logits over the full hidden size (K loop, fp32 accumulation) and writes them to an fp32 scratch
-[T, E]. After a CTA barrier, the tile bumps an int32 counter of its token block (atomic_add,
-acq_rel); the tile that completes a token block (counter == number of expert blocks - 1) reads
-the block's full logit rows back (".cg": from L2, not a stale L1) and does the routing: softplus
+Work split (one launch): tiles are (BLOCK_T tokens) x (BLOCK_E experts) x (K slices: one, or a
+few on CUDA when there are few tiles, `_k_splits`); each tile computes its partial logits over
+its slice of the hidden size (K loop, fp32 accumulation) and writes them to an fp32 scratch
+[slices, T, E]. After a CTA barrier, the tile bumps an int32 counter of its token block
+(atomic_add, acq_rel); the tile that completes a token block (counter == expert blocks x slices
+- 1) reads the block's partial logit rows back (".cg": from L2, not a stale L1), sums the slices
+in slice order, and does the routing: softplus
 (x for x > 20 as torch, else log1p(exp(x)) with the accurate log1p(u) = log(1+u) * u / ((1+u)-1)),
-sqrt, + bias, then k rounds of "max, lowest id among the max, mask it out". Every logit comes
-from exactly one tile (no float atomics), so the result is deterministic. The counters are a
+sqrt, + bias, then k rounds of "max, lowest id among the max, mask it out". Every partial logit
+comes from exactly one tile and the slices are summed in a fixed order (no float atomics), so the
+result is deterministic. The counters are a
 zeroed int32 buffer per call.
 
 Dot precision: compiled, the operands are bf16 with fp32 accumulation. The gate weight is bf16
@@ -36,7 +39,7 @@ def moe_route_ref(x, gate_weight, bias, topk, route_scale, gate_temp=1.0, norm_t
 
 @triton.jit
 def _moe_route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, count_ptr, wout_ptr, iout_ptr,
-                      T, E, K, bias_stride_t, gate_temp, route_scale, n_eb, n_tiles, num_programs,
+                      T, E, K, bias_stride_t, gate_temp, route_scale, n_eb, n_ks, KS, n_tiles, num_programs,
                       TOPK: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                       SPLITS: tl.constexpr, LOWP: tl.constexpr, WIDE: tl.constexpr):
@@ -46,9 +49,12 @@ def _moe_route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, count_ptr, wout_ptr, io
     bk = tl.arange(0, BLOCK_K)
     ecols = tl.arange(0, EP)
     kcols = tl.arange(0, KP)
+    per_tb = n_eb * n_ks
     for tile in range(pid, n_tiles, num_programs):
-        tb = tile // n_eb
-        eb = tile - tb * n_eb
+        tb = tile // per_tb
+        rem = tile - tb * per_tb
+        eb = rem // n_ks
+        ks = rem - eb * n_ks
         rows = tb * BLOCK_T + bt
         rmask = rows < T
         es = eb * BLOCK_E + be
@@ -56,23 +62,28 @@ def _moe_route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, count_ptr, wout_ptr, io
         xrow = offsets(rows, WIDE) * K
         wrow = offsets(es, WIDE) * K
         acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + bk
-            kmask = ks < K
-            x = tl.load(x_ptr + xrow[:, None] + ks[None, :], mask=rmask[:, None] & kmask[None, :],
+        k_lo = ks * KS
+        k_hi = tl.minimum(K, k_lo + KS)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            kc = k0 + bk
+            kmask = kc < k_hi
+            x = tl.load(x_ptr + xrow[:, None] + kc[None, :], mask=rmask[:, None] & kmask[None, :],
                         other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + wrow[None, :] + ks[:, None], mask=kmask[:, None] & emask[None, :],
+            w = tl.load(w_ptr + wrow[None, :] + kc[:, None], mask=kmask[:, None] & emask[None, :],
                         other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_E]
             acc = split_dot_acc(acc, x, w, SPLITS, LOWP)
-        tl.store(logit_ptr + offsets(rows, WIDE)[:, None] * E + es[None, :], acc,
+        # this K slice's partial logits: scratch [n_ks, T, E]
+        tl.store(logit_ptr + offsets(ks * T + rows, WIDE)[:, None] * E + es[None, :], acc,
                  mask=rmask[:, None] & emask[None, :])
         tl.debug_barrier()  # every thread's logits are written before the release below
         done = tl.atomic_add(count_ptr + tb, 1, sem="acq_rel")
-        if done == n_eb - 1:  # this tile completed token block tb: route it
+        if done == per_tb - 1:  # this tile completed token block tb: route it
             em = ecols < E
             m2 = rmask[:, None] & em[None, :]
-            lg = tl.load(logit_ptr + offsets(rows, WIDE)[:, None] * E + ecols[None, :], mask=m2, other=0.0,
-                         cache_modifier=".cg")
+            lg = tl.zeros([BLOCK_T, EP], dtype=tl.float32)
+            for s in range(0, n_ks):  # the K slices' partials in slice order (deterministic)
+                lg += tl.load(logit_ptr + offsets(s * T + rows, WIDE)[:, None] * E + ecols[None, :], mask=m2,
+                              other=0.0, cache_modifier=".cg")
             lg = lg / gate_temp
             u = tl.exp(tl.minimum(lg, 20.0))  # (the clamp only avoids inf in the unused branch)
             v = 1.0 + u
@@ -133,11 +144,33 @@ def _config(t: int, e: int, device) -> tuple[int, int, int, int]:
     return bt, 32 if t > 128 else 16, 128, 4
 
 
+# Split-K on CUDA when the token x expert tiles are this few: one program's K loop over the whole
+# hidden size is a serial chain of loads (T = 1, 16 experts: one tile of 40 steps, 18 us per call
+# on the H200 in a decode profile, 2026-11-30); the slices' partial logits are summed in slice
+# order by the tile that completes the token block. Not measured yet with the split.
+SPLIT_BELOW_TILES = 32
+MAX_K_SPLITS = 8
+
+
+def _k_splits(n_tiles: int, k: int, bk: int, want: int | None, device) -> int:
+    """K slices per (token block, expert block) tile: `want` if given, else MAX_K_SPLITS on CUDA
+    for fewer than SPLIT_BELOW_TILES tiles, 1 otherwise (Ascend and the interpreter keep one)."""
+    from .launch import interpreting
+
+    if want is not None:
+        return max(1, min(int(want), -(-k // bk)))
+    kind = device.split(":")[0] if isinstance(device, str) else torch.device(device).type
+    if interpreting() or kind != "cuda" or n_tiles >= SPLIT_BELOW_TILES:
+        return 1
+    return max(1, min(MAX_K_SPLITS, -(-k // bk)))
+
+
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
               gate_temp: float = 1.0, norm_topk_prob: bool = True,
               _cfg: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`ops.moe_route`: x [T, D], gate_weight [E, D], bias [E] or [T, E] -> (weights fp32 [T, k],
-    ids int64 [T, k]). Requires triton."""
+    ids int64 [T, k]). Requires triton. `_cfg` (tests, sweeps): (BLOCK_T, BLOCK_E, BLOCK_K,
+    num_warps[, K splits])."""
     from .launch import grid_for, interpreting, needs_int64
 
     t, d = x.shape
@@ -156,18 +189,21 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
         bias_stride = e
     else:
         raise ValueError(f"bias must be [{e}] or [{t}, {e}], got {tuple(bias.shape)}")
-    bt, be, bk, warps = _cfg or _config(t, e, x.device)
+    bt, be, bk, warps, *rest = _cfg or _config(t, e, x.device)
     lowp = not interpreting() and gate_weight.dtype == torch.bfloat16
     splits = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 3)
     n_tb, n_eb = -(-t // bt), -(-e // be)
-    n_tiles = n_tb * n_eb
+    n_ks = _k_splits(n_tb * n_eb, d, bk, rest[0] if rest else None, x.device)
+    ks_len = -(-(-(-d // bk)) // n_ks) * bk  # K slice length: whole BLOCK_K steps
+    n_ks = -(-d // ks_len)
+    n_tiles = n_tb * n_eb * n_ks
     grid = grid_for(n_tiles, x.device, cores="cube")  # tl.dot: one program per AI core on Ascend
-    logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    logits = torch.empty(n_ks, t, e, dtype=torch.float32, device=x.device)
     counts = torch.zeros(n_tb, dtype=torch.int32, device=x.device)
     extra = {} if interpreting() else {"num_warps": warps}
     _moe_route_kernel[(grid,)](
         x.contiguous(), gate_weight.contiguous(), bias.contiguous(), logits, counts, weights, ids,
-        t, e, d, bias_stride, float(gate_temp), float(route_scale), n_eb, n_tiles, grid,
+        t, e, d, bias_stride, float(gate_temp), float(route_scale), n_eb, n_ks, ks_len, n_tiles, grid,
         TOPK=topk, NORM=bool(norm_topk_prob) and topk > 1, KP=_pow2(topk), EP=_pow2(e), BLOCK_T=bt, BLOCK_E=be,
         BLOCK_K=bk, SPLITS=splits, LOWP=lowp, WIDE=needs_int64(x, gate_weight, logits), **extra)
     return weights, ids

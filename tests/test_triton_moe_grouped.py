@@ -1,0 +1,207 @@
+"""The grouped tensor-core MoE path (npu_ops/triton/moe_grouped.py) against the fp64 reference.
+
+Interpreter variants at small widths and `gpu`-marked compiled variants at model widths: 5..64
+tokens (decode batches) and a prefill size; repeated expert ids across tokens, skipped (-1)
+slots, experts with no rows; every scratch and output buffer poisoned (NaN / -1) before the
+call, so a row or block the kernels leave unwritten, or a padded row they read, shows up.
+Bound as tests/test_triton_block_linear.py: exact products, fp32 sums (FP8 re-quantisation of
+the w2 input can move a rare value by one FP8 step: 1e-4 in norm).
+"""
+
+import pytest
+import torch
+
+from _triton import DEVICES, cuda_only, triton  # noqa: F401  (sets TRITON_INTERPRET; skips without triton)
+
+from test_triton_block_linear import weight  # noqa: E402  (the random weights in storage formats)
+
+from dsv41.backends.reference import moe  # noqa: E402
+from dsv41.npu_ops.triton import moe_experts as me  # noqa: E402
+from dsv41.npu_ops.triton import moe_grouped as mg  # noqa: E402
+
+tl = triton.language
+pytestmark = cuda_only
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach().cpu().double(), want.detach().cpu().double()
+    assert torch.isfinite(got).all(), "non-finite output"
+    assert want.norm() > 0
+    return ((got - want).norm() / want.norm()).item()
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every buffer the grouped path allocates starts as NaN (floats) or -1 (integers)."""
+    def poison(shape, dtype, device):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        return t.fill_(float("nan") if dtype.is_floating_point else -1)
+
+    monkeypatch.setattr(mg, "_buffer", poison)
+
+
+def check(dev, fmt, t, n_exp, topk, d, inter, rng, used=None, **tiles):
+    """moe_experts through the grouped path against the reference; `used`: the experts ids are
+    drawn from (the others get no rows)."""
+    used = n_exp if used is None else used
+    x = (torch.randn(t, d, generator=rng) * 2).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(used, generator=rng)[:topk] for _ in range(t)])
+    ids[::3, -1] = -1  # slots another model-parallel rank holds
+    if t > 4:
+        ids[1] = ids[0]  # two tokens with the same experts
+    w = torch.rand(t, topk, generator=rng) + 0.1
+    ex = [(weight(fmt, inter, d, rng), weight(fmt, d, inter, rng), weight(fmt, inter, d, rng)) for _ in range(n_exp)]
+    want = moe.moe_experts(x, w, ids, ex, 10.0, torch.float64)
+    dex = [tuple((a.to(dev), None if b is None else b.to(dev)) for a, b in e) for e in ex]
+    got = me.moe_experts(x.to(dev), w.to(dev), ids.to(dev), dex, 10.0, torch.float64, path="grouped", **tiles)
+    assert got.dtype == torch.float32 and got.shape == (t, d)
+    err = rel_err(got, want)
+    bound = 4e-3 if fmt == "bf16" else 1e-4  # bf16 experts: the w2 input rounded to bf16
+    assert err < bound, f"grouped moe {fmt} T={t}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("fmt", ["fp4", "fp8", "bf16"])
+def test_grouped_formats(dev, fmt, rng, poisoned):
+    check(dev, fmt, 6, 5, 2, 64, 64, rng)
+    check(dev, fmt, 7, 3, 2, 96, 64, rng, swap=True, bk=64)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("t", [5, 17, 40])
+@pytest.mark.parametrize("swap", [False, True])
+def test_grouped_decode_batches(dev, t, swap, rng, poisoned):
+    """5..64 tokens: several blocks per expert, partial blocks, experts 6 and 7 without rows;
+    both dot orientations."""
+    check(dev, "fp4", t, 8, 3, 64, 96, rng, used=6, swap=swap)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("swap", [False, True])
+def test_grouped_predequantised(dev, swap, rng, poisoned):
+    """The prefill form: FP4 experts written out as bf16 once (scales folded), then the bf16
+    GEMMs with x and the w2 input still FP8-quantised."""
+    check(dev, "fp4", 20, 4, 2, 64, 128, rng, used=3, predequant=True, swap=swap)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_predequantised_weights_exact(dev, rng, poisoned):
+    """The bf16 scratch holds every expert's w1, w3, w2 exactly (the reference's values)."""
+    from dsv41.backends.reference.basic import dequant_weight
+
+    d, inter = 128, 64
+    ex = [(weight("fp4", inter, d, rng), weight("fp4", d, inter, rng), weight("fp4", inter, d, rng)) for _ in range(3)]
+    dex = [tuple((a.to(dev), b.to(dev)) for a, b in e) for e in ex]
+    scratch, _ = mg.predequantised(me._expert_table(dex, torch.device(dev)), dev == "cpu")
+    scratch = scratch.cpu().double()
+    for i, ((w1, s1), (w2, s2), (w3, s3)) in enumerate(ex):
+        assert torch.equal(scratch[i, 0].reshape(inter, d), dequant_weight(w1, s1).double())
+        assert torch.equal(scratch[i, 1].reshape(inter, d), dequant_weight(w3, s3).double())
+        assert torch.equal(scratch[i, 2].reshape(d, inter), dequant_weight(w2, s2).double())
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_grouped_ragged_tiles(dev, rng, poisoned):
+    """N tiles wider than what is left of the matrix (the masked weight loads; the model's widths
+    divide the tiles and take the unmasked ones)."""
+    check(dev, "fp4", 9, 4, 2, 64, 96, rng, bn_up=64, bn_down=128)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_grouped_several_align_chunks(dev, rng, poisoned):
+    """Rows spread over several align chunks (the count pass, then prefix sums across chunks),
+    K and N over several tiles."""
+    check(dev, "fp4", 70, 4, 2, 128, 64, rng, chunk=16, bk=32)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_align_rows(dev, rng, poisoned):
+    """Blocks cover each expert's rows in flat order, padded to BM; -1 and absent experts skipped."""
+    n_exp, bm = 7, 16
+    ids = torch.randint(-1, n_exp - 2, (123,), generator=rng)
+    for chunk in (None, 16):
+        rows, bexp, bcnt = (v.cpu() for v in mg.align_rows(ids.to(dev), n_exp, bm, chunk))
+        got = {}
+        for b in range(bexp.numel()):
+            if bexp[b] >= 0:
+                assert 0 < bcnt[b] <= bm
+                got.setdefault(int(bexp[b]), []).extend(rows[b * bm:b * bm + int(bcnt[b])].tolist())
+            else:
+                assert bcnt[b] == 0
+        want = {e: (ids == e).nonzero().flatten().tolist() for e in range(n_exp) if (ids == e).any()}
+        assert got == want
+        used = bexp[bexp >= 0]
+        assert (used[1:] >= used[:-1]).all()  # experts in ascending order, blocks contiguous
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("chunk", [None, 32])
+def test_sort_rows(dev, chunk, rng, poisoned):
+    """The tiled path's expert order: a stable sort of the ids (-1 and absent experts left out)
+    and each expert's segment bounds, in one or several chunks."""
+    n_exp = 9
+    ids = torch.randint(-1, n_exp - 2, (150,), generator=rng)
+    perm, bounds = (v.cpu().long() for v in mg.sort_rows(ids.to(dev), n_exp, chunk))
+    keep = (ids >= 0).nonzero().flatten()
+    order = keep[torch.sort(ids[keep], stable=True).indices]
+    assert torch.equal(perm[:order.numel()], order)
+    want = torch.searchsorted(torch.sort(ids[keep]).values, torch.arange(n_exp + 1))
+    assert torch.equal(bounds, want)
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr):
+    rn = tl.arange(0, BN)
+    j = tl.arange(0, BK // 2)
+    for k0 in range(0, K, BK):
+        lo, hi = mg.fp4_tiles(w_ptr, s_ptr, rn, rn < N, k0, K, K // 2, K // 32, BN, BK, False)
+        base = out_ptr + rn[:, None] * K + k0 + 2 * j[None, :]
+        tl.store(base, lo, mask=(rn < N)[:, None])
+        tl.store(base + 1, hi, mask=(rn < N)[:, None])
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_fp4_dequant_scale_range(dev, rng):
+    """Every E2M1 code with scale bytes 1..240 folds exactly wherever the result is an fp32-normal
+    number (>= 2^-126): bit-equal to the reference dequantisation; smaller results stay below
+    2^-125 (module docstring: they may round or flush)."""
+    k = 32 * 16
+    codes = torch.arange(k) % 16
+    packed = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).view(torch.int8)
+    sbytes = torch.arange(1, 241, dtype=torch.uint8)
+    n = sbytes.numel() // 16
+    w = packed.repeat(n, 1)
+    s = sbytes.reshape(n, 16).view(torch.float8_e8m0fnu)
+    from dsv41.backends.reference.basic import dequant_weight
+
+    want = dequant_weight(w, s).double()
+    out = torch.full((n, k), float("nan"), dtype=torch.float32, device=dev)
+    _dequant_kernel[(1,)](w.view(torch.uint8).to(dev), s.view(torch.uint8).to(dev), out, n, k, BN=16, BK=64)
+    got = out.cpu().double()
+    normal = want.abs() >= 2.0 ** -126
+    assert torch.equal(got[normal], want[normal])
+    assert (got[~normal].abs() <= 2.0 ** -125).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("t", [5, 8, 33, 64, 300, 2048])
+@pytest.mark.parametrize("swap", [False, True])
+def test_grouped_model_shapes_gpu(dev, t, swap, rng, poisoned):
+    check(dev, "fp4", t, 16, 6, 1024, 512, rng, used=14, swap=swap)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("predequant", [False, True])
+def test_grouped_prefill_gpu(dev, predequant, rng, poisoned):
+    """A prefill-sized call at model-like widths, in-loop dequantisation against the bf16 scratch."""
+    check(dev, "fp4", 1500, 16, 6, 1024, 512, rng, used=16, predequant=predequant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+def test_grouped_other_formats_gpu(dev, fmt, rng, poisoned):
+    check(dev, fmt, 48, 4, 2, 1024, 512, rng)
+    check(dev, fmt, 700, 4, 2, 1024, 512, rng, swap=True)
