@@ -137,13 +137,15 @@ def test_topk_select_equals_stable_sort(dev, rng):
         masked = s.masked_fill(~valid, float("-inf"))
         want = ref_att._stable_topk_sorted(s, k, valid)
         assert torch.equal(itk.topk_select(masked.to(dev), nv.to(dev), k).cpu(), want), (n, k)
-        # bounded by chunk maxima (as the scores kernel writes them), and with a survivor buffer
-        # too small for the tied rows (those take the whole-row path)
-        for maxg, cap in ((1, None), (4, None), (4, 16)):
+        # bounded by chunk maxima (as the scores kernel writes them; min_maxima_per_k=0 forces
+        # the bound however few they are), and with a survivor buffer too small for the tied
+        # rows (those take the whole-row path); the default skips a bound from too few maxima
+        for maxg, cap, per_k in ((1, None, 0), (4, None, 0), (4, 16, 0), (4, None, None)):
             pad = -(-n // maxg) * maxg - n
             maxima = torch.nn.functional.pad(masked, (0, pad), value=float("-inf")).view(8, -1, maxg).amax(-1)
-            got = itk.topk_select(masked.to(dev), nv.to(dev), k, maxima.to(dev), maxg, capacity=cap)
-            assert torch.equal(got.cpu(), want), (n, k, maxg, cap)
+            got = itk.topk_select(masked.to(dev), nv.to(dev), k, maxima.to(dev), maxg, capacity=cap,
+                                  min_maxima_per_k=per_k)
+            assert torch.equal(got.cpu(), want), (n, k, maxg, cap, per_k)
 
 
 # ---- kernel -------------------------------------------------------------------------------------
@@ -330,3 +332,80 @@ def test_cuda_backend_registers_kernel(dev, monkeypatch, rng):
     got, _ = ops.indexer_topk(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), table.to(dev), e, nv.to(dev), 8)
     want, _ = itk.indexer_topk_ref(q, w, codes, kscale, table, e, nv, 8)
     assert torch.equal(got.cpu(), want)
+
+
+# ---- the Triton Reindex selection, candidate pool and prefill chunking --------------------------
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_candidates_any_order_and_padding(dev, rng):
+    """Reindex selection with candidates in no particular order, -1 padding anywhere in a row,
+    fewer valid candidates than k, none at all, and more than k: equal to the reference (which
+    selects among the valid columns, ties to the lower column, and sorts by entry id)."""
+    t, h, d, n, p, k = 5, 4, 64, 120, 48, 10
+    q, w, codes, kscale = random_inputs(rng, t, h, d, n, exact=True)
+    table, e = one_seq(codes, t)
+    cands = torch.full((t, p), -1, dtype=torch.long)
+    for i, m in enumerate((p, 30, 4, 0, 25)):
+        cands[i, torch.randperm(p, generator=rng)[:m]] = torch.randperm(n, generator=rng)[:m]
+    cands[4, :25] = torch.arange(25) * 2  # ascending ids, padding after them
+    cands[4, 25:] = -1
+    nv = torch.full((t,), n)
+    want_idx, _ = itk.indexer_topk_ref(q, w, codes, kscale, table, e, nv, k, candidates=cands)
+    got_idx, got_pool = itk.indexer_topk(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), table.to(dev), e,
+                                         nv.to(dev), k, candidates=cands.to(dev))
+    assert got_pool is None
+    assert torch.equal(got_idx.cpu(), want_idx)
+    assert (want_idx[3] == -1).all() and (want_idx[2] >= 0).sum() == 4
+
+
+def block_maxima(scores, n_visible, block):
+    """The scores kernel's block maxima, written out: max over each block of visible scores."""
+    t, n = scores.shape
+    nb = -(-n // block)
+    padded = torch.full((t, nb * block), float("-inf"))
+    padded[:, :n] = scores
+    vis = torch.arange(nb * block).unsqueeze(0) < n_visible.unsqueeze(1)
+    return padded.masked_fill(~vis, float("-inf")).reshape(t, nb, block).amax(-1)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("block,n_blocks", [(4, 3), (8, 5), (2, 40)])
+def test_pool_select_equals_candidate_pool(dev, block, n_blocks, rng):
+    """The Triton candidate pool equals `reference.attention.candidate_pool`: tied block maxima
+    (to the older block), the newest partial block forced in, nothing visible, fewer reachable
+    blocks than the pool holds, and a row whose pool is a strict subset."""
+    t, n = 6, 70
+    s = torch.randint(-3, 4, (t, n), generator=rng).float()  # small integers: many exact ties
+    nv = torch.tensor([70, 0, 1, 13, 33, 64])
+    s = s.masked_fill(torch.arange(n).unsqueeze(0) >= nv.unsqueeze(1), float("-inf"))
+    want = ref_att.candidate_pool(s, nv, n_blocks, block)
+    got = itk.pool_select(block_maxima(s, nv, block).to(dev), nv.to(dev), n, n_blocks, block)
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_prefill_chunks_equal_reference(dev, rng, monkeypatch):
+    """A prefill scored in chunks of queries (the score matrix bounded by SCORE_CHUNK_ELEMS)
+    gives the reference's top-k, candidate pool and Reindex selection."""
+    t, h, d, n, k = 9, 4, 64, 96, 5
+    q, w, codes, kscale = random_inputs(rng, t, h, d, n, exact=True)
+    table, e = one_seq(codes, t)
+    nv = torch.tensor([96, 90, 3, 50, 0, 17, 64, 95, 40])
+    monkeypatch.setattr(itk, "SCORE_CHUNK_ELEMS", 2 * n)  # 2 queries per chunk
+    scored_rows = []
+    real_scores = itk._scores
+
+    def recording_scores(q, *a, **kw):  # the score matrix of one chunk: at most 2 queries
+        scored_rows.append(q.shape[0])
+        return real_scores(q, *a, **kw)
+
+    monkeypatch.setattr(itk, "_scores", recording_scores)
+    want_idx, want_pool = itk.indexer_topk_ref(q, w, codes, kscale, table, e, nv, k, pool_blocks=3, pool_block_size=8)
+    got_idx, got_pool = itk.indexer_topk(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), table.to(dev), e,
+                                         nv.to(dev), k, pool_blocks=3, pool_block_size=8)
+    assert torch.equal(got_idx.cpu(), want_idx) and torch.equal(got_pool.cpu(), want_pool)
+    assert scored_rows == [2, 2, 2, 2, 1]
+    want_re, _ = itk.indexer_topk_ref(q, w, codes, kscale, table, e, nv, k, candidates=want_pool)
+    got_re, _ = itk.indexer_topk(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), table.to(dev), e, nv.to(dev),
+                                 k, candidates=want_pool.to(dev))
+    assert torch.equal(got_re.cpu(), want_re)

@@ -24,6 +24,8 @@ TILED = dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=32, BLOCK_DV=32)
 WHOLE = dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None)
 WHOLE_T = dict(WHOLE, QK_T=True)  # q.k^T computed as k.q^T (entries as the MMA's M)
 WHOLE_HALF = dict(WHOLE, DV_HALF=True)  # one output-channel parity per tile
+MQA = dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, MQA=True)  # rows decoded once as K and V
+MQA_H32 = dict(MQA, BLOCK_H=32)  # heads padded past H (masked rows)
 
 BLOCK = 8  # pool block size (rows) of both pools in these tests
 
@@ -92,9 +94,12 @@ def check(out, args, scale, dead_rows=()):
     out = out.cpu()
     assert not torch.isnan(out.float()).any()
     q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink = args
-    vmax = quant.fp8_dequant(swa_kv, swa_scale).abs().max().item()
+    def finite_max(v):  # over the rows that decode to numbers (a NaN null block is never read)
+        return v[torch.isfinite(v)].abs().max().item()
+
+    vmax = finite_max(quant.fp8_dequant(swa_kv, swa_scale))
     if glob_kv is not None:
-        vmax = max(vmax, quant.fp4_dequant(glob_kv, glob_scale).abs().max().item())
+        vmax = max(vmax, finite_max(quant.fp4_dequant(glob_kv, glob_scale)))
     err = (out.double() - ref.double()).abs()
     assert ref.abs().max() > 0
     assert err.max() <= 1e-2 * ref.abs().max(), f"max err {err.max():.3g} vs max|ref| {ref.abs().max():.3g}"
@@ -106,7 +111,8 @@ def check(out, args, scale, dead_rows=()):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(sink + 1e30) of an all-masked row
 @pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("cfg", [WHOLE, WHOLE_T, WHOLE_HALF, TILED], ids=["whole", "whole_t", "whole_half", "tiled"])
+@pytest.mark.parametrize("cfg", [WHOLE, WHOLE_T, WHOLE_HALF, TILED, MQA, MQA_H32],
+                         ids=["whole", "whole_t", "whole_half", "tiled", "mqa", "mqa_h32"])
 @pytest.mark.parametrize("n_split", [1, 3, None])
 def test_sparse_attention_tiny(dev, cfg, n_split, rng):
     # tiny preset widths: H = 4, D = 64
@@ -202,3 +208,104 @@ def test_cuda_backend_registers_sparse_attention(dev, monkeypatch, rng):
     args = make_inputs(rng, 3, 4, 64, 16, 20, 8)
     out = ops.sparse_attention(*to(dev, args), 64 ** -0.5)
     check(out, args, 64 ** -0.5, dead_rows=(2,))
+
+
+def with_null_block(args, nan: bool = True):
+    """The pools with a leading null block (BLOCK rows whose bytes decode to NaN: E4M3 0xFF, E8M0
+    0xFF, E4M3 scale 0x7F) and every index shifted past it; -1 entries stay -1. As in vLLM's
+    pages, masked entries may address the null block: nothing of it may reach the output."""
+    q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink = args
+
+    def grow(pool, fill):
+        null = torch.full((BLOCK,) + tuple(pool.shape[1:]), fill, dtype=torch.uint8)
+        return torch.cat([null, pool.view(torch.uint8)]).view(pool.dtype)
+
+    b = 0xFF if nan else 0
+    out = [q, grow(swa_kv, b), grow(swa_scale, b), torch.where(win_idx >= 0, win_idx + BLOCK, -1)]
+    if glob_kv is None:
+        return out + [None, None, None, sink]
+    return out + [grow(glob_kv, b), grow(glob_scale, 0x7F if nan else 0),
+                  torch.where(glob_idx >= 0, glob_idx + BLOCK, -1), sink]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(sink + 1e30) of an all-masked row
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("cfg", [MQA, TILED, None], ids=["mqa", "tiled", "auto"])
+def test_sparse_attention_null_block_nan_does_not_leak(dev, cfg, rng):
+    """Masked entries point at a null block of NaN bytes (row 0 of both pools, where -1 entries
+    are clamped): the output equals the reference, which selects them away with torch.where."""
+    t, h, d, s, n, k = 4, 4, 64, 20, 40, 16
+    args = with_null_block(make_inputs(rng, t, h, d, s, n, k, dead_rows=(2,)))
+    assert torch.isnan(quant.fp8_dequant(args[1][:BLOCK], args[2][:BLOCK])).all()
+    ref = sa.sparse_attention_ref(*args, d ** -0.5)
+    assert not torch.isnan(ref.float()).any()
+    if cfg is None:
+        out = sa.sparse_attention(*to(dev, args), d ** -0.5)
+    else:
+        out = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, n_split=3, **cfg)
+    check(out, args, d ** -0.5, dead_rows=(2,))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(sink + 1e30) of an all-masked row
+@pytest.mark.parametrize("dev", DEVICES)
+def test_sparse_attention_mqa_long_context_split_k(dev, rng):
+    """One token at a long context (many entry blocks): the MQA tiles split over the entry list
+    (flash-decoding: one split per block, a few blocks per split, automatic) and combined; every
+    choice equals the reference. Also an empty global list and an all-masked token."""
+    h, d = (8, 64) if dev == "cpu" else (64, 512)
+    s, n, k = (16, 400, 160) if dev == "cpu" else (128, 65536, 512)
+    cfg = dict(BLOCK_H=64, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, MQA=True)
+    args = make_inputs(rng, 1, h, d, s, n, k, dead_rows=(), window_off_rows=(), n_seq=1)
+    n_blocks = -(-s // 16) + -(-k // 16)
+    for n_split in (n_blocks, 3, None):
+        out = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, n_split=n_split, min_blocks_per_split=1, **cfg)
+        check(out, args, d ** -0.5)
+    empty = list(args)
+    empty[6] = torch.zeros(1, 0, dtype=torch.long)
+    out = sa.sparse_attention_launch(*to(dev, empty), d ** -0.5, n_split=2, **cfg)
+    check(out, empty, d ** -0.5)
+    dead = list(args)
+    dead[3] = torch.full_like(args[3], -1)
+    dead[6] = torch.full_like(args[6], -1)
+    out = sa.sparse_attention_launch(*to(dev, dead), d ** -0.5, n_split=4, **cfg)
+    assert torch.equal(out.cpu().float(), torch.zeros(1, h, d))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(sink + 1e30) of an all-masked row
+@pytest.mark.parametrize("dev", DEVICES)
+def test_sparse_attention_batch_of_64_mixed_lengths(dev, rng):
+    """A decode batch of 64 tokens of 5 sequences with mixed context lengths: tokens see
+    different numbers of window and global entries (short ones mostly -1), some none at all;
+    the MQA tiles and (compiled) the default tile table equal the reference."""
+    t = 64
+    h, d = (4, 64) if dev == "cpu" else (64, 512)
+    s, n, k = (16, 60, 24) if dev == "cpu" else (128, 4096, 512)
+    args = make_inputs(rng, t, h, d, s, n, k, dead_rows=(5, 40), window_off_rows=(7,), n_seq=5)
+    win_idx, glob_idx = args[3], args[6]
+    keep_w = torch.randint(0, s + 1, (t, 1), generator=rng)  # a token's window length
+    keep_g = torch.randint(0, k + 1, (t, 1), generator=rng)  # its number of global entries
+    win_idx[torch.arange(s).unsqueeze(0) >= keep_w] = -1
+    glob_idx[torch.arange(k).unsqueeze(0) >= keep_g] = -1
+    win_idx[3], glob_idx[3] = -1, -1
+    glob_idx[9, : k // 2] = -1  # leading masked entries
+    dead = [r for r in range(t) if (win_idx[r] < 0).all() and (glob_idx[r] < 0).all()]
+    cfg = MQA if dev == "cpu" else sa.CONFIGS["cuda_mqa"]
+    out = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, **cfg)
+    check(out, args, d ** -0.5, dead_rows=dead)
+    if dev == "cuda":
+        check(sa.sparse_attention(*to(dev, args), d ** -0.5), args, d ** -0.5, dead_rows=dead)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(sink + 1e30) of an all-masked row
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("ahead", [True, False], ids=["ahead", "in_place"])
+def test_sparse_attention_mqa_loads_ahead_or_in_place(dev, ahead, rng):
+    """The MQA kernel with the next block's loads issued ahead and with each block loaded in
+    its own iteration gives the same bits (the loads move, the arithmetic does not)."""
+    t, h, d, s, n, k = 3, 4, 64, 40, 60, 50
+    args = make_inputs(rng, t, h, d, s, n, k, dead_rows=(2,))
+    cfg = dict(MQA, AHEAD=ahead)
+    out = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, n_split=2, **cfg)
+    check(out, args, d ** -0.5, dead_rows=(2,))
+    other = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, n_split=2, **dict(cfg, AHEAD=not ahead))
+    assert torch.equal(out.cpu(), other.cpu())

@@ -1,5 +1,5 @@
-"""CSA2 indexer over MXFP4 keys read in place from the paged key pool: scores and the top-k
-selection in Triton (the candidate pool and the Reindex selection in torch).
+"""CSA2 indexer over MXFP4 keys read in place from the paged key pool: scores, the top-k
+selection, the Reindex selection and the candidate pool in Triton (no host sync, no torch sort).
 
 score(t, j) = sum_h relu(q[t, h, :] . k[row(t, j), :]) * weights[t, h], where entry j of token
 t's sequence sits at pool row row(t, j) = block_table[t, j // E] * E + j % E.
@@ -28,16 +28,35 @@ to bf16 (~3 significant digits) - outside the contract. Under TRITON_INTERPRET=1
 broken, so the interpreter runs the same dots in fp32 (input_precision="ieee").
 
 Selection (`_topk_select_kernel`, dense path): a program per query row finds the K-th largest
-score by radix select over order-preserving int32 keys (-0.0 folded into +0.0; 4 passes of an
-8-bit digit histogram, `tl.histogram`), then one ordered pass keeps the scores above it and the
+score by radix select over order-preserving int32 keys (-0.0 folded into +0.0; one pass per
+RADIX_BITS-bit digit, `tl.histogram`), then one ordered pass keeps the scores above it and the
 lowest-id entries equal to it, placed by a running prefix sum: the reference's
 `_stable_topk_sorted` (ties to the lower id, ascending ids, -1 padding) without a sort and
-without a host sync. The Reindex path (candidates) and the candidate pool use `_topk_sorted`
-(torch.topk on distinct int64 keys, same contract). `tl.histogram` on Ascend is unverified on
-hardware (the triton-ascend interpreter accepts it).
+without a host sync. The chunk-maxima bound (`_topk_select_kernel`) is used only when there are
+at least SELECT_MAXIMA_MIN_PER_K * k maxima; otherwise the direct select reads the row once.
+
+Reindex selection (same kernel, MAP): the row's columns are candidates (-1 padding scored -inf);
+the chosen columns are written as their entry ids with the padding dropped, then each id is
+stored at its rank among the chosen (a [RB, k] comparison count, no sort primitive): the
+reference's selection sorted by entry id, whatever the candidates' order.
+
+Candidate pool (`_pool_kernel`): the scores kernel writes each row's maxima over the pool's
+blocks (MAXG = pool block size, a power of two); the pool kernel raises the newest reachable
+block to +inf, radix-selects the best `pool_blocks` reachable blocks (ties to the older one)
+and writes them in order, expanded to their entry ids (-1 past n_visible). With model-parallel
+score reduction (or a block size that is no power of two) the pool falls back to torch
+(`_candidate_pool`).
+
+Long prefills are scored in chunks of queries (SCORE_CHUNK_ELEMS scores per chunk), so the
+[T, N] score matrix, which grows quadratically, never exists whole. `tl.histogram` on Ascend is
+unverified on hardware (the triton-ascend interpreter accepts it). The Reindex selection and
+the pool kernel are checked under both interpreters and compiled for sm_90a on a CPU
+(benchmarks/ptxas_usage.py: no spill); they have not run on the H200 yet.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -252,11 +271,21 @@ def ub_tiles(shape: tuple, d: int, maxg: int = 1) -> dict[str, tuple[int, ...]]:
             "s": (bt, bn), "maxima": (bt, bn // max(1, maxg))}
 
 
-def select_ub_tiles(block: int, radix_bits: int = RADIX_BITS_DEFAULT) -> dict[str, tuple[int, ...]]:
+def select_ub_tiles(block: int, radix_bits: int = RADIX_BITS_DEFAULT, topk: int = 512) -> dict[str, tuple[int, ...]]:
     """Live tiles of one selection program at its peak: a block of keys with its mask, digits,
-    prefix sums and ids, and the histogram."""
-    return {"keys": (block,), "mask": (block,), "digit": (block,), "cumsum": (block,), "ids": (block,),
-            "hist": (2 << radix_bits,)}
+    prefix sums and ids, and the histogram; the Reindex ordering's row of ids and its [rows,
+    ids] comparison tile (`sort_rows`), which come after the block's tiles are dead."""
+    kp = _pow2(topk)
+    block_tiles = {"keys": (block,), "mask": (block,), "digit": (block,), "cumsum": (block,), "ids": (block,),
+                   "hist": (2 << radix_bits,)}
+    order_tiles = {"row": (kp,), "compare": (sort_rows(kp, True), kp), "rank": (sort_rows(kp, True),)}
+    return max(block_tiles, order_tiles, key=lambda d: sum(math.prod(v) for v in d.values()))
+
+
+def sort_rows(kp: int, on_npu: bool) -> int:
+    """Ids ranked at a time by the Reindex ordering (a [rows, kp] comparison tile): SORT_ROWS on
+    CUDA; on Ascend within SORT_ELEMS_NPU elements."""
+    return max(1, min(SORT_ROWS, SORT_ELEMS_NPU // kp)) if on_npu else SORT_ROWS
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
@@ -302,6 +331,7 @@ def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_
         maxg = 0
     elif maxg is None:
         maxg = select_chunk(nc, topk, bn)
+        maxg = 0 if maxg == 1 else maxg  # maxima of single entries bound nothing: not written
     if maxg and bn % maxg:
         raise ValueError(f"chunk {maxg} must divide BLOCK_N {bn}")
     g = -(-nc // maxg) if maxg else 1
@@ -379,34 +409,68 @@ def _kth_key(src, n, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
 
 
 @triton.jit
-def _take_ordered(src, pos_src, n, thr, need, orow, BLOCK: tl.constexpr, POS: tl.constexpr):
+def _take_flags(key, m, thr, need, n_eq):
+    """Which values of a block (order keys `key`, valid where m) belong to the top set: those
+    above `thr` and the first `need` equal to it (n_eq equal ones came in earlier blocks).
+    Returns (take, equal) as int32 flags."""
+    gt = (m & (key > thr)).to(tl.int32)
+    eq = (m & (key == thr)).to(tl.int32)
+    return gt | (eq & ((n_eq + tl.cumsum(eq, axis=0) - eq) < need).to(tl.int32)), eq
+
+
+@triton.jit
+def _take_ordered(src, pos_src, n, thr, need, orow, crow, BLOCK: tl.constexpr, POS: tl.constexpr,
+                  MAP: tl.constexpr):
     """Write, in ascending order, the ids of the values in src[0:n] above `thr` (order key) and
-    of the first `need` equal to it: ids from pos_src[0:n] when POS, else the indices."""
+    of the first `need` equal to it: ids from pos_src[0:n] when POS, else the indices; MAP: the
+    ids are columns of the candidate row `crow`, written as its entries, -1 ones dropped.
+    Returns how many ids were written."""
     cols = tl.arange(0, BLOCK)
     n_sel = tl.zeros([], dtype=tl.int32)
     n_eq = tl.zeros([], dtype=tl.int32)
     for c0 in range(0, n, BLOCK):
         c = c0 + cols
         m = c < n
-        key = _order_key(tl.load(src + c, mask=m, other=0.0))
-        gt = (m & (key > thr)).to(tl.int32)
-        eq = (m & (key == thr)).to(tl.int32)
-        take = gt | (eq & ((n_eq + tl.cumsum(eq, axis=0) - eq) < need).to(tl.int32))
-        pos = n_sel + tl.cumsum(take, axis=0) - take
+        take, eq = _take_flags(_order_key(tl.load(src + c, mask=m, other=0.0)), m, thr, need, n_eq)
         if POS:
             ids = tl.load(pos_src + c, mask=m, other=0)
         else:
             ids = c
+        if MAP:  # the entry ids of the chosen candidates; padding (-1) is not an entry
+            ids = tl.load(crow + ids, mask=take != 0, other=-1)
+            take = take & (ids >= 0).to(tl.int32)
+        pos = n_sel + tl.cumsum(take, axis=0) - take
         tl.store(orow + pos, ids.to(tl.int64), mask=take != 0)
         n_sel += tl.sum(take, axis=0)
         n_eq += tl.sum(eq, axis=0)
+    return n_sel
 
 
 @triton.jit
-def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr, surv_p_ptr,
+def _sort_row(stage, n, orow, KOUT, KP: tl.constexpr, RB: tl.constexpr):
+    """orow[0:KOUT] = the n ids at stage[0:n] in ascending order, then -1 (KP >= n, a power of
+    two): each id is stored at its rank (the ids below it, and equal ones earlier in the row),
+    counted RB ids at a time against the whole row, so no sort primitive is needed (portable;
+    the candidates' entry ids need not ascend with their columns)."""
+    tl.debug_barrier()  # the staged ids, written by every thread of the program, are read back
+    big = 1 << 62
+    c = tl.arange(0, KP)
+    v = tl.load(stage + c, mask=c < n, other=big)
+    for r0 in range(0, n, RB):
+        ci = r0 + tl.arange(0, RB)
+        vi = tl.load(stage + ci, mask=ci < n, other=big)
+        below = (v[None, :] < vi[:, None]) | ((v[None, :] == vi[:, None]) & (c[None, :] < ci[:, None]))
+        tl.store(orow + tl.sum(below.to(tl.int32), axis=1), vi, mask=ci < n)
+    for c0 in range(n, KOUT, KP):
+        cc = c0 + c
+        tl.store(orow + cc, tl.full([KP], -1, dtype=tl.int64), mask=cc < KOUT)
+
+
+@triton.jit
+def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr, surv_p_ptr, cand_ptr, stage_ptr,
                         T, N, G, K, KOUT, num_programs,
                         MAXG: tl.constexpr, CAP: tl.constexpr, USE_MAX: tl.constexpr, BLOCK: tl.constexpr,
-                        RADIX_BITS: tl.constexpr):
+                        RADIX_BITS: tl.constexpr, MAP: tl.constexpr, KP: tl.constexpr, RB: tl.constexpr):
     """Per query row t (persistent loop): the K largest of scores[t, :n_visible[t]] (ties to the
     lower entry id) as ascending entry ids in out[t, :KOUT], -1 padded.
 
@@ -419,7 +483,11 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
     3. The K-th largest survivor by radix select, then one ordered pass over the survivors takes
        those above it and the first ones equal to it: ascending ids without a sort.
     Rows without maxima, with fewer than K chunks, or whose survivors overflow CAP (many ties at
-    the bound) run step 3 on the whole row."""
+    the bound) run step 3 on the whole row.
+    MAP (Reindex: the row's columns are candidates, cand_ptr [T, N] entry ids, -1 padding scored
+    -inf): the whole row is visible, the chosen columns are written as their entry ids with the
+    padding dropped (the reference's selection among valid columns), staged (stage_ptr [T, KP]),
+    then placed in entry-id order."""
     CH: tl.constexpr = BLOCK // MAXG  # chunks per iteration of the survivor pass
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -427,11 +495,20 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
         t64 = t + tl.zeros([], dtype=tl.int64)  # 64-bit row offsets (a plain int under the interpreter)
         row = s_ptr + t64 * N
         orow = out_ptr + t64 * KOUT
-        nv = tl.minimum(tl.load(nvis_ptr + t).to(tl.int32), N)
+        crow = cand_ptr + t64 * N
+        stage = stage_ptr + t64 * KP
+        if MAP:
+            nv = N + tl.zeros([], dtype=tl.int32)
+        else:
+            nv = tl.minimum(tl.load(nvis_ptr + t).to(tl.int32), N)
         if nv <= K:  # everything visible is selected
-            for c0 in range(0, KOUT, BLOCK):
-                c = c0 + cols
-                tl.store(orow + c, tl.where(c < nv, c, -1).to(tl.int64), mask=c < KOUT)
+            if MAP:
+                n_out = _take_ordered(row, row, nv, -2147483648, 0, stage, crow, BLOCK, False, True)
+                _sort_row(stage, n_out, orow, KOUT, KP, RB)
+            else:
+                for c0 in range(0, KOUT, BLOCK):
+                    c = c0 + cols
+                    tl.store(orow + c, tl.where(c < nv, c, -1).to(tl.int64), mask=c < KOUT)
         else:
             srow = surv_s_ptr + t64 * CAP
             prow = surv_p_ptr + t64 * CAP
@@ -440,19 +517,19 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
             if USE_MAX:
                 if g >= K:
                     maxrow = max_ptr + t64 * G
-                    crow = chunk_ptr + t64 * G
+                    crow_ch = chunk_ptr + t64 * G
                     bound, _ = _kth_key(maxrow, g, K, BLOCK, RADIX_BITS)
                     n_ch = tl.zeros([], dtype=tl.int32)
                     for c0 in range(0, g, BLOCK):  # the chunks that can hold a top-K score
                         ch = c0 + cols
                         keep = ((ch < g) & (_order_key(tl.load(maxrow + ch, mask=ch < g, other=0.0)) >= bound))
                         keep = keep.to(tl.int32)
-                        tl.store(crow + n_ch + tl.cumsum(keep, axis=0) - keep, ch, mask=keep != 0)
+                        tl.store(crow_ch + n_ch + tl.cumsum(keep, axis=0) - keep, ch, mask=keep != 0)
                         n_ch += tl.sum(keep, axis=0)
                     cnt = tl.zeros([], dtype=tl.int32)
                     for c0 in range(0, n_ch, CH):  # their scores >= bound, in entry order
                         ci = c0 + tl.arange(0, CH)
-                        chid = tl.load(crow + ci, mask=ci < n_ch, other=0)
+                        chid = tl.load(crow_ch + ci, mask=ci < n_ch, other=0)
                         ent = tl.reshape(chid[:, None] * MAXG + tl.arange(0, MAXG)[None, :], [BLOCK])
                         m = tl.reshape((ci < n_ch)[:, None] & (tl.arange(0, MAXG) >= 0)[None, :], [BLOCK]) & (ent < nv)
                         x = tl.load(row + ent, mask=m, other=0.0)
@@ -464,10 +541,83 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
                         cnt += tl.sum(keep, axis=0)
             if cnt <= CAP:
                 thr, need = _kth_key(srow, cnt, K, BLOCK, RADIX_BITS)
-                _take_ordered(srow, prow, cnt, thr, need, orow, BLOCK, True)
+                _take_ordered(srow, prow, cnt, thr, need, orow, crow, BLOCK, True, False)
             else:
                 thr, need = _kth_key(row, nv, K, BLOCK, RADIX_BITS)
-                _take_ordered(row, prow, nv, thr, need, orow, BLOCK, False)
+                if MAP:
+                    n_out = _take_ordered(row, prow, nv, thr, need, stage, crow, BLOCK, False, True)
+                    _sort_row(stage, n_out, orow, KOUT, KP, RB)
+                else:
+                    _take_ordered(row, prow, nv, thr, need, orow, crow, BLOCK, False, False)
+
+
+@triton.jit
+def _pool_kernel(max_ptr, nvis_ptr, out_ptr, work_ptr, T, N, G, NBLK, OUTW, num_programs,
+                 B: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """Per query row (persistent loop): the hierarchical candidate pool of
+    `reference.attention.candidate_pool` from the row's block maxima (max_ptr [T, G], one per B
+    entries, entries past n_visible excluded, written by the scores kernel): the reachable
+    blocks (those holding a visible entry) with the newest one forced in (+inf), the best NBLK
+    of them by radix select (ties to the older block), in ascending order, each expanded to its
+    B entry ids (-1 past n_visible); -1 after the chosen blocks. work_ptr [T, G]: the row's
+    maxima with the newest one raised (the select reads them from memory)."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    jb = tl.arange(0, B)
+    for t in range(pid, T, num_programs):
+        t64 = t + tl.zeros([], dtype=tl.int64)
+        nv = tl.minimum(tl.load(nvis_ptr + t).to(tl.int32), N)
+        gv = (nv + B - 1) // B  # reachable blocks
+        mrow = max_ptr + t64 * G
+        wrow = work_ptr + t64 * G
+        orow = out_ptr + t64 * OUTW
+        for c0 in range(0, gv, BLOCK):
+            c = c0 + cols
+            x = tl.load(mrow + c, mask=c < gv, other=0.0)
+            tl.store(wrow + c, tl.where(c == gv - 1, float("inf"), x), mask=c < gv)
+        for c0 in range(tl.minimum(gv, NBLK) * B, OUTW, BLOCK):  # past the chosen blocks
+            c = c0 + cols
+            tl.store(orow + c, tl.full([BLOCK], -1, dtype=tl.int64), mask=c < OUTW)
+        tl.debug_barrier()  # the raised maxima, written by every thread of the program, are read back
+        thr = tl.full([], -2147483648, dtype=tl.int32)  # every reachable block, unless more than NBLK
+        need = tl.zeros([], dtype=tl.int32)
+        if gv > NBLK:
+            thr, need = _kth_key(wrow, gv, NBLK, BLOCK, RADIX_BITS)
+        n_sel = tl.zeros([], dtype=tl.int32)
+        n_eq = tl.zeros([], dtype=tl.int32)
+        for c0 in range(0, gv, BLOCK):  # the chosen blocks in order, expanded to their entries
+            c = c0 + cols
+            m = c < gv
+            take, eq = _take_flags(_order_key(tl.load(wrow + c, mask=m, other=0.0)), m, thr, need, n_eq)
+            pos = n_sel + tl.cumsum(take, axis=0) - take
+            ent = c[:, None] * B + jb[None, :]
+            tl.store(orow + pos[:, None] * B + jb[None, :], tl.where(ent < nv, ent, -1).to(tl.int64),
+                     mask=(take != 0)[:, None])
+            n_sel += tl.sum(take, axis=0)
+            n_eq += tl.sum(eq, axis=0)
+
+
+def pool_select(maxima: torch.Tensor, n_visible: torch.Tensor, n: int, n_blocks: int, block: int) -> torch.Tensor:
+    """`reference.attention.candidate_pool` (scores [T, n]) from the scores' block maxima [T,
+    ceil(n / block)] (one per `block` entries, invisible entries excluded) in one Triton launch:
+    [T, min(n_blocks, blocks) * block] int64 entry ids, -1 padded. `block` a power of two."""
+    from .launch import grid_for, interpreting
+
+    t, g = maxima.shape
+    if block & (block - 1) or g != -(-n // block):
+        raise ValueError(f"block maxima {tuple(maxima.shape)} do not fit {n} entries in blocks of {block} "
+                         "(a power of two)")
+    n_blocks = min(n_blocks, g)  # as the reference: the best min(n_blocks, blocks) blocks
+    out = torch.empty(t, n_blocks * block, dtype=torch.long, device=maxima.device)
+    if t == 0 or out.shape[1] == 0:
+        return out
+    blk = 64 if interpreting() else SELECT_BLOCK_NPU if maxima.device.type == "npu" else SELECT_BLOCK
+    work = torch.empty(t, g, dtype=torch.float32, device=maxima.device)
+    grid = grid_for(t, maxima.device)
+    extra = {} if interpreting() else {"num_warps": SELECT_WARPS}
+    _pool_kernel[(grid,)](maxima.contiguous(), n_visible.contiguous(), out, work, t, n, g, n_blocks, out.shape[1],
+                          grid, B=block, BLOCK=max(blk // block, 16), RADIX_BITS=RADIX_BITS, **extra)
+    return out
 
 
 def select_chunk(n: int, k: int, block_n: int, per_k: int | None = None) -> int:
@@ -481,14 +631,19 @@ def select_chunk(n: int, k: int, block_n: int, per_k: int | None = None) -> int:
     return g
 
 
-def topk_select(scores: torch.Tensor, n_visible: torch.Tensor, k: int, maxima: torch.Tensor | None = None,
-                maxg: int = 1, *, block: int | None = None, capacity: int | None = None,
-                num_warps: int | None = None) -> torch.Tensor:
+def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, maxima: torch.Tensor | None = None,
+                maxg: int = 1, *, candidates: torch.Tensor | None = None, block: int | None = None,
+                capacity: int | None = None, num_warps: int | None = None,
+                min_maxima_per_k: int | None = None) -> torch.Tensor:
     """The reference's `_stable_topk_sorted(scores, k, arange < n_visible)` for finite visible
     scores, in one Triton launch (a program per query row, no host sync): [T, min(k, N)] int64.
     `maxima` [T, ceil(N / maxg)]: each row's maximum over every `maxg` entries (entries past
-    n_visible excluded), which bounds the selection; without it every visible score is a
-    survivor."""
+    n_visible excluded), which bounds the selection when there are enough of them (at least
+    `min_maxima_per_k` (default SELECT_MAXIMA_MIN_PER_K) * k chunks; otherwise the direct
+    select is cheaper).
+    With `candidates` [T, N] (entry ids, -1 padding whose scores are -inf; n_visible unused):
+    the Reindex selection, `_stable_topk_sorted(scores, k, candidates >= 0)` mapped through
+    the candidates and sorted by entry id (-1 padded), as `reference.attention.indexer_topk`."""
     from .launch import grid_for, interpreting
 
     t, n = scores.shape
@@ -498,18 +653,29 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor, k: int, maxima: t
         return out
     blk = block or (64 if interpreting() else SELECT_BLOCK_NPU if scores.device.type == "npu" else SELECT_BLOCK)
     cap = capacity or max(SELECT_CAPACITY, _pow2(4 * k))
-    surv_s = torch.empty(t, cap, dtype=torch.float32, device=scores.device)
-    surv_p = torch.empty(t, cap, dtype=torch.int32, device=scores.device)
-    use_max = maxima is not None
-    g = maxima.shape[1] if use_max else 1
+    mapped = candidates is not None
+    if mapped and candidates.shape != scores.shape:
+        raise ValueError(f"candidates {tuple(candidates.shape)} do not match scores {tuple(scores.shape)}")
+    if not mapped and n_visible is None:
+        raise ValueError("topk_select needs n_visible (or candidates)")
+    per_k = SELECT_MAXIMA_MIN_PER_K if min_maxima_per_k is None else min_maxima_per_k
+    use_max = maxima is not None and not mapped and maxg > 1 and maxima.shape[1] >= per_k * k
     if use_max and (blk % maxg or maxima.shape[0] != t):
         raise ValueError(f"maxima {tuple(maxima.shape)} every {maxg} do not fit block {blk} / {t} rows")
+    g = maxima.shape[1] if use_max else 1
+    surv_s = torch.empty(t if use_max else 1, cap, dtype=torch.float32, device=scores.device)
+    surv_p = torch.empty(t if use_max else 1, cap, dtype=torch.int32, device=scores.device)
     chunks = torch.empty(t, g, dtype=torch.int32, device=scores.device)  # a row's listed chunks
     grid = grid_for(t, scores.device)
     extra = {} if interpreting() else {"num_warps": num_warps or SELECT_WARPS}
+    cand = candidates.contiguous() if mapped else out  # (unused pointers unless mapped)
+    stage = torch.empty(t, _pow2(kout), dtype=torch.long, device=scores.device) if mapped else out
+    nvis = n_visible.contiguous() if not mapped else out
     _topk_select_kernel[(grid,)](scores.contiguous(), maxima.contiguous() if use_max else scores,
-                                 n_visible.contiguous(), out, chunks, surv_s, surv_p, t, n, g, k, kout, grid,
-                                 MAXG=maxg, CAP=cap, USE_MAX=use_max, BLOCK=blk, RADIX_BITS=RADIX_BITS, **extra)
+                                 nvis, out, chunks, surv_s, surv_p, cand, stage, t, n, g, k, kout, grid,
+                                 MAXG=maxg if use_max else 1, CAP=cap, USE_MAX=use_max, BLOCK=blk,
+                                 RADIX_BITS=RADIX_BITS, MAP=mapped, KP=_pow2(kout),
+                                 RB=sort_rows(_pow2(kout), scores.device.type == "npu"), **extra)
     return out
 
 
@@ -518,6 +684,9 @@ SELECT_BLOCK_NPU = 2048  # within half the unified buffer (tests/test_triton_ub.
 SELECT_WARPS = 16  # sm_90 ptxas: 115 registers at BLOCK 4096 (8 warps: 191)
 SELECT_CAPACITY = 4096  # survivor buffer per row (at least 4 k)
 SELECT_MAXIMA_PER_K = 8  # chunk maxima per row, in units of k
+SORT_ROWS = 32  # ids ranked at a time when the Reindex selection is put in entry-id order
+SORT_ELEMS_NPU = 4096  # the comparison tile's elements on Ascend (unified buffer)
+SELECT_MAXIMA_MIN_PER_K = 4  # fewer chunk maxima than this many k: the bound would keep most scores
 RADIX_BITS = RADIX_BITS_DEFAULT
 
 
@@ -553,23 +722,57 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor
                  block_table: torch.Tensor, entries_per_block: int, n_visible: torch.Tensor, topk: int,
                  candidates: torch.Tensor | None = None, pool_blocks: int = 0, pool_block_size: int = 1,
                  reduce_scores=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`ops.indexer_topk`: Triton scores over the paged key pool, then the Triton radix select
-    (dense) or the exact torch selection (candidates, candidate pool): the reference's results."""
+    """`ops.indexer_topk`: Triton scores over the paged key pool, then the Triton selections (top-k
+    radix select, the Reindex selection over the candidates, the candidate pool from the scores
+    kernel's block maxima): the reference's results, without a host sync. A long prefill is
+    scored in chunks of queries so that one chunk's [rows, entries] fp32 scores stay within
+    SCORE_CHUNK_ELEMS (the full [T, N] matrix is what grows quadratically)."""
     n_visible = n_visible.to(q.device)
+    t = q.shape[0]
+    n = candidates.shape[1] if candidates is not None else block_table.shape[1] * entries_per_block
+    step = max(1, SCORE_CHUNK_ELEMS // max(1, n))
+    if t <= step:
+        return _indexer_topk_rows(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, topk,
+                                  candidates, pool_blocks, pool_block_size, reduce_scores)
+    idx = torch.empty(t, min(topk, n), dtype=torch.long, device=q.device)
+    pool = torch.empty(t, min(pool_blocks, -(-n // pool_block_size)) * pool_block_size, dtype=torch.long,
+                       device=q.device) if candidates is None and pool_blocks > 0 else None
+    for i in range(0, t, step):
+        j = min(t, i + step)
+        part, part_pool = _indexer_topk_rows(q[i:j], weights[i:j], key_codes, key_scale, block_table[i:j],
+                                             entries_per_block, n_visible[i:j], topk,
+                                             None if candidates is None else candidates[i:j], pool_blocks,
+                                             pool_block_size, reduce_scores)
+        idx[i:j] = part
+        if pool is not None:
+            pool[i:j] = part_pool
+    return idx, pool
+
+
+def _indexer_topk_rows(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, topk,
+                       candidates, pool_blocks, pool_block_size, reduce_scores):
+    """`indexer_topk` for one chunk of queries (every output row depends on its query alone)."""
+    # the pool comes from the scores kernel's maxima over its blocks (a power of two dividing
+    # every BLOCK_N of tile_shape), which also bound the top-k select
+    pool_maxima = (candidates is None and pool_blocks > 0 and reduce_scores is None
+                   and pool_block_size & (pool_block_size - 1) == 0 and pool_block_size <= 64)
     s, maxima, maxg = _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible,
-                              candidates, topk=topk if reduce_scores is None else 0)
+                              candidates, topk=topk if reduce_scores is None else 0,
+                              maxg=pool_block_size if pool_maxima else None)
     if reduce_scores is not None:  # model parallel: add the other ranks' heads (-inf stays -inf)
         s = reduce_scores(s)  # (this rank's maxima would not bound the summed scores: none taken)
-    if candidates is None:
-        idx = topk_select(s, n_visible, topk, maxima, maxg or 1)
-        pool = _candidate_pool(s, n_visible, pool_blocks, pool_block_size) if pool_blocks > 0 else None
-        return idx, pool
-    valid = candidates >= 0
-    local = _topk_sorted(s, topk, valid)
-    idx = torch.where(local >= 0, candidates.gather(-1, local.clamp_min(0)), local)
-    big = torch.iinfo(torch.long).max
-    idx = torch.where(idx < 0, big, idx).sort(-1).values
-    return torch.where(idx == big, -1, idx), None
+    if candidates is not None:
+        return topk_select(s, None, topk, candidates=candidates), None
+    idx = topk_select(s, n_visible, topk, maxima, maxg or 1)
+    if pool_blocks <= 0:
+        return idx, None
+    if pool_maxima:
+        return idx, pool_select(maxima, n_visible, s.shape[1], pool_blocks, pool_block_size)
+    return idx, _candidate_pool(s, n_visible, pool_blocks, pool_block_size)
+
+
+# queries x entries of fp32 scores per chunk of a long prefill (256 MiB)
+SCORE_CHUNK_ELEMS = 1 << 26
 
 
 OPS = {"indexer_topk": indexer_topk}

@@ -33,6 +33,12 @@ How it runs:
 - Online softmax: running max starts at -1e30 (an all-masked row gives 0), masked logits are
   -inf, probabilities are rounded to bf16 before p.V, the sum stays fp32; the sink adds
   exp(sink - max) to the denominator only.
+- MQA kernel (`_mqa_kernel`, opt-in `MQA=True`, table "cuda_mqa"): a tile is (query, split,
+  head block) with whole rows; each block's entries are decoded once, in channel order (FP4
+  nibbles interleaved back with join + reshape), and serve as K (q.k^T) and as V (p.V); q is
+  loaded once per tile; the next block's index row and stored bytes are loaded while the
+  current block is computed (AHEAD). Compiled on CUDA, E4M3 goes through the hardware
+  conversion. Not measured on the H200 yet (see `CONFIGS`).
 - Per-backend tile tables (`config_for`): at decode shapes (T <= 16 on the H200) CUDA takes
   all 64 heads with 128-channel contraction / output blocks and one split per entry block;
   otherwise CUDA keeps whole 512-wide rows and all 64 heads in one tile (MQA:
@@ -71,6 +77,15 @@ CONFIGS = {
     # unmeasured, so T > 16 keeps the prefill table (DECODE_FILL_FRACTION).
     "cuda_decode": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=4, num_stages=2,
                         QK_T=False, min_blocks_per_split=1),
+    # cuda_mqa (opt-in, `MQA=True`): `_mqa_kernel`, whole rows decoded once as K and V (hardware
+    # E4M3 conversion, contiguous byte loads), each block's bytes loaded one block ahead.
+    # Correct under both interpreters; compiled for sm_90a on a CPU (triton 3.7.1, ptxas -v,
+    # benchmarks/ptxas_usage.py): 255 registers and 20-56 bytes of spill at BLOCK_N 16 / 8 warps
+    # (BLOCK_N 32: 272 bytes; the "cuda" entry above: 1152 bytes, the decode entry: 128). Its
+    # H200 timing is not measured yet (benchmarks/sweep_kernels.py --only sparse_attention), so
+    # it is not the default.
+    "cuda_mqa": dict(BLOCK_H=64, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=1, MQA=True,
+                     AHEAD=True, min_blocks_per_split=1),
     "npu": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=None, min_blocks_per_split=2),
     "interp": dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=None, min_blocks_per_split=1),
 }
@@ -236,6 +251,34 @@ def _to_bf16(x, NATIVE: tl.constexpr):
     return y
 
 
+@triton.jit
+def _query_tile(r, n_hb, n_split, H, D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Tile index r = (query * n_split + split) * n_hb + head block -> (split, query, heads
+    [BLOCK_H], their mask, their q / output row offsets (elements, int64))."""
+    hb = r % n_hb
+    r = r // n_hb
+    sp = r % n_split
+    tq = r // n_split
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    return sp, tq, heads, heads < H, (tq * H + heads).to(tl.int64) * D
+
+
+@triton.jit
+def _online_softmax(s, ok, m_i, l_i, scale, DOT_BF16: tl.constexpr):
+    """Online-softmax update for a block of raw logits s [BH, BN] (entries valid where ok):
+    (new running max, new sum, the factor rescaling the accumulator, the probabilities rounded
+    to bf16 as the p.V operand). Masked logits are -inf; the sum stays fp32."""
+    s = tl.where(ok[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    pb = _to_bf16(p, DOT_BF16)  # probabilities rounded to bf16 (nearest even)
+    if not DOT_BF16:
+        pb = pb.to(tl.float32)
+    return m_new, l_i, alpha, pb
+
+
 # ---- one block of entries: logits, online softmax, p.V ----------------------------------------
 
 @triton.jit
@@ -268,14 +311,7 @@ def _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows,
                        kv_stride, sc_stride)
         v_e = _dot_in(v_e, DOT_BF16)
         v_o = _dot_in(v_o, DOT_BF16)
-    s = tl.where(ok[None, :], s * scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    pb = _to_bf16(p, DOT_BF16)  # probabilities rounded to bf16 (nearest even)
-    if not DOT_BF16:
-        pb = pb.to(tl.float32)
+    m_new, l_i, alpha, pb = _online_softmax(s, ok, m_i, l_i, scale, DOT_BF16)
     if DV_HALF:  # this tile owns one channel parity of the output: acc_e holds it, acc_o is unused
         if half == 0:
             acc_e = tl.dot(pb, v_e, acc_e * alpha[:, None])
@@ -296,20 +332,12 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT: tl.constexpr,
                         DOT_BF16: tl.constexpr, QK_T: tl.constexpr, DV_HALF: tl.constexpr):
     pid = tl.program_id(0)
-    hh = tl.arange(0, BLOCK_H)
     nn = tl.arange(0, BLOCK_N)
     jv = tl.arange(0, BLOCK_DV // 2)
     jq = tl.arange(0, BLOCK_D // 2)
     for tile in range(pid, n_tiles, num_programs):
         dvb = tile % n_dv
-        r = tile // n_dv
-        hb = r % n_hb
-        r = r // n_hb
-        sp = r % n_split
-        tq = r // n_split
-        heads = hb * BLOCK_H + hh
-        hok = heads < H
-        qrow = (tq * H + heads).to(tl.int64) * D
+        sp, tq, heads, hok, qrow = _query_tile(tile // n_dv, n_hb, n_split, H, D, BLOCK_H)
         dv0 = dvb * BLOCK_DV
         # q halves for the whole-row path (unused, and dropped, in the tiled path); loaded as bf16
         # straight into the MMA (compiled, it can stay in shared memory as wgmma's A operand)
@@ -375,6 +403,135 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
                               _to_bf16(acc_o * inv[:, None], DOT_BF16), BLOCK_DV, BLOCK_H)
 
 
+# ---- MQA path (CUDA): whole rows decoded once per block, as K and as V, next block prefetched ----
+
+@triton.jit
+def _entry_rows(idx_ptr, tq, L, nb, active, BLOCK_N: tl.constexpr):
+    """Pool rows [BN] (int64; row 0 where masked) and validity of entries nb*BN .. of query tq's
+    index list of length L (-1 = masked; nothing valid unless `active`)."""
+    j = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    idx = tl.load(idx_ptr + tq.to(tl.int64) * L + j, mask=(j < L) & active, other=-1)
+    return tl.maximum(idx, 0).to(tl.int64), idx >= 0
+
+
+@triton.jit
+def _raw_rows(kv_ptr, sc_ptr, rows, ok, GROUPS: tl.constexpr, GBYTES: tl.constexpr, kv_stride, sc_stride):
+    """The stored bytes of pool rows [BN] (int64): codes [BN, GROUPS, GBYTES] (one scale group
+    each, contiguous vector loads) and scales [BN, GROUPS], int8, masked rows 0 (never read).
+    FP8 window rows: D/32 groups of 32 bytes (E8M0 scales); packed FP4 global rows: D/16 groups
+    of 8 bytes (E4M3 scales)."""
+    g = tl.arange(0, GROUPS)
+    e = tl.arange(0, GBYTES)
+    b = tl.load(kv_ptr + rows[:, None, None] * kv_stride + (g * GBYTES)[None, :, None] + e[None, None, :],
+                mask=ok[:, None, None], other=0)
+    sc = tl.load(sc_ptr + rows[:, None] * sc_stride + g[None, :], mask=ok[:, None], other=0)
+    return b, sc
+
+
+@triton.jit
+def _win_values(b, sb, BLOCK_N: tl.constexpr, D: tl.constexpr, HW_CVT: tl.constexpr):
+    """FP8 window bytes -> values [BN, D] fp32 in channel order (exact in bf16). HW_CVT: the
+    hardware E4M3 conversion (compiled CUDA); else integer and bit ops."""
+    if HW_CVT:
+        v = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        v = _e4m3_signed(b.to(tl.int32) & 0xFF)
+    sc = ((sb.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)
+    return tl.reshape(v * sc[:, :, None], [BLOCK_N, D])
+
+
+@triton.jit
+def _glob_values(b, sc, BLOCK_N: tl.constexpr, D: tl.constexpr, HW_CVT: tl.constexpr):
+    """Packed FP4 bytes -> values [BN, D] fp32 in channel order (low nibble = even channel,
+    interleaved back by join + reshape). HW_CVT: the scale through the hardware E4M3 conversion."""
+    c = b.to(tl.int32) & 0xFF
+    if HW_CVT:
+        s = (sc & 127).to(tl.float8e4nv, bitcast=True).to(tl.float32)[:, :, None]
+    else:
+        s = _e4m3_pos(sc.to(tl.int32) & 127)[:, :, None]
+    v = tl.join(_e2m1_fast(c & 15) * s, _e2m1_fast(c >> 4) * s)  # [BN, D/16, 8, 2]
+    return tl.reshape(v, [BLOCK_N, D])
+
+
+@triton.jit
+def _mqa_step(q, kv, ok, m_i, l_i, acc, scale, DOT_BF16: tl.constexpr):
+    """One block of entries (kv [BN, D] fp32, bf16-exact) for all the tile's heads: logits,
+    online-softmax update, p.V with the same decoded rows as V."""
+    k = _dot_in(kv, DOT_BF16)
+    m_new, l_i, alpha, pb = _online_softmax(tl.dot(q, tl.trans(k)), ok, m_i, l_i, scale, DOT_BF16)
+    acc = tl.dot(pb, k, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _mqa_range(q, idx_ptr, tq, L, off, lo, hi, kv_ptr, sc_ptr, kv_stride, sc_stride, m_i, l_i, acc, scale,
+               D: tl.constexpr, BLOCK_N: tl.constexpr, IS_GLOB: tl.constexpr, DOT_BF16: tl.constexpr,
+               HW_CVT: tl.constexpr, AHEAD: tl.constexpr):
+    """Entry blocks lo .. hi of one kind (window rows, or global rows when IS_GLOB) for the
+    tile: block nb holds entries (nb - off) * BLOCK_N .. of query tq's index list (length L).
+    AHEAD: the next block's index row and bytes are loaded before this block is computed."""
+    GROUPS: tl.constexpr = D // 16 if IS_GLOB else D // 32
+    GBYTES: tl.constexpr = 8 if IS_GLOB else 32
+    if AHEAD:
+        first = lo < hi
+    else:  # loaded in the loop: nothing before it (lo >= 0)
+        first = lo < 0
+    rows, ok = _entry_rows(idx_ptr, tq, L, lo - off, first, BLOCK_N)
+    b, sc = _raw_rows(kv_ptr, sc_ptr, rows, ok, GROUPS, GBYTES, kv_stride, sc_stride)
+    for nb in range(lo, hi):
+        if AHEAD:  # in flight during this block's math
+            rows_n, ok_n = _entry_rows(idx_ptr, tq, L, nb + 1 - off, nb + 1 < hi, BLOCK_N)
+            b_n, sc_n = _raw_rows(kv_ptr, sc_ptr, rows_n, ok_n, GROUPS, GBYTES, kv_stride, sc_stride)
+        else:
+            rows, ok = _entry_rows(idx_ptr, tq, L, nb - off, nb < hi, BLOCK_N)
+            b, sc = _raw_rows(kv_ptr, sc_ptr, rows, ok, GROUPS, GBYTES, kv_stride, sc_stride)
+            ok_n, b_n, sc_n = ok, b, sc
+        if IS_GLOB:
+            kv = _glob_values(b, sc, BLOCK_N, D, HW_CVT)
+        else:
+            kv = _win_values(b, sc, BLOCK_N, D, HW_CVT)
+        m_i, l_i, acc = _mqa_step(q, kv, ok, m_i, l_i, acc, scale, DOT_BF16)
+        ok, b, sc = ok_n, b_n, sc_n
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _mqa_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gidx_ptr, sink_ptr, out_ptr, pacc_ptr, pm_ptr,
+                pl_ptr, H, S, K, n_wb, n_blocks, bps, n_split, n_hb, n_tiles, num_programs, scale,
+                w_stride, ws_stride, g_stride, gs_stride,
+                D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                SPLIT: tl.constexpr, DOT_BF16: tl.constexpr, HW_CVT: tl.constexpr, AHEAD: tl.constexpr):
+    """Tiles (query, split, head block), walked by a 1-D persistent loop; heads are the MMA's M
+    (all heads of a token share each decoded entry, decoded once per tile and used as K and V;
+    q [BH, D] loaded once per tile). AHEAD: each block's index row and stored bytes are loaded
+    one block ahead, so the gather's memory latency overlaps the previous block's math. One split: the
+    tile normalises (sink included) and writes bf16; several: fp32 partials for `_combine_kernel`."""
+    pid = tl.program_id(0)
+    cd = tl.arange(0, D)
+    for tile in range(pid, n_tiles, num_programs):
+        sp, tq, heads, hok, qrow = _query_tile(tile, n_hb, n_split, H, D, BLOCK_H)
+        q = _q_in(tl.load(q_ptr + qrow[:, None] + cd[None, :], mask=hok[:, None], other=0.0), DOT_BF16)
+        m_i = tl.full([BLOCK_H], RUNNING_MAX_INIT, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+        b_lo = sp * bps
+        b_hi = tl.minimum(b_lo + bps, n_blocks)
+        # window blocks b_lo .. w_hi (this query's SWA pool rows), then global blocks g_lo .. b_hi
+        w_hi = tl.minimum(b_hi, n_wb)
+        m_i, l_i, acc = _mqa_range(q, widx_ptr, tq, S, 0, b_lo, w_hi, win_ptr, wsc_ptr, w_stride, ws_stride,
+                                   m_i, l_i, acc, scale, D, BLOCK_N, False, DOT_BF16, HW_CVT, AHEAD)
+        m_i, l_i, acc = _mqa_range(q, gidx_ptr, tq, K, n_wb, tl.maximum(b_lo, n_wb), b_hi, gkv_ptr, gsc_ptr, g_stride,
+                                   gs_stride, m_i, l_i, acc, scale, D, BLOCK_N, True, DOT_BF16, HW_CVT, AHEAD)
+        if SPLIT:
+            prow = ((tq * n_split + sp) * H + heads).to(tl.int64)
+            tl.store(pacc_ptr + prow[:, None] * D + cd[None, :], acc, mask=hok[:, None])
+            tl.store(pm_ptr + prow, m_i, mask=hok)
+            tl.store(pl_ptr + prow, l_i, mask=hok)
+        else:
+            sk = tl.load(sink_ptr + heads, mask=hok, other=0.0).to(tl.float32)
+            inv = 1.0 / (l_i + tl.exp(sk - m_i))
+            tl.store(out_ptr + qrow[:, None] + cd[None, :], _to_bf16(acc * inv[:, None], DOT_BF16), mask=hok[:, None])
+
 @triton.jit
 def _combine_kernel(pacc_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, H, n_split, n_db, n_tiles, num_programs,
                     D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE_CAST: tl.constexpr):
@@ -424,9 +581,12 @@ def _pow2_at_least(n: int, lo: int) -> int:
 def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink, softmax_scale,
                             *, BLOCK_H: int, BLOCK_N: int, BLOCK_D: int | None, BLOCK_DV: int | None,
                             num_warps: int | None = None, num_stages: int | None = None, QK_T: bool = False,
-                            DV_HALF: bool = False, min_blocks_per_split: int = 2,
+                            DV_HALF: bool = False, MQA: bool = False, AHEAD: bool = True,
+                            min_blocks_per_split: int = 2,
                             n_split: int | None = None) -> torch.Tensor:
-    """`sparse_attention` with explicit tile sizes (tests and tuning); `n_split` forces the split count."""
+    """`sparse_attention` with explicit tile sizes (tests and tuning); `n_split` forces the split
+    count. MQA (CUDA; whole rows): `_mqa_kernel` (each entry decoded once per head block and used
+    as K and as V, the next block's bytes loaded ahead) instead of `_sparse_attn_kernel`."""
     from .launch import as_int8, grid_for, interpreting, num_workers
 
     t, h, d = q.shape
@@ -447,6 +607,10 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
     block_dv = d if BLOCK_DV is None else min(BLOCK_DV, d)
     if d % block_d or d % block_dv or block_d < 32 or block_dv < 32:
         raise ValueError(f"BLOCK_D {block_d} / BLOCK_DV {block_dv} must divide head_dim {d} (and be >= 32)")
+    if MQA and BLOCK_N < 16:
+        raise ValueError(f"MQA tiles need BLOCK_N >= 16 (tl.dot's least N), got {BLOCK_N}")
+    if MQA and (block_d != d or block_dv != d):
+        raise ValueError(f"MQA tiles take whole rows (BLOCK_D = BLOCK_DV = head_dim {d}; got {block_d} / {block_dv})")
     block_h = _pow2_at_least(min(BLOCK_H, h), 16)  # tl.dot needs M >= 16; extra heads are masked
 
     dev = q.device
@@ -468,8 +632,8 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
     sk = sink.contiguous()
 
     n_hb = -(-h // block_h)
-    dv_half = bool(DV_HALF) and block_d == d and block_dv == d  # whole rows only
-    n_dv = 2 if dv_half else d // block_dv
+    dv_half = bool(DV_HALF) and not MQA and block_d == d and block_dv == d  # whole rows only
+    n_dv = 2 if dv_half else 1 if MQA else d // block_dv
     n_wb = -(-s // BLOCK_N)
     n_blocks = n_wb + -(-k // BLOCK_N)
     base_tiles = t * n_hb * n_dv
@@ -491,12 +655,19 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
     if dev.type == "cuda" and not interpreting():
         kw = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v}
     dot_bf16 = not interpreting()  # interpreters: fp32 dot operands (same values), integer bf16 rounding
-    _sparse_attn_kernel[(grid,)](qc, wk, ws, wi, gk, gs, gi, sk, out, pacc, pm, pl,
-                                 h, s, k, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, grid,
-                                 float(softmax_scale), wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
-                                 D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
-                                 BLOCK_D=block_d, BLOCK_DV=block_dv, SPLIT=split, DOT_BF16=dot_bf16,
-                                 QK_T=bool(QK_T), DV_HALF=dv_half, **kw)
+    if MQA:
+        _mqa_kernel[(grid,)](qc, wk, ws, wi, gk, gs, gi, sk, out, pacc, pm, pl,
+                             h, s, k, n_wb, n_blocks, bps, n_split, n_hb, n_tiles, grid, float(softmax_scale),
+                             wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
+                             D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N, SPLIT=split, DOT_BF16=dot_bf16,
+                             HW_CVT=dot_bf16 and dev.type == "cuda", AHEAD=bool(AHEAD), **kw)
+    else:
+        _sparse_attn_kernel[(grid,)](qc, wk, ws, wi, gk, gs, gi, sk, out, pacc, pm, pl,
+                                     h, s, k, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, grid,
+                                     float(softmax_scale), wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
+                                     D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
+                                     BLOCK_D=block_d, BLOCK_DV=block_dv, SPLIT=split, DOT_BF16=dot_bf16,
+                                     QK_T=bool(QK_T), DV_HALF=dv_half, **kw)
     if split:
         splits = _pow2_at_least(n_split, 2)
         cb_d = min(d, _pow2_at_least(max(32, COMBINE_ELEMS // splits), 32))  # [splits, cb_d] fp32 per tile

@@ -1,0 +1,106 @@
+"""Registers and spills of Triton kernels compiled for the H200 (sm_90a) on a machine without
+a GPU: each kernel is compiled ahead of time by upstream Triton (no driver needed) and its PTX
+assembled by the ptxas that ships with Triton (`ptxas -v`). Integer arguments named in
+DIVISIBLE and every pointer are marked divisible by 16, as Triton's launcher specialises them
+at run time (without the hint, loads are compiled per byte and the counts mislead).
+
+    python benchmarks/ptxas_usage.py [--only sparse,indexer]
+
+A check of static resource use (spill = local-memory traffic in the loop), not a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import subprocess
+import sys
+import tempfile
+
+DIVISIBLE = {"w_stride", "ws_stride", "g_stride", "gs_stride", "H", "S", "K"}
+
+
+def ptxas_usage(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, num_stages: int = 1,
+                floats: tuple[str, ...] = ("scale",)) -> str:
+    """ptxas's register / spill lines for `fn` (a triton.jit function) compiled for sm_90a:
+    `pointers` maps pointer arguments to Triton types ("*fp32", "*i8", ...), `constexprs` the
+    compile-time arguments; the other arguments are i32 (or fp32 when named in `floats`)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    sig = {n: pointers[n] if n in pointers else "constexpr" if n in constexprs else "fp32" if n in floats else "i32"
+           for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers or n in DIVISIBLE}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
+                                                                                 num_stages=num_stages))
+    ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))[0]
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True, check=True)
+    return " | ".join(line.split(":", 1)[-1].strip() for line in r.stderr.splitlines()
+                      if "registers" in line or "spill" in line)
+
+
+def sparse_rows() -> list[tuple[str, str]]:
+    """The sparse attention tile tables (real widths: 64 heads of 512)."""
+    from dsv41.npu_ops.triton import sparse_attention as sa
+
+    ptrs = {"q_ptr": "*bf16", "win_ptr": "*i8", "wsc_ptr": "*i8", "widx_ptr": "*i64", "gkv_ptr": "*i8",
+            "gsc_ptr": "*i8", "gidx_ptr": "*i64", "sink_ptr": "*fp32", "out_ptr": "*bf16", "pacc_ptr": "*fp32",
+            "pm_ptr": "*fp32", "pl_ptr": "*fp32"}
+    rows = []
+    for key in ("cuda", "cuda_decode", "cuda_mqa"):
+        cfg = sa.CONFIGS[key]
+        bd, bdv = cfg["BLOCK_D"] or 512, cfg["BLOCK_DV"] or 512
+        split = cfg["min_blocks_per_split"] == 1  # the decode tables run split
+        if cfg.get("MQA"):
+            consts = dict(D=512, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], SPLIT=split, DOT_BF16=True,
+                          HW_CVT=True, AHEAD=cfg.get("AHEAD", True))
+            fn = sa._mqa_kernel
+        else:
+            consts = dict(D=512, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=bd, BLOCK_DV=bdv, SPLIT=split,
+                          DOT_BF16=True, QK_T=False, DV_HALF=False)
+            fn = sa._sparse_attn_kernel
+        rows.append((f"sparse_attention {key}", ptxas_usage(fn, ptrs, consts, cfg["num_warps"], cfg["num_stages"])))
+    return rows
+
+
+def indexer_rows() -> list[tuple[str, str]]:
+    """The indexer's selection kernels at the mini preset's top-512 (dense, Reindex, pool)."""
+    from dsv41.npu_ops.triton import indexer_topk as itk
+
+    sel = {"s_ptr": "*fp32", "max_ptr": "*fp32", "nvis_ptr": "*i64", "out_ptr": "*i64", "chunk_ptr": "*i32",
+           "surv_s_ptr": "*fp32", "surv_p_ptr": "*i32", "cand_ptr": "*i64", "stage_ptr": "*i64"}
+    rows = []
+    for mapped, use_max in ((False, True), (False, False), (True, False)):
+        consts = dict(MAXG=8 if use_max else 1, CAP=itk.SELECT_CAPACITY, USE_MAX=use_max, BLOCK=itk.SELECT_BLOCK,
+                      RADIX_BITS=itk.RADIX_BITS, MAP=mapped, KP=512, RB=itk.SORT_ROWS)
+        rows.append((f"topk_select MAP={mapped} USE_MAX={use_max}",
+                     ptxas_usage(itk._topk_select_kernel, sel, consts, itk.SELECT_WARPS, floats=())))
+    pool = {"max_ptr": "*fp32", "nvis_ptr": "*i64", "out_ptr": "*i64", "work_ptr": "*fp32"}
+    rows.append(("pool_select B=8", ptxas_usage(itk._pool_kernel, pool, dict(B=8, BLOCK=itk.SELECT_BLOCK // 8,
+                                                                               RADIX_BITS=itk.RADIX_BITS),
+                                                 itk.SELECT_WARPS, floats=())))
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="sparse,indexer", help="comma-separated: sparse, indexer")
+    a = ap.parse_args()
+    groups = {"sparse": sparse_rows, "indexer": indexer_rows}
+    for name in a.only.split(","):
+        for kernel, usage in groups[name]():
+            print(f"| {kernel} | {usage} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
