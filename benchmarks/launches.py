@@ -45,11 +45,11 @@ NO_KERNEL = {
 # Launches per layer of each kind (and in all) in one tiny-preset decode step at batch 1, 24
 # tokens of context: what this code reaches; tests/test_launches.py holds the counts at or under
 # these (lower them when a change removes launches).
-BOUNDS = {"attn.full": 43.34, "attn.reindex": 51, "attn.reuse": 9, "attn.swa": 10.5, "engram": 5, "moe": 15,
-          "other": 91, "total": 579}
-# before the per-step memos and fused kernels (2026-11-30, main at 391355d): full 132.7, reindex
-# 90, reuse 43, swa 47.5, engram 6, moe 15, other 121; 1201 in all (the linears' activation
-# quantisation moved into the fold kernel on main since then: one launch per linear fewer)
+BOUNDS = {"attn.full": 29.34, "attn.reindex": 17, "attn.reuse": 9, "attn.swa": 10.5, "engram": 5, "moe": 15,
+          "other": 91, "total": 469}
+# without the per-step memos and fused ops (main at f831fd8, 2026-12-01): full 113.7, reindex 51,
+# reuse 39, swa 43.5, engram 5, moe 15, other 121; 1036 in all (at 391355d, before main's fold
+# linear and indexer changes: full 132.7, reindex 90, reuse 43, swa 47.5, engram 6; 1201)
 
 
 class _Count(TorchDispatchMode):
