@@ -15,7 +15,7 @@ tensors) under `DSV41_STRICT=1`, so no op silently takes the reference. Two coun
 Launches are attributed like `benchmarks/e2e.py`'s profile: to the attention sublayer (by its
 kind), MoE or Engram module that launched them; 'other' is everything outside (embedding, mHC,
 norms, head, the step's shared metadata). The context is prefilled with the reference ops first;
-only the last decode step is counted. `tests/test_launches.py` holds the counts at or under
+only the last decode step is counted. `tests/test_triton_launches.py` holds the counts at or under
 `BOUNDS`.
 """
 
@@ -43,7 +43,7 @@ NO_KERNEL = {
 }
 
 # Launches per layer of each kind (and in all) in one tiny-preset decode step at batch 1, 24
-# tokens of context: what this code reaches; tests/test_launches.py holds the counts at or under
+# tokens of context: what this code reaches; tests/test_triton_launches.py holds the counts at or under
 # these (lower them when a change removes launches).
 BOUNDS = {"attn.full": 29.34, "attn.reindex": 17, "attn.reuse": 9, "attn.swa": 10.5, "engram": 5, "moe": 15,
           "other": 91, "total": 469}

@@ -34,8 +34,9 @@ def test_decode_step_launches_per_layer_kind():
     over = {k: per for k, (_, per) in kinds.items() if per > mod.BOUNDS[k]}
     assert not over, f"more launches than BOUNDS allows: {over}"
     assert c.total <= mod.BOUNDS["total"]
-    # a Reuse layer: four linears (FP8 activation pass + GEMV each), q_norm, the fused query /
-    # window-entry tail, attention (+ its split combine), the fused output tail
+    # a Reuse layer: four linears (one launch each at one row: the activation is quantised in the
+    # kernel), q_norm, the fused query / window-entry tail, attention (+ its split combine), the
+    # fused output tail: no torch glue
     reuse = next(n for n in c.by_range if n.startswith("attn.reuse."))
     assert not [k for k in c.detail[reuse] if k.startswith("aten.")], c.detail[reuse]
 
