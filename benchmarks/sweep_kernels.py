@@ -62,7 +62,7 @@ def sweep_sparse_attention(rows, copy, tokens=(1, 64, 2048)):
         args, must_read = sparse_attention_args(t, n, "cuda", masked_fraction=0.05)
         ref = ref_fn(*args)
         flops = 4 * t * H * D * (TOPK + W)
-        for v in mqa + old:
+        for v in old + mqa:  # MQA last: on the H200 it faulted at 64K (a fault ends the CUDA context)
             cfg = dict(dict(BLOCK_D=None, BLOCK_DV=None, min_blocks_per_split=1 if t == 1 else 4), **v)
             name = "sa " + " ".join(f"{k}={val}" for k, val in v.items())
 

@@ -205,3 +205,27 @@ def test_grouped_prefill_gpu(dev, predequant, rng, poisoned):
 def test_grouped_other_formats_gpu(dev, fmt, rng, poisoned):
     check(dev, fmt, 48, 4, 2, 1024, 512, rng)
     check(dev, fmt, 700, 4, 2, 1024, 512, rng, swap=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+def test_default_path_prefill_gpu(dev, rng, poisoned, monkeypatch):
+    """Without `path`, a prefill-sized FP4 call goes through the bf16 scratch (the dispatch in
+    `moe_experts`) and equals the reference; a decode-sized call does not allocate the scratch."""
+    calls = []
+    real = mg.predequantised
+    monkeypatch.setattr(mg, "predequantised", lambda *a: calls.append(1) or real(*a))
+    d, inter, n_exp, topk = 1024, 512, 16, 6
+    ex = [(weight("fp4", inter, d, rng), weight("fp4", d, inter, rng), weight("fp4", inter, d, rng))
+          for _ in range(n_exp)]
+    dex = [tuple((a.to(dev), b.to(dev)) for a, b in e) for e in ex]
+    for t, scratch in ((64, False), (n_exp * mg.PREDEQUANT_MIN_ROWS // topk + 3, True)):
+        calls.clear()
+        x = (torch.randn(t, d, generator=rng) * 2).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(n_exp, generator=rng)[:topk] for _ in range(t)])
+        w = torch.rand(t, topk, generator=rng) + 0.1
+        want = moe.moe_experts(x, w, ids, ex, 10.0, torch.float64)
+        got = me.moe_experts(x.to(dev), w.to(dev), ids.to(dev), dex, 10.0, torch.float64)
+        assert bool(calls) == scratch, f"T={t}: scratch used {bool(calls)}, expected {scratch}"
+        err = rel_err(got, want)
+        assert err < 1e-4, f"default moe path T={t}: rel err {err:.2e}"

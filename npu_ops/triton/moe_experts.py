@@ -333,8 +333,10 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     requested: fp32). Keyword tile parameters are for tuning (defaults: TILES / GEMV_TILES);
     `path` ("gemv" / "tiled" / "grouped") overrides the choice of path (tests, sweeps); "grouped"
     is `moe_grouped.grouped_moe` (bf16 tensor-core dots with the scales folded into the weight
-    tiles), which takes the extra keywords in `grouped` (swap, bk_down, group_m, chunk). It is
-    not the default: on the H200 it did not beat the tiled kernels yet (benchmarks/RESULTS.md)."""
+    tiles), which takes the extra keywords in `grouped` (swap, bk_down, group_m, chunk,
+    predequant). Default: GEMV at a few tokens, the grouped path on a bf16 scratch of the experts
+    for prefill-sized FP4 calls (`moe_grouped.predequant_pays`), the tiled kernels between (on
+    the H200 the grouped path without the scratch did not beat them: benchmarks/RESULTS.md)."""
     from .fp8_quant import fp8_quant
     from .launch import interpreting
 
@@ -350,7 +352,14 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     if k_in != d:
         raise ValueError(f"expert input width {k_in} != x width {d}")
     if path is None:
-        path = "gemv" if t <= GEMV_DEFAULT_T.get(kind, 0) else "tiled"
+        from .moe_grouped import predequant_pays
+
+        # prefill-sized calls of FP4 experts on CUDA: the grouped path on a bf16 scratch (5x the
+        # tiled kernels at 8192 tokens on the H200; not compiled for Ascend yet); decode sizes keep
+        # the GEMV / tiled kernels (the scratch would cost a bf16 copy of every expert in decode)
+        grouped = (x.device.type == "cuda" and not interpreting()
+                   and predequant_pays(kind, t * topk, n_exp, inter, k_in))
+        path = "gemv" if t <= GEMV_DEFAULT_T.get(kind, 0) else "grouped" if grouped else "tiled"
     if path == "grouped":
         from .moe_grouped import grouped_moe
 

@@ -391,6 +391,15 @@ def _fp4_to_bf16_kernel(w_base, s_base, table_ptr, out_ptr, I, D, BT: tl.constex
     tl.store(dst, tl.interleave(lo, hi), mask=(rn < n_rows)[:, None])
 
 
+def predequant_pays(kind: str, rows: int, n_exp: int, inter: int, d: int) -> bool:
+    """Whether `rows` routed rows of FP4 experts go through the bf16 scratch: enough rows per
+    expert that one dequantisation per call beats one per row block, within the scratch bound.
+    On the H200 (2026-11-30, mini widths, 16 experts, 8192 tokens x top-6) this path took 7.1 ms
+    against 37.4 ms for the per-block tiled kernels (benchmarks/RESULTS.md)."""
+    return (kind == W_FP4 and rows >= PREDEQUANT_MIN_ROWS * n_exp
+            and n_exp * 3 * inter * d * 2 <= PREDEQUANT_MAX_BYTES)
+
+
 def predequantised(table_args, interp: bool):
     """(bf16 scratch [E, 3, I * D], its table args as bf16 experts) for FP4 experts."""
     w_base, s_base, table, kind, inter, d, _, align = table_args
@@ -441,8 +450,7 @@ def grouped_moe(x, weights, ids, table_args, limit, out, *, bm=None, bn_up=None,
     r = t * topk
     quant = kind != W_DENSE  # x and the w2 input FP8-quantised (the weights' activation format)
     if predequant is None:
-        predequant = (not interp and kind == W_FP4 and r >= PREDEQUANT_MIN_ROWS * n_exp
-                      and n_exp * 3 * inter * d * 2 <= PREDEQUANT_MAX_BYTES)
+        predequant = not interp and predequant_pays(kind, r, n_exp, inter, d)
     scratch = None
     if predequant and kind == W_FP4:
         scratch, table_args = predequantised(table_args, interp)
