@@ -110,3 +110,23 @@ def test_strict_raises_instead_of_falling_back(monkeypatch):
         ops.rms_norm(torch.randn(2, 32), torch.ones(32), 1e-6)
     monkeypatch.setenv("DSV41_BACKEND", "reference")  # the reference itself is always allowed
     assert ops.rms_norm(torch.ones(2, 32), torch.ones(32), 1e-6).shape == (2, 32)
+
+
+def test_unfuse_runs_the_composition(monkeypatch):
+    """DSV41_UNFUSE=all / a list of fused ops: the fused op resolves to the composition it stands
+    for instead of the backend's kernel; a name that is no fused op is one clear error."""
+    fused = sorted(n for n, op in registry._OPS.items() if op.composite is not None)
+    assert fused, "no fused op registered"
+    name = fused[0]
+    kernel = object()
+    monkeypatch.setitem(registry._OPS[name].impls, "cuda", kernel)
+    monkeypatch.setitem(registry._LOADED, "cuda", None)  # the backend counts as loaded
+    monkeypatch.delenv("DSV41_UNFUSE", raising=False)
+    assert registry.resolve(name, "cuda")[0] is kernel
+    for value in ("all", f"{name}", f" {name} ,"):
+        monkeypatch.setenv("DSV41_UNFUSE", value)
+        fn, used, why = registry.resolve(name, "cuda")
+        assert fn is registry.composite_of(name) and used == "cuda" and "DSV41_UNFUSE" in why
+    monkeypatch.setenv("DSV41_UNFUSE", "rms_norm")
+    with pytest.raises(ValueError, match="DSV41_UNFUSE: rms_norm not a fused op"):
+        registry.resolve(name, "cuda")
