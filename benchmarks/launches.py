@@ -140,9 +140,11 @@ class LaunchCounter:
         return sum(self.by_range.values())
 
 
-def decode_step_launches(preset: str = "tiny", context: int = 24, batch: int = 1, seed: int = 0) -> LaunchCounter:
+def decode_step_launches(preset: str = "tiny", context: int = 24, batch: int = 1, seed: int = 0,
+                         fused: bool = True) -> LaunchCounter:
     """Launches of one decode step of `batch` sequences after `context` prefilled tokens and
-    one warm-up decode step each."""
+    one warm-up decode step each; `fused`: with the fused ops' kernels (DSV41_FUSED=all), else
+    as the compositions they replace (the default on devices until the kernels are verified)."""
     from dsv41.backends import registry
     from dsv41.core.batch import Chunk, build_step
     from dsv41.core.cache import KVPool, SequenceState
@@ -157,8 +159,9 @@ def decode_step_launches(preset: str = "tiny", context: int = 24, batch: int = 1
     gen = torch.Generator().manual_seed(seed)
     states = [SequenceState() for _ in range(batch)]
     prompts = [torch.randint(0, cfg.vocab_size, (context + 2,), generator=gen).tolist() for _ in range(batch)]
-    saved = {k: os.environ.get(k) for k in (registry.ENV_VAR, registry.STRICT_VAR)}
+    saved = {k: os.environ.get(k) for k in (registry.ENV_VAR, registry.STRICT_VAR, registry.FUSED_VAR)}
     try:
+        os.environ[registry.FUSED_VAR] = "all" if fused else ""
         os.environ[registry.ENV_VAR] = "reference"  # the context, quickly
         step = build_step(cfg, pool, [Chunk(s, p[:context]) for s, p in zip(states, prompts)], "cpu")
         model(step, pool)
@@ -188,9 +191,12 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=24, help="prefilled tokens per sequence")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--detail", action="store_true", help="list the launches of one layer of each kind")
+    ap.add_argument("--unfused", action="store_true",
+                    help="fused ops as the compositions they replace (the device default until verified)")
     args = ap.parse_args(argv)
-    c = decode_step_launches(args.preset, args.context, args.batch)
-    print(f"launches in one {args.preset} decode step, batch {args.batch}, context {args.context}: {c.total}")
+    c = decode_step_launches(args.preset, args.context, args.batch, fused=not args.unfused)
+    print(f"launches in one {args.preset} decode step, batch {args.batch}, context {args.context}, "
+          f"{'compositions' if args.unfused else 'fused kernels (DSV41_FUSED=all)'}: {c.total}")
     print("| range | layers | launches per layer |\n|---|---|---|")
     for kind, (n, per) in c.kinds().items():
         print(f"| {kind} | {n} | {per:g} |")

@@ -112,21 +112,24 @@ def test_strict_raises_instead_of_falling_back(monkeypatch):
     assert ops.rms_norm(torch.ones(2, 32), torch.ones(32), 1e-6).shape == (2, 32)
 
 
-def test_unfuse_runs_the_composition(monkeypatch):
-    """DSV41_UNFUSE=all / a list of fused ops: the fused op resolves to the composition it stands
-    for instead of the backend's kernel; a name that is no fused op is one clear error."""
+def test_fused_kernels_are_opt_in(monkeypatch):
+    """A fused op resolves to the composition it stands for unless DSV41_FUSED (all / a list)
+    names it; a name that is no fused op is one clear error."""
     fused = sorted(n for n, op in registry._OPS.items() if op.composite is not None)
     assert fused, "no fused op registered"
     name = fused[0]
     kernel = object()
     monkeypatch.setitem(registry._OPS[name].impls, "cuda", kernel)
     monkeypatch.setitem(registry._LOADED, "cuda", None)  # the backend counts as loaded
-    monkeypatch.delenv("DSV41_UNFUSE", raising=False)
-    assert registry.resolve(name, "cuda")[0] is kernel
+    monkeypatch.delenv("DSV41_FUSED", raising=False)
+    fn, used, why = registry.resolve(name, "cuda")
+    assert fn is registry.composite_of(name) and used == "cuda" and "DSV41_FUSED" in why
     for value in ("all", f"{name}", f" {name} ,"):
-        monkeypatch.setenv("DSV41_UNFUSE", value)
-        fn, used, why = registry.resolve(name, "cuda")
-        assert fn is registry.composite_of(name) and used == "cuda" and "DSV41_UNFUSE" in why
-    monkeypatch.setenv("DSV41_UNFUSE", "rms_norm")
-    with pytest.raises(ValueError, match="DSV41_UNFUSE: rms_norm not a fused op"):
+        monkeypatch.setenv("DSV41_FUSED", value)
+        assert registry.resolve(name, "cuda")[0] is kernel
+    if len(fused) > 1:  # naming another op leaves this one composed
+        monkeypatch.setenv("DSV41_FUSED", fused[1])
+        assert registry.resolve(name, "cuda")[0] is registry.composite_of(name)
+    monkeypatch.setenv("DSV41_FUSED", "rms_norm")
+    with pytest.raises(ValueError, match="DSV41_FUSED: rms_norm not a fused op"):
         registry.resolve(name, "cuda")

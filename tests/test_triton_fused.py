@@ -206,7 +206,7 @@ def test_unrope_grouped_linear_kernel(dev, t, h, d, r, groups, ro, rng):
 def test_fused_ops_are_compositions_on_every_backend(monkeypatch):
     """A fused op's reference is its composition; a backend without its kernel runs the
     composition of its own ops (no reference fallback, so allowed under DSV41_STRICT=1); CUDA
-    registers the kernels."""
+    registers the kernels, which run when DSV41_FUSED names them (the composition otherwise)."""
     monkeypatch.setenv("DSV41_STRICT", "1")
     registry.reset_warnings()
     for name in ("rope_store_kv", "rope_store_key", "unrope_grouped_linear", "table_rows", "window_rows",
@@ -214,10 +214,13 @@ def test_fused_ops_are_compositions_on_every_backend(monkeypatch):
         comp = registry.composite_of(name)
         assert comp is (getattr(paging, f"{name}_torch") if name.endswith("_rows") else getattr(fused, name))
         assert registry.resolve(name, "reference")[0] is comp
+        monkeypatch.delenv("DSV41_FUSED", raising=False)
+        assert registry.resolve(name, "cuda")[:2] == (comp, "cuda")
+        monkeypatch.setenv("DSV41_FUSED", "all")
         assert registry.resolve(name, "cuda")[1] == "cuda" and registry.resolve(name, "cuda")[0] is not comp
     assert registry.composite_of("rope") is None
     op = registry._OPS["unrope_grouped_linear"]
-    saved = op.impls.pop("cuda")
+    saved = op.impls.pop("cuda")  # (DSV41_FUSED=all still set: no kernel, so the composition)
     try:
         registry.reset_warnings()
         fn, used, why = registry.resolve("unrope_grouped_linear", "cuda")

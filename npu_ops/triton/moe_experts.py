@@ -357,9 +357,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
         # prefill-sized calls of FP4 experts on CUDA: the grouped path on a bf16 scratch (5x the
         # tiled kernels at 8192 tokens on the H200; not compiled for Ascend yet); decode sizes keep
         # the GEMV / tiled kernels (the scratch would cost a bf16 copy of every expert in decode)
-        grouped = (x.device.type == "cuda" and not interpreting()
-                   and predequant_pays(kind, t * topk, n_exp, inter, k_in))
-        path = "gemv" if t <= GEMV_DEFAULT_T.get(kind, 0) else "grouped" if grouped else "tiled"
+        scratch_pays = (x.device.type == "cuda" and not interpreting()
+                        and predequant_pays(kind, t * topk, n_exp, inter, k_in))
+        path = "gemv" if t <= GEMV_DEFAULT_T.get(kind, 0) else "grouped" if scratch_pays else "tiled"
     if path == "grouped":
         from .moe_grouped import grouped_moe
 
