@@ -207,6 +207,29 @@ def test_grouped_other_formats_gpu(dev, fmt, rng, poisoned):
     check(dev, fmt, 700, 4, 2, 1024, 512, rng, swap=True)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+def test_default_dispatch_reaches_the_scratch_path(dev, rng, poisoned, monkeypatch):
+    """Where `scratch_pays` holds, `moe_experts` without `path` runs the grouped path with the
+    bf16 scratch and equals the reference (forced here, so the interpreters check the dispatch
+    itself: the call a CUDA prefill takes)."""
+    calls = []
+    real = mg.predequantised
+    monkeypatch.setattr(mg, "predequantised", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(me, "scratch_pays", lambda *a: True)
+    d, inter, n_exp, topk, t = 64, 64, 3, 2, 9
+    ex = [(weight("fp4", inter, d, rng), weight("fp4", d, inter, rng), weight("fp4", inter, d, rng))
+          for _ in range(n_exp)]
+    x = (torch.randn(t, d, generator=rng) * 2).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(n_exp, generator=rng)[:topk] for _ in range(t)])
+    w = torch.rand(t, topk, generator=rng) + 0.1
+    want = moe.moe_experts(x, w, ids, ex, 10.0, torch.float64)
+    dex = [tuple((a.to(dev), b.to(dev)) for a, b in e) for e in ex]
+    got = me.moe_experts(x.to(dev), w.to(dev), ids.to(dev), dex, 10.0, torch.float64)
+    assert calls, "the default dispatch did not take the scratch path"
+    err = rel_err(got, want)
+    assert err < 1e-4, f"default dispatch to the scratch path: rel err {err:.2e}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", [DEVICES[1]])
 def test_default_path_prefill_gpu(dev, rng, poisoned, monkeypatch):

@@ -325,6 +325,17 @@ def _expert_table(experts: list, device: torch.device):
     return hit
 
 
+def scratch_pays(device: torch.device, kind: str, rows: int, n_exp: int, inter: int, d: int) -> bool:
+    """Whether the default path is the grouped one on a bf16 scratch of the experts: prefill-sized
+    calls of FP4 experts on CUDA (5x the tiled kernels at 8192 tokens on the H200; not compiled
+    for Ascend yet). Decode sizes keep the GEMV / tiled kernels: the scratch would cost a bf16
+    copy of every expert in decode."""
+    from .launch import interpreting
+    from .moe_grouped import predequant_pays
+
+    return device.type == "cuda" and not interpreting() and predequant_pays(kind, rows, n_exp, inter, d)
+
+
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: list, limit: float,
                 out_dtype: torch.dtype = torch.float32, *, bm: int | None = None, bn_up: int | None = None,
                 bn_down: int | None = None, bk: int | None = None, num_warps: int | None = None,
@@ -352,14 +363,10 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     if k_in != d:
         raise ValueError(f"expert input width {k_in} != x width {d}")
     if path is None:
-        from .moe_grouped import predequant_pays
-
-        # prefill-sized calls of FP4 experts on CUDA: the grouped path on a bf16 scratch (5x the
-        # tiled kernels at 8192 tokens on the H200; not compiled for Ascend yet); decode sizes keep
-        # the GEMV / tiled kernels (the scratch would cost a bf16 copy of every expert in decode)
-        scratch_pays = (x.device.type == "cuda" and not interpreting()
-                        and predequant_pays(kind, t * topk, n_exp, inter, k_in))
-        path = "gemv" if t <= GEMV_DEFAULT_T.get(kind, 0) else "grouped" if scratch_pays else "tiled"
+        path = ("gemv" if t <= GEMV_DEFAULT_T.get(kind, 0) else
+                "grouped" if scratch_pays(x.device, kind, t * topk, n_exp, inter, k_in) else "tiled")
+        if path == "grouped":  # chosen for the scratch: say so (the interpreters never default to it)
+            grouped = dict(grouped, predequant=True)
     if path == "grouped":
         from .moe_grouped import grouped_moe
 
