@@ -265,10 +265,12 @@ def mhc_mix(x: Tensor, y: Tensor, post: Tensor, comb: Tensor, pre: Tensor, fn: T
 # ---- MoE and Engram -------------------------------------------------------------------------
 @_op
 def moe_route(x: Tensor, gate_weight: Tensor, bias: Tensor, topk: int, route_scale: float,
-              gate_temp: float = 1.0, norm_topk_prob: bool = True) -> tuple[Tensor, Tensor]:
-    """sqrtsoftplus router in fp32: bias [E] or [T, E] chooses the top-k; the weights are the raw
-    scores of the chosen experts, divided by (their sum + 1e-20) only when `norm_topk_prob` and
-    topk > 1, then times route_scale. Returns (weights [T, k], ids [T, k])."""
+              gate_temp: float = 1.0, norm_topk_prob: bool = True, image_bias: Tensor | None = None,
+              is_image: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """sqrtsoftplus router in fp32: bias [E] or [T, E] chooses the top-k (with `image_bias`, of
+    bias's shape, and is_image [T] bool: image tokens choose with image_bias instead); the weights
+    are the raw scores of the chosen experts, divided by (their sum + 1e-20) only when
+    `norm_topk_prob` and topk > 1, then times route_scale. Returns (weights [T, k], ids [T, k])."""
 
 
 @_op

@@ -362,11 +362,11 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, is_image: torch.Tensor | None) -> torch.Tensor:
         cfg = self.cfg
-        bias = self.gate.bias
-        if is_image is not None and hasattr(self.gate, "bias_vl"):
-            bias = torch.where(is_image.unsqueeze(-1), self.gate.bias_vl, self.gate.bias)
-        w, ids = ops.moe_route(x, self.gate.weight, bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor,
-                               cfg.gate_temp, cfg.norm_topk_prob)
+        # image tokens choose with bias_vl (selected inside the router: no [T, E] bias per layer)
+        vl = is_image is not None and hasattr(self.gate, "bias_vl")
+        w, ids = ops.moe_route(x, self.gate.weight, self.gate.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor,
+                               cfg.gate_temp, cfg.norm_topk_prob, image_bias=self.gate.bias_vl if vl else None,
+                               is_image=is_image if vl else None)
         if self.group.world_size > 1:  # local slots; experts of other ranks are skipped (-1)
             mine = (ids >= self.expert_lo) & (ids < self.expert_lo + len(self.experts))
             ids = torch.where(mine, ids - self.expert_lo, -1)
@@ -377,18 +377,20 @@ class MoE(nn.Module):
         routed = lambda: ops.moe_experts(x, w, ids, [e.parts() for e in self.experts.values()],  # noqa: E731
                                          cfg.swiglu_limit, acc)
         if self.group.rank != 0:
-            y = routed()
-        elif self.overlap_shared:  # the shared expert on a second stream beside the routed experts
+            return self.group.all_reduce_sum(routed()).float().to(BF16)
+        if self.overlap_shared:  # the shared expert on a second stream beside the routed experts
             shared, y = self._platform(x.device).overlap(lambda: self.shared(x, acc), routed)
-            y = y + shared
         else:
-            y = routed() + self.shared(x, acc)
-        return self.group.all_reduce_sum(y).float().to(BF16)
+            y, shared = routed(), self.shared(x, acc)
+        if self.group.world_size == 1 and y.dtype == torch.float32:
+            # fp32 sums: the add and the bf16 rounding in one kernel (the value of
+            # (y + shared).to(bf16): fp32 add, one rounding)
+            return torch.add(y, shared, out=torch.empty(y.shape, dtype=BF16, device=y.device))
+        return self.group.all_reduce_sum(y + shared).float().to(BF16)
 
     def shared(self, x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
         """The shared expert's output (unrounded partial sums, `acc`)."""
-        ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
-        zeros = torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)
+        ones, zeros = _shared_route(x.shape[0], x.device, self._platform(x.device))
         return ops.moe_experts(x, ones, zeros, [self.shared_experts.parts()], self.cfg.swiglu_limit, acc)
 
     def _platform(self, device: torch.device):
@@ -396,6 +398,24 @@ class MoE(nn.Module):
         if getattr(self, "_plat", None) is None or self._plat.device != device:
             self._plat = platform_for(device)
         return self._plat
+
+
+_SHARED_ROUTE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _shared_route(t: int, device: torch.device, platform) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared expert's constant routing for t tokens: (weights [t, 1] fp32 ones, ids [t, 1]
+    long zeros), views of per-device buffers filled once (no fill kernels per layer and step).
+    The buffers grow only outside graph capture (a captured fill would run only at replay); a
+    capture that needs more rows than were ever filled makes its own."""
+    hit = _SHARED_ROUTE.get(device)
+    if hit is None or hit[0].shape[0] < t:
+        ones = torch.ones(t, 1, dtype=torch.float32, device=device)
+        zeros = torch.zeros(t, 1, dtype=torch.long, device=device)
+        if platform.is_capturing():
+            return ones, zeros
+        hit = _SHARED_ROUTE[device] = (ones, zeros)
+    return hit[0][:t], hit[1][:t]
 
 
 # ---- Engram -----------------------------------------------------------------------------------

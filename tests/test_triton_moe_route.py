@@ -81,6 +81,27 @@ def test_moe_route_per_token_bias_and_dtypes(dev, x_dtype, rng):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("per_token_bias", [False, True])
+def test_moe_route_image_bias(dev, per_token_bias, rng):
+    """Image tokens choose with image_bias inside the kernel: the same routing as the reference
+    given the selected bias (torch.where, what the model did before), and a bias far apart from
+    the text one changes the image rows' choice (the selection is not a no-op)."""
+    t, d, e, k = 6, 64, 16, 3
+    x, w, bias = inputs(rng, t, d, e, per_token_bias=per_token_bias)
+    image_bias = bias + torch.linspace(3.0, -3.0, e)  # image rows prefer the low expert ids
+    is_image = torch.tensor([True, False, True, True, False, False])
+    got = mr.moe_route(x.to(dev), w.to(dev), bias.to(dev), k, 1.5, image_bias=image_bias.to(dev),
+                       is_image=is_image.to(dev))
+    chosen = torch.where(is_image.unsqueeze(-1), image_bias, bias)
+    want = mr.moe_route_ref(x, w, chosen, k, 1.5)
+    check(got, want, separated_rows(x, w, chosen, 1.0, k))
+    assert torch.equal(mr.moe_route_ref(x, w, bias, k, 1.5, image_bias=image_bias, is_image=is_image)[1], want[1])
+    text_ids = mr.moe_route_ref(x, w, bias, k, 1.5)[1]
+    assert not torch.equal(text_ids[is_image], want[1][is_image])
+    assert torch.equal(text_ids[~is_image], want[1][~is_image])
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 def test_moe_route_softplus_range(dev, rng):
     """Logits far below 0 (log1p of tiny values), around 0 and above the softplus threshold."""
     t, d, e, k = 4, 64, 16, 5

@@ -12,7 +12,10 @@ from .basic import dequant_weight, exact_fn, int8_linear, mm, swiglu_clamped
 
 
 @register("moe_route")
-def moe_route(x, gate_weight, bias, topk, route_scale, gate_temp=1.0, norm_topk_prob=True):
+def moe_route(x, gate_weight, bias, topk, route_scale, gate_temp=1.0, norm_topk_prob=True, image_bias=None,
+              is_image=None):
+    if image_bias is not None:  # image tokens choose with their own bias
+        bias = torch.where(is_image.unsqueeze(-1), image_bias, bias)
     logits = mm(x.float(), gate_weight.float().t()) / gate_temp
     scores = torch.sqrt(exact_fn(F.softplus, logits))  # sqrt is correctly rounded on every path
     # The bias only chooses experts; ties go to the lower expert id (stable sort).

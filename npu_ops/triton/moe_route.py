@@ -13,8 +13,8 @@ in slice order, and does the routing: softplus
 (x for x > 20 as torch, else log1p(exp(x)) with the accurate log1p(u) = log(1+u) * u / ((1+u)-1)),
 sqrt, + bias, then k rounds of "max, lowest id among the max, mask it out". Every partial logit
 comes from exactly one tile and the slices are summed in a fixed order (no float atomics), so the
-result is deterministic. The counters are a
-zeroed int32 buffer per call.
+result is deterministic. The counters are the device's shared `tile_counters` (zero between
+calls: the completing tile resets its block's counter), so a call launches no memset.
 
 Dot precision: compiled, the operands are bf16 with fp32 accumulation. The gate weight is bf16
 (exact); x is split into SPLITS bf16 terms (hi + mid + lo) so that every product is exact: 1 term
@@ -32,17 +32,18 @@ from ...backends.reference import moe as ref_moe
 from .fp4_common import as_cmp, offsets, split_dot_acc
 
 
-def moe_route_ref(x, gate_weight, bias, topk, route_scale, gate_temp=1.0, norm_topk_prob=True):
+def moe_route_ref(x, gate_weight, bias, topk, route_scale, gate_temp=1.0, norm_topk_prob=True, image_bias=None,
+                  is_image=None):
     """The torch reference."""
-    return ref_moe.moe_route(x, gate_weight, bias, topk, route_scale, gate_temp, norm_topk_prob)
+    return ref_moe.moe_route(x, gate_weight, bias, topk, route_scale, gate_temp, norm_topk_prob, image_bias, is_image)
 
 
 @triton.jit
-def _moe_route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, count_ptr, wout_ptr, iout_ptr,
+def _moe_route_kernel(x_ptr, w_ptr, bias_ptr, vl_ptr, img_ptr, logit_ptr, count_ptr, wout_ptr, iout_ptr,
                       T, E, K, bias_stride_t, gate_temp, route_scale, n_eb, n_ks, KS, n_tiles, num_programs,
                       TOPK: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SPLITS: tl.constexpr, LOWP: tl.constexpr, WIDE: tl.constexpr):
+                      SPLITS: tl.constexpr, LOWP: tl.constexpr, WIDE: tl.constexpr, HAS_IMG: tl.constexpr):
     pid = tl.program_id(0)
     bt = tl.arange(0, BLOCK_T)
     be = tl.arange(0, BLOCK_E)
@@ -90,8 +91,11 @@ def _moe_route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, count_ptr, wout_ptr, io
             lp = tl.where(v == 1.0, u, tl.log(v) * (u / tl.where(v == 1.0, 1.0, v - 1.0)))  # log1p(u)
             sp = tl.where(lg > 20.0, lg, lp)  # torch softplus, threshold 20
             score = tl.sqrt(sp)
-            b = tl.load(bias_ptr + offsets(rows, WIDE)[:, None] * bias_stride_t + ecols[None, :], mask=m2,
-                        other=0.0).to(tl.float32)
+            b_off = offsets(rows, WIDE)[:, None] * bias_stride_t + ecols[None, :]
+            b = tl.load(bias_ptr + b_off, mask=m2, other=0.0).to(tl.float32)
+            if HAS_IMG:  # image tokens choose with the image bias
+                img = tl.load(img_ptr + rows, mask=rmask, other=0) != 0
+                b = tl.where(img[:, None], tl.load(vl_ptr + b_off, mask=m2, other=0.0).to(tl.float32), b)
             choice = tl.where(em[None, :], score + b, float("-inf"))
             wk = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
             ik = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
@@ -112,6 +116,7 @@ def _moe_route_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, count_ptr, wout_ptr, io
             out = offsets(rows, WIDE)[:, None] * TOPK + kcols[None, :]
             tl.store(wout_ptr + out, wk, mask=om)
             tl.store(iout_ptr + out, ik.to(tl.int64), mask=om)
+            tl.atomic_xchg(count_ptr + tb, 0)  # the counters stay zero between calls (`tile_counters`)
 
 
 def ub_tiles(bt: int, be: int, bk: int, n_experts: int, topk: int) -> dict[str, tuple[int, ...]]:
@@ -166,12 +171,13 @@ def _k_splits(n_tiles: int, k: int, bk: int, want: int | None, device) -> int:
 
 
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
-              gate_temp: float = 1.0, norm_topk_prob: bool = True,
-              _cfg: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ops.moe_route`: x [T, D], gate_weight [E, D], bias [E] or [T, E] -> (weights fp32 [T, k],
+              gate_temp: float = 1.0, norm_topk_prob: bool = True, image_bias: torch.Tensor | None = None,
+              is_image: torch.Tensor | None = None, _cfg: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.moe_route`: x [T, D], gate_weight [E, D], bias [E] or [T, E] (image tokens, is_image
+    [T] bool, choose with image_bias of bias's shape when given) -> (weights fp32 [T, k],
     ids int64 [T, k]). Requires triton. `_cfg` (tests, sweeps): (BLOCK_T, BLOCK_E, BLOCK_K,
     num_warps[, K splits])."""
-    from .launch import grid_for, interpreting, needs_int64
+    from .launch import grid_for, interpreting, needs_int64, tile_counters
 
     t, d = x.shape
     e = gate_weight.shape[0]
@@ -189,6 +195,11 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
         bias_stride = e
     else:
         raise ValueError(f"bias must be [{e}] or [{t}, {e}], got {tuple(bias.shape)}")
+    has_img = image_bias is not None
+    if has_img and (image_bias.shape != bias.shape or is_image is None or is_image.shape != (t,)):
+        raise ValueError(f"image_bias must have bias's shape {tuple(bias.shape)} and is_image be [{t}], got "
+                         f"{tuple(image_bias.shape)} and {None if is_image is None else tuple(is_image.shape)}")
+    vl, img = (image_bias.contiguous(), is_image.contiguous().view(torch.uint8)) if has_img else (bias, bias)
     bt, be, bk, warps, *rest = _cfg or _config(t, e, x.device)
     lowp = not interpreting() and gate_weight.dtype == torch.bfloat16
     splits = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 3)
@@ -199,13 +210,13 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
     n_tiles = n_tb * n_eb * n_ks
     grid = grid_for(n_tiles, x.device, cores="cube")  # tl.dot: one program per AI core on Ascend
     logits = torch.empty(n_ks, t, e, dtype=torch.float32, device=x.device)
-    counts = torch.zeros(n_tb, dtype=torch.int32, device=x.device)
+    counts = tile_counters(x.device, n_tb)  # zero, and left zero by the kernel: no memset per call
     extra = {} if interpreting() else {"num_warps": warps}
     _moe_route_kernel[(grid,)](
-        x.contiguous(), gate_weight.contiguous(), bias.contiguous(), logits, counts, weights, ids,
+        x.contiguous(), gate_weight.contiguous(), bias.contiguous(), vl, img, logits, counts, weights, ids,
         t, e, d, bias_stride, float(gate_temp), float(route_scale), n_eb, n_ks, ks_len, n_tiles, grid,
         TOPK=topk, NORM=bool(norm_topk_prob) and topk > 1, KP=_pow2(topk), EP=_pow2(e), BLOCK_T=bt, BLOCK_E=be,
-        BLOCK_K=bk, SPLITS=splits, LOWP=lowp, WIDE=needs_int64(x, gate_weight, logits), **extra)
+        BLOCK_K=bk, SPLITS=splits, LOWP=lowp, WIDE=needs_int64(x, gate_weight, logits), HAS_IMG=has_img, **extra)
     return weights, ids
 
 
