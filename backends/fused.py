@@ -7,7 +7,7 @@ CPU path computes exactly what it computed before the op existed) and its implem
 backend without a fused kernel of its own (`registry.register_composite`; Ascend runs it so until
 its kernels are vetted on triton-ascend). CUDA registers the Triton kernels
 (`npu_ops/triton/rope_store_kv.py`, `rope_store_key.py`, `unrope_grouped_linear.py`,
-`engram_hash.py`), tested against these.
+`engram_hash.py`, `mhc_mix_norm.py`), tested against these.
 """
 
 from __future__ import annotations
@@ -41,6 +41,15 @@ def rope_store_key(key: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos
     """The compressed entries' indexer keys, normed, RoPE'd, MXFP4-quantised, written to the pool."""
     codes, scales = ops.mxfp4_quant(ops.rope(ops.rms_norm(key, norm_weight, eps), cos, sin))
     write_rows((key_codes, key_scale), slots, (codes, scales))
+
+
+@register_composite("mhc_mix_norm")
+def mhc_mix_norm(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
+                 fn: torch.Tensor | None, scale: torch.Tensor | None, base: torch.Tensor | None, norm_eps: float,
+                 hc_eps: float, iters: int, norm_weight: torch.Tensor, eps: float) -> tuple:
+    """The mHC step after a sublayer, and the next sublayer's normed input."""
+    x_new, x_hat, coef = ops.mhc_mix(x, y, post, comb, pre, fn, scale, base, norm_eps, hc_eps, iters)
+    return x_new, x_hat, coef, ops.rms_norm(x_hat, norm_weight, eps)
 
 
 @register_composite("engram_hash")

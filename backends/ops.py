@@ -230,6 +230,14 @@ def engram_hash(ngram_ids: Tensor, ngram_image: Tensor, token_map: Tensor, multi
     wraparound)."""
 
 
+@_op
+def mhc_mix_norm(x: Tensor, y: Tensor, post: Tensor, comb: Tensor, pre: Tensor, fn: Tensor | None,
+                 scale: Tensor | None, base: Tensor | None, norm_eps: float, hc_eps: float, iters: int,
+                 norm_weight: Tensor, eps: float):
+    """`mhc_mix` and the next sublayer's input norm in one pass: returns (x_new, x_hat, coef or
+    None, rms_norm(x_hat, norm_weight, eps))."""
+
+
 # ---- mHC ------------------------------------------------------------------------------------
 @_op
 def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:

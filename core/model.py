@@ -554,9 +554,13 @@ class Streams:
     x: torch.Tensor  # [T, n, d] bf16
     x_hat: torch.Tensor  # [T, d] bf16
     coef: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    # the next sublayer's input already normed (attn_norm(x_hat), made by the mix that made
+    # x_hat: `mhc_mix_norm`), or None
+    normed: torch.Tensor | None = None
 
     def select(self, index: torch.Tensor) -> "Streams":
-        return Streams(self.x[index], self.x_hat[index], tuple(c[index] for c in self.coef))
+        return Streams(self.x[index], self.x_hat[index], tuple(c[index] for c in self.coef),
+                       None if self.normed is None else self.normed[index])
 
 
 class Block(nn.Module):
@@ -583,14 +587,22 @@ class Block(nn.Module):
     def hc(self, sub: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"), getattr(self, f"hc_{sub}_base")
 
-    def mix(self, x, y, coef, nxt: tuple | None):
+    def mix(self, x, y, coef, nxt: tuple | None, norm: RMSNorm | None = None):
         """Fused residual update with `coef` (post, comb), the next input (collapse with `pre`)
-        and, when `nxt` = (fn, scale, base) is given, the next sublayer's coefficients."""
+        and, when `nxt` = (fn, scale, base) is given, the next sublayer's coefficients; with
+        `norm`, also the next input normed (`mhc_mix_norm`: no launch of its own), a fourth value."""
         cfg = self.cfg
         pre, post, comb = coef
         fn, scale, base = nxt if nxt is not None else (None, None, None)
+        if norm is not None:
+            return ops.mhc_mix_norm(x, y, post, comb, pre, fn, scale, base, cfg.rms_norm_eps, cfg.hc_eps,
+                                    cfg.hc_sinkhorn_iters, norm.weight, norm.eps)
         return ops.mhc_mix(x, y, post, comb, pre, fn, scale, base, cfg.rms_norm_eps, cfg.hc_eps,
                            cfg.hc_sinkhorn_iters)
+
+    def attn_input(self, s: Streams) -> torch.Tensor:
+        """The attention sublayer's input: attn_norm(x_hat), made by the previous mix when it could."""
+        return s.normed if s.normed is not None else self.attn_norm(s.x_hat)
 
     def enter(self, x: torch.Tensor, pre_prev: torch.Tensor, engram_rows, is_image) -> Streams:
         """Start this block from plain streams (model entry, or after a block whose last update
@@ -605,12 +617,12 @@ class Block(nn.Module):
         """Attention and FFN; returns the streams ready for `nxt` (or, after the last block,
         with x_hat collapsed for the final norm)."""
         is_image = rows.is_image
-        y = self.attn(self.attn_norm(s.x_hat), rows, ctx)
-        x, x_hat, coef_f = self.mix(s.x, y, s.coef, self.hc("ffn"))
-        y = self.ffn(self.ffn_norm(x_hat), is_image)
+        y = self.attn(self.attn_input(s), rows, ctx)
+        x, x_hat, coef_f, h = self.mix(s.x, y, s.coef, self.hc("ffn"), self.ffn_norm)
+        y = self.ffn(h, is_image)
         if nxt is not None and nxt.engram is None:
-            x, x_hat, coef = self.mix(x, y, coef_f, nxt.hc("attn"))
-            return Streams(x, x_hat, coef)
+            x, x_hat, coef, h = self.mix(x, y, coef_f, nxt.hc("attn"), nxt.attn_norm)
+            return Streams(x, x_hat, coef, h)
         x, x_hat, _ = self.mix(x, y, coef_f, None)
         if nxt is None:
             return Streams(x, x_hat, coef_f)
@@ -747,7 +759,7 @@ class Transformer(nn.Module):
             if i == cfg.decoder_start and batch.decoder_rows is not None:
                 # CED: the decoder's KV source compresses every row of the encoder's output; the
                 # decoder itself runs only over its rows
-                blk.attn.update_global(blk.attn_norm(s.x_hat), rows, ctx)
+                blk.attn.update_global(blk.attn_input(s), rows, ctx)
                 ctx.precompressed.add(blk.layer_id)
                 sel = batch.decoder_rows
                 s, rows = s.select(sel), rows.select(sel)

@@ -107,6 +107,55 @@ def test_mhc_mix_fused_coefficients(dev, t, d, d_split, rng):
         check(dev, inputs, True, fused=True, d_split=d_split)
 
 
+@pytest.mark.skipif(ASCEND_TRITON, reason="mhc_mix_norm is a CUDA kernel (Ascend runs its composition)")
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("t,d,with_fn,fused,dtype", [
+    (1, 128, True, False, torch.bfloat16), (5, 96, True, True, torch.bfloat16), (19, 256, True, False, torch.bfloat16),
+    (3, 128, False, False, torch.bfloat16), (6, 64, True, True, torch.float32), (2, 64, True, False, torch.float32)])
+def test_mhc_mix_norm(dev, t, d, with_fn, fused, dtype, rng):
+    """`mhc_mix_norm`: the mix's outputs exactly as `mhc_mix` gives them, and the fourth output
+    rms_norm(x_hat) (made in the coefficient epilogue, or by the rms_norm kernel without fn)
+    within one rounding of the fp64 reference norm of the kernel's own x_hat and of the rms_norm
+    kernel."""
+    from dsv41.backends.reference import basic
+    from dsv41.npu_ops.triton import mhc_mix_norm as mn
+    from dsv41.npu_ops.triton import rms_norm as rn
+
+    x, y, post, comb, pre, fn, scale, base = make_inputs(rng, t, d)
+    x, y = x.to(dtype), y.to(dtype)
+    if not with_fn:
+        fn = scale = base = None
+    w = (torch.rand(d, generator=rng) + 0.5).to(torch.bfloat16)
+    mv = lambda v: None if v is None else v.to(dev)  # noqa: E731
+    args = [mv(v) for v in (x, y, post, comb, pre, fn, scale, base)]
+    saved = mm.FUSED_COEF
+    mm.FUSED_COEF = fused
+    try:
+        got = mn.mhc_mix_norm(*args, NORM_EPS, HC_EPS, ITERS, w.to(dev), 1e-6)
+        plain = mm.mhc_mix(*args, NORM_EPS, HC_EPS, ITERS)
+    finally:
+        mm.FUSED_COEF = saved
+    assert len(got) == 4
+    assert torch.equal(got[0].cpu(), plain[0].cpu()) and torch.equal(got[1].cpu(), plain[1].cpu())
+    if with_fn:
+        for a, b in zip(got[2], plain[2]):
+            assert torch.equal(a.cpu(), b.cpu())
+    else:
+        assert got[2] is None
+    x_hat = got[1].cpu()
+    want = basic.rms_norm(x_hat, w, 1e-6)
+    kern = rn.rms_norm(got[1], w.to(dev), 1e-6).cpu()
+    assert got[3].dtype == dtype and got[3].shape == (t, d)
+    assert want.abs().max() > 0.5
+    if dtype == torch.bfloat16:
+        mag = (x_hat.float() * w.float()).abs() * 0  # (one whole-row reduction: no cancellation term)
+        assert_bf16_close(got[3], want, mag, max_frac=0.02)
+        assert_bf16_close(got[3], kern, mag, max_frac=0.02)
+    else:
+        torch.testing.assert_close(got[3].cpu(), want.float(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got[3].cpu(), kern, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", DEVICES[1:])
 @pytest.mark.parametrize("t", [1, 64, 300])

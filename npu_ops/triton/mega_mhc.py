@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.mhc import mhc_mix as mhc_mix_ref  # noqa: F401  (the oracle)
+from .block_scaled import bf16_bits16
 from .fp4_common import as_cmp, offsets
 from .launch import tile_counters
 
@@ -143,10 +144,10 @@ def _fn_dot(xn, fn_ptr, fn_off, fn_mask, SPLIT: tl.constexpr):
 @triton.jit
 def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr, base_ptr,
                     xnew_ptr, xhat_ptr, part_ptr, pcomp_ptr, pss_ptr, count_ptr, opre_ptr, opost_ptr, ocomb_ptr,
-                    T, D, chunk, n_chunks, n_items, num_programs, norm_eps, hc_eps, iters,
+                    nw_ptr, xn_ptr, T, D, chunk, n_chunks, n_items, num_programs, norm_eps, hc_eps, iters, rms_eps,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_FN: tl.constexpr,
                     SPLIT: tl.constexpr, OUT_BF16: tl.constexpr, WIDE: tl.constexpr, FUSED: tl.constexpr,
-                    CT: tl.constexpr, CB: tl.constexpr):
+                    CT: tl.constexpr, CB: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     dt = tl.arange(0, BLOCK_D)
     kk = tl.arange(0, 32)
@@ -221,7 +222,8 @@ def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr
             tl.store(pss_ptr + ck * T + tok, tl.sum(ss, axis=1), mask=tm)
             if FUSED:  # the tile's last chunk computes the coefficients (no second launch)
                 _finish_coef(tile, count_ptr, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr,
-                             ocomb_ptr, T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T, CT, CB, WIDE)
+                             ocomb_ptr, T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T, CT, CB, WIDE,
+                             xhat_ptr, nw_ptr, xn_ptr, rms_eps, NORM, BLOCK_N, OUT_BF16)
 
 
 @triton.jit
@@ -333,32 +335,64 @@ def _coef_tile(t0, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, 
 
 
 @triton.jit
+def _norm_rows(t0, xhat_ptr, nw_ptr, xn_ptr, T, D, rms_eps, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+               BF16: tl.constexpr, WIDE: tl.constexpr, CG: tl.constexpr):
+    """RMSNorm of x_hat rows t0 .. t0 + BLOCK_T - 1 (the next sublayer's normed input, as the
+    `rms_norm` kernel computes it: fp32 math, one whole row at a time): x_hat and the output are
+    bf16 bit patterns (int16) when BF16, fp32 otherwise; CG: x_hat was written by other programs
+    of this launch (read from L2)."""
+    cols = tl.arange(0, BLOCK_N)
+    cm = cols < D
+    w = tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+    for i in tl.static_range(BLOCK_T):
+        tk = t0 + i
+        m = cm & (tk < T)
+        off = offsets(tk, WIDE) * D + cols
+        if BF16:
+            xv = (_load_chunks(xhat_ptr, off, m, CG).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            xv = _load_chunks(xhat_ptr, off, m, CG).to(tl.float32)
+        inv = tl.math.rsqrt(tl.sum(xv * xv, axis=0) / D + rms_eps)
+        yv = xv * inv * w
+        if BF16:
+            tl.store(xn_ptr + off, bf16_bits16(yv), mask=m)
+        else:
+            tl.store(xn_ptr + off, yv, mask=m)
+
+
+@triton.jit
 def _finish_coef(tile, count_ptr, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
                  T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T: tl.constexpr, CT: tl.constexpr, CB: tl.constexpr,
-                 WIDE: tl.constexpr):
+                 WIDE: tl.constexpr, xhat_ptr=None, nw_ptr=None, xn_ptr=None, rms_eps=0.0, NORM: tl.constexpr = False,
+                 BLOCK_N: tl.constexpr = 1, BF16: tl.constexpr = False):
     """After a program stored its chunk's partials of token tile `tile`: bump the tile's counter
     (acq_rel, after a CTA barrier); the program that completes the tile runs its coefficient
-    epilogue (reading every chunk from L2) and resets the counter to 0 (one launch, no
-    second kernel)."""
+    epilogue (reading every chunk from L2), with NORM the RMSNorm of the tile's x_hat rows
+    (`_norm_rows`), and resets the counter to 0 (one launch, no second kernel)."""
     tl.debug_barrier()  # every thread's partials are stored before the counter moves
     done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
     if done == n_chunks - 1:
         for t0 in range(tile * BLOCK_T, tl.minimum(T, tile * BLOCK_T + BLOCK_T), CT):  # CT tokens at a time
             _coef_tile(t0, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
                        T, D, n_chunks, norm_eps, hc_eps, iters, CT, CB, WIDE, True)
+            if NORM:
+                _norm_rows(t0, xhat_ptr, nw_ptr, xn_ptr, T, D, rms_eps, CT, BLOCK_N, BF16, WIDE, True)
         tl.atomic_xchg(count_ptr + tile, 0)
 
 
 @triton.jit
 def _mhc_coef_kernel(part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
-                     T, D, n_chunks, norm_eps, hc_eps, iters, n_tiles, num_programs, BLOCK_T: tl.constexpr,
-                     CB: tl.constexpr, WIDE: tl.constexpr):
+                     xhat_ptr, nw_ptr, xn_ptr, T, D, n_chunks, norm_eps, hc_eps, iters, rms_eps, n_tiles, num_programs,
+                     BLOCK_T: tl.constexpr, CB: tl.constexpr, WIDE: tl.constexpr, NORM: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BF16: tl.constexpr):
     """The coefficient epilogue as its own launch (the unfused path: Ascend, or fused=False), BLOCK_T
-    tokens per work item."""
+    tokens per work item; with NORM also the RMSNorm of their x_hat rows (`_norm_rows`)."""
     pid = tl.program_id(0)
     for tile in range(pid, n_tiles, num_programs):
         _coef_tile(tile * BLOCK_T, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
                    T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T, CB, WIDE, False)
+        if NORM:
+            _norm_rows(tile * BLOCK_T, xhat_ptr, nw_ptr, xn_ptr, T, D, rms_eps, BLOCK_T, BLOCK_N, BF16, WIDE, False)
 
 
 def coef_chunk_block(block_t: int = COEF_T) -> int:
@@ -368,15 +402,20 @@ def coef_chunk_block(block_t: int = COEF_T) -> int:
 
 
 def launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps, iters,
-                wide) -> None:
-    """The unfused coefficient launch: one program per token tile (persistent over tiles)."""
+                wide, norm: tuple | None = None) -> None:
+    """The unfused coefficient launch: one program per token tile (persistent over tiles).
+    `norm` = (x_hat, weight, out, eps): the tiles also write rms_norm(x_hat) to out (x_hat / out
+    as bf16 bit patterns, int16, or fp32)."""
     from .launch import grid_for, interpreting
 
     n_tiles = -(-t // COEF_T)
     cgrid = grid_for(n_tiles, part.device)
-    _mhc_coef_kernel[(cgrid,)](part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks,
-                               float(norm_eps), float(hc_eps), int(iters), n_tiles, cgrid, BLOCK_T=COEF_T,
-                               CB=coef_chunk_block(), WIDE=wide, **({} if interpreting() else {"num_warps": 4}))
+    xh, nw, xn, rms_eps = norm if norm is not None else (part, part, part, 0.0)
+    _mhc_coef_kernel[(cgrid,)](part, pcomp, pss, scale, base, opre, opost, ocomb, xh, nw, xn, t, d, n_chunks,
+                               float(norm_eps), float(hc_eps), int(iters), float(rms_eps), n_tiles, cgrid,
+                               BLOCK_T=COEF_T, CB=coef_chunk_block(), WIDE=wide, NORM=norm is not None,
+                               BLOCK_N=triton.next_power_of_2(d), BF16=xh.dtype == torch.int16,
+                               **({} if interpreting() else {"num_warps": 4}))
 
 
 def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
@@ -384,13 +423,14 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
             norm_eps: float, hc_eps: float, iters: int, *, block_t: int | None = None,
             block_d: int | None = None, num_warps: int | None = None, workers: int | None = None,
             split: bool | None = None, d_split: int | None = None, num_stages: int | None = None,
-            fused: bool | None = None):
+            fused: bool | None = None, norm: tuple | None = None):
     """`ops.mhc_mix` in one pass: x [T, 4, d], y [T, d], post/pre [T, 4], comb [T, 4, 4];
     fn [24, 4d] fp32, scale [3], base [24] (or fn None). Returns (x_new [T, 4, d] in x's dtype,
     x_hat [T, d] in x's dtype, (pre, post, comb) fp32 or None). The keyword-only tile
     parameters are for tuning and default to this module's table; `fused` computes the
     coefficients in the main kernel's last program per token tile instead of a second launch
-    (default FUSED_COEF)."""
+    (default FUSED_COEF). `norm` = (weight [d], eps), with `fn` only: the coefficient epilogue
+    also writes rms_norm(x_hat, weight, eps), returned as a fourth value (`mhc_mix_norm`)."""
     from .launch import grid_for, interpreting, needs_int64, num_workers
 
     if x.dim() != 3 or x.shape[1] != N_STREAMS:
@@ -404,6 +444,9 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     has_fn = fn is not None
     if has_fn and (fn.shape != (N_MIX, n * d) or scale.numel() != 3 or base.numel() != N_MIX):
         raise ValueError(f"fn must be [{N_MIX}, {n * d}], scale [3], base [{N_MIX}]")
+    if norm is not None and (not has_fn or norm[0].shape != (d,)):
+        raise ValueError(f"norm needs fn and a weight [{d}], got fn {'set' if has_fn else 'None'}, weight "
+                         f"{tuple(norm[0].shape)}")
     x, y = x.contiguous(), y.contiguous()
     post, comb, pre = post.contiguous(), comb.contiguous(), pre.contiguous()
     x_new = torch.empty_like(x)
@@ -417,8 +460,10 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
         ocomb = torch.empty(t, n, n, dtype=torch.float32, device=x.device)
     else:
         fn = scale = base = opre = opost = ocomb = x_hat  # unused placeholders
+    x_norm = torch.empty(t, d, dtype=x.dtype, device=x.device) if norm is not None else None
+    done = (x_new, x_hat, ((opre, opost, ocomb) if has_fn else None)) + ((x_norm,) if norm is not None else ())
     if t == 0:
-        return x_new, x_hat, ((opre, opost, ocomb) if has_fn else None)
+        return done
     tiles = TILES["cuda"] if x.device.type == "cuda" and not interpreting() else TILES["default"]
     bt = block_t or tiles["block_t"]
     bd = block_d or min(tiles["block_d"], triton.next_power_of_2(d))
@@ -450,13 +495,21 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
         part = pcomp = pss = x_hat  # unused placeholders
     counts = tile_counters(x.device, n_tiles) if fused else x_hat
     cb = coef_chunk_block()
+    if norm is not None:
+        nw = norm[0].contiguous()
+        xn_arg = x_norm.view(torch.int16) if x.dtype == torch.bfloat16 else x_norm
+    else:
+        nw = xn_arg = x_hat  # unused placeholders
     _mhc_mix_kernel[(grid,)](x, y, post, comb, pre, fn, scale, base, xnew_arg, xhat_arg, part, pcomp, pss, counts,
-                             opre, opost, ocomb, t, d, chunk, n_chunks, n_items, grid, float(norm_eps), float(hc_eps),
-                             int(iters), BLOCK_T=bt, BLOCK_D=bd, HAS_FN=has_fn, SPLIT=split,
-                             OUT_BF16=x.dtype == torch.bfloat16, WIDE=wide, FUSED=fused, CT=COEF_T, CB=cb, **kw)
+                             opre, opost, ocomb, nw, xn_arg, t, d, chunk, n_chunks, n_items, grid, float(norm_eps),
+                             float(hc_eps), int(iters), float(norm[1]) if norm is not None else 0.0, BLOCK_T=bt,
+                             BLOCK_D=bd, HAS_FN=has_fn, SPLIT=split, OUT_BF16=x.dtype == torch.bfloat16, WIDE=wide,
+                             FUSED=fused, CT=COEF_T, CB=cb, NORM=norm is not None, BLOCK_N=triton.next_power_of_2(d),
+                             **kw)
     if has_fn and not fused:
-        launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps, iters, wide)
-    return x_new, x_hat, ((opre, opost, ocomb) if has_fn else None)
+        launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps, iters, wide,
+                    (xhat_arg, nw, xn_arg, norm[1]) if norm is not None else None)
+    return done
 
 
 OPS = {"mhc_mix": mhc_mix}
