@@ -52,6 +52,15 @@ def mhc_mix_norm(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: tor
     return x_new, x_hat, coef, ops.rms_norm(x_hat, norm_weight, eps)
 
 
+@register_composite("mhc_enter_norm")
+def mhc_enter_norm(x: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                   norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor, eps: float) -> tuple:
+    """A block's mHC entry: its coefficients, its input collapsed with `pre`, and that normed."""
+    coef = ops.mhc_mixes(x, fn, scale, base, norm_eps, hc_eps, iters)
+    x_hat = ops.mhc_collapse(x, pre)
+    return coef, x_hat, ops.rms_norm(x_hat, norm_weight, eps)
+
+
 @register_composite("engram_hash")
 def engram_hash(ngram_ids: torch.Tensor, ngram_image: torch.Tensor, token_map: torch.Tensor,
                 multipliers: torch.Tensor, primes: torch.Tensor, pad_id: int, n_heads: int) -> torch.Tensor:

@@ -238,6 +238,13 @@ def mhc_mix_norm(x: Tensor, y: Tensor, post: Tensor, comb: Tensor, pre: Tensor, 
     None, rms_norm(x_hat, norm_weight, eps))."""
 
 
+@_op
+def mhc_enter_norm(x: Tensor, pre: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm_eps: float, hc_eps: float,
+                   iters: int, norm_weight: Tensor, eps: float):
+    """A block's mHC entry from plain streams in one pass: returns (mhc_mixes(x, fn, scale, base,
+    ...), x_hat = mhc_collapse(x, pre), rms_norm(x_hat, norm_weight, eps))."""
+
+
 # ---- mHC ------------------------------------------------------------------------------------
 @_op
 def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:

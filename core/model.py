@@ -390,7 +390,7 @@ class MoE(nn.Module):
 
     def shared(self, x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
         """The shared expert's output (unrounded partial sums, `acc`)."""
-        ones, zeros = _shared_route(x.shape[0], x.device, self._platform(x.device))
+        ones, zeros = _shared_route(x.shape[0], x.device)
         return ops.moe_experts(x, ones, zeros, [self.shared_experts.parts()], self.cfg.swiglu_limit, acc)
 
     def _platform(self, device: torch.device):
@@ -400,22 +400,36 @@ class MoE(nn.Module):
         return self._plat
 
 
-_SHARED_ROUTE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_CONSTANT_ROWS: dict[tuple, torch.Tensor] = {}
 
 
-def _shared_route(t: int, device: torch.device, platform) -> tuple[torch.Tensor, torch.Tensor]:
+def constant_rows(name: str, t: int, device: torch.device, make) -> torch.Tensor:
+    """Rows [:t] of the constant `make(n, device)` (rows all alike), a view of a per-device buffer
+    made once: no fill kernels per layer and step. Never written through. The buffer grows only
+    outside graph capture (a fill captured into a graph would run only at replay): a capture
+    needing more rows than were ever made gets its own tensor."""
+    key = (name, device)
+    hit = _CONSTANT_ROWS.get(key)
+    if hit is None or hit.shape[0] < t:
+        made = make(t, device)
+        if platform_for(device).is_capturing():
+            return made
+        hit = _CONSTANT_ROWS[key] = made
+    return hit[:t]
+
+
+def _shared_route(t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The shared expert's constant routing for t tokens: (weights [t, 1] fp32 ones, ids [t, 1]
-    long zeros), views of per-device buffers filled once (no fill kernels per layer and step).
-    The buffers grow only outside graph capture (a captured fill would run only at replay); a
-    capture that needs more rows than were ever filled makes its own."""
-    hit = _SHARED_ROUTE.get(device)
-    if hit is None or hit[0].shape[0] < t:
-        ones = torch.ones(t, 1, dtype=torch.float32, device=device)
-        zeros = torch.zeros(t, 1, dtype=torch.long, device=device)
-        if platform.is_capturing():
-            return ones, zeros
-        hit = _SHARED_ROUTE[device] = (ones, zeros)
-    return hit[0][:t], hit[1][:t]
+    long zeros)."""
+    return (constant_rows("shared_w", t, device, lambda n, d: torch.ones(n, 1, dtype=torch.float32, device=d)),
+            constant_rows("shared_id", t, device, lambda n, d: torch.zeros(n, 1, dtype=torch.long, device=d)))
+
+
+def _first_stream(n: int, device: torch.device, streams: int) -> torch.Tensor:
+    """[n, streams] fp32 one-hot rows [1, 0, ..]: the model entry's collapse weights."""
+    pre = torch.zeros(n, streams, dtype=torch.float32, device=device)
+    pre[:, 0] = 1.0
+    return pre
 
 
 # ---- Engram -----------------------------------------------------------------------------------
@@ -610,8 +624,10 @@ class Block(nn.Module):
         cfg = self.cfg
         if self.engram is not None:
             x = self.engram(x, engram_rows, is_image)
-        coef = ops.mhc_mixes(x, *self.hc("attn"), cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
-        return Streams(x, ops.mhc_collapse(x, pre_prev), coef)
+        # the coefficients, the collapsed input and its attn_norm in one pass (`mhc_enter_norm`)
+        coef, x_hat, h = ops.mhc_enter_norm(x, pre_prev, *self.hc("attn"), cfg.rms_norm_eps, cfg.hc_eps,
+                                            cfg.hc_sinkhorn_iters, self.attn_norm.weight, self.attn_norm.eps)
+        return Streams(x, x_hat, coef, h)
 
     def forward(self, s: Streams, rows: Rows, ctx: ForwardContext, nxt: "Block | None", nxt_engram=None):
         """Attention and FFN; returns the streams ready for `nxt` (or, after the last block,
@@ -750,8 +766,9 @@ class Transformer(nn.Module):
             x = x.masked_scatter(batch.is_image.unsqueeze(-1), batch.image_embeds.to(device=x.device, dtype=x.dtype))
         engram = self._engram_rows(batch)  # device row ids, or rows fetched ahead from host tables
         x = x.unsqueeze(1).expand(t, cfg.hc_mult, cfg.hidden_size).contiguous()
-        pre = torch.zeros(t, cfg.hc_mult, dtype=torch.float32, device=x.device)
-        pre[:, 0] = 1.0  # the first sublayer collapses with one-hot [1, 0, 0, 0]
+        # the first sublayer collapses with one-hot [1, 0, 0, 0]
+        pre = constant_rows(f"first_stream.{cfg.hc_mult}", t, x.device,
+                            lambda n, d: _first_stream(n, d, cfg.hc_mult))
         layers = list(self.layers)
         s = layers[0].enter(x, pre, engram.get(0), rows.is_image)
         ctx.count("encoder_tokens", t)

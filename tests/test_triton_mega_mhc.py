@@ -148,12 +148,50 @@ def test_mhc_mix_norm(dev, t, d, with_fn, fused, dtype, rng):
     assert got[3].dtype == dtype and got[3].shape == (t, d)
     assert want.abs().max() > 0.5
     if dtype == torch.bfloat16:
-        mag = (x_hat.float() * w.float()).abs() * 0  # (one whole-row reduction: no cancellation term)
-        assert_bf16_close(got[3], want, mag, max_frac=0.02)
-        assert_bf16_close(got[3], kern, mag, max_frac=0.02)
+        none = torch.zeros_like(want)  # (one whole-row reduction: no cancellation term)
+        assert_bf16_close(got[3], want, none, max_frac=0.02)
+        assert_bf16_close(got[3], kern, none, max_frac=0.02)
     else:
         torch.testing.assert_close(got[3].cpu(), want.float(), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(got[3].cpu(), kern, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(ASCEND_TRITON, reason="mhc_enter_norm is a CUDA kernel (Ascend runs its composition)")
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("t,d,fused,dtype", [(1, 128, False, torch.bfloat16), (6, 96, True, torch.bfloat16),
+                                             (19, 256, False, torch.bfloat16), (5, 64, True, torch.float32)])
+def test_mhc_enter_norm(dev, t, d, fused, dtype, rng):
+    """`mhc_enter_norm`: the coefficients exactly as `mhc_mixes` gives them, x_hat as the
+    `mhc_collapse` kernel (the same fp32 expression), and attn_norm(x_hat) within one rounding
+    of the fp64 reference norm of the kernel's own x_hat."""
+    from dsv41.backends.reference import basic
+    from dsv41.npu_ops.triton import mhc_mix_norm as mn
+    from dsv41.npu_ops.triton import mhc_mixes as mx
+
+    x, _, _, _, pre, fn, scale, base = make_inputs(rng, t, d)
+    x = x.to(dtype)
+    w = (torch.rand(d, generator=rng) + 0.5).to(torch.bfloat16)
+    args = [v.to(dev) for v in (x, pre, fn, scale, base)]
+    saved = mm.FUSED_COEF
+    mm.FUSED_COEF, mx.FUSED_COEF = fused, fused
+    try:
+        coef, x_hat, x_norm = mn.mhc_enter_norm(*args, NORM_EPS, HC_EPS, ITERS, w.to(dev), 1e-6)
+        plain = mx.mhc_mixes(args[0], *args[2:], NORM_EPS, HC_EPS, ITERS)
+    finally:
+        mm.FUSED_COEF = mx.FUSED_COEF = saved
+    for a, b in zip(coef, plain):
+        assert torch.equal(a.cpu(), b.cpu())
+    want_hat = ref.mhc_collapse(x, pre)
+    assert torch.equal(x_hat.cpu(), mx.mhc_collapse(args[0], args[1]).cpu()) or dev != "cpu"
+    want = basic.rms_norm(x_hat.cpu(), w, 1e-6)
+    assert x_norm.dtype == x_hat.dtype == dtype and x_norm.shape == x_hat.shape == (t, d)
+    assert want.abs().max() > 0.5
+    if dtype == torch.bfloat16:
+        assert_bf16_close(x_hat, want_hat, ref.mhc_collapse(x.float().abs(), pre.abs()))
+        assert_bf16_close(x_norm, want, torch.zeros_like(want), max_frac=0.02)
+    else:
+        torch.testing.assert_close(x_hat.cpu(), want_hat.float(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(x_norm.cpu(), want.float(), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.gpu

@@ -336,11 +336,13 @@ def _coef_tile(t0, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, 
 
 @triton.jit
 def _norm_rows(t0, xhat_ptr, nw_ptr, xn_ptr, T, D, rms_eps, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-               BF16: tl.constexpr, WIDE: tl.constexpr, CG: tl.constexpr):
+               BF16: tl.constexpr, WIDE: tl.constexpr, CG: tl.constexpr, x_ptr=None, pre_ptr=None,
+               COLLAPSE: tl.constexpr = False):
     """RMSNorm of x_hat rows t0 .. t0 + BLOCK_T - 1 (the next sublayer's normed input, as the
     `rms_norm` kernel computes it: fp32 math, one whole row at a time): x_hat and the output are
     bf16 bit patterns (int16) when BF16, fp32 otherwise; CG: x_hat was written by other programs
-    of this launch (read from L2)."""
+    of this launch (read from L2). COLLAPSE: x_hat is made here first, from the streams x [T, 4,
+    D] and pre [T, 4] as the `mhc_collapse` kernel makes it, and stored."""
     cols = tl.arange(0, BLOCK_N)
     cm = cols < D
     w = tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
@@ -348,7 +350,25 @@ def _norm_rows(t0, xhat_ptr, nw_ptr, xn_ptr, T, D, rms_eps, BLOCK_T: tl.constexp
         tk = t0 + i
         m = cm & (tk < T)
         off = offsets(tk, WIDE) * D + cols
-        if BF16:
+        if COLLAPSE:
+            xo = offsets(tk, WIDE) * 4 * D + cols
+            tv = tk < T
+            acc = tl.load(pre_ptr + tk * 4, mask=tv, other=0.0).to(tl.float32) * \
+                tl.load(x_ptr + xo, mask=m, other=0.0).to(tl.float32)
+            acc += tl.load(pre_ptr + tk * 4 + 1, mask=tv, other=0.0).to(tl.float32) * \
+                tl.load(x_ptr + xo + D, mask=m, other=0.0).to(tl.float32)
+            acc += tl.load(pre_ptr + tk * 4 + 2, mask=tv, other=0.0).to(tl.float32) * \
+                tl.load(x_ptr + xo + 2 * D, mask=m, other=0.0).to(tl.float32)
+            acc += tl.load(pre_ptr + tk * 4 + 3, mask=tv, other=0.0).to(tl.float32) * \
+                tl.load(x_ptr + xo + 3 * D, mask=m, other=0.0).to(tl.float32)
+            if BF16:
+                bits = bf16_bits16(acc)
+                tl.store(xhat_ptr + off, bits, mask=m)
+                xv = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            else:
+                tl.store(xhat_ptr + off, acc, mask=m)
+                xv = acc
+        elif BF16:
             xv = (_load_chunks(xhat_ptr, off, m, CG).to(tl.int32) << 16).to(tl.float32, bitcast=True)
         else:
             xv = _load_chunks(xhat_ptr, off, m, CG).to(tl.float32)
@@ -364,7 +384,8 @@ def _norm_rows(t0, xhat_ptr, nw_ptr, xn_ptr, T, D, rms_eps, BLOCK_T: tl.constexp
 def _finish_coef(tile, count_ptr, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
                  T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T: tl.constexpr, CT: tl.constexpr, CB: tl.constexpr,
                  WIDE: tl.constexpr, xhat_ptr=None, nw_ptr=None, xn_ptr=None, rms_eps=0.0, NORM: tl.constexpr = False,
-                 BLOCK_N: tl.constexpr = 1, BF16: tl.constexpr = False):
+                 BLOCK_N: tl.constexpr = 1, BF16: tl.constexpr = False, x_ptr=None, pre_ptr=None,
+                 COLLAPSE: tl.constexpr = False):
     """After a program stored its chunk's partials of token tile `tile`: bump the tile's counter
     (acq_rel, after a CTA barrier); the program that completes the tile runs its coefficient
     epilogue (reading every chunk from L2), with NORM the RMSNorm of the tile's x_hat rows
@@ -376,15 +397,16 @@ def _finish_coef(tile, count_ptr, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_
             _coef_tile(t0, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
                        T, D, n_chunks, norm_eps, hc_eps, iters, CT, CB, WIDE, True)
             if NORM:
-                _norm_rows(t0, xhat_ptr, nw_ptr, xn_ptr, T, D, rms_eps, CT, BLOCK_N, BF16, WIDE, True)
+                _norm_rows(t0, xhat_ptr, nw_ptr, xn_ptr, T, D, rms_eps, CT, BLOCK_N, BF16, WIDE, True, x_ptr, pre_ptr,
+                           COLLAPSE)
         tl.atomic_xchg(count_ptr + tile, 0)
 
 
 @triton.jit
 def _mhc_coef_kernel(part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
-                     xhat_ptr, nw_ptr, xn_ptr, T, D, n_chunks, norm_eps, hc_eps, iters, rms_eps, n_tiles, num_programs,
-                     BLOCK_T: tl.constexpr, CB: tl.constexpr, WIDE: tl.constexpr, NORM: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BF16: tl.constexpr):
+                     xhat_ptr, nw_ptr, xn_ptr, x_ptr, pre_ptr, T, D, n_chunks, norm_eps, hc_eps, iters, rms_eps,
+                     n_tiles, num_programs, BLOCK_T: tl.constexpr, CB: tl.constexpr, WIDE: tl.constexpr,
+                     NORM: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr, COLLAPSE: tl.constexpr):
     """The coefficient epilogue as its own launch (the unfused path: Ascend, or fused=False), BLOCK_T
     tokens per work item; with NORM also the RMSNorm of their x_hat rows (`_norm_rows`)."""
     pid = tl.program_id(0)
@@ -392,7 +414,8 @@ def _mhc_coef_kernel(part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr
         _coef_tile(tile * BLOCK_T, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
                    T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T, CB, WIDE, False)
         if NORM:
-            _norm_rows(tile * BLOCK_T, xhat_ptr, nw_ptr, xn_ptr, T, D, rms_eps, BLOCK_T, BLOCK_N, BF16, WIDE, False)
+            _norm_rows(tile * BLOCK_T, xhat_ptr, nw_ptr, xn_ptr, T, D, rms_eps, BLOCK_T, BLOCK_N, BF16, WIDE, False,
+                       x_ptr, pre_ptr, COLLAPSE)
 
 
 def coef_chunk_block(block_t: int = COEF_T) -> int:
@@ -404,18 +427,20 @@ def coef_chunk_block(block_t: int = COEF_T) -> int:
 def launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps, iters,
                 wide, norm: tuple | None = None) -> None:
     """The unfused coefficient launch: one program per token tile (persistent over tiles).
-    `norm` = (x_hat, weight, out, eps): the tiles also write rms_norm(x_hat) to out (x_hat / out
-    as bf16 bit patterns, int16, or fp32)."""
+    `norm` = (x_hat, weight, out, eps[, x, pre]): the tiles also write rms_norm(x_hat) to out
+    (x_hat / out as bf16 bit patterns, int16, or fp32); with x [T, 4, d] and pre [T, 4], x_hat is
+    written first, as mhc_collapse(x, pre)."""
     from .launch import grid_for, interpreting
 
     n_tiles = -(-t // COEF_T)
     cgrid = grid_for(n_tiles, part.device)
-    xh, nw, xn, rms_eps = norm if norm is not None else (part, part, part, 0.0)
-    _mhc_coef_kernel[(cgrid,)](part, pcomp, pss, scale, base, opre, opost, ocomb, xh, nw, xn, t, d, n_chunks,
+    xh, nw, xn, rms_eps, *collapse = norm if norm is not None else (part, part, part, 0.0)
+    xs, pre = collapse if collapse else (part, part)
+    _mhc_coef_kernel[(cgrid,)](part, pcomp, pss, scale, base, opre, opost, ocomb, xh, nw, xn, xs, pre, t, d, n_chunks,
                                float(norm_eps), float(hc_eps), int(iters), float(rms_eps), n_tiles, cgrid,
                                BLOCK_T=COEF_T, CB=coef_chunk_block(), WIDE=wide, NORM=norm is not None,
                                BLOCK_N=triton.next_power_of_2(d), BF16=xh.dtype == torch.int16,
-                               **({} if interpreting() else {"num_warps": 4}))
+                               COLLAPSE=bool(collapse), **({} if interpreting() else {"num_warps": 4}))
 
 
 def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,

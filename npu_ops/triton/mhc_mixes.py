@@ -27,9 +27,11 @@ from .mega_mhc import (COEF_T, FUSED_COEF, N_MIX, N_STREAMS, TILES, _finish_coef
 
 @triton.jit
 def _mhc_partials_kernel(x_ptr, fn_ptr, part_ptr, pcomp_ptr, pss_ptr, count_ptr, scale_ptr, base_ptr, opre_ptr,
-                         opost_ptr, ocomb_ptr, T, D, chunk, n_chunks, n_items, num_programs, norm_eps, hc_eps, iters,
+                         opost_ptr, ocomb_ptr, cpre_ptr, xhat_ptr, nw_ptr, xn_ptr, T, D, chunk, n_chunks, n_items,
+                         num_programs, norm_eps, hc_eps, iters, rms_eps,
                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
-                         CT: tl.constexpr, CB: tl.constexpr, WIDE: tl.constexpr):
+                         CT: tl.constexpr, CB: tl.constexpr, WIDE: tl.constexpr, NORM: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BF16: tl.constexpr):
     pid = tl.program_id(0)
     dt = tl.arange(0, BLOCK_D)
     kk = tl.arange(0, 32)
@@ -60,13 +62,17 @@ def _mhc_partials_kernel(x_ptr, fn_ptr, part_ptr, pcomp_ptr, pss_ptr, count_ptr,
         tl.store(pss_ptr + ck * T + tok, tl.sum(ss, axis=1), mask=tm)
         if FUSED:  # the tile's last chunk computes the coefficients (no second launch)
             _finish_coef(tile, count_ptr, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr,
-                         ocomb_ptr, T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T, CT, CB, WIDE)
+                         ocomb_ptr, T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T, CT, CB, WIDE,
+                         xhat_ptr, nw_ptr, xn_ptr, rms_eps, NORM, BLOCK_N, BF16, x_ptr, cpre_ptr, NORM)
 
 
 def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
-              hc_eps: float, iters: int, *, fused: bool | None = None):
+              hc_eps: float, iters: int, *, fused: bool | None = None, collapse_norm: tuple | None = None):
     """x [T, 4, d] -> (pre [T, 4], post [T, 4], comb [T, 4, 4]) fp32. `fused`: the coefficients
-    come from the partials kernel's last program per token tile (one launch; default FUSED_COEF)."""
+    come from the partials kernel's last program per token tile (one launch; default FUSED_COEF).
+    `collapse_norm` = (pre_prev [T, 4], weight [d], eps): the coefficient epilogue also makes
+    x_hat = mhc_collapse(x, pre_prev) and rms_norm(x_hat, weight, eps), returned after the
+    coefficients (`mhc_enter_norm`)."""
     from .launch import grid_for, interpreting, needs_int64, num_workers, tile_counters
 
     if x.dim() != 3 or x.shape[1] != N_STREAMS:
@@ -78,8 +84,22 @@ def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
     pre = torch.empty(t, n, dtype=torch.float32, device=x.device)
     post = torch.empty_like(pre)
     comb = torch.empty(t, n, n, dtype=torch.float32, device=x.device)
+    norm = collapse_norm is not None
+    if norm:
+        pre_prev, nw, rms_eps = collapse_norm
+        if pre_prev.shape != (t, n) or nw.shape != (d,):
+            raise ValueError(f"collapse_norm needs pre [{t}, {n}] and a weight [{d}], got {tuple(pre_prev.shape)}, "
+                             f"{tuple(nw.shape)}")
+        pre_prev, nw = pre_prev.float().contiguous(), nw.contiguous()
+        x_hat, x_norm = torch.empty(t, d, dtype=x.dtype, device=x.device), torch.empty(t, d, dtype=x.dtype, device=x.device)
+        bf16 = x.dtype == torch.bfloat16
+        xh_arg, xn_arg = (x_hat.view(torch.int16), x_norm.view(torch.int16)) if bf16 else (x_hat, x_norm)
+        done = (pre, post, comb, x_hat, x_norm)
+    else:
+        pre_prev = nw = xh_arg = xn_arg = pre  # unused placeholders
+        rms_eps, bf16, done = 0.0, False, (pre, post, comb)
     if t == 0:
-        return pre, post, comb
+        return done
     tiles = TILES["cuda"] if x.device.type == "cuda" and not interpreting() else TILES["default"]
     bt, bd = tiles["block_t"], min(tiles["block_d"], triton.next_power_of_2(d))
     n_tiles, slices = -(-t // bt), -(-d // bd)
@@ -97,13 +117,15 @@ def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
         fused = FUSED_COEF
     wide = needs_int64(x, fn)
     counts = tile_counters(x.device, n_tiles) if fused else pss
-    _mhc_partials_kernel[(grid,)](x, fn, part, pcomp, pss, counts, scale, base, pre, post, comb, t, d, chunk, n_chunks,
-                                  n_items, grid, float(norm_eps), float(hc_eps), int(iters),
-                                  BLOCK_T=bt, BLOCK_D=bd, SPLIT=split, FUSED=fused, CT=COEF_T, CB=coef_chunk_block(), WIDE=wide,
-                                  **kw)
+    _mhc_partials_kernel[(grid,)](x, fn, part, pcomp, pss, counts, scale, base, pre, post, comb, pre_prev, xh_arg, nw,
+                                  xn_arg, t, d, chunk, n_chunks, n_items, grid, float(norm_eps), float(hc_eps),
+                                  int(iters), float(rms_eps), BLOCK_T=bt, BLOCK_D=bd, SPLIT=split, FUSED=fused,
+                                  CT=COEF_T, CB=coef_chunk_block(), WIDE=wide, NORM=norm,
+                                  BLOCK_N=triton.next_power_of_2(d), BF16=bf16, **kw)
     if not fused:
-        launch_coef(part, pcomp, pss, scale, base, pre, post, comb, t, d, n_chunks, norm_eps, hc_eps, iters, wide)
-    return pre, post, comb
+        launch_coef(part, pcomp, pss, scale, base, pre, post, comb, t, d, n_chunks, norm_eps, hc_eps, iters, wide,
+                    (xh_arg, nw, xn_arg, rms_eps, x, pre_prev) if norm else None)
+    return done
 
 
 @triton.jit

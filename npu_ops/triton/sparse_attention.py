@@ -629,7 +629,7 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
         gs = as_int8(_rows_view(glob_scale))
         gi = _index_rows(glob_idx)
     else:
-        gk, gs, gi = wk, ws, torch.full((1,), -1, dtype=torch.int32, device=dev)
+        gk, gs, gi = wk, ws, wi  # placeholders: K = 0, so no global block is visited (no fill launched)
     sk = sink.contiguous()
 
     n_hb = -(-h // block_h)
