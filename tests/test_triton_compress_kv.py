@@ -129,6 +129,24 @@ def test_compress_kv_random(dev, ratio, n, d, r, eps, rng):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_compress_kv_row_strided_inputs(dev, ratio, rng):
+    """kv and score as the two halves of one [rows, 2, D] tensor (the compressor's carry rows, as
+    the model passes them): read in place through their row stride, the same bytes out as from
+    contiguous copies."""
+    kv, score, weight, cos, sin, codes, scales, slots = make_inputs(rng, 5, ratio, 64, 32, cap=12, exact=True)
+    both = torch.stack((kv, score if score is not None else kv), 1)
+    kv_v, score_v = both[:, 0], (both[:, 1] if ratio > 1 else None)
+    assert kv_v.stride(0) == 128 and not kv_v.is_contiguous()
+    pools = lambda: (codes.clone(), scales.clone())  # noqa: E731  (fresh pools: .to("cpu") aliases)
+    got, gc, gs, want, wc, ws = run_both(dev, ratio, 1e-20, kv_v, score_v, weight, cos, sin, *pools(), slots)
+    _, cc, cs, _, _, _ = run_both(dev, ratio, 1e-20, kv, score, weight, cos, sin, *pools(), slots)
+    assert torch.equal(bits16(got), bits16(want))
+    assert torch.equal(gc, wc) and torch.equal(gc, cc)
+    assert torch.equal(gs.view(torch.uint8), ws.view(torch.uint8)) and torch.equal(gs.view(torch.uint8), cs.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 def test_compress_kv_odd_rows_and_no_groups(dev, rng):
     """ratio 2 with a trailing incomplete group (ignored, as the reference), and zero groups."""
     kv, score, weight, cos, sin, codes, scales, slots = make_inputs(rng, 3, 2, 64, 32, cap=8, exact=True)

@@ -61,7 +61,7 @@ def ub_tiles(block_g: int, d: int, ratio: int) -> dict[str, tuple[int, ...]]:
 
 @triton.jit
 def _compress_kv_kernel(kv_ptr, score_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, lat_ptr, code_ptr, scale_ptr,
-                        n_groups, cap, eps, n_tiles, num_programs, code_stride, scale_stride,
+                        n_groups, cap, eps, n_tiles, num_programs, code_stride, scale_stride, kv_stride, score_stride,
                         D: tl.constexpr, HALF_R: tl.constexpr, RATIO: tl.constexpr,
                         BLOCK_G: tl.constexpr, WIDE: tl.constexpr):
     NG: tl.constexpr = D // 16  # FP4 groups per row
@@ -81,13 +81,13 @@ def _compress_kv_kernel(kv_ptr, score_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, la
         g64 = offsets(g, WIDE)  # int32 unless a tensor has 2^31 elements
         m2 = gmask[:, None]
         if RATIO == 1:
-            x = tl.load(kv_ptr + g64[:, None] * D + ch, mask=m2, other=0.0).to(tl.float32)
+            x = tl.load(kv_ptr + g64[:, None] * kv_stride + ch, mask=m2, other=0.0).to(tl.float32)
         else:
-            r0 = (g64 * 2)[:, None] * D + ch
-            s0 = tl.load(score_ptr + r0, mask=m2, other=0.0).to(tl.float32)
-            s1 = tl.load(score_ptr + r0 + D, mask=m2, other=0.0).to(tl.float32)
-            k0 = tl.load(kv_ptr + r0, mask=m2, other=0.0).to(tl.float32)
-            k1 = tl.load(kv_ptr + r0 + D, mask=m2, other=0.0).to(tl.float32)
+            r0 = (g64 * 2)[:, None]  # the group's first row (rows may be strided: views of one tensor)
+            s0 = tl.load(score_ptr + r0 * score_stride + ch, mask=m2, other=0.0).to(tl.float32)
+            s1 = tl.load(score_ptr + (r0 + 1) * score_stride + ch, mask=m2, other=0.0).to(tl.float32)
+            k0 = tl.load(kv_ptr + r0 * kv_stride + ch, mask=m2, other=0.0).to(tl.float32)
+            k1 = tl.load(kv_ptr + (r0 + 1) * kv_stride + ch, mask=m2, other=0.0).to(tl.float32)
             mx = tl.maximum(s0, s1)
             e0 = tl.exp(s0 - mx)
             e1 = tl.exp(s1 - mx)
@@ -160,8 +160,10 @@ def compress_kv(kv, score, ratio, norm_weight, eps, cos, sin, codes, scales, slo
     lat = torch.empty(n, d, dtype=torch.bfloat16, device=kv.device)
     if n == 0:
         return lat
-    kv_c = kv[: n * ratio].contiguous()
-    score_c = score[: n * ratio].contiguous() if ratio > 1 else kv_c
+    # row-strided views (kv and score interleaved in one tensor) are read in place: no copies
+    rows_of = lambda v: v[: n * ratio] if v.stride(-1) == 1 else v[: n * ratio].contiguous()  # noqa: E731
+    kv_c = rows_of(kv)
+    score_c = rows_of(score) if ratio > 1 else kv_c
     block_g, warps = _tiles(kv.device, ratio)
     n_tiles = -(-n // block_g)
     grid = grid_for(n_tiles, kv.device)
@@ -170,7 +172,8 @@ def compress_kv(kv, score, ratio, norm_weight, eps, cos, sin, codes, scales, slo
         extra["enable_fp_fusion"] = False  # a*c - b*s etc. rounded like torch, no FMA contraction
     _compress_kv_kernel[(grid,)](kv_c, score_c, norm_weight.contiguous(), cos.contiguous(), sin.contiguous(),
                                  slots.contiguous(), lat.view(torch.int16), as_int8(cv), as_int8(sv), n, cv.shape[0],
-                                 float(eps), n_tiles, grid, cv.stride(0), sv.stride(0), D=d, HALF_R=half_r,
+                                 float(eps), n_tiles, grid, cv.stride(0), sv.stride(0), kv_c.stride(0),
+                                 score_c.stride(0), D=d, HALF_R=half_r,
                                  RATIO=ratio, BLOCK_G=block_g, WIDE=needs_int64(kv, cv, lat), **extra)
     return lat
 
