@@ -6,7 +6,9 @@ Per op and token count: the fused CUDA launch and the composition of the CUDA op
 (`backends/fused.py`, `backends/paging.*_torch`), each captured several times in one CUDA graph
 and replayed (GPU time per call, launch gaps included: what a decode graph pays), with the maximum
 difference of their outputs. `unrope_grouped_linear` is timed with its fused GEMV forced on
-(`MAX_WEIGHT_BYTES=None`): the row says whether raising that limit pays at this width.
+(`MAX_WEIGHT_BYTES=None`): the row says whether raising that limit pays at this width. The mHC
+ops are timed twice: with the coefficient epilogue as its own launch (the shipped setting) and
+inside the main kernel (`mega_mhc.FUSED_COEF`, one launch per mix): the rows decide that switch.
 Correctness is the tests' business (tests/test_triton_fused.py); this only times.
 """
 
@@ -26,10 +28,19 @@ def graph_time_us(fn) -> str:
     return "n/a" if t is None else f"{t * 1e6:.1f}"
 
 
+def flat(out) -> list:
+    """The tensors of an op's output (nested tuples flattened, None dropped)."""
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in flat(o)]
+    return [] if out is None else [out]
+
+
 def cases(cfg, t: int, dev: torch.device):
     """(name, fused call, composition call) at the attention's shapes for t tokens."""
     from dsv41.backends import fused, paging
     from dsv41.backends.rope_tables import rope_tables as torch_tables
+    from dsv41.npu_ops.triton import mega_mhc, mhc_mixes
+    from dsv41.npu_ops.triton import mhc_mix_norm as mn
     from dsv41.npu_ops.triton import rope as rp
     from dsv41.npu_ops.triton import rope_store_key as rk
     from dsv41.npu_ops.triton import rope_store_kv as rs
@@ -60,6 +71,29 @@ def cases(cfg, t: int, dev: torch.device):
     inv = torch.rand(r // 2, device=dev) * 0.1
     w_ = cfg.sliding_window
 
+    # the mHC step at the model width: streams, sublayer output, this and the next coefficients
+    n, hd = cfg.hc_mult, cfg.hidden_size
+    xs = torch.randn(t, n, hd, device=dev, generator=g).to(bf)
+    ys = torch.randn(t, hd, device=dev, generator=g).to(bf)
+    post, pre = torch.rand(t, n, device=dev, generator=g) * 2, torch.rand(t, n, device=dev, generator=g)
+    comb = torch.softmax(torch.randn(t, n, n, device=dev, generator=g), -1)
+    fn = torch.randn((2 + n) * n, n * hd, device=dev, generator=g) * (n * hd) ** -0.5
+    sc, base = torch.rand(3, device=dev, generator=g) + 0.5, torch.randn((2 + n) * n, device=dev, generator=g)
+    nw = torch.ones(hd, dtype=bf, device=dev)
+    mix = (xs, ys, post, comb, pre, fn, sc, base, 1e-20, 1e-6, 20, nw, 1e-6)
+    enter = (xs, pre, fn, sc, base, 1e-20, 1e-6, 20, nw, 1e-6)
+
+    def coef_inside(call):
+        """`call` with the coefficient epilogue inside the main mHC kernel (FUSED_COEF)."""
+        def run():
+            saved = mega_mhc.FUSED_COEF, mhc_mixes.FUSED_COEF
+            mega_mhc.FUSED_COEF = mhc_mixes.FUSED_COEF = True
+            try:
+                return call()
+            finally:
+                mega_mhc.FUSED_COEF, mhc_mixes.FUSED_COEF = saved
+        return run
+
     def unrope_fused():
         saved, ug.MAX_WEIGHT_BYTES = ug.MAX_WEIGHT_BYTES, None
         try:
@@ -77,6 +111,12 @@ def cases(cfg, t: int, dev: torch.device):
         ("window_rows", lambda: tr.window_rows(table, 16, pos - w_ + 1, pos, floor, w_),
          lambda: paging.window_rows_torch(table, 16, pos - w_ + 1, pos, floor, w_)),
         ("rope_tables", lambda: rp.rope_tables(inv, pos), lambda: torch_tables(inv, pos)),
+        ("mhc_mix_norm", lambda: mn.mhc_mix_norm(*mix), lambda: fused.mhc_mix_norm(*mix)),
+        ("mhc_mix_norm (FUSED_COEF)", coef_inside(lambda: mn.mhc_mix_norm(*mix)),
+         coef_inside(lambda: fused.mhc_mix_norm(*mix))),
+        ("mhc_enter_norm", lambda: mn.mhc_enter_norm(*enter), lambda: fused.mhc_enter_norm(*enter)),
+        ("mhc_enter_norm (FUSED_COEF)", coef_inside(lambda: mn.mhc_enter_norm(*enter)),
+         coef_inside(lambda: fused.mhc_enter_norm(*enter))),
     ]
 
 
@@ -100,7 +140,7 @@ def main(argv=None) -> int:
     for t in args.tokens:
         for name, fast, slow in cases(cfg, t, dev):
             a, b = fast(), slow()
-            diff = "-" if a is None else f"{max((x.float() - y.float()).abs().max().item() for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,))):.3g}"  # noqa: E501
+            diff = "-" if a is None else f"{max((x.float() - y.float()).abs().max().item() for x, y in zip(flat(a), flat(b))):.3g}"  # noqa: E501
             lines.append(f"| {name} | {t} | {graph_time_us(fast)} | {graph_time_us(slow)} | {diff} |")
             print(lines[-1], flush=True)
     if args.out:

@@ -141,15 +141,18 @@ class LaunchCounter:
 
 
 def decode_step_launches(preset: str = "tiny", context: int = 24, batch: int = 1, seed: int = 0,
-                         fused: bool = True) -> LaunchCounter:
+                         fused: bool = True, fused_coef: bool | None = None) -> LaunchCounter:
     """Launches of one decode step of `batch` sequences after `context` prefilled tokens and
     one warm-up decode step each; `fused`: with the fused ops' kernels (DSV41_FUSED=all), else
-    as the compositions they replace (the default on devices until the kernels are verified)."""
+    as the compositions they replace (the default on devices until the kernels are verified);
+    `fused_coef`: the mHC coefficient epilogue inside the main mHC kernels (one launch per mix,
+    `mega_mhc.FUSED_COEF`) or as its own launch (None: the shipped setting)."""
     from dsv41.backends import registry
     from dsv41.core.batch import Chunk, build_step
     from dsv41.core.cache import KVPool, SequenceState
     from dsv41.core.config import preset as get_preset
     from dsv41.core.weights import build_model
+    from dsv41.npu_ops.triton import mega_mhc, mhc_mixes
 
     if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
         raise RuntimeError("set TRITON_INTERPRET=1 (no CUDA device) before importing triton")
@@ -160,6 +163,9 @@ def decode_step_launches(preset: str = "tiny", context: int = 24, batch: int = 1
     states = [SequenceState() for _ in range(batch)]
     prompts = [torch.randint(0, cfg.vocab_size, (context + 2,), generator=gen).tolist() for _ in range(batch)]
     saved = {k: os.environ.get(k) for k in (registry.ENV_VAR, registry.STRICT_VAR, registry.FUSED_VAR)}
+    saved_coef = mega_mhc.FUSED_COEF, mhc_mixes.FUSED_COEF
+    if fused_coef is not None:
+        mega_mhc.FUSED_COEF = mhc_mixes.FUSED_COEF = fused_coef
     try:
         os.environ[registry.FUSED_VAR] = "all" if fused else ""
         os.environ[registry.ENV_VAR] = "reference"  # the context, quickly
@@ -177,6 +183,7 @@ def decode_step_launches(preset: str = "tiny", context: int = 24, batch: int = 1
         with counter.ranges(model), counter.triton_launches(), _Count(counter):
             model(step, pool, check=False)
     finally:
+        mega_mhc.FUSED_COEF, mhc_mixes.FUSED_COEF = saved_coef
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -193,10 +200,14 @@ def main(argv=None) -> int:
     ap.add_argument("--detail", action="store_true", help="list the launches of one layer of each kind")
     ap.add_argument("--unfused", action="store_true",
                     help="fused ops as the compositions they replace (the device default until verified)")
+    ap.add_argument("--fused-coef", action="store_true",
+                    help="the mHC coefficient epilogue inside the main mHC kernels (mega_mhc.FUSED_COEF)")
     args = ap.parse_args(argv)
-    c = decode_step_launches(args.preset, args.context, args.batch, fused=not args.unfused)
+    c = decode_step_launches(args.preset, args.context, args.batch, fused=not args.unfused,
+                             fused_coef=True if args.fused_coef else None)
     print(f"launches in one {args.preset} decode step, batch {args.batch}, context {args.context}, "
-          f"{'compositions' if args.unfused else 'fused kernels (DSV41_FUSED=all)'}: {c.total}")
+          f"{'compositions' if args.unfused else 'fused kernels (DSV41_FUSED=all)'}"
+          f"{', FUSED_COEF' if args.fused_coef else ''}: {c.total}")
     print("| range | layers | launches per layer |\n|---|---|---|")
     for kind, (n, per) in c.kinds().items():
         print(f"| {kind} | {n} | {per:g} |")

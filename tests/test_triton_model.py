@@ -30,7 +30,8 @@ from dsv41.core.weights import build_model, random_state_dict
 MODEL_OPS = {"sparse_attention", "indexer_topk", "compress_kv", "mhc_mix", "engram_lookup", "moe_route",
              "mxfp4_act_quant", "linear", "moe_experts", "grouped_linear", "rms_norm", "rope", "fp8_quant",
              "mhc_mixes", "mhc_collapse", "engram_gate", "rope_tables", "table_rows", "window_rows", "rope_store_kv",
-             "rope_store_key", "unrope_grouped_linear", "compress_rows", "engram_hash"}
+             "rope_store_key", "unrope_grouped_linear", "compress_rows", "engram_hash", "mhc_mix_norm",
+             "mhc_enter_norm"}
 
 # bf16 outputs: one bf16 ulp of the largest element is 2^-8 of it; allow two.
 BF16_REL = 2 * 2.0**-8

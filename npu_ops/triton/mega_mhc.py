@@ -345,7 +345,6 @@ def _norm_rows(t0, xhat_ptr, nw_ptr, xn_ptr, T, D, rms_eps, BLOCK_T: tl.constexp
     D] and pre [T, 4] as the `mhc_collapse` kernel makes it, and stored."""
     cols = tl.arange(0, BLOCK_N)
     cm = cols < D
-    w = tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
     for i in tl.static_range(BLOCK_T):
         tk = t0 + i
         m = cm & (tk < T)
@@ -373,7 +372,8 @@ def _norm_rows(t0, xhat_ptr, nw_ptr, xn_ptr, T, D, rms_eps, BLOCK_T: tl.constexp
         else:
             xv = _load_chunks(xhat_ptr, off, m, CG).to(tl.float32)
         inv = tl.math.rsqrt(tl.sum(xv * xv, axis=0) / D + rms_eps)
-        yv = xv * inv * w
+        # (the weight loaded per row, from L1: one [BLOCK_N] row live at a time, as in `rms_norm`)
+        yv = xv * inv * tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
         if BF16:
             tl.store(xn_ptr + off, bf16_bits16(yv), mask=m)
         else:
