@@ -7,7 +7,7 @@ CPU path computes exactly what it computed before the op existed) and its implem
 backend without a fused kernel of its own (`registry.register_composite`; Ascend runs it so until
 its kernels are vetted on triton-ascend). CUDA registers the Triton kernels
 (`npu_ops/triton/rope_store_kv.py`, `rope_store_key.py`, `unrope_grouped_linear.py`,
-`engram_hash.py`, `mhc_mix_norm.py`), tested against these.
+`engram_hash.py`, `mhc_mix_norm.py`, `indexer_queries.py`), tested against these.
 """
 
 from __future__ import annotations
@@ -41,6 +41,13 @@ def rope_store_key(key: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos
     """The compressed entries' indexer keys, normed, RoPE'd, MXFP4-quantised, written to the pool."""
     codes, scales = ops.mxfp4_quant(ops.rope(ops.rms_norm(key, norm_weight, eps), cos, sin))
     write_rows((key_codes, key_scale), slots, (codes, scales))
+
+
+@register_composite("indexer_queries")
+def indexer_queries(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: torch.Tensor,
+                    w_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's RoPE'd, MXFP4 quantise-dequantised queries, and its scaled head weights."""
+    return ops.mxfp4_act_quant(ops.rope(q, cos, sin)), w * w_scale
 
 
 @register_composite("mhc_mix_norm")

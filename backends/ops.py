@@ -231,6 +231,12 @@ def engram_hash(ngram_ids: Tensor, ngram_image: Tensor, token_map: Tensor, multi
 
 
 @_op
+def indexer_queries(q: Tensor, cos: Tensor, sin: Tensor, w: Tensor, w_scale: float) -> tuple[Tensor, Tensor]:
+    """The indexer's query tail in one pass: (mxfp4_act_quant(rope(q, cos, sin)) fp32 [T, H, Di],
+    w * w_scale fp32 [T, H]). q [T, H, Di] bf16, w [T, H] fp32 head weights."""
+
+
+@_op
 def mhc_mix_norm(x: Tensor, y: Tensor, post: Tensor, comb: Tensor, pre: Tensor, fn: Tensor | None,
                  scale: Tensor | None, base: Tensor | None, norm_eps: float, hc_eps: float, iters: int,
                  norm_weight: Tensor, eps: float):

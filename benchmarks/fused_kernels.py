@@ -39,6 +39,7 @@ def cases(cfg, t: int, dev: torch.device):
     """(name, fused call, composition call) at the attention's shapes for t tokens."""
     from dsv41.backends import fused, paging
     from dsv41.backends.rope_tables import rope_tables as torch_tables
+    from dsv41.npu_ops.triton import indexer_queries as iq
     from dsv41.npu_ops.triton import mega_mhc, mhc_mixes
     from dsv41.npu_ops.triton import mhc_mix_norm as mn
     from dsv41.npu_ops.triton import rope as rp
@@ -71,6 +72,8 @@ def cases(cfg, t: int, dev: torch.device):
     inv = torch.rand(r // 2, device=dev) * 0.1
     w_ = cfg.sliding_window
 
+    iqs = torch.randn(t, cfg.index_n_heads, di, device=dev, generator=g).to(bf)  # indexer queries
+    iw = torch.randn(t, cfg.index_n_heads, device=dev, generator=g)
     # the mHC step at the model width: streams, sublayer output, this and the next coefficients
     n, hd = cfg.hc_mult, cfg.hidden_size
     xs = torch.randn(t, n, hd, device=dev, generator=g).to(bf)
@@ -111,6 +114,8 @@ def cases(cfg, t: int, dev: torch.device):
         ("window_rows", lambda: tr.window_rows(table, 16, pos - w_ + 1, pos, floor, w_),
          lambda: paging.window_rows_torch(table, 16, pos - w_ + 1, pos, floor, w_)),
         ("rope_tables", lambda: rp.rope_tables(inv, pos), lambda: torch_tables(inv, pos)),
+        ("indexer_queries", lambda: iq.indexer_queries(iqs, cos, sin, iw, 0.01),
+         lambda: fused.indexer_queries(iqs, cos, sin, iw, 0.01)),
         ("mhc_mix_norm", lambda: mn.mhc_mix_norm(*mix), lambda: fused.mhc_mix_norm(*mix)),
         ("mhc_mix_norm (FUSED_COEF)", coef_inside(lambda: mn.mhc_mix_norm(*mix)),
          coef_inside(lambda: fused.mhc_mix_norm(*mix))),

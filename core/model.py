@@ -170,11 +170,11 @@ class Indexer(nn.Module):
     def queries(self, x, qr, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """(MXFP4 quantise-dequantised RoPE'd queries [T, Hi, Di], head weights [T, Hi])."""
         # independent pieces: on Ascend the weights projection (a matmul) runs on a second stream
-        # beside the query path (platform `overlap`); elsewhere one after the other
-        w, q = overlap(x.device, lambda: self.weights_proj(x, torch.float32) * self.weight_scale,
-                       lambda: ops.mxfp4_act_quant(ops.rope(self.wq_b(qr).view(-1, self.n_heads, self.head_dim),
-                                                            cos, sin)))
-        return q, w
+        # beside the query projection (platform `overlap`); elsewhere one after the other. Then
+        # RoPE, MXFP4 and the weight scale in one pass (`indexer_queries`).
+        w, q = overlap(x.device, lambda: self.weights_proj(x, torch.float32),
+                       lambda: self.wq_b(qr).view(-1, self.n_heads, self.head_dim))
+        return ops.indexer_queries(q, cos, sin, w, self.weight_scale)
 
 
 def _dense(cfg: ModelConfig) -> str:

@@ -1,5 +1,5 @@
 """The fused decode-path kernels (rope_tables, table_rows, window_rows, compress_rows, rope_store_kv,
-rope_store_key, unrope_grouped_linear, engram_hash) against the
+rope_store_key, unrope_grouped_linear, engram_hash, indexer_queries) against the
 compositions they stand for (backends/fused.py, on the reference ops), and the registry's
 handling of fused ops (a composition is no fallback, on any backend).
 
@@ -201,6 +201,29 @@ def test_unrope_grouped_linear_kernel(dev, t, h, d, r, groups, ro, rng):
     assert max_rel(got, want) <= BF16_REL
     with pytest.raises(ValueError, match="do not fit"):
         ug.unrope_grouped_linear(x.to(dev), ang.cos().to(dev), ang.sin().to(dev), w.to(dev), 3)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("t,h,d,r", [(1, 4, 64, 32), (3, 5, 128, 64), (2, 2, 96, 96)])
+def test_indexer_queries_kernel(dev, t, h, d, r, rng):
+    """Bit for bit the composition (rope, MXFP4 quantise-dequantise, the weight multiply), on
+    queries spanning many binades (every E8M0 scale path) with a few zero groups."""
+    from dsv41.npu_ops.triton import indexer_queries as iq
+
+    q = torch.randn(t, h, d, generator=rng) * torch.exp2(torch.randint(-20, 20, (t, h, 1), generator=rng).float())
+    q[0, 0, :32] = 0.0
+    q[-1, -1, :32] = torch.linspace(-11.0, 11.0, 32)
+    q[-1, -1, 0] = 12.0  # amax 1.5 * 2^3 exactly: the scale's ceil(log2(amax / 6)) at its edge
+    q = q.to(torch.bfloat16)
+    ang = torch.randn(t, r // 2, generator=rng) * 3
+    w = torch.randn(t, h, generator=rng)
+    scale = 128 ** -0.5 * 3 ** -0.5  # not a power of two: the multiply rounds
+    want_q, want_w = fused.indexer_queries(q, ang.cos(), ang.sin(), w, scale)
+    got_q, got_w = iq.indexer_queries(q.to(dev), ang.cos().to(dev), ang.sin().to(dev), w.to(dev), scale)
+    assert got_q.dtype == got_w.dtype == torch.float32 and got_q.shape == (t, h, d) and got_w.shape == (t, h)
+    assert torch.equal(got_q.cpu(), want_q) and torch.equal(got_w.cpu(), want_w)
+    assert torch.equal(got_q.cpu().view(torch.int32), want_q.view(torch.int32))  # zeros' signs too
+    assert not torch.equal(want_q, q.float())  # (the rotation and the quantisation change values)
 
 
 def test_fused_ops_are_compositions_on_every_backend(monkeypatch):

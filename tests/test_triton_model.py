@@ -31,7 +31,7 @@ MODEL_OPS = {"sparse_attention", "indexer_topk", "compress_kv", "mhc_mix", "engr
              "mxfp4_act_quant", "linear", "moe_experts", "grouped_linear", "rms_norm", "rope", "fp8_quant",
              "mhc_mixes", "mhc_collapse", "engram_gate", "rope_tables", "table_rows", "window_rows", "rope_store_kv",
              "rope_store_key", "unrope_grouped_linear", "compress_rows", "engram_hash", "mhc_mix_norm",
-             "mhc_enter_norm"}
+             "mhc_enter_norm", "indexer_queries"}
 
 # bf16 outputs: one bf16 ulp of the largest element is 2^-8 of it; allow two.
 BF16_REL = 2 * 2.0**-8
