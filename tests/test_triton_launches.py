@@ -36,9 +36,34 @@ def test_decode_step_launches_per_layer_kind():
     assert c.total <= mod.BOUNDS["total"]
     # a Reuse layer: four linears (one launch each at one row: the activation is quantised in the
     # kernel), q_norm, the fused query / window-entry tail, attention (+ its split combine), the
-    # fused output tail: no torch glue
-    reuse = next(n for n in c.by_range if n.startswith("attn.reuse."))
-    assert not [k for k in c.detail[reuse] if k.startswith("aten.")], c.detail[reuse]
+    # fused output tail: no torch glue; nor in SWA and Reindex layers
+    for kind in ("attn.reuse.", "attn.swa.", "attn.reindex."):
+        layer = next(n for n in c.by_range if n.startswith(kind))
+        assert not [k for k in c.detail[layer] if k.startswith("aten.")], c.detail[layer]
+    # MoE: the router, the shared and routed experts' kernels and one add rounding their sum
+    moe = next(n for n in c.by_range if n.startswith("moe."))
+    assert [k for k in c.detail[moe] if k.startswith("aten.")] == ["aten.add"], c.detail[moe]
+    # 'other': the norms before attention and FFN come out of the mHC steps (only the final norm
+    # is its own launch)
+    assert c.detail["other"]["triton._rms_norm_kernel"] == 1, c.detail["other"]
+
+
+def test_decode_step_launches_with_coefficients_inside_mhc_kernels():
+    """With the mHC coefficient epilogue inside the main mHC kernels (`mega_mhc.FUSED_COEF`), each
+    mHC step (and its next norm) is one launch: 'other' is then the per-step work and one launch per
+    mHC step. The switch itself is left as shipped."""
+    from dsv41.npu_ops.triton import mega_mhc, mhc_mixes
+
+    mod = _launches()
+    before = mega_mhc.FUSED_COEF, mhc_mixes.FUSED_COEF
+    c = mod.decode_step_launches("tiny", context=24, batch=1, fused_coef=True)
+    assert (mega_mhc.FUSED_COEF, mhc_mixes.FUSED_COEF) == before
+    kinds = c.kinds()
+    print("\n[dsv41] launches per layer with FUSED_COEF:", {k: round(v[1], 2) for k, v in kinds.items()}, "total", c.total)
+    assert kinds["other"][1] <= mod.BOUNDS_FUSED_COEF["other"] and c.total <= mod.BOUNDS_FUSED_COEF["total"]
+    other = c.detail["other"]
+    assert "triton._mhc_coef_kernel" not in other and "triton._rms_norm_kernel" in other  # (the final norm only)
+    assert other["triton._rms_norm_kernel"] == 1
 
 
 def test_counter_counts_kernels_not_views():
