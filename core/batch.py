@@ -51,6 +51,10 @@ class StepBatch:
     # host copies of (ngram_ids, ngram_image): Engram rows of host-held tables are gathered from
     # them before the step (core/engram.EngramPrefetch); None = read back from the device
     ngram_host: tuple[torch.Tensor, torch.Tensor] | None = None
+    # row i is sequence i (seq = arange(T): a decode step, one token per sequence), so the
+    # per-sequence tensors are already per row: `Rows.of` gathers nothing (a host fact, fixed
+    # when the batch is laid out; a decode graph's persistent batch keeps it)
+    rows_are_sequences: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +87,9 @@ class Rows:
         else:
             lo, hi = b.draft_window
             width = w + cfg.dspark_block_size
+        if b.rows_are_sequences and b.floors.shape[0] == b.num_tokens:  # per row already: no gathers
+            return cls(b.positions, seq, b.is_image, tuple(b.swa_tables), tuple(b.glob_tables), b.floors,
+                       b.glob_from, lo, hi, width)
         return cls(b.positions, seq, b.is_image, tuple(t[seq] for t in b.swa_tables),
                    tuple(t[seq] for t in b.glob_tables), b.floors[seq], b.glob_from[seq], lo, hi, width)
 
@@ -211,4 +218,5 @@ def build_step(cfg: ModelConfig, pool: KVPool, chunks: list[Chunk], device: torc
         logit_rows=None if len(logit_rows) == n_dec else t(logit_rows, dtype=torch.long, device=device),
         image_embeds=torch.cat(images) if images else None,
         ngram_host=ngram_host,
+        rows_are_sequences=all(len(ch.ids) == 1 for ch in chunks),  # (then seq = 0 .. B - 1)
     )

@@ -77,7 +77,8 @@ class DecodeGraphs:
         return StepBatch(ids=z(n), positions=z(n), seq=torch.arange(n, device=self.device), swa_tables=(z(n, w),),
                          glob_tables=(z(n, w),), floors=z(n, 3), glob_from=z(n), ngram_ids=z(n, ng) - 1,
                          ngram_image=z(n, ng, dt=torch.bool), is_image=z(n, dt=torch.bool),
-                         ngram_host=(torch.full((n, ng), -1, dtype=torch.long), torch.zeros(n, ng, dtype=torch.bool)))
+                         ngram_host=(torch.full((n, ng), -1, dtype=torch.long), torch.zeros(n, ng, dtype=torch.bool)),
+                         rows_are_sequences=True)  # (seq = arange: row i is sequence i)
 
     def capture(self) -> None:
         """Warm up and capture every bucket (largest first, sharing one memory pool)."""

@@ -242,3 +242,26 @@ def test_torch_default_dtype_does_not_matter(tiny_cfg, tiny_model, fresh_seed, r
     finally:
         torch.set_default_dtype(old)
     assert torch.equal(got, want)
+
+
+def test_decode_rows_need_no_gathers(tiny_cfg):
+    """A step of one token per sequence has its rows laid out as its sequences
+    (`rows_are_sequences`): `Rows.of` takes the per-sequence tensors as they are (no gather
+    launches), equal to the gathered ones; a step with longer chunks gathers."""
+    from dataclasses import replace
+
+    from dsv41.core.batch import Chunk, Rows, build_step
+    from dsv41.core.cache import KVPool, SequenceState
+
+    pool = KVPool(tiny_cfg, block_size=16, device="cpu", drafter=False)
+    states = [SequenceState() for _ in range(3)]
+    prefill = build_step(tiny_cfg, pool, [Chunk(s, [1] * (5 + 13 * i)) for i, s in enumerate(states)], "cpu")
+    assert not prefill.rows_are_sequences
+    step = build_step(tiny_cfg, pool, [Chunk(s, [2]) for s in reversed(states)], "cpu")
+    assert step.rows_are_sequences and torch.equal(step.seq, torch.arange(3))
+    rows, gathered = Rows.of(step, tiny_cfg), Rows.of(replace(step, rows_are_sequences=False), tiny_cfg)
+    assert rows.swa_tables[0] is step.swa_tables[0] and rows.floors is step.floors
+    for a, b in [(rows.floors, gathered.floors), (rows.glob_from, gathered.glob_from),
+                 *zip(rows.swa_tables + rows.glob_tables, gathered.swa_tables + gathered.glob_tables)]:
+        assert torch.equal(a, b)
+    assert len({tuple(t.tolist()) for t in rows.glob_tables[0]}) == 3  # (the sequences' tables differ)
