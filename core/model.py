@@ -382,9 +382,9 @@ class MoE(nn.Module):
             shared, y = self._platform(x.device).overlap(lambda: self.shared(x, acc), routed)
         else:
             y, shared = routed(), self.shared(x, acc)
-        if self.group.world_size == 1 and y.dtype == torch.float32:
-            # fp32 sums: the add and the bf16 rounding in one kernel (the value of
-            # (y + shared).to(bf16): fp32 add, one rounding)
+        if self.group.world_size == 1 and y.dtype == torch.float32 and y.device.type in ("cuda", "cpu"):
+            # fp32 sums: the add and the bf16 rounding in one kernel (CUDA's elementwise kernels
+            # cast on store: the value of (y + shared).to(bf16), an fp32 add then one rounding)
             return torch.add(y, shared, out=torch.empty(y.shape, dtype=BF16, device=y.device))
         return self.group.all_reduce_sum(y + shared).float().to(BF16)
 
