@@ -223,7 +223,7 @@ def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr
             if FUSED:  # the tile's last chunk computes the coefficients (no second launch)
                 _finish_coef(tile, count_ptr, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr,
                              ocomb_ptr, T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T, CT, CB, WIDE,
-                             xhat_ptr, nw_ptr, xn_ptr, rms_eps, NORM, BLOCK_N, OUT_BF16)
+                             xhat_ptr, nw_ptr, xn_ptr, rms_eps, NORM, BLOCK_N, OUT_BF16, x_ptr, pre_ptr, False)
 
 
 @triton.jit
@@ -336,8 +336,7 @@ def _coef_tile(t0, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, 
 
 @triton.jit
 def _norm_rows(t0, xhat_ptr, nw_ptr, xn_ptr, T, D, rms_eps, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-               BF16: tl.constexpr, WIDE: tl.constexpr, CG: tl.constexpr, x_ptr=None, pre_ptr=None,
-               COLLAPSE: tl.constexpr = False):
+               BF16: tl.constexpr, WIDE: tl.constexpr, CG: tl.constexpr, x_ptr, pre_ptr, COLLAPSE: tl.constexpr):
     """RMSNorm of x_hat rows t0 .. t0 + BLOCK_T - 1 (the next sublayer's normed input, as the
     `rms_norm` kernel computes it: fp32 math, one whole row at a time): x_hat and the output are
     bf16 bit patterns (int16) when BF16, fp32 otherwise; CG: x_hat was written by other programs
@@ -383,9 +382,8 @@ def _norm_rows(t0, xhat_ptr, nw_ptr, xn_ptr, T, D, rms_eps, BLOCK_T: tl.constexp
 @triton.jit
 def _finish_coef(tile, count_ptr, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
                  T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T: tl.constexpr, CT: tl.constexpr, CB: tl.constexpr,
-                 WIDE: tl.constexpr, xhat_ptr=None, nw_ptr=None, xn_ptr=None, rms_eps=0.0, NORM: tl.constexpr = False,
-                 BLOCK_N: tl.constexpr = 1, BF16: tl.constexpr = False, x_ptr=None, pre_ptr=None,
-                 COLLAPSE: tl.constexpr = False):
+                 WIDE: tl.constexpr, xhat_ptr, nw_ptr, xn_ptr, rms_eps, NORM: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BF16: tl.constexpr, x_ptr, pre_ptr, COLLAPSE: tl.constexpr):
     """After a program stored its chunk's partials of token tile `tile`: bump the tile's counter
     (acq_rel, after a CTA barrier); the program that completes the tile runs its coefficient
     epilogue (reading every chunk from L2), with NORM the RMSNorm of the tile's x_hat rows
