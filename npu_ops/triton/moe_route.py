@@ -14,7 +14,8 @@ in slice order, and does the routing: softplus
 sqrt, + bias, then k rounds of "max, lowest id among the max, mask it out". Every partial logit
 comes from exactly one tile and the slices are summed in a fixed order (no float atomics), so the
 result is deterministic. The counters are the device's shared `tile_counters` (zero between
-calls: the completing tile resets its block's counter), so a call launches no memset.
+calls: the completing tile resets its block's counter), so a call launches no memset; on Ascend
+a zeroed buffer per call.
 
 Dot precision: compiled, the operands are bf16 with fp32 accumulation. The gate weight is bf16
 (exact); x is split into SPLITS bf16 terms (hi + mid + lo) so that every product is exact: 1 term
@@ -116,7 +117,9 @@ def _moe_route_kernel(x_ptr, w_ptr, bias_ptr, vl_ptr, img_ptr, logit_ptr, count_
             out = offsets(rows, WIDE)[:, None] * TOPK + kcols[None, :]
             tl.store(wout_ptr + out, wk, mask=om)
             tl.store(iout_ptr + out, ik.to(tl.int64), mask=om)
-            tl.atomic_xchg(count_ptr + tb, 0)  # the counters stay zero between calls (`tile_counters`)
+            # the block's counter back to zero for the next call (`tile_counters`): every tile of
+            # the block has counted, so nothing else touches it in this launch
+            tl.store(count_ptr + tb, 0)
 
 
 def ub_tiles(bt: int, be: int, bk: int, n_experts: int, topk: int) -> dict[str, tuple[int, ...]]:
@@ -210,7 +213,10 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
     n_tiles = n_tb * n_eb * n_ks
     grid = grid_for(n_tiles, x.device, cores="cube")  # tl.dot: one program per AI core on Ascend
     logits = torch.empty(n_ks, t, e, dtype=torch.float32, device=x.device)
-    counts = tile_counters(x.device, n_tb)  # zero, and left zero by the kernel: no memset per call
+    # the device's shared counters (zero, and left zero by the kernel: no memset per call); on
+    # Ascend a zeroed buffer per call, as before (the shared buffer is keyed by CUDA stream only)
+    counts = (torch.zeros(n_tb, dtype=torch.int32, device=x.device) if x.device.type == "npu"
+              else tile_counters(x.device, n_tb))
     extra = {} if interpreting() else {"num_warps": warps}
     _moe_route_kernel[(grid,)](
         x.contiguous(), gate_weight.contiguous(), bias.contiguous(), vl, img, logits, counts, weights, ids,
