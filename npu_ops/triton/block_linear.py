@@ -45,8 +45,8 @@ import triton.language as tl
 
 from ...backends.reference import quant
 from ...backends.reference.basic import linear as linear_ref  # noqa: F401  (the oracle)
-from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, e8m0_value, fp8_qdq_groups, gemv_acc, gemv_load_w,
-                           load_weight_tile, scaled_block_step)
+from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, e8m0_value, fp8_exponent, fp8_qdq_groups, fp8_round,
+                           gemv_acc, gemv_load_w, load_weight_tile, pow2, scaled_block_step)
 from .fp4_common import split_dot_acc
 from .launch import tile_counters
 
@@ -314,8 +314,8 @@ def _fold_xs_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, 
         xs = tl.reshape(tl.reshape(xt, (NB, 32, BX)) * sw[:, None, :], (BK, BX))
         if PLACE:
             wb = e4m3_placed(w, LOWP)
-        elif LOWP:
-            wb = w.to(tl.bfloat16)
+        elif LOWP:  # through fp32: E4M3 -> f16x2 -> fp32 (FMA pipe) -> packed bf16, not Triton's direct
+            wb = w.to(tl.float32).to(tl.bfloat16)  # cast, which adds a per-element F2F (conversion pipe)
         else:
             wb = w.to(tl.float32)
         acc = _fold_dot(acc, wb, xs, LOWP)
@@ -327,6 +327,58 @@ def _fold_xs_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, 
     res = tl.reshape(tl.sum(tl.where(gsel, acc4, 0.0), axis=2), (BN, MP))
     rm = pid_m * MP + tl.arange(0, MP)
     _finish_tile(tl.trans(res), out_ptr, part_ptr, count_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, rm, rn,
+                 M, N, SPLIT_K, OUT_BF16)
+
+
+@triton.jit
+def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, s_stride, k_per_split,
+                    SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, QDQ_ROW: tl.constexpr, LOWP: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The FP8 linear at decode sizes on the FP8 tensor cores: no weight conversion at all. Per
+    32-wide K block one dot of the raw E4M3 weight tile [BN, 32] with x's E4M3 codes [32, BM]
+    (fp32 out), times the weight's and x's power-of-two block scales, added to the fp32
+    accumulator [BN, BM] -- MODEL.md's form (block partial sum of unscaled products, times both
+    scales) with the block sum taken by the tensor core. The products are exact; the FP8 MMA's
+    internal accumulation of the 32 products is narrower than IEEE fp32 (on Hopper about 2^-13 of
+    the block's largest term), so this path is a numerics class of its own: benchmarks/dense_ab.py
+    reports its fp32-output error beside the others. x: E4M3 codes [M, K] and E8M0 scales [M, K/32]
+    (`fp8_quant`), or with QDQ_ROW (M == 1) the bf16 row, quantised here. Under the interpreter
+    the dot runs in fp32 ("ieee") on the same code values."""
+    NB: tl.constexpr = BK // 32
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = pid_m * BM + tl.arange(0, BM)
+    nmask = rn < N
+    mmask = rm < M
+    rn64 = rn.to(tl.int64)
+    rm64 = rm.to(tl.int64)
+    j = tl.arange(0, 32)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    for k0 in range(k_lo, k_hi, BK):
+        for kb in tl.static_range(NB):
+            kc = k0 + kb * 32
+            kok = kc < k_hi
+            w = tl.load(w_ptr + rn64[:, None] * K + (kc + j)[None, :], mask=nmask[:, None] & kok, other=0.0)
+            sw = e8m0_value(tl.load(s_ptr + (rn64 // 32) * s_stride + kc // 32, mask=nmask & kok, other=0).to(tl.int32))
+            if QDQ_ROW:  # x's one row: this block's exponent and E4M3 codes, in column 0
+                xr = tl.load(x_ptr + kc + j, mask=kok, other=0.0).to(tl.float32)
+                e = fp8_exponent(tl.max(tl.abs(xr), axis=0))
+                xq = fp8_round(xr * pow2(-e))
+                xt = tl.where((tl.arange(0, BM) == 0)[None, :], xq[:, None], 0.0)
+                sx = tl.where(tl.arange(0, BM) == 0, pow2(e), 0.0)
+            else:
+                xt = tl.load(x_ptr + rm64[None, :] * K + (kc + j)[:, None], mask=mmask[None, :] & kok, other=0.0)
+                sx = e8m0_value(tl.load(xs_ptr + rm64 * (K // 32) + kc // 32, mask=mmask & kok, other=0).to(tl.int32))
+            if LOWP:
+                part = tl.dot(w, xt.to(tl.float8e4nv))
+            else:
+                part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+            acc += part * sw[:, None] * sx[None, :]
+    _finish_tile(tl.trans(acc), out_ptr, part_ptr, count_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, rm, rn,
                  M, N, SPLIT_K, OUT_BF16)
 
 
@@ -420,16 +472,21 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     if path is None:
         if kind == W_FP8 and m <= FOLD_MAX_M:
             path, xs_tiles = fp8_decode_mode()
-            if m > XS_MAX_M:
-                path = "fold"
+            xs_tiles = dict(xs_tiles)
+            max_m = xs_tiles.pop("max_m", FOLD_MAX_M if path == "fp8mma" else XS_MAX_M)
+            if m > max_m or (m > XS_MAX_M and path in ("xscale", "place")):
+                path, xs_tiles = "fold", {}
         else:
             path = "gemv" if kind != W_DENSE and m <= GEMV_DEFAULT_M else "tiled"
-    if path in ("xscale", "place"):
+    if path in ("xscale", "place", "fp8mma"):
         if kind != W_FP8:
             raise ValueError(f"linear: the {path} path takes FP8 weights")
         given = {"bn": bn, "bk": bk, "split_k": split_k, "num_warps": num_warps, "num_stages": num_stages}
         xs_tiles = dict(xs_tiles, **{a: b for a, b in given.items() if b is not None})
-        _launch_fold_xs(x2, weight, scale, out, place=path == "place", qdq_row=qdq_row, **xs_tiles)
+        if path == "fp8mma":
+            _launch_fp8_mma(x2, weight, scale, out, bm=bm, qdq_row=qdq_row, **xs_tiles)
+        else:
+            _launch_fold_xs(x2, weight, scale, out, place=path == "place", qdq_row=qdq_row, **xs_tiles)
         return
     if path == "fold":
         if kind != W_FP8:
@@ -539,15 +596,19 @@ def _launch_fold(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_k=N
         BM=bm, BN=bn, BK=bk, **kw)
 
 
-# The FP8 decode path at M <= XS_MAX_M, chosen once per process from the environment:
-# DSV41_FP8_DECODE = "fold" (default: `_fold_linear_kernel`), "xscale" (`_fold_xs_kernel`, hardware
-# conversion) or "place" (`_fold_xs_kernel`, bit placement), optionally followed by tile settings,
-# e.g. "place:bn=128,waves=8,stages=3,warps=4". Default "fold" until the H200 A/B
+# The FP8 decode path, chosen once per process from the environment: DSV41_FP8_DECODE = "fold"
+# (default: `_fold_linear_kernel`), at M <= XS_MAX_M "xscale" (`_fold_xs_kernel`, hardware
+# conversion) or "place" (`_fold_xs_kernel`, bit placement), at M <= FOLD_MAX_M "fp8mma"
+# (`_fp8_mma_kernel`, FP8 tensor cores), optionally followed by tile settings and a row limit
+# (more rows take "fold"), e.g. "place:bn=128,waves=8,stages=3,warps=4" or "fp8mma:maxm=8". Default "fold" until the H200 A/B
 # (benchmarks/dense_ab.py) has measured the others.
 XS_MAX_M = 8
 XS = {"bn": 64, "bk": 128, "num_warps": 4, "num_stages": 4, "waves": 4}
 XS_INTERP = {"bn": 64, "bk": 64}
-FP8_DECODE_MODES = ("fold", "xscale", "place")
+FP8_DECODE_MODES = ("fold", "xscale", "place", "fp8mma")
+# "fp8mma" (`_fp8_mma_kernel`, M <= FOLD_MAX_M): the FP8 tensor cores on the raw codes.
+F8 = {"bn": 64, "bk": 128, "num_warps": 4, "num_stages": 4, "waves": 4}
+F8_INTERP = {"bn": 32, "bk": 64}
 _FP8_DECODE: list = []
 
 
@@ -558,7 +619,7 @@ def parse_fp8_decode(spec: str) -> tuple[str, dict]:
     mode = mode or "fold"
     if mode not in FP8_DECODE_MODES:
         raise ValueError(f"DSV41_FP8_DECODE: unknown mode {mode!r} (one of {', '.join(FP8_DECODE_MODES)})")
-    keys = {"bn": "bn", "bk": "bk", "waves": "waves", "stages": "num_stages", "warps": "num_warps"}
+    keys = {"bn": "bn", "bk": "bk", "waves": "waves", "stages": "num_stages", "warps": "num_warps", "maxm": "max_m"}
     tiles = {}
     for item in filter(None, rest.split(",")):
         k, _, v = item.partition("=")
@@ -617,6 +678,49 @@ def _launch_fold_xs(x2, weight, scale, out, *, place: bool, bn=None, bk=None, sp
         x2.stride(0), scale.shape[1], k_per_split,
         SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, QDQ_ROW=qdq_row, PLACE=place, LOWP=not interp,
         MP=mp, BX=bx, BN=bn, BK=bk, **kw)
+
+
+def _launch_fp8_mma(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_k=None, num_warps=None,
+                    num_stages=None, waves=None, qdq_row=None):
+    """The launch of `_fp8_mma_kernel` (M <= FOLD_MAX_M): grid (N tiles, M tiles, K slices), split-K
+    so that about `waves` programs per SM stream the weight; x through `fp8_quant` (codes and
+    scales) also at M == 1 by default: the in-kernel quantisation (`qdq_row=True`) redoes each
+    32-block's max and rounding in every program, about twice the loop's instructions (sm_90a
+    SASS, 826 against 433 per 128-wide step), for one launch less."""
+    from .fp8_quant import fp8_quant
+    from .launch import interpreting, num_workers
+
+    m, k = x2.shape
+    n = weight.shape[0]
+    interp = interpreting()
+    cfg = F8_INTERP if interp else F8
+    bn = bn or cfg["bn"]
+    bm = bm or max(16, min(64, triton.next_power_of_2(m)))
+    bk = min(bk or cfg["bk"], max(32, triton.next_power_of_2(k)))
+    if bn % 16 or bk % 32 or bk & (bk - 1):
+        raise ValueError(f"fp8mma path: bn {bn} must be a multiple of 16 and bk {bk} a power of two >= 32")
+    qdq_row = bool(qdq_row)
+    if qdq_row and m != 1:
+        raise ValueError("fp8mma path: the in-kernel activation quantisation takes one row")
+    if qdq_row:
+        xq, xs = x2, x2
+    else:
+        xq, xs = fp8_quant(x2)
+        xs = xs.view(torch.uint8)
+    n_n, n_m = -(-n // bn), -(-m // bm)
+    k_steps = -(-k // bk)
+    if split_k is None:
+        per_sm = waves or cfg.get("waves", 4)
+        split_k = 1 if interp else max(1, min(k_steps, -(-per_sm * num_workers(x2.device) // (n_n * n_m))))
+    split_k, k_per_split, part, counts = _split_k_buffers(m, n, k, bk, k_steps, split_k, n_n * n_m, out)
+    out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    # 64-row tiles: 4 warps spill (acc and the block partial, 64 x 64 fp32 each; sm_90a ptxas)
+    kw = {} if interp else {"num_warps": num_warps or (8 if bm >= 64 else cfg["num_warps"]),
+                            "num_stages": num_stages or cfg["num_stages"]}
+    _fp8_mma_kernel[(n_n, n_m, split_k)](
+        xq, xs, weight, scale.view(torch.uint8), out_arg, part, counts, m, n, k, scale.shape[1], k_per_split,
+        SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, QDQ_ROW=qdq_row, LOWP=not interp, BM=bm, BN=bn, BK=bk,
+        **kw)
 
 
 def dequant_bf16(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
