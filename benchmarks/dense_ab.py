@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 
 import torch
@@ -25,6 +24,7 @@ from dsv41.backends import (
 )
 from dsv41.backends.reference import quant
 from dsv41.core.config import PRESETS
+from ops import timeit  # benchmarks/ops.py: CUDA-event median per call
 
 CFG = PRESETS["mini"]()
 D, H = CFG.hidden_size, CFG.num_attention_heads
@@ -71,15 +71,7 @@ def graph_median(calls, reps: int = 15) -> float:
         for c in calls:
             c()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / len(calls))
-    return statistics.median(times)
+    return timeit(g.replay, iters=reps, warmup=2) / len(calls)
 
 
 def rel_err(got, want) -> float:

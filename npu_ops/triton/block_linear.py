@@ -158,6 +158,18 @@ def _fold_dot(acc, a, b, LOWP: tl.constexpr):
 
 
 @triton.jit
+def _decode_tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """A decode program's place in its (N tiles, M tiles, K slices) grid: its ids, output columns
+    and rows (int32 and int64) and their masks."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = pid_m * BM + tl.arange(0, BM)
+    return pid_n, pid_m, pid_k, rn, rm, rn < N, rm < M, rn.to(tl.int64), rm.to(tl.int64)
+
+
+@triton.jit
 def _fold_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride, s_stride, k_per_split,
                         SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, QDQ_ROW: tl.constexpr,
                         SCALE_X: tl.constexpr, LOWP: tl.constexpr,
@@ -172,15 +184,7 @@ def _fold_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
     way every product is exact and the sums are fp32 (the tiled kernel's numerics class).
     QDQ_ROW (M == 1, BM padded): x's single row is quantise-dequantised here (no separate pass)."""
     NB: tl.constexpr = BK // 32
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rm = pid_m * BM + tl.arange(0, BM)
-    nmask = rn < N
-    mmask = rm < M
-    rn64 = rn.to(tl.int64)
-    rm64 = rm.to(tl.int64)
+    pid_n, pid_m, pid_k, rn, rm, nmask, mmask, rn64, rm64 = _decode_tile_ids(M, N, BM, BN)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
@@ -345,15 +349,7 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
     (`fp8_quant`), or with QDQ_ROW (M == 1) the bf16 row, quantised here. Under the interpreter
     the dot runs in fp32 ("ieee") on the same code values."""
     NB: tl.constexpr = BK // 32
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rm = pid_m * BM + tl.arange(0, BM)
-    nmask = rn < N
-    mmask = rm < M
-    rn64 = rn.to(tl.int64)
-    rm64 = rm.to(tl.int64)
+    pid_n, pid_m, pid_k, rn, rm, nmask, mmask, rn64, rm64 = _decode_tile_ids(M, N, BM, BN)
     j = tl.arange(0, 32)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     k_lo = pid_k * k_per_split
