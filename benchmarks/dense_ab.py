@@ -36,8 +36,9 @@ LINEARS = [("wq_a", CFG.q_lora_rank, D), ("wq_b", H * CFG.head_dim, CFG.q_lora_r
 LIN_M = (1, 4, 8)
 # (label, DSV41_FP8_DECODE value): the path and its tile settings
 LIN_VARIANTS = [("fold", "fold"), ("xscale", "xscale"), ("place", "place"), ("fp8mma", "fp8mma"),
-                ("place bn128", "place:bn=128"), ("fp8mma waves8", "fp8mma:waves=8")]
-BIG_M = 64  # batch 64: fold against the fp8mma variants (xscale / place stop at 8 rows)
+                ("fp16mma", "fp16mma"), ("fp8mma waves8", "fp8mma:waves=8")]
+MMA = ("fp8mma", "fp16mma")  # the paths that also take 9-64 rows
+BIG_M = 64  # batch 64: fold against the MMA variants (xscale / place stop at 8 rows)
 # the fp32-output error of each path against the reference must stay within the tests' bound for
 # the fold path's numerics class (exact products, fp32 sums) to be chosen by default
 FP32_BOUND = 2e-5
@@ -91,8 +92,8 @@ def runner(spec):
     def run(x, w, s, out):
         if path == "fold":
             bl.launch_linear(x, w, s, out, path="fold")
-        elif path == "fp8mma":
-            bl._launch_fp8_mma(x, w, s, out, **tiles)
+        elif path in MMA:
+            bl._launch_fp8_mma(x, w, s, out, f16=path == "fp16mma", **tiles)
         else:
             bl._launch_fold_xs(x, w, s, out, place=path == "place", **tiles)
     return run
@@ -243,7 +244,7 @@ def jobs():
     for m in LIN_M + (BIG_M,):
         for name, n, k in LINEARS:
             for label, spec in LIN_VARIANTS:
-                if m > 8 and not spec.startswith(("fold", "fp8mma")):
+                if m > 8 and not spec.startswith(("fold",) + MMA):
                     continue
                 out.append((("linear", name, m, label),
                             lambda timed, name=name, n=n, k=k, m=m, spec=spec: linear_job(name, n, k, m, spec, timed)))
@@ -297,17 +298,17 @@ def main() -> int:
 
 
 def big_labels() -> list[str]:
-    return [lbl for lbl, spec in LIN_VARIANTS if spec.startswith(("fold", "fp8mma"))]
+    return [lbl for lbl, spec in LIN_VARIANTS if spec.startswith(("fold",) + MMA)]
 
 
 def lin_choice(tot: dict, big: dict) -> str:
-    """The DSV41_FP8_DECODE value of the least 1-8 row total; an fp8mma winner keeps its rows up
-    to 64 only where it also beats fold there (else maxm=8)."""
+    """The DSV41_FP8_DECODE value of the least 1-8 row total; an MMA winner keeps its rows up to
+    64 only where it also beats fold there (else maxm=8)."""
     best = min(tot, key=tot.get)
     if tot[best] == math.inf:
         return "fold"
     spec = dict(LIN_VARIANTS)[best]
-    if spec.startswith("fp8mma") and not big[best] < big["fold"]:
+    if spec.startswith(MMA) and not big[best] < big["fold"]:
         spec += ("," if ":" in spec else ":") + "maxm=8"
     return spec
 

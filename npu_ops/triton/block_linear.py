@@ -337,7 +337,7 @@ def _fold_xs_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, 
 @triton.jit
 def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, s_stride, k_per_split,
                     SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, QDQ_ROW: tl.constexpr, LOWP: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    F16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """The FP8 linear at decode sizes on the FP8 tensor cores: no weight conversion at all. Per
     32-wide K block one dot of the raw E4M3 weight tile [BN, 32] with x's E4M3 codes [32, BM]
     (fp32 out), times the weight's and x's power-of-two block scales, added to the fp32
@@ -347,7 +347,11 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
     the block's largest term), so this path is a numerics class of its own: benchmarks/dense_ab.py
     reports its fp32-output error beside the others. x: E4M3 codes [M, K] and E8M0 scales [M, K/32]
     (`fp8_quant`), or with QDQ_ROW (M == 1) the bf16 row, quantised here. Under the interpreter
-    the dot runs in fp32 ("ieee") on the same code values."""
+    the dot runs in fp32 ("ieee") on the same code values.
+
+    F16: the same block dots as fp16 MMAs instead (the codes widened by the hardware's packed
+    E4M3 -> f16x2 conversion, one instruction per two weights and nothing else): exact products
+    and the fp16 MMA's fp32 accumulation, the tiled kernel's numerics class (`scaled_block_step`)."""
     NB: tl.constexpr = BK // 32
     pid_n, pid_m, pid_k, rn, rm, nmask, mmask, rn64, rm64 = _decode_tile_ids(M, N, BM, BN)
     j = tl.arange(0, 32)
@@ -369,7 +373,9 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
             else:
                 xt = tl.load(x_ptr + rm64[None, :] * K + (kc + j)[:, None], mask=mmask[None, :] & kok, other=0.0)
                 sx = e8m0_value(tl.load(xs_ptr + rm64 * (K // 32) + kc // 32, mask=mmask & kok, other=0).to(tl.int32))
-            if LOWP:
+            if LOWP and F16:
+                part = tl.dot(w.to(tl.float16), xt.to(tl.float16))
+            elif LOWP:
                 part = tl.dot(w, xt.to(tl.float8e4nv))
             else:
                 part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
@@ -469,18 +475,18 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
         if kind == W_FP8 and m <= FOLD_MAX_M:
             path, xs_tiles = fp8_decode_mode()
             xs_tiles = dict(xs_tiles)
-            max_m = xs_tiles.pop("max_m", FOLD_MAX_M if path == "fp8mma" else XS_MAX_M)
+            max_m = xs_tiles.pop("max_m", FOLD_MAX_M if path.endswith("mma") else XS_MAX_M)
             if m > max_m or (m > XS_MAX_M and path in ("xscale", "place")):
                 path, xs_tiles = "fold", {}
         else:
             path = "gemv" if kind != W_DENSE and m <= GEMV_DEFAULT_M else "tiled"
-    if path in ("xscale", "place", "fp8mma"):
+    if path in ("xscale", "place", "fp8mma", "fp16mma"):
         if kind != W_FP8:
             raise ValueError(f"linear: the {path} path takes FP8 weights")
         given = {"bn": bn, "bk": bk, "split_k": split_k, "num_warps": num_warps, "num_stages": num_stages}
         xs_tiles = dict(xs_tiles, **{a: b for a, b in given.items() if b is not None})
-        if path == "fp8mma":
-            _launch_fp8_mma(x2, weight, scale, out, bm=bm, qdq_row=qdq_row, **xs_tiles)
+        if path.endswith("mma"):
+            _launch_fp8_mma(x2, weight, scale, out, f16=path == "fp16mma", bm=bm, qdq_row=qdq_row, **xs_tiles)
         else:
             _launch_fold_xs(x2, weight, scale, out, place=path == "place", qdq_row=qdq_row, **xs_tiles)
         return
@@ -595,14 +601,15 @@ def _launch_fold(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_k=N
 # The FP8 decode path, chosen once per process from the environment: DSV41_FP8_DECODE = "fold"
 # (default: `_fold_linear_kernel`), at M <= XS_MAX_M "xscale" (`_fold_xs_kernel`, hardware
 # conversion) or "place" (`_fold_xs_kernel`, bit placement), at M <= FOLD_MAX_M "fp8mma"
-# (`_fp8_mma_kernel`, FP8 tensor cores), optionally followed by tile settings and a row limit
+# (`_fp8_mma_kernel`, FP8 tensor cores) or "fp16mma" (the same, fp16 MMAs), optionally followed by tile settings and a row limit
 # (more rows take "fold"), e.g. "place:bn=128,waves=8,stages=3,warps=4" or "fp8mma:maxm=8". Default "fold" until the H200 A/B
 # (benchmarks/dense_ab.py) has measured the others.
 XS_MAX_M = 8
 XS = {"bn": 64, "bk": 128, "num_warps": 4, "num_stages": 4, "waves": 4}
 XS_INTERP = {"bn": 64, "bk": 64}
-FP8_DECODE_MODES = ("fold", "xscale", "place", "fp8mma")
-# "fp8mma" (`_fp8_mma_kernel`, M <= FOLD_MAX_M): the FP8 tensor cores on the raw codes.
+FP8_DECODE_MODES = ("fold", "xscale", "place", "fp8mma", "fp16mma")
+# "fp8mma" (`_fp8_mma_kernel`, M <= FOLD_MAX_M): the FP8 tensor cores on the raw codes;
+# "fp16mma": the same kernel with fp16 MMAs on the widened codes (fp32-class sums).
 F8 = {"bn": 64, "bk": 128, "num_warps": 4, "num_stages": 4, "waves": 4}
 F8_INTERP = {"bn": 32, "bk": 64}
 _FP8_DECODE: list = []
@@ -676,8 +683,8 @@ def _launch_fold_xs(x2, weight, scale, out, *, place: bool, bn=None, bk=None, sp
         MP=mp, BX=bx, BN=bn, BK=bk, **kw)
 
 
-def _launch_fp8_mma(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_k=None, num_warps=None,
-                    num_stages=None, waves=None, qdq_row=None):
+def _launch_fp8_mma(x2, weight, scale, out, *, f16: bool = False, bm=None, bn=None, bk=None, split_k=None,
+                    num_warps=None, num_stages=None, waves=None, qdq_row=None):
     """The launch of `_fp8_mma_kernel` (M <= FOLD_MAX_M): grid (N tiles, M tiles, K slices), split-K
     so that about `waves` programs per SM stream the weight; x through `fp8_quant` (codes and
     scales) also at M == 1 by default: the in-kernel quantisation (`qdq_row=True`) redoes each
@@ -715,8 +722,8 @@ def _launch_fp8_mma(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_
                             "num_stages": num_stages or cfg["num_stages"]}
     _fp8_mma_kernel[(n_n, n_m, split_k)](
         xq, xs, weight, scale.view(torch.uint8), out_arg, part, counts, m, n, k, scale.shape[1], k_per_split,
-        SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, QDQ_ROW=qdq_row, LOWP=not interp, BM=bm, BN=bn, BK=bk,
-        **kw)
+        SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, QDQ_ROW=qdq_row, LOWP=not interp, F16=f16, BM=bm, BN=bn,
+        BK=bk, **kw)
 
 
 def dequant_bf16(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
