@@ -236,8 +236,8 @@ def route_job(t, mode, timed):
 def jobs():
     """Every (key, thunk(timed)) in a fixed order (the warm parts split this list)."""
     out = []
-    for label, spec in LIN_VARIANTS[:3]:
-        out.append((("code", label), lambda timed, spec=spec: every_code_job(spec)))
+    for mode in ("fold", "xscale", "place") + MMA:
+        out.append((("code", mode), lambda timed, mode=mode: every_code_job(mode)))
     for label, spec in LIN_VARIANTS:
         for m in (1, 8):
             out.append((("fp32err", label, m), lambda timed, spec=spec, m=m: ("", fp32_error_job(spec, m))))

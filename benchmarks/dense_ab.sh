@@ -19,13 +19,18 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for i in $(seq 0 $((parts - 1))); do
   (cd benchmarks && timeout "${AB_WARM_S:-90}" python3 dense_ab.py --warm --part "$i/$parts" > "$OUT/warm_$i.log" 2>&1) &
 done
+# the GPU-marked tests of the new kernels, cut at the same time limit (see the PASSED / FAILED counts)
 (DSV41_STRICT=1 timeout "${AB_WARM_S:-90}" python3 -m pytest -v -m gpu -p no:cacheprovider \
-  tests/test_triton_block_linear.py tests/test_triton_moe_route.py tests/test_triton_mega_mhc.py \
-  -k "xscale or every_code or small_kernel or coef_modes" > "$OUT/gpu_tests.log" 2>&1) &
+  tests/test_triton_block_linear.py -k "fp8_mma or xscale or every_code" > "$OUT/gpu_tests_linear.log" 2>&1) &
+(DSV41_STRICT=1 timeout "${AB_WARM_S:-90}" python3 -m pytest -v -m gpu -p no:cacheprovider \
+  tests/test_triton_moe_route.py tests/test_triton_mega_mhc.py -k "small_kernel or coef_modes" \
+  > "$OUT/gpu_tests_route_mhc.log" 2>&1) &
 wait
 echo "phase 1 (checks, compiles, GPU tests): $((SECONDS - start)) s"
 grep -h "CHECK FAILED\|warm part\|Error" "$OUT"/warm_*.log | sort | uniq | head -40
-echo "GPU tests: $(grep -c PASSED "$OUT/gpu_tests.log") passed, $(grep -c FAILED "$OUT/gpu_tests.log") failed"
-grep FAILED "$OUT/gpu_tests.log" | head -10
+for f in "$OUT"/gpu_tests_*.log; do
+  echo "$(basename "$f"): $(grep -c PASSED "$f") passed, $(grep -c FAILED "$f") failed"
+  grep FAILED "$f" | head -10
+done
 (cd benchmarks && timeout "${AB_TIME_S:-100}" python3 dense_ab.py 2>&1 | grep -v Warning | tee "$OUT/ab.log")
 echo "dense_ab.sh: $((SECONDS - start)) s in all"
