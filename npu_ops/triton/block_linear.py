@@ -83,8 +83,7 @@ def _block_linear_kernel(x_ptr, q_ptr, qs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, 
     nmask = rn < N
     rm64 = rm.to(tl.int64)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
+    k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
     for k0 in range(k_lo, k_hi, BK):
         if W_KIND == 0:  # plain weight: x as it is, BK-wide dots
             kk = k0 + tl.arange(0, BK)
@@ -137,8 +136,7 @@ def _gemv_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
     rn = pid_n * BN + tl.arange(0, BN)
     nmask = rn < N
     acc = tl.zeros((RB, BN, NB), dtype=tl.float32)
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
+    k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
     w, s = gemv_load_w(w_ptr, w_stride, s_ptr, s_stride, rn, nmask, k_lo, k_hi, W_KIND, BN, NB)
     for k0 in range(k_lo, k_hi, BK):
         w_next, s_next = gemv_load_w(w_ptr, w_stride, s_ptr, s_stride, rn, nmask, k0 + BK, k_hi, W_KIND, BN, NB)
@@ -155,6 +153,13 @@ def _fold_dot(acc, a, b, LOWP: tl.constexpr):
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+
+
+@triton.jit
+def _k_slice(pid_k, k_per_split, K):
+    """The K range [k_lo, k_hi) of split-K slice pid_k."""
+    k_lo = pid_k * k_per_split
+    return k_lo, tl.minimum(K, k_lo + k_per_split)
 
 
 @triton.jit
@@ -186,8 +191,7 @@ def _fold_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
     NB: tl.constexpr = BK // 32
     pid_n, pid_m, pid_k, rn, rm, nmask, mmask, rn64, rm64 = _decode_tile_ids(M, N, BM, BN)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
+    k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
     for k0 in range(k_lo, k_hi, BK):
         kk = k0 + tl.arange(0, BK)
         kb = k0 // 32 + tl.arange(0, NB)
@@ -293,8 +297,7 @@ def _fold_xs_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, 
     srow = pid_n * G + grp
     sok = cok & (srow * 32 < N)
     acc = tl.zeros((BN, BX), dtype=tl.float32)
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
+    k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
     for k0 in range(k_lo, k_hi, BK):
         kk = k0 + tl.arange(0, BK)
         kb = k0 // 32 + tl.arange(0, NB)
@@ -356,8 +359,7 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
     pid_n, pid_m, pid_k, rn, rm, nmask, mmask, rn64, rm64 = _decode_tile_ids(M, N, BM, BN)
     j = tl.arange(0, 32)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
+    k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
     for k0 in range(k_lo, k_hi, BK):
         for kb in tl.static_range(NB):
             kc = k0 + kb * 32
