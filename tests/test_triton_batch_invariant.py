@@ -149,10 +149,11 @@ def test_indexer_query_alone_equals_batch(invariant, rng):
     rows_alone_equal_batch(run, sub, lambda i: [a[i:i + 1] for a in sub], (0, len(one) - 1))
 
 
+@pytest.mark.slow  # about 3 minutes under the interpreter (four tiny-model forwards)
 def test_greedy_decode_equals_exact_prefill_tiny(invariant, fresh_seed):
     """The tiny preset on the CUDA op set (interpreter): greedy decode == exact prefill argmax at
     every position, and the decode steps' logits equal the prefill's rows bit for bit."""
     model = build_model(preset("tiny"), seed=fresh_seed, with_drafter=False)
-    r = greedy_self_consistency(model, n_prompt=5, n_new=4, seed=fresh_seed, batch_invariant=True)
-    assert r["batch_invariant"] and r["positions"] == 4
+    r = greedy_self_consistency(model, n_prompt=5, n_new=3, seed=fresh_seed, batch_invariant=True)
+    assert r["batch_invariant"] and r["positions"] == 3
     assert r["agree"] == 1.0 and r["max_logit_diff"] == 0.0, r

@@ -58,7 +58,9 @@ from . import sparse_attention as attn_mod
 from .launch import interpreting
 
 # One tile configuration per op for every row count (compiled CUDA / the interpreter).
-LINEAR_TILES = {"cuda": dict(bm=64, bn=64, bk=64, group_m=1, num_warps=4, num_stages=3),
+# CUDA tiles are tables the default path already compiles and runs (linear: the decode table at
+# 33..64 rows; MoE: the prefill table; route: the > 128-token table).
+LINEAR_TILES = {"cuda": dict(bm=64, bn=64, bk=128, group_m=1, num_warps=4, num_stages=4),
                 "interp": dict(bm=16, bn=32, bk=64, group_m=1)}
 MOE_TILES = {"cuda": dict(bm=64, bn_up=32, bn_down=128, bk=64, num_warps=4, num_stages=3),
              "interp": dict(bm=16, bn_up=32, bn_down=32, bk=64)}
