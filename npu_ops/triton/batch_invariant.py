@@ -48,7 +48,6 @@ from __future__ import annotations
 import torch
 
 from ...backends import fused, registry
-from ...backends.reference import quant
 from . import block_linear, mega_mhc
 from . import indexer_topk as indexer_mod
 from . import mhc_mixes as mhc_mixes_mod
@@ -82,25 +81,12 @@ def _key(device: torch.device) -> str:
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """`ops.linear`, batch-invariant: `block_linear`'s tiled kernel with fixed tiles and no K split
-    for every row count and weight format (fp32 weights: no invariant kernel on CUDA)."""
-    if out_dtype not in (torch.bfloat16, torch.float32, torch.float64):
-        raise ValueError(f"linear: unsupported out_dtype {out_dtype}")
-    lead, k = x.shape[:-1], x.shape[-1]
-    n = weight.shape[0]
-    x2 = x.reshape(-1, k)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    odt = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
-    if quant.is_int8_channel_weight(weight, scale):  # exact int32 sums: invariant as it is
-        return block_linear.int8_linear(x2, weight, scale, odt).reshape(*lead, n)
+    for every row count and weight format (W8A8 keeps its exact int32 GEMM; fp32 weights have no
+    invariant kernel on CUDA: the tiled kernel takes bf16-exact weights)."""
     key = _key(x.device)
     if scale is None and weight.dtype != torch.bfloat16 and key == "cuda":
-        raise NotImplementedError(f"batch-invariant linear: {weight.dtype} weights have no invariant kernel "
-                                  "(the tiled kernel takes bf16-exact weights)")
-    out = torch.empty(x2.shape[0], n, dtype=odt, device=x.device)
-    if x2.shape[0]:
-        block_linear.launch_linear(x2, weight, scale, out, path="tiled", split_k=1, **LINEAR_TILES[key])
-    return out.reshape(*lead, n)
+        raise NotImplementedError(f"batch-invariant linear: {weight.dtype} weights have no invariant kernel")
+    return block_linear.linear(x, weight, scale, out_dtype, path="tiled", split_k=1, **LINEAR_TILES[key])
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
