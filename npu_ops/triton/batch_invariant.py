@@ -35,8 +35,9 @@ Where the default path depends on the row count M (T tokens), and what this modu
   (merged by `_combine_kernel`). Here the main table and one split: a query reduces its window
   then its selected entries in block order, whatever else is in the launch.
 - `indexer_topk` (indexer_topk.py): queries per tile (BLOCK_T by T) and entry block width, i.e.
-  the MMA's M. Here the T = 1 tile shape (M = max(heads, 16), which the per-query path of mixed
-  sequences uses as well). Query chunking of long prefills and the selections are row-local.
+  the MMA's M and the head sum's shape. Here one query per tile with its heads padded to at
+  least 16 (M = max(heads, 16)), which the per-query path of mixed sequences uses as well. Query
+  chunking of long prefills and the selections are row-local.
 - `sinkhorn`, `mhc_update` (cuda.py, torch softmax / sums / bmm): here explicit elementwise sums
   in a fixed order.
 Row-local as they are (one row's result is computed by one program from that row alone, tile
@@ -139,9 +140,11 @@ def sparse_attention(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_id
 
 def indexer_topk(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, topk,
                     candidates=None, pool_blocks=0, pool_block_size=1, reduce_scores=None):
-    """`ops.indexer_topk`, batch-invariant: the scores kernel's T = 1 tile shape for every T (the
-    MMA's M = max(heads, 16) rows, as the per-query path of mixed sequences)."""
-    hp, bt, bn = indexer_mod.tile_shape(1, q.shape[1], candidates is not None, False, interpreting())
+    """`ops.indexer_topk`, batch-invariant: one query per tile, its heads padded to at least 16
+    (the Reindex tile shape) for every T, so a query's scores come from the same MMA shape and
+    head sum alone, beside its own sequence's queries, or beside other sequences' (the
+    per-query path: also one query, heads padded to 16)."""
+    hp, bt, bn = indexer_mod.tile_shape(1, q.shape[1], True, False, interpreting())
     return indexer_mod.indexer_topk(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible,
                                     topk, candidates, pool_blocks, pool_block_size, reduce_scores,
                                     _cfg=(hp, bt, bn, 1, 8))
