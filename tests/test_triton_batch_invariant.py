@@ -11,7 +11,7 @@ on)."""
 
 import pytest
 import torch
-from _triton import triton  # noqa: F401  (sets TRITON_INTERPRET; skips without triton)
+from _triton import DEVICES, triton  # noqa: F401  (sets TRITON_INTERPRET; skips without triton)
 from test_triton_block_linear import experts_in, weight
 from test_triton_indexer_topk import paged
 from test_triton_indexer_topk import random_inputs as indexer_inputs
@@ -26,12 +26,12 @@ from dsv41.deploy.device_numerics import greedy_self_consistency
 from dsv41.npu_ops.triton import batch_invariant as bi
 from dsv41.npu_ops.triton.launch import interpreting
 
-pytestmark = pytest.mark.skipif(not interpreting(), reason="interpreter variant (TRITON_INTERPRET=1)")
+interp_only = pytest.mark.skipif(not interpreting(), reason="interpreter variant (TRITON_INTERPRET=1)")
 
 
 @pytest.fixture
 def invariant(monkeypatch):
-    """The CUDA op set on CPU tensors (interpreter) in batch-invariant mode."""
+    """The CUDA op set (on CPU tensors: the interpreter) in batch-invariant mode."""
     monkeypatch.setenv("DSV41_BACKEND", "cuda")
     monkeypatch.setenv(registry.INVARIANT_VAR, "1")
     yield
@@ -45,6 +45,11 @@ def wide(rng, rows: int, k: int) -> torch.Tensor:
     return (torch.randn(rows, k // 32, 32, generator=rng) * scale).reshape(rows, k).to(torch.bfloat16)
 
 
+def on(dev, *tensors):
+    """The tensors moved to `dev` (a list)."""
+    return [t.to(dev) for t in tensors]
+
+
 def rows_alone_equal_batch(fn, batch_args, row_args, rows, out_of=lambda r: r):
     """fn(*batch_args) vs fn(*row_args(i)) for each i in rows: torch.equal on the row's output."""
     full = out_of(fn(*batch_args))
@@ -54,6 +59,7 @@ def rows_alone_equal_batch(fn, batch_args, row_args, rows, out_of=lambda r: r):
         assert torch.equal(alone[0], full[i]), f"row {i}: alone differs from the batch"
 
 
+@interp_only
 def test_dispatch_takes_the_invariant_implementations(invariant):
     """Every op of the CUDA set has an invariant implementation or is row-local as it is."""
     for name, fn in bi.OPS.items():
@@ -62,6 +68,7 @@ def test_dispatch_takes_the_invariant_implementations(invariant):
     assert cuda_ops <= set(bi.OPS) | bi.ROW_LOCAL_OPS, cuda_ops - set(bi.OPS) - bi.ROW_LOCAL_OPS
 
 
+@interp_only
 def test_mode_off_keeps_the_default_kernels(monkeypatch):
     monkeypatch.setenv("DSV41_BACKEND", "cuda")
     monkeypatch.delenv(registry.INVARIANT_VAR, raising=False)
@@ -72,41 +79,48 @@ def test_mode_off_keeps_the_default_kernels(monkeypatch):
     registry.reset_warnings()
 
 
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("fmt,out_dtype", [("fp8", torch.float32), ("fp8", torch.bfloat16), ("fp4", torch.float32),
                                            ("bf16", torch.float32), ("bf16", torch.bfloat16)])
-def test_linear_row_alone_equals_batch(invariant, fmt, out_dtype, rng):
+def test_linear_row_alone_equals_batch(invariant, dev, fmt, out_dtype, rng):
     w, s = weight(fmt, 48, 96, rng)
-    x = wide(rng, 70, 96)  # > 64 rows: the default leaves the fold path
+    w, s = w.to(dev), None if s is None else s.to(dev)
+    x, = on(dev, wide(rng, 70, 96))  # > 64 rows: the default leaves the fold path
     rows_alone_equal_batch(lambda a: ops.linear(a, w, s, out_dtype), (x,), lambda i: (x[i:i + 1],), (0, 33, 69))
 
 
-def test_grouped_linear_row_alone_equals_batch(invariant, rng):
-    x = wide(rng, 37 * 2, 64).view(37, 2, 64)
+@pytest.mark.parametrize("dev", DEVICES)
+def test_grouped_linear_row_alone_equals_batch(invariant, dev, rng):
     w = (torch.randn(2 * 32, 64, generator=rng) * 0.1).to(torch.bfloat16)
+    x, w = on(dev, wide(rng, 37 * 2, 64).view(37, 2, 64), w)
     rows_alone_equal_batch(ops.grouped_linear, (x, w), lambda i: (x[i:i + 1], w), (0, 36))
 
 
-def test_moe_experts_row_alone_equals_batch(invariant, rng):
+@pytest.mark.parametrize("dev", DEVICES)
+def test_moe_experts_row_alone_equals_batch(invariant, dev, rng):
     t, n_exp, topk, d, inter = 37, 6, 2, 64, 64
     x = wide(rng, t, d)
     ids = torch.stack([torch.randperm(n_exp, generator=rng)[:topk] for _ in range(t)])
     w = torch.rand(t, topk, generator=rng) + 0.1
-    ex = experts_in("fp4", n_exp, d, inter, rng)
+    x, w, ids = on(dev, x, w, ids)
+    ex = [tuple((a.to(dev), b.to(dev)) for a, b in e) for e in experts_in("fp4", n_exp, d, inter, rng)]
     rows_alone_equal_batch(lambda a, b, c: ops.moe_experts(a, b, c, ex, 10.0), (x, w, ids),
                            lambda i: (x[i:i + 1], w[i:i + 1], ids[i:i + 1]), (0, 20))
 
 
-def test_moe_route_row_alone_equals_batch(invariant, rng):
+@pytest.mark.parametrize("dev", DEVICES)
+def test_moe_route_row_alone_equals_batch(invariant, dev, rng):
     x = (torch.randn(37, 64, generator=rng) * 0.5).to(torch.bfloat16)
     w = (torch.randn(16, 64, generator=rng) * 0.125).to(torch.bfloat16)
-    bias = torch.randn(16, generator=rng) * 0.1
+    x, w, bias = on(dev, x, w, torch.randn(16, generator=rng) * 0.1)
     for part in (0, 1):  # weights, ids
         rows_alone_equal_batch(lambda a: ops.moe_route(a, w, bias, 4, 2.5), (x,), lambda i: (x[i:i + 1],), (0, 36),
                                out_of=lambda r: r[part])
 
 
-def test_mhc_row_alone_equals_batch(invariant, rng):
-    x, y, post, comb, pre, fn, scale, base = mhc_inputs(rng, 37, 64)
+@pytest.mark.parametrize("dev", DEVICES)
+def test_mhc_row_alone_equals_batch(invariant, dev, rng):
+    x, y, post, comb, pre, fn, scale, base = on(dev, *mhc_inputs(rng, 37, 64))
     sl = lambda i: [a[i:i + 1] for a in (x, y, post, comb, pre)]  # noqa: E731
     mix = lambda *a: torch.cat([a[0].flatten(1), a[1], *(c.flatten(1) for c in a[2])], 1)  # noqa: E731
     rows_alone_equal_batch(lambda *a: mix(*ops.mhc_mix(*a, fn, scale, base, 1e-6, 1e-6, 3)),
@@ -116,12 +130,14 @@ def test_mhc_row_alone_equals_batch(invariant, rng):
                            (x,), lambda i: (x[i:i + 1],), (0, 36))
     rows_alone_equal_batch(ops.mhc_update, (x, y, post, comb), lambda i: [a[i:i + 1] for a in (x, y, post, comb)],
                            (0, 36))
-    logits = torch.randn(37, 4, 4, generator=rng) * 2
+    logits, = on(dev, torch.randn(37, 4, 4, generator=rng) * 2)
     rows_alone_equal_batch(lambda a: ops.sinkhorn(a, 5, 1e-6), (logits,), lambda i: (logits[i:i + 1],), (0, 36))
 
 
-def test_sparse_attention_query_alone_equals_batch(invariant, rng):
-    q, swa_kv, swa_scale, win, glob_kv, glob_scale, glob_idx, sink = attention_inputs(rng, 37, 16, 64, 24, 64, 20)
+@pytest.mark.parametrize("dev", DEVICES)
+def test_sparse_attention_query_alone_equals_batch(invariant, dev, rng):
+    q, swa_kv, swa_scale, win, glob_kv, glob_scale, glob_idx, sink = on(dev, *attention_inputs(rng, 37, 16, 64, 24,
+                                                                                               64, 20))
 
     def run(qq, ww, gg):
         return ops.sparse_attention(qq, swa_kv, swa_scale, ww, glob_kv, glob_scale, gg, sink, 0.125)
@@ -130,7 +146,8 @@ def test_sparse_attention_query_alone_equals_batch(invariant, rng):
                            (0, 5, 36))
 
 
-def test_indexer_query_alone_equals_batch(invariant, rng):
+@pytest.mark.parametrize("dev", DEVICES)
+def test_indexer_query_alone_equals_batch(invariant, dev, rng):
     """Scores through the top-k: rows of two sequences side by side, and one sequence alone."""
     t, h, d, e = 37, 4, 64, 8
     q, w, codes, kscale = indexer_inputs(rng, t, h, d, 96)
@@ -138,6 +155,7 @@ def test_indexer_query_alone_equals_batch(invariant, rng):
     seq_of = [i % 2 for i in range(t)]
     pool_c, pool_s, table = paged(rng, [(codes, kscale), (codes2, kscale2)], seq_of, e)
     n_vis = torch.tensor([min(96 if s == 0 else 64, 10 + 2 * i) for i, s in enumerate(seq_of)])
+    q, w, pool_c, pool_s, table, n_vis = on(dev, q, w, pool_c, pool_s, table, n_vis)
 
     def run(qq, ww, tt, nn):
         return ops.indexer_topk(qq, ww, pool_c, pool_s, tt, e, nn, 8)[0]
@@ -149,6 +167,7 @@ def test_indexer_query_alone_equals_batch(invariant, rng):
     rows_alone_equal_batch(run, sub, lambda i: [a[i:i + 1] for a in sub], (0, len(one) - 1))
 
 
+@interp_only
 @pytest.mark.slow  # about 3 minutes under the interpreter (four tiny-model forwards)
 def test_greedy_decode_equals_exact_prefill_tiny(invariant, fresh_seed):
     """The tiny preset on the CUDA op set (interpreter): greedy decode == exact prefill argmax at

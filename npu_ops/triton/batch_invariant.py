@@ -64,7 +64,8 @@ LINEAR_TILES = {"cuda": dict(bm=64, bn=64, bk=128, group_m=1, num_warps=4, num_s
                 "interp": dict(bm=16, bn=32, bk=64, group_m=1)}
 MOE_TILES = {"cuda": dict(bm=64, bn_up=32, bn_down=128, bk=64, num_warps=4, num_stages=3),
              "interp": dict(bm=16, bn_up=32, bn_down=32, bk=64)}
-ROUTE_TILES = {"cuda": (64, 32, 128, 4, 1), "interp": (16, 16, 64, 4, 1)}  # (BLOCK_T, BLOCK_E, BLOCK_K, warps, K slices)
+# (BLOCK_T, BLOCK_E, BLOCK_K, warps, K slices)
+ROUTE_TILES = {"cuda": (64, 32, 128, 4, 1), "interp": (16, 16, 64, 4, 1)}
 
 # CUDA ops whose kernels are row-local already (elementwise, per row or per quantisation group,
 # integer index arithmetic, gathers): the default implementation serves this mode.
