@@ -14,8 +14,9 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -29,6 +30,12 @@ STRICT_VAR = "DSV41_STRICT"
 # (benchmarks/fused_kernels.py); `unrope_grouped_linear`'s kernel lost (24 vs 22 us at one row,
 # 99 vs 26 us at eight) and stays opt-in.
 FUSED_VAR = "DSV41_FUSED"
+# DSV41_BATCH_INVARIANT=1: ops that have a batch-invariant implementation on the backend
+# (`register_invariant`) use it: every row's result is then bitwise independent of how many rows
+# the call has and of the other rows (one kernel and one tile configuration for every row
+# count, no split-K chosen by the row count, no cuBLAS), so a decode step reproduces the same
+# row of an exact prefill. Slower; for numerics checks (greedy decode == prefill argmax).
+INVARIANT_VAR = "DSV41_BATCH_INVARIANT"
 
 
 @dataclass
@@ -40,6 +47,8 @@ class Op:
     composite: Callable | None = None
     # a fused op whose backend kernel runs when DSV41_FUSED is unset
     kernel_by_default: bool = False
+    # backend -> its batch-invariant implementation (`register_invariant`)
+    invariant: dict[str, Callable] = field(default_factory=dict)
 
 
 _OPS: dict[str, Op] = {}
@@ -67,6 +76,40 @@ def register(name: str, backend: str = "reference") -> Callable[[Callable], Call
         return fn
 
     return deco
+
+
+def register_invariant(name: str, backend: str) -> Callable[[Callable], Callable]:
+    """Decorator: `fn` is op `name`'s batch-invariant implementation on `backend`, used instead
+    of its kernel under DSV41_BATCH_INVARIANT=1."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+
+    def deco(fn: Callable) -> Callable:
+        _OPS.setdefault(name, Op(name)).invariant[backend] = fn
+        _RESOLVED.clear()
+        return fn
+
+    return deco
+
+
+def batch_invariant() -> bool:
+    """DSV41_BATCH_INVARIANT=1: the batch-invariant implementations run (see INVARIANT_VAR)."""
+    return os.environ.get(INVARIANT_VAR, "") not in ("", "0")
+
+
+@contextmanager
+def batch_invariant_mode(on: bool = True) -> Iterator[None]:
+    """DSV41_BATCH_INVARIANT set to `on` inside the block, restored after (the dispatch cache
+    is keyed by it, so the choice changes with it)."""
+    old = os.environ.get(INVARIANT_VAR)
+    os.environ[INVARIANT_VAR] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(INVARIANT_VAR, None)
+        else:
+            os.environ[INVARIANT_VAR] = old
 
 
 def register_composite(name: str, kernel_by_default: bool = True) -> Callable[[Callable], Callable]:
@@ -216,15 +259,27 @@ def _choose(name: str, backend: str) -> Callable:
     return fn
 
 
+def _choose_invariant(name: str, backend: str) -> Callable:
+    """Under DSV41_BATCH_INVARIANT=1: the backend's batch-invariant implementation of the op when
+    it has one (and the backend loads), else the usual choice (ops whose kernels are row-local
+    as they are: elementwise, per-row or per-group)."""
+    op = _OPS.get(name)
+    loaded = ensure_backend_loaded(backend) is None  # (loading registers the invariant implementations)
+    if op is not None and loaded and backend in op.invariant:
+        return op.invariant[backend]
+    return _choose(name, backend)
+
+
 def dispatch(name: str, device: torch.device | str) -> Callable:
     """The implementation of op `name` for tensors on `device`, resolved once per (op, device
-    type, DSV41_BACKEND, DSV41_STRICT, DSV41_FUSED) and cached."""
+    type, DSV41_BACKEND, DSV41_STRICT, DSV41_FUSED, DSV41_BATCH_INVARIANT) and cached."""
     kind = device.split(":")[0] if isinstance(device, str) else device.type
     env = os.environ
-    key = (name, kind, env.get(ENV_VAR), env.get(STRICT_VAR), env.get(FUSED_VAR))
+    key = (name, kind, env.get(ENV_VAR), env.get(STRICT_VAR), env.get(FUSED_VAR), env.get(INVARIANT_VAR))
     fn = _RESOLVED.get(key)
     if fn is None:
-        fn = _RESOLVED[key] = _choose(name, backend_for_device(kind))
+        choose = _choose_invariant if batch_invariant() else _choose
+        fn = _RESOLVED[key] = choose(name, backend_for_device(kind))
     return fn
 
 

@@ -567,14 +567,19 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
         L += ["## Device numerics", "",
               "Teacher-forced logits of one random prompt (exact prefill) on the device against the CPU reference "
               "in the official rounding mode, same weights; greedy = greedy decode on the device (decode graphs) "
-              "against the argmax of the device's own exact prefill of prompt + generated tokens.", "",
-              "| preset | positions | cosine min | cosine mean | top-1 agree | KL mean | KL max | greedy = prefill |",
-              "|---|---|---|---|---|---|---|---|"]
+              "against the argmax of the device's own exact prefill of prompt + generated tokens; "
+              "batch-invariant: the same with DSV41_BATCH_INVARIANT=1 (every op's row independent of the "
+              "rows beside it).", "",
+              "| preset | positions | cosine min | cosine mean | top-1 agree | KL mean | KL max | greedy = prefill "
+              "| greedy = prefill, batch-invariant |",
+              "|---|---|---|---|---|---|---|---|---|"]
         for r in num:
             g = r["greedy"]
             cmp = (f"{r['positions']} | {r['cosine_min']:.5f} | {r['cosine_mean']:.5f} | {r['top1']:.3f} | "
                    f"{r['kl_mean']:.2e} | {r['kl_max']:.2e}" if "top1" in r else "- | - | - | - | - | -")
-            L.append(f"| {r['preset']} | {cmp} | {g['agree']:.3f} of {g['positions']} |")
+            gi = r.get("greedy_invariant")
+            inv = f"{gi['agree']:.3f} of {gi['positions']}" if gi else "-"
+            L.append(f"| {r['preset']} | {cmp} | {g['agree']:.3f} of {g['positions']} | {inv} |")
         L.append("")
     if failed:
         L += [f"Phases that failed in this run (traceback in the log): {', '.join(failed)}.", ""]
@@ -699,12 +704,15 @@ def run_numerics(model, args, log) -> list[dict]:
     r = teacher_forced(tiny, args.device, n=args.numerics_tiny_positions, seed=args.seed) \
         if args.numerics_tiny_positions else {"cosine_min": float("nan"), "top1": float("nan"), "kl_mean": float("nan"),
                                               "kl_max": float("nan")}
-    g = greedy_self_consistency(build_model(tiny, seed=args.seed, device=args.device, with_drafter=False),
-                                n_prompt=16, n_new=128, seed=args.seed)
-    rows.append(dict(preset="tiny", **(r if args.numerics_tiny_positions else {}), greedy=g))
+    tiny_model = build_model(tiny, seed=args.seed, device=args.device, with_drafter=False)
+    g = greedy_self_consistency(tiny_model, n_prompt=16, n_new=128, seed=args.seed)
+    gi = greedy_self_consistency(tiny_model, n_prompt=16, n_new=128, seed=args.seed, batch_invariant=True)
+    del tiny_model
+    rows.append(dict(preset="tiny", **(r if args.numerics_tiny_positions else {}), greedy=g, greedy_invariant=gi))
     log(f"numerics tiny: cos min {r['cosine_min']:.5f}, top-1 {r['top1']:.3f}, KL mean {r['kl_mean']:.2e} max "
-        f"{r['kl_max']:.2e}; greedy {g} ({time.perf_counter() - t:.0f} s)")
+        f"{r['kl_max']:.2e}; greedy {g}; batch-invariant greedy {gi} ({time.perf_counter() - t:.0f} s)")
     g = greedy_self_consistency(model, n_prompt=32, n_new=64, seed=args.seed)
+    gi = greedy_self_consistency(model, n_prompt=32, n_new=64, seed=args.seed, batch_invariant=True)
     r = {}
     if args.numerics_positions:
         t = time.perf_counter()
@@ -715,8 +723,8 @@ def run_numerics(model, args, log) -> list[dict]:
         del ref
         log(f"numerics {args.preset}: cos min {r['cosine_min']:.5f}, top-1 {r['top1']:.3f}, KL mean "
             f"{r['kl_mean']:.2e} ({time.perf_counter() - t:.0f} s)")
-    rows.append(dict(preset=args.preset, **r, greedy=g))
-    log(f"numerics {args.preset}: greedy {g}")
+    rows.append(dict(preset=args.preset, **r, greedy=g, greedy_invariant=gi))
+    log(f"numerics {args.preset}: greedy {g}; batch-invariant greedy {gi}")
     return rows
 
 

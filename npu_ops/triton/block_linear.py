@@ -453,7 +453,7 @@ def weight_kind(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
 def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor, *,
                   bm: int | None = None, bn: int | None = None, bk: int | None = None, split_k: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None, path: str | None = None,
-                  qdq_row: bool | None = None) -> None:
+                  qdq_row: bool | None = None, group_m: int | None = None) -> None:
     """out [M, N] (bf16 or fp32) = x2 [M, K] @ dequant(weight)^T; with a scaled weight x2 is
     FP8-quantised first (`fp8_quant`, one pass; in the kernel on the gemv path). The keyword tile
     parameters are for tuning (defaults: the tables above); `path` ("fold" / "gemv" / "tiled")
@@ -533,7 +533,7 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     _block_linear_kernel[(n_tiles, split_k)](
         x2, q, qs, w, s, out_arg, part, counts, m, n, k, s.shape[1] if scale is not None else 0, k_per_split,
         W_KIND=kind, SPLIT_K=split_k, A_TERMS=a_terms, LOWP=not interp,
-        OUT_BF16=out.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], **kw)
+        OUT_BF16=out.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, GROUP_M=group_m or cfg["group_m"], **kw)
 
 
 def _launch_gemv(x2, weight, scale, out, kind, *, bn=None, bk=None, split_k=None, num_warps=None, num_stages=None):

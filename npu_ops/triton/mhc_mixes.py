@@ -64,9 +64,10 @@ def _mhc_partials_kernel(x_ptr, fn_ptr, part_ptr, pcomp_ptr, pss_ptr, count_ptr,
 
 
 def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
-              hc_eps: float, iters: int, *, fused: bool | None = None):
+              hc_eps: float, iters: int, *, fused: bool | None = None, d_split: int | None = None):
     """x [T, 4, d] -> (pre [T, 4], post [T, 4], comb [T, 4, 4]) fp32. `fused`: the coefficients
-    come from the partials kernel's last program per token tile (one launch; default: DSV41_MHC_COEF)."""
+    come from the partials kernel's last program per token tile (one launch; default: DSV41_MHC_COEF);
+    `d_split` fixes the d chunks per token tile (default: more when few tiles)."""
     from .launch import grid_for, interpreting, needs_int64, num_workers, tile_counters
 
     if x.dim() != 3 or x.shape[1] != N_STREAMS:
@@ -83,7 +84,7 @@ def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
     tiles = TILES["cuda"] if x.device.type == "cuda" and not interpreting() else TILES["default"]
     bt, bd = tiles["block_t"], min(tiles["block_d"], triton.next_power_of_2(d))
     n_tiles, slices = -(-t // bt), -(-d // bd)
-    want = max(tiles["d_split"], -(-2 * num_workers(x.device) // n_tiles))
+    want = d_split or max(tiles["d_split"], -(-2 * num_workers(x.device) // n_tiles))
     chunk = bd * -(-slices // want)
     n_chunks = -(-d // chunk)
     n_items = n_tiles * n_chunks
