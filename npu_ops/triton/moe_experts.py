@@ -36,6 +36,7 @@ from .block_linear import DECODE_MAX_M, weight_kind
 from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, fp8_code, fp8_exponent, fp8_qdq_groups, gemv_acc,
                            gemv_load_w, load_weight_tile, pow2, scaled_block_step)
 from .fp4_common import split_dot_acc
+from .moe_fold import MAX_SCALE_BYTE
 from .moe_grouped import sort_rows
 from .swiglu import swiglu_tile
 
@@ -322,7 +323,20 @@ def _expert_table(experts: list, device: torch.device):
     k_in = w1.shape[1] * (2 if kind == W_FP4 else 1)
     hit = _TABLES[key] = (w_base, s_base, table, kind, inter, k_in,
                           (s1.shape[1] if s1 is not None else 0, s2.shape[1] if s2 is not None else 0), align)
+    # FP4 experts whose scale bytes all fit the folded conversion (moe_fold.MAX_SCALE_BYTE): one
+    # reduction per set of experts, when its table is built (before any graph capture)
+    _FOLDABLE[key] = kind == W_FP4 and max(int(b.view(torch.uint8).max()) for ex in experts
+                                           for _, b in ex) <= MAX_SCALE_BYTE
     return hit
+
+
+_FOLDABLE: dict[tuple, bool] = {}
+
+
+def foldable(experts: list) -> bool:
+    """Whether the set of experts (table already built) can take the folded FP4 path."""
+    return _FOLDABLE.get(tuple(t.data_ptr() if t is not None else 0 for ex in experts for pair in ex for t in pair),
+                         False)
 
 
 def scratch_pays(device: torch.device, kind: str, rows: int, n_exp: int, inter: int, d: int) -> bool:
@@ -374,6 +388,14 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
                            (w_base, s_base, table, kind, inter, k_in, (s_up, s_down), align), limit, out, bm=bm,
                            bn_up=bn_up, bn_down=bn_down, bk=bk, num_warps=num_warps, num_stages=num_stages,
                            **grouped)
+    if path == "fold":
+        from .moe_fold import fold_moe
+
+        if not foldable(experts):
+            raise ValueError(f"moe_experts: the fold path takes FP4 experts with scale bytes <= {MAX_SCALE_BYTE}")
+        return fold_moe(x if x.stride(-1) == 1 else x.contiguous(), weights, ids,
+                        (w_base, s_base, table, kind, inter, k_in, (s_up, s_down), align), limit, out,
+                        rb=bm, bn_up=bn_up, bn_down=bn_down, bk=bk, num_warps=num_warps, num_stages=num_stages)
     if path == "gemv":
         if kind == W_DENSE or t > GEMV_MAX_T:
             raise ValueError(f"moe_experts: the gemv path takes scaled experts and <= {GEMV_MAX_T} tokens")

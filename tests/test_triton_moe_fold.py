@@ -1,0 +1,122 @@
+"""The folded FP4 decode path (npu_ops/triton/moe_fold.py) against the reference.
+
+The int32-word conversion bit-exactly against the reference dequantisation for every E2M1 code
+and scale byte it takes; the whole path (`moe_experts(..., path="fold")`) against the fp64
+reference at decode sizes: repeated expert ids across tokens, skipped (-1) slots, experts with
+no rows, more rows per expert than one row tile; every scratch buffer poisoned (NaN) first.
+Interpreter variants at small widths, `gpu`-marked compiled variants at model-like widths.
+Bound as tests/test_triton_moe_grouped.py (exact products, fp32 sums, FP8 re-quantisation of the
+w2 input: 1e-4 in norm).
+"""
+
+import pytest
+import torch
+
+from _triton import DEVICES, cuda_only, triton  # noqa: F401  (sets TRITON_INTERPRET; skips without triton)
+
+from test_triton_block_linear import weight  # noqa: E402  (the random weights in storage formats)
+
+from dsv41.backends.reference import moe  # noqa: E402
+from dsv41.backends.reference.basic import dequant_weight  # noqa: E402
+from dsv41.backends.reference import quant  # noqa: E402
+from dsv41.npu_ops.triton import moe_experts as me  # noqa: E402
+from dsv41.npu_ops.triton import moe_fold as mf  # noqa: E402
+from dsv41.npu_ops.triton.launch import interpreting  # noqa: E402
+
+tl = triton.language
+pytestmark = cuda_only
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach().cpu().double(), want.detach().cpu().double()
+    assert torch.isfinite(got).all(), "non-finite output"
+    assert want.norm() > 0
+    return ((got - want).norm() / want.norm()).item()
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every buffer the fold path allocates starts as NaN."""
+    def poison(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(mf, "_buffer", poison)
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, out_ptr, K, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr,
+                    LOWP: tl.constexpr):
+    """out [BN, K] fp32 = the folded tile values, written back in natural K order."""
+    rn = tl.arange(0, BN)
+    kcol = mf.word_order(tl.arange(0, BK))
+    for k0 in range(0, K, BK):
+        w = mf.fp4_tile_bf16(w_ptr, s_ptr, rn, k0 // 8, K // 128, K // 8, BN, BK, ASM, LOWP)
+        tl.store(out_ptr + rn[:, None] * K + k0 + kcol[None, :], w.to(tl.float32))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_fold_dequant_bit_exact(dev):
+    """Every E2M1 code at every scale byte 1..128 (the bytes the path takes): bit-equal to the
+    reference dequantisation where the result is normal (>= 2^-126); the one smaller result
+    (0.5 at byte 1, 2^-127) is exact or flushed to zero."""
+    k = 32 * 8  # 8 scale blocks per row; each block holds the 16 codes twice
+    codes = torch.arange(k) % 16
+    packed = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).view(torch.int8)
+    sbytes = torch.arange(1, 129, dtype=torch.uint8)
+    n = sbytes.numel() // 8
+    w = packed.repeat(n, 1)
+    s = sbytes.reshape(n, 8).view(torch.float8_e8m0fnu)
+    want = dequant_weight(w, s).double()
+    out = torch.full((n, k), float("nan"), dtype=torch.float32, device=dev)
+    wd = w.view(torch.uint8).to(dev).view(torch.int32)
+    _dequant_kernel[(1,)](wd, s.view(torch.uint8).to(dev).view(torch.int32), out, k, BN=n, BK=128, ASM=not interpreting(),
+                          LOWP=not interpreting())
+    got = out.cpu().double()
+    normal = (want.abs() >= 2.0 ** -126) | (want == 0)
+    assert (~normal).sum() == 4  # 0.5 and -0.5, twice each, at byte 1
+    assert torch.equal(got[normal], want[normal])
+    assert ((got[~normal] == want[~normal]) | (got[~normal] == 0)).all()
+
+
+def check(dev, t, n_exp, topk, d, inter, rng, used=None, **tiles):
+    """moe_experts through the fold path against the reference."""
+    used = n_exp if used is None else used
+    x = (torch.randn(t, d, generator=rng) * 2).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(used, generator=rng)[:topk] for _ in range(t)])
+    ids[::3, -1] = -1  # slots another model-parallel rank holds
+    if t > 2:
+        ids[1] = ids[0]  # two tokens with the same experts
+    w = torch.rand(t, topk, generator=rng) + 0.1
+    ex = [(weight("fp4", inter, d, rng), weight("fp4", d, inter, rng), weight("fp4", inter, d, rng))
+          for _ in range(n_exp)]
+    want = moe.moe_experts(x, w, ids, ex, 10.0, torch.float64)
+    dex = [tuple((a.to(dev), b.to(dev)) for a, b in e) for e in ex]
+    got = me.moe_experts(x.to(dev), w.to(dev), ids.to(dev), dex, 10.0, torch.float64, path="fold", **tiles)
+    assert got.dtype == torch.float32 and got.shape == (t, d)
+    err = rel_err(got, want)
+    assert err < 1e-4, f"fold moe T={t}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("t", [1, 3, 20])
+def test_fold_decode_batches(dev, t, rng, poisoned):
+    """T = 1 / 3 (rows below one MMA's 16) and 20 with 8 experts, top-4: up to 20 rows per
+    expert, more than one 16-row tile at the interpreter's tiles."""
+    check(dev, t, 8, 4, 256, 128, rng, used=7, bm=16)
+
+
+def test_fold_refuses_large_scales(rng):
+    """Scale bytes above MAX_SCALE_BYTE (weights beyond +-12) are refused with a clear error."""
+    w, s = quant.fp4_weight_quant(torch.full((32, 64), 100.0))
+    assert int(s.view(torch.uint8).max()) > mf.MAX_SCALE_BYTE
+    ex = [((w, s), (torch.zeros(64, 16, dtype=torch.int8), s[:, :1].clone().contiguous()), (w, s))]
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="fold path"):
+        me.moe_experts(x, torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long), ex, 10.0, path="fold")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("t", [1, 2, 4, 8, 16, 33, 64])
+def test_fold_model_shapes_gpu(dev, t, rng, poisoned):
+    check(dev, t, 16, 6, 1024, 512, rng, used=14)
