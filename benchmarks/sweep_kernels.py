@@ -317,6 +317,30 @@ def sweep_moe(rows, copy, tokens=(1, 8, 64, 8192)):
                          me.moe_experts(x, wts, ids, experts, 10.0, **v), want, nbytes, flops, copy)
 
 
+def sweep_moe_decode(rows, copy, tokens=(1, 2, 4, 8, 16, 32, 64)):
+    """The FP4 routed experts at decode sizes (mini preset: 16 experts, d 5120, width 2304,
+    top-6): the default path (GEMV / tiled) against the folded tensor-core path
+    (`moe_fold`: int32 weight words, bf16 by bit placement) and its tile variants (all at T = 1
+    and 64, the default and one more between); bytes = the active experts' weights read once."""
+    from dsv41.backends.reference.basic import fp32_accumulation
+    from dsv41.backends.reference.moe import moe_experts as moe_ref
+    from dsv41.npu_ops.triton import moe_experts as me
+
+    d, inter, n_exp, topk = CFG.hidden_size, CFG.moe_intermediate_size, 16, CFG.num_experts_per_tok
+    experts = _fp4_experts(n_exp, d, inter)
+    f = "fold"
+    fold = [dict(path=f), dict(path=f, bn_up=32, bn_down=32), dict(path=f, bk=256),
+            dict(path=f, bn_up=128, bn_down=128), dict(path=f, num_stages=4), dict(path=f, bn_up=32, bn_down=64)]
+    for t in tokens:
+        x, ids, wts, want, active, nbytes = _moe_case(t, experts, d, inter, n_exp, topk, moe_ref, fp32_accumulation)
+        old = [dict(path="gemv" if t <= me.GEMV_DEFAULT_T[me.W_FP4] else "tiled")]
+        for v in old + (fold if t in (1, 64) else fold[:2]):  # the first two: the shipped tile tables
+            name = "moe fp4 " + " ".join(f"{a}={b}" for a, b in v.items())
+            _variant_row(rows, name, f"T={t} {active} experts", lambda x=x, ids=ids, wts=wts, v=v:
+                         me.moe_experts(x, wts, ids, experts, 10.0, **v), want, nbytes, 2 * t * topk * 3 * inter * d,
+                         copy)
+
+
 def sweep_decode(rows, copy):
     """The GEMV-style decode paths (a few rows, CUDA cores, weights streamed once) against the tiled
     kernels: the FP8 linear (K=5120, N=6144) at M = 1, 4 and the FP4 experts at T = 1, 2, 4."""
@@ -473,7 +497,7 @@ def sweep_dense(rows, copy, tokens=(1, 8, 64)):
 
 SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_indexer, "engram_lookup": sweep_engram,
           "fp4_quant": sweep_fp4_quant, "mhc_mix": sweep_mhc_mix, "linear": sweep_linear, "moe_experts": sweep_moe,
-          "decode": sweep_decode, "dense": sweep_dense}
+          "moe_decode": sweep_moe_decode, "decode": sweep_decode, "dense": sweep_dense}
 
 
 def main() -> int:
@@ -487,7 +511,7 @@ def main() -> int:
     copy = copy_gbs()
     rows = [f"copy ceiling {copy:.0f} GB/s"]
     for name in a.only.split(","):
-        if a.tokens and name in ("sparse_attention", "indexer_topk", "dense", "moe_experts"):
+        if a.tokens and name in ("sparse_attention", "indexer_topk", "dense", "moe_experts", "moe_decode"):
             SWEEPS[name](rows, copy, tokens=tuple(int(x) for x in a.tokens.split(",")))
         else:
             SWEEPS[name](rows, copy)

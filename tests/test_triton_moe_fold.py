@@ -91,7 +91,8 @@ def check(dev, t, n_exp, topk, d, inter, rng, used=None, **tiles):
           for _ in range(n_exp)]
     want = moe.moe_experts(x, w, ids, ex, 10.0, torch.float64)
     dex = [tuple((a.to(dev), b.to(dev)) for a, b in e) for e in ex]
-    got = me.moe_experts(x.to(dev), w.to(dev), ids.to(dev), dex, 10.0, torch.float64, path="fold", **tiles)
+    tiles = dict({"path": "fold"}, **tiles)
+    got = me.moe_experts(x.to(dev), w.to(dev), ids.to(dev), dex, 10.0, torch.float64, **tiles)
     assert got.dtype == torch.float32 and got.shape == (t, d)
     err = rel_err(got, want)
     assert err < 1e-4, f"fold moe T={t}: rel err {err:.2e}"
@@ -113,6 +114,38 @@ def test_fold_refuses_large_scales(rng):
     x = torch.zeros(1, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="fold path"):
         me.moe_experts(x, torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long), ex, 10.0, path="fold")
+
+
+def test_fold_pays(rng, monkeypatch):
+    """The default takes the fold path exactly for foldable FP4 experts at 1..FOLD_MAX_T tokens
+    on CUDA (the interpreters keep the old default)."""
+    from dsv41.npu_ops.triton import launch
+
+    ex = [(weight("fp4", 128, 256, rng), weight("fp4", 256, 128, rng), weight("fp4", 128, 256, rng)) for _ in range(2)]
+    me._expert_table(ex, torch.device("cpu"))
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    assert me.fold_pays(cuda, 1, ex, 128, 256) and me.fold_pays(cuda, me.FOLD_MAX_T, ex, 128, 256)
+    assert not me.fold_pays(cuda, me.FOLD_MAX_T + 1, ex, 128, 256)
+    assert not me.fold_pays(torch.device("cpu"), 1, ex, 128, 256)
+    assert not me.fold_pays(cuda, 1, ex, 96, 256)  # a width the tiles do not divide
+    big = [(quant.fp4_weight_quant(torch.full((128, 256), 100.0)),) + e[1:] for e in ex]
+    me._expert_table(big, torch.device("cpu"))
+    assert not me.fold_pays(cuda, 1, big, 128, 256)
+    monkeypatch.setattr(launch, "interpreting", lambda: True)
+    assert not me.fold_pays(cuda, 1, ex, 128, 256)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_default_dispatch_reaches_fold(dev, rng, poisoned, monkeypatch):
+    """With `fold_pays` true, the default call runs the fold path (and gets the reference's
+    result): the dispatch passes the right arguments."""
+    calls = []
+    real = mf.fold_moe
+    monkeypatch.setattr(me, "fold_pays", lambda *a: True)
+    monkeypatch.setattr(mf, "fold_moe", lambda *a, **k: calls.append(1) or real(*a, **k))
+    check(dev, 3, 8, 4, 256, 128, rng, path=None)
+    assert calls == [1]
 
 
 @pytest.mark.gpu

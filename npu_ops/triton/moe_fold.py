@@ -240,8 +240,6 @@ def fold_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
     if not fold_fits(inter, d, bn_up, bn_down, bk):
         raise ValueError(f"moe_experts fold path: tiles (bn_up {bn_up}, bn_down {bn_down}, bk {bk}) must divide "
                          f"the widths ({inter}, {d}); bn_up a multiple of 32, bk of 128")
-    if align % 4:
-        raise ValueError("moe_experts fold path: expert weights must be 4-byte aligned")
     kw = {} if interp else {"num_warps": num_warps or tiles["num_warps"], "num_stages": num_stages or tiles["num_stages"]}
     t, topk = ids.shape
     n_exp = table.shape[0]
