@@ -319,9 +319,9 @@ def sweep_moe(rows, copy, tokens=(1, 8, 64, 8192)):
 
 def sweep_moe_decode(rows, copy, tokens=(1, 2, 4, 8, 16, 32, 64)):
     """The FP4 routed experts at decode sizes (mini preset: 16 experts, d 5120, width 2304,
-    top-6): the default path (GEMV / tiled) against the folded tensor-core path
-    (`moe_fold`: int32 weight words, bf16 by bit placement) and its tile variants (all at T = 1
-    and 64, the default and one more between); bytes = the active experts' weights read once."""
+    top-6): the GEMV / tiled kernels against the folded tensor-core path (`moe_fold`: int32
+    weight words, bf16 by bit placement) and its variants (dot orientation, warps, K slices of
+    the gate/up at T <= 16); bytes = the active experts' weights read once."""
     from dsv41.backends.reference.basic import fp32_accumulation
     from dsv41.backends.reference.moe import moe_experts as moe_ref
     from dsv41.npu_ops.triton import moe_experts as me
@@ -329,16 +329,21 @@ def sweep_moe_decode(rows, copy, tokens=(1, 2, 4, 8, 16, 32, 64)):
     d, inter, n_exp, topk = CFG.hidden_size, CFG.moe_intermediate_size, 16, CFG.num_experts_per_tok
     experts = _fp4_experts(n_exp, d, inter)
     f = "fold"
-    fold = [dict(path=f), dict(path=f, bn_up=32, bn_down=32), dict(path=f, bk=256),
-            dict(path=f, bn_up=128, bn_down=128), dict(path=f, num_stages=4), dict(path=f, bn_up=32, bn_down=64)]
+    fold = [dict(path=f), dict(path=f, w_left=False), dict(path=f, num_warps=8),
+            dict(path=f, w_left=False, num_warps=8)]
+    small = [dict(path=f, split=2), dict(path=f, split=4), dict(path=f, split=4, w_left=False, num_warps=8)]
     for t in tokens:
         x, ids, wts, want, active, nbytes = _moe_case(t, experts, d, inter, n_exp, topk, moe_ref, fp32_accumulation)
         old = [dict(path="gemv" if t <= me.GEMV_DEFAULT_T[me.W_FP4] else "tiled")]
-        for v in old + (fold if t in (1, 64) else fold[:2]):  # the first two: the shipped tile tables
+        for v in old + fold + (small if t <= 16 else [dict(path=f, bk=256)] if t == 64 else []):
             name = "moe fp4 " + " ".join(f"{a}={b}" for a, b in v.items())
             _variant_row(rows, name, f"T={t} {active} experts", lambda x=x, ids=ids, wts=wts, v=v:
                          me.moe_experts(x, wts, ids, experts, 10.0, **v), want, nbytes, 2 * t * topk * 3 * inter * d,
                          copy)
+        if t in (1, 64):  # where the time goes: the default fold path's kernels
+            rows.append(f"| moe fold kernels | T={t} | " + kernel_times(
+                lambda x=x, ids=ids, wts=wts: me.moe_experts(x, wts, ids, experts, 10.0, path=f)) + " |")
+            print(rows[-1], flush=True)
 
 
 def sweep_decode(rows, copy):

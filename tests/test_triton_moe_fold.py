@@ -106,6 +106,20 @@ def test_fold_decode_batches(dev, t, rng, poisoned):
     check(dev, t, 8, 4, 256, 128, rng, used=7, bm=16)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("split", [2, 4])
+def test_fold_split_k(dev, split, rng, poisoned):
+    """The gate/up K range in slices (partial sums, then the epilogue kernel)."""
+    check(dev, 5, 8, 4, 512, 128, rng, used=7, split=split)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("t", [1, 20])
+def test_fold_weight_right(dev, t, rng, poisoned):
+    """The other dot orientation (x^T @ w^T, accumulator [rows, columns])."""
+    check(dev, t, 8, 4, 256, 128, rng, used=7, bm=16, w_left=False)
+
+
 def test_fold_refuses_large_scales(rng):
     """Scale bytes above MAX_SCALE_BYTE (weights beyond +-12) are refused with a clear error."""
     w, s = quant.fp4_weight_quant(torch.full((32, 64), 100.0))
@@ -153,3 +167,18 @@ def test_default_dispatch_reaches_fold(dev, rng, poisoned, monkeypatch):
 @pytest.mark.parametrize("t", [1, 2, 4, 8, 16, 33, 64])
 def test_fold_model_shapes_gpu(dev, t, rng, poisoned):
     check(dev, t, 16, 6, 1024, 512, rng, used=14)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("t", [1, 4, 16])
+@pytest.mark.parametrize("split", [2, 4])
+def test_fold_split_k_gpu(dev, t, split, rng, poisoned):
+    check(dev, t, 16, 6, 1024, 512, rng, used=14, split=split)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("t", [1, 8, 64])
+def test_fold_weight_right_gpu(dev, t, rng, poisoned):
+    check(dev, t, 16, 6, 1024, 512, rng, used=14, w_left=False)

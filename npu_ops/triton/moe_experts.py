@@ -362,11 +362,11 @@ def fold_pays(device: torch.device, t: int, experts: list, inter: int, d: int) -
     takes, widths its tiles divide, 1..FOLD_MAX_T tokens, on CUDA (measured faster than the GEMV
     and tiled kernels at every such T on the H200; the interpreters keep the old default)."""
     from .launch import interpreting
-    from .moe_fold import TILES, fold_fits
+    from .moe_fold import fold_fits, fold_tiles
 
-    c = TILES["cuda"]
+    c = fold_tiles(t)
     return (device.type == "cuda" and not interpreting() and t <= FOLD_MAX_T and foldable(experts)
-            and fold_fits(inter, d, c["bn_up"], c["bn_down"], c["bk"]))
+            and fold_fits(inter, d, c["bn_up"], c["bn_down"], c["bk"], c["split"]))
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: list, limit: float,
@@ -418,7 +418,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
                              f"bytes <= {MAX_SCALE_BYTE}")
         return fold_moe(x if x.stride(-1) == 1 else x.contiguous(), weights, ids,
                         (w_base, s_base, table, kind, inter, k_in, (s_up, s_down), align), limit, out,
-                        rb=bm, bn_up=bn_up, bn_down=bn_down, bk=bk, num_warps=num_warps, num_stages=num_stages)
+                        rb=bm, bn_up=bn_up, bn_down=bn_down, bk=bk, num_warps=num_warps, num_stages=num_stages,
+                        **grouped)
     if path == "gemv":
         if kind == W_DENSE or t > GEMV_MAX_T:
             raise ValueError(f"moe_experts: the gemv path takes scaled experts and <= {GEMV_MAX_T} tokens")

@@ -47,9 +47,13 @@ import triton.language as tl
 from .block_scaled import fp8_qdq_groups, pow2
 from .swiglu import swiglu_tile
 
-# Tiles (BN weight rows on the dot's wide side, BK along K; RB is the row tile, from T).
-TILES = {"cuda": {"bn_up": 64, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 3},
-         "interp": {"bn_up": 32, "bn_down": 32, "bk": 128}}
+# Tiles by token count, (most tokens, tiles): BN weight rows per program (gate/up, down), BK along
+# K, the gate/up K slices (`split`), the dot orientation (`w_left`: weight as the left operand);
+# the row tile RB follows T. The CUDA rows are the best measured on the H200 (benchmarks/RESULTS.md,
+# "MoE at decode sizes").
+TILES = {"cuda": [(64, {"bn_up": 64, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 3, "split": 1,
+                        "w_left": True})],
+         "interp": [(1 << 30, {"bn_up": 32, "bn_down": 32, "bk": 128, "split": 1, "w_left": True})]}
 MAX_SCALE_BYTE = 128  # the largest E8M0 weight scale byte the folded conversion takes (module docstring)
 _SIGN2 = tl.constexpr(-2147450880)  # 0x80008000: both halves' sign bits, as an int32 literal
 _MAG2 = tl.constexpr(0x01C001C0)  # both halves' bf16 bits 8..6
@@ -140,10 +144,61 @@ def _expert_ptrs(w_base, s_base, table_ptr, e, which: tl.constexpr, ALIGN: tl.co
 
 
 @triton.jit
-def _fold_up_kernel(x_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_ptr, h_ptr, K, I, s_stride, limit,
-                    TOPK: tl.constexpr, ALIGN: tl.constexpr, ASM: tl.constexpr, LOWP: tl.constexpr,
-                    RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """h[p, n] for the expert-ordered rows p of expert program_id(0), columns of tile program_id(1)."""
+def _acc0(BN: tl.constexpr, RB: tl.constexpr, W_LEFT: tl.constexpr):
+    """A zero accumulator: [BN, RB] with the weight as the dot's left operand, else [RB, BN]."""
+    if W_LEFT:
+        return tl.zeros((BN, RB), dtype=tl.float32)
+    else:
+        return tl.zeros((RB, BN), dtype=tl.float32)
+
+
+@triton.jit
+def _wdot(acc, w, xk, W_LEFT: tl.constexpr, LOWP: tl.constexpr):
+    """acc + the weight tile w [BN, BK] times the activation tile xk [BK, RB]: W_LEFT keeps the
+    weight as the left operand (on Hopper its bf16 tile is the wgmma A operand from registers),
+    else x^T @ w^T (both operands from shared memory). The interpreter: fp32 "ieee" dots."""
+    if not LOWP:
+        xk = xk.to(tl.float32)
+    if W_LEFT:
+        if LOWP:
+            return tl.dot(w, xk, acc)
+        else:
+            return tl.dot(w, xk, acc, input_precision="ieee")
+    else:
+        if LOWP:
+            return tl.dot(tl.trans(xk), tl.trans(w), acc)
+        else:
+            return tl.dot(tl.trans(xk), tl.trans(w), acc, input_precision="ieee")
+
+
+@triton.jit
+def _rows_first(acc, W_LEFT: tl.constexpr):
+    """The accumulator as [RB, BN]."""
+    if W_LEFT:
+        return tl.trans(acc)
+    else:
+        return acc
+
+
+@triton.jit
+def _act_store(g, u, p, pmask, wts_ptr, f, h_ptr, I, rn, limit, RB: tl.constexpr, BN: tl.constexpr):
+    """The gate/up epilogue of rows p [RB] (flat rows f), columns rn [BN]: clamped SwiGLU of the
+    fp32 sums g, u [RB, BN], routing weight, FP8 quantise-dequantise per 32 columns (BN % 32 ==
+    0: whole groups), stored in the word order of the w2 tiles (the down kernel's loads are then
+    contiguous)."""
+    h = swiglu_tile(g, u, limit) * tl.load(wts_ptr + f, mask=pmask, other=0.0)[:, None]
+    h = fp8_qdq_groups(h, RB, BN)
+    tl.store(h_ptr + p.to(tl.int64)[:, None] * I + word_order(rn)[None, :], h, mask=pmask[:, None])
+
+
+@triton.jit
+def _fold_up_kernel(x_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_ptr, h_ptr, part_ptr, R, K, I,
+                    s_stride, limit, TOPK: tl.constexpr, ALIGN: tl.constexpr, ASM: tl.constexpr,
+                    LOWP: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                    W_LEFT: tl.constexpr):
+    """h[p, n] for the expert-ordered rows p of expert program_id(0), columns of tile
+    program_id(1); with SPLIT > 1, K slice program_id(2)'s partial sums of gate and up to
+    part [SPLIT, R, 2, I] instead (`_fold_act_kernel` adds them up)."""
     e = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     start = tl.load(bounds_ptr + e)
@@ -151,35 +206,54 @@ def _fold_up_kernel(x_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_
     w1, s1 = _expert_ptrs(w_base, s_base, table_ptr, e, 0, ALIGN)
     w3, s3 = _expert_ptrs(w_base, s_base, table_ptr, e, 1, ALIGN)
     kk = tl.arange(0, BK)
+    k_lo = tl.multiple_of(tl.program_id(2) * (K // SPLIT), BK)  # the launcher checks K % (SPLIT * BK) == 0
     for p0 in range(start, end, RB):
         p = p0 + tl.arange(0, RB)
         pmask = p < end
         f = tl.load(perm_ptr + p, mask=pmask, other=0).to(tl.int64)
         tok = f // TOPK
-        acc1 = tl.zeros((BN, RB), dtype=tl.float32)
-        acc3 = tl.zeros((BN, RB), dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        acc1 = _acc0(BN, RB, W_LEFT)
+        acc3 = _acc0(BN, RB, W_LEFT)
+        for kr in range(0, K // SPLIT, BK):
+            k0 = tl.multiple_of(k_lo + kr, BK)
             xt = tl.load(x_ptr + tok[None, :] * K + (k0 + kk)[:, None], mask=pmask[None, :], other=0.0)
-            wt1 = fp4_tile_bf16(w1, s1, rn, k0 // 8, s_stride // 4, K // 8, BN, BK, ASM, LOWP)
-            wt3 = fp4_tile_bf16(w3, s3, rn, k0 // 8, s_stride // 4, K // 8, BN, BK, ASM, LOWP)
-            if LOWP:
-                acc1 = tl.dot(wt1, xt, acc1)
-                acc3 = tl.dot(wt3, xt, acc3)
-            else:
-                xf = xt.to(tl.float32)
-                acc1 = tl.dot(wt1, xf, acc1, input_precision="ieee")
-                acc3 = tl.dot(wt3, xf, acc3, input_precision="ieee")
-        wt = tl.load(wts_ptr + f, mask=pmask, other=0.0)
-        h = swiglu_tile(tl.trans(acc1), tl.trans(acc3), limit) * wt[:, None]
-        h = fp8_qdq_groups(h, RB, BN)  # the w2 input's FP8 quantisation (BN % 32 == 0: whole groups)
-        # stored in the word order of the w2 tiles, so the down kernel's loads are contiguous
-        tl.store(h_ptr + p.to(tl.int64)[:, None] * I + word_order(rn)[None, :], h, mask=pmask[:, None])
+            acc1 = _wdot(acc1, fp4_tile_bf16(w1, s1, rn, k0 // 8, s_stride // 4, K // 8, BN, BK, ASM, LOWP), xt,
+                         W_LEFT, LOWP)
+            acc3 = _wdot(acc3, fp4_tile_bf16(w3, s3, rn, k0 // 8, s_stride // 4, K // 8, BN, BK, ASM, LOWP), xt,
+                         W_LEFT, LOWP)
+        g = _rows_first(acc1, W_LEFT)
+        u = _rows_first(acc3, W_LEFT)
+        if SPLIT == 1:
+            _act_store(g, u, p, pmask, wts_ptr, f, h_ptr, I, rn, limit, RB, BN)
+        else:
+            base = part_ptr + ((tl.program_id(2) * R + p.to(tl.int64)[:, None]) * 2) * I + rn[None, :]
+            tl.store(base, g, mask=pmask[:, None])
+            tl.store(base + I, u, mask=pmask[:, None])
+
+
+@triton.jit
+def _fold_act_kernel(part_ptr, perm_ptr, bounds_ptr, wts_ptr, h_ptr, R, I, E, limit, SPLIT: tl.constexpr,
+                     RB: tl.constexpr, BN: tl.constexpr):
+    """The split gate/up's epilogue: rows p of block program_id(0) (those below bounds[E], the
+    routed rows), columns of tile program_id(1): gate and up summed over the K slices in slice
+    order (deterministic), then `_act_store`."""
+    p = tl.program_id(0) * RB + tl.arange(0, RB)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    pmask = p < tl.load(bounds_ptr + E)
+    f = tl.load(perm_ptr + p, mask=pmask, other=0).to(tl.int64)
+    g = tl.zeros((RB, BN), dtype=tl.float32)
+    u = tl.zeros((RB, BN), dtype=tl.float32)
+    for sl in range(SPLIT):
+        base = part_ptr + ((sl * R + p.to(tl.int64)[:, None]) * 2) * I + rn[None, :]
+        g += tl.load(base, mask=pmask[:, None], other=0.0)
+        u += tl.load(base + I, mask=pmask[:, None], other=0.0)
+    _act_store(g, u, p, pmask, wts_ptr, f, h_ptr, I, rn, limit, RB, BN)
 
 
 @triton.jit
 def _fold_down_kernel(h_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, y_ptr, I, D, s_stride,
                       ALIGN: tl.constexpr, ASM: tl.constexpr, LOWP: tl.constexpr, RB: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr):
+                      BN: tl.constexpr, BK: tl.constexpr, W_LEFT: tl.constexpr):
     """y[flat row, n] = h rows of expert program_id(0) times its w2, columns of tile program_id(1)."""
     e = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -191,16 +265,13 @@ def _fold_down_kernel(h_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, y_
         p = p0 + tl.arange(0, RB)
         pmask = p < end
         p64 = p.to(tl.int64)
-        acc = tl.zeros((BN, RB), dtype=tl.float32)
+        acc = _acc0(BN, RB, W_LEFT)
         for k0 in range(0, I, BK):
             ht = tl.load(h_ptr + p64[None, :] * I + (k0 + kk)[:, None], mask=pmask[None, :], other=0.0)
-            wt = fp4_tile_bf16(w2, s2, rn, k0 // 8, s_stride // 4, I // 8, BN, BK, ASM, LOWP)
-            if LOWP:
-                acc = tl.dot(wt, ht, acc)
-            else:
-                acc = tl.dot(wt, ht, acc, input_precision="ieee")
+            acc = _wdot(acc, fp4_tile_bf16(w2, s2, rn, k0 // 8, s_stride // 4, I // 8, BN, BK, ASM, LOWP), ht,
+                        W_LEFT, LOWP)
         f = tl.load(perm_ptr + p, mask=pmask, other=0).to(tl.int64)
-        tl.store(y_ptr + f[None, :] * D + rn[:, None], acc, mask=pmask[None, :])
+        tl.store(y_ptr + f[:, None] * D + rn[None, :], _rows_first(acc, W_LEFT), mask=pmask[:, None])
 
 
 @triton.jit
@@ -218,31 +289,44 @@ def _buffer(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def fold_fits(inter: int, d: int, bn_up: int, bn_down: int, bk: int) -> bool:
-    """Whether the tiles divide the expert widths (the kernels load whole tiles, unmasked)."""
-    return (inter % bn_up == 0 and d % bn_down == 0 and d % bk == 0 and inter % bk == 0
+def fold_fits(inter: int, d: int, bn_up: int, bn_down: int, bk: int, split: int = 1) -> bool:
+    """Whether the tiles divide the expert widths (the kernels load whole tiles, unmasked) and
+    the gate/up K slices (d / split) are whole BK steps."""
+    return (inter % bn_up == 0 and d % bn_down == 0 and d % (bk * split) == 0 and inter % bk == 0
             and bn_up % 32 == 0 and bk % 128 == 0)
 
 
+def fold_tiles(t: int, interp: bool = False) -> dict:
+    """The tiles for T tokens (TILES: the first row whose token bound T does not pass)."""
+    rows = TILES["interp" if interp else "cuda"]
+    return next((tiles for t_max, tiles in rows if t <= t_max), rows[-1][1])
+
+
 def fold_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_args: tuple, limit: float,
-             out: torch.Tensor, *, rb: int | None = None, bn_up: int | None = None, bn_down: int | None = None, bk: int | None = None,
-             num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+             out: torch.Tensor, *, rb: int | None = None, bn_up: int | None = None, bn_down: int | None = None,
+             bk: int | None = None, split: int | None = None, w_left: bool | None = None,
+             num_warps: int | None = None,
+             num_stages: int | None = None) -> torch.Tensor:
     """The folded FP4 decode path for x [T, d] (up to rb rows per expert in one tile, default
-    the next power of two >= T in 16..64; more rows loop): sort, x's FP8 quantise-dequantise, gate/up, down, combine into `out` [T, d] fp32."""
+    the next power of two >= T in 16..64; more rows loop; the gate/up K range in `split`
+    slices; tile defaults `fold_tiles`): sort, x's FP8 quantise-dequantise, gate/up (+ its
+    epilogue when split), down, combine into `out` [T, d] fp32."""
     from .launch import interpreting
     from .moe_experts import _combine_kernel
     from .moe_grouped import sort_rows
 
     w_base, s_base, table, kind, inter, d, (s_up, s_down), align = table_args
     interp = interpreting()
-    tiles = TILES["interp" if interp else "cuda"]
-    bn_up, bn_down, bk = bn_up or tiles["bn_up"], bn_down or tiles["bn_down"], bk or tiles["bk"]
-    if not fold_fits(inter, d, bn_up, bn_down, bk):
-        raise ValueError(f"moe_experts fold path: tiles (bn_up {bn_up}, bn_down {bn_down}, bk {bk}) must divide "
-                         f"the widths ({inter}, {d}); bn_up a multiple of 32, bk of 128")
-    kw = {} if interp else {"num_warps": num_warps or tiles["num_warps"], "num_stages": num_stages or tiles["num_stages"]}
     t, topk = ids.shape
     n_exp = table.shape[0]
+    tiles = fold_tiles(t, interp)
+    bn_up, bn_down, bk = bn_up or tiles["bn_up"], bn_down or tiles["bn_down"], bk or tiles["bk"]
+    split = split or tiles["split"]
+    w_left = tiles["w_left"] if w_left is None else w_left
+    if not fold_fits(inter, d, bn_up, bn_down, bk, split):
+        raise ValueError(f"moe_experts fold path: tiles (bn_up {bn_up}, bn_down {bn_down}, bk {bk}, split {split}) "
+                         f"must divide the widths ({inter}, {d}); bn_up a multiple of 32, bk of 128")
+    kw = {} if interp else {"num_warps": num_warps or tiles["num_warps"], "num_stages": num_stages or tiles["num_stages"]}
     r = t * topk
     rb = rb or max(16, min(64, triton.next_power_of_2(t)))  # rows of an expert: at most T
     flat_ids = ids.contiguous().reshape(-1)
@@ -253,12 +337,18 @@ def fold_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
     _x_qdq_kernel[(t, d // cb)](x, xq, d, CB=cb)
     h = _buffer((r, inter), act, x.device)
     y = _buffer((r, d), torch.float32, x.device)
-    _fold_up_kernel[(n_exp, inter // bn_up)](
-        xq, perm, bounds, weights.float().contiguous().reshape(-1), w_base, s_base, table, h, d, inter, s_up,
-        float(limit), TOPK=topk, ALIGN=align, ASM=not interp, LOWP=not interp, RB=rb, BN=bn_up, BK=bk, **kw)
+    wts = weights.float().contiguous().reshape(-1)
+    part = _buffer((split, r, 2, inter), torch.float32, x.device) if split > 1 else y
+    _fold_up_kernel[(n_exp, inter // bn_up, split)](
+        xq, perm, bounds, wts, w_base, s_base, table, h, part, r, d, inter, s_up, float(limit), TOPK=topk,
+        ALIGN=align, ASM=not interp, LOWP=not interp, RB=rb, BN=bn_up, BK=bk, SPLIT=split, W_LEFT=w_left, **kw)
+    if split > 1:
+        rbf = min(16, triton.next_power_of_2(r))
+        _fold_act_kernel[(-(-r // rbf), inter // 32)](part, perm, bounds, wts, h, r, inter, n_exp, float(limit),
+                                                       SPLIT=split, RB=rbf, BN=32)
     _fold_down_kernel[(n_exp, d // bn_down)](
         h, perm, bounds, w_base, s_base, table, y, inter, d, s_down, ALIGN=align, ASM=not interp, LOWP=not interp,
-        RB=rb, BN=bn_down, BK=bk, **kw)
+        RB=rb, BN=bn_down, BK=bk, W_LEFT=w_left, **kw)
     cb = min(1024, triton.next_power_of_2(d))
     _combine_kernel[(t, -(-d // cb))](y, flat_ids, out, d, TOPK=topk, BLOCK=cb)
     return out
