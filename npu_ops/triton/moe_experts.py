@@ -1,5 +1,10 @@
 """Routed (and shared) experts as grouped kernels over the active experts (op `moe_experts`).
 
+Paths (`moe_experts` picks one; `path=` overrides): on CUDA, FP4 experts at 1..64 tokens take
+`moe_fold` (tensor cores, weights read as int32 words); the kernels below serve the other formats
+and sizes (GEMV at a few tokens, the tiled kernels described next), and prefill-sized FP4 calls
+take `moe_grouped` on a bf16 scratch.
+
 Per call, with R = T * k routed rows (token t, slot j -> flat row t * k + j):
 1. Rows are sorted by expert (`moe_grouped.sort_rows`: one launch up to 1024 routed rows, two
    above, in place of a torch stable sort + searchsorted + fills; ids < 0 left out; no host
@@ -351,9 +356,10 @@ def scratch_pays(device: torch.device, kind: str, rows: int, n_exp: int, inter: 
 
 
 # The most tokens the folded FP4 path (moe_fold) takes by default. H200 2026-12-01, graph replay,
-# 16 FP4 experts 5120 x 2304, top-6 (benchmarks/RESULTS.md, "MoE at decode sizes"): fold against
-# the old default, T=1 96.7 / 105.8 us (gemv), 4 179.9 / 392.5 (gemv), 8 235.9 / 440.0 (tiled),
-# 32 370.0 / 558.2, 64 462.0 / 1099.3.
+# 16 FP4 experts 5120 x 2304, top-6 (benchmarks/RESULTS.md, "MoE at decode sizes"): fold (its
+# shipped tiles) against the old default, T=1 98.8 / 106.9 us (gemv), 2 158.8 / 201.4 (gemv),
+# 4 183.2 / 400.6 (gemv), 8 234.7 / 446.5 (tiled), 16 234.0 / 448.2, 32 377.9 / 455.8,
+# 64 460.0 / 1099.1.
 FOLD_MAX_T = 64
 
 

@@ -51,8 +51,11 @@ from .swiglu import swiglu_tile
 # K, the gate/up K slices (`split`), the dot orientation (`w_left`: weight as the left operand);
 # the row tile RB follows T. The CUDA rows are the best measured on the H200 (benchmarks/RESULTS.md,
 # "MoE at decode sizes").
-TILES = {"cuda": [(64, {"bn_up": 64, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 3, "split": 1,
-                        "w_left": True})],
+# H200 2026-12-01 02:03 UTC, graph replay, T=1 / 2 / 4 / 8 / 16: split 1 98.8 / 180.9 / 187.9 /
+# 247.5 / 244.9 us, split 2 101.9 / 158.8 / 189.7 / 237.3 / 237.6, split 4 104.9 / 166.9 / 183.2 /
+# 234.7 / 234.0 (T=3 takes T=2's row unmeasured); w_left=False and 8 warps were slower at every T.
+_DECODE = {"bn_up": 64, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 3, "split": 1, "w_left": True}
+TILES = {"cuda": [(1, _DECODE), (3, dict(_DECODE, split=2)), (16, dict(_DECODE, split=4)), (64, _DECODE)],
          "interp": [(1 << 30, {"bn_up": 32, "bn_down": 32, "bk": 128, "split": 1, "w_left": True})]}
 MAX_SCALE_BYTE = 128  # the largest E8M0 weight scale byte the folded conversion takes (module docstring)
 _SIGN2 = tl.constexpr(-2147450880)  # 0x80008000: both halves' sign bits, as an int32 literal
