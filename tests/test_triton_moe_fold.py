@@ -15,8 +15,9 @@ import torch
 from _triton import DEVICES, cuda_only, triton  # noqa: F401  (sets TRITON_INTERPRET; skips without triton)
 
 from test_triton_block_linear import weight  # noqa: E402  (the random weights in storage formats)
+from test_triton_moe_grouped import check as grouped_check  # noqa: E402  (inputs, reference, bound)
+from test_triton_moe_grouped import every_code_weight  # noqa: E402
 
-from dsv41.backends.reference import moe  # noqa: E402
 from dsv41.backends.reference.basic import dequant_weight  # noqa: E402
 from dsv41.backends.reference import quant  # noqa: E402
 from dsv41.npu_ops.triton import moe_experts as me  # noqa: E402
@@ -25,13 +26,6 @@ from dsv41.npu_ops.triton.launch import interpreting  # noqa: E402
 
 tl = triton.language
 pytestmark = cuda_only
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.detach().cpu().double(), want.detach().cpu().double()
-    assert torch.isfinite(got).all(), "non-finite output"
-    assert want.norm() > 0
-    return ((got - want).norm() / want.norm()).item()
 
 
 @pytest.fixture
@@ -59,18 +53,13 @@ def test_fold_dequant_bit_exact(dev):
     """Every E2M1 code at every scale byte 1..128 (the bytes the path takes): bit-equal to the
     reference dequantisation where the result is normal (>= 2^-126); the one smaller result
     (0.5 at byte 1, 2^-127) is exact or flushed to zero."""
-    k = 32 * 8  # 8 scale blocks per row; each block holds the 16 codes twice
-    codes = torch.arange(k) % 16
-    packed = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).view(torch.int8)
-    sbytes = torch.arange(1, 129, dtype=torch.uint8)
-    n = sbytes.numel() // 8
-    w = packed.repeat(n, 1)
-    s = sbytes.reshape(n, 8).view(torch.float8_e8m0fnu)
+    w, s = every_code_weight(mf.MAX_SCALE_BYTE, 8)
+    n, k = w.shape[0], w.shape[1] * 2
     want = dequant_weight(w, s).double()
     out = torch.full((n, k), float("nan"), dtype=torch.float32, device=dev)
     wd = w.view(torch.uint8).to(dev).view(torch.int32)
-    _dequant_kernel[(1,)](wd, s.view(torch.uint8).to(dev).view(torch.int32), out, k, BN=n, BK=128, ASM=not interpreting(),
-                          LOWP=not interpreting())
+    _dequant_kernel[(1,)](wd, s.view(torch.uint8).to(dev).view(torch.int32), out, k, BN=n, BK=128,
+                          ASM=not interpreting(), LOWP=not interpreting())
     got = out.cpu().double()
     normal = (want.abs() >= 2.0 ** -126) | (want == 0)
     assert (~normal).sum() == 4  # 0.5 and -0.5, twice each, at byte 1
@@ -79,23 +68,9 @@ def test_fold_dequant_bit_exact(dev):
 
 
 def check(dev, t, n_exp, topk, d, inter, rng, used=None, **tiles):
-    """moe_experts through the fold path against the reference."""
-    used = n_exp if used is None else used
-    x = (torch.randn(t, d, generator=rng) * 2).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(used, generator=rng)[:topk] for _ in range(t)])
-    ids[::3, -1] = -1  # slots another model-parallel rank holds
-    if t > 2:
-        ids[1] = ids[0]  # two tokens with the same experts
-    w = torch.rand(t, topk, generator=rng) + 0.1
-    ex = [(weight("fp4", inter, d, rng), weight("fp4", d, inter, rng), weight("fp4", inter, d, rng))
-          for _ in range(n_exp)]
-    want = moe.moe_experts(x, w, ids, ex, 10.0, torch.float64)
-    dex = [tuple((a.to(dev), b.to(dev)) for a, b in e) for e in ex]
-    tiles = dict({"path": "fold"}, **tiles)
-    got = me.moe_experts(x.to(dev), w.to(dev), ids.to(dev), dex, 10.0, torch.float64, **tiles)
-    assert got.dtype == torch.float32 and got.shape == (t, d)
-    err = rel_err(got, want)
-    assert err < 1e-4, f"fold moe T={t}: rel err {err:.2e}"
+    """moe_experts through the fold path (unless `path` says otherwise) against the reference:
+    test_triton_moe_grouped.check with FP4 experts."""
+    grouped_check(dev, "fp4", t, n_exp, topk, d, inter, rng, used, **dict({"path": "fold"}, **tiles))
 
 
 @pytest.mark.parametrize("dev", DEVICES)
