@@ -23,10 +23,11 @@ BACKENDS = ("reference", "cuda", "ascend")
 DEVICE_BACKEND = {"cpu": "reference", "cuda": "cuda", "npu": "ascend", "meta": "reference"}
 ENV_VAR = "DSV41_BACKEND"
 STRICT_VAR = "DSV41_STRICT"
-# DSV41_FUSED=all|op,op: the fused ops whose backend kernels run; every other fused op runs as
-# the composition of ops it stands for. Default none: the fused kernels pass their tests under
-# the Triton interpreters but have not run on a GPU or NPU yet (the H200 measurements are of the
-# compositions); the opt-in is how they get verified and timed (A/B against their parts).
+# DSV41_FUSED=all|none|op,op: the fused ops whose backend kernels run; every other fused op runs
+# as the composition of ops it stands for. Unset: the fused ops registered `kernel_by_default`,
+# those whose kernels matched the reference on the H200 and beat their compositions there
+# (benchmarks/fused_kernels.py); `unrope_grouped_linear`'s kernel lost (24 vs 22 us at one row,
+# 99 vs 26 us at eight) and stays opt-in.
 FUSED_VAR = "DSV41_FUSED"
 
 
@@ -37,6 +38,8 @@ class Op:
     warned: set[str] = field(default_factory=set)
     # a fused op: the composition of other ops that it stands for (`register_composite`)
     composite: Callable | None = None
+    # a fused op whose backend kernel runs when DSV41_FUSED is unset
+    kernel_by_default: bool = False
 
 
 _OPS: dict[str, Op] = {}
@@ -66,17 +69,19 @@ def register(name: str, backend: str = "reference") -> Callable[[Callable], Call
     return deco
 
 
-def register_composite(name: str) -> Callable[[Callable], Callable]:
+def register_composite(name: str, kernel_by_default: bool = True) -> Callable[[Callable], Callable]:
     """Decorator: `fn` is fused op `name` written as the composition of other ops (through
     `backends.ops`, so each part runs on the caller's backend; or of plain torch ops that run on
     any device, as `table_rows`' integer arithmetic). It is the reference
     implementation, and the implementation on any backend without a fused kernel of its own: a
     composition of that backend's ops is no fallback to the reference (no warning; allowed under
-    DSV41_STRICT=1)."""
+    DSV41_STRICT=1). `kernel_by_default`: a backend's kernel for it runs unless DSV41_FUSED says
+    otherwise (False: only when DSV41_FUSED names it)."""
 
     def deco(fn: Callable) -> Callable:
         register(name)(fn)
         _OPS[name].composite = fn
+        _OPS[name].kernel_by_default = kernel_by_default
         return fn
 
     return deco
@@ -139,12 +144,15 @@ def ensure_backend_loaded(backend: str) -> str | None:
 
 
 def fused_kernels() -> set[str]:
-    """The fused ops DSV41_FUSED lets run as backend kernels ("all": every fused op; unset:
-    none); a name that is no fused op is an error naming it."""
-    v = os.environ.get(FUSED_VAR, "")
+    """The fused ops whose backend kernels run: DSV41_FUSED "all" (every fused op), "none" (none,
+    each runs as its composition), a comma list of names, or unset (those registered
+    `kernel_by_default`); a name that is no fused op is an error naming it."""
+    v = os.environ.get(FUSED_VAR)
     fused = {n for n, op in _OPS.items() if op.composite is not None}
-    if v.strip() == "all":
-        return fused
+    if v is None or not v.strip():
+        return {n for n in fused if _OPS[n].kernel_by_default}
+    if v.strip() in ("all", "none"):
+        return fused if v.strip() == "all" else set()
     names = {n.strip() for n in v.split(",") if n.strip()}
     if names - fused:
         raise ValueError(f"{FUSED_VAR}: {', '.join(sorted(names - fused))} not a fused op "
@@ -161,7 +169,7 @@ def resolve(name: str, backend: str) -> tuple[Callable, str, str]:
         return op.impls["reference"], "reference", "reference backend"
     why = ensure_backend_loaded(backend)
     if why is None and op.composite is not None and name not in fused_kernels():
-        return op.composite, backend, f"composition of {backend} ops (kernel opt-in: {FUSED_VAR})"
+        return op.composite, backend, f"composition of {backend} ops (its kernel: {FUSED_VAR}=all or its name)"
     if why is None and backend in op.impls:
         return op.impls[backend], backend, f"{backend} kernel"
     if why is None and op.composite is not None:

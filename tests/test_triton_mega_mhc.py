@@ -107,6 +107,37 @@ def test_mhc_mix_fused_coefficients(dev, t, d, d_split, rng):
         check(dev, inputs, True, fused=True, d_split=d_split)
 
 
+@pytest.mark.skipif(ASCEND_TRITON, reason="the fused coefficient epilogue (atomics, L2 loads) is the CUDA path")
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("mode", ["narrow", "fused-narrow", "fused"])
+@pytest.mark.parametrize("t", [1, 2, 6])
+def test_mhc_coef_modes(dev, mode, t, monkeypatch, rng):
+    """DSV41_MHC_COEF: the narrow coefficient tile (fewer than COEF_T tokens: a tile of just those,
+    every chunk in one reduction step; 6 tokens keep COEF_T) in its own launch and fused, for
+    mhc_mix and mhc_mixes, with several d chunks; called twice (the counters return to 0)."""
+    from dsv41.npu_ops.triton import mhc_mixes as mx
+
+    monkeypatch.setattr(mm, "_COEF_MODE", [])
+    monkeypatch.setenv("DSV41_MHC_COEF", mode)
+    assert mm.coef_mode() == (mode.startswith("fused"), mode.endswith("narrow"))
+    assert mm.coef_tokens(t, True) == min(mm.COEF_T, 1 << (t - 1).bit_length())
+    inputs = make_inputs(rng, t, 192)
+    x, fn, scale, base = inputs[0], inputs[5], inputs[6], inputs[7]
+    want = ref.mhc_mixes(x, fn, scale, base, NORM_EPS, HC_EPS, ITERS)
+    for _ in range(2):
+        check(dev, inputs, True, d_split=3)
+        got = mx.mhc_mixes(x.to(dev), fn.to(dev), scale.to(dev), base.to(dev), NORM_EPS, HC_EPS, ITERS)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-6 if dev == "cpu" else 2e-4)
+
+
+def test_mhc_coef_mode_rejects_unknown(monkeypatch):
+    monkeypatch.setattr(mm, "_COEF_MODE", [])
+    monkeypatch.setenv("DSV41_MHC_COEF", "sideways")
+    with pytest.raises(ValueError, match="DSV41_MHC_COEF"):
+        mm.coef_mode()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", DEVICES[1:])
 @pytest.mark.parametrize("t", [1, 64, 300])

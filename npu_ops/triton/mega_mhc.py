@@ -57,6 +57,31 @@ FUSED_COEF = False
 # Tokens per coefficient work item: one per warp of a 4-warp program (the Sinkhorn rounds are a
 # serial chain per token; more tokens per thread lengthen it).
 COEF_T = 4
+# The coefficient epilogue's form, chosen once per process: DSV41_MHC_COEF = "split" (default: its
+# own launch, FUSED_COEF decides), "narrow" (own launch; fewer than COEF_T tokens take a tile of
+# just those tokens, so CB covers every chunk of a decode call and the chunk sums are one L2 read
+# instead of a chain), "fused" (in the main kernel) or "fused-narrow". Default "split" until the
+# H200 A/B has measured the others.
+MHC_COEF_MODES = ("split", "narrow", "fused", "fused-narrow")
+_COEF_MODE: list = []
+
+
+def coef_mode() -> tuple[bool, bool]:
+    """(fused, narrow) from DSV41_MHC_COEF, read once (one clear error for an unknown value)."""
+    import os
+
+    if not _COEF_MODE:
+        mode = os.environ.get("DSV41_MHC_COEF", "split") or "split"
+        if mode not in MHC_COEF_MODES:
+            raise ValueError(f"DSV41_MHC_COEF: unknown mode {mode!r} (one of {', '.join(MHC_COEF_MODES)})")
+        _COEF_MODE.append((FUSED_COEF if mode == "split" else mode.startswith("fused"), mode.endswith("narrow")))
+    return _COEF_MODE[0]
+
+
+def coef_tokens(t: int, narrow: bool) -> int:
+    """Tokens per coefficient work item: COEF_T, or with `narrow` the next power of two >= T when
+    that is fewer (a decode call of 1-2 tokens)."""
+    return min(COEF_T, triton.next_power_of_2(max(1, t))) if narrow else COEF_T
 TILES = {
     "cuda": {"block_t": 16, "block_d": 64, "num_warps": 4, "num_stages": 2, "d_split": 8},
     "default": {"block_t": 16, "block_d": 64, "num_warps": 4, "num_stages": 1, "d_split": 2},
@@ -368,15 +393,16 @@ def coef_chunk_block(block_t: int = COEF_T) -> int:
 
 
 def launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps, iters,
-                wide) -> None:
-    """The unfused coefficient launch: one program per token tile (persistent over tiles)."""
+                wide, ct: int = COEF_T) -> None:
+    """The unfused coefficient launch: one program per token tile of `ct` tokens (persistent over
+    tiles)."""
     from .launch import grid_for, interpreting
 
-    n_tiles = -(-t // COEF_T)
+    n_tiles = -(-t // ct)
     cgrid = grid_for(n_tiles, part.device)
     _mhc_coef_kernel[(cgrid,)](part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks,
-                               float(norm_eps), float(hc_eps), int(iters), n_tiles, cgrid, BLOCK_T=COEF_T,
-                               CB=coef_chunk_block(), WIDE=wide, **({} if interpreting() else {"num_warps": 4}))
+                               float(norm_eps), float(hc_eps), int(iters), n_tiles, cgrid, BLOCK_T=ct,
+                               CB=coef_chunk_block(ct), WIDE=wide, **({} if interpreting() else {"num_warps": 4}))
 
 
 def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
@@ -390,7 +416,7 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     x_hat [T, d] in x's dtype, (pre, post, comb) fp32 or None). The keyword-only tile
     parameters are for tuning and default to this module's table; `fused` computes the
     coefficients in the main kernel's last program per token tile instead of a second launch
-    (default FUSED_COEF)."""
+    (default: DSV41_MHC_COEF, see coef_mode)."""
     from .launch import grid_for, interpreting, needs_int64, num_workers
 
     if x.dim() != 3 or x.shape[1] != N_STREAMS:
@@ -439,9 +465,11 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     kw = {} if interpreting() else {"num_warps": num_warps or tiles["num_warps"],
                                     "num_stages": num_stages or tiles["num_stages"]}
     wide = needs_int64(x, fn if has_fn else None)
+    fused_default, narrow = coef_mode()
     if fused is None:
-        fused = FUSED_COEF
+        fused = fused_default
     fused = fused and has_fn
+    ct = coef_tokens(t, narrow)
     if has_fn:
         part = torch.empty(n_chunks, t, 32, dtype=torch.float32, device=x.device)
         pcomp = torch.empty_like(part)
@@ -449,13 +477,14 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     else:
         part = pcomp = pss = x_hat  # unused placeholders
     counts = tile_counters(x.device, n_tiles) if fused else x_hat
-    cb = coef_chunk_block()
+    cb = coef_chunk_block(ct)
     _mhc_mix_kernel[(grid,)](x, y, post, comb, pre, fn, scale, base, xnew_arg, xhat_arg, part, pcomp, pss, counts,
                              opre, opost, ocomb, t, d, chunk, n_chunks, n_items, grid, float(norm_eps), float(hc_eps),
                              int(iters), BLOCK_T=bt, BLOCK_D=bd, HAS_FN=has_fn, SPLIT=split,
-                             OUT_BF16=x.dtype == torch.bfloat16, WIDE=wide, FUSED=fused, CT=COEF_T, CB=cb, **kw)
+                             OUT_BF16=x.dtype == torch.bfloat16, WIDE=wide, FUSED=fused, CT=ct, CB=cb, **kw)
     if has_fn and not fused:
-        launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps, iters, wide)
+        launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps, iters, wide,
+                    ct)
     return x_new, x_hat, ((opre, opost, ocomb) if has_fn else None)
 
 

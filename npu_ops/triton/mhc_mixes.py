@@ -21,8 +21,8 @@ import triton.language as tl
 from ...backends.reference.mhc import mhc_collapse as mhc_collapse_ref  # noqa: F401  (the oracle)
 from ...backends.reference.mhc import mhc_mixes as mhc_mixes_ref  # noqa: F401  (the oracle)
 from .block_scaled import bf16_bits16
-from .mega_mhc import (COEF_T, FUSED_COEF, N_MIX, N_STREAMS, TILES, _finish_coef, _fn_partial_step, coef_chunk_block,
-                       launch_coef)
+from .mega_mhc import (N_MIX, N_STREAMS, TILES, _finish_coef, _fn_partial_step, coef_chunk_block, coef_mode,
+                       coef_tokens, launch_coef)
 
 
 @triton.jit
@@ -66,7 +66,7 @@ def _mhc_partials_kernel(x_ptr, fn_ptr, part_ptr, pcomp_ptr, pss_ptr, count_ptr,
 def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
               hc_eps: float, iters: int, *, fused: bool | None = None):
     """x [T, 4, d] -> (pre [T, 4], post [T, 4], comb [T, 4, 4]) fp32. `fused`: the coefficients
-    come from the partials kernel's last program per token tile (one launch; default FUSED_COEF)."""
+    come from the partials kernel's last program per token tile (one launch; default: DSV41_MHC_COEF)."""
     from .launch import grid_for, interpreting, needs_int64, num_workers, tile_counters
 
     if x.dim() != 3 or x.shape[1] != N_STREAMS:
@@ -93,16 +93,18 @@ def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
     part = torch.empty(n_chunks, t, 32, dtype=torch.float32, device=x.device)
     pcomp = torch.empty_like(part)
     pss = torch.empty(n_chunks, t, dtype=torch.float32, device=x.device)
+    fused_default, narrow = coef_mode()
     if fused is None:
-        fused = FUSED_COEF
+        fused = fused_default
+    ct = coef_tokens(t, narrow)
     wide = needs_int64(x, fn)
     counts = tile_counters(x.device, n_tiles) if fused else pss
     _mhc_partials_kernel[(grid,)](x, fn, part, pcomp, pss, counts, scale, base, pre, post, comb, t, d, chunk, n_chunks,
                                   n_items, grid, float(norm_eps), float(hc_eps), int(iters),
-                                  BLOCK_T=bt, BLOCK_D=bd, SPLIT=split, FUSED=fused, CT=COEF_T, CB=coef_chunk_block(), WIDE=wide,
+                                  BLOCK_T=bt, BLOCK_D=bd, SPLIT=split, FUSED=fused, CT=ct, CB=coef_chunk_block(ct), WIDE=wide,
                                   **kw)
     if not fused:
-        launch_coef(part, pcomp, pss, scale, base, pre, post, comb, t, d, n_chunks, norm_eps, hc_eps, iters, wide)
+        launch_coef(part, pcomp, pss, scale, base, pre, post, comb, t, d, n_chunks, norm_eps, hc_eps, iters, wide, ct)
     return pre, post, comb
 
 
