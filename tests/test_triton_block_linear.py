@@ -359,8 +359,11 @@ def test_moe_shared_expert_call(dev, rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", [DEVICES[1]])
 @pytest.mark.parametrize("t", [1, 2, 4, 8, 64, 200])
-def test_moe_experts_model_shapes_gpu(dev, t, rng):
-    check_moe(dev, "fp4", t, 16, 6, 1024, 512, rng)
+@pytest.mark.parametrize("old", [False, True])
+def test_moe_experts_model_shapes_gpu(dev, t, old, rng):
+    """The default path (the fold path up to 64 tokens) and the GEMV / tiled kernels it replaced
+    there (still taken for experts the fold path does not take)."""
+    check_moe(dev, "fp4", t, 16, 6, 1024, 512, rng, **({"path": "gemv" if t <= 4 else "tiled"} if old else {}))
 
 
 @pytest.mark.gpu
