@@ -604,8 +604,10 @@ def _launch_fold(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_k=N
 # (default: `_fold_linear_kernel`), at M <= XS_MAX_M "xscale" (`_fold_xs_kernel`, hardware
 # conversion) or "place" (`_fold_xs_kernel`, bit placement), at M <= FOLD_MAX_M "fp8mma"
 # (`_fp8_mma_kernel`, FP8 tensor cores) or "fp16mma" (the same, fp16 MMAs), optionally followed by tile settings and a row limit
-# (more rows take "fold"), e.g. "place:bn=128,waves=8,stages=3,warps=4" or "fp8mma:maxm=8". Default "fold" until the H200 A/B
-# (benchmarks/dense_ab.py) has measured the others.
+# (more rows take "fold"), e.g. "place:bn=128,waves=8,stages=3,warps=4" or "fp8mma:maxm=8". Default "xscale" (the
+# fold kernel above XS_MAX_M rows): the H200 A/B (benchmarks/dense_ab.py, 2026-12-01) summed the seven mini decode
+# linears at 1 / 4 / 8 rows to 280 us against 324 for "fold", 353 "place", 354 "fp8mma" (whose fp32 outputs also
+# carry a 4.5e-5 error against 1.2e-7), 432 "fp16mma"; at 64 rows "fold" 205 against 324 for "fp8mma".
 XS_MAX_M = 8
 XS = {"bn": 64, "bk": 128, "num_warps": 4, "num_stages": 4, "waves": 4}
 XS_INTERP = {"bn": 64, "bk": 64}
@@ -639,7 +641,7 @@ def fp8_decode_mode() -> tuple[str, dict]:
     import os
 
     if not _FP8_DECODE:
-        _FP8_DECODE.append(parse_fp8_decode(os.environ.get("DSV41_FP8_DECODE", "fold")))
+        _FP8_DECODE.append(parse_fp8_decode(os.environ.get("DSV41_FP8_DECODE", "xscale")))
     return _FP8_DECODE[0]
 
 

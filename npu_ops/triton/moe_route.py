@@ -221,7 +221,8 @@ def _k_splits(n_tiles: int, k: int, bk: int, want: int | None, device) -> int:
 
 # The router kernel for few tokens, chosen once per process: DSV41_MOE_ROUTE = "tiled" (default:
 # `_moe_route_kernel`) or "small" (`_moe_route_small_kernel` where it fits: tokens x experts <=
-# SMALL_MAX_TE on CUDA). Default "tiled" until the H200 A/B has measured "small".
+# SMALL_MAX_TE on CUDA). Default "tiled": on the H200 (benchmarks/dense_ab.py, 2026-12-01) "small"
+# tied at 1-2 tokens (9.7 vs 9.9 us) and lost at 4-8 (12.0 / 14.2 vs 9.6 / 9.7).
 MOE_ROUTE_MODES = ("tiled", "small")
 SMALL_MAX_TE = 128  # BLOCK_T * EP: the [slices, T, E] partials of the final sum stay in registers
 SMALL_MAX_SLICES = 64  # K slices (programs) of the small kernel
