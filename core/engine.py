@@ -372,12 +372,15 @@ class Engine:
     def run_chunks(self, chunks: list[Chunk], ctx: ForwardContext | None = None, check: bool = False):
         """One forward over `chunks` (a captured decode graph when every chunk is one decode
         token and graphs are on); returns (logits of the requested rows, the context, batch)."""
-        batch = build_step(self.cfg, self.pool, chunks, self.device, self._image_token())
         ctx = ctx or ForwardContext()
         decode = all(len(c.ids) == 1 and c.logits == "last" and c.image_embeds is None
-                     and c.decoder_from <= c.state.length - 1 for c in chunks)
+                     and c.decoder_from <= c.state.length for c in chunks)
         if self.graphs is not None and decode and ctx.features is None and self.graphs.bucket(len(chunks)):
+            # built on the host: the graph runner copies it into its persistent device buffers
+            # (one copy per field instead of a device tensor per field and then a copy)
+            batch = build_step(self.cfg, self.pool, chunks, "cpu", self._image_token())
             return self.graphs.run(batch), ctx, batch  # (graph replays keep no counters)
+        batch = build_step(self.cfg, self.pool, chunks, self.device, self._image_token())
         logits = self.model(batch, self.pool, ctx=ctx, check=check)
         return logits, ctx, batch
 
