@@ -81,6 +81,9 @@ def load() -> None:
     register_triton_kernels(BACKEND, CUDA_KERNELS)
     for op, fn in TORCH_OPS.items():
         register(op, BACKEND)(fn)
+    from ..npu_ops.triton import batch_invariant
+
+    batch_invariant.register(BACKEND)  # used under DSV41_BATCH_INVARIANT=1
 
 
 register_backend_loader(BACKEND, load)

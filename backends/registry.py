@@ -14,8 +14,9 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -23,11 +24,18 @@ BACKENDS = ("reference", "cuda", "ascend")
 DEVICE_BACKEND = {"cpu": "reference", "cuda": "cuda", "npu": "ascend", "meta": "reference"}
 ENV_VAR = "DSV41_BACKEND"
 STRICT_VAR = "DSV41_STRICT"
-# DSV41_FUSED=all|op,op: the fused ops whose backend kernels run; every other fused op runs as
-# the composition of ops it stands for. Default none: the fused kernels pass their tests under
-# the Triton interpreters but have not run on a GPU or NPU yet (the H200 measurements are of the
-# compositions); the opt-in is how they get verified and timed (A/B against their parts).
+# DSV41_FUSED=all|none|op,op: the fused ops whose backend kernels run; every other fused op runs
+# as the composition of ops it stands for. Unset: the fused ops registered `kernel_by_default`,
+# those whose kernels matched the reference on the H200 and beat their compositions there
+# (benchmarks/fused_kernels.py); `unrope_grouped_linear`'s kernel lost (24 vs 22 us at one row,
+# 99 vs 26 us at eight) and stays opt-in.
 FUSED_VAR = "DSV41_FUSED"
+# DSV41_BATCH_INVARIANT=1: ops that have a batch-invariant implementation on the backend
+# (`register_invariant`) use it: every row's result is then bitwise independent of how many rows
+# the call has and of the other rows (one kernel and one tile configuration for every row
+# count, no split-K chosen by the row count, no cuBLAS), so a decode step reproduces the same
+# row of an exact prefill. Slower; for numerics checks (greedy decode == prefill argmax).
+INVARIANT_VAR = "DSV41_BATCH_INVARIANT"
 
 
 @dataclass
@@ -37,6 +45,10 @@ class Op:
     warned: set[str] = field(default_factory=set)
     # a fused op: the composition of other ops that it stands for (`register_composite`)
     composite: Callable | None = None
+    # a fused op whose backend kernel runs when DSV41_FUSED is unset
+    kernel_by_default: bool = False
+    # backend -> its batch-invariant implementation (`register_invariant`)
+    invariant: dict[str, Callable] = field(default_factory=dict)
 
 
 _OPS: dict[str, Op] = {}
@@ -66,17 +78,53 @@ def register(name: str, backend: str = "reference") -> Callable[[Callable], Call
     return deco
 
 
-def register_composite(name: str) -> Callable[[Callable], Callable]:
+def register_invariant(name: str, backend: str) -> Callable[[Callable], Callable]:
+    """Decorator: `fn` is op `name`'s batch-invariant implementation on `backend`, used instead
+    of its kernel under DSV41_BATCH_INVARIANT=1."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+
+    def deco(fn: Callable) -> Callable:
+        _OPS.setdefault(name, Op(name)).invariant[backend] = fn
+        _RESOLVED.clear()
+        return fn
+
+    return deco
+
+
+def batch_invariant() -> bool:
+    """DSV41_BATCH_INVARIANT=1: the batch-invariant implementations run (see INVARIANT_VAR)."""
+    return os.environ.get(INVARIANT_VAR, "") not in ("", "0")
+
+
+@contextmanager
+def batch_invariant_mode(on: bool = True) -> Iterator[None]:
+    """DSV41_BATCH_INVARIANT set to `on` inside the block, restored after (the dispatch cache
+    is keyed by it, so the choice changes with it)."""
+    old = os.environ.get(INVARIANT_VAR)
+    os.environ[INVARIANT_VAR] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(INVARIANT_VAR, None)
+        else:
+            os.environ[INVARIANT_VAR] = old
+
+
+def register_composite(name: str, kernel_by_default: bool = True) -> Callable[[Callable], Callable]:
     """Decorator: `fn` is fused op `name` written as the composition of other ops (through
     `backends.ops`, so each part runs on the caller's backend; or of plain torch ops that run on
     any device, as `table_rows`' integer arithmetic). It is the reference
     implementation, and the implementation on any backend without a fused kernel of its own: a
     composition of that backend's ops is no fallback to the reference (no warning; allowed under
-    DSV41_STRICT=1)."""
+    DSV41_STRICT=1). `kernel_by_default`: a backend's kernel for it runs unless DSV41_FUSED says
+    otherwise (False: only when DSV41_FUSED names it)."""
 
     def deco(fn: Callable) -> Callable:
         register(name)(fn)
         _OPS[name].composite = fn
+        _OPS[name].kernel_by_default = kernel_by_default
         return fn
 
     return deco
@@ -139,12 +187,15 @@ def ensure_backend_loaded(backend: str) -> str | None:
 
 
 def fused_kernels() -> set[str]:
-    """The fused ops DSV41_FUSED lets run as backend kernels ("all": every fused op; unset:
-    none); a name that is no fused op is an error naming it."""
-    v = os.environ.get(FUSED_VAR, "")
+    """The fused ops whose backend kernels run: DSV41_FUSED "all" (every fused op), "none" (none,
+    each runs as its composition), a comma list of names, or unset (those registered
+    `kernel_by_default`); a name that is no fused op is an error naming it."""
+    v = os.environ.get(FUSED_VAR)
     fused = {n for n, op in _OPS.items() if op.composite is not None}
-    if v.strip() == "all":
-        return fused
+    if v is None or not v.strip():
+        return {n for n in fused if _OPS[n].kernel_by_default}
+    if v.strip() in ("all", "none"):
+        return fused if v.strip() == "all" else set()
     names = {n.strip() for n in v.split(",") if n.strip()}
     if names - fused:
         raise ValueError(f"{FUSED_VAR}: {', '.join(sorted(names - fused))} not a fused op "
@@ -161,7 +212,7 @@ def resolve(name: str, backend: str) -> tuple[Callable, str, str]:
         return op.impls["reference"], "reference", "reference backend"
     why = ensure_backend_loaded(backend)
     if why is None and op.composite is not None and name not in fused_kernels():
-        return op.composite, backend, f"composition of {backend} ops (kernel opt-in: {FUSED_VAR})"
+        return op.composite, backend, f"composition of {backend} ops (its kernel: {FUSED_VAR}=all or its name)"
     if why is None and backend in op.impls:
         return op.impls[backend], backend, f"{backend} kernel"
     if why is None and op.composite is not None:
@@ -208,15 +259,27 @@ def _choose(name: str, backend: str) -> Callable:
     return fn
 
 
+def _choose_invariant(name: str, backend: str) -> Callable:
+    """Under DSV41_BATCH_INVARIANT=1: the backend's batch-invariant implementation of the op when
+    it has one (and the backend loads), else the usual choice (ops whose kernels are row-local
+    as they are: elementwise, per-row or per-group)."""
+    op = _OPS.get(name)
+    loaded = ensure_backend_loaded(backend) is None  # (loading registers the invariant implementations)
+    if op is not None and loaded and backend in op.invariant:
+        return op.invariant[backend]
+    return _choose(name, backend)
+
+
 def dispatch(name: str, device: torch.device | str) -> Callable:
     """The implementation of op `name` for tensors on `device`, resolved once per (op, device
-    type, DSV41_BACKEND, DSV41_STRICT, DSV41_FUSED) and cached."""
+    type, DSV41_BACKEND, DSV41_STRICT, DSV41_FUSED, DSV41_BATCH_INVARIANT) and cached."""
     kind = device.split(":")[0] if isinstance(device, str) else device.type
     env = os.environ
-    key = (name, kind, env.get(ENV_VAR), env.get(STRICT_VAR), env.get(FUSED_VAR))
+    key = (name, kind, env.get(ENV_VAR), env.get(STRICT_VAR), env.get(FUSED_VAR), env.get(INVARIANT_VAR))
     fn = _RESOLVED.get(key)
     if fn is None:
-        fn = _RESOLVED[key] = _choose(name, backend_for_device(kind))
+        choose = _choose_invariant if batch_invariant() else _choose
+        fn = _RESOLVED[key] = choose(name, backend_for_device(kind))
     return fn
 
 

@@ -8,7 +8,7 @@ and replayed (GPU time per call, launch gaps included: what a decode graph pays)
 difference of their outputs. `unrope_grouped_linear` is timed with its fused GEMV forced on
 (`MAX_WEIGHT_BYTES=None`): the row says whether raising that limit pays at this width. The mHC
 ops are timed twice: with the coefficient epilogue as its own launch (the shipped setting) and
-inside the main kernel (`mega_mhc.FUSED_COEF`, one launch per mix): the rows decide that switch.
+inside the main kernel (DSV41_MHC_COEF=fused-narrow, one launch per mix): the rows decide that switch.
 Correctness is the tests' business (tests/test_triton_fused.py); this only times.
 """
 
@@ -40,7 +40,7 @@ def cases(cfg, t: int, dev: torch.device):
     from dsv41.backends import fused, paging
     from dsv41.backends.rope_tables import rope_tables as torch_tables
     from dsv41.npu_ops.triton import indexer_queries as iq
-    from dsv41.npu_ops.triton import mega_mhc, mhc_mixes
+    from dsv41.npu_ops.triton import mega_mhc
     from dsv41.npu_ops.triton import mhc_mix_norm as mn
     from dsv41.npu_ops.triton import rope as rp
     from dsv41.npu_ops.triton import rope_store_key as rk
@@ -87,14 +87,15 @@ def cases(cfg, t: int, dev: torch.device):
     enter = (xs, pre, fn, sc, base, 1e-20, 1e-6, 20, nw, 1e-6)
 
     def coef_inside(call):
-        """`call` with the coefficient epilogue inside the main mHC kernel (FUSED_COEF)."""
+        """`call` with the coefficient epilogue inside the main mHC kernel (the process's narrow
+        setting kept)."""
         def run():
-            saved = mega_mhc.FUSED_COEF, mhc_mixes.FUSED_COEF
-            mega_mhc.FUSED_COEF = mhc_mixes.FUSED_COEF = True
+            saved = list(mega_mhc._COEF_MODE)
+            mega_mhc._COEF_MODE[:] = [(True, mega_mhc.coef_mode()[1])]
             try:
                 return call()
             finally:
-                mega_mhc.FUSED_COEF, mhc_mixes.FUSED_COEF = saved
+                mega_mhc._COEF_MODE[:] = saved
         return run
 
     def unrope_fused():
@@ -117,10 +118,10 @@ def cases(cfg, t: int, dev: torch.device):
         ("indexer_queries", lambda: iq.indexer_queries(iqs, cos, sin, iw, 0.01),
          lambda: fused.indexer_queries(iqs, cos, sin, iw, 0.01)),
         ("mhc_mix_norm", lambda: mn.mhc_mix_norm(*mix), lambda: fused.mhc_mix_norm(*mix)),
-        ("mhc_mix_norm (FUSED_COEF)", coef_inside(lambda: mn.mhc_mix_norm(*mix)),
+        ("mhc_mix_norm (coefficients fused)", coef_inside(lambda: mn.mhc_mix_norm(*mix)),
          coef_inside(lambda: fused.mhc_mix_norm(*mix))),
         ("mhc_enter_norm", lambda: mn.mhc_enter_norm(*enter), lambda: fused.mhc_enter_norm(*enter)),
-        ("mhc_enter_norm (FUSED_COEF)", coef_inside(lambda: mn.mhc_enter_norm(*enter)),
+        ("mhc_enter_norm (coefficients fused)", coef_inside(lambda: mn.mhc_enter_norm(*enter)),
          coef_inside(lambda: fused.mhc_enter_norm(*enter))),
     ]
 

@@ -47,11 +47,10 @@ NO_KERNEL = {
 # these (lower them when a change removes launches).
 BOUNDS = {"attn.full": 26, "attn.reindex": 15, "attn.reuse": 9, "attn.swa": 9.5, "engram": 5, "moe": 10,
           "other": 58, "total": 360}
-# 'other' with the mHC coefficient epilogue inside the main mHC kernels (`mega_mhc.FUSED_COEF`, off
+# 'other' with the mHC coefficient epilogue inside the main mHC kernels (DSV41_MHC_COEF=fused-narrow, off
 # until measured on a device: one launch per mHC step instead of two)
 BOUNDS_FUSED_COEF = {"other": 34, "total": 336}
-# with the compositions instead of the fused kernels (DSV41_FUSED unset, the device default until
-# the kernels are verified), 2026-12-01: full 71.67, reindex 33, reuse 15, swa 30, engram 5, moe 10,
+# with the compositions instead of the fused kernels (DSV41_FUSED=none), 2026-12-01: full 71.67, reindex 33, reuse 15, swa 30, engram 5, moe 10,
 # other 123; 669 in all (741 before: moe 15, other 129, swa 31, full 73)
 # before (2026-12-01, main be12266, fused kernels): full 29.33, reindex 17, reuse 9, swa 10.5, engram
 # 5, moe 15, other 91; 469 in all. Without the per-step memos and fused ops (main at f831fd8): full
@@ -148,18 +147,19 @@ class LaunchCounter:
 
 
 def decode_step_launches(preset: str = "tiny", context: int = 24, batch: int = 1, seed: int = 0,
-                         fused: bool = True, fused_coef: bool | None = None) -> LaunchCounter:
+                         fused: str = "all", fused_coef: bool | None = None) -> LaunchCounter:
     """Launches of one decode step of `batch` sequences after `context` prefilled tokens and
-    one warm-up decode step each; `fused`: with the fused ops' kernels (DSV41_FUSED=all), else
-    as the compositions they replace (the default on devices until the kernels are verified);
+    one warm-up decode step each; `fused`: the DSV41_FUSED setting ("all": every fused op's
+    kernel; "none": every fused op as the composition it replaces; "default": the kernels that
+    are on by default, those measured on a device);
     `fused_coef`: the mHC coefficient epilogue inside the main mHC kernels (one launch per mix,
-    `mega_mhc.FUSED_COEF`) or as its own launch (None: the shipped setting)."""
+    DSV41_MHC_COEF=fused / fused-narrow) or as its own launch (None: the process's setting)."""
     from dsv41.backends import registry
     from dsv41.core.batch import Chunk, build_step
     from dsv41.core.cache import KVPool, SequenceState
     from dsv41.core.config import preset as get_preset
     from dsv41.core.weights import build_model
-    from dsv41.npu_ops.triton import mega_mhc, mhc_mixes
+    from dsv41.npu_ops.triton import mega_mhc
 
     if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
         raise RuntimeError("set TRITON_INTERPRET=1 (no CUDA device) before importing triton")
@@ -170,11 +170,13 @@ def decode_step_launches(preset: str = "tiny", context: int = 24, batch: int = 1
     states = [SequenceState() for _ in range(batch)]
     prompts = [torch.randint(0, cfg.vocab_size, (context + 2,), generator=gen).tolist() for _ in range(batch)]
     saved = {k: os.environ.get(k) for k in (registry.ENV_VAR, registry.STRICT_VAR, registry.FUSED_VAR)}
-    saved_coef = mega_mhc.FUSED_COEF, mhc_mixes.FUSED_COEF
-    if fused_coef is not None:
-        mega_mhc.FUSED_COEF = mhc_mixes.FUSED_COEF = fused_coef
+    saved_coef = list(mega_mhc._COEF_MODE)
+    if fused_coef is not None:  # (the mode is read once per process: set for this count only)
+        mega_mhc._COEF_MODE[:] = [(fused_coef, mega_mhc.coef_mode()[1])]
     try:
-        os.environ[registry.FUSED_VAR] = "all" if fused else ""
+        if fused not in ("all", "none", "default"):
+            raise ValueError(f"fused must be 'all', 'none' or 'default', got {fused!r}")
+        os.environ[registry.FUSED_VAR] = "" if fused == "default" else fused
         os.environ[registry.ENV_VAR] = "reference"  # the context, quickly
         step = build_step(cfg, pool, [Chunk(s, p[:context]) for s, p in zip(states, prompts)], "cpu")
         model(step, pool)
@@ -190,7 +192,7 @@ def decode_step_launches(preset: str = "tiny", context: int = 24, batch: int = 1
         with counter.ranges(model), counter.triton_launches(), _Count(counter):
             model(step, pool, check=False)
     finally:
-        mega_mhc.FUSED_COEF, mhc_mixes.FUSED_COEF = saved_coef
+        mega_mhc._COEF_MODE[:] = saved_coef
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -205,16 +207,17 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=24, help="prefilled tokens per sequence")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--detail", action="store_true", help="list the launches of one layer of each kind")
-    ap.add_argument("--unfused", action="store_true",
-                    help="fused ops as the compositions they replace (the device default until verified)")
+    ap.add_argument("--fused", choices=("all", "none", "default"), default="all",
+                    help="DSV41_FUSED: every fused kernel (all), every fused op as its composition (none), or the "
+                         "kernels on by default (default)")
     ap.add_argument("--fused-coef", action="store_true",
-                    help="the mHC coefficient epilogue inside the main mHC kernels (mega_mhc.FUSED_COEF)")
+                    help="the mHC coefficient epilogue inside the main mHC kernels (DSV41_MHC_COEF=fused-narrow)")
     args = ap.parse_args(argv)
-    c = decode_step_launches(args.preset, args.context, args.batch, fused=not args.unfused,
+    c = decode_step_launches(args.preset, args.context, args.batch, fused=args.fused,
                              fused_coef=True if args.fused_coef else None)
     print(f"launches in one {args.preset} decode step, batch {args.batch}, context {args.context}, "
-          f"{'compositions' if args.unfused else 'fused kernels (DSV41_FUSED=all)'}"
-          f"{', FUSED_COEF' if args.fused_coef else ''}: {c.total}")
+          f"fused kernels: {args.fused}"
+          f"{', coefficients fused' if args.fused_coef else ''}: {c.total}")
     print("| range | layers | launches per layer |\n|---|---|---|")
     for kind, (n, per) in c.kinds().items():
         print(f"| {kind} | {n} | {per:g} |")

@@ -317,6 +317,35 @@ def sweep_moe(rows, copy, tokens=(1, 8, 64, 8192)):
                          me.moe_experts(x, wts, ids, experts, 10.0, **v), want, nbytes, flops, copy)
 
 
+def sweep_moe_decode(rows, copy, tokens=(1, 2, 4, 8, 16, 32, 64)):
+    """The FP4 routed experts at decode sizes (mini preset: 16 experts, d 5120, width 2304,
+    top-6): the GEMV / tiled kernels against the folded tensor-core path (`moe_fold`: int32
+    weight words, bf16 by bit placement) and its variants (dot orientation, warps, K slices of
+    the gate/up at T <= 16); bytes = the active experts' weights read once."""
+    from dsv41.backends.reference.basic import fp32_accumulation
+    from dsv41.backends.reference.moe import moe_experts as moe_ref
+    from dsv41.npu_ops.triton import moe_experts as me
+
+    d, inter, n_exp, topk = CFG.hidden_size, CFG.moe_intermediate_size, 16, CFG.num_experts_per_tok
+    experts = _fp4_experts(n_exp, d, inter)
+    f = "fold"
+    fold = [dict(path=f), dict(path=f, w_left=False), dict(path=f, num_warps=8),
+            dict(path=f, w_left=False, num_warps=8)]
+    small = [dict(path=f, split=2), dict(path=f, split=4), dict(path=f, split=4, w_left=False, num_warps=8)]
+    for t in tokens:
+        x, ids, wts, want, active, nbytes = _moe_case(t, experts, d, inter, n_exp, topk, moe_ref, fp32_accumulation)
+        old = [dict(path="gemv" if t <= me.GEMV_DEFAULT_T[me.W_FP4] else "tiled")]
+        for v in old + fold + (small if t <= 16 else [dict(path=f, bk=256)] if t == 64 else []):
+            name = "moe fp4 " + " ".join(f"{a}={b}" for a, b in v.items())
+            _variant_row(rows, name, f"T={t} {active} experts", lambda x=x, ids=ids, wts=wts, v=v:
+                         me.moe_experts(x, wts, ids, experts, 10.0, **v), want, nbytes, 2 * t * topk * 3 * inter * d,
+                         copy)
+        if t in (1, 64):  # where the time goes: the default fold path's kernels
+            rows.append(f"| moe fold kernels | T={t} | " + kernel_times(
+                lambda x=x, ids=ids, wts=wts: me.moe_experts(x, wts, ids, experts, 10.0, path=f)) + " |")
+            print(rows[-1], flush=True)
+
+
 def sweep_decode(rows, copy):
     """The GEMV-style decode paths (a few rows, CUDA cores, weights streamed once) against the tiled
     kernels: the FP8 linear (K=5120, N=6144) at M = 1, 4 and the FP4 experts at T = 1, 2, 4."""
@@ -473,7 +502,7 @@ def sweep_dense(rows, copy, tokens=(1, 8, 64)):
 
 SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_indexer, "engram_lookup": sweep_engram,
           "fp4_quant": sweep_fp4_quant, "mhc_mix": sweep_mhc_mix, "linear": sweep_linear, "moe_experts": sweep_moe,
-          "decode": sweep_decode, "dense": sweep_dense}
+          "moe_decode": sweep_moe_decode, "decode": sweep_decode, "dense": sweep_dense}
 
 
 def main() -> int:
@@ -487,7 +516,7 @@ def main() -> int:
     copy = copy_gbs()
     rows = [f"copy ceiling {copy:.0f} GB/s"]
     for name in a.only.split(","):
-        if a.tokens and name in ("sparse_attention", "indexer_topk", "dense", "moe_experts"):
+        if a.tokens and name in ("sparse_attention", "indexer_topk", "dense", "moe_experts", "moe_decode"):
             SWEEPS[name](rows, copy, tokens=tuple(int(x) for x in a.tokens.split(",")))
         else:
             SWEEPS[name](rows, copy)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..backends.paging import table_rows, window_rows
-from .cache import FLOOR_DECODER, GlobalPool, KVPool, SequenceState, SWAPool
+from .cache import FLOOR_DECODER, BlockTable, GlobalPool, KVPool, SequenceState, SWAPool
 from .config import ModelConfig
 
 
@@ -151,6 +151,16 @@ class Chunk:
     text_only: bool = False
 
 
+def block_tables(tables: list) -> torch.Tensor:
+    """[B, longest (at least 1)] int64 host tensor of the sequences' block tables, padded with the
+    null block (from each `BlockTable`'s tensor copy: no per-step list conversion)."""
+    rows = [tb.tensor() if isinstance(tb, BlockTable) else torch.tensor(tb, dtype=torch.long) for tb in tables]
+    out = torch.zeros(len(rows), max([1] + [r.shape[0] for r in rows]), dtype=torch.long)
+    for b, r in enumerate(rows):
+        out[b, :r.shape[0]] = r
+    return out
+
+
 def build_step(cfg: ModelConfig, pool: KVPool, chunks: list[Chunk], device: torch.device | str,
                image_token_id: int | None = None) -> StepBatch:
     """Lay out one step of `chunks` (one per sequence): allocate the blocks the new positions
@@ -198,17 +208,13 @@ def build_step(cfg: ModelConfig, pool: KVPool, chunks: list[Chunk], device: torc
             images.append(ch.image_embeds)
         st.length = start + len(ch.ids)
     t = torch.tensor
-    width = lambda lists: max(1, max(len(x) for x in lists))  # noqa: E731
-    swa = [c.state.swa_blocks for c in chunks]
-    glob = [c.state.glob_blocks for c in chunks]
-    pad = lambda lists: [x + [0] * (width(lists) - len(x)) for x in lists]  # noqa: E731
     ngram_host = (t(ngram, dtype=torch.long), t(ngram_img, dtype=torch.bool))  # built once, sent once
     return StepBatch(
         ids=t(ids, dtype=torch.long, device=device),
         positions=t(pos, dtype=torch.long, device=device),
         seq=t(seq, dtype=torch.long, device=device),
-        swa_tables=(t(pad(swa), dtype=torch.long, device=device),),
-        glob_tables=(t(pad(glob), dtype=torch.long, device=device),),
+        swa_tables=(block_tables([c.state.swa_blocks for c in chunks]).to(device),),
+        glob_tables=(block_tables([c.state.glob_blocks for c in chunks]).to(device),),
         floors=t([c.state.floors for c in chunks], dtype=torch.long, device=device),
         glob_from=t([c.state.glob_from for c in chunks], dtype=torch.long, device=device),
         ngram_ids=ngram_host[0].to(device),

@@ -68,6 +68,24 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None)
     return int(torch.multinomial(sampling_probs(logits, p).cpu(), 1, generator=gen))
 
 
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens: list) -> list[int]:
+    """One token for each of the first len(params) rows of `logits` [R, V]: the greedy rows argmax'd together and read back with
+    the finiteness check in one transfer (one device sync per step, not one per sequence); rows
+    with a temperature draw from `sampling_probs` with their own generator. Non-finite logits are
+    an error."""
+    if logits.shape[0] == 0:
+        return []
+    host = torch.cat([logits.argmax(-1), (~torch.isfinite(logits).all()).long().view(1)]).tolist()
+    if host[-1]:
+        raise ValueError("the model produced non-finite logits (NaN or Inf): the weights or the "
+                         "device computation are broken")
+    out = host[:len(params)]
+    for i, (p, gen) in enumerate(zip(params, gens)):
+        if p.temperature != 0:
+            out[i] = int(torch.multinomial(sampling_probs(logits[i], p).cpu(), 1, generator=gen))
+    return out
+
+
 def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution `sample` draws from (temperature > 0): temperature, top-k, top-p."""
     x = logits.float() / p.temperature
@@ -354,12 +372,15 @@ class Engine:
     def run_chunks(self, chunks: list[Chunk], ctx: ForwardContext | None = None, check: bool = False):
         """One forward over `chunks` (a captured decode graph when every chunk is one decode
         token and graphs are on); returns (logits of the requested rows, the context, batch)."""
-        batch = build_step(self.cfg, self.pool, chunks, self.device, self._image_token())
         ctx = ctx or ForwardContext()
         decode = all(len(c.ids) == 1 and c.logits == "last" and c.image_embeds is None
-                     and c.decoder_from <= c.state.length - 1 for c in chunks)
+                     and c.decoder_from <= c.state.length for c in chunks)
         if self.graphs is not None and decode and ctx.features is None and self.graphs.bucket(len(chunks)):
+            # built on the host: the graph runner copies it into its persistent device buffers
+            # (one copy per field instead of a device tensor per field and then a copy)
+            batch = build_step(self.cfg, self.pool, chunks, "cpu", self._image_token())
             return self.graphs.run(batch), ctx, batch  # (graph replays keep no counters)
+        batch = build_step(self.cfg, self.pool, chunks, self.device, self._image_token())
         logits = self.model(batch, self.pool, ctx=ctx, check=check)
         return logits, ctx, batch
 
@@ -381,9 +402,8 @@ class Engine:
             if seq.prefilling:
                 seq.fed += len(ids)
         logits, ctx, _ = self.run_chunks(chunks)
-        if logits.numel() and not bool(torch.isfinite(logits).all()):  # (sampling reads them anyway)
-            raise ValueError("the model produced non-finite logits (NaN or Inf): the weights or the "
-                             "device computation are broken")
+        wanted = [seq for seq, _, want in work if want != "none"]
+        tokens = sample_rows(logits, [s.params for s in wanted], [s.gen for s in wanted])
         counts = ctx.counts()
         self.counters += counts
         finished, row = [], 0
@@ -394,7 +414,7 @@ class Engine:
                 continue
             if self.prefix is not None and seq.image_rows is None and not seq.out:
                 self.prefix.insert(seq.prompt, seq.state.glob_blocks)
-            tok = sample(logits[row], seq.params, seq.gen)
+            tok = tokens[row]
             if self.record_logits:
                 seq.logits.append(logits[row].clone())
             row += 1

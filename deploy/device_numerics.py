@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..backends.numerics import numerics
+from ..backends.registry import batch_invariant_mode
 from ..core.batch import Chunk, build_step
 from ..core.engine import Engine, SamplingParams, SingleSequence
 from ..core.weights import build_model
@@ -67,12 +68,18 @@ def teacher_forced(cfg, device: str | torch.device, n: int, seed: int = 0, ref_m
     return compare_logits(ref, dev)
 
 
-def greedy_self_consistency(model, n_prompt: int, n_new: int, seed: int = 0, graphs: bool = True) -> dict:
+def greedy_self_consistency(model, n_prompt: int, n_new: int, seed: int = 0, graphs: bool = True,
+                            batch_invariant: bool = False) -> dict:
     """Greedy decode of `n_new` tokens on the model's device vs the argmax of one exact prefill
     of prompt + generated tokens on the same device. Also: the largest difference between a
     decode step's logits and the prefill's logits of the same position, and at each position
     where the argmax differs, the prefill's margin between the decoded token and its top token
-    (a near-tie flips under rounding noise; a large margin would be a bug)."""
+    (a near-tie flips under rounding noise; a large margin would be a bug). `batch_invariant`:
+    all of it (decode, graphs, prefill) under DSV41_BATCH_INVARIANT=1, where every op's row is
+    computed alike whatever the call's row count, so decode should equal prefill exactly."""
+    if batch_invariant:
+        with batch_invariant_mode():
+            return dict(greedy_self_consistency(model, n_prompt, n_new, seed, graphs), batch_invariant=True)
     cfg = model.cfg
     prompt = random_text_ids(cfg, n_prompt, torch.Generator().manual_seed(seed + 11))
     use_graphs = graphs and model.embed.weight.device.type != "cpu"

@@ -112,24 +112,29 @@ def test_strict_raises_instead_of_falling_back(monkeypatch):
     assert ops.rms_norm(torch.ones(2, 32), torch.ones(32), 1e-6).shape == (2, 32)
 
 
-def test_fused_kernels_are_opt_in(monkeypatch):
-    """A fused op resolves to the composition it stands for unless DSV41_FUSED (all / a list)
-    names it; a name that is no fused op is one clear error."""
+def test_fused_kernel_choice(monkeypatch):
+    """Unset, DSV41_FUSED runs the kernels of the fused ops registered `kernel_by_default` (the
+    others as the compositions they stand for); "all", "none" and a list choose explicitly; a name
+    that is no fused op is one clear error."""
     fused = sorted(n for n, op in registry._OPS.items() if op.composite is not None)
-    assert fused, "no fused op registered"
-    name = fused[0]
+    on = [n for n in fused if registry._OPS[n].kernel_by_default]
+    off = [n for n in fused if not registry._OPS[n].kernel_by_default]
+    assert on and off == ["unrope_grouped_linear"], (on, off)  # the kernel that lost on the H200
     kernel = object()
-    monkeypatch.setitem(registry._OPS[name].impls, "cuda", kernel)
+    for name in (on[0], off[0]):
+        monkeypatch.setitem(registry._OPS[name].impls, "cuda", kernel)
     monkeypatch.setitem(registry._LOADED, "cuda", None)  # the backend counts as loaded
     monkeypatch.delenv("DSV41_FUSED", raising=False)
-    fn, used, why = registry.resolve(name, "cuda")
-    assert fn is registry.composite_of(name) and used == "cuda" and "DSV41_FUSED" in why
-    for value in ("all", f"{name}", f" {name} ,"):
+    assert registry.resolve(on[0], "cuda")[0] is kernel
+    fn, used, why = registry.resolve(off[0], "cuda")
+    assert fn is registry.composite_of(off[0]) and used == "cuda" and "DSV41_FUSED" in why
+    for value in ("all", f" {off[0]} ,{on[0]}"):
         monkeypatch.setenv("DSV41_FUSED", value)
-        assert registry.resolve(name, "cuda")[0] is kernel
-    if len(fused) > 1:  # naming another op leaves this one composed
-        monkeypatch.setenv("DSV41_FUSED", fused[1])
-        assert registry.resolve(name, "cuda")[0] is registry.composite_of(name)
+        assert registry.resolve(off[0], "cuda")[0] is kernel and registry.resolve(on[0], "cuda")[0] is kernel
+    for value in ("none", off[0]):  # "none", or a list without it, composes the default-on op
+        monkeypatch.setenv("DSV41_FUSED", value)
+        assert registry.resolve(on[0], "cuda")[0] is registry.composite_of(on[0])
+        assert (registry.resolve(off[0], "cuda")[0] is kernel) == (value == off[0])
     monkeypatch.setenv("DSV41_FUSED", "rms_norm")
     with pytest.raises(ValueError, match="DSV41_FUSED: rms_norm not a fused op"):
-        registry.resolve(name, "cuda")
+        registry.resolve(on[0], "cuda")

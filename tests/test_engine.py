@@ -194,3 +194,49 @@ def test_prefix_cached_blocks_give_way_before_the_pool_grows(tiny_model, tiny_cf
     _prefill(e, b)
     assert e.pool.global_capacity == capacity and len(e.prefix.block_of) < cached + 1
     assert _prefill(e, a)[2] < 32  # (at least one of a's blocks was evicted)
+
+
+def test_block_table_tensor_follows_every_change(rng):
+    """A `BlockTable`'s tensor copy equals the list after appends, single writes and every other
+    list mutation; lists assigned to a `SequenceState` become BlockTables; the step's tables are
+    padded with the null block."""
+    from dsv41.core.batch import block_tables
+    from dsv41.core.cache import BlockTable, SequenceState
+
+    tb = BlockTable()
+    for v in torch.randint(1, 1000, (40,), generator=rng).tolist():  # past the first capacities
+        tb.append(v)
+        assert tb.tensor().tolist() == list(tb)
+    tb[3] = 0
+    assert tb.tensor().tolist() == list(tb)
+    for change in (lambda t: t.extend([7, 8]), lambda t: t.__setitem__(slice(0, 2), [5]), lambda t: t.pop(),
+                   lambda t: t.insert(1, 9), lambda t: t.__delitem__(0), lambda t: t.__iadd__([4]),
+                   lambda t: t.remove(9), lambda t: t.reverse(), lambda t: t.sort(), lambda t: t.clear()):
+        change(tb)
+        assert tb.tensor().tolist() == list(tb)
+        tb.append(11)
+        assert tb.tensor().tolist() == list(tb)
+    st = SequenceState()
+    st.swa_blocks, st.glob_blocks = [3, 4], [5]
+    assert isinstance(st.swa_blocks, BlockTable) and isinstance(st.glob_blocks, BlockTable)
+    assert block_tables([st.swa_blocks, st.glob_blocks, []]).tolist() == [[3, 4], [5, 0], [0, 0]]
+
+
+def test_free_old_swa_frees_each_block_once(tiny_model, tiny_cfg, rng):
+    """Freeing out-of-window SWA blocks starts where the last call stopped, and frees exactly the
+    blocks whose positions lie below the bound (the pool gets each back once)."""
+    from dsv41.core.cache import KVPool, SequenceState
+
+    pool = KVPool(tiny_cfg, block_size=4, swa_blocks=4, global_blocks=4)
+    st = SequenceState()
+    st.ensure_blocks(pool, 64)
+    blocks = list(st.swa_blocks)
+    free_before = len(pool._free_swa)
+    st.free_old_swa(pool, 21)  # blocks 0..4 end at or below position 20
+    assert st.swa_blocks[:5] == [0] * 5 and st.swa_blocks[5:] == blocks[5:] and st.swa_freed == 5
+    assert len(pool._free_swa) == free_before + 5
+    st.free_old_swa(pool, 21)
+    st.free_old_swa(pool, 40)
+    assert st.swa_blocks[:10] == [0] * 10 and len(pool._free_swa) == free_before + 10
+    st.swa_blocks = list(st.swa_blocks)  # a new list: the scan starts from its first block again
+    assert st.swa_freed == 0

@@ -107,6 +107,174 @@ def test_linear_fold_is_the_fp8_decode_default():
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("path", ["fp8mma", "fp16mma"])
+@pytest.mark.parametrize("m", [1, 5, 20])
+def test_linear_fp8_mma_path(dev, path, m, rng):
+    """The decode kernel on the FP8 tensor cores (`_fp8_mma_kernel`): raw E4M3 codes times x's
+    codes per 32-wide block, both scales on the block sums; partial tiles in N / M / K, split-K,
+    x quantised by `fp8_quant` or (M = 1) in the kernel. Compiled, the FP8 MMA sums a block's 32
+    products in less than fp32 precision: bound 2e-4 for fp32 outputs there (bf16: the usual);
+    fp16mma (fp16 MMAs on the widened codes, fp32 accumulation) keeps the usual bounds."""
+    loose = dev != "cpu" and path == "fp8mma"
+    bound = {torch.bfloat16: BOUND[torch.bfloat16], torch.float32: 2e-4 if loose else BOUND[torch.float32]}
+    for out_dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(m, 160, generator=rng) * 3).to(torch.bfloat16)
+        w, s = weight("fp8", 72, 160, rng)
+        got = bl.linear(x.to(dev), w.to(dev), s.to(dev), out_dtype, path=path, bk=128)
+        assert rel_err(got, basic.linear(x, w, s, out_dtype)) < bound[out_dtype]
+    k, n = 320, 40
+    x = (torch.randn(m, k, generator=rng) * 3).to(torch.bfloat16)
+    w, s = weight("fp8", n, k, rng)
+    want = basic.linear(x, w, s, torch.float32)
+    for kw in ([dict(qdq_row=True), dict(qdq_row=False)] if m == 1 else [dict()]):
+        out = torch.full((m, n), float("nan"), device=dev)
+        bl._launch_fp8_mma(x.to(dev), w.to(dev), s.to(dev), out, f16=path == "fp16mma", split_k=3, bk=32, bn=16, **kw)
+        assert rel_err(out, want) < bound[torch.float32], f"M={m} {kw}"
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("path", ["xscale", "place"])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_linear_xscale_paths(dev, path, m, rng):
+    """The decode kernel with the weight scales on x's side (`_fold_xs_kernel`): hardware
+    conversion ("xscale") or bit placement ("place"); N = 72 (a partial scale row and tile), K = 160
+    (a partial BK step), 32 / 64 / 128-row tiles (1 / 2 / 4 scale rows sharing x's columns),
+    split-K, bf16 / fp32 outputs, x quantised in the kernel (M = 1) or by the separate pass."""
+    for out_dtype in (torch.bfloat16, torch.float32):
+        check_linear(dev, "fp8", m, 160, 72, out_dtype, rng, path=path, bk=128)
+    for bn in (32, 128):
+        check_linear(dev, "fp8", m, 160, 72, torch.float32, rng, path=path, bn=bn, bk=64)
+    check_linear(dev, "fp8", m, 320, 40, torch.float32, rng, path=path, split_k=3, bk=32)
+    if m == 1:
+        k, n = 96, 80
+        x = (torch.randn(m, k, generator=rng) * 3).to(torch.bfloat16)
+        w, s = weight("fp8", n, k, rng)
+        out = torch.full((m, n), float("nan"), device=dev)
+        bl._launch_fold_xs(x.to(dev), w.to(dev), s.to(dev), out, place=path == "place", qdq_row=False, split_k=2,
+                           bk=32)
+        assert rel_err(out, basic.linear(x, w, s, torch.float32)) < BOUND[torch.float32]
+
+
+def all_e4m3_codes(k: int = 64):
+    """A weight whose row c holds E4M3 code c in column 0 (zeros elsewhere), scale 2^0, and x = e_0:
+    output row c is code c's value exactly (NaN for 0x7F / 0xFF)."""
+    codes = torch.zeros(256, k, dtype=torch.uint8)
+    codes[:, 0] = torch.arange(256, dtype=torch.uint8)
+    w = codes.view(torch.float8_e4m3fn)
+    s = torch.full((8, k // 32), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    x = torch.zeros(1, k, dtype=torch.bfloat16)
+    x[0, 0] = 1.0
+    return x, w, s
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("path", ["fold", "xscale", "place", "fp8mma", "fp16mma"])
+def test_linear_fp8_decode_every_code_exact(dev, path):
+    """Every E4M3 code through each decode path gives the reference's value bit for bit
+    (subnormals included) and NaN for the two NaN codes, as the hardware conversion does. (The
+    interpreter's own fp8 cast, used by all paths but "place" there, reads 0x7F / 0xFF as +-480, so
+    under the interpreter the NaN codes are checked for "place" only; compiled, for all.)"""
+    x, w, s = all_e4m3_codes()
+    want = basic.linear(x, w, s, torch.float32)
+    got = bl.linear(x.to(dev), w.to(dev), s.to(dev), torch.float32, path=path).cpu()
+    assert torch.isnan(want[0, 0x7F]) and torch.isnan(want[0, 0xFF])
+    assert want[0, 1] == 2.0 ** -9 and want[0, 0x7E] == 448.0  # the data covers subnormals and the top
+    if dev != "cpu" or path == "place":
+        assert torch.equal(got.isnan(), want.isnan())
+    ok = ~want.isnan()
+    assert torch.equal(got[ok].view(torch.int32), want.float()[ok].view(torch.int32))
+
+
+def place_ptx_model(word: int) -> tuple[int, int]:
+    """The instruction sequence of block_linear._E4M3_BF16_ASM on one 32-bit register (4 E4M3
+    bytes), step for step in Python: the two bf16x2 results."""
+    mask = 0xFFFFFFFF
+    m = word & 0x7F7F7F7F
+    n = ((m + 0x01010101) & mask) & 0x80808080
+    u = (n - (n >> 4)) & mask
+    lo = ((word << 4) & mask) & 0xF0F0F0F0
+    hi = (word & 0x80808080) | ((word >> 4) & 0x07070707) | u
+
+    def prmt(a, b, sel):  # PTX prmt.b32 (default mode): result byte i = byte sel[i] of b:a
+        src = a | (b << 32)
+        return sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+    return prmt(lo, hi, 0x5140), prmt(lo, hi, 0x7362)
+
+
+def test_e4m3_placement_ptx_every_code():
+    """The packed PTX placement (CUDA only, so modelled here instruction by instruction) gives, for
+    every code in every byte position, the bf16 of code's value x 2^-120 (E4M3 subnormals to bf16
+    subnormals) and a bf16 NaN for 0x7F / 0xFF, element i in halfword i."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    vals = codes.view(torch.float8_e4m3fn).float() * 2.0 ** -120
+    want = vals.to(torch.bfloat16).view(torch.int16).int() & 0xFFFF
+    assert (vals[1:8] > 0).all() and (vals[1:8] < 2.0 ** -126).all()  # subnormal in bf16 too
+    for pos in range(4):
+        for c in range(256):
+            word = (c << (8 * pos)) | (0x38 << (8 * ((pos + 1) % 4)))  # a 1.0 beside it
+            r0, r1 = place_ptx_model(word)
+            halves = [r0 & 0xFFFF, r0 >> 16, r1 & 0xFFFF, r1 >> 16]
+            got = halves[pos]
+            if c & 0x7F == 0x7F:
+                assert got & 0x7F80 == 0x7F80 and got & 0x7F, f"code {c:#x}: {got:#06x} is not NaN"
+            else:
+                assert got == int(want[c]), f"code {c:#x} at byte {pos}: {got:#06x} != {int(want[c]):#06x}"
+            assert halves[(pos + 1) % 4] == 0x0380  # 1.0 x 2^-120, untouched by its neighbour
+
+
+def test_fp8_decode_switch(monkeypatch):
+    """DSV41_FP8_DECODE: mode and tile settings parsed once, bad values one clear error, and the
+    default dispatch of FP8 weights at M <= XS_MAX_M follows it (more rows keep the fold path)."""
+    assert bl.parse_fp8_decode("place:bn=128,waves=8,stages=3") == (
+        "place", {"bn": 128, "waves": 8, "num_stages": 3})
+    assert bl.parse_fp8_decode("") == ("fold", {})
+    assert bl.parse_fp8_decode("fp8mma:maxm=8") == ("fp8mma", {"max_m": 8})
+    for bad in ("sideways", "place:bn=x", "xscale:depth=2"):
+        with pytest.raises(ValueError, match="DSV41_FP8_DECODE"):
+            bl.parse_fp8_decode(bad)
+    seen = []
+    monkeypatch.setattr(bl, "_launch_fold_xs", lambda *a, **kw: seen.append(kw))
+    monkeypatch.setattr(bl, "_FP8_DECODE", [])
+    monkeypatch.setenv("DSV41_FP8_DECODE", "place:bn=32")
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    w, s = quant.fp8_block_quant(torch.randn(40, 64))
+    bl.linear(x, w, s)
+    assert seen == [{"place": True, "qdq_row": None, "bn": 32}]
+    monkeypatch.setenv("DSV41_FP8_DECODE", "fold")  # read once: still "place"
+    bl.linear(x, w, s)
+    assert len(seen) == 2
+    check = bl.linear(torch.randn(bl.XS_MAX_M + 1, 64).to(torch.bfloat16), w, s)  # the fold path
+    assert len(seen) == 2 and check.shape == (bl.XS_MAX_M + 1, 40)
+    f8 = []
+    monkeypatch.setattr(bl, "_launch_fp8_mma", lambda *a, **kw: f8.append(kw))
+    monkeypatch.setattr(bl, "_FP8_DECODE", [])
+    monkeypatch.setenv("DSV41_FP8_DECODE", "fp8mma:maxm=16")
+    bl.linear(torch.randn(16, 64).to(torch.bfloat16), w, s)
+    assert f8 == [{"f16": False, "bm": None, "qdq_row": None}]
+    bl.linear(torch.randn(17, 64).to(torch.bfloat16), w, s)  # past maxm: the fold path
+    assert len(f8) == 1 and bl.fp8_decode_mode() == ("fp8mma", {"max_m": 16})  # the cached choice unchanged
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("path", ["xscale", "place", "fp8mma", "fp16mma"])
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_linear_xscale_model_shapes_gpu(dev, path, m, rng):
+    """Model widths (wq_a, wq_b, wo_b); fp8mma's fp32 outputs at its own bound (its FP8 MMA block
+    sums, see test_linear_fp8_mma_path)."""
+    for k, n in ((5120, 1280), (1280, 32768), (8192, 5120)):
+        check_linear(dev, "fp8", m, k, n, torch.bfloat16, rng, path=path)
+        if path != "fp8mma":
+            check_linear(dev, "fp8", m, k, n, torch.float32, rng, path=path)
+        else:
+            x = (torch.randn(m, k, generator=rng) * 3).to(torch.bfloat16)
+            w, s = weight("fp8", n, k, rng)
+            got = bl.linear(x.to(dev), w.to(dev), s.to(dev), torch.float32, path=path)
+            assert rel_err(got, basic.linear(x, w, s, torch.float32)) < 2e-4
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("m", [1, 5, 40])
 def test_linear_w8a8(dev, m, rng):
     """INT8 weights with a per-channel fp32 scale (W8A8, `convert --linear-dtype int8`): per-token
@@ -191,8 +359,11 @@ def test_moe_shared_expert_call(dev, rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", [DEVICES[1]])
 @pytest.mark.parametrize("t", [1, 2, 4, 8, 64, 200])
-def test_moe_experts_model_shapes_gpu(dev, t, rng):
-    check_moe(dev, "fp4", t, 16, 6, 1024, 512, rng)
+@pytest.mark.parametrize("old", [False, True])
+def test_moe_experts_model_shapes_gpu(dev, t, old, rng):
+    """The default path (the fold path up to 64 tokens) and the GEMV / tiled kernels it replaced
+    there (still taken for experts the fold path does not take)."""
+    check_moe(dev, "fp4", t, 16, 6, 1024, 512, rng, **({"path": "gemv" if t <= 4 else "tiled"} if old else {}))
 
 
 @pytest.mark.gpu

@@ -229,7 +229,8 @@ def test_indexer_queries_kernel(dev, t, h, d, r, rng):
 def test_fused_ops_are_compositions_on_every_backend(monkeypatch):
     """A fused op's reference is its composition; a backend without its kernel runs the
     composition of its own ops (no reference fallback, so allowed under DSV41_STRICT=1); CUDA
-    registers the kernels, which run when DSV41_FUSED names them (the composition otherwise)."""
+    registers the kernels, which run by default where they won on the H200, and when DSV41_FUSED
+    names them (the composition under DSV41_FUSED=none)."""
     monkeypatch.setenv("DSV41_STRICT", "1")
     registry.reset_warnings()
     for name in ("rope_store_kv", "rope_store_key", "unrope_grouped_linear", "table_rows", "window_rows",
@@ -237,8 +238,11 @@ def test_fused_ops_are_compositions_on_every_backend(monkeypatch):
         comp = registry.composite_of(name)
         assert comp is (getattr(paging, f"{name}_torch") if name.endswith("_rows") else getattr(fused, name))
         assert registry.resolve(name, "reference")[0] is comp
-        monkeypatch.delenv("DSV41_FUSED", raising=False)
+        monkeypatch.setenv("DSV41_FUSED", "none")
         assert registry.resolve(name, "cuda")[:2] == (comp, "cuda")
+        monkeypatch.delenv("DSV41_FUSED", raising=False)
+        default = registry.resolve(name, "cuda")[0]
+        assert (default is comp) == (name == "unrope_grouped_linear"), name
         monkeypatch.setenv("DSV41_FUSED", "all")
         assert registry.resolve(name, "cuda")[1] == "cuda" and registry.resolve(name, "cuda")[0] is not comp
     assert registry.composite_of("rope") is None

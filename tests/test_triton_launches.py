@@ -49,17 +49,17 @@ def test_decode_step_launches_per_layer_kind():
 
 
 def test_decode_step_launches_with_coefficients_inside_mhc_kernels():
-    """With the mHC coefficient epilogue inside the main mHC kernels (`mega_mhc.FUSED_COEF`), each
+    """With the mHC coefficient epilogue inside the main mHC kernels (DSV41_MHC_COEF=fused-narrow), each
     mHC step (and its next norm) is one launch: 'other' is then the per-step work and one launch per
     mHC step. The switch itself is left as shipped."""
-    from dsv41.npu_ops.triton import mega_mhc, mhc_mixes
+    from dsv41.npu_ops.triton import mega_mhc
 
     mod = _launches()
-    before = mega_mhc.FUSED_COEF, mhc_mixes.FUSED_COEF
+    before = mega_mhc.coef_mode()
     c = mod.decode_step_launches("tiny", context=24, batch=1, fused_coef=True)
-    assert (mega_mhc.FUSED_COEF, mhc_mixes.FUSED_COEF) == before
+    assert mega_mhc.coef_mode() == before
     kinds = c.kinds()
-    print("\n[dsv41] launches per layer with FUSED_COEF:", {k: round(v[1], 2) for k, v in kinds.items()}, "total", c.total)
+    print("\n[dsv41] launches per layer with the coefficients fused:", {k: round(v[1], 2) for k, v in kinds.items()}, "total", c.total)
     assert kinds["other"][1] <= mod.BOUNDS_FUSED_COEF["other"] and c.total <= mod.BOUNDS_FUSED_COEF["total"]
     other = c.detail["other"]
     assert "triton._mhc_coef_kernel" not in other and "triton._rms_norm_kernel" in other  # (the final norm only)

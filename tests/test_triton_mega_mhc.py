@@ -112,7 +112,7 @@ def test_mhc_mix_fused_coefficients(dev, t, d, d_split, rng):
 @pytest.mark.parametrize("t,d,with_fn,fused,dtype", [
     (1, 128, True, False, torch.bfloat16), (5, 96, True, True, torch.bfloat16), (19, 256, True, False, torch.bfloat16),
     (3, 128, False, False, torch.bfloat16), (6, 64, True, True, torch.float32), (2, 64, True, False, torch.float32)])
-def test_mhc_mix_norm(dev, t, d, with_fn, fused, dtype, rng):
+def test_mhc_mix_norm(dev, t, d, with_fn, fused, dtype, rng, monkeypatch):
     """`mhc_mix_norm`: the mix's outputs exactly as `mhc_mix` gives them, and the fourth output
     rms_norm(x_hat) (made in the coefficient epilogue, or by the rms_norm kernel without fn)
     within one rounding of the fp64 reference norm of the kernel's own x_hat and of the rms_norm
@@ -128,13 +128,10 @@ def test_mhc_mix_norm(dev, t, d, with_fn, fused, dtype, rng):
     w = (torch.rand(d, generator=rng) + 0.5).to(torch.bfloat16)
     mv = lambda v: None if v is None else v.to(dev)  # noqa: E731
     args = [mv(v) for v in (x, y, post, comb, pre, fn, scale, base)]
-    saved = mm.FUSED_COEF
-    mm.FUSED_COEF = fused
-    try:
-        got = mn.mhc_mix_norm(*args, NORM_EPS, HC_EPS, ITERS, w.to(dev), 1e-6)
-        plain = mm.mhc_mix(*args, NORM_EPS, HC_EPS, ITERS)
-    finally:
-        mm.FUSED_COEF = saved
+    # the coefficient epilogue in its own launch or in the main kernel; narrow tiles at 1-2 tokens
+    monkeypatch.setattr(mm, "_COEF_MODE", [(fused, t <= 2)])
+    got = mn.mhc_mix_norm(*args, NORM_EPS, HC_EPS, ITERS, w.to(dev), 1e-6)
+    plain = mm.mhc_mix(*args, NORM_EPS, HC_EPS, ITERS)
     assert len(got) == 4
     assert torch.equal(got[0].cpu(), plain[0].cpu()) and torch.equal(got[1].cpu(), plain[1].cpu())
     if with_fn:
@@ -160,7 +157,7 @@ def test_mhc_mix_norm(dev, t, d, with_fn, fused, dtype, rng):
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("t,d,fused,dtype", [(1, 128, False, torch.bfloat16), (6, 96, True, torch.bfloat16),
                                              (19, 256, False, torch.bfloat16), (5, 64, True, torch.float32)])
-def test_mhc_enter_norm(dev, t, d, fused, dtype, rng):
+def test_mhc_enter_norm(dev, t, d, fused, dtype, rng, monkeypatch):
     """`mhc_enter_norm`: the coefficients exactly as `mhc_mixes` gives them, x_hat as the
     `mhc_collapse` kernel (the same fp32 expression), and attn_norm(x_hat) within one rounding
     of the fp64 reference norm of the kernel's own x_hat."""
@@ -172,13 +169,9 @@ def test_mhc_enter_norm(dev, t, d, fused, dtype, rng):
     x = x.to(dtype)
     w = (torch.rand(d, generator=rng) + 0.5).to(torch.bfloat16)
     args = [v.to(dev) for v in (x, pre, fn, scale, base)]
-    saved = mm.FUSED_COEF
-    mm.FUSED_COEF, mx.FUSED_COEF = fused, fused
-    try:
-        coef, x_hat, x_norm = mn.mhc_enter_norm(*args, NORM_EPS, HC_EPS, ITERS, w.to(dev), 1e-6)
-        plain = mx.mhc_mixes(args[0], *args[2:], NORM_EPS, HC_EPS, ITERS)
-    finally:
-        mm.FUSED_COEF = mx.FUSED_COEF = saved
+    monkeypatch.setattr(mm, "_COEF_MODE", [(fused, t <= 2)])  # (mhc_mixes reads mega_mhc's mode)
+    coef, x_hat, x_norm = mn.mhc_enter_norm(*args, NORM_EPS, HC_EPS, ITERS, w.to(dev), 1e-6)
+    plain = mx.mhc_mixes(args[0], *args[2:], NORM_EPS, HC_EPS, ITERS)
     for a, b in zip(coef, plain):
         assert torch.equal(a.cpu(), b.cpu())
     want_hat = ref.mhc_collapse(x, pre)
@@ -192,6 +185,35 @@ def test_mhc_enter_norm(dev, t, d, fused, dtype, rng):
     else:
         torch.testing.assert_close(x_hat.cpu(), want_hat.float(), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(x_norm.cpu(), want.float(), rtol=1e-6, atol=1e-6)
+@pytest.mark.skipif(ASCEND_TRITON, reason="the fused coefficient epilogue (atomics, L2 loads) is the CUDA path")
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("mode", ["narrow", "fused-narrow", "fused"])
+@pytest.mark.parametrize("t", [1, 2, 6])
+def test_mhc_coef_modes(dev, mode, t, monkeypatch, rng):
+    """DSV41_MHC_COEF: the narrow coefficient tile (fewer than COEF_T tokens: a tile of just those,
+    every chunk in one reduction step; 6 tokens keep COEF_T) in its own launch and fused, for
+    mhc_mix and mhc_mixes, with several d chunks; called twice (the counters return to 0)."""
+    from dsv41.npu_ops.triton import mhc_mixes as mx
+
+    monkeypatch.setattr(mm, "_COEF_MODE", [])
+    monkeypatch.setenv("DSV41_MHC_COEF", mode)
+    assert mm.coef_mode() == (mode.startswith("fused"), mode.endswith("narrow"))
+    assert mm.coef_tokens(t, True) == min(mm.COEF_T, 1 << (t - 1).bit_length())
+    inputs = make_inputs(rng, t, 192)
+    x, fn, scale, base = inputs[0], inputs[5], inputs[6], inputs[7]
+    want = ref.mhc_mixes(x, fn, scale, base, NORM_EPS, HC_EPS, ITERS)
+    for _ in range(2):
+        check(dev, inputs, True, d_split=3)
+        got = mx.mhc_mixes(x.to(dev), fn.to(dev), scale.to(dev), base.to(dev), NORM_EPS, HC_EPS, ITERS)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-6 if dev == "cpu" else 2e-4)
+
+
+def test_mhc_coef_mode_rejects_unknown(monkeypatch):
+    monkeypatch.setattr(mm, "_COEF_MODE", [])
+    monkeypatch.setenv("DSV41_MHC_COEF", "sideways")
+    with pytest.raises(ValueError, match="DSV41_MHC_COEF"):
+        mm.coef_mode()
 
 
 @pytest.mark.gpu

@@ -53,11 +53,12 @@ def check(dev, fmt, t, n_exp, topk, d, inter, rng, used=None, **tiles):
     ex = [(weight(fmt, inter, d, rng), weight(fmt, d, inter, rng), weight(fmt, inter, d, rng)) for _ in range(n_exp)]
     want = moe.moe_experts(x, w, ids, ex, 10.0, torch.float64)
     dex = [tuple((a.to(dev), None if b is None else b.to(dev)) for a, b in e) for e in ex]
-    got = me.moe_experts(x.to(dev), w.to(dev), ids.to(dev), dex, 10.0, torch.float64, path="grouped", **tiles)
+    tiles = dict({"path": "grouped"}, **tiles)  # callers may name another path (test_triton_moe_fold.py)
+    got = me.moe_experts(x.to(dev), w.to(dev), ids.to(dev), dex, 10.0, torch.float64, **tiles)
     assert got.dtype == torch.float32 and got.shape == (t, d)
     err = rel_err(got, want)
     bound = 4e-3 if fmt == "bf16" else 1e-4  # bf16 experts: the w2 input rounded to bf16
-    assert err < bound, f"grouped moe {fmt} T={t}: rel err {err:.2e}"
+    assert err < bound, f"{tiles['path']} moe {fmt} T={t}: rel err {err:.2e}"
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -160,18 +161,25 @@ def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.conste
         tl.store(base + 1, hi, mask=(rn < N)[:, None])
 
 
+def every_code_weight(max_byte: int, blocks: int):
+    """A packed FP4 weight (int8 [n, 16 * blocks], E8M0 [n, blocks]) whose 32-wide blocks each
+    hold the 16 E2M1 codes twice, with scale bytes 1..max_byte in row-major block order
+    (max_byte a multiple of blocks)."""
+    k = 32 * blocks
+    codes = torch.arange(k) % 16
+    packed = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).view(torch.int8)
+    n = max_byte // blocks
+    return packed.repeat(n, 1), torch.arange(1, max_byte + 1, dtype=torch.uint8).reshape(n, blocks).view(
+        torch.float8_e8m0fnu)
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 def test_fp4_dequant_scale_range(dev, rng):
     """Every E2M1 code with scale bytes 1..240 folds exactly wherever the result is an fp32-normal
     number (>= 2^-126): bit-equal to the reference dequantisation; smaller results stay below
     2^-125 (module docstring: they may round or flush)."""
-    k = 32 * 16
-    codes = torch.arange(k) % 16
-    packed = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).view(torch.int8)
-    sbytes = torch.arange(1, 241, dtype=torch.uint8)
-    n = sbytes.numel() // 16
-    w = packed.repeat(n, 1)
-    s = sbytes.reshape(n, 16).view(torch.float8_e8m0fnu)
+    w, s = every_code_weight(240, 16)
+    n, k = w.shape[0], w.shape[1] * 2
     from dsv41.backends.reference.basic import dequant_weight
 
     want = dequant_weight(w, s).double()

@@ -90,11 +90,12 @@ def test_moe_route_image_bias(dev, per_token_bias, rng):
     x, w, bias = inputs(rng, t, d, e, per_token_bias=per_token_bias)
     image_bias = bias + torch.linspace(3.0, -3.0, e)  # image rows prefer the low expert ids
     is_image = torch.tensor([True, False, True, True, False, False])
-    got = mr.moe_route(x.to(dev), w.to(dev), bias.to(dev), k, 1.5, image_bias=image_bias.to(dev),
-                       is_image=is_image.to(dev))
     chosen = torch.where(is_image.unsqueeze(-1), image_bias, bias)
     want = mr.moe_route_ref(x, w, chosen, k, 1.5)
-    check(got, want, separated_rows(x, w, chosen, 1.0, k))
+    for cfg in (None, "small"):  # the tiled kernel and the few-token kernel
+        got = mr.moe_route(x.to(dev), w.to(dev), bias.to(dev), k, 1.5, image_bias=image_bias.to(dev),
+                           is_image=is_image.to(dev), _cfg=cfg)
+        check(got, want, separated_rows(x, w, chosen, 1.0, k))
     assert torch.equal(mr.moe_route_ref(x, w, bias, k, 1.5, image_bias=image_bias, is_image=is_image)[1], want[1])
     text_ids = mr.moe_route_ref(x, w, bias, k, 1.5)[1]
     assert not torch.equal(text_ids[is_image], want[1][is_image])
@@ -193,3 +194,42 @@ def test_cuda_backend_registers_kernel(dev, monkeypatch, rng):
     x, w, bias = inputs(rng, 4, 64, 16)
     got = ops.moe_route(x.to(dev), w.to(dev), bias.to(dev), 3, 1.0)
     check(got, mr.moe_route_ref(x, w, bias, 3, 1.0), separated_rows(x, w, bias, 1.0, 3))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("t,d,e,k", [(1, 160, 16, 6), (2, 96, 16, 2), (5, 64, 12, 3), (1, 96, 64, 8)])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_moe_route_small_kernel(dev, t, d, e, k, x_dtype, rng):
+    """The few-token kernel (`_moe_route_small_kernel`, DSV41_MOE_ROUTE=small): K slices as
+    programs, ragged last slice, the self-resetting counter (called twice: a counter left at n_ks
+    would route nothing on the second call), per-token bias."""
+    temp, scale = 0.7, 1.5
+    for per_token in (False, True):
+        x, w, bias, ok = separated_inputs(rng, t, d, e, temp, k, x_dtype)
+        if per_token:
+            bias = bias.expand(t, e).contiguous()
+        want = mr.moe_route_ref(x, w, bias, k, scale, temp)
+        for _ in range(2):
+            got = mr.moe_route(x.to(dev), w.to(dev), bias.to(dev), k, scale, temp, _cfg="small")
+            check(got, want, ok)
+    x, w, bias, ok = separated_inputs(rng, t, d, e, 1.0, k)
+    wts = torch.empty(t, k, device=dev)
+    ids = torch.empty(t, k, dtype=torch.long, device=dev)
+    mr.moe_route_small(x.to(dev), w.to(dev), bias.to(dev), 0, wts, ids, k, 1.0, 1.0, True, block_k=16, slices=3)
+    check((wts, ids), mr.moe_route_ref(x, w, bias, k, 1.0), ok)
+
+
+def test_moe_route_mode_switch(monkeypatch):
+    """DSV41_MOE_ROUTE is read once; an unknown value is one clear error; the small kernel refuses
+    shapes it does not fit."""
+    monkeypatch.setattr(mr, "_ROUTE_MODE", [])
+    monkeypatch.setenv("DSV41_MOE_ROUTE", "bogus")
+    with pytest.raises(ValueError, match="DSV41_MOE_ROUTE"):
+        mr.route_mode()
+    monkeypatch.setattr(mr, "_ROUTE_MODE", [])
+    monkeypatch.setenv("DSV41_MOE_ROUTE", "small")
+    assert mr.route_mode() == "small"
+    assert mr.small_fits(1, 16) and mr.small_fits(8, 16) and not mr.small_fits(1, 384)
+    with pytest.raises(ValueError, match="small kernel"):
+        mr.moe_route_small(torch.zeros(1, 32), torch.zeros(384, 32), torch.zeros(384), 0, torch.empty(1, 2),
+                           torch.empty(1, 2, dtype=torch.long), 2, 1.0, 1.0, True)

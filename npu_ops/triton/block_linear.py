@@ -45,8 +45,8 @@ import triton.language as tl
 
 from ...backends.reference import quant
 from ...backends.reference.basic import linear as linear_ref  # noqa: F401  (the oracle)
-from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, e8m0_value, fp8_qdq_groups, gemv_acc, gemv_load_w,
-                           load_weight_tile, scaled_block_step)
+from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, e8m0_value, fp8_exponent, fp8_qdq_groups, fp8_round,
+                           gemv_acc, gemv_load_w, load_weight_tile, pow2, scaled_block_step)
 from .fp4_common import split_dot_acc
 from .launch import tile_counters
 
@@ -83,8 +83,7 @@ def _block_linear_kernel(x_ptr, q_ptr, qs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, 
     nmask = rn < N
     rm64 = rm.to(tl.int64)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
+    k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
     for k0 in range(k_lo, k_hi, BK):
         if W_KIND == 0:  # plain weight: x as it is, BK-wide dots
             kk = k0 + tl.arange(0, BK)
@@ -137,8 +136,7 @@ def _gemv_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
     rn = pid_n * BN + tl.arange(0, BN)
     nmask = rn < N
     acc = tl.zeros((RB, BN, NB), dtype=tl.float32)
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
+    k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
     w, s = gemv_load_w(w_ptr, w_stride, s_ptr, s_stride, rn, nmask, k_lo, k_hi, W_KIND, BN, NB)
     for k0 in range(k_lo, k_hi, BK):
         w_next, s_next = gemv_load_w(w_ptr, w_stride, s_ptr, s_stride, rn, nmask, k0 + BK, k_hi, W_KIND, BN, NB)
@@ -158,6 +156,25 @@ def _fold_dot(acc, a, b, LOWP: tl.constexpr):
 
 
 @triton.jit
+def _k_slice(pid_k, k_per_split, K):
+    """The K range [k_lo, k_hi) of split-K slice pid_k."""
+    k_lo = pid_k * k_per_split
+    return k_lo, tl.minimum(K, k_lo + k_per_split)
+
+
+@triton.jit
+def _decode_tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """A decode program's place in its (N tiles, M tiles, K slices) grid: its ids, output columns
+    and rows (int32 and int64) and their masks."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = pid_m * BM + tl.arange(0, BM)
+    return pid_n, pid_m, pid_k, rn, rm, rn < N, rm < M, rn.to(tl.int64), rm.to(tl.int64)
+
+
+@triton.jit
 def _fold_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride, s_stride, k_per_split,
                         SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, QDQ_ROW: tl.constexpr,
                         SCALE_X: tl.constexpr, LOWP: tl.constexpr,
@@ -172,18 +189,9 @@ def _fold_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
     way every product is exact and the sums are fp32 (the tiled kernel's numerics class).
     QDQ_ROW (M == 1, BM padded): x's single row is quantise-dequantised here (no separate pass)."""
     NB: tl.constexpr = BK // 32
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rm = pid_m * BM + tl.arange(0, BM)
-    nmask = rn < N
-    mmask = rm < M
-    rn64 = rn.to(tl.int64)
-    rm64 = rm.to(tl.int64)
+    pid_n, pid_m, pid_k, rn, rm, nmask, mmask, rn64, rm64 = _decode_tile_ids(M, N, BM, BN)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
+    k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
     for k0 in range(k_lo, k_hi, BK):
         kk = k0 + tl.arange(0, BK)
         kb = k0 // 32 + tl.arange(0, NB)
@@ -209,6 +217,171 @@ def _fold_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
                                    mask=nmask[:, None] & bmask[None, :], other=0).to(tl.int32))
             wf = tl.reshape(tl.reshape(w.to(tl.float32), (BN, NB, 32)) * s[:, :, None], (BN, BK))
             acc = _fold_dot(acc, wf, xt, LOWP)
+    _finish_tile(tl.trans(acc), out_ptr, part_ptr, count_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, rm, rn,
+                 M, N, SPLIT_K, OUT_BF16)
+
+
+# E4M3 bytes -> bf16 by bit placement, 4 bytes per 32-bit register (two bf16x2 results), on the
+# integer ALUs instead of the conversion unit: each bf16 is the E4M3 value times 2^-120 (the
+# 4 exponent and 3 mantissa bits land in bf16's low exponent and high mantissa bits; E4M3
+# subnormals become bf16 subnormals of the same scaled value), exact for every finite code. The
+# two NaN codes (0x7F / 0xFF) are caught bytewise (low 7 bits + 1 carries into bit 7 only for
+# 0x7F) and get an all-ones exponent: bf16 NaN, as the hardware conversion gives. Per byte: low
+# bf16 byte = (code & 0x0F) << 4, high byte = sign | (code >> 4 & 7) (| 0x78 for NaN); prmt
+# interleaves them.
+_E4M3_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 m, n, u, sh, lo, hi;
+and.b32 m, $2, 0x7F7F7F7F;
+add.u32 n, m, 0x01010101;
+and.b32 n, n, 0x80808080;
+shr.b32 u, n, 4;
+sub.u32 u, n, u;
+shl.b32 lo, $2, 4;
+and.b32 lo, lo, 0xF0F0F0F0;
+shr.b32 sh, $2, 4;
+and.b32 sh, sh, 0x07070707;
+and.b32 hi, $2, 0x80808080;
+or.b32 hi, hi, sh;
+or.b32 hi, hi, u;
+prmt.b32 $0, lo, hi, 0x5140;
+prmt.b32 $1, lo, hi, 0x7362;
+}
+""")
+# The power of two the placed weights carry (2^-120), split so that neither operand nor the
+# accumulator leaves the normal range: x's operand takes 2^64, the finished sums 2^56.
+PLACE_X_SCALE = tl.constexpr(2.0 ** 64)
+PLACE_ACC_SCALE = tl.constexpr(2.0 ** 56)
+
+
+@triton.jit
+def e4m3_placed(w, ASM: tl.constexpr):
+    """E4M3 codes (uint8 tensor) -> their values times 2^-120: bf16 from the packed PTX above
+    (ASM, CUDA), else fp32 from the same bit pattern built with integer ops (the interpreter;
+    fp32 holds the bf16 pattern exactly: bits << 16)."""
+    if ASM:
+        return tl.inline_asm_elementwise(_E4M3_BF16_ASM, "=r,=r,r", [w], dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        c = w.to(tl.int32)
+        bits = ((c & 0x80) << 8) | ((c & 0x7F) << 4)
+        bits = tl.where((c & 0x7F) == 0x7F, bits | 0x7FF0, bits)
+        return (bits << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fold_xs_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride, s_stride, k_per_split,
+                    SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, QDQ_ROW: tl.constexpr, PLACE: tl.constexpr,
+                    LOWP: tl.constexpr, MP: tl.constexpr, BX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The FP8 linear for M <= MP rows (decode, batch 1..8) with the weight scales on x's side,
+    so the weight goes from its load through one conversion into the dot (no per-element scale
+    product): acc [BN, BX] += W tile [BN, BK] @ X' [BK, BX], where the G = BN / 32 scale rows of
+    the tile each own MP columns of X': X'[k, g * MP + m] = x[m, k] * scale[g, k / 32] (exact
+    bf16: FP8-dequantised x times a power of two), and row n of the output is read from its own
+    scale row's columns at the end. PLACE: the weight by bit placement (`e4m3_placed`, times
+    2^-120; X' carries 2^64 and the sums 2^56 back), else the hardware E4M3 -> bf16 conversion.
+    Exact operands and fp32 sums, as `_fold_linear_kernel` (exact while |x| * scale < 2^63 with
+    PLACE). QDQ_ROW (M == 1): x's row is FP8-quantised here (no separate pass). BX >= G * MP
+    (at least 16, the dot's minimum width); unused columns are zero."""
+    NB: tl.constexpr = BK // 32
+    G: tl.constexpr = BN // 32
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rn = pid_n * BN + tl.arange(0, BN)
+    nmask = rn < N
+    rn64 = rn.to(tl.int64)
+    col = tl.arange(0, BX)
+    grp = col // MP
+    mcol = pid_m * MP + col % MP
+    cok = (col < G * MP) & (mcol < M)
+    srow = pid_n * G + grp
+    sok = cok & (srow * 32 < N)
+    acc = tl.zeros((BN, BX), dtype=tl.float32)
+    k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
+    for k0 in range(k_lo, k_hi, BK):
+        kk = k0 + tl.arange(0, BK)
+        kb = k0 // 32 + tl.arange(0, NB)
+        kmask = kk < k_hi
+        woffs = w_ptr + rn64[:, None] * K + kk[None, :]
+        if PLACE:  # uint8 codes (code 0 is +0)
+            w = tl.load(woffs, mask=nmask[:, None] & kmask[None, :], other=0)
+        else:
+            w = tl.load(woffs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if QDQ_ROW:  # one activation row: quantise it here, repeat it in the G scale-row columns
+            xr = tl.load(x_ptr + kk[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
+            xq = tl.trans(fp8_qdq_groups(xr, 1, BK))  # [BK, 1]
+            xt = tl.where(cok[None, :], xq, 0.0)
+        else:
+            xt = tl.load(x_ptr + mcol.to(tl.int64)[None, :] * x_stride + kk[:, None],
+                         mask=kmask[:, None] & cok[None, :], other=0.0).to(tl.float32)
+        sw = e8m0_value(tl.load(s_ptr + srow[None, :] * s_stride + kb[:, None],
+                                mask=sok[None, :] & (kb[:, None] * 32 < k_hi), other=0).to(tl.int32))  # [NB, BX]
+        if PLACE:
+            sw = sw * PLACE_X_SCALE
+        xs = tl.reshape(tl.reshape(xt, (NB, 32, BX)) * sw[:, None, :], (BK, BX))
+        if PLACE:
+            wb = e4m3_placed(w, LOWP)
+        elif LOWP:  # through fp32: E4M3 -> f16x2 -> fp32 (FMA pipe) -> packed bf16, not Triton's direct
+            wb = w.to(tl.float32).to(tl.bfloat16)  # cast, which adds a per-element F2F (conversion pipe)
+        else:
+            wb = w.to(tl.float32)
+        acc = _fold_dot(acc, wb, xs, LOWP)
+    if PLACE:
+        acc = acc * PLACE_ACC_SCALE
+    # row n's sums sit in the MP columns of its scale row (n % BN) // 32
+    acc4 = tl.reshape(acc, (G, 32, BX // MP, MP))
+    gsel = tl.arange(0, BX // MP)[None, None, :, None] == tl.arange(0, G)[:, None, None, None]
+    res = tl.reshape(tl.sum(tl.where(gsel, acc4, 0.0), axis=2), (BN, MP))
+    rm = pid_m * MP + tl.arange(0, MP)
+    _finish_tile(tl.trans(res), out_ptr, part_ptr, count_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, rm, rn,
+                 M, N, SPLIT_K, OUT_BF16)
+
+
+@triton.jit
+def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, s_stride, k_per_split,
+                    SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, QDQ_ROW: tl.constexpr, LOWP: tl.constexpr,
+                    F16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The FP8 linear at decode sizes on the FP8 tensor cores: no weight conversion at all. Per
+    32-wide K block one dot of the raw E4M3 weight tile [BN, 32] with x's E4M3 codes [32, BM]
+    (fp32 out), times the weight's and x's power-of-two block scales, added to the fp32
+    accumulator [BN, BM] -- MODEL.md's form (block partial sum of unscaled products, times both
+    scales) with the block sum taken by the tensor core. The products are exact; the FP8 MMA's
+    internal accumulation of the 32 products is narrower than IEEE fp32 (on Hopper about 2^-13 of
+    the block's largest term), so this path is a numerics class of its own: benchmarks/dense_ab.py
+    reports its fp32-output error beside the others. x: E4M3 codes [M, K] and E8M0 scales [M, K/32]
+    (`fp8_quant`), or with QDQ_ROW (M == 1) the bf16 row, quantised here. Under the interpreter
+    the dot runs in fp32 ("ieee") on the same code values.
+
+    F16: the same block dots as fp16 MMAs instead (the codes widened by the hardware's packed
+    E4M3 -> f16x2 conversion, one instruction per two weights and nothing else): exact products
+    and the fp16 MMA's fp32 accumulation, the tiled kernel's numerics class (`scaled_block_step`)."""
+    NB: tl.constexpr = BK // 32
+    pid_n, pid_m, pid_k, rn, rm, nmask, mmask, rn64, rm64 = _decode_tile_ids(M, N, BM, BN)
+    j = tl.arange(0, 32)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
+    for k0 in range(k_lo, k_hi, BK):
+        for kb in tl.static_range(NB):
+            kc = k0 + kb * 32
+            kok = kc < k_hi
+            w = tl.load(w_ptr + rn64[:, None] * K + (kc + j)[None, :], mask=nmask[:, None] & kok, other=0.0)
+            sw = e8m0_value(tl.load(s_ptr + (rn64 // 32) * s_stride + kc // 32, mask=nmask & kok, other=0).to(tl.int32))
+            if QDQ_ROW:  # x's one row: this block's exponent and E4M3 codes, in column 0
+                xr = tl.load(x_ptr + kc + j, mask=kok, other=0.0).to(tl.float32)
+                e = fp8_exponent(tl.max(tl.abs(xr), axis=0))
+                xq = fp8_round(xr * pow2(-e))
+                xt = tl.where((tl.arange(0, BM) == 0)[None, :], xq[:, None], 0.0)
+                sx = tl.where(tl.arange(0, BM) == 0, pow2(e), 0.0)
+            else:
+                xt = tl.load(x_ptr + rm64[None, :] * K + (kc + j)[:, None], mask=mmask[None, :] & kok, other=0.0)
+                sx = e8m0_value(tl.load(xs_ptr + rm64 * (K // 32) + kc // 32, mask=mmask & kok, other=0).to(tl.int32))
+            if LOWP and F16:
+                part = tl.dot(w.to(tl.float16), xt.to(tl.float16))
+            elif LOWP:
+                part = tl.dot(w, xt.to(tl.float8e4nv))
+            else:
+                part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+            acc += part * sw[:, None] * sx[None, :]
     _finish_tile(tl.trans(acc), out_ptr, part_ptr, count_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, rm, rn,
                  M, N, SPLIT_K, OUT_BF16)
 
@@ -280,12 +453,13 @@ def weight_kind(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
 def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor, *,
                   bm: int | None = None, bn: int | None = None, bk: int | None = None, split_k: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None, path: str | None = None,
-                  qdq_row: bool | None = None) -> None:
+                  qdq_row: bool | None = None, group_m: int | None = None) -> None:
     """out [M, N] (bf16 or fp32) = x2 [M, K] @ dequant(weight)^T; with a scaled weight x2 is
     FP8-quantised first (`fp8_quant`, one pass; in the kernel on the gemv path). The keyword tile
     parameters are for tuning (defaults: the tables above); `path` ("fold" / "gemv" / "tiled")
-    overrides the choice of path (FP8 at M <= FOLD_MAX_M: fold; other scaled weights at
-    M <= GEMV_DEFAULT_M: gemv; else tiled); `qdq_row` (fold, M = 1) quantises x in the kernel."""
+    overrides the choice of path (FP8 at M <= FOLD_MAX_M: fold, or at M <= XS_MAX_M the
+    DSV41_FP8_DECODE choice "xscale" / "place"; other scaled weights at M <= GEMV_DEFAULT_M: gemv;
+    else tiled); `qdq_row` (fold / xscale / place, M = 1) quantises x in the kernel."""
     from .fp8_quant import fp8_quant
     from .launch import interpreting, num_workers
 
@@ -298,11 +472,26 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     if weight.shape[1] != want_k:
         raise ValueError(f"weight {tuple(weight.shape)} does not match in_features {k}")
     interp = interpreting()
+    xs_tiles = {}
     if path is None:
         if kind == W_FP8 and m <= FOLD_MAX_M:
-            path = "fold"
+            path, xs_tiles = fp8_decode_mode()
+            xs_tiles = dict(xs_tiles)
+            max_m = xs_tiles.pop("max_m", FOLD_MAX_M if path.endswith("mma") else XS_MAX_M)
+            if m > max_m or (m > XS_MAX_M and path in ("xscale", "place")):
+                path, xs_tiles = "fold", {}
         else:
             path = "gemv" if kind != W_DENSE and m <= GEMV_DEFAULT_M else "tiled"
+    if path in ("xscale", "place", "fp8mma", "fp16mma"):
+        if kind != W_FP8:
+            raise ValueError(f"linear: the {path} path takes FP8 weights")
+        given = {"bn": bn, "bk": bk, "split_k": split_k, "num_warps": num_warps, "num_stages": num_stages}
+        xs_tiles = dict(xs_tiles, **{a: b for a, b in given.items() if b is not None})
+        if path.endswith("mma"):
+            _launch_fp8_mma(x2, weight, scale, out, f16=path == "fp16mma", bm=bm, qdq_row=qdq_row, **xs_tiles)
+        else:
+            _launch_fold_xs(x2, weight, scale, out, place=path == "place", qdq_row=qdq_row, **xs_tiles)
+        return
     if path == "fold":
         if kind != W_FP8:
             raise ValueError("linear: the fold path takes FP8 weights")
@@ -344,7 +533,7 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     _block_linear_kernel[(n_tiles, split_k)](
         x2, q, qs, w, s, out_arg, part, counts, m, n, k, s.shape[1] if scale is not None else 0, k_per_split,
         W_KIND=kind, SPLIT_K=split_k, A_TERMS=a_terms, LOWP=not interp,
-        OUT_BF16=out.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, GROUP_M=cfg["group_m"], **kw)
+        OUT_BF16=out.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, GROUP_M=group_m or cfg["group_m"], **kw)
 
 
 def _launch_gemv(x2, weight, scale, out, kind, *, bn=None, bk=None, split_k=None, num_warps=None, num_stages=None):
@@ -409,6 +598,136 @@ def _launch_fold(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_k=N
         x2, weight, scale.view(torch.uint8), out_arg, part, counts, m, n, k, x2.stride(0), scale.shape[1], k_per_split,
         SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, QDQ_ROW=qdq_row, SCALE_X=bn == 32, LOWP=not interp,
         BM=bm, BN=bn, BK=bk, **kw)
+
+
+# The FP8 decode path, chosen once per process from the environment: DSV41_FP8_DECODE = "fold"
+# (default: `_fold_linear_kernel`), at M <= XS_MAX_M "xscale" (`_fold_xs_kernel`, hardware
+# conversion) or "place" (`_fold_xs_kernel`, bit placement), at M <= FOLD_MAX_M "fp8mma"
+# (`_fp8_mma_kernel`, FP8 tensor cores) or "fp16mma" (the same, fp16 MMAs), optionally followed by tile settings and a row limit
+# (more rows take "fold"), e.g. "place:bn=128,waves=8,stages=3,warps=4" or "fp8mma:maxm=8". Default "xscale" (the
+# fold kernel above XS_MAX_M rows): the H200 A/B (benchmarks/dense_ab.py, 2026-12-01) summed the seven mini decode
+# linears at 1 / 4 / 8 rows to 280 us against 324 for "fold", 353 "place", 354 "fp8mma" (whose fp32 outputs also
+# carry a 4.5e-5 error against 1.2e-7), 432 "fp16mma"; at 64 rows "fold" 205 against 324 for "fp8mma".
+XS_MAX_M = 8
+XS = {"bn": 64, "bk": 128, "num_warps": 4, "num_stages": 4, "waves": 4}
+XS_INTERP = {"bn": 64, "bk": 64}
+FP8_DECODE_MODES = ("fold", "xscale", "place", "fp8mma", "fp16mma")
+# "fp8mma" (`_fp8_mma_kernel`, M <= FOLD_MAX_M): the FP8 tensor cores on the raw codes;
+# "fp16mma": the same kernel with fp16 MMAs on the widened codes (fp32-class sums).
+F8 = {"bn": 64, "bk": 128, "num_warps": 4, "num_stages": 4, "waves": 4}
+F8_INTERP = {"bn": 32, "bk": 64}
+_FP8_DECODE: list = []
+
+
+def parse_fp8_decode(spec: str) -> tuple[str, dict]:
+    """"MODE[:key=value,...]" -> (mode, tile overrides for `_launch_fold_xs`); one clear error for
+    an unknown mode or key."""
+    mode, _, rest = spec.strip().partition(":")
+    mode = mode or "fold"
+    if mode not in FP8_DECODE_MODES:
+        raise ValueError(f"DSV41_FP8_DECODE: unknown mode {mode!r} (one of {', '.join(FP8_DECODE_MODES)})")
+    keys = {"bn": "bn", "bk": "bk", "waves": "waves", "stages": "num_stages", "warps": "num_warps", "maxm": "max_m"}
+    tiles = {}
+    for item in filter(None, rest.split(",")):
+        k, _, v = item.partition("=")
+        if k not in keys or not v.isdigit():
+            raise ValueError(f"DSV41_FP8_DECODE: bad setting {item!r} (keys {', '.join(keys)}, integer values)")
+        tiles[keys[k]] = int(v)
+    return mode, tiles
+
+
+def fp8_decode_mode() -> tuple[str, dict]:
+    """The DSV41_FP8_DECODE choice, read once per process."""
+    import os
+
+    if not _FP8_DECODE:
+        _FP8_DECODE.append(parse_fp8_decode(os.environ.get("DSV41_FP8_DECODE", "xscale")))
+    return _FP8_DECODE[0]
+
+
+def _launch_fold_xs(x2, weight, scale, out, *, place: bool, bn=None, bk=None, split_k=None, num_warps=None,
+                    num_stages=None, waves=None, qdq_row=None):
+    """The launch of `_fold_xs_kernel` (M <= XS_MAX_M): grid (N tiles, M tiles of MP rows, K
+    slices), split-K so that about `waves` programs per SM stream the weight; x through one
+    `fp8_qdq_bf16` pass unless M == 1 (then each program quantises the row)."""
+    from .fp8_quant import fp8_qdq_bf16
+    from .launch import interpreting, num_workers
+
+    m, k = x2.shape
+    n = weight.shape[0]
+    interp = interpreting()
+    cfg = XS_INTERP if interp else XS
+    bn = bn or cfg["bn"]
+    bk = min(bk or cfg["bk"], max(32, triton.next_power_of_2(k)))
+    if bn % 32 or bk % 32 or bn & (bn - 1) or bk & (bk - 1):
+        raise ValueError(f"xscale path: bn {bn} and bk {bk} must be powers of two >= 32 (the scale block)")
+    mp = triton.next_power_of_2(m)
+    g = bn // 32
+    if m > XS_MAX_M or g * mp > 64:
+        raise ValueError(f"xscale path: {m} rows do not fit bn {bn} (rows <= {XS_MAX_M}, bn / 32 * rows <= 64)")
+    bx = max(16, g * mp)
+    if qdq_row is None:
+        qdq_row = m == 1
+    if qdq_row and m != 1:
+        raise ValueError("xscale path: the in-kernel activation quantisation takes one row")
+    if not qdq_row:
+        x2 = fp8_qdq_bf16(x2)
+    n_n = -(-n // bn)
+    k_steps = -(-k // bk)
+    if split_k is None:
+        per_sm = waves or cfg.get("waves", 4)
+        split_k = 1 if interp else max(1, min(k_steps, -(-per_sm * num_workers(x2.device) // n_n)))
+    split_k, k_per_split, part, counts = _split_k_buffers(m, n, k, bk, k_steps, split_k, n_n, out)
+    out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    kw = {} if interp else {"num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages or cfg["num_stages"]}
+    _fold_xs_kernel[(n_n, 1, split_k)](
+        x2, weight.view(torch.uint8) if place else weight, scale.view(torch.uint8), out_arg, part, counts, m, n, k,
+        x2.stride(0), scale.shape[1], k_per_split,
+        SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, QDQ_ROW=qdq_row, PLACE=place, LOWP=not interp,
+        MP=mp, BX=bx, BN=bn, BK=bk, **kw)
+
+
+def _launch_fp8_mma(x2, weight, scale, out, *, f16: bool = False, bm=None, bn=None, bk=None, split_k=None,
+                    num_warps=None, num_stages=None, waves=None, qdq_row=None):
+    """The launch of `_fp8_mma_kernel` (M <= FOLD_MAX_M): grid (N tiles, M tiles, K slices), split-K
+    so that about `waves` programs per SM stream the weight; x through `fp8_quant` (codes and
+    scales) also at M == 1 by default: the in-kernel quantisation (`qdq_row=True`) redoes each
+    32-block's max and rounding in every program, about twice the loop's instructions (sm_90a
+    SASS, 826 against 433 per 128-wide step), for one launch less."""
+    from .fp8_quant import fp8_quant
+    from .launch import interpreting, num_workers
+
+    m, k = x2.shape
+    n = weight.shape[0]
+    interp = interpreting()
+    cfg = F8_INTERP if interp else F8
+    bn = bn or cfg["bn"]
+    bm = bm or max(16, min(64, triton.next_power_of_2(m)))
+    bk = min(bk or cfg["bk"], max(32, triton.next_power_of_2(k)))
+    if bn % 16 or bk % 32 or bk & (bk - 1):
+        raise ValueError(f"fp8mma path: bn {bn} must be a multiple of 16 and bk {bk} a power of two >= 32")
+    qdq_row = bool(qdq_row)
+    if qdq_row and m != 1:
+        raise ValueError("fp8mma path: the in-kernel activation quantisation takes one row")
+    if qdq_row:
+        xq, xs = x2, x2
+    else:
+        xq, xs = fp8_quant(x2)
+        xs = xs.view(torch.uint8)
+    n_n, n_m = -(-n // bn), -(-m // bm)
+    k_steps = -(-k // bk)
+    if split_k is None:
+        per_sm = waves or cfg.get("waves", 4)
+        split_k = 1 if interp else max(1, min(k_steps, -(-per_sm * num_workers(x2.device) // (n_n * n_m))))
+    split_k, k_per_split, part, counts = _split_k_buffers(m, n, k, bk, k_steps, split_k, n_n * n_m, out)
+    out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    # 64-row tiles: 4 warps spill (acc and the block partial, 64 x 64 fp32 each; sm_90a ptxas)
+    kw = {} if interp else {"num_warps": num_warps or (8 if bm >= 64 else cfg["num_warps"]),
+                            "num_stages": num_stages or cfg["num_stages"]}
+    _fp8_mma_kernel[(n_n, n_m, split_k)](
+        xq, xs, weight, scale.view(torch.uint8), out_arg, part, counts, m, n, k, scale.shape[1], k_per_split,
+        SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, QDQ_ROW=qdq_row, LOWP=not interp, F16=f16, BM=bm, BN=bn,
+        BK=bk, **kw)
 
 
 def dequant_bf16(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -721,19 +721,20 @@ def _candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, n_blocks: int
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
                  block_table: torch.Tensor, entries_per_block: int, n_visible: torch.Tensor, topk: int,
                  candidates: torch.Tensor | None = None, pool_blocks: int = 0, pool_block_size: int = 1,
-                 reduce_scores=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 reduce_scores=None, _cfg: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`ops.indexer_topk`: Triton scores over the paged key pool, then the Triton selections (top-k
     radix select, the Reindex selection over the candidates, the candidate pool from the scores
     kernel's block maxima): the reference's results, without a host sync. A long prefill is
     scored in chunks of queries so that one chunk's [rows, entries] fp32 scores stay within
-    SCORE_CHUNK_ELEMS (the full [T, N] matrix is what grows quadratically)."""
+    SCORE_CHUNK_ELEMS (the full [T, N] matrix is what grows quadratically). `_cfg`: the scores
+    kernel's tiles (`_config`'s tuple; batch-invariant mode fixes them)."""
     n_visible = n_visible.to(q.device)
     t = q.shape[0]
     n = candidates.shape[1] if candidates is not None else block_table.shape[1] * entries_per_block
     step = max(1, SCORE_CHUNK_ELEMS // max(1, n))
     if t <= step:
         return _indexer_topk_rows(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, topk,
-                                  candidates, pool_blocks, pool_block_size, reduce_scores)
+                                  candidates, pool_blocks, pool_block_size, reduce_scores, _cfg)
     idx = torch.empty(t, min(topk, n), dtype=torch.long, device=q.device)
     pool = torch.empty(t, min(pool_blocks, -(-n // pool_block_size)) * pool_block_size, dtype=torch.long,
                        device=q.device) if candidates is None and pool_blocks > 0 else None
@@ -742,7 +743,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor
         part, part_pool = _indexer_topk_rows(q[i:j], weights[i:j], key_codes, key_scale, block_table[i:j],
                                              entries_per_block, n_visible[i:j], topk,
                                              None if candidates is None else candidates[i:j], pool_blocks,
-                                             pool_block_size, reduce_scores)
+                                             pool_block_size, reduce_scores, _cfg)
         idx[i:j] = part
         if pool is not None:
             pool[i:j] = part_pool
@@ -750,7 +751,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor
 
 
 def _indexer_topk_rows(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, topk,
-                       candidates, pool_blocks, pool_block_size, reduce_scores):
+                       candidates, pool_blocks, pool_block_size, reduce_scores, _cfg=None):
     """`indexer_topk` for one chunk of queries (every output row depends on its query alone)."""
     # the pool comes from the scores kernel's maxima over its blocks (a power of two dividing
     # every BLOCK_N of tile_shape), which also bound the top-k select
@@ -758,7 +759,7 @@ def _indexer_topk_rows(q, weights, key_codes, key_scale, block_table, entries_pe
                    and pool_block_size & (pool_block_size - 1) == 0 and pool_block_size <= 64)
     s, maxima, maxg = _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible,
                               candidates, topk=topk if reduce_scores is None else 0,
-                              maxg=pool_block_size if pool_maxima else None)
+                              maxg=pool_block_size if pool_maxima else None, _cfg=_cfg)
     if reduce_scores is not None:  # model parallel: add the other ranks' heads (-inf stays -inf)
         s = reduce_scores(s)  # (this rank's maxima would not bound the summed scores: none taken)
     if candidates is not None:

@@ -58,6 +58,32 @@ FUSED_COEF = False
 # Tokens per coefficient work item: one per warp of a 4-warp program (the Sinkhorn rounds are a
 # serial chain per token; more tokens per thread lengthen it).
 COEF_T = 4
+# The coefficient epilogue's form, chosen once per process: DSV41_MHC_COEF = "split" (default: its
+# own launch, FUSED_COEF decides), "narrow" (own launch; fewer than COEF_T tokens take a tile of
+# just those tokens, so CB covers every chunk of a decode call and the chunk sums are one L2 read
+# instead of a chain), "fused" (in the main kernel) or "fused-narrow". Default "narrow": on the
+# H200 (benchmarks/dense_ab.py, 2026-12-01) mhc_mix at one token 15.8 us against 23.5 "split",
+# 25.1 "fused", 16.4 "fused-narrow"; mhc_mixes 12.1 against 19.8; equal at 8 tokens.
+MHC_COEF_MODES = ("split", "narrow", "fused", "fused-narrow")
+_COEF_MODE: list = []
+
+
+def coef_mode() -> tuple[bool, bool]:
+    """(fused, narrow) from DSV41_MHC_COEF, read once (one clear error for an unknown value)."""
+    import os
+
+    if not _COEF_MODE:
+        mode = os.environ.get("DSV41_MHC_COEF", "narrow") or "narrow"
+        if mode not in MHC_COEF_MODES:
+            raise ValueError(f"DSV41_MHC_COEF: unknown mode {mode!r} (one of {', '.join(MHC_COEF_MODES)})")
+        _COEF_MODE.append((FUSED_COEF if mode == "split" else mode.startswith("fused"), mode.endswith("narrow")))
+    return _COEF_MODE[0]
+
+
+def coef_tokens(t: int, narrow: bool) -> int:
+    """Tokens per coefficient work item: COEF_T, or with `narrow` the next power of two >= T when
+    that is fewer (a decode call of 1-2 tokens)."""
+    return min(COEF_T, triton.next_power_of_2(max(1, t))) if narrow else COEF_T
 TILES = {
     "cuda": {"block_t": 16, "block_d": 64, "num_warps": 4, "num_stages": 2, "d_split": 8},
     "default": {"block_t": 16, "block_d": 64, "num_warps": 4, "num_stages": 1, "d_split": 2},
@@ -423,20 +449,20 @@ def coef_chunk_block(block_t: int = COEF_T) -> int:
 
 
 def launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps, iters,
-                wide, norm: tuple | None = None) -> None:
-    """The unfused coefficient launch: one program per token tile (persistent over tiles).
-    `norm` = (x_hat, weight, out, eps[, x, pre]): the tiles also write rms_norm(x_hat) to out
-    (x_hat / out as bf16 bit patterns, int16, or fp32); with x [T, 4, d] and pre [T, 4], x_hat is
-    written first, as mhc_collapse(x, pre)."""
+                wide, ct: int = COEF_T, norm: tuple | None = None) -> None:
+    """The unfused coefficient launch: one program per token tile of `ct` tokens (persistent over
+    tiles). `norm` = (x_hat, weight, out, eps[, x, pre]): the tiles also write rms_norm(x_hat) to
+    out (x_hat / out as bf16 bit patterns, int16, or fp32); with x [T, 4, d] and pre [T, 4], x_hat
+    is written first, as mhc_collapse(x, pre)."""
     from .launch import grid_for, interpreting
 
-    n_tiles = -(-t // COEF_T)
+    n_tiles = -(-t // ct)
     cgrid = grid_for(n_tiles, part.device)
     xh, nw, xn, rms_eps, *collapse = norm if norm is not None else (part, part, part, 0.0)
     xs, pre = collapse if collapse else (part, part)
     _mhc_coef_kernel[(cgrid,)](part, pcomp, pss, scale, base, opre, opost, ocomb, xh, nw, xn, xs, pre, t, d, n_chunks,
                                float(norm_eps), float(hc_eps), int(iters), float(rms_eps), n_tiles, cgrid,
-                               BLOCK_T=COEF_T, CB=coef_chunk_block(), WIDE=wide, NORM=norm is not None,
+                               BLOCK_T=ct, CB=coef_chunk_block(ct), WIDE=wide, NORM=norm is not None,
                                BLOCK_N=triton.next_power_of_2(d), BF16=xh.dtype == torch.int16,
                                COLLAPSE=bool(collapse), **({} if interpreting() else {"num_warps": 4}))
 
@@ -452,8 +478,9 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     x_hat [T, d] in x's dtype, (pre, post, comb) fp32 or None). The keyword-only tile
     parameters are for tuning and default to this module's table; `fused` computes the
     coefficients in the main kernel's last program per token tile instead of a second launch
-    (default FUSED_COEF). `norm` = (weight [d], eps), with `fn` only: the coefficient epilogue
-    also writes rms_norm(x_hat, weight, eps), returned as a fourth value (`mhc_mix_norm`)."""
+    (default: DSV41_MHC_COEF, see coef_mode). `norm` = (weight [d], eps), with `fn` only: the
+    coefficient epilogue also writes rms_norm(x_hat, weight, eps), returned as a fourth value
+    (`mhc_mix_norm`)."""
     from .launch import grid_for, interpreting, needs_int64, num_workers
 
     if x.dim() != 3 or x.shape[1] != N_STREAMS:
@@ -507,9 +534,11 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     kw = {} if interpreting() else {"num_warps": num_warps or tiles["num_warps"],
                                     "num_stages": num_stages or tiles["num_stages"]}
     wide = needs_int64(x, fn if has_fn else None)
+    fused_default, narrow = coef_mode()
     if fused is None:
-        fused = FUSED_COEF
+        fused = fused_default
     fused = fused and has_fn
+    ct = coef_tokens(t, narrow)
     if has_fn:
         part = torch.empty(n_chunks, t, 32, dtype=torch.float32, device=x.device)
         pcomp = torch.empty_like(part)
@@ -517,7 +546,7 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     else:
         part = pcomp = pss = x_hat  # unused placeholders
     counts = tile_counters(x.device, n_tiles) if fused else x_hat
-    cb = coef_chunk_block()
+    cb = coef_chunk_block(ct)
     if norm is not None:
         nw = norm[0].contiguous()
         xn_arg = x_norm.view(torch.int16) if x.dtype == torch.bfloat16 else x_norm
@@ -527,11 +556,11 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
                              opre, opost, ocomb, nw, xn_arg, t, d, chunk, n_chunks, n_items, grid, float(norm_eps),
                              float(hc_eps), int(iters), float(norm[1]) if norm is not None else 0.0, BLOCK_T=bt,
                              BLOCK_D=bd, HAS_FN=has_fn, SPLIT=split, OUT_BF16=x.dtype == torch.bfloat16, WIDE=wide,
-                             FUSED=fused, CT=COEF_T, CB=cb, NORM=norm is not None, BLOCK_N=triton.next_power_of_2(d),
+                             FUSED=fused, CT=ct, CB=cb, NORM=norm is not None, BLOCK_N=triton.next_power_of_2(d),
                              **kw)
     if has_fn and not fused:
         launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps, iters, wide,
-                    (xhat_arg, nw, xn_arg, norm[1]) if norm is not None else None)
+                    ct, (xhat_arg, nw, xn_arg, norm[1]) if norm is not None else None)
     return done
 
 

@@ -2,7 +2,7 @@
 `mhc_enter_norm`).
 
 `mhc_mix_norm`: `mega_mhc.mhc_mix` with its `norm` option: the coefficient epilogue (the second
-launch, or the main kernel's last program per token tile with FUSED_COEF) also RMS-normalises
+launch, or the main kernel's last program per token tile: DSV41_MHC_COEF) also RMS-normalises
 the token's x_hat row (fp32 math, as the `rms_norm` kernel), so the norm costs no launch of its
 own. Without `fn` there is no epilogue: the mix, then the `rms_norm` kernel (the composition).
 

@@ -21,8 +21,8 @@ import triton.language as tl
 from ...backends.reference.mhc import mhc_collapse as mhc_collapse_ref  # noqa: F401  (the oracle)
 from ...backends.reference.mhc import mhc_mixes as mhc_mixes_ref  # noqa: F401  (the oracle)
 from .block_scaled import bf16_bits16
-from .mega_mhc import (COEF_T, FUSED_COEF, N_MIX, N_STREAMS, TILES, _finish_coef, _fn_partial_step, coef_chunk_block,
-                       launch_coef)
+from .mega_mhc import (N_MIX, N_STREAMS, TILES, _finish_coef, _fn_partial_step, coef_chunk_block, coef_mode,
+                       coef_tokens, launch_coef)
 
 
 @triton.jit
@@ -67,9 +67,11 @@ def _mhc_partials_kernel(x_ptr, fn_ptr, part_ptr, pcomp_ptr, pss_ptr, count_ptr,
 
 
 def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
-              hc_eps: float, iters: int, *, fused: bool | None = None, collapse_norm: tuple | None = None):
+              hc_eps: float, iters: int, *, fused: bool | None = None, d_split: int | None = None,
+              collapse_norm: tuple | None = None):
     """x [T, 4, d] -> (pre [T, 4], post [T, 4], comb [T, 4, 4]) fp32. `fused`: the coefficients
-    come from the partials kernel's last program per token tile (one launch; default FUSED_COEF).
+    come from the partials kernel's last program per token tile (one launch; default:
+    DSV41_MHC_COEF); `d_split` fixes the d chunks per token tile (default: more when few tiles).
     `collapse_norm` = (pre_prev [T, 4], weight [d], eps): the coefficient epilogue also makes
     x_hat = mhc_collapse(x, pre_prev) and rms_norm(x_hat, weight, eps), returned after the
     coefficients (`mhc_enter_norm`)."""
@@ -103,7 +105,7 @@ def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
     tiles = TILES["cuda"] if x.device.type == "cuda" and not interpreting() else TILES["default"]
     bt, bd = tiles["block_t"], min(tiles["block_d"], triton.next_power_of_2(d))
     n_tiles, slices = -(-t // bt), -(-d // bd)
-    want = max(tiles["d_split"], -(-2 * num_workers(x.device) // n_tiles))
+    want = d_split or max(tiles["d_split"], -(-2 * num_workers(x.device) // n_tiles))
     chunk = bd * -(-slices // want)
     n_chunks = -(-d // chunk)
     n_items = n_tiles * n_chunks
@@ -113,18 +115,20 @@ def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
     part = torch.empty(n_chunks, t, 32, dtype=torch.float32, device=x.device)
     pcomp = torch.empty_like(part)
     pss = torch.empty(n_chunks, t, dtype=torch.float32, device=x.device)
+    fused_default, narrow = coef_mode()
     if fused is None:
-        fused = FUSED_COEF
+        fused = fused_default
+    ct = coef_tokens(t, narrow)
     wide = needs_int64(x, fn)
     counts = tile_counters(x.device, n_tiles) if fused else pss
     _mhc_partials_kernel[(grid,)](x, fn, part, pcomp, pss, counts, scale, base, pre, post, comb, pre_prev, xh_arg, nw,
                                   xn_arg, t, d, chunk, n_chunks, n_items, grid, float(norm_eps), float(hc_eps),
                                   int(iters), float(rms_eps), BLOCK_T=bt, BLOCK_D=bd, SPLIT=split, FUSED=fused,
-                                  CT=COEF_T, CB=coef_chunk_block(), WIDE=wide, NORM=norm,
+                                  CT=ct, CB=coef_chunk_block(ct), WIDE=wide, NORM=norm,
                                   BLOCK_N=triton.next_power_of_2(d), BF16=bf16, **kw)
     if not fused:
         launch_coef(part, pcomp, pss, scale, base, pre, post, comb, t, d, n_chunks, norm_eps, hc_eps, iters, wide,
-                    (xh_arg, nw, xn_arg, rms_eps, x, pre_prev) if norm else None)
+                    ct, (xh_arg, nw, xn_arg, rms_eps, x, pre_prev) if norm else None)
     return done
 
 

@@ -1,5 +1,10 @@
 """Routed (and shared) experts as grouped kernels over the active experts (op `moe_experts`).
 
+Paths (`moe_experts` picks one; `path=` overrides): on CUDA, FP4 experts at 1..64 tokens take
+`moe_fold` (tensor cores, weights read as int32 words); the kernels below serve the other formats
+and sizes (GEMV at a few tokens, the tiled kernels described next), and prefill-sized FP4 calls
+take `moe_grouped` on a bf16 scratch.
+
 Per call, with R = T * k routed rows (token t, slot j -> flat row t * k + j):
 1. Rows are sorted by expert (`moe_grouped.sort_rows`: one launch up to 1024 routed rows, two
    above, in place of a torch stable sort + searchsorted + fills; ids < 0 left out; no host
@@ -36,6 +41,7 @@ from .block_linear import DECODE_MAX_M, weight_kind
 from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, fp8_code, fp8_exponent, fp8_qdq_groups, gemv_acc,
                            gemv_load_w, load_weight_tile, pow2, scaled_block_step)
 from .fp4_common import split_dot_acc
+from .moe_fold import MAX_SCALE_BYTE
 from .moe_grouped import sort_rows
 from .swiglu import swiglu_tile
 
@@ -322,7 +328,20 @@ def _expert_table(experts: list, device: torch.device):
     k_in = w1.shape[1] * (2 if kind == W_FP4 else 1)
     hit = _TABLES[key] = (w_base, s_base, table, kind, inter, k_in,
                           (s1.shape[1] if s1 is not None else 0, s2.shape[1] if s2 is not None else 0), align)
+    # FP4 experts whose scale bytes all fit the folded conversion (moe_fold.MAX_SCALE_BYTE): one
+    # reduction per set of experts, when its table is built (before any graph capture)
+    _FOLDABLE[key] = (kind == W_FP4 and all(o % 4 == 0 for r in rows for o in r)  # int32 word loads
+                      and max(int(b.view(torch.uint8).max()) for ex in experts for _, b in ex) <= MAX_SCALE_BYTE)
     return hit
+
+
+_FOLDABLE: dict[tuple, bool] = {}
+
+
+def foldable(experts: list) -> bool:
+    """Whether the set of experts (table already built) can take the folded FP4 path."""
+    return _FOLDABLE.get(tuple(t.data_ptr() if t is not None else 0 for ex in experts for pair in ex for t in pair),
+                         False)
 
 
 def scratch_pays(device: torch.device, kind: str, rows: int, n_exp: int, inter: int, d: int) -> bool:
@@ -336,16 +355,38 @@ def scratch_pays(device: torch.device, kind: str, rows: int, n_exp: int, inter: 
     return device.type == "cuda" and not interpreting() and predequant_pays(kind, rows, n_exp, inter, d)
 
 
+# The most tokens the folded FP4 path (moe_fold) takes by default. H200 2026-12-01, graph replay,
+# 16 FP4 experts 5120 x 2304, top-6 (benchmarks/RESULTS.md, "MoE at decode sizes"): fold (its
+# shipped tiles) against the old default, T=1 98.8 / 106.9 us (gemv), 2 158.8 / 201.4 (gemv),
+# 4 183.2 / 400.6 (gemv), 8 234.7 / 446.5 (tiled), 16 234.0 / 448.2, 32 377.9 / 455.8,
+# 64 460.0 / 1099.1.
+FOLD_MAX_T = 64
+
+
+def fold_pays(device: torch.device, t: int, experts: list, inter: int, d: int) -> bool:
+    """Whether the default path is the folded one (`moe_fold`): FP4 experts whose scale bytes it
+    takes, widths its tiles divide, 1..FOLD_MAX_T tokens, on CUDA (measured faster than the GEMV
+    and tiled kernels at every such T on the H200; the interpreters keep the old default)."""
+    from .launch import interpreting
+    from .moe_fold import fold_fits, fold_tiles
+
+    c = fold_tiles(t)
+    return (device.type == "cuda" and not interpreting() and t <= FOLD_MAX_T and foldable(experts)
+            and fold_fits(inter, d, c["bn_up"], c["bn_down"], c["bk"], c["split"]))
+
+
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: list, limit: float,
                 out_dtype: torch.dtype = torch.float32, *, bm: int | None = None, bn_up: int | None = None,
                 bn_down: int | None = None, bk: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, path: str | None = None, **grouped) -> torch.Tensor:
     """`ops.moe_experts` on a device: x [T, d], weights / ids [T, k] -> [T, d] fp32 (float64
     requested: fp32). Keyword tile parameters are for tuning (defaults: TILES / GEMV_TILES);
-    `path` ("gemv" / "tiled" / "grouped") overrides the choice of path (tests, sweeps); "grouped"
+    `path` ("fold" / "gemv" / "tiled" / "grouped") overrides the choice of path (tests, sweeps);
+    "fold" is `moe_fold.fold_moe` (FP4 experts at decode sizes, weights read as int32 words); "grouped"
     is `moe_grouped.grouped_moe` (bf16 tensor-core dots with the scales folded into the weight
     tiles), which takes the extra keywords in `grouped` (swap, bk_down, group_m, chunk,
-    predequant). Default: GEMV at a few tokens, the grouped path on a bf16 scratch of the experts
+    predequant). Default: the fold path for FP4 experts at 1..FOLD_MAX_T tokens on CUDA
+    (`fold_pays`), else GEMV at a few tokens, the grouped path on a bf16 scratch of the experts
     for prefill-sized FP4 calls (`moe_grouped.predequant_pays`), the tiled kernels between (on
     the H200 the grouped path without the scratch did not beat them: benchmarks/RESULTS.md)."""
     from .fp8_quant import fp8_quant
@@ -363,7 +404,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     if k_in != d:
         raise ValueError(f"expert input width {k_in} != x width {d}")
     if path is None:
-        path = ("gemv" if t <= GEMV_DEFAULT_T.get(kind, 0) else
+        path = ("fold" if fold_pays(x.device, t, experts, inter, k_in) else
+                "gemv" if t <= GEMV_DEFAULT_T.get(kind, 0) else
                 "grouped" if scratch_pays(x.device, kind, t * topk, n_exp, inter, k_in) else "tiled")
         if path == "grouped":  # chosen for the scratch: say so (the interpreters never default to it)
             grouped = dict(grouped, predequant=True)
@@ -374,6 +416,16 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
                            (w_base, s_base, table, kind, inter, k_in, (s_up, s_down), align), limit, out, bm=bm,
                            bn_up=bn_up, bn_down=bn_down, bk=bk, num_warps=num_warps, num_stages=num_stages,
                            **grouped)
+    if path == "fold":
+        from .moe_fold import fold_moe
+
+        if not foldable(experts):
+            raise ValueError("moe_experts: the fold path takes FP4 experts with 4-byte aligned tensors and scale "
+                             f"bytes <= {MAX_SCALE_BYTE}")
+        return fold_moe(x if x.stride(-1) == 1 else x.contiguous(), weights, ids,
+                        (w_base, s_base, table, kind, inter, k_in, (s_up, s_down), align), limit, out,
+                        rb=bm, bn_up=bn_up, bn_down=bn_down, bk=bk, num_warps=num_warps, num_stages=num_stages,
+                        **grouped)
     if path == "gemv":
         if kind == W_DENSE or t > GEMV_MAX_T:
             raise ValueError(f"moe_experts: the gemv path takes scaled experts and <= {GEMV_MAX_T} tokens")

@@ -1,0 +1,192 @@
+"""Batch-invariant implementations of the CUDA op set (`DSV41_BATCH_INVARIANT=1`, registered by the
+CUDA backend through `registry.register_invariant`).
+
+In this mode every row's result is bitwise independent of the number of rows in the call and of
+the other rows, so a decode step (1..64 rows) reproduces the same row of an exact prefill (a
+chunk of thousands), and greedy decode equals the prefill's argmax at every position. The
+default kernels choose their kernel, tiles and K split by the row count (decode is weight-read
+bound and splits K over every SM; prefill takes bigger tiles or cuBLAS), and each choice sums a
+row's products in another order. Here each op takes ONE kernel with ONE tile configuration for
+every row count, no split-K, no cuBLAS (whose algorithm depends on M), and the reduction order
+of a row's dot products is the kernel's fixed K loop. Slower than the default; graph-capturable
+(no host sync, no data-dependent shapes). The same idea as vLLM's VLLM_BATCH_INVARIANT.
+
+Where the default path depends on the row count M (T tokens), and what this module does:
+- `linear` (block_linear.py): FP8 weights take the fold kernel at M <= 64 (split-K by the SM
+  count) and the tiled kernel above; FP4 weights the GEMV kernel at M = 1; the tiled kernel's
+  tiles (BM 16/32/64 vs 128, GROUP_M) and split-K depend on M; scaled weights go to cuBLAS on a
+  bf16 dequantised weight at M >= 1024; bf16 -> bf16 and the head's bf16 -> fp32 logits (M >= 2)
+  go to cuBLAS. Here: the tiled kernel, fixed BM / BN / BK / GROUP_M / warps / stages, split 1,
+  for every weight format and M. (W8A8 int8 stays on torch._int_mm: exact int32 sums.)
+- `grouped_linear` (cuda.py, torch.bmm / cuBLAS): here one invariant `linear` per group.
+- `unrope_grouped_linear` (fused GEMV up to 8 tokens, the composition above): here the
+  composition (rope inverse, then the invariant grouped_linear) at every T.
+- `moe_experts` (moe_experts.py): GEMV at T <= 4 (FP4) / 1 (FP8), the tiled kernels with
+  decode or prefill tiles (BM by rows per expert), the bf16-scratch grouped path for prefill FP4.
+  Here: the tiled kernels with fixed tiles (row-tile slots only spread work; a row's K loop is
+  whole in one program).
+- `moe_route` (moe_route.py): BLOCK_T / BLOCK_E by T and K splits below 32 tiles. Here fixed
+  tiles, one K slice.
+- `mhc_mix` (mega_mhc.py) and `mhc_mixes` (mhc_mixes.py): the d chunks per token tile (whose
+  partial sums are added in the coefficient epilogue) grow when few token tiles would leave SMs
+  idle. Here the table's fixed d split.
+- `sparse_attention` (sparse_attention.py): the decode tile table (128-channel blocks) at
+  T <= 16, and flash-decoding splits of a query's entry blocks chosen by the tile count
+  (merged by `_combine_kernel`). Here the main table and one split: a query reduces its window
+  then its selected entries in block order, whatever else is in the launch.
+- `indexer_topk` (indexer_topk.py): queries per tile (BLOCK_T by T) and entry block width, i.e.
+  the MMA's M and the head sum's shape. Here one query per tile with its heads padded to at
+  least 16 (M = max(heads, 16)), which the per-query path of mixed sequences uses as well. Query
+  chunking of long prefills and the selections are row-local.
+- `sinkhorn`, `mhc_update` (cuda.py, torch softmax / sums / bmm): here explicit elementwise sums
+  in a fixed order.
+Row-local as they are (one row's result is computed by one program from that row alone, tile
+shapes set by the width, not by T): `ROW_LOCAL_OPS` below.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...backends import fused, registry
+from . import block_linear, mega_mhc
+from . import indexer_topk as indexer_mod
+from . import mhc_mixes as mhc_mixes_mod
+from . import moe_experts as moe_mod
+from . import moe_route as route_mod
+from . import sparse_attention as attn_mod
+from .launch import interpreting
+
+# One tile configuration per op for every row count (compiled CUDA / the interpreter).
+# CUDA tiles are tables the default path already compiles and runs (linear: the decode table at
+# 33..64 rows; MoE: the prefill table; route: the > 128-token table).
+LINEAR_TILES = {"cuda": dict(bm=64, bn=64, bk=128, group_m=1, num_warps=4, num_stages=4),
+                "interp": dict(bm=16, bn=32, bk=64, group_m=1)}
+MOE_TILES = {"cuda": dict(bm=64, bn_up=32, bn_down=128, bk=64, num_warps=4, num_stages=3),
+             "interp": dict(bm=16, bn_up=32, bn_down=32, bk=64)}
+# (BLOCK_T, BLOCK_E, BLOCK_K, warps, K slices)
+ROUTE_TILES = {"cuda": (64, 32, 128, 4, 1), "interp": (16, 16, 64, 4, 1)}
+
+# CUDA ops whose kernels are row-local already (elementwise, per row or per quantisation group,
+# integer index arithmetic, gathers): the default implementation serves this mode.
+ROW_LOCAL_OPS = frozenset({
+    "fp8_quant", "fp8_dequant", "fp4_quant", "fp4_dequant", "mxfp4_quant", "mxfp4_dequant", "mxfp4_act_quant",
+    "rms_norm", "rope", "rope_tables", "swiglu_clamped", "rope_store_kv", "rope_store_key", "compress_kv",
+    "mhc_collapse", "engram_gate", "engram_lookup", "engram_hash", "table_rows", "window_rows", "compress_rows",
+})
+
+
+def _key(device: torch.device) -> str:
+    return "cuda" if device.type == "cuda" and not interpreting() else "interp"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """`ops.linear`, batch-invariant: `block_linear`'s tiled kernel with fixed tiles and no K split
+    for every row count and weight format (W8A8 keeps its exact int32 GEMM; fp32 weights have no
+    invariant kernel on CUDA: the tiled kernel takes bf16-exact weights)."""
+    key = _key(x.device)
+    if scale is None and weight.dtype != torch.bfloat16 and key == "cuda":
+        raise NotImplementedError(f"batch-invariant linear: {weight.dtype} weights have no invariant kernel")
+    return block_linear.linear(x, weight, scale, out_dtype, path="tiled", split_k=1, **LINEAR_TILES[key])
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`ops.grouped_linear` (x [T, G, K], weight [G * R, K] -> [T, G * R] bf16), batch-invariant:
+    the invariant `linear` per group (bf16 output, fp32 accumulation)."""
+    t, g, k = x.shape
+    w = weight.view(g, -1, k)
+    parts = [linear(x[:, i], w[i]) for i in range(g)]
+    return torch.stack(parts, 1).reshape(t, -1)
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: list, limit: float,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`ops.moe_experts`, batch-invariant: the tiled gate/up and down kernels with fixed tiles for
+    every token count (no GEMV, no bf16-scratch grouped path)."""
+    return moe_mod.moe_experts(x, weights, ids, experts, limit, out_dtype, path="tiled",
+                               **MOE_TILES[_key(x.device)])
+
+
+def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
+              gate_temp: float = 1.0, norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.moe_route`, batch-invariant: fixed token / expert / K tiles and one K slice."""
+    return route_mod.moe_route(x, gate_weight, bias, topk, route_scale, gate_temp, norm_topk_prob,
+                               _cfg=ROUTE_TILES[_key(x.device)])
+
+
+def _mhc_d_split(x: torch.Tensor) -> int:
+    return mega_mhc.TILES["cuda" if _key(x.device) == "cuda" else "default"]["d_split"]
+
+
+def mhc_mix(x, y, post, comb, pre, fn, scale, base, norm_eps, hc_eps, iters):
+    """`ops.mhc_mix`, batch-invariant: the fused kernel with its table's fixed d split."""
+    return mega_mhc.mhc_mix(x, y, post, comb, pre, fn, scale, base, norm_eps, hc_eps, iters, d_split=_mhc_d_split(x))
+
+
+def mhc_mixes(x, fn, scale, base, norm_eps, hc_eps, iters):
+    """`ops.mhc_mixes`, batch-invariant: the partials kernel with the table's fixed d split."""
+    return mhc_mixes_mod.mhc_mixes(x, fn, scale, base, norm_eps, hc_eps, iters, d_split=_mhc_d_split(x))
+
+
+def sparse_attention(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink, softmax_scale):
+    """`ops.sparse_attention`, batch-invariant: the main tile table (never the decode one) and one
+    split per query, so each query reduces over its entries in the same block order alone or in
+    a prefill chunk."""
+    cfg = dict(attn_mod.CONFIGS[attn_mod._backend_key(q.device)])
+    cfg.pop("min_blocks_per_split", None)
+    return attn_mod.sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx,
+                                              sink, softmax_scale, n_split=1, **cfg)
+
+
+def indexer_topk(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, topk,
+                    candidates=None, pool_blocks=0, pool_block_size=1, reduce_scores=None):
+    """`ops.indexer_topk`, batch-invariant: one query per tile, its heads padded to at least 16
+    (the Reindex tile shape) for every T, so a query's scores come from the same MMA shape and
+    head sum alone, beside its own sequence's queries, or beside other sequences' (the
+    per-query path: also one query, heads padded to 16)."""
+    hp, bt, bn = indexer_mod.tile_shape(1, q.shape[1], True, False, interpreting())
+    return indexer_mod.indexer_topk(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible,
+                                    topk, candidates, pool_blocks, pool_block_size, reduce_scores,
+                                    _cfg=(hp, bt, bn, 1, 8))
+
+
+def _sum_in_order(parts) -> torch.Tensor:
+    """parts[0] + parts[1] + ... left to right (elementwise adds: no shape-dependent reduction)."""
+    acc = parts[0]
+    for p in parts[1:]:
+        acc = acc + p
+    return acc
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """`ops.sinkhorn` in fp32 with the row / column sums (and the softmax's) as explicit
+    elementwise adds in index order."""
+    x = logits.float()
+    e = torch.exp(x - x.amax(-1, keepdim=True))  # the max is exact in any order
+    c = e / _sum_in_order(e.unbind(-1)).unsqueeze(-1) + eps
+    c = c / (_sum_in_order(c.unbind(-2)).unsqueeze(-2) + eps)
+    for _ in range(iters - 1):
+        c = c / (_sum_in_order(c.unbind(-1)).unsqueeze(-1) + eps)
+        c = c / (_sum_in_order(c.unbind(-2)).unsqueeze(-2) + eps)
+    return c
+
+
+def mhc_update(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """`ops.mhc_update` (out_j = post[j] * y + sum_i comb[i][j] * x_i, fp32, x's dtype) with the
+    sum over streams as elementwise adds in stream order (no batched GEMM)."""
+    xf, c = x.float(), comb.float()
+    mixed = _sum_in_order([c[:, i, :, None] * xf[:, i, None, :] for i in range(x.shape[1])])
+    return (post.float().unsqueeze(-1) * y.float().unsqueeze(1) + mixed).to(x.dtype)
+
+
+OPS = {"linear": linear, "grouped_linear": grouped_linear, "unrope_grouped_linear": fused.unrope_grouped_linear,
+       "moe_experts": moe_experts, "moe_route": moe_route, "mhc_mix": mhc_mix, "mhc_mixes": mhc_mixes,
+       "sparse_attention": sparse_attention, "indexer_topk": indexer_topk, "sinkhorn": sinkhorn,
+       "mhc_update": mhc_update}
+
+
+def register(backend: str = "cuda") -> None:
+    """Register `OPS` as `backend`'s batch-invariant implementations."""
+    for name, fn in OPS.items():
+        registry.register_invariant(name, backend)(fn)

@@ -1,0 +1,357 @@
+"""FP4 routed experts at decode sizes (1..64 tokens) on tensor cores, the weight read as int32
+words and turned into bf16 with a few integer ops per value (the `moe_experts` path "fold").
+
+Per call, with R = T * k routed rows (token t, slot j -> flat row t * k + j):
+1. `moe_grouped.sort_rows` orders the flat rows by expert (one launch, no host sync), and x is
+   FP8-quantise-dequantised once (exact bf16 values, the activation scale inside them)
+   (`_x_qdq_kernel`, columns stored in the weight tiles' K order),
+2. `_fold_up_kernel`, one program per (expert, BN columns of the intermediate width): for each
+   of its expert's RB-row tiles, w1 and w3 tiles [BN, BK] built from int32 words (8 E2M1 values
+   each) with the E8M0 block scale folded in (`fp4_words_bf16`), each used in ONE bf16
+   tensor-core dot per BK with the gathered x rows (weight on the dot's wide side: acc [BN, RB],
+   so 1..16 rows cost one 16-wide MMA), fp32 accumulation. Epilogue: clamped SwiGLU, routing
+   weight, FP8 quantise-dequantise of the w2 input per 32 columns, stored as bf16 rows in expert
+   order (columns in the tiles' K order).
+3. `_fold_down_kernel`, one program per (expert, BN columns of d): the same with w2 and h, fp32
+   output rows written to their flat rows; `moe_experts._combine_kernel` sums a token's slots.
+Every expert's weights are read once per call (all of its rows in one RB tile up to 64 rows).
+
+The conversion (`fp4_words_bf16`, after Marlin's FP4 -> bf16 dequantisation): a word's nibble
+(sign, e1, e0, m) placed as the bf16 bits (sign -> bit 15, e1 e0 m -> bits 8..6) is the E2M1
+value times 2^-126 (code 1, the value 0.5, becomes the subnormal 2^-127); one bf16x2 multiply by
+2^(byte - 1) per two values then gives value * 2^(byte - 127). The four bit placements of a word
+take elements (v, v + 4) for v = 0..3 into one bf16x2 register, so the tile's K order inside each
+group of 8 is permuted (`word_order`); x and h are stored in that order, and a dot does not care
+about the order of K.
+
+Numerics: every dot operand is an exact bf16 value, every product exact in fp32, only the fp32
+summation order differs from the reference (the class of the other MoE kernels):
+- x: FP8 codes times 2^e, e >= -22 (`block_scaled.fp8_exponent`): bf16-normal, never rounded.
+- weights: two significant bits times 2^(byte - 127): exact in bf16 whenever the result is
+  normal (>= 2^-126). The factor 2^(byte - 1) must be a finite bf16, so scale bytes 1..128
+  (|weights| <= 12) take this path; `moe_experts` checks the bytes once per set of experts and
+  keeps the other kernels otherwise. Byte 0 (2^-127) gives 0 here as in the other kernels.
+  Checked bit-exactly against the reference dequantisation for all 16 codes x bytes 1..128
+  (tests/test_triton_moe_fold.py); on CUDA the multiply is one `mul.rn.bf16x2` (inline PTX, as
+  sm_90 bf16 arithmetic keeps subnormal inputs), elsewhere the same product in fp32.
+- Under TRITON_INTERPRET=1 (no bf16 arithmetic there) the same values go through fp32 "ieee"
+  dots.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .block_scaled import fp8_qdq_groups, pow2
+from .swiglu import swiglu_tile
+
+# Tiles by token count, (most tokens, tiles): BN weight rows per program (gate/up, down), BK along
+# K, the gate/up K slices (`split`), the dot orientation (`w_left`: weight as the left operand);
+# the row tile RB follows T. The CUDA rows are the best measured on the H200 (benchmarks/RESULTS.md,
+# "MoE at decode sizes").
+# H200 2026-12-01 02:03 UTC, graph replay, T=1 / 2 / 4 / 8 / 16: split 1 98.8 / 180.9 / 187.9 /
+# 247.5 / 244.9 us, split 2 101.9 / 158.8 / 189.7 / 237.3 / 237.6, split 4 104.9 / 166.9 / 183.2 /
+# 234.7 / 234.0 (T=3 takes T=2's row unmeasured); w_left=False and 8 warps were slower at every T.
+_DECODE = {"bn_up": 64, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 3, "split": 1, "w_left": True}
+TILES = {"cuda": [(1, _DECODE), (3, dict(_DECODE, split=2)), (16, dict(_DECODE, split=4)), (64, _DECODE)],
+         "interp": [(1 << 30, {"bn_up": 32, "bn_down": 32, "bk": 128, "split": 1, "w_left": True})]}
+MAX_SCALE_BYTE = 128  # the largest E8M0 weight scale byte the folded conversion takes (module docstring)
+_SIGN2 = tl.constexpr(-2147450880)  # 0x80008000: both halves' sign bits, as an int32 literal
+_MAG2 = tl.constexpr(0x01C001C0)  # both halves' bf16 bits 8..6
+
+
+@triton.jit
+def word_order(i):
+    """The activation column to load at tile column i of a tile built by `fp4_tile_bf16`: the
+    word's base (i - i % 8) plus element v + 4h of the word, where position p = i % 8 holds
+    p = (v & 1) * 4 + (v >> 1) * 2 + h (h innermost: a bf16x2 register's two halves stay side
+    by side, so nothing is repacked between the conversion and the dot)."""
+    p = i % 8
+    return i - p + ((p >> 1) & 1) * 2 + ((p >> 2) & 1) + (p & 1) * 4
+
+
+@triton.jit
+def _place(q):
+    """The bf16x2 bits of the nibbles in bits 12..15 and 28..31 of q: sign to bit 15 / 31, the
+    three magnitude bits to 8..6 / 24..22 (value * 2^-126)."""
+    return (q & _SIGN2) | ((q >> 6) & _MAG2)
+
+
+@triton.jit
+def _scale2(placed, f2, s, ASM: tl.constexpr):
+    """placed (bf16x2 bits) times 2^(s - 1) in both halves (f2: that factor as bf16x2 bits)."""
+    if ASM:
+        return tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [placed, f2], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        f = pow2(s - 1)
+        lo = ((placed << 16).to(tl.float32, bitcast=True) * f).to(tl.int32, bitcast=True)
+        hi = ((placed & -65536).to(tl.float32, bitcast=True) * f).to(tl.int32, bitcast=True)
+        return ((lo >> 16) & 0xFFFF) | (hi & -65536)
+
+
+@triton.jit
+def fp4_words_bf16(words, s, ASM: tl.constexpr):
+    """int32 words (8 E2M1 nibbles each, element i in bits 4i..4i+3) and their E8M0 scale bytes
+    (int32 1..128, same shape) -> four int32 tensors of bf16x2 bits, the v-th holding elements v
+    (low half) and v + 4 (high half) of each word as value * 2^(s - 127) (exact: module docstring)."""
+    e = (s + 126) << 7  # 2^(s - 1) as bf16 bits
+    f2 = e | (e << 16)
+    r0 = _scale2(_place(words << 12), f2, s, ASM)
+    r1 = _scale2(_place(words << 8), f2, s, ASM)
+    r2 = _scale2(_place(words << 4), f2, s, ASM)
+    r3 = _scale2(_place(words), f2, s, ASM)
+    return r0, r1, r2, r3
+
+
+@triton.jit
+def _halves(r, LOWP: tl.constexpr):
+    """bf16x2 bits -> [..., 2] (low half, high half) as bf16 (LOWP) or their exact fp32 values."""
+    if LOWP:
+        lo = r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (r >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        lo = (r << 16).to(tl.float32, bitcast=True)
+        hi = (r & -65536).to(tl.float32, bitcast=True)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def fp4_tile_bf16(w_ptr, s_ptr, rn, kw0, s_stride, w_stride, BN: tl.constexpr, BK: tl.constexpr,
+                  ASM: tl.constexpr, LOWP: tl.constexpr):
+    """Weight rows `rn` [BN], K columns 8 * kw0 .. + BK of a packed FP4 matrix (int32 words, row
+    stride w_stride words; E8M0 scales read as int32 words of 4 bytes, row stride s_stride
+    words) -> [BN, BK] exact bf16 (LOWP) or fp32 values with the scale folded in, K permuted
+    inside each 8 as `word_order`. No masks: the launcher guarantees whole tiles (BK % 128 == 0,
+    so a tile's scales are whole int32 words: 4-byte loads the pipeliner can issue ahead)."""
+    W: tl.constexpr = BK // 8
+    rn64 = rn.to(tl.int64)
+    words = tl.load(w_ptr + rn64[:, None] * w_stride + kw0 + tl.arange(0, W)[None, :])
+    sw = tl.load(s_ptr + rn64[:, None] * s_stride + kw0 // 16 + tl.arange(0, BK // 128)[None, :])
+    sw = tl.reshape(tl.broadcast_to(sw[:, :, None], (BN, BK // 128, 16)), (BN, W))
+    j = tl.arange(0, W)[None, :]
+    s = (sw >> (((j % 16) // 4) * 8)) & 0xFF  # word j's block: byte (j % 16) // 4 of its scale word
+    r0, r1, r2, r3 = fp4_words_bf16(words, s, ASM)
+    return tl.reshape(_halves(tl.join(tl.join(r0, r1), tl.join(r2, r3)), LOWP), (BN, BK))
+
+
+@triton.jit
+def _expert_ptrs(w_base, s_base, table_ptr, e, which: tl.constexpr, ALIGN: tl.constexpr):
+    """Expert e's matrix `which` (0: w1, 1: w3, 2: w2) and its scales as int32 word pointers
+    (table: byte offsets from the bases, `moe_experts._expert_table`)."""
+    w = (w_base + tl.multiple_of(tl.load(table_ptr + e * 6 + which), ALIGN)).to(tl.pointer_type(tl.int32))
+    s = (s_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 3 + which), ALIGN)).to(tl.pointer_type(tl.int32))
+    return w, s
+
+
+@triton.jit
+def _acc0(BN: tl.constexpr, RB: tl.constexpr, W_LEFT: tl.constexpr):
+    """A zero accumulator: [BN, RB] with the weight as the dot's left operand, else [RB, BN]."""
+    if W_LEFT:
+        return tl.zeros((BN, RB), dtype=tl.float32)
+    else:
+        return tl.zeros((RB, BN), dtype=tl.float32)
+
+
+@triton.jit
+def _wdot(acc, w, xk, W_LEFT: tl.constexpr, LOWP: tl.constexpr):
+    """acc + the weight tile w [BN, BK] times the activation tile xk [BK, RB]: W_LEFT keeps the
+    weight as the left operand (on Hopper its bf16 tile is the wgmma A operand from registers),
+    else x^T @ w^T (both operands from shared memory). The interpreter: fp32 "ieee" dots."""
+    if not LOWP:
+        xk = xk.to(tl.float32)
+    if W_LEFT:
+        if LOWP:
+            return tl.dot(w, xk, acc)
+        else:
+            return tl.dot(w, xk, acc, input_precision="ieee")
+    else:
+        if LOWP:
+            return tl.dot(tl.trans(xk), tl.trans(w), acc)
+        else:
+            return tl.dot(tl.trans(xk), tl.trans(w), acc, input_precision="ieee")
+
+
+@triton.jit
+def _rows_first(acc, W_LEFT: tl.constexpr):
+    """The accumulator as [RB, BN]."""
+    if W_LEFT:
+        return tl.trans(acc)
+    else:
+        return acc
+
+
+@triton.jit
+def _act_store(g, u, p, pmask, wts_ptr, f, h_ptr, I, rn, limit, RB: tl.constexpr, BN: tl.constexpr):
+    """The gate/up epilogue of rows p [RB] (flat rows f), columns rn [BN]: clamped SwiGLU of the
+    fp32 sums g, u [RB, BN], routing weight, FP8 quantise-dequantise per 32 columns (BN % 32 ==
+    0: whole groups), stored in the word order of the w2 tiles (the down kernel's loads are then
+    contiguous)."""
+    h = swiglu_tile(g, u, limit) * tl.load(wts_ptr + f, mask=pmask, other=0.0)[:, None]
+    h = fp8_qdq_groups(h, RB, BN)
+    tl.store(h_ptr + p.to(tl.int64)[:, None] * I + word_order(rn)[None, :], h, mask=pmask[:, None])
+
+
+@triton.jit
+def _fold_up_kernel(x_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_ptr, h_ptr, part_ptr, R, K, I,
+                    s_stride, limit, TOPK: tl.constexpr, ALIGN: tl.constexpr, ASM: tl.constexpr,
+                    LOWP: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                    W_LEFT: tl.constexpr):
+    """h[p, n] for the expert-ordered rows p of expert program_id(0), columns of tile
+    program_id(1); with SPLIT > 1, K slice program_id(2)'s partial sums of gate and up to
+    part [SPLIT, R, 2, I] instead (`_fold_act_kernel` adds them up)."""
+    e = tl.program_id(0)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    start = tl.load(bounds_ptr + e)
+    end = tl.load(bounds_ptr + e + 1)
+    w1, s1 = _expert_ptrs(w_base, s_base, table_ptr, e, 0, ALIGN)
+    w3, s3 = _expert_ptrs(w_base, s_base, table_ptr, e, 1, ALIGN)
+    kk = tl.arange(0, BK)
+    k_lo = tl.multiple_of(tl.program_id(2) * (K // SPLIT), BK)  # the launcher checks K % (SPLIT * BK) == 0
+    for p0 in range(start, end, RB):
+        p = p0 + tl.arange(0, RB)
+        pmask = p < end
+        f = tl.load(perm_ptr + p, mask=pmask, other=0).to(tl.int64)
+        tok = f // TOPK
+        acc1 = _acc0(BN, RB, W_LEFT)
+        acc3 = _acc0(BN, RB, W_LEFT)
+        for kr in range(0, K // SPLIT, BK):
+            k0 = tl.multiple_of(k_lo + kr, BK)
+            xt = tl.load(x_ptr + tok[None, :] * K + (k0 + kk)[:, None], mask=pmask[None, :], other=0.0)
+            acc1 = _wdot(acc1, fp4_tile_bf16(w1, s1, rn, k0 // 8, s_stride // 4, K // 8, BN, BK, ASM, LOWP), xt,
+                         W_LEFT, LOWP)
+            acc3 = _wdot(acc3, fp4_tile_bf16(w3, s3, rn, k0 // 8, s_stride // 4, K // 8, BN, BK, ASM, LOWP), xt,
+                         W_LEFT, LOWP)
+        g = _rows_first(acc1, W_LEFT)
+        u = _rows_first(acc3, W_LEFT)
+        if SPLIT == 1:
+            _act_store(g, u, p, pmask, wts_ptr, f, h_ptr, I, rn, limit, RB, BN)
+        else:
+            base = part_ptr + ((tl.program_id(2) * R + p.to(tl.int64)[:, None]) * 2) * I + rn[None, :]
+            tl.store(base, g, mask=pmask[:, None])
+            tl.store(base + I, u, mask=pmask[:, None])
+
+
+@triton.jit
+def _fold_act_kernel(part_ptr, perm_ptr, bounds_ptr, wts_ptr, h_ptr, R, I, E, limit, SPLIT: tl.constexpr,
+                     RB: tl.constexpr, BN: tl.constexpr):
+    """The split gate/up's epilogue: rows p of block program_id(0) (those below bounds[E], the
+    routed rows), columns of tile program_id(1): gate and up summed over the K slices in slice
+    order (deterministic), then `_act_store`."""
+    p = tl.program_id(0) * RB + tl.arange(0, RB)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    pmask = p < tl.load(bounds_ptr + E)
+    f = tl.load(perm_ptr + p, mask=pmask, other=0).to(tl.int64)
+    g = tl.zeros((RB, BN), dtype=tl.float32)
+    u = tl.zeros((RB, BN), dtype=tl.float32)
+    for sl in range(SPLIT):
+        base = part_ptr + ((sl * R + p.to(tl.int64)[:, None]) * 2) * I + rn[None, :]
+        g += tl.load(base, mask=pmask[:, None], other=0.0)
+        u += tl.load(base + I, mask=pmask[:, None], other=0.0)
+    _act_store(g, u, p, pmask, wts_ptr, f, h_ptr, I, rn, limit, RB, BN)
+
+
+@triton.jit
+def _fold_down_kernel(h_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, y_ptr, I, D, s_stride,
+                      ALIGN: tl.constexpr, ASM: tl.constexpr, LOWP: tl.constexpr, RB: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, W_LEFT: tl.constexpr):
+    """y[flat row, n] = h rows of expert program_id(0) times its w2, columns of tile program_id(1)."""
+    e = tl.program_id(0)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    start = tl.load(bounds_ptr + e)
+    end = tl.load(bounds_ptr + e + 1)
+    w2, s2 = _expert_ptrs(w_base, s_base, table_ptr, e, 2, ALIGN)
+    kk = tl.arange(0, BK)
+    for p0 in range(start, end, RB):
+        p = p0 + tl.arange(0, RB)
+        pmask = p < end
+        p64 = p.to(tl.int64)
+        acc = _acc0(BN, RB, W_LEFT)
+        for k0 in range(0, I, BK):
+            ht = tl.load(h_ptr + p64[None, :] * I + (k0 + kk)[:, None], mask=pmask[None, :], other=0.0)
+            acc = _wdot(acc, fp4_tile_bf16(w2, s2, rn, k0 // 8, s_stride // 4, I // 8, BN, BK, ASM, LOWP), ht,
+                        W_LEFT, LOWP)
+        f = tl.load(perm_ptr + p, mask=pmask, other=0).to(tl.int64)
+        tl.store(y_ptr + f[:, None] * D + rn[None, :], _rows_first(acc, W_LEFT), mask=pmask[:, None])
+
+
+@triton.jit
+def _x_qdq_kernel(x_ptr, out_ptr, D, CB: tl.constexpr):
+    """out[t] = x[t]'s FP8 quantise-dequantise values (per 32 columns; exact in bf16), columns in
+    the word order of the weight tiles (`word_order` is its own inverse)."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * CB + tl.arange(0, CB)
+    v = fp8_qdq_groups(tl.load(x_ptr + t * D + c).to(tl.float32)[None, :], 1, CB)
+    tl.store(out_ptr + t * D + word_order(c)[None, :], v)
+
+
+def _buffer(shape, dtype, device) -> torch.Tensor:
+    """Scratch allocation (one place, so tests can poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def fold_fits(inter: int, d: int, bn_up: int, bn_down: int, bk: int, split: int = 1) -> bool:
+    """Whether the tiles divide the expert widths (the kernels load whole tiles, unmasked) and
+    the gate/up K slices (d / split) are whole BK steps."""
+    return (inter % bn_up == 0 and d % bn_down == 0 and d % (bk * split) == 0 and inter % bk == 0
+            and bn_up % 32 == 0 and bk % 128 == 0)
+
+
+def fold_tiles(t: int, interp: bool = False) -> dict:
+    """The tiles for T tokens (TILES: the first row whose token bound T does not pass)."""
+    rows = TILES["interp" if interp else "cuda"]
+    return next((tiles for t_max, tiles in rows if t <= t_max), rows[-1][1])
+
+
+def fold_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_args: tuple, limit: float,
+             out: torch.Tensor, *, rb: int | None = None, bn_up: int | None = None, bn_down: int | None = None,
+             bk: int | None = None, split: int | None = None, w_left: bool | None = None,
+             num_warps: int | None = None,
+             num_stages: int | None = None) -> torch.Tensor:
+    """The folded FP4 decode path for x [T, d] (up to rb rows per expert in one tile, default
+    the next power of two >= T in 16..64; more rows loop; the gate/up K range in `split`
+    slices; tile defaults `fold_tiles`): sort, x's FP8 quantise-dequantise, gate/up (+ its
+    epilogue when split), down, combine into `out` [T, d] fp32."""
+    from .launch import interpreting
+    from .moe_experts import _combine_kernel
+    from .moe_grouped import sort_rows
+
+    w_base, s_base, table, kind, inter, d, (s_up, s_down), align = table_args
+    interp = interpreting()
+    t, topk = ids.shape
+    n_exp = table.shape[0]
+    tiles = fold_tiles(t, interp)
+    bn_up, bn_down, bk = bn_up or tiles["bn_up"], bn_down or tiles["bn_down"], bk or tiles["bk"]
+    split = split or tiles["split"]
+    w_left = tiles["w_left"] if w_left is None else w_left
+    if not fold_fits(inter, d, bn_up, bn_down, bk, split):
+        raise ValueError(f"moe_experts fold path: tiles (bn_up {bn_up}, bn_down {bn_down}, bk {bk}, split {split}) "
+                         f"must divide the widths ({inter}, {d}); bn_up a multiple of 32, bk of 128")
+    kw = {} if interp else {"num_warps": num_warps or tiles["num_warps"], "num_stages": num_stages or tiles["num_stages"]}
+    r = t * topk
+    rb = rb or max(16, min(64, triton.next_power_of_2(t)))  # rows of an expert: at most T
+    flat_ids = ids.contiguous().reshape(-1)
+    perm, bounds = sort_rows(flat_ids, n_exp)
+    act = torch.float32 if interp else torch.bfloat16  # exact either way; the interpreter has no bf16 dots
+    xq = _buffer((t, d), act, x.device)
+    cb = 256 if d % 256 == 0 else 32
+    _x_qdq_kernel[(t, d // cb)](x, xq, d, CB=cb)
+    h = _buffer((r, inter), act, x.device)
+    y = _buffer((r, d), torch.float32, x.device)
+    wts = weights.float().contiguous().reshape(-1)
+    part = _buffer((split, r, 2, inter), torch.float32, x.device) if split > 1 else y
+    _fold_up_kernel[(n_exp, inter // bn_up, split)](
+        xq, perm, bounds, wts, w_base, s_base, table, h, part, r, d, inter, s_up, float(limit), TOPK=topk,
+        ALIGN=align, ASM=not interp, LOWP=not interp, RB=rb, BN=bn_up, BK=bk, SPLIT=split, W_LEFT=w_left, **kw)
+    if split > 1:
+        rbf = min(16, triton.next_power_of_2(r))
+        _fold_act_kernel[(-(-r // rbf), inter // 32)](part, perm, bounds, wts, h, r, inter, n_exp, float(limit),
+                                                       SPLIT=split, RB=rbf, BN=32)
+    _fold_down_kernel[(n_exp, d // bn_down)](
+        h, perm, bounds, w_base, s_base, table, y, inter, d, s_down, ALIGN=align, ASM=not interp, LOWP=not interp,
+        RB=rb, BN=bn_down, BK=bk, W_LEFT=w_left, **kw)
+    cb = min(1024, triton.next_power_of_2(d))
+    _combine_kernel[(t, -(-d // cb))](y, flat_ids, out, d, TOPK=topk, BLOCK=cb)
+    return out

@@ -1,0 +1,159 @@
+"""The folded FP4 decode path (npu_ops/triton/moe_fold.py) against the reference.
+
+The int32-word conversion bit-exactly against the reference dequantisation for every E2M1 code
+and scale byte it takes; the whole path (`moe_experts(..., path="fold")`) against the fp64
+reference at decode sizes: repeated expert ids across tokens, skipped (-1) slots, experts with
+no rows, more rows per expert than one row tile; every scratch buffer poisoned (NaN) first.
+Interpreter variants at small widths, `gpu`-marked compiled variants at model-like widths.
+Bound as tests/test_triton_moe_grouped.py (exact products, fp32 sums, FP8 re-quantisation of the
+w2 input: 1e-4 in norm).
+"""
+
+import pytest
+import torch
+
+from _triton import DEVICES, cuda_only, triton  # noqa: F401  (sets TRITON_INTERPRET; skips without triton)
+
+from test_triton_block_linear import weight  # noqa: E402  (the random weights in storage formats)
+from test_triton_moe_grouped import check as grouped_check  # noqa: E402  (inputs, reference, bound)
+from test_triton_moe_grouped import every_code_weight  # noqa: E402
+
+from dsv41.backends.reference.basic import dequant_weight  # noqa: E402
+from dsv41.backends.reference import quant  # noqa: E402
+from dsv41.npu_ops.triton import moe_experts as me  # noqa: E402
+from dsv41.npu_ops.triton import moe_fold as mf  # noqa: E402
+from dsv41.npu_ops.triton.launch import interpreting  # noqa: E402
+
+tl = triton.language
+pytestmark = cuda_only
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every buffer the fold path allocates starts as NaN."""
+    def poison(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(mf, "_buffer", poison)
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, out_ptr, K, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr,
+                    LOWP: tl.constexpr):
+    """out [BN, K] fp32 = the folded tile values, written back in natural K order."""
+    rn = tl.arange(0, BN)
+    kcol = mf.word_order(tl.arange(0, BK))
+    for k0 in range(0, K, BK):
+        w = mf.fp4_tile_bf16(w_ptr, s_ptr, rn, k0 // 8, K // 128, K // 8, BN, BK, ASM, LOWP)
+        tl.store(out_ptr + rn[:, None] * K + k0 + kcol[None, :], w.to(tl.float32))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_fold_dequant_bit_exact(dev):
+    """Every E2M1 code at every scale byte 1..128 (the bytes the path takes): bit-equal to the
+    reference dequantisation where the result is normal (>= 2^-126); the one smaller result
+    (0.5 at byte 1, 2^-127) is exact or flushed to zero."""
+    w, s = every_code_weight(mf.MAX_SCALE_BYTE, 8)
+    n, k = w.shape[0], w.shape[1] * 2
+    want = dequant_weight(w, s).double()
+    out = torch.full((n, k), float("nan"), dtype=torch.float32, device=dev)
+    wd = w.view(torch.uint8).to(dev).view(torch.int32)
+    _dequant_kernel[(1,)](wd, s.view(torch.uint8).to(dev).view(torch.int32), out, k, BN=n, BK=128,
+                          ASM=not interpreting(), LOWP=not interpreting())
+    got = out.cpu().double()
+    normal = (want.abs() >= 2.0 ** -126) | (want == 0)
+    assert (~normal).sum() == 4  # 0.5 and -0.5, twice each, at byte 1
+    assert torch.equal(got[normal], want[normal])
+    assert ((got[~normal] == want[~normal]) | (got[~normal] == 0)).all()
+
+
+def check(dev, t, n_exp, topk, d, inter, rng, used=None, **tiles):
+    """moe_experts through the fold path (unless `path` says otherwise) against the reference:
+    test_triton_moe_grouped.check with FP4 experts."""
+    grouped_check(dev, "fp4", t, n_exp, topk, d, inter, rng, used, **dict({"path": "fold"}, **tiles))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("t", [1, 3, 20])
+def test_fold_decode_batches(dev, t, rng, poisoned):
+    """T = 1 / 3 (rows below one MMA's 16) and 20 with 8 experts, top-4: up to 20 rows per
+    expert, more than one 16-row tile at the interpreter's tiles."""
+    check(dev, t, 8, 4, 256, 128, rng, used=7, bm=16)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("split", [2, 4])
+def test_fold_split_k(dev, split, rng, poisoned):
+    """The gate/up K range in slices (partial sums, then the epilogue kernel)."""
+    check(dev, 5, 8, 4, 512, 128, rng, used=7, split=split)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("t", [1, 20])
+def test_fold_weight_right(dev, t, rng, poisoned):
+    """The other dot orientation (x^T @ w^T, accumulator [rows, columns])."""
+    check(dev, t, 8, 4, 256, 128, rng, used=7, bm=16, w_left=False)
+
+
+def test_fold_refuses_large_scales(rng):
+    """Scale bytes above MAX_SCALE_BYTE (weights beyond +-12) are refused with a clear error."""
+    w, s = quant.fp4_weight_quant(torch.full((32, 64), 100.0))
+    assert int(s.view(torch.uint8).max()) > mf.MAX_SCALE_BYTE
+    ex = [((w, s), (torch.zeros(64, 16, dtype=torch.int8), s[:, :1].clone().contiguous()), (w, s))]
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="fold path"):
+        me.moe_experts(x, torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long), ex, 10.0, path="fold")
+
+
+def test_fold_pays(rng, monkeypatch):
+    """The default takes the fold path exactly for foldable FP4 experts at 1..FOLD_MAX_T tokens
+    on CUDA (the interpreters keep the old default)."""
+    from dsv41.npu_ops.triton import launch
+
+    ex = [(weight("fp4", 128, 256, rng), weight("fp4", 256, 128, rng), weight("fp4", 128, 256, rng)) for _ in range(2)]
+    me._expert_table(ex, torch.device("cpu"))
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    assert me.fold_pays(cuda, 1, ex, 128, 256) and me.fold_pays(cuda, me.FOLD_MAX_T, ex, 128, 256)
+    assert not me.fold_pays(cuda, me.FOLD_MAX_T + 1, ex, 128, 256)
+    assert not me.fold_pays(torch.device("cpu"), 1, ex, 128, 256)
+    assert not me.fold_pays(cuda, 1, ex, 96, 256)  # a width the tiles do not divide
+    big = [(quant.fp4_weight_quant(torch.full((128, 256), 100.0)),) + e[1:] for e in ex]
+    me._expert_table(big, torch.device("cpu"))
+    assert not me.fold_pays(cuda, 1, big, 128, 256)
+    monkeypatch.setattr(launch, "interpreting", lambda: True)
+    assert not me.fold_pays(cuda, 1, ex, 128, 256)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_default_dispatch_reaches_fold(dev, rng, poisoned, monkeypatch):
+    """With `fold_pays` true, the default call runs the fold path (and gets the reference's
+    result): the dispatch passes the right arguments."""
+    calls = []
+    real = mf.fold_moe
+    monkeypatch.setattr(me, "fold_pays", lambda *a: True)
+    monkeypatch.setattr(mf, "fold_moe", lambda *a, **k: calls.append(1) or real(*a, **k))
+    check(dev, 3, 8, 4, 256, 128, rng, path=None)
+    assert calls == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("t", [1, 2, 4, 8, 16, 33, 64])
+def test_fold_model_shapes_gpu(dev, t, rng, poisoned):
+    check(dev, t, 16, 6, 1024, 512, rng, used=14)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("t", [1, 4, 16])
+@pytest.mark.parametrize("split", [2, 4])
+def test_fold_split_k_gpu(dev, t, split, rng, poisoned):
+    check(dev, t, 16, 6, 1024, 512, rng, used=14, split=split)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("t", [1, 8, 64])
+def test_fold_weight_right_gpu(dev, t, rng, poisoned):
+    check(dev, t, 16, 6, 1024, 512, rng, used=14, w_left=False)
