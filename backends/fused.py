@@ -43,14 +43,14 @@ def rope_store_key(key: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos
     write_rows((key_codes, key_scale), slots, (codes, scales))
 
 
-@register_composite("indexer_queries")
+@register_composite("indexer_queries", kernel_by_default=False)  # not yet run on a GPU
 def indexer_queries(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: torch.Tensor,
                     w_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The indexer's RoPE'd, MXFP4 quantise-dequantised queries, and its scaled head weights."""
     return ops.mxfp4_act_quant(ops.rope(q, cos, sin)), w * w_scale
 
 
-@register_composite("mhc_mix_norm")
+@register_composite("mhc_mix_norm", kernel_by_default=False)  # not yet run on a GPU
 def mhc_mix_norm(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
                  fn: torch.Tensor | None, scale: torch.Tensor | None, base: torch.Tensor | None, norm_eps: float,
                  hc_eps: float, iters: int, norm_weight: torch.Tensor, eps: float) -> tuple:
@@ -59,7 +59,7 @@ def mhc_mix_norm(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: tor
     return x_new, x_hat, coef, ops.rms_norm(x_hat, norm_weight, eps)
 
 
-@register_composite("mhc_enter_norm")
+@register_composite("mhc_enter_norm", kernel_by_default=False)  # not yet run on a GPU
 def mhc_enter_norm(x: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                    norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor, eps: float) -> tuple:
     """A block's mHC entry: its coefficients, its input collapsed with `pre`, and that normed."""

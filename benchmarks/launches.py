@@ -50,6 +50,9 @@ BOUNDS = {"attn.full": 26, "attn.reindex": 15, "attn.reuse": 9, "attn.swa": 9.5,
 # 'other' with the mHC coefficient epilogue inside the main mHC kernels (DSV41_MHC_COEF=fused-narrow, off
 # until measured on a device: one launch per mHC step instead of two)
 BOUNDS_FUSED_COEF = {"other": 34, "total": 336}
+# with the kernels on by default (DSV41_FUSED unset: not indexer_queries, mhc_mix_norm,
+# mhc_enter_norm, unrope_grouped_linear), 2026-12-01: full 29, reindex 18, reuse 10, swa 10.5,
+# engram 5, moe 10, other 85; 409 in all.
 # with the compositions instead of the fused kernels (DSV41_FUSED=none), 2026-12-01: full 71.67, reindex 33, reuse 15, swa 30, engram 5, moe 10,
 # other 123; 669 in all (741 before: moe 15, other 129, swa 31, full 73)
 # before (2026-12-01, main be12266, fused kernels): full 29.33, reindex 17, reuse 9, swa 10.5, engram
