@@ -21,6 +21,8 @@ Where the default path depends on the row count M (T tokens), and what this modu
 - `grouped_linear` (cuda.py, torch.bmm / cuBLAS): here one invariant `linear` per group.
 - `unrope_grouped_linear` (fused GEMV up to 8 tokens, the composition above): here the
   composition (rope inverse, then the invariant grouped_linear) at every T.
+- `mhc_mix_norm`, `mhc_enter_norm` (the norm inside the mHC kernels' coefficient epilogue, whose
+  d split depends on T): here the compositions over the invariant `mhc_mix` / `mhc_mixes`.
 - `moe_experts` (moe_experts.py): GEMV at T <= 4 (FP4) / 1 (FP8), the tiled kernels with
   decode or prefill tiles (BM by rows per expert), the bf16-scratch grouped path for prefill FP4.
   Here: the tiled kernels with fixed tiles (row-tile slots only spread work; a row's K loop is
@@ -73,6 +75,7 @@ ROW_LOCAL_OPS = frozenset({
     "fp8_quant", "fp8_dequant", "fp4_quant", "fp4_dequant", "mxfp4_quant", "mxfp4_dequant", "mxfp4_act_quant",
     "rms_norm", "rope", "rope_tables", "swiglu_clamped", "rope_store_kv", "rope_store_key", "compress_kv",
     "mhc_collapse", "engram_gate", "engram_lookup", "engram_hash", "table_rows", "window_rows", "compress_rows",
+    "indexer_queries",
 })
 
 
@@ -109,10 +112,12 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
 
 
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
-              gate_temp: float = 1.0, norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ops.moe_route`, batch-invariant: fixed token / expert / K tiles and one K slice."""
+              gate_temp: float = 1.0, norm_topk_prob: bool = True, image_bias: torch.Tensor | None = None,
+              is_image: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.moe_route`, batch-invariant: fixed token / expert / K tiles and one K slice (the
+    image bias is chosen per row: row-local)."""
     return route_mod.moe_route(x, gate_weight, bias, topk, route_scale, gate_temp, norm_topk_prob,
-                               _cfg=ROUTE_TILES[_key(x.device)])
+                               image_bias=image_bias, is_image=is_image, _cfg=ROUTE_TILES[_key(x.device)])
 
 
 def _mhc_d_split(x: torch.Tensor) -> int:
@@ -183,7 +188,7 @@ def mhc_update(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch
 OPS = {"linear": linear, "grouped_linear": grouped_linear, "unrope_grouped_linear": fused.unrope_grouped_linear,
        "moe_experts": moe_experts, "moe_route": moe_route, "mhc_mix": mhc_mix, "mhc_mixes": mhc_mixes,
        "sparse_attention": sparse_attention, "indexer_topk": indexer_topk, "sinkhorn": sinkhorn,
-       "mhc_update": mhc_update}
+       "mhc_update": mhc_update, "mhc_mix_norm": fused.mhc_mix_norm, "mhc_enter_norm": fused.mhc_enter_norm}
 
 
 def register(backend: str = "cuda") -> None:
