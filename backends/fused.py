@@ -43,14 +43,14 @@ def rope_store_key(key: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos
     write_rows((key_codes, key_scale), slots, (codes, scales))
 
 
-@register_composite("indexer_queries", kernel_by_default=False)  # not yet run on a GPU
+@register_composite("indexer_queries")  # H200: 2.0 vs 6.7 us at one row, 2.4 vs 7.1 at eight
 def indexer_queries(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: torch.Tensor,
                     w_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The indexer's RoPE'd, MXFP4 quantise-dequantised queries, and its scaled head weights."""
     return ops.mxfp4_act_quant(ops.rope(q, cos, sin)), w * w_scale
 
 
-@register_composite("mhc_mix_norm", kernel_by_default=False)  # not yet run on a GPU
+@register_composite("mhc_mix_norm", kernel_by_default=False)  # H200: 15.1 vs 15.0 us at one row, 32.9 vs 24.3 at eight
 def mhc_mix_norm(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
                  fn: torch.Tensor | None, scale: torch.Tensor | None, base: torch.Tensor | None, norm_eps: float,
                  hc_eps: float, iters: int, norm_weight: torch.Tensor, eps: float) -> tuple:
@@ -59,7 +59,7 @@ def mhc_mix_norm(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: tor
     return x_new, x_hat, coef, ops.rms_norm(x_hat, norm_weight, eps)
 
 
-@register_composite("mhc_enter_norm", kernel_by_default=False)  # not yet run on a GPU
+@register_composite("mhc_enter_norm", kernel_by_default=False)  # H200: 12.7 vs 12.9 us at one row, 38.8 vs 22.3 at eight
 def mhc_enter_norm(x: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                    norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor, eps: float) -> tuple:
     """A block's mHC entry: its coefficients, its input collapsed with `pre`, and that normed."""
