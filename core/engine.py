@@ -487,6 +487,9 @@ class Engine:
             seq.counters += ctx.counts()
             if features and ctx.features:
                 feats.append(target_features_of(ctx, self.cfg))
+            # the step's context holds its candidate pool and top-k ids ([chunk, 16K] int64: 1 GB
+            # at an 8192-token chunk of the mini preset): dropped before the next chunk runs
+            del ctx
             if last:
                 logits = lg[0]
         if self.prefix is not None and seq.image_rows is None:
