@@ -11,7 +11,7 @@ on)."""
 
 import pytest
 import torch
-from _triton import DEVICES, triton  # noqa: F401  (sets TRITON_INTERPRET; skips without triton)
+from _triton import DEVICES, cuda_only, triton  # noqa: F401  (sets TRITON_INTERPRET; skips without triton)
 from test_triton_block_linear import experts_in, weight
 from test_triton_indexer_topk import paged
 from test_triton_indexer_topk import random_inputs as indexer_inputs
@@ -27,6 +27,8 @@ from dsv41.npu_ops.triton import batch_invariant as bi
 from dsv41.npu_ops.triton.launch import interpreting
 
 interp_only = pytest.mark.skipif(not interpreting(), reason="interpreter variant (TRITON_INTERPRET=1)")
+# the mode registers CUDA implementations only (CUDA-only kernel modules among them)
+pytestmark = cuda_only
 
 
 @pytest.fixture
