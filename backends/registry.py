@@ -66,31 +66,28 @@ class MissingImplementation(RuntimeError):
     """A backend lacks an op under DSV41_STRICT=1 (no silent fallback to the reference)."""
 
 
-def register(name: str, backend: str = "reference") -> Callable[[Callable], Callable]:
-    """Decorator: `fn` implements op `name` on `backend`."""
+def _registrar(name: str, backend: str, table: str) -> Callable[[Callable], Callable]:
+    """A decorator putting `fn` into op `name`'s `table` ("impls" / "invariant") for `backend`."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
 
     def deco(fn: Callable) -> Callable:
-        _OPS.setdefault(name, Op(name)).impls[backend] = fn
+        getattr(_OPS.setdefault(name, Op(name)), table)[backend] = fn
         _RESOLVED.clear()
         return fn
 
     return deco
+
+
+def register(name: str, backend: str = "reference") -> Callable[[Callable], Callable]:
+    """Decorator: `fn` implements op `name` on `backend`."""
+    return _registrar(name, backend, "impls")
 
 
 def register_invariant(name: str, backend: str) -> Callable[[Callable], Callable]:
     """Decorator: `fn` is op `name`'s batch-invariant implementation on `backend`, used instead
     of its kernel under DSV41_BATCH_INVARIANT=1."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-
-    def deco(fn: Callable) -> Callable:
-        _OPS.setdefault(name, Op(name)).invariant[backend] = fn
-        _RESOLVED.clear()
-        return fn
-
-    return deco
+    return _registrar(name, backend, "invariant")
 
 
 def batch_invariant() -> bool:

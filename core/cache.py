@@ -240,6 +240,9 @@ class BlockTable(list):
         self._buf = torch.tensor(list(self), dtype=torch.long) if len(self) else torch.zeros(16, dtype=torch.long)
         self._valid = True
 
+    def __reduce__(self):  # copies and pickles get their own tensor copy, never this one's
+        return BlockTable, (list(self),)
+
     def tensor(self) -> torch.Tensor:
         """The blocks as a 1-D int64 CPU tensor (a view: copy it before keeping it)."""
         n = len(self)

@@ -216,6 +216,12 @@ def test_block_table_tensor_follows_every_change(rng):
         assert tb.tensor().tolist() == list(tb)
         tb.append(11)
         assert tb.tensor().tolist() == list(tb)
+    import copy
+
+    for dup in (copy.copy(tb), copy.deepcopy(tb)):  # a copy's changes never reach the original's tensor
+        dup.append(99)
+        dup[0] = 98
+        assert dup.tensor().tolist() == list(dup) and tb.tensor().tolist() == list(tb) != list(dup)
     st = SequenceState()
     st.swa_blocks, st.glob_blocks = [3, 4], [5]
     assert isinstance(st.swa_blocks, BlockTable) and isinstance(st.glob_blocks, BlockTable)
