@@ -260,3 +260,55 @@ def test_default_path_prefill_gpu(dev, rng, poisoned, monkeypatch):
         assert bool(calls) == scratch, f"T={t}: scratch used {bool(calls)}, expected {scratch}"
         err = rel_err(got, want)
         assert err < 1e-4, f"default moe path T={t}: rel err {err:.2e}"
+
+
+def _slicing_case(dev, rng, t, n_exp, topk, d, inter):
+    """Random FP4 experts and routing for the slicing tests (device copies)."""
+    x = (torch.randn(t, d, generator=rng) * 2).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(n_exp, generator=rng)[:topk] for _ in range(t)])
+    ids[::4, 0] = -1
+    w = torch.rand(t, topk, generator=rng) + 0.1
+    ex = [(weight("fp4", inter, d, rng), weight("fp4", d, inter, rng), weight("fp4", inter, d, rng))
+          for _ in range(n_exp)]
+    dex = [tuple((a.to(dev), b.to(dev)) for a, b in e) for e in ex]
+    return x, w, ids, ex, dex
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("predequant", [False, True])
+def test_grouped_slices_and_expert_groups_same_bits(dev, predequant, rng, poisoned):
+    """Token passes over reused buffers and expert groups of the scratch give the same bits as one
+    pass over every expert (the tiles are the whole call's), and equal the reference."""
+    x, w, ids, ex, dex = _slicing_case(dev, rng, 23, 5, 2, 64, 64)
+    args = (x.to(dev), w.to(dev), ids.to(dev), dex, 10.0, torch.float64)
+    whole = me.moe_experts(*args, path="grouped", predequant=predequant, slice_tokens=1 << 20, expert_group=5)
+    want = moe.moe_experts(x, w, ids, ex, 10.0, torch.float64)
+    assert rel_err(whole, want) < 1e-4
+    for s_tok, group in ((7, 2), (1, 1), (23, 3), (10, 5)):
+        got = me.moe_experts(*args, path="grouped", predequant=predequant, slice_tokens=s_tok, expert_group=group)
+        assert torch.equal(got, whole), f"slice_tokens={s_tok}, expert_group={group} changed the result"
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_grouped_slices_bound_buffers(dev, rng, monkeypatch):
+    """With passes of S tokens and scratch groups of G experts, no buffer of the call grows with
+    the token count beyond S tokens' rows (h, y) and the scratch holds G experts."""
+    sizes = []
+    real = mg._buffer
+
+    def record(shape, dtype, device):
+        sizes.append((tuple(shape), dtype))
+        return real(shape, dtype, device)
+
+    monkeypatch.setattr(mg, "_buffer", record)
+    t, n_exp, topk, d, inter = 40, 5, 2, 64, 64
+    x, w, ids, _, dex = _slicing_case(dev, rng, t, n_exp, topk, d, inter)
+    me.moe_experts(x.to(dev), w.to(dev), ids.to(dev), dex, 10.0, torch.float64, path="grouped", predequant=True,
+                   slice_tokens=8, expert_group=2)
+    bm = mg.TILES["interp"]["bm"] if dev == "cpu" else mg.tiles_for(t, topk, False)["bm"]
+    floats = [s for s, dt in sizes if dt.is_floating_point]
+    assert (2, 3, inter * d) in floats, floats  # the scratch: two experts
+    assert (8 * topk, d) in floats  # y: one pass of 8 tokens
+    rows_max = (-(-8 * topk // bm) + min(n_exp, 8 * topk)) * bm
+    assert (rows_max, inter) in floats  # h: one pass's padded blocks
+    assert all(s[0] <= max(rows_max, 8 * topk, 2) for s in floats), floats

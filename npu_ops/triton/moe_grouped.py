@@ -291,15 +291,15 @@ def _expert_ptrs(w_base, s_base, table_ptr, e, which: tl.constexpr, ALIGN: tl.co
     return w, s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["e_lo", "e_hi"])
 def _gate_up_kernel(a_ptr, rows_ptr, bexp_ptr, bcnt_ptr, wts_ptr, w_base, s_base, table_ptr, h_ptr,
-                    K, I, w_stride, s_stride, limit, n_blocks, GROUP_M,
+                    K, I, w_stride, s_stride, limit, n_blocks, GROUP_M, e_lo, e_hi,
                     TOPK: tl.constexpr, W_KIND: tl.constexpr, LOWP: tl.constexpr, ALIGN: tl.constexpr,
                     SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P_OUT: tl.constexpr,
                     QUANT_H: tl.constexpr, EVEN: tl.constexpr):
     blk, pn = _tile_of(tl.program_id(0), n_blocks, tl.cdiv(I, BN), GROUP_M)
     e = tl.load(bexp_ptr + blk)
-    if e >= 0:
+    if (e >= e_lo) & (e < e_hi):  # (unused blocks hold -1; e_lo >= 0)
         r = tl.arange(0, BM)
         rmask = r < tl.load(bcnt_ptr + blk)
         f = tl.load(rows_ptr + blk * BM + r, mask=rmask, other=0)
@@ -333,13 +333,13 @@ def _gate_up_kernel(a_ptr, rows_ptr, bexp_ptr, bcnt_ptr, wts_ptr, w_base, s_base
         tl.store(h_ptr + p[:, None] * I + cols[None, :], bf16_bits16(h), mask=rmask[:, None] & nmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["e_lo", "e_hi"])
 def _down_kernel(h_ptr, rows_ptr, bexp_ptr, bcnt_ptr, w_base, s_base, table_ptr, y_ptr, I, D, w_stride, s_stride,
-                 n_blocks, GROUP_M, W_KIND: tl.constexpr, LOWP: tl.constexpr, ALIGN: tl.constexpr,
+                 n_blocks, GROUP_M, e_lo, e_hi, W_KIND: tl.constexpr, LOWP: tl.constexpr, ALIGN: tl.constexpr,
                  SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr):
     blk, pn = _tile_of(tl.program_id(0), n_blocks, tl.cdiv(D, BN), GROUP_M)
     e = tl.load(bexp_ptr + blk)
-    if e >= 0:
+    if (e >= e_lo) & (e < e_hi):
         r = tl.arange(0, BM)
         rmask = r < tl.load(bcnt_ptr + blk)
         arow = (blk * BM + r).to(tl.int64) * I
@@ -360,22 +360,30 @@ def _down_kernel(h_ptr, rows_ptr, bexp_ptr, bcnt_ptr, w_base, s_base, table_ptr,
             tl.store(y_ptr + f[:, None] * D + rn[None, :], acc, mask=rmask[:, None] & nmask[None, :])
 
 
-# ---- prefill: the experts dequantised once per call -----------------------------------------------
+# ---- prefill: the experts dequantised once per pass ------------------------------------------------
 # With hundreds of rows per expert, dequantising inside the GEMM loop (once per row block) costs
-# more than the dots. Instead every FP4 expert is written out as bf16 once per call (scales
-# folded: exact, as above) into one scratch [E, 3, ., .] (w1 [I, d], w3 [I, d], w2 [d, I]), and
-# the same GEMM kernels run on it as bf16 experts (the loads feed the dots directly), keeping the
-# FP8 quantisation of x and of the w2 input.
+# more than the dots. Instead the FP4 experts are written out as bf16 (scales folded: exact, as
+# above) into a scratch [G, 3, ., .] (w1 [I, d], w3 [I, d], w2 [d, I]) a group of G experts at a
+# time, and the same GEMM kernels run on it as bf16 experts over the blocks of that group's
+# experts (the loads feed the dots directly), keeping the FP8 quantisation of x and of the w2
+# input. Groups bound the scratch (all 16 mini experts at once: 1.13 GB; a group of 2: 0.14 GB);
+# every block is still computed by the same kernel and tiles, so the grouping changes no bit.
 PREDEQUANT_MIN_ROWS = 256  # routed rows per expert (on average) from which it pays (estimate)
-PREDEQUANT_MAX_BYTES = 4 << 30  # the bf16 scratch may take at most this much
+PREDEQUANT_MAX_BYTES = 4 << 30  # the bf16 scratch of every expert may take at most this much
+PREDEQUANT_GROUP = 2  # experts per scratch fill (the scratch's size; no effect on the numerics)
+# Tokens per pass of a long call over the reused buffers (x quantised, h, the fp32 [rows x top-k,
+# d] expert outputs: 1 GB at 8192 mini tokens whole, 0.25 GB a 2048-token pass). Each pass fills
+# the scratch again (about 0.35 ms for the 16 mini experts on the H200), so passes stay long.
+PREFILL_SLICE_TOKENS = 2048
 _SCRATCH_TABLES: dict[tuple, torch.Tensor] = {}
 
 
 @triton.jit
-def _fp4_to_bf16_kernel(w_base, s_base, table_ptr, out_ptr, I, D, BT: tl.constexpr, LOWP: tl.constexpr):
-    """Program (expert e, matrix m, tile): a [BT, BT] tile of matrix m (0: w1, 1: w3, 2: w2) of
-    expert e dequantised to bf16 into out [E, 3, I * D]."""
-    e = tl.program_id(0)
+def _fp4_to_bf16_kernel(w_base, s_base, table_ptr, out_ptr, I, D, e_lo, BT: tl.constexpr, LOWP: tl.constexpr):
+    """Program (expert e_lo + i, matrix m, tile): a [BT, BT] tile of matrix m (0: w1, 1: w3, 2: w2)
+    of that expert dequantised to bf16 into out [G, 3, I * D] at slot i."""
+    i = tl.program_id(0)
+    e = e_lo + i
     m = tl.program_id(1)
     n_rows = tl.where(m == 2, D, I)
     k = tl.where(m == 2, I, D)
@@ -387,7 +395,7 @@ def _fp4_to_bf16_kernel(w_base, s_base, table_ptr, out_ptr, I, D, BT: tl.constex
     rn = pn * BT + tl.arange(0, BT)
     lo, hi = fp4_tiles(w, sc, rn, rn < n_rows, pk * BT, k, k // 2, k // 32, BT, BT, LOWP)
     kk = pk * BT + tl.arange(0, BT)
-    dst = out_ptr + (e * 3 + m).to(tl.int64) * I * D + rn.to(tl.int64)[:, None] * k + kk[None, :]
+    dst = out_ptr + (i * 3 + m).to(tl.int64) * I * D + rn.to(tl.int64)[:, None] * k + kk[None, :]
     tl.store(dst, tl.interleave(lo, hi), mask=(rn < n_rows)[:, None])
 
 
@@ -400,18 +408,24 @@ def predequant_pays(kind: str, rows: int, n_exp: int, inter: int, d: int) -> boo
             and n_exp * 3 * inter * d * 2 <= PREDEQUANT_MAX_BYTES)
 
 
-def predequantised(table_args, interp: bool):
-    """(bf16 scratch [E, 3, I * D], its table args as bf16 experts) for FP4 experts."""
+def predequantised(table_args, interp: bool, experts: tuple[int, int] | None = None, out=None):
+    """(bf16 scratch [G, 3, I * D], its table args as bf16 experts) for FP4 experts e_lo .. e_hi - 1
+    (`experts`; default all), written at scratch slots 0 .. G - 1 (`out`: a scratch of at least G
+    slots to reuse). Table entries of experts outside the range point at slot 0: the GEMMs skip
+    their blocks (`e_lo` / `e_hi`)."""
     w_base, s_base, table, kind, inter, d, _, align = table_args
     n_exp = table.shape[0]
+    e_lo, e_hi = experts or (0, n_exp)
     bt = 64 if inter % 64 == 0 and d % 64 == 0 else 32
-    out = _buffer((n_exp, 3, inter * d), torch.bfloat16, w_base.device)
-    _fp4_to_bf16_kernel[(n_exp, 3, (inter // bt) * (d // bt))](w_base, s_base, table, out, inter, d, BT=bt,
-                                                                 LOWP=not interp)
-    key = (n_exp, inter, d, w_base.device)
+    if out is None:
+        out = _buffer((e_hi - e_lo, 3, inter * d), torch.bfloat16, w_base.device)
+    _fp4_to_bf16_kernel[(e_hi - e_lo, 3, (inter // bt) * (d // bt))](w_base, s_base, table, out, inter, d, e_lo,
+                                                                        BT=bt, LOWP=not interp)
+    key = (n_exp, inter, d, e_lo, e_hi, w_base.device)
     tab = _SCRATCH_TABLES.get(key)
     if tab is None:
-        e = torch.arange(n_exp, dtype=torch.int64) * 3 * inter * d
+        slot = torch.arange(n_exp, dtype=torch.int64) - e_lo
+        e = torch.where((slot >= 0) & (slot < e_hi - e_lo), slot, 0) * 3 * inter * d
         tab = torch.stack([e, e + inter * d, e + 2 * inter * d] + [torch.zeros_like(e)] * 3, dim=1)
         tab = _SCRATCH_TABLES[key] = tab.to(w_base.device)
     return out, (out, out, tab, W_DENSE, inter, d, (0, 0), 16)
@@ -435,62 +449,94 @@ def _fit_bk(bk: int, width: int) -> int:
 
 def grouped_moe(x, weights, ids, table_args, limit, out, *, bm=None, bn_up=None, bn_down=None, bk=None,
                 bk_down=None, group_m=None, swap=None, num_warps=None, num_stages=None, chunk=None,
-                predequant=None):
+                predequant=None, slice_tokens=None, expert_group=None):
     """The grouped path of `moe_experts` (module docstring): out [T, d] fp32 <- x [T, d].
     `predequant`: FP4 experts dequantised to a bf16 scratch first (default: from
-    PREDEQUANT_MIN_ROWS rows per expert on devices, within PREDEQUANT_MAX_BYTES)."""
+    PREDEQUANT_MIN_ROWS rows per expert on devices, within PREDEQUANT_MAX_BYTES), `expert_group`
+    experts at a time (default PREDEQUANT_GROUP). Tokens go through in passes of at most
+    `slice_tokens` (default PREFILL_SLICE_TOKENS) over one set of reused buffers; the tiles are
+    those of the whole call, so the result is the same bits for any slicing and grouping."""
     from .fp8_quant import fp8_qdq_bf16
     from .launch import interpreting
-    from .moe_experts import _combine_kernel
 
     w_base, s_base, table, kind, inter, d, (s_up, s_down), align = table_args
     n_exp = table.shape[0]
     interp = interpreting()
     t, topk = ids.shape
-    r = t * topk
-    quant = kind != W_DENSE  # x and the w2 input FP8-quantised (the weights' activation format)
     if predequant is None:
-        predequant = not interp and predequant_pays(kind, r, n_exp, inter, d)
-    scratch = None
-    if predequant and kind == W_FP4:
-        scratch, table_args = predequantised(table_args, interp)
-        w_base, s_base, table, kind, inter, d, (s_up, s_down), align = table_args
-    cfg = tiles_for(t, topk, interp)
+        predequant = not interp and predequant_pays(kind, t * topk, n_exp, inter, d)
+    predequant = predequant and kind == W_FP4
+    cfg = tiles_for(t, topk, interp)  # one tile table for every pass (numerics independent of slicing)
     bm = bm or cfg["bm"]
     bn_up, bn_down = bn_up or cfg["bn_up"], bn_down or cfg["bn_down"]
     if bn_up % 32 or inter % 32 or d % 32 or bm < 16 or bn_down < 16 or (bk or 32) % 32 or (bk_down or 32) % 32:
         raise ValueError("moe_experts grouped path: widths, BN (gate/up) and BK must be multiples of 32, "
                          "BM and BN (down) at least 16")
-    bk_up = _fit_bk(bk or cfg["bk"], d)
-    bk_down = _fit_bk(bk_down or bk or cfg["bk"], inter)
-    swap = cfg.get("swap", False) if swap is None else swap
-    kw = {} if interp else {"num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages or cfg["num_stages"]}
-    flat_ids = ids.contiguous().reshape(-1)
+    s_tok = slice_tokens or PREFILL_SLICE_TOKENS
+    g_exp = (expert_group or PREDEQUANT_GROUP) if predequant else n_exp
+    if s_tok < 1 or g_exp < 1:
+        raise ValueError(f"slice_tokens ({s_tok}) and expert_group ({g_exp}) must be >= 1")
+    g_exp = min(g_exp, n_exp)
+    plan = dict(bm=bm, bn_up=bn_up, bn_down=bn_down, bk_up=_fit_bk(bk or cfg["bk"], d),
+                bk_down=_fit_bk(bk_down or bk or cfg["bk"], inter),
+                swap=cfg.get("swap", False) if swap is None else swap, group_m=group_m or cfg.get("group_m"),
+                kw={} if interp else {"num_warps": num_warps or cfg["num_warps"],
+                                      "num_stages": num_stages or cfg["num_stages"]})
+    # the activation formats come from the experts' own kind: the scratch is bf16, but x and the
+    # w2 input stay FP8-quantised as for the FP4 weights it holds
+    quant = kind != W_DENSE
+    s_len = min(t, s_tok)
+    r_max = s_len * topk
+    nb_max = -(-r_max // bm) + min(n_exp, r_max)
+    bufs = dict(h=_buffer((nb_max * bm, inter), torch.bfloat16, x.device),
+                y=_buffer((r_max, d), torch.float32, x.device),
+                scratch=_buffer((g_exp, 3, inter * d), torch.bfloat16, x.device) if predequant else None)
+    wts = weights.float().contiguous()
+    for t0 in range(0, t, s_tok):
+        t1 = min(t, t0 + s_tok)
+        a = x[t0:t1].to(torch.bfloat16).contiguous() if not quant else fp8_qdq_bf16(x[t0:t1])
+        if kind == W_FP4 and not predequant:
+            a = perm_cols_torch(a, plan["bk_up"])
+        _grouped_pass(a, wts[t0:t1].reshape(-1), ids[t0:t1].contiguous(), table_args, limit, out[t0:t1], plan,
+                      quant, predequant, g_exp, chunk, interp, bufs)
+    return out
+
+
+def _grouped_pass(a, wts, ids, table_args, limit, out, plan, quant, predequant, g_exp, chunk, interp, bufs):
+    """One pass of `grouped_moe` over a slice of tokens: align its rows, then per expert group
+    (the bf16 scratch refilled with the group first when predequantised) the gate/up and down
+    GEMMs over that group's blocks, then the ordered combine into `out` (the slice's rows)."""
+    from .moe_experts import _combine_kernel
+
+    w_base, s_base, table, kind, inter, d, (s_up, s_down), align = table_args
+    n_exp = table.shape[0]
+    t, topk = ids.shape
+    r = t * topk
+    bm = plan["bm"]
+    flat_ids = ids.reshape(-1)
     rows, bexp, bcnt = align_rows(flat_ids, n_exp, bm, chunk)
     n_blocks = bexp.numel()
-    gm = group_m or cfg.get("group_m") or n_blocks
-    if not quant:
-        a = x.to(torch.bfloat16).contiguous()
-    else:
-        a = fp8_qdq_bf16(x)
-        if kind == W_FP4:
-            a = perm_cols_torch(a, bk_up)
-    h = _buffer((n_blocks * bm, inter), torch.bfloat16, x.device)
-    y = _buffer((r, d), torch.float32, x.device)
+    gm = plan["group_m"] or n_blocks
+    h = bufs["h"][:n_blocks * bm]
+    y = bufs["y"][:r]
+    for e_lo in range(0, n_exp, g_exp):
+        e_hi = min(n_exp, e_lo + g_exp)
+        args = table_args
+        if predequant:
+            _, args = predequantised(table_args, interp, (e_lo, e_hi), bufs["scratch"])
+        wb, sb, tab, k_now, _, _, (su, sd), al = args
 
-    def w_row(k_in):  # a weight row in storage elements (bytes for packed FP4)
-        return k_in // 2 if kind == W_FP4 else k_in
+        def w_row(k_in):  # a weight row in storage elements (bytes for packed FP4)
+            return k_in // 2 if k_now == W_FP4 else k_in
 
-    _gate_up_kernel[(n_blocks * -(-inter // bn_up),)](
-        a, rows, bexp, bcnt, weights.float().contiguous().reshape(-1), w_base, s_base, table, h.view(torch.int16),
-        d, inter, w_row(d), s_up, float(limit), n_blocks, gm, TOPK=topk, W_KIND=kind, LOWP=not interp, ALIGN=align,
-        SWAP=swap, BM=bm, BN=bn_up, BK=bk_up, P_OUT=bk_down if kind == W_FP4 else 0, QUANT_H=quant,
-        EVEN=inter % bn_up == 0 and d % bk_up == 0, **kw)
-    _down_kernel[(n_blocks * -(-d // bn_down),)](
-        h, rows, bexp, bcnt, w_base, s_base, table, y, inter, d, w_row(inter), s_down, n_blocks, gm, W_KIND=kind,
-        LOWP=not interp, ALIGN=align, SWAP=swap, BM=bm, BN=bn_down, BK=bk_down,
-        EVEN=d % bn_down == 0 and inter % bk_down == 0, **kw)
-    del scratch  # (kept alive until the kernels that read it are queued)
+        _gate_up_kernel[(n_blocks * -(-inter // plan["bn_up"]),)](
+            a, rows, bexp, bcnt, wts, wb, sb, tab, h.view(torch.int16), d, inter, w_row(d), su, float(limit),
+            n_blocks, gm, e_lo, e_hi, TOPK=topk, W_KIND=k_now, LOWP=not interp, ALIGN=al, SWAP=plan["swap"], BM=bm,
+            BN=plan["bn_up"], BK=plan["bk_up"], P_OUT=plan["bk_down"] if k_now == W_FP4 else 0, QUANT_H=quant,
+            EVEN=inter % plan["bn_up"] == 0 and d % plan["bk_up"] == 0, **plan["kw"])
+        _down_kernel[(n_blocks * -(-d // plan["bn_down"]),)](
+            h, rows, bexp, bcnt, wb, sb, tab, y, inter, d, w_row(inter), sd, n_blocks, gm, e_lo, e_hi, W_KIND=k_now,
+            LOWP=not interp, ALIGN=al, SWAP=plan["swap"], BM=bm, BN=plan["bn_down"], BK=plan["bk_down"],
+            EVEN=d % plan["bn_down"] == 0 and inter % plan["bk_down"] == 0, **plan["kw"])
     cb = min(1024, triton.next_power_of_2(d))
     _combine_kernel[(t, -(-d // cb))](y, flat_ids, out, d, TOPK=topk, BLOCK=cb)
-    return out
