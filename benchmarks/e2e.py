@@ -371,10 +371,7 @@ def kernel_table(model: Transformer, run, device: torch.device) -> tuple[dict, i
 # ---- the run -----------------------------------------------------------------------------------
 
 def pool_bytes(pool: KVPool) -> int:
-    t = [s.kv for s in pool.swa] + [s.scale for s in pool.swa] + list(pool.carry.values())
-    for g in pool.glob.values():
-        t += [g.kv_codes, g.kv_scale, g.key_codes, g.key_scale]
-    return sum(nbytes(x) for x in t)
+    return pool.nbytes()
 
 
 def model_bytes(model: Transformer, device: torch.device) -> int:
@@ -467,7 +464,7 @@ def run_prefill(model, args, clock: Clock, mm_rate: float, mem: Memory, log) -> 
         for n in args.prefill:
             mem.reset()
             # no prefix cache: the timed second run must compute the whole prompt again
-            engine = Engine(model, prefill_mode=mode, max_batch=1, max_tokens_per_step=args.prefill_chunk,
+            engine = Engine(model, prefill_mode=mode, max_batch=1, max_tokens_per_step=args.prefill_chunk or None,
                             block_size=args.block_size, max_model_len=max(args.prefill) + 8, prefix_cache=False)
             blocks = -(-(n + 1) // args.block_size) + 2
             engine.pool.grow(blocks, blocks)  # allocation outside the timed region
@@ -492,10 +489,10 @@ def run_prefill(model, args, clock: Clock, mm_rate: float, mem: Memory, log) -> 
             engine.finish(seq)
             flops = prefill_flops(model, n, mode == "ced")
             rows.append(dict(mode=mode, n=n, s=dt, cold_s=cold[0], flops=flops, roof_s=flops / mm_rate, finite=finite))
-            log(f"prefill {mode} {n}: {dt:.3f} s (warm runs {cold[1]:.3f} / {cold[2]:.3f} s, first run {cold[0]:.3f} s), {n / dt:.0f} tok/s, {flops / dt / 1e12:.1f} TFLOP/s "
+            log(f"prefill {mode} {n} in {engine.max_tokens_per_step}-token steps: {dt:.3f} s (warm runs {cold[1]:.3f} / {cold[2]:.3f} s, first run {cold[0]:.3f} s), {n / dt:.0f} tok/s, {flops / dt / 1e12:.1f} TFLOP/s "
                 f"({flops / mm_rate / dt:.0%} of the matmul roofline)")
             if n == max(args.prefill):
-                mem_rows.append(dict(phase=f"prefill {mode} {n}", peak=mem.peak(), weights=model_bytes(model, dev),
+                mem_rows.append(dict(phase=f"prefill {mode} {n} ({engine.max_tokens_per_step}-token steps)", peak=mem.peak(), weights=model_bytes(model, dev),
                                      kv=pool_bytes(engine.pool)))
             del engine
     return rows, mem_rows
@@ -739,7 +736,8 @@ def main() -> int:
     ap.add_argument("--batches", type=parse_ints, default=[1, 8, 64])
     ap.add_argument("--contexts", type=parse_ints, default=[4096, 32768])
     ap.add_argument("--prefill", type=parse_ints, default=[8192, 32768])
-    ap.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill step")
+    ap.add_argument("--prefill-chunk", type=int, default=0,
+                    help="tokens per prefill step (0: the engine's default, sized from its memory budget)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-tokens-per-step", type=int, default=256, help="engine step budget (sizes the SWA pools)")
     ap.add_argument("--reps", type=int, default=20, help="graph replays timed per decode row")

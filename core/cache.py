@@ -131,6 +131,13 @@ class KVPool:
         return pool
 
     # -- memory --
+    def nbytes(self) -> int:
+        """Bytes of every pool tensor (window rows and scales, compressor rows, global entries)."""
+        ts = [p.kv for p in self.swa] + [p.scale for p in self.swa] + list(self.carry.values())
+        for g in self.glob.values():
+            ts += [g.kv_codes, g.kv_scale, g.key_codes, g.key_scale]
+        return sum(t.numel() * t.element_size() for t in ts)
+
     def _alloc_swa(self, n_blocks: int):
         cfg, rows = self.cfg, n_blocks * self.block_size
         d = cfg.head_dim

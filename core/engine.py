@@ -222,12 +222,35 @@ class Sequence:
                                 logits=self.logits or None)
 
 
+def default_step_tokens(model: Transformer, pool: KVPool) -> int:
+    """The step budget when the user gives none. On a device: from the memory budget
+    (`memory.default_tokens_per_step`: the prefill's transient memory within 0.15 x (weights + the
+    KV pools allocated so far, usually none yet: a conservative budget)). On the CPU (the fp64
+    reference, not memory-bound): `memory.CPU_TOKENS_PER_STEP`."""
+    from . import memory
+
+    if _on_cpu(model):
+        return memory.CPU_TOKENS_PER_STEP
+    seen, weights = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type != "meta" and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            weights += t.numel() * t.element_size()
+    return memory.default_tokens_per_step(model.cfg, weights, pool.nbytes())
+
+
+def _on_cpu(model: Transformer) -> bool:
+    return model.embed.weight.device.type == "cpu"
+
+
 class Engine:
-    """Continuous-batching reference engine over a `Transformer`."""
+    """Continuous-batching reference engine over a `Transformer`. `max_tokens_per_step`: tokens
+    per forward (decode tokens + prefill chunks); None: `default_step_tokens` (on a device, the
+    most whose prefill memory stays within 0.15 x (weights + KV))."""
 
     def __init__(self, model: Transformer, *, prefill_mode: str = "ced", replay: str = "window",
                  prefix_cache: bool = False, prefix_capacity: int = 1024, block_size: int = 16,
-                 max_batch: int = 64, max_tokens_per_step: int = 2048, record_logits: bool = False,
+                 max_batch: int = 64, max_tokens_per_step: int | None = None, record_logits: bool = False,
                  graphs: bool = False, max_model_len: int | None = None):
         if prefill_mode not in ("ced", "exact"):
             raise ValueError(f"prefill_mode must be 'ced' or 'exact', got {prefill_mode!r}")
@@ -235,7 +258,7 @@ class Engine:
             raise ValueError(f"replay must be 'window' or 'exact', got {replay!r}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if max_tokens_per_step < 1:
+        if max_tokens_per_step is not None and max_tokens_per_step < 1:
             raise ValueError(f"max_tokens_per_step must be >= 1, got {max_tokens_per_step}")
         self.model, self.cfg = model, model.cfg
         self.prefill_mode, self.replay = prefill_mode, replay
@@ -243,6 +266,8 @@ class Engine:
         self.record_logits = record_logits  # keep each sampled row's logits (tests, debugging)
         self.pool = KVPool(self.cfg, block_size=block_size, device=self.device,
                            drafter=getattr(model, "mtp", None) is not None)
+        if max_tokens_per_step is None:
+            self.max_tokens_per_step = default_step_tokens(model, self.pool)
         self.prefix = PrefixCache(self.pool, prefix_capacity) if prefix_cache else None
         self.max_model_len = max_model_len or self.cfg.max_position_embeddings
         self.graphs = self._capture(max_model_len) if graphs else None

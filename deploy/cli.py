@@ -289,6 +289,8 @@ def _generate(args, group, device) -> int:
     tok = _tokenizer_for(args, cfg)
     if args.max_batch < 1:
         raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.max_tokens_per_step is not None and args.max_tokens_per_step < 1:
+        raise UserError(f"--max-tokens-per-step must be >= 1, got {args.max_tokens_per_step}")
     if args.prompts_file:
         return _generate_file(args, cfg, tok, group, device, params)
     prompt, images = _prompt_and_images(args, tok, cfg)
@@ -299,6 +301,7 @@ def _generate(args, group, device) -> int:
     graphs = device.type != "cpu" and not args.eager  # decode steps and greedy draft blocks replayed
     margin = cfg.dspark_block_size if args.speculative else 0  # a draft block reaches past the last token
     engine = Engine(model, prefill_mode=args.prefill_mode, max_batch=1, graphs=graphs,
+                    max_tokens_per_step=args.max_tokens_per_step,
                     max_model_len=min(len(prompt) + max(args.max_new_tokens, 1) + margin, cfg.max_position_embeddings))
     try:
         if spec_opts is not None:
@@ -364,6 +367,7 @@ def _generate_file(args, cfg, tok, group, device, base) -> int:
     longest = min(max(len(ids) + p.max_new_tokens for ids, p, _ in batch), cfg.max_position_embeddings)
     try:
         engine = Engine(model, prefill_mode=args.prefill_mode, max_batch=args.max_batch,
+                        max_tokens_per_step=args.max_tokens_per_step,
                         graphs=device.type != "cpu" and not args.eager, max_model_len=longest)
         rows = run_prompts_file(engine, tok, reqs, batch)
     except ValueError as e:
@@ -601,6 +605,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most sequences decoding at once (continuous batching; default 64)")
     r.add_argument("--eager", action="store_true",
                    help="on a device, run every step eagerly instead of replaying captured decode graphs")
+    r.add_argument("--max-tokens-per-step", type=int, metavar="N",
+                   help="tokens per forward step (prefill chunk + decode tokens); default: on a device, the most "
+                        "whose prefill activations stay within 0.15 x (weights + KV), 2048 on the CPU")
     r.add_argument("--image", action="append", metavar="FILE",
                    help="an image for the prompt's user message (repeatable; placed at each image token of "
                         "--prompt, else prepended)")

@@ -312,3 +312,17 @@ def test_grouped_slices_bound_buffers(dev, rng, monkeypatch):
     rows_max = (-(-8 * topk // bm) + min(n_exp, 8 * topk)) * bm
     assert (rows_max, inter) in floats  # h: one pass's padded blocks
     assert all(s[0] <= max(rows_max, 8 * topk, 2) for s in floats), floats
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+def test_grouped_prefill_slices_same_bits_gpu(dev, rng, poisoned):
+    """At model-like widths on the device: the default passes and scratch groups give the same
+    bits as one pass over the whole scratch, and equal the reference."""
+    x, w, ids, ex, dex = _slicing_case(dev, rng, 1500, 16, 6, 1024, 512)
+    args = (x.to(dev), w.to(dev), ids.to(dev), dex, 10.0, torch.float64)
+    whole = me.moe_experts(*args, path="grouped", predequant=True, slice_tokens=1 << 20, expert_group=16)
+    assert rel_err(whole, moe.moe_experts(x, w, ids, ex, 10.0, torch.float64)) < 1e-4
+    for s_tok, group in ((None, None), (512, 3), (700, 1)):
+        got = me.moe_experts(*args, path="grouped", predequant=True, slice_tokens=s_tok, expert_group=group)
+        assert torch.equal(got, whole), f"slice_tokens={s_tok}, expert_group={group} changed the result"
