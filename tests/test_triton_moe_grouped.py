@@ -93,7 +93,8 @@ def test_predequantised_weights_exact(dev, rng, poisoned):
     d, inter = 128, 64
     ex = [(weight("fp4", inter, d, rng), weight("fp4", d, inter, rng), weight("fp4", inter, d, rng)) for _ in range(3)]
     dex = [tuple((a.to(dev), b.to(dev)) for a, b in e) for e in ex]
-    scratch, _ = mg.predequantised(me._expert_table(dex, torch.device(dev)), dev == "cpu")
+    # (the tensors' own device: "cuda" alone would not equal their "cuda:0")
+    scratch, _ = mg.predequantised(me._expert_table(dex, dex[0][0][0].device), dev == "cpu")
     scratch = scratch.cpu().double()
     for i, ((w1, s1), (w2, s2), (w3, s3)) in enumerate(ex):
         assert torch.equal(scratch[i, 0].reshape(inter, d), dequant_weight(w1, s1).double())
