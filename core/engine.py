@@ -36,7 +36,7 @@ import torch
 
 from .batch import Chunk, StepBatch, build_step
 from .cache import KVPool, SequenceState
-from .model import ForwardContext, Transformer
+from .model import ForwardContext, Transformer, read_counts
 
 
 @dataclass
@@ -500,7 +500,7 @@ class Engine:
         self.waiting.remove(seq)
         self._admit(seq)
         self.running.remove(seq)
-        feats, logits = [], None
+        feats, logits, pending = [], None, []
         while seq.prefilling:
             n = min(len(seq.prompt) - seq.fed, self.max_tokens_per_step)
             ids = seq.prompt[seq.fed:seq.fed + n]
@@ -509,7 +509,11 @@ class Engine:
                        self._image_rows(seq, seq.state.length, ids))
             seq.fed += n
             lg, ctx, _ = self.run_chunks([ch], ForwardContext(features={} if features else None))
-            seq.counters += ctx.counts()
+            # counters reduced on the device and read once after the last chunk: no device sync
+            # between chunks (the host builds and launches the next chunk while this one runs)
+            done, parts = ctx.count_parts()
+            seq.counters += done
+            pending += parts
             if features and ctx.features:
                 feats.append(target_features_of(ctx, self.cfg))
             # the step's context holds its candidate pool and top-k ids ([chunk, 16K] int64: 1 GB
@@ -517,6 +521,7 @@ class Engine:
             del ctx
             if last:
                 logits = lg[0]
+        seq.counters += read_counts(pending)
         if self.prefix is not None and seq.image_rows is None:
             self.prefix.insert(seq.prompt, seq.state.glob_blocks)
         return seq, logits, (torch.cat(feats) if feats else None)

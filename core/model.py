@@ -81,6 +81,14 @@ def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.
     return ops.rope_tables(inv_freq, positions)
 
 
+def read_counts(parts: list[tuple[str, torch.Tensor]]) -> Counter:
+    """(name, 0-d device tensor) pairs summed per name, in one read from the device."""
+    out = Counter({name: 0 for name, _ in parts})
+    for (name, _), v in zip(parts, torch.stack([t for _, t in parts]).tolist() if parts else []):
+        out[name] += v
+    return out
+
+
 @dataclass
 class ForwardContext:
     """State shared by the layers of one forward call."""
@@ -114,20 +122,24 @@ class ForwardContext:
         read (`counts`): a step that nobody reads the counters of launches nothing for them."""
         self.counters.setdefault(name, []).append(n)
 
-    def counts(self) -> Counter:
-        """The counters as plain ints (one read from the device for all of them)."""
-        out, names, sums = Counter(), [], []
+    def count_parts(self) -> tuple[Counter, list[tuple[str, torch.Tensor]]]:
+        """The counters reduced without reading the device: (plain ints, (name, 0-d int64 device
+        tensor) pairs still to be read). Drops nothing the forward holds: the tensors are new."""
+        out, parts = Counter(), []
         for name, items in self.counters.items():
             out[name] += 0
             for n in items:
                 n = n() if callable(n) else n
                 if isinstance(n, torch.Tensor):
-                    names.append(name)
-                    sums.append(n.sum().long())
+                    parts.append((name, n.sum().long()))
                 else:
                     out[name] += int(n)
-        for name, v in zip(names, torch.stack(sums).tolist() if sums else []):
-            out[name] += v
+        return out, parts
+
+    def counts(self) -> Counter:
+        """The counters as plain ints (one read from the device for all of them)."""
+        out, parts = self.count_parts()
+        out.update(read_counts(parts))  # (update adds and keeps zero counts; `+` would drop them)
         return out
 
 

@@ -111,3 +111,17 @@ def test_prefill_logits_do_not_depend_on_the_step_budget(tiny_model, tiny_cfg, r
     for toks, lg in outs[1:]:
         assert toks == outs[0][0]
         assert torch.equal(lg, outs[0][1])
+
+
+def test_prefill_alone_counters_read_once_equal_per_step_reads(tiny_model, tiny_cfg, rng):
+    """`prefill_alone` reads its work counters once after the last chunk (no device sync between
+    chunks): the same totals as reading every step's counters as it ends (`step`)."""
+    prompt = rand_prompt(tiny_cfg, 70, rng).tolist()
+    a = Engine(tiny_model, prefill_mode="exact", max_tokens_per_step=16)
+    seq, _, _ = a.prefill_alone(prompt, SamplingParams(max_new_tokens=1))
+    b = Engine(tiny_model, prefill_mode="exact", max_tokens_per_step=16)
+    other = b.add(prompt, SamplingParams(max_new_tokens=1))
+    while other.prefilling:
+        b.step()
+    assert seq.counters and seq.counters == other.counters
+    assert any(k.startswith("indexer_scored") for k in seq.counters)
