@@ -125,3 +125,31 @@ def test_prefill_alone_counters_read_once_equal_per_step_reads(tiny_model, tiny_
         b.step()
     assert seq.counters and seq.counters == other.counters
     assert any(k.startswith("indexer_scored") for k in seq.counters)
+
+
+def test_cli_tokens_per_step_option(capsys, monkeypatch):
+    """`dsv41 run --max-tokens-per-step N` reaches the engine (and a prompt in several chunks
+    gives the same tokens as in one); without it the engine's default applies; 0 is refused with
+    one clear line."""
+    import json
+
+    import dsv41.core.engine as eng
+    from dsv41.deploy.cli import main
+
+    seen = []
+    real_init = eng.Engine.__init__
+
+    def spy(self, *a, **kw):
+        real_init(self, *a, **kw)
+        seen.append(self.max_tokens_per_step)
+
+    monkeypatch.setattr(eng.Engine, "__init__", spy)
+    outs = []
+    for extra in (["--max-tokens-per-step", "3"], ["--max-tokens-per-step", "2048"], []):
+        assert main(["run", "--preset", "tiny", "--prompt-ids", "5,17,42,9,11,13,8", "--max-new-tokens", "2",
+                     *extra, "--json"]) == 0
+        outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"])
+    assert seen == [3, 2048, memory.CPU_TOKENS_PER_STEP]
+    assert outs[0] == outs[1] == outs[2]
+    assert main(["run", "--preset", "tiny", "--prompt-ids", "5,17", "--max-tokens-per-step", "0"]) != 0
+    assert "--max-tokens-per-step must be >= 1" in capsys.readouterr().err
