@@ -56,16 +56,6 @@ def grouped(at_peak: dict[int, tuple[int, str]]) -> list[tuple[str, int, int]]:
     return sorted(((w, b, n) for w, (b, n) in by.items()), key=lambda r: -r[1])
 
 
-def weight_bytes(model) -> int:
-    """Bytes of the model's tensors on the device (parameters and buffers, each storage once)."""
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.device.type != "cpu" and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
-
-
 def parse_chunks(s: str) -> list[int]:
     """`--chunk`: a comma list of tokens per step; 0 (or `auto`) is the engine's default."""
     out = []
@@ -85,6 +75,7 @@ def measure(model, cfg, args, mode: str, chunk: int, dev, log) -> dict:
     allocator), then one run with the allocator history for the breakdown."""
     import time
 
+    from dsv41.core import memory
     from dsv41.core.engine import Engine, SamplingParams
     from dsv41.deploy.device_numerics import random_text_ids
 
@@ -115,7 +106,7 @@ def measure(model, cfg, args, mode: str, chunk: int, dev, log) -> dict:
     engine.finish(seq)
     trace = snap["device_traces"][dev.index or 0]
     peak, at_peak = live_at_peak(trace, base)
-    w, kv = weight_bytes(model), engine.pool.nbytes()
+    w, kv = memory.weight_bytes(model), engine.pool.nbytes()
     row = dict(mode=mode, chunk=engine.max_tokens_per_step, auto=chunk == 0, peak=measured, replayed=peak, base=base,
                weights=w, kv=kv, s=min(times), finite=bool(torch.isfinite(logits).all()), groups=grouped(at_peak),
                full=len(trace) >= 2_000_000)

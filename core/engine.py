@@ -231,12 +231,7 @@ def default_step_tokens(model: Transformer, pool: KVPool) -> int:
 
     if _on_cpu(model):
         return memory.CPU_TOKENS_PER_STEP
-    seen, weights = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.device.type != "meta" and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            weights += t.numel() * t.element_size()
-    return memory.default_tokens_per_step(model.cfg, weights, pool.nbytes())
+    return memory.default_tokens_per_step(model.cfg, memory.weight_bytes(model), pool.nbytes())
 
 
 def _on_cpu(model: Transformer) -> bool:

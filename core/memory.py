@@ -77,6 +77,17 @@ def tokens_per_step_for(cfg: ModelConfig, budget_bytes: int) -> int:
     return best * STEP_MULTIPLE
 
 
+def weight_bytes(model, skip: tuple[str, ...] = ("cpu", "meta")) -> int:
+    """Bytes of a model's tensors on the device (parameters and buffers, each storage once;
+    tensors on the `skip` device types, such as Engram tables held in host memory, left out)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type not in skip and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
 def default_tokens_per_step(cfg: ModelConfig, weight_bytes: int, kv_bytes: int = 0,
                             fraction: float = TRANSIENT_FRACTION) -> int:
     """The engine's default step budget on a device: transient <= fraction x (weights + KV)."""

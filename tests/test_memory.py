@@ -49,6 +49,14 @@ def test_default_tokens_mini_on_the_h200_sizes():
     assert memory.prefill_footprint(cfg).bytes(n) <= 0.15 * 8.5e9
 
 
+def test_weight_bytes_counts_each_storage_once(tiny_model):
+    """Parameters and buffers, shared storages once; CPU tensors left out by default."""
+    every = {t.data_ptr(): t.numel() * t.element_size()
+             for t in list(tiny_model.parameters()) + list(tiny_model.buffers())}
+    assert memory.weight_bytes(tiny_model, skip=("meta",)) == sum(every.values()) > 0
+    assert memory.weight_bytes(tiny_model) == 0  # (all on the CPU here)
+
+
 def test_bad_budget_inputs_are_refused():
     cfg = preset("tiny")
     with pytest.raises(ValueError, match="fraction"):
@@ -91,6 +99,8 @@ def test_engine_device_default_from_the_budget(tiny_model, monkeypatch):
     real_type = tiny_model.embed.weight.device.type
     assert real_type == "cpu"
     monkeypatch.setattr(eng, "_on_cpu", lambda model: False)
+    real_bytes = memory.weight_bytes
+    monkeypatch.setattr(memory, "weight_bytes", lambda model: real_bytes(model, skip=("meta",)))
     e = Engine(tiny_model)
     assert e.max_tokens_per_step == 512
     weights = sum(t.numel() * t.element_size() for t in tiny_model.buffers()) + sum(
