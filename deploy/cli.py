@@ -298,7 +298,7 @@ def _generate(args, group, device) -> int:
         install_engram_vocab(model, tok)
     graphs = device.type != "cpu" and not args.eager  # decode steps and greedy draft blocks replayed
     margin = cfg.dspark_block_size if args.speculative else 0  # a draft block reaches past the last token
-    engine = Engine(model, prefill_mode=args.prefill_mode, max_batch=1, graphs=graphs,
+    engine = Engine(model, prefill_mode=args.prefill_mode, max_batch=1, graphs=graphs, overlap=not args.no_overlap,
                     max_model_len=min(len(prompt) + max(args.max_new_tokens, 1) + margin, cfg.max_position_embeddings))
     try:
         if spec_opts is not None:
@@ -364,7 +364,8 @@ def _generate_file(args, cfg, tok, group, device, base) -> int:
     longest = min(max(len(ids) + p.max_new_tokens for ids, p, _ in batch), cfg.max_position_embeddings)
     try:
         engine = Engine(model, prefill_mode=args.prefill_mode, max_batch=args.max_batch,
-                        graphs=device.type != "cpu" and not args.eager, max_model_len=longest)
+                        graphs=device.type != "cpu" and not args.eager, max_model_len=longest,
+                        overlap=not args.no_overlap)
         rows = run_prompts_file(engine, tok, reqs, batch)
     except ValueError as e:
         raise UserError(str(e)) from None
@@ -601,6 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most sequences decoding at once (continuous batching; default 64)")
     r.add_argument("--eager", action="store_true",
                    help="on a device, run every step eagerly instead of replaying captured decode graphs")
+    r.add_argument("--no-overlap", action="store_true",
+                   help="with decode graphs, read each step's tokens before building the next step (by default "
+                        "greedy decode steps are launched one ahead, so host work overlaps device work)")
     r.add_argument("--image", action="append", metavar="FILE",
                    help="an image for the prompt's user message (repeatable; placed at each image token of "
                         "--prompt, else prepended)")
