@@ -695,7 +695,7 @@ def run_streams(model, args, clock: Clock, log) -> list[dict]:
                 del engine
                 log(f"streams {'two' if on else 'one'} b={b}: {row['two_s' if on else 'one_s'] * 1e3:.3f} ms")
     finally:
-        model.overlap_streams(False)
+        model.overlap_streams(None)  # (the platform's default again)
     return list(rows.values())
 
 
