@@ -178,6 +178,9 @@ class Platform:
     # how Engram rows of host-held tables reach the device by default (`Transformer.offload_engram`):
     # gathered on the host and copied ahead of their layers
     engram_fetch = "ahead"
+    # the MoE's shared expert runs on a second stream beside the routed experts by default at up
+    # to this many tokens (`Transformer.overlap_streams`); 0: never by default
+    overlap_shared_tokens = 0
 
     @property
     def backend(self) -> str:
@@ -239,6 +242,10 @@ class CudaPlatform(Platform):
     # H200 (2026-11-30, mini) +0.1-0.2% decode step time against +4.5-6.1% for the fetch-ahead,
     # whose graph replays with page-locked tables also failed a GPU test (tests/test_engram_offload.py)
     engram_fetch = "in_place"
+
+    # measured on the H200 (2026-12-01, mini, decode graphs): -2.1% step at batch 1, -8.1% at 64;
+    # prefill sizes unmeasured, so they stay on one stream
+    overlap_shared_tokens = 64
 
     def num_workers(self) -> int:
         return torch.cuda.get_device_properties(self.device).multi_processor_count

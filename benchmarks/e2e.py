@@ -423,25 +423,30 @@ def run_decode(model, args, clock: Clock, copy_bw: float, mem: Memory, log) -> t
             w = weight_bytes_per_step(model, b, n_act)
             kv = b * kv_bytes_per_token(cfg, engine.pool, ctx)
             roof = (sum(w.values()) + kv) / copy_bw
-            # the engine end to end: scheduling, the graph replay, sampling (one token per sequence)
-            engine.running = list(seqs[:b])
-            for s in seqs[:b]:
-                s.state.length, s.state.tokens = ctx, s.state.tokens[:ctx]
-            engine.step()
-            clock.sync()
-            t = time.perf_counter()
-            for _ in range(args.engine_steps):
+            # the engine end to end: scheduling, the graph replay, sampling (one token per sequence),
+            # without and with the overlapped decode loop (`Engine(overlap=...)`)
+            t_engine = {}
+            for overlap in (False, True):
+                engine.overlap = overlap
+                engine.running = list(seqs[:b])
                 engine.step()
-            clock.sync()
-            t_engine = (time.perf_counter() - t) / args.engine_steps
-            for s in seqs[:b]:  # back to ctx tokens, the next token known again
-                s.state.length, s.state.tokens = ctx, s.state.tokens[:ctx]
-                s.out = s.out[:1]
+                clock.sync()
+                t = time.perf_counter()
+                for _ in range(args.engine_steps):
+                    engine.step()
+                clock.sync()
+                t_engine[overlap] = (time.perf_counter() - t) / args.engine_steps
+                engine.drain()  # (the overlapped loop's last launched step) before the states are reset
+                for s in seqs[:b]:  # back to ctx tokens, the next token known again
+                    s.state.length, s.state.tokens = ctx, s.state.tokens[:ctx]
+                    s.out = s.out[:1]
             engine.running = list(seqs)
-            row = dict(ctx=ctx, batch=b, graph_s=t_graph, eager_s=t_eager, engine_s=t_engine, roof_s=roof,
+            row = dict(ctx=ctx, batch=b, graph_s=t_graph, eager_s=t_eager, engine_s=t_engine[True],
+                       engine_sync_s=t_engine[False], roof_s=roof,
                        weight_bytes=w, kv_bytes=kv, active=n_act, graph_eager_top1=agree)
             rows.append(row)
-            log(f"  b={b}: graph {t_graph * 1e3:.3f} ms, eager {t_eager * 1e3:.2f} ms, engine {t_engine * 1e3:.2f} ms, "
+            log(f"  b={b}: graph {t_graph * 1e3:.3f} ms, eager {t_eager * 1e3:.2f} ms, engine {t_engine[True] * 1e3:.2f} ms "
+                f"(no overlap {t_engine[False] * 1e3:.2f}), "
                 f"roofline {roof * 1e3:.3f} ms ({roof / t_graph:.0%}), experts {n_act}, graph/eager top-1 {agree:.2f}")
         if not kernels:
             batch = decode_batch(engine, seqs[:1])
@@ -511,15 +516,17 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
         L += ["## Decode", "",
               "Step time = one decode step of every sequence (graph: the captured step replayed, inputs copied in; "
               "eager: the same forward uncaptured). Engine = `Engine.step()` end to end with graphs (scheduling, "
-              "replay, sampling). Roofline = (weights read + KV read) / copy bandwidth; weights read = dense layers + "
+              "replay, sampling), with the overlapped decode loop (the next step launched before this one's tokens "
+              "are read) and without it (no overlap). Roofline = (weights read + KV read) / copy bandwidth; weights read = dense layers + "
               "the routed experts the step's tokens chose + Engram rows + head.", "",
-              "| context | batch | graph ms | tok/s (graph) | eager ms | engine ms | engine tok/s | roofline ms | "
-              "of roofline | weights MB | KV MB | experts/layer |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| context | batch | graph ms | tok/s (graph) | eager ms | engine ms | engine tok/s | engine ms, no overlap | "
+              "roofline ms | of roofline | weights MB | KV MB | experts/layer |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in dec:
             wb = sum(r["weight_bytes"].values())
             L.append(f"| {r['ctx']} | {r['batch']} | {r['graph_s'] * 1e3:.3f} | {r['batch'] / r['graph_s']:.0f} | "
                      f"{r['eager_s'] * 1e3:.2f} | {r['engine_s'] * 1e3:.2f} | {r['batch'] / r['engine_s']:.0f} | "
+                     f"{r['engine_sync_s'] * 1e3:.2f} | "
                      f"{r['roof_s'] * 1e3:.3f} | {r['roof_s'] / r['graph_s']:.0%} | {wb / 1e6:.0f} | "
                      f"{r['kv_bytes'] / 1e6:.1f} | {'/'.join(map(str, r['active']))} |")
         L.append("")
@@ -685,7 +692,7 @@ def run_streams(model, args, clock: Clock, log) -> list[dict]:
                 del engine
                 log(f"streams {'two' if on else 'one'} b={b}: {row['two_s' if on else 'one_s'] * 1e3:.3f} ms")
     finally:
-        model.overlap_streams(False)
+        model.overlap_streams(None)  # (the platform's default again)
     return list(rows.values())
 
 

@@ -20,6 +20,17 @@ num_hidden_layers` with replay="exact", which rebuilds it exactly) with every wi
 the replay start. Shared global entries are never rewritten. Unreferenced cached blocks stay
 until their memory is needed (LRU). Prompts with images bypass it.
 
+Overlapped decode (`overlap=True`, the default with decode graphs)
+When every running sequence is decoding greedily, `step()` launches the next step before it
+reads the current step's tokens back: the next step's input ids are the current step's argmax,
+copied on the device into the graph's buffers, and everything else the step needs (positions,
+block tables, n-grams of earlier tokens) is known on the host. The host's scheduling, table
+building and bookkeeping then run while the device computes, instead of between steps
+(vLLM's async scheduling, SGLang's overlap scheduler). The tokens are the same; a sequence that
+stops on a stop token has computed one row for nothing. Anything else (a waiting request, a
+prefill chunk, sampling with a temperature, recorded logits, Engram rows fetched ahead on the
+host) first drains the launched step and then runs the ordinary step.
+
 Batch invariance: the reference backend's arithmetic does not depend on what else is in the
 batch (fp64 contractions, per-token ops), so a sequence's greedy tokens and logits are the same
 alone or inside any mix of prefill and decode rows.
@@ -34,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..backends.platform import platform_for
 from .batch import Chunk, StepBatch, build_step
 from .cache import KVPool, SequenceState
 from .model import ForwardContext, Transformer, read_counts
@@ -238,6 +250,16 @@ def _on_cpu(model: Transformer) -> bool:
     return model.embed.weight.device.type == "cpu"
 
 
+@dataclass
+class _Launched:
+    """A decode step launched by the overlapped loop whose tokens the host has not read yet."""
+
+    seqs: list  # the step's sequences, row order
+    tokens: torch.Tensor  # device [n] long: each row's greedy token (the next step's input ids)
+    host: torch.Tensor  # host [n + 1] long: the tokens and the non-finite flag, copied without a wait
+    copied: object  # platform event recorded after that copy
+
+
 class Engine:
     """Continuous-batching reference engine over a `Transformer`. `max_tokens_per_step`: tokens
     per forward (decode tokens + prefill chunks); None: `default_step_tokens` (on a device, the
@@ -246,7 +268,7 @@ class Engine:
     def __init__(self, model: Transformer, *, prefill_mode: str = "ced", replay: str = "window",
                  prefix_cache: bool = False, prefix_capacity: int = 1024, block_size: int = 16,
                  max_batch: int = 64, max_tokens_per_step: int | None = None, record_logits: bool = False,
-                 graphs: bool = False, max_model_len: int | None = None):
+                 graphs: bool = False, max_model_len: int | None = None, overlap: bool = True):
         if prefill_mode not in ("ced", "exact"):
             raise ValueError(f"prefill_mode must be 'ced' or 'exact', got {prefill_mode!r}")
         if replay not in ("window", "exact"):
@@ -271,6 +293,9 @@ class Engine:
         self.running: list[Sequence] = []
         self.counters = Counter()
         self._next = 0
+        # with decode graphs: launch the next greedy decode step before reading this one's tokens
+        self.overlap = overlap and self.graphs is not None
+        self._launched: _Launched | None = None
 
     @property
     def device(self) -> torch.device:
@@ -408,7 +433,12 @@ class Engine:
         return self.cfg.image_token_id if self.cfg.vision is not None else None
 
     def step(self) -> list[Sequence]:
-        """Schedule, run one forward, sample; returns the sequences that finished."""
+        """Schedule, run one forward, sample; returns the sequences that finished. In the
+        overlapped decode loop one call launches a step and reads the one before it."""
+        if self._can_overlap():
+            return self._overlapped_step()
+        if self._launched is not None:  # something the loop cannot launch: read its last step first
+            return self.drain()
         work = self._schedule()
         if not work:
             return []
@@ -456,12 +486,111 @@ class Engine:
 
     def finish(self, seq: Sequence) -> None:
         """Release a sequence's blocks (prefix-cached global blocks stay, evictable)."""
+        if self._launched is not None and any(s is seq for s in self._launched.seqs):
+            self.drain()  # (the launched step still writes this sequence's cache rows)
         if seq in self.running:
             self.running.remove(seq)
         seq.state.release(self.pool, self.prefix.keep if self.prefix is not None else None)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    # -- the overlapped decode loop --
+    def _can_overlap(self) -> bool:
+        """Whether the next step can be launched before the current one's tokens are read:
+        greedy decode rows only, nothing waiting, a graph bucket holds the batch, and the
+        n-grams are hashed on the device (no host fetch-ahead of Engram rows)."""
+        if not self.overlap or self.waiting or self.record_logits or not self.running:
+            return False
+        if self.graphs.bucket(len(self.running)) is None:
+            return False
+        if any(s.prefilling or not s.out or s.params.temperature != 0 for s in self.running):
+            return False
+        if self._launched is not None and set(map(id, self.running)) != set(map(id, self._launched.seqs)):
+            return False
+        prefetch = self.model.engram_prefetch()
+        return prefetch is None or not prefetch.layers
+
+    def _launch(self, seqs: list[Sequence], ids: torch.Tensor | None) -> _Launched:
+        """Build and replay one decode step of `seqs` (input ids from the host, or `ids` on the
+        device), then start copying its greedy tokens back."""
+        if ids is None:
+            chunks = [Chunk(s.state, [s.out[-1]], 0, "last", text_only=True) for s in seqs]
+        else:  # the ids are on the device; the host list holds a placeholder until they are read
+            chunks = [Chunk(s.state, [0], 0, "last", text_only=True) for s in seqs]
+        batch = build_step(self.cfg, self.pool, chunks, "cpu", self._image_token())
+        logits = self.graphs.run(batch, ids)
+        platform = platform_for(logits.device)
+        tokens = logits.argmax(-1)
+        flag = (~torch.isfinite(logits).all()).long().view(1)
+        host = platform.pinned_empty((len(seqs) + 1,), torch.long)
+        host.copy_(torch.cat([tokens, flag]), non_blocking=True)
+        copied = platform.event()
+        copied.record()
+        return _Launched(list(seqs), tokens, host, copied)
+
+    def _overlapped_step(self) -> list[Sequence]:
+        """Launch the next decode step (its input ids the launched step's tokens, on the
+        device), then read the launched step's tokens and do its bookkeeping."""
+        prev = self._launched
+        if prev is None:  # the loop starts: this step's ids are known on the host
+            self._launched = self._launch(list(self.running), None)
+            return []
+        # rows that still need a token after the one being read (max_new_tokens is known ahead)
+        keep = [i for i, s in enumerate(prev.seqs) if len(s.out) + 1 < s.params.max_new_tokens]
+        self._launched = None
+        if keep:
+            if len(keep) == len(prev.seqs):
+                ids = prev.tokens
+            else:
+                rows = platform_for(prev.tokens.device).pinned_empty((len(keep),), torch.long)
+                rows.copy_(torch.tensor(keep))  # (page-locked: the copy does not wait for the device)
+                ids = prev.tokens.index_select(0, rows.to(prev.tokens.device, non_blocking=True))
+            self._launched = self._launch([prev.seqs[i] for i in keep], ids)
+        return self._read(prev)
+
+    def _read(self, done: _Launched) -> list[Sequence]:
+        """Wait for a launched step's tokens and do what `step` does after sampling: append,
+        stop, finish, free old SWA blocks. The next launched step (if any) ran with each token
+        as its input: its placeholder in the host's token list is replaced here."""
+        done.copied.synchronize()
+        host = done.host.tolist()
+        if host[-1]:
+            raise ValueError("the model produced non-finite logits (NaN or Inf): the weights or the "
+                             "device computation are broken")
+        nxt = self._launched
+        in_next = set(map(id, nxt.seqs)) if nxt is not None else set()
+        now = time.perf_counter()
+        finished = []
+        for seq, tok in zip(done.seqs, host):
+            if seq.finish_reason:  # stopped at the step before (its row here was computed for nothing)
+                continue
+            if id(seq) in in_next:
+                seq.state.tokens[seq.state.length - 1] = tok  # the next step's input position
+            seq.out.append(tok)
+            if tok in seq.params.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif len(seq.out) >= seq.params.max_new_tokens:
+                seq.finish_reason = "length"
+            if seq.finish_reason:
+                seq.t_done = now
+                finished.append(seq)
+        if any(id(s) in in_next for s in finished):
+            # a stopped sequence's row of the next step is dropped: wait for that step before its
+            # blocks go back, and read it (its other rows' tokens) without launching more
+            finished += self.drain()
+        for seq in finished:
+            if any(s is seq for s in self.running):  # (not those the drain above finished)
+                self.finish(seq)
+        for seq in self.running:  # windows only look back sliding_window - 1 positions
+            seq.state.free_old_swa(self.pool, seq.state.length - 2 * self.cfg.sliding_window)
+        return finished
+
+    def drain(self) -> list[Sequence]:
+        """Read the launched step of the overlapped loop, if any (no new launch); returns the
+        sequences that finished. Call before changing sequences' states by hand."""
+        done, self._launched = self._launched, None
+        return self._read(done) if done is not None else []
 
     # -- whole requests --
     def generate_batch(self, requests: list[tuple[list[int], SamplingParams | None, list[torch.Tensor] | None]],

@@ -369,8 +369,9 @@ class MoE(nn.Module):
             {str(e): Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_dtype) for e in range(lo, hi)}
         )
         self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, _dense(cfg))
-        # run the shared expert on a second stream beside the routed ones (`Transformer.overlap_streams`)
-        self.overlap_shared = False
+        # run the shared expert on a second stream beside the routed ones (`Transformer.overlap_streams`;
+        # None: the platform's default, `Platform.overlap_shared_tokens`)
+        self.overlap_shared: bool | None = None
 
     def forward(self, x: torch.Tensor, is_image: torch.Tensor | None) -> torch.Tensor:
         cfg = self.cfg
@@ -390,8 +391,12 @@ class MoE(nn.Module):
                                          cfg.swiglu_limit, acc)
         if self.group.rank != 0:
             return self.group.all_reduce_sum(routed()).float().to(BF16)
-        if self.overlap_shared:  # the shared expert on a second stream beside the routed experts
-            shared, y = self._platform(x.device).overlap(lambda: self.shared(x, acc), routed)
+        plat = self._platform(x.device)
+        on = self.overlap_shared
+        if on is None:  # the platform's default: where it was measured to pay (decode sizes on CUDA)
+            on = x.shape[0] <= plat.overlap_shared_tokens
+        if on:  # the shared expert on a second stream beside the routed experts
+            shared, y = plat.overlap(lambda: self.shared(x, acc), routed)
         else:
             y, shared = routed(), self.shared(x, acc)
         if self.group.world_size == 1 and y.dtype == torch.float32 and y.device.type in ("cuda", "cpu"):
@@ -695,11 +700,13 @@ class Transformer(nn.Module):
             for name in IMAGE_FRAME:
                 self.register_buffer(name, torch.empty(d, dtype=BF16))
 
-    def overlap_streams(self, on: bool = True) -> None:
+    def overlap_streams(self, on: bool | None = True) -> None:
         """Run each MoE's shared expert on a second device stream beside its routed experts
         (through the platform's streams and events; the same arithmetic, so the same logits).
-        Off by default: written for CUDA / NPU, unverified on hardware, its gain unmeasured
-        (`benchmarks/e2e.py --streams` measures it)."""
+        None restores the platform's default (`Platform.overlap_shared_tokens`): on CUDA at up
+        to 64 tokens, where the H200 measured it faster (2026-12-01, mini, decode graphs: -2.1%
+        step at batch 1, -8.1% at batch 64); off on CPU (no streams) and on NPU (unverified on
+        hardware). `benchmarks/e2e.py --streams` measures it."""
         for blk in self.layers:
             blk.ffn.overlap_shared = on
 

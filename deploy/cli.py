@@ -300,7 +300,7 @@ def _generate(args, group, device) -> int:
         install_engram_vocab(model, tok)
     graphs = device.type != "cpu" and not args.eager  # decode steps and greedy draft blocks replayed
     margin = cfg.dspark_block_size if args.speculative else 0  # a draft block reaches past the last token
-    engine = Engine(model, prefill_mode=args.prefill_mode, max_batch=1, graphs=graphs,
+    engine = Engine(model, prefill_mode=args.prefill_mode, max_batch=1, graphs=graphs, overlap=not args.no_overlap,
                     max_tokens_per_step=args.max_tokens_per_step,
                     max_model_len=min(len(prompt) + max(args.max_new_tokens, 1) + margin, cfg.max_position_embeddings))
     try:
@@ -368,7 +368,8 @@ def _generate_file(args, cfg, tok, group, device, base) -> int:
     try:
         engine = Engine(model, prefill_mode=args.prefill_mode, max_batch=args.max_batch,
                         max_tokens_per_step=args.max_tokens_per_step,
-                        graphs=device.type != "cpu" and not args.eager, max_model_len=longest)
+                        graphs=device.type != "cpu" and not args.eager, max_model_len=longest,
+                        overlap=not args.no_overlap)
         rows = run_prompts_file(engine, tok, reqs, batch)
     except ValueError as e:
         raise UserError(str(e)) from None
@@ -608,6 +609,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-tokens-per-step", type=int, metavar="N",
                    help="tokens per forward step (prefill chunk + decode tokens); default: on a device, the most "
                         "whose prefill activations stay within 0.15 x (weights + KV), 2048 on the CPU")
+    r.add_argument("--no-overlap", action="store_true",
+                   help="with decode graphs, read each step's tokens before building the next step (by default "
+                        "greedy decode steps are launched one ahead, so host work overlaps device work)")
     r.add_argument("--image", action="append", metavar="FILE",
                    help="an image for the prompt's user message (repeatable; placed at each image token of "
                         "--prompt, else prepended)")

@@ -25,12 +25,24 @@ from ..core.model import Transformer
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
+def host_to_device(dst: torch.Tensor, src: torch.Tensor, platform) -> None:
+    """`dst.copy_(src)` without a host wait. A host `src` is staged in page-locked memory first:
+    a copy from pageable memory makes the host wait for everything queued before it (which, in
+    the engine's overlapped decode loop, is the step still running on the device). The caching
+    host allocator keeps the staging block until the copy has run."""
+    if src.device.type == "cpu" and dst.device.type != "cpu":
+        src = platform.pinned_empty(src.shape, src.dtype).copy_(src)
+    dst.copy_(src, non_blocking=True)
+
+
 def fill_static(static: StepBatch, batch: StepBatch) -> None:
     """Copy `batch` into the persistent buffers of a captured step with at least as many rows
     (and block tables at least as wide): rows past the batch become padding (ids 0, n-gram ids
     -1, null-block tables), table columns past the batch's point at the null block. `seq`
-    stays as captured (row i is sequence i in both)."""
+    stays as captured (row i is sequence i in both). Host fields reach the device without a
+    host wait (`host_to_device`)."""
     n = batch.num_tokens
+    platform = platform_for(static.ids.device)
     for f in fields(StepBatch):
         dst, src = getattr(static, f.name), getattr(batch, f.name)
         if f.name == "ngram_host":  # host copies of the n-grams (Engram rows fetched ahead)
@@ -45,16 +57,16 @@ def fill_static(static: StepBatch, batch: StepBatch) -> None:
             for d, s in zip(dst, src):
                 d[n:].fill_(0)
                 d[:n, s.shape[1]:].fill_(0)
-                d[:n, :s.shape[1]].copy_(s)
+                host_to_device(d[:n, :s.shape[1]], s, platform)
             continue
         if isinstance(dst, tuple):  # the draft window's (lo, hi)
             for d, s in zip(dst, src):
-                d.copy_(s)
+                host_to_device(d, s, platform)
             continue
         if not isinstance(dst, torch.Tensor) or f.name == "seq":
             continue
         dst[n:].fill_(-1 if f.name == "ngram_ids" else 0)
-        dst[:n].copy_(src)
+        host_to_device(dst[:n], src, platform)
 
 
 class DecodeGraphs:
@@ -98,9 +110,11 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def run(self, batch: StepBatch) -> torch.Tensor:
+    def run(self, batch: StepBatch, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [n, V] of a decode batch (one token per sequence, no CED rows, no images),
-        by replaying the smallest bucket that holds it."""
+        by replaying the smallest bucket that holds it. `ids`: the rows' input tokens as a device
+        tensor [n] (the previous step's tokens, not yet read back), in place of `batch.ids`
+        and of the n-grams' current token; not with Engram rows fetched ahead on the host."""
         n = batch.num_tokens
         b = self.bucket(n)
         if b is None or batch.decoder_rows is not None or batch.logit_rows is not None or batch.image_embeds is not None:
@@ -109,8 +123,14 @@ class DecodeGraphs:
         if len(tables) != 2 or any(t.shape[1] > self.table_blocks for t in tables):
             raise ValueError(f"expected one SWA and one global table at most {self.table_blocks} blocks wide")
         graph, static, logits = self.graphs[b]
-        fill_static(static, batch)
         prefetch = self.model.engram_prefetch()
+        if ids is not None and prefetch is not None and prefetch.layers:
+            raise ValueError("device-side input ids need the Engram rows gathered on the device "
+                             "(the fetch-ahead hashes the host's n-grams)")
+        fill_static(static, batch)
+        if ids is not None:  # column 0 of a row's n-gram is its own token
+            static.ids[:n].copy_(ids)
+            static.ngram_ids[:n, 0].copy_(ids)
         if graph is not None and prefetch is not None and prefetch.layers:
             # host-held Engram tables: the graph copies the rows from the fetch-ahead's staging
             # buffers, so the host fills them for this batch (padding rows hash as the pad id)

@@ -75,3 +75,37 @@ def test_draft_graph_equals_eager_draft(tiny_cfg, fresh_seed, rng, device):
     out = generate_speculative(engine, prompt, params, SpecOptions(spec_len=tiny_cfg.dspark_block_size), drafter=drafter)
     assert len(checked) == out.spec["steps"] > 0 and len(set(checked)) == len(checked)
     assert out.token_ids == want
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_overlapped_decode_equals_step_by_step(tiny_cfg, fresh_seed, rng, device):
+    """The overlapped decode loop (the next step launched on the device's tokens before the host
+    reads them) gives the tokens of the ordinary loop, with sequences stopping on a stop token,
+    on max_new_tokens and on their last prompt step mixed in one batch, and returns every block."""
+    from dsv41.core.weights import build_model
+
+    model = build_model(tiny_cfg, seed=fresh_seed, device=device)
+    prompts = [rand_prompt(tiny_cfg, n, rng).tolist() for n in (5, 17, 9, 12, 3)]
+    params = [SamplingParams(max_new_tokens=m) for m in (9, 4, 12, 1, 7)]
+
+    def run(overlap, params):
+        e = Engine(model, prefill_mode="exact", max_batch=4, graphs=True, max_model_len=48, overlap=overlap)
+        fed = []
+        graph_run = e.graphs.run
+        e.graphs.run = lambda b, ids=None: fed.append(ids is not None) or graph_run(b, ids)
+        out = e.generate_batch([(p, sp, None) for p, sp in zip(prompts, params)])
+        assert not e.running and not e.waiting and e._launched is None
+        assert e.pool.free_global_blocks == e.pool.global_capacity - 1  # every block back
+        assert len(e.pool._free_swa) == e.pool.swa_capacity - 1
+        return [r.token_ids for r in out], [r.finish_reason for r in out], fed
+
+    want, _, fed = run(False, params)
+    assert not any(fed)
+    # sequence 2 stops on the token it produced fifth (earlier tokens may equal it: the first wins)
+    stop = want[2][4]
+    params[2] = SamplingParams(max_new_tokens=12, stop_token_ids=(stop,))
+    want, reasons, _ = run(False, params)
+    assert reasons[2] == "stop" and len(want[2]) <= 5
+    got, got_reasons, fed = run(True, params)
+    assert sum(fed) >= 4, "the overlapped loop did not run"
+    assert got == want and got_reasons == reasons

@@ -33,6 +33,10 @@ def test_cuda_overlap_in_decode_graphs_gives_the_same_tokens(tiny_cfg, fresh_see
         return [r.token_ids for r in engine.generate_batch([(p, SamplingParams(max_new_tokens=10), None)
                                                             for p in prompts])]
 
+    model.overlap_streams(False)
     want = tokens()
+    model.overlap_streams(None)  # CUDA's default: on at decode sizes
+    assert all(blk.ffn.overlap_shared is None for blk in model.layers)
+    assert tokens() == want
     model.overlap_streams(True)
     assert tokens() == want

@@ -14,7 +14,7 @@ Per call, with R = T * k routed rows (token t, slot j -> flat row t * k + j):
    order (columns in the tiles' K order).
 3. `_fold_down_kernel`, one program per (expert, BN columns of d): the same with w2 and h, fp32
    output rows written to their flat rows; `moe_experts._combine_kernel` sums a token's slots.
-Every expert's weights are read once per call (all of its rows in one RB tile up to 64 rows).
+Every expert's weights are read once per RB-row tile of its rows (`TILES`: RB up to 32 or 64).
 
 The conversion (`fp4_words_bf16`, after Marlin's FP4 -> bf16 dequantisation): a word's nibble
 (sign, e1, e0, m) placed as the bf16 bits (sign -> bit 15, e1 e0 m -> bits 8..6) is the E2M1
@@ -48,14 +48,21 @@ from .block_scaled import fp8_qdq_groups, pow2
 from .swiglu import swiglu_tile
 
 # Tiles by token count, (most tokens, tiles): BN weight rows per program (gate/up, down), BK along
-# K, the gate/up K slices (`split`), the dot orientation (`w_left`: weight as the left operand);
-# the row tile RB follows T. The CUDA rows are the best measured on the H200 (benchmarks/RESULTS.md,
-# "MoE at decode sizes").
+# K, the gate/up K slices (`split`), the dot orientation (`w_left`: weight as the left operand),
+# the largest row tile (`rb_max`; the row tile RB is the next power of two >= T in 16..rb_max). The
+# CUDA rows are the best measured on the H200 (benchmarks/RESULTS.md, "MoE at decode sizes").
 # H200 2026-12-01 02:03 UTC, graph replay, T=1 / 2 / 4 / 8 / 16: split 1 98.8 / 180.9 / 187.9 /
 # 247.5 / 244.9 us, split 2 101.9 / 158.8 / 189.7 / 237.3 / 237.6, split 4 104.9 / 166.9 / 183.2 /
 # 234.7 / 234.0 (T=3 takes T=2's row unmeasured); w_left=False and 8 warps were slower at every T.
-_DECODE = {"bn_up": 64, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 3, "split": 1, "w_left": True}
-TILES = {"cuda": [(1, _DECODE), (3, dict(_DECODE, split=2)), (16, dict(_DECODE, split=4)), (64, _DECODE)],
+# H200 2026-12-01 04:57 UTC, T=64: RB 32 378.1 us against RB 64 448.6 (the 64-row gate/up tile
+# spills registers; an expert with more than 32 rows loops over row tiles); T=33..63 take it
+# unmeasured. Slower at T = 1 / 8 / 64 (the defaults then: 95.6 / 221.4 / 448.6 us): 2, 4, 5 or 6
+# pipeline stages (e.g. 4: 124.7 / 296.7 / 468.8), and w1's K loop before w3's (fewer registers:
+# 107.0 / 245.3 / 460.3 at 4 stages).
+_DECODE = {"bn_up": 64, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 3, "split": 1, "w_left": True,
+           "rb_max": 64}
+TILES = {"cuda": [(1, _DECODE), (3, dict(_DECODE, split=2)), (16, dict(_DECODE, split=4)),
+                  (64, dict(_DECODE, rb_max=32))],
          "interp": [(1 << 30, {"bn_up": 32, "bn_down": 32, "bk": 128, "split": 1, "w_left": True})]}
 MAX_SCALE_BYTE = 128  # the largest E8M0 weight scale byte the folded conversion takes (module docstring)
 _SIGN2 = tl.constexpr(-2147450880)  # 0x80008000: both halves' sign bits, as an int32 literal
@@ -311,7 +318,7 @@ def fold_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
              num_warps: int | None = None,
              num_stages: int | None = None) -> torch.Tensor:
     """The folded FP4 decode path for x [T, d] (up to rb rows per expert in one tile, default
-    the next power of two >= T in 16..64; more rows loop; the gate/up K range in `split`
+    the next power of two >= T in 16..the tiles' rb_max; more rows loop; the gate/up K range in `split`
     slices; tile defaults `fold_tiles`): sort, x's FP8 quantise-dequantise, gate/up (+ its
     epilogue when split), down, combine into `out` [T, d] fp32."""
     from .launch import interpreting
@@ -331,7 +338,7 @@ def fold_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
                          f"must divide the widths ({inter}, {d}); bn_up a multiple of 32, bk of 128")
     kw = {} if interp else {"num_warps": num_warps or tiles["num_warps"], "num_stages": num_stages or tiles["num_stages"]}
     r = t * topk
-    rb = rb or max(16, min(64, triton.next_power_of_2(t)))  # rows of an expert: at most T
+    rb = rb or max(16, min(tiles.get("rb_max", 64), triton.next_power_of_2(t)))  # rows of an expert: at most T
     flat_ids = ids.contiguous().reshape(-1)
     perm, bounds = sort_rows(flat_ids, n_exp)
     act = torch.float32 if interp else torch.bfloat16  # exact either way; the interpreter has no bf16 dots
