@@ -174,6 +174,37 @@ def test_sparse_attention_decode_splits(dev, t, rng):
     check(auto, args, d ** -0.5)
 
 
+# decode-table neighbours timed on the H200 (benchmarks/sweep_kernels.py): each checked at model
+# widths for one token at a long context (flash-decoding splits) and a decode batch of 64
+DECODE_VARIANTS = [dict(), dict(BLOCK_N=16), dict(BLOCK_N=16, num_stages=3), dict(BLOCK_N=16, num_stages=1),
+                   dict(BLOCK_N=64), dict(min_blocks_per_split=2), dict(BLOCK_N=16, min_blocks_per_split=2),
+                   dict(num_warps=8), dict(BLOCK_D=256), dict(BLOCK_D=256, num_warps=8),
+                   dict(BLOCK_DV=256, num_warps=8), dict(BLOCK_N=16, BLOCK_D=64, BLOCK_DV=64),
+                   dict(BLOCK_N=16, BLOCK_D=256, BLOCK_DV=256, num_warps=8), dict(min_blocks_per_split=4)]
+
+
+@pytest.fixture(scope="module")
+def model_width_cases():
+    """(inputs, dead rows) at 64 heads x 512 (seeded once per module): one token over a 64K
+    global pool, and a decode batch of 64 tokens of 5 sequences at 4K."""
+    g = torch.Generator().manual_seed(0)
+    return [(make_inputs(g, t, 64, 512, 128, n, 512, dead_rows=(2,), window_off_rows=(1,), n_seq=n_seq), (2,))
+            for t, n, n_seq in ((1, 65536, 1), (64, 4096, 5))]
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(sink + 1e30) of an all-masked row
+@pytest.mark.parametrize("dev", DEVICES[1:])
+@pytest.mark.parametrize("variant", DECODE_VARIANTS, ids=lambda v: "-".join(f"{k}{x}" for k, x in v.items()) or "table")
+def test_sparse_attention_decode_variants_gpu(dev, variant, model_width_cases):
+    """The decode table's entry changed as given (automatic splits), at model widths: one token
+    at a 64K context and a batch of 64; equal to the reference."""
+    cfg = dict(sa.CONFIGS["cuda_decode"], **variant)
+    for args, dead in model_width_cases:
+        out = sa.sparse_attention_launch(*to(dev, args), 512 ** -0.5, **cfg)
+        check(out, args, 512 ** -0.5, dead_rows=dead)
+
+
 def test_sparse_attention_rejects_mismatched_pools(rng):
     q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink = make_inputs(rng, 2, 4, 64, 8, 20, 4)
     with pytest.raises(ValueError, match="window pool"):
