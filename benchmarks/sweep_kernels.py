@@ -50,16 +50,15 @@ def rel_err(out, ref):
 # per split); T > 1 (a decode batch at 4K) compares the prefill table with decode-table entries.
 SPARSE_DECODE = dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=4, num_stages=2,
                      min_blocks_per_split=1)
-SPARSE_T1 = [("decode (shipped)", {}), ("N16", dict(BLOCK_N=16)), ("N16 s3", dict(BLOCK_N=16, num_stages=3)),
-             ("N16 s1", dict(BLOCK_N=16, num_stages=1)), ("N64", dict(BLOCK_N=64)),
-             ("N32 2/split", dict(min_blocks_per_split=2)), ("N16 2/split", dict(BLOCK_N=16, min_blocks_per_split=2)),
-             ("w8", dict(num_warps=8)), ("D256 DV128", dict(BLOCK_D=256)), ("D256 DV128 w8", dict(BLOCK_D=256, num_warps=8)),
-             ("DV256 w8", dict(BLOCK_DV=256, num_warps=8)), ("N16 D64 DV64", dict(BLOCK_N=16, BLOCK_D=64, BLOCK_DV=64)),
+SPARSE_T1 = [("decode (shipped)", {}), ("N16", dict(BLOCK_N=16)), ("N64", dict(BLOCK_N=64)),
+             ("N32 2/split", dict(min_blocks_per_split=2)), ("w8", dict(num_warps=8)),
+             ("D256 DV128 w8", dict(BLOCK_D=256, num_warps=8)), ("DV256 w8", dict(BLOCK_DV=256, num_warps=8)),
              ("N16 D256 DV256 w8", dict(BLOCK_N=16, BLOCK_D=256, BLOCK_DV=256, num_warps=8))]
+# (num_stages=1 is left out: on the H200 (triton 3.6) the decode kernel at BLOCK_N 16 compiled with
+# one stage gave wrong results and then an illegal address, 2026-12-01)
 SPARSE_TN = [("prefill table (shipped)", dict(BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8,
                                               min_blocks_per_split=2)),
              ("decode table", {}), ("decode 4/split", dict(min_blocks_per_split=4)),
-             ("decode N16", dict(BLOCK_N=16, min_blocks_per_split=2)), ("decode w8", dict(num_warps=8)),
              ("decode DV256 w8", dict(BLOCK_DV=256, num_warps=8))]
 
 
@@ -103,12 +102,12 @@ def sweep_sparse_attention(rows, copy, tokens=(1, 8, 64), check_only=False, mqa=
 
 # indexer scores at T=1: the multi-query kernel's tiles (HP, BLOCK_T, BLOCK_N, NSUB, num_warps;
 # None: the launcher's choice), then the one-query-per-tile kernel (rows=True) with its tiles
-INDEXER_SCORE_CFGS = [(None, False), ((32, 1, 64, 1, 4), False), ((32, 1, 128, 2, 8), False), (None, True),
-                      ((32, 1, 128, 2, 8), True), ((32, 1, 128, 8, 8), True), ((32, 1, 64, 8, 4), True),
-                      ((32, 1, 64, 4, 8), True), ((32, 1, 64, 8, 8), True)]
-# select variants: (block, warps, maxima per k, radix bits, rows scores kernel)
-INDEXER_SELECTS = [(4096, 16, 8, 4, False), (4096, 16, 8, 8, False), (4096, 16, 4, 8, False),
-                   (4096, 16, 16, 8, False), (4096, 8, 8, 8, False), (4096, 16, 8, 8, True), (4096, 16, 4, 8, True)]
+INDEXER_SCORE_CFGS = [(None, False), (None, True), ((32, 1, 64, 8, 8), True)]
+# select variants: (block, warps, maxima per k, radix bits, rows scores kernel, survivor block)
+INDEXER_SELECTS = [(4096, 16, 8, 4, False, 0), (4096, 16, 8, 4, True, 0), (4096, 16, 8, 4, True, 1024),
+                   (4096, 8, 8, 4, True, 0), (4096, 8, 8, 4, True, 1024), (4096, 4, 8, 4, True, 1024),
+                   (2048, 8, 4, 4, True, 0), (4096, 16, 8, 8, True, 0)]
+INDEXER_SELECTS_T64 = [(4096, 16, 8, 4, False, 0), (4096, 16, 8, 4, True, 0), (4096, 8, 8, 4, True, 1024)]
 
 
 def sweep_indexer(rows, copy, tokens=(1, 64), check_only=False):
@@ -141,7 +140,7 @@ def sweep_indexer(rows, copy, tokens=(1, 64), check_only=False):
         # [T, N, d] gather would be gigabytes), the ids below against the reference either way
         s_ref = itk.indexer_scores_ref(q, w, kc, ks, tab, e) if t == 1 else \
             itk.indexer_scores(q, w, kc, ks, tab, e, vis, rows=False)
-        for cfg, by_rows in INDEXER_SCORE_CFGS if t == 1 else [(None, False), (None, True)]:
+        for cfg, by_rows in INDEXER_SCORE_CFGS if t == 1 else [(None, True)]:
             def scores(q=q, w=w, tab=tab, vis=vis, cfg=cfg, by_rows=by_rows):
                 return itk.indexer_scores(q, w, kc, ks, tab, e, vis, _cfg=cfg, rows=by_rows)
 
@@ -153,14 +152,15 @@ def sweep_indexer(rows, copy, tokens=(1, 64), check_only=False):
                 print(rows[-1], flush=True)
                 continue
             row(name, f"T={t} 64K", f"err {err:.1e}", scores)
-        for blk, warps, per_k, bits, by_rows in INDEXER_SELECTS if t == 1 else INDEXER_SELECTS[:2] + INDEXER_SELECTS[5:6]:
-            def call(q=q, w=w, tab=tab, vis=vis, blk=blk, warps=warps, per_k=per_k, bits=bits, by_rows=by_rows):
+        for blk, warps, per_k, bits, by_rows, sb in INDEXER_SELECTS if t == 1 else INDEXER_SELECTS_T64:
+            def call(q=q, w=w, tab=tab, vis=vis, blk=blk, warps=warps, per_k=per_k, bits=bits, by_rows=by_rows, sb=sb):
                 s, maxima, maxg = itk._scores(q, w, kc, ks, tab, e, vis, topk=TOPK, rows=by_rows,
                                               maxg=itk.select_chunk(n, TOPK, 128, per_k))
-                return itk.topk_select(s, vis, TOPK, maxima, maxg, block=blk, num_warps=warps, radix_bits=bits)
+                return itk.topk_select(s, vis, TOPK, maxima, maxg, block=blk, num_warps=warps, radix_bits=bits,
+                                       survivor_block=sb)
 
             row(f"indexer_topk {'rows' if by_rows else 'tiles'} select BLOCK={blk} warps={warps} maxima/k={per_k} "
-                f"radix={bits}", f"T={t} 64K", f"equal {torch.equal(call(), want)}", call)
+                f"radix={bits} survivors={sb or blk}", f"T={t} 64K", f"equal {torch.equal(call(), want)}", call)
         row("indexer_topk default dispatch", f"T={t} 64K",
             f"equal {torch.equal(itk.indexer_topk(q, w, kc, ks, tab, e, vis, TOPK)[0], want)}",
             lambda q=q, w=w, tab=tab, vis=vis: itk.indexer_topk(q, w, kc, ks, tab, e, vis, TOPK))

@@ -143,12 +143,15 @@ def test_topk_select_equals_stable_sort(dev, rng):
         # bounded by chunk maxima (as the scores kernel writes them; min_maxima_per_k=0 forces
         # the bound however few they are), and with a survivor buffer too small for the tied
         # rows (those take the whole-row path); the default skips a bound from too few maxima
-        for maxg, cap, per_k in ((1, None, 0), (4, None, 0), (4, 16, 0), (4, None, None)):
+        # the survivors selected on a smaller tile than the row's (survivor_block, or its
+        # full-tile fallback when they outnumber it)
+        for maxg, cap, per_k, sb in ((1, None, 0, None), (4, None, 0, None), (4, 16, 0, None), (4, None, None, None),
+                                     (4, None, 0, 16), (2, None, 0, 32)):
             pad = -(-n // maxg) * maxg - n
             maxima = torch.nn.functional.pad(masked, (0, pad), value=float("-inf")).view(8, -1, maxg).amax(-1)
             got = itk.topk_select(masked.to(dev), nv.to(dev), k, maxima.to(dev), maxg, capacity=cap,
-                                  min_maxima_per_k=per_k)
-            assert torch.equal(got.cpu(), want), (n, k, maxg, cap, per_k)
+                                  min_maxima_per_k=per_k, survivor_block=sb)
+            assert torch.equal(got.cpu(), want), (n, k, maxg, cap, per_k, sb)
 
 
 # ---- kernel -------------------------------------------------------------------------------------
@@ -167,36 +170,14 @@ def test_scores_match_reference(dev, t, h, d, n, rng):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("cfg", [(8, 2, 32, 3, 4), (16, 1, 16, 2, 4), (4, 8, 64, 4, 8)])
+@pytest.mark.parametrize("cfg,rows", [((8, 2, 32, 3, 4), False), ((16, 1, 16, 2, 4), False), ((4, 8, 64, 4, 8), False),
+                                      ((16, 1, 16, 1, 4), True), ((16, 1, 16, 3, 4), True), ((16, 1, 32, 4, 8), True)])
 @pytest.mark.parametrize("layout", ["one_seq", "paged"])
-def test_tile_configs(dev, cfg, layout, rng):
-    """Padded heads, several key blocks per tile (NSUB > 1), skipped invisible blocks; paged:
-    three sequences in scattered blocks of 8 entries, so multi-query tiles mix sequences."""
-    t, h, d, n = 5, 4, 64, 333
-    q, w, codes, kscale = random_inputs(rng, t, h, d, n, exact=True)
-    nv = torch.tensor([n, 1, 0, 100, 200])
-    if layout == "one_seq":
-        table, e = one_seq(codes, t)
-    else:
-        seqs = [(codes, kscale), (codes[:120].flip(0), kscale[:120].flip(0)), (codes[100:], kscale[100:])]
-        e = 8
-        codes, kscale, table = paged(rng, seqs, [0, 1, 2, 1, 2], e)
-        nv = torch.tensor([n, 1, 0, 100, 200])
-    args = (q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), table.to(dev), e, nv.to(dev))
-    got = itk.indexer_scores(*args, _cfg=cfg)
-    want = itk.indexer_scores_ref(q, w, codes, kscale, table, e)
-    valid = torch.arange(want.shape[1]).unsqueeze(0) < nv.unsqueeze(1)
-    assert torch.equal(got.cpu()[valid], want[valid])
-    assert torch.isneginf(got.cpu()[~valid]).all()
-
-
-@pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("cfg", [(16, 1, 16, 1, 4), (16, 1, 16, 3, 4), (16, 1, 32, 4, 8)])
-@pytest.mark.parametrize("layout", ["one_seq", "paged"])
-def test_rows_kernel_equals_reference(dev, cfg, layout, rng):
-    """The one-query-per-tile scores kernel (next block's keys loaded ahead): one or several
-    blocks per tile, tiles wholly past n_visible, a token that sees nothing, three sequences
-    in scattered blocks; exact inputs, so its scores equal the reference's bit for bit."""
+def test_tile_configs(dev, cfg, rows, layout, rng):
+    """Padded heads, several key blocks per tile (NSUB > 1), skipped invisible blocks, a token
+    that sees nothing; paged: three sequences in scattered blocks of 8 entries, so multi-query
+    tiles mix sequences. Both scores kernels (rows: one query per tile, the next block's keys
+    loaded ahead); exact inputs, so scores and chunk maxima equal the reference's bit for bit."""
     t, h, d, n = 5, 4, 64, 333
     q, w, codes, kscale = random_inputs(rng, t, h, d, n, exact=True)
     nv = torch.tensor([n, 1, 0, 100, 200])
@@ -207,37 +188,25 @@ def test_rows_kernel_equals_reference(dev, cfg, layout, rng):
         e = 8
         codes, kscale, table = paged(rng, seqs, [0, 1, 2, 1, 2], e)
     args = (q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), table.to(dev), e, nv.to(dev))
-    got = itk.indexer_scores(*args, _cfg=cfg, rows=True)
+    got = itk.indexer_scores(*args, _cfg=cfg, rows=rows)
     want = itk.indexer_scores_ref(q, w, codes, kscale, table, e)
     valid = torch.arange(want.shape[1]).unsqueeze(0) < nv.unsqueeze(1)
     assert torch.equal(got.cpu()[valid], want[valid])
     assert torch.isneginf(got.cpu()[~valid]).all()
-    s, maxima, maxg = itk._scores(*args, topk=4, _cfg=cfg, rows=True, maxg=4)  # the chunk maxima it writes
+    s, maxima, maxg = itk._scores(*args, topk=4, _cfg=cfg, rows=rows, maxg=4)  # the chunk maxima it writes
     pad = -(-want.shape[1] // 4) * 4 - want.shape[1]
     ref_max = torch.nn.functional.pad(want.masked_fill(~valid, float("-inf")), (0, pad),
                                       value=float("-inf")).view(t, -1, 4).amax(-1)
     assert maxg == 4 and torch.equal(maxima.cpu(), ref_max)
+
+
+def test_rows_kernel_is_dense_only():
+    """The one-query-per-tile kernel refuses candidates (the Reindex gather) with one clear error."""
+    q, w, codes, kscale = random_inputs(torch.Generator().manual_seed(0), 2, 4, 64, 16)
+    table, e = one_seq(codes, 2)
     with pytest.raises(ValueError, match="dense only"):
-        itk.indexer_scores(*args, candidates=torch.zeros(t, 3, dtype=torch.long).to(dev), rows=True)
-
-
-@pytest.mark.parametrize("dev", DEVICES)
-def test_rows_kernel_default_path_topk_and_pool(dev, rng, monkeypatch):
-    """indexer_topk with the rows kernel chosen by default (ROWS_MAX_T raised): top-k and the
-    candidate pool (from its block maxima) equal the reference on paged sequences."""
-    monkeypatch.setattr(itk, "ROWS_MAX_T", 1 << 20)
-    t, n, k = 7, 90, 12
-    q, w, codes, kscale = random_inputs(rng, t, 4, 64, n, exact=True)
-    seqs = [(codes[:90], kscale[:90]), (codes[10:50], kscale[10:50]), (codes[30:61], kscale[30:61])]
-    e = 4
-    pc, ps, table = paged(rng, seqs, [0, 1, 2, 0, 1, 2, 0], e)
-    nv = torch.tensor([90, 40, 31, 0, 7, 13, 50])
-    want_idx, want_pool = itk.indexer_topk_ref(q, w, pc, ps, table, e, nv, k, pool_blocks=2, pool_block_size=8)
-    got_idx, got_pool = itk.indexer_topk(q.to(dev), w.to(dev), pc.to(dev), ps.to(dev), table.to(dev), e, nv.to(dev),
-                                         k, pool_blocks=2, pool_block_size=8)
-    assert itk.use_rows_kernel(t, False)
-    assert torch.equal(got_idx.cpu(), want_idx)
-    assert torch.equal(got_pool.cpu(), want_pool)
+        itk.indexer_scores(q, w, codes, kscale, table, e, torch.tensor([16, 16]),
+                           candidates=torch.zeros(2, 3, dtype=torch.long), rows=True)
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -262,11 +231,15 @@ def test_topk_exact_inputs_equal_reference(dev, t, n, k, rng):
 
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("k", [3, 12])
-def test_paged_equals_reference(dev, k, rng):
+@pytest.mark.parametrize("rows_max_t", [0, 64], ids=["tiles", "rows"])
+def test_paged_equals_reference(dev, k, rows_max_t, rng, monkeypatch):
     """Three sequences in scattered blocks of one pool (blocks of 4 entries), tokens of all of
-    them in one launch, a token that sees nothing: top-k and candidate pool equal the
-    reference's paged results exactly (exact scores)."""
+    them in one launch, a token that sees nothing: top-k and candidate pool (from the scores
+    kernel's block maxima) equal the reference's paged results exactly (exact scores), with the
+    multi-query tiles and with the one-query-per-tile kernel as the default scores path."""
+    monkeypatch.setattr(itk, "ROWS_MAX_T", rows_max_t)
     t, n = 7, 90  # k = 3: the select is bounded by maxima of 2-entry chunks
+    assert itk.use_rows_kernel(t, False) == (rows_max_t >= t)
     q, w, codes, kscale = random_inputs(rng, t, 4, 64, n, exact=True)
     seqs = [(codes[:90], kscale[:90]), (codes[10:50], kscale[10:50]), (codes[30:61], kscale[30:61])]
     e = 4

@@ -27,6 +27,10 @@ order differs from the reference (which sums in fp64). Arbitrary fp32 queries wo
 to bf16 (~3 significant digits) - outside the contract. Under TRITON_INTERPRET=1 bf16 math is
 broken, so the interpreter runs the same dots in fp32 (input_precision="ieee").
 
+Decode shapes (`_indexer_rows_kernel`, dense, up to ROWS_MAX_T queries): a tile is one query by
+NSUB key blocks, each query reading its own rows, and the next block's pool rows and key bytes
+are loaded while the current block is scored (same arithmetic, `_byte_scores`).
+
 Selection (`_topk_select_kernel`, dense path): a program per query row finds the K-th largest
 score by radix select over order-preserving int32 keys (-0.0 folded into +0.0; one pass per
 RADIX_BITS-bit digit, `tl.histogram`), then one ordered pass keeps the scores above it and the
@@ -596,7 +600,8 @@ def _sort_row(stage, n, orow, KOUT, KP: tl.constexpr, RB: tl.constexpr):
 def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr, surv_p_ptr, cand_ptr, stage_ptr,
                         T, N, G, K, KOUT, num_programs,
                         MAXG: tl.constexpr, CAP: tl.constexpr, USE_MAX: tl.constexpr, BLOCK: tl.constexpr,
-                        RADIX_BITS: tl.constexpr, MAP: tl.constexpr, KP: tl.constexpr, RB: tl.constexpr):
+                        RADIX_BITS: tl.constexpr, MAP: tl.constexpr, KP: tl.constexpr, RB: tl.constexpr,
+                        SBLOCK: tl.constexpr):
     """Per query row t (persistent loop): the K largest of scores[t, :n_visible[t]] (ties to the
     lower entry id) as ascending entry ids in out[t, :KOUT], -1 padded.
 
@@ -607,7 +612,8 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
        in entry order (a running prefix sum) into the row's survivor buffer (CAP entries;
        typically a little over K of them). Only those chunks' scores are read.
     3. The K-th largest survivor by radix select, then one ordered pass over the survivors takes
-       those above it and the first ones equal to it: ascending ids without a sort.
+       those above it and the first ones equal to it: ascending ids without a sort. Up to SBLOCK
+       (<= BLOCK) survivors, both run on tiles of SBLOCK values (a radix pass costs its tile).
     Rows without maxima, with fewer than K chunks, or whose survivors overflow CAP (many ties at
     the bound) run step 3 on the whole row.
     MAP (Reindex: the row's columns are candidates, cand_ptr [T, N] entry ids, -1 padding scored
@@ -665,7 +671,10 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
                         tl.store(srow + pos, x, mask=ok)
                         tl.store(prow + pos, ent, mask=ok)
                         cnt += tl.sum(keep, axis=0)
-            if cnt <= CAP:
+            if SBLOCK < BLOCK and cnt <= SBLOCK:
+                thr, need = _kth_key(srow, cnt, K, SBLOCK, RADIX_BITS)
+                _take_ordered(srow, prow, cnt, thr, need, orow, crow, SBLOCK, True, False)
+            elif cnt <= CAP:
                 thr, need = _kth_key(srow, cnt, K, BLOCK, RADIX_BITS)
                 _take_ordered(srow, prow, cnt, thr, need, orow, crow, BLOCK, True, False)
             else:
@@ -771,7 +780,8 @@ def select_chunk(n: int, k: int, block_n: int, per_k: int | None = None) -> int:
 def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, maxima: torch.Tensor | None = None,
                 maxg: int = 1, *, candidates: torch.Tensor | None = None, block: int | None = None,
                 capacity: int | None = None, num_warps: int | None = None,
-                min_maxima_per_k: int | None = None, radix_bits: int | None = None) -> torch.Tensor:
+                min_maxima_per_k: int | None = None, radix_bits: int | None = None,
+                survivor_block: int | None = None) -> torch.Tensor:
     """The reference's `_stable_topk_sorted(scores, k, arange < n_visible)` for finite visible
     scores, in one Triton launch (a program per query row, no host sync): [T, min(k, N)] int64.
     `maxima` [T, ceil(N / maxg)]: each row's maximum over every `maxg` entries (entries past
@@ -781,7 +791,9 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     With `candidates` [T, N] (entry ids, -1 padding whose scores are -inf; n_visible unused):
     the Reindex selection, `_stable_topk_sorted(scores, k, candidates >= 0)` mapped through
     the candidates and sorted by entry id (-1 padded), as `reference.attention.indexer_topk`.
-    `radix_bits`: the radix select's digit width (RADIX_BITS_CHOICES; default RADIX_BITS)."""
+    `radix_bits`: the radix select's digit width (RADIX_BITS_CHOICES; default RADIX_BITS).
+    `survivor_block`: the tile of the bounded path's survivor select (a power of two >= k, at
+    most `block`; default SELECT_SURVIVOR_BLOCK, 0 = `block`)."""
     from .launch import grid_for, interpreting
 
     radix = _radix_bits(radix_bits)
@@ -797,6 +809,10 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
         raise ValueError(f"candidates {tuple(candidates.shape)} do not match scores {tuple(scores.shape)}")
     if not mapped and n_visible is None:
         raise ValueError("topk_select needs n_visible (or candidates)")
+    sblk = SELECT_SURVIVOR_BLOCK if survivor_block is None else survivor_block
+    sblk = blk if not sblk else min(sblk, blk)
+    if sblk & (sblk - 1):
+        raise ValueError(f"survivor_block {sblk} must be a power of two")
     per_k = SELECT_MAXIMA_MIN_PER_K if min_maxima_per_k is None else min_maxima_per_k
     use_max = maxima is not None and not mapped and maxg > 1 and maxima.shape[1] >= per_k * k
     if use_max and (blk % maxg or maxima.shape[0] != t):
@@ -814,7 +830,7 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
                                  nvis, out, chunks, surv_s, surv_p, cand, stage, t, n, g, k, kout, grid,
                                  MAXG=maxg if use_max else 1, CAP=cap, USE_MAX=use_max, BLOCK=blk,
                                  RADIX_BITS=radix, MAP=mapped, KP=_pow2(kout),
-                                 RB=sort_rows(_pow2(kout), scores.device.type == "npu"), **extra)
+                                 RB=sort_rows(_pow2(kout), scores.device.type == "npu"), SBLOCK=sblk, **extra)
     return out
 
 
@@ -826,8 +842,14 @@ SELECT_MAXIMA_PER_K = 8  # chunk maxima per row, in units of k
 SORT_ROWS = 32  # ids ranked at a time when the Reindex selection is put in entry-id order
 SORT_ELEMS_NPU = 4096  # the comparison tile's elements on Ascend (unified buffer)
 SELECT_MAXIMA_MIN_PER_K = 4  # fewer chunk maxima than this many k: the bound would keep most scores
+# the survivor select's tile (0: SELECT_BLOCK; see topk_select): at 64K entries and k = 512 about
+# 500-600 scores survive the chunk-maxima bound, so a 1024 tile does a quarter of the radix work;
+# H200, T=1 at 64K, the whole op (with the rows scores kernel): 49.7 -> 41.5 us (2026-12-01)
+SELECT_SURVIVOR_BLOCK = 1024
 RADIX_BITS = RADIX_BITS_DEFAULT
-RADIX_BITS_CHOICES = (4, 8)  # 8 passes of 2 * 16 bins, or 4 passes of 2 * 256 bins
+# 8 passes of 2 * 16 bins, or 4 passes of 2 * 256 bins; on the H200 (T=1, 64K) 8-bit digits were
+# slower, 78.2 against 52.4 us for the whole op (tl.histogram's cost grows with its bins)
+RADIX_BITS_CHOICES = (4, 8)
 
 
 # ---- selection (torch) ------------------------------------------------------------------------
@@ -914,8 +936,11 @@ def _indexer_topk_rows(q, weights, key_codes, key_scale, block_table, entries_pe
 
 # `_indexer_rows_kernel` (one query per tile, the next block's keys loaded ahead): used for the
 # dense scores of up to ROWS_MAX_T queries; tiles of NSUB (<= ROWS_NSUB_MAX) blocks of
-# ROWS_BLOCK_N entries, ROWS_WARPS warps. Set from the H200 sweep (benchmarks/RESULTS.md).
-ROWS_MAX_T = 0
+# ROWS_BLOCK_N entries, ROWS_WARPS warps. H200 (2026-12-01, 64K context, CUDA-graph time): the
+# scores at T=1 15.4 -> 12.7 us, at T=64 tokens of different sequences 1567 -> 426 us (the
+# multi-query tiles' per-query path); benchmarks/RESULTS.md. Above ROWS_MAX_T (prefill chunks
+# of one sequence) the multi-query tiles decode each key block once for several queries.
+ROWS_MAX_T = 64
 ROWS_BLOCK_N = 128
 ROWS_NSUB_MAX = 8
 ROWS_WARPS = 8
