@@ -82,12 +82,13 @@ def indexer_rows() -> list[tuple[str, str]]:
     rows = []
     for mapped, use_max in ((False, True), (False, False), (True, False)):
         consts = dict(MAXG=8 if use_max else 1, CAP=itk.SELECT_CAPACITY, USE_MAX=use_max, BLOCK=itk.SELECT_BLOCK,
-                      RADIX_BITS=itk.RADIX_BITS, MAP=mapped, KP=512, RB=itk.SORT_ROWS)
+                      RADIX_BITS=itk.RADIX_BITS, MAP=mapped, KP=512, RB=itk.SORT_ROWS,
+                      SBLOCK=itk.SELECT_SURVIVOR_BLOCK or itk.SELECT_BLOCK)
         rows.append((f"topk_select MAP={mapped} USE_MAX={use_max}",
                      ptxas_usage(itk._topk_select_kernel, sel, consts, itk.SELECT_WARPS, floats=())))
     for bits in itk.RADIX_BITS_CHOICES:
         consts = dict(MAXG=16, CAP=itk.SELECT_CAPACITY, USE_MAX=True, BLOCK=itk.SELECT_BLOCK, RADIX_BITS=bits,
-                      MAP=False, KP=512, RB=itk.SORT_ROWS)
+                      MAP=False, KP=512, RB=itk.SORT_ROWS, SBLOCK=itk.SELECT_SURVIVOR_BLOCK or itk.SELECT_BLOCK)
         rows.append((f"topk_select USE_MAX MAXG=16 RADIX_BITS={bits}",
                      ptxas_usage(itk._topk_select_kernel, sel, consts, itk.SELECT_WARPS, floats=())))
     sc = {"q_ptr": "*fp32", "w_ptr": "*fp32", "code_ptr": "*i8", "scale_ptr": "*i8", "table_ptr": "*i64",
