@@ -33,7 +33,8 @@ def ptxas_usage(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, 
     names = fn.arg_names
     sig = {n: pointers[n] if n in pointers else "constexpr" if n in constexprs else "fp32" if n in floats else "i32"
            for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers or n in DIVISIBLE}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if (n in pointers or n in DIVISIBLE) and n not in constexprs}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
                                                                                  num_stages=num_stages))
@@ -81,9 +82,24 @@ def indexer_rows() -> list[tuple[str, str]]:
     rows = []
     for mapped, use_max in ((False, True), (False, False), (True, False)):
         consts = dict(MAXG=8 if use_max else 1, CAP=itk.SELECT_CAPACITY, USE_MAX=use_max, BLOCK=itk.SELECT_BLOCK,
-                      RADIX_BITS=itk.RADIX_BITS, MAP=mapped, KP=512, RB=itk.SORT_ROWS)
+                      RADIX_BITS=itk.RADIX_BITS, MAP=mapped, KP=512, RB=itk.SORT_ROWS,
+                      SBLOCK=itk.SELECT_SURVIVOR_BLOCK or itk.SELECT_BLOCK)
         rows.append((f"topk_select MAP={mapped} USE_MAX={use_max}",
                      ptxas_usage(itk._topk_select_kernel, sel, consts, itk.SELECT_WARPS, floats=())))
+    for bits in itk.RADIX_BITS_CHOICES:
+        consts = dict(MAXG=16, CAP=itk.SELECT_CAPACITY, USE_MAX=True, BLOCK=itk.SELECT_BLOCK, RADIX_BITS=bits,
+                      MAP=False, KP=512, RB=itk.SORT_ROWS, SBLOCK=itk.SELECT_SURVIVOR_BLOCK or itk.SELECT_BLOCK)
+        rows.append((f"topk_select USE_MAX MAXG=16 RADIX_BITS={bits}",
+                     ptxas_usage(itk._topk_select_kernel, sel, consts, itk.SELECT_WARPS, floats=())))
+    sc = {"q_ptr": "*fp32", "w_ptr": "*fp32", "code_ptr": "*i8", "scale_ptr": "*i8", "table_ptr": "*i64",
+          "nvis_ptr": "*i64", "cand_ptr": "*i64", "out_ptr": "*fp32", "max_ptr": "*fp32"}
+    for bn, nsub, warps in ((128, 4, 8), (128, 4, 4), (64, 8, 4), (256, 2, 8)):
+        consts = dict(H=32, HP=32, DH=64, DHP=64, BLOCK_N=bn, NSUB=nsub, LOWP=True, MAXG=16)
+        rows.append((f"indexer rows kernel BLOCK_N={bn} NSUB={nsub} warps={warps}",
+                     ptxas_usage(itk._indexer_rows_kernel, sc, consts, warps, floats=())))
+    consts = dict(H=32, HP=32, HP1=32, DH=64, DHP=64, BLOCK_T=1, BLOCK_N=128, NSUB=1, GATHER=False, LOWP=True, MAXG=16)
+    rows.append(("indexer scores kernel T=1 BLOCK_N=128 warps=8",
+                 ptxas_usage(itk._indexer_scores_kernel, sc, consts, 8, floats=())))
     pool = {"max_ptr": "*fp32", "nvis_ptr": "*i64", "out_ptr": "*i64", "work_ptr": "*fp32"}
     rows.append(("pool_select B=8", ptxas_usage(itk._pool_kernel, pool, dict(B=8, BLOCK=itk.SELECT_BLOCK // 8,
                                                                                RADIX_BITS=itk.RADIX_BITS),

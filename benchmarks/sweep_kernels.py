@@ -45,69 +45,125 @@ def rel_err(out, ref):
     return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
 
 
-def sweep_sparse_attention(rows, copy, tokens=(1, 64, 2048)):
-    """MQA tile variants (all 64 heads per tile, whole rows decoded once as K and V) and the
-    earlier tables on paged pools: T=1 at a 64K context (flash-decoding splits, one block per
-    split allowed), T >= 64 at 4K (a decode batch; T=2048 stands for a prefill chunk)."""
+# sparse_attention tile variants at decode shapes: (label, launch keywords). T=1 at a 64K context
+# tries the decode table's neighbours (entries per block, channel blocks, warps, stages, blocks
+# per split); T > 1 (a decode batch at 4K) compares the prefill table with decode-table entries.
+SPARSE_DECODE = dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=4, num_stages=2,
+                     min_blocks_per_split=1)
+SPARSE_T1 = [("decode (shipped)", {}), ("N16", dict(BLOCK_N=16)), ("N64", dict(BLOCK_N=64)),
+             ("N32 2/split", dict(min_blocks_per_split=2)), ("w8", dict(num_warps=8)),
+             ("D256 DV128 w8", dict(BLOCK_D=256, num_warps=8)), ("DV256 w8", dict(BLOCK_DV=256, num_warps=8)),
+             ("N16 D256 DV256 w8", dict(BLOCK_N=16, BLOCK_D=256, BLOCK_DV=256, num_warps=8))]
+# (num_stages=1 is left out: on the H200 (triton 3.6) the decode kernel at BLOCK_N 16 compiled with
+# one stage gave wrong results and then an illegal address, 2026-12-01)
+SPARSE_TN = [("prefill table (shipped)", dict(BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8,
+                                              min_blocks_per_split=2)),
+             ("decode table", {}), ("decode 4/split", dict(min_blocks_per_split=4)),
+             ("decode DV256 w8", dict(BLOCK_DV=256, num_warps=8))]
+
+
+def sweep_sparse_attention(rows, copy, tokens=(1, 8, 64), check_only=False, mqa=False):
+    """sparse_attention tiles on paged pools (every variant checked against the reference): T=1
+    at a 64K context (flash-decoding splits), T > 1 at 4K (a decode batch); `mqa` adds the
+    opt-in MQA kernel last (it faulted at model widths on the H200, which ends the CUDA context)."""
     from dsv41.npu_ops.triton import sparse_attention as sa
 
-    mqa = [dict(BLOCK_H=64, BLOCK_N=bn, num_warps=w, num_stages=1, MQA=True, AHEAD=ahead) for bn, w, ahead in
-           ((16, 8, True), (16, 8, False), (32, 8, True), (16, 16, True))]
-    mqa.append(dict(mqa[0], min_blocks_per_split=4))  # fewer, longer splits: less partial traffic at T=1
-    old = [dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=4, num_stages=2),  # earlier decode table
-           dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2)]  # earlier prefill table (whole rows)
     ref_fn = registry.resolve("sparse_attention", "reference")[0]
     for t in tokens:
         n = 65536 if t == 1 else 4096
         args, must_read = sparse_attention_args(t, n, "cuda", masked_fraction=0.05)
         ref = ref_fn(*args)
         flops = 4 * t * H * D * (TOPK + W)
-        for v in old + mqa:  # MQA last: on the H200 it faulted at 64K (a fault ends the CUDA context)
-            cfg = dict(dict(BLOCK_D=None, BLOCK_DV=None, min_blocks_per_split=1 if t == 1 else 4), **v)
-            name = "sa " + " ".join(f"{k}={val}" for k, val in v.items())
-
+        variants = [(name, dict(SPARSE_DECODE, **v)) for name, v in (SPARSE_T1 if t == 1 else SPARSE_TN)]
+        variants.append(("default dispatch", None))
+        if mqa:
+            variants.append(("mqa", dict(sa.CONFIGS["cuda_mqa"])))
+        for name, cfg in variants:
             def call(args=args, cfg=cfg):
+                if cfg is None:
+                    return sa.sparse_attention(*args)
                 return sa.sparse_attention_launch(*args, **cfg)
 
             try:
                 err = rel_err(call(), ref)
-                tg = graph_time(call)
+                tg = None if check_only else graph_time(call)
             except Exception as e:  # noqa: BLE001  (a variant that does not compile is a row, not a crash)
-                rows.append(f"| {name} | T={t} | failed: {type(e).__name__}: {str(e)[:80]} |")
+                rows.append(f"| sa {name} | T={t} | failed: {type(e).__name__}: {str(e)[:80]} |")
                 print(rows[-1], flush=True)
                 continue
-            rows.append(f"| {name} | T={t} {n // 1024}K | err {err:.2e} | graph {tg * 1e6:.1f} us | "
-                        f"{must_read / tg / 1e9:.0f} GB/s ({100 * must_read / tg / 1e9 / copy:.0f}%) | "
-                        f"{flops / tg / 1e12:.1f} TFLOP/s |")
+            if tg is None:
+                rows.append(f"| sa {name} | T={t} {n // 1024}K | err {err:.2e} | (checked only) |")
+            else:
+                rows.append(f"| sa {name} | T={t} {n // 1024}K | err {err:.2e} | graph {tg * 1e6:.1f} us | "
+                            f"{must_read / tg / 1e9:.0f} GB/s ({100 * must_read / tg / 1e9 / copy:.0f}%) | "
+                            f"{flops / tg / 1e12:.1f} TFLOP/s |")
             print(rows[-1], flush=True)
 
 
-def sweep_indexer(rows, copy, tokens=(1, 64)):
-    """indexer_topk at a 64K context (paged keys): the scores kernel alone, then the whole op
-    with select variants (block, warps, maxima per k); each checked against the reference."""
+# indexer scores at T=1: the multi-query kernel's tiles (HP, BLOCK_T, BLOCK_N, NSUB, num_warps;
+# None: the launcher's choice), then the one-query-per-tile kernel (rows=True) with its tiles
+INDEXER_SCORE_CFGS = [(None, False), (None, True), ((32, 1, 64, 8, 8), True)]
+# select variants: (block, warps, maxima per k, radix bits, rows scores kernel, survivor block)
+INDEXER_SELECTS = [(4096, 16, 8, 4, False, 0), (4096, 16, 8, 4, True, 0), (4096, 16, 8, 4, True, 1024),
+                   (4096, 8, 8, 4, True, 0), (4096, 8, 8, 4, True, 1024), (4096, 4, 8, 4, True, 1024),
+                   (2048, 8, 4, 4, True, 0), (4096, 16, 8, 8, True, 0)]
+INDEXER_SELECTS_T64 = [(4096, 16, 8, 4, False, 0), (4096, 16, 8, 4, True, 0), (4096, 8, 8, 4, True, 1024)]
+
+
+def sweep_indexer(rows, copy, tokens=(1, 64), check_only=False):
+    """indexer_topk at a 64K context (paged keys): the scores kernels alone (tile variants at
+    T=1), then the whole op with select variants (block, warps, maxima per k, radix digit
+    width, scores kernel); each checked against the reference (scores relative error, ids
+    equal)."""
     from dsv41.npu_ops.triton import indexer_topk as itk
 
     n = 65536
     kc, ks, table, e = paged_index_keys(n, "cuda")
     ref_fn = registry.resolve("indexer_topk", "reference")[0]
     nbytes = n * (DI // 2 + DI // 32)
+
+    def row(name, shape, check, call):
+        if check_only:
+            rows.append(f"| {name} | {shape} | {check} | (checked only) |")
+            print(rows[-1], flush=True)
+        else:
+            bandwidth_row(rows, name, shape, check, call, nbytes, copy)
+
     for t in tokens:
         q = quant.mxfp4_qdq(torch.randn(t, HI, DI, device="cuda"))
         w = torch.randn(t, HI, device="cuda") * DI ** -0.5 * HI ** -0.5
         vis = torch.full((t,), n, dtype=torch.long, device="cuda")
-        tab = table.expand(t, -1)
+        # a decode batch: each token its own block order (as tokens of different sequences)
+        tab = torch.stack([table[0][torch.randperm(table.shape[1], device="cuda")] for _ in range(t)])
         want = ref_fn(q, w, kc, ks, tab, e, vis, TOPK)[0]
-        bandwidth_row(rows, "indexer scores", f"T={t} 64K", "-",
-                      lambda q=q, w=w, tab=tab, vis=vis: itk.indexer_scores(q, w, kc, ks, tab, e, vis), nbytes, copy)
-        for blk, warps, per_k in ((4096, 16, 8), (4096, 16, 4), (4096, 16, 16), (4096, 8, 8)):
-            def call(q=q, w=w, tab=tab, vis=vis, blk=blk, warps=warps, per_k=per_k):
-                s, maxima, maxg = itk._scores(q, w, kc, ks, tab, e, vis, topk=TOPK,
-                                              maxg=itk.select_chunk(n, TOPK, 128, per_k))
-                return itk.topk_select(s, vis, TOPK, maxima, maxg, block=blk, num_warps=warps)
+        # the reference's scores at T=1; for a batch the multi-query kernel's (the reference's
+        # [T, N, d] gather would be gigabytes), the ids below against the reference either way
+        s_ref = itk.indexer_scores_ref(q, w, kc, ks, tab, e) if t == 1 else \
+            itk.indexer_scores(q, w, kc, ks, tab, e, vis, rows=False)
+        for cfg, by_rows in INDEXER_SCORE_CFGS if t == 1 else [(None, True)]:
+            def scores(q=q, w=w, tab=tab, vis=vis, cfg=cfg, by_rows=by_rows):
+                return itk.indexer_scores(q, w, kc, ks, tab, e, vis, _cfg=cfg, rows=by_rows)
 
-            exact = torch.equal(call(), want)
-            bandwidth_row(rows, f"indexer_topk select BLOCK={blk} warps={warps} maxima/k={per_k}", f"T={t} 64K",
-                          f"equal {exact}", call, nbytes, copy)
+            name = f"indexer scores {'rows' if by_rows else 'tiles'} {cfg or 'default'}"
+            try:
+                err = rel_err(scores(), s_ref)
+            except Exception as ex:  # noqa: BLE001  (a variant that does not compile is a row, not a crash)
+                rows.append(f"| {name} | T={t} | failed: {type(ex).__name__}: {str(ex)[:80]} |")
+                print(rows[-1], flush=True)
+                continue
+            row(name, f"T={t} 64K", f"err {err:.1e}", scores)
+        for blk, warps, per_k, bits, by_rows, sb in INDEXER_SELECTS if t == 1 else INDEXER_SELECTS_T64:
+            def call(q=q, w=w, tab=tab, vis=vis, blk=blk, warps=warps, per_k=per_k, bits=bits, by_rows=by_rows, sb=sb):
+                s, maxima, maxg = itk._scores(q, w, kc, ks, tab, e, vis, topk=TOPK, rows=by_rows,
+                                              maxg=itk.select_chunk(n, TOPK, 128, per_k))
+                return itk.topk_select(s, vis, TOPK, maxima, maxg, block=blk, num_warps=warps, radix_bits=bits,
+                                       survivor_block=sb)
+
+            row(f"indexer_topk {'rows' if by_rows else 'tiles'} select BLOCK={blk} warps={warps} maxima/k={per_k} "
+                f"radix={bits} survivors={sb or blk}", f"T={t} 64K", f"equal {torch.equal(call(), want)}", call)
+        row("indexer_topk default dispatch", f"T={t} 64K",
+            f"equal {torch.equal(itk.indexer_topk(q, w, kc, ks, tab, e, vis, TOPK)[0], want)}",
+            lambda q=q, w=w, tab=tab, vis=vis: itk.indexer_topk(q, w, kc, ks, tab, e, vis, TOPK))
 
 
 def sweep_engram(rows, copy):
@@ -509,6 +565,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default=",".join(SWEEPS), help="comma-separated sweeps to run")
     ap.add_argument("--tokens", default=None, help="token counts for the sparse_attention / indexer_topk sweeps")
+    ap.add_argument("--check-only", action="store_true",
+                    help="sparse_attention / indexer_topk: compile and check every variant, time none (warms the cache)")
+    ap.add_argument("--mqa", action="store_true", help="sparse_attention: the opt-in MQA kernel too (last)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/sweep_kernels.py needs a CUDA device", file=sys.stderr)
@@ -516,10 +575,14 @@ def main() -> int:
     copy = copy_gbs()
     rows = [f"copy ceiling {copy:.0f} GB/s"]
     for name in a.only.split(","):
+        kw = {}
         if a.tokens and name in ("sparse_attention", "indexer_topk", "dense", "moe_experts", "moe_decode"):
-            SWEEPS[name](rows, copy, tokens=tuple(int(x) for x in a.tokens.split(",")))
-        else:
-            SWEEPS[name](rows, copy)
+            kw["tokens"] = tuple(int(x) for x in a.tokens.split(","))
+        if name in ("sparse_attention", "indexer_topk"):
+            kw["check_only"] = a.check_only
+        if name == "sparse_attention":
+            kw["mqa"] = a.mqa
+        SWEEPS[name](rows, copy, **kw)
     print("\n".join(rows))
     return 0
 

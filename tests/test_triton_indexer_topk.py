@@ -137,15 +137,21 @@ def test_topk_select_equals_stable_sort(dev, rng):
         masked = s.masked_fill(~valid, float("-inf"))
         want = ref_att._stable_topk_sorted(s, k, valid)
         assert torch.equal(itk.topk_select(masked.to(dev), nv.to(dev), k).cpu(), want), (n, k)
+        for bits in itk.RADIX_BITS_CHOICES:  # every digit width selects the same set, in the same order
+            got = itk.topk_select(masked.to(dev), nv.to(dev), k, radix_bits=bits)
+            assert torch.equal(got.cpu(), want), (n, k, bits)
         # bounded by chunk maxima (as the scores kernel writes them; min_maxima_per_k=0 forces
         # the bound however few they are), and with a survivor buffer too small for the tied
         # rows (those take the whole-row path); the default skips a bound from too few maxima
-        for maxg, cap, per_k in ((1, None, 0), (4, None, 0), (4, 16, 0), (4, None, None)):
+        # the survivors selected on a smaller tile than the row's (survivor_block, or its
+        # full-tile fallback when they outnumber it)
+        for maxg, cap, per_k, sb in ((1, None, 0, None), (4, None, 0, None), (4, 16, 0, None), (4, None, None, None),
+                                     (4, None, 0, 16), (2, None, 0, 32)):
             pad = -(-n // maxg) * maxg - n
             maxima = torch.nn.functional.pad(masked, (0, pad), value=float("-inf")).view(8, -1, maxg).amax(-1)
             got = itk.topk_select(masked.to(dev), nv.to(dev), k, maxima.to(dev), maxg, capacity=cap,
-                                  min_maxima_per_k=per_k)
-            assert torch.equal(got.cpu(), want), (n, k, maxg, cap, per_k)
+                                  min_maxima_per_k=per_k, survivor_block=sb)
+            assert torch.equal(got.cpu(), want), (n, k, maxg, cap, per_k, sb)
 
 
 # ---- kernel -------------------------------------------------------------------------------------
@@ -164,11 +170,14 @@ def test_scores_match_reference(dev, t, h, d, n, rng):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("cfg", [(8, 2, 32, 3, 4), (16, 1, 16, 2, 4), (4, 8, 64, 4, 8)])
+@pytest.mark.parametrize("cfg,rows", [((8, 2, 32, 3, 4), False), ((16, 1, 16, 2, 4), False), ((4, 8, 64, 4, 8), False),
+                                      ((16, 1, 16, 1, 4), True), ((16, 1, 16, 3, 4), True), ((16, 1, 32, 4, 8), True)])
 @pytest.mark.parametrize("layout", ["one_seq", "paged"])
-def test_tile_configs(dev, cfg, layout, rng):
-    """Padded heads, several key blocks per tile (NSUB > 1), skipped invisible blocks; paged:
-    three sequences in scattered blocks of 8 entries, so multi-query tiles mix sequences."""
+def test_tile_configs(dev, cfg, rows, layout, rng):
+    """Padded heads, several key blocks per tile (NSUB > 1), skipped invisible blocks, a token
+    that sees nothing; paged: three sequences in scattered blocks of 8 entries, so multi-query
+    tiles mix sequences. Both scores kernels (rows: one query per tile, the next block's keys
+    loaded ahead); exact inputs, so scores and chunk maxima equal the reference's bit for bit."""
     t, h, d, n = 5, 4, 64, 333
     q, w, codes, kscale = random_inputs(rng, t, h, d, n, exact=True)
     nv = torch.tensor([n, 1, 0, 100, 200])
@@ -178,13 +187,26 @@ def test_tile_configs(dev, cfg, layout, rng):
         seqs = [(codes, kscale), (codes[:120].flip(0), kscale[:120].flip(0)), (codes[100:], kscale[100:])]
         e = 8
         codes, kscale, table = paged(rng, seqs, [0, 1, 2, 1, 2], e)
-        nv = torch.tensor([n, 1, 0, 100, 200])
     args = (q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), table.to(dev), e, nv.to(dev))
-    got = itk.indexer_scores(*args, _cfg=cfg)
+    got = itk.indexer_scores(*args, _cfg=cfg, rows=rows)
     want = itk.indexer_scores_ref(q, w, codes, kscale, table, e)
     valid = torch.arange(want.shape[1]).unsqueeze(0) < nv.unsqueeze(1)
     assert torch.equal(got.cpu()[valid], want[valid])
     assert torch.isneginf(got.cpu()[~valid]).all()
+    s, maxima, maxg = itk._scores(*args, topk=4, _cfg=cfg, rows=rows, maxg=4)  # the chunk maxima it writes
+    pad = -(-want.shape[1] // 4) * 4 - want.shape[1]
+    ref_max = torch.nn.functional.pad(want.masked_fill(~valid, float("-inf")), (0, pad),
+                                      value=float("-inf")).view(t, -1, 4).amax(-1)
+    assert maxg == 4 and torch.equal(maxima.cpu(), ref_max)
+
+
+def test_rows_kernel_is_dense_only():
+    """The one-query-per-tile kernel refuses candidates (the Reindex gather) with one clear error."""
+    q, w, codes, kscale = random_inputs(torch.Generator().manual_seed(0), 2, 4, 64, 16)
+    table, e = one_seq(codes, 2)
+    with pytest.raises(ValueError, match="dense only"):
+        itk.indexer_scores(q, w, codes, kscale, table, e, torch.tensor([16, 16]),
+                           candidates=torch.zeros(2, 3, dtype=torch.long), rows=True)
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -209,11 +231,15 @@ def test_topk_exact_inputs_equal_reference(dev, t, n, k, rng):
 
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("k", [3, 12])
-def test_paged_equals_reference(dev, k, rng):
+@pytest.mark.parametrize("rows_max_t", [0, 64], ids=["tiles", "rows"])
+def test_paged_equals_reference(dev, k, rows_max_t, rng, monkeypatch):
     """Three sequences in scattered blocks of one pool (blocks of 4 entries), tokens of all of
-    them in one launch, a token that sees nothing: top-k and candidate pool equal the
-    reference's paged results exactly (exact scores)."""
+    them in one launch, a token that sees nothing: top-k and candidate pool (from the scores
+    kernel's block maxima) equal the reference's paged results exactly (exact scores), with the
+    multi-query tiles and with the one-query-per-tile kernel as the default scores path."""
+    monkeypatch.setattr(itk, "ROWS_MAX_T", rows_max_t)
     t, n = 7, 90  # k = 3: the select is bounded by maxima of 2-entry chunks
+    assert itk.use_rows_kernel(t, False) == (rows_max_t >= t)
     q, w, codes, kscale = random_inputs(rng, t, 4, 64, n, exact=True)
     seqs = [(codes[:90], kscale[:90]), (codes[10:50], kscale[10:50]), (codes[30:61], kscale[30:61])]
     e = 4
@@ -289,6 +315,12 @@ def test_extreme_key_scales(dev, rng):
     assert tiny.all()  # the subnormal-scale keys are non-zero keys
 
 
+def test_rejects_unknown_radix_width():
+    """A digit width that does not tile the 32-bit keys is refused with one clear error."""
+    with pytest.raises(ValueError, match="radix_bits"):
+        itk.topk_select(torch.zeros(1, 8), torch.tensor([8]), 2, radix_bits=5)
+
+
 def test_rejects_bad_block_table(rng):
     q, w, codes, kscale = random_inputs(rng, 2, 4, 64, 16)
     with pytest.raises(ValueError, match="block_table"):
@@ -297,9 +329,12 @@ def test_rejects_bad_block_table(rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", DEVICES[1:])
-@pytest.mark.parametrize("t,n", [(1, 4096), (3, 5000), (40, 2000), (64, 8192)])
-def test_benchmark_widths_gpu(dev, t, n, rng):
-    """Mini-preset widths: 32 heads x 128, top-512; two sequences in blocks of 64 entries."""
+@pytest.mark.parametrize("t,n", [(1, 4096), (3, 5000), (40, 2000), (64, 8192), (1, 65536)])
+@pytest.mark.parametrize("rows", [False, True], ids=["tiles", "rows"])
+def test_benchmark_widths_gpu(dev, t, n, rows, rng, monkeypatch):
+    """Mini-preset widths: 32 heads x 128, top-512; two sequences in blocks of 64 entries; the
+    multi-query tiles and the one-query-per-tile kernel (rows) as the default scores path."""
+    monkeypatch.setattr(itk, "ROWS_MAX_T", 1 << 20 if rows else 0)
     q, w, codes, kscale = random_inputs(rng, t, 32, 128, n)
     e = 64
     pc, ps, table = paged(rng, [(codes, kscale), (codes[: n // 2], kscale[: n // 2])],
@@ -370,7 +405,8 @@ def block_maxima(scores, n_visible, block):
 
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("block,n_blocks", [(4, 3), (8, 5), (2, 40)])
-def test_pool_select_equals_candidate_pool(dev, block, n_blocks, rng):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pool_select_equals_candidate_pool(dev, block, n_blocks, bits, rng):
     """The Triton candidate pool equals `reference.attention.candidate_pool`: tied block maxima
     (to the older block), the newest partial block forced in, nothing visible, fewer reachable
     blocks than the pool holds, and a row whose pool is a strict subset."""
@@ -379,7 +415,7 @@ def test_pool_select_equals_candidate_pool(dev, block, n_blocks, rng):
     nv = torch.tensor([70, 0, 1, 13, 33, 64])
     s = s.masked_fill(torch.arange(n).unsqueeze(0) >= nv.unsqueeze(1), float("-inf"))
     want = ref_att.candidate_pool(s, nv, n_blocks, block)
-    got = itk.pool_select(block_maxima(s, nv, block).to(dev), nv.to(dev), n, n_blocks, block)
+    got = itk.pool_select(block_maxima(s, nv, block).to(dev), nv.to(dev), n, n_blocks, block, radix_bits=bits)
     assert torch.equal(got.cpu(), want)
 
 

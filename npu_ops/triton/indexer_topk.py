@@ -27,6 +27,10 @@ order differs from the reference (which sums in fp64). Arbitrary fp32 queries wo
 to bf16 (~3 significant digits) - outside the contract. Under TRITON_INTERPRET=1 bf16 math is
 broken, so the interpreter runs the same dots in fp32 (input_precision="ieee").
 
+Decode shapes (`_indexer_rows_kernel`, dense, up to ROWS_MAX_T queries): a tile is one query by
+NSUB key blocks, each query reading its own rows, and the next block's pool rows and key bytes
+are loaded while the current block is scored (same arithmetic, `_byte_scores`).
+
 Selection (`_topk_select_kernel`, dense path): a program per query row finds the K-th largest
 score by radix select over order-preserving int32 keys (-0.0 folded into +0.0; one pass per
 RADIX_BITS-bit digit, `tl.histogram`), then one ordered pass keeps the scores above it and the
@@ -102,20 +106,29 @@ def _e2m1_value(c):
 
 
 @triton.jit
-def _key_scores(q_even, q_odd, wh, code_ptr, scale_ptr, rows, kvalid,
-                DH: tl.constexpr, DHP: tl.constexpr, NQ: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr,
-                LOWP: tl.constexpr, code_stride, scale_stride):
-    """Scores [NQ, BLOCK_N] of NQ queries (rows [NQ * HP, DHP] of even / odd channels, head
-    weights wh) against the MXFP4 keys at pool rows `rows` [BLOCK_N] (int64; kvalid masks).
-    Key rows are one contiguous load of [BLOCK_N, DHP/16, 16] bytes (int8, masked to 0..255;
-    16 bytes = one 32-channel scale group), so each E8M0 scale is loaded once per group."""
+def _key_bytes(code_ptr, scale_ptr, rows, kvalid, DH: tl.constexpr, DHP: tl.constexpr, code_stride, scale_stride):
+    """The stored MXFP4 keys at pool rows `rows` [BLOCK_N] (int64; kvalid masks): code bytes
+    [BLOCK_N, DHP/16, 16] (one contiguous load; 16 bytes = one 32-channel scale group) and
+    E8M0 scale bytes [BLOCK_N, DHP/16], as loaded (int8: a byte a value while in flight;
+    masked: codes 0, scales 127)."""
     g = tl.arange(0, DHP // 16)
     e = tl.arange(0, 16)
     byte = (g * 16)[None, :, None] + e[None, None, :]
     km = kvalid[:, None, None] & (byte < DH)
-    b = tl.load(code_ptr + rows[:, None, None] * code_stride + byte, mask=km, other=0).to(tl.int32) & 0xFF
+    b = tl.load(code_ptr + rows[:, None, None] * code_stride + byte, mask=km, other=0)
     e8 = tl.load(scale_ptr + rows[:, None] * scale_stride + g[None, :], mask=kvalid[:, None] & (g < DH // 16)[None, :],
-                 other=127).to(tl.int32) & 0xFF
+                 other=127)
+    return b, e8
+
+
+@triton.jit
+def _byte_scores(q_even, q_odd, wh, b, e8, DHP: tl.constexpr, NQ: tl.constexpr, HP: tl.constexpr,
+                 BLOCK_N: tl.constexpr, LOWP: tl.constexpr):
+    """Scores [NQ, BLOCK_N] of NQ queries (rows [NQ * HP, DHP] of even / odd channels, head
+    weights wh) against keys given as their stored bytes (`_key_bytes`): E2M1 nibbles and E8M0
+    scales decoded with bit ops, two MMAs (even / odd channels), relu, weights, sum over heads."""
+    b = b.to(tl.int32) & 0xFF  # int8 loads (Ascend takes no uint8 pointers) back to 0..255
+    e8 = e8.to(tl.int32) & 0xFF
     scale = tl.where(e8 > 0, (e8 << 23).to(tl.float32, bitcast=True), _SCALE_2M127)[:, :, None]
     k_lo = tl.reshape(_e2m1_value(b & 15) * scale, [BLOCK_N, DHP])  # even channels
     k_hi = tl.reshape(_e2m1_value(b >> 4) * scale, [BLOCK_N, DHP])  # odd channels
@@ -127,6 +140,16 @@ def _key_scores(q_even, q_odd, wh, code_ptr, scale_ptr, rows, kvalid,
         acc = tl.dot(q_odd, tl.trans(k_hi), acc, input_precision="ieee")
     rel = tl.maximum(acc, 0.0) * wh[:, None]
     return tl.sum(tl.reshape(rel, (NQ, HP, BLOCK_N)), axis=1)
+
+
+@triton.jit
+def _key_scores(q_even, q_odd, wh, code_ptr, scale_ptr, rows, kvalid,
+                DH: tl.constexpr, DHP: tl.constexpr, NQ: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr,
+                LOWP: tl.constexpr, code_stride, scale_stride):
+    """Scores [NQ, BLOCK_N] of NQ queries against the MXFP4 keys at pool rows `rows` [BLOCK_N]
+    (int64; kvalid masks): `_key_bytes` then `_byte_scores`."""
+    b, e8 = _key_bytes(code_ptr, scale_ptr, rows, kvalid, DH, DHP, code_stride, scale_stride)
+    return _byte_scores(q_even, q_odd, wh, b, e8, DHP, NQ, HP, BLOCK_N, LOWP)
 
 
 @triton.jit
@@ -225,6 +248,70 @@ def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_pt
                          mask=tmask[:, None] & (gc < G)[None, :])
 
 
+@triton.jit
+def _row_keys(table_ptr, code_ptr, scale_ptr, tq, cols, nv, NB, E, DH: tl.constexpr, DHP: tl.constexpr,
+              code_stride, scale_stride):
+    """Query tq's entries `cols` [BLOCK_N]: visibility (cols < nv) and the stored key bytes of
+    their pool rows (block table, then the rows: `_key_bytes`)."""
+    vis = cols < nv
+    blk = tl.load(table_ptr + tq.to(tl.int64) * NB + cols // E, mask=vis, other=0).to(tl.int64)
+    b, e8 = _key_bytes(code_ptr, scale_ptr, blk * E + cols % E, vis, DH, DHP, code_stride, scale_stride)
+    return b, e8, vis
+
+
+@triton.jit
+def _indexer_rows_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_ptr, out_ptr, max_ptr,
+                         T, NC, NB, E, G, n_nc, n_tiles, num_programs, code_stride, scale_stride,
+                         H: tl.constexpr, HP: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr,
+                         BLOCK_N: tl.constexpr, NSUB: tl.constexpr, LOWP: tl.constexpr, MAXG: tl.constexpr):
+    """Dense scores at decode shapes: a tile is one query (its heads padded to HP >= 16 rows) by
+    NSUB blocks of BLOCK_N entries, tiles walked by a 1-D persistent loop. Each query reads its
+    own rows (no test whether the tile's queries share them), and the next block's pool rows
+    and key bytes are loaded while the current block is scored, so a program keeps a load in
+    flight instead of waiting on one chain of dependent loads per block. Same arithmetic as
+    `_indexer_scores_kernel` (`_byte_scores`); tiles wholly past n_visible compute nothing."""
+    pid = tl.program_id(0)
+    cn = tl.arange(0, BLOCK_N)
+    for tile in range(pid, n_tiles, num_programs):
+        tq = tile // n_nc + tl.zeros([], dtype=tl.int32)  # a tensor also under the interpreter
+        n0 = (tile - tq * n_nc) * (NSUB * BLOCK_N)
+        nv = tl.minimum(tl.load(nvis_ptr + tq).to(tl.int32), NC)
+        orow = out_ptr + tq.to(tl.int64) * NC
+        mrow = max_ptr + tq.to(tl.int64) * G
+        if n0 < nv:
+            q_even, q_odd, wh = _load_queries(q_ptr, w_ptr, tq, T, H, HP, DH, DHP, 1, LOWP)
+            b, e8, vis = _row_keys(table_ptr, code_ptr, scale_ptr, tq, n0 + cn, nv, NB, E, DH, DHP,
+                                   code_stride, scale_stride)
+            for sub in tl.static_range(NSUB):
+                if sub + 1 < NSUB:  # in flight while this block is scored
+                    b_n, e8_n, vis_n = _row_keys(table_ptr, code_ptr, scale_ptr, tq, n0 + (sub + 1) * BLOCK_N + cn,
+                                                 nv, NB, E, DH, DHP, code_stride, scale_stride)
+                s = _byte_scores(q_even, q_odd, wh, b, e8, DHP, 1, HP, BLOCK_N, LOWP)
+                s = tl.where(vis[None, :], s, float("-inf"))
+                _store_row_scores(orow, mrow, s, n0 + sub * BLOCK_N, NC, G, BLOCK_N, MAXG)
+                if sub + 1 < NSUB:
+                    b, e8, vis = b_n, e8_n, vis_n
+        else:
+            for sub in tl.static_range(NSUB):
+                _store_row_scores(orow, mrow, tl.full([1, BLOCK_N], float("-inf"), dtype=tl.float32),
+                                  n0 + sub * BLOCK_N, NC, G, BLOCK_N, MAXG)
+
+
+@triton.jit
+def _store_row_scores(orow, mrow, s, c0, NC, G, BLOCK_N: tl.constexpr, MAXG: tl.constexpr):
+    """One query's scores s [1, BLOCK_N] at entries c0 .. c0 + BLOCK_N, and (MAXG > 0) their
+    maxima over every MAXG entries."""
+    cols = c0 + tl.arange(0, BLOCK_N)
+    tl.store(orow + cols[None, :], s, mask=(cols < NC)[None, :])
+    if MAXG > 0:
+        if MAXG == 1:
+            mx = s
+        else:
+            mx = tl.max(tl.reshape(s, (1, BLOCK_N // MAXG, MAXG)), axis=2)
+        gc = c0 // MAXG + tl.arange(0, BLOCK_N // MAXG)
+        tl.store(mrow + gc[None, :], mx, mask=(gc < G)[None, :])
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -260,6 +347,27 @@ def _config(t: int, h: int, nc: int, gather: bool, device) -> tuple[int, int, in
     return hp, bt, bn, nsub, 8
 
 
+def _rows_config(t: int, h: int, nc: int, device) -> tuple[int, int, int, int, int]:
+    """(HP, 1, BLOCK_N, NSUB, num_warps) for `_indexer_rows_kernel`: one query per tile, heads
+    padded to >= 16 rows, NSUB blocks per tile so that the tiles about fill the workers once
+    (at most ROWS_NSUB_MAX blocks)."""
+    from .launch import interpreting, num_workers
+
+    hp = max(16, _pow2(h))
+    bn = 64 if interpreting() or torch.device(device).type == "npu" else ROWS_BLOCK_N
+    blocks = t * -(-nc // bn)
+    nsub = 1
+    while nsub < ROWS_NSUB_MAX and blocks >= 2 * nsub * num_workers(device, "cube"):
+        nsub *= 2
+    return hp, 1, bn, nsub, ROWS_WARPS
+
+
+def use_rows_kernel(t: int, gather: bool) -> bool:
+    """Whether the dense scores of t queries go to `_indexer_rows_kernel` (decode shapes:
+    t <= ROWS_MAX_T) rather than the multi-query tiles of `_indexer_scores_kernel`."""
+    return not gather and t <= ROWS_MAX_T
+
+
 def ub_tiles(shape: tuple, d: int, maxg: int = 1) -> dict[str, tuple[int, ...]]:
     """Live tiles of one scores program at its peak (shape = `tile_shape(...)`, index head dim
     d): the queries (loaded pairs, two halves), head weights, the block table rows, the key
@@ -290,18 +398,22 @@ def sort_rows(kp: int, on_npu: bool) -> int:
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
                    block_table: torch.Tensor, entries_per_block: int, n_visible: torch.Tensor | None,
-                   candidates: torch.Tensor | None = None, _cfg: tuple | None = None) -> torch.Tensor:
+                   candidates: torch.Tensor | None = None, _cfg: tuple | None = None,
+                   rows: bool | None = None) -> torch.Tensor:
     """Indexer scores [T, N] over each token's N = nb * E entries (dense; entries >= n_visible[t]
     are -inf) or [T, P] over the candidate entry ids (-1 padding is -inf), fp32, with the keys
-    read in place from the pool through the per-token block tables. Requires triton."""
+    read in place from the pool through the per-token block tables. `rows` (dense): one query
+    per tile (`_indexer_rows_kernel`); None: `use_rows_kernel`. Requires triton."""
     return _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, candidates,
-                   _cfg=_cfg)[0]
+                   _cfg=_cfg, rows=rows)[0]
 
 
 def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, candidates=None,
-            topk: int = 0, _cfg: tuple | None = None, maxg: int | None = None):
+            topk: int = 0, _cfg: tuple | None = None, maxg: int | None = None, rows: bool | None = None):
     """`indexer_scores` plus, when topk > 0 (dense), the chunk maxima that bound the top-k
-    select: (scores, maxima [T, ceil(N / maxg)] or None, maxg)."""
+    select: (scores, maxima [T, ceil(N / maxg)] or None, maxg). `_cfg` fixes the tiles of the
+    chosen kernel (`_config`'s tuple; with rows, (HP, 1, BLOCK_N, NSUB, warps)); a `_cfg` without
+    `rows` keeps the multi-query kernel (the batch-invariant mode's fixed tiles)."""
     from .launch import as_int8, grid_for, interpreting
 
     t, h, d = q.shape
@@ -326,7 +438,18 @@ def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_
     out = torch.empty(t, nc, dtype=torch.float32, device=q.device)
     if t == 0 or nc == 0:
         return out, None, 0
-    hp, bt, bn, nsub, warps = _cfg or _config(t, h, nc, gather, q.device)
+    if rows is None:
+        rows = _cfg is None and use_rows_kernel(t, gather)
+    if rows and gather:
+        raise ValueError("the one-query-per-tile scores kernel is dense only (no candidates)")
+    if _cfg is not None:
+        hp, bt, bn, nsub, warps = _cfg
+    elif rows:
+        hp, bt, bn, nsub, warps = _rows_config(t, h, nc, q.device)
+    else:
+        hp, bt, bn, nsub, warps = _config(t, h, nc, gather, q.device)
+    if rows and (bt != 1 or hp < max(16, h)):
+        raise ValueError(f"rows tiles take one query and all its heads padded to >= 16 rows, got {_cfg}")
     if gather or topk <= 0:
         maxg = 0
     elif maxg is None:
@@ -343,6 +466,13 @@ def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_
     cand = candidates.contiguous() if gather else table  # unused pointer when dense
     nvis = n_visible.contiguous() if not gather else table
     extra = {} if interpreting() else {"num_warps": warps}
+    if rows:
+        _indexer_rows_kernel[(grid,)](
+            q.contiguous(), weights.contiguous(), codes, scales, table, nvis, out, maxima,
+            t, nc, nb, e, g, n_nc, n_tiles, grid, codes.stride(0), scales.stride(0),
+            H=h, HP=hp, DH=d // 2, DHP=_pow2(d // 2), BLOCK_N=bn, NSUB=nsub, LOWP=not interpreting(), MAXG=maxg,
+            **extra)
+        return out, (maxima if maxg else None), maxg
     _indexer_scores_kernel[(grid,)](
         q.contiguous(), weights.contiguous(), codes, scales, table, nvis, cand, out, maxima,
         t, nc, nb, e, g, n_nc, n_tiles, grid, codes.stride(0), scales.stride(0),
@@ -470,7 +600,8 @@ def _sort_row(stage, n, orow, KOUT, KP: tl.constexpr, RB: tl.constexpr):
 def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr, surv_p_ptr, cand_ptr, stage_ptr,
                         T, N, G, K, KOUT, num_programs,
                         MAXG: tl.constexpr, CAP: tl.constexpr, USE_MAX: tl.constexpr, BLOCK: tl.constexpr,
-                        RADIX_BITS: tl.constexpr, MAP: tl.constexpr, KP: tl.constexpr, RB: tl.constexpr):
+                        RADIX_BITS: tl.constexpr, MAP: tl.constexpr, KP: tl.constexpr, RB: tl.constexpr,
+                        SBLOCK: tl.constexpr):
     """Per query row t (persistent loop): the K largest of scores[t, :n_visible[t]] (ties to the
     lower entry id) as ascending entry ids in out[t, :KOUT], -1 padded.
 
@@ -481,7 +612,8 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
        in entry order (a running prefix sum) into the row's survivor buffer (CAP entries;
        typically a little over K of them). Only those chunks' scores are read.
     3. The K-th largest survivor by radix select, then one ordered pass over the survivors takes
-       those above it and the first ones equal to it: ascending ids without a sort.
+       those above it and the first ones equal to it: ascending ids without a sort. Up to SBLOCK
+       (<= BLOCK) survivors, both run on tiles of SBLOCK values (a radix pass costs its tile).
     Rows without maxima, with fewer than K chunks, or whose survivors overflow CAP (many ties at
     the bound) run step 3 on the whole row.
     MAP (Reindex: the row's columns are candidates, cand_ptr [T, N] entry ids, -1 padding scored
@@ -539,7 +671,10 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
                         tl.store(srow + pos, x, mask=ok)
                         tl.store(prow + pos, ent, mask=ok)
                         cnt += tl.sum(keep, axis=0)
-            if cnt <= CAP:
+            if SBLOCK < BLOCK and cnt <= SBLOCK:
+                thr, need = _kth_key(srow, cnt, K, SBLOCK, RADIX_BITS)
+                _take_ordered(srow, prow, cnt, thr, need, orow, crow, SBLOCK, True, False)
+            elif cnt <= CAP:
                 thr, need = _kth_key(srow, cnt, K, BLOCK, RADIX_BITS)
                 _take_ordered(srow, prow, cnt, thr, need, orow, crow, BLOCK, True, False)
             else:
@@ -597,12 +732,15 @@ def _pool_kernel(max_ptr, nvis_ptr, out_ptr, work_ptr, T, N, G, NBLK, OUTW, num_
             n_eq += tl.sum(eq, axis=0)
 
 
-def pool_select(maxima: torch.Tensor, n_visible: torch.Tensor, n: int, n_blocks: int, block: int) -> torch.Tensor:
+def pool_select(maxima: torch.Tensor, n_visible: torch.Tensor, n: int, n_blocks: int, block: int,
+                radix_bits: int | None = None) -> torch.Tensor:
     """`reference.attention.candidate_pool` (scores [T, n]) from the scores' block maxima [T,
     ceil(n / block)] (one per `block` entries, invisible entries excluded) in one Triton launch:
-    [T, min(n_blocks, blocks) * block] int64 entry ids, -1 padded. `block` a power of two."""
+    [T, min(n_blocks, blocks) * block] int64 entry ids, -1 padded. `block` a power of two;
+    `radix_bits` as `topk_select`'s."""
     from .launch import grid_for, interpreting
 
+    radix = _radix_bits(radix_bits)
     t, g = maxima.shape
     if block & (block - 1) or g != -(-n // block):
         raise ValueError(f"block maxima {tuple(maxima.shape)} do not fit {n} entries in blocks of {block} "
@@ -616,8 +754,16 @@ def pool_select(maxima: torch.Tensor, n_visible: torch.Tensor, n: int, n_blocks:
     grid = grid_for(t, maxima.device)
     extra = {} if interpreting() else {"num_warps": SELECT_WARPS}
     _pool_kernel[(grid,)](maxima.contiguous(), n_visible.contiguous(), out, work, t, n, g, n_blocks, out.shape[1],
-                          grid, B=block, BLOCK=max(blk // block, 16), RADIX_BITS=RADIX_BITS, **extra)
+                          grid, B=block, BLOCK=max(blk // block, 16), RADIX_BITS=radix, **extra)
     return out
+
+
+def _radix_bits(bits: int | None) -> int:
+    """The radix select's digit width: `bits`, or the module default RADIX_BITS, checked."""
+    bits = RADIX_BITS if bits is None else int(bits)
+    if bits not in RADIX_BITS_CHOICES:
+        raise ValueError(f"radix_bits must be one of {RADIX_BITS_CHOICES} (digits that tile 32 bits), got {bits}")
+    return bits
 
 
 def select_chunk(n: int, k: int, block_n: int, per_k: int | None = None) -> int:
@@ -634,7 +780,8 @@ def select_chunk(n: int, k: int, block_n: int, per_k: int | None = None) -> int:
 def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, maxima: torch.Tensor | None = None,
                 maxg: int = 1, *, candidates: torch.Tensor | None = None, block: int | None = None,
                 capacity: int | None = None, num_warps: int | None = None,
-                min_maxima_per_k: int | None = None) -> torch.Tensor:
+                min_maxima_per_k: int | None = None, radix_bits: int | None = None,
+                survivor_block: int | None = None) -> torch.Tensor:
     """The reference's `_stable_topk_sorted(scores, k, arange < n_visible)` for finite visible
     scores, in one Triton launch (a program per query row, no host sync): [T, min(k, N)] int64.
     `maxima` [T, ceil(N / maxg)]: each row's maximum over every `maxg` entries (entries past
@@ -643,9 +790,13 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     select is cheaper).
     With `candidates` [T, N] (entry ids, -1 padding whose scores are -inf; n_visible unused):
     the Reindex selection, `_stable_topk_sorted(scores, k, candidates >= 0)` mapped through
-    the candidates and sorted by entry id (-1 padded), as `reference.attention.indexer_topk`."""
+    the candidates and sorted by entry id (-1 padded), as `reference.attention.indexer_topk`.
+    `radix_bits`: the radix select's digit width (RADIX_BITS_CHOICES; default RADIX_BITS).
+    `survivor_block`: the tile of the bounded path's survivor select (a power of two >= k, at
+    most `block`; default SELECT_SURVIVOR_BLOCK, 0 = `block`)."""
     from .launch import grid_for, interpreting
 
+    radix = _radix_bits(radix_bits)
     t, n = scores.shape
     kout = min(k, n)
     out = torch.empty(t, kout, dtype=torch.long, device=scores.device)
@@ -658,6 +809,10 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
         raise ValueError(f"candidates {tuple(candidates.shape)} do not match scores {tuple(scores.shape)}")
     if not mapped and n_visible is None:
         raise ValueError("topk_select needs n_visible (or candidates)")
+    sblk = SELECT_SURVIVOR_BLOCK if survivor_block is None else survivor_block
+    sblk = blk if not sblk else min(sblk, blk)
+    if sblk & (sblk - 1):
+        raise ValueError(f"survivor_block {sblk} must be a power of two")
     per_k = SELECT_MAXIMA_MIN_PER_K if min_maxima_per_k is None else min_maxima_per_k
     use_max = maxima is not None and not mapped and maxg > 1 and maxima.shape[1] >= per_k * k
     if use_max and (blk % maxg or maxima.shape[0] != t):
@@ -674,8 +829,8 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     _topk_select_kernel[(grid,)](scores.contiguous(), maxima.contiguous() if use_max else scores,
                                  nvis, out, chunks, surv_s, surv_p, cand, stage, t, n, g, k, kout, grid,
                                  MAXG=maxg if use_max else 1, CAP=cap, USE_MAX=use_max, BLOCK=blk,
-                                 RADIX_BITS=RADIX_BITS, MAP=mapped, KP=_pow2(kout),
-                                 RB=sort_rows(_pow2(kout), scores.device.type == "npu"), **extra)
+                                 RADIX_BITS=radix, MAP=mapped, KP=_pow2(kout),
+                                 RB=sort_rows(_pow2(kout), scores.device.type == "npu"), SBLOCK=sblk, **extra)
     return out
 
 
@@ -687,7 +842,14 @@ SELECT_MAXIMA_PER_K = 8  # chunk maxima per row, in units of k
 SORT_ROWS = 32  # ids ranked at a time when the Reindex selection is put in entry-id order
 SORT_ELEMS_NPU = 4096  # the comparison tile's elements on Ascend (unified buffer)
 SELECT_MAXIMA_MIN_PER_K = 4  # fewer chunk maxima than this many k: the bound would keep most scores
+# the survivor select's tile (0: SELECT_BLOCK; see topk_select): at 64K entries and k = 512 about
+# 500-600 scores survive the chunk-maxima bound, so a 1024 tile does a quarter of the radix work;
+# H200, T=1 at 64K, the whole op (with the rows scores kernel): 49.7 -> 41.5 us (2026-12-01)
+SELECT_SURVIVOR_BLOCK = 1024
 RADIX_BITS = RADIX_BITS_DEFAULT
+# 8 passes of 2 * 16 bins, or 4 passes of 2 * 256 bins; on the H200 (T=1, 64K) 8-bit digits were
+# slower, 78.2 against 52.4 us for the whole op (tl.histogram's cost grows with its bins)
+RADIX_BITS_CHOICES = (4, 8)
 
 
 # ---- selection (torch) ------------------------------------------------------------------------
@@ -775,6 +937,16 @@ def _indexer_topk_rows(q, weights, key_codes, key_scale, block_table, entries_pe
     return idx, _candidate_pool(s, n_visible, pool_blocks, pool_block_size)
 
 
+# `_indexer_rows_kernel` (one query per tile, the next block's keys loaded ahead): used for the
+# dense scores of up to ROWS_MAX_T queries; tiles of NSUB (<= ROWS_NSUB_MAX) blocks of
+# ROWS_BLOCK_N entries, ROWS_WARPS warps. H200 (2026-12-01, 64K context, CUDA-graph time): the
+# scores at T=1 15.4 -> 12.7 us, at T=64 tokens of different sequences 1567 -> 426 us (the
+# multi-query tiles' per-query path); benchmarks/RESULTS.md. Above ROWS_MAX_T (prefill chunks
+# of one sequence) the multi-query tiles decode each key block once for several queries.
+ROWS_MAX_T = 64
+ROWS_BLOCK_N = 128
+ROWS_NSUB_MAX = 8
+ROWS_WARPS = 8
 # queries x entries of fp32 scores per chunk of a long prefill (256 MiB)
 SCORE_CHUNK_ELEMS = 1 << 26
 

@@ -38,8 +38,8 @@ How it runs:
   nibbles interleaved back with join + reshape), and serve as K (q.k^T) and as V (p.V); q is
   loaded once per tile; the next block's index row and stored bytes are loaded while the
   current block is computed (AHEAD). Compiled on CUDA, E4M3 goes through the hardware
-  conversion. Not measured on the H200 yet (see `CONFIGS`).
-- Per-backend tile tables (`config_for`): at decode shapes (T <= 16 on the H200) CUDA takes
+  conversion. Wrong results on the H200 (see `CONFIGS`): not for use on CUDA.
+- Per-backend tile tables (`config_for`): at decode shapes (T <= 66 on the H200) CUDA takes
   all 64 heads with 128-channel contraction / output blocks and one split per entry block;
   otherwise CUDA keeps whole 512-wide rows and all 64 heads in one tile (MQA:
   each decoded row serves every head; M = 64 is one wgmma tile; q stays in shared memory);
@@ -71,10 +71,14 @@ CONFIGS = {
     # cuda at decode shapes (few tokens): all 64 heads per tile (wgmma M = 64, 4 warps = one warp
     # group), the contraction and the output channels in blocks of 128, one split per entry
     # block (flash-decoding): a T=1 step is 4 channel blocks x 20 splits = 80 programs. H200
-    # sweep (T=1, 64K, CUDA-graph time, with the combine): this 13.9 us; 16-head tiles with
-    # 128 / 256-channel blocks and 8 warps 28.6 / 23.0 us; 16-head whole rows 23.3 us. At T=64
-    # 16-head tiles took 322 us (whole rows) / 995 us (128-channel blocks) and this entry is
-    # unmeasured, so T > 16 keeps the prefill table (DECODE_FILL_FRACTION).
+    # sweep (T=1, 64K, CUDA-graph time, with the combine): this 13.9 us (13.4-13.6 on
+    # 2026-12-01); 16-head tiles with 128 / 256-channel blocks and 8 warps 28.6 / 23.0 us;
+    # 16-head whole rows 23.3 us; on 2026-12-01 every neighbour was slower: BLOCK_N 16 15.5,
+    # BLOCK_N 64 19.4, 2 blocks per split 19.5, 8 warps 16.0, 256-channel contraction (8 warps)
+    # 15.5, 256-channel output blocks (8 warps) 18.1, both 256 at BLOCK_N 16 15.1 us. At T=64
+    # (4K) this entry took 159.9 us against 269.3 for the prefill table, at T=8 41.6 against
+    # 108.1, so it serves up to 66 tokens (DECODE_FILL_FRACTION). num_stages=1 (BLOCK_N 16)
+    # gave wrong results, then an illegal address (triton 3.6).
     "cuda_decode": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=4, num_stages=2,
                         QK_T=False, min_blocks_per_split=1),
     # cuda_mqa (opt-in, `MQA=True`): `_mqa_kernel`, whole rows decoded once as K and V (hardware
@@ -82,17 +86,23 @@ CONFIGS = {
     # Correct under both interpreters; compiled for sm_90a on a CPU (triton 3.7.1, ptxas -v,
     # benchmarks/ptxas_usage.py): 255 registers and 20-56 bytes of spill at BLOCK_N 16 / 8 warps
     # (BLOCK_N 32: 272 bytes; the "cuda" entry above: 1152 bytes, the decode entry: 128). On the
-    # H200 (2026-12-01) it passed the small-shape GPU tests but FAULTED (illegal memory access)
-    # at model widths (64 heads x 512) over a 64K context, with and without AHEAD; the cause is
-    # not found (next step: compute-sanitizer on that test). Not the default; not for use on CUDA.
+    # H200 (triton 3.6, 2026-12-01) it FAULTED (illegal memory access) at model widths (64 heads
+    # x 512) over a 64K context with this entry (8 warps, one stage), with and without AHEAD.
+    # With 4 warps (any of 1-3 stages) its results are wrong already at 4 heads x 64 (max error
+    # = max |reference|), with no bad access under compute-sanitizer's memcheck (64 x 512, 64K)
+    # and no shared-memory hazard under racecheck (4 x 64); 8 warps, 3 stages was right there.
+    # The decode kernel above, compiled with one stage at BLOCK_N 16, failed the same two ways,
+    # so the cause looks like code generation (warps / stages), not an index. Not the default;
+    # not for use on CUDA.
     "cuda_mqa": dict(BLOCK_H=64, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=1, MQA=True,
                      AHEAD=True, min_blocks_per_split=1),
     "npu": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=None, min_blocks_per_split=2),
     "interp": dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=None, min_blocks_per_split=1),
 }
 # a backend's "<key>_decode" entry is used when the main entry's tiles (tokens x head blocks)
-# would occupy at most 1 / DECODE_FILL_FRACTION of the workers (T <= 16 on the H200's 132 SMs)
-DECODE_FILL_FRACTION = 8
+# would occupy at most 1 / DECODE_FILL_FRACTION of the workers (T <= 66 on the H200's 132 SMs:
+# the decode entry won at T = 1, 8 and 64; the prefill table stays for prefill chunks)
+DECODE_FILL_FRACTION = 2
 COMBINE_ELEMS = 4096  # partial-accumulator elements a combine tile loads at once (splits x channels)
 
 
