@@ -286,6 +286,17 @@ def test_fp8_decode_switch(monkeypatch):
     assert f8 == [{"f16": False, "bm": None, "qdq_row": None}]
     bl.linear(torch.randn(17, 64).to(torch.bfloat16), w, s)  # past maxm: the fold path
     assert len(f8) == 1 and bl.fp8_decode_mode() == ("fp8mma", {"max_m": 16})  # the cached choice unchanged
+    rows, xs = [], []
+    monkeypatch.setattr(bl, "_launch_row_gemv", lambda *a, **kw: rows.append(kw))
+    monkeypatch.setattr(bl, "_launch_fold_xs", lambda *a, **kw: xs.append(kw))
+    monkeypatch.setattr(bl, "_FP8_DECODE", [])
+    monkeypatch.setenv("DSV41_FP8_DECODE", "rows:rs=2,rpp=8")
+    bl.linear(x, w, s)  # one row: the rows kernel with its settings
+    assert rows == [{"rs": 2, "rpp": 8}] and not xs
+    bl.linear(torch.randn(2, 64).to(torch.bfloat16), w, s)  # two rows: xscale, default tiles
+    w7, s7 = quant.fp8_block_quant(torch.randn(40, 224))  # K / 4 = 56 = 32 + 16 + 8: not the rows kernel's
+    bl.linear(torch.randn(1, 224).to(torch.bfloat16), w7, s7)
+    assert len(rows) == 1 and xs == [{"place": False, "qdq_row": None}] * 2
 
 
 @pytest.mark.gpu

@@ -426,13 +426,14 @@ def _row_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, KW, s_stride, rows_per_pro
     n_lo = pid * rows_per_prog
     n_hi = tl.minimum(n_lo + rows_per_prog, N)
     sw_row = s_ptr + (n_lo // 32) * s_stride
-    xa0, xa1, xa2, xa3 = _row_xs(x_ptr, sw_row, 0, BWA)
     rr = tl.arange(0, RS)
     rows = n_lo + rr
+    # the first step's weight loads go out before x's quantisation (its latency hides behind them)
     wa = _row_words(w_ptr, rows, rows < n_hi, 0, KW, BWA)
     if BWB > 0:
-        xb0, xb1, xb2, xb3 = _row_xs(x_ptr, sw_row, BWA, BWB)
         wb = _row_words(w_ptr, rows, rows < n_hi, BWA, KW, BWB)
+        xb0, xb1, xb2, xb3 = _row_xs(x_ptr, sw_row, BWA, BWB)
+    xa0, xa1, xa2, xa3 = _row_xs(x_ptr, sw_row, 0, BWA)
     for n0 in range(n_lo, n_hi, RS):
         nxt = n0 + RS + rr
         wa_next = _row_words(w_ptr, nxt, nxt < n_hi, 0, KW, BWA)
@@ -592,7 +593,7 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
             max_m = xs_tiles.pop("max_m", FOLD_MAX_M if path.endswith("mma") else XS_MAX_M)
             if m > max_m or (m > XS_MAX_M and path in ("xscale", "place", "rows")):
                 path, xs_tiles = "fold", {}
-            elif path == "rows" and m > 1:
+            elif path == "rows" and (m > 1 or not rows_fit(k)):
                 path, xs_tiles = "xscale", {}
         else:
             path = "gemv" if kind != W_DENSE and m <= GEMV_DEFAULT_M else "tiled"
@@ -810,6 +811,14 @@ def _launch_fold_xs(x2, weight, scale, out, *, place: bool, bn=None, bk=None, sp
         MP=mp, BX=bx, BN=bn, BK=bk, **kw)
 
 
+def rows_fit(k: int) -> bool:
+    """Whether the rows path takes in_features k: a multiple of 32 whose K / 4 words are a sum of two
+    powers of two (the kernel's two register parts; every mini / full width is: 5120, 1280, 8192, 2304)."""
+    kw = k // 4
+    rest = kw - (1 << (kw.bit_length() - 1)) if kw else 1
+    return k > 0 and k % 32 == 0 and rest & (rest - 1) == 0 and not 0 < rest < 8
+
+
 def _launch_row_gemv(x2, weight, scale, out, *, rs=None, rpp=None, waves=None, num_warps=None):
     """The M == 1 launch of `_row_gemv_kernel`: one program per `rpp` consecutive weight rows (a
     power of two dividing 32, at least `rs`; by default the least giving at most `waves` programs
@@ -825,7 +834,7 @@ def _launch_row_gemv(x2, weight, scale, out, *, rs=None, rpp=None, waves=None, n
     kw = k // 4
     bwa = 1 << (kw.bit_length() - 1)  # K / 4 words = BWA + BWB, both powers of two (BWB may be 0)
     bwb = kw - bwa
-    if k % 32 or (bwb & (bwb - 1)) or 0 < bwb < 8:
+    if not rows_fit(k):
         raise ValueError(f"rows path: in_features {k} must be a multiple of 32 and 4 x a sum of two powers of "
                          f"two >= 8")
     rs = rs or min(32, 1 << (max(1, cfg["step_bytes"] // k).bit_length() - 1))
