@@ -48,6 +48,7 @@ BIG_M = 64  # batch 64: fold against the MMA variants (xscale / place stop at 8 
 FP32_BOUND = 2e-5
 MHC_T = (1, 2, 8)
 MHC_MODES = ("split", "narrow", "fused", "fused-narrow")
+MHC_OPS = ("mhc_mix", "mhc_mixes")
 ROUTE_T = (1, 2, 4, 8)
 ROUTE_MODES = ("tiled", "small")
 L2_CYCLE_BYTES = 160e6
@@ -193,16 +194,25 @@ def mhc_job(op, t, mode, timed):
     y = torch.randn(t, dim, device=DEV).to(torch.bfloat16)
     post, pre = torch.rand(t, n, device=DEV) * 2, torch.rand(t, n, device=DEV)
     comb = torch.softmax(torch.randn(t, n, n, device=DEV), -1)
+    mode, early = mode.split("+")[0], mode.endswith("+early")  # "+early": mega_mhc's EARLY_LOADS
     fused, narrow = mode.startswith("fused"), mode.endswith("narrow")
+    nw = torch.rand(dim, device=DEV) + 0.5
 
     def call():
         mm._COEF_MODE[:] = [(fused, narrow)]
+        if op == "mhc_mix_norm":  # the model's form: the next sublayer's norm in the epilogue
+            return mm.mhc_mix(x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, its, norm=(nw, 1e-6),
+                              early=early)
         if op == "mhc_mix":
-            return mm.mhc_mix(x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, its)
+            return mm.mhc_mix(x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, its, early=early)
         return mx.mhc_mixes(x, fn, scale, base, 1e-20, 1e-6, its)
 
     got = call()
-    if op == "mhc_mix":
+    if op == "mhc_mix_norm":
+        wn = registry.resolve("rms_norm", "reference")[0](got[1], nw, 1e-6)
+        if rel_err(got[3], wn) > 4e-3:
+            return "rms_norm(x_hat) off the reference", None
+    if op.startswith("mhc_mix") and op != "mhc_mixes":
         want = registry.resolve("mhc_mix", "reference")[0](x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, its)
         coefs, wcoefs = got[2], want[2]
         ok = rel_err(got[0], want[0]) < 4e-3
@@ -256,7 +266,7 @@ def jobs():
                     continue
                 out.append((("linear", name, m, label),
                             lambda timed, name=name, n=n, k=k, m=m, spec=spec: linear_job(name, n, k, m, spec, timed)))
-    for op in ("mhc_mix", "mhc_mixes") if MHC_T else ():
+    for op in MHC_OPS if MHC_T else ():
         for t in MHC_T:
             for mode in MHC_MODES:
                 out.append((("mhc", op, t, mode), lambda timed, op=op, t=t, mode=mode: mhc_job(op, t, mode, timed)))
@@ -275,8 +285,9 @@ def main() -> int:
                     help="the FP8 linears only, the one-row kernel and xscale tile variants (no mHC / router)")
     a = ap.parse_args()
     if a.rows:
-        global LIN_VARIANTS, LIN_M, MHC_T, ROUTE_T, BIG_M
-        LIN_VARIANTS, MHC_T, ROUTE_T, BIG_M = LIN_VARIANTS_ROWS, (), (), None
+        global LIN_VARIANTS, LIN_M, MHC_T, ROUTE_T, BIG_M, MHC_MODES, MHC_OPS
+        LIN_VARIANTS, MHC_T, ROUTE_T, BIG_M = LIN_VARIANTS_ROWS, (1, 2), (), None
+        MHC_MODES, MHC_OPS = ("narrow", "narrow+early"), ("mhc_mix_norm", "mhc_mix")
         LIN_M = LIN_M[:1] + LIN_M[-1:]
         if a.smoke:
             LIN_VARIANTS = [v for v in LIN_VARIANTS if not v[1].startswith("xscale:bk=256")]  # K < 256 there
@@ -368,12 +379,18 @@ def report(res: dict, failed: list) -> int:
         sums = [sum(res.get(("linear", name, m, lbl), math.inf) for name, _, _ in LINEARS) for lbl in labels]
         print(f"| sum | {m} | " + " | ".join(f"{v * 1e6:.1f}" if runs_at(specs[lbl], m) else "-"
                                              for v, lbl in zip(sums, labels)) + " |")
-    if not MHC_T:  # --rows: the one-row winners per shape, no switch line
+    if ROUTE_T == ():  # --rows: the one-row winners per shape and the mHC load order, no switch line
         for name, n, k in LINEARS:
             cands = {lbl: res.get(("linear", name, 1, lbl), math.inf) for lbl in labels}
             best = min(cands, key=cands.get)
             print(f"one row, {name}: fastest {best} {cands[best] * 1e6:.1f} us (xscale "
                   f"{cands.get('xscale', math.inf) * 1e6:.1f})")
+        print("\n| mHC (us, graph) | T | " + " | ".join(MHC_MODES) + " |")
+        print("|---|---|" + "---|" * len(MHC_MODES))
+        for op in MHC_OPS:
+            for t in MHC_T:
+                vals = [res.get(("mhc", op, t, mode)) for mode in MHC_MODES]
+                print(f"| {op} | {t} | " + " | ".join(f"{v * 1e6:.1f}" if v else "FAIL" for v in vals) + " |")
         if failed:
             print(f"\n{len(failed)} checks failed: {failed}")
         return 0
@@ -397,7 +414,7 @@ def report(res: dict, failed: list) -> int:
     print("\n| mHC | T | " + " | ".join(MHC_MODES) + " |")
     print("|---|---|" + "---|" * len(MHC_MODES))
     mt = {mode: 0.0 for mode in MHC_MODES}
-    for op in ("mhc_mix", "mhc_mixes"):
+    for op in MHC_OPS:
         for t in MHC_T:
             vals = [res.get(("mhc", op, t, mode)) for mode in MHC_MODES]
             for mode, v in zip(MHC_MODES, vals):
