@@ -317,6 +317,7 @@ def main() -> int:
             print(f"{key}: fp32-output rel err {calls:.2e}", flush=True)
         elif calls:
             res[key] = graph_median(calls)
+            print(f"timed {key}: {res[key] * 1e6:.1f} us", flush=True)  # (kept if the run is cut short)
     if a.warm:
         print(f"warm part {a.part}: {len(failed)} failed", flush=True)
         return 1 if failed else 0
