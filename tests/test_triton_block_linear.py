@@ -257,7 +257,8 @@ def test_e4m3_placement_ptx_every_code():
 
 def test_fp8_decode_switch(monkeypatch):
     """DSV41_FP8_DECODE: mode and tile settings parsed once, bad values one clear error, and the
-    default dispatch of FP8 weights at M <= XS_MAX_M follows it (more rows keep the fold path)."""
+    default dispatch of FP8 weights at M <= XS_MAX_M follows it (more rows keep the fold path);
+    unset, "rows" with `rows_tiles` by K (xscale from ROWS_MAX_K)."""
     assert bl.parse_fp8_decode("place:bn=128,waves=8,stages=3") == (
         "place", {"bn": 128, "waves": 8, "num_stages": 3})
     assert bl.parse_fp8_decode("") == ("fold", {})
@@ -297,6 +298,14 @@ def test_fp8_decode_switch(monkeypatch):
     w7, s7 = quant.fp8_block_quant(torch.randn(40, 224))  # K / 4 = 56 = 32 + 16 + 8: not the rows kernel's
     bl.linear(torch.randn(1, 224).to(torch.bfloat16), w7, s7)
     assert len(rows) == 1 and xs == [{"place": False, "qdq_row": None}] * 2
+    monkeypatch.setattr(bl, "_FP8_DECODE", [])
+    monkeypatch.delenv("DSV41_FP8_DECODE")  # the default: "rows" with the measured tiles by K
+    assert bl.fp8_decode_mode() == ("rows", {})
+    for k, want in ((1280, {}), (2304, {"rs": 2, "waves": 8}), (5120, {"rs": 2}), (bl.ROWS_MAX_K, None)):
+        wk, sk = quant.fp8_block_quant(torch.randn(32, k))
+        rows.clear(), xs.clear()
+        bl.linear(torch.randn(1, k).to(torch.bfloat16), wk, sk)
+        assert (rows, xs) == (([want], []) if want is not None else ([], [{"place": False, "qdq_row": None}]))
 
 
 @pytest.mark.gpu

@@ -593,8 +593,10 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
             max_m = xs_tiles.pop("max_m", FOLD_MAX_M if path.endswith("mma") else XS_MAX_M)
             if m > max_m or (m > XS_MAX_M and path in ("xscale", "place", "rows")):
                 path, xs_tiles = "fold", {}
-            elif path == "rows" and (m > 1 or not rows_fit(k)):
+            elif path == "rows" and (m > 1 or not rows_fit(k) or k >= ROWS_MAX_K):
                 path, xs_tiles = "xscale", {}
+            elif path == "rows":
+                xs_tiles = dict(rows_tiles(k), **xs_tiles)
         else:
             path = "gemv" if kind != W_DENSE and m <= GEMV_DEFAULT_M else "tiled"
     if path in ("xscale", "place", "fp8mma", "fp16mma", "rows"):
@@ -719,22 +721,38 @@ def _launch_fold(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_k=N
 
 
 # The FP8 decode path, chosen once per process from the environment: DSV41_FP8_DECODE = "fold"
-# (default: `_fold_linear_kernel`), at M <= XS_MAX_M "xscale" (`_fold_xs_kernel`, hardware
+# (`_fold_linear_kernel`), "rows" (the default, see ROWS: one row at K < ROWS_MAX_K, else as
+# "xscale"), at M <= XS_MAX_M "xscale" (`_fold_xs_kernel`, hardware
 # conversion) or "place" (`_fold_xs_kernel`, bit placement), at M <= FOLD_MAX_M "fp8mma"
 # (`_fp8_mma_kernel`, FP8 tensor cores) or "fp16mma" (the same, fp16 MMAs), optionally followed by tile settings and a row limit
-# (more rows take "fold"), e.g. "place:bn=128,waves=8,stages=3,warps=4" or "fp8mma:maxm=8". Default "xscale" (the
-# fold kernel above XS_MAX_M rows): the H200 A/B (benchmarks/dense_ab.py, 2026-12-01) summed the seven mini decode
+# (more rows take "fold"), e.g. "place:bn=128,waves=8,stages=3,warps=4" or "fp8mma:maxm=8". "xscale" (the
+# fold kernel above XS_MAX_M rows; the default before "rows" and its path at 2-8 rows): the H200 A/B (benchmarks/dense_ab.py, 2026-12-01) summed the seven mini decode
 # linears at 1 / 4 / 8 rows to 280 us against 324 for "fold", 353 "place", 354 "fp8mma" (whose fp32 outputs also
 # carry a 4.5e-5 error against 1.2e-7), 432 "fp16mma"; at 64 rows "fold" 205 against 324 for "fp8mma".
 XS_MAX_M = 8
 XS = {"bn": 64, "bk": 128, "num_warps": 4, "num_stages": 4, "waves": 4}
 XS_INTERP = {"bn": 64, "bk": 64}
 FP8_DECODE_MODES = ("fold", "xscale", "place", "fp8mma", "fp16mma", "rows")
-# "rows" (`_row_gemv_kernel`, M == 1 only; 2..8 rows take "xscale"): whole weight rows streamed
-# on the CUDA cores. Tiles: rows per step chosen so that a step loads about step_bytes (K padded
-# to a power of two), rows per program (a divisor of 32) so that about `waves` programs per SM.
+# "rows" (`_row_gemv_kernel`, the default; M == 1 and K < ROWS_MAX_K only, else "xscale" up to 8
+# rows): whole weight rows streamed on the CUDA cores. Tiles (`rows_tiles`): rows per step and
+# programs per SM by K, from the H200 A/B (benchmarks/dense_ab.py --rows, 2026-12-01, graph time,
+# one row; xscale in brackets): K = 1280: 4 rows a step, 4 waves -- wq_b 32768x1280 17.0 us
+# (23.3), idx_wq_b 4096x1280 4.9 (7.0); K = 2304: 2 rows, 8 waves -- 5120x2304 8.4 (10.0);
+# K = 5120: 2 rows, 4 waves -- wq_a 1280x5120 6.9 (7.7), wkv 512x5120 4.7 (5.9), 2304x5120 9.2
+# (10.1). At K = 8192 (wo_b 5120x8192) every rows setting lost: 25.9-32.4 us against 22.3.
 ROWS = {"step_bytes": 8192, "waves": 4, "num_warps": 4}
 ROWS_INTERP = {"step_bytes": 256, "waves": 4}
+ROWS_MAX_K = 8192
+
+
+def rows_tiles(k: int) -> dict:
+    """The rows kernel's measured settings for in_features k (see ROWS): {"rs", "waves"}, or {} for
+    the defaults (rows per step from ROWS["step_bytes"], ROWS["waves"])."""
+    if 2048 < k < 4096:
+        return {"rs": 2, "waves": 8}
+    if 4096 <= k < ROWS_MAX_K:
+        return {"rs": 2}
+    return {}
 # "fp8mma" (`_fp8_mma_kernel`, M <= FOLD_MAX_M): the FP8 tensor cores on the raw codes;
 # "fp16mma": the same kernel with fp16 MMAs on the widened codes (fp32-class sums).
 F8 = {"bn": 64, "bk": 128, "num_warps": 4, "num_stages": 4, "waves": 4}
@@ -765,7 +783,7 @@ def fp8_decode_mode() -> tuple[str, dict]:
     import os
 
     if not _FP8_DECODE:
-        _FP8_DECODE.append(parse_fp8_decode(os.environ.get("DSV41_FP8_DECODE", "xscale")))
+        _FP8_DECODE.append(parse_fp8_decode(os.environ.get("DSV41_FP8_DECODE", "rows")))
     return _FP8_DECODE[0]
 
 
