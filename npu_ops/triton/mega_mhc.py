@@ -541,7 +541,8 @@ def launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunk
                                BLOCK_T=ct, CB=coef_chunk_block(ct), WIDE=wide, NORM=norm is not None,
                                BLOCK_N=triton.next_power_of_2(d), BF16=xh.dtype == torch.int16,
                                COLLAPSE=bool(collapse),
-                               NORM_FIRST=(EARLY_LOADS if early is None else early) and ct == 1 and not collapse,
+                               NORM_FIRST=(EARLY_LOADS and part.device.type == "cuda" if early is None else early)
+                               and ct == 1 and not collapse,
                                **({} if interpreting() else {"num_warps": 4}))
 
 
@@ -556,8 +557,8 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     x_hat [T, d] in x's dtype, (pre, post, comb) fp32 or None). The keyword-only tile
     parameters are for tuning and default to this module's table; `fused` computes the
     coefficients in the main kernel's last program per token tile instead of a second launch
-    (default: DSV41_MHC_COEF, see coef_mode); `early` (default EARLY_LOADS) issues the decode
-    kernels' independent loads first. `norm` = (weight [d], eps), with `fn` only: the
+    (default: DSV41_MHC_COEF, see coef_mode); `early` (default EARLY_LOADS on CUDA devices)
+    issues the decode kernels' independent loads first. `norm` = (weight [d], eps), with `fn` only: the
     coefficient epilogue also writes rms_norm(x_hat, weight, eps), returned as a fourth value
     (`mhc_mix_norm`)."""
     from .launch import grid_for, interpreting, needs_int64, num_workers
@@ -617,7 +618,8 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     if fused is None:
         fused = fused_default
     fused = fused and has_fn
-    early = EARLY_LOADS if early is None else early
+    if early is None:  # (CUDA only by default: on Ascend the four fn slices at once are unmeasured UB)
+        early = EARLY_LOADS and x.device.type == "cuda"
     ct = coef_tokens(t, narrow)
     if has_fn:
         part = torch.empty(n_chunks, t, 32, dtype=torch.float32, device=x.device)
