@@ -22,7 +22,9 @@ powers of two and x's FP8 quantise-dequantise values are bf16-exact, so the weig
 block scales multiplied in (or, for 32-row tiles, x's 32-wide K blocks times the weight scale)
 is an exact bf16 operand, and one bf16 tensor-core dot with fp32 accumulation covers a whole
 BK = 128 step (exact products, fp32 sums: the same class as above). The weight is the dot's wide
-side (acc [BN, BM], M padded to 16); at M = 1 each program quantises x's row itself. W8A8 weights
+side (acc [BN, BM], M padded to 16); at M = 1 each program quantises x's row itself. By default
+(DSV41_FP8_DECODE, below) one row at K < ROWS_MAX_K takes `_row_gemv_kernel` (whole weight rows
+streamed on the CUDA cores, same numerics class) and 2-8 rows `_fold_xs_kernel`. W8A8 weights
 (int8 [N, K], one fp32 scale per output channel) take `int8_linear` (exact int32 sums).
 
 Work split: output tiles BM x BN; the K range is cut into SPLIT_K slices for small M (decode:
