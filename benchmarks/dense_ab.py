@@ -37,6 +37,9 @@ LIN_M = (1, 4, 8)
 # (label, DSV41_FP8_DECODE value): the path and its tile settings
 LIN_VARIANTS = [("fold", "fold"), ("xscale", "xscale"), ("place", "place"), ("fp8mma", "fp8mma"),
                 ("fp16mma", "fp16mma"), ("fp8mma waves8", "fp8mma:waves=8")]
+# --variants: the one-row "rows" kernel and tile settings of "xscale" (dense8)
+LIN_VARIANTS_ROWS = [("xscale", "xscale"), ("xs bk256", "xscale:bk=256"), ("rows", "rows"), ("rows w8", "rows:warps=8"),
+                     ("rows wv8", "rows:waves=8"), ("rows rs2", "rows:rs=2")]
 MMA = ("fp8mma", "fp16mma")  # the paths that also take 9-64 rows
 BIG_M = 64  # batch 64: fold against the MMA variants (xscale / place stop at 8 rows)
 # the fp32-output error of each path against the reference must stay within the tests' bound for
@@ -44,6 +47,7 @@ BIG_M = 64  # batch 64: fold against the MMA variants (xscale / place stop at 8 
 FP32_BOUND = 2e-5
 MHC_T = (1, 2, 8)
 MHC_MODES = ("split", "narrow", "fused", "fused-narrow")
+MHC_OPS = ("mhc_mix", "mhc_mixes")
 ROUTE_T = (1, 2, 4, 8)
 ROUTE_MODES = ("tiled", "small")
 L2_CYCLE_BYTES = 160e6
@@ -92,6 +96,10 @@ def runner(spec):
     def run(x, w, s, out):
         if path == "fold":
             bl.launch_linear(x, w, s, out, path="fold")
+        elif path == "rows" and x.shape[0] == 1:
+            bl._launch_row_gemv(x, w, s, out, **tiles)
+        elif path == "rows":
+            bl._launch_fold_xs(x, w, s, out, place=False)
         elif path in MMA:
             bl._launch_fp8_mma(x, w, s, out, f16=path == "fp16mma", **tiles)
         else:
@@ -185,16 +193,25 @@ def mhc_job(op, t, mode, timed):
     y = torch.randn(t, dim, device=DEV).to(torch.bfloat16)
     post, pre = torch.rand(t, n, device=DEV) * 2, torch.rand(t, n, device=DEV)
     comb = torch.softmax(torch.randn(t, n, n, device=DEV), -1)
+    mode, early = mode.split("+")[0], mode.endswith("+early")  # "+early": mega_mhc's EARLY_LOADS
     fused, narrow = mode.startswith("fused"), mode.endswith("narrow")
+    nw = torch.rand(dim, device=DEV) + 0.5
 
     def call():
         mm._COEF_MODE[:] = [(fused, narrow)]
+        if op == "mhc_mix_norm":  # the model's form: the next sublayer's norm in the epilogue
+            return mm.mhc_mix(x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, its, norm=(nw, 1e-6),
+                              early=early)
         if op == "mhc_mix":
-            return mm.mhc_mix(x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, its)
+            return mm.mhc_mix(x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, its, early=early)
         return mx.mhc_mixes(x, fn, scale, base, 1e-20, 1e-6, its)
 
     got = call()
-    if op == "mhc_mix":
+    if op == "mhc_mix_norm":
+        wn = registry.resolve("rms_norm", "reference")[0](got[1], nw, 1e-6)
+        if rel_err(got[3], wn) > 4e-3:
+            return "rms_norm(x_hat) off the reference", None
+    if op.startswith("mhc_mix") and op != "mhc_mixes":
         want = registry.resolve("mhc_mix", "reference")[0](x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, its)
         coefs, wcoefs = got[2], want[2]
         ok = rel_err(got[0], want[0]) < 4e-3
@@ -236,19 +253,21 @@ def route_job(t, mode, timed):
 def jobs():
     """Every (key, thunk(timed)) in a fixed order (the warm parts split this list)."""
     out = []
-    for mode in ("fold", "xscale", "place") + MMA:
+    for mode in sorted({spec.split(":")[0] for _, spec in LIN_VARIANTS}):
         out.append((("code", mode), lambda timed, mode=mode: every_code_job(mode)))
     for label, spec in LIN_VARIANTS:
-        for m in (1, 8):
+        for m in (1, 8) if ROUTE_T else (1,):  # (--rows: the one-row error of "xscale" and "rows" only)
+            if not ROUTE_T and label not in ("xscale", "rows"):
+                continue
             out.append((("fp32err", label, m), lambda timed, spec=spec, m=m: ("", fp32_error_job(spec, m))))
-    for m in LIN_M + (BIG_M,):
+    for m in lin_rows():
         for name, n, k in LINEARS:
             for label, spec in LIN_VARIANTS:
-                if m > 8 and not spec.startswith(("fold",) + MMA):
+                if not runs_at(spec, m):
                     continue
                 out.append((("linear", name, m, label),
                             lambda timed, name=name, n=n, k=k, m=m, spec=spec: linear_job(name, n, k, m, spec, timed)))
-    for op in ("mhc_mix", "mhc_mixes"):
+    for op in MHC_OPS if MHC_T else ():
         for t in MHC_T:
             for mode in MHC_MODES:
                 out.append((("mhc", op, t, mode), lambda timed, op=op, t=t, mode=mode: mhc_job(op, t, mode, timed)))
@@ -263,7 +282,16 @@ def main() -> int:
     ap.add_argument("--warm", action="store_true", help="checks only (compiles), no timing")
     ap.add_argument("--part", default="0/1", help="i/n: run every n-th job from the i-th")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter, checks only")
+    ap.add_argument("--rows", action="store_true",
+                    help="the FP8 linears only, the one-row kernel and xscale tile variants (no mHC / router)")
     a = ap.parse_args()
+    if a.rows:
+        global LIN_VARIANTS, LIN_M, MHC_T, ROUTE_T, BIG_M, MHC_MODES, MHC_OPS
+        LIN_VARIANTS, MHC_T, ROUTE_T, BIG_M = LIN_VARIANTS_ROWS, (1, 2), (), None
+        MHC_MODES, MHC_OPS = ("narrow", "narrow+early"), ("mhc_mix_norm", "mhc_mix")
+        LIN_M = LIN_M[:1]
+        if a.smoke:
+            LIN_VARIANTS = [v for v in LIN_VARIANTS if not v[1].startswith("xscale:bk=256")]  # K < 256 there
     if a.smoke:
         import os
 
@@ -291,10 +319,24 @@ def main() -> int:
             print(f"{key}: fp32-output rel err {calls:.2e}", flush=True)
         elif calls:
             res[key] = graph_median(calls)
+            print(f"timed {key}: {res[key] * 1e6:.1f} us", flush=True)  # (kept if the run is cut short)
     if a.warm:
         print(f"warm part {a.part}: {len(failed)} failed", flush=True)
         return 1 if failed else 0
     return report(res, failed)
+
+
+def lin_rows() -> tuple:
+    """The row counts of the FP8 table: LIN_M, then BIG_M (if set)."""
+    return LIN_M + ((BIG_M,) if BIG_M else ())
+
+
+def runs_at(spec: str, m: int) -> bool:
+    """Whether variant `spec` is its own kernel at m rows: "rows" only at one row (more take
+    "xscale"), xscale / place up to 8 rows."""
+    if spec.startswith("rows"):
+        return m == 1
+    return m <= 8 or spec.startswith(("fold",) + MMA)
 
 
 def big_labels() -> list[str]:
@@ -322,15 +364,38 @@ def report(res: dict, failed: list) -> int:
     print("|---|---|" + "---|" * len(labels))
     tot = {lbl: 0.0 for lbl in labels}
     big = {lbl: 0.0 for lbl in labels}
-    for m in LIN_M + (BIG_M,):
+    specs = dict(LIN_VARIANTS)
+    for m in lin_rows():
         for name, n, k in LINEARS:
             cells = []
             for lbl in labels:
                 v = res.get(("linear", name, m, lbl))
-                cells.append(f"{v * 1e6:.1f}" if v else ("-" if m > 8 and lbl not in big_labels() else "FAIL"))
+                if not runs_at(specs[lbl], m):
+                    cells.append("-")
+                    continue
+                cells.append(f"{v * 1e6:.1f}" if v else "FAIL")
                 (big if m > 8 else tot)[lbl] += v if v else math.inf
             floor = n * k * (1 + 1 / 1024) / 4.0e12 * 1e6
             print(f"| {name} {n}x{k} (floor {floor:.1f} at 4 TB/s) | {m} | " + " | ".join(cells) + " |")
+    for m in lin_rows():
+        sums = [sum(res.get(("linear", name, m, lbl), math.inf) for name, _, _ in LINEARS) for lbl in labels]
+        print(f"| sum | {m} | " + " | ".join(f"{v * 1e6:.1f}" if runs_at(specs[lbl], m) else "-"
+                                             for v, lbl in zip(sums, labels)) + " |")
+    if ROUTE_T == ():  # --rows: the one-row winners per shape and the mHC load order, no switch line
+        for name, n, k in LINEARS:
+            cands = {lbl: res.get(("linear", name, 1, lbl), math.inf) for lbl in labels}
+            best = min(cands, key=cands.get)
+            print(f"one row, {name}: fastest {best} {cands[best] * 1e6:.1f} us (xscale "
+                  f"{cands.get('xscale', math.inf) * 1e6:.1f})")
+        print("\n| mHC (us, graph) | T | " + " | ".join(MHC_MODES) + " |")
+        print("|---|---|" + "---|" * len(MHC_MODES))
+        for op in MHC_OPS:
+            for t in MHC_T:
+                vals = [res.get(("mhc", op, t, mode)) for mode in MHC_MODES]
+                print(f"| {op} | {t} | " + " | ".join(f"{v * 1e6:.1f}" if v else "FAIL" for v in vals) + " |")
+        if failed:
+            print(f"\n{len(failed)} checks failed: {failed}")
+        return 0
     print("| sum | 1,4,8 | " + " | ".join(f"{tot[lbl] * 1e6:.1f}" for lbl in labels) + " |")
     print(f"| sum | {BIG_M} | " + " | ".join(f"{big[lbl] * 1e6:.1f}" if lbl in big_labels() else "-"
                                           for lbl in labels) + " |")
@@ -351,7 +416,7 @@ def report(res: dict, failed: list) -> int:
     print("\n| mHC | T | " + " | ".join(MHC_MODES) + " |")
     print("|---|---|" + "---|" * len(MHC_MODES))
     mt = {mode: 0.0 for mode in MHC_MODES}
-    for op in ("mhc_mix", "mhc_mixes"):
+    for op in MHC_OPS:
         for t in MHC_T:
             vals = [res.get(("mhc", op, t, mode)) for mode in MHC_MODES]
             for mode, v in zip(MHC_MODES, vals):

@@ -155,6 +155,38 @@ def test_linear_xscale_paths(dev, path, m, rng):
         assert rel_err(out, basic.linear(x, w, s, torch.float32)) < BOUND[torch.float32]
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("k", [160, 96, 128])
+def test_linear_rows_path(dev, k, rng):
+    """The one-row kernel streaming whole weight rows (`_row_gemv_kernel`): K = 160 (40 words =
+    32 + 8: two parts), 96 (16 + 8), 128 (one part); N = 72 (a partial scale row, a partial last
+    program) and 40; 1 / 2 / 4 rows per step, 4 to 32 rows per program; bf16 and fp32 outputs
+    (fp32 at the fold kernels' bound: exact products, fp32 sums); the output poisoned first."""
+    for n, rs, rpp in ((72, None, None), (72, 1, 8), (40, 2, 4), (72, 4, 32)):
+        x = (torch.randn(1, k, generator=rng) * 3).to(torch.bfloat16)
+        w, s = weight("fp8", n, k, rng)
+        for out_dtype in (torch.bfloat16, torch.float32):
+            out = torch.full((1, n), float("nan"), dtype=out_dtype, device=dev)
+            bl._launch_row_gemv(x.to(dev), w.to(dev), s.to(dev), out, rs=rs, rpp=rpp)
+            err = rel_err(out, basic.linear(x, w, s, out_dtype))
+            assert err < BOUND[out_dtype], f"K={k} N={n} rs={rs} rpp={rpp} {out_dtype}: {err:.2e}"
+    check_linear(dev, "fp8", 1, k, 72, torch.float32, rng, path="rows")
+
+
+def test_linear_rows_path_rejects():
+    """One clear error for what the rows path does not take: several rows, K not 4 x (a sum of two
+    powers of two), rows per program that are not a power of two dividing 32."""
+    w, s = quant.fp8_block_quant(torch.randn(40, 96))
+    x = torch.randn(2, 96).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="one activation row"):
+        bl._launch_row_gemv(x, w, s, torch.empty(2, 40))
+    with pytest.raises(ValueError, match="powers of two"):
+        bl._launch_row_gemv(x[:1], w, s, torch.empty(1, 40), rpp=64)
+    w7, s7 = quant.fp8_block_quant(torch.randn(40, 224))  # 56 words = 32 + 16 + 8
+    with pytest.raises(ValueError, match="sum of two powers"):
+        bl._launch_row_gemv(torch.randn(1, 224).to(torch.bfloat16), w7, s7, torch.empty(1, 40))
+
+
 def all_e4m3_codes(k: int = 64):
     """A weight whose row c holds E4M3 code c in column 0 (zeros elsewhere), scale 2^0, and x = e_0:
     output row c is code c's value exactly (NaN for 0x7F / 0xFF)."""
@@ -168,7 +200,7 @@ def all_e4m3_codes(k: int = 64):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("path", ["fold", "xscale", "place", "fp8mma", "fp16mma"])
+@pytest.mark.parametrize("path", ["fold", "xscale", "place", "fp8mma", "fp16mma", "rows"])
 def test_linear_fp8_decode_every_code_exact(dev, path):
     """Every E4M3 code through each decode path gives the reference's value bit for bit
     (subnormals included) and NaN for the two NaN codes, as the hardware conversion does. (The
@@ -225,7 +257,8 @@ def test_e4m3_placement_ptx_every_code():
 
 def test_fp8_decode_switch(monkeypatch):
     """DSV41_FP8_DECODE: mode and tile settings parsed once, bad values one clear error, and the
-    default dispatch of FP8 weights at M <= XS_MAX_M follows it (more rows keep the fold path)."""
+    default dispatch of FP8 weights at M <= XS_MAX_M follows it (more rows keep the fold path);
+    unset, "rows" with `rows_tiles` by K (xscale from ROWS_MAX_K)."""
     assert bl.parse_fp8_decode("place:bn=128,waves=8,stages=3") == (
         "place", {"bn": 128, "waves": 8, "num_stages": 3})
     assert bl.parse_fp8_decode("") == ("fold", {})
@@ -254,16 +287,37 @@ def test_fp8_decode_switch(monkeypatch):
     assert f8 == [{"f16": False, "bm": None, "qdq_row": None}]
     bl.linear(torch.randn(17, 64).to(torch.bfloat16), w, s)  # past maxm: the fold path
     assert len(f8) == 1 and bl.fp8_decode_mode() == ("fp8mma", {"max_m": 16})  # the cached choice unchanged
+    rows, xs = [], []
+    monkeypatch.setattr(bl, "_launch_row_gemv", lambda *a, **kw: rows.append(kw))
+    monkeypatch.setattr(bl, "_launch_fold_xs", lambda *a, **kw: xs.append(kw))
+    monkeypatch.setattr(bl, "_FP8_DECODE", [])
+    monkeypatch.setenv("DSV41_FP8_DECODE", "rows:rs=2,rpp=8")
+    bl.linear(x, w, s)  # one row: the rows kernel with its settings
+    assert rows == [{"rs": 2, "rpp": 8}] and not xs
+    bl.linear(torch.randn(2, 64).to(torch.bfloat16), w, s)  # two rows: xscale, default tiles
+    w7, s7 = quant.fp8_block_quant(torch.randn(40, 224))  # K / 4 = 56 = 32 + 16 + 8: not the rows kernel's
+    bl.linear(torch.randn(1, 224).to(torch.bfloat16), w7, s7)
+    assert len(rows) == 1 and xs == [{"place": False, "qdq_row": None}] * 2
+    monkeypatch.setattr(bl, "_FP8_DECODE", [])
+    monkeypatch.delenv("DSV41_FP8_DECODE")  # the default: "rows" with the measured tiles by K
+    assert bl.fp8_decode_mode() == ("rows", {})
+    for k, want in ((1280, {}), (2304, {"rs": 2, "waves": 8}), (5120, {"rs": 2}), (bl.ROWS_MAX_K, None)):
+        wk, sk = quant.fp8_block_quant(torch.randn(32, k))
+        rows.clear(), xs.clear()
+        bl.linear(torch.randn(1, k).to(torch.bfloat16), wk, sk)
+        assert (rows, xs) == (([want], []) if want is not None else ([], [{"place": False, "qdq_row": None}]))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", [DEVICES[1]])
-@pytest.mark.parametrize("path", ["xscale", "place", "fp8mma", "fp16mma"])
+@pytest.mark.parametrize("path", ["xscale", "place", "fp8mma", "fp16mma", "rows"])
 @pytest.mark.parametrize("m", [1, 4, 8])
 def test_linear_xscale_model_shapes_gpu(dev, path, m, rng):
-    """Model widths (wq_a, wq_b, wo_b); fp8mma's fp32 outputs at its own bound (its FP8 MMA block
+    """Model widths (wq_a, wq_b, wo_b; "rows" at one row only); fp8mma's fp32 outputs at its own bound (its FP8 MMA block
     sums, see test_linear_fp8_mma_path)."""
-    for k, n in ((5120, 1280), (1280, 32768), (8192, 5120)):
+    if path == "rows" and m > 1:
+        pytest.skip("the rows path takes one row")
+    for k, n in ((5120, 1280), (1280, 32768), (8192, 5120), (2304, 5120), (5120, 512)):
         check_linear(dev, "fp8", m, k, n, torch.bfloat16, rng, path=path)
         if path != "fp8mma":
             check_linear(dev, "fp8", m, k, n, torch.float32, rng, path=path)

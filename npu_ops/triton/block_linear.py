@@ -22,7 +22,9 @@ powers of two and x's FP8 quantise-dequantise values are bf16-exact, so the weig
 block scales multiplied in (or, for 32-row tiles, x's 32-wide K blocks times the weight scale)
 is an exact bf16 operand, and one bf16 tensor-core dot with fp32 accumulation covers a whole
 BK = 128 step (exact products, fp32 sums: the same class as above). The weight is the dot's wide
-side (acc [BN, BM], M padded to 16); at M = 1 each program quantises x's row itself. W8A8 weights
+side (acc [BN, BM], M padded to 16); at M = 1 each program quantises x's row itself. By default
+(DSV41_FP8_DECODE, below) one row at K < ROWS_MAX_K takes `_row_gemv_kernel` (whole weight rows
+streamed on the CUDA cores, same numerics class) and 2-8 rows `_fold_xs_kernel`. W8A8 weights
 (int8 [N, K], one fp32 scale per output channel) take `int8_linear` (exact int32 sums).
 
 Work split: output tiles BM x BN; the K range is cut into SPLIT_K slices for small M (decode:
@@ -337,6 +339,119 @@ def _fold_xs_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, 
                  M, N, SPLIT_K, OUT_BF16)
 
 
+# E4M3 bytes -> fp32, one 32-bit word of 4 codes per call: two packed hardware conversions to
+# f16x2 and four f16 -> f32 widenings (exact; the NaN codes give NaN). Output j is byte j.
+_E4M3X4_F32_ASM = tl.constexpr("""
+{
+.reg .b16 lo, hi, a, b, c, d;
+.reg .b32 h0, h1;
+mov.b32 {lo, hi}, $4;
+cvt.rn.f16x2.e4m3x2 h0, lo;
+cvt.rn.f16x2.e4m3x2 h1, hi;
+mov.b32 {a, b}, h0;
+mov.b32 {c, d}, h1;
+cvt.f32.f16 $0, a;
+cvt.f32.f16 $1, b;
+cvt.f32.f16 $2, c;
+cvt.f32.f16 $3, d;
+}
+""")
+
+
+@triton.jit
+def _e4m3x4_f32(wd, ASM: tl.constexpr):
+    """int32 words of 4 E4M3 codes -> their 4 fp32 values (byte 0 first): the PTX above on
+    devices (Triton's own byte-wise fp8 cast re-packs every byte, about 3 PRMT / LOP3 per weight
+    in the sm_90a SASS), else byte extraction and the fp8 cast (the interpreter)."""
+    if ASM:
+        return tl.inline_asm_elementwise(_E4M3X4_F32_ASM, "=r,=r,=r,=r,r", [wd],
+                                         dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True,
+                                         pack=1)
+    else:
+        return (((wd >> 0) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32),
+                ((wd >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32),
+                ((wd >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32),
+                ((wd >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32))
+
+
+@triton.jit
+def _row_words(w_ptr, rows, rok, c0, KW, BW: tl.constexpr):
+    """The weight words (4 codes each) of `rows` [RS] x words c0 .. c0 + BW: one contiguous run per row."""
+    cw = c0 + tl.arange(0, BW)
+    return tl.load(w_ptr + rows.to(tl.int64)[:, None] * KW + cw[None, :], mask=rok[:, None] & (cw < KW)[None, :],
+                   other=0)
+
+
+@triton.jit
+def _row_xs(x_ptr, sw_row_ptr, c0, BW: tl.constexpr):
+    """x' over words c0 .. c0 + BW as 4 [1, BW] tensors (x'_j[c] = x'[4c + j]), x' = qdq(x) times
+    the weight's block scale: each 32-wide group (8 words) quantised with its own exponent, as
+    `fp8_qdq_groups`."""
+    cw = c0 + tl.arange(0, BW)
+    x0 = tl.load(x_ptr + 4 * cw[None, :]).to(tl.float32)
+    x1 = tl.load(x_ptr + 4 * cw[None, :] + 1).to(tl.float32)
+    x2 = tl.load(x_ptr + 4 * cw[None, :] + 2).to(tl.float32)
+    x3 = tl.load(x_ptr + 4 * cw[None, :] + 3).to(tl.float32)
+    amax = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
+    e = fp8_exponent(tl.max(tl.reshape(amax, (1, BW // 8, 8)), axis=2))  # [1, BW / 8]
+    inv = tl.reshape(tl.broadcast_to(pow2(-e)[:, :, None], (1, BW // 8, 8)), (1, BW))
+    sw = e8m0_value(tl.load(sw_row_ptr + cw // 8).to(tl.int32))[None, :]
+    back = tl.reshape(tl.broadcast_to(pow2(e)[:, :, None], (1, BW // 8, 8)), (1, BW)) * sw
+    return (fp8_round(x0 * inv) * back, fp8_round(x1 * inv) * back, fp8_round(x2 * inv) * back,
+            fp8_round(x3 * inv) * back)
+
+
+@triton.jit
+def _row_dot(wd, xs0, xs1, xs2, xs3, ASM: tl.constexpr):
+    """Per row of the word tile wd [RS, BW]: the fp32 sum of its 4 * BW exact products with x'."""
+    w0, w1, w2, w3 = _e4m3x4_f32(wd, ASM)
+    return tl.sum(w0 * xs0 + w1 * xs1 + w2 * xs2 + w3 * xs3, axis=1)
+
+
+@triton.jit
+def _row_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, KW, s_stride, rows_per_prog,
+                     OUT_BF16: tl.constexpr, RS: tl.constexpr, BWA: tl.constexpr, BWB: tl.constexpr,
+                     ASM: tl.constexpr):
+    """The FP8 linear at one activation row, streaming whole weight rows: program p owns the
+    `rows_per_prog` consecutive rows from p * rows_per_prog (a divisor of 32, so all of them share
+    one row of 32x32 block scales) and reads them RS rows per step, each step one contiguous run
+    of RS * K bytes (long DRAM bursts, unlike a [BN, BK] tile's BN separate runs of BK bytes). The
+    weight is read as int32 words of 4 codes (KW = K / 4 per row) split into two power-of-two
+    parts, KW = BWA + BWB (5120 / 4 = 1024 + 256, 1280 / 4 = 256 + 64, ...; BWB = 0: none), so no
+    lane is padding. x's row is FP8-quantised once per program and the block scales of its
+    scale row moved onto it: x'[k] = qdq(x)[k] * scale[g, k / 32] (exact: 4 significant bits
+    times a power of two), held in registers; each output is the fp32 sum of the exact products
+    E4M3 value x x'[k] (at most 8 significant bits) -- the fold kernels' class (exact products,
+    fp32 sums), on the CUDA cores: no split-K, no partials, no counters. The next step's rows
+    are loaded before this step's are used (two steps in flight)."""
+    pid = tl.program_id(0)
+    n_lo = pid * rows_per_prog
+    n_hi = tl.minimum(n_lo + rows_per_prog, N)
+    sw_row = s_ptr + (n_lo // 32) * s_stride
+    rr = tl.arange(0, RS)
+    rows = n_lo + rr
+    # the first step's weight loads go out before x's quantisation (its latency hides behind them)
+    wa = _row_words(w_ptr, rows, rows < n_hi, 0, KW, BWA)
+    if BWB > 0:
+        wb = _row_words(w_ptr, rows, rows < n_hi, BWA, KW, BWB)
+        xb0, xb1, xb2, xb3 = _row_xs(x_ptr, sw_row, BWA, BWB)
+    xa0, xa1, xa2, xa3 = _row_xs(x_ptr, sw_row, 0, BWA)
+    for n0 in range(n_lo, n_hi, RS):
+        nxt = n0 + RS + rr
+        wa_next = _row_words(w_ptr, nxt, nxt < n_hi, 0, KW, BWA)
+        y = _row_dot(wa, xa0, xa1, xa2, xa3, ASM)  # [RS]
+        if BWB > 0:
+            wb_next = _row_words(w_ptr, nxt, nxt < n_hi, BWA, KW, BWB)
+            y += _row_dot(wb, xb0, xb1, xb2, xb3, ASM)
+            wb = wb_next
+        rows = n0 + rr
+        if OUT_BF16:
+            tl.store(out_ptr + rows, bf16_bits16(y), mask=rows < n_hi)
+        else:
+            tl.store(out_ptr + rows, y, mask=rows < n_hi)
+        wa = wa_next
+
+
 @triton.jit
 def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, s_stride, k_per_split,
                     SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, QDQ_ROW: tl.constexpr, LOWP: tl.constexpr,
@@ -478,13 +593,20 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
             path, xs_tiles = fp8_decode_mode()
             xs_tiles = dict(xs_tiles)
             max_m = xs_tiles.pop("max_m", FOLD_MAX_M if path.endswith("mma") else XS_MAX_M)
-            if m > max_m or (m > XS_MAX_M and path in ("xscale", "place")):
+            if m > max_m or (m > XS_MAX_M and path in ("xscale", "place", "rows")):
                 path, xs_tiles = "fold", {}
+            elif path == "rows" and (m > 1 or not rows_fit(k) or k >= ROWS_MAX_K):
+                path, xs_tiles = "xscale", {}
+            elif path == "rows":
+                xs_tiles = dict(rows_tiles(k), **xs_tiles)
         else:
             path = "gemv" if kind != W_DENSE and m <= GEMV_DEFAULT_M else "tiled"
-    if path in ("xscale", "place", "fp8mma", "fp16mma"):
+    if path in ("xscale", "place", "fp8mma", "fp16mma", "rows"):
         if kind != W_FP8:
             raise ValueError(f"linear: the {path} path takes FP8 weights")
+        if path == "rows":
+            _launch_row_gemv(x2, weight, scale, out, **dict(xs_tiles, **({"num_warps": num_warps} if num_warps else {})))
+            return
         given = {"bn": bn, "bk": bk, "split_k": split_k, "num_warps": num_warps, "num_stages": num_stages}
         xs_tiles = dict(xs_tiles, **{a: b for a, b in given.items() if b is not None})
         if path.endswith("mma"):
@@ -601,17 +723,38 @@ def _launch_fold(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_k=N
 
 
 # The FP8 decode path, chosen once per process from the environment: DSV41_FP8_DECODE = "fold"
-# (default: `_fold_linear_kernel`), at M <= XS_MAX_M "xscale" (`_fold_xs_kernel`, hardware
+# (`_fold_linear_kernel`), "rows" (the default, see ROWS: one row at K < ROWS_MAX_K, else as
+# "xscale"), at M <= XS_MAX_M "xscale" (`_fold_xs_kernel`, hardware
 # conversion) or "place" (`_fold_xs_kernel`, bit placement), at M <= FOLD_MAX_M "fp8mma"
 # (`_fp8_mma_kernel`, FP8 tensor cores) or "fp16mma" (the same, fp16 MMAs), optionally followed by tile settings and a row limit
-# (more rows take "fold"), e.g. "place:bn=128,waves=8,stages=3,warps=4" or "fp8mma:maxm=8". Default "xscale" (the
-# fold kernel above XS_MAX_M rows): the H200 A/B (benchmarks/dense_ab.py, 2026-12-01) summed the seven mini decode
+# (more rows take "fold"), e.g. "place:bn=128,waves=8,stages=3,warps=4" or "fp8mma:maxm=8". "xscale" (the
+# fold kernel above XS_MAX_M rows; the default before "rows" and its path at 2-8 rows): the H200 A/B (benchmarks/dense_ab.py, 2026-12-01) summed the seven mini decode
 # linears at 1 / 4 / 8 rows to 280 us against 324 for "fold", 353 "place", 354 "fp8mma" (whose fp32 outputs also
 # carry a 4.5e-5 error against 1.2e-7), 432 "fp16mma"; at 64 rows "fold" 205 against 324 for "fp8mma".
 XS_MAX_M = 8
 XS = {"bn": 64, "bk": 128, "num_warps": 4, "num_stages": 4, "waves": 4}
 XS_INTERP = {"bn": 64, "bk": 64}
-FP8_DECODE_MODES = ("fold", "xscale", "place", "fp8mma", "fp16mma")
+FP8_DECODE_MODES = ("fold", "xscale", "place", "fp8mma", "fp16mma", "rows")
+# "rows" (`_row_gemv_kernel`, the default; M == 1 and K < ROWS_MAX_K only, else "xscale" up to 8
+# rows): whole weight rows streamed on the CUDA cores. Tiles (`rows_tiles`): rows per step and
+# programs per SM by K, from the H200 A/B (benchmarks/dense_ab.py --rows, 2026-12-01, graph time,
+# one row; xscale in brackets): K = 1280: 4 rows a step, 4 waves -- wq_b 32768x1280 17.0 us
+# (23.3), idx_wq_b 4096x1280 4.9 (7.0); K = 2304: 2 rows, 8 waves -- 5120x2304 8.4 (10.0);
+# K = 5120: 2 rows, 4 waves -- wq_a 1280x5120 6.9 (7.7), wkv 512x5120 4.7 (5.9), 2304x5120 9.2
+# (10.1). At K = 8192 (wo_b 5120x8192) every rows setting lost: 25.9-32.4 us against 22.3.
+ROWS = {"step_bytes": 8192, "waves": 4, "num_warps": 4}
+ROWS_INTERP = {"step_bytes": 256, "waves": 4}
+ROWS_MAX_K = 8192
+
+
+def rows_tiles(k: int) -> dict:
+    """The rows kernel's measured settings for in_features k (see ROWS): {"rs", "waves"}, or {} for
+    the defaults (rows per step from ROWS["step_bytes"], ROWS["waves"])."""
+    if 2048 < k < 4096:
+        return {"rs": 2, "waves": 8}
+    if 4096 <= k < ROWS_MAX_K:
+        return {"rs": 2}
+    return {}
 # "fp8mma" (`_fp8_mma_kernel`, M <= FOLD_MAX_M): the FP8 tensor cores on the raw codes;
 # "fp16mma": the same kernel with fp16 MMAs on the widened codes (fp32-class sums).
 F8 = {"bn": 64, "bk": 128, "num_warps": 4, "num_stages": 4, "waves": 4}
@@ -626,7 +769,8 @@ def parse_fp8_decode(spec: str) -> tuple[str, dict]:
     mode = mode or "fold"
     if mode not in FP8_DECODE_MODES:
         raise ValueError(f"DSV41_FP8_DECODE: unknown mode {mode!r} (one of {', '.join(FP8_DECODE_MODES)})")
-    keys = {"bn": "bn", "bk": "bk", "waves": "waves", "stages": "num_stages", "warps": "num_warps", "maxm": "max_m"}
+    keys = {"bn": "bn", "bk": "bk", "waves": "waves", "stages": "num_stages", "warps": "num_warps", "maxm": "max_m",
+            "rs": "rs", "rpp": "rpp"}
     tiles = {}
     for item in filter(None, rest.split(",")):
         k, _, v = item.partition("=")
@@ -641,7 +785,7 @@ def fp8_decode_mode() -> tuple[str, dict]:
     import os
 
     if not _FP8_DECODE:
-        _FP8_DECODE.append(parse_fp8_decode(os.environ.get("DSV41_FP8_DECODE", "xscale")))
+        _FP8_DECODE.append(parse_fp8_decode(os.environ.get("DSV41_FP8_DECODE", "rows")))
     return _FP8_DECODE[0]
 
 
@@ -685,6 +829,46 @@ def _launch_fold_xs(x2, weight, scale, out, *, place: bool, bn=None, bk=None, sp
         x2.stride(0), scale.shape[1], k_per_split,
         SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, QDQ_ROW=qdq_row, PLACE=place, LOWP=not interp,
         MP=mp, BX=bx, BN=bn, BK=bk, **kw)
+
+
+def rows_fit(k: int) -> bool:
+    """Whether the rows path takes in_features k: a multiple of 32 whose K / 4 words are a sum of two
+    powers of two (the kernel's two register parts; every mini / full width is: 5120, 1280, 8192, 2304)."""
+    kw = k // 4
+    rest = kw - (1 << (kw.bit_length() - 1)) if kw else 1
+    return k > 0 and k % 32 == 0 and rest & (rest - 1) == 0 and not 0 < rest < 8
+
+
+def _launch_row_gemv(x2, weight, scale, out, *, rs=None, rpp=None, waves=None, num_warps=None):
+    """The M == 1 launch of `_row_gemv_kernel`: one program per `rpp` consecutive weight rows (a
+    power of two dividing 32, at least `rs`; by default the least giving at most `waves` programs
+    per SM), `rs` rows per step (default: about ROWS["step_bytes"] of K padded to a power of two)."""
+    from .launch import interpreting, num_workers
+
+    m, k = x2.shape
+    n = weight.shape[0]
+    if m != 1:
+        raise ValueError(f"rows path: takes one activation row, got {m}")
+    interp = interpreting()
+    cfg = ROWS_INTERP if interp else ROWS
+    kw = k // 4
+    bwa = 1 << (kw.bit_length() - 1)  # K / 4 words = BWA + BWB, both powers of two (BWB may be 0)
+    bwb = kw - bwa
+    if not rows_fit(k):
+        raise ValueError(f"rows path: in_features {k} must be a multiple of 32 and 4 x a sum of two powers of "
+                         f"two >= 8")
+    rs = rs or min(32, 1 << (max(1, cfg["step_bytes"] // k).bit_length() - 1))
+    if not rpp:
+        per_sm = waves or cfg["waves"]
+        rpp = min(32, max(rs, triton.next_power_of_2(-(-n // (per_sm * num_workers(x2.device))))))
+    if rs & (rs - 1) or rpp & (rpp - 1) or rpp > 32 or rpp < rs:
+        raise ValueError(f"rows path: rows per step {rs} and per program {rpp} must be powers of two, "
+                         f"rs <= rpp <= 32 (one row of 32x32 scale blocks per program)")
+    out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    kw_opts = {} if interp else {"num_warps": num_warps or cfg["num_warps"], "num_stages": 1}
+    _row_gemv_kernel[(-(-n // rpp),)](x2, weight.view(torch.int32), scale.view(torch.uint8), out_arg, n, kw,
+                                      scale.shape[1], rpp, OUT_BF16=out.dtype == torch.bfloat16, RS=rs, BWA=bwa,
+                                      BWB=bwb, ASM=not interp, **kw_opts)
 
 
 def _launch_fp8_mma(x2, weight, scale, out, *, f16: bool = False, bm=None, bn=None, bk=None, split_k=None,

@@ -65,6 +65,13 @@ COEF_T = 4
 # H200 (benchmarks/dense_ab.py, 2026-12-01) mhc_mix at one token 15.8 us against 23.5 "split",
 # 25.1 "fused", 16.4 "fused-narrow"; mhc_mixes 12.1 against 19.8; equal at 8 tokens.
 MHC_COEF_MODES = ("split", "narrow", "fused", "fused-narrow")
+# Decode (one token tile): issue the loads that do not depend on this kernel's stores first -- fn's
+# slices in the main kernel (FN_FIRST), the x_hat row and norm weight in the coefficient kernel
+# (NORM_FIRST) -- so one memory round trip per kernel overlaps another instead of following it.
+# H200 (benchmarks/dense_ab.py --rows, 2026-12-01, graph time per call, d = 5120, narrow tiles):
+# mhc_mix with the next norm (the model's mhc_mix_norm) at one token 21.7 -> 19.2 us, two tokens
+# 24.2 -> 23.5; mhc_mix alone 17.9 -> 17.4 / 21.3 -> 21.2. Outputs bit-identical (tested).
+EARLY_LOADS = True
 _COEF_MODE: list = []
 
 
@@ -154,7 +161,12 @@ def _fn_dot(xn, fn_ptr, fn_off, fn_mask, SPLIT: tl.constexpr):
     loaded row-major (coalesced along d) and transposed in registers. Each tl.dot starts from
     a zero accumulator and the partial products are added on the fp32 ALUs: chaining the three
     split parts through one tensor-core accumulator cost ~5e-5 absolute in m on an H200."""
-    w = tl.load(fn_ptr + fn_off, mask=fn_mask, other=0.0).to(tl.float32)
+    return _fn_dot_w(xn, tl.load(fn_ptr + fn_off, mask=fn_mask, other=0.0).to(tl.float32), SPLIT)
+
+
+@triton.jit
+def _fn_dot_w(xn, w, SPLIT: tl.constexpr):
+    """`_fn_dot` on an fn slice already loaded (fp32 [32, BLOCK_D])."""
     if SPLIT:
         xb = xn.to(tl.bfloat16)  # exact: xn holds bf16-rounded values
         w_hi = w.to(tl.bfloat16)
@@ -173,7 +185,11 @@ def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr
                     nw_ptr, xn_ptr, T, D, chunk, n_chunks, n_items, num_programs, norm_eps, hc_eps, iters, rms_eps,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_FN: tl.constexpr,
                     SPLIT: tl.constexpr, OUT_BF16: tl.constexpr, WIDE: tl.constexpr, FUSED: tl.constexpr,
-                    CT: tl.constexpr, CB: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr):
+                    CT: tl.constexpr, CB: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr,
+                    FN_FIRST: tl.constexpr = False):
+    """See the module docstring. FN_FIRST (decode: one token tile, one BLOCK_D slice per work item):
+    each slice's fn loads are issued before its activation loads, so that the fn bytes (from HBM)
+    do not wait behind the x_new / x_hat stores (which Triton keeps in order with later loads)."""
     pid = tl.program_id(0)
     dt = tl.arange(0, BLOCK_D)
     kk = tl.arange(0, 32)
@@ -219,6 +235,8 @@ def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr
         for d0 in range(ck * chunk, tl.minimum(ck * chunk + chunk, D), BLOCK_D):
             cols = d0 + dt
             cm = cols < D
+            if HAS_FN and FN_FIRST:  # fn's slices requested with the activations, not after the stores
+                w0, w1, w2, w3 = _fn_slices(fn_ptr, offsets(kk, WIDE), kmask, cols, cm, D)
             m2 = tm[:, None] & cm[None, :]
             xo = x_row + cols[None, :]
             yo = y_row + cols[None, :]
@@ -238,7 +256,9 @@ def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr
             xh, _ = _round_out(q0[:, None] * f0 + q1[:, None] * f1 + q2[:, None] * f2 + q3[:, None] * f3,
                                out_ty, OUT_BF16)
             tl.store(xhat_ptr + yo, xh, mask=m2)
-            if HAS_FN:
+            if HAS_FN and FN_FIRST:
+                acc, comp, ss = _fn_partial_step_w(acc, comp, ss, f0, f1, f2, f3, w0, w1, w2, w3, SPLIT)
+            elif HAS_FN:
                 acc, comp, ss = _fn_partial_step(acc, comp, ss, f0, f1, f2, f3, fn_ptr, offsets(kk, WIDE), kmask,
                                                  cols, cm, D, SPLIT)
         if HAS_FN:  # this chunk's share of m (with its Kahan residue) and of the sum of squares
@@ -262,6 +282,27 @@ def _fn_partial_step(acc, comp, ss, f0, f1, f2, f3, fn_ptr, krow, kmask, cols, c
     fo = krow[:, None] * (4 * D) + cols[None, :]
     part = _fn_dot(f0, fn_ptr, fo, fmask, SPLIT) + _fn_dot(f1, fn_ptr, fo + D, fmask, SPLIT)
     part += _fn_dot(f2, fn_ptr, fo + 2 * D, fmask, SPLIT) + _fn_dot(f3, fn_ptr, fo + 3 * D, fmask, SPLIT)
+    acc, comp = _kahan(acc, comp, part)
+    return acc, comp, ss
+
+
+@triton.jit
+def _fn_slices(fn_ptr, krow, kmask, cols, cm, D):
+    """The four streams' fn slices [32, BLOCK_D] (fp32) at columns `cols` (see _fn_partial_step)."""
+    fo = krow[:, None] * (4 * D) + cols[None, :]
+    fmask = kmask[:, None] & cm[None, :]
+    return (tl.load(fn_ptr + fo, mask=fmask, other=0.0).to(tl.float32),
+            tl.load(fn_ptr + fo + D, mask=fmask, other=0.0).to(tl.float32),
+            tl.load(fn_ptr + fo + 2 * D, mask=fmask, other=0.0).to(tl.float32),
+            tl.load(fn_ptr + fo + 3 * D, mask=fmask, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _fn_partial_step_w(acc, comp, ss, f0, f1, f2, f3, w0, w1, w2, w3, SPLIT: tl.constexpr):
+    """`_fn_partial_step` with the fn slices already loaded (`_fn_slices`)."""
+    ss += f0 * f0 + f1 * f1 + f2 * f2 + f3 * f3
+    part = _fn_dot_w(f0, w0, SPLIT) + _fn_dot_w(f1, w1, SPLIT)
+    part += _fn_dot_w(f2, w2, SPLIT) + _fn_dot_w(f3, w3, SPLIT)
     acc, comp = _kahan(acc, comp, part)
     return acc, comp, ss
 
@@ -430,16 +471,51 @@ def _finish_coef(tile, count_ptr, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_
 def _mhc_coef_kernel(part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
                      xhat_ptr, nw_ptr, xn_ptr, x_ptr, pre_ptr, T, D, n_chunks, norm_eps, hc_eps, iters, rms_eps,
                      n_tiles, num_programs, BLOCK_T: tl.constexpr, CB: tl.constexpr, WIDE: tl.constexpr,
-                     NORM: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr, COLLAPSE: tl.constexpr):
+                     NORM: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr, COLLAPSE: tl.constexpr,
+                     NORM_FIRST: tl.constexpr = False):
     """The coefficient epilogue as its own launch (the unfused path: Ascend, or fused=False), BLOCK_T
-    tokens per work item; with NORM also the RMSNorm of their x_hat rows (`_norm_rows`)."""
+    tokens per work item; with NORM also the RMSNorm of their x_hat rows (`_norm_rows`). NORM_FIRST
+    (BLOCK_T == 1, no collapse): the x_hat row's loads go out before the chunk sums' and the
+    Sinkhorn chain, so their latency overlaps it."""
     pid = tl.program_id(0)
     for tile in range(pid, n_tiles, num_programs):
+        if NORM and NORM_FIRST:  # one token: its x_hat row and the weight requested before the chain
+            xv, wv = _norm_row_load(tile, xhat_ptr, nw_ptr, T, D, BLOCK_N, BF16, WIDE)
         _coef_tile(tile * BLOCK_T, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr, ocomb_ptr,
                    T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T, CB, WIDE, False)
-        if NORM:
+        if NORM and NORM_FIRST:
+            _norm_row_store(tile, xv, wv, xn_ptr, T, D, rms_eps, BLOCK_N, BF16, WIDE)
+        elif NORM:
             _norm_rows(tile * BLOCK_T, xhat_ptr, nw_ptr, xn_ptr, T, D, rms_eps, BLOCK_T, BLOCK_N, BF16, WIDE, False,
                        x_ptr, pre_ptr, COLLAPSE)
+
+
+@triton.jit
+def _norm_row_load(tk, xhat_ptr, nw_ptr, T, D, BLOCK_N: tl.constexpr, BF16: tl.constexpr, WIDE: tl.constexpr):
+    """Token tk's x_hat row (fp32 [BLOCK_N], zero past D) and the norm weight, as `_norm_rows` reads them."""
+    cols = tl.arange(0, BLOCK_N)
+    cm = cols < D
+    off = offsets(tk + 0 * cols, WIDE) * D + cols  # (tk + 0 * cols: a tensor also where tk is a plain int)
+    if BF16:
+        xv = (tl.load(xhat_ptr + off, mask=cm & (tk < T), other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        xv = tl.load(xhat_ptr + off, mask=cm & (tk < T), other=0.0).to(tl.float32)
+    return xv, tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _norm_row_store(tk, xv, wv, xn_ptr, T, D, rms_eps, BLOCK_N: tl.constexpr, BF16: tl.constexpr,
+                    WIDE: tl.constexpr):
+    """RMSNorm of a row from `_norm_row_load`, stored as `_norm_rows` stores it (same fp32 math)."""
+    cols = tl.arange(0, BLOCK_N)
+    m = (cols < D) & (tk < T)
+    inv = tl.math.rsqrt(tl.sum(xv * xv, axis=0) / D + rms_eps)
+    yv = xv * inv * wv
+    off = offsets(tk + 0 * cols, WIDE) * D + cols
+    if BF16:
+        tl.store(xn_ptr + off, bf16_bits16(yv), mask=m)
+    else:
+        tl.store(xn_ptr + off, yv, mask=m)
 
 
 def coef_chunk_block(block_t: int = COEF_T) -> int:
@@ -449,7 +525,7 @@ def coef_chunk_block(block_t: int = COEF_T) -> int:
 
 
 def launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps, iters,
-                wide, ct: int = COEF_T, norm: tuple | None = None) -> None:
+                wide, ct: int = COEF_T, norm: tuple | None = None, early: bool | None = None) -> None:
     """The unfused coefficient launch: one program per token tile of `ct` tokens (persistent over
     tiles). `norm` = (x_hat, weight, out, eps[, x, pre]): the tiles also write rms_norm(x_hat) to
     out (x_hat / out as bf16 bit patterns, int16, or fp32); with x [T, 4, d] and pre [T, 4], x_hat
@@ -464,7 +540,10 @@ def launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunk
                                float(norm_eps), float(hc_eps), int(iters), float(rms_eps), n_tiles, cgrid,
                                BLOCK_T=ct, CB=coef_chunk_block(ct), WIDE=wide, NORM=norm is not None,
                                BLOCK_N=triton.next_power_of_2(d), BF16=xh.dtype == torch.int16,
-                               COLLAPSE=bool(collapse), **({} if interpreting() else {"num_warps": 4}))
+                               COLLAPSE=bool(collapse),
+                               NORM_FIRST=(EARLY_LOADS and part.device.type == "cuda" if early is None else early)
+                               and ct == 1 and not collapse,
+                               **({} if interpreting() else {"num_warps": 4}))
 
 
 def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
@@ -472,13 +551,14 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
             norm_eps: float, hc_eps: float, iters: int, *, block_t: int | None = None,
             block_d: int | None = None, num_warps: int | None = None, workers: int | None = None,
             split: bool | None = None, d_split: int | None = None, num_stages: int | None = None,
-            fused: bool | None = None, norm: tuple | None = None):
+            fused: bool | None = None, norm: tuple | None = None, early: bool | None = None):
     """`ops.mhc_mix` in one pass: x [T, 4, d], y [T, d], post/pre [T, 4], comb [T, 4, 4];
     fn [24, 4d] fp32, scale [3], base [24] (or fn None). Returns (x_new [T, 4, d] in x's dtype,
     x_hat [T, d] in x's dtype, (pre, post, comb) fp32 or None). The keyword-only tile
     parameters are for tuning and default to this module's table; `fused` computes the
     coefficients in the main kernel's last program per token tile instead of a second launch
-    (default: DSV41_MHC_COEF, see coef_mode). `norm` = (weight [d], eps), with `fn` only: the
+    (default: DSV41_MHC_COEF, see coef_mode); `early` (default EARLY_LOADS on CUDA devices)
+    issues the decode kernels' independent loads first. `norm` = (weight [d], eps), with `fn` only: the
     coefficient epilogue also writes rms_norm(x_hat, weight, eps), returned as a fourth value
     (`mhc_mix_norm`)."""
     from .launch import grid_for, interpreting, needs_int64, num_workers
@@ -538,6 +618,8 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     if fused is None:
         fused = fused_default
     fused = fused and has_fn
+    if early is None:  # (CUDA only by default: on Ascend the four fn slices at once are unmeasured UB)
+        early = EARLY_LOADS and x.device.type == "cuda"
     ct = coef_tokens(t, narrow)
     if has_fn:
         part = torch.empty(n_chunks, t, 32, dtype=torch.float32, device=x.device)
@@ -557,10 +639,10 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
                              float(hc_eps), int(iters), float(norm[1]) if norm is not None else 0.0, BLOCK_T=bt,
                              BLOCK_D=bd, HAS_FN=has_fn, SPLIT=split, OUT_BF16=x.dtype == torch.bfloat16, WIDE=wide,
                              FUSED=fused, CT=ct, CB=cb, NORM=norm is not None, BLOCK_N=triton.next_power_of_2(d),
-                             **kw)
+                             FN_FIRST=early and n_tiles == 1 and chunk == bd, **kw)
     if has_fn and not fused:
         launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps, iters, wide,
-                    ct, (xhat_arg, nw, xn_arg, norm[1]) if norm is not None else None)
+                    ct, (xhat_arg, nw, xn_arg, norm[1]) if norm is not None else None, early)
     return done
 
 
