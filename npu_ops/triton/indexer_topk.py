@@ -658,6 +658,10 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
                         keep = keep.to(tl.int32)
                         tl.store(crow_ch + n_ch + tl.cumsum(keep, axis=0) - keep, ch, mask=keep != 0)
                         n_ch += tl.sum(keep, axis=0)
+                    # the chunk list, stored by every thread of the program, is read back below by
+                    # other threads: global memory is not ordered between threads without a barrier
+                    # (the interpreters run one thread; the H200 returned stale ids without it)
+                    tl.debug_barrier()
                     cnt = tl.zeros([], dtype=tl.int32)
                     for c0 in range(0, n_ch, CH):  # their scores >= bound, in entry order
                         ci = c0 + tl.arange(0, CH)
@@ -671,6 +675,7 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
                         tl.store(srow + pos, x, mask=ok)
                         tl.store(prow + pos, ent, mask=ok)
                         cnt += tl.sum(keep, axis=0)
+                    tl.debug_barrier()  # the survivors, likewise, are read back by other threads
             if SBLOCK < BLOCK and cnt <= SBLOCK:
                 thr, need = _kth_key(srow, cnt, K, SBLOCK, RADIX_BITS)
                 _take_ordered(srow, prow, cnt, thr, need, orow, crow, SBLOCK, True, False)
