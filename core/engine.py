@@ -228,6 +228,18 @@ class Sequence:
     def prefilling(self) -> bool:
         return self.fed < len(self.prompt)
 
+    def accept(self, tok: int, now: float) -> bool:
+        """Append a sampled token; True when it ends the sequence (a stop token or
+        max_new_tokens reached; the reason and time are recorded)."""
+        self.out.append(tok)
+        if tok in self.params.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.out) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+        if self.finish_reason:
+            self.t_done = now
+        return self.finish_reason is not None
+
     def result(self) -> GenerationResult:
         return GenerationResult(list(self.out), len(self.prompt), self.t_first - self.t_admit, self.t_done - self.t_first,
                                 self.hit, self.finish_reason or "length", self.counters,
@@ -470,18 +482,11 @@ class Engine:
             row += 1
             if not seq.out:
                 seq.t_first = now
-            seq.out.append(tok)
-            if tok in seq.params.stop_token_ids:
-                seq.finish_reason = "stop"
-            elif len(seq.out) >= seq.params.max_new_tokens:
-                seq.finish_reason = "length"
-            if seq.finish_reason:
-                seq.t_done = now
+            if seq.accept(tok, now):
                 finished.append(seq)
         for seq in finished:
             self.finish(seq)
-        for seq in self.running:  # windows only look back sliding_window - 1 positions
-            seq.state.free_old_swa(self.pool, seq.state.length - 2 * self.cfg.sliding_window)
+        self._free_old_windows()
         return finished
 
     def finish(self, seq: Sequence) -> None:
@@ -567,13 +572,7 @@ class Engine:
                 continue
             if id(seq) in in_next:
                 seq.state.tokens[seq.state.length - 1] = tok  # the next step's input position
-            seq.out.append(tok)
-            if tok in seq.params.stop_token_ids:
-                seq.finish_reason = "stop"
-            elif len(seq.out) >= seq.params.max_new_tokens:
-                seq.finish_reason = "length"
-            if seq.finish_reason:
-                seq.t_done = now
+            if seq.accept(tok, now):
                 finished.append(seq)
         if any(id(s) in in_next for s in finished):
             # a stopped sequence's row of the next step is dropped: wait for that step before its
@@ -582,9 +581,14 @@ class Engine:
         for seq in finished:
             if any(s is seq for s in self.running):  # (not those the drain above finished)
                 self.finish(seq)
-        for seq in self.running:  # windows only look back sliding_window - 1 positions
-            seq.state.free_old_swa(self.pool, seq.state.length - 2 * self.cfg.sliding_window)
+        self._free_old_windows()
         return finished
+
+    def _free_old_windows(self) -> None:
+        """Give back SWA blocks no running sequence's window can reach again (windows look
+        back sliding_window - 1 positions)."""
+        for seq in self.running:
+            seq.state.free_old_swa(self.pool, seq.state.length - 2 * self.cfg.sliding_window)
 
     def drain(self) -> list[Sequence]:
         """Read the launched step of the overlapped loop, if any (no new launch); returns the
