@@ -8,12 +8,14 @@ helpers it calls inlined (their pointer parameters bound to the caller's), each 
 walked twice (a store late in one iteration, a load early in the next) and `if` branches taken
 as alternatives, except tests of compile-time flags (tl.constexpr parameters, literal
 arguments, `not` / `and` / `or` of them): the walk is repeated for each combination of the
-flags it meets, so that branches of one flag are never mixed. A pointer is named by its base: the parameter it is derived from (`ptr + offs`,
-`.to(...)`, `tl.multiple_of`, local names assigned from those). A load whose base was stored
-on some path since the last barrier is flagged, unless its (function, base) pair is in
-ALLOWED with the reason it is safe. Atomics are left out (read-modify-writes of one word:
-coherent by themselves). Aliasing of different parameters (one tensor passed twice) is beyond
-it; the launchers are reviewed for that by hand.
+flags it meets, so that branches of one flag are never mixed. A pointer is named by its base,
+the parameter it is derived from (`ptr + offs`, `.to(...)`, `tl.multiple_of`, local names
+assigned from those), so rows of one buffer count as one (a persistent loop's row t and row
+t + P are not told apart: a load of either after a store of either, with no barrier between,
+is flagged). A flagged (function, base) pair can be allowed in ALLOWED with the reason it is
+safe; none is needed today. Atomics are left out (read-modify-writes of one word: coherent by
+themselves). Aliasing of different parameters (one tensor passed twice) is beyond it; the
+launchers are reviewed for that by hand.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class _Walker:
         self.root = f"{module}.{root}"
         self.flags = flags  # compile-time flag -> value chosen for this walk
         self.found: set[tuple[str, str, int, int]] = set()  # (root, base, store line, load line)
+        self.unseen: set[tuple[str, int]] = set()  # (function, line) of accesses the check cannot name
         self.stack: list[str] = []
         self.consts: list[dict] = []  # per frame: constexpr name -> ("lit", value) | ("flag", name)
         self.lines: list[int] = []  # call lines of the inlined frames (a flag names the root's)
@@ -143,6 +146,12 @@ class _Walker:
         """Effects of evaluating an expression: loads checked, stores added, barriers clear,
         jit helpers inlined. Returns the pending stores (base -> store line) after it."""
         for call in self.calls_in(node):
+            if _tl_call(call, "load", "store"):
+                b = self.base(call.args[0], env) if call.args else frozenset()
+                if not b or (call.func.attr == "store" and any(":" in x for x in b)):  # no base, or a local one
+                    self.unseen.add((self.stack[-1], call.lineno))
+            if _tl_call(call, "make_block_ptr", "make_tensor_descriptor"):
+                self.unseen.add((self.stack[-1], call.lineno))
             if _tl_call(call, "debug_barrier"):
                 pending = {}
             elif _tl_call(call, "load") and call.args:
@@ -220,9 +229,11 @@ class _Walker:
         return pending
 
 
-def _walk(modules: dict, module: str, fn: ast.FunctionDef) -> set:
-    """Flagged loads of one root function over every setting of the flags its tests meet."""
+def _walk(modules: dict, module: str, fn: ast.FunctionDef) -> tuple[set, set]:
+    """Flagged loads and unnamed accesses of one root function over every setting of the flags
+    its tests meet."""
     found: set = set()
+    unseen: set = set()
     todo = [{}]
     while todo:
         flags = todo.pop()
@@ -236,26 +247,40 @@ def _walk(modules: dict, module: str, fn: ast.FunctionDef) -> set:
             todo += [{**flags, e.flag: True}, {**flags, e.flag: False}]
             continue
         found |= w.found
-    return found
+        unseen |= w.unseen
+    return found, unseen
 
 
-def races(overrides: dict[str, str] | None = None, only: str | None = None) -> list[tuple[str, str, int, int]]:
-    """Every (module.function, pointer base, store line, load line) flagged in npu_ops/triton/
-    (the load's line in the root function where it is inside an inlined helper); `only`: the
+def scan(overrides: dict[str, str] | None = None, only: str | None = None) -> tuple[list, list]:
+    """(every (module.function, pointer base, store line, load line) flagged in npu_ops/triton/
+    (the load's line in the root function where it is inside an inlined helper), every
+    (function, line) of a global access whose pointer the check cannot name); `only`: the
     functions of that module alone."""
     modules = _modules(overrides)
     found: set = set()
+    unseen: set = set()
     for module, (funcs, _) in modules.items():
         if only and module != only:
             continue
         for fn in funcs.values():
-            found |= _walk(modules, module, fn)
-    return sorted(found)
+            f, u = _walk(modules, module, fn)
+            found |= f
+            unseen |= u
+    return sorted(found), sorted(unseen)
+
+
+def races(overrides: dict[str, str] | None = None, only: str | None = None) -> list[tuple[str, str, int, int]]:
+    """The flagged loads of `scan`."""
+    return scan(overrides, only)[0]
 
 
 def test_no_unordered_reload_of_stored_memory():
-    """No kernel loads global memory its own program stored since the last barrier."""
-    assert races() == []
+    """No kernel loads global memory its own program stored since the last barrier, and the
+    check names every access (each load and store through a pointer derived from a parameter,
+    every store from one of the function's own; no block pointers or tensor descriptors)."""
+    found, unseen = scan()
+    assert found == []
+    assert unseen == []
 
 
 def test_check_finds_the_select_race_without_its_barriers():
