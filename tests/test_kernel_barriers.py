@@ -85,7 +85,7 @@ class _Walker:
         self.unseen: set[tuple[str, int]] = set()  # (function, line) of accesses the check cannot name
         self.stack: list[str] = []
         self.consts: list[dict] = []  # per frame: constexpr name -> ("lit", value) | ("flag", name)
-        self.lines: list[int] = []  # call lines of the inlined frames (a flag names the root's)
+        self.lines: list[int] = []  # call lines of the inlined frames (a load is reported at the root's)
 
     def test(self, node: ast.AST):
         """A branch test's value when it is made of compile-time flags and literals, else _UNKNOWN."""
