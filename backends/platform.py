@@ -359,6 +359,28 @@ class AscendPlatform(Platform):
 _PLATFORM_CLASSES = {"cpu": Platform, "meta": Platform, "cuda": CudaPlatform, "npu": AscendPlatform}
 
 
+def host_to_device(dst: torch.Tensor, src: torch.Tensor, platform: Platform | None = None) -> None:
+    """`dst.copy_(src)` without a host wait. A host `src` is staged in page-locked memory first:
+    a copy from pageable memory makes the host wait for everything queued before it on the
+    stream, so the host could not prepare the next step while the device runs this one. The
+    caching host allocator keeps the staging block until the copy has run."""
+    if src.device.type == "cpu" and dst.device.type != "cpu":
+        platform = platform or platform_for(dst.device)
+        src = platform.pinned_empty(src.shape, src.dtype).copy_(src)
+    dst.copy_(src, non_blocking=True)
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`, copied without a host wait (`host_to_device`); `t` itself on
+    the CPU."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, device=device)
+    host_to_device(out, t)
+    return out
+
+
 def platform_for(device: torch.device | str) -> Platform:
     """The platform of a device; raises with the reason when its backend is unavailable."""
     kind = device.split(":")[0] if isinstance(device, str) else torch.device(device).type

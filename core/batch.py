@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..backends.paging import table_rows, window_rows
+from ..backends.platform import to_device
 from .cache import FLOOR_DECODER, BlockTable, GlobalPool, KVPool, SequenceState, SWAPool
 from .config import ModelConfig
 
@@ -207,21 +208,25 @@ def build_step(cfg: ModelConfig, pool: KVPool, chunks: list[Chunk], device: torc
         if ch.image_embeds is not None:
             images.append(ch.image_embeds)
         st.length = start + len(ch.ids)
-    t = torch.tensor
-    ngram_host = (t(ngram, dtype=torch.long), t(ngram_img, dtype=torch.bool))  # built once, sent once
+    # built on the host, sent without a host wait (`to_device`): the forward reads nothing back,
+    # so the host builds the next step (a prefill's next chunk) while the device runs this one
+    def t(data, dtype):
+        return to_device(torch.tensor(data, dtype=dtype), device)
+
+    ngram_host = (torch.tensor(ngram, dtype=torch.long), torch.tensor(ngram_img, dtype=torch.bool))  # sent once
     return StepBatch(
-        ids=t(ids, dtype=torch.long, device=device),
-        positions=t(pos, dtype=torch.long, device=device),
-        seq=t(seq, dtype=torch.long, device=device),
-        swa_tables=(block_tables([c.state.swa_blocks for c in chunks]).to(device),),
-        glob_tables=(block_tables([c.state.glob_blocks for c in chunks]).to(device),),
-        floors=t([c.state.floors for c in chunks], dtype=torch.long, device=device),
-        glob_from=t([c.state.glob_from for c in chunks], dtype=torch.long, device=device),
-        ngram_ids=ngram_host[0].to(device),
-        ngram_image=ngram_host[1].to(device),
-        is_image=t(is_img, dtype=torch.bool, device=device),
-        decoder_rows=None if len(dec_rows) == len(ids) else t(dec_rows, dtype=torch.long, device=device),
-        logit_rows=None if len(logit_rows) == n_dec else t(logit_rows, dtype=torch.long, device=device),
+        ids=t(ids, torch.long),
+        positions=t(pos, torch.long),
+        seq=t(seq, torch.long),
+        swa_tables=(to_device(block_tables([c.state.swa_blocks for c in chunks]), device),),
+        glob_tables=(to_device(block_tables([c.state.glob_blocks for c in chunks]), device),),
+        floors=t([c.state.floors for c in chunks], torch.long),
+        glob_from=t([c.state.glob_from for c in chunks], torch.long),
+        ngram_ids=to_device(ngram_host[0], device),
+        ngram_image=to_device(ngram_host[1], device),
+        is_image=t(is_img, torch.bool),
+        decoder_rows=None if len(dec_rows) == len(ids) else t(dec_rows, torch.long),
+        logit_rows=None if len(logit_rows) == n_dec else t(logit_rows, torch.long),
         image_embeds=torch.cat(images) if images else None,
         ngram_host=ngram_host,
         rows_are_sequences=all(len(ch.ids) == 1 for ch in chunks),  # (then seq = 0 .. B - 1)

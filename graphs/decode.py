@@ -17,22 +17,12 @@ from dataclasses import fields
 
 import torch
 
-from ..backends.platform import platform_for
+from ..backends.platform import host_to_device, platform_for
 from ..core.batch import StepBatch
 from ..core.cache import KVPool
 from ..core.model import Transformer
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-
-
-def host_to_device(dst: torch.Tensor, src: torch.Tensor, platform) -> None:
-    """`dst.copy_(src)` without a host wait. A host `src` is staged in page-locked memory first:
-    a copy from pageable memory makes the host wait for everything queued before it (which, in
-    the engine's overlapped decode loop, is the step still running on the device). The caching
-    host allocator keeps the staging block until the copy has run."""
-    if src.device.type == "cpu" and dst.device.type != "cpu":
-        src = platform.pinned_empty(src.shape, src.dtype).copy_(src)
-    dst.copy_(src, non_blocking=True)
 
 
 def fill_static(static: StepBatch, batch: StepBatch) -> None:

@@ -85,6 +85,25 @@ def test_cpu_platform_is_a_no_op_stand_in():
         platform_for("npu")
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_host_copies_without_a_wait_keep_their_values(device):
+    """`to_device` / `host_to_device` (page-locked staging, non-blocking copies): the values
+    arrive, in every dtype a step sends, also when the host tensor is changed or freed at once
+    after the call (the staging copy is the one in flight)."""
+    from dsv41.backends.platform import host_to_device, to_device
+
+    for dtype in (torch.long, torch.bool, torch.float32):
+        src = (torch.arange(1000) % 7).to(dtype)
+        want = src.clone()
+        got = to_device(src, device)
+        if device != "cpu":  # (on the CPU the host tensor itself is returned)
+            src.zero_()  # the caller reuses its host tensor right away
+        dst = torch.zeros(2, 1000, dtype=dtype, device=device)
+        host_to_device(dst[1], want.clone())  # a temporary source, freed after the call
+        assert torch.equal(got.cpu(), want) and torch.equal(dst[1].cpu(), want) and not dst[0].any()
+        assert (got is src) == (device == "cpu")  # nothing to copy on the CPU
+
+
 def test_dispatch_resolves_once_per_op_and_device(monkeypatch):
     monkeypatch.delenv("DSV41_BACKEND", raising=False)
     monkeypatch.delenv("DSV41_STRICT", raising=False)
