@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backends.platform import platform_for
 from .batch import Chunk, StepBatch, build_step
 from .cache import KVPool, SequenceState
 from .model import ForwardContext, Transformer, read_counts
@@ -525,7 +524,7 @@ class Engine:
             chunks = [Chunk(s.state, [0], 0, "last", text_only=True) for s in seqs]
         batch = build_step(self.cfg, self.pool, chunks, "cpu", self._image_token())
         logits = self.graphs.run(batch, ids)
-        platform = platform_for(logits.device)
+        platform = self.graphs.platform
         tokens = logits.argmax(-1)
         flag = (~torch.isfinite(logits).all()).long().view(1)
         host = platform.pinned_empty((len(seqs) + 1,), torch.long)
@@ -548,7 +547,7 @@ class Engine:
             if len(keep) == len(prev.seqs):
                 ids = prev.tokens
             else:
-                rows = platform_for(prev.tokens.device).pinned_empty((len(keep),), torch.long)
+                rows = self.graphs.platform.pinned_empty((len(keep),), torch.long)
                 rows.copy_(torch.tensor(keep))  # (page-locked: the copy does not wait for the device)
                 ids = prev.tokens.index_select(0, rows.to(prev.tokens.device, non_blocking=True))
             self._launched = self._launch([prev.seqs[i] for i in keep], ids)

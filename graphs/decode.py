@@ -25,14 +25,14 @@ from ..core.model import Transformer
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-def fill_static(static: StepBatch, batch: StepBatch) -> None:
+def fill_static(static: StepBatch, batch: StepBatch, platform=None) -> None:
     """Copy `batch` into the persistent buffers of a captured step with at least as many rows
     (and block tables at least as wide): rows past the batch become padding (ids 0, n-gram ids
     -1, null-block tables), table columns past the batch's point at the null block. `seq`
     stays as captured (row i is sequence i in both). Host fields reach the device without a
     host wait (`host_to_device`)."""
     n = batch.num_tokens
-    platform = platform_for(static.ids.device)
+    platform = platform or platform_for(static.ids.device)
     for f in fields(StepBatch):
         dst, src = getattr(static, f.name), getattr(batch, f.name)
         if f.name == "ngram_host":  # host copies of the n-grams (Engram rows fetched ahead)
@@ -117,7 +117,7 @@ class DecodeGraphs:
         if ids is not None and prefetch is not None and prefetch.layers:
             raise ValueError("device-side input ids need the Engram rows gathered on the device "
                              "(the fetch-ahead hashes the host's n-grams)")
-        fill_static(static, batch)
+        fill_static(static, batch, self.platform)
         if ids is not None:  # column 0 of a row's n-gram is its own token
             static.ids[:n].copy_(ids)
             static.ngram_ids[:n, 0].copy_(ids)

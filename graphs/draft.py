@@ -62,7 +62,7 @@ class DraftGraph:
             raise ValueError(f"not a draft block the graph holds ({batch.num_tokens} rows, tables of "
                              f"{max(t.shape[1] for t in batch.swa_tables)} blocks; captured {self.drafter.block_size} rows, "
                              f"{self.table_blocks} blocks)")
-        fill_static(self.static, batch)
+        fill_static(self.static, batch, self.platform)
         if self.graph is None:
             return self.drafter.draft_block(self.static, self.pool)
         self.graph.replay()
