@@ -370,10 +370,6 @@ def kernel_table(model: Transformer, run, device: torch.device) -> tuple[dict, i
 
 # ---- the run -----------------------------------------------------------------------------------
 
-def pool_bytes(pool: KVPool) -> int:
-    return pool.nbytes()
-
-
 def model_bytes(model: Transformer, device: torch.device) -> int:
     return sum(nbytes(b) for b in model.buffers() if b.device.type == device.type)
 
@@ -453,7 +449,7 @@ def run_decode(model, args, clock: Clock, copy_bw: float, mem: Memory, log) -> t
             kernels = dict(zip(("table", "total"), kernel_table(model, lambda: model(batch, engine.pool, check=False), dev)))
             kernels["ctx"] = ctx
         mem_rows.append(dict(phase=f"decode ctx {ctx}, {bmax} sequences, graphs", peak=mem.peak(),
-                             weights=model_bytes(model, dev), kv=pool_bytes(engine.pool)))
+                             weights=model_bytes(model, dev), kv=engine.pool.nbytes()))
         for s in seqs:
             engine.finish(s)
         del engine, seqs
@@ -498,7 +494,7 @@ def run_prefill(model, args, clock: Clock, mm_rate: float, mem: Memory, log) -> 
                 f"({flops / mm_rate / dt:.0%} of the matmul roofline)")
             if n == max(args.prefill):
                 mem_rows.append(dict(phase=f"prefill {mode} {n} ({engine.max_tokens_per_step}-token steps)", peak=mem.peak(), weights=model_bytes(model, dev),
-                                     kv=pool_bytes(engine.pool)))
+                                     kv=engine.pool.nbytes()))
             del engine
     return rows, mem_rows
 
