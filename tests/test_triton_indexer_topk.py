@@ -144,9 +144,10 @@ def test_topk_select_equals_stable_sort(dev, rng):
         # the bound however few they are), and with a survivor buffer too small for the tied
         # rows (those take the whole-row path); the default skips a bound from too few maxima
         # the survivors selected on a smaller tile than the row's (survivor_block, or its
-        # full-tile fallback when they outnumber it)
+        # full-tile fallback when they outnumber it), and a survivor buffer smaller than that tile
+        # (overflowed rows take the whole-row path, not the tile: the H200 read past the buffer)
         for maxg, cap, per_k, sb in ((1, None, 0, None), (4, None, 0, None), (4, 16, 0, None), (4, None, None, None),
-                                     (4, None, 0, 16), (2, None, 0, 32)):
+                                     (4, None, 0, 16), (2, None, 0, 32), (4, 16, 0, 32)):
             pad = -(-n // maxg) * maxg - n
             maxima = torch.nn.functional.pad(masked, (0, pad), value=float("-inf")).view(8, -1, maxg).amax(-1)
             got = itk.topk_select(masked.to(dev), nv.to(dev), k, maxima.to(dev), maxg, capacity=cap,

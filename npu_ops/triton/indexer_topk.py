@@ -676,7 +676,7 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
                         tl.store(prow + pos, ent, mask=ok)
                         cnt += tl.sum(keep, axis=0)
                     tl.debug_barrier()  # the survivors, likewise, are read back by other threads
-            if SBLOCK < BLOCK and cnt <= SBLOCK:
+            if SBLOCK < BLOCK and cnt <= SBLOCK and cnt <= CAP:  # (CAP can be below SBLOCK)
                 thr, need = _kth_key(srow, cnt, K, SBLOCK, RADIX_BITS)
                 _take_ordered(srow, prow, cnt, thr, need, orow, crow, SBLOCK, True, False)
             elif cnt <= CAP:
