@@ -111,6 +111,15 @@ def _tensors(out):
 
 
 _AUX_STREAMS: dict = {}  # device -> the auxiliary stream `overlap` uses there
+_CAPTURE_STREAMS: dict = {}  # device -> the stream its graphs are captured (and warmed up) on
+
+
+def _capture_stream(plat: "Platform"):
+    """The device's capture stream, made once (`Platform.capture_stream`)."""
+    cs = _CAPTURE_STREAMS.get(plat.device)
+    if cs is None:
+        cs = _CAPTURE_STREAMS[plat.device] = plat.stream()
+    return cs
 
 
 def aux_stream_overlap(plat: "Platform", side, main):
@@ -210,8 +219,23 @@ class Platform:
         return None
 
     def graph_capture(self, graph, pool=None):
-        """Context manager capturing the work issued inside it into `graph`."""
+        """Context manager capturing the work issued inside it into `graph`, on `capture_stream`."""
         raise RuntimeError("this device has no graph capture")
+
+    def capture_stream(self):
+        """The stream every graph capture on this device runs on (None where there are no graphs)."""
+        return None
+
+    def on_capture_stream(self):
+        """Context manager running eager work on the capture stream: a graph's warm-up runs there
+        so that per-stream state (the zeroed `tile_counters`) is made eagerly, not inside the
+        capture, where its zero fill would only be recorded and its first replay would read
+        whatever the memory held."""
+        cs = self.capture_stream()
+        if cs is None:
+            return contextlib.nullcontext()
+        cs.wait_stream(self.current_stream())
+        return self.use_stream(cs)
 
     def graph_pool(self):
         """A memory pool handle the graphs of one runner share (None where there is none)."""
@@ -266,7 +290,10 @@ class CudaPlatform(Platform):
         return torch.cuda.CUDAGraph
 
     def graph_capture(self, graph, pool=None):
-        return torch.cuda.graph(graph, pool=pool)
+        return torch.cuda.graph(graph, pool=pool, stream=self.capture_stream())
+
+    def capture_stream(self):
+        return _capture_stream(self)
 
     def graph_pool(self):
         return torch.cuda.graph_pool_handle()
@@ -336,7 +363,10 @@ class AscendPlatform(Platform):
         return torch.npu.NPUGraph  # type: ignore[attr-defined]
 
     def graph_capture(self, graph, pool=None):
-        return torch.npu.graph(graph, pool=pool)  # type: ignore[attr-defined]
+        return torch.npu.graph(graph, pool=pool, stream=self.capture_stream())  # type: ignore[attr-defined]
+
+    def capture_stream(self):
+        return _capture_stream(self)
 
     def graph_pool(self):
         return torch.npu.graph_pool_handle()  # type: ignore[attr-defined]

@@ -88,7 +88,8 @@ class DecodeGraphs:
         mem = self.platform.graph_pool() if graph_class is not None else None
         for n in sorted(self.buckets, reverse=True):
             batch = self._static(n)
-            logits = self.model(batch, self.pool, check=False)  # warm-up: allocations, autotuning
+            with self.platform.on_capture_stream():  # warm-up: allocations, per-stream state
+                logits = self.model(batch, self.pool, check=False)
             graph = None
             if graph_class is not None:
                 self.platform.synchronize()

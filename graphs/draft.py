@@ -42,7 +42,8 @@ class DraftGraph:
     def capture(self) -> DraftGraph:
         """Warm up (allocations, autotuning) and capture; padding tables hold only the null
         block, so the capture's writes land there."""
-        self.out = self.drafter.draft_block(self.static, self.pool)
+        with self.platform.on_capture_stream():  # (per-stream state made eagerly, as DecodeGraphs)
+            self.out = self.drafter.draft_block(self.static, self.pool)
         graph_class = self.platform.graph_class()
         if graph_class is not None:
             self.platform.synchronize()

@@ -91,11 +91,18 @@ _COUNTERS: dict[tuple, torch.Tensor] = {}
 def tile_counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 per-tile counters for "the last program of a tile finishes it" launches on this
     device and stream (each kernel that bumps a counter resets it to 0, so the buffer stays zero
-    between calls: no memset per call, and kernels on one stream can share it). Allocated outside
-    CUDA-graph capture on the first eager call."""
+    between calls: no memset per call, and kernels on one stream can share it). Made on a
+    stream's first eager call; never inside a graph capture, where the zero fill would only be
+    recorded (the graph's first replay, and any other graph or eager call using the buffer
+    before it, would count from whatever the memory held): graphs warm up on their capture
+    stream first (`Platform.on_capture_stream`)."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device.type, device.index, stream)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
+        if capturing:
+            raise RuntimeError(f"tile_counters: no zeroed counters ({n}) for this stream before the graph capture; "
+                               "run the captured work once eagerly on the capture stream first")
         buf = _COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return buf
