@@ -101,3 +101,14 @@ def tiny_model(tiny_cfg, fresh_seed):
 def rng(fresh_seed, request):
     """A generator seeded from (session seed, test name)."""
     return torch.Generator().manual_seed(fresh_seed + zlib.crc32(request.node.name.encode()) % 1000)
+
+
+@pytest.fixture
+def official_reference():
+    """The reference ops in the official numerics mode (backends/numerics.py) for the test: the
+    device kernels round where the official code rounds, so they are compared with that mode.
+    Modules use it through `pytestmark = [..., pytest.mark.usefixtures("official_reference")]`."""
+    from dsv41.backends.numerics import numerics
+
+    with numerics("official"):
+        yield

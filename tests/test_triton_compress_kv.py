@@ -28,7 +28,17 @@ from dsv41.backends.reference import quant  # noqa: E402
 from dsv41.backends.reference.basic import rope  # noqa: E402
 from dsv41.npu_ops.triton import compress_kv as ckv  # noqa: E402
 
-MIN_EXACT = 0.999
+MIN_EXACT = 0.999  # of the elements bit-exact (and never fewer than all but one: small cases)
+
+
+def mostly_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a == b in at least MIN_EXACT of the elements, or in all but one: a pooled value next to a
+    bf16 rounding boundary (the official pooled latent is bf16) rounds either way under another
+    exp / summation order."""
+    differ = int((a != b).sum())
+    return differ <= max(1, int((1 - MIN_EXACT) * a.numel()))
+
+pytestmark = pytest.mark.usefixtures("official_reference")  # (conftest.py)
 
 
 def make_inputs(g: torch.Generator, n: int, ratio: int, d: int, r: int, cap: int, exact: bool = False):
@@ -115,7 +125,7 @@ def test_compress_kv_random(dev, ratio, n, d, r, eps, rng):
     got, gc, gs, want, wc, ws = run_both(dev, ratio, eps, *inp)
     # latent: >= 99.9% exact; every element within a bf16 ulp plus 2^-18 of its un-cancelled size
     bg, bw = bits16(got), bits16(want)
-    assert (bg == bw).float().mean() >= MIN_EXACT
+    assert mostly_equal(bg, bw)
     err = (got.double() - want.double()).abs()
     bound = torch.maximum(bf16_ulp(got), bf16_ulp(want)) + 2.0**-18 * latent_scale(kv, score, ratio, weight, eps)
     assert (err <= bound).all(), f"{int((err > bound).sum())} latent elements out of bounds, worst {(err / bound).max():.3g}x"
@@ -124,8 +134,8 @@ def test_compress_kv_random(dev, ratio, n, d, r, eps, rng):
     # RoPE + FP4 bit-exact given the latent; untouched cache rows unchanged
     check_tail_exact(got, cos, sin, gc, gs, slots, codes, scales)
     # against the full reference
-    assert (gc[slots] == wc[slots]).float().mean() >= MIN_EXACT
-    assert (gs.view(torch.uint8)[slots] == ws.view(torch.uint8)[slots]).float().mean() >= MIN_EXACT
+    assert mostly_equal(gc[slots], wc[slots])
+    assert mostly_equal(gs.view(torch.uint8)[slots], ws.view(torch.uint8)[slots])
 
 
 @pytest.mark.parametrize("dev", DEVICES)

@@ -23,6 +23,8 @@ from dsv41.npu_ops.triton import indexer_topk as itk  # noqa: E402
 
 RTOL = 1e-5
 
+pytestmark = pytest.mark.usefixtures("official_reference")  # (conftest.py)
+
 
 def random_inputs(g, t, h, d, n, exact=False):
     """MXFP4 queries (quantise-dequantised, as the op's contract says) and keys, head weights.

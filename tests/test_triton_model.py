@@ -118,6 +118,7 @@ def _compare(op, got, want, args):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.usefixtures("official_reference")  # the kernels round where the official code does
 def test_kernels_match_reference_inside_the_model(dev, fresh_seed, monkeypatch):
     cfg, cpu, gpu = _pair(fresh_seed + 1, dev)
     registry.ensure_backend_loaded("cuda")

@@ -25,7 +25,7 @@ from dsv41.npu_ops.triton import moe_fold as mf  # noqa: E402
 from dsv41.npu_ops.triton.launch import interpreting  # noqa: E402
 
 tl = triton.language
-pytestmark = cuda_only
+pytestmark = [cuda_only, pytest.mark.usefixtures("official_reference")]
 
 
 @pytest.fixture
@@ -35,6 +35,7 @@ def poisoned(monkeypatch):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
     monkeypatch.setattr(mf, "_buffer", poison)
+
 
 
 @triton.jit

@@ -130,6 +130,14 @@ def load_weight_tile(w_ptr, s_ptr, rn, k0, N, K, s_stride,
 
 
 @triton.jit
+def bf16_round(v):
+    """fp32 -> the nearest bf16 value (ties to even), kept in fp32; integer ops only (the
+    interpreter's fp32 -> bf16 cast truncates). Finite inputs."""
+    b = v.to(tl.int32, bitcast=True)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def bf16_bits16(v):
     """fp32 -> bf16 (round to nearest even; the interpreter's cast truncates) as int16 bits."""
     b = v.to(tl.int32, bitcast=True)

@@ -2,7 +2,8 @@
 
 Per group of `ratio` rows of kv / score ([G * ratio, D] fp32):
 - ratio 2: per-channel softmax over the two score rows (max, exp, sum, true division, as torch's
-  softmax), pooled = w0 * kv0 + w1 * kv1; ratio 1: pooled = kv row.
+  softmax), pooled = w0 * kv0 + w1 * kv1, rounded to bf16 (the official code's pooled latent is
+  a bf16 tensor: the reference's official mode); ratio 1: pooled = kv row.
 - RMSNorm in fp32: pooled * (1 / sqrt(sum(pooled^2) / D + eps)) * weight, rounded to bf16 ->
   the latent (returned, un-rotated, [G, D] bf16).
 - interleaved-pair RoPE on the last R = 2 * cos.shape[-1] channels of the bf16 latent, fp32
@@ -93,6 +94,8 @@ def _compress_kv_kernel(kv_ptr, score_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, la
             e1 = tl.exp(s1 - mx)
             den = e0 + e1
             x = tl.div_rn(e0, den) * k0 + tl.div_rn(e1, den) * k1
+            # the official pooled latent is a bf16 tensor before its norm (the reference's official mode)
+            x = bf16_rne_bits(x).to(tl.float32, bitcast=True)
         # RMSNorm (fp32): mean of squares (D a power of two: the division is exact), eps, 1/sqrt
         ms = tl.sum(x * x, axis=1) * (1.0 / D)
         rs = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))

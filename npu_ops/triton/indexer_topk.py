@@ -68,6 +68,7 @@ import triton.language as tl
 
 from ...backends.reference import attention as ref_attention
 from ...backends.paging import table_rows
+from .block_scaled import bf16_round
 from ...backends.reference.attention import candidate_pool
 
 MX_GROUP = 32
@@ -157,7 +158,8 @@ def _load_queries(q_ptr, w_ptr, t0, T, H: tl.constexpr, HP: tl.constexpr, DH: tl
                   DHP: tl.constexpr, NQ: tl.constexpr, LOWP: tl.constexpr):
     """Queries t0 .. t0 + NQ - 1 (all heads, padded to HP): even / odd channel halves
     [NQ * HP, DHP] (one contiguous load, split into pairs) and fp32 head weights [NQ * HP]
-    (0 for padding)."""
+    (0 for padding), rounded to bf16: the official `weights_proj` returns bf16 (the reference's
+    official mode; the folded power-of-two weight scale does not change the rounding)."""
     r = tl.arange(0, NQ * HP)
     r_h = r % HP
     trow = t0 + r // HP
@@ -170,7 +172,7 @@ def _load_queries(q_ptr, w_ptr, t0, T, H: tl.constexpr, HP: tl.constexpr, DH: tl
     # so its width is registers); interpreters: fp32
     x = x.to(tl.bfloat16) if LOWP else x.to(tl.float32)
     q_even, q_odd = tl.split(tl.reshape(x, [NQ * HP, DHP, 2]))
-    wh = tl.load(w_ptr + qrow, mask=rmask, other=0.0).to(tl.float32)
+    wh = bf16_round(tl.load(w_ptr + qrow, mask=rmask, other=0.0).to(tl.float32))
     return q_even, q_odd, wh
 
 

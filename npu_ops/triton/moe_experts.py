@@ -38,12 +38,12 @@ import triton.language as tl
 
 from ...backends.reference.moe import moe_experts as moe_experts_ref  # noqa: F401  (the oracle)
 from .block_linear import DECODE_MAX_M, weight_kind
-from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, fp8_code, fp8_exponent, fp8_qdq_groups, gemv_acc,
-                           gemv_load_w, load_weight_tile, pow2, scaled_block_step)
+from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, bf16_round, fp8_code, fp8_exponent, fp8_qdq_groups,
+                           gemv_acc, gemv_load_w, load_weight_tile, pow2, scaled_block_step)
 from .fp4_common import split_dot_acc
 from .moe_fold import MAX_SCALE_BYTE
 from .moe_grouped import sort_rows
-from .swiglu import swiglu_tile
+from .swiglu import expert_act
 
 # Tiles: BN columns of the expert's intermediate width (gate/up) or of d (down), BK along K.
 TILES = {"cuda": {"bn_up": 32, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 4},
@@ -89,7 +89,7 @@ def _gate_up_kernel(x_ptr, q_ptr, qs_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base,
                                              s_stride, W_KIND, LOWP)
                     acc3 = scaled_block_step(acc3, q_ptr, qs_ptr, tok, rmask, w3, s3, rn, nmask, k0 + kb * 32, K, K,
                                              s_stride, W_KIND, LOWP)
-        h = swiglu_tile(acc1, acc3, limit) * tl.load(wts_ptr + f, mask=rmask, other=0.0)[:, None]
+        h = expert_act(acc1, acc3, tl.load(wts_ptr + f, mask=rmask, other=0.0)[:, None], limit)
         rows64 = rows.to(tl.int64)
         omask = rmask[:, None] & nmask[None, :]
         if W_KIND == 0:  # bf16 experts: the w2 input rounded to bf16
@@ -130,7 +130,7 @@ def _down_kernel(hb_ptr, hq_ptr, hs_ptr, perm_ptr, bounds_ptr, w_base, s_base, t
                     acc = scaled_block_step(acc, hq_ptr, hs_ptr, rows64, rmask, w2, s2, rn, nmask, k0 + kb * 32, I, I,
                                             s_stride, W_KIND, LOWP)
         f = tl.load(perm_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        tl.store(y_ptr + f[:, None] * D + rn[None, :], acc, mask=rmask[:, None] & nmask[None, :])
+        tl.store(y_ptr + f[:, None] * D + rn[None, :], bf16_round(acc), mask=rmask[:, None] & nmask[None, :])
 
 
 @triton.jit
@@ -222,7 +222,7 @@ def _gate_up_gemv_kernel(x_ptr, x_stride, ids_ptr, wts_ptr, w_base, s_base, tabl
         acc3 = gemv_acc(acc3, a3, c3, x_ptr, tok, rmask, x_stride, k0, K, W_KIND, RB, NB, ASM)
         a1, c1, a3, c3 = n1, d1, n3, d3
     wt = tl.load(wts_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-    h = swiglu_tile(tl.sum(acc1, axis=2), tl.sum(acc3, axis=2), limit) * wt[:, None]
+    h = expert_act(tl.sum(acc1, axis=2), tl.sum(acc3, axis=2), wt[:, None], limit)
     h = fp8_qdq_groups(h, RB, BN)  # the w2 input's FP8 quantisation (BN % 32 == 0: whole groups)
     tl.store(h_ptr + rows.to(tl.int64)[:, None] * I + rn[None, :], h, mask=rmask[:, None] & nmask[None, :])
 
@@ -243,7 +243,7 @@ def _down_gemv_kernel(h_ptr, ids_ptr, w_base, s_base, table_ptr, y_ptr, R, I, D,
         n2, d2 = gemv_load_w(w2, w_stride, s2, s_stride, rn, nmask, k0 + BK, k_end, W_KIND, BN, NB)
         acc = gemv_acc(acc, a2, c2, h_ptr, rows, rmask, I, k0, I, W_KIND, RB, NB, ASM)
         a2, c2 = n2, d2
-    tl.store(y_ptr + rows.to(tl.int64)[:, None] * D + rn[None, :], tl.sum(acc, axis=2),
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * D + rn[None, :], bf16_round(tl.sum(acc, axis=2)),
              mask=rmask[:, None] & nmask[None, :])
 
 

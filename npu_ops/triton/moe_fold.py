@@ -44,8 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_scaled import fp8_qdq_groups, pow2
-from .swiglu import swiglu_tile
+from .block_scaled import bf16_round, fp8_qdq_groups, pow2
+from .swiglu import expert_act
 
 # Tiles by token count, (most tokens, tiles): BN weight rows per program (gate/up, down), BK along
 # K, the gate/up K slices (`split`), the dot orientation (`w_left`: weight as the left operand),
@@ -196,7 +196,7 @@ def _act_store(g, u, p, pmask, wts_ptr, f, h_ptr, I, rn, limit, RB: tl.constexpr
     fp32 sums g, u [RB, BN], routing weight, FP8 quantise-dequantise per 32 columns (BN % 32 ==
     0: whole groups), stored in the word order of the w2 tiles (the down kernel's loads are then
     contiguous)."""
-    h = swiglu_tile(g, u, limit) * tl.load(wts_ptr + f, mask=pmask, other=0.0)[:, None]
+    h = expert_act(g, u, tl.load(wts_ptr + f, mask=pmask, other=0.0)[:, None], limit)
     h = fp8_qdq_groups(h, RB, BN)
     tl.store(h_ptr + p.to(tl.int64)[:, None] * I + word_order(rn)[None, :], h, mask=pmask[:, None])
 
@@ -281,7 +281,7 @@ def _fold_down_kernel(h_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, y_
             acc = _wdot(acc, fp4_tile_bf16(w2, s2, rn, k0 // 8, s_stride // 4, I // 8, BN, BK, ASM, LOWP), ht,
                         W_LEFT, LOWP)
         f = tl.load(perm_ptr + p, mask=pmask, other=0).to(tl.int64)
-        tl.store(y_ptr + f[:, None] * D + rn[None, :], _rows_first(acc, W_LEFT), mask=pmask[:, None])
+        tl.store(y_ptr + f[:, None] * D + rn[None, :], bf16_round(_rows_first(acc, W_LEFT)), mask=pmask[:, None])
 
 
 @triton.jit

@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_scaled import W_DENSE, W_FP4, bf16_bits16, e2m1_pairs_f32, e8m0_value, fp8_qdq_groups
-from .swiglu import swiglu_tile
+from .block_scaled import W_DENSE, W_FP4, bf16_bits16, bf16_round, e2m1_pairs_f32, e8m0_value, fp8_qdq_groups
+from .swiglu import expert_act
 
 # Tiles per routed-row range: the best measured on the H200 (benchmarks/RESULTS.md, "MoE: the
 # grouped tensor-core path": T=8 swap off 980 us, T=64 swap + BK 256 999 us, T=8192 41.7 ms).
@@ -322,7 +322,7 @@ def _gate_up_kernel(a_ptr, rows_ptr, bexp_ptr, bcnt_ptr, wts_ptr, w_base, s_base
         if SWAP:
             acc1 = tl.trans(acc1)
             acc3 = tl.trans(acc3)
-        h = swiglu_tile(acc1, acc3, limit) * tl.load(wts_ptr + f, mask=rmask, other=0.0)[:, None]
+        h = expert_act(acc1, acc3, tl.load(wts_ptr + f, mask=rmask, other=0.0)[:, None], limit)
         if QUANT_H:  # the w2 input's FP8 quantisation (BN % 32 == 0: whole groups); exact in bf16
             h = fp8_qdq_groups(h, BM, BN)
         if P_OUT > 0:  # w2 is FP4: its input goes in chunk-permuted
@@ -355,9 +355,9 @@ def _down_kernel(h_ptr, rows_ptr, bexp_ptr, bcnt_ptr, w_base, s_base, table_ptr,
                              LOWP, BN, BK, EVEN)
         f = tl.load(rows_ptr + blk * BM + r, mask=rmask, other=0).to(tl.int64)
         if SWAP:
-            tl.store(y_ptr + f[None, :] * D + rn[:, None], acc, mask=rmask[None, :] & nmask[:, None])
+            tl.store(y_ptr + f[None, :] * D + rn[:, None], bf16_round(acc), mask=rmask[None, :] & nmask[:, None])
         else:
-            tl.store(y_ptr + f[:, None] * D + rn[None, :], acc, mask=rmask[:, None] & nmask[None, :])
+            tl.store(y_ptr + f[:, None] * D + rn[None, :], bf16_round(acc), mask=rmask[:, None] & nmask[None, :])
 
 
 # ---- prefill: the experts dequantised once per pass ------------------------------------------------

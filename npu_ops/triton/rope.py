@@ -17,15 +17,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.basic import rope as rope_ref  # noqa: F401  (the oracle)
-from .block_scaled import bf16_bits16
-
-
-@triton.jit
-def bf16_round(v):
-    """fp32 -> the nearest bf16 value (ties to even), kept in fp32; integer ops only (the
-    interpreter's fp32 -> bf16 cast truncates). Finite inputs."""
-    b = v.to(tl.int32, bitcast=True)
-    return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+from .block_scaled import bf16_bits16, bf16_round  # noqa: F401  (bf16_round: rope's users import it here)
 
 
 @triton.jit

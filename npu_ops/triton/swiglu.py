@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.basic import swiglu_clamped as swiglu_ref  # noqa: F401  (the oracle)
+from .block_scaled import bf16_round
 
 BLOCK = 1024
 
@@ -19,6 +20,17 @@ def swiglu_tile(g, u, limit):
     g = tl.minimum(g, limit)
     u = tl.minimum(tl.maximum(u, -limit), limit)
     return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
+def expert_act(g, u, wt, limit):
+    """An expert's w2 input from its fp32 w1 / w3 sums g, u and routing weights wt, rounded where
+    the official expert rounds (MODEL.md, "Where the official code rounds"; the reference's
+    official mode): the w1 and w3 outputs to bf16, then clamped SwiGLU times the weight in fp32,
+    rounded to bf16 (before the w2 input's FP8 quantisation). Rounding to bf16 also makes the
+    result independent of the sums' fp32 order in all but the rare near-tie elements, so the
+    FP8 codes of h agree between kernels and with the reference."""
+    return bf16_round(swiglu_tile(bf16_round(g), bf16_round(u), limit) * wt)
 
 
 @triton.jit
