@@ -123,11 +123,12 @@ def test_compress_kv_random(dev, ratio, n, d, r, eps, rng):
     inp = make_inputs(rng, n, ratio, d, r, cap=n + 13)
     kv, score, weight, cos, sin, codes, scales, slots = inp
     got, gc, gs, want, wc, ws = run_both(dev, ratio, eps, *inp)
-    # latent: >= 99.9% exact; every element within a bf16 ulp plus 2^-18 of its un-cancelled size
+    # latent: >= 99.9% exact; every element within a bf16 ulp (two at ratio 2: the pooled value's
+    # own bf16 rounding can flip too) plus 2^-18 of its un-cancelled size
     bg, bw = bits16(got), bits16(want)
     assert mostly_equal(bg, bw)
     err = (got.double() - want.double()).abs()
-    bound = torch.maximum(bf16_ulp(got), bf16_ulp(want)) + 2.0**-18 * latent_scale(kv, score, ratio, weight, eps)
+    bound = ratio * torch.maximum(bf16_ulp(got), bf16_ulp(want)) + 2.0**-18 * latent_scale(kv, score, ratio, weight, eps)
     assert (err <= bound).all(), f"{int((err > bound).sum())} latent elements out of bounds, worst {(err / bound).max():.3g}x"
     if ratio == 1:  # no cancellation: one bf16 ulp at most
         assert ((bg - bw).abs() <= 1).all()

@@ -60,7 +60,12 @@ def check(dev, fmt, t, n_exp, topk, d, inter, rng, used=None, **tiles):
     got = me.moe_experts(x.to(dev), w.to(dev), ids.to(dev), dex, 10.0, torch.float64, **tiles)
     assert got.dtype == torch.float32 and got.shape == (t, d)
     err = rel_err(got, want)
-    bound = 1e-4
+    # The official rounding points turn fp32-vs-fp64 summation noise (~2^-24 sqrt(K) of a sum)
+    # into rare flips: a w1 / w3 output next to a bf16 boundary rounds the other way (about 5e-4
+    # of them at K = 1024), moving h by 2^-8, which moves its FP8 code in about 1 of 16 cases
+    # (2^-4 of that element): 2-3e-4 in norm at model widths (H200, 2026-12-01), 1e-4 at
+    # the interpreter's small widths. Without the rounding points the error is ~1e-2.
+    bound = 1e-4 if max(d, inter) <= 256 else 5e-4
     assert err < bound, f"{tiles['path']} moe {fmt} T={t}: rel err {err:.2e}"
 
 
