@@ -360,8 +360,9 @@ def test_sparse_attention_mqa_loads_ahead_or_in_place(dev, ahead, rng):
 
 # prefill-table neighbours timed on the H200 (benchmarks/sparse_prefill.py), and the previous
 # whole-row table: each checked at model widths on prefill chunks (split and unsplit).
-PREFILL_VARIANTS = [dict(), dict(LAZY=0.0), dict(AHEAD=False), dict(BLOCK_N=32), dict(BLOCK_N=32, LAZY=0.0),
-                    dict(num_warps=16), dict(num_stages=3), "cuda_whole"]
+PREFILL_VARIANTS = [dict(), dict(LAZY=8.0), dict(BLOCK_N=16), dict(BLOCK_N=16, LAZY=8.0),
+                    dict(BLOCK_N=16, LAZY=8.0, AHEAD=False), dict(BLOCK_N=16, LAZY=8.0, num_warps=16),
+                    dict(BLOCK_N=16, LAZY=8.0, num_stages=3), "cuda_whole"]
 
 
 @pytest.fixture(scope="module")
