@@ -81,7 +81,8 @@ def check(names):
             e_big = rel_err(launch(name, big), base)
             torch.cuda.synchronize()
             ok = e_ref < 1e-2 and e_big < 1e-2
-            print(f"| check {name} | vs reference {e_ref:.2e} | vs cuda_whole T=1792 {e_big:.2e} | {'ok' if ok else 'WRONG'} |",
+            verdict = "ok" if ok else "WRONG"
+            print(f"| check {name} | vs reference {e_ref:.2e} | vs cuda_whole T=1792 {e_big:.2e} | {verdict} |",
                   flush=True)
         except Exception as e:  # noqa: BLE001  (a variant that fails is a row; a fault ends the process)
             print(f"| check {name} | failed: {type(e).__name__}: {str(e)[:160]} |", flush=True)
@@ -143,7 +144,8 @@ def bisect(group: int):
             for n_split in (1, 2):
                 out = sa.sparse_attention_launch(*to("cuda", a), d ** -0.5, n_split=n_split, **cfg)
                 torch.cuda.synchronize()
-                errs.append(f"{kind} s{n_split} {(out.float().cpu() - refs[kind]).abs().max().item() / refs[kind].abs().max().item():.2g}")
+                err = (out.float().cpu() - refs[kind]).abs().max().item() / refs[kind].abs().max().item()
+                errs.append(f"{kind} s{n_split} {err:.2g}")
         label = " ".join(f"{key}={cfg[key]}" for key in ("MQA", "num_warps", "num_stages", "AHEAD", "LAZY",
                                                          "BLOCK_H", "BLOCK_N") if key in cfg)
         print(f"| bisect {label} | {' | '.join(errs)} |", flush=True)

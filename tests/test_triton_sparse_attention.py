@@ -382,7 +382,8 @@ def prefill_cases():
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(sink + 1e30) of an all-masked row
 @pytest.mark.parametrize("dev", DEVICES[1:])
 @pytest.mark.parametrize("variant", PREFILL_VARIANTS,
-                         ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items()) or "table")
+                         ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items())
+                         or "table")
 def test_sparse_attention_prefill_variants_gpu(dev, variant, prefill_cases):
     """The prefill table's entry changed as given (or the named entry), at model widths on
     prefill chunks; equal to the reference. The default dispatch takes the prefill table."""
