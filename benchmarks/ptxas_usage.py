@@ -57,13 +57,14 @@ def sparse_rows() -> list[tuple[str, str]]:
             "gsc_ptr": "*i8", "gidx_ptr": "*i64", "sink_ptr": "*fp32", "out_ptr": "*bf16", "pacc_ptr": "*fp32",
             "pm_ptr": "*fp32", "pl_ptr": "*fp32"}
     rows = []
-    for key in ("cuda", "cuda_decode", "cuda_mqa"):
+    for key in ("cuda", "cuda_whole", "cuda_decode"):
         cfg = sa.CONFIGS[key]
         bd, bdv = cfg["BLOCK_D"] or 512, cfg["BLOCK_DV"] or 512
         split = cfg["min_blocks_per_split"] == 1  # the decode tables run split
-        if cfg.get("MQA"):
+        if cfg.get("MQA"):  # pools as 32-bit words
             consts = dict(D=512, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], SPLIT=split, DOT_BF16=True,
-                          HW_CVT=True, AHEAD=cfg.get("AHEAD", True))
+                          AHEAD=cfg.get("AHEAD", True), LAZY=cfg.get("LAZY", 0.0))
+            ptrs = dict(ptrs, win_ptr="*i32", gkv_ptr="*i32")
             fn = sa._mqa_kernel
         else:
             consts = dict(D=512, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=bd, BLOCK_DV=bdv, SPLIT=split,

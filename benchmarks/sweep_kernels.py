@@ -56,7 +56,7 @@ SPARSE_T1 = [("decode (shipped)", {}), ("N16", dict(BLOCK_N=16)), ("N64", dict(B
              ("N16 D256 DV256 w8", dict(BLOCK_N=16, BLOCK_D=256, BLOCK_DV=256, num_warps=8))]
 # (num_stages=1 is left out: on the H200 (triton 3.6) the decode kernel at BLOCK_N 16 compiled with
 # one stage gave wrong results and then an illegal address, 2026-12-01)
-SPARSE_TN = [("prefill table (shipped)", dict(BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8,
+SPARSE_TN = [("whole-row table (cuda_whole)", dict(BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8,
                                               min_blocks_per_split=2)),
              ("decode table", {}), ("decode 4/split", dict(min_blocks_per_split=4)),
              ("decode DV256 w8", dict(BLOCK_DV=256, num_warps=8))]
@@ -65,7 +65,7 @@ SPARSE_TN = [("prefill table (shipped)", dict(BLOCK_N=32, BLOCK_D=None, BLOCK_DV
 def sweep_sparse_attention(rows, copy, tokens=(1, 8, 64), check_only=False, mqa=False):
     """sparse_attention tiles on paged pools (every variant checked against the reference): T=1
     at a 64K context (flash-decoding splits), T > 1 at 4K (a decode batch); `mqa` adds the
-    opt-in MQA kernel last (it faulted at model widths on the H200, which ends the CUDA context)."""
+    MQA kernel (the prefill table) last, at these decode shapes."""
     from dsv41.npu_ops.triton import sparse_attention as sa
 
     ref_fn = registry.resolve("sparse_attention", "reference")[0]
@@ -77,7 +77,7 @@ def sweep_sparse_attention(rows, copy, tokens=(1, 8, 64), check_only=False, mqa=
         variants = [(name, dict(SPARSE_DECODE, **v)) for name, v in (SPARSE_T1 if t == 1 else SPARSE_TN)]
         variants.append(("default dispatch", None))
         if mqa:
-            variants.append(("mqa", dict(sa.CONFIGS["cuda_mqa"])))
+            variants.append(("mqa (prefill table)", dict(sa.CONFIGS["cuda"])))
         for name, cfg in variants:
             def call(args=args, cfg=cfg):
                 if cfg is None:
@@ -567,7 +567,7 @@ def main() -> int:
     ap.add_argument("--tokens", default=None, help="token counts for the sparse_attention / indexer_topk sweeps")
     ap.add_argument("--check-only", action="store_true",
                     help="sparse_attention / indexer_topk: compile and check every variant, time none (warms the cache)")
-    ap.add_argument("--mqa", action="store_true", help="sparse_attention: the opt-in MQA kernel too (last)")
+    ap.add_argument("--mqa", action="store_true", help="sparse_attention: the MQA kernel (prefill table) too (last)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/sweep_kernels.py needs a CUDA device", file=sys.stderr)

@@ -26,13 +26,9 @@ WHOLE_T = dict(WHOLE, QK_T=True)  # q.k^T computed as k.q^T (entries as the MMA'
 WHOLE_HALF = dict(WHOLE, DV_HALF=True)  # one output-channel parity per tile
 MQA = dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, MQA=True)  # rows decoded once as K and V
 MQA_H32 = dict(MQA, BLOCK_H=32)  # heads padded past H (masked rows)
+MQA_LAZY = dict(MQA, LAZY=2.0)  # the running max moves only when a block passes it by > 2 (e^2 bound)
 
 BLOCK = 8  # pool block size (rows) of both pools in these tests
-# The opt-in MQA kernel faulted (illegal memory access) on the H200 at model widths over a 64K
-# context, and gave wrong results at small shapes with 4 warps (2026-12-01; no bad access under
-# memcheck, no hazard under racecheck); a fault ends the CUDA context for every later test, so
-# those cases run under the interpreters only.
-MQA_FAULT = "MQA kernel: wrong results / illegal memory access on the H200 (unresolved; sparse_attention.py CONFIGS)"
 
 
 def paged_rows(g, n_seq: int, lengths: list[int], n_pool_blocks: int) -> list[torch.Tensor]:
@@ -93,8 +89,9 @@ def to(dev, args):
     return [a.to(dev) if isinstance(a, torch.Tensor) else a for a in args]
 
 
-def check(out, args, scale, dead_rows=()):
-    ref = sa.sparse_attention_ref(*args, scale)
+def check(out, args, scale, dead_rows=(), ref=None):
+    if ref is None:
+        ref = sa.sparse_attention_ref(*args, scale)
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape
     out = out.cpu()
     assert not torch.isnan(out.float()).any()
@@ -116,8 +113,8 @@ def check(out, args, scale, dead_rows=()):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(sink + 1e30) of an all-masked row
 @pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("cfg", [WHOLE, WHOLE_T, WHOLE_HALF, TILED, MQA, MQA_H32],
-                         ids=["whole", "whole_t", "whole_half", "tiled", "mqa", "mqa_h32"])
+@pytest.mark.parametrize("cfg", [WHOLE, WHOLE_T, WHOLE_HALF, TILED, MQA, MQA_H32, MQA_LAZY],
+                         ids=["whole", "whole_t", "whole_half", "tiled", "mqa", "mqa_h32", "mqa_lazy"])
 @pytest.mark.parametrize("n_split", [1, 3, None])
 def test_sparse_attention_tiny(dev, cfg, n_split, rng):
     # tiny preset widths: H = 4, D = 64
@@ -302,15 +299,13 @@ def test_sparse_attention_mqa_long_context_split_k(dev, rng):
     """One token at a long context (many entry blocks): the MQA tiles split over the entry list
     (flash-decoding: one split per block, a few blocks per split, automatic) and combined; every
     choice equals the reference. Also an empty global list and an all-masked token."""
-    if dev != "cpu":
-        pytest.skip(MQA_FAULT)
     h, d = (8, 64) if dev == "cpu" else (64, 512)
     s, n, k = (16, 400, 160) if dev == "cpu" else (128, 65536, 512)
-    cfg = dict(BLOCK_H=64, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, MQA=True)
+    cfg = dict(sa.CONFIGS["cuda"], BLOCK_N=16, min_blocks_per_split=1)
     args = make_inputs(rng, 1, h, d, s, n, k, dead_rows=(), window_off_rows=(), n_seq=1)
     n_blocks = -(-s // 16) + -(-k // 16)
     for n_split in (n_blocks, 3, None):
-        out = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, n_split=n_split, min_blocks_per_split=1, **cfg)
+        out = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, n_split=n_split, **cfg)
         check(out, args, d ** -0.5)
     empty = list(args)
     empty[6] = torch.zeros(1, 0, dtype=torch.long)
@@ -328,7 +323,8 @@ def test_sparse_attention_mqa_long_context_split_k(dev, rng):
 def test_sparse_attention_batch_of_64_mixed_lengths(dev, rng):
     """A decode batch of 64 tokens of 5 sequences with mixed context lengths: tokens see
     different numbers of window and global entries (short ones mostly -1), some none at all;
-    the MQA tiles and (compiled) the default tile table equal the reference."""
+    the MQA tiles (compiled: the prefill table) and (compiled) the default tile table equal the
+    reference."""
     t = 64
     h, d = (4, 64) if dev == "cpu" else (64, 512)
     s, n, k = (16, 60, 24) if dev == "cpu" else (128, 4096, 512)
@@ -341,9 +337,8 @@ def test_sparse_attention_batch_of_64_mixed_lengths(dev, rng):
     win_idx[3], glob_idx[3] = -1, -1
     glob_idx[9, : k // 2] = -1  # leading masked entries
     dead = [r for r in range(t) if (win_idx[r] < 0).all() and (glob_idx[r] < 0).all()]
-    if dev == "cpu":  # the MQA tiles (compiled for CUDA they fault at model widths: MQA_FAULT)
-        out = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, **MQA)
-        check(out, args, d ** -0.5, dead_rows=dead)
+    out = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, **(MQA if dev == "cpu" else sa.CONFIGS["cuda"]))
+    check(out, args, d ** -0.5, dead_rows=dead)
     if dev == "cuda":
         check(sa.sparse_attention(*to(dev, args), d ** -0.5), args, d ** -0.5, dead_rows=dead)
 
@@ -354,8 +349,6 @@ def test_sparse_attention_batch_of_64_mixed_lengths(dev, rng):
 def test_sparse_attention_mqa_loads_ahead_or_in_place(dev, ahead, rng):
     """The MQA kernel with the next block's loads issued ahead and with each block loaded in
     its own iteration gives the same bits (the loads move, the arithmetic does not)."""
-    if dev != "cpu":
-        pytest.skip(MQA_FAULT)  # failed on the H200 (2026-12-01): wrong results with 4 warps
     t, h, d, s, n, k = 3, 4, 64, 40, 60, 50
     args = make_inputs(rng, t, h, d, s, n, k, dead_rows=(2,))
     cfg = dict(MQA, AHEAD=ahead)
@@ -363,3 +356,40 @@ def test_sparse_attention_mqa_loads_ahead_or_in_place(dev, ahead, rng):
     check(out, args, d ** -0.5, dead_rows=(2,))
     other = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, n_split=2, **dict(cfg, AHEAD=not ahead))
     assert torch.equal(out.cpu(), other.cpu())
+
+
+# prefill-table neighbours timed on the H200 (benchmarks/sparse_prefill.py), and the previous
+# whole-row table: each checked at model widths on prefill chunks (split and unsplit).
+PREFILL_VARIANTS = [dict(), dict(LAZY=8.0), dict(BLOCK_N=16), dict(BLOCK_N=16, LAZY=8.0),
+                    dict(BLOCK_N=16, LAZY=8.0, AHEAD=False), dict(BLOCK_N=16, LAZY=8.0, num_warps=16),
+                    dict(BLOCK_N=16, LAZY=8.0, num_stages=3), "cuda_whole"]
+
+
+@pytest.fixture(scope="module")
+def prefill_cases():
+    """(inputs, reference, dead rows) at 64 heads x 512 (seeded once per module): a 100-token
+    chunk of one sequence (fewer tokens than SMs: the entry list splits in two) and 160 tokens
+    of two sequences, over 4K global pools."""
+    g = torch.Generator().manual_seed(1)
+    cases = []
+    for t, n_seq in ((100, 1), (160, 2)):
+        args = make_inputs(g, t, 64, 512, 128, 4096, 512, dead_rows=(2,), window_off_rows=(1,), n_seq=n_seq)
+        cases.append((args, sa.sparse_attention_ref(*args, 512 ** -0.5), (2,)))
+    return cases
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(sink + 1e30) of an all-masked row
+@pytest.mark.parametrize("dev", DEVICES[1:])
+@pytest.mark.parametrize("variant", PREFILL_VARIANTS,
+                         ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items())
+                         or "table")
+def test_sparse_attention_prefill_variants_gpu(dev, variant, prefill_cases):
+    """The prefill table's entry changed as given (or the named entry), at model widths on
+    prefill chunks; equal to the reference. The default dispatch takes the prefill table."""
+    cfg = sa.CONFIGS[variant] if isinstance(variant, str) else dict(sa.CONFIGS["cuda"], **variant)
+    for args, ref, dead in prefill_cases:
+        out = sa.sparse_attention_launch(*to(dev, args), 512 ** -0.5, **cfg)
+        check(out, args, 512 ** -0.5, dead_rows=dead, ref=ref)
+        if not variant:
+            check(sa.sparse_attention(*to(dev, args), 512 ** -0.5), args, 512 ** -0.5, dead_rows=dead, ref=ref)

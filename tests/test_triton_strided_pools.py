@@ -17,13 +17,14 @@ from dsv41.npu_ops.triton import sparse_attention as sa  # noqa: E402
 BEFORE, AFTER = 12, 20  # record bytes around the field (the slot stays a multiple of 4)
 
 
-def in_records(x: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def in_records(x: torch.Tensor, g: torch.Generator, before: int = BEFORE,
+               after: int = AFTER) -> tuple[torch.Tensor, torch.Tensor]:
     """(view, records): `x` [n, w] (1-byte dtype) copied into the middle of random records
-    [n, BEFORE + w + AFTER] uint8, and the view of that field as x's dtype."""
+    [n, before + w + after] uint8, and the view of that field as x's dtype."""
     n, w = x.shape
-    rec = torch.randint(0, 256, (n, BEFORE + w + AFTER), generator=g, dtype=torch.uint8)
-    rec[:, BEFORE:BEFORE + w] = x.view(torch.uint8)
-    view = rec[:, BEFORE:BEFORE + w].view(x.dtype)
+    rec = torch.randint(0, 256, (n, before + w + after), generator=g, dtype=torch.uint8)
+    rec[:, before:before + w] = x.view(torch.uint8)
+    view = rec[:, before:before + w].view(x.dtype)
     assert view.stride(0) != w
     return view, rec
 
@@ -53,6 +54,13 @@ def test_sparse_attention_reads_strided_pools(device, fresh_seed):
                                      d ** -0.5, **mqa)
     assert torch.isfinite(want.float()).all() and want.abs().max() > 0
     assert torch.equal(got, want)
+    # it reads pools as 32-bit words: fields that start off a 4-byte boundary, or records whose
+    # width is not a multiple of 4, are copied to aligned rows first (the same bits)
+    for before, after in ((13, 19), (12, 21)):
+        v = [dev(in_records(p, g, before, after)[0]) for p in (swa_kv, swa_sc, glob_kv, glob_sc)]
+        got = sa.sparse_attention_launch(dev(q), v[0], v[1], dev(win_idx), v[2], v[3], dev(glob_idx), dev(sink),
+                                         d ** -0.5, **mqa)
+        assert torch.equal(got, want), (before, after)
 
 
 @pytest.mark.parametrize("device", DEVICES)

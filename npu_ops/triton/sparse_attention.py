@@ -33,16 +33,21 @@ How it runs:
 - Online softmax: running max starts at -1e30 (an all-masked row gives 0), masked logits are
   -inf, probabilities are rounded to bf16 before p.V, the sum stays fp32; the sink adds
   exp(sink - max) to the denominator only.
-- MQA kernel (`_mqa_kernel`, opt-in `MQA=True`, table "cuda_mqa"): a tile is (query, split,
-  head block) with whole rows; each block's entries are decoded once, in channel order (FP4
-  nibbles interleaved back with join + reshape), and serve as K (q.k^T) and as V (p.V); q is
-  loaded once per tile; the next block's index row and stored bytes are loaded while the
-  current block is computed (AHEAD). Compiled on CUDA, E4M3 goes through the hardware
-  conversion. Wrong results on the H200 (see `CONFIGS`): not for use on CUDA.
+- MQA kernel (`_mqa_kernel`, `MQA=True`; CUDA's prefill table "cuda"): a tile is (query, split,
+  head block) with whole rows; pool rows are loaded as 32-bit words ([rows, groups, words]:
+  contiguous vector loads, four bytes a register while in flight), the next block's index row
+  and words while the current block is computed (AHEAD); each block is decoded once into even /
+  odd channel halves straight from the words (shifts and masks, no join / reshape back into
+  channel order) and serves as K and as V for every head; LAZY (optional) moves the running
+  max only when a block passes it by more than that margin. (An earlier form decoded into
+  channel order by joining the FP4 nibble halves and reshaping; compiled by triton 3.6 on the
+  H200 it gave wrong global-entry results with its loads in the loop and faulted at model widths
+  (8 and 16 warps, 1-3 stages); the source has no global memory written and read back and every load
+  is masked or clamped. This form is right in every configuration tried there.)
 - Per-backend tile tables (`config_for`): at decode shapes (T <= 66 on the H200) CUDA takes
   all 64 heads with 128-channel contraction / output blocks and one split per entry block;
-  otherwise CUDA keeps whole 512-wide rows and all 64 heads in one tile (MQA:
-  each decoded row serves every head; M = 64 is one wgmma tile; q stays in shared memory);
+  otherwise CUDA takes the MQA kernel with all 64 heads in one tile (each decoded row serves
+  every head; M = 64 is one wgmma tile; q stays in shared memory);
   Ascend tiles the contraction (BLOCK_D) and the output channels (BLOCK_DV, part of the tile
   id: q.k^T is recomputed per output block) so a program's live tiles stay a few tens of KB,
   well inside the 192 KB unified buffer. Two whole-row options exist for tuning: QK_T computes
@@ -62,12 +67,26 @@ RUNNING_MAX_INIT = tl.constexpr(-1e30)  # a row with no valid entry outputs 0
 
 # Tile tables: BLOCK_D / BLOCK_DV of None mean the full head_dim (one decode per block).
 CONFIGS = {
-    # cuda: all 64 heads of a token in one tile, whole 512-wide rows decoded once per block. H200
-    # sweep (T=256, 64K context, CUDA-graph time): this 530 us; BLOCK_N 16: 586; BLOCK_N 64 +
-    # QK_T: 811; 16 warps: 1208; DV_HALF (BLOCK_N 32 / 64, 4 or 8 warps): 667-759. ptxas: 255
-    # registers + ~1 KB spill (the 64x512 fp32 accumulator alone is 128 registers a thread).
-    "cuda": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=2, QK_T=False,
-                 min_blocks_per_split=2),
+    # cuda (prefill): `_mqa_kernel`: all 64 heads of a token in one tile (wgmma M = 64), whole rows
+    # loaded as 32-bit words one block ahead and decoded once per block as K and V. Same block
+    # size and arithmetic as cuda_whole: the same bits (0 difference at T=1792 on the H200).
+    # H200 (2026-12-01 08:25 UTC, torch 2.11, triton 3.6, kernel time, CUDA events; 8K / 32K
+    # context): T=1792 3.435 / 3.345 ms (cuda_whole 3.685 / 3.659); T=8192 13.995 / 14.261 ms
+    # (cuda_whole 15.599 / 15.664): 8-10% faster, 44-49 TFLOP/s. Neighbours (T=8192, 8K / 32K):
+    # LAZY=8 13.941 / 14.360; BLOCK_N 16 15.019 / 15.334 (with LAZY=8 14.767 / 14.467; 3 stages
+    # 14.741 / 14.572); loads in the loop (AHEAD False, BLOCK_N 16, LAZY=8) 17.568 / 17.539; 16
+    # warps (BLOCK_N 16 / 32, LAZY=8) 20.6 / 20.6. ptxas (sm_90a): 255 registers, ~1.3 KB spill.
+    "cuda": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=2, MQA=True,
+                 AHEAD=True, LAZY=0.0, min_blocks_per_split=1),
+    # cuda_whole: the previous prefill table: `_sparse_attn_kernel` with whole 512-wide rows (byte
+    # loads in the loop, no prefetch). H200 sweep (T=256, 64K context, CUDA-graph time): this 530
+    # us; BLOCK_N 16: 586; BLOCK_N 64 + QK_T: 811; 16 warps: 1208; DV_HALF (BLOCK_N 32 / 64, 4 or
+    # 8 warps): 667-759. ptxas: 255 registers + ~1 KB spill (the 64x512 fp32 accumulator alone is
+    # 128 registers a thread). Prefill shapes (2026-12-01 08:14 UTC, triton 3.6, kernel time):
+    # T=1792: 3.72 ms (8K context) / 3.75 ms (32K), 40 TFLOP/s; T=8192: 15.5 / 15.6 ms, 44
+    # TFLOP/s (num_stages 3: within 2%, 08:25 UTC).
+    "cuda_whole": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=2, QK_T=False,
+                       min_blocks_per_split=2),
     # cuda at decode shapes (few tokens): all 64 heads per tile (wgmma M = 64, 4 warps = one warp
     # group), the contraction and the output channels in blocks of 128, one split per entry
     # block (flash-decoding): a T=1 step is 4 channel blocks x 20 splits = 80 programs. H200
@@ -81,21 +100,6 @@ CONFIGS = {
     # gave wrong results, then an illegal address (triton 3.6).
     "cuda_decode": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=4, num_stages=2,
                         QK_T=False, min_blocks_per_split=1),
-    # cuda_mqa (opt-in, `MQA=True`): `_mqa_kernel`, whole rows decoded once as K and V (hardware
-    # E4M3 conversion, contiguous byte loads), each block's bytes loaded one block ahead.
-    # Correct under both interpreters; compiled for sm_90a on a CPU (triton 3.7.1, ptxas -v,
-    # benchmarks/ptxas_usage.py): 255 registers and 20-56 bytes of spill at BLOCK_N 16 / 8 warps
-    # (BLOCK_N 32: 272 bytes; the "cuda" entry above: 1152 bytes, the decode entry: 128). On the
-    # H200 (triton 3.6, 2026-12-01) it FAULTED (illegal memory access) at model widths (64 heads
-    # x 512) over a 64K context with this entry (8 warps, one stage), with and without AHEAD.
-    # With 4 warps (any of 1-3 stages) its results are wrong already at 4 heads x 64 (max error
-    # = max |reference|), with no bad access under compute-sanitizer's memcheck (64 x 512, 64K)
-    # and no shared-memory hazard under racecheck (4 x 64); 8 warps, 3 stages was right there.
-    # The decode kernel above, compiled with one stage at BLOCK_N 16, failed the same two ways,
-    # so the cause looks like code generation (warps / stages), not an index. Not the default;
-    # not for use on CUDA.
-    "cuda_mqa": dict(BLOCK_H=64, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=1, MQA=True,
-                     AHEAD=True, min_blocks_per_split=1),
     "npu": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=None, min_blocks_per_split=2),
     "interp": dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=None, min_blocks_per_split=1),
 }
@@ -414,7 +418,7 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
                               _to_bf16(acc_o * inv[:, None], DOT_BF16), BLOCK_DV, BLOCK_H)
 
 
-# ---- MQA path (CUDA): whole rows decoded once per block, as K and as V, next block prefetched ----
+# ---- MQA path: whole rows as 32-bit words, decoded once per block as K and V, next block loaded ahead ----
 
 @triton.jit
 def _entry_rows(idx_ptr, tq, L, nb, active, BLOCK_N: tl.constexpr):
@@ -426,84 +430,108 @@ def _entry_rows(idx_ptr, tq, L, nb, active, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _raw_rows(kv_ptr, sc_ptr, rows, ok, GROUPS: tl.constexpr, GBYTES: tl.constexpr, kv_stride, sc_stride):
-    """The stored bytes of pool rows [BN] (int64): codes [BN, GROUPS, GBYTES] (one scale group
-    each, contiguous vector loads) and scales [BN, GROUPS], int8, masked rows 0 (never read).
-    FP8 window rows: D/32 groups of 32 bytes (E8M0 scales); packed FP4 global rows: D/16 groups
-    of 8 bytes (E4M3 scales)."""
+def _raw_rows(kv_ptr, sc_ptr, rows, ok, GROUPS: tl.constexpr, GWORDS: tl.constexpr, kv_stride, sc_stride):
+    """The stored words of pool rows [BN] (int64): codes [BN, GROUPS, GWORDS] int32 (one scale
+    group each: contiguous vector loads, four bytes a register while in flight) and scales
+    [BN, GROUPS] int8; masked rows 0 (never read). FP8 window rows: D/32 groups of 8 words
+    (E8M0 scales); packed FP4 global rows: D/16 groups of 2 words (E4M3 scales)."""
     g = tl.arange(0, GROUPS)
-    e = tl.arange(0, GBYTES)
-    b = tl.load(kv_ptr + rows[:, None, None] * kv_stride + (g * GBYTES)[None, :, None] + e[None, None, :],
+    e = tl.arange(0, GWORDS)
+    w = tl.load(kv_ptr + rows[:, None, None] * kv_stride + (g * GWORDS)[None, :, None] + e[None, None, :],
                 mask=ok[:, None, None], other=0)
     sc = tl.load(sc_ptr + rows[:, None] * sc_stride + g[None, :], mask=ok[:, None], other=0)
-    return b, sc
+    return w, sc
 
 
 @triton.jit
-def _win_values(b, sb, BLOCK_N: tl.constexpr, D: tl.constexpr, HW_CVT: tl.constexpr):
-    """FP8 window bytes -> values [BN, D] fp32 in channel order (exact in bf16). HW_CVT: the
-    hardware E4M3 conversion (compiled CUDA); else integer and bit ops."""
-    if HW_CVT:
-        v = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+def _win_words(w, sb, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """FP8 window words [BN, D/32, 8] (word j holds channels 4j .. 4j+3, byte i = channel 4j+i)
+    -> even / odd channel halves [BN, D/2] fp32 (bytes 0, 2 / 1, 3 of each word)."""
+    sh = (tl.arange(0, 2) * 16)[None, None, None, :]
+    w4 = w[:, :, :, None]
+    sc = ((sb.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)[:, :, None, None]
+    k_e = _e4m3_signed((w4 >> sh) & 0xFF) * sc
+    k_o = _e4m3_signed((w4 >> (sh + 8)) & 0xFF) * sc
+    return tl.reshape(k_e, [BLOCK_N, D // 2]), tl.reshape(k_o, [BLOCK_N, D // 2])
+
+
+@triton.jit
+def _glob_words(w, sc, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Packed FP4 words [BN, D/16, 2] (word j holds channels 8j .. 8j+7, nibble i = channel
+    8j+i) -> even / odd channel halves [BN, D/2] fp32 (nibbles 0, 2, 4, 6 / 1, 3, 5, 7)."""
+    sh = (tl.arange(0, 4) * 8)[None, None, None, :]
+    w4 = w[:, :, :, None]
+    s = _e4m3_pos(sc.to(tl.int32) & 127)[:, :, None, None]
+    k_e = _e2m1_fast((w4 >> sh) & 15) * s
+    k_o = _e2m1_fast((w4 >> (sh + 4)) & 15) * s
+    return tl.reshape(k_e, [BLOCK_N, D // 2]), tl.reshape(k_o, [BLOCK_N, D // 2])
+
+
+@triton.jit
+def _halves_step(q_e, q_o, k_e, k_o, ok, m_i, l_i, acc_e, acc_o, scale, DOT_BF16: tl.constexpr,
+                 LAZY: tl.constexpr):
+    """One block of decoded entries (even / odd channel halves [BN, D/2], bf16-exact) for all the
+    tile's heads: logits, online-softmax update, p.V with the same halves as V. LAZY > 0: the
+    running max (and with it the accumulator and sum) moves only when some head's block max
+    passes it by more than LAZY, so most blocks skip the [BH, D] rescale; probabilities are
+    then exp(logit - a max at most LAZY below the true one): <= e^LAZY, same relative bf16
+    rounding, the same normalised result."""
+    v_e = _dot_in(k_e, DOT_BF16)
+    v_o = _dot_in(k_o, DOT_BF16)
+    s = tl.dot(q_o, tl.trans(v_o), tl.dot(q_e, tl.trans(v_e)))
+    if LAZY > 0:
+        s = tl.where(ok[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        if tl.max(m_new - m_i, axis=0) > LAZY:  # one decision for the whole tile
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha
+            acc_e = acc_e * alpha[:, None]
+            acc_o = acc_o * alpha[:, None]
+            m_i = m_new
+        p = tl.exp(s - m_i[:, None])
+        l_i = l_i + tl.sum(p, axis=1)
+        pb = _to_bf16(p, DOT_BF16)
+        if not DOT_BF16:
+            pb = pb.to(tl.float32)
+        acc_e = tl.dot(pb, v_e, acc_e)
+        acc_o = tl.dot(pb, v_o, acc_o)
     else:
-        v = _e4m3_signed(b.to(tl.int32) & 0xFF)
-    sc = ((sb.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)
-    return tl.reshape(v * sc[:, :, None], [BLOCK_N, D])
+        m_i, l_i, alpha, pb = _online_softmax(s, ok, m_i, l_i, scale, DOT_BF16)
+        acc_e = tl.dot(pb, v_e, acc_e * alpha[:, None])
+        acc_o = tl.dot(pb, v_o, acc_o * alpha[:, None])
+    return m_i, l_i, acc_e, acc_o
 
 
 @triton.jit
-def _glob_values(b, sc, BLOCK_N: tl.constexpr, D: tl.constexpr, HW_CVT: tl.constexpr):
-    """Packed FP4 bytes -> values [BN, D] fp32 in channel order (low nibble = even channel,
-    interleaved back by join + reshape). HW_CVT: the scale through the hardware E4M3 conversion."""
-    c = b.to(tl.int32) & 0xFF
-    if HW_CVT:
-        s = (sc & 127).to(tl.float8e4nv, bitcast=True).to(tl.float32)[:, :, None]
-    else:
-        s = _e4m3_pos(sc.to(tl.int32) & 127)[:, :, None]
-    v = tl.join(_e2m1_fast(c & 15) * s, _e2m1_fast(c >> 4) * s)  # [BN, D/16, 8, 2]
-    return tl.reshape(v, [BLOCK_N, D])
-
-
-@triton.jit
-def _mqa_step(q, kv, ok, m_i, l_i, acc, scale, DOT_BF16: tl.constexpr):
-    """One block of entries (kv [BN, D] fp32, bf16-exact) for all the tile's heads: logits,
-    online-softmax update, p.V with the same decoded rows as V."""
-    k = _dot_in(kv, DOT_BF16)
-    m_new, l_i, alpha, pb = _online_softmax(tl.dot(q, tl.trans(k)), ok, m_i, l_i, scale, DOT_BF16)
-    acc = tl.dot(pb, k, acc * alpha[:, None])
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _mqa_range(q, idx_ptr, tq, L, off, lo, hi, kv_ptr, sc_ptr, kv_stride, sc_stride, m_i, l_i, acc, scale,
-               D: tl.constexpr, BLOCK_N: tl.constexpr, IS_GLOB: tl.constexpr, DOT_BF16: tl.constexpr,
-               HW_CVT: tl.constexpr, AHEAD: tl.constexpr):
+def _mqa_range(q_e, q_o, idx_ptr, tq, L, off, lo, hi, kv_ptr, sc_ptr, kv_stride, sc_stride, m_i, l_i, acc_e, acc_o,
+               scale, D: tl.constexpr, BLOCK_N: tl.constexpr, IS_GLOB: tl.constexpr, DOT_BF16: tl.constexpr,
+               AHEAD: tl.constexpr, LAZY: tl.constexpr):
     """Entry blocks lo .. hi of one kind (window rows, or global rows when IS_GLOB) for the
     tile: block nb holds entries (nb - off) * BLOCK_N .. of query tq's index list (length L).
-    AHEAD: the next block's index row and bytes are loaded before this block is computed."""
+    AHEAD: the next block's index row and words are loaded before this block is computed."""
     GROUPS: tl.constexpr = D // 16 if IS_GLOB else D // 32
-    GBYTES: tl.constexpr = 8 if IS_GLOB else 32
+    GWORDS: tl.constexpr = 2 if IS_GLOB else 8
     if AHEAD:
         first = lo < hi
     else:  # loaded in the loop: nothing before it (lo >= 0)
         first = lo < 0
     rows, ok = _entry_rows(idx_ptr, tq, L, lo - off, first, BLOCK_N)
-    b, sc = _raw_rows(kv_ptr, sc_ptr, rows, ok, GROUPS, GBYTES, kv_stride, sc_stride)
+    w, sc = _raw_rows(kv_ptr, sc_ptr, rows, ok, GROUPS, GWORDS, kv_stride, sc_stride)
     for nb in range(lo, hi):
         if AHEAD:  # in flight during this block's math
             rows_n, ok_n = _entry_rows(idx_ptr, tq, L, nb + 1 - off, nb + 1 < hi, BLOCK_N)
-            b_n, sc_n = _raw_rows(kv_ptr, sc_ptr, rows_n, ok_n, GROUPS, GBYTES, kv_stride, sc_stride)
+            w_n, sc_n = _raw_rows(kv_ptr, sc_ptr, rows_n, ok_n, GROUPS, GWORDS, kv_stride, sc_stride)
         else:
             rows, ok = _entry_rows(idx_ptr, tq, L, nb - off, nb < hi, BLOCK_N)
-            b, sc = _raw_rows(kv_ptr, sc_ptr, rows, ok, GROUPS, GBYTES, kv_stride, sc_stride)
-            ok_n, b_n, sc_n = ok, b, sc
+            w, sc = _raw_rows(kv_ptr, sc_ptr, rows, ok, GROUPS, GWORDS, kv_stride, sc_stride)
+            ok_n, w_n, sc_n = ok, w, sc
         if IS_GLOB:
-            kv = _glob_values(b, sc, BLOCK_N, D, HW_CVT)
+            k_e, k_o = _glob_words(w, sc, BLOCK_N, D)
         else:
-            kv = _win_values(b, sc, BLOCK_N, D, HW_CVT)
-        m_i, l_i, acc = _mqa_step(q, kv, ok, m_i, l_i, acc, scale, DOT_BF16)
-        ok, b, sc = ok_n, b_n, sc_n
-    return m_i, l_i, acc
+            k_e, k_o = _win_words(w, sc, BLOCK_N, D)
+        m_i, l_i, acc_e, acc_o = _halves_step(q_e, q_o, k_e, k_o, ok, m_i, l_i, acc_e, acc_o, scale, DOT_BF16, LAZY)
+        ok, w, sc = ok_n, w_n, sc_n
+    return m_i, l_i, acc_e, acc_o
 
 
 @triton.jit
@@ -511,37 +539,49 @@ def _mqa_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gidx_ptr, s
                 pl_ptr, H, S, K, n_wb, n_blocks, bps, n_split, n_hb, n_tiles, num_programs, scale,
                 w_stride, ws_stride, g_stride, gs_stride,
                 D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                SPLIT: tl.constexpr, DOT_BF16: tl.constexpr, HW_CVT: tl.constexpr, AHEAD: tl.constexpr):
+                SPLIT: tl.constexpr, DOT_BF16: tl.constexpr, AHEAD: tl.constexpr, LAZY: tl.constexpr):
     """Tiles (query, split, head block), walked by a 1-D persistent loop; heads are the MMA's M
-    (all heads of a token share each decoded entry, decoded once per tile and used as K and V;
-    q [BH, D] loaded once per tile). AHEAD: each block's index row and stored bytes are loaded
-    one block ahead, so the gather's memory latency overlaps the previous block's math. One split: the
-    tile normalises (sink included) and writes bf16; several: fp32 partials for `_combine_kernel`."""
+    (all heads of a token share each decoded entry, decoded once per tile and used as K and V).
+    Pools arrive as 32-bit words (row strides in words). AHEAD: each block's index row and
+    words are loaded one block ahead, so the gather's latency overlaps the previous block's
+    math. One split: the tile normalises (sink included) and writes bf16; several: fp32
+    partials for `_combine_kernel`. Outputs are written as even / odd halves (stride 2)."""
     pid = tl.program_id(0)
-    cd = tl.arange(0, D)
+    jq = tl.arange(0, D // 2)
     for tile in range(pid, n_tiles, num_programs):
         sp, tq, heads, hok, qrow = _query_tile(tile, n_hb, n_split, H, D, BLOCK_H)
-        q = _q_in(tl.load(q_ptr + qrow[:, None] + cd[None, :], mask=hok[:, None], other=0.0), DOT_BF16)
+        qp = q_ptr + qrow[:, None] + 2 * jq[None, :]
+        q_e = _q_in(tl.load(qp, mask=hok[:, None], other=0.0), DOT_BF16)
+        q_o = _q_in(tl.load(qp + 1, mask=hok[:, None], other=0.0), DOT_BF16)
         m_i = tl.full([BLOCK_H], RUNNING_MAX_INIT, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+        acc_e = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
+        acc_o = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
         b_lo = sp * bps
         b_hi = tl.minimum(b_lo + bps, n_blocks)
         # window blocks b_lo .. w_hi (this query's SWA pool rows), then global blocks g_lo .. b_hi
         w_hi = tl.minimum(b_hi, n_wb)
-        m_i, l_i, acc = _mqa_range(q, widx_ptr, tq, S, 0, b_lo, w_hi, win_ptr, wsc_ptr, w_stride, ws_stride,
-                                   m_i, l_i, acc, scale, D, BLOCK_N, False, DOT_BF16, HW_CVT, AHEAD)
-        m_i, l_i, acc = _mqa_range(q, gidx_ptr, tq, K, n_wb, tl.maximum(b_lo, n_wb), b_hi, gkv_ptr, gsc_ptr, g_stride,
-                                   gs_stride, m_i, l_i, acc, scale, D, BLOCK_N, True, DOT_BF16, HW_CVT, AHEAD)
+        m_i, l_i, acc_e, acc_o = _mqa_range(q_e, q_o, widx_ptr, tq, S, 0, b_lo, w_hi, win_ptr, wsc_ptr, w_stride,
+                                            ws_stride, m_i, l_i, acc_e, acc_o, scale, D, BLOCK_N, False, DOT_BF16,
+                                            AHEAD, LAZY)
+        m_i, l_i, acc_e, acc_o = _mqa_range(q_e, q_o, gidx_ptr, tq, K, n_wb, tl.maximum(b_lo, n_wb), b_hi, gkv_ptr,
+                                            gsc_ptr, g_stride, gs_stride, m_i, l_i, acc_e, acc_o, scale, D, BLOCK_N,
+                                            True, DOT_BF16, AHEAD, LAZY)
+        col = 2 * jq
         if SPLIT:
             prow = ((tq * n_split + sp) * H + heads).to(tl.int64)
-            tl.store(pacc_ptr + prow[:, None] * D + cd[None, :], acc, mask=hok[:, None])
+            pp = pacc_ptr + prow[:, None] * D + col[None, :]
+            tl.store(pp, acc_e, mask=hok[:, None])
+            tl.store(pp + 1, acc_o, mask=hok[:, None])
             tl.store(pm_ptr + prow, m_i, mask=hok)
             tl.store(pl_ptr + prow, l_i, mask=hok)
         else:
             sk = tl.load(sink_ptr + heads, mask=hok, other=0.0).to(tl.float32)
             inv = 1.0 / (l_i + tl.exp(sk - m_i))
-            tl.store(out_ptr + qrow[:, None] + cd[None, :], _to_bf16(acc * inv[:, None], DOT_BF16), mask=hok[:, None])
+            op = out_ptr + qrow[:, None] + col[None, :]
+            tl.store(op, _to_bf16(acc_e * inv[:, None], DOT_BF16), mask=hok[:, None])
+            tl.store(op + 1, _to_bf16(acc_o * inv[:, None], DOT_BF16), mask=hok[:, None])
+
 
 @triton.jit
 def _combine_kernel(pacc_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, H, n_split, n_db, n_tiles, num_programs,
@@ -592,12 +632,13 @@ def _pow2_at_least(n: int, lo: int) -> int:
 def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink, softmax_scale,
                             *, BLOCK_H: int, BLOCK_N: int, BLOCK_D: int | None, BLOCK_DV: int | None,
                             num_warps: int | None = None, num_stages: int | None = None, QK_T: bool = False,
-                            DV_HALF: bool = False, MQA: bool = False, AHEAD: bool = True,
+                            DV_HALF: bool = False, MQA: bool = False, AHEAD: bool = True, LAZY: float = 0.0,
                             min_blocks_per_split: int = 2,
                             n_split: int | None = None) -> torch.Tensor:
     """`sparse_attention` with explicit tile sizes (tests and tuning); `n_split` forces the split
     count. MQA (CUDA; whole rows): `_mqa_kernel` (each entry decoded once per head block and used
-    as K and as V, the next block's bytes loaded ahead) instead of `_sparse_attn_kernel`."""
+    as K and as V, the next block's words loaded ahead; LAZY: the running max moves only past
+    that margin) instead of `_sparse_attn_kernel`."""
     from .launch import as_int8, grid_for, interpreting, num_workers
 
     t, h, d = q.shape
@@ -620,6 +661,8 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
         raise ValueError(f"BLOCK_D {block_d} / BLOCK_DV {block_dv} must divide head_dim {d} (and be >= 32)")
     if MQA and BLOCK_N < 16:
         raise ValueError(f"MQA tiles need BLOCK_N >= 16 (tl.dot's least N), got {BLOCK_N}")
+    if MQA and d & (d - 1):
+        raise ValueError(f"MQA tiles need a power-of-two head_dim, got {d}")
     if MQA and (block_d != d or block_dv != d):
         raise ValueError(f"MQA tiles take whole rows (BLOCK_D = BLOCK_DV = head_dim {d}; got {block_d} / {block_dv})")
     block_h = _pow2_at_least(min(BLOCK_H, h), 16)  # tl.dot needs M >= 16; extra heads are masked
@@ -667,11 +710,12 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
         kw = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v}
     dot_bf16 = not interpreting()  # interpreters: fp32 dot operands (same values), integer bf16 rounding
     if MQA:
-        _mqa_kernel[(grid,)](qc, wk, ws, wi, gk, gs, gi, sk, out, pacc, pm, pl,
+        ww, gw = _words(wk), _words(gk)
+        _mqa_kernel[(grid,)](qc, ww, ws, wi, gw, gs, gi, sk, out, pacc, pm, pl,
                              h, s, k, n_wb, n_blocks, bps, n_split, n_hb, n_tiles, grid, float(softmax_scale),
-                             wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
+                             ww.stride(0), ws.stride(0), gw.stride(0), gs.stride(0),
                              D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N, SPLIT=split, DOT_BF16=dot_bf16,
-                             HW_CVT=dot_bf16 and dev.type == "cuda", AHEAD=bool(AHEAD), **kw)
+                             AHEAD=bool(AHEAD), LAZY=float(LAZY), **kw)
     else:
         _sparse_attn_kernel[(grid,)](qc, wk, ws, wi, gk, gs, gi, sk, out, pacc, pm, pl,
                                      h, s, k, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, grid,
@@ -713,6 +757,14 @@ def _rows_view(pool: torch.Tensor) -> torch.Tensor:
     """A pool [rows, width] whose rows the kernels address by `stride(0)`: as given when each
     row is contiguous (a row-strided view of page records), else a contiguous copy."""
     return pool if pool.stride(-1) == 1 else pool.contiguous()
+
+
+def _words(pool: torch.Tensor) -> torch.Tensor:
+    """An int8 pool [rows, bytes] as 32-bit words [rows, bytes / 4] (the MQA kernel's loads): a
+    view where the start and the row stride are 4-byte aligned, else an aligned copy."""
+    if pool.data_ptr() % 4 or pool.stride(0) % 4:
+        pool = pool.clone(memory_format=torch.contiguous_format)
+    return pool.view(torch.int32)
 
 
 def _index_rows(idx: torch.Tensor) -> torch.Tensor:
