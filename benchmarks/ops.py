@@ -59,7 +59,9 @@ def graph_time(fn: Callable[[], object], iters: int = 20, per: int = 10) -> floa
             fn()
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        # captured on the stream it warmed up on (per-stream state such as `tile_counters` is
+        # made eagerly there; a capture cannot allocate it)
+        with torch.cuda.graph(g, stream=side):
             for _ in range(per):
                 fn()
         torch.cuda.synchronize()

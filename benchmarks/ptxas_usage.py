@@ -84,14 +84,20 @@ def indexer_rows() -> list[tuple[str, str]]:
     for mapped, use_max in ((False, True), (False, False), (True, False)):
         consts = dict(MAXG=8 if use_max else 1, CAP=itk.SELECT_CAPACITY, USE_MAX=use_max, BLOCK=itk.SELECT_BLOCK,
                       RADIX_BITS=itk.RADIX_BITS, MAP=mapped, KP=512, RB=itk.SORT_ROWS,
-                      SBLOCK=itk.SELECT_SURVIVOR_BLOCK or itk.SELECT_BLOCK)
+                      SBLOCK=itk.SELECT_SURVIVOR_BLOCK or itk.SELECT_BLOCK, BOUND_PASSES=itk.SELECT_BOUND_PASSES,
+                      SPAN=itk.SELECT_SPAN)
         rows.append((f"topk_select MAP={mapped} USE_MAX={use_max}",
                      ptxas_usage(itk._topk_select_kernel, sel, consts, itk.SELECT_WARPS, floats=())))
     for bits in itk.RADIX_BITS_CHOICES:
         consts = dict(MAXG=16, CAP=itk.SELECT_CAPACITY, USE_MAX=True, BLOCK=itk.SELECT_BLOCK, RADIX_BITS=bits,
-                      MAP=False, KP=512, RB=itk.SORT_ROWS, SBLOCK=itk.SELECT_SURVIVOR_BLOCK or itk.SELECT_BLOCK)
+                      MAP=False, KP=512, RB=itk.SORT_ROWS, SBLOCK=itk.SELECT_SURVIVOR_BLOCK or itk.SELECT_BLOCK,
+                      BOUND_PASSES=0, SPAN=False)
         rows.append((f"topk_select USE_MAX MAXG=16 RADIX_BITS={bits}",
                      ptxas_usage(itk._topk_select_kernel, sel, consts, itk.SELECT_WARPS, floats=())))
+    consts = dict(MAXG=16, CAP=itk.SELECT_CAPACITY, USE_MAX=True, BLOCK=itk.SELECT_BLOCK, RADIX_BITS=itk.RADIX_BITS,
+                  MAP=False, KP=512, RB=itk.SORT_ROWS, SBLOCK=itk.SELECT_SURVIVOR_BLOCK, BOUND_PASSES=3, SPAN=True)
+    rows.append(("topk_select USE_MAX MAXG=16 bound 3 passes, span",
+                 ptxas_usage(itk._topk_select_kernel, sel, consts, itk.SELECT_WARPS, floats=())))
     sc = {"q_ptr": "*fp32", "w_ptr": "*fp32", "code_ptr": "*i8", "scale_ptr": "*i8", "table_ptr": "*i64",
           "nvis_ptr": "*i64", "cand_ptr": "*i64", "out_ptr": "*fp32", "max_ptr": "*fp32"}
     for bn, nsub, warps in ((128, 4, 8), (128, 4, 4), (64, 8, 4), (256, 2, 8)):

@@ -101,20 +101,35 @@ def sweep_sparse_attention(rows, copy, tokens=(1, 8, 64), check_only=False, mqa=
 
 
 # indexer scores at T=1: the multi-query kernel's tiles (HP, BLOCK_T, BLOCK_N, NSUB, num_warps;
-# None: the launcher's choice), then the one-query-per-tile kernel (rows=True) with its tiles
-INDEXER_SCORE_CFGS = [(None, False), (None, True), ((32, 1, 64, 8, 8), True)]
-# select variants: (block, warps, maxima per k, radix bits, rows scores kernel, survivor block)
-INDEXER_SELECTS = [(4096, 16, 8, 4, False, 0), (4096, 16, 8, 4, True, 0), (4096, 16, 8, 4, True, 1024),
-                   (4096, 8, 8, 4, True, 0), (4096, 8, 8, 4, True, 1024), (4096, 4, 8, 4, True, 1024),
-                   (2048, 8, 4, 4, True, 0), (4096, 16, 8, 8, True, 0)]
-INDEXER_SELECTS_T64 = [(4096, 16, 8, 4, False, 0), (4096, 16, 8, 4, True, 0), (4096, 8, 8, 4, True, 1024)]
+# None: the launcher's choice), then the one-query-per-tile kernel (rows=True) with its tiles.
+# H200, 2026-12-01 (two calls): rows default (NSUB 2: 256 tiles) 12.4 / 12.7 us, (32, 1, 64, 8, 8)
+# 12.4 / 12.6, NSUB 4 (one wave of 128 tiles) 15.3 / 15.4, NSUB 1 18.7 / 19.2; tiles 15.3 / 15.6
+INDEXER_SCORE_CFGS = [(None, False), (None, True), ((32, 1, 64, 8, 8), True), ((64, 1, 128, 4, 8), True),
+                      ((64, 1, 128, 1, 8), True)]
+# whole-op variants: (label, options). block / warps / per_k / bits / sb: the select's tile, warps,
+# maxima per k, radix digit width, survivor tile; rows: the rows scores kernel; passes / span: the
+# chunk-maxima bound from that many radix passes over the maxima's span (0: exact) and the
+# survivors' select over their span; cfg: the scores kernel's tiles (None: the launcher's).
+# (A select fused into the rows scores launch, the query's last tile selecting it after an
+# acq_rel counter, was slower on the H200 on 2026-12-01: T=1 47.1 us (3 passes + span: 45.4)
+# against 42.0, T=8 145.9 against 107.0, T=64 888.6 against 580.3; not kept.)
+_SEL = dict(block=4096, warps=16, per_k=8, bits=4, rows=True, sb=1024, passes=0, span=False, cfg=None)
+INDEXER_SELECTS = [
+    ("tiles + select (attn7)", dict(_SEL, rows=False, sb=0)),
+    ("rows + select (attn8, shipped)", dict(_SEL)),
+    ("rows + select bound 2 passes, span", dict(_SEL, passes=2, span=True)),
+    ("rows + select bound 3 passes, span", dict(_SEL, passes=3, span=True)),
+    ("rows + select exact bound, span", dict(_SEL, span=True)),
+    ("rows + select bound 2 passes, span, 8 warps", dict(_SEL, passes=2, span=True, warps=8)),
+]
+# decode batches (T > 1): the shipped select and the span passes
+INDEXER_SELECTS_TN = [INDEXER_SELECTS[1], INDEXER_SELECTS[3]]
 
 
 def sweep_indexer(rows, copy, tokens=(1, 64), check_only=False):
     """indexer_topk at a 64K context (paged keys): the scores kernels alone (tile variants at
-    T=1), then the whole op with select variants (block, warps, maxima per k, radix digit
-    width, scores kernel); each checked against the reference (scores relative error, ids
-    equal)."""
+    T=1), then the whole op with select variants (`INDEXER_SELECTS`); each checked against the
+    reference (scores relative error, ids equal)."""
     from dsv41.npu_ops.triton import indexer_topk as itk
 
     n = 65536
@@ -152,15 +167,28 @@ def sweep_indexer(rows, copy, tokens=(1, 64), check_only=False):
                 print(rows[-1], flush=True)
                 continue
             row(name, f"T={t} 64K", f"err {err:.1e}", scores)
-        for blk, warps, per_k, bits, by_rows, sb in INDEXER_SELECTS if t == 1 else INDEXER_SELECTS_T64:
-            def call(q=q, w=w, tab=tab, vis=vis, blk=blk, warps=warps, per_k=per_k, bits=bits, by_rows=by_rows, sb=sb):
-                s, maxima, maxg = itk._scores(q, w, kc, ks, tab, e, vis, topk=TOPK, rows=by_rows,
-                                              maxg=itk.select_chunk(n, TOPK, 128, per_k))
-                return itk.topk_select(s, vis, TOPK, maxima, maxg, block=blk, num_warps=warps, radix_bits=bits,
-                                       survivor_block=sb)
+        for label, o in INDEXER_SELECTS if t == 1 else INDEXER_SELECTS_TN:
+            def call(q=q, w=w, tab=tab, vis=vis, o=o):
+                opts = dict(block=o["block"], radix_bits=o["bits"], survivor_block=o["sb"], bound_passes=o["passes"],
+                            span=o["span"])
+                maxg = itk.select_chunk(n, TOPK, 128, o["per_k"])
+                s, maxima, maxg = itk._scores(q, w, kc, ks, tab, e, vis, topk=TOPK, rows=o["rows"], maxg=maxg,
+                                              _cfg=o["cfg"])
+                return itk.topk_select(s, vis, TOPK, maxima, maxg, num_warps=o["warps"], **opts)
 
-            row(f"indexer_topk {'rows' if by_rows else 'tiles'} select BLOCK={blk} warps={warps} maxima/k={per_k} "
-                f"radix={bits} survivors={sb or blk}", f"T={t} 64K", f"equal {torch.equal(call(), want)}", call)
+            try:
+                check = f"equal {torch.equal(call(), want)}"
+            except Exception as ex:  # noqa: BLE001  (a variant that does not compile is a row, not a crash)
+                rows.append(f"| indexer_topk {label} | T={t} | failed: {type(ex).__name__}: {str(ex)[:80]} |")
+                print(rows[-1], flush=True)
+                continue
+            row(f"indexer_topk {label}", f"T={t} 64K", check, call)
+        if t == 1:  # the select launch alone: the attn8 select, and a row with k visible (launch floor)
+            s1, mx1, g1 = itk._scores(q, w, kc, ks, tab, e, vis, topk=TOPK, rows=True)
+            few = torch.full_like(vis, TOPK)
+            for label, nv1 in (("select alone (attn8)", vis), ("select alone, k visible (launch floor)", few)):
+                row(f"indexer {label}", f"T={t} 64K", "-",
+                    lambda s1=s1, mx1=mx1, g1=g1, nv1=nv1: itk.topk_select(s1, nv1, TOPK, mx1, g1))
         row("indexer_topk default dispatch", f"T={t} 64K",
             f"equal {torch.equal(itk.indexer_topk(q, w, kc, ks, tab, e, vis, TOPK)[0], want)}",
             lambda q=q, w=w, tab=tab, vis=vis: itk.indexer_topk(q, w, kc, ks, tab, e, vis, TOPK))

@@ -155,6 +155,16 @@ def test_topk_select_equals_stable_sort(dev, rng):
             got = itk.topk_select(masked.to(dev), nv.to(dev), k, maxima.to(dev), maxg, capacity=cap,
                                   min_maxima_per_k=per_k, survivor_block=sb)
             assert torch.equal(got.cpu(), want), (n, k, maxg, cap, per_k, sb)
+        # the bound from a few radix passes over the maxima's span (a lower bound, not the exact
+        # k-th maximum) and the survivors' select over their span: one to three passes (one is a
+        # coarse bound); a tile wide enough for the maxima; survivors on a smaller tile, on the
+        # full one, and past a small survivor buffer (the whole-row path)
+        for passes, maxg, cap, sb in ((1, 4, None, 64), (2, 2, None, 128), (2, 4, 16, 0), (3, 1, None, 0)):
+            pad = -(-n // maxg) * maxg - n
+            maxima = torch.nn.functional.pad(masked, (0, pad), value=float("-inf")).view(8, -1, maxg).amax(-1)
+            got = itk.topk_select(masked.to(dev), nv.to(dev), k, maxima.to(dev), maxg, capacity=cap, block=256,
+                                  min_maxima_per_k=0, survivor_block=sb, bound_passes=passes, span=True)
+            assert torch.equal(got.cpu(), want), (n, k, maxg, cap, passes, sb)
 
 
 # ---- kernel -------------------------------------------------------------------------------------
@@ -333,11 +343,14 @@ def test_rejects_bad_block_table(rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", DEVICES[1:])
 @pytest.mark.parametrize("t,n", [(1, 4096), (3, 5000), (40, 2000), (64, 8192), (1, 65536)])
-@pytest.mark.parametrize("rows", [False, True], ids=["tiles", "rows"])
-def test_benchmark_widths_gpu(dev, t, n, rows, rng, monkeypatch):
+@pytest.mark.parametrize("rows,passes", [(False, 0), (True, 0), (True, 3)], ids=["tiles", "rows", "rows-span"])
+def test_benchmark_widths_gpu(dev, t, n, rows, passes, rng, monkeypatch):
     """Mini-preset widths: 32 heads x 128, top-512; two sequences in blocks of 64 entries; the
-    multi-query tiles and the one-query-per-tile kernel (rows) as the default scores path."""
+    multi-query tiles and the one-query-per-tile kernel (rows) as the default scores path; the
+    exact chunk-maxima bound or a three-pass one with the survivors' select over their span."""
     monkeypatch.setattr(itk, "ROWS_MAX_T", 1 << 20 if rows else 0)
+    monkeypatch.setattr(itk, "SELECT_BOUND_PASSES", passes)
+    monkeypatch.setattr(itk, "SELECT_SPAN", passes > 0)
     q, w, codes, kscale = random_inputs(rng, t, 32, 128, n)
     e = 64
     pc, ps, table = paged(rng, [(codes, kscale), (codes[: n // 2], kscale[: n // 2])],

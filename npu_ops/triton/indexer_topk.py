@@ -495,15 +495,54 @@ def _order_key(x):
 
 
 @triton.jit
-def _radix_digit(hist, need, prefix, pmask, shift, NBIN: tl.constexpr):
-    """One radix step: from the histogram of the current digit (bins >= NBIN: values outside the
-    prefix), the digit holding the need-th largest; returns the updated need, prefix and mask."""
+def _radix_pick(hist, need, NBIN: tl.constexpr):
+    """From the histogram of the current digit (bins >= NBIN: values outside the prefix), the
+    digit holding the need-th largest, and the need left within that digit."""
     bins = tl.arange(0, 2 * NBIN)
     hist = tl.where(bins < NBIN, hist, 0)
     at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # values with digit >= bin
     dsel = tl.max(tl.where((bins < NBIN) & (at_or_above >= need), bins, -1), axis=0)
-    need -= tl.sum(tl.where(bins > dsel, hist, 0), axis=0)
+    return dsel, need - tl.sum(tl.where(bins > dsel, hist, 0), axis=0)
+
+
+@triton.jit
+def _radix_digit(hist, need, prefix, pmask, shift, NBIN: tl.constexpr):
+    """One radix step (`_radix_pick`); returns the updated need, prefix and mask."""
+    dsel, need = _radix_pick(hist, need, NBIN)
     return need, prefix | (dsel << shift), pmask | ((NBIN - 1) << shift)
+
+
+@triton.jit
+def _kth_key_span(src, n, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, MAX_PASSES: tl.constexpr):
+    """`_kth_key` for n <= BLOCK values (loaded once), radix passes over the span of the keys
+    only: rel = key - min(key) < 2^b, and the passes walk b's RADIX_BITS-bit digits from the top,
+    so the leading bits every value shares cost no pass (scores within a factor of two of each
+    other span ~23 bits: 6 passes of 4 bits instead of 8). After MAX_PASSES passes (fewer than
+    the span needs) it stops: the lower edge of the digit range holding the k-th largest is a
+    lower bound of it (at least k values are >= it; `need` is then meaningless), which is all
+    the chunk-maxima bound needs."""
+    NBIN: tl.constexpr = 1 << RADIX_BITS
+    cols = tl.arange(0, BLOCK)
+    m = cols < n
+    key = _order_key(tl.load(src + cols, mask=m, other=0.0))
+    lo = tl.min(tl.where(m, key, 2147483647), axis=0).to(tl.int64)
+    hi = tl.max(tl.where(m, key, -2147483648), axis=0).to(tl.int64)
+    rel = key.to(tl.int64) - lo  # 0 .. hi - lo < 2^32 where m
+    # bits of the span (from the fp32 exponent of hi - lo; rounding up only adds a pass)
+    e = ((hi - lo).to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 126
+    n_pass = tl.minimum((tl.maximum(e, 0) + RADIX_BITS - 1) // RADIX_BITS, MAX_PASSES)
+    top = (tl.maximum(e, 0) + RADIX_BITS - 1) // RADIX_BITS  # passes the whole span needs
+    prefix = tl.zeros([], dtype=tl.int64)  # rel's digits found so far
+    pmask = tl.zeros([], dtype=tl.int64)
+    need = k + tl.zeros([], dtype=tl.int32)
+    for p in range(0, n_pass):
+        shift = (RADIX_BITS * (top - 1 - p)).to(tl.int64)
+        digit = ((rel >> shift) & (NBIN - 1)).to(tl.int32)
+        hist = tl.histogram(tl.where(m & ((rel & pmask) == prefix), digit, NBIN), 2 * NBIN)
+        dsel, need = _radix_pick(hist, need, NBIN)
+        prefix = prefix | (dsel.to(tl.int64) << shift)
+        pmask = pmask | ((NBIN - 1) << shift)
+    return (lo + prefix).to(tl.int32), need
 
 
 @triton.jit
@@ -603,7 +642,7 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
                         T, N, G, K, KOUT, num_programs,
                         MAXG: tl.constexpr, CAP: tl.constexpr, USE_MAX: tl.constexpr, BLOCK: tl.constexpr,
                         RADIX_BITS: tl.constexpr, MAP: tl.constexpr, KP: tl.constexpr, RB: tl.constexpr,
-                        SBLOCK: tl.constexpr):
+                        SBLOCK: tl.constexpr, BOUND_PASSES: tl.constexpr, SPAN: tl.constexpr):
     """Per query row t (persistent loop): the K largest of scores[t, :n_visible[t]] (ties to the
     lower entry id) as ascending entry ids in out[t, :KOUT], -1 padded.
 
@@ -618,6 +657,10 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
        (<= BLOCK) survivors, both run on tiles of SBLOCK values (a radix pass costs its tile).
     Rows without maxima, with fewer than K chunks, or whose survivors overflow CAP (many ties at
     the bound) run step 3 on the whole row.
+    BOUND_PASSES > 0 (at most BLOCK chunks): step 1 takes that many radix passes over the span of
+    the maxima's keys (`_kth_key_span`), a lower bound of their K-th largest, not the exact one
+    (a few more chunks are read in step 2). SPAN: step 3's select on a tile runs its passes over
+    the survivors' span only (`_kth_key_span`, exact).
     MAP (Reindex: the row's columns are candidates, cand_ptr [T, N] entry ids, -1 padding scored
     -inf): the whole row is visible, the chosen columns are written as their entry ids with the
     padding dropped (the reference's selection among valid columns), staged (stage_ptr [T, KP]),
@@ -652,7 +695,10 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
                 if g >= K:
                     maxrow = max_ptr + t64 * G
                     crow_ch = chunk_ptr + t64 * G
-                    bound, _ = _kth_key(maxrow, g, K, BLOCK, RADIX_BITS)
+                    if BOUND_PASSES > 0 and g <= BLOCK:  # a lower bound of the K-th maximum
+                        bound, _ = _kth_key_span(maxrow, g, K, BLOCK, RADIX_BITS, BOUND_PASSES)
+                    else:
+                        bound, _ = _kth_key(maxrow, g, K, BLOCK, RADIX_BITS)
                     n_ch = tl.zeros([], dtype=tl.int32)
                     for c0 in range(0, g, BLOCK):  # the chunks that can hold a top-K score
                         ch = c0 + cols
@@ -679,10 +725,16 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
                         cnt += tl.sum(keep, axis=0)
                     tl.debug_barrier()  # the survivors, likewise, are read back by other threads
             if SBLOCK < BLOCK and cnt <= SBLOCK and cnt <= CAP:  # (CAP can be below SBLOCK)
-                thr, need = _kth_key(srow, cnt, K, SBLOCK, RADIX_BITS)
+                if SPAN:
+                    thr, need = _kth_key_span(srow, cnt, K, SBLOCK, RADIX_BITS, 32)
+                else:
+                    thr, need = _kth_key(srow, cnt, K, SBLOCK, RADIX_BITS)
                 _take_ordered(srow, prow, cnt, thr, need, orow, crow, SBLOCK, True, False)
             elif cnt <= CAP:
-                thr, need = _kth_key(srow, cnt, K, BLOCK, RADIX_BITS)
+                if SPAN and cnt <= BLOCK:
+                    thr, need = _kth_key_span(srow, cnt, K, BLOCK, RADIX_BITS, 32)
+                else:
+                    thr, need = _kth_key(srow, cnt, K, BLOCK, RADIX_BITS)
                 _take_ordered(srow, prow, cnt, thr, need, orow, crow, BLOCK, True, False)
             else:
                 thr, need = _kth_key(row, nv, K, BLOCK, RADIX_BITS)
@@ -788,7 +840,8 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
                 maxg: int = 1, *, candidates: torch.Tensor | None = None, block: int | None = None,
                 capacity: int | None = None, num_warps: int | None = None,
                 min_maxima_per_k: int | None = None, radix_bits: int | None = None,
-                survivor_block: int | None = None) -> torch.Tensor:
+                survivor_block: int | None = None, bound_passes: int | None = None,
+                span: bool | None = None) -> torch.Tensor:
     """The reference's `_stable_topk_sorted(scores, k, arange < n_visible)` for finite visible
     scores, in one Triton launch (a program per query row, no host sync): [T, min(k, N)] int64.
     `maxima` [T, ceil(N / maxg)]: each row's maximum over every `maxg` entries (entries past
@@ -800,7 +853,10 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     the candidates and sorted by entry id (-1 padded), as `reference.attention.indexer_topk`.
     `radix_bits`: the radix select's digit width (RADIX_BITS_CHOICES; default RADIX_BITS).
     `survivor_block`: the tile of the bounded path's survivor select (a power of two >= k, at
-    most `block`; default SELECT_SURVIVOR_BLOCK, 0 = `block`)."""
+    most `block`; default SELECT_SURVIVOR_BLOCK, 0 = `block`).
+    `bound_passes`: radix passes of the chunk-maxima bound over the maxima's span (a lower bound
+    of their k-th largest; default SELECT_BOUND_PASSES, 0 = the exact k-th by full passes).
+    `span`: the survivors' exact select passes over their span only (default SELECT_SPAN)."""
     from .launch import grid_for, interpreting
 
     radix = _radix_bits(radix_bits)
@@ -837,7 +893,9 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
                                  nvis, out, chunks, surv_s, surv_p, cand, stage, t, n, g, k, kout, grid,
                                  MAXG=maxg if use_max else 1, CAP=cap, USE_MAX=use_max, BLOCK=blk,
                                  RADIX_BITS=radix, MAP=mapped, KP=_pow2(kout),
-                                 RB=sort_rows(_pow2(kout), scores.device.type == "npu"), SBLOCK=sblk, **extra)
+                                 RB=sort_rows(_pow2(kout), scores.device.type == "npu"), SBLOCK=sblk,
+                                 BOUND_PASSES=SELECT_BOUND_PASSES if bound_passes is None else int(bound_passes),
+                                 SPAN=SELECT_SPAN if span is None else bool(span), **extra)
     return out
 
 
@@ -853,6 +911,20 @@ SELECT_MAXIMA_MIN_PER_K = 4  # fewer chunk maxima than this many k: the bound wo
 # 500-600 scores survive the chunk-maxima bound, so a 1024 tile does a quarter of the radix work;
 # H200, T=1 at 64K, the whole op (with the rows scores kernel): 49.7 -> 41.5 us (2026-12-01)
 SELECT_SURVIVOR_BLOCK = 1024
+# radix passes over the span of the chunk maxima's keys for their bound (0: the exact k-th
+# largest by full passes), and whether the survivors' select passes over their span only.
+# H200 (triton 3.6, T=1 at 64K, whole op, CUDA-graph time; 2026-12-01 08:21 and 08:27 UTC, two
+# random inputs): exact bound 41.6 / 42.0 us; exact + span 41.3 / 41.8; 3 passes + span
+# 40.1 / 40.6 (T=8: 105.2 against 107.0, T=64: 582.6 against 580.3); 2 passes + span 43.2 /
+# 339.4. So a radix pass costs ~0.2-0.3 us here: the passes are not what the select's 29 us
+# (graph, alone; its launch floor 1.8 us) is made of. Not the default: the passes' resolution is
+# a fraction of the keys' span, and maxima straddling zero span ~2^31 keys (on the CPU, inputs
+# drawn as the benchmark draws them, seed 0: 2 passes kept 3061 chunks, 5458 survivors, past
+# SELECT_CAPACITY, so the whole-row select runs: likely the 339 us; 3 passes 817 chunks / 920
+# survivors, 4 passes 523, exact 512), so a coarse bound can cost a row the whole-row select
+# for a ~1.4 us gain.
+SELECT_BOUND_PASSES = 0
+SELECT_SPAN = False
 RADIX_BITS = RADIX_BITS_DEFAULT
 # 8 passes of 2 * 16 bins, or 4 passes of 2 * 256 bins; on the H200 (T=1, 64K) 8-bit digits were
 # slower, 78.2 against 52.4 us for the whole op (tl.histogram's cost grows with its bins)
