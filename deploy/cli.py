@@ -691,6 +691,13 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("backends", help="which backend each op resolves to on this machine, and why")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_backends)
+
+    a = sub.add_parser("audit-ops", help="replay every op call of a device forward on the CPU reference, "
+                                         "per-op errors (deploy/op_audit.py)")
+    from .op_audit import add_arguments, run as audit_run
+
+    add_arguments(a)
+    a.set_defaults(func=audit_run)
     return p
 
 
