@@ -57,7 +57,7 @@ def sparse_rows() -> list[tuple[str, str]]:
             "gsc_ptr": "*i8", "gidx_ptr": "*i64", "sink_ptr": "*fp32", "out_ptr": "*bf16", "pacc_ptr": "*fp32",
             "pm_ptr": "*fp32", "pl_ptr": "*fp32"}
     rows = []
-    for key in ("cuda", "cuda_whole", "cuda_decode"):
+    for key in ("cuda", "cuda_mqa", "cuda_decode"):
         cfg = sa.CONFIGS[key]
         bd, bdv = cfg["BLOCK_D"] or 512, cfg["BLOCK_DV"] or 512
         split = cfg["min_blocks_per_split"] == 1  # the decode tables run split

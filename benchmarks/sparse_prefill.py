@@ -32,14 +32,14 @@ CFG = ModelConfig()
 D, H, W, TOPK = CFG.head_dim, CFG.num_attention_heads, CFG.sliding_window, CFG.index_topk
 
 # (label -> launch keywords); "shipped" is whatever `sparse_attention` dispatches to, "cuda_whole"
-# the previous prefill table (whole-row kernel), the base every variant is compared with
+# the prefill table (CONFIGS["cuda"], the whole-row kernel), the base every variant is compared with
 def _variants():
     from dsv41.npu_ops.triton import sparse_attention as sa
 
-    mqa = sa.CONFIGS["cuda"]
+    mqa = sa.CONFIGS["cuda_mqa"]
     return {
-        "cuda_whole": sa.CONFIGS["cuda_whole"],
-        "cuda_whole_s3": dict(sa.CONFIGS["cuda_whole"], num_stages=3),
+        "cuda_whole": sa.CONFIGS["cuda"],
+        "cuda_whole_s3": dict(sa.CONFIGS["cuda"], num_stages=3),
         "mqa_n16_w8_s2_lazy8": dict(mqa, BLOCK_N=16, num_warps=8, num_stages=2, LAZY=8.0),
         "mqa_n16_w8_s2": dict(mqa, BLOCK_N=16, num_warps=8, num_stages=2, LAZY=0.0),
         "mqa_n16_w8_s2_lazy8_inplace": dict(mqa, BLOCK_N=16, num_warps=8, num_stages=2, LAZY=8.0, AHEAD=False),

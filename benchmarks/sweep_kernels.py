@@ -77,7 +77,7 @@ def sweep_sparse_attention(rows, copy, tokens=(1, 8, 64), check_only=False, mqa=
         variants = [(name, dict(SPARSE_DECODE, **v)) for name, v in (SPARSE_T1 if t == 1 else SPARSE_TN)]
         variants.append(("default dispatch", None))
         if mqa:
-            variants.append(("mqa (prefill table)", dict(sa.CONFIGS["cuda"])))
+            variants.append(("mqa (opt-in cuda_mqa table)", dict(sa.CONFIGS["cuda_mqa"])))
         for name, cfg in variants:
             def call(args=args, cfg=cfg):
                 if cfg is None:

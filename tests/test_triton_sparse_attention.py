@@ -301,7 +301,7 @@ def test_sparse_attention_mqa_long_context_split_k(dev, rng):
     choice equals the reference. Also an empty global list and an all-masked token."""
     h, d = (8, 64) if dev == "cpu" else (64, 512)
     s, n, k = (16, 400, 160) if dev == "cpu" else (128, 65536, 512)
-    cfg = dict(sa.CONFIGS["cuda"], BLOCK_N=16, min_blocks_per_split=1)
+    cfg = dict(sa.CONFIGS["cuda_mqa"], BLOCK_N=16, min_blocks_per_split=1)
     args = make_inputs(rng, 1, h, d, s, n, k, dead_rows=(), window_off_rows=(), n_seq=1)
     n_blocks = -(-s // 16) + -(-k // 16)
     for n_split in (n_blocks, 3, None):
@@ -337,7 +337,7 @@ def test_sparse_attention_batch_of_64_mixed_lengths(dev, rng):
     win_idx[3], glob_idx[3] = -1, -1
     glob_idx[9, : k // 2] = -1  # leading masked entries
     dead = [r for r in range(t) if (win_idx[r] < 0).all() and (glob_idx[r] < 0).all()]
-    out = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, **(MQA if dev == "cpu" else sa.CONFIGS["cuda"]))
+    out = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, **(MQA if dev == "cpu" else sa.CONFIGS["cuda_mqa"]))
     check(out, args, d ** -0.5, dead_rows=dead)
     if dev == "cuda":
         check(sa.sparse_attention(*to(dev, args), d ** -0.5), args, d ** -0.5, dead_rows=dead)
@@ -358,11 +358,11 @@ def test_sparse_attention_mqa_loads_ahead_or_in_place(dev, ahead, rng):
     assert torch.equal(out.cpu(), other.cpu())
 
 
-# prefill-table neighbours timed on the H200 (benchmarks/sparse_prefill.py), and the previous
-# whole-row table: each checked at model widths on prefill chunks (split and unsplit).
+# the MQA table and its neighbours timed on the H200 (benchmarks/sparse_prefill.py), and the
+# default whole-row prefill table: each checked at model widths on prefill chunks (split and unsplit).
 PREFILL_VARIANTS = [dict(), dict(LAZY=8.0), dict(BLOCK_N=16), dict(BLOCK_N=16, LAZY=8.0),
                     dict(BLOCK_N=16, LAZY=8.0, AHEAD=False), dict(BLOCK_N=16, LAZY=8.0, num_warps=16),
-                    dict(BLOCK_N=16, LAZY=8.0, num_stages=3), "cuda_whole"]
+                    dict(BLOCK_N=16, LAZY=8.0, num_stages=3), "cuda"]
 
 
 @pytest.fixture(scope="module")
@@ -385,11 +385,11 @@ def prefill_cases():
                          ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items())
                          or "table")
 def test_sparse_attention_prefill_variants_gpu(dev, variant, prefill_cases):
-    """The prefill table's entry changed as given (or the named entry), at model widths on
-    prefill chunks; equal to the reference. The default dispatch takes the prefill table."""
-    cfg = sa.CONFIGS[variant] if isinstance(variant, str) else dict(sa.CONFIGS["cuda"], **variant)
+    """The MQA entry changed as given (or the named entry), at model widths on prefill chunks;
+    equal to the reference. The default dispatch takes the prefill table (cuda)."""
+    cfg = sa.CONFIGS[variant] if isinstance(variant, str) else dict(sa.CONFIGS["cuda_mqa"], **variant)
     for args, ref, dead in prefill_cases:
         out = sa.sparse_attention_launch(*to(dev, args), 512 ** -0.5, **cfg)
         check(out, args, 512 ** -0.5, dead_rows=dead, ref=ref)
-        if not variant:
+        if variant == "cuda":
             check(sa.sparse_attention(*to(dev, args), 512 ** -0.5), args, 512 ** -0.5, dead_rows=dead, ref=ref)

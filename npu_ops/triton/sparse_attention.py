@@ -46,8 +46,9 @@ How it runs:
   is masked or clamped. This form is right in every configuration tried there.)
 - Per-backend tile tables (`config_for`): at decode shapes (T <= 66 on the H200) CUDA takes
   all 64 heads with 128-channel contraction / output blocks and one split per entry block;
-  otherwise CUDA takes the MQA kernel with all 64 heads in one tile (each decoded row serves
-  every head; M = 64 is one wgmma tile; q stays in shared memory);
+  otherwise CUDA takes the whole-row kernel with all 64 heads in one tile; the MQA kernel (each
+  decoded row serves every head; M = 64 is one wgmma tile; q stays in shared memory) is the
+  opt-in `cuda_mqa` entry (faster alone at 1792 / 8192 tokens, not end to end: see CONFIGS);
   Ascend tiles the contraction (BLOCK_D) and the output channels (BLOCK_DV, part of the tile
   id: q.k^T is recomputed per output block) so a program's live tiles stay a few tens of KB,
   well inside the 192 KB unified buffer. Two whole-row options exist for tuning: QK_T computes
@@ -67,26 +68,31 @@ RUNNING_MAX_INIT = tl.constexpr(-1e30)  # a row with no valid entry outputs 0
 
 # Tile tables: BLOCK_D / BLOCK_DV of None mean the full head_dim (one decode per block).
 CONFIGS = {
-    # cuda (prefill): `_mqa_kernel`: all 64 heads of a token in one tile (wgmma M = 64), whole rows
-    # loaded as 32-bit words one block ahead and decoded once per block as K and V. Same block
-    # size and arithmetic as cuda_whole: the same bits (0 difference at T=1792 on the H200).
-    # H200 (2026-12-01 08:25 UTC, torch 2.11, triton 3.6, kernel time, CUDA events; 8K / 32K
-    # context): T=1792 3.435 / 3.345 ms (cuda_whole 3.685 / 3.659); T=8192 13.995 / 14.261 ms
-    # (cuda_whole 15.599 / 15.664): 8-10% faster, 44-49 TFLOP/s. Neighbours (T=8192, 8K / 32K):
-    # LAZY=8 13.941 / 14.360; BLOCK_N 16 15.019 / 15.334 (with LAZY=8 14.767 / 14.467; 3 stages
-    # 14.741 / 14.572); loads in the loop (AHEAD False, BLOCK_N 16, LAZY=8) 17.568 / 17.539; 16
-    # warps (BLOCK_N 16 / 32, LAZY=8) 20.6 / 20.6. ptxas (sm_90a): 255 registers, ~1.3 KB spill.
-    "cuda": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=2, MQA=True,
-                 AHEAD=True, LAZY=0.0, min_blocks_per_split=1),
-    # cuda_whole: the previous prefill table: `_sparse_attn_kernel` with whole 512-wide rows (byte
-    # loads in the loop, no prefetch). H200 sweep (T=256, 64K context, CUDA-graph time): this 530
+    # cuda (prefill, the default): the whole-row table: `_sparse_attn_kernel` with whole 512-wide
+    # rows (byte loads in the loop, no prefetch). H200 sweep (T=256, 64K context, CUDA-graph time): this 530
     # us; BLOCK_N 16: 586; BLOCK_N 64 + QK_T: 811; 16 warps: 1208; DV_HALF (BLOCK_N 32 / 64, 4 or
     # 8 warps): 667-759. ptxas: 255 registers + ~1 KB spill (the 64x512 fp32 accumulator alone is
     # 128 registers a thread). Prefill shapes (2026-12-01 08:14 UTC, triton 3.6, kernel time):
     # T=1792: 3.72 ms (8K context) / 3.75 ms (32K), 40 TFLOP/s; T=8192: 15.5 / 15.6 ms, 44
     # TFLOP/s (num_stages 3: within 2%, 08:25 UTC).
-    "cuda_whole": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=2, QK_T=False,
-                       min_blocks_per_split=2),
+    "cuda": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=2, QK_T=False,
+                 min_blocks_per_split=2),
+    # cuda_mqa (opt-in, not the default): `_mqa_kernel`: all 64 heads of a token in one tile
+    # (wgmma M = 64), whole rows loaded as 32-bit words one block ahead and decoded once per block
+    # as K and V. Same block size and arithmetic as the whole-row table (cuda): the same bits (0
+    # difference at T=1792 on the H200).
+    # H200 (2026-12-01 08:25 UTC, torch 2.11, triton 3.6, kernel time, CUDA events; 8K / 32K
+    # context): T=1792 3.435 / 3.345 ms (whole-row 3.685 / 3.659); T=8192 13.995 / 14.261 ms
+    # (whole-row 15.599 / 15.664): 8-10% faster, 44-49 TFLOP/s. Neighbours (T=8192, 8K / 32K):
+    # LAZY=8 13.941 / 14.360; BLOCK_N 16 15.019 / 15.334 (with LAZY=8 14.767 / 14.467; 3 stages
+    # 14.741 / 14.572); loads in the loop (AHEAD False, BLOCK_N 16, LAZY=8) 17.568 / 17.539; 16
+    # warps (BLOCK_N 16 / 32, LAZY=8) 20.6 / 20.6. ptxas (sm_90a): 255 registers, ~1.3 KB spill.
+    # Not the default: in the e2e run of 08:49 UTC with it as the prefill table, mini prefill was
+    # slower than at 08:03 with the whole-row table (CED 8K 0.158 -> 0.218 s, CED 32K 0.584 ->
+    # 0.775, exact 8K 0.285 -> 0.305; exact 32K 1.265 -> 1.214): the kernel-level gain did not
+    # carry over, the CED loss is unexplained (untimed shapes: fewer tokens than SMs, splits).
+    "cuda_mqa": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=2, MQA=True,
+                     AHEAD=True, LAZY=0.0, min_blocks_per_split=1),
     # cuda at decode shapes (few tokens): all 64 heads per tile (wgmma M = 64, 4 warps = one warp
     # group), the contraction and the output channels in blocks of 128, one split per entry
     # block (flash-decoding): a T=1 step is 4 channel blocks x 20 splits = 80 programs. H200
