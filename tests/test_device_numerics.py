@@ -13,12 +13,13 @@ from dsv41.core.weights import build_model
 from dsv41.deploy.device_numerics import compare_logits, greedy_self_consistency, teacher_forced
 
 # Thresholds on the tiny preset (README, "Device numerics"): about twice the distance measured
-# on an H200 (cosine min 0.771 -> 1 - cos doubled; KL mean 0.049). The tiny model is chaotic:
+# on an H200 (cosine min 0.771 -> 1 - cos doubled; KL mean 0.049) before the kernels took the
+# official rounding points (0.883 / 0.033 after, seed 0, 2026-12-01). The tiny model is chaotic:
 # the CPU reference's own exact mode is as far from its official mode (cosine min 0.73, top-1
 # 0.61), so top-1 agreement is reported, not held; a broken kernel gives cosines near 0.
 MIN_COSINE = 0.5
 MAX_KL_MEAN = 0.1
-MIN_GREEDY_AGREE = 0.3  # measured 0.55 (the issue asks 0.99: missed); chance is 1/512
+MIN_GREEDY_AGREE = 0.3  # measured 0.55-0.57 (the issue asks 0.99: missed); chance is 1/512
 
 
 def test_greedy_equals_prefill_on_the_reference(tiny_cfg, fresh_seed):
@@ -56,7 +57,7 @@ def test_cuda_greedy_decode_equals_its_exact_prefill(tiny_cfg, fresh_seed):
 
 # The issue's bar for greedy decode against the device's own exact prefill, held in the
 # batch-invariant mode (DSV41_BATCH_INVARIANT=1), where every op computes a row alike whatever
-# the call's row count; not yet run on a GPU.
+# the call's row count (1.000 on the H200, 2026-12-01).
 MIN_GREEDY_AGREE_INVARIANT = 0.99
 
 
