@@ -2,7 +2,8 @@
 
     python benchmarks/e2e.py --preset mini --device cuda [--batches 1,8,64] [--contexts 4096,32768]
         [--prefill 8192,32768] [--out benchmarks/RESULTS-e2e.md]
-    python benchmarks/e2e.py --preset tiny --device cpu --dry-run     # the bookkeeping, on CPU
+    python benchmarks/e2e.py --preset tiny --device cpu --dry-run --contexts 256 --prefill 512 --batches 1,2
+        # the bookkeeping on CPU (tiny holds 2048 positions: the default lengths do not fit it)
 
 One run measures, on random weights with realistic statistics (MODEL.md section 8):
 - the two ceilings: device-to-device copy bandwidth (bytes read + written) and a bf16 8192^3
@@ -45,6 +46,7 @@ from dsv41.core.batch import Chunk, build_step
 from dsv41.core.cache import KVPool
 from dsv41.core.config import preset
 from dsv41.core.engine import Engine, SamplingParams
+from dsv41.core.memory import weight_bytes
 from dsv41.core.model import MoE, Transformer
 from dsv41.core.weights import build_model
 from dsv41.deploy.device_numerics import random_text_ids
@@ -371,7 +373,9 @@ def kernel_table(model: Transformer, run, device: torch.device) -> tuple[dict, i
 # ---- the run -----------------------------------------------------------------------------------
 
 def model_bytes(model: Transformer, device: torch.device) -> int:
-    return sum(nbytes(b) for b in model.buffers() if b.device.type == device.type)
+    """The weights held on `device` (`core.memory.weight_bytes`, which the engine's step budget
+    uses; host-held Engram tables left out on an accelerator)."""
+    return weight_bytes(model, skip=tuple(kind for kind in ("cpu", "meta") if kind != device.type))
 
 
 class Memory:
