@@ -24,8 +24,9 @@ weights stay the model's own tensors: the kernels reach expert e's tensors throu
 element offsets from the first expert's tensors (built once per set of experts and cached), so
 nothing is stacked or copied. bf16 experts take plain bf16 dots and a bf16 w2 input.
 
-Numerics as block_linear (exact bf16 operands, fp32 sums): the reference's values up to fp32
-summation order and the device exp in SiLU. Output fp32 (also for out_dtype float64: no fp64 on
+Numerics as block_linear (exact bf16 operands, fp32 sums), rounded to bf16 where the official
+expert rounds (`swiglu.expert_act`, and each expert's output): the reference's official-mode
+values up to fp32 summation order and the device exp in SiLU. Output fp32 (also for out_dtype float64: no fp64 on
 devices). Expert weights: FP4 (int8 [N, K/2] + E8M0 [N, K/32]), FP8 (+ E8M0 32x32 blocks) or
 bf16; all experts of a call share one format and shape.
 """

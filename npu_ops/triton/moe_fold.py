@@ -25,7 +25,9 @@ group of 8 is permuted (`word_order`); x and h are stored in that order, and a d
 about the order of K.
 
 Numerics: every dot operand is an exact bf16 value, every product exact in fp32, only the fp32
-summation order differs from the reference (the class of the other MoE kernels):
+summation order differs from the reference (the class of the other MoE kernels); the w1 / w3 sums, the weighted SwiGLU product and each expert's
+output are then rounded to bf16 where the official expert rounds (`swiglu.expert_act`; the
+reference's official mode, which the tests compare with):
 - x: FP8 codes times 2^e, e >= -22 (`block_scaled.fp8_exponent`): bf16-normal, never rounded.
 - weights: two significant bits times 2^(byte - 127): exact in bf16 whenever the result is
   normal (>= 2^-126). The factor 2^(byte - 1) must be a finite bf16, so scale bytes 1..128

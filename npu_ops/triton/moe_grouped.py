@@ -22,7 +22,9 @@ at the same time (one HBM read, the rest from L2); in prefill a group's activati
 expert's weights stay in L2.
 
 Numerics: every operand is an exact bf16 value, so each product is exact in fp32 and only the
-fp32 summation order differs from the reference (as the per-32-block kernels before).
+fp32 summation order differs from the reference (as the per-32-block kernels before); the w1 / w3 sums, the weighted SwiGLU product and each expert's
+output are then rounded to bf16 where the official expert rounds (`swiglu.expert_act`; the
+reference's official mode, which the tests compare with).
 - Activations: FP8 E4M3 codes times 2^e with e = ceil(log2(max(amax, 1e-4) / 448)) >= -22, so
   |values| >= 2^-31: normal in bf16 (same exponent range as fp32), never rounded.
 - FP4 weights: an E2M1 value (0, 0.5 .. 6) times the E8M0 scale 2^(byte - 127) has at most two
