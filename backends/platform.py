@@ -114,12 +114,17 @@ _AUX_STREAMS: dict = {}  # device -> the auxiliary stream `overlap` uses there
 _CAPTURE_STREAMS: dict = {}  # device -> the stream its graphs are captured (and warmed up) on
 
 
+def _device_stream(table: dict, plat: "Platform"):
+    """The platform's device's stream in `table`, made on first use."""
+    s = table.get(plat.device)
+    if s is None:
+        s = table[plat.device] = plat.stream()
+    return s
+
+
 def _capture_stream(plat: "Platform"):
-    """The device's capture stream, made once (`Platform.capture_stream`)."""
-    cs = _CAPTURE_STREAMS.get(plat.device)
-    if cs is None:
-        cs = _CAPTURE_STREAMS[plat.device] = plat.stream()
-    return cs
+    """The device's capture stream (`Platform.capture_stream`)."""
+    return _device_stream(_CAPTURE_STREAMS, plat)
 
 
 def aux_stream_overlap(plat: "Platform", side, main):
@@ -130,9 +135,7 @@ def aux_stream_overlap(plat: "Platform", side, main):
     does not hand their memory back to the auxiliary stream early. Both joins are stream waits,
     no host sync, so the pattern can sit inside a captured graph."""
     cur = plat.current_stream()
-    aux = _AUX_STREAMS.get(plat.device)
-    if aux is None:
-        aux = _AUX_STREAMS[plat.device] = plat.stream()
+    aux = _device_stream(_AUX_STREAMS, plat)
     aux.wait_stream(cur)
     with plat.use_stream(aux):
         side_out = side()

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ...backends.fused import indexer_queries as indexer_queries_ref  # noqa: F401  (the oracle)
 from .mxfp4_quant import MX_GROUP
-from .rope import bf16_round
+from .block_scaled import bf16_round
 
 MAX_D = 8192  # a query row in registers
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.basic import rope as rope_ref  # noqa: F401  (the oracle)
-from .block_scaled import bf16_bits16, bf16_round  # noqa: F401  (bf16_round: rope's users import it here)
+from .block_scaled import bf16_bits16
 
 
 @triton.jit

@@ -21,9 +21,8 @@ import triton
 import triton.language as tl
 
 from ...backends.fused import rope_store_key as rope_store_key_ref  # noqa: F401  (the oracle)
-from .block_scaled import pow2
+from .block_scaled import bf16_round, pow2
 from .mxfp4_quant import MX_GROUP, _e2m1_code
-from .rope import bf16_round
 
 MAX_D = 8192  # a key row in registers
 

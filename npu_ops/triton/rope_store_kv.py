@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from ...backends.fused import rope_store_kv as rope_store_kv_ref  # noqa: F401  (the oracle)
-from .block_scaled import FP8_GROUP, fp8_code, fp8_exponent, pow2
-from .rope import bf16_round, partner_cols, rope_cols, rope_rows
+from .block_scaled import FP8_GROUP, bf16_round, fp8_code, fp8_exponent, pow2
+from .rope import partner_cols, rope_cols, rope_rows
 
 MAX_D = 8192  # a kv row in registers
 

@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from ...backends.fused import unrope_grouped_linear as unrope_grouped_linear_ref  # noqa: F401  (the oracle)
-from .block_scaled import bf16_bits16
-from .rope import bf16_round, partner_cols, rope_cols
+from .block_scaled import bf16_bits16, bf16_round
+from .rope import partner_cols, rope_cols
 
 MAX_T = 8  # tokens up to which the fused GEMV runs (decode); above, the composition
 # Compiled (CUDA), the fused GEMV runs only for weights up to this many bytes: above, cuBLAS's
