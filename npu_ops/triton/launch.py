@@ -96,12 +96,11 @@ def tile_counters(device: torch.device, n: int) -> torch.Tensor:
     recorded (the graph's first replay, and any other graph or eager call using the buffer
     before it, would count from whatever the memory held): graphs warm up on their capture
     stream first (`Platform.on_capture_stream`)."""
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device.type, device.index, stream)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
-        if capturing:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # (asked only when allocating)
             raise RuntimeError(f"tile_counters: no zeroed counters ({n}) for this stream before the graph capture; "
                                "run the captured work once eagerly on the capture stream first")
         buf = _COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
