@@ -299,7 +299,7 @@ _TABLES: dict[tuple, tuple] = {}
 def _expert_table(experts: list, device: torch.device):
     """(weight base, scale base, int64 [E, 6] element offsets of (w1, w3, w2, s1, s3, s2) from the
     bases, kind, (I, K)); cached per set of expert tensors (keyed by their addresses)."""
-    key = tuple(t.data_ptr() if t is not None else 0 for ex in experts for pair in ex for t in pair)
+    key = _key(experts)
     hit = _TABLES.get(key)
     if hit is not None:
         return hit
@@ -333,16 +333,28 @@ def _expert_table(experts: list, device: torch.device):
     # reduction per set of experts, when its table is built (before any graph capture)
     _FOLDABLE[key] = (kind == W_FP4 and all(o % 4 == 0 for r in rows for o in r)  # int32 word loads
                       and max(int(b.view(torch.uint8).max()) for ex in experts for _, b in ex) <= MAX_SCALE_BYTE)
+    _WORD_ALIGNED[key] = kind == W_FP4 and all(o % 4 == 0 for r in rows for o in r[:3])  # the rows path's words
     return hit
 
 
 _FOLDABLE: dict[tuple, bool] = {}
+_WORD_ALIGNED: dict[tuple, bool] = {}
+
+
+def _key(experts: list) -> tuple:
+    """The cache key of a set of experts (their tensors' addresses)."""
+    return tuple(t.data_ptr() if t is not None else 0 for ex in experts for pair in ex for t in pair)
 
 
 def foldable(experts: list) -> bool:
     """Whether the set of experts (table already built) can take the folded FP4 path."""
-    return _FOLDABLE.get(tuple(t.data_ptr() if t is not None else 0 for ex in experts for pair in ex for t in pair),
-                         False)
+    return _FOLDABLE.get(_key(experts), False)
+
+
+def word_aligned(experts: list) -> bool:
+    """Whether the set of experts (table already built) is FP4 with 4-byte aligned weight tensors
+    (the rows path reads them as int32 words)."""
+    return _WORD_ALIGNED.get(_key(experts), False)
 
 
 def scratch_pays(device: torch.device, kind: str, rows: int, n_exp: int, inter: int, d: int) -> bool:
@@ -376,18 +388,36 @@ def fold_pays(device: torch.device, t: int, experts: list, inter: int, d: int) -
             and fold_fits(inter, d, c["bn_up"], c["bn_down"], c["bk"], c["split"]))
 
 
+# The most tokens the rows path (moe_rows: CUDA cores, whole weight rows) takes by default, on CUDA.
+# H200 <date> (benchmarks/RESULTS.md, "FP4 experts at one token"): see ROWS_DEFAULT_T's note there.
+ROWS_DEFAULT_T = 1
+
+
+def rows_pays(device: torch.device, t: int, experts: list, inter: int, d: int) -> bool:
+    """Whether the default path is the rows one (`moe_rows`): FP4 experts read as int32 words,
+    widths its kernels take, 1..ROWS_DEFAULT_T tokens, on CUDA (the interpreters keep the old
+    default)."""
+    from .launch import interpreting
+    from .moe_rows import rows_fits
+
+    return (device.type == "cuda" and not interpreting() and t <= ROWS_DEFAULT_T and word_aligned(experts)
+            and rows_fits(inter, d))
+
+
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: list, limit: float,
                 out_dtype: torch.dtype = torch.float32, *, bm: int | None = None, bn_up: int | None = None,
                 bn_down: int | None = None, bk: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, path: str | None = None, **grouped) -> torch.Tensor:
     """`ops.moe_experts` on a device: x [T, d], weights / ids [T, k] -> [T, d] fp32 (float64
     requested: fp32). Keyword tile parameters are for tuning (defaults: TILES / GEMV_TILES);
-    `path` ("fold" / "gemv" / "tiled" / "grouped") overrides the choice of path (tests, sweeps);
-    "fold" is `moe_fold.fold_moe` (FP4 experts at decode sizes, weights read as int32 words); "grouped"
+    `path` ("rows" / "fold" / "gemv" / "tiled" / "grouped") overrides the choice of path (tests, sweeps);
+    "rows" is `moe_rows.rows_moe` (FP4 experts at 1..2 tokens on the CUDA cores, taking the
+    keywords rs_up / rs_down / rpp_down / num_warps in `grouped`); "fold" is `moe_fold.fold_moe`
+    (FP4 experts at decode sizes, weights read as int32 words); "grouped"
     is `moe_grouped.grouped_moe` (bf16 tensor-core dots with the scales folded into the weight
     tiles), which takes the extra keywords in `grouped` (swap, bk_down, group_m, chunk,
-    predequant). Default: the fold path for FP4 experts at 1..FOLD_MAX_T tokens on CUDA
-    (`fold_pays`), else GEMV at a few tokens, the grouped path on a bf16 scratch of the experts
+    predequant). Default: the rows path for FP4 experts at 1..ROWS_DEFAULT_T tokens on CUDA
+    (`rows_pays`), the fold path for FP4 experts at 1..FOLD_MAX_T tokens on CUDA (`fold_pays`), else GEMV at a few tokens, the grouped path on a bf16 scratch of the experts
     for prefill-sized FP4 calls (`moe_grouped.predequant_pays`), the tiled kernels between (on
     the H200 the grouped path without the scratch did not beat them: benchmarks/RESULTS.md)."""
     from .fp8_quant import fp8_quant
@@ -405,7 +435,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     if k_in != d:
         raise ValueError(f"expert input width {k_in} != x width {d}")
     if path is None:
-        path = ("fold" if fold_pays(x.device, t, experts, inter, k_in) else
+        path = ("rows" if rows_pays(x.device, t, experts, inter, k_in) else
+                "fold" if fold_pays(x.device, t, experts, inter, k_in) else
                 "gemv" if t <= GEMV_DEFAULT_T.get(kind, 0) else
                 "grouped" if scratch_pays(x.device, kind, t * topk, n_exp, inter, k_in) else "tiled")
         if path == "grouped":  # chosen for the scratch: say so (the interpreters never default to it)
@@ -427,6 +458,13 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
                         (w_base, s_base, table, kind, inter, k_in, (s_up, s_down), align), limit, out,
                         rb=bm, bn_up=bn_up, bn_down=bn_down, bk=bk, num_warps=num_warps, num_stages=num_stages,
                         **grouped)
+    if path == "rows":
+        from .moe_rows import rows_moe
+
+        if not word_aligned(experts):
+            raise ValueError("moe_experts: the rows path takes FP4 experts with 4-byte aligned weight tensors")
+        return rows_moe(x.contiguous(), weights, ids, (w_base, s_base, table, kind, inter, k_in, (s_up, s_down), align),
+                        limit, out, num_warps=num_warps, **grouped)
     if path == "gemv":
         if kind == W_DENSE or t > GEMV_MAX_T:
             raise ValueError(f"moe_experts: the gemv path takes scaled experts and <= {GEMV_MAX_T} tokens")

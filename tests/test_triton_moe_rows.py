@@ -1,0 +1,179 @@
+"""The FP4 routed experts at one or two tokens on the CUDA cores (npu_ops/triton/moe_rows.py)
+against the reference.
+
+The word conversion bit-exactly against the reference dequantisation for every E2M1 code and
+scale bytes 1..240 (the PTX variant on the GPU, the plain-Triton one everywhere); the whole path
+(`moe_experts(..., path="rows")`) against the fp64 reference in its official mode: one and two
+tokens, a skipped (-1) slot, an expert routed from both tokens, both K parts of the kernels (K / 32
+blocks as two powers of two), every scratch buffer poisoned (NaN) first. Interpreter variants at
+small widths, `gpu`-marked compiled variants at model widths (the mini preset's 5120 x 2304
+included). Bound as tests/test_triton_moe_fold.py (the same numerics class).
+"""
+
+import pytest
+import torch
+
+from _triton import DEVICES, cuda_only, triton  # noqa: F401  (sets TRITON_INTERPRET; skips without triton)
+
+from test_triton_block_linear import weight  # noqa: E402  (the random weights in storage formats)
+from test_triton_moe_grouped import check as grouped_check  # noqa: E402  (inputs, reference, bound)
+from test_triton_moe_grouped import every_code_weight  # noqa: E402
+
+from dsv41.backends.reference.basic import dequant_weight  # noqa: E402
+from dsv41.npu_ops.triton import moe_experts as me  # noqa: E402
+from dsv41.npu_ops.triton import moe_rows as mr  # noqa: E402
+from dsv41.npu_ops.triton.block_scaled import e8m0_value  # noqa: E402
+from dsv41.npu_ops.triton.launch import interpreting  # noqa: E402
+
+tl = triton.language
+pytestmark = [cuda_only, pytest.mark.usefixtures("official_reference")]
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every buffer the rows path allocates starts as NaN."""
+    def poison(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(mr, "_buffer", poison)
+
+
+@triton.jit
+def _decode_kernel(w_ptr, s_ptr, out_ptr, KW, NW: tl.constexpr, ASM: tl.constexpr):
+    """out[row, 8c + i] = element i of word c of the row, times 2^14 and its block's scale."""
+    r = tl.program_id(0)
+    c = tl.arange(0, NW)
+    wd = tl.load(w_ptr + r * KW + c)
+    s = e8m0_value(tl.load(s_ptr + r * (KW // 4) + c // 4).to(tl.int32)) * 16384.0
+    w0, w1, w2, w3, w4, w5, w6, w7 = mr.e2m1x8_f32(wd, ASM)
+    o = out_ptr + r * KW * 8 + 8 * c
+    tl.store(o, w0 * s)
+    tl.store(o + 1, w1 * s)
+    tl.store(o + 2, w2 * s)
+    tl.store(o + 3, w3 * s)
+    tl.store(o + 4, w4 * s)
+    tl.store(o + 5, w5 * s)
+    tl.store(o + 6, w6 * s)
+    tl.store(o + 7, w7 * s)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("asm", [False, True])
+def test_rows_decode_bit_exact(dev, asm):
+    """Every E2M1 code at scale bytes 1..240: bit-equal to the reference dequantisation wherever
+    the result is fp32-normal (>= 2^-126); the one smaller result (0.5 at byte 1) is exact or 0."""
+    if asm and interpreting():
+        pytest.skip("inline PTX does not run under the interpreter")
+    w, s = every_code_weight(240, 16)
+    n, k = w.shape[0], w.shape[1] * 2
+    want = dequant_weight(w, s).double()
+    out = torch.full((n, k), float("nan"), dtype=torch.float32, device=dev)
+    wd = w.view(torch.uint8).to(dev).view(torch.int32)
+    _decode_kernel[(n,)](wd, s.view(torch.uint8).to(dev), out, k // 8, NW=k // 8, ASM=asm)
+    got = out.cpu().double()
+    normal = (want.abs() >= 2.0 ** -126) | (want == 0)
+    assert (~normal).sum() == 4  # 0.5 and -0.5, twice each, at byte 1
+    assert torch.equal(got[normal], want[normal])
+    assert ((got[~normal] == want[~normal]) | (got[~normal] == 0)).all()
+
+
+def check(dev, t, n_exp, topk, d, inter, rng, used=None, **tiles):
+    """moe_experts through the rows path (unless `path` says otherwise) against the reference:
+    test_triton_moe_grouped.check with FP4 experts."""
+    grouped_check(dev, "fp4", t, n_exp, topk, d, inter, rng, used, **dict({"path": "rows"}, **tiles))
+
+
+def test_block_parts():
+    """K / 32 blocks as two powers of two (the kernels' register parts), None otherwise."""
+    assert mr.block_parts(5120) == (128, 32) and mr.block_parts(2304) == (64, 8)
+    assert mr.block_parts(256) == (8, 0) and mr.block_parts(96) == (2, 1)
+    assert mr.block_parts(224) is None and mr.block_parts(100) is None and mr.block_parts(0) is None
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("t", [1, 2])
+def test_rows_path(dev, t, rng, poisoned):
+    """One and two tokens, 8 experts, top-4 (a skipped slot; at T = 2 the tokens share an expert
+    at least once: 4 + 4 of 5 experts); d = 320 and width 96 (both K parts: 8 + 2 and 2 + 1 blocks)."""
+    check(dev, t, 8, 4, 320, 96, rng, used=5)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_rows_tiles(dev, rng, poisoned):
+    """Other rows per step / per program (one step per program; many steps)."""
+    check(dev, 1, 8, 4, 256, 64, rng, used=7, rs_up=8, rs_down=8, rpp_down=8)
+    check(dev, 2, 8, 4, 256, 64, rng, used=7, rs_up=1, rs_down=1, rpp_down=32)
+
+
+def test_rows_refuses(rng):
+    """Too many tokens or widths the kernels do not take: one clear error each."""
+    ex = [(weight("fp4", 64, 256, rng), weight("fp4", 256, 64, rng), weight("fp4", 64, 256, rng)) for _ in range(2)]
+    x = torch.zeros(3, 256, dtype=torch.bfloat16)
+    ids = torch.zeros(3, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="at most 2 tokens"):
+        me.moe_experts(x, torch.ones(3, 1), ids, ex, 10.0, path="rows")
+    with pytest.raises(ValueError, match="rows per program"):
+        me.moe_experts(x[:1], torch.ones(1, 1), ids[:1], ex, 10.0, path="rows", rpp_down=48)
+    bad = [(weight("fp4", 64, 224, rng), weight("fp4", 224, 64, rng), weight("fp4", 64, 224, rng))]
+    with pytest.raises(ValueError, match="two powers of two"):
+        me.moe_experts(torch.zeros(1, 224, dtype=torch.bfloat16), torch.ones(1, 1), ids[:1], bad, 10.0, path="rows")
+    fp8 = [(weight("fp8", 64, 256, rng), weight("fp8", 256, 64, rng), weight("fp8", 64, 256, rng))]
+    with pytest.raises(ValueError, match="rows path takes FP4"):
+        me.moe_experts(x[:1], torch.ones(1, 1), ids[:1], fp8, 10.0, path="rows")
+
+
+def test_rows_pays(rng, monkeypatch):
+    """The default takes the rows path exactly for word-aligned FP4 experts at 1..ROWS_DEFAULT_T
+    tokens and widths it takes, on CUDA (the interpreters keep the old default)."""
+    from dsv41.npu_ops.triton import launch
+
+    ex = [(weight("fp4", 128, 256, rng), weight("fp4", 256, 128, rng), weight("fp4", 128, 256, rng)) for _ in range(2)]
+    me._expert_table(ex, torch.device("cpu"))
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    assert me.rows_pays(cuda, 1, ex, 128, 256) and me.rows_pays(cuda, me.ROWS_DEFAULT_T, ex, 128, 256)
+    assert not me.rows_pays(cuda, me.ROWS_DEFAULT_T + 1, ex, 128, 256)
+    assert not me.rows_pays(torch.device("cpu"), 1, ex, 128, 256)
+    assert not me.rows_pays(cuda, 1, ex, 128, 224)  # K / 32 = 7 blocks: no two powers of two
+    fp8 = [(weight("fp8", 128, 256, rng), weight("fp8", 256, 128, rng), weight("fp8", 128, 256, rng))]
+    me._expert_table(fp8, torch.device("cpu"))
+    assert not me.rows_pays(cuda, 1, fp8, 128, 256)
+    monkeypatch.setattr(launch, "interpreting", lambda: True)
+    assert not me.rows_pays(cuda, 1, ex, 128, 256)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_default_dispatch_reaches_rows(dev, rng, poisoned, monkeypatch):
+    """With `rows_pays` true, the default call runs the rows path (and gets the reference's
+    result): the dispatch passes the right arguments."""
+    calls = []
+    real = mr.rows_moe
+    monkeypatch.setattr(me, "rows_pays", lambda *a: True)
+    monkeypatch.setattr(mr, "rows_moe", lambda *a, **k: calls.append(1) or real(*a, **k))
+    check(dev, 1, 8, 4, 320, 96, rng, path=None)
+    assert calls == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("t", [1, 2])
+def test_rows_model_shapes_gpu(dev, t, rng, poisoned):
+    """d 1024, width 512 (one K part each), 16 experts, top-6."""
+    check(dev, t, 16, 6, 1024, 512, rng, used=14)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("t", [1, 2])
+def test_rows_mini_widths_gpu(dev, t, rng, poisoned):
+    """The mini preset's widths, d 5120 and width 2304 (two K parts each), 8 experts, top-6."""
+    check(dev, t, 8, 6, 5120, 2304, rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("tiles", [dict(rs_up=1), dict(rs_up=4), dict(rs_down=2, rpp_down=16),
+                                   dict(rs_down=8, rpp_down=64), dict(num_warps=8)])
+def test_rows_tiles_gpu(dev, tiles, rng, poisoned):
+    """The tile settings the benchmark times, at d 1024, width 512."""
+    check(dev, 1, 16, 6, 1024, 512, rng, used=14, **tiles)
