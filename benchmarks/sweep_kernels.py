@@ -430,6 +430,43 @@ def sweep_moe_decode(rows, copy, tokens=(1, 2, 4, 8, 16, 32, 64)):
             print(rows[-1], flush=True)
 
 
+# The rows path's tile variants (moe_rows.ROWS_TILES holds the default): rows per step of w1 / w3
+# and of w2, w2 rows per program, warps.
+ROWS_VARIANTS = [dict(rs_up=1), dict(rs_up=4), dict(rs_down=8, rpp_down=64), dict(rs_down=8, rpp_down=32),
+                 dict(rs_down=16, rpp_down=32), dict(num_warps=8)]
+
+
+def sweep_moe_rows(rows, copy, tokens=(1, 2), check_only=False):
+    """The FP4 routed experts at one and two tokens (mini preset: 16 experts, d 5120, width 2304,
+    top-6, each token's 6 experts distinct): the fold path against the rows path (`moe_rows`: CUDA
+    cores, whole weight rows as int32 words) and its tile variants; where the time goes at T=1
+    (both paths' kernels); bytes = the active experts' weights read once. check_only: compile and
+    check every variant, time none (warms the cache from a second process)."""
+    from dsv41.backends.reference.basic import fp32_accumulation
+    from dsv41.backends.reference.moe import moe_experts as moe_ref
+    from dsv41.npu_ops.triton import moe_experts as me
+
+    d, inter, n_exp, topk = CFG.hidden_size, CFG.moe_intermediate_size, 16, CFG.num_experts_per_tok
+    experts = _fp4_experts(n_exp, d, inter)
+    for t in tokens:
+        x, ids, wts, want, active, nbytes = _moe_case(t, experts, d, inter, n_exp, topk, moe_ref, fp32_accumulation)
+        for v in [dict(path="fold"), dict(path="rows")] + [dict(v, path="rows") for v in ROWS_VARIANTS]:
+            name = "moe fp4 " + " ".join(f"{a}={b}" for a, b in v.items())
+            call = (lambda x=x, ids=ids, wts=wts, v=v: me.moe_experts(x, wts, ids, experts, 10.0, **v))
+            if check_only:
+                err = rel_err(call(), want)
+                rows.append(f"| {name} | T={t} | err {err:.1e} (check only) |")
+                print(rows[-1], flush=True)
+                continue
+            _variant_row(rows, name, f"T={t} {active} experts", call, want, nbytes, 2 * t * topk * 3 * inter * d, copy)
+        if t == 1 and not check_only:
+            for path in ("fold", "rows"):
+                rows.append(f"| moe {path} kernels | T={t} | " + kernel_times(
+                    lambda x=x, ids=ids, wts=wts, path=path: me.moe_experts(x, wts, ids, experts, 10.0, path=path))
+                    + " |")
+                print(rows[-1], flush=True)
+
+
 def sweep_decode(rows, copy):
     """The GEMV-style decode paths (a few rows, CUDA cores, weights streamed once) against the tiled
     kernels: the FP8 linear (K=5120, N=6144) at M = 1, 4 and the FP4 experts at T = 1, 2, 4."""
@@ -586,7 +623,7 @@ def sweep_dense(rows, copy, tokens=(1, 8, 64)):
 
 SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_indexer, "engram_lookup": sweep_engram,
           "fp4_quant": sweep_fp4_quant, "mhc_mix": sweep_mhc_mix, "linear": sweep_linear, "moe_experts": sweep_moe,
-          "moe_decode": sweep_moe_decode, "decode": sweep_decode, "dense": sweep_dense}
+          "moe_decode": sweep_moe_decode, "moe_rows": sweep_moe_rows, "decode": sweep_decode, "dense": sweep_dense}
 
 
 def main() -> int:
@@ -594,7 +631,8 @@ def main() -> int:
     ap.add_argument("--only", default=",".join(SWEEPS), help="comma-separated sweeps to run")
     ap.add_argument("--tokens", default=None, help="token counts for the sparse_attention / indexer_topk sweeps")
     ap.add_argument("--check-only", action="store_true",
-                    help="sparse_attention / indexer_topk: compile and check every variant, time none (warms the cache)")
+                    help="sparse_attention / indexer_topk / moe_rows: compile and check every variant, time none "
+                         "(warms the cache)")
     ap.add_argument("--mqa", action="store_true", help="sparse_attention: the MQA kernel (prefill table) too (last)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -604,9 +642,9 @@ def main() -> int:
     rows = [f"copy ceiling {copy:.0f} GB/s"]
     for name in a.only.split(","):
         kw = {}
-        if a.tokens and name in ("sparse_attention", "indexer_topk", "dense", "moe_experts", "moe_decode"):
+        if a.tokens and name in ("sparse_attention", "indexer_topk", "dense", "moe_experts", "moe_decode", "moe_rows"):
             kw["tokens"] = tuple(int(x) for x in a.tokens.split(","))
-        if name in ("sparse_attention", "indexer_topk"):
+        if name in ("sparse_attention", "indexer_topk", "moe_rows"):
             kw["check_only"] = a.check_only
         if name == "sparse_attention":
             kw["mqa"] = a.mqa
