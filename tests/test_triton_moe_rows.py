@@ -172,8 +172,9 @@ def test_rows_mini_widths_gpu(dev, t, rng, poisoned):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", [DEVICES[1]])
-@pytest.mark.parametrize("tiles", [dict(rs_up=1), dict(rs_up=4), dict(rs_down=2, rpp_down=16),
-                                   dict(rs_down=8, rpp_down=64), dict(num_warps=8)])
+@pytest.mark.parametrize("tiles", [dict(rs_up=1), dict(rs_down=2, rpp_down=16), dict(rs_down=8, rpp_down=64),
+                                   dict(pf=0, maxnreg=0), dict(pf=8, maxnreg=0)])
 def test_rows_tiles_gpu(dev, tiles, rng, poisoned):
-    """The tile settings the benchmark times, at d 1024, width 512."""
+    """Other tile settings (rows per step / program, L2 prefetch distance, no register cap) at d
+    1024, width 512."""
     check(dev, 1, 16, 6, 1024, 512, rng, used=14, **tiles)

@@ -47,8 +47,11 @@ GROUP = 32  # the w2 input's FP8 group: the gate/up program's rows
 # The most tokens the path takes (it reads an expert once per routed row, not once per call).
 ROWS_MAX_T = 2
 # Tiles: rows per step of each of w1 / w3 (gate/up) and of w2, w2 rows per program, warps.
-ROWS_TILES = {"cuda": {"rs_up": 2, "rs_down": 4, "rpp_down": 32, "num_warps": 4},
-              "interp": {"rs_up": 2, "rs_down": 4, "rpp_down": 8}}
+# pf: steps of rows prefetched into L2 ahead of their loads (0: none; the interpreter has none);
+# maxnreg: ptxas's register cap (0: none): with the prefetches the gate/up kernel takes 166
+# registers (3 programs per SM: its 432 programs at T=1 in two waves), at 128 it spills 28 bytes.
+ROWS_TILES = {"cuda": {"rs_up": 2, "rs_down": 4, "rpp_down": 32, "pf": 4, "maxnreg": 128, "num_warps": 4},
+              "interp": {"rs_up": 2, "rs_down": 4, "rpp_down": 8, "pf": 0}}
 
 _E2M1X8_ASM = tl.constexpr("""
 {
@@ -62,6 +65,26 @@ prmt.b32 r, h, 0, 0x1404; mov.b32 {h0, h1}, r; cvt.f32.f16 $1, h0; cvt.f32.f16 $
 prmt.b32 r, h, 0, 0x3424; mov.b32 {h0, h1}, r; cvt.f32.f16 $5, h0; cvt.f32.f16 $7, h1;
 }
 """)
+
+
+# Ask L2 for the 128-byte line holding $1 when $2 != 0 (a hint: no result, nothing waits on it).
+_PREFETCH_ASM = tl.constexpr("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
+
+
+@triton.jit
+def _prefetch(base, offs, row0, row_bytes, rows, go, NL: tl.constexpr, ASM: tl.constexpr):
+    """Prefetch into L2 the runs of `rows` consecutive rows from row0 of the matrices at byte
+    offsets offs [M] from base (rows of row_bytes bytes; NL: a power of two >= the 128-byte
+    lines a run spans), if go. Why: ptxas places the loads of the next step's words at the end
+    of the loop body (next to their loop-carried use), so without this every step waits for a
+    whole DRAM round trip; with its rows a few steps ahead in L2 it waits for L2 only. Built
+    from scalars in its own small tile (few registers). Nothing under the interpreter."""
+    if ASM:
+        j = tl.arange(0, NL)[None, :]
+        n = rows * row_bytes
+        b = base + (offs + row0 * row_bytes)[:, None] + 128 * j
+        ok = ((128 * j < n + 127) & go).to(tl.int32) + tl.zeros_like(offs)[:, None].to(tl.int32)
+        tl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [b, ok], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -158,10 +181,11 @@ def _row_ptrs(w_base, s_base, table_ptr, e, which, rows, KW, s_stride, ALIGN: tl
 @triton.jit
 def _rows_up_kernel(x_ptr, ids_ptr, wts_ptr, w_base, s_base, table_ptr, gu_ptr, h_ptr, K, KW, I, s_stride, limit,
                     TOPK: tl.constexpr, ALIGN: tl.constexpr, RS: tl.constexpr, NBA: tl.constexpr, NBB: tl.constexpr,
-                    ASM: tl.constexpr):
+                    PF: tl.constexpr, NL: tl.constexpr, NLS: tl.constexpr, ASM: tl.constexpr):
     """h[f, 32c .. 32c + 31] for flat row f = program_id(0), c = program_id(1) (module docstring):
     each step RS rows of w1 and the same RS rows of w3 (one [2 RS] tile); NBA + NBB = K / 32
-    blocks in two power-of-two parts (NBB may be 0)."""
+    blocks in two power-of-two parts (NBB may be 0); the rows PF steps ahead prefetched into L2
+    (`_prefetch`; NL / NLS lines of a step's words / scales, PF = 0: none)."""
     f = tl.program_id(0)
     n0 = tl.program_id(1) * 32
     e = tl.load(ids_ptr + f)
@@ -173,6 +197,12 @@ def _rows_up_kernel(x_ptr, ids_ptr, wts_ptr, w_base, s_base, table_ptr, gu_ptr, 
     # the first step's words go out before x's quantisation (its latency hides behind them)
     w_rows, s_rows = _row_ptrs(w_base, s_base, table_ptr, e, which, n0 + rr % RS, KW, s_stride, ALIGN)
     ok = (rr % RS) < n_end
+    m = tl.arange(0, 2)  # w1 / w3 runs for the prefetches
+    w_offs = tl.load(table_ptr + e * 6 + m)
+    s_offs = tl.load(table_ptr + e * 6 + 3 + m)
+    for p in tl.static_range(PF):  # the first PF steps' rows and scales
+        _prefetch(w_base, w_offs, n0 + p * RS, 4 * KW, RS, p * RS < n_end, NL, ASM)
+        _prefetch(s_base, s_offs, n0 + p * RS, s_stride, RS, p * RS < n_end, NLS, ASM)
     wa, sa = _words(w_rows, s_rows, ok, 0, NBA)
     if NBB > 0:
         wb, sb = _words(w_rows, s_rows, ok, NBA, NBB)
@@ -182,6 +212,9 @@ def _rows_up_kernel(x_ptr, ids_ptr, wts_ptr, w_base, s_base, table_ptr, gu_ptr, 
         xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7 = _x_part(xrow, NBA, NBB)
     out = gu_ptr + f.to(tl.int64) * 2 * I + which * I + n0 + rr % RS
     for s in range(0, n_end, RS):
+        if PF > 0:
+            _prefetch(w_base, w_offs, n0 + s + PF * RS, 4 * KW, RS, s + PF * RS < n_end, NL, ASM)
+            _prefetch(s_base, s_offs, n0 + s + PF * RS, s_stride, RS, s + PF * RS < n_end, NLS, ASM)
         nxt_ok = (s + RS + rr % RS) < n_end
         wa_n, sa_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, 0, NBA)
         y = _rows_dot(wa, sa, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, ASM)
@@ -206,10 +239,10 @@ def _rows_up_kernel(x_ptr, ids_ptr, wts_ptr, w_base, s_base, table_ptr, gu_ptr, 
 
 @triton.jit
 def _rows_down_kernel(h_ptr, ids_ptr, w_base, s_base, table_ptr, y_ptr, I, KW, D, s_stride, ALIGN: tl.constexpr,
-                      RPP: tl.constexpr,
-                      RS: tl.constexpr, NBA: tl.constexpr, NBB: tl.constexpr, ASM: tl.constexpr):
+                      RPP: tl.constexpr, RS: tl.constexpr, NBA: tl.constexpr, NBB: tl.constexpr, PF: tl.constexpr,
+                      NL: tl.constexpr, NLS: tl.constexpr, ASM: tl.constexpr):
     """y[f, RPP c .. RPP (c + 1)] = bf16(h[f] @ w2 rows) for flat row f = program_id(0), c =
-    program_id(1), RS rows a step (slots with ids < 0 do nothing)."""
+    program_id(1), RS rows a step (slots with ids < 0 do nothing); prefetch as `_rows_up_kernel`."""
     f = tl.program_id(0)
     n0 = tl.program_id(1) * RPP
     e = tl.load(ids_ptr + f)
@@ -218,6 +251,11 @@ def _rows_down_kernel(h_ptr, ids_ptr, w_base, s_base, table_ptr, y_ptr, I, KW, D
     rr = tl.arange(0, RS)
     w_rows, s_rows = _row_ptrs(w_base, s_base, table_ptr, e, 2, n0 + rr, KW, s_stride, ALIGN)
     ok = rr < n_end
+    w_offs = tl.load(table_ptr + e * 6 + 2 + tl.arange(0, 1))
+    s_offs = tl.load(table_ptr + e * 6 + 5 + tl.arange(0, 1))
+    for p in tl.static_range(PF):
+        _prefetch(w_base, w_offs, n0 + p * RS, 4 * KW, RS, p * RS < n_end, NL, ASM)
+        _prefetch(s_base, s_offs, n0 + p * RS, s_stride, RS, p * RS < n_end, NLS, ASM)
     wa, sa = _words(w_rows, s_rows, ok, 0, NBA)
     if NBB > 0:
         wb, sb = _words(w_rows, s_rows, ok, NBA, NBB)
@@ -227,6 +265,9 @@ def _rows_down_kernel(h_ptr, ids_ptr, w_base, s_base, table_ptr, y_ptr, I, KW, D
         xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7 = _h_part(hrow, NBA, NBB)
     out = y_ptr + f.to(tl.int64) * D + n0 + rr
     for s in range(0, n_end, RS):
+        if PF > 0:
+            _prefetch(w_base, w_offs, n0 + s + PF * RS, 4 * KW, RS, s + PF * RS < n_end, NL, ASM)
+            _prefetch(s_base, s_offs, n0 + s + PF * RS, s_stride, RS, s + PF * RS < n_end, NLS, ASM)
         nxt_ok = (s + RS + rr) < n_end
         wa_n, sa_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, 0, NBA)
         y = _rows_dot(wa, sa, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, ASM)
@@ -258,6 +299,11 @@ def rows_fits(inter: int, d: int, rpp_down: int = ROWS_TILES["cuda"]["rpp_down"]
             and d % rpp_down == 0)
 
 
+def _lines(nbytes: int) -> int:
+    """A power of two >= the 128-byte lines a run of nbytes bytes can span (any alignment)."""
+    return triton.next_power_of_2(nbytes // 128 + 2)
+
+
 def _buffer(shape, dtype, device) -> torch.Tensor:
     """Scratch allocation (one place, so tests can poison it)."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -265,7 +311,8 @@ def _buffer(shape, dtype, device) -> torch.Tensor:
 
 def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_args: tuple, limit: float,
              out: torch.Tensor, *, rs_up: int | None = None, rs_down: int | None = None,
-             rpp_down: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+             rpp_down: int | None = None, pf: int | None = None, maxnreg: int | None = None,
+             num_warps: int | None = None) -> torch.Tensor:
     """The rows path for x [T, d] (T <= ROWS_MAX_T, FP4 experts; tiles default `ROWS_TILES`):
     gate/up with its epilogue, down, combine into `out` [T, d] fp32."""
     from .launch import interpreting
@@ -276,6 +323,7 @@ def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
     tiles = ROWS_TILES["interp" if interp else "cuda"]
     rs_up, rs_down = rs_up or tiles["rs_up"], rs_down or tiles["rs_down"]
     rpp_down = rpp_down or tiles["rpp_down"]
+    pf = tiles["pf"] if pf is None or interp else pf
     t, topk = ids.shape
     if t > ROWS_MAX_T:
         raise ValueError(f"moe_experts rows path: at most {ROWS_MAX_T} tokens, got {t}")
@@ -285,6 +333,9 @@ def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
                          f"two, {GROUP} | {inter}, rows per program {rpp_down} | {d}; rows per step (powers of two) "
                          f"rs_up {rs_up} | {GROUP}, rs_down {rs_down} | {rpp_down}")
     kw = {} if interp else {"num_warps": num_warps or tiles["num_warps"], "num_stages": 1}
+    maxnreg = tiles.get("maxnreg", 0) if maxnreg is None else maxnreg
+    if maxnreg and not interp:
+        kw["maxnreg"] = maxnreg
     r = t * topk
     flat_ids = ids.contiguous().reshape(-1)
     gu = _buffer((r, 2, inter), torch.float32, x.device)
@@ -293,12 +344,13 @@ def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
     wts = weights.float().contiguous().reshape(-1)
     nba, nbb = block_parts(d)
     _rows_up_kernel[(r, inter // GROUP)](x, flat_ids, wts, w_base, s_base, table, gu, h, d, d // 8, inter, s_up,
-                                         float(limit), TOPK=topk, ALIGN=align, RS=rs_up, NBA=nba, NBB=nbb,
-                                         ASM=not interp, **kw)
+                                         float(limit), TOPK=topk, ALIGN=align, RS=rs_up, NBA=nba, NBB=nbb, PF=pf,
+                                         NL=_lines(rs_up * d // 2), NLS=_lines(rs_up * s_up), ASM=not interp, **kw)
     nba, nbb = block_parts(inter)
     _rows_down_kernel[(r, d // rpp_down)](h, flat_ids, w_base, s_base, table, y, inter, inter // 8, d, s_down, ALIGN=align,
-                                          RPP=rpp_down,
-                                          RS=rs_down, NBA=nba, NBB=nbb, ASM=not interp, **kw)
+                                          RPP=rpp_down, RS=rs_down, NBA=nba, NBB=nbb, PF=pf,
+                                          NL=_lines(rs_down * inter // 2), NLS=_lines(rs_down * s_down), ASM=not interp,
+                                          **kw)
     cb = min(1024, triton.next_power_of_2(d))
     _combine_kernel[(t, -(-d // cb))](y, flat_ids, out, d, TOPK=topk, BLOCK=cb)
     return out
