@@ -50,8 +50,9 @@ ROWS_MAX_T = 2
 # pf: steps of rows prefetched into L2 ahead of their loads (0: none; the interpreter has none);
 # maxnreg: ptxas's register cap (0: none): with the prefetches the gate/up kernel takes 166
 # registers (3 programs per SM: its 432 programs at T=1 in two waves), at 128 it spills 28 bytes.
-ROWS_TILES = {"cuda": {"rs_up": 2, "rs_down": 4, "rpp_down": 32, "pf": 4, "maxnreg": 128, "num_warps": 4},
-              "interp": {"rs_up": 2, "rs_down": 4, "rpp_down": 8, "pf": 0}}
+# ns: Triton's software pipeline of the word loads with ns stages (0: the double buffer in registers).
+ROWS_TILES = {"cuda": {"rs_up": 2, "rs_down": 4, "rpp_down": 32, "pf": 4, "maxnreg": 128, "ns": 0, "num_warps": 4},
+              "interp": {"rs_up": 2, "rs_down": 4, "rpp_down": 8, "pf": 0, "ns": 0}}
 
 _E2M1X8_ASM = tl.constexpr("""
 {
@@ -181,11 +182,14 @@ def _row_ptrs(w_base, s_base, table_ptr, e, which, rows, KW, s_stride, ALIGN: tl
 @triton.jit
 def _rows_up_kernel(x_ptr, ids_ptr, wts_ptr, w_base, s_base, table_ptr, gu_ptr, h_ptr, K, KW, I, s_stride, limit,
                     TOPK: tl.constexpr, ALIGN: tl.constexpr, RS: tl.constexpr, NBA: tl.constexpr, NBB: tl.constexpr,
-                    PF: tl.constexpr, NL: tl.constexpr, NLS: tl.constexpr, ASM: tl.constexpr):
+                    PF: tl.constexpr, NL: tl.constexpr, NLS: tl.constexpr, NS: tl.constexpr,
+                    ASM: tl.constexpr):
     """h[f, 32c .. 32c + 31] for flat row f = program_id(0), c = program_id(1) (module docstring):
     each step RS rows of w1 and the same RS rows of w3 (one [2 RS] tile); NBA + NBB = K / 32
     blocks in two power-of-two parts (NBB may be 0); the rows PF steps ahead prefetched into L2
-    (`_prefetch`; NL / NLS lines of a step's words / scales, PF = 0: none)."""
+    (`_prefetch`; NL / NLS lines of a step's words / scales, PF = 0: none). NS > 0: the loads
+    pipelined by Triton (cp.async into shared memory, NS stages) instead of the hand-written
+    double buffer in registers."""
     f = tl.program_id(0)
     n0 = tl.program_id(1) * 32
     e = tl.load(ids_ptr + f)
@@ -211,21 +215,34 @@ def _rows_up_kernel(x_ptr, ids_ptr, wts_ptr, w_base, s_base, table_ptr, gu_ptr, 
     if NBB > 0:
         xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7 = _x_part(xrow, NBA, NBB)
     out = gu_ptr + f.to(tl.int64) * 2 * I + which * I + n0 + rr % RS
-    for s in range(0, n_end, RS):
-        if PF > 0:
-            _prefetch(w_base, w_offs, n0 + s + PF * RS, 4 * KW, RS, s + PF * RS < n_end, NL, ASM)
-            _prefetch(s_base, s_offs, n0 + s + PF * RS, s_stride, RS, s + PF * RS < n_end, NLS, ASM)
-        nxt_ok = (s + RS + rr % RS) < n_end
-        wa_n, sa_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, 0, NBA)
-        y = _rows_dot(wa, sa, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, ASM)
-        if NBB > 0:
-            wb_n, sb_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, NBA, NBB)
-            y += _rows_dot(wb, sb, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, ASM)
-            wb, sb = wb_n, sb_n
-        tl.store(out + s, y)
-        wa, sa = wa_n, sa_n
-        w_rows += RS * KW
-        s_rows += RS * s_stride
+    if NS > 0:  # Triton's pipeliner: each step's words through shared memory, NS - 1 steps ahead
+        for s in tl.range(0, n_end, RS, num_stages=NS):
+            if PF > 0:
+                _prefetch(w_base, w_offs, n0 + s + PF * RS, 4 * KW, RS, s + PF * RS < n_end, NL, ASM)
+                _prefetch(s_base, s_offs, n0 + s + PF * RS, s_stride, RS, s + PF * RS < n_end, NLS, ASM)
+            ok_s = (s + rr % RS) < n_end
+            wa, sa = _words(w_rows + s * KW, s_rows + s * s_stride, ok_s, 0, NBA)
+            y = _rows_dot(wa, sa, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, ASM)
+            if NBB > 0:
+                wb, sb = _words(w_rows + s * KW, s_rows + s * s_stride, ok_s, NBA, NBB)
+                y += _rows_dot(wb, sb, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, ASM)
+            tl.store(out + s, y)
+    else:  # the next step's words loaded before this step's are used
+        for s in range(0, n_end, RS):
+            if PF > 0:
+                _prefetch(w_base, w_offs, n0 + s + PF * RS, 4 * KW, RS, s + PF * RS < n_end, NL, ASM)
+                _prefetch(s_base, s_offs, n0 + s + PF * RS, s_stride, RS, s + PF * RS < n_end, NLS, ASM)
+            nxt_ok = (s + RS + rr % RS) < n_end
+            wa_n, sa_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, 0, NBA)
+            y = _rows_dot(wa, sa, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, ASM)
+            if NBB > 0:
+                wb_n, sb_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, NBA, NBB)
+                y += _rows_dot(wb, sb, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, ASM)
+                wb, sb = wb_n, sb_n
+            tl.store(out + s, y)
+            wa, sa = wa_n, sa_n
+            w_rows += RS * KW
+            s_rows += RS * s_stride
     tl.debug_barrier()  # every thread's sums are stored before they are read back across the CTA
     if active:
         cols = n0 + tl.arange(0, 32)
@@ -240,7 +257,7 @@ def _rows_up_kernel(x_ptr, ids_ptr, wts_ptr, w_base, s_base, table_ptr, gu_ptr, 
 @triton.jit
 def _rows_down_kernel(h_ptr, ids_ptr, w_base, s_base, table_ptr, y_ptr, I, KW, D, s_stride, ALIGN: tl.constexpr,
                       RPP: tl.constexpr, RS: tl.constexpr, NBA: tl.constexpr, NBB: tl.constexpr, PF: tl.constexpr,
-                      NL: tl.constexpr, NLS: tl.constexpr, ASM: tl.constexpr):
+                      NL: tl.constexpr, NLS: tl.constexpr, NS: tl.constexpr, ASM: tl.constexpr):
     """y[f, RPP c .. RPP (c + 1)] = bf16(h[f] @ w2 rows) for flat row f = program_id(0), c =
     program_id(1), RS rows a step (slots with ids < 0 do nothing); prefetch as `_rows_up_kernel`."""
     f = tl.program_id(0)
@@ -264,21 +281,34 @@ def _rows_down_kernel(h_ptr, ids_ptr, w_base, s_base, table_ptr, y_ptr, I, KW, D
     if NBB > 0:
         xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7 = _h_part(hrow, NBA, NBB)
     out = y_ptr + f.to(tl.int64) * D + n0 + rr
-    for s in range(0, n_end, RS):
-        if PF > 0:
-            _prefetch(w_base, w_offs, n0 + s + PF * RS, 4 * KW, RS, s + PF * RS < n_end, NL, ASM)
-            _prefetch(s_base, s_offs, n0 + s + PF * RS, s_stride, RS, s + PF * RS < n_end, NLS, ASM)
-        nxt_ok = (s + RS + rr) < n_end
-        wa_n, sa_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, 0, NBA)
-        y = _rows_dot(wa, sa, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, ASM)
-        if NBB > 0:
-            wb_n, sb_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, NBA, NBB)
-            y += _rows_dot(wb, sb, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, ASM)
-            wb, sb = wb_n, sb_n
-        tl.store(out + s, bf16_round(y))
-        wa, sa = wa_n, sa_n
-        w_rows += RS * KW
-        s_rows += RS * s_stride
+    if NS > 0:  # as `_rows_up_kernel`
+        for s in tl.range(0, n_end, RS, num_stages=NS):
+            if PF > 0:
+                _prefetch(w_base, w_offs, n0 + s + PF * RS, 4 * KW, RS, s + PF * RS < n_end, NL, ASM)
+                _prefetch(s_base, s_offs, n0 + s + PF * RS, s_stride, RS, s + PF * RS < n_end, NLS, ASM)
+            ok_s = (s + rr) < n_end
+            wa, sa = _words(w_rows + s * KW, s_rows + s * s_stride, ok_s, 0, NBA)
+            y = _rows_dot(wa, sa, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, ASM)
+            if NBB > 0:
+                wb, sb = _words(w_rows + s * KW, s_rows + s * s_stride, ok_s, NBA, NBB)
+                y += _rows_dot(wb, sb, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, ASM)
+            tl.store(out + s, bf16_round(y))
+    else:
+        for s in range(0, n_end, RS):
+            if PF > 0:
+                _prefetch(w_base, w_offs, n0 + s + PF * RS, 4 * KW, RS, s + PF * RS < n_end, NL, ASM)
+                _prefetch(s_base, s_offs, n0 + s + PF * RS, s_stride, RS, s + PF * RS < n_end, NLS, ASM)
+            nxt_ok = (s + RS + rr) < n_end
+            wa_n, sa_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, 0, NBA)
+            y = _rows_dot(wa, sa, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, ASM)
+            if NBB > 0:
+                wb_n, sb_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, NBA, NBB)
+                y += _rows_dot(wb, sb, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, ASM)
+                wb, sb = wb_n, sb_n
+            tl.store(out + s, bf16_round(y))
+            wa, sa = wa_n, sa_n
+            w_rows += RS * KW
+            s_rows += RS * s_stride
 
 
 def block_parts(k: int) -> tuple[int, int] | None:
@@ -312,7 +342,7 @@ def _buffer(shape, dtype, device) -> torch.Tensor:
 def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_args: tuple, limit: float,
              out: torch.Tensor, *, rs_up: int | None = None, rs_down: int | None = None,
              rpp_down: int | None = None, pf: int | None = None, maxnreg: int | None = None,
-             num_warps: int | None = None) -> torch.Tensor:
+             ns: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """The rows path for x [T, d] (T <= ROWS_MAX_T, FP4 experts; tiles default `ROWS_TILES`):
     gate/up with its epilogue, down, combine into `out` [T, d] fp32."""
     from .launch import interpreting
@@ -324,6 +354,7 @@ def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
     rs_up, rs_down = rs_up or tiles["rs_up"], rs_down or tiles["rs_down"]
     rpp_down = rpp_down or tiles["rpp_down"]
     pf = tiles["pf"] if pf is None or interp else pf
+    ns = tiles["ns"] if ns is None else ns
     t, topk = ids.shape
     if t > ROWS_MAX_T:
         raise ValueError(f"moe_experts rows path: at most {ROWS_MAX_T} tokens, got {t}")
@@ -345,12 +376,13 @@ def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
     nba, nbb = block_parts(d)
     _rows_up_kernel[(r, inter // GROUP)](x, flat_ids, wts, w_base, s_base, table, gu, h, d, d // 8, inter, s_up,
                                          float(limit), TOPK=topk, ALIGN=align, RS=rs_up, NBA=nba, NBB=nbb, PF=pf,
-                                         NL=_lines(rs_up * d // 2), NLS=_lines(rs_up * s_up), ASM=not interp, **kw)
+                                         NL=_lines(rs_up * d // 2), NLS=_lines(rs_up * s_up), NS=ns, ASM=not interp,
+                                         **kw)
     nba, nbb = block_parts(inter)
     _rows_down_kernel[(r, d // rpp_down)](h, flat_ids, w_base, s_base, table, y, inter, inter // 8, d, s_down, ALIGN=align,
                                           RPP=rpp_down, RS=rs_down, NBA=nba, NBB=nbb, PF=pf,
-                                          NL=_lines(rs_down * inter // 2), NLS=_lines(rs_down * s_down), ASM=not interp,
-                                          **kw)
+                                          NL=_lines(rs_down * inter // 2), NLS=_lines(rs_down * s_down), NS=ns,
+                                          ASM=not interp, **kw)
     cb = min(1024, triton.next_power_of_2(d))
     _combine_kernel[(t, -(-d // cb))](y, flat_ids, out, d, TOPK=topk, BLOCK=cb)
     return out
