@@ -432,11 +432,11 @@ def sweep_moe_decode(rows, copy, tokens=(1, 2, 4, 8, 16, 32, 64)):
 
 # The rows path's tile variants (moe_rows.ROWS_TILES holds the default): rows per step of w1 / w3
 # and of w2, w2 rows per program, warps.
-# H200 2026-12-01 11:18 UTC, T=1 / 2 (before the L2 prefetches, graph us): default 94.2 / 172.0, rs_up 1
-# 108.0 / 173.3, rs_up 4 192.3 / 352.6, rs_down 8 rpp_down 64 96.0 / 174.9, rs_down 8 rpp_down 32
-# 101.1 / 182.8, rs_down 16 rpp_down 32 150.5 / 264.0, 8 warps 130.9 / 225.9; fold 96.8 / 142.6.
-ROWS_VARIANTS = [dict(pf=0, maxnreg=0), dict(pf=8), dict(maxnreg=0), dict(ns=3, pf=0, maxnreg=0),
-                 dict(ns=3, maxnreg=0), dict(ns=2, maxnreg=0), dict(rs_down=8, rpp_down=64)]
+# H200 2026-12-01 11:18 UTC, T=1 / 2, graph us: default 94.2 / 172.0, rs_up 1 108.0 / 173.3, rs_up 4
+# 192.3 / 352.6, rs_down 8 rpp_down 64 96.0 / 174.9, rs_down 8 rpp_down 32 101.1 / 182.8, rs_down 16
+# rpp_down 32 150.5 / 264.0, 8 warps 130.9 / 225.9; fold 96.8 / 142.6.
+ROWS_VARIANTS = [dict(rs_up=1), dict(rs_up=4), dict(rs_down=8, rpp_down=64), dict(rs_down=8, rpp_down=32),
+                 dict(rs_down=16, rpp_down=32), dict(num_warps=8)]
 
 
 def sweep_moe_rows(rows, copy, tokens=(1, 2), check_only=False):

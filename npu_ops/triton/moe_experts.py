@@ -389,7 +389,9 @@ def fold_pays(device: torch.device, t: int, experts: list, inter: int, d: int) -
 
 
 # The most tokens the rows path (moe_rows: CUDA cores, whole weight rows) takes by default, on CUDA.
-# H200 <date> (benchmarks/RESULTS.md, "FP4 experts at one token"): see ROWS_DEFAULT_T's note there.
+# H200 2026-12-01, graph replay, 16 FP4 experts 5120 x 2304, top-6 (benchmarks/RESULTS.md, "FP4
+# experts at one token: the rows path"): T=1 rows 94.2 / 93.5 us against fold 96.8 / 96.6 (two
+# runs); T=2 rows 172.0 against fold 142.6 (each token's experts read separately), so T=2 stays on fold.
 ROWS_DEFAULT_T = 1
 
 

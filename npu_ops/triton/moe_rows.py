@@ -32,6 +32,13 @@ order and the device exp. E8M0 byte 0 (2^-127) reads as 0 as in the other kernel
 
 Under TRITON_INTERPRET=1 (no inline PTX) the same bit placement runs as plain Triton integer ops
 and fp16 bitcasts (constexpr ASM=False).
+
+Speed (H200, benchmarks/RESULTS.md): 93-94 us at one token against the fold path's 97 (gate/up
+58.5 us, down 31.9), 172 against 143 at two tokens. The kernels stream about 9.3 weights per SM
+clock, the rate of block_linear's FP8 rows kernel; the sm_90a loop is 4.5 (gate/up) / 5.0 (down)
+instructions per weight, one of them the fp16 -> fp32 conversion. L2 prefetches of the rows
+ahead (93.0 us), Triton's cp.async pipeline of the word loads (107-113 us) and a 128-register cap
+(151 us, spills) did not help, so the loop's instruction issue, not DRAM latency, bounds it.
 """
 
 from __future__ import annotations
@@ -46,13 +53,12 @@ from .swiglu import expert_act
 GROUP = 32  # the w2 input's FP8 group: the gate/up program's rows
 # The most tokens the path takes (it reads an expert once per routed row, not once per call).
 ROWS_MAX_T = 2
-# Tiles: rows per step of each of w1 / w3 (gate/up) and of w2, w2 rows per program, warps.
-# pf: steps of rows prefetched into L2 ahead of their loads (0: none; the interpreter has none);
-# maxnreg: ptxas's register cap (0: none): with the prefetches the gate/up kernel takes 166
-# registers (3 programs per SM: its 432 programs at T=1 in two waves), at 128 it spills 28 bytes.
-# ns: Triton's software pipeline of the word loads with ns stages (0: the double buffer in registers).
-ROWS_TILES = {"cuda": {"rs_up": 2, "rs_down": 4, "rpp_down": 32, "pf": 4, "maxnreg": 128, "ns": 0, "num_warps": 4},
-              "interp": {"rs_up": 2, "rs_down": 4, "rpp_down": 8, "pf": 0, "ns": 0}}
+# Tiles: rows per step of each of w1 / w3 (gate/up) and of w2, w2 rows per program, warps. H200
+# 2026-12-01 (benchmarks/RESULTS.md, "FP4 experts at one token: the rows path"), graph replay, mini
+# widths, T=1: these tiles 94.2 / 93.5 us in two runs (fold 96.8 / 96.6); rs_up 1 108.0, rs_up 4
+# 192.3 (254 registers), rs_down 8 with rpp_down 64 96.0, rs_down 16 150.5, 8 warps 130.9.
+ROWS_TILES = {"cuda": {"rs_up": 2, "rs_down": 4, "rpp_down": 32, "num_warps": 4},
+              "interp": {"rs_up": 2, "rs_down": 4, "rpp_down": 8}}
 
 _E2M1X8_ASM = tl.constexpr("""
 {
@@ -66,26 +72,6 @@ prmt.b32 r, h, 0, 0x1404; mov.b32 {h0, h1}, r; cvt.f32.f16 $1, h0; cvt.f32.f16 $
 prmt.b32 r, h, 0, 0x3424; mov.b32 {h0, h1}, r; cvt.f32.f16 $5, h0; cvt.f32.f16 $7, h1;
 }
 """)
-
-
-# Ask L2 for the 128-byte line holding $1 when $2 != 0 (a hint: no result, nothing waits on it).
-_PREFETCH_ASM = tl.constexpr("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
-
-
-@triton.jit
-def _prefetch(base, offs, row0, row_bytes, rows, go, NL: tl.constexpr, ASM: tl.constexpr):
-    """Prefetch into L2 the runs of `rows` consecutive rows from row0 of the matrices at byte
-    offsets offs [M] from base (rows of row_bytes bytes; NL: a power of two >= the 128-byte
-    lines a run spans), if go. Why: ptxas places the loads of the next step's words at the end
-    of the loop body (next to their loop-carried use), so without this every step waits for a
-    whole DRAM round trip; with its rows a few steps ahead in L2 it waits for L2 only. Built
-    from scalars in its own small tile (few registers). Nothing under the interpreter."""
-    if ASM:
-        j = tl.arange(0, NL)[None, :]
-        n = rows * row_bytes
-        b = base + (offs + row0 * row_bytes)[:, None] + 128 * j
-        ok = ((128 * j < n + 127) & go).to(tl.int32) + tl.zeros_like(offs)[:, None].to(tl.int32)
-        tl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [b, ok], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -182,14 +168,10 @@ def _row_ptrs(w_base, s_base, table_ptr, e, which, rows, KW, s_stride, ALIGN: tl
 @triton.jit
 def _rows_up_kernel(x_ptr, ids_ptr, wts_ptr, w_base, s_base, table_ptr, gu_ptr, h_ptr, K, KW, I, s_stride, limit,
                     TOPK: tl.constexpr, ALIGN: tl.constexpr, RS: tl.constexpr, NBA: tl.constexpr, NBB: tl.constexpr,
-                    PF: tl.constexpr, NL: tl.constexpr, NLS: tl.constexpr, NS: tl.constexpr,
                     ASM: tl.constexpr):
     """h[f, 32c .. 32c + 31] for flat row f = program_id(0), c = program_id(1) (module docstring):
     each step RS rows of w1 and the same RS rows of w3 (one [2 RS] tile); NBA + NBB = K / 32
-    blocks in two power-of-two parts (NBB may be 0); the rows PF steps ahead prefetched into L2
-    (`_prefetch`; NL / NLS lines of a step's words / scales, PF = 0: none). NS > 0: the loads
-    pipelined by Triton (cp.async into shared memory, NS stages) instead of the hand-written
-    double buffer in registers."""
+    blocks in two power-of-two parts (NBB may be 0)."""
     f = tl.program_id(0)
     n0 = tl.program_id(1) * 32
     e = tl.load(ids_ptr + f)
@@ -201,12 +183,6 @@ def _rows_up_kernel(x_ptr, ids_ptr, wts_ptr, w_base, s_base, table_ptr, gu_ptr, 
     # the first step's words go out before x's quantisation (its latency hides behind them)
     w_rows, s_rows = _row_ptrs(w_base, s_base, table_ptr, e, which, n0 + rr % RS, KW, s_stride, ALIGN)
     ok = (rr % RS) < n_end
-    m = tl.arange(0, 2)  # w1 / w3 runs for the prefetches
-    w_offs = tl.load(table_ptr + e * 6 + m)
-    s_offs = tl.load(table_ptr + e * 6 + 3 + m)
-    for p in tl.static_range(PF):  # the first PF steps' rows and scales
-        _prefetch(w_base, w_offs, n0 + p * RS, 4 * KW, RS, p * RS < n_end, NL, ASM)
-        _prefetch(s_base, s_offs, n0 + p * RS, s_stride, RS, p * RS < n_end, NLS, ASM)
     wa, sa = _words(w_rows, s_rows, ok, 0, NBA)
     if NBB > 0:
         wb, sb = _words(w_rows, s_rows, ok, NBA, NBB)
@@ -215,34 +191,18 @@ def _rows_up_kernel(x_ptr, ids_ptr, wts_ptr, w_base, s_base, table_ptr, gu_ptr, 
     if NBB > 0:
         xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7 = _x_part(xrow, NBA, NBB)
     out = gu_ptr + f.to(tl.int64) * 2 * I + which * I + n0 + rr % RS
-    if NS > 0:  # Triton's pipeliner: each step's words through shared memory, NS - 1 steps ahead
-        for s in tl.range(0, n_end, RS, num_stages=NS):
-            if PF > 0:
-                _prefetch(w_base, w_offs, n0 + s + PF * RS, 4 * KW, RS, s + PF * RS < n_end, NL, ASM)
-                _prefetch(s_base, s_offs, n0 + s + PF * RS, s_stride, RS, s + PF * RS < n_end, NLS, ASM)
-            ok_s = (s + rr % RS) < n_end
-            wa, sa = _words(w_rows + s * KW, s_rows + s * s_stride, ok_s, 0, NBA)
-            y = _rows_dot(wa, sa, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, ASM)
-            if NBB > 0:
-                wb, sb = _words(w_rows + s * KW, s_rows + s * s_stride, ok_s, NBA, NBB)
-                y += _rows_dot(wb, sb, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, ASM)
-            tl.store(out + s, y)
-    else:  # the next step's words loaded before this step's are used
-        for s in range(0, n_end, RS):
-            if PF > 0:
-                _prefetch(w_base, w_offs, n0 + s + PF * RS, 4 * KW, RS, s + PF * RS < n_end, NL, ASM)
-                _prefetch(s_base, s_offs, n0 + s + PF * RS, s_stride, RS, s + PF * RS < n_end, NLS, ASM)
-            nxt_ok = (s + RS + rr % RS) < n_end
-            wa_n, sa_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, 0, NBA)
-            y = _rows_dot(wa, sa, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, ASM)
-            if NBB > 0:
-                wb_n, sb_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, NBA, NBB)
-                y += _rows_dot(wb, sb, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, ASM)
-                wb, sb = wb_n, sb_n
-            tl.store(out + s, y)
-            wa, sa = wa_n, sa_n
-            w_rows += RS * KW
-            s_rows += RS * s_stride
+    for s in range(0, n_end, RS):
+        nxt_ok = (s + RS + rr % RS) < n_end
+        wa_n, sa_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, 0, NBA)
+        y = _rows_dot(wa, sa, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, ASM)
+        if NBB > 0:
+            wb_n, sb_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, NBA, NBB)
+            y += _rows_dot(wb, sb, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, ASM)
+            wb, sb = wb_n, sb_n
+        tl.store(out + s, y)
+        wa, sa = wa_n, sa_n
+        w_rows += RS * KW
+        s_rows += RS * s_stride
     tl.debug_barrier()  # every thread's sums are stored before they are read back across the CTA
     if active:
         cols = n0 + tl.arange(0, 32)
@@ -256,10 +216,10 @@ def _rows_up_kernel(x_ptr, ids_ptr, wts_ptr, w_base, s_base, table_ptr, gu_ptr, 
 
 @triton.jit
 def _rows_down_kernel(h_ptr, ids_ptr, w_base, s_base, table_ptr, y_ptr, I, KW, D, s_stride, ALIGN: tl.constexpr,
-                      RPP: tl.constexpr, RS: tl.constexpr, NBA: tl.constexpr, NBB: tl.constexpr, PF: tl.constexpr,
-                      NL: tl.constexpr, NLS: tl.constexpr, NS: tl.constexpr, ASM: tl.constexpr):
+                      RPP: tl.constexpr,
+                      RS: tl.constexpr, NBA: tl.constexpr, NBB: tl.constexpr, ASM: tl.constexpr):
     """y[f, RPP c .. RPP (c + 1)] = bf16(h[f] @ w2 rows) for flat row f = program_id(0), c =
-    program_id(1), RS rows a step (slots with ids < 0 do nothing); prefetch as `_rows_up_kernel`."""
+    program_id(1), RS rows a step (slots with ids < 0 do nothing)."""
     f = tl.program_id(0)
     n0 = tl.program_id(1) * RPP
     e = tl.load(ids_ptr + f)
@@ -268,11 +228,6 @@ def _rows_down_kernel(h_ptr, ids_ptr, w_base, s_base, table_ptr, y_ptr, I, KW, D
     rr = tl.arange(0, RS)
     w_rows, s_rows = _row_ptrs(w_base, s_base, table_ptr, e, 2, n0 + rr, KW, s_stride, ALIGN)
     ok = rr < n_end
-    w_offs = tl.load(table_ptr + e * 6 + 2 + tl.arange(0, 1))
-    s_offs = tl.load(table_ptr + e * 6 + 5 + tl.arange(0, 1))
-    for p in tl.static_range(PF):
-        _prefetch(w_base, w_offs, n0 + p * RS, 4 * KW, RS, p * RS < n_end, NL, ASM)
-        _prefetch(s_base, s_offs, n0 + p * RS, s_stride, RS, p * RS < n_end, NLS, ASM)
     wa, sa = _words(w_rows, s_rows, ok, 0, NBA)
     if NBB > 0:
         wb, sb = _words(w_rows, s_rows, ok, NBA, NBB)
@@ -281,34 +236,18 @@ def _rows_down_kernel(h_ptr, ids_ptr, w_base, s_base, table_ptr, y_ptr, I, KW, D
     if NBB > 0:
         xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7 = _h_part(hrow, NBA, NBB)
     out = y_ptr + f.to(tl.int64) * D + n0 + rr
-    if NS > 0:  # as `_rows_up_kernel`
-        for s in tl.range(0, n_end, RS, num_stages=NS):
-            if PF > 0:
-                _prefetch(w_base, w_offs, n0 + s + PF * RS, 4 * KW, RS, s + PF * RS < n_end, NL, ASM)
-                _prefetch(s_base, s_offs, n0 + s + PF * RS, s_stride, RS, s + PF * RS < n_end, NLS, ASM)
-            ok_s = (s + rr) < n_end
-            wa, sa = _words(w_rows + s * KW, s_rows + s * s_stride, ok_s, 0, NBA)
-            y = _rows_dot(wa, sa, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, ASM)
-            if NBB > 0:
-                wb, sb = _words(w_rows + s * KW, s_rows + s * s_stride, ok_s, NBA, NBB)
-                y += _rows_dot(wb, sb, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, ASM)
-            tl.store(out + s, bf16_round(y))
-    else:
-        for s in range(0, n_end, RS):
-            if PF > 0:
-                _prefetch(w_base, w_offs, n0 + s + PF * RS, 4 * KW, RS, s + PF * RS < n_end, NL, ASM)
-                _prefetch(s_base, s_offs, n0 + s + PF * RS, s_stride, RS, s + PF * RS < n_end, NLS, ASM)
-            nxt_ok = (s + RS + rr) < n_end
-            wa_n, sa_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, 0, NBA)
-            y = _rows_dot(wa, sa, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, ASM)
-            if NBB > 0:
-                wb_n, sb_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, NBA, NBB)
-                y += _rows_dot(wb, sb, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, ASM)
-                wb, sb = wb_n, sb_n
-            tl.store(out + s, bf16_round(y))
-            wa, sa = wa_n, sa_n
-            w_rows += RS * KW
-            s_rows += RS * s_stride
+    for s in range(0, n_end, RS):
+        nxt_ok = (s + RS + rr) < n_end
+        wa_n, sa_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, 0, NBA)
+        y = _rows_dot(wa, sa, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, ASM)
+        if NBB > 0:
+            wb_n, sb_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, NBA, NBB)
+            y += _rows_dot(wb, sb, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, ASM)
+            wb, sb = wb_n, sb_n
+        tl.store(out + s, bf16_round(y))
+        wa, sa = wa_n, sa_n
+        w_rows += RS * KW
+        s_rows += RS * s_stride
 
 
 def block_parts(k: int) -> tuple[int, int] | None:
@@ -329,11 +268,6 @@ def rows_fits(inter: int, d: int, rpp_down: int = ROWS_TILES["cuda"]["rpp_down"]
             and d % rpp_down == 0)
 
 
-def _lines(nbytes: int) -> int:
-    """A power of two >= the 128-byte lines a run of nbytes bytes can span (any alignment)."""
-    return triton.next_power_of_2(nbytes // 128 + 2)
-
-
 def _buffer(shape, dtype, device) -> torch.Tensor:
     """Scratch allocation (one place, so tests can poison it)."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -341,8 +275,7 @@ def _buffer(shape, dtype, device) -> torch.Tensor:
 
 def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_args: tuple, limit: float,
              out: torch.Tensor, *, rs_up: int | None = None, rs_down: int | None = None,
-             rpp_down: int | None = None, pf: int | None = None, maxnreg: int | None = None,
-             ns: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+             rpp_down: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """The rows path for x [T, d] (T <= ROWS_MAX_T, FP4 experts; tiles default `ROWS_TILES`):
     gate/up with its epilogue, down, combine into `out` [T, d] fp32."""
     from .launch import interpreting
@@ -353,8 +286,6 @@ def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
     tiles = ROWS_TILES["interp" if interp else "cuda"]
     rs_up, rs_down = rs_up or tiles["rs_up"], rs_down or tiles["rs_down"]
     rpp_down = rpp_down or tiles["rpp_down"]
-    pf = tiles["pf"] if pf is None or interp else pf
-    ns = tiles["ns"] if ns is None else ns
     t, topk = ids.shape
     if t > ROWS_MAX_T:
         raise ValueError(f"moe_experts rows path: at most {ROWS_MAX_T} tokens, got {t}")
@@ -364,9 +295,6 @@ def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
                          f"two, {GROUP} | {inter}, rows per program {rpp_down} | {d}; rows per step (powers of two) "
                          f"rs_up {rs_up} | {GROUP}, rs_down {rs_down} | {rpp_down}")
     kw = {} if interp else {"num_warps": num_warps or tiles["num_warps"], "num_stages": 1}
-    maxnreg = tiles.get("maxnreg", 0) if maxnreg is None else maxnreg
-    if maxnreg and not interp:
-        kw["maxnreg"] = maxnreg
     r = t * topk
     flat_ids = ids.contiguous().reshape(-1)
     gu = _buffer((r, 2, inter), torch.float32, x.device)
@@ -375,14 +303,12 @@ def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
     wts = weights.float().contiguous().reshape(-1)
     nba, nbb = block_parts(d)
     _rows_up_kernel[(r, inter // GROUP)](x, flat_ids, wts, w_base, s_base, table, gu, h, d, d // 8, inter, s_up,
-                                         float(limit), TOPK=topk, ALIGN=align, RS=rs_up, NBA=nba, NBB=nbb, PF=pf,
-                                         NL=_lines(rs_up * d // 2), NLS=_lines(rs_up * s_up), NS=ns, ASM=not interp,
-                                         **kw)
+                                         float(limit), TOPK=topk, ALIGN=align, RS=rs_up, NBA=nba, NBB=nbb,
+                                         ASM=not interp, **kw)
     nba, nbb = block_parts(inter)
     _rows_down_kernel[(r, d // rpp_down)](h, flat_ids, w_base, s_base, table, y, inter, inter // 8, d, s_down, ALIGN=align,
-                                          RPP=rpp_down, RS=rs_down, NBA=nba, NBB=nbb, PF=pf,
-                                          NL=_lines(rs_down * inter // 2), NLS=_lines(rs_down * s_down), NS=ns,
-                                          ASM=not interp, **kw)
+                                          RPP=rpp_down,
+                                          RS=rs_down, NBA=nba, NBB=nbb, ASM=not interp, **kw)
     cb = min(1024, triton.next_power_of_2(d))
     _combine_kernel[(t, -(-d // cb))](y, flat_ids, out, d, TOPK=topk, BLOCK=cb)
     return out
