@@ -419,7 +419,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     is `moe_grouped.grouped_moe` (bf16 tensor-core dots with the scales folded into the weight
     tiles), which takes the extra keywords in `grouped` (swap, bk_down, group_m, chunk,
     predequant). Default: the rows path for FP4 experts at 1..ROWS_DEFAULT_T tokens on CUDA
-    (`rows_pays`), the fold path for FP4 experts at 1..FOLD_MAX_T tokens on CUDA (`fold_pays`), else GEMV at a few tokens, the grouped path on a bf16 scratch of the experts
+    (`rows_pays`), the fold path for FP4 experts at 1..FOLD_MAX_T tokens on CUDA (`fold_pays`),
+    else GEMV at a few tokens, the grouped path on a bf16 scratch of the experts
     for prefill-sized FP4 calls (`moe_grouped.predequant_pays`), the tiled kernels between (on
     the H200 the grouped path without the scratch did not beat them: benchmarks/RESULTS.md)."""
     from .fp8_quant import fp8_quant

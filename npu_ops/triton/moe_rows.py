@@ -306,9 +306,9 @@ def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
                                          float(limit), TOPK=topk, ALIGN=align, RS=rs_up, NBA=nba, NBB=nbb,
                                          ASM=not interp, **kw)
     nba, nbb = block_parts(inter)
-    _rows_down_kernel[(r, d // rpp_down)](h, flat_ids, w_base, s_base, table, y, inter, inter // 8, d, s_down, ALIGN=align,
-                                          RPP=rpp_down,
-                                          RS=rs_down, NBA=nba, NBB=nbb, ASM=not interp, **kw)
+    _rows_down_kernel[(r, d // rpp_down)](h, flat_ids, w_base, s_base, table, y, inter, inter // 8, d, s_down,
+                                          ALIGN=align, RPP=rpp_down, RS=rs_down, NBA=nba, NBB=nbb, ASM=not interp,
+                                          **kw)
     cb = min(1024, triton.next_power_of_2(d))
     _combine_kernel[(t, -(-d // cb))](y, flat_ids, out, d, TOPK=topk, BLOCK=cb)
     return out
