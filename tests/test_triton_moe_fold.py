@@ -28,13 +28,29 @@ tl = triton.language
 pytestmark = [cuda_only, pytest.mark.usefixtures("official_reference")]
 
 
-@pytest.fixture
-def poisoned(monkeypatch):
-    """Every buffer the fold path allocates starts as NaN."""
+def poison_buffers(monkeypatch, module):
+    """Every buffer `module._buffer` allocates starts as NaN."""
     def poison(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    monkeypatch.setattr(mf, "_buffer", poison)
+    monkeypatch.setattr(module, "_buffer", poison)
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every buffer the fold path allocates starts as NaN."""
+    poison_buffers(monkeypatch, mf)
+
+
+def assert_default_reaches(monkeypatch, pays: str, module, launcher: str, run) -> None:
+    """With `moe_experts.<pays>` true, `run()` (a default-path call checked against the reference)
+    goes through `module.<launcher>` exactly once: the dispatch passes the right arguments."""
+    calls = []
+    real = getattr(module, launcher)
+    monkeypatch.setattr(me, pays, lambda *a: True)
+    monkeypatch.setattr(module, launcher, lambda *a, **k: calls.append(1) or real(*a, **k))
+    run()
+    assert calls == [1]
 
 
 
@@ -130,12 +146,8 @@ def test_fold_pays(rng, monkeypatch):
 def test_default_dispatch_reaches_fold(dev, rng, poisoned, monkeypatch):
     """With `fold_pays` true, the default call runs the fold path (and gets the reference's
     result): the dispatch passes the right arguments."""
-    calls = []
-    real = mf.fold_moe
-    monkeypatch.setattr(me, "fold_pays", lambda *a: True)
-    monkeypatch.setattr(mf, "fold_moe", lambda *a, **k: calls.append(1) or real(*a, **k))
-    check(dev, 3, 8, 4, 256, 128, rng, path=None)
-    assert calls == [1]
+    assert_default_reaches(monkeypatch, "fold_pays", mf, "fold_moe",
+                           lambda: check(dev, 3, 8, 4, 256, 128, rng, path=None))
 
 
 @pytest.mark.gpu

@@ -18,6 +18,7 @@ from _triton import DEVICES, cuda_only, triton  # noqa: F401  (sets TRITON_INTER
 from test_triton_block_linear import weight  # noqa: E402  (the random weights in storage formats)
 from test_triton_moe_grouped import check as grouped_check  # noqa: E402  (inputs, reference, bound)
 from test_triton_moe_grouped import every_code_weight  # noqa: E402
+from test_triton_moe_fold import assert_default_reaches, poison_buffers  # noqa: E402  (shared with the fold tests)
 
 from dsv41.backends.reference.basic import dequant_weight  # noqa: E402
 from dsv41.npu_ops.triton import moe_experts as me  # noqa: E402
@@ -32,10 +33,7 @@ pytestmark = [cuda_only, pytest.mark.usefixtures("official_reference")]
 @pytest.fixture
 def poisoned(monkeypatch):
     """Every buffer the rows path allocates starts as NaN."""
-    def poison(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(mr, "_buffer", poison)
+    poison_buffers(monkeypatch, mr)
 
 
 @triton.jit
@@ -146,12 +144,8 @@ def test_rows_pays(rng, monkeypatch):
 def test_default_dispatch_reaches_rows(dev, rng, poisoned, monkeypatch):
     """With `rows_pays` true, the default call runs the rows path (and gets the reference's
     result): the dispatch passes the right arguments."""
-    calls = []
-    real = mr.rows_moe
-    monkeypatch.setattr(me, "rows_pays", lambda *a: True)
-    monkeypatch.setattr(mr, "rows_moe", lambda *a, **k: calls.append(1) or real(*a, **k))
-    check(dev, 1, 8, 4, 320, 96, rng, path=None)
-    assert calls == [1]
+    assert_default_reaches(monkeypatch, "rows_pays", mr, "rows_moe",
+                           lambda: check(dev, 1, 8, 4, 320, 96, rng, path=None))
 
 
 @pytest.mark.gpu

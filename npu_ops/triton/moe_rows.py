@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_scaled import bf16_round, e8m0_value, fp8_exponent, fp8_qdq_groups, fp8_round, pow2
+from .block_scaled import _E2M1_ASM, bf16_round, e8m0_value, fp8_exponent, fp8_qdq_groups, fp8_round, pow2
 from .swiglu import expert_act
 
 GROUP = 32  # the w2 input's FP8 group: the gate/up program's rows
@@ -60,20 +60,6 @@ ROWS_MAX_T = 2
 ROWS_TILES = {"cuda": {"rs_up": 2, "rs_down": 4, "rpp_down": 32, "num_warps": 4},
               "interp": {"rs_up": 2, "rs_down": 4, "rpp_down": 8}}
 
-_E2M1X8_ASM = tl.constexpr("""
-{
-.reg .b32 a, b, l, h, r;
-.reg .b16 h0, h1;
-shl.b32 a, $8, 1; and.b32 a, a, 0x0E0E0E0E; shl.b32 b, $8, 4; and.b32 b, b, 0x80808080; or.b32 l, a, b;
-shr.b32 a, $8, 3; and.b32 a, a, 0x0E0E0E0E; and.b32 b, $8, 0x80808080; or.b32 h, a, b;
-prmt.b32 r, l, 0, 0x1404; mov.b32 {h0, h1}, r; cvt.f32.f16 $0, h0; cvt.f32.f16 $2, h1;
-prmt.b32 r, l, 0, 0x3424; mov.b32 {h0, h1}, r; cvt.f32.f16 $4, h0; cvt.f32.f16 $6, h1;
-prmt.b32 r, h, 0, 0x1404; mov.b32 {h0, h1}, r; cvt.f32.f16 $1, h0; cvt.f32.f16 $3, h1;
-prmt.b32 r, h, 0, 0x3424; mov.b32 {h0, h1}, r; cvt.f32.f16 $5, h0; cvt.f32.f16 $7, h1;
-}
-""")
-
-
 @triton.jit
 def _f16_high_byte(v):
     """fp32 value of the fp16 whose high byte is v's low byte (low byte zero)."""
@@ -83,11 +69,14 @@ def _f16_high_byte(v):
 @triton.jit
 def e2m1x8_f32(wd, ASM: tl.constexpr):
     """int32 words of 8 E2M1 nibbles -> their 8 values times 2^-14 as fp32 (element i of the
-    word first; exact). ASM: the PTX above; else the same bits through plain Triton ops."""
-    if ASM:
-        return tl.inline_asm_elementwise(_E2M1X8_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [wd],
-                                         dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32,
-                                                tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    word first; exact). ASM: `block_scaled`'s PTX (the module docstring's recipe); else the same
+    bits through plain Triton ops."""
+    if ASM:  # block_scaled's byte-wise conversion on a whole word: $0..$3 the even elements, $4..$7 the odd
+        e0, e2, e4, e6, e1, e3, e5, e7 = tl.inline_asm_elementwise(
+            _E2M1_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [wd], dtype=(tl.float32, tl.float32, tl.float32, tl.float32,
+                                                                 tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True, pack=1)
+        return e0, e1, e2, e3, e4, e5, e6, e7
     else:
         lo = ((wd << 1) & 0x0E0E0E0E) | ((wd << 4) & -2139062144)  # 0x80808080: the even elements' bytes
         hi = ((wd >> 3) & 0x0E0E0E0E) | (wd & -2139062144)  # the odd elements'
@@ -166,6 +155,30 @@ def _row_ptrs(w_base, s_base, table_ptr, e, which, rows, KW, s_stride, ALIGN: tl
 
 
 @triton.jit
+def _stream_rows(w_rows, s_rows, rin, n_end, KW, s_stride, out, wa, sa, wb, sb, xa0, xa1, xa2, xa3, xa4, xa5, xa6,
+                 xa7, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, RS: tl.constexpr, NBA: tl.constexpr, NBB: tl.constexpr,
+                 ROUND: tl.constexpr, ASM: tl.constexpr):
+    """The rows loop of both kernels: out[s + rin] = the dot of the tile's rows (w_rows / s_rows:
+    [RR] pointers at step 0, rin: each row's place in its step) with x's parts, RS rows a step
+    up to n_end, rounded to bf16 if ROUND. wa, sa (wb, sb): step 0's words and scales, loaded by
+    the caller; the next step's are loaded before this step's are used."""
+    for s in range(0, n_end, RS):
+        nxt_ok = (s + RS + rin) < n_end
+        wa_n, sa_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, 0, NBA)
+        y = _rows_dot(wa, sa, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, ASM)
+        if NBB > 0:
+            wb_n, sb_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, NBA, NBB)
+            y += _rows_dot(wb, sb, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, ASM)
+            wb, sb = wb_n, sb_n
+        if ROUND:
+            y = bf16_round(y)
+        tl.store(out + s + rin, y)
+        wa, sa = wa_n, sa_n
+        w_rows += RS * KW
+        s_rows += RS * s_stride
+
+
+@triton.jit
 def _rows_up_kernel(x_ptr, ids_ptr, wts_ptr, w_base, s_base, table_ptr, gu_ptr, h_ptr, K, KW, I, s_stride, limit,
                     TOPK: tl.constexpr, ALIGN: tl.constexpr, RS: tl.constexpr, NBA: tl.constexpr, NBB: tl.constexpr,
                     ASM: tl.constexpr):
@@ -184,25 +197,17 @@ def _rows_up_kernel(x_ptr, ids_ptr, wts_ptr, w_base, s_base, table_ptr, gu_ptr, 
     w_rows, s_rows = _row_ptrs(w_base, s_base, table_ptr, e, which, n0 + rr % RS, KW, s_stride, ALIGN)
     ok = (rr % RS) < n_end
     wa, sa = _words(w_rows, s_rows, ok, 0, NBA)
+    wb, sb = wa, sa  # part B's placeholders when there is none
     if NBB > 0:
         wb, sb = _words(w_rows, s_rows, ok, NBA, NBB)
     xrow = x_ptr + (f // TOPK).to(tl.int64) * K
     xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7 = _x_part(xrow, 0, NBA)
+    xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7 = xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7
     if NBB > 0:
         xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7 = _x_part(xrow, NBA, NBB)
-    out = gu_ptr + f.to(tl.int64) * 2 * I + which * I + n0 + rr % RS
-    for s in range(0, n_end, RS):
-        nxt_ok = (s + RS + rr % RS) < n_end
-        wa_n, sa_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, 0, NBA)
-        y = _rows_dot(wa, sa, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, ASM)
-        if NBB > 0:
-            wb_n, sb_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, NBA, NBB)
-            y += _rows_dot(wb, sb, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, ASM)
-            wb, sb = wb_n, sb_n
-        tl.store(out + s, y)
-        wa, sa = wa_n, sa_n
-        w_rows += RS * KW
-        s_rows += RS * s_stride
+    _stream_rows(w_rows, s_rows, rr % RS, n_end, KW, s_stride, gu_ptr + f.to(tl.int64) * 2 * I + which * I + n0,
+                 wa, sa, wb, sb, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7,
+                 RS, NBA, NBB, False, ASM)
     tl.debug_barrier()  # every thread's sums are stored before they are read back across the CTA
     if active:
         cols = n0 + tl.arange(0, 32)
@@ -216,8 +221,7 @@ def _rows_up_kernel(x_ptr, ids_ptr, wts_ptr, w_base, s_base, table_ptr, gu_ptr, 
 
 @triton.jit
 def _rows_down_kernel(h_ptr, ids_ptr, w_base, s_base, table_ptr, y_ptr, I, KW, D, s_stride, ALIGN: tl.constexpr,
-                      RPP: tl.constexpr,
-                      RS: tl.constexpr, NBA: tl.constexpr, NBB: tl.constexpr, ASM: tl.constexpr):
+                      RPP: tl.constexpr, RS: tl.constexpr, NBA: tl.constexpr, NBB: tl.constexpr, ASM: tl.constexpr):
     """y[f, RPP c .. RPP (c + 1)] = bf16(h[f] @ w2 rows) for flat row f = program_id(0), c =
     program_id(1), RS rows a step (slots with ids < 0 do nothing)."""
     f = tl.program_id(0)
@@ -229,25 +233,17 @@ def _rows_down_kernel(h_ptr, ids_ptr, w_base, s_base, table_ptr, y_ptr, I, KW, D
     w_rows, s_rows = _row_ptrs(w_base, s_base, table_ptr, e, 2, n0 + rr, KW, s_stride, ALIGN)
     ok = rr < n_end
     wa, sa = _words(w_rows, s_rows, ok, 0, NBA)
+    wb, sb = wa, sa
     if NBB > 0:
         wb, sb = _words(w_rows, s_rows, ok, NBA, NBB)
     hrow = h_ptr + f.to(tl.int64) * I
     xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7 = _h_part(hrow, 0, NBA)
+    xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7 = xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7
     if NBB > 0:
         xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7 = _h_part(hrow, NBA, NBB)
-    out = y_ptr + f.to(tl.int64) * D + n0 + rr
-    for s in range(0, n_end, RS):
-        nxt_ok = (s + RS + rr) < n_end
-        wa_n, sa_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, 0, NBA)
-        y = _rows_dot(wa, sa, xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, ASM)
-        if NBB > 0:
-            wb_n, sb_n = _words(w_rows + RS * KW, s_rows + RS * s_stride, nxt_ok, NBA, NBB)
-            y += _rows_dot(wb, sb, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, ASM)
-            wb, sb = wb_n, sb_n
-        tl.store(out + s, bf16_round(y))
-        wa, sa = wa_n, sa_n
-        w_rows += RS * KW
-        s_rows += RS * s_stride
+    _stream_rows(w_rows, s_rows, rr, n_end, KW, s_stride, y_ptr + f.to(tl.int64) * D + n0, wa, sa, wb, sb,
+                 xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7, xb0, xb1, xb2, xb3, xb4, xb5, xb6, xb7, RS, NBA, NBB, True,
+                 ASM)
 
 
 def block_parts(k: int) -> tuple[int, int] | None:
