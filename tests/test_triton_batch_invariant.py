@@ -12,18 +12,19 @@ on)."""
 import pytest
 import torch
 from _triton import DEVICES, cuda_only, triton  # noqa: F401  (sets TRITON_INTERPRET; skips without triton)
-from test_triton_block_linear import experts_in, weight
+from test_triton_block_linear import BOUND, experts_in, rel_err, weight
 from test_triton_indexer_topk import paged
 from test_triton_indexer_topk import random_inputs as indexer_inputs
 from test_triton_mega_mhc import make_inputs as mhc_inputs
 from test_triton_sparse_attention import make_inputs as attention_inputs
 
 from dsv41.backends import ops, registry
-from dsv41.backends.reference import quant
+from dsv41.backends.reference import basic, quant
 from dsv41.core.config import preset
 from dsv41.core.weights import build_model
 from dsv41.deploy.device_numerics import greedy_self_consistency
 from dsv41.npu_ops.triton import batch_invariant as bi
+from dsv41.npu_ops.triton import block_linear
 from dsv41.npu_ops.triton.launch import interpreting
 
 interp_only = pytest.mark.skipif(not interpreting(), reason="interpreter variant (TRITON_INTERPRET=1)")
@@ -89,6 +90,39 @@ def test_linear_row_alone_equals_batch(invariant, dev, fmt, out_dtype, rng):
     w, s = w.to(dev), None if s is None else s.to(dev)
     x, = on(dev, wide(rng, 70, 96))  # > 64 rows: the default leaves the fold path
     rows_alone_equal_batch(lambda a: ops.linear(a, w, s, out_dtype), (x,), lambda i: (x[i:i + 1],), (0, 33, 69))
+
+
+def _key(dev: str) -> str:
+    return "cuda" if dev == "cuda" else "interp"
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("fmt", ["fp8", "fp4", "bf16"])
+def test_linear_k_split_is_the_same_for_every_row_count(invariant, dev, fmt, rng, monkeypatch):
+    """The K split (several slices for this weight shape) runs as programs of their own at one
+    row and inside each tile's program at 70 rows (the tile threshold set between them); a row
+    alone equals it in the batch bit for bit, both launch forms agree at 70 rows, and one slice (a
+    split that followed the row count would give it at some M) differs: the check can fail."""
+    key = _key(dev)
+    n, k = (192, 1024) if key == "cuda" else (48, 256)  # slices of several K steps
+    tiles = bi.LINEAR_TILES[key]
+    slices = bi.linear_slices(n, k, key)
+    assert slices > 1
+    monkeypatch.setitem(bi.LINEAR_SPLIT[key], "parallel_tiles", -(-n // tiles["bn"]) + 1)
+    assert not bi.linear_serial(1, n, key) and bi.linear_serial(70, n, key)
+    w, s = weight(fmt, n, k, rng)
+    x = wide(rng, 70, k)
+    want = basic.linear(x, w, s, torch.float64)
+    w, s = w.to(dev), None if s is None else s.to(dev)
+    x, = on(dev, x)
+    call = lambda a: ops.linear(a, w, s, torch.float32)  # noqa: E731
+    rows_alone_equal_batch(call, (x,), lambda i: (x[i:i + 1],), (0, 33, 69))
+    full = call(x)
+    assert rel_err(full, want) < BOUND[torch.float32]
+    parallel = block_linear.linear(x, w, s, torch.float32, path="tiled", split_k=slices, **tiles)
+    assert torch.equal(parallel, full), "the split launch differs from the in-program slices"
+    one = block_linear.linear(x, w, s, torch.float32, path="tiled", split_k=1, **tiles)
+    assert not torch.equal(one, full), "one K slice gives the same bits: these inputs cannot show the split"
 
 
 @pytest.mark.parametrize("dev", DEVICES)

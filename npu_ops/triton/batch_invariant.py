@@ -64,6 +64,13 @@ from .launch import interpreting
 # 33..64 rows; MoE: the prefill table; route: the > 128-token table).
 LINEAR_TILES = {"cuda": dict(bm=64, bn=64, bk=128, group_m=1, num_warps=4, num_stages=4),
                 "interp": dict(bm=16, bn=32, bk=64, group_m=1)}
+# The K split of the invariant linear, a function of the weight's shape (N, K) alone (never of the
+# row count): about `programs` programs over the N tiles, slices of at least `min_steps` BK
+# steps. Below `parallel_tiles` output tiles (decode) the slices run as programs of their own and
+# the last one of a tile adds the partials in slice order; from there on (prefill) each program
+# sums its tile's slices in the same order itself (no partials): one result either way.
+LINEAR_SPLIT = {"cuda": dict(programs=528, min_steps=2, parallel_tiles=264),
+                "interp": dict(programs=8, min_steps=2, parallel_tiles=4)}
 MOE_TILES = {"cuda": dict(bm=64, bn_up=32, bn_down=128, bk=64, num_warps=4, num_stages=3),
              "interp": dict(bm=16, bn_up=32, bn_down=32, bk=64)}
 # (BLOCK_T, BLOCK_E, BLOCK_K, warps, K slices)
@@ -83,15 +90,35 @@ def _key(device: torch.device) -> str:
     return "cuda" if device.type == "cuda" and not interpreting() else "interp"
 
 
+def linear_slices(n: int, k: int, key: str) -> int:
+    """The invariant linear's K slice count for an [n, k] weight (`LINEAR_SPLIT`; no row count)."""
+    tiles, split = LINEAR_TILES[key], LINEAR_SPLIT[key]
+    k_steps = -(-k // tiles["bk"])
+    want = -(-split["programs"] // -(-n // tiles["bn"]))
+    return max(1, min(want, k_steps // split["min_steps"]))
+
+
+def linear_serial(m: int, n: int, key: str) -> bool:
+    """Whether the slices of an [m rows, n] output run inside each tile's program (many tiles:
+    prefill) rather than as programs of their own (decode); the result is the same."""
+    tiles = LINEAR_TILES[key]
+    return -(-m // tiles["bm"]) * -(-n // tiles["bn"]) >= LINEAR_SPLIT[key]["parallel_tiles"]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """`ops.linear`, batch-invariant: `block_linear`'s tiled kernel with fixed tiles and no K split
-    for every row count and weight format (W8A8 keeps its exact int32 GEMM; fp32 weights have no
-    invariant kernel on CUDA: the tiled kernel takes bf16-exact weights)."""
+    """`ops.linear`, batch-invariant: `block_linear`'s tiled kernel with fixed tiles and a K split
+    set by the weight's shape (`linear_slices`) for every row count and weight format (W8A8 keeps
+    its exact int32 GEMM; fp32 weights have no invariant kernel on CUDA: the tiled kernel takes
+    bf16-exact weights)."""
     key = _key(x.device)
     if scale is None and weight.dtype != torch.bfloat16 and key == "cuda":
         raise NotImplementedError(f"batch-invariant linear: {weight.dtype} weights have no invariant kernel")
-    return block_linear.linear(x, weight, scale, out_dtype, path="tiled", split_k=1, **LINEAR_TILES[key])
+    n, k = weight.shape[0], x.shape[-1]
+    slices = linear_slices(n, k, key)
+    serial = slices > 1 and linear_serial(x.numel() // max(k, 1), n, key)
+    return block_linear.linear(x, weight, scale, out_dtype, path="tiled", split_k=slices, serial=serial,
+                               **LINEAR_TILES[key])
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
