@@ -19,12 +19,14 @@ from test_triton_mega_mhc import make_inputs as mhc_inputs
 from test_triton_sparse_attention import make_inputs as attention_inputs
 
 from dsv41.backends import ops, registry
-from dsv41.backends.reference import basic, quant
+from dsv41.backends.numerics import numerics
+from dsv41.backends.reference import basic, moe, quant
 from dsv41.core.config import preset
 from dsv41.core.weights import build_model
 from dsv41.deploy.device_numerics import greedy_self_consistency
 from dsv41.npu_ops.triton import batch_invariant as bi
 from dsv41.npu_ops.triton import block_linear
+from dsv41.npu_ops.triton import moe_experts as moe_mod
 from dsv41.npu_ops.triton.launch import interpreting
 
 interp_only = pytest.mark.skipif(not interpreting(), reason="interpreter variant (TRITON_INTERPRET=1)")
@@ -142,6 +144,59 @@ def test_moe_experts_row_alone_equals_batch(invariant, dev, rng):
     ex = [tuple((a.to(dev), b.to(dev)) for a, b in e) for e in experts_in("fp4", n_exp, d, inter, rng)]
     rows_alone_equal_batch(lambda a, b, c: ops.moe_experts(a, b, c, ex, 10.0), (x, w, ids),
                            lambda i: (x[i:i + 1], w[i:i + 1], ids[i:i + 1]), (0, 20))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_moe_k_split_is_the_same_for_every_token_count(invariant, dev, fmt, rng, monkeypatch):
+    """As the linear's split test, for both expert kernels: the slices as programs at one token,
+    inside each program at t tokens (the row threshold set between them), row alone = row in
+    the batch, both launch forms equal at t tokens, and no split gives other bits."""
+    key = _key(dev)
+    t, n_exp, topk = (37, 6, 2) if key == "cuda" else (9, 4, 2)
+    d, inter = (1024, 512) if key == "cuda" else (256, 256)
+    split = bi.moe_slices(inter, d, key)
+    assert min(split) > 1
+    monkeypatch.setitem(bi.MOE_SPLIT[key], "parallel_rows", topk)
+    x = wide(rng, t, d)
+    ids = torch.stack([torch.randperm(n_exp, generator=rng)[:topk] for _ in range(t)])
+    w = torch.rand(t, topk, generator=rng) + 0.1
+    ex = experts_in(fmt, n_exp, d, inter, rng)
+    with numerics("official"):  # the kernels round where the official expert does
+        want = moe.moe_experts(x, w, ids, ex, 10.0, torch.float64)
+    x, w, ids = on(dev, x, w, ids)
+    ex = [tuple((a.to(dev), b.to(dev)) for a, b in e) for e in ex]
+    call = lambda a, b, c: ops.moe_experts(a, b, c, ex, 10.0)  # noqa: E731
+    rows_alone_equal_batch(call, (x, w, ids), lambda i: (x[i:i + 1], w[i:i + 1], ids[i:i + 1]), (0, t // 2, t - 1))
+    full = call(x, w, ids)
+    assert rel_err(full, want) < 1e-4  # test_triton_block_linear's MoE bound (rare rounding-boundary moves)
+    tiles = bi.MOE_TILES[key]
+    parallel = moe_mod.moe_experts(x, w, ids, ex, 10.0, path="tiled", k_split=split, **tiles)
+    assert torch.equal(parallel, full), "the split launch differs from the in-program slices"
+    # The experts round their sums to bf16 (official mode), which hides most fp32 order changes:
+    # rows that cancel across the gate/up slice boundary (+L in the first slice, -L in the second,
+    # small values beside them, w1 = w3 constant along K) sum to 0 split and to the small values'
+    # sum in one pass, so there the split shows in the output.
+    kps = moe_mod._k_slices(d, tiles["bk"], split[0])[1]
+    xc = torch.zeros(t, d)
+    xc[:, 32:kps] = torch.rand(t, kps - 32, generator=rng) + 0.5
+    xc[:, kps + 32:] = torch.rand(t, d - kps - 32, generator=rng) + 0.5
+    xc[:, 0], xc[:, kps] = 2.0 ** 40, -2.0 ** 40  # fp32 spacing there: 2^17
+    flat = [(weight_const(fmt, inter, d), weight_const(fmt, d, inter), weight_const(fmt, inter, d))
+            for _ in range(n_exp)]
+    flat = [tuple((a.to(dev), b.to(dev)) for a, b in e) for e in flat]
+    xc, = on(dev, xc.to(torch.bfloat16))
+    got = ops.moe_experts(xc, w, ids, flat, 10.0)
+    assert torch.equal(got, moe_mod.moe_experts(xc, w, ids, flat, 10.0, path="tiled", k_split=split, **tiles))
+    assert got.abs().max() == 0  # the split sums cancel exactly
+    one = moe_mod.moe_experts(xc, w, ids, flat, 10.0, path="tiled", **tiles)
+    assert one.abs().min() > 0, "one pass over K keeps the small values"
+
+
+def weight_const(fmt: str, n: int, k: int):
+    """A weight whose rows are constant along K (0.5, 1, 2 by row), exact in `fmt`."""
+    w = torch.exp2(torch.arange(n).remainder(3).float() - 1).unsqueeze(1).expand(n, k).contiguous()
+    return quant.fp8_block_quant(w) if fmt == "fp8" else quant.fp4_weight_quant(w)
 
 
 @pytest.mark.parametrize("dev", DEVICES)

@@ -73,6 +73,11 @@ LINEAR_SPLIT = {"cuda": dict(programs=528, min_steps=2, parallel_tiles=264),
                 "interp": dict(programs=8, min_steps=2, parallel_tiles=4)}
 MOE_TILES = {"cuda": dict(bm=64, bn_up=32, bn_down=128, bk=64, num_warps=4, num_stages=3),
              "interp": dict(bm=16, bn_up=32, bn_down=32, bk=64)}
+# The experts' K splits, by the expert shape alone (as LINEAR_SPLIT: about `programs` programs per
+# expert over its column tiles, slices of at least `min_steps` BK steps); the slices run as
+# programs of their own up to `parallel_rows` routed rows (decode), else inside each program.
+MOE_SPLIT = {"cuda": dict(programs=256, min_steps=2, parallel_rows=512),
+             "interp": dict(programs=32, min_steps=2, parallel_rows=8)}
 # (BLOCK_T, BLOCK_E, BLOCK_K, warps, K slices)
 ROUTE_TILES = {"cuda": (64, 32, 128, 4, 1), "interp": (16, 16, 64, 4, 1)}
 
@@ -92,10 +97,7 @@ def _key(device: torch.device) -> str:
 
 def linear_slices(n: int, k: int, key: str) -> int:
     """The invariant linear's K slice count for an [n, k] weight (`LINEAR_SPLIT`; no row count)."""
-    tiles, split = LINEAR_TILES[key], LINEAR_SPLIT[key]
-    k_steps = -(-k // tiles["bk"])
-    want = -(-split["programs"] // -(-n // tiles["bn"]))
-    return max(1, min(want, k_steps // split["min_steps"]))
+    return _slices(k, n, LINEAR_TILES[key]["bn"], LINEAR_TILES[key]["bk"], LINEAR_SPLIT[key])
 
 
 def linear_serial(m: int, n: int, key: str) -> bool:
@@ -130,12 +132,29 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.stack(parts, 1).reshape(t, -1)
 
 
+def _slices(k: int, cols: int, bn: int, bk: int, split: dict) -> int:
+    """K slices for a product of K = k over `cols` output columns in tiles of bn (`split`:
+    programs, min_steps)."""
+    return max(1, min(-(-split["programs"] // -(-cols // bn)), -(-k // bk) // split["min_steps"]))
+
+
+def moe_slices(inter: int, d: int, key: str) -> tuple[int, int]:
+    """The invariant experts' (gate/up, down) K slice counts for experts of intermediate width
+    `inter` on hidden width `d` (`MOE_SPLIT`; no token count)."""
+    tiles, split = MOE_TILES[key], MOE_SPLIT[key]
+    return (_slices(d, inter, tiles["bn_up"], tiles["bk"], split), _slices(inter, d, tiles["bn_down"], tiles["bk"], split))
+
+
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: list, limit: float,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`ops.moe_experts`, batch-invariant: the tiled gate/up and down kernels with fixed tiles for
-    every token count (no GEMV, no bf16-scratch grouped path)."""
+    """`ops.moe_experts`, batch-invariant: the tiled gate/up and down kernels with fixed tiles and
+    K splits set by the expert shape (`moe_slices`) for every token count (no GEMV, no
+    bf16-scratch grouped path)."""
+    key = _key(x.device)
+    inter = experts[0][0][0].shape[0]
     return moe_mod.moe_experts(x, weights, ids, experts, limit, out_dtype, path="tiled",
-                               **MOE_TILES[_key(x.device)])
+                               k_split=moe_slices(inter, x.shape[1], key),
+                               serial=ids.numel() > MOE_SPLIT[key]["parallel_rows"], **MOE_TILES[key])
 
 
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
