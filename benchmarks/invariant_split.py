@@ -1,0 +1,132 @@
+"""The batch-invariant mode's decode step with and without its K splits (DSV41_BATCH_INVARIANT=1,
+npu_ops/triton/batch_invariant.py), beside the default mode, in one process.
+
+For each mode -- `default`, `invariant-1` (every invariant linear / expert kernel with one K
+slice: the mode before its splits) and `invariant` (the K splits set by the weight shapes) -- a
+fresh engine captures the decode graphs, `--batches` sequences of `--ctx` positions are placed in
+the caches (random pool content, as benchmarks/e2e.py), and the graph step is timed per batch
+size. In the invariant modes, row 0 of the largest batch's logits must equal the one-row step's
+bit for bit (the same sequence decoded beside other rows). `--profile` lists the top kernels of
+the one-row graph replay per mode (torch.profiler).
+
+    python benchmarks/invariant_split.py --preset mini --ctx 4096 --batches 1,64 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import sys
+from collections import Counter
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e import Clock, decode_batch, fill_sequences, parse_ints, randomise_pool  # noqa: E402
+
+from dsv41.backends import registry  # noqa: E402
+from dsv41.core.config import preset  # noqa: E402
+from dsv41.core.engine import Engine  # noqa: E402
+from dsv41.core.weights import build_model  # noqa: E402
+from dsv41.graphs import decode as decode_graphs  # noqa: E402
+from dsv41.npu_ops.triton import batch_invariant as bi  # noqa: E402
+
+MODES = ("default", "invariant-1", "invariant")
+
+
+@contextlib.contextmanager
+def one_slice():
+    """The invariant linear and experts with one K slice each (the split tables' program target
+    set to 1), restored after."""
+    saved = [(t, dict(t["cuda"])) for t in (bi.LINEAR_SPLIT, bi.MOE_SPLIT)]
+    try:
+        for t, _ in saved:
+            t["cuda"]["programs"] = 1
+        yield
+    finally:
+        for t, old in saved:
+            t["cuda"] = old
+
+
+def kernel_times(run, reps: int) -> Counter:
+    """Device microseconds per call of `run` by kernel name (torch.profiler, `reps` calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+    out = Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.name[:70]] += e.device_time / reps
+    return out
+
+
+def run_mode(model, mode: str, args, clock: Clock) -> list[str]:
+    """Timing lines (and the bitwise check, the profile) for one mode."""
+    lines = []
+    with contextlib.ExitStack() as stack:
+        if mode != "default":
+            stack.enter_context(registry.batch_invariant_mode())
+        if mode == "invariant-1":
+            stack.enter_context(one_slice())
+        bmax = max(args.batches)
+        engine = Engine(model, max_batch=bmax, graphs=True, max_model_len=args.ctx + 64, block_size=16,
+                        max_tokens_per_step=256)
+        seqs = fill_sequences(engine, bmax, args.ctx, torch.Generator().manual_seed(args.seed))
+        randomise_pool(engine.pool, args.seed)
+        first_row = {}
+        for b in args.batches:
+            batch = decode_batch(engine, seqs[:b])
+            graph = lambda: engine.graphs.run(batch)  # noqa: E731
+            first_row[b] = graph()[0].float().clone()
+            t = clock.per_call(graph, args.reps)
+            lines.append(f"| {mode} | {b} | {args.ctx} | {t * 1e3:.3f} |")
+            print(lines[-1], flush=True)
+            if args.profile and b == min(args.batches):
+                top = kernel_times(graph, 5)
+                print(f"  {mode} b={b}: kernels {sum(top.values()):.1f} us per step; top:", flush=True)
+                for name, us in top.most_common(14):
+                    print(f"    {us:8.1f} {name}", flush=True)
+        if mode != "default" and len(first_row) > 1:
+            same = torch.equal(first_row[min(args.batches)], first_row[bmax])
+            print(f"  {mode}: row 0 of batch {bmax} == the one-row step bit for bit: {same}", flush=True)
+            if not same:
+                lines.append(f"FAILED: {mode}: row 0 differs between batch {min(args.batches)} and {bmax}")
+        for s in seqs:
+            engine.finish(s)
+        del engine, seqs
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="mini")
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--batches", type=parse_ints, default=[1, 64])
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    modes = args.modes.split(",")
+    if set(modes) - set(MODES):
+        raise SystemExit(f"--modes: unknown {sorted(set(modes) - set(MODES))} (choose from {', '.join(MODES)})")
+    dev = torch.device("cuda")
+    clock = Clock(dev)
+    model = build_model(preset(args.preset), seed=args.seed, device=dev, with_drafter=False, draw_device=dev)
+    decode_graphs.BUCKETS = tuple(sorted(set(args.batches)))
+    print(f"{torch.cuda.get_device_name(dev)}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+          f"{args.preset}, graph step (ms)\n| mode | batch | context | graph step ms |\n|---|---|---|---|", flush=True)
+    lines = []
+    for mode in modes:
+        lines += run_mode(model, mode, args, clock)
+    failed = [x for x in lines if x.startswith("FAILED")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
