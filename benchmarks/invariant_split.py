@@ -17,8 +17,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import os
 import sys
+import tempfile
 from collections import Counter
 
 import torch
@@ -51,17 +53,22 @@ def one_slice():
 
 
 def kernel_times(run, reps: int) -> Counter:
-    """Device microseconds per call of `run` by kernel name (torch.profiler, `reps` calls)."""
+    """Device microseconds per call of `run` by kernel name (torch.profiler's trace, `reps` calls)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             run()
         torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
     out = Counter()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            out[e.name[:70]] += e.device_time / reps
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            out[e["name"][:70]] += e.get("dur", 0) / reps
     return out
 
 
