@@ -27,6 +27,7 @@ from dsv41.deploy.device_numerics import greedy_self_consistency
 from dsv41.npu_ops.triton import batch_invariant as bi
 from dsv41.npu_ops.triton import block_linear
 from dsv41.npu_ops.triton import moe_experts as moe_mod
+from dsv41.npu_ops.triton import sparse_attention as attn_mod
 from dsv41.npu_ops.triton.launch import interpreting
 
 interp_only = pytest.mark.skipif(not interpreting(), reason="interpreter variant (TRITON_INTERPRET=1)")
@@ -147,7 +148,7 @@ def test_moe_experts_row_alone_equals_batch(invariant, dev, rng):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])  # (FP4 experts take the fold path: the next test)
 def test_moe_k_split_is_the_same_for_every_token_count(invariant, dev, fmt, rng, monkeypatch):
     """As the linear's split test, for both expert kernels: the slices as programs at one token,
     inside each program at t tokens (the row threshold set between them), row alone = row in
@@ -158,14 +159,14 @@ def test_moe_k_split_is_the_same_for_every_token_count(invariant, dev, fmt, rng,
     split = bi.moe_slices(inter, d, key)
     assert min(split) > 1
     monkeypatch.setitem(bi.MOE_SPLIT[key], "parallel_rows", topk)
-    x = wide(rng, t, d)
+    x = torch.randn(t, d, generator=rng).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(n_exp, generator=rng)[:topk] for _ in range(t)])
     w = torch.rand(t, topk, generator=rng) + 0.1
     ex = experts_in(fmt, n_exp, d, inter, rng)
     with numerics("official"):  # the kernels round where the official expert does
         want = moe.moe_experts(x, w, ids, ex, 10.0, torch.float64)
     x, w, ids = on(dev, x, w, ids)
-    ex = [tuple((a.to(dev), b.to(dev)) for a, b in e) for e in ex]
+    ex = [tuple((a.to(dev), None if b is None else b.to(dev)) for a, b in e) for e in ex]
     call = lambda a, b, c: ops.moe_experts(a, b, c, ex, 10.0)  # noqa: E731
     rows_alone_equal_batch(call, (x, w, ids), lambda i: (x[i:i + 1], w[i:i + 1], ids[i:i + 1]), (0, t // 2, t - 1))
     full = call(x, w, ids)
@@ -175,16 +176,16 @@ def test_moe_k_split_is_the_same_for_every_token_count(invariant, dev, fmt, rng,
     assert torch.equal(parallel, full), "the split launch differs from the in-program slices"
     # The experts round their sums to bf16 (official mode), which hides most fp32 order changes:
     # rows that cancel across the gate/up slice boundary (+L in the first slice, -L in the second,
-    # small values beside them, w1 = w3 constant along K) sum to 0 split and to the small values'
-    # sum in one pass, so there the split shows in the output.
+    # small values beside them, nothing in later slices, w1 = w3 constant along K) sum to 0 split
+    # and to the second slice's small values in one pass, so there the split shows in the output.
     kps = moe_mod._k_slices(d, tiles["bk"], split[0])[1]
     xc = torch.zeros(t, d)
     xc[:, 32:kps] = torch.rand(t, kps - 32, generator=rng) + 0.5
-    xc[:, kps + 32:] = torch.rand(t, d - kps - 32, generator=rng) + 0.5
+    xc[:, kps + 32:2 * kps] = torch.rand(t, kps - 32, generator=rng) + 0.5
     xc[:, 0], xc[:, kps] = 2.0 ** 40, -2.0 ** 40  # fp32 spacing there: 2^17
     flat = [(weight_const(fmt, inter, d), weight_const(fmt, d, inter), weight_const(fmt, inter, d))
             for _ in range(n_exp)]
-    flat = [tuple((a.to(dev), b.to(dev)) for a, b in e) for e in flat]
+    flat = [tuple((a.to(dev), None if b is None else b.to(dev)) for a, b in e) for e in flat]
     xc, = on(dev, xc.to(torch.bfloat16))
     got = ops.moe_experts(xc, w, ids, flat, 10.0)
     assert torch.equal(got, moe_mod.moe_experts(xc, w, ids, flat, 10.0, path="tiled", k_split=split, **tiles))
@@ -196,7 +197,32 @@ def test_moe_k_split_is_the_same_for_every_token_count(invariant, dev, fmt, rng,
 def weight_const(fmt: str, n: int, k: int):
     """A weight whose rows are constant along K (0.5, 1, 2 by row), exact in `fmt`."""
     w = torch.exp2(torch.arange(n).remainder(3).float() - 1).unsqueeze(1).expand(n, k).contiguous()
+    if fmt == "bf16":
+        return w.to(torch.bfloat16), None
     return quant.fp8_block_quant(w) if fmt == "fp8" else quant.fp4_weight_quant(w)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_moe_fp4_fold_path_row_alone_equals_batch(invariant, dev, rng):
+    """FP4 experts the folded kernels take run there with one tile table for every token count:
+    a token alone equals it among 37 (several row tiles per expert), and the result is the
+    reference's within the MoE kernels' bound."""
+    key = _key(dev)
+    t, n_exp, topk = 37, 4, 3
+    d, inter = (1024, 512) if key == "cuda" else (128, 128)
+    x = torch.randn(t, d, generator=rng).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(n_exp, generator=rng)[:topk] for _ in range(t)])
+    w = torch.rand(t, topk, generator=rng) + 0.1
+    ex = experts_in("fp4", n_exp, d, inter, rng)
+    with numerics("official"):
+        want = moe.moe_experts(x, w, ids, ex, 10.0, torch.float64)
+    x, w, ids = on(dev, x, w, ids)
+    ex = [tuple((a.to(dev), b.to(dev)) for a, b in e) for e in ex]
+    moe_mod._expert_table(ex, x.device)
+    assert moe_mod.foldable(ex)  # the fold branch is the one taken
+    call = lambda a, b, c: ops.moe_experts(a, b, c, ex, 10.0)  # noqa: E731
+    rows_alone_equal_batch(call, (x, w, ids), lambda i: (x[i:i + 1], w[i:i + 1], ids[i:i + 1]), (0, 18, 36))
+    assert rel_err(call(x, w, ids), want) < 1e-4
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -226,15 +252,25 @@ def test_mhc_row_alone_equals_batch(invariant, dev, rng):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-def test_sparse_attention_query_alone_equals_batch(invariant, dev, rng):
+def test_sparse_attention_query_alone_equals_batch(invariant, dev, rng, monkeypatch):
     q, swa_kv, swa_scale, win, glob_kv, glob_scale, glob_idx, sink = on(dev, *attention_inputs(rng, 37, 16, 64, 24,
                                                                                                64, 20))
 
     def run(qq, ww, gg):
         return ops.sparse_attention(qq, swa_kv, swa_scale, ww, glob_kv, glob_scale, gg, sink, 0.125)
 
+    key = _key(dev)
+    assert bi.attention_splits(win.shape[1], glob_idx.shape[1], key) > 1
     rows_alone_equal_batch(run, (q, win, glob_idx), lambda i: (q[i:i + 1], win[i:i + 1], glob_idx[i:i + 1]),
                            (0, 5, 36))
+    full = run(q, win, glob_idx)
+    monkeypatch.setitem(bi.ATTN_SPLIT[key], "partial_bytes", 1)  # one query per launch
+    assert torch.equal(run(q[:9], win[:9], glob_idx[:9]), full[:9]), "query chunks differ from one launch"
+    # the split shows in the bits: one split per query (a query-count-dependent split) differs
+    cfg = {a: b for a, b in attn_mod.CONFIGS[key].items() if a != "min_blocks_per_split"}
+    one = attn_mod.sparse_attention_launch(q, swa_kv, swa_scale, win, glob_kv, glob_scale, glob_idx, sink, 0.125,
+                                           n_split=1, **cfg)
+    assert not torch.equal(one, full), "one split gives the same bits: these inputs cannot show the split"
 
 
 @pytest.mark.parametrize("dev", DEVICES)

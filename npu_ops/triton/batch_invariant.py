@@ -57,7 +57,9 @@ from . import mhc_mixes as mhc_mixes_mod
 from . import moe_experts as moe_mod
 from . import moe_route as route_mod
 from . import sparse_attention as attn_mod
+from .block_scaled import W_FP4
 from .launch import interpreting
+from .moe_fold import fold_fits
 
 # One tile configuration per op for every row count (compiled CUDA / the interpreter).
 # CUDA tiles are tables the default path already compiles and runs (linear: the decode table at
@@ -78,6 +80,17 @@ MOE_TILES = {"cuda": dict(bm=64, bn_up=32, bn_down=128, bk=64, num_warps=4, num_
 # programs of their own up to `parallel_rows` routed rows (decode), else inside each program.
 MOE_SPLIT = {"cuda": dict(programs=256, min_steps=2, parallel_rows=512),
              "interp": dict(programs=32, min_steps=2, parallel_rows=8)}
+# FP4 experts the folded kernels take (moe_fold): their one-token tiles with a 16-row tile for
+# every token count (a row is one column of the weight-left dot, so its sums do not depend on the
+# rows beside it; more rows loop over row tiles) and one K slice.
+MOE_FOLD_TILES = {"cuda": dict(rb=16, bn_up=64, bn_down=64, bk=128, split=1, w_left=True, num_warps=4,
+                               num_stages=3),
+                  "interp": dict(rb=16, bn_up=32, bn_down=32, bk=128, split=1, w_left=True)}
+# sparse_attention: each query's entry blocks (window blocks, then selected blocks) in splits of
+# `blocks` blocks whatever the query count (flash-decoding; the splits merged in a fixed order by
+# the combine kernel); the queries go in chunks whose split partials stay under
+# `partial_bytes` (prefill), each query computed alike in any chunk.
+ATTN_SPLIT = {"cuda": dict(blocks=1, partial_bytes=1 << 29), "interp": dict(blocks=1, partial_bytes=1 << 20)}
 # (BLOCK_T, BLOCK_E, BLOCK_K, warps, K slices)
 ROUTE_TILES = {"cuda": (64, 32, 128, 4, 1), "interp": (16, 16, 64, 4, 1)}
 
@@ -147,11 +160,17 @@ def moe_slices(inter: int, d: int, key: str) -> tuple[int, int]:
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: list, limit: float,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`ops.moe_experts`, batch-invariant: the tiled gate/up and down kernels with fixed tiles and
-    K splits set by the expert shape (`moe_slices`) for every token count (no GEMV, no
-    bf16-scratch grouped path)."""
+    """`ops.moe_experts`, batch-invariant: FP4 experts the folded kernels take go there with
+    `MOE_FOLD_TILES` for every token count; the others take the tiled gate/up and down kernels
+    with fixed tiles and K splits set by the expert shape (`moe_slices`) for every token count
+    (no GEMV, no bf16-scratch grouped path)."""
     key = _key(x.device)
     inter = experts[0][0][0].shape[0]
+    fold = MOE_FOLD_TILES[key]
+    if x.shape[0] and moe_mod._expert_table(experts, x.device)[3] == W_FP4 and moe_mod.foldable(experts) \
+            and fold_fits(inter, x.shape[1], fold["bn_up"], fold["bn_down"], fold["bk"], fold["split"]):
+        return moe_mod.moe_experts(x, weights, ids, experts, limit, out_dtype, path="fold", bm=fold["rb"],
+                                   **{k: v for k, v in fold.items() if k != "rb"})
     return moe_mod.moe_experts(x, weights, ids, experts, limit, out_dtype, path="tiled",
                                k_split=moe_slices(inter, x.shape[1], key),
                                serial=ids.numel() > MOE_SPLIT[key]["parallel_rows"], **MOE_TILES[key])
@@ -180,14 +199,31 @@ def mhc_mixes(x, fn, scale, base, norm_eps, hc_eps, iters):
     return mhc_mixes_mod.mhc_mixes(x, fn, scale, base, norm_eps, hc_eps, iters, d_split=_mhc_d_split(x))
 
 
+def attention_splits(win_width: int, glob_width: int, key: str) -> int:
+    """Entry-block splits per query for index rows of these widths (`ATTN_SPLIT`; no query count)."""
+    bn = attn_mod.CONFIGS[key]["BLOCK_N"]
+    return max(1, -(-(-(-win_width // bn) + -(-glob_width // bn)) // ATTN_SPLIT[key]["blocks"]))
+
+
 def sparse_attention(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink, softmax_scale):
-    """`ops.sparse_attention`, batch-invariant: the main tile table (never the decode one) and one
-    split per query, so each query reduces over its entries in the same block order alone or in
-    a prefill chunk."""
-    cfg = dict(attn_mod.CONFIGS[attn_mod._backend_key(q.device)])
+    """`ops.sparse_attention`, batch-invariant: the main tile table (never the decode one) and
+    the entry-block splits of `attention_splits` for every query count, so each query reduces
+    over its entries in the same blocks, splits and merge order alone or in a prefill chunk
+    (queries chunked to bound the partials)."""
+    key = attn_mod._backend_key(q.device)
+    cfg = dict(attn_mod.CONFIGS[key])
     cfg.pop("min_blocks_per_split", None)
-    return attn_mod.sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx,
-                                              sink, softmax_scale, n_split=1, **cfg)
+    k = glob_idx.shape[-1] if glob_idx is not None else 0
+    n_split = attention_splits(win_idx.shape[-1], k, key)
+    t, h, d = q.shape
+    per = max(1, ATTN_SPLIT[key]["partial_bytes"] // (n_split * h * (d + 2) * 4)) if n_split > 1 else max(t, 1)
+    parts = []
+    for a in range(0, t, per):
+        sl = slice(a, a + per)
+        parts.append(attn_mod.sparse_attention_launch(q[sl], swa_kv, swa_scale, win_idx[sl], glob_kv, glob_scale,
+                                                      None if glob_idx is None else glob_idx[sl], sink,
+                                                      softmax_scale, n_split=n_split, **cfg))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def indexer_topk(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, topk,
