@@ -7,7 +7,8 @@ fresh engine captures the decode graphs, `--batches` sequences of `--ctx` positi
 the caches (random pool content, as benchmarks/e2e.py), and the graph step is timed per batch
 size. In the invariant modes, row 0 of the largest batch's logits must equal the one-row step's
 bit for bit (the same sequence decoded beside other rows). `--profile` lists the top kernels of
-the one-row graph replay per mode (torch.profiler).
+the one-row graph replay per mode (torch.profiler). An invariant mode may carry overrides of the
+invariant linear's CUDA tile table: `invariant:bm=16,group_m=8`.
 
     python benchmarks/invariant_split.py --preset mini --ctx 4096 --batches 1,64 --profile
 """
@@ -36,6 +37,21 @@ from dsv41.graphs import decode as decode_graphs  # noqa: E402
 from dsv41.npu_ops.triton import batch_invariant as bi  # noqa: E402
 
 MODES = ("default", "invariant-1", "invariant")
+
+
+@contextlib.contextmanager
+def linear_tiles(spec: str):
+    """The invariant linear's CUDA tiles with "key=value,..." overrides, restored after."""
+    saved = dict(bi.LINEAR_TILES["cuda"])
+    try:
+        for item in filter(None, spec.split(",")):
+            k, _, v = item.partition("=")
+            if k not in saved or not v.isdigit():
+                raise SystemExit(f"linear tile override {item!r}: keys {', '.join(saved)}, integer values")
+            bi.LINEAR_TILES["cuda"][k] = int(v)
+        yield
+    finally:
+        bi.LINEAR_TILES["cuda"] = saved
 
 
 @contextlib.contextmanager
@@ -75,10 +91,12 @@ def kernel_times(run, reps: int) -> Counter:
 def run_mode(model, mode: str, args, clock: Clock) -> list[str]:
     """Timing lines (and the bitwise check, the profile) for one mode."""
     lines = []
+    kind, _, tiles = mode.partition(":")
     with contextlib.ExitStack() as stack:
-        if mode != "default":
+        if kind != "default":
             stack.enter_context(registry.batch_invariant_mode())
-        if mode == "invariant-1":
+            stack.enter_context(linear_tiles(tiles))
+        if kind == "invariant-1":
             stack.enter_context(one_slice())
         bmax = max(args.batches)
         engine = Engine(model, max_batch=bmax, graphs=True, max_model_len=args.ctx + 64, block_size=16,
@@ -98,7 +116,7 @@ def run_mode(model, mode: str, args, clock: Clock) -> list[str]:
                 print(f"  {mode} b={b}: kernels {sum(top.values()):.1f} us per step; top:", flush=True)
                 for name, us in top.most_common(14):
                     print(f"    {us:8.1f} {name}", flush=True)
-        if mode != "default" and len(first_row) > 1:
+        if kind != "default" and len(first_row) > 1:
             same = torch.equal(first_row[min(args.batches)], first_row[bmax])
             print(f"  {mode}: row 0 of batch {bmax} == the one-row step bit for bit: {same}", flush=True)
             if not same:
@@ -120,8 +138,9 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     modes = args.modes.split(",")
-    if set(modes) - set(MODES):
-        raise SystemExit(f"--modes: unknown {sorted(set(modes) - set(MODES))} (choose from {', '.join(MODES)})")
+    bad = [m for m in modes if m.partition(":")[0] not in MODES or (m.startswith("default:"))]
+    if bad:
+        raise SystemExit(f"--modes: unknown {bad} (choose from {', '.join(MODES)}; tiles only on invariant modes)")
     dev = torch.device("cuda")
     clock = Clock(dev)
     model = build_model(preset(args.preset), seed=args.seed, device=dev, with_drafter=False, draw_device=dev)

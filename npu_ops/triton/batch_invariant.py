@@ -185,8 +185,17 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
                                image_bias=image_bias, is_image=is_image, _cfg=ROUTE_TILES[_key(x.device)])
 
 
+# mHC: the d chunks per token tile, by the width alone: MHC_CHUNK columns each on CUDA (40 chunks at
+# d = 5120: a one-token call still spreads over the SMs), at least the table's split elsewhere.
+MHC_CHUNK = {"cuda": 128, "interp": None}
+
+
 def _mhc_d_split(x: torch.Tensor) -> int:
-    return mega_mhc.TILES["cuda" if _key(x.device) == "cuda" else "default"]["d_split"]
+    """The mHC kernels' d chunks for x [T, streams, d]: set by d alone (`MHC_CHUNK`)."""
+    key = _key(x.device)
+    table = mega_mhc.TILES["cuda" if key == "cuda" else "default"]["d_split"]
+    chunk = MHC_CHUNK[key]
+    return table if chunk is None else max(table, -(-x.shape[-1] // chunk))
 
 
 def mhc_mix(x, y, post, comb, pre, fn, scale, base, norm_eps, hc_eps, iters):
