@@ -8,7 +8,7 @@ the caches (random pool content, as benchmarks/e2e.py), and the graph step is ti
 size. In the invariant modes, row 0 of the largest batch's logits must equal the one-row step's
 bit for bit (the same sequence decoded beside other rows). `--profile` lists the top kernels of
 the one-row graph replay per mode (torch.profiler). An invariant mode may carry overrides of the
-invariant linear's CUDA tile table: `invariant:bm=16,group_m=8`.
+invariant linear's CUDA tile table: `invariant:bm=16+group_m=8`.
 
     python benchmarks/invariant_split.py --preset mini --ctx 4096 --batches 1,64 --profile
 """
@@ -41,10 +41,10 @@ MODES = ("default", "invariant-1", "invariant")
 
 @contextlib.contextmanager
 def linear_tiles(spec: str):
-    """The invariant linear's CUDA tiles with "key=value,..." overrides, restored after."""
+    """The invariant linear's CUDA tiles with "key=value+..." overrides, restored after."""
     saved = dict(bi.LINEAR_TILES["cuda"])
     try:
-        for item in filter(None, spec.split(",")):
+        for item in filter(None, spec.split("+")):
             k, _, v = item.partition("=")
             if k not in saved or not v.isdigit():
                 raise SystemExit(f"linear tile override {item!r}: keys {', '.join(saved)}, integer values")
