@@ -1,8 +1,9 @@
 """The batch-invariant mode's decode step with and without its K splits (DSV41_BATCH_INVARIANT=1,
 npu_ops/triton/batch_invariant.py), beside the default mode, in one process.
 
-For each mode -- `default`, `invariant-1` (every invariant linear / expert kernel with one K
-slice: the mode before its splits) and `invariant` (the K splits set by the weight shapes) -- a
+For each mode -- `default`, `invariant-1` (the mode before its splits: one K slice per linear and
+expert kernel, no fold path for the experts, one split per attention query, the mHC table's d
+split) and `invariant` (the splits set by the shapes) -- a
 fresh engine captures the decode graphs, `--batches` sequences of `--ctx` positions are placed in
 the caches (random pool content, as benchmarks/e2e.py), and the graph step is timed per batch
 size. In the invariant modes, row 0 of the largest batch's logits must equal the one-row step's
@@ -56,12 +57,16 @@ def linear_tiles(spec: str):
 
 @contextlib.contextmanager
 def one_slice():
-    """The invariant linear and experts with one K slice each (the split tables' program target
-    set to 1), restored after."""
-    saved = [(t, dict(t["cuda"])) for t in (bi.LINEAR_SPLIT, bi.MOE_SPLIT)]
+    """The invariant ops without their splits (the mode as it was before them): the linear and the
+    tiled experts with one K slice (the split tables' program target 1), every expert on the tiled
+    kernels, one entry-block split per attention query, the mHC table's d split; restored after."""
+    tables = (bi.LINEAR_SPLIT, bi.MOE_SPLIT, bi.ATTN_SPLIT, bi.MOE_FOLD_TILES, bi.MHC_CHUNK)
+    saved = [(t, t["cuda"]) for t in tables]
     try:
-        for t, _ in saved:
-            t["cuda"]["programs"] = 1
+        bi.LINEAR_SPLIT["cuda"] = dict(bi.LINEAR_SPLIT["cuda"], programs=1)
+        bi.MOE_SPLIT["cuda"] = dict(bi.MOE_SPLIT["cuda"], programs=1)
+        bi.ATTN_SPLIT["cuda"] = dict(bi.ATTN_SPLIT["cuda"], blocks=1 << 30)
+        bi.MOE_FOLD_TILES["cuda"] = bi.MHC_CHUNK["cuda"] = None
         yield
     finally:
         for t, old in saved:

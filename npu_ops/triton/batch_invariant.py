@@ -7,17 +7,31 @@ chunk of thousands), and greedy decode equals the prefill's argmax at every posi
 default kernels choose their kernel, tiles and K split by the row count (decode is weight-read
 bound and splits K over every SM; prefill takes bigger tiles or cuBLAS), and each choice sums a
 row's products in another order. Here each op takes ONE kernel with ONE tile configuration for
-every row count, no split-K, no cuBLAS (whose algorithm depends on M), and the reduction order
-of a row's dot products is the kernel's fixed K loop. Slower than the default; graph-capturable
-(no host sync, no data-dependent shapes). The same idea as vLLM's VLLM_BATCH_INVARIANT.
+every row count, no cuBLAS (whose algorithm depends on M), and the reduction order of a row's
+dot products is fixed by the weight's (or index row's) shape alone. Slower than the default;
+graph-capturable (no host sync, no data-dependent shapes). The same idea as vLLM's
+VLLM_BATCH_INVARIANT.
+
+Splits set by shapes, never by the row count: a one-row decode step with one program per output
+tile would leave most SMs idle (a 1280-wide output in 64-column tiles is 20 programs on 132
+SMs), so the linear, the tiled experts and sparse attention cut a row's reduction into fixed
+slices: K slices of whole BK steps whose count follows from (N, K) (`LINEAR_SPLIT`, `MOE_SPLIT`),
+entry-block splits whose count follows from the index widths (`ATTN_SPLIT`). Each slice is
+summed from zero by the same tiled loop and the slices are added in slice order (the combine
+kernels / the tile's last program: fixed order, no atomics on data). How the slices run may
+depend on the row count, since it does not change a bit: as programs of their own with fp32
+partials (decode) or, for many rows, in turn inside each tile's program with the same adds
+(`SERIAL`: no partials, so prefill pays no partial traffic); attention chunks long query
+ranges so that the partials stay bounded.
 
 Where the default path depends on the row count M (T tokens), and what this module does:
 - `linear` (block_linear.py): FP8 weights take the fold kernel at M <= 64 (split-K by the SM
   count) and the tiled kernel above; FP4 weights the GEMV kernel at M = 1; the tiled kernel's
   tiles (BM 16/32/64 vs 128, GROUP_M) and split-K depend on M; scaled weights go to cuBLAS on a
   bf16 dequantised weight at M >= 1024; bf16 -> bf16 and the head's bf16 -> fp32 logits (M >= 2)
-  go to cuBLAS. Here: the tiled kernel, fixed BM / BN / BK / GROUP_M / warps / stages, split 1,
-  for every weight format and M. (W8A8 int8 stays on torch._int_mm: exact int32 sums.)
+  go to cuBLAS. Here: the tiled kernel, fixed BM / BN / BK / GROUP_M / warps / stages and the K
+  slices of `linear_slices(N, K)`, for every weight format and M. (W8A8 int8 stays on
+  torch._int_mm: exact int32 sums.)
 - `grouped_linear` (cuda.py, torch.bmm / cuBLAS): here one invariant `linear` per group.
 - `unrope_grouped_linear` (fused GEMV up to 8 tokens, the composition above): here the
   composition (rope inverse, then the invariant grouped_linear) at every T.
@@ -25,17 +39,21 @@ Where the default path depends on the row count M (T tokens), and what this modu
   d split depends on T): here the compositions over the invariant `mhc_mix` / `mhc_mixes`.
 - `moe_experts` (moe_experts.py): GEMV at T <= 4 (FP4) / 1 (FP8), the tiled kernels with
   decode or prefill tiles (BM by rows per expert), the bf16-scratch grouped path for prefill FP4.
-  Here: the tiled kernels with fixed tiles (row-tile slots only spread work; a row's K loop is
-  whole in one program).
+  Here: FP4 experts the folded kernels take (moe_fold.py; scale bytes and widths permitting) run
+  there with one tile table and a 16-row tile for every T (a row is one column of the
+  weight-left dot; more rows loop over row tiles); other experts (the FP8 shared expert) take the
+  tiled kernels with fixed tiles and the gate/up and down K slices of `moe_slices` (row-tile
+  slots only spread work).
 - `moe_route` (moe_route.py): BLOCK_T / BLOCK_E by T and K splits below 32 tiles. Here fixed
   tiles, one K slice.
 - `mhc_mix` (mega_mhc.py) and `mhc_mixes` (mhc_mixes.py): the d chunks per token tile (whose
   partial sums are added in the coefficient epilogue) grow when few token tiles would leave SMs
-  idle. Here the table's fixed d split.
+  idle. Here a d split set by d alone (`MHC_CHUNK`).
 - `sparse_attention` (sparse_attention.py): the decode tile table (128-channel blocks) at
   T <= 16, and flash-decoding splits of a query's entry blocks chosen by the tile count
-  (merged by `_combine_kernel`). Here the main table and one split: a query reduces its window
-  then its selected entries in block order, whatever else is in the launch.
+  (merged by `_combine_kernel`). Here the main table and `attention_splits` splits of a query's
+  window-then-selected entry blocks, set by the index widths: a query reduces the same blocks
+  in the same splits and merge order, whatever else is in the launch.
 - `indexer_topk` (indexer_topk.py): queries per tile (BLOCK_T by T) and entry block width, i.e.
   the MMA's M and the head sum's shape. Here one query per tile with its heads padded to at
   least 16 (M = max(heads, 16)), which the per-query path of mixed sequences uses as well. Query
@@ -82,7 +100,7 @@ MOE_SPLIT = {"cuda": dict(programs=256, min_steps=2, parallel_rows=512),
              "interp": dict(programs=32, min_steps=2, parallel_rows=8)}
 # FP4 experts the folded kernels take (moe_fold): their one-token tiles with a 16-row tile for
 # every token count (a row is one column of the weight-left dot, so its sums do not depend on the
-# rows beside it; more rows loop over row tiles) and one K slice.
+# rows beside it; more rows loop over row tiles) and one K slice. None: every expert on the tiled kernels.
 MOE_FOLD_TILES = {"cuda": dict(rb=16, bn_up=64, bn_down=64, bk=128, split=1, w_left=True, num_warps=4,
                                num_stages=3),
                   "interp": dict(rb=16, bn_up=32, bn_down=32, bk=128, split=1, w_left=True)}
@@ -167,7 +185,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     key = _key(x.device)
     inter = experts[0][0][0].shape[0]
     fold = MOE_FOLD_TILES[key]
-    if x.shape[0] and moe_mod._expert_table(experts, x.device)[3] == W_FP4 and moe_mod.foldable(experts) \
+    if fold is not None and x.shape[0] and moe_mod._expert_table(experts, x.device)[3] == W_FP4 \
+            and moe_mod.foldable(experts) \
             and fold_fits(inter, x.shape[1], fold["bn_up"], fold["bn_down"], fold["bk"], fold["split"]):
         return moe_mod.moe_experts(x, weights, ids, experts, limit, out_dtype, path="fold", bm=fold["rb"],
                                    **{k: v for k, v in fold.items() if k != "rb"})
