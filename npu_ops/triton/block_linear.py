@@ -64,10 +64,11 @@ def _store_out(out_ptr, acc, rm, rn, M, N, OUT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _tile_k_range(acc, x_ptr, q_ptr, qs_ptr, w_ptr, s_ptr, rm64, mmask, rn, nmask, k_lo, k_hi, N, K, s_stride,
+def tile_k_range(acc, x_ptr, q_ptr, qs_ptr, w_ptr, s_ptr, rm64, mmask, rn, nmask, k_lo, k_hi, N, K, s_stride,
                   W_KIND: tl.constexpr, A_TERMS: tl.constexpr, LOWP: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr):
-    """acc [BM, BN] + the output tile's products over K range [k_lo, k_hi), BK per step."""
+    """acc [BM, BN] + rows `rm64` of x (or of its FP8 codes q / scales qs) times weight rows `rn`
+    over K range [k_lo, k_hi), BK per step (also the tiled experts' down product)."""
     for k0 in range(k_lo, k_hi, BK):
         if W_KIND == 0:  # plain weight: x as it is, BK-wide dots
             kk = k0 + tl.arange(0, BK)
@@ -110,14 +111,14 @@ def _block_linear_kernel(x_ptr, q_ptr, qs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, 
     if SERIAL:
         tot = tl.zeros((BM, BN), dtype=tl.float32)
         for s0 in range(0, K, k_per_split):
-            part = _tile_k_range(tl.zeros((BM, BN), dtype=tl.float32), x_ptr, q_ptr, qs_ptr, w_ptr, s_ptr, rm64,
+            part = tile_k_range(tl.zeros((BM, BN), dtype=tl.float32), x_ptr, q_ptr, qs_ptr, w_ptr, s_ptr, rm64,
                                  mmask, rn, nmask, s0, tl.minimum(K, s0 + k_per_split), N, K, s_stride, W_KIND,
                                  A_TERMS, LOWP, BN, BK)
             tot += part
         _store_out(out_ptr, tot, rm, rn, M, N, OUT_BF16)
     else:
         k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
-        acc = _tile_k_range(tl.zeros((BM, BN), dtype=tl.float32), x_ptr, q_ptr, qs_ptr, w_ptr, s_ptr, rm64, mmask,
+        acc = tile_k_range(tl.zeros((BM, BN), dtype=tl.float32), x_ptr, q_ptr, qs_ptr, w_ptr, s_ptr, rm64, mmask,
                             rn, nmask, k_lo, k_hi, N, K, s_stride, W_KIND, A_TERMS, LOWP, BN, BK)
         _finish_tile(acc, out_ptr, part_ptr, count_ptr, pid_m * n_n + pid_n, pid_k, rm, rn, M, N, SPLIT_K, OUT_BF16)
 

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.moe import moe_experts as moe_experts_ref  # noqa: F401  (the oracle)
-from .block_linear import DECODE_MAX_M, weight_kind
+from .block_linear import DECODE_MAX_M, tile_k_range, weight_kind
 from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, bf16_round, fp8_code, fp8_exponent, fp8_qdq_groups,
                            gemv_acc, gemv_load_w, load_weight_tile, pow2, scaled_block_step)
 from .fp4_common import split_dot_acc
@@ -170,24 +170,6 @@ def _gate_up_kernel(x_ptr, q_ptr, qs_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base,
 
 
 @triton.jit
-def _down_range(acc, hb_ptr, hq_ptr, hs_ptr, rows64, rmask, w2, s2, rn, nmask, k_lo, k_hi, I, D, s_stride,
-                W_KIND: tl.constexpr, LOWP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """acc [BM, BN] + the h rows' products with w2 over K range [k_lo, k_hi)."""
-    for k0 in range(k_lo, k_hi, BK):
-        if W_KIND == 0:
-            kk = k0 + tl.arange(0, BK)
-            a = tl.load(hb_ptr + rows64[:, None] * I + kk[None, :], mask=rmask[:, None] & (kk[None, :] < k_hi),
-                        other=0.0).to(tl.float32)
-            acc = split_dot_acc(acc, a, tl.trans(load_weight_tile(w2, s2, rn, k0, D, I, s_stride, BN, BK, W_KIND)), 1,
-                                LOWP)
-        else:
-            for kb in tl.static_range(BK // 32):
-                acc = scaled_block_step(acc, hq_ptr, hs_ptr, rows64, rmask, w2, s2, rn, nmask, k0 + kb * 32, k_hi, I,
-                                        s_stride, W_KIND, LOWP)
-    return acc
-
-
-@triton.jit
 def _down_kernel(hb_ptr, hq_ptr, hs_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, y_ptr, part_ptr, count_ptr,
                  R, I, D, s_stride, k_per_split,
                  W_KIND: tl.constexpr, LOWP: tl.constexpr, ALIGN: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -217,12 +199,12 @@ def _down_kernel(hb_ptr, hq_ptr, hs_ptr, perm_ptr, bounds_ptr, w_base, s_base, t
         if SERIAL:
             acc = zero
             for s0 in range(0, I, k_per_split):
-                acc += _down_range(zero, hb_ptr, hq_ptr, hs_ptr, rows64, rmask, w2, s2, rn, nmask, s0,
-                                   tl.minimum(I, s0 + k_per_split), I, D, s_stride, W_KIND, LOWP, BN, BK)
+                acc += tile_k_range(zero, hb_ptr, hq_ptr, hs_ptr, w2, s2, rows64, rmask, rn, nmask, s0,
+                                    tl.minimum(I, s0 + k_per_split), D, I, s_stride, W_KIND, 1, LOWP, BN, BK)
             done = True
         else:
-            acc = _down_range(zero, hb_ptr, hq_ptr, hs_ptr, rows64, rmask, w2, s2, rn, nmask, k_lo, k_hi, I, D,
-                              s_stride, W_KIND, LOWP, BN, BK)
+            acc = tile_k_range(zero, hb_ptr, hq_ptr, hs_ptr, w2, s2, rows64, rmask, rn, nmask, k_lo, k_hi, D, I,
+                               s_stride, W_KIND, 1, LOWP, BN, BK)
             done = True
             if SPLIT_K > 1:
                 offs = rows64[:, None] * D + rn[None, :]
