@@ -126,6 +126,12 @@ def _key(device: torch.device) -> str:
     return "cuda" if device.type == "cuda" and not interpreting() else "interp"
 
 
+def _slices(k: int, cols: int, bn: int, bk: int, split: dict) -> int:
+    """K slices for a product of K = k over `cols` output columns in tiles of bn (`split`:
+    programs, min_steps)."""
+    return max(1, min(-(-split["programs"] // -(-cols // bn)), -(-k // bk) // split["min_steps"]))
+
+
 def linear_slices(n: int, k: int, key: str) -> int:
     """The invariant linear's K slice count for an [n, k] weight (`LINEAR_SPLIT`; no row count)."""
     return _slices(k, n, LINEAR_TILES[key]["bn"], LINEAR_TILES[key]["bk"], LINEAR_SPLIT[key])
@@ -163,17 +169,12 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.stack(parts, 1).reshape(t, -1)
 
 
-def _slices(k: int, cols: int, bn: int, bk: int, split: dict) -> int:
-    """K slices for a product of K = k over `cols` output columns in tiles of bn (`split`:
-    programs, min_steps)."""
-    return max(1, min(-(-split["programs"] // -(-cols // bn)), -(-k // bk) // split["min_steps"]))
-
-
 def moe_slices(inter: int, d: int, key: str) -> tuple[int, int]:
     """The invariant experts' (gate/up, down) K slice counts for experts of intermediate width
     `inter` on hidden width `d` (`MOE_SPLIT`; no token count)."""
     tiles, split = MOE_TILES[key], MOE_SPLIT[key]
-    return (_slices(d, inter, tiles["bn_up"], tiles["bk"], split), _slices(inter, d, tiles["bn_down"], tiles["bk"], split))
+    return (_slices(d, inter, tiles["bn_up"], tiles["bk"], split),
+            _slices(inter, d, tiles["bn_down"], tiles["bk"], split))
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: list, limit: float,
