@@ -109,3 +109,37 @@ def test_overlapped_decode_equals_step_by_step(tiny_cfg, fresh_seed, rng, device
     got, got_reasons, fed = run(True, params)
     assert sum(fed) >= 4, "the overlapped loop did not run"
     assert got == want and got_reasons == reasons
+
+
+def test_packed_inputs_fill_like_the_per_field_copies(tiny_cfg, rng):
+    """`PackedInputs.fill` (host twin + one copy) leaves the static batch exactly as
+    `fill_static` field by field does: rows, padding rows, table columns past the batch, the
+    host n-grams; twice in a row (the second twin), with a smaller batch after a larger one."""
+    from dsv41.backends.platform import platform_for
+    from dsv41.core.batch import StepBatch
+    from dsv41.graphs.decode import DecodeGraphs, fill_static
+    from dsv41.graphs.inputs import PackedInputs
+
+    plat = platform_for("cpu")
+    runner = DecodeGraphs.__new__(DecodeGraphs)  # only its static-batch layout
+    runner.device, runner.table_blocks, runner.model = torch.device("cpu"), 6, type("M", (), {"cfg": tiny_cfg})()
+    packed = PackedInputs(runner._static(4), plat)
+    plain = runner._static(4)
+    ng = plain.ngram_ids.shape[1]
+
+    def batch(n, w):
+        r = lambda *shape: torch.randint(1, 100, shape, generator=rng)  # noqa: E731  (no zeros: padding shows)
+        return StepBatch(ids=r(n), positions=r(n), seq=torch.arange(n), swa_tables=(r(n, w),), glob_tables=(r(n, w),),
+                         floors=r(n, 3), glob_from=r(n), ngram_ids=r(n, ng), ngram_image=r(n, ng) % 2 == 0,
+                         is_image=r(n) % 2 == 0, ngram_host=(r(n, ng), r(n, ng) % 2 == 0))
+
+    for n, w in ((4, 6), (3, 4), (1, 2)):
+        b = batch(n, w)
+        packed.fill(b)
+        fill_static(plain, b, plat)
+        for name in ("ids", "positions", "floors", "glob_from", "ngram_ids", "ngram_image", "is_image"):
+            assert torch.equal(getattr(packed.static, name), getattr(plain, name)), (name, n)
+        for name in ("swa_tables", "glob_tables", "ngram_host"):
+            assert all(torch.equal(x, y) for x, y in zip(getattr(packed.static, name), getattr(plain, name))), (name, n)
+        assert torch.equal(packed.static.seq, torch.arange(4))  # never rewritten
+    assert (packed.static.ids[1:] == 0).all() and (packed.static.swa_tables[0][0, 2:] == 0).all()
