@@ -11,17 +11,20 @@ from dsv41.core.engine import Engine, SamplingParams
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+@pytest.mark.parametrize("prefill_mode", ["exact", "ced"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_graph_decode_equals_eager(tiny_cfg, fresh_seed, rng, device):
+def test_graph_decode_equals_eager(tiny_cfg, fresh_seed, rng, device, prefill_mode):
+    """Graph decode after either prefill mode (CED, the default, leaves the decoder's caches
+    without the prompt's early rows) gives the eager engine's tokens."""
     from dsv41.core.weights import build_model
 
     model = build_model(tiny_cfg, seed=fresh_seed, device=device)
     # 7 prompts with max batch 6: decode batches of 6, then fewer (buckets 8 -> padded, 4, 2, 1)
     prompts = [rand_prompt(tiny_cfg, n, rng).tolist() for n in (3, 20, 9, 14, 1, 30, 6)]
     params = [SamplingParams(max_new_tokens=3 + i) for i in range(len(prompts))]
-    eager = Engine(model, prefill_mode="exact", max_batch=6, record_logits=True)
+    eager = Engine(model, prefill_mode=prefill_mode, max_batch=6, record_logits=True)
     want = eager.generate_batch([(p, sp, None) for p, sp in zip(prompts, params)])
-    graphed = Engine(model, prefill_mode="exact", max_batch=6, record_logits=True, graphs=True, max_model_len=48)
+    graphed = Engine(model, prefill_mode=prefill_mode, max_batch=6, record_logits=True, graphs=True, max_model_len=48)
     assert graphed.graphs.buckets == [1, 2, 4, 6]
     replays = []
     run = graphed.graphs.run
