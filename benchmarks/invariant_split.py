@@ -8,8 +8,9 @@ fresh engine captures the decode graphs, `--batches` sequences of `--ctx` positi
 the caches (random pool content, as benchmarks/e2e.py), and the graph step is timed per batch
 size. In the invariant modes, row 0 of the largest batch's logits must equal the one-row step's
 bit for bit (the same sequence decoded beside other rows). `--profile` lists the top kernels of
-the one-row graph replay per mode (torch.profiler). An invariant mode may carry overrides of the
-invariant linear's CUDA tile table: `invariant:bm=16+group_m=8`.
+the one-row graph replay per mode (torch.profiler); `--prefill N` also times an exact prefill of
+an N-token prompt per mode (the faster of two warm runs, as benchmarks/e2e.py). An invariant mode
+may carry overrides of the invariant linear's CUDA tile table: `invariant:bm=16+group_m=8`.
 
     python benchmarks/invariant_split.py --preset mini --ctx 4096 --batches 1,64 --profile
 """
@@ -23,12 +24,16 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections import Counter
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e import Clock, decode_batch, fill_sequences, parse_ints, randomise_pool  # noqa: E402
+
+from dsv41.core.engine import SamplingParams  # noqa: E402
+from dsv41.deploy.device_numerics import random_text_ids  # noqa: E402
 
 from dsv41.backends import registry  # noqa: E402
 from dsv41.core.config import preset  # noqa: E402
@@ -129,7 +134,29 @@ def run_mode(model, mode: str, args, clock: Clock) -> list[str]:
         for s in seqs:
             engine.finish(s)
         del engine, seqs
+        if args.prefill:
+            lines.append(time_prefill(model, mode, args, clock))
+            print(lines[-1], flush=True)
     return lines
+
+
+def time_prefill(model, mode: str, args, clock: Clock) -> str:
+    """One exact prefill of `args.prefill` tokens in `mode` (the caller's context): the faster of
+    two runs after a first (compiling) one, as a table line."""
+    n = args.prefill
+    engine = Engine(model, prefill_mode="exact", max_batch=1, max_tokens_per_step=n, block_size=16,
+                    max_model_len=n + 8, prefix_cache=False)
+    prompt = random_text_ids(model.cfg, n, torch.Generator().manual_seed(args.seed + 1))
+    runs = []
+    for _ in range(3):
+        clock.sync()
+        t = time.perf_counter()
+        seq, _, _ = engine.prefill_alone(prompt, SamplingParams(max_new_tokens=1))
+        clock.sync()
+        runs.append(time.perf_counter() - t)
+        engine.finish(seq)
+    del engine
+    return f"| {mode} | prefill {n} tokens | - | {min(runs[1:]) * 1e3:.1f} |"
 
 
 def main() -> int:
@@ -141,6 +168,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--prefill", type=int, default=0, help="also time an exact prefill of this many tokens")
     args = ap.parse_args()
     modes = args.modes.split(",")
     bad = [m for m in modes if m.partition(":")[0] not in MODES or (m.startswith("default:"))]
