@@ -7,7 +7,9 @@ The interpreter fixes some of the default path's row-count choices already (no s
 tile table), so not every case below would fail in the default mode there; the linear (FP8 fold
 vs tiled at > 64 rows, FP4 GEMV at one row) and the MoE (GEMV vs tiled) cases would. On the
 GPU the same equalities are what the e2e numerics phase measures (greedy agreement with the mode
-on)."""
+on). The split tests (linear, tiled experts, sparse attention) run a one-row call through the
+split launches and a many-row call through the in-program slices / query chunks, and show that
+the inputs would reveal a split that followed the row count (one split gives other bits)."""
 
 import pytest
 import torch
