@@ -12,10 +12,13 @@
   - the indexer's head weights (`weights_proj` returns bf16; the folded scale
     (index_head_dim * index_n_heads)^-0.5 is a power of two in every preset, so rounding the
     scaled weights is the same);
-  - the ratio-2 compressor's pooled latent, before its RMSNorm.
+  - the ratio-2 compressor's pooled latent, before its RMSNorm;
+  - attention probabilities, rounded against the running maximum of their 64-entry block of
+    the official entry list (valid window entries first, then the global entries), as the
+    official kernel's online softmax does (`reference.attention.official_block_probabilities`).
   Contractions still accumulate in fp64 and round once, so this mode is batch-invariant too.
-  Not emulated: the attention kernel's per-64-entry-block probability rounding, and the fp32
-  (rather than fp64) sum of expert partials across model-parallel ranks.
+  Not emulated: the fp32 (rather than fp64) sum of expert partials across model-parallel
+  ranks; the official prefill's shorter window list for a prompt shorter than the window.
 
 Every other Linear already returns bf16 in both modes. The setting is read by the reference ops
 only; device kernels keep their own arithmetic. `dsv41 run --numerics` sets it.

@@ -255,6 +255,11 @@ class Platform:
         """Whether the current stream is capturing a graph (host waits are not allowed then)."""
         return False
 
+    def stream_key(self) -> int:
+        """An integer naming the current stream (state kept per stream, e.g. `tile_counters`, is
+        keyed by it); 0 where the device has no streams."""
+        return 0
+
     def overlap(self, side, main):
         """(side(), main()), in order, on the calling stream (see the module's `overlap`)."""
         return side(), main()
@@ -309,6 +314,9 @@ class CudaPlatform(Platform):
 
     def is_capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
+
+    def stream_key(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
 
     def overlap(self, side, main):
         """`side` on an auxiliary stream beside `main` (`aux_stream_overlap`). Only callers that
@@ -382,6 +390,11 @@ class AscendPlatform(Platform):
 
     def is_capturing(self) -> bool:
         return bool(torch.npu.is_current_stream_capturing())  # type: ignore[attr-defined]
+
+    def stream_key(self) -> int:
+        # torch's generic stream id (every torch.Stream subclass has one); each NPU stream,
+        # the aux and capture streams included, gets its own
+        return int(torch.npu.current_stream(self.device).stream_id)  # type: ignore[attr-defined]
 
     def overlap(self, side, main):
         """`side` on an auxiliary stream, `main` on the current one, then joined (UNVERIFIED on

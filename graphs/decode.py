@@ -21,6 +21,7 @@ from ..backends.platform import host_to_device, platform_for
 from ..core.batch import StepBatch
 from ..core.cache import KVPool
 from ..core.model import Transformer
+from .inputs import PackedInputs
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -69,7 +70,7 @@ class DecodeGraphs:
         self.platform = platform_for(self.device)
         self.table_blocks = table_blocks
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
-        self.graphs: dict[int, tuple] = {}  # bucket -> (graph or None, static batch, logits)
+        self.graphs: dict[int, tuple] = {}  # bucket -> (graph or None, packed static inputs, logits)
         self._replayed = None  # event after the last replay (Engram fetch-ahead buffers in use)
 
     def _static(self, n: int) -> StepBatch:
@@ -87,7 +88,8 @@ class DecodeGraphs:
         graph_class = self.platform.graph_class()
         mem = self.platform.graph_pool() if graph_class is not None else None
         for n in sorted(self.buckets, reverse=True):
-            batch = self._static(n)
+            inputs = PackedInputs(self._static(n), self.platform)
+            batch = inputs.static
             with self.platform.on_capture_stream():  # warm-up: allocations, per-stream state
                 logits = self.model(batch, self.pool, check=False)
             graph = None
@@ -96,7 +98,7 @@ class DecodeGraphs:
                 graph = graph_class()
                 with self.platform.graph_capture(graph, mem):
                     logits = self.model(batch, self.pool, check=False)
-            self.graphs[n] = (graph, batch, logits)
+            self.graphs[n] = (graph, inputs, logits)
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -113,12 +115,13 @@ class DecodeGraphs:
         tables = (*batch.swa_tables, *batch.glob_tables)
         if len(tables) != 2 or any(t.shape[1] > self.table_blocks for t in tables):
             raise ValueError(f"expected one SWA and one global table at most {self.table_blocks} blocks wide")
-        graph, static, logits = self.graphs[b]
+        graph, inputs, logits = self.graphs[b]
+        static = inputs.static
         prefetch = self.model.engram_prefetch()
         if ids is not None and prefetch is not None and prefetch.layers:
             raise ValueError("device-side input ids need the Engram rows gathered on the device "
                              "(the fetch-ahead hashes the host's n-grams)")
-        fill_static(static, batch, self.platform)
+        inputs.fill(batch)  # (one host-to-device copy)
         if ids is not None:  # column 0 of a row's n-gram is its own token
             static.ids[:n].copy_(ids)
             static.ngram_ids[:n, 0].copy_(ids)

@@ -11,17 +11,20 @@ from dsv41.core.engine import Engine, SamplingParams
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+@pytest.mark.parametrize("prefill_mode", ["exact", "ced"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_graph_decode_equals_eager(tiny_cfg, fresh_seed, rng, device):
+def test_graph_decode_equals_eager(tiny_cfg, fresh_seed, rng, device, prefill_mode):
+    """Graph decode after either prefill mode (CED, the default, leaves the decoder's caches
+    without the prompt's early rows) gives the eager engine's tokens."""
     from dsv41.core.weights import build_model
 
     model = build_model(tiny_cfg, seed=fresh_seed, device=device)
     # 7 prompts with max batch 6: decode batches of 6, then fewer (buckets 8 -> padded, 4, 2, 1)
     prompts = [rand_prompt(tiny_cfg, n, rng).tolist() for n in (3, 20, 9, 14, 1, 30, 6)]
     params = [SamplingParams(max_new_tokens=3 + i) for i in range(len(prompts))]
-    eager = Engine(model, prefill_mode="exact", max_batch=6, record_logits=True)
+    eager = Engine(model, prefill_mode=prefill_mode, max_batch=6, record_logits=True)
     want = eager.generate_batch([(p, sp, None) for p, sp in zip(prompts, params)])
-    graphed = Engine(model, prefill_mode="exact", max_batch=6, record_logits=True, graphs=True, max_model_len=48)
+    graphed = Engine(model, prefill_mode=prefill_mode, max_batch=6, record_logits=True, graphs=True, max_model_len=48)
     assert graphed.graphs.buckets == [1, 2, 4, 6]
     replays = []
     run = graphed.graphs.run
@@ -109,3 +112,37 @@ def test_overlapped_decode_equals_step_by_step(tiny_cfg, fresh_seed, rng, device
     got, got_reasons, fed = run(True, params)
     assert sum(fed) >= 4, "the overlapped loop did not run"
     assert got == want and got_reasons == reasons
+
+
+def test_packed_inputs_fill_like_the_per_field_copies(tiny_cfg, rng):
+    """`PackedInputs.fill` (host twin + one copy) leaves the static batch exactly as
+    `fill_static` field by field does: rows, padding rows, table columns past the batch, the
+    host n-grams; twice in a row (the second twin), with a smaller batch after a larger one."""
+    from dsv41.backends.platform import platform_for
+    from dsv41.core.batch import StepBatch
+    from dsv41.graphs.decode import DecodeGraphs, fill_static
+    from dsv41.graphs.inputs import PackedInputs
+
+    plat = platform_for("cpu")
+    runner = DecodeGraphs.__new__(DecodeGraphs)  # only its static-batch layout
+    runner.device, runner.table_blocks, runner.model = torch.device("cpu"), 6, type("M", (), {"cfg": tiny_cfg})()
+    packed = PackedInputs(runner._static(4), plat)
+    plain = runner._static(4)
+    ng = plain.ngram_ids.shape[1]
+
+    def batch(n, w):
+        r = lambda *shape: torch.randint(1, 100, shape, generator=rng)  # noqa: E731  (no zeros: padding shows)
+        return StepBatch(ids=r(n), positions=r(n), seq=torch.arange(n), swa_tables=(r(n, w),), glob_tables=(r(n, w),),
+                         floors=r(n, 3), glob_from=r(n), ngram_ids=r(n, ng), ngram_image=r(n, ng) % 2 == 0,
+                         is_image=r(n) % 2 == 0, ngram_host=(r(n, ng), r(n, ng) % 2 == 0))
+
+    for n, w in ((4, 6), (3, 4), (1, 2)):
+        b = batch(n, w)
+        packed.fill(b)
+        fill_static(plain, b, plat)
+        for name in ("ids", "positions", "floors", "glob_from", "ngram_ids", "ngram_image", "is_image"):
+            assert torch.equal(getattr(packed.static, name), getattr(plain, name)), (name, n)
+        for name in ("swa_tables", "glob_tables", "ngram_host"):
+            assert all(torch.equal(x, y) for x, y in zip(getattr(packed.static, name), getattr(plain, name))), (name, n)
+        assert torch.equal(packed.static.seq, torch.arange(4))  # never rewritten
+    assert (packed.static.ids[1:] == 0).all() and (packed.static.swa_tables[0][0, 2:] == 0).all()

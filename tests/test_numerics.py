@@ -1,6 +1,7 @@
 """The reference's numerics modes (`backends/numerics.py`): `official` rounds to bf16 where the
 official code does (inside every expert, the indexer's head weights, the ratio-2 compressor's
-pooled latent), `exact` does not; both stay batch-invariant."""
+pooled latent, attention probabilities against each 64-entry block's running maximum), `exact`
+does not; both stay batch-invariant."""
 
 import json
 
@@ -120,6 +121,96 @@ def test_official_indexer_head_weights_are_bf16(rng):
         got = ref_attention._partial_scores(q, weights, keys)
     assert torch.equal(got, ref_attention._partial_scores(q, weights.to(BF16).float(), keys))
     assert not torch.equal(got, ref_attention._partial_scores(q, weights, keys))
+
+
+def _kernel_loop(lg, v, block=64):
+    """The official attention kernel's online softmax written out block by block, in fp64 with
+    its roundings kept (logit minus running max in fp32, exp to fp32, bf16 for p.V): the
+    numerator [T, H, D], the sum [T, H] and the running max [T, H] after the last block.
+    lg [T, H, N] scaled fp32 logits (-inf masked), v [T, N, D]."""
+    t, h, n = lg.shape
+    acc = torch.zeros(t, h, v.shape[-1], dtype=torch.float64)
+    total = torch.zeros(t, h, dtype=torch.float64)
+    m = torch.full((t, h), ref_attention.RUNNING_MAX_INIT)
+    for b0 in range(0, n, block):
+        s = lg[..., b0:b0 + block]
+        m_new = torch.maximum(m, s.amax(-1))
+        alpha = torch.exp((m - m_new).double())
+        p = torch.exp((s - m_new.unsqueeze(-1)).double()).float()
+        total = total * alpha + p.double().sum(-1)
+        pv = torch.einsum("thn,tnd->thd", p.to(BF16).double(), v[:, b0:b0 + block].double())
+        acc = acc * alpha.unsqueeze(-1) + pv
+        m = m_new
+    return acc, total, m
+
+
+def test_official_attention_probabilities_are_rounded_per_block(rng):
+    t, h, n, d = 3, 4, 200, 32  # 4 blocks of 64, the last one partial
+    # a rising ramp makes later blocks raise the running maximum
+    lg = torch.randn(t, h, n, generator=rng) * 2 + torch.linspace(0, 6, n)
+    lg[1, :, 64:128] = float("-inf")  # a block with nothing valid changes nothing
+    lg[2, :, :70] = float("-inf")  # nothing valid before the second block: m stays -1e30
+    v = torch.randn(t, n, d, generator=rng).to(BF16).float()
+    m = lg.amax(-1, keepdim=True).clamp_min(ref_attention.RUNNING_MAX_INIT)
+    weights = ref_attention.official_block_probabilities(lg, m)
+    got = torch.einsum("thn,tnd->thd", weights, v.double())
+    want, total, m_end = _kernel_loop(lg, v)
+    assert torch.equal(m_end, m[..., 0])
+    # the loop's rescalings are fp32 differences of maxima: agreement to fp32 level
+    assert rel(got, want) < 1e-6
+    assert rel(torch.exp((lg - m).double()).sum(-1), total) < 1e-6  # the sum takes unrounded p
+    # rounding against the row's maximum instead is a different result
+    whole = torch.exp((lg - m).double()).float().to(BF16).double()
+    whole_err = rel(torch.einsum("thn,tnd->thd", whole, v.double()), want)
+    print(f"\n[dsv41] attention numerator, whole-row vs per-block bf16 rounding: {whole_err:.2e}")
+    assert whole_err > 1e-4
+    # with a single block the two are the same
+    assert torch.equal(ref_attention.official_block_probabilities(lg, m, block=256).float(), whole.float())
+
+
+def test_official_sparse_attention_follows_the_kernel(rng):
+    h, d, s, k, n_glob = 4, 64, 128, 96, 300  # entry lists of 224: 4 blocks
+    q = (torch.randn(4, h, d, generator=rng) * 3).to(BF16)
+    swa_kv, swa_scale = quant.fp8_quant(torch.randn(s, d, generator=rng))
+    glob_kv, glob_scale = quant.fp4_quant(torch.randn(n_glob, d, generator=rng))
+    win_idx = torch.arange(s).repeat(4, 1)
+    win_idx[0, :28] = -1  # a query near the sequence start: our rows hold the masked slots first
+    glob_idx = torch.randperm(n_glob, generator=rng)[:k].sort().values.repeat(4, 1)
+    glob_idx[2, 60:] = -1  # fewer selected entries than top-k
+    win_idx[3], glob_idx[3] = -1, -1  # nothing valid: 0
+    sink = torch.randn(h, generator=rng)
+    scale = d ** -0.5
+    with numerics.numerics("official"):
+        got = ref_attention.sparse_attention(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink,
+                                             scale)
+    exact = ref_attention.sparse_attention(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink, scale)
+    wv, gv = quant.fp8_dequant(swa_kv, swa_scale), quant.fp4_dequant(glob_kv, glob_scale)
+
+    def kernel(i, win, glob):
+        """Output [H, D] of query i through the kernel loop, over the list `win` + `glob`
+        (pool rows, -1 masked) in that order."""
+        rows = torch.cat([wv[torch.tensor(win).clamp_min(0)], gv[torch.tensor(glob).clamp_min(0)]])
+        valid = torch.tensor(win + glob) >= 0
+        lg = (torch.einsum("hd,nd->hn", q[i].double(), rows.double()).float() * scale).masked_fill(~valid, float("-inf"))
+        acc, total, m = _kernel_loop(lg.unsqueeze(0), rows.unsqueeze(0))
+        return acc[0] / (total[0] + torch.exp((sink - m[0]).double())).unsqueeze(-1)
+
+    def valid_first(row):
+        return [r for r in row if r >= 0] + [r for r in row if r < 0]
+
+    # the official list: window rows (valid ones first, -1 after), then the global rows
+    want = torch.stack([kernel(i, valid_first(win_idx[i].tolist()), glob_idx[i].tolist()) for i in range(4)])
+    assert torch.equal(got[3].float(), torch.zeros(h, d))
+    # the op's only rounding beyond the loop's is its bf16 output (unit roundoff 2^-8)
+    assert ((got.double() - want).abs() <= 2.0 ** -8 * want.abs() + 1e-6 * want.abs().max()).all()
+    same = (got == want.to(BF16)).float().mean().item()
+    same_exact = (exact == want.to(BF16)).float().mean().item()
+    # query 0 with its masked window slots left in front: other blocks, other bits
+    as_given = kernel(0, win_idx[0].tolist(), glob_idx[0].tolist()).to(BF16)
+    same_as_given = (got[0] == as_given).float().mean().item()
+    print(f"\n[dsv41] sparse attention outputs equal to the kernel loop's: official {same:.4f}, "
+          f"exact {same_exact:.4f}; query 0 against its list as given {same_as_given:.4f}")
+    assert same >= 0.999 and same_exact < 0.99 and same_as_given < 0.99
 
 
 def test_official_mode_changes_the_model_and_keeps_decode_equal_to_prefill(tiny_model, tiny_cfg, rng):

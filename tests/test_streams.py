@@ -40,3 +40,34 @@ def test_cuda_overlap_in_decode_graphs_gives_the_same_tokens(tiny_cfg, fresh_see
     assert tokens() == want
     model.overlap_streams(True)
     assert tokens() == want
+
+
+def test_tile_counters_are_kept_per_stream(monkeypatch):
+    """`tile_counters` hands each stream of a device its own zeroed buffer (two streams running
+    counter kernels at once must never bump the same counters; on Ascend every stream used to
+    share one), and refuses to make one inside a graph capture."""
+    from dsv41.npu_ops.triton import launch
+
+    class StreamsPlatform:  # the two things tile_counters asks a platform
+        key, capturing = 7, False
+
+        def stream_key(self):
+            return self.key
+
+        def is_capturing(self):
+            return self.capturing
+
+    plat = StreamsPlatform()
+    dev = torch.device("cpu")
+    monkeypatch.setattr(launch, "_PLATFORMS", {(dev.type, dev.index): plat})
+    monkeypatch.setattr(launch, "_COUNTERS", {})
+    main = launch.tile_counters(dev, 8)
+    assert launch.tile_counters(dev, 8).data_ptr() == main.data_ptr()  # one buffer per stream, reused
+    plat.key = 8
+    aux = launch.tile_counters(dev, 8)
+    assert aux.data_ptr() != main.data_ptr() and not aux.any()
+    plat.key, plat.capturing = 9, True
+    with pytest.raises(RuntimeError, match="before the graph capture"):
+        launch.tile_counters(dev, 8)
+    plat.key = 8  # a stream whose buffer exists may be used inside a capture
+    assert launch.tile_counters(dev, 8).data_ptr() == aux.data_ptr()

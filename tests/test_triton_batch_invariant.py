@@ -7,23 +7,29 @@ The interpreter fixes some of the default path's row-count choices already (no s
 tile table), so not every case below would fail in the default mode there; the linear (FP8 fold
 vs tiled at > 64 rows, FP4 GEMV at one row) and the MoE (GEMV vs tiled) cases would. On the
 GPU the same equalities are what the e2e numerics phase measures (greedy agreement with the mode
-on)."""
+on). The split tests (linear, tiled experts, sparse attention) run a one-row call through the
+split launches and a many-row call through the in-program slices / query chunks, and show that
+the inputs would reveal a split that followed the row count (one split gives other bits)."""
 
 import pytest
 import torch
 from _triton import DEVICES, cuda_only, triton  # noqa: F401  (sets TRITON_INTERPRET; skips without triton)
-from test_triton_block_linear import experts_in, weight
+from test_triton_block_linear import BOUND, experts_in, rel_err, weight
 from test_triton_indexer_topk import paged
 from test_triton_indexer_topk import random_inputs as indexer_inputs
 from test_triton_mega_mhc import make_inputs as mhc_inputs
 from test_triton_sparse_attention import make_inputs as attention_inputs
 
 from dsv41.backends import ops, registry
-from dsv41.backends.reference import quant
+from dsv41.backends.numerics import numerics
+from dsv41.backends.reference import basic, moe, quant
 from dsv41.core.config import preset
 from dsv41.core.weights import build_model
 from dsv41.deploy.device_numerics import greedy_self_consistency
 from dsv41.npu_ops.triton import batch_invariant as bi
+from dsv41.npu_ops.triton import block_linear
+from dsv41.npu_ops.triton import moe_experts as moe_mod
+from dsv41.npu_ops.triton import sparse_attention as attn_mod
 from dsv41.npu_ops.triton.launch import interpreting
 
 interp_only = pytest.mark.skipif(not interpreting(), reason="interpreter variant (TRITON_INTERPRET=1)")
@@ -91,6 +97,39 @@ def test_linear_row_alone_equals_batch(invariant, dev, fmt, out_dtype, rng):
     rows_alone_equal_batch(lambda a: ops.linear(a, w, s, out_dtype), (x,), lambda i: (x[i:i + 1],), (0, 33, 69))
 
 
+def _key(dev: str) -> str:
+    return "cuda" if dev == "cuda" else "interp"
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("fmt", ["fp8", "fp4", "bf16"])
+def test_linear_k_split_is_the_same_for_every_row_count(invariant, dev, fmt, rng, monkeypatch):
+    """The K split (several slices for this weight shape) runs as programs of their own at one
+    row and inside each tile's program at 70 rows (the tile threshold set between them); a row
+    alone equals it in the batch bit for bit, both launch forms agree at 70 rows, and one slice (a
+    split that followed the row count would give it at some M) differs: the check can fail."""
+    key = _key(dev)
+    n, k = (192, 1024) if key == "cuda" else (48, 256)  # slices of several K steps
+    tiles = bi.LINEAR_TILES[key]
+    slices = bi.linear_slices(n, k, key)
+    assert slices > 1
+    monkeypatch.setitem(bi.LINEAR_SPLIT[key], "parallel_tiles", -(-n // tiles["bn"]) + 1)
+    assert not bi.linear_serial(1, n, key) and bi.linear_serial(70, n, key)
+    w, s = weight(fmt, n, k, rng)
+    x = wide(rng, 70, k)
+    want = basic.linear(x, w, s, torch.float64)
+    w, s = w.to(dev), None if s is None else s.to(dev)
+    x, = on(dev, x)
+    call = lambda a: ops.linear(a, w, s, torch.float32)  # noqa: E731
+    rows_alone_equal_batch(call, (x,), lambda i: (x[i:i + 1],), (0, 33, 69))
+    full = call(x)
+    assert rel_err(full, want) < BOUND[torch.float32]
+    parallel = block_linear.linear(x, w, s, torch.float32, path="tiled", split_k=slices, **tiles)
+    assert torch.equal(parallel, full), "the split launch differs from the in-program slices"
+    one = block_linear.linear(x, w, s, torch.float32, path="tiled", split_k=1, **tiles)
+    assert not torch.equal(one, full), "one K slice gives the same bits: these inputs cannot show the split"
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 def test_grouped_linear_row_alone_equals_batch(invariant, dev, rng):
     w = (torch.randn(2 * 32, 64, generator=rng) * 0.1).to(torch.bfloat16)
@@ -108,6 +147,84 @@ def test_moe_experts_row_alone_equals_batch(invariant, dev, rng):
     ex = [tuple((a.to(dev), b.to(dev)) for a, b in e) for e in experts_in("fp4", n_exp, d, inter, rng)]
     rows_alone_equal_batch(lambda a, b, c: ops.moe_experts(a, b, c, ex, 10.0), (x, w, ids),
                            lambda i: (x[i:i + 1], w[i:i + 1], ids[i:i + 1]), (0, 20))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])  # (FP4 experts take the fold path: the next test)
+def test_moe_k_split_is_the_same_for_every_token_count(invariant, dev, fmt, rng, monkeypatch):
+    """As the linear's split test, for both expert kernels: the slices as programs at one token,
+    inside each program at t tokens (the row threshold set between them), row alone = row in
+    the batch, both launch forms equal at t tokens, and no split gives other bits."""
+    key = _key(dev)
+    t, n_exp, topk = (37, 6, 2) if key == "cuda" else (9, 4, 2)
+    d, inter = (1024, 512) if key == "cuda" else (256, 256)
+    split = bi.moe_slices(inter, d, key)
+    assert min(split) > 1
+    monkeypatch.setitem(bi.MOE_SPLIT[key], "parallel_rows", topk)
+    x = torch.randn(t, d, generator=rng).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(n_exp, generator=rng)[:topk] for _ in range(t)])
+    w = torch.rand(t, topk, generator=rng) + 0.1
+    ex = experts_in(fmt, n_exp, d, inter, rng)
+    with numerics("official"):  # the kernels round where the official expert does
+        want = moe.moe_experts(x, w, ids, ex, 10.0, torch.float64)
+    x, w, ids = on(dev, x, w, ids)
+    ex = [tuple((a.to(dev), None if b is None else b.to(dev)) for a, b in e) for e in ex]
+    call = lambda a, b, c: ops.moe_experts(a, b, c, ex, 10.0)  # noqa: E731
+    rows_alone_equal_batch(call, (x, w, ids), lambda i: (x[i:i + 1], w[i:i + 1], ids[i:i + 1]), (0, t // 2, t - 1))
+    full = call(x, w, ids)
+    assert rel_err(full, want) < 1e-4  # test_triton_block_linear's MoE bound (rare rounding-boundary moves)
+    tiles = bi.MOE_TILES[key]
+    parallel = moe_mod.moe_experts(x, w, ids, ex, 10.0, path="tiled", k_split=split, **tiles)
+    assert torch.equal(parallel, full), "the split launch differs from the in-program slices"
+    # The experts round their sums to bf16 (official mode), which hides most fp32 order changes:
+    # rows that cancel across the gate/up slice boundary (+L in the first slice, -L in the second,
+    # small values beside them, nothing in later slices, w1 = w3 constant along K) sum to 0 split
+    # and to the second slice's small values in one pass, so there the split shows in the output.
+    kps = moe_mod._k_slices(d, tiles["bk"], split[0])[1]
+    xc = torch.zeros(t, d)
+    xc[:, 32:kps] = torch.rand(t, kps - 32, generator=rng) + 0.5
+    xc[:, kps + 32:2 * kps] = torch.rand(t, kps - 32, generator=rng) + 0.5
+    xc[:, 0], xc[:, kps] = 2.0 ** 40, -2.0 ** 40  # fp32 spacing there: 2^17
+    flat = [(weight_const(fmt, inter, d), weight_const(fmt, d, inter), weight_const(fmt, inter, d))
+            for _ in range(n_exp)]
+    flat = [tuple((a.to(dev), None if b is None else b.to(dev)) for a, b in e) for e in flat]
+    xc, = on(dev, xc.to(torch.bfloat16))
+    got = ops.moe_experts(xc, w, ids, flat, 10.0)
+    assert torch.equal(got, moe_mod.moe_experts(xc, w, ids, flat, 10.0, path="tiled", k_split=split, **tiles))
+    assert got.abs().max() == 0  # the split sums cancel exactly
+    one = moe_mod.moe_experts(xc, w, ids, flat, 10.0, path="tiled", **tiles)
+    assert one.abs().min() > 0, "one pass over K keeps the small values"
+
+
+def weight_const(fmt: str, n: int, k: int):
+    """A weight whose rows are constant along K (0.5, 1, 2 by row), exact in `fmt`."""
+    w = torch.exp2(torch.arange(n).remainder(3).float() - 1).unsqueeze(1).expand(n, k).contiguous()
+    if fmt == "bf16":
+        return w.to(torch.bfloat16), None
+    return quant.fp8_block_quant(w) if fmt == "fp8" else quant.fp4_weight_quant(w)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_moe_fp4_fold_path_row_alone_equals_batch(invariant, dev, rng):
+    """FP4 experts the folded kernels take run there with one tile table for every token count:
+    a token alone equals it among 37 (several row tiles per expert), and the result is the
+    reference's within the MoE kernels' bound."""
+    key = _key(dev)
+    t, n_exp, topk = 37, 4, 3
+    d, inter = (1024, 512) if key == "cuda" else (128, 128)
+    x = torch.randn(t, d, generator=rng).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(n_exp, generator=rng)[:topk] for _ in range(t)])
+    w = torch.rand(t, topk, generator=rng) + 0.1
+    ex = experts_in("fp4", n_exp, d, inter, rng)
+    with numerics("official"):
+        want = moe.moe_experts(x, w, ids, ex, 10.0, torch.float64)
+    x, w, ids = on(dev, x, w, ids)
+    ex = [tuple((a.to(dev), b.to(dev)) for a, b in e) for e in ex]
+    moe_mod._expert_table(ex, x.device)
+    assert moe_mod.foldable(ex)  # the fold branch is the one taken
+    call = lambda a, b, c: ops.moe_experts(a, b, c, ex, 10.0)  # noqa: E731
+    rows_alone_equal_batch(call, (x, w, ids), lambda i: (x[i:i + 1], w[i:i + 1], ids[i:i + 1]), (0, 18, 36))
+    assert rel_err(call(x, w, ids), want) < 1e-4
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -137,15 +254,25 @@ def test_mhc_row_alone_equals_batch(invariant, dev, rng):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-def test_sparse_attention_query_alone_equals_batch(invariant, dev, rng):
+def test_sparse_attention_query_alone_equals_batch(invariant, dev, rng, monkeypatch):
     q, swa_kv, swa_scale, win, glob_kv, glob_scale, glob_idx, sink = on(dev, *attention_inputs(rng, 37, 16, 64, 24,
                                                                                                64, 20))
 
     def run(qq, ww, gg):
         return ops.sparse_attention(qq, swa_kv, swa_scale, ww, glob_kv, glob_scale, gg, sink, 0.125)
 
+    key = _key(dev)
+    assert bi.attention_splits(win.shape[1], glob_idx.shape[1], key) > 1
     rows_alone_equal_batch(run, (q, win, glob_idx), lambda i: (q[i:i + 1], win[i:i + 1], glob_idx[i:i + 1]),
                            (0, 5, 36))
+    full = run(q, win, glob_idx)
+    monkeypatch.setitem(bi.ATTN_SPLIT[key], "partial_bytes", 1)  # one query per launch
+    assert torch.equal(run(q[:9], win[:9], glob_idx[:9]), full[:9]), "query chunks differ from one launch"
+    # the split shows in the bits: one split per query (a query-count-dependent split) differs
+    cfg = {a: b for a, b in attn_mod.CONFIGS[key].items() if a != "min_blocks_per_split"}
+    one = attn_mod.sparse_attention_launch(q, swa_kv, swa_scale, win, glob_kv, glob_scale, glob_idx, sink, 0.125,
+                                           n_split=1, **cfg)
+    assert not torch.equal(one, full), "one split gives the same bits: these inputs cannot show the split"
 
 
 @pytest.mark.parametrize("dev", DEVICES)

@@ -9,6 +9,7 @@ from .. import numerics
 from ..paging import table_rows
 from ..registry import register
 from . import quant
+from . import basic
 from .basic import einsum, exact_fn, rms_norm, rope
 
 NEG_INF = float("-inf")
@@ -129,6 +130,50 @@ def indexer_topk(q, weights, key_codes, key_scale, block_table, entries_per_bloc
 
 # prefill chunks are processed in pieces of this many tokens (bounds the gathered [T, S, D] rows)
 ATTENTION_TOKEN_CHUNK = 256
+# the official attention kernel walks a query's entry list in blocks of this many entries
+OFFICIAL_ATTENTION_BLOCK = 64
+
+
+def _valid_first(idx: torch.Tensor) -> torch.Tensor:
+    """idx [T, S] with each row's valid entries (>= 0) moved to the front in their order and its
+    -1 entries after them (a stable partition)."""
+    order = torch.sort((idx < 0).to(torch.uint8), dim=-1, stable=True).indices
+    return idx.gather(-1, order)
+
+
+def official_block_probabilities(logits: torch.Tensor, row_max: torch.Tensor,
+                                 block: int = OFFICIAL_ATTENTION_BLOCK) -> torch.Tensor:
+    """The weights [T, H, N] that multiply V in the official attention kernel, relative to the
+    row's final maximum `row_max` [T, H, 1]; logits [T, H, N] fp32, scaled, -inf where masked.
+
+    The official kernel (`sparse_attn_kernel` in the release's `inference/kernel.py`) runs an
+    online softmax over blocks of 64 entries: block b raises the running maximum to
+    m_b = max(m_(b-1), the block's largest logit) (m_(-1) = -1e30), rescales the fp32
+    accumulator and sum by exp(m_(b-1) - m_b), adds exp(s - m_b) (fp32) to the sum, and rounds
+    those probabilities to bf16 for the p.V product. An entry's probability is therefore rounded
+    against the running maximum of its block, not the row's maximum: its weight is
+    bf16(exp(s - m_b)) * exp(m_b - row_max), computed here in fp64 (the rescaling exact, the
+    bf16 rounding the only one). The sum takes the unrounded probabilities, so the denominator
+    is the same as without blocks (the caller's). With one block (<= 64 entries) the weights
+    are plain bf16(exp(s - row_max)).
+
+    The blocks depend on where each entry sits in the list. The official list is the window
+    entries (`get_window_topk_idxs`: valid positions oldest first, then -1) followed by the
+    top-k global entries (position order, then -1): the caller (`sparse_attention`) moves each
+    part's -1 entries behind its valid ones to match (our window rows put the positions before
+    the sequence start first). Not reproduced: the official prefill of a prompt of L < window
+    tokens gives each query only L window slots, so its global entries start at L, not at the
+    window width (this op does not see L; window rows L wide would give that layout); the
+    official tie order among equal indexer scores (implementation-defined there). The DSpark
+    drafter's lists (window plus draft block) follow the same rule by assumption."""
+    t, h, n = logits.shape
+    nb = -(-n // block)
+    padded = torch.full((t, h, nb * block), NEG_INF, dtype=logits.dtype, device=logits.device)
+    padded[..., :n] = logits
+    running = padded.reshape(t, h, nb, block).amax(-1).cummax(-1).values.clamp_min(RUNNING_MAX_INIT)
+    block_max = running.repeat_interleave(block, -1)[..., :n]  # [T, H, N]: each entry's m_b
+    p = exact_fn(torch.exp, logits - block_max).to(torch.bfloat16)
+    return p.to(basic.ACCUM_DTYPE) * torch.exp((block_max - row_max).to(basic.ACCUM_DTYPE))
 
 
 @register("sparse_attention")
@@ -141,11 +186,14 @@ def sparse_attention(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_id
                           for i in range(0, t, c)])
     h = q.shape[1]
     qf = q.float()
+    official = numerics.official()
     logits, values = [], []
     for idx, dequant, kv, sc in ((win_idx, quant.fp8_dequant, swa_kv, swa_scale),
                                  (glob_idx, quant.fp4_dequant, glob_kv, glob_scale)):
         if idx is None or idx.shape[-1] == 0:
             continue
+        if official:  # the official entry order, which sets the blocks (official_block_probabilities)
+            idx = _valid_first(idx)
         ok = idx >= 0
         rows = idx.clamp_min(0)
         # masked rows zeroed by selection: their bytes (the null block, shared by every cache
@@ -160,6 +208,8 @@ def sparse_attention(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_id
     # The denominator is summed in fp64 and rounded to fp32: a query's entries sit at different
     # offsets in a prefill chunk than in a decode step, and an fp32 SIMD sum would depend on that.
     denom = (p.double().sum(-1, keepdim=True) + torch.exp((sink.float().view(1, h, 1) - m).double())).float()
-    # probabilities go to bf16 before multiplying V; the denominator stays fp32
-    num = einsum("ths,tsd->thd", p.to(torch.bfloat16).float(), v)
+    # probabilities go to bf16 before multiplying V (official numerics: against the running
+    # maximum of their 64-entry block, as the official kernel does); the denominator stays fp32
+    pv = official_block_probabilities(lg, m) if official else p.to(torch.bfloat16).float()
+    num = einsum("ths,tsd->thd", pv, v)
     return (num / denom).to(torch.bfloat16)

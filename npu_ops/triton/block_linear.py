@@ -64,11 +64,35 @@ def _store_out(out_ptr, acc, rm, rn, M, N, OUT_BF16: tl.constexpr):
 
 
 @triton.jit
+def tile_k_range(acc, x_ptr, q_ptr, qs_ptr, w_ptr, s_ptr, rm64, mmask, rn, nmask, k_lo, k_hi, N, K, s_stride,
+                  W_KIND: tl.constexpr, A_TERMS: tl.constexpr, LOWP: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr):
+    """acc [BM, BN] + rows `rm64` of x (or of its FP8 codes q / scales qs) times weight rows `rn`
+    over K range [k_lo, k_hi), BK per step (also the tiled experts' down product)."""
+    for k0 in range(k_lo, k_hi, BK):
+        if W_KIND == 0:  # plain weight: x as it is, BK-wide dots
+            kk = k0 + tl.arange(0, BK)
+            a = tl.load(x_ptr + rm64[:, None] * K + kk[None, :], mask=mmask[:, None] & (kk[None, :] < k_hi),
+                        other=0.0).to(tl.float32)
+            w = load_weight_tile(w_ptr, s_ptr, rn, k0, N, K, s_stride, BN, BK, W_KIND)
+            acc = split_dot_acc(acc, a, tl.trans(w), A_TERMS, LOWP)
+        else:  # scaled weight: one dot per 32-wide scale block, rescaled into acc
+            for kb in tl.static_range(BK // 32):
+                acc = scaled_block_step(acc, q_ptr, qs_ptr, rm64, mmask, w_ptr, s_ptr, rn, nmask, k0 + kb * 32,
+                                        k_hi, K, s_stride, W_KIND, LOWP)
+    return acc
+
+
+@triton.jit
 def _block_linear_kernel(x_ptr, q_ptr, qs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr,
                          M, N, K, s_stride, k_per_split,
-                         W_KIND: tl.constexpr, SPLIT_K: tl.constexpr,
+                         W_KIND: tl.constexpr, SPLIT_K: tl.constexpr, SERIAL: tl.constexpr,
                          A_TERMS: tl.constexpr, LOWP: tl.constexpr, OUT_BF16: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """One [BM, BN] output tile over one K slice (grid (tiles, SPLIT_K): the slices' partials are
+    added in slice order by `_finish_tile`), or with SERIAL over every K slice of k_per_split in
+    turn, each summed from zero and added to the tile's total in slice order: the same fp32
+    operations as the split launch, in one program (no partials, no counters)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     n_m = tl.cdiv(M, BM)
@@ -84,20 +108,19 @@ def _block_linear_kernel(x_ptr, q_ptr, qs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, 
     mmask = rm < M
     nmask = rn < N
     rm64 = rm.to(tl.int64)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
-    for k0 in range(k_lo, k_hi, BK):
-        if W_KIND == 0:  # plain weight: x as it is, BK-wide dots
-            kk = k0 + tl.arange(0, BK)
-            a = tl.load(x_ptr + rm64[:, None] * K + kk[None, :], mask=mmask[:, None] & (kk[None, :] < k_hi),
-                        other=0.0).to(tl.float32)
-            w = load_weight_tile(w_ptr, s_ptr, rn, k0, N, K, s_stride, BN, BK, W_KIND)
-            acc = split_dot_acc(acc, a, tl.trans(w), A_TERMS, LOWP)
-        else:  # scaled weight: one dot per 32-wide scale block, rescaled into acc
-            for kb in tl.static_range(BK // 32):
-                acc = scaled_block_step(acc, q_ptr, qs_ptr, rm64, mmask, w_ptr, s_ptr, rn, nmask, k0 + kb * 32,
-                                        k_hi, K, s_stride, W_KIND, LOWP)
-    _finish_tile(acc, out_ptr, part_ptr, count_ptr, pid_m * n_n + pid_n, pid_k, rm, rn, M, N, SPLIT_K, OUT_BF16)
+    if SERIAL:
+        tot = tl.zeros((BM, BN), dtype=tl.float32)
+        for s0 in range(0, K, k_per_split):
+            part = tile_k_range(tl.zeros((BM, BN), dtype=tl.float32), x_ptr, q_ptr, qs_ptr, w_ptr, s_ptr, rm64,
+                                 mmask, rn, nmask, s0, tl.minimum(K, s0 + k_per_split), N, K, s_stride, W_KIND,
+                                 A_TERMS, LOWP, BN, BK)
+            tot += part
+        _store_out(out_ptr, tot, rm, rn, M, N, OUT_BF16)
+    else:
+        k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
+        acc = tile_k_range(tl.zeros((BM, BN), dtype=tl.float32), x_ptr, q_ptr, qs_ptr, w_ptr, s_ptr, rm64, mmask,
+                            rn, nmask, k_lo, k_hi, N, K, s_stride, W_KIND, A_TERMS, LOWP, BN, BK)
+        _finish_tile(acc, out_ptr, part_ptr, count_ptr, pid_m * n_n + pid_n, pid_k, rm, rn, M, N, SPLIT_K, OUT_BF16)
 
 
 @triton.jit
@@ -568,13 +591,15 @@ def weight_kind(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
 def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor, *,
                   bm: int | None = None, bn: int | None = None, bk: int | None = None, split_k: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None, path: str | None = None,
-                  qdq_row: bool | None = None, group_m: int | None = None) -> None:
+                  qdq_row: bool | None = None, group_m: int | None = None, serial: bool = False) -> None:
     """out [M, N] (bf16 or fp32) = x2 [M, K] @ dequant(weight)^T; with a scaled weight x2 is
     FP8-quantised first (`fp8_quant`, one pass; in the kernel on the gemv path). The keyword tile
     parameters are for tuning (defaults: the tables above); `path` ("fold" / "gemv" / "tiled")
     overrides the choice of path (FP8 at M <= FOLD_MAX_M: fold, or at M <= XS_MAX_M the
     DSV41_FP8_DECODE choice "xscale" / "place"; other scaled weights at M <= GEMV_DEFAULT_M: gemv;
-    else tiled); `qdq_row` (fold / xscale / place, M = 1) quantises x in the kernel."""
+    else tiled); `qdq_row` (fold / xscale / place, M = 1) quantises x in the kernel. `serial`
+    (tiled path): each program sums the `split_k` K slices itself in slice order, the same
+    result as the split launch (grid (tiles, 1), no partials)."""
     from .fp8_quant import fp8_quant
     from .launch import interpreting, num_workers
 
@@ -641,7 +666,11 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
             split_k = max(1, min(k_steps // 2, -(-DECODE["waves"] * num_workers(x2.device) // n_tiles)))
         else:
             split_k = 1 if not interp else min(2, k_steps)
-    split_k, k_per_split, part, counts = _split_k_buffers(m, n, k, bk, k_steps, split_k, n_tiles, out)
+    if serial:
+        k_per_split = bk * -(-k_steps // split_k)
+        split_k, part, counts = 1, out, out
+    else:
+        split_k, k_per_split, part, counts = _split_k_buffers(m, n, k, bk, k_steps, split_k, n_tiles, out)
     if kind == W_DENSE:
         q = qs = s = x2  # unused placeholders
     else:
@@ -654,7 +683,7 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
                             "num_stages": num_stages or cfg.get("num_stages", 3)}
     _block_linear_kernel[(n_tiles, split_k)](
         x2, q, qs, w, s, out_arg, part, counts, m, n, k, s.shape[1] if scale is not None else 0, k_per_split,
-        W_KIND=kind, SPLIT_K=split_k, A_TERMS=a_terms, LOWP=not interp,
+        W_KIND=kind, SPLIT_K=split_k, SERIAL=serial, A_TERMS=a_terms, LOWP=not interp,
         OUT_BF16=out.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, GROUP_M=group_m or cfg["group_m"], **kw)
 
 

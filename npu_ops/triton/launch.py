@@ -91,17 +91,33 @@ _COUNTERS: dict[tuple, torch.Tensor] = {}
 def tile_counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 per-tile counters for "the last program of a tile finishes it" launches on this
     device and stream (each kernel that bumps a counter resets it to 0, so the buffer stays zero
-    between calls: no memset per call, and kernels on one stream can share it). Made on a
+    between calls: no memset per call, and kernels on one stream can share it). Keyed by the
+    platform's stream (`Platform.stream_key`), so kernels running at once on two streams (the
+    shared expert on the aux stream beside the routed experts) never share counters. Made on a
     stream's first eager call; never inside a graph capture, where the zero fill would only be
     recorded (the graph's first replay, and any other graph or eager call using the buffer
     before it, would count from whatever the memory held): graphs warm up on their capture
     stream first (`Platform.on_capture_stream`)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
+    plat = _platform(device)
+    key = (device.type, device.index, plat.stream_key())
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # (asked only when allocating)
+        if plat.is_capturing():  # (asked only when allocating)
             raise RuntimeError(f"tile_counters: no zeroed counters ({n}) for this stream before the graph capture; "
                                "run the captured work once eagerly on the capture stream first")
         buf = _COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return buf
+
+
+def _platform(device: torch.device):
+    """The device's platform, made once (a lookup per kernel launch must stay cheap)."""
+    key = (device.type, device.index)
+    plat = _PLATFORMS.get(key)
+    if plat is None:
+        from ...backends.platform import platform_for
+
+        plat = _PLATFORMS[key] = platform_for(device)
+    return plat
+
+
+_PLATFORMS: dict[tuple, object] = {}

@@ -38,10 +38,11 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.moe import moe_experts as moe_experts_ref  # noqa: F401  (the oracle)
-from .block_linear import DECODE_MAX_M, weight_kind
+from .block_linear import DECODE_MAX_M, tile_k_range, weight_kind
 from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, bf16_round, fp8_code, fp8_exponent, fp8_qdq_groups,
                            gemv_acc, gemv_load_w, load_weight_tile, pow2, scaled_block_step)
 from .fp4_common import split_dot_acc
+from .launch import tile_counters
 from .moe_fold import MAX_SCALE_BYTE
 from .moe_grouped import sort_rows
 from .swiglu import expert_act
@@ -53,10 +54,63 @@ TILES = {"cuda": {"bn_up": 32, "bn_down": 64, "bk": 128, "num_warps": 4, "num_st
 
 
 @triton.jit
+def _gate_up_range(acc1, acc3, x_ptr, q_ptr, qs_ptr, tok, rmask, w1, s1, w3, s3, rn, nmask, k_lo, k_hi, K, I,
+                   s_stride, W_KIND: tl.constexpr, LOWP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """acc1 / acc3 [BM, BN] + the rows' products with w1 / w3 over K range [k_lo, k_hi)."""
+    for k0 in range(k_lo, k_hi, BK):
+        if W_KIND == 0:
+            kk = k0 + tl.arange(0, BK)
+            a = tl.load(x_ptr + tok[:, None] * K + kk[None, :], mask=rmask[:, None] & (kk[None, :] < k_hi),
+                        other=0.0).to(tl.float32)
+            acc1 = split_dot_acc(acc1, a, tl.trans(load_weight_tile(w1, s1, rn, k0, I, K, s_stride, BN, BK, W_KIND)), 1,
+                                 LOWP)
+            acc3 = split_dot_acc(acc3, a, tl.trans(load_weight_tile(w3, s3, rn, k0, I, K, s_stride, BN, BK, W_KIND)), 1,
+                                 LOWP)
+        else:
+            for kb in tl.static_range(BK // 32):
+                acc1 = scaled_block_step(acc1, q_ptr, qs_ptr, tok, rmask, w1, s1, rn, nmask, k0 + kb * 32, k_hi, K,
+                                         s_stride, W_KIND, LOWP)
+                acc3 = scaled_block_step(acc3, q_ptr, qs_ptr, tok, rmask, w3, s3, rn, nmask, k0 + kb * 32, k_hi, K,
+                                         s_stride, W_KIND, LOWP)
+    return acc1, acc3
+
+
+@triton.jit
+def _slice_partial(part_ptr, acc, offs, omask, which, SPLIT_K: tl.constexpr, slice_stride):
+    """Store this program's K slice (program_id 2) partial of accumulator `which` ([which, slice]
+    blocks of slice_stride floats)."""
+    tl.store(part_ptr + (which * SPLIT_K + tl.program_id(2)) * slice_stride + offs, acc, mask=omask)
+
+
+@triton.jit
+def _slice_last(count_ptr, counter, SPLIT_K: tl.constexpr):
+    """After this program's partials are stored: whether it is the tile's last slice (it then adds
+    the partials and resets the counter)."""
+    tl.debug_barrier()  # every thread's partial is stored before the counter moves
+    return tl.atomic_add(count_ptr + counter, 1, sem="acq_rel") == SPLIT_K - 1
+
+
+@triton.jit
+def _slices_sum(part_ptr, offs, omask, which, SPLIT_K: tl.constexpr, slice_stride, BM: tl.constexpr,
+                BN: tl.constexpr):
+    """Accumulator `which`'s partials added in slice order from zero (".cg": from L2)."""
+    tot = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(SPLIT_K):
+        tot += tl.load(part_ptr + (which * SPLIT_K + k) * slice_stride + offs, mask=omask, other=0.0,
+                       cache_modifier=".cg")
+    return tot
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, q_ptr, qs_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_ptr,
-                    hq_ptr, hs_ptr, hb_ptr, K, I, s_stride, limit,
+                    hq_ptr, hs_ptr, hb_ptr, part_ptr, count_ptr, R, K, I, s_stride, limit, k_per_split,
                     TOPK: tl.constexpr, W_KIND: tl.constexpr, LOWP: tl.constexpr, ALIGN: tl.constexpr,
+                    SPLIT_K: tl.constexpr, SERIAL: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Grid (experts, I / BN, row-tile slots, or with SPLIT_K > 1 the K slices: each program takes
+    every row tile of its expert over its slice, and the tile's last slice adds the partials in
+    slice order). SERIAL: each row tile's K slices of k_per_split in turn, each summed from zero and added
+    in slice order (the split launch's fp32 operations in one program)."""
     e = tl.program_id(0)
     pn = tl.program_id(1)
     rn = pn * BN + tl.arange(0, BN)
@@ -67,71 +121,101 @@ def _gate_up_kernel(x_ptr, q_ptr, qs_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base,
     w3 = w_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 1), ALIGN)
     s1 = s_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 3), ALIGN)
     s3 = s_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 4), ALIGN)
-    # program (e, pn, slot) takes row tiles slot, slot + n_slots, ... of its expert's segment
-    for m0 in range(start + tl.program_id(2) * BM, end, BM * tl.num_programs(2)):
+    if SPLIT_K > 1:
+        first, step = start, BM
+        k_lo = tl.program_id(2) * k_per_split
+        k_hi = tl.minimum(K, k_lo + k_per_split)
+    else:  # program (e, pn, slot) takes row tiles slot, slot + n_slots, ... of its expert's segment
+        first, step = start + tl.program_id(2) * BM, BM * tl.num_programs(2)
+        k_lo, k_hi = 0, K
+    for m0 in range(first, end, step):
         rows = m0 + tl.arange(0, BM)
         rmask = rows < end
         f = tl.load(perm_ptr + rows, mask=rmask, other=0).to(tl.int64)
         tok = f // TOPK
-        acc1 = tl.zeros((BM, BN), dtype=tl.float32)
-        acc3 = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            if W_KIND == 0:
-                kk = k0 + tl.arange(0, BK)
-                a = tl.load(x_ptr + tok[:, None] * K + kk[None, :], mask=rmask[:, None] & (kk[None, :] < K),
-                            other=0.0).to(tl.float32)
-                acc1 = split_dot_acc(acc1, a, tl.trans(load_weight_tile(w1, s1, rn, k0, I, K, s_stride, BN, BK, W_KIND)), 1,
-                                     LOWP)
-                acc3 = split_dot_acc(acc3, a, tl.trans(load_weight_tile(w3, s3, rn, k0, I, K, s_stride, BN, BK, W_KIND)), 1,
-                                     LOWP)
-            else:
-                for kb in tl.static_range(BK // 32):
-                    acc1 = scaled_block_step(acc1, q_ptr, qs_ptr, tok, rmask, w1, s1, rn, nmask, k0 + kb * 32, K, K,
-                                             s_stride, W_KIND, LOWP)
-                    acc3 = scaled_block_step(acc3, q_ptr, qs_ptr, tok, rmask, w3, s3, rn, nmask, k0 + kb * 32, K, K,
-                                             s_stride, W_KIND, LOWP)
-        h = expert_act(acc1, acc3, tl.load(wts_ptr + f, mask=rmask, other=0.0)[:, None], limit)
         rows64 = rows.to(tl.int64)
         omask = rmask[:, None] & nmask[None, :]
-        if W_KIND == 0:  # bf16 experts: the w2 input rounded to bf16
-            tl.store(hb_ptr + rows64[:, None] * I + rn[None, :], bf16_bits16(h), mask=omask)
-        else:  # FP8-quantise the w2 input: this tile's BN = 32 columns are one group
-            ex = fp8_exponent(tl.max(tl.abs(h), axis=1))
-            tl.store(hq_ptr + rows64[:, None] * I + rn[None, :], fp8_code(h * pow2(-ex)[:, None]).to(tl.uint8),
-                     mask=omask)
-            tl.store(hs_ptr + rows64 * (I // 32) + pn, tl.minimum(tl.maximum(ex + 127, 0), 254).to(tl.uint8),
-                     mask=rmask)
+        zero = tl.zeros((BM, BN), dtype=tl.float32)
+        if SERIAL:
+            acc1, acc3 = zero, zero
+            for s0 in range(0, K, k_per_split):
+                p1, p3 = _gate_up_range(zero, zero, x_ptr, q_ptr, qs_ptr, tok, rmask, w1, s1, w3, s3, rn, nmask, s0,
+                                        tl.minimum(K, s0 + k_per_split), K, I, s_stride, W_KIND, LOWP, BN, BK)
+                acc1 += p1
+                acc3 += p3
+            done = True
+        else:
+            acc1, acc3 = _gate_up_range(zero, zero, x_ptr, q_ptr, qs_ptr, tok, rmask, w1, s1, w3, s3, rn, nmask,
+                                        k_lo, k_hi, K, I, s_stride, W_KIND, LOWP, BN, BK)
+            done = True
+            if SPLIT_K > 1:
+                offs = rows64[:, None] * I + rn[None, :]
+                _slice_partial(part_ptr, acc1, offs, omask, 0, SPLIT_K, R * I)
+                _slice_partial(part_ptr, acc3, offs, omask, 1, SPLIT_K, R * I)
+                done = _slice_last(count_ptr, m0 * tl.num_programs(1) + pn, SPLIT_K)
+                if done:
+                    acc1 = _slices_sum(part_ptr, offs, omask, 0, SPLIT_K, R * I, BM, BN)
+                    acc3 = _slices_sum(part_ptr, offs, omask, 1, SPLIT_K, R * I, BM, BN)
+                    tl.atomic_xchg(count_ptr + m0 * tl.num_programs(1) + pn, 0)
+        if done:
+            h = expert_act(acc1, acc3, tl.load(wts_ptr + f, mask=rmask, other=0.0)[:, None], limit)
+            if W_KIND == 0:  # bf16 experts: the w2 input rounded to bf16
+                tl.store(hb_ptr + rows64[:, None] * I + rn[None, :], bf16_bits16(h), mask=omask)
+            else:  # FP8-quantise the w2 input: this tile's BN = 32 columns are one group
+                ex = fp8_exponent(tl.max(tl.abs(h), axis=1))
+                tl.store(hq_ptr + rows64[:, None] * I + rn[None, :], fp8_code(h * pow2(-ex)[:, None]).to(tl.uint8),
+                         mask=omask)
+                tl.store(hs_ptr + rows64 * (I // 32) + pn, tl.minimum(tl.maximum(ex + 127, 0), 254).to(tl.uint8),
+                         mask=rmask)
 
 
 @triton.jit
-def _down_kernel(hb_ptr, hq_ptr, hs_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, y_ptr, I, D, s_stride,
-                 W_KIND: tl.constexpr, LOWP: tl.constexpr, ALIGN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr):
+def _down_kernel(hb_ptr, hq_ptr, hs_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, y_ptr, part_ptr, count_ptr,
+                 R, I, D, s_stride, k_per_split,
+                 W_KIND: tl.constexpr, LOWP: tl.constexpr, ALIGN: tl.constexpr, SPLIT_K: tl.constexpr,
+                 SERIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Grid and K slices as `_gate_up_kernel`."""
     e = tl.program_id(0)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    pn = tl.program_id(1)
+    rn = pn * BN + tl.arange(0, BN)
     nmask = rn < D
     start = tl.load(bounds_ptr + e)
     end = tl.load(bounds_ptr + e + 1)
     w2 = w_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 2), ALIGN)
     s2 = s_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 5), ALIGN)
-    for m0 in range(start + tl.program_id(2) * BM, end, BM * tl.num_programs(2)):
+    if SPLIT_K > 1:
+        first, step = start, BM
+        k_lo = tl.program_id(2) * k_per_split
+        k_hi = tl.minimum(I, k_lo + k_per_split)
+    else:
+        first, step = start + tl.program_id(2) * BM, BM * tl.num_programs(2)
+        k_lo, k_hi = 0, I
+    for m0 in range(first, end, step):
         rows = m0 + tl.arange(0, BM)
         rmask = rows < end
         rows64 = rows.to(tl.int64)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            if W_KIND == 0:
-                kk = k0 + tl.arange(0, BK)
-                a = tl.load(hb_ptr + rows64[:, None] * I + kk[None, :], mask=rmask[:, None] & (kk[None, :] < I),
-                            other=0.0).to(tl.float32)
-                acc = split_dot_acc(acc, a, tl.trans(load_weight_tile(w2, s2, rn, k0, D, I, s_stride, BN, BK, W_KIND)), 1,
-                                    LOWP)
-            else:
-                for kb in tl.static_range(BK // 32):
-                    acc = scaled_block_step(acc, hq_ptr, hs_ptr, rows64, rmask, w2, s2, rn, nmask, k0 + kb * 32, I, I,
-                                            s_stride, W_KIND, LOWP)
-        f = tl.load(perm_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        tl.store(y_ptr + f[:, None] * D + rn[None, :], bf16_round(acc), mask=rmask[:, None] & nmask[None, :])
+        omask = rmask[:, None] & nmask[None, :]
+        zero = tl.zeros((BM, BN), dtype=tl.float32)
+        if SERIAL:
+            acc = zero
+            for s0 in range(0, I, k_per_split):
+                acc += tile_k_range(zero, hb_ptr, hq_ptr, hs_ptr, w2, s2, rows64, rmask, rn, nmask, s0,
+                                    tl.minimum(I, s0 + k_per_split), D, I, s_stride, W_KIND, 1, LOWP, BN, BK)
+            done = True
+        else:
+            acc = tile_k_range(zero, hb_ptr, hq_ptr, hs_ptr, w2, s2, rows64, rmask, rn, nmask, k_lo, k_hi, D, I,
+                               s_stride, W_KIND, 1, LOWP, BN, BK)
+            done = True
+            if SPLIT_K > 1:
+                offs = rows64[:, None] * D + rn[None, :]
+                _slice_partial(part_ptr, acc, offs, omask, 0, SPLIT_K, R * D)
+                done = _slice_last(count_ptr, m0 * tl.num_programs(1) + pn, SPLIT_K)
+                if done:
+                    acc = _slices_sum(part_ptr, offs, omask, 0, SPLIT_K, R * D, BM, BN)
+                    tl.atomic_xchg(count_ptr + m0 * tl.num_programs(1) + pn, 0)
+        if done:
+            f = tl.load(perm_ptr + rows, mask=rmask, other=0).to(tl.int64)
+            tl.store(y_ptr + f[:, None] * D + rn[None, :], bf16_round(acc), mask=omask)
 
 
 @triton.jit
@@ -406,10 +490,19 @@ def rows_pays(device: torch.device, t: int, experts: list, inter: int, d: int) -
             and rows_fits(inter, d))
 
 
+def _k_slices(k: int, bk: int, want: int) -> tuple[int, int]:
+    """(slices, K per slice) for `want` slices of whole BK steps over K (fewer when they do not
+    divide: the same rule as block_linear's split-K)."""
+    k_steps = -(-k // bk)
+    per = bk * -(-k_steps // max(1, want))
+    return -(-k // per), per
+
+
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: list, limit: float,
                 out_dtype: torch.dtype = torch.float32, *, bm: int | None = None, bn_up: int | None = None,
                 bn_down: int | None = None, bk: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, path: str | None = None, **grouped) -> torch.Tensor:
+                num_stages: int | None = None, path: str | None = None, k_split: tuple[int, int] = (1, 1),
+                serial: bool = False, **grouped) -> torch.Tensor:
     """`ops.moe_experts` on a device: x [T, d], weights / ids [T, k] -> [T, d] fp32 (float64
     requested: fp32). Keyword tile parameters are for tuning (defaults: TILES / GEMV_TILES);
     `path` ("rows" / "fold" / "gemv" / "tiled" / "grouped") overrides the choice of path (tests, sweeps);
@@ -422,7 +515,10 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     (`rows_pays`), the fold path for FP4 experts at 1..FOLD_MAX_T tokens on CUDA (`fold_pays`),
     else GEMV at a few tokens, the grouped path on a bf16 scratch of the experts
     for prefill-sized FP4 calls (`moe_grouped.predequant_pays`), the tiled kernels between (on
-    the H200 the grouped path without the scratch did not beat them: benchmarks/RESULTS.md)."""
+    the H200 the grouped path without the scratch did not beat them: benchmarks/RESULTS.md).
+    `k_split` (tiled path): the K slice counts of the gate/up and down kernels, run as programs of
+    their own whose partials the tile's last slice adds in slice order, or with `serial` inside each
+    program in the same order (one result either way)."""
     from .fp8_quant import fp8_quant
     from .launch import interpreting
 
@@ -502,13 +598,23 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     # row-tile slots per expert: 1 (each program walks all of its expert's tiles) for decode;
     # for prefill, enough that each program takes about two tiles
     slots = 1 if t <= DECODE_MAX_M or interp else max(1, -(-r // (bm * min(n_exp, r) * 2)))
-    _gate_up_kernel[(n_exp, -(-inter // bn_up), slots)](
+    (split_up, kps_up), (split_down, kps_down) = (_k_slices(d, bk, k_split[0]), _k_slices(inter, bk, k_split[1]))
+    n_up, n_down = -(-inter // bn_up), -(-d // bn_down)
+    counts = part_up = part_down = y  # unused placeholders without a split launch
+    if not serial and max(split_up, split_down) > 1:
+        counts = tile_counters(x.device, r * max(n_up, n_down))
+        part_up = torch.empty(2 * split_up * r * inter if split_up > 1 else 1, dtype=torch.float32, device=x.device)
+        part_down = torch.empty(split_down * r * d if split_down > 1 else 1, dtype=torch.float32, device=x.device)
+    grid = lambda split: slots if serial or split == 1 else split  # noqa: E731
+    _gate_up_kernel[(n_exp, n_up, grid(split_up))](
         xc, q, qs, perm, bounds, weights.float().contiguous().reshape(-1), w_base, s_base, table,
         hq.view(torch.uint8) if kind != W_DENSE else hq, hs, hb.view(torch.int16) if kind == W_DENSE else hb,
-        d, inter, s_up, float(limit), TOPK=topk, W_KIND=kind, LOWP=not interp, ALIGN=align, BM=bm, BN=bn_up, BK=bk, **kw)
-    _down_kernel[(n_exp, -(-d // bn_down), slots)](
-        hb, hq, hs, perm, bounds, w_base, s_base, table, y, inter, d, s_down, W_KIND=kind, LOWP=not interp, ALIGN=align,
-        BM=bm, BN=bn_down, BK=bk, **kw)
+        part_up, counts, r, d, inter, s_up, float(limit), kps_up, TOPK=topk, W_KIND=kind, LOWP=not interp, ALIGN=align,
+        SPLIT_K=1 if serial else split_up, SERIAL=serial and split_up > 1, BM=bm, BN=bn_up, BK=bk, **kw)
+    _down_kernel[(n_exp, n_down, grid(split_down))](
+        hb, hq, hs, perm, bounds, w_base, s_base, table, y, part_down, counts, r, inter, d, s_down, kps_down,
+        W_KIND=kind, LOWP=not interp, ALIGN=align, SPLIT_K=1 if serial else split_down,
+        SERIAL=serial and split_down > 1, BM=bm, BN=bn_down, BK=bk, **kw)
     cb = min(1024, triton.next_power_of_2(d))
     _combine_kernel[(t, -(-d // cb))](y, ids.contiguous(), out, d, TOPK=topk, BLOCK=cb)
     return out
