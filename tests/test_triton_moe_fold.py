@@ -122,15 +122,21 @@ def test_fold_refuses_large_scales(rng):
         me.moe_experts(x, torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long), ex, 10.0, path="fold")
 
 
-def test_fold_pays(rng, monkeypatch):
-    """The default takes the fold path exactly for foldable FP4 experts at 1..FOLD_MAX_T tokens
-    on CUDA (the interpreters keep the old default)."""
+def pays_case(rng, monkeypatch):
+    """For the tests of the default-path choosers: two FP4 experts (width 128, d 256, their table
+    built), the CUDA device, and a function that makes `launch.interpreting` answer as told."""
     from dsv41.npu_ops.triton import launch
 
     ex = [(weight("fp4", 128, 256, rng), weight("fp4", 256, 128, rng), weight("fp4", 128, 256, rng)) for _ in range(2)]
     me._expert_table(ex, torch.device("cpu"))
-    cuda = torch.device("cuda")
     monkeypatch.setattr(launch, "interpreting", lambda: False)
+    return ex, torch.device("cuda"), lambda on: monkeypatch.setattr(launch, "interpreting", lambda: on)
+
+
+def test_fold_pays(rng, monkeypatch):
+    """The default takes the fold path exactly for foldable FP4 experts at 1..FOLD_MAX_T tokens
+    on CUDA (the interpreters keep the old default)."""
+    ex, cuda, interpreting = pays_case(rng, monkeypatch)
     assert me.fold_pays(cuda, 1, ex, 128, 256) and me.fold_pays(cuda, me.FOLD_MAX_T, ex, 128, 256)
     assert not me.fold_pays(cuda, me.FOLD_MAX_T + 1, ex, 128, 256)
     assert not me.fold_pays(torch.device("cpu"), 1, ex, 128, 256)
@@ -138,7 +144,7 @@ def test_fold_pays(rng, monkeypatch):
     big = [(quant.fp4_weight_quant(torch.full((128, 256), 100.0)),) + e[1:] for e in ex]
     me._expert_table(big, torch.device("cpu"))
     assert not me.fold_pays(cuda, 1, big, 128, 256)
-    monkeypatch.setattr(launch, "interpreting", lambda: True)
+    interpreting(True)
     assert not me.fold_pays(cuda, 1, ex, 128, 256)
 
 

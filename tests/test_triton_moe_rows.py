@@ -18,7 +18,7 @@ from _triton import DEVICES, cuda_only, triton  # noqa: F401  (sets TRITON_INTER
 from test_triton_block_linear import weight  # noqa: E402  (the random weights in storage formats)
 from test_triton_moe_grouped import check as grouped_check  # noqa: E402  (inputs, reference, bound)
 from test_triton_moe_grouped import every_code_weight  # noqa: E402
-from test_triton_moe_fold import assert_default_reaches, poison_buffers  # noqa: E402  (shared with the fold tests)
+from test_triton_moe_fold import assert_default_reaches, pays_case, poison_buffers  # noqa: E402  (shared)
 
 from dsv41.backends.reference.basic import dequant_weight  # noqa: E402
 from dsv41.npu_ops.triton import moe_experts as me  # noqa: E402
@@ -123,12 +123,7 @@ def test_rows_refuses(rng):
 def test_rows_pays(rng, monkeypatch):
     """The default takes the rows path exactly for word-aligned FP4 experts at 1..ROWS_DEFAULT_T
     tokens and widths it takes, on CUDA (the interpreters keep the old default)."""
-    from dsv41.npu_ops.triton import launch
-
-    ex = [(weight("fp4", 128, 256, rng), weight("fp4", 256, 128, rng), weight("fp4", 128, 256, rng)) for _ in range(2)]
-    me._expert_table(ex, torch.device("cpu"))
-    cuda = torch.device("cuda")
-    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    ex, cuda, interpreting = pays_case(rng, monkeypatch)
     assert me.rows_pays(cuda, 1, ex, 128, 256) and me.rows_pays(cuda, me.ROWS_DEFAULT_T, ex, 128, 256)
     assert not me.rows_pays(cuda, me.ROWS_DEFAULT_T + 1, ex, 128, 256)
     assert not me.rows_pays(torch.device("cpu"), 1, ex, 128, 256)
@@ -136,7 +131,7 @@ def test_rows_pays(rng, monkeypatch):
     fp8 = [(weight("fp8", 128, 256, rng), weight("fp8", 256, 128, rng), weight("fp8", 128, 256, rng))]
     me._expert_table(fp8, torch.device("cpu"))
     assert not me.rows_pays(cuda, 1, fp8, 128, 256)
-    monkeypatch.setattr(launch, "interpreting", lambda: True)
+    interpreting(True)
     assert not me.rows_pays(cuda, 1, ex, 128, 256)
 
 
