@@ -253,6 +253,22 @@ def test_mhc_row_alone_equals_batch(invariant, dev, rng):
     rows_alone_equal_batch(lambda a: ops.sinkhorn(a, 5, 1e-6), (logits,), lambda i: (logits[i:i + 1],), (0, 36))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", DEVICES[1:])
+def test_mhc_row_alone_equals_batch_at_model_width_gpu(invariant, dev, rng):
+    """mHC at the mini width (d 5120) and a prefill-sized batch: the coefficients of a row alone
+    equal that row's in the batch. (With 40 d chunks the coefficient epilogue grouped the chunk
+    partials by its tokens per tile, which broke greedy = prefill on mini; narrow widths hide it.)"""
+    x, y, post, comb, pre, fn, scale, base = on(dev, *mhc_inputs(rng, 48, 5120))
+    sl = lambda i: [a[i:i + 1] for a in (x, y, post, comb, pre)]  # noqa: E731
+    mix = lambda *a: torch.cat([a[0].flatten(1), a[1], *(c.flatten(1) for c in a[2])], 1)  # noqa: E731
+    rows_alone_equal_batch(lambda *a: mix(*ops.mhc_mix(*a, fn, scale, base, 1e-6, 1e-6, 20)),
+                           (x, y, post, comb, pre), sl, (0, 47))
+    rows_alone_equal_batch(lambda a: torch.cat([c.flatten(1) for c in ops.mhc_mixes(a, fn, scale, base, 1e-6, 1e-6,
+                                                                                    20)], 1),
+                           (x,), lambda i: (x[i:i + 1],), (0, 47))
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 def test_sparse_attention_query_alone_equals_batch(invariant, dev, rng, monkeypatch):
     q, swa_kv, swa_scale, win, glob_kv, glob_scale, glob_idx, sink = on(dev, *attention_inputs(rng, 37, 16, 64, 24,

@@ -48,7 +48,8 @@ Where the default path depends on the row count M (T tokens), and what this modu
   tiles, one K slice.
 - `mhc_mix` (mega_mhc.py) and `mhc_mixes` (mhc_mixes.py): the d chunks per token tile (whose
   partial sums are added in the coefficient epilogue) grow when few token tiles would leave SMs
-  idle. Here a d split set by d alone (`MHC_CHUNK`).
+  idle. Here the table's fixed d split (`MHC_CHUNK`: a chunking by d alone broke greedy =
+  prefill through the coefficient epilogue's T-dependent grouping of the chunk partials).
 - `sparse_attention` (sparse_attention.py): the decode tile table (128-channel blocks) at
   T <= 16, and flash-decoding splits of a query's entry blocks chosen by the tile count
   (merged by `_combine_kernel`). Here the main table and `attention_splits` splits of a query's
@@ -205,9 +206,15 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
                                image_bias=image_bias, is_image=is_image, _cfg=ROUTE_TILES[_key(x.device)])
 
 
-# mHC: the d chunks per token tile, by the width alone: MHC_CHUNK columns each on CUDA (40 chunks at
-# d = 5120: a one-token call still spreads over the SMs), at least the table's split elsewhere.
-MHC_CHUNK = {"cuda": 128, "interp": None}
+# mHC: the d chunks per token tile, by the width alone: MHC_CHUNK columns each (None: the table's
+# split). Not on CUDA: 128-column chunks (40 at d = 5120) cut the mode's batch-1 mHC time 586 -> 139
+# us a step on the H200 but broke greedy = prefill on mini (1024-token prompt: 0.83 of positions,
+# logits off by 0.29; with the table's split and every other split kept, 1.000 and 0 difference;
+# 2026-12-01). Likely cause: the coefficient epilogue adds the chunk partials CB chunks per step,
+# and CB follows its tokens per tile (`mega_mhc.coef_chunk_block(coef_tokens(T))`: 128 at one
+# token, 8 at 16), so more chunks than 8 are grouped differently at decode and at prefill. A
+# chunked split needs that grouping fixed first.
+MHC_CHUNK = {"cuda": None, "interp": None}
 
 
 def _mhc_d_split(x: torch.Tensor) -> int:
