@@ -119,6 +119,8 @@ class _Walker:
             return self.base(expr.left, env)
         if isinstance(expr, ast.IfExp):
             return self.base(expr.body, env) | self.base(expr.orelse, env)
+        if isinstance(expr, ast.Subscript):  # p[:, None]: a pointer tensor broadcast, same base
+            return self.base(expr.value, env)
         if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute):
             if expr.func.attr == "to":
                 return self.base(expr.func.value, env)
