@@ -237,16 +237,22 @@ def test_moe_route_row_alone_equals_batch(invariant, dev, rng):
                                out_of=lambda r: r[part])
 
 
-@pytest.mark.parametrize("dev", DEVICES)
-def test_mhc_row_alone_equals_batch(invariant, dev, rng):
-    x, y, post, comb, pre, fn, scale, base = on(dev, *mhc_inputs(rng, 37, 64))
+def mhc_rows_alone_equal_batch(dev, rng, t: int, d: int, iters: int):
+    """`mhc_mix` and `mhc_mixes` over t rows of width d: rows 0 and t - 1 alone equal the batch's."""
+    x, y, post, comb, pre, fn, scale, base = on(dev, *mhc_inputs(rng, t, d))
     sl = lambda i: [a[i:i + 1] for a in (x, y, post, comb, pre)]  # noqa: E731
     mix = lambda *a: torch.cat([a[0].flatten(1), a[1], *(c.flatten(1) for c in a[2])], 1)  # noqa: E731
-    rows_alone_equal_batch(lambda *a: mix(*ops.mhc_mix(*a, fn, scale, base, 1e-6, 1e-6, 3)),
-                           (x, y, post, comb, pre), sl, (0, 36))
+    rows_alone_equal_batch(lambda *a: mix(*ops.mhc_mix(*a, fn, scale, base, 1e-6, 1e-6, iters)),
+                           (x, y, post, comb, pre), sl, (0, t - 1))
     rows_alone_equal_batch(lambda a: torch.cat([c.flatten(1) for c in ops.mhc_mixes(a, fn, scale, base, 1e-6, 1e-6,
-                                                                                    3)], 1),
-                           (x,), lambda i: (x[i:i + 1],), (0, 36))
+                                                                                    iters)], 1),
+                           (x,), lambda i: (x[i:i + 1],), (0, t - 1))
+    return x, y, post, comb
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_mhc_row_alone_equals_batch(invariant, dev, rng):
+    x, y, post, comb = mhc_rows_alone_equal_batch(dev, rng, 37, 64, 3)
     rows_alone_equal_batch(ops.mhc_update, (x, y, post, comb), lambda i: [a[i:i + 1] for a in (x, y, post, comb)],
                            (0, 36))
     logits, = on(dev, torch.randn(37, 4, 4, generator=rng) * 2)
@@ -259,14 +265,7 @@ def test_mhc_row_alone_equals_batch_at_model_width_gpu(invariant, dev, rng):
     """mHC at the mini width (d 5120) and a prefill-sized batch: the coefficients of a row alone
     equal that row's in the batch. (With 40 d chunks the coefficient epilogue grouped the chunk
     partials by its tokens per tile, which broke greedy = prefill on mini; narrow widths hide it.)"""
-    x, y, post, comb, pre, fn, scale, base = on(dev, *mhc_inputs(rng, 48, 5120))
-    sl = lambda i: [a[i:i + 1] for a in (x, y, post, comb, pre)]  # noqa: E731
-    mix = lambda *a: torch.cat([a[0].flatten(1), a[1], *(c.flatten(1) for c in a[2])], 1)  # noqa: E731
-    rows_alone_equal_batch(lambda *a: mix(*ops.mhc_mix(*a, fn, scale, base, 1e-6, 1e-6, 20)),
-                           (x, y, post, comb, pre), sl, (0, 47))
-    rows_alone_equal_batch(lambda a: torch.cat([c.flatten(1) for c in ops.mhc_mixes(a, fn, scale, base, 1e-6, 1e-6,
-                                                                                    20)], 1),
-                           (x,), lambda i: (x[i:i + 1],), (0, 47))
+    mhc_rows_alone_equal_batch(dev, rng, 48, 5120, 20)
 
 
 @pytest.mark.parametrize("dev", DEVICES)
