@@ -430,11 +430,12 @@ def sweep_moe_decode(rows, copy, tokens=(1, 2, 4, 8, 16, 32, 64)):
             print(rows[-1], flush=True)
 
 
-def sweep_moe_fp8(rows, copy, tokens=(1, 8, 16, 64)):
+def sweep_moe_bytes(rows, copy, tokens=(1, 8, 16, 64)):
     """The folded FP4 decode path (`moe_fold`, mini preset: 16 experts, d 5120, width 2304, top-6)
-    with bf16 dots (weights turned into bf16) against its FP8-dot variant (`fp8=True`: E2M1
-    nibbles placed as E4M3 bytes, one FP8 dot per 32-wide block, both scales on the block's sum)
-    and that variant's tiles; where the time goes (both variants' kernels) at T = 8 and 64."""
+    with its weight tiles built from int32 words (`fp4_tile_bf16`) against tiles built from bytes
+    (`byte_tiles=True`, `fp4_bytes_bf16`: each thread loads the bytes of its own wgmma operand
+    fragment, no shared-memory round trip of the converted tile) and that variant's tiles; where
+    the time goes (both variants' kernels) at T = 8 and 64."""
     from dsv41.backends.reference.basic import fp32_accumulation
     from dsv41.backends.reference.moe import moe_experts as moe_ref
     from dsv41.npu_ops.triton import moe_experts as me
@@ -444,17 +445,19 @@ def sweep_moe_fp8(rows, copy, tokens=(1, 8, 16, 64)):
     f = "fold"
     for t in tokens:
         x, ids, wts, want, active, nbytes = _moe_case(t, experts, d, inter, n_exp, topk, moe_ref, fp32_accumulation)
-        extra = [dict(split=1)] if t == 8 else [dict(bm=16), dict(num_stages=4)] if t == 64 else []
-        for v in [dict(path=f, fp8=False), dict(path=f, fp8=True)] + [dict(v, path=f, fp8=True) for v in extra]:
+        extra = ([dict(split=1), dict(split=2)] if t == 8 else [dict(bm=64), dict(num_stages=4)] if t == 64 else
+                 [dict(num_stages=4)] if t == 1 else [])
+        for v in [dict(path=f, byte_tiles=False), dict(path=f, byte_tiles=True)] + \
+                [dict(v, path=f, byte_tiles=True) for v in extra]:
             name = "moe fp4 " + " ".join(f"{a}={b}" for a, b in v.items())
             _variant_row(rows, name, f"T={t} {active} experts", lambda x=x, ids=ids, wts=wts, v=v:
                          me.moe_experts(x, wts, ids, experts, 10.0, **v), want, nbytes, 2 * t * topk * 3 * inter * d,
                          copy)
         if t in (8, 64):
-            for fp8 in (False, True):
-                rows.append(f"| moe fold fp8={fp8} kernels | T={t} | " + kernel_times(
-                    lambda x=x, ids=ids, wts=wts, fp8=fp8: me.moe_experts(x, wts, ids, experts, 10.0, path=f,
-                                                                          fp8=fp8)) + " |")
+            for byte_tiles in (False, True):
+                rows.append(f"| moe fold byte_tiles={byte_tiles} kernels | T={t} | " + kernel_times(
+                    lambda x=x, ids=ids, wts=wts, b=byte_tiles: me.moe_experts(x, wts, ids, experts, 10.0, path=f,
+                                                                               byte_tiles=b)) + " |")
                 print(rows[-1], flush=True)
 
 
@@ -654,7 +657,8 @@ def sweep_dense(rows, copy, tokens=(1, 8, 64)):
 
 SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_indexer, "engram_lookup": sweep_engram,
           "fp4_quant": sweep_fp4_quant, "mhc_mix": sweep_mhc_mix, "linear": sweep_linear, "moe_experts": sweep_moe,
-          "moe_decode": sweep_moe_decode, "moe_rows": sweep_moe_rows, "moe_fp8": sweep_moe_fp8, "decode": sweep_decode, "dense": sweep_dense}
+          "moe_decode": sweep_moe_decode, "moe_rows": sweep_moe_rows, "moe_bytes": sweep_moe_bytes,
+          "decode": sweep_decode, "dense": sweep_dense}
 
 
 def main() -> int:
@@ -674,7 +678,7 @@ def main() -> int:
     for name in a.only.split(","):
         kw = {}
         if a.tokens and name in ("sparse_attention", "indexer_topk", "dense", "moe_experts", "moe_decode", "moe_rows",
-                                 "moe_fp8"):
+                                 "moe_bytes"):
             kw["tokens"] = tuple(int(x) for x in a.tokens.split(","))
         if name in ("sparse_attention", "indexer_topk", "moe_rows"):
             kw["check_only"] = a.check_only

@@ -85,30 +85,44 @@ def test_fold_dequant_bit_exact(dev):
 
 
 @triton.jit
-def _e4m3_kernel(w_ptr, out_ptr, K, BN: tl.constexpr, ASM: tl.constexpr):
-    """out [BN, K] fp32 = the FP8 dots' weight tiles (`e2m1_e4m3`, E4M3 bytes) as fp32 values,
-    written back in natural K order."""
-    rn = tl.arange(0, BN)
-    kcol = mf.f8_order(tl.arange(0, 32))
-    for k0 in range(0, K, 32):
-        b = tl.load(w_ptr + rn[:, None] * (K // 2) + k0 // 2 + tl.arange(0, 16)[None, :])
-        tl.store(out_ptr + rn[:, None] * K + k0 + kcol[None, :], mf.e2m1_e4m3(b, BN, 16, ASM).to(tl.float32))
+def _dequant_bytes_kernel(w_ptr, s_ptr, out_ptr, K, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr,
+                          LOWP: tl.constexpr):
+    """out [BN, K] fp32 = the tiles `fp4_bytes_bf16` builds from bytes, in natural K order."""
+    rn = tl.arange(0, BN).to(tl.int64)
+    kcol = mf.byte_order(tl.arange(0, BK), BK)
+    for k0 in range(0, K, BK):
+        w = mf.fp4_bytes_bf16(w_ptr, s_ptr, rn, k0, K // 32, K // 2, BN, BK, ASM, LOWP)
+        tl.store(out_ptr + rn[:, None] * K + k0 + kcol[None, :], w.to(tl.float32))
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-def test_fold_e4m3_placement_exact(dev):
-    """Every byte (each E2M1 code in both nibbles, with every other code beside it), placed as
-    E4M3 (the FP8 dots' weight operand): exactly the E2M1 value times 2^-6 (0.5 included: E4M3's
-    subnormal), in `f8_order`."""
-    w = torch.arange(256, dtype=torch.uint8).reshape(16, 16).view(torch.int8)
+def test_fold_bytes_dequant_bit_exact(dev):
+    """The byte-tile conversion (`fp4_bytes_bf16`: the four values of each nibble position beside
+    every other code, at every scale byte 1..128) equals the word conversion's values: bit-equal to
+    the reference dequantisation where the result is normal, 0.5 at byte 1 exact or flushed."""
+    w, s = every_code_weight(mf.MAX_SCALE_BYTE, 8)
+    w = w.view(torch.uint8)
+    w = torch.cat([w, (w >> 4) | (w << 4)])  # every code in both nibbles
+    s = torch.cat([s, s])
     n, k = w.shape[0], w.shape[1] * 2
-    s = torch.full((n, 1), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)  # scale 1
-    want = dequant_weight(w, s).double() * 2.0 ** -6
-    assert (want != 0).sum() == 14 * 16 * 2  # codes 0 and 8 (+-0) aside, all nonzero
+    want = dequant_weight(w.view(torch.int8), s).double()
     out = torch.full((n, k), float("nan"), dtype=torch.float32, device=dev)
-    _e4m3_kernel[(1,)](w.view(torch.uint8).to(dev), out, k, BN=n, ASM=not interpreting())
-    assert torch.equal(out.cpu().double(), want)
-    assert mf.f8_position(mf.f8_order(torch.arange(64))).equal(torch.arange(64))
+    _dequant_bytes_kernel[(1,)](w.to(dev), s.view(torch.uint8).to(dev), out, k, BN=n, BK=128,
+                                ASM=not interpreting(), LOWP=not interpreting())
+    got = out.cpu().double()
+    normal = (want.abs() >= 2.0 ** -126) | (want == 0)
+    assert (~normal).sum() == 8  # 0.5 and -0.5, twice each per nibble position, at byte 1
+    assert torch.equal(got[normal], want[normal])
+    assert ((got[~normal] == want[~normal]) | (got[~normal] == 0)).all()
+
+
+def test_byte_order_is_a_permutation():
+    """`byte_order` permutes each BK-wide tile and `byte_position` undoes it."""
+    for bk in (128, 256):
+        i = torch.arange(3 * bk)
+        order = mf.byte_order.fn(i, bk)
+        assert torch.equal(order.sort().values, i) and torch.equal(order // bk, i // bk)
+        assert torch.equal(mf.byte_position.fn(order, bk), i)
 
 
 def check(dev, t, n_exp, topk, d, inter, rng, used=None, **tiles):
@@ -141,16 +155,16 @@ def test_fold_weight_right(dev, t, rng, poisoned):
 
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("t", [1, 3, 20])
-def test_fold_fp8_decode_batches(dev, t, rng, poisoned):
-    """The FP8-dot variant (E4M3-placed weights, one dot per 32-wide block, both scales on its
-    sum) at the shapes of test_fold_decode_batches."""
-    check(dev, t, 8, 4, 256, 128, rng, used=7, bm=16, fp8=True)
+def test_fold_byte_tiles_decode_batches(dev, t, rng, poisoned):
+    """The byte-tile variant (weight tiles from bytes in `byte_order`, x and h stored in it) at the
+    shapes of test_fold_decode_batches."""
+    check(dev, t, 8, 4, 256, 128, rng, used=7, bm=16, byte_tiles=True)
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-def test_fold_fp8_split_k(dev, rng, poisoned):
-    """The FP8-dot variant with the gate/up K range in slices (its epilogue kernel stores codes)."""
-    check(dev, 5, 8, 4, 512, 128, rng, used=7, split=2, fp8=True)
+def test_fold_byte_tiles_split_k(dev, rng, poisoned):
+    """The byte-tile variant with the gate/up K range in slices (the epilogue kernel stores h)."""
+    check(dev, 5, 8, 4, 512, 128, rng, used=7, split=2, byte_tiles=True)
 
 
 def test_fold_refuses_large_scales(rng):
@@ -222,21 +236,21 @@ def test_fold_weight_right_gpu(dev, t, rng, poisoned):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", [DEVICES[1]])
 @pytest.mark.parametrize("t", [1, 2, 8, 16, 33, 64])
-def test_fold_fp8_model_shapes_gpu(dev, t, rng, poisoned):
-    check(dev, t, 16, 6, 1024, 512, rng, used=14, fp8=True)
+def test_fold_byte_tiles_model_shapes_gpu(dev, t, rng, poisoned):
+    check(dev, t, 16, 6, 1024, 512, rng, used=14, byte_tiles=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", [DEVICES[1]])
 @pytest.mark.parametrize("t", [1, 16])
-def test_fold_fp8_split_k_gpu(dev, t, rng, poisoned):
-    check(dev, t, 16, 6, 1024, 512, rng, used=14, split=4, fp8=True)
+def test_fold_byte_tiles_split_k_gpu(dev, t, rng, poisoned):
+    check(dev, t, 16, 6, 1024, 512, rng, used=14, split=4, byte_tiles=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", [DEVICES[1]])
 @pytest.mark.parametrize("t", [8, 64])
-def test_fold_fp8_mini_widths_gpu(dev, t, rng, poisoned):
-    """The mini preset's widths (d 5120, width 2304: 160 / 72 scale blocks per row), 4 experts
-    (the fp64 reference's dequantised copies stay small)."""
-    check(dev, t, 4, 4, 5120, 2304, rng, fp8=True)
+def test_fold_byte_tiles_mini_widths_gpu(dev, t, rng, poisoned):
+    """The mini preset's widths (d 5120, width 2304: 40 / 18 K tiles), 4 experts (the fp64
+    reference's dequantised copies stay small)."""
+    check(dev, t, 4, 4, 5120, 2304, rng, byte_tiles=True)

@@ -101,10 +101,11 @@ MOE_SPLIT = {"cuda": dict(programs=256, min_steps=2, parallel_rows=512),
              "interp": dict(programs=32, min_steps=2, parallel_rows=8)}
 # FP4 experts the folded kernels take (moe_fold): their one-token tiles with a 16-row tile for
 # every token count (a row is one column of the weight-left dot, so its sums do not depend on the
-# rows beside it; more rows loop over row tiles) and one K slice. None: every expert on the tiled kernels.
-MOE_FOLD_TILES = {"cuda": dict(rb=16, bn_up=64, bn_down=64, bk=128, split=1, w_left=True, num_warps=4,
-                               num_stages=3),
-                  "interp": dict(rb=16, bn_up=32, bn_down=32, bk=128, split=1, w_left=True)}
+# rows beside it; more rows loop over row tiles), one K slice, weight tiles from int32 words
+# (named: the default's choice may depend on the token count). None: every expert on the tiled kernels.
+MOE_FOLD_TILES = {"cuda": dict(rb=16, bn_up=64, bn_down=64, bk=128, split=1, w_left=True, byte_tiles=False,
+                               num_warps=4, num_stages=3),
+                  "interp": dict(rb=16, bn_up=32, bn_down=32, bk=128, split=1, w_left=True, byte_tiles=False)}
 # sparse_attention: each query's entry blocks (window blocks, then selected blocks) in splits of
 # `blocks` blocks whatever the query count (flash-decoding; the splits merged in a fixed order by
 # the combine kernel); the queries go in chunks whose split partials stay under

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_scaled import bf16_round, e8m0_value, fp8_code, fp8_exponent, fp8_qdq_groups, pow2
+from .block_scaled import bf16_round, e2m1_value, e8m0_value, fp8_qdq_groups, pow2
 from .swiglu import expert_act
 
 # Tiles by token count, (most tokens, tiles): BN weight rows per program (gate/up, down), BK along
@@ -146,6 +146,94 @@ def fp4_tile_bf16(w_ptr, s_ptr, rn, kw0, s_stride, w_stride, BN: tl.constexpr, B
     return tl.reshape(_halves(tl.join(tl.join(r0, r1), tl.join(r2, r3)), LOWP), (BN, BK))
 
 
+# E2M1 bytes -> bf16 with the scale folded in, 4 bytes ($4) per call: prmt spreads bytes 0, 1 and
+# 2, 3 into the 16-bit halves of two registers; each nibble's sign goes to bit 15 and its three
+# magnitude bits to bits 8..6 of its half (the value times 2^-126, as `_place`), and one
+# mul.rn.bf16x2 by the halves' factors 2^(s - 1) ($5: elements 0, 1; $6: elements 2, 3) scales
+# them. Out: $0, $1 the four low nibbles' values, $2, $3 the four high nibbles'.
+_E2M1_BF16X4_ASM = tl.constexpr("""{
+.reg .b32 t0, t1, a, b;
+prmt.b32 t0, $4, 0, 0x4140; prmt.b32 t1, $4, 0, 0x4342;
+shl.b32 a, t0, 12; and.b32 a, a, 0x80008000; shl.b32 b, t0, 6; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;
+mul.rn.bf16x2 $0, a, $5;
+shl.b32 a, t1, 12; and.b32 a, a, 0x80008000; shl.b32 b, t1, 6; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;
+mul.rn.bf16x2 $1, a, $6;
+shl.b32 a, t0, 8; and.b32 a, a, 0x80008000; shl.b32 b, t0, 2; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;
+mul.rn.bf16x2 $2, a, $5;
+shl.b32 a, t1, 8; and.b32 a, a, 0x80008000; shl.b32 b, t1, 2; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;
+mul.rn.bf16x2 $3, a, $6;
+}""")
+
+
+@triton.jit
+def byte_order(i, BK: tl.constexpr):
+    """The activation column to load at tile column i of a tile built by `fp4_bytes_bf16`: inside
+    each BK-wide tile, the low nibbles of its BK / 2 bytes, then their high nibbles, each half in
+    the byte order of `_fragment_bytes` (tile column 16a + 8h + 2c + i of a half <- byte
+    16a + 4c + 2h + i); `byte_position` is the inverse."""
+    p = i % BK
+    q = p % (BK // 2)
+    j = q - q % 16 + ((q // 2) % 4) * 4 + ((q // 8) % 2) * 2 + q % 2
+    return i - p + 2 * j + p // (BK // 2)
+
+
+@triton.jit
+def byte_position(c, BK: tl.constexpr):
+    """The tile column of natural column c (the inverse of `byte_order`)."""
+    p = c % BK
+    j = p // 2
+    r = j % 16
+    return c - p + (p % 2) * (BK // 2) + j - r + ((r // 2) % 2) * 8 + (r // 4) * 2 + r % 2
+
+
+@triton.jit
+def _fragment_bytes(b, BN: tl.constexpr, C: tl.constexpr):
+    """Bytes [BN, C] reordered inside each 16 (one scale block) so that the 4 bytes behind one
+    thread's bf16 wgmma A-operand registers of a 16-wide K step (columns 2c, 2c + 1, 2c + 8,
+    2c + 9) are 4 consecutive loaded bytes 4c .. 4c + 3 (one 32-bit shared-memory load, no byte
+    repacking): column 16a + 8h + 2c + i <- byte 16a + 4c + 2h + i."""
+    return tl.reshape(tl.permute(tl.reshape(b, (BN, C // 16, 4, 2, 2)), (0, 1, 3, 2, 4)), (BN, C))
+
+
+@triton.jit
+def fp4_bytes_bf16(w_ptr, s_ptr, rn64, k0, s_stride, w_stride, BN: tl.constexpr, BK: tl.constexpr,
+                   ASM: tl.constexpr, LOWP: tl.constexpr):
+    """Weight rows rn [BN], K columns k0 .. k0 + BK of a packed FP4 matrix (bytes, row stride
+    w_stride; E8M0 scale bytes, row stride s_stride) -> [BN, BK] exact bf16 (LOWP) or fp32 values
+    with the scale folded in, K in `byte_order`. The weight is loaded as bytes (not words), so
+    the compiler can give each thread the bytes of its own dot-operand fragment and the tile never
+    goes through shared memory after its load. No masks (whole tiles: the launcher checks)."""
+    b = _fragment_bytes(tl.load(w_ptr + rn64[:, None] * w_stride + k0 // 2 + tl.arange(0, BK // 2)[None, :]), BN,
+                        BK // 2)
+    sb = tl.load(s_ptr + rn64[:, None] * s_stride + k0 // 32 + tl.arange(0, BK // 32)[None, :]).to(tl.int32)
+    if ASM:
+        f = (((sb + 126) << 7).to(tl.int16)).to(tl.bfloat16, bitcast=True)  # 2^(s - 1)
+        f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, BK // 32, 16)), (BN, BK // 2))
+        lo, hi = tl.inline_asm_elementwise(_E2M1_BF16X4_ASM, "=r,=r,=r,=r,r,r,r", [b, f],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        f = tl.reshape(tl.broadcast_to(e8m0_value(sb)[:, :, None], (BN, BK // 32, 16)), (BN, BK // 2))
+        c = b.to(tl.int32)
+        lo = e2m1_value(c & 15) * f
+        hi = e2m1_value((c >> 4) & 15) * f
+    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BN, BK))
+
+
+@triton.jit
+def _tile(w_ptr, s_ptr, rn, k0, s_stride, K, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr,
+          LOWP: tl.constexpr, BYTES: tl.constexpr):
+    """Weight rows rn, K columns k0 .. k0 + BK of expert matrix w_ptr (int32 words; scales s_ptr as
+    int32 words of 4 bytes, row stride s_stride bytes; K columns a row) with the scale folded in:
+    from words (`fp4_tile_bf16`, `word_order`) or, BYTES, from bytes (`fp4_bytes_bf16`,
+    `byte_order`)."""
+    if BYTES:
+        w = fp4_bytes_bf16(w_ptr.to(tl.pointer_type(tl.uint8)), s_ptr.to(tl.pointer_type(tl.uint8)),
+                           rn.to(tl.int64), k0, s_stride, K // 2, BN, BK, ASM, LOWP)
+    else:
+        w = fp4_tile_bf16(w_ptr, s_ptr, rn, k0 // 8, s_stride // 4, K // 8, BN, BK, ASM, LOWP)
+    return w
+
+
 @triton.jit
 def _expert_ptrs(w_base, s_base, table_ptr, e, which: tl.constexpr, ALIGN: tl.constexpr):
     """Expert e's matrix `which` (0: w1, 1: w3, 2: w2) and its scales as int32 word pointers
@@ -193,21 +281,26 @@ def _rows_first(acc, W_LEFT: tl.constexpr):
 
 
 @triton.jit
-def _act_store(g, u, p, pmask, wts_ptr, f, h_ptr, I, rn, limit, RB: tl.constexpr, BN: tl.constexpr):
+def _act_store(g, u, p, pmask, wts_ptr, f, h_ptr, I, rn, limit, RB: tl.constexpr, BN: tl.constexpr,
+               BYTES: tl.constexpr, BK_DOWN: tl.constexpr):
     """The gate/up epilogue of rows p [RB] (flat rows f), columns rn [BN]: clamped SwiGLU of the
     fp32 sums g, u [RB, BN], routing weight, FP8 quantise-dequantise per 32 columns (BN % 32 ==
     0: whole groups), stored in the word order of the w2 tiles (the down kernel's loads are then
-    contiguous)."""
+    contiguous; BYTES: the `byte_order` of BK_DOWN-wide tiles)."""
     h = expert_act(g, u, tl.load(wts_ptr + f, mask=pmask, other=0.0)[:, None], limit)
     h = fp8_qdq_groups(h, RB, BN)
-    tl.store(h_ptr + p.to(tl.int64)[:, None] * I + word_order(rn)[None, :], h, mask=pmask[:, None])
+    if BYTES:
+        cols = byte_position(rn, BK_DOWN)
+    else:
+        cols = word_order(rn)
+    tl.store(h_ptr + p.to(tl.int64)[:, None] * I + cols[None, :], h, mask=pmask[:, None])
 
 
 @triton.jit
 def _fold_up_kernel(x_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_ptr, h_ptr, part_ptr, R, K, I,
                     s_stride, limit, TOPK: tl.constexpr, ALIGN: tl.constexpr, ASM: tl.constexpr,
                     LOWP: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                    W_LEFT: tl.constexpr):
+                    W_LEFT: tl.constexpr, BYTES: tl.constexpr = False, BK_DOWN: tl.constexpr = 128):
     """h[p, n] for the expert-ordered rows p of expert program_id(0), columns of tile
     program_id(1); with SPLIT > 1, K slice program_id(2)'s partial sums of gate and up to
     part [SPLIT, R, 2, I] instead (`_fold_act_kernel` adds them up)."""
@@ -229,14 +322,12 @@ def _fold_up_kernel(x_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_
         for kr in range(0, K // SPLIT, BK):
             k0 = tl.multiple_of(k_lo + kr, BK)
             xt = tl.load(x_ptr + tok[None, :] * K + (k0 + kk)[:, None], mask=pmask[None, :], other=0.0)
-            acc1 = _wdot(acc1, fp4_tile_bf16(w1, s1, rn, k0 // 8, s_stride // 4, K // 8, BN, BK, ASM, LOWP), xt,
-                         W_LEFT, LOWP)
-            acc3 = _wdot(acc3, fp4_tile_bf16(w3, s3, rn, k0 // 8, s_stride // 4, K // 8, BN, BK, ASM, LOWP), xt,
-                         W_LEFT, LOWP)
+            acc1 = _wdot(acc1, _tile(w1, s1, rn, k0, s_stride, K, BN, BK, ASM, LOWP, BYTES), xt, W_LEFT, LOWP)
+            acc3 = _wdot(acc3, _tile(w3, s3, rn, k0, s_stride, K, BN, BK, ASM, LOWP, BYTES), xt, W_LEFT, LOWP)
         g = _rows_first(acc1, W_LEFT)
         u = _rows_first(acc3, W_LEFT)
         if SPLIT == 1:
-            _act_store(g, u, p, pmask, wts_ptr, f, h_ptr, I, rn, limit, RB, BN)
+            _act_store(g, u, p, pmask, wts_ptr, f, h_ptr, I, rn, limit, RB, BN, BYTES, BK_DOWN)
         else:
             base = part_ptr + ((tl.program_id(2) * R + p.to(tl.int64)[:, None]) * 2) * I + rn[None, :]
             tl.store(base, g, mask=pmask[:, None])
@@ -244,11 +335,11 @@ def _fold_up_kernel(x_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_
 
 
 @triton.jit
-def _fold_act_kernel(part_ptr, perm_ptr, bounds_ptr, wts_ptr, h_ptr, hs_ptr, R, I, E, limit, SPLIT: tl.constexpr,
-                     RB: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr):
+def _fold_act_kernel(part_ptr, perm_ptr, bounds_ptr, wts_ptr, h_ptr, R, I, E, limit, SPLIT: tl.constexpr,
+                     RB: tl.constexpr, BN: tl.constexpr, BYTES: tl.constexpr = False, BK_DOWN: tl.constexpr = 128):
     """The split gate/up's epilogue: rows p of block program_id(0) (those below bounds[E], the
     routed rows), columns of tile program_id(1): gate and up summed over the K slices in slice
-    order (deterministic), then `_act_store` (FP8: `_act_store_fp8`, codes to h, scales to hs)."""
+    order (deterministic), then `_act_store`."""
     p = tl.program_id(0) * RB + tl.arange(0, RB)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     pmask = p < tl.load(bounds_ptr + E)
@@ -259,16 +350,13 @@ def _fold_act_kernel(part_ptr, perm_ptr, bounds_ptr, wts_ptr, h_ptr, hs_ptr, R, 
         base = part_ptr + ((sl * R + p.to(tl.int64)[:, None]) * 2) * I + rn[None, :]
         g += tl.load(base, mask=pmask[:, None], other=0.0)
         u += tl.load(base + I, mask=pmask[:, None], other=0.0)
-    if FP8:
-        _act_store_fp8(g, u, p, pmask, wts_ptr, f, h_ptr, hs_ptr, I, tl.program_id(1) * BN, limit, RB, BN)
-    else:
-        _act_store(g, u, p, pmask, wts_ptr, f, h_ptr, I, rn, limit, RB, BN)
+    _act_store(g, u, p, pmask, wts_ptr, f, h_ptr, I, rn, limit, RB, BN, BYTES, BK_DOWN)
 
 
 @triton.jit
 def _fold_down_kernel(h_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, y_ptr, I, D, s_stride,
                       ALIGN: tl.constexpr, ASM: tl.constexpr, LOWP: tl.constexpr, RB: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, W_LEFT: tl.constexpr):
+                      BN: tl.constexpr, BK: tl.constexpr, W_LEFT: tl.constexpr, BYTES: tl.constexpr = False):
     """y[flat row, n] = h rows of expert program_id(0) times its w2, columns of tile program_id(1)."""
     e = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -283,213 +371,23 @@ def _fold_down_kernel(h_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, y_
         acc = _acc0(BN, RB, W_LEFT)
         for k0 in range(0, I, BK):
             ht = tl.load(h_ptr + p64[None, :] * I + (k0 + kk)[:, None], mask=pmask[None, :], other=0.0)
-            acc = _wdot(acc, fp4_tile_bf16(w2, s2, rn, k0 // 8, s_stride // 4, I // 8, BN, BK, ASM, LOWP), ht,
-                        W_LEFT, LOWP)
+            acc = _wdot(acc, _tile(w2, s2, rn, k0, s_stride, I, BN, BK, ASM, LOWP, BYTES), ht, W_LEFT, LOWP)
         f = tl.load(perm_ptr + p, mask=pmask, other=0).to(tl.int64)
         tl.store(y_ptr + f[:, None] * D + rn[None, :], bf16_round(_rows_first(acc, W_LEFT)), mask=pmask[:, None])
 
 
 @triton.jit
-def _x_qdq_kernel(x_ptr, out_ptr, D, CB: tl.constexpr):
+def _x_qdq_kernel(x_ptr, out_ptr, D, CB: tl.constexpr, BYTES: tl.constexpr = False, BK: tl.constexpr = 128):
     """out[t] = x[t]'s FP8 quantise-dequantise values (per 32 columns; exact in bf16), columns in
     the word order of the weight tiles (`word_order` is its own inverse)."""
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * CB + tl.arange(0, CB)
     v = fp8_qdq_groups(tl.load(x_ptr + t * D + c).to(tl.float32)[None, :], 1, CB)
-    tl.store(out_ptr + t * D + word_order(c)[None, :], v)
-
-
-# E2M1 nibbles -> E4M3 bytes on a 32-bit register of 4 weight bytes: the low nibbles (elements
-# 2c) to $0, the high ones (2c + 1) to $1, each nibble (s, e1, e0, m) as s 0 0 e1 e0 m 0 0.
-_E2M1_E4M3_ASM = tl.constexpr("{ .reg .b32 t, u;\n"
-                  "shl.b32 t, $2, 2; and.b32 t, t, 0x1C1C1C1C; shl.b32 u, $2, 4; and.b32 u, u, 0x80808080;\n"
-                  "or.b32 $0, t, u;\n"
-                  "shr.b32 t, $2, 2; and.b32 t, t, 0x1C1C1C1C; and.b32 u, $2, 0x80808080; or.b32 $1, t, u; }")
-
-
-@triton.jit
-def e2m1_e4m3(b, BN: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr):
-    """uint8 [BN, C] weight bytes (element 2c in the low nibble) -> [BN, 2C] float8e4nv: the C
-    low nibbles, then the C high ones (`f8_order`: a thread's A-operand register of 4 E4M3 values
-    is then one placed word of 4 bytes), each the E2M1 value times 2^-6: the nibble (s, e1, e0, m) placed as the E4M3 byte
-    s 0 0 e1 e0 m 0 0 (exponent field e1 e0, bias 7; code 1, the value 0.5, lands on E4M3's
-    subnormal 2^-7). On CUDA four bytes per `and`/`or`/shift (inline PTX on packed registers)."""
-    if ASM:
-        lo, hi = tl.inline_asm_elementwise(_E2M1_E4M3_ASM, "=r,=r,r", [b], dtype=(tl.uint8, tl.uint8),
-                                           is_pure=True, pack=4)
+    if BYTES:  # the `byte_order` of the gate/up tiles
+        cols = byte_position(c, BK)
     else:
-        lo = ((b << 2) & 0x1C) | ((b << 4) & 0x80)
-        hi = ((b >> 2) & 0x1C) | (b & 0x80)
-    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BN, 2 * C)).to(tl.float8e4nv, bitcast=True)
-
-
-@triton.jit
-def f8_order(k):
-    """The natural K index whose value sits at position k of the FP8 dots' tiles: inside each 32
-    block (16 weight bytes), the low nibbles of bytes 0..15 (elements 0, 2, .., 30), then their
-    high nibbles (1, 3, .., 31); `f8_position` is the inverse."""
-    p = k % 32
-    return k - p + 2 * (p % 16) + p // 16
-
-
-@triton.jit
-def f8_position(c):
-    """The tile position of natural K index c (the inverse of `f8_order`)."""
-    p = c % 32
-    return c - p + (p % 2) * 16 + p // 2
-
-
-@triton.jit
-def _f8_dot(w_ptr, rn64, kc, w_stride, xt, BN: tl.constexpr, ASM: tl.constexpr, LOWP: tl.constexpr):
-    """One 32-wide K block (columns kc..kc+31) of the FP4 weight rows rn (bytes, row stride
-    w_stride) times the activation block xt [32, RB] (E4M3): the fp32 sums [BN, RB] of the exact
-    products of the weight's E4M3 bytes (E2M1 values times 2^-6) and the activation codes."""
-    b = tl.load(w_ptr + rn64[:, None] * w_stride + kc // 2 + tl.arange(0, 16)[None, :])
-    w = e2m1_e4m3(b, BN, 16, ASM)
-    if LOWP:
-        return tl.dot(w, xt)
-    else:
-        return tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-
-
-@triton.jit
-def _f8_scaled(acc, part, sw, xs):
-    """acc + a block's sums times the weight's scale 2^(sw - 127) per row and xs per column (the
-    activation's scale times 2^6: the weight bytes' 2^-6 undone), as MODEL.md's low-precision
-    linear."""
-    return acc + part * (e8m0_value(sw)[:, None] * xs[None, :])
-
-
-@triton.jit
-def _f8_scale_words(s_ptr, rows, rmask, k0, s_stride):
-    """The E8M0 scale bytes of 32-wide blocks k0/32 .. +3 of rows `rows` ([., s_stride] bytes,
-    s_stride % 4 == 0, k0 % 128 == 0) as one int32 word per row (block k0/32 + j in byte j)."""
-    ptr = (s_ptr + rows * s_stride + k0 // 32).to(tl.pointer_type(tl.int32))
-    return tl.load(ptr, mask=rmask, other=0)
-
-
-@triton.jit
-def _f8_act_tile(q_ptr, xsw, rows, rmask, kc, j, K):
-    """The activation block kc..kc+31 (block j of its 128-wide step) of rows `rows` [RB] (E4M3
-    codes [., K]; xsw: the step's scale words, `_f8_scale_words`): (codes [32, RB],
-    2^(scale - 127 + 6) [RB] fp32)."""
-    kk = tl.arange(0, 32)
-    xt = tl.load(q_ptr + rows[None, :] * K + (kc + kk)[:, None], mask=rmask[None, :], other=0.0)
-    return xt, ((((xsw >> (8 * j)) & 0xFF) + 6) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _act_store_fp8(g, u, p, pmask, wts_ptr, f, hq_ptr, hs_ptr, I, rn0, limit, RB: tl.constexpr, BN: tl.constexpr):
-    """`_act_store` for the FP8 dots: the w2 input stored as its E4M3 codes [R, I] (natural column
-    order) and E8M0 scale bytes [R, I / 32] (BN % 32 == 0: whole groups from column rn0)."""
-    h = expert_act(g, u, tl.load(wts_ptr + f, mask=pmask, other=0.0)[:, None], limit)
-    hg = tl.reshape(h, (RB, BN // 32, 32))
-    ex = fp8_exponent(tl.max(tl.abs(hg), axis=2))
-    code = tl.reshape(fp8_code(hg * pow2(-ex)[:, :, None]), (RB, BN)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-    p64 = p.to(tl.int64)
-    tl.store(hq_ptr + p64[:, None] * I + f8_position(rn0 + tl.arange(0, BN))[None, :], code, mask=pmask[:, None])
-    tl.store(hs_ptr + p64[:, None] * (I // 32) + rn0 // 32 + tl.arange(0, BN // 32)[None, :],
-             (ex + 127).to(tl.uint8), mask=pmask[:, None])
-
-
-@triton.jit
-def _f8_up_kernel(q_ptr, qs_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_ptr, hq_ptr, hs_ptr, part_ptr,
-                  R, K, I, s_stride, limit, TOPK: tl.constexpr, ALIGN: tl.constexpr, ASM: tl.constexpr,
-                  LOWP: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
-    """`_fold_up_kernel` on FP8 dots: x as its E4M3 codes and scale bytes (`fp8_quant`), one
-    dot per 32-wide K block, the w2 input stored as codes and scale bytes (`_act_store_fp8`)."""
-    e = tl.program_id(0)
-    rn0 = tl.program_id(1) * BN
-    rn64 = (rn0 + tl.arange(0, BN)).to(tl.int64)
-    start = tl.load(bounds_ptr + e)
-    end = tl.load(bounds_ptr + e + 1)
-    w1 = w_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 0), ALIGN)
-    w3 = w_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 1), ALIGN)
-    s1 = s_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 3), ALIGN)
-    s3 = s_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 4), ALIGN)
-    k_lo = tl.multiple_of(tl.program_id(2) * (K // SPLIT), BK)  # the launcher checks K % (SPLIT * BK) == 0
-    for p0 in range(start, end, RB):
-        p = p0 + tl.arange(0, RB)
-        pmask = p < end
-        f = tl.load(perm_ptr + p, mask=pmask, other=0).to(tl.int64)
-        tok = f // TOPK
-        acc1 = tl.zeros((BN, RB), dtype=tl.float32)
-        acc3 = tl.zeros((BN, RB), dtype=tl.float32)
-        for kr in range(0, K // SPLIT, BK):
-            k0 = tl.multiple_of(k_lo + kr, BK)
-            xsw = _f8_scale_words(qs_ptr, tok, pmask, k0, K // 32)
-            sw1 = _f8_scale_words(s1, rn64, rn64 >= 0, k0, s_stride)
-            sw3 = _f8_scale_words(s3, rn64, rn64 >= 0, k0, s_stride)
-            for jp in tl.static_range(2):  # two blocks' four dots issued before their sums are used
-                j = 2 * jp
-                xa, xsa = _f8_act_tile(q_ptr, xsw, tok, pmask, k0 + 32 * j, j, K)
-                xb, xsb = _f8_act_tile(q_ptr, xsw, tok, pmask, k0 + 32 * j + 32, j + 1, K)
-                d1a = _f8_dot(w1, rn64, k0 + 32 * j, K // 2, xa, BN, ASM, LOWP)
-                d3a = _f8_dot(w3, rn64, k0 + 32 * j, K // 2, xa, BN, ASM, LOWP)
-                d1b = _f8_dot(w1, rn64, k0 + 32 * j + 32, K // 2, xb, BN, ASM, LOWP)
-                d3b = _f8_dot(w3, rn64, k0 + 32 * j + 32, K // 2, xb, BN, ASM, LOWP)
-                acc1 = _f8_scaled(acc1, d1a, (sw1 >> (8 * j)) & 0xFF, xsa)
-                acc3 = _f8_scaled(acc3, d3a, (sw3 >> (8 * j)) & 0xFF, xsa)
-                acc1 = _f8_scaled(acc1, d1b, (sw1 >> (8 * j + 8)) & 0xFF, xsb)
-                acc3 = _f8_scaled(acc3, d3b, (sw3 >> (8 * j + 8)) & 0xFF, xsb)
-        g = tl.trans(acc1)
-        u = tl.trans(acc3)
-        if SPLIT == 1:
-            _act_store_fp8(g, u, p, pmask, wts_ptr, f, hq_ptr, hs_ptr, I, rn0, limit, RB, BN)
-        else:
-            rn = rn0 + tl.arange(0, BN)
-            base = part_ptr + ((tl.program_id(2) * R + p.to(tl.int64)[:, None]) * 2) * I + rn[None, :]
-            tl.store(base, g, mask=pmask[:, None])
-            tl.store(base + I, u, mask=pmask[:, None])
-
-
-@triton.jit
-def _f8_down_kernel(hq_ptr, hs_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, y_ptr, I, D, s_stride,
-                    ALIGN: tl.constexpr, ASM: tl.constexpr, LOWP: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr):
-    """`_fold_down_kernel` on FP8 dots (the w2 input as E4M3 codes and scale bytes)."""
-    e = tl.program_id(0)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    rn64 = rn.to(tl.int64)
-    start = tl.load(bounds_ptr + e)
-    end = tl.load(bounds_ptr + e + 1)
-    w2 = w_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 2), ALIGN)
-    s2 = s_base + tl.multiple_of(tl.load(table_ptr + e * 6 + 5), ALIGN)
-    for p0 in range(start, end, RB):
-        p = p0 + tl.arange(0, RB)
-        pmask = p < end
-        p64 = p.to(tl.int64)
-        acc = tl.zeros((BN, RB), dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            hsw = _f8_scale_words(hs_ptr, p64, pmask, k0, I // 32)
-            sw2 = _f8_scale_words(s2, rn64, rn64 >= 0, k0, s_stride)
-            ha, hsa = _f8_act_tile(hq_ptr, hsw, p64, pmask, k0, 0, I)
-            hb, hsb = _f8_act_tile(hq_ptr, hsw, p64, pmask, k0 + 32, 1, I)
-            hc, hsc = _f8_act_tile(hq_ptr, hsw, p64, pmask, k0 + 64, 2, I)
-            hd, hsd = _f8_act_tile(hq_ptr, hsw, p64, pmask, k0 + 96, 3, I)
-            da = _f8_dot(w2, rn64, k0, I // 2, ha, BN, ASM, LOWP)  # four dots issued before their sums are used
-            db = _f8_dot(w2, rn64, k0 + 32, I // 2, hb, BN, ASM, LOWP)
-            dc = _f8_dot(w2, rn64, k0 + 64, I // 2, hc, BN, ASM, LOWP)
-            dd = _f8_dot(w2, rn64, k0 + 96, I // 2, hd, BN, ASM, LOWP)
-            acc = _f8_scaled(acc, da, sw2 & 0xFF, hsa)
-            acc = _f8_scaled(acc, db, (sw2 >> 8) & 0xFF, hsb)
-            acc = _f8_scaled(acc, dc, (sw2 >> 16) & 0xFF, hsc)
-            acc = _f8_scaled(acc, dd, (sw2 >> 24) & 0xFF, hsd)
-        f = tl.load(perm_ptr + p, mask=pmask, other=0).to(tl.int64)
-        tl.store(y_ptr + f[:, None] * D + rn[None, :], bf16_round(tl.trans(acc)), mask=pmask[:, None])
-
-
-@triton.jit
-def _x_fp8_kernel(x_ptr, q_ptr, qs_ptr, D, CB: tl.constexpr):
-    """x[t]'s FP8 quantisation per 32 columns (MODEL.md section 4, as `fp8_quant`): E4M3 codes at
-    their `f8_position`s in q [T, D] and E8M0 scale bytes in qs [T, D / 32]."""
-    t = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * CB + tl.arange(0, CB)
-    g = tl.reshape(tl.load(x_ptr + t * D + c).to(tl.float32), (CB // 32, 32))
-    ex = fp8_exponent(tl.max(tl.abs(g), axis=1))
-    code = tl.reshape(fp8_code(g * pow2(-ex)[:, None]), (CB, )).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-    tl.store(q_ptr + t * D + f8_position(c), code)
-    tl.store(qs_ptr + t * (D // 32) + tl.program_id(1) * (CB // 32) + tl.arange(0, CB // 32), (ex + 127).to(tl.uint8))
+        cols = word_order(c)
+    tl.store(out_ptr + t * D + cols[None, :], v)
 
 
 def _buffer(shape, dtype, device) -> torch.Tensor:
@@ -512,14 +410,14 @@ def fold_tiles(t: int, interp: bool = False) -> dict:
 
 def fold_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_args: tuple, limit: float,
              out: torch.Tensor, *, rb: int | None = None, bn_up: int | None = None, bn_down: int | None = None,
-             bk: int | None = None, split: int | None = None, w_left: bool | None = None, fp8: bool | None = None,
-             num_warps: int | None = None,
+             bk: int | None = None, split: int | None = None, w_left: bool | None = None,
+             byte_tiles: bool | None = None, num_warps: int | None = None,
              num_stages: int | None = None) -> torch.Tensor:
     """The folded FP4 decode path for x [T, d] (up to rb rows per expert in one tile, default
     the next power of two >= T in 16..the tiles' rb_max; more rows loop; the gate/up K range in `split`
-    slices; `fp8`: FP8 dots on the E4M3-placed weights, weight on the left; tile defaults
-    `fold_tiles`): sort, x's FP8 quantisation, gate/up (+ its epilogue when split), down, combine
-    into `out` [T, d] fp32."""
+    slices; `byte_tiles`: weight tiles from bytes, `fp4_bytes_bf16`; tile defaults `fold_tiles`):
+    sort, x's FP8 quantise-dequantise, gate/up (+ its epilogue when split), down, combine into
+    `out` [T, d] fp32."""
     from .launch import interpreting
     from .moe_experts import _combine_kernel
     from .moe_grouped import sort_rows
@@ -532,52 +430,34 @@ def fold_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
     bn_up, bn_down, bk = bn_up or tiles["bn_up"], bn_down or tiles["bn_down"], bk or tiles["bk"]
     split = split or tiles["split"]
     w_left = tiles["w_left"] if w_left is None else w_left
-    fp8 = tiles.get("fp8", False) if fp8 is None else fp8
+    byte_tiles = tiles.get("byte_tiles", False) if byte_tiles is None else byte_tiles
     if not fold_fits(inter, d, bn_up, bn_down, bk, split):
         raise ValueError(f"moe_experts fold path: tiles (bn_up {bn_up}, bn_down {bn_down}, bk {bk}, split {split}) "
                          f"must divide the widths ({inter}, {d}); bn_up a multiple of 32, bk of 128")
-    if fp8 and not w_left:
-        raise ValueError("moe_experts fold path: the FP8 dots take the weight as the left operand (w_left)")
     kw = {} if interp else {"num_warps": num_warps or tiles["num_warps"], "num_stages": num_stages or tiles["num_stages"]}
     r = t * topk
     rb = rb or max(16, min(tiles.get("rb_max", 64), triton.next_power_of_2(t)))  # rows of an expert: at most T
     flat_ids = ids.contiguous().reshape(-1)
     perm, bounds = sort_rows(flat_ids, n_exp)
+    act = torch.float32 if interp else torch.bfloat16  # exact either way; the interpreter has no bf16 dots
+    xq = _buffer((t, d), act, x.device)
+    cb = 256 if d % 256 == 0 else 32
+    _x_qdq_kernel[(t, d // cb)](x, xq, d, CB=cb, BYTES=byte_tiles, BK=bk)
+    h = _buffer((r, inter), act, x.device)
     y = _buffer((r, d), torch.float32, x.device)
     wts = weights.float().contiguous().reshape(-1)
     part = _buffer((split, r, 2, inter), torch.float32, x.device) if split > 1 else y
-    if fp8:
-        q = _buffer((t, d), torch.float8_e4m3fn, x.device)  # E4M3 codes in `f8_order`
-        qs = _buffer((t, d // 32), torch.float8_e8m0fnu, x.device)
-        cb = 256 if d % 256 == 0 else 32
-        _x_fp8_kernel[(t, d // cb)](x, q, qs.view(torch.uint8), d, CB=cb)
-        h = _buffer((r, inter), torch.float8_e4m3fn, x.device)  # E4M3 codes
-        hs = _buffer((r, inter // 32), torch.float8_e8m0fnu, x.device).view(torch.uint8)  # their scale bytes
-        _f8_up_kernel[(n_exp, inter // bn_up, split)](
-            q, qs.view(torch.uint8), perm, bounds, wts, w_base, s_base, table, h, hs, part, r, d,
-            inter, s_up, float(limit), TOPK=topk, ALIGN=align, ASM=not interp, LOWP=not interp, RB=rb, BN=bn_up, BK=bk,
-            SPLIT=split, **kw)
-    else:
-        act = torch.float32 if interp else torch.bfloat16  # exact either way; the interpreter has no bf16 dots
-        xq = _buffer((t, d), act, x.device)
-        cb = 256 if d % 256 == 0 else 32
-        _x_qdq_kernel[(t, d // cb)](x, xq, d, CB=cb)
-        h = hs = _buffer((r, inter), act, x.device)
-        _fold_up_kernel[(n_exp, inter // bn_up, split)](
-            xq, perm, bounds, wts, w_base, s_base, table, h, part, r, d, inter, s_up, float(limit), TOPK=topk,
-            ALIGN=align, ASM=not interp, LOWP=not interp, RB=rb, BN=bn_up, BK=bk, SPLIT=split, W_LEFT=w_left, **kw)
+    _fold_up_kernel[(n_exp, inter // bn_up, split)](
+        xq, perm, bounds, wts, w_base, s_base, table, h, part, r, d, inter, s_up, float(limit), TOPK=topk,
+        ALIGN=align, ASM=not interp, LOWP=not interp, RB=rb, BN=bn_up, BK=bk, SPLIT=split, W_LEFT=w_left,
+        BYTES=byte_tiles, BK_DOWN=bk, **kw)
     if split > 1:
         rbf = min(16, triton.next_power_of_2(r))
-        _fold_act_kernel[(-(-r // rbf), inter // 32)](part, perm, bounds, wts, h, hs, r, inter, n_exp, float(limit),
-                                                       SPLIT=split, RB=rbf, BN=32, FP8=fp8)
-    if fp8:
-        _f8_down_kernel[(n_exp, d // bn_down)](
-            h, hs, perm, bounds, w_base, s_base, table, y, inter, d, s_down, ALIGN=align, ASM=not interp,
-            LOWP=not interp, RB=rb, BN=bn_down, BK=bk, **kw)
-    else:
-        _fold_down_kernel[(n_exp, d // bn_down)](
-            h, perm, bounds, w_base, s_base, table, y, inter, d, s_down, ALIGN=align, ASM=not interp, LOWP=not interp,
-            RB=rb, BN=bn_down, BK=bk, W_LEFT=w_left, **kw)
+        _fold_act_kernel[(-(-r // rbf), inter // 32)](part, perm, bounds, wts, h, r, inter, n_exp, float(limit),
+                                                       SPLIT=split, RB=rbf, BN=32, BYTES=byte_tiles, BK_DOWN=bk)
+    _fold_down_kernel[(n_exp, d // bn_down)](
+        h, perm, bounds, w_base, s_base, table, y, inter, d, s_down, ALIGN=align, ASM=not interp, LOWP=not interp,
+        RB=rb, BN=bn_down, BK=bk, W_LEFT=w_left, BYTES=byte_tiles, **kw)
     cb = min(1024, triton.next_power_of_2(d))
     _combine_kernel[(t, -(-d // cb))](y, flat_ids, out, d, TOPK=topk, BLOCK=cb)
     return out
