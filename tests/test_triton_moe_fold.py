@@ -116,6 +116,66 @@ def test_fold_bytes_dequant_bit_exact(dev):
     assert ((got[~normal] == want[~normal]) | (got[~normal] == 0)).all()
 
 
+def run_ptx(asm: str, args: dict) -> dict:
+    """A Python interpreter for the few b32 instructions (prmt, shl, and, or, mul.rn.bf16x2) of a
+    packed-conversion PTX string: `args` maps operand names ($4, ...) to 32-bit inputs; returns
+    every register after the run. The bf16x2 product is rounded to nearest even (torch), as
+    mul.rn keeps subnormal bf16 inputs and results on sm_90."""
+    regs = dict(args)
+    body = asm.replace("{", "").replace("}", "")
+
+    def val(x):
+        return int(x, 0) if x[0].isdigit() else regs[x]
+
+    def bf16x2_mul(a, b):
+        def halves(v):
+            return torch.tensor([v & 0xFFFF, v >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+        prod = (halves(a).double() * halves(b).double()).to(torch.bfloat16).view(torch.int16).int() & 0xFFFF
+        return int(prod[0]) | (int(prod[1]) << 16)
+
+    for ins in (i.strip() for i in body.split(";")):
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, rest = ins.split(None, 1)
+        d, *src = [o.strip() for o in rest.split(",")]
+        if op == "prmt.b32":  # result byte i = byte sel[i] of b:a
+            both = val(src[0]) | (val(src[1]) << 32)
+            sel = val(src[2])
+            regs[d] = sum(((both >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        elif op == "shl.b32":
+            regs[d] = (val(src[0]) << val(src[1])) & 0xFFFFFFFF
+        elif op == "and.b32":
+            regs[d] = val(src[0]) & val(src[1])
+        elif op == "or.b32":
+            regs[d] = val(src[0]) | val(src[1])
+        elif op == "mul.rn.bf16x2":
+            regs[d] = bf16x2_mul(val(src[0]), val(src[1]))
+        else:
+            raise AssertionError(f"run_ptx: no model of {op}")
+    return regs
+
+
+def test_bytes_ptx_every_code():
+    """`_E2M1_BF16X4_ASM` (CUDA only, so run here instruction by instruction) on 4 packed bytes
+    and 4 scale factors: element i (byte i, factor i) gives the E2M1 value of its low nibble in
+    halfword i of $0 $1 and of its high nibble in halfword i of $2 $3, times 2^(scale - 127),
+    for every byte in every position and scale bytes 1..128."""
+    asm = mf._E2M1_BF16X4_ASM.value
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    for i in range(256):
+        byts = [(i + 67 * lane) % 256 for lane in range(4)]  # each byte value once in every lane
+        sbytes = [1 + (i * 5 + 37 * lane) % 128 for lane in range(4)]
+        f = [((sb + 126) << 7) for sb in sbytes]  # bf16 bits of 2^(s - 1), as the kernel builds them
+        out = run_ptx(asm, {"$4": sum(b << (8 * k) for k, b in enumerate(byts)),
+                            "$5": f[0] | (f[1] << 16), "$6": f[2] | (f[3] << 16)})
+        for lane, (b, sb) in enumerate(zip(byts, sbytes)):
+            for reg, nib in (("$0", b & 15), ("$2", b >> 4)):
+                r = out[f"${int(reg[1]) + lane // 2}"]
+                got = torch.tensor([(r >> (16 * (lane % 2))) & 0xFFFF], dtype=torch.int32).to(torch.int16)
+                want = (-1 if nib & 8 else 1) * e2m1[nib & 7] * 2.0 ** (sb - 127)
+                assert got.view(torch.bfloat16).double().item() == want, (i, lane, reg)
+
+
 def test_byte_order_is_a_permutation():
     """`byte_order` permutes each BK-wide tile and `byte_position` undoes it."""
     for bk in (128, 256):
