@@ -327,8 +327,9 @@ class Attention(nn.Module):
         if self.ratio > 0 and self.kind != "reuse":
             plat = module_platform(self, x.device)
             on = self.overlap_indexer
-            if on is None:  # the platform's default: where it was measured to pay
-                on = t <= plat.overlap_indexer_tokens
+            if on is None:  # the platform's default: where it was measured to pay (one rank: the
+                # indexer's cross-rank score sum on the second stream is not measured)
+                on = t <= plat.overlap_indexer_tokens and self.group.world_size == 1
             if on:  # the indexer beside the projections: no data passes between them
                 (idx, _), q = plat.overlap(lambda: self.indexed(x, qr, rows, cos, sin, ctx), project)
             else:
