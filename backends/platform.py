@@ -193,6 +193,9 @@ class Platform:
     # the MoE's shared expert runs on a second stream beside the routed experts by default at up
     # to this many tokens (`Transformer.overlap_streams`); 0: never by default
     overlap_shared_tokens = 0
+    # a Full / Reindex layer's compressor and top-k run on a second stream beside its query and
+    # KV projections by default at up to this many tokens (`Transformer.overlap_streams`)
+    overlap_indexer_tokens = 0
 
     @property
     def backend(self) -> str:
@@ -278,6 +281,7 @@ class CudaPlatform(Platform):
     # measured on the H200 (2026-12-01, mini, decode graphs): -2.1% step at batch 1, -8.1% at 64;
     # prefill sizes unmeasured, so they stay on one stream
     overlap_shared_tokens = 64
+    overlap_indexer_tokens = 64
 
     def num_workers(self) -> int:
         return torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -321,7 +325,8 @@ class CudaPlatform(Platform):
     def overlap(self, side, main):
         """`side` on an auxiliary stream beside `main` (`aux_stream_overlap`). Only callers that
         ask the platform directly get it (the MoE's shared expert under
-        `Transformer.overlap_streams`); the module's `overlap` stays sequential on CUDA."""
+        `Transformer.overlap_streams`: the shared expert, the indexer); the module's `overlap`
+        stays sequential on CUDA."""
         return aux_stream_overlap(self, side, main)
 
 

@@ -22,7 +22,8 @@ One run measures, on random weights with realistic statistics (MODEL.md section 
   attention FLOPs the step's rows need / the measured bf16 matmul rate);
 - peak device memory against weights + KV pools;
 - optionally (`--offload`), decode with the Engram tables in page-locked host memory, and
-  (`--streams`) with each MoE's shared expert on a second stream beside the routed experts.
+  (`--streams`) with work on a second stream: each MoE's shared expert beside the routed experts,
+  then also each indexed layer's compressor and top-k beside its projections.
 Writes a dated markdown report naming the device (`--out`), and prints it.
 """
 
@@ -558,11 +559,16 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
                      f"{r['in_place_s'] / r['device_s'] - 1:+.1%}", r["ahead_same"] and r["in_place_same"]]
                     for r in offload])
     if streams:
-        L += table("Second stream (shared expert beside the routed experts; decode, graph replay)",
-                   "Same logits = the step's logits are bit-identical with one and two streams.",
-                   ["context", "batch", "one stream ms", "two streams ms", "change", "same logits"],
-                   [[r["ctx"], r["batch"], f"{r['one_s'] * 1e3:.3f}", f"{r['two_s'] * 1e3:.3f}",
-                     f"{r['two_s'] / r['one_s'] - 1:+.1%}", r["same"]] for r in streams])
+        L += table("Second stream (decode, graph replay)",
+                   "One stream: everything in order; shared: each MoE's shared expert on a second stream "
+                   "beside the routed experts; + indexer: also each Full / Reindex layer's compressor and "
+                   "top-k beside its query and KV projections. Same logits = the step's logits are "
+                   "bit-identical in all three.",
+                   ["context", "batch", "one stream ms", "shared ms", "change", "shared + indexer ms", "change",
+                    "same logits"],
+                   [[r["ctx"], r["batch"], f"{r['one_s'] * 1e3:.3f}", f"{r['shared_s'] * 1e3:.3f}",
+                     f"{r['shared_s'] / r['one_s'] - 1:+.1%}", f"{r['both_s'] * 1e3:.3f}",
+                     f"{r['both_s'] / r['one_s'] - 1:+.1%}", r["same"]] for r in streams])
     if mems and mems[0]["peak"] is not None:
         L += table("Peak device memory", None, ["phase", "peak GB", "weights GB", "KV pools GB", "peak / (weights + KV)"],
                    [[m["phase"], f"{m['peak'] / 1e9:.2f}", f"{m['weights'] / 1e9:.2f}", f"{m['kv'] / 1e9:.2f}",
@@ -668,31 +674,35 @@ def run_offload(model_device, args, clock: Clock, log) -> list[dict]:
 
 
 def run_streams(model, args, clock: Clock, log) -> list[dict]:
-    """Decode step time (graph replay) with each MoE's shared expert on the main stream and on a
-    second stream beside the routed experts, batch 1 and the largest batch at the first context."""
+    """Decode step time (graph replay) with everything on one stream, with each MoE's shared
+    expert on a second stream, and with the indexed layers' compressor and top-k there as well,
+    batch 1 and the largest batch at the first context."""
     ctx = args.contexts[0]
-    rows = {b: dict(ctx=ctx, batch=b) for b in sorted({1, max(args.batches)})}
+    rows = {b: dict(ctx=ctx, batch=b, same=True) for b in sorted({1, max(args.batches)})}
+    configs = (("one", ()), ("shared", ("shared",)), ("both", ("shared", "indexer")))
     try:
-        for on in (False, True):
-            model.overlap_streams(on)
+        for name, parts in configs:
+            model.overlap_streams(False)
+            if parts:
+                model.overlap_streams(True, parts)
             for b, row in rows.items():
                 engine = Engine(model, max_batch=b, graphs=True, max_model_len=ctx + 64, block_size=args.block_size,
                                 max_tokens_per_step=args.max_tokens_per_step)
                 seqs = fill_sequences(engine, b, ctx, torch.Generator().manual_seed(args.seed + b))
                 randomise_pool(engine.pool, args.seed)
                 batch = decode_batch(engine, seqs)
-                row["two_s" if on else "one_s"] = clock.per_call(lambda: engine.graphs.run(batch), args.reps)
+                row[f"{name}_s"] = clock.per_call(lambda: engine.graphs.run(batch), args.reps)
                 logits = engine.graphs.run(batch).cpu()
-                if on:
-                    row["same"] = bool(torch.equal(logits, row.pop("logits")))
-                else:
-                    row["logits"] = logits
+                row.setdefault("logits", logits)
+                row["same"] = row["same"] and bool(torch.equal(logits, row["logits"]))
                 for s in seqs:
                     engine.finish(s)
                 del engine
-                log(f"streams {'two' if on else 'one'} b={b}: {row['two_s' if on else 'one_s'] * 1e3:.3f} ms")
+                log(f"streams {name} b={b}: {row[f'{name}_s'] * 1e3:.3f} ms")
     finally:
         model.overlap_streams(None)  # (the platform's default again)
+    for row in rows.values():
+        row.pop("logits", None)
     return list(rows.values())
 
 
@@ -753,7 +763,8 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of phases to skip: decode,prefill,kernels")
     ap.add_argument("--offload", action="store_true", help="also decode with Engram tables in host memory")
     ap.add_argument("--streams", action="store_true",
-                    help="also decode with the shared expert on a second stream (Transformer.overlap_streams)")
+                    help="also decode with work on a second stream: the shared expert, then also the indexer "
+                         "(Transformer.overlap_streams)")
     ap.add_argument("--numerics", action="store_true",
                     help="device vs CPU reference logits (official rounding) and greedy vs exact prefill")
     ap.add_argument("--numerics-tiny-positions", type=int, default=64,

@@ -224,6 +224,10 @@ class Attention(nn.Module):
         self.floor_group = (FLOOR_DRAFT if layer_id >= cfg.num_hidden_layers
                             else FLOOR_DECODER if layer_id >= cfg.decoder_start else FLOOR_ENCODER)
         self.register_buffer("inv_freq", torch.tensor(yarn_inv_freq(cfg, self.ratio), dtype=torch.float32), persistent=False)
+        # run the compressor and the indexer (this layer's top-k) on a second stream beside the
+        # query / KV projections (`Transformer.overlap_streams`; None: the platform's default,
+        # `Platform.overlap_indexer_tokens`)
+        self.overlap_indexer: bool | None = None
 
     # -- global KV (Full layers) --
     def update_global(self, x: torch.Tensor, rows: Rows, ctx: ForwardContext) -> None:
@@ -297,22 +301,47 @@ class Attention(nn.Module):
         ctx.topk[self.layer_id] = idx
         return idx
 
-    def forward(self, x: torch.Tensor, rows: Rows, ctx: ForwardContext) -> torch.Tensor:
-        t = x.shape[0]
+    def indexed(self, x: torch.Tensor, qr: torch.Tensor, rows: Rows, cos, sin, ctx: ForwardContext):
+        """This layer's compressor step (Full) and top-k (Full / Reindex): (idx, the candidate
+        pool when this layer made it, else None)."""
         if self.kind == "full" and self.layer_id not in ctx.precompressed:
             self.update_global(x, rows, ctx)
+        idx = self.select(x, qr, rows, cos, sin, ctx)
+        return idx, (ctx.pool if self.layer_id == self.cfg.candidate_source_layer_id else None)
+
+    def forward(self, x: torch.Tensor, rows: Rows, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
         cos, sin = self.rope_tables(rows)
         qr = self.q_norm(self.wq_a(x))
-        # the RoPE'd query, and this step's SWA entries (normed, RoPE'd, FP8) written into the
-        # pool first (positions address them, so nothing older is overwritten): every query
-        # then reads its window from the pool
         swa = ctx.cache.swa[self.layer_id]
-        q = ops.rope_store_kv(self.wq_b(qr).view(t, self.n_heads, self.head_dim), self.wkv(x), self.kv_norm.weight,
-                              self.kv_norm.eps, cos, sin, swa.kv, swa.scale, rows.swa_rows(swa))
+        own = rows.swa_rows(swa)  # (made here: both streams below read it)
+
+        def project():
+            """The RoPE'd query, and this step's SWA entries (normed, RoPE'd, FP8) written into
+            the pool first (positions address them, so nothing older is overwritten): every
+            query then reads its window from the pool."""
+            return ops.rope_store_kv(self.wq_b(qr).view(t, self.n_heads, self.head_dim), self.wkv(x),
+                                     self.kv_norm.weight, self.kv_norm.eps, cos, sin, swa.kv, swa.scale, own)
+
+        idx = None
+        if self.ratio > 0 and self.kind != "reuse":
+            plat = module_platform(self, x.device)
+            on = self.overlap_indexer
+            if on is None:  # the platform's default: where it was measured to pay (one rank: the
+                # indexer's cross-rank score sum on the second stream is not measured)
+                on = t <= plat.overlap_indexer_tokens and self.group.world_size == 1
+            if on:  # the indexer beside the projections: no data passes between them
+                (idx, _), q = plat.overlap(lambda: self.indexed(x, qr, rows, cos, sin, ctx), project)
+            else:
+                idx, _ = self.indexed(x, qr, rows, cos, sin, ctx)
+                q = project()
+        else:
+            q = project()
         win = rows.window(swa, self.floor_group)
         if self.ratio > 0:
             g = ctx.cache.glob[self.cfg.kv_source_of(self.layer_id)]
-            idx = self.select(x, qr, rows, cos, sin, ctx)
+            if idx is None:
+                idx = self.select(x, qr, rows, cos, sin, ctx)
             source = self.cfg.index_source_of(self.layer_id) if self.kind == "reuse" else self.layer_id
             glob = (g.kv_codes, g.kv_scale, ctx.global_rows(source, idx, rows, g))
         else:
@@ -391,7 +420,7 @@ class MoE(nn.Module):
                                          cfg.swiglu_limit, acc)
         if self.group.rank != 0:
             return self.group.all_reduce_sum(routed()).float().to(BF16)
-        plat = self._platform(x.device)
+        plat = module_platform(self, x.device)
         on = self.overlap_shared
         if on is None:  # the platform's default: where it was measured to pay (decode sizes on CUDA)
             on = x.shape[0] <= plat.overlap_shared_tokens
@@ -410,11 +439,14 @@ class MoE(nn.Module):
         ones, zeros = _shared_route(x.shape[0], x.device)
         return ops.moe_experts(x, ones, zeros, [self.shared_experts.parts()], self.cfg.swiglu_limit, acc)
 
-    def _platform(self, device: torch.device):
-        """The platform of this layer's device, looked up once."""
-        if getattr(self, "_plat", None) is None or self._plat.device != device:
-            self._plat = platform_for(device)
-        return self._plat
+
+
+def module_platform(module: nn.Module, device: torch.device):
+    """The platform of `device`, looked up once per module (this runs in every layer's forward)."""
+    plat = getattr(module, "_plat", None)
+    if plat is None or plat.device != device:
+        plat = module._plat = platform_for(device)
+    return plat
 
 
 _CONSTANT_ROWS: dict[tuple, torch.Tensor] = {}
@@ -700,15 +732,22 @@ class Transformer(nn.Module):
             for name in IMAGE_FRAME:
                 self.register_buffer(name, torch.empty(d, dtype=BF16))
 
-    def overlap_streams(self, on: bool | None = True) -> None:
-        """Run each MoE's shared expert on a second device stream beside its routed experts
-        (through the platform's streams and events; the same arithmetic, so the same logits).
-        None restores the platform's default (`Platform.overlap_shared_tokens`): on CUDA at up
-        to 64 tokens, where the H200 measured it faster (2026-12-01, mini, decode graphs: -2.1%
-        step at batch 1, -8.1% at batch 64); off on CPU (no streams) and on NPU (unverified on
-        hardware). `benchmarks/e2e.py --streams` measures it."""
+    def overlap_streams(self, on: bool | None = True, parts: tuple[str, ...] = ("shared", "indexer")) -> None:
+        """Run work on a second device stream beside independent work (through the platform's
+        streams and events; the same arithmetic, so the same logits): "shared", each MoE's shared
+        expert beside its routed experts; "indexer", each Full / Reindex layer's compressor and
+        top-k beside its query and KV projections. None restores the platform's defaults
+        (`Platform.overlap_shared_tokens`, `overlap_indexer_tokens`): on CUDA at decode sizes,
+        where the H200 measured them faster (benchmarks/RESULTS-e2e.md); off on CPU (no streams)
+        and on NPU (unverified on hardware). `benchmarks/e2e.py --streams` measures them."""
+        bad = set(parts) - {"shared", "indexer"}
+        if bad:
+            raise ValueError(f"unknown overlap parts {sorted(bad)}; known: shared, indexer")
         for blk in self.layers:
-            blk.ffn.overlap_shared = on
+            if "shared" in parts:
+                blk.ffn.overlap_shared = on
+            if "indexer" in parts:
+                blk.attn.overlap_indexer = on
 
     def offload_engram(self, device: torch.device | str, fetch: str | None = None) -> None:
         """Keep every Engram table in host memory while the rest of the model runs on `device`

@@ -1,5 +1,6 @@
 """The second device stream (`Transformer.overlap_streams`: each MoE's shared expert beside its
-routed experts): the same arithmetic, so the same logits and tokens with it on or off."""
+routed experts, each indexed layer's compressor and top-k beside its projections): the same
+arithmetic, so the same logits and tokens with it on or off."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ def test_overlap_gives_the_same_logits(tiny_cfg, fresh_seed, rng):
     ids = rand_prompt(tiny_cfg, 12, rng)
     want = SingleSequence(model).feed(ids, all_logits=True)
     model.overlap_streams(True)
-    assert all(blk.ffn.overlap_shared for blk in model.layers)
+    assert all(blk.ffn.overlap_shared and blk.attn.overlap_indexer for blk in model.layers)
     got = SingleSequence(model).feed(ids, all_logits=True)
     assert want.abs().max() > 0 and torch.equal(got, want)
+    with pytest.raises(ValueError, match="unknown overlap parts"):
+        model.overlap_streams(True, parts=("indexer", "engram"))
 
 
 @pytest.mark.gpu
@@ -36,9 +39,11 @@ def test_cuda_overlap_in_decode_graphs_gives_the_same_tokens(tiny_cfg, fresh_see
     model.overlap_streams(False)
     want = tokens()
     model.overlap_streams(None)  # CUDA's default: on at decode sizes
-    assert all(blk.ffn.overlap_shared is None for blk in model.layers)
+    assert all(blk.ffn.overlap_shared is None and blk.attn.overlap_indexer is None for blk in model.layers)
     assert tokens() == want
     model.overlap_streams(True)
+    assert tokens() == want
+    model.overlap_streams(False, parts=("shared",))  # the indexer alone on the second stream
     assert tokens() == want
 
 

@@ -261,11 +261,17 @@ def test_mhc_row_alone_equals_batch(invariant, dev, rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", DEVICES[1:])
-def test_mhc_row_alone_equals_batch_at_model_width_gpu(invariant, dev, rng):
-    """mHC at the mini width (d 5120) and a prefill-sized batch: the coefficients of a row alone
-    equal that row's in the batch. (With 40 d chunks the coefficient epilogue grouped the chunk
-    partials by its tokens per tile, which broke greedy = prefill on mini; narrow widths hide it.)"""
+def test_mhc_row_alone_equals_batch_at_model_width_gpu(invariant, dev, rng, monkeypatch):
+    """mHC at the mini width (d 5120, 40 d chunks) and a prefill-sized batch: the coefficients of
+    a row alone equal that row's in the batch. The coefficient epilogue's default block of chunk
+    partials follows its tokens per tile; with it the row differs (this broke greedy = prefill on
+    mini; narrow widths hide it), so the test sees the mode's block `MHC_COEF_CB` at work."""
+    x = torch.empty(1, 4, 5120, device=dev)
+    assert bi._mhc_d_split(x) > 8, "the mode's d split no longer exceeds the blocks the default groups by"
     mhc_rows_alone_equal_batch(dev, rng, 48, 5120, 20)
+    monkeypatch.setattr(bi, "MHC_COEF_CB", None)
+    with pytest.raises(AssertionError, match="alone differs"):
+        mhc_rows_alone_equal_batch(dev, rng, 48, 5120, 20)
 
 
 @pytest.mark.parametrize("dev", DEVICES)

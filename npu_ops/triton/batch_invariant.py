@@ -48,8 +48,9 @@ Where the default path depends on the row count M (T tokens), and what this modu
   tiles, one K slice.
 - `mhc_mix` (mega_mhc.py) and `mhc_mixes` (mhc_mixes.py): the d chunks per token tile (whose
   partial sums are added in the coefficient epilogue) grow when few token tiles would leave SMs
-  idle. Here the table's fixed d split (`MHC_CHUNK`: a chunking by d alone broke greedy =
-  prefill through the coefficient epilogue's T-dependent grouping of the chunk partials).
+  idle, and the coefficient epilogue adds the chunk partials in blocks sized by its tokens per
+  tile. Here d chunks set by d alone (`MHC_CHUNK`) and one chunk partial per epilogue step
+  (`MHC_COEF_CB`).
 - `sparse_attention` (sparse_attention.py): the decode tile table (128-channel blocks) at
   T <= 16, and flash-decoding splits of a query's entry blocks chosen by the tile count
   (merged by `_combine_kernel`). Here the main table and `attention_splits` splits of a query's
@@ -208,14 +209,15 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
 
 
 # mHC: the d chunks per token tile, by the width alone: MHC_CHUNK columns each (None: the table's
-# split). Not on CUDA: 128-column chunks (40 at d = 5120) cut the mode's batch-1 mHC time 586 -> 139
-# us a step on the H200 but broke greedy = prefill on mini (1024-token prompt: 0.83 of positions,
-# logits off by 0.29; with the table's split and every other split kept, 1.000 and 0 difference;
-# 2026-12-01). Likely cause: the coefficient epilogue adds the chunk partials CB chunks per step,
-# and CB follows its tokens per tile (`mega_mhc.coef_chunk_block(coef_tokens(T))`: 128 at one
-# token, 8 at 16), so more chunks than 8 are grouped differently at decode and at prefill. A
-# chunked split needs that grouping fixed first.
-MHC_CHUNK = {"cuda": None, "interp": None}
+# split). 128-column chunks (40 at d = 5120) cut the mode's batch-1 mHC time 586 -> 139 us a step
+# on the H200. The coefficient epilogue adds the chunk partials MHC_COEF_CB chunks per step here,
+# one: a block's sum (`tl.sum` over [CB, tokens per tile, 32]) is taken in an order that follows
+# the tile's layout, and the tokens per tile follow T. With the default block (128 chunks at one
+# token, 8 at 16) the 40 chunks broke greedy = prefill on mini (1024-token prompt: 0.83 of
+# positions, logits off by 0.29), and a fixed block of 8 still did (0.94; H200, 2026-12-01); one
+# chunk per step leaves only elementwise Kahan steps in chunk order.
+MHC_CHUNK = {"cuda": 128, "interp": None}
+MHC_COEF_CB = 1
 
 
 def _mhc_d_split(x: torch.Tensor) -> int:
@@ -228,12 +230,14 @@ def _mhc_d_split(x: torch.Tensor) -> int:
 
 def mhc_mix(x, y, post, comb, pre, fn, scale, base, norm_eps, hc_eps, iters):
     """`ops.mhc_mix`, batch-invariant: the fused kernel with its table's fixed d split."""
-    return mega_mhc.mhc_mix(x, y, post, comb, pre, fn, scale, base, norm_eps, hc_eps, iters, d_split=_mhc_d_split(x))
+    return mega_mhc.mhc_mix(x, y, post, comb, pre, fn, scale, base, norm_eps, hc_eps, iters, d_split=_mhc_d_split(x),
+                            chunk_block=MHC_COEF_CB)
 
 
 def mhc_mixes(x, fn, scale, base, norm_eps, hc_eps, iters):
     """`ops.mhc_mixes`, batch-invariant: the partials kernel with the table's fixed d split."""
-    return mhc_mixes_mod.mhc_mixes(x, fn, scale, base, norm_eps, hc_eps, iters, d_split=_mhc_d_split(x))
+    return mhc_mixes_mod.mhc_mixes(x, fn, scale, base, norm_eps, hc_eps, iters, d_split=_mhc_d_split(x),
+                                   chunk_block=MHC_COEF_CB)
 
 
 def attention_splits(win_width: int, glob_width: int, key: str) -> int:

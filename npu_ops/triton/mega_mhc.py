@@ -525,7 +525,8 @@ def coef_chunk_block(block_t: int = COEF_T) -> int:
 
 
 def launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps, iters,
-                wide, ct: int = COEF_T, norm: tuple | None = None, early: bool | None = None) -> None:
+                wide, ct: int = COEF_T, norm: tuple | None = None, early: bool | None = None,
+                cb: int | None = None) -> None:
     """The unfused coefficient launch: one program per token tile of `ct` tokens (persistent over
     tiles). `norm` = (x_hat, weight, out, eps[, x, pre]): the tiles also write rms_norm(x_hat) to
     out (x_hat / out as bf16 bit patterns, int16, or fp32); with x [T, 4, d] and pre [T, 4], x_hat
@@ -538,7 +539,7 @@ def launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunk
     xs, pre = collapse if collapse else (part, part)
     _mhc_coef_kernel[(cgrid,)](part, pcomp, pss, scale, base, opre, opost, ocomb, xh, nw, xn, xs, pre, t, d, n_chunks,
                                float(norm_eps), float(hc_eps), int(iters), float(rms_eps), n_tiles, cgrid,
-                               BLOCK_T=ct, CB=coef_chunk_block(ct), WIDE=wide, NORM=norm is not None,
+                               BLOCK_T=ct, CB=cb or coef_chunk_block(ct), WIDE=wide, NORM=norm is not None,
                                BLOCK_N=triton.next_power_of_2(d), BF16=xh.dtype == torch.int16,
                                COLLAPSE=bool(collapse),
                                NORM_FIRST=(EARLY_LOADS and part.device.type == "cuda" if early is None else early)
@@ -551,14 +552,17 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
             norm_eps: float, hc_eps: float, iters: int, *, block_t: int | None = None,
             block_d: int | None = None, num_warps: int | None = None, workers: int | None = None,
             split: bool | None = None, d_split: int | None = None, num_stages: int | None = None,
-            fused: bool | None = None, norm: tuple | None = None, early: bool | None = None):
+            fused: bool | None = None, norm: tuple | None = None, early: bool | None = None,
+            chunk_block: int | None = None):
     """`ops.mhc_mix` in one pass: x [T, 4, d], y [T, d], post/pre [T, 4], comb [T, 4, 4];
     fn [24, 4d] fp32, scale [3], base [24] (or fn None). Returns (x_new [T, 4, d] in x's dtype,
     x_hat [T, d] in x's dtype, (pre, post, comb) fp32 or None). The keyword-only tile
     parameters are for tuning and default to this module's table; `fused` computes the
     coefficients in the main kernel's last program per token tile instead of a second launch
     (default: DSV41_MHC_COEF, see coef_mode); `early` (default EARLY_LOADS on CUDA devices)
-    issues the decode kernels' independent loads first. `norm` = (weight [d], eps), with `fn` only: the
+    issues the decode kernels' independent loads first; `chunk_block` fixes the chunk partials the
+    coefficient epilogue adds per step (default `coef_chunk_block` of its tokens per tile, which
+    follows T: batch-invariant mode fixes it). `norm` = (weight [d], eps), with `fn` only: the
     coefficient epilogue also writes rms_norm(x_hat, weight, eps), returned as a fourth value
     (`mhc_mix_norm`)."""
     from .launch import grid_for, interpreting, needs_int64, num_workers
@@ -628,7 +632,7 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     else:
         part = pcomp = pss = x_hat  # unused placeholders
     counts = tile_counters(x.device, n_tiles) if fused else x_hat
-    cb = coef_chunk_block(ct)
+    cb = chunk_block or coef_chunk_block(ct)
     if norm is not None:
         nw = norm[0].contiguous()
         xn_arg = x_norm.view(torch.int16) if x.dtype == torch.bfloat16 else x_norm
@@ -642,7 +646,7 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
                              FN_FIRST=early and n_tiles == 1 and chunk == bd, **kw)
     if has_fn and not fused:
         launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps, iters, wide,
-                    ct, (xhat_arg, nw, xn_arg, norm[1]) if norm is not None else None, early)
+                    ct, (xhat_arg, nw, xn_arg, norm[1]) if norm is not None else None, early, cb)
     return done
 
 

@@ -68,13 +68,14 @@ def _mhc_partials_kernel(x_ptr, fn_ptr, part_ptr, pcomp_ptr, pss_ptr, count_ptr,
 
 def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
               hc_eps: float, iters: int, *, fused: bool | None = None, d_split: int | None = None,
-              collapse_norm: tuple | None = None):
+              collapse_norm: tuple | None = None, chunk_block: int | None = None):
     """x [T, 4, d] -> (pre [T, 4], post [T, 4], comb [T, 4, 4]) fp32. `fused`: the coefficients
     come from the partials kernel's last program per token tile (one launch; default:
     DSV41_MHC_COEF); `d_split` fixes the d chunks per token tile (default: more when few tiles).
     `collapse_norm` = (pre_prev [T, 4], weight [d], eps): the coefficient epilogue also makes
     x_hat = mhc_collapse(x, pre_prev) and rms_norm(x_hat, weight, eps), returned after the
-    coefficients (`mhc_enter_norm`)."""
+    coefficients (`mhc_enter_norm`). `chunk_block`: the chunk partials the coefficient epilogue
+    adds per step (`mega_mhc.mhc_mix`)."""
     from .launch import grid_for, interpreting, needs_int64, num_workers, tile_counters
 
     if x.dim() != 3 or x.shape[1] != N_STREAMS:
@@ -121,14 +122,15 @@ def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
     ct = coef_tokens(t, narrow)
     wide = needs_int64(x, fn)
     counts = tile_counters(x.device, n_tiles) if fused else pss
+    cb = chunk_block or coef_chunk_block(ct)
     _mhc_partials_kernel[(grid,)](x, fn, part, pcomp, pss, counts, scale, base, pre, post, comb, pre_prev, xh_arg, nw,
                                   xn_arg, t, d, chunk, n_chunks, n_items, grid, float(norm_eps), float(hc_eps),
                                   int(iters), float(rms_eps), BLOCK_T=bt, BLOCK_D=bd, SPLIT=split, FUSED=fused,
-                                  CT=ct, CB=coef_chunk_block(ct), WIDE=wide, NORM=norm,
+                                  CT=ct, CB=cb, WIDE=wide, NORM=norm,
                                   BLOCK_N=triton.next_power_of_2(d), BF16=bf16, **kw)
     if not fused:
         launch_coef(part, pcomp, pss, scale, base, pre, post, comb, t, d, n_chunks, norm_eps, hc_eps, iters, wide,
-                    ct, (xh_arg, nw, xn_arg, rms_eps, x, pre_prev) if norm else None)
+                    ct, (xh_arg, nw, xn_arg, rms_eps, x, pre_prev) if norm else None, cb=cb)
     return done
 
 
