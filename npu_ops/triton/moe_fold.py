@@ -1,5 +1,6 @@
 """FP4 routed experts at decode sizes (1..64 tokens) on tensor cores, the weight read as int32
-words and turned into bf16 with a few integer ops per value (the `moe_experts` path "fold").
+words (or bytes: `byte_tiles`) and turned into bf16 with a few integer ops per value (the
+`moe_experts` path "fold").
 
 Per call, with R = T * k routed rows (token t, slot j -> flat row t * k + j):
 1. `moe_grouped.sort_rows` orders the flat rows by expert (one launch, no host sync), and x is
@@ -23,6 +24,17 @@ value times 2^-126 (code 1, the value 0.5, becomes the subnormal 2^-127); one bf
 take elements (v, v + 4) for v = 0..3 into one bf16x2 register, so the tile's K order inside each
 group of 8 is permuted (`word_order`); x and h are stored in that order, and a dot does not care
 about the order of K.
+
+Byte tiles (`fold_moe(..., byte_tiles=True)`, opt-in; written after the last device run, so
+compiled for sm_90a locally but NOT yet run on a GPU): the same exact bf16 values built from the
+weight's bytes (`fp4_bytes_bf16`: 4 bytes per inline-PTX call, the scale multiply inside). The
+bytes are reordered inside each 16 (`_fragment_bytes`) so that one thread's wgmma A-operand
+registers of a 16-wide K step are 4 consecutive bytes; the compiler then loads them from the
+pipelined shared-memory buffer straight into the operand layout. With words, the converted tile
+makes a round trip through shared memory (STS, barrier, LDSM) every K step. Local sm_90a SASS of
+the gate/up K step, 32-row tile: 564 instructions instead of 591, no STS / LDSM / barrier,
+234 registers without spills (words: 255 + 16 bytes of stack); benchmarks/RESULTS.md, "FP4
+experts at decode sizes: FP8 dots". K order `byte_order` per BK tile (x and h stored in it).
 
 Numerics: every dot operand is an exact bf16 value, every product exact in fp32, only the fp32
 summation order differs from the reference (the class of the other MoE kernels); the w1 / w3 sums, the weighted SwiGLU product and each expert's
