@@ -110,7 +110,8 @@ INDEXER_SCORE_CFGS = [(None, False), (None, True), ((32, 1, 64, 8, 8), True), ((
 # whole-op variants: (label, options). block / warps / per_k / bits / sb: the select's tile, warps,
 # maxima per k, radix digit width, survivor tile; rows: the rows scores kernel; passes / span: the
 # chunk-maxima bound from that many radix passes over the maxima's span (0: exact) and the
-# survivors' select over their span; cfg: the scores kernel's tiles (None: the launcher's).
+# survivors' select over their span; cfg: the scores kernel's tiles (None: the launcher's); min_per_k:
+# the fewest maxima per k that still bound the select (default SELECT_MAXIMA_MIN_PER_K).
 # (A select fused into the rows scores launch, the query's last tile selecting it after an
 # acq_rel counter, was slower on the H200 on 2026-12-01: T=1 47.1 us (3 passes + span: 45.4)
 # against 42.0, T=8 145.9 against 107.0, T=64 888.6 against 580.3; not kept.)
@@ -127,6 +128,7 @@ INDEXER_SELECTS = [
     ("rows + split select, 16 parts, 8 warps", dict(_SEL, parts=16, warps=8)),
     ("rows + split select, 64 parts", dict(_SEL, parts=64)),
     ("rows + split select, 32 parts, 4 maxima per k", dict(_SEL, parts=32, per_k=4)),
+    ("rows + split select, 32 parts, 2 maxima per k", dict(_SEL, parts=32, per_k=2, min_per_k=2)),
 ]
 # decode batches (T > 1): the one-program-per-row select and the split one at 2-16 parts per row
 INDEXER_SELECTS_TN = [INDEXER_SELECTS[0]] + [(f"rows + split select, {p} parts", dict(_SEL, parts=p))
@@ -178,7 +180,7 @@ def sweep_indexer(rows, copy, tokens=(1, 64), check_only=False):
         for label, o in INDEXER_SELECTS if t == 1 else INDEXER_SELECTS_TN:
             def call(q=q, w=w, tab=tab, vis=vis, o=o):
                 opts = dict(block=o["block"], radix_bits=o["bits"], survivor_block=o["sb"], bound_passes=o["passes"],
-                            span=o["span"], parts=o["parts"])
+                            span=o["span"], parts=o["parts"], min_maxima_per_k=o.get("min_per_k"))
                 maxg = itk.select_chunk(n, TOPK, 128, o["per_k"])
                 s, maxima, maxg = itk._scores(q, w, kc, ks, tab, e, vis, topk=TOPK, rows=o["rows"], maxg=maxg,
                                               _cfg=o["cfg"])
