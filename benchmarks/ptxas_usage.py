@@ -98,6 +98,15 @@ def indexer_rows() -> list[tuple[str, str]]:
                   MAP=False, KP=512, RB=itk.SORT_ROWS, SBLOCK=itk.SELECT_SURVIVOR_BLOCK, BOUND_PASSES=3, SPAN=True)
     rows.append(("topk_select USE_MAX MAXG=16 bound 3 passes, span",
                  ptxas_usage(itk._topk_select_kernel, sel, consts, itk.SELECT_WARPS, floats=())))
+    split = {"s_ptr": "*fp32", "max_ptr": "*fp32", "nvis_ptr": "*i64", "out_ptr": "*i64", "surv_s_ptr": "*fp32",
+             "surv_p_ptr": "*i32", "part_ptr": "*i32", "count_ptr": "*i32"}
+    for parts, span, warps in ((16, False, itk.SPLIT_WARPS), (32, False, itk.SPLIT_WARPS),
+                               (16, True, itk.SPLIT_WARPS), (16, False, 8)):
+        consts = dict(MAXG=16, MBLOCK=itk.SELECT_BLOCK, SBLOCK=min(itk.SELECT_BLOCK, 65536 // parts),
+                      FBLOCK=itk.SPLIT_FINAL_BLOCK, BLOCK=itk.SELECT_BLOCK, PP=parts, RADIX_BITS=itk.RADIX_BITS,
+                      SPAN=span)
+        rows.append((f"split select MAXG=16 parts={parts} span={span} warps={warps} (64K entries)",
+                     ptxas_usage(itk._split_select_kernel, split, consts, warps, floats=())))
     sc = {"q_ptr": "*fp32", "w_ptr": "*fp32", "code_ptr": "*i8", "scale_ptr": "*i8", "table_ptr": "*i64",
           "nvis_ptr": "*i64", "cand_ptr": "*i64", "out_ptr": "*fp32", "max_ptr": "*fp32"}
     for bn, nsub, warps in ((128, 4, 8), (128, 4, 4), (64, 8, 4), (256, 2, 8)):

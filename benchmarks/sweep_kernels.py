@@ -17,6 +17,7 @@ from dsv41.backends import (
     ops,  # noqa: F401  (registers the reference ops)
     registry,
 )
+from dsv41.backends.numerics import numerics
 from dsv41.backends.reference import quant
 from dsv41.core.config import ModelConfig
 from ops import (  # benchmarks/ops.py: one timing method and one input set for the table and the sweep
@@ -109,21 +110,29 @@ INDEXER_SCORE_CFGS = [(None, False), (None, True), ((32, 1, 64, 8, 8), True), ((
 # whole-op variants: (label, options). block / warps / per_k / bits / sb: the select's tile, warps,
 # maxima per k, radix digit width, survivor tile; rows: the rows scores kernel; passes / span: the
 # chunk-maxima bound from that many radix passes over the maxima's span (0: exact) and the
-# survivors' select over their span; cfg: the scores kernel's tiles (None: the launcher's).
+# survivors' select over their span; cfg: the scores kernel's tiles (None: the launcher's); min_per_k:
+# the fewest maxima per k that still bound the select (default SELECT_MAXIMA_MIN_PER_K).
 # (A select fused into the rows scores launch, the query's last tile selecting it after an
 # acq_rel counter, was slower on the H200 on 2026-12-01: T=1 47.1 us (3 passes + span: 45.4)
 # against 42.0, T=8 145.9 against 107.0, T=64 888.6 against 580.3; not kept.)
-_SEL = dict(block=4096, warps=16, per_k=8, bits=4, rows=True, sb=1024, passes=0, span=False, cfg=None)
+# parts: the split select's programs per row (`_split_select_kernel`; 0: one program per row).
+# H200, 2026-12-01 14:00 UTC (T=1, whole op): one program 41.8 us; 8 / 16 / 32 parts 40.5 / 39.0 /
+# 37.1; 16 with span 39.3, with 8 warps 42.4. T=64: one program 616.6, 2 / 4 parts 639.6 / 657.4.
+_SEL = dict(block=4096, warps=16, per_k=8, bits=4, rows=True, sb=1024, passes=0, span=False, cfg=None, parts=0)
 INDEXER_SELECTS = [
-    ("tiles + select (attn7)", dict(_SEL, rows=False, sb=0)),
-    ("rows + select (attn8, shipped)", dict(_SEL)),
-    ("rows + select bound 2 passes, span", dict(_SEL, passes=2, span=True)),
-    ("rows + select bound 3 passes, span", dict(_SEL, passes=3, span=True)),
-    ("rows + select exact bound, span", dict(_SEL, span=True)),
-    ("rows + select bound 2 passes, span, 8 warps", dict(_SEL, passes=2, span=True, warps=8)),
+    ("rows + select (attn8)", dict(_SEL)),
+    ("rows + split select, 8 parts", dict(_SEL, parts=8)),
+    ("rows + split select, 16 parts", dict(_SEL, parts=16)),
+    ("rows + split select, 32 parts", dict(_SEL, parts=32)),
+    ("rows + split select, 16 parts, span", dict(_SEL, parts=16, span=True)),
+    ("rows + split select, 16 parts, 8 warps", dict(_SEL, parts=16, warps=8)),
+    ("rows + split select, 64 parts", dict(_SEL, parts=64)),
+    ("rows + split select, 32 parts, 4 maxima per k", dict(_SEL, parts=32, per_k=4)),
+    ("rows + split select, 32 parts, 2 maxima per k", dict(_SEL, parts=32, per_k=2, min_per_k=2)),
 ]
-# decode batches (T > 1): the shipped select and the span passes
-INDEXER_SELECTS_TN = [INDEXER_SELECTS[1], INDEXER_SELECTS[3]]
+# decode batches (T > 1): the one-program-per-row select and the split one at 2-16 parts per row
+INDEXER_SELECTS_TN = [INDEXER_SELECTS[0]] + [(f"rows + split select, {p} parts", dict(_SEL, parts=p))
+                                             for p in (2, 4, 8, 16)]
 
 
 def sweep_indexer(rows, copy, tokens=(1, 64), check_only=False):
@@ -150,11 +159,12 @@ def sweep_indexer(rows, copy, tokens=(1, 64), check_only=False):
         vis = torch.full((t,), n, dtype=torch.long, device="cuda")
         # a decode batch: each token its own block order (as tokens of different sequences)
         tab = torch.stack([table[0][torch.randperm(table.shape[1], device="cuda")] for _ in range(t)])
-        want = ref_fn(q, w, kc, ks, tab, e, vis, TOPK)[0]
-        # the reference's scores at T=1; for a batch the multi-query kernel's (the reference's
-        # [T, N, d] gather would be gigabytes), the ids below against the reference either way
-        s_ref = itk.indexer_scores_ref(q, w, kc, ks, tab, e) if t == 1 else \
-            itk.indexer_scores(q, w, kc, ks, tab, e, vis, rows=False)
+        with numerics("official"):  # the kernels round the head weights where the official code does
+            want = ref_fn(q, w, kc, ks, tab, e, vis, TOPK)[0]
+            # the reference's scores at T=1; for a batch the multi-query kernel's (the reference's
+            # [T, N, d] gather would be gigabytes), the ids below against the reference either way
+            s_ref = itk.indexer_scores_ref(q, w, kc, ks, tab, e) if t == 1 else \
+                itk.indexer_scores(q, w, kc, ks, tab, e, vis, rows=False)
         for cfg, by_rows in INDEXER_SCORE_CFGS if t == 1 else [(None, True)]:
             def scores(q=q, w=w, tab=tab, vis=vis, cfg=cfg, by_rows=by_rows):
                 return itk.indexer_scores(q, w, kc, ks, tab, e, vis, _cfg=cfg, rows=by_rows)
@@ -170,7 +180,7 @@ def sweep_indexer(rows, copy, tokens=(1, 64), check_only=False):
         for label, o in INDEXER_SELECTS if t == 1 else INDEXER_SELECTS_TN:
             def call(q=q, w=w, tab=tab, vis=vis, o=o):
                 opts = dict(block=o["block"], radix_bits=o["bits"], survivor_block=o["sb"], bound_passes=o["passes"],
-                            span=o["span"])
+                            span=o["span"], parts=o["parts"], min_maxima_per_k=o.get("min_per_k"))
                 maxg = itk.select_chunk(n, TOPK, 128, o["per_k"])
                 s, maxima, maxg = itk._scores(q, w, kc, ks, tab, e, vis, topk=TOPK, rows=o["rows"], maxg=maxg,
                                               _cfg=o["cfg"])
@@ -183,15 +193,35 @@ def sweep_indexer(rows, copy, tokens=(1, 64), check_only=False):
                 print(rows[-1], flush=True)
                 continue
             row(f"indexer_topk {label}", f"T={t} 64K", check, call)
-        if t == 1:  # the select launch alone: the attn8 select, and a row with k visible (launch floor)
+        if t == 1:  # the select launch alone: the attn8 select, the split one, and a row with k visible
             s1, mx1, g1 = itk._scores(q, w, kc, ks, tab, e, vis, topk=TOPK, rows=True)
             few = torch.full_like(vis, TOPK)
-            for label, nv1 in (("select alone (attn8)", vis), ("select alone, k visible (launch floor)", few)):
+            for label, nv1, parts in (("select alone (attn8)", vis, 0), ("select alone (split, default parts)", vis, None),
+                                      ("select alone, k visible (launch floor)", few, 0)):
                 row(f"indexer {label}", f"T={t} 64K", "-",
-                    lambda s1=s1, mx1=mx1, g1=g1, nv1=nv1: itk.topk_select(s1, nv1, TOPK, mx1, g1))
+                    lambda s1=s1, mx1=mx1, g1=g1, nv1=nv1, parts=parts: itk.topk_select(s1, nv1, TOPK, mx1, g1,
+                                                                                        parts=parts))
+            # the split select's stages (16 / 32 parts): the bound alone, bound + slices, all
+            for parts in (16, 32):
+                for stop, label in ((1, "bound only"), (2, "bound + slices"), (0, "all")):
+                    row(f"indexer split select alone, {parts} parts, {label}", f"T={t} 64K", "-",
+                        lambda s1=s1, mx1=mx1, g1=g1, parts=parts, stop=stop: itk._split_select(
+                            s1, mx1, g1, vis, torch.empty(1, TOPK, dtype=torch.long, device="cuda"), TOPK, parts,
+                            itk.SELECT_BLOCK, itk.RADIX_BITS, itk.SPLIT_FINAL_BLOCK, False, None, _stop=stop))
         row("indexer_topk default dispatch", f"T={t} 64K",
             f"equal {torch.equal(itk.indexer_topk(q, w, kc, ks, tab, e, vis, TOPK)[0], want)}",
             lambda q=q, w=w, tab=tab, vis=vis: itk.indexer_topk(q, w, kc, ks, tab, e, vis, TOPK))
+    if 1 in tokens:  # a short context (no chunk maxima: the direct select) with the default dispatch
+        n4 = 4096
+        kc4, ks4, tab4, e4 = paged_index_keys(n4, "cuda")
+        q = quant.mxfp4_qdq(torch.randn(1, HI, DI, device="cuda"))
+        w = torch.randn(1, HI, device="cuda") * DI ** -0.5 * HI ** -0.5
+        vis = torch.full((1,), n4, dtype=torch.long, device="cuda")
+        with numerics("official"):
+            want = ref_fn(q, w, kc4, ks4, tab4, e4, vis, TOPK)[0]
+        row("indexer_topk default dispatch", "T=1 4K",
+            f"equal {torch.equal(itk.indexer_topk(q, w, kc4, ks4, tab4, e4, vis, TOPK)[0], want)}",
+            lambda q=q, w=w, vis=vis: itk.indexer_topk(q, w, kc4, ks4, tab4, e4, vis, TOPK))
 
 
 def sweep_engram(rows, copy):

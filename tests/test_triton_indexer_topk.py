@@ -11,6 +11,8 @@ every score is exact in fp32 (dyadic weights, MXFP4 operands) so ties are real t
 (otherwise the chosen score sets are compared).
 """
 
+import types
+
 import pytest
 import torch
 
@@ -167,6 +169,50 @@ def test_topk_select_equals_stable_sort(dev, rng):
             assert torch.equal(got.cpu(), want), (n, k, maxg, cap, passes, sb)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+def test_split_select_equals_stable_sort(dev, rng):
+    """The split select (a row over several programs, the last one to count selects among the
+    parts' survivors) against the reference's stable sort: ties, -0.0 / +0.0, negatives, rows
+    with nothing / k visible, too few chunks for the bound (whole-row select), a row whose
+    top-k all sit in its last part (the other parts' regions empty); the final select on one
+    tile and past it (the looped path), one part, uneven parts, span passes."""
+    for n, k in ((300, 32), (700, 100)):
+        s = torch.randint(-3, 4, (8, n), generator=rng).float()
+        s[0] = 0.0
+        s[1, ::2] = -0.0  # -0.0 ties with +0.0
+        s[2] = torch.randn(n, generator=rng)
+        s[3] = -torch.rand(n, generator=rng) * 1e30  # all negative, wide exponents
+        s[4] = torch.arange(n).float() + torch.rand(n, generator=rng)  # the top k at the row's end
+        nv = torch.randint(0, n + 1, (8,), generator=rng)
+        nv[2], nv[3], nv[4], nv[5], nv[6], nv[7] = n, n, n, 0, min(n, k), k + 3  # k + 3: fewer chunks than k
+        valid = torch.arange(n).unsqueeze(0) < nv.unsqueeze(1)
+        masked = s.masked_fill(~valid, float("-inf"))
+        want = ref_att._stable_topk_sorted(s, k, valid)
+        maxima = torch.nn.functional.pad(masked, (0, -(-n // 4) * 4 - n), value=float("-inf")).view(8, -1, 4).amax(-1)
+        for parts, final, span in ((1, None, False), (3, 16, False), (16, 64, True), (5, None, True)):
+            got = itk.topk_select(masked.to(dev), nv.to(dev), k, maxima.to(dev), 4, min_maxima_per_k=0, parts=parts,
+                                  survivor_block=final, span=span)
+            assert torch.equal(got.cpu(), want), (n, k, parts, final, span)
+
+
+def test_split_select_dispatch(monkeypatch):
+    """The split select serves up to SPLIT_MAX_T rows (fewer parts per row for more rows), not
+    Ascend (which keeps the one-program-per-row kernel)."""
+    from dsv41.npu_ops.triton import launch
+
+    monkeypatch.setattr(launch, "num_workers", lambda device=None, cores="vector": 132)
+    cuda = torch.device("cuda")
+    assert itk.select_parts(1, cuda) == itk.SPLIT_PARTS
+    assert 1 <= itk.select_parts(itk.SPLIT_MAX_T, cuda) <= itk.SPLIT_PARTS
+    assert itk.select_parts(itk.SPLIT_MAX_T + 1, cuda) == 0
+    monkeypatch.setattr(itk, "SPLIT_MAX_T", 64)
+    room = itk.SPLIT_PROGRAMS_PER_WORKER * 132
+    parts = itk.select_parts(64, cuda)  # halved until 64 rows of them fit the program budget
+    assert 64 * parts <= room < 64 * parts * 2
+    npu = types.SimpleNamespace(type="npu")  # (torch names no "npu" device without torch_npu)
+    assert itk.select_parts(1, npu) == 0
+
+
 # ---- kernel -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -245,12 +291,15 @@ def test_topk_exact_inputs_equal_reference(dev, t, n, k, rng):
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("k", [3, 12])
 @pytest.mark.parametrize("rows_max_t", [0, 64], ids=["tiles", "rows"])
-def test_paged_equals_reference(dev, k, rows_max_t, rng, monkeypatch):
+@pytest.mark.parametrize("split_max_t", [0, 64], ids=["one-program", "split"])
+def test_paged_equals_reference(dev, k, rows_max_t, split_max_t, rng, monkeypatch):
     """Three sequences in scattered blocks of one pool (blocks of 4 entries), tokens of all of
     them in one launch, a token that sees nothing: top-k and candidate pool (from the scores
     kernel's block maxima) equal the reference's paged results exactly (exact scores), with the
-    multi-query tiles and with the one-query-per-tile kernel as the default scores path."""
+    multi-query tiles and with the one-query-per-tile kernel as the default scores path, and
+    with the one-program or the split select."""
     monkeypatch.setattr(itk, "ROWS_MAX_T", rows_max_t)
+    monkeypatch.setattr(itk, "SPLIT_MAX_T", split_max_t)
     t, n = 7, 90  # k = 3: the select is bounded by maxima of 2-entry chunks
     assert itk.use_rows_kernel(t, False) == (rows_max_t >= t)
     q, w, codes, kscale = random_inputs(rng, t, 4, 64, n, exact=True)
@@ -343,12 +392,16 @@ def test_rejects_bad_block_table(rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", DEVICES[1:])
 @pytest.mark.parametrize("t,n", [(1, 4096), (3, 5000), (40, 2000), (64, 8192), (1, 65536)])
-@pytest.mark.parametrize("rows,passes", [(False, 0), (True, 0), (True, 3)], ids=["tiles", "rows", "rows-span"])
-def test_benchmark_widths_gpu(dev, t, n, rows, passes, rng, monkeypatch):
+@pytest.mark.parametrize("rows,passes,split", [(False, 0, True), (True, 0, True), (True, 3, True), (True, 0, False)],
+                         ids=["tiles", "rows", "rows-span", "rows-one-program"])
+def test_benchmark_widths_gpu(dev, t, n, rows, passes, split, rng, monkeypatch):
     """Mini-preset widths: 32 heads x 128, top-512; two sequences in blocks of 64 entries; the
     multi-query tiles and the one-query-per-tile kernel (rows) as the default scores path; the
+    split select (here up to 64 rows) or the one-program-per-row select with the
     exact chunk-maxima bound or a three-pass one with the survivors' select over their span."""
     monkeypatch.setattr(itk, "ROWS_MAX_T", 1 << 20 if rows else 0)
+    monkeypatch.setattr(itk, "SPLIT_PARTS", itk.SPLIT_PARTS if split else 0)
+    monkeypatch.setattr(itk, "SPLIT_MAX_T", 64)  # the split select for the batches too (fewer parts per row)
     monkeypatch.setattr(itk, "SELECT_BOUND_PASSES", passes)
     monkeypatch.setattr(itk, "SELECT_SPAN", passes > 0)
     q, w, codes, kscale = random_inputs(rng, t, 32, 128, n)

@@ -39,6 +39,15 @@ lowest-id entries equal to it, placed by a running prefix sum: the reference's
 without a host sync. The chunk-maxima bound (`_topk_select_kernel`) is used only when there are
 at least SELECT_MAXIMA_MIN_PER_K * k maxima; otherwise the direct select reads the row once.
 
+Split select (`_split_select_kernel`, dense rows with chunk maxima, up to SPLIT_MAX_T rows (a
+decode step of one token), not Ascend): a row's select runs on up to SPLIT_PARTS programs. Each computes the exact K-th largest
+chunk maximum (the bound), reads its slice of the row once and compacts its scores >= the bound
+into its own region; the program that bumps the row's counter last (acq_rel, a self-resetting
+counter) selects the K among the regions' survivors on one tile: the same ids in the same
+order as the one-program kernel, deterministic whichever program finishes last. On the H200 at
+T=1 / 64K it cut the whole op from 41.8 to 39.0 us (16 parts; 37.1 with 32): the one-program
+select's time is mostly not its serial chain on one SM (benchmarks/RESULTS.md).
+
 Reindex selection (same kernel, MAP): the row's columns are candidates (-1 padding scored -inf);
 the chosen columns are written as their entry ids with the padding dropped, then each id is
 stored at its rank among the chosen (a [RB, k] comparison count, no sort primitive): the
@@ -521,10 +530,15 @@ def _kth_key_span(src, n, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, MAX_
     the span needs) it stops: the lower edge of the digit range holding the k-th largest is a
     lower bound of it (at least k values are >= it; `need` is then meaningless), which is all
     the chunk-maxima bound needs."""
-    NBIN: tl.constexpr = 1 << RADIX_BITS
     cols = tl.arange(0, BLOCK)
     m = cols < n
-    key = _order_key(tl.load(src + cols, mask=m, other=0.0))
+    return _kth_of_keys_span(_order_key(tl.load(src + cols, mask=m, other=0.0)), m, k, RADIX_BITS, MAX_PASSES)
+
+
+@triton.jit
+def _kth_of_keys_span(key, m, k, RADIX_BITS: tl.constexpr, MAX_PASSES: tl.constexpr):
+    """`_kth_key_span` on keys already in registers (order keys `key`, valid where m)."""
+    NBIN: tl.constexpr = 1 << RADIX_BITS
     lo = tl.min(tl.where(m, key, 2147483647), axis=0).to(tl.int64)
     hi = tl.max(tl.where(m, key, -2147483648), axis=0).to(tl.int64)
     rel = key.to(tl.int64) - lo  # 0 .. hi - lo < 2^32 where m
@@ -546,6 +560,23 @@ def _kth_key_span(src, n, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, MAX_
 
 
 @triton.jit
+def _kth_of_keys(key, m, k, RADIX_BITS: tl.constexpr):
+    """`_kth_key` on keys already in registers (order keys `key`, valid where m, k <= their
+    count): every radix pass runs on the tile as loaded."""
+    NBIN: tl.constexpr = 1 << RADIX_BITS
+    prefix = tl.zeros([], dtype=tl.int32)  # digits found so far (unsigned key bits)
+    pmask = tl.zeros([], dtype=tl.int32)
+    need = k + tl.zeros([], dtype=tl.int32)  # how many of the values matching the prefix to take
+    u = key ^ -2147483648  # unsigned order
+    for p in range(0, 32 // RADIX_BITS):
+        shift = 32 - RADIX_BITS * (p + 1)
+        digit = (u >> shift) & (NBIN - 1)
+        hist = tl.histogram(tl.where(m & ((u & pmask) == prefix), digit, NBIN), 2 * NBIN)
+        need, prefix, pmask = _radix_digit(hist, need, prefix, pmask, shift, NBIN)
+    return prefix ^ -2147483648, need
+
+
+@triton.jit
 def _kth_key(src, n, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
     """The k-th largest order key among the fp32 values src[0:n] (1 <= k <= n), found digit by
     digit (RADIX_BITS at a time, most significant first: a histogram of the digit over the
@@ -559,12 +590,7 @@ def _kth_key(src, n, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
     need = k + tl.zeros([], dtype=tl.int32)  # how many of the values matching the prefix to take
     if n <= BLOCK:
         m = cols < n
-        u = _order_key(tl.load(src + cols, mask=m, other=0.0)) ^ -2147483648  # unsigned order
-        for p in range(0, 32 // RADIX_BITS):
-            shift = 32 - RADIX_BITS * (p + 1)
-            digit = (u >> shift) & (NBIN - 1)
-            hist = tl.histogram(tl.where(m & ((u & pmask) == prefix), digit, NBIN), 2 * NBIN)
-            need, prefix, pmask = _radix_digit(hist, need, prefix, pmask, shift, NBIN)
+        thr, need = _kth_of_keys(_order_key(tl.load(src + cols, mask=m, other=0.0)), m, k, RADIX_BITS)
     else:
         for p in range(0, 32 // RADIX_BITS):
             shift = 32 - RADIX_BITS * (p + 1)
@@ -576,7 +602,8 @@ def _kth_key(src, n, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
                 digit = (u >> shift) & (NBIN - 1)
                 hist += tl.histogram(tl.where(m & ((u & pmask) == prefix), digit, NBIN), 2 * NBIN)
             need, prefix, pmask = _radix_digit(hist, need, prefix, pmask, shift, NBIN)
-    return prefix ^ -2147483648, need
+        thr = prefix ^ -2147483648
+    return thr, need
 
 
 @triton.jit
@@ -746,6 +773,173 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
 
 
 @triton.jit
+def _region_take(srow, prow, cnts, starts, total, SL, K, orow, PP: tl.constexpr, FB: tl.constexpr,
+                 RADIX_BITS: tl.constexpr, SPAN: tl.constexpr):
+    """The final select of `_split_select_kernel` when the survivors fit one tile (total <= FB):
+    region r's cnts[r] survivors (scores srow[r * SL + j], entry ids prow[...], j < cnts[r]) are
+    gathered into tile positions starts[r] + j (regions ascend, so the tile is in entry order),
+    their K-th largest key found on registers, and the ids above it plus the first ones equal
+    to it written to orow in order."""
+    i = tl.arange(0, FB)
+    pi = tl.arange(0, PP)
+    # region of tile position i: the last region starting at or before i (empty regions share
+    # their start with the next one, so the last such region is the one holding i)
+    inr = (starts[None, :] <= i[:, None]) & (cnts[None, :] > 0)
+    region = tl.max(tl.where(inr, pi[None, :], 0), axis=1)
+    start = tl.max(tl.where(inr, starts[None, :], 0), axis=1)
+    m = i < total
+    src = region * SL + (i - start)
+    x = tl.load(srow + src, mask=m, other=0.0, cache_modifier=".cg")
+    ids = tl.load(prow + src, mask=m, other=0, cache_modifier=".cg")
+    key = _order_key(x)
+    if SPAN:
+        thr, need = _kth_of_keys_span(key, m, K, RADIX_BITS, 32)
+    else:
+        thr, need = _kth_of_keys(key, m, K, RADIX_BITS)
+    take, _ = _take_flags(key, m, thr, need, 0)
+    tl.store(orow + tl.cumsum(take, axis=0) - take, ids.to(tl.int64), mask=take != 0)
+
+
+@triton.jit
+def _region_take_looped(srow, prow, cnts, SL, K, orow, PP: tl.constexpr, WB: tl.constexpr,
+                        RADIX_BITS: tl.constexpr):
+    """The final select of `_split_select_kernel` for any number of survivors, without moving
+    them: the regions are read as a [PP, WB] tile per step of WB survivors per region (every
+    region at once). Radix passes accumulate the histogram over the steps; then per-region
+    counts above / equal to the K-th key give each region's first output position (ties taken
+    in entry order: regions ascend, entries ascend within a region) and a second sweep writes
+    the ids there."""
+    NBIN: tl.constexpr = 1 << RADIX_BITS
+    pi = tl.arange(0, PP)
+    j = tl.arange(0, WB)
+    maxc = tl.max(cnts, axis=0)
+    prefix = tl.zeros([], dtype=tl.int32)
+    pmask = tl.zeros([], dtype=tl.int32)
+    need = K + tl.zeros([], dtype=tl.int32)
+    for p in range(0, 32 // RADIX_BITS):
+        shift = 32 - RADIX_BITS * (p + 1)
+        hist = tl.zeros([2 * NBIN], dtype=tl.int32)
+        for j0 in range(0, maxc, WB):
+            m = (j0 + j)[None, :] < cnts[:, None]
+            x = tl.load(srow + pi[:, None] * SL + (j0 + j)[None, :], mask=m, other=0.0, cache_modifier=".cg")
+            u = tl.reshape(_order_key(x) ^ -2147483648, [PP * WB])
+            m1 = tl.reshape(m, [PP * WB])
+            hist += tl.histogram(tl.where(m1 & ((u & pmask) == prefix), (u >> shift) & (NBIN - 1), NBIN), 2 * NBIN)
+        need, prefix, pmask = _radix_digit(hist, need, prefix, pmask, shift, NBIN)
+    thr = prefix ^ -2147483648
+    n_gt = tl.zeros([PP], dtype=tl.int32)
+    n_eq = tl.zeros([PP], dtype=tl.int32)
+    for j0 in range(0, maxc, WB):  # per-region counts above / equal to the threshold
+        m = (j0 + j)[None, :] < cnts[:, None]
+        key = _order_key(tl.load(srow + pi[:, None] * SL + (j0 + j)[None, :], mask=m, other=0.0,
+                                 cache_modifier=".cg"))
+        n_gt += tl.sum((m & (key > thr)).to(tl.int32), axis=1)
+        n_eq += tl.sum((m & (key == thr)).to(tl.int32), axis=1)
+    eq_before = tl.cumsum(n_eq, axis=0) - n_eq  # equal ones in earlier regions
+    taken = n_gt + tl.minimum(tl.maximum(need - eq_before, 0), n_eq)
+    base = tl.cumsum(taken, axis=0) - taken  # each region's first output position
+    eq_seen = eq_before
+    done = base
+    for j0 in range(0, maxc, WB):
+        m = (j0 + j)[None, :] < cnts[:, None]
+        off = pi[:, None] * SL + (j0 + j)[None, :]
+        key = _order_key(tl.load(srow + off, mask=m, other=0.0, cache_modifier=".cg"))
+        gt = (m & (key > thr)).to(tl.int32)
+        eq = (m & (key == thr)).to(tl.int32)
+        take = gt | (eq & ((eq_seen[:, None] + tl.cumsum(eq, axis=1) - eq) < need).to(tl.int32))
+        ids = tl.load(prow + off, mask=take != 0, other=0, cache_modifier=".cg")
+        tl.store(orow + done[:, None] + tl.cumsum(take, axis=1) - take, ids.to(tl.int64), mask=take != 0)
+        eq_seen += tl.sum(eq, axis=1)
+        done += tl.sum(take, axis=1)
+
+
+@triton.jit
+def _split_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_ptr, part_ptr, count_ptr,
+                         T, N, G, K, KOUT, SL, P, num_programs,
+                         MAXG: tl.constexpr, MBLOCK: tl.constexpr, SBLOCK: tl.constexpr, FBLOCK: tl.constexpr,
+                         BLOCK: tl.constexpr, PP: tl.constexpr, RADIX_BITS: tl.constexpr, SPAN: tl.constexpr,
+                         STOP: tl.constexpr = 0):
+    """The dense top-K select of `_topk_select_kernel` (same result: the K largest of
+    scores[t, :n_visible[t]], ties to the lower entry id, ascending ids, -1 padded) split over P
+    programs per row, so that a decode step's few rows use many SMs:
+
+    1. Every part computes the exact K-th largest of the row's chunk maxima (max_ptr [T, G], one
+       per MAXG entries, from the scores kernel): a lower bound of the K-th largest score
+       (computed redundantly by the P parts instead of a launch or a wait).
+    2. Part p reads its slice of SL entries once (contiguous) and compacts its scores >= bound
+       in entry order into region p of the row's survivor buffers (surv_s / surv_p [T, N]: the
+       region has room for the whole slice, so nothing overflows), its count into part_ptr
+       [T, P].
+    3. After a CTA barrier, each part bumps the row's counter (count_ptr, acq_rel; zero before
+       and left zero after: `tile_counters`); the part that counts last selects the K among the
+       regions' survivors (`_region_take`: on one tile; `_region_take_looped` beyond FBLOCK).
+       Which part comes last varies; what it computes does not (regions are read in order).
+    Rows with at most K visible entries, or fewer than K chunks, are done by part 0 alone as
+    `_topk_select_kernel` does them (no counter). STOP (timing the stages; no result): 1 ends
+    after the bound, 2 after the slices. CUDA only (atomics, `.cg` loads); Ascend keeps
+    `_topk_select_kernel`."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    for job in range(pid, T * P, num_programs):
+        t = job // P
+        p = job - t * P
+        t64 = t + tl.zeros([], dtype=tl.int64)  # 64-bit row offsets (a plain int under the interpreter)
+        row = s_ptr + t64 * N
+        orow = out_ptr + t64 * KOUT
+        nv = tl.minimum(tl.load(nvis_ptr + t).to(tl.int32), N)
+        g = (nv + MAXG - 1) // MAXG  # chunks holding a visible entry
+        if nv <= K:  # everything visible is selected
+            if p == 0:
+                for c0 in range(0, KOUT, BLOCK):
+                    c = c0 + cols
+                    tl.store(orow + c, tl.where(c < nv, c, -1).to(tl.int64), mask=c < KOUT)
+        elif g < K:  # the maxima bound nothing: the whole-row select
+            if p == 0:
+                thr, need = _kth_key(row, nv, K, BLOCK, RADIX_BITS)
+                _take_ordered(row, row, nv, thr, need, orow, row, BLOCK, False, False)
+        else:
+            if SPAN:  # (G <= MBLOCK: the launcher's condition)
+                bound, _ = _kth_key_span(max_ptr + t64 * G, g, K, MBLOCK, RADIX_BITS, 32)
+            else:
+                bound, _ = _kth_key(max_ptr + t64 * G, g, K, MBLOCK, RADIX_BITS)
+            srow = surv_s_ptr + t64 * N
+            prow = surv_p_ptr + t64 * N
+            lo = p * SL
+            hi = tl.minimum(lo + SL, nv)
+            cnt = tl.zeros([], dtype=tl.int32)
+            if STOP == 1:  # (timing only: the bound alone)
+                hi = lo
+                tl.store(orow + p, bound.to(tl.int64))
+            for c0 in range(lo, hi, SBLOCK):  # this part's scores >= bound, in entry order
+                c = c0 + tl.arange(0, SBLOCK)
+                m = c < hi
+                x = tl.load(row + c, mask=m, other=0.0)
+                keep = (m & (_order_key(x) >= bound)).to(tl.int32)
+                pos = lo + cnt + tl.cumsum(keep, axis=0) - keep
+                tl.store(srow + pos, x, mask=keep != 0)
+                tl.store(prow + pos, c, mask=keep != 0)
+                cnt += tl.sum(keep, axis=0)
+            tl.store(part_ptr + t64 * P + p, cnt)
+            tl.debug_barrier()  # every thread's survivors are written before the release below
+            done = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
+            if STOP > 0:  # (timing only: no final select; the counter back to zero)
+                if done == P - 1:
+                    tl.atomic_xchg(count_ptr + t, 0)
+            elif done == P - 1:  # every part has written its region: select among them
+                pi = tl.arange(0, PP)
+                cnts = tl.load(part_ptr + t64 * P + pi, mask=pi < P, other=0, cache_modifier=".cg")
+                total = tl.sum(cnts, axis=0)
+                if total <= FBLOCK:
+                    _region_take(srow, prow, cnts, tl.cumsum(cnts, axis=0) - cnts, total, SL, K, orow, PP, FBLOCK,
+                                 RADIX_BITS, SPAN)
+                else:
+                    _region_take_looped(srow, prow, cnts, SL, K, orow, PP, FBLOCK // PP, RADIX_BITS)
+                # the row's counter back to zero for the next call (`tile_counters`): every part
+                # of the row has counted, so nothing else touches it in this launch
+                tl.atomic_xchg(count_ptr + t, 0)
+
+
+@triton.jit
 def _pool_kernel(max_ptr, nvis_ptr, out_ptr, work_ptr, T, N, G, NBLK, OUTW, num_programs,
                  B: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
     """Per query row (persistent loop): the hierarchical candidate pool of
@@ -841,7 +1035,7 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
                 capacity: int | None = None, num_warps: int | None = None,
                 min_maxima_per_k: int | None = None, radix_bits: int | None = None,
                 survivor_block: int | None = None, bound_passes: int | None = None,
-                span: bool | None = None) -> torch.Tensor:
+                span: bool | None = None, parts: int | None = None) -> torch.Tensor:
     """The reference's `_stable_topk_sorted(scores, k, arange < n_visible)` for finite visible
     scores, in one Triton launch (a program per query row, no host sync): [T, min(k, N)] int64.
     `maxima` [T, ceil(N / maxg)]: each row's maximum over every `maxg` entries (entries past
@@ -856,7 +1050,10 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     most `block`; default SELECT_SURVIVOR_BLOCK, 0 = `block`).
     `bound_passes`: radix passes of the chunk-maxima bound over the maxima's span (a lower bound
     of their k-th largest; default SELECT_BOUND_PASSES, 0 = the exact k-th by full passes).
-    `span`: the survivors' exact select passes over their span only (default SELECT_SPAN)."""
+    `span`: the survivors' exact select passes over their span only (default SELECT_SPAN).
+    `parts`: with a maxima bound (dense), the row's select split over this many programs
+    (`_split_select_kernel`; then `survivor_block` is the final select's tile, default
+    SPLIT_FINAL_BLOCK); None: `select_parts`; 0: the one-program-per-row kernel."""
     from .launch import grid_for, interpreting
 
     radix = _radix_bits(radix_bits)
@@ -880,6 +1077,12 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     use_max = maxima is not None and not mapped and maxg > 1 and maxima.shape[1] >= per_k * k
     if use_max and (blk % maxg or maxima.shape[0] != t):
         raise ValueError(f"maxima {tuple(maxima.shape)} every {maxg} do not fit block {blk} / {t} rows")
+    if parts is None:
+        parts = select_parts(t, scores.device) if use_max else 0
+    if parts and use_max and scores.device.type != "npu":
+        return _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix,
+                             SPLIT_FINAL_BLOCK if survivor_block is None else survivor_block,
+                             SELECT_SPAN if span is None else bool(span), num_warps)
     g = maxima.shape[1] if use_max else 1
     surv_s = torch.empty(t if use_max else 1, cap, dtype=torch.float32, device=scores.device)
     surv_p = torch.empty(t if use_max else 1, cap, dtype=torch.int32, device=scores.device)
@@ -896,6 +1099,46 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
                                  RB=sort_rows(_pow2(kout), scores.device.type == "npu"), SBLOCK=sblk,
                                  BOUND_PASSES=SELECT_BOUND_PASSES if bound_passes is None else int(bound_passes),
                                  SPAN=SELECT_SPAN if span is None else bool(span), **extra)
+    return out
+
+
+def select_parts(t: int, device: torch.device) -> int:
+    """Programs per row for the split select (`_split_select_kernel`) of t rows: SPLIT_PARTS,
+    halved while t rows of them would pass SPLIT_PROGRAMS_PER_WORKER programs per worker; 0 (the
+    one-program-per-row kernel) above SPLIT_MAX_T rows and on Ascend (atomics, `.cg` loads)."""
+    from .launch import num_workers
+
+    if device.type == "npu" or t > SPLIT_MAX_T or SPLIT_PARTS <= 0:
+        return 0
+    parts, room = SPLIT_PARTS, SPLIT_PROGRAMS_PER_WORKER * num_workers(device)
+    while parts > 1 and t * parts > room:
+        parts //= 2
+    return parts
+
+
+def _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix, final_block, span, num_warps,
+                  _stop=0):
+    """`topk_select`'s dense bounded select on `_split_select_kernel`: `parts` programs per row
+    (slices of the row's entries), the final select on a `final_block` tile. `_stop`: the
+    kernel's STOP (timing its stages)."""
+    from .launch import grid_for, interpreting, tile_counters
+
+    t, n = scores.shape
+    g = maxima.shape[1]
+    sl = -(-n // max(1, min(int(parts), n)))  # entries per part
+    p = -(-n // sl)
+    pp = _pow2(p)
+    fb = max(_pow2(final_block or SPLIT_FINAL_BLOCK), pp, 16)
+    mblock = min(_pow2(g), blk)  # the maxima on one tile when they fit (else `_kth_key` loops)
+    surv_s = torch.empty(t, n, dtype=torch.float32, device=scores.device)
+    surv_p = torch.empty(t, n, dtype=torch.int32, device=scores.device)
+    part = torch.empty(t, p, dtype=torch.int32, device=scores.device)
+    grid = grid_for(t * p, scores.device)
+    extra = {} if interpreting() else {"num_warps": num_warps or SPLIT_WARPS}
+    _split_select_kernel[(grid,)](scores.contiguous(), maxima.contiguous(), n_visible.contiguous(), out, surv_s,
+                                  surv_p, part, tile_counters(scores.device, t), t, n, g, k, out.shape[1], sl, p,
+                                  grid, MAXG=maxg, MBLOCK=mblock, SBLOCK=min(blk, _pow2(sl)), FBLOCK=fb, BLOCK=blk,
+                                  PP=pp, RADIX_BITS=radix, SPAN=span and g <= mblock, STOP=_stop, **extra)
     return out
 
 
@@ -925,6 +1168,19 @@ SELECT_SURVIVOR_BLOCK = 1024
 # for a ~1.4 us gain.
 SELECT_BOUND_PASSES = 0
 SELECT_SPAN = False
+# the split select (`_split_select_kernel`): programs per row (at most), up to how many rows, the
+# program budget per worker that halves the parts for larger batches, its final tile and warps.
+# H200 (triton 3.6, 64K entries, top-512, CUDA-graph time, whole op; 2026-12-01 14:00 UTC, one
+# run; benchmarks/RESULTS.md): T=1 one-program select 41.8 us, split 8 / 16 / 32 parts 40.5 /
+# 39.0 / 37.1 us (16 with span passes 39.3, with 8 warps 42.4); the select alone 28.7 -> 26.0 us
+# (16 parts). T=64 (rows of different sequences): one-program 616.6 us, split 2 / 4 parts per row
+# 639.6 / 657.4: slower, so only T=1 takes it. 16 parts, not 32: the GPU tests ran with 16 (32 was
+# timed, its ids not checked on the device).
+SPLIT_PARTS = 16
+SPLIT_MAX_T = 1
+SPLIT_PROGRAMS_PER_WORKER = 2
+SPLIT_FINAL_BLOCK = 1024
+SPLIT_WARPS = 16
 RADIX_BITS = RADIX_BITS_DEFAULT
 # 8 passes of 2 * 16 bins, or 4 passes of 2 * 256 bins; on the H200 (T=1, 64K) 8-bit digits were
 # slower, 78.2 against 52.4 us for the whole op (tl.histogram's cost grows with its bins)
