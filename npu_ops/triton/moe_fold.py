@@ -25,8 +25,10 @@ take elements (v, v + 4) for v = 0..3 into one bf16x2 register, so the tile's K 
 group of 8 is permuted (`word_order`); x and h are stored in that order, and a dot does not care
 about the order of K.
 
-Byte tiles (`fold_moe(..., byte_tiles=True)`, opt-in; written after the last device run, so
-compiled for sm_90a locally but NOT yet run on a GPU): the same exact bf16 values built from the
+Byte tiles (`fold_moe(..., byte_tiles=True)`; the CUDA default at 17..64 tokens, where the
+H200 measured them faster: T=64 379.9 -> 307.4 us, but slower at 1 / 8 / 16 tokens: 99.7 ->
+109.3, 233.6 -> 241.8, 237.1 -> 249.1 us; 2026-12-01, graph replay, mini widths; T=17..63 take
+it unmeasured): the same exact bf16 values built from the
 weight's bytes (`fp4_bytes_bf16`: 4 bytes per inline-PTX call, the scale multiply inside). The
 bytes are reordered inside each 16 (`_fragment_bytes`) so that one thread's wgmma A-operand
 registers of a 16-wide K step are 4 consecutive bytes; the compiler then loads them from the
@@ -72,11 +74,12 @@ from .swiglu import expert_act
 # spills registers; an expert with more than 32 rows loops over row tiles); T=33..63 take it
 # unmeasured. Slower at T = 1 / 8 / 64 (the defaults then: 95.6 / 221.4 / 448.6 us): 2, 4, 5 or 6
 # pipeline stages (e.g. 4: 124.7 / 296.7 / 468.8), and w1's K loop before w3's (fewer registers:
-# 107.0 / 245.3 / 460.3 at 4 stages).
+# 107.0 / 245.3 / 460.3 at 4 stages). H200 2026-12-01 14:25 UTC: byte tiles at T=64 307.4 us
+# against 379.9 (words), at 4 stages 347.1, RB 64 402.8; slower at T = 1 / 8 / 16 (above).
 _DECODE = {"bn_up": 64, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 3, "split": 1, "w_left": True,
            "rb_max": 64}
 TILES = {"cuda": [(1, _DECODE), (3, dict(_DECODE, split=2)), (16, dict(_DECODE, split=4)),
-                  (64, dict(_DECODE, rb_max=32))],
+                  (64, dict(_DECODE, rb_max=32, byte_tiles=True))],
          "interp": [(1 << 30, {"bn_up": 32, "bn_down": 32, "bk": 128, "split": 1, "w_left": True})]}
 MAX_SCALE_BYTE = 128  # the largest E8M0 weight scale byte the folded conversion takes (module docstring)
 _SIGN2 = tl.constexpr(-2147450880)  # 0x80008000: both halves' sign bits, as an int32 literal
