@@ -14,21 +14,24 @@ from __future__ import annotations
 import torch
 
 SPLIT = 10  # p = a * 2^SPLIT + b
-_TABLES: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 
 def angle_tables(inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(cos, sin) of a * 2^SPLIT * f for a in [-2^SPLIT, 2^SPLIT) (row a + 2^SPLIT), then (cos,
     sin) of b * f for b in [0, 2^SPLIT): fp32 [2^(SPLIT+1), F] and [2^SPLIT, F], made once per
-    frequency vector (in fp64 on the host)."""
-    key = (inv_freq.data_ptr(), inv_freq.device, inv_freq.shape[0], inv_freq._version)
-    if key not in _TABLES:
+    frequency vector (in fp64 on the host). They are held by the frequency tensor itself (with
+    its version: an in-place change makes them again), so they live as long as it does and a
+    later tensor at the same address never finds them (a cache keyed by the address handed a
+    second model the first one's angles)."""
+    held = getattr(inv_freq, "_dsv41_angle_tables", None)
+    if held is None or held[0] != inv_freq._version:
         f = inv_freq.detach().cpu().double()  # once per frequency vector
         steps = torch.arange(1 << SPLIT, dtype=torch.float64).unsqueeze(1)
         high = torch.arange(-(1 << SPLIT), 1 << SPLIT, dtype=torch.float64).unsqueeze(1)  # row a + 2^SPLIT
         hi, lo = high * (1 << SPLIT) * f, steps * f
-        _TABLES[key] = tuple(t.float().to(inv_freq.device) for t in (hi.cos(), hi.sin(), lo.cos(), lo.sin()))
-    return _TABLES[key]
+        held = (inv_freq._version, tuple(t.float().to(inv_freq.device) for t in (hi.cos(), hi.sin(), lo.cos(), lo.sin())))
+        inv_freq._dsv41_angle_tables = held
+    return held[1]
 
 
 def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

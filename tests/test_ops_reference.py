@@ -834,6 +834,37 @@ def test_device_rope_tables_match_the_fp64_reference(rng):
         assert (cos - rcos).abs().max() < 4e-7 and (sin - rsin).abs().max() < 4e-7
 
 
+def test_device_rope_tables_follow_the_tensor_not_its_address():
+    """The angle tables belong to their frequency tensor: a later tensor with other values at a
+    freed tensor's address (the allocator hands it out again) gets its own tables, and an
+    in-place change makes them again. (A cache keyed by the address gave a second model the
+    first one's angles.)"""
+    from dsv41.backends.rope_tables import angle_tables, rope_tables
+
+    def freq(scale):
+        f = torch.empty(32)
+        f.copy_(torch.linspace(0.01, 1.0, 32) * scale)  # version 1, like a loaded buffer
+        return f
+
+    pos = torch.tensor([3, 1500, -7])
+    for _ in range(1000):  # until the allocator reuses the address (a few tries on glibc)
+        a = freq(1.0)
+        ptr, first = a.data_ptr(), angle_tables(a)[3][5].clone()
+        del a
+        b = freq(2.0)
+        if b.data_ptr() == ptr:
+            break
+    else:
+        pytest.fail("the CPU allocator never reused a freed 32-float block; the test cannot set up the case")
+    assert not torch.equal(angle_tables(b)[3][5], first)
+    cos, sin = rope_tables(b, pos)
+    rcos, rsin = ops.rope_tables(b, pos)
+    assert (cos - rcos).abs().max() < 4e-7 and (sin - rsin).abs().max() < 4e-7
+    b.mul_(0.5)  # in place: the tables are made again
+    cos, _ = rope_tables(b, pos)
+    assert (cos - ops.rope_tables(b, pos)[0]).abs().max() < 4e-7
+
+
 def test_dequant_memo_is_bounded(monkeypatch, rng):
     """The reference's memo of fp64 weight copies keeps at most DEQUANT_CACHE_BYTES (least
     recently used first out) and gives the same products as without it."""
