@@ -450,19 +450,27 @@ def module_platform(module: nn.Module, device: torch.device):
 
 
 _CONSTANT_ROWS: dict[tuple, torch.Tensor] = {}
+# buffers `constant_rows` outgrew: kept for the life of the process, because graphs captured
+# before the growth read them by address (a freed buffer's memory is handed out again, and a
+# replay then read whatever was written there: the shared expert's ids became garbage and the
+# MoE kernel faulted on the H200 after a long prefill grew the buffers past the captured size)
+_OUTGROWN_ROWS: list[torch.Tensor] = []
 
 
 def constant_rows(name: str, t: int, device: torch.device, make) -> torch.Tensor:
     """Rows [:t] of the constant `make(n, device)` (rows all alike), a view of a per-device buffer
     made once: no fill kernels per layer and step. Never written through. The buffer grows only
     outside graph capture (a fill captured into a graph would run only at replay): a capture
-    needing more rows than were ever made gets its own tensor."""
+    needing more rows than were ever made gets its own tensor. It grows at least twofold, and an
+    outgrown buffer is never freed (`_OUTGROWN_ROWS`)."""
     key = (name, device)
     hit = _CONSTANT_ROWS.get(key)
     if hit is None or hit.shape[0] < t:
-        made = make(t, device)
         if platform_for(device).is_capturing():
-            return made
+            return make(t, device)
+        made = make(max(t, 2 * hit.shape[0]) if hit is not None else t, device)
+        if hit is not None:
+            _OUTGROWN_ROWS.append(hit)
         hit = _CONSTANT_ROWS[key] = made
     return hit[:t]
 

@@ -146,3 +146,33 @@ def test_packed_inputs_fill_like_the_per_field_copies(tiny_cfg, rng):
             assert all(torch.equal(x, y) for x, y in zip(getattr(packed.static, name), getattr(plain, name))), (name, n)
         assert torch.equal(packed.static.seq, torch.arange(4))  # never rewritten
     assert (packed.static.ids[1:] == 0).all() and (packed.static.swa_tables[0][0, 2:] == 0).all()
+
+
+def test_outgrown_constant_buffers_stay_alive(monkeypatch):
+    """Graphs captured with `constant_rows` / `tile_counters` buffers read them by address, so a
+    buffer outgrown by a later, larger eager step must never be freed (freed, its memory was
+    handed out again and the replays read garbage: on the H200 the shared expert's ids, and the
+    MoE kernel faulted after a long prefill grew the buffers past the captured batch)."""
+    import gc
+    import weakref
+
+    from dsv41.core import model as model_mod
+    from dsv41.npu_ops.triton import launch
+
+    dev = torch.device("cpu")
+    monkeypatch.setattr(model_mod, "_CONSTANT_ROWS", {})
+    zeros = lambda n, d: torch.zeros(n, 1, dtype=torch.long, device=d)  # noqa: E731
+    first = model_mod.constant_rows("ids", 4, dev, zeros)
+    old = weakref.ref(first._base)
+    del first
+    grown = model_mod.constant_rows("ids", 43, dev, zeros)
+    gc.collect()
+    assert grown.shape == (43, 1) and old() is not None and old() is not grown._base
+    assert model_mod.constant_rows("ids", 50, dev, zeros).shape == (50, 1)  # grows to 86 rows (twofold)
+    assert model_mod.constant_rows("ids", 86, dev, None).shape == (86, 1)  # (no new buffer: make is not called)
+
+    monkeypatch.setattr(launch, "_COUNTERS", {})
+    small = weakref.ref(launch.tile_counters(dev, 8))
+    big = launch.tile_counters(dev, 5000)
+    gc.collect()
+    assert big.numel() >= 8192 and small() is not None and not big.any()

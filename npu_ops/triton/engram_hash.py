@@ -45,15 +45,14 @@ def _engram_hash_kernel(ids_ptr, image_ptr, map_ptr, mult_ptr, primes_ptr, offse
                 tl.store(out_ptr + m * n_rows + j, r + tl.load(offsets_ptr + j).to(tl.int64), mask=mm)
 
 
-_OFFSETS: dict[tuple, torch.Tensor] = {}
-
-
 def _offsets(primes: torch.Tensor) -> torch.Tensor:
-    """Exclusive prefix sums of the primes, made once per primes tensor (a layer's constants)."""
-    key = (primes.data_ptr(), primes.device, primes.shape[0], primes._version)
-    if key not in _OFFSETS:
-        _OFFSETS[key] = torch.cumsum(primes, 0) - primes
-    return _OFFSETS[key]
+    """Exclusive prefix sums of the primes, made once per primes tensor (a layer's constants) and
+    held by it (with its version), so they live as long as it does and a later tensor at the
+    same address never finds them (as `backends.rope_tables.angle_tables`)."""
+    held = getattr(primes, "_dsv41_offsets", None)
+    if held is None or held[0] != primes._version:
+        held = primes._dsv41_offsets = (primes._version, torch.cumsum(primes, 0) - primes)
+    return held[1]
 
 
 def engram_hash(ngram_ids: torch.Tensor, ngram_image: torch.Tensor, token_map: torch.Tensor,

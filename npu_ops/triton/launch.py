@@ -105,8 +105,16 @@ def tile_counters(device: torch.device, n: int) -> torch.Tensor:
         if plat.is_capturing():  # (asked only when allocating)
             raise RuntimeError(f"tile_counters: no zeroed counters ({n}) for this stream before the graph capture; "
                                "run the captured work once eagerly on the capture stream first")
-        buf = _COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        if buf is not None:  # graphs captured before may count in it: never freed (`_OUTGROWN`)
+            _OUTGROWN.append(buf)
+        buf = _COUNTERS[key] = torch.zeros(max(n, 4096, 2 * (buf.numel() if buf is not None else 0)),
+                                           dtype=torch.int32, device=device)
     return buf
+
+
+# counter buffers `tile_counters` outgrew: graphs captured before the growth use them by address,
+# so they live as long as the process
+_OUTGROWN: list[torch.Tensor] = []
 
 
 def _platform(device: torch.device):
