@@ -554,9 +554,8 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
                    "page-locked table. Same argmax = the step's tokens equal the on-device model's.",
                    ["context", "batch", "on device ms", "fetched ahead ms", "overhead", "in place ms", "overhead",
                     "same argmax"],
-                   [[r["ctx"], r["batch"], f"{r['device_s'] * 1e3:.3f}", f"{r['ahead_s'] * 1e3:.3f}",
-                     f"{r['ahead_s'] / r['device_s'] - 1:+.1%}", f"{r['in_place_s'] * 1e3:.3f}",
-                     f"{r['in_place_s'] / r['device_s'] - 1:+.1%}", r["ahead_same"] and r["in_place_same"]]
+                   [[r["ctx"], r["batch"], f"{r['device_s'] * 1e3:.3f}", *_ms_change(r, "ahead_s", "device_s"),
+                     *_ms_change(r, "in_place_s", "device_s"), r["ahead_same"] and r["in_place_same"]]
                     for r in offload])
     if streams:
         L += table("Second stream (decode, graph replay)",
@@ -566,9 +565,8 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
                    "bit-identical in all three.",
                    ["context", "batch", "one stream ms", "shared ms", "change", "shared + indexer ms", "change",
                     "same logits"],
-                   [[r["ctx"], r["batch"], f"{r['one_s'] * 1e3:.3f}", f"{r['shared_s'] * 1e3:.3f}",
-                     f"{r['shared_s'] / r['one_s'] - 1:+.1%}", f"{r['both_s'] * 1e3:.3f}",
-                     f"{r['both_s'] / r['one_s'] - 1:+.1%}", r["same"]] for r in streams])
+                   [[r["ctx"], r["batch"], f"{r['one_s'] * 1e3:.3f}", *_ms_change(r, "shared_s", "one_s"),
+                     *_ms_change(r, "both_s", "one_s"), r["same"]] for r in streams])
     if mems and mems[0]["peak"] is not None:
         L += table("Peak device memory", None, ["phase", "peak GB", "weights GB", "KV pools GB", "peak / (weights + KV)"],
                    [[m["phase"], f"{m['peak'] / 1e9:.2f}", f"{m['weights'] / 1e9:.2f}", f"{m['kv'] / 1e9:.2f}",
@@ -671,6 +669,11 @@ def run_offload(model_device, args, clock: Clock, log) -> list[dict]:
             log(f"offload {name} b={b}: {row[f'{name}_s'] * 1e3:.3f} ms")
         del model
     return list(rows.values())
+
+
+def _ms_change(row: dict, key: str, base: str) -> list[str]:
+    """Table cells: row[key] in ms, and its change against row[base]."""
+    return [f"{row[key] * 1e3:.3f}", f"{row[key] / row[base] - 1:+.1%}"]
 
 
 def run_streams(model, args, clock: Clock, log) -> list[dict]:
