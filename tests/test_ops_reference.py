@@ -836,27 +836,25 @@ def test_device_rope_tables_match_the_fp64_reference(rng):
 
 def test_device_rope_tables_follow_the_tensor_not_its_address():
     """The angle tables belong to their frequency tensor: a later tensor with other values at a
-    freed tensor's address (the allocator hands it out again) gets its own tables, and an
-    in-place change makes them again. (A cache keyed by the address gave a second model the
-    first one's angles.)"""
+    freed tensor's address gets its own tables, and an in-place change makes them again. (A
+    cache keyed by the address gave a second model the first one's angles.) The reuse of the
+    address is made deterministic here: both tensors are set onto one storage, the second after
+    the first is gone and the storage holds other values."""
     from dsv41.backends.rope_tables import angle_tables, rope_tables
 
-    def freq(scale):
-        f = torch.empty(32)
-        f.copy_(torch.linspace(0.01, 1.0, 32) * scale)  # version 1, like a loaded buffer
-        return f
+    storage = torch.empty(32).untyped_storage()
 
-    pos = torch.tensor([3, 1500, -7])
-    for _ in range(1000):  # until the allocator reuses the address (a few tries on glibc)
-        a = freq(1.0)
-        ptr, first = a.data_ptr(), angle_tables(a)[3][5].clone()
-        del a
-        b = freq(2.0)
-        if b.data_ptr() == ptr:
-            break
-    else:
-        pytest.fail("the CPU allocator never reused a freed 32-float block; the test cannot set up the case")
+    def freq_at_storage(scale):
+        torch.empty(0).set_(storage, 0, (32,)).copy_(torch.linspace(0.01, 1.0, 32) * scale)
+        return torch.empty(0).set_(storage, 0, (32,))  # a fresh tensor there, same version
+
+    a = freq_at_storage(1.0)
+    ptr, version, first = a.data_ptr(), a._version, angle_tables(a)[3][5].clone()
+    del a
+    b = freq_at_storage(2.0)
+    assert (b.data_ptr(), b._version) == (ptr, version)  # what an address-keyed cache would see
     assert not torch.equal(angle_tables(b)[3][5], first)
+    pos = torch.tensor([3, 1500, -7])
     cos, sin = rope_tables(b, pos)
     rcos, rsin = ops.rope_tables(b, pos)
     assert (cos - rcos).abs().max() < 4e-7 and (sin - rsin).abs().max() < 4e-7
