@@ -440,7 +440,6 @@ class MoE(nn.Module):
         return ops.moe_experts(x, ones, zeros, [self.shared_experts.parts()], self.cfg.swiglu_limit, acc)
 
 
-
 def module_platform(module: nn.Module, device: torch.device):
     """The platform of `device`, looked up once per module (this runs in every layer's forward)."""
     plat = getattr(module, "_plat", None)
