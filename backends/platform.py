@@ -14,9 +14,29 @@ hardware (no NPU was available to this project yet).
 from __future__ import annotations
 
 import contextlib
+import gc
 from dataclasses import dataclass
 
 import torch
+
+
+@contextlib.contextmanager
+def capture_without_gc(capture):
+    """`capture` (a graph-capture context) with Python's cyclic garbage collector run just before
+    it and kept off inside it. A collection inside a capture frees whatever old engines' cycles
+    held: their graphs, pools and page-locked buffers, whose release touches streams outside the
+    capture and invalidates it (a capture failed on the H200 when the collector ran while the
+    third engine of a test captured; newer torch no longer collects on entry). vLLM freezes the
+    collector during capture for the same reason."""
+    gc.collect()
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        with capture:
+            yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -302,7 +322,7 @@ class CudaPlatform(Platform):
         return torch.cuda.CUDAGraph
 
     def graph_capture(self, graph, pool=None):
-        return torch.cuda.graph(graph, pool=pool, stream=self.capture_stream())
+        return capture_without_gc(torch.cuda.graph(graph, pool=pool, stream=self.capture_stream()))
 
     def capture_stream(self):
         return _capture_stream(self)
@@ -379,7 +399,7 @@ class AscendPlatform(Platform):
         return torch.npu.NPUGraph  # type: ignore[attr-defined]
 
     def graph_capture(self, graph, pool=None):
-        return torch.npu.graph(graph, pool=pool, stream=self.capture_stream())  # type: ignore[attr-defined]
+        return capture_without_gc(torch.npu.graph(graph, pool=pool, stream=self.capture_stream()))  # type: ignore[attr-defined]
 
     def capture_stream(self):
         return _capture_stream(self)

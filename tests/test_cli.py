@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from dsv41.core.config import ModelConfig
 
@@ -51,7 +52,8 @@ def test_info_published_config(tmp_path):
     (["run", "--prompt-ids", "5,100000"], "outside the vocabulary"),
     (["run", "--prompt-ids", "a,b"], "comma-separated integers"),
     (["run", "--ckpt", "."], "no config.json"),
-    (["run", "--device", "cuda"], "no CUDA device"),
+    pytest.param(["run", "--device", "cuda"], "no CUDA device", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="the machine has a CUDA device")),
     (["run", "--max-new-tokens", "0"], "max_new_tokens"),
     (["run", "--prompt-ids", "5", "--max-new-tokens", "5000"], "max_position_embeddings"),
     (["info", "--config", "missing.json"], "no such config file"),

@@ -176,3 +176,35 @@ def test_outgrown_constant_buffers_stay_alive(monkeypatch):
     big = launch.tile_counters(dev, 5000)
     gc.collect()
     assert big.numel() >= 8192 and small() is not None and not big.any()
+
+
+def test_capture_runs_without_the_garbage_collector():
+    """Graph captures run with the cyclic collector kept off (`capture_without_gc`): garbage in
+    cycles (old engines with their graphs and page-locked buffers) is collected just before the
+    capture, none inside it, and the collector is back on afterwards, also after a failed capture."""
+    import contextlib
+    import gc
+    import weakref
+
+    from dsv41.backends.platform import capture_without_gc
+
+    class Cycle:
+        pass
+
+    def garbage():
+        c = Cycle()
+        c.me = c
+        return weakref.ref(c)
+
+    old = garbage()
+    assert old() is not None and gc.isenabled()
+    with capture_without_gc(contextlib.nullcontext()):
+        assert old() is None, "garbage made before the capture was not collected first"
+        assert not gc.isenabled()
+        made_inside = garbage()
+        [Cycle() for _ in range(10 * gc.get_threshold()[0])]  # enough allocations to trigger a collection
+        assert made_inside() is not None
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), capture_without_gc(contextlib.nullcontext()):
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
