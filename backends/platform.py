@@ -24,10 +24,10 @@ import torch
 def capture_without_gc(capture):
     """`capture` (a graph-capture context) with Python's cyclic garbage collector run just before
     it and kept off inside it. A collection inside a capture frees whatever old engines' cycles
-    held: their graphs, pools and page-locked buffers, whose release touches streams outside the
-    capture and invalidates it (a capture failed on the H200 when the collector ran while the
-    third engine of a test captured; newer torch no longer collects on entry). vLLM freezes the
-    collector during capture for the same reason."""
+    held (their graphs, pools, page-locked buffers), and that release invalidates the capture:
+    on the H200 a collection forced inside each capture failed the graph tests' captures, and
+    without this guard one test failed so now and then, when an automatic collection fell inside
+    its third engine's capture (torch collects on entry only under `force_cudagraph_gc`)."""
     gc.collect()
     was_on = gc.isenabled()
     gc.disable()
