@@ -270,6 +270,26 @@ def cmd_run(args) -> int:
         parallel.destroy(group)
 
 
+def _warm_up(engine, prompt, params, images, spec_opts, group) -> float:
+    """One short run of the same request before the timed one, on a device: the first run of a
+    process compiles the Triton kernels its shapes need (cached on disk for later processes) and
+    fills per-device tables, which would otherwise be counted as prefill and decode time. The
+    same prompt with at most two new tokens, so prefill sees the timed run's shapes. Seconds."""
+    import dataclasses
+    import time
+
+    if group.rank == 0:
+        print(f"dsv41: warming up on {engine.model.embed.weight.device} (first-run kernel compiles; "
+              "--no-warmup skips this)", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    short = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, 2))
+    if spec_opts is not None:
+        engine.generate_speculative(prompt, short, spec_opts, images=images)
+    else:
+        engine.generate(prompt, short, images=images)
+    return time.perf_counter() - start
+
+
 def _generate(args, group, device) -> int:
     import torch
 
@@ -304,6 +324,8 @@ def _generate(args, group, device) -> int:
                     max_tokens_per_step=args.max_tokens_per_step,
                     max_model_len=min(len(prompt) + max(args.max_new_tokens, 1) + margin, cfg.max_position_embeddings))
     try:
+        warmup_s = _warm_up(engine, prompt, params, images, spec_opts, group) \
+            if device.type != "cpu" and not args.no_warmup else None
         if spec_opts is not None:
             res = engine.generate_speculative(prompt, params, spec_opts, images=images)
         else:
@@ -323,6 +345,8 @@ def _generate(args, group, device) -> int:
         "prefill_mode": args.prefill_mode,
         "device": str(device),
     }
+    if warmup_s is not None:
+        out["warmup_s"] = round(warmup_s, 2)
     if group.world_size > 1:
         out["model_parallel"] = group.world_size
     if res.spec is not None:
@@ -337,6 +361,8 @@ def _generate(args, group, device) -> int:
         if text is not None:
             print(f"generated text: {text!r}")
         print(f"finish: {res.finish_reason}")
+        if warmup_s is not None:
+            print(f"warm-up run: {warmup_s:.1f} s (kernel compiles; not counted in the rates below)")
         print(f"prefill: {out['prefill_tokens_per_s']} tokens/s ({args.prefill_mode}); "
               f"decode: {out['decode_tokens_per_s']} tokens/s")
         if res.spec is not None:
@@ -370,6 +396,9 @@ def _generate_file(args, cfg, tok, group, device, base) -> int:
                         max_tokens_per_step=args.max_tokens_per_step,
                         graphs=device.type != "cpu" and not args.eager, max_model_len=longest,
                         overlap=not args.no_overlap)
+        if device.type != "cpu" and not args.no_warmup:
+            ids, first, images = batch[0]
+            _warm_up(engine, ids, first, images, None, group)
         rows = run_prompts_file(engine, tok, reqs, batch)
     except ValueError as e:
         raise UserError(str(e)) from None
@@ -609,6 +638,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-tokens-per-step", type=int, metavar="N",
                    help="tokens per forward step (prefill chunk + decode tokens); default: on a device, the most "
                         "whose prefill activations stay within 0.15 x (weights + KV), 2048 on the CPU")
+    r.add_argument("--no-warmup", action="store_true",
+                   help="on a device, time the first run as it comes (by default one short run of the same "
+                        "prompt goes first, so kernel compiles are not counted as prefill / decode time)")
     r.add_argument("--no-overlap", action="store_true",
                    help="with decode graphs, read each step's tokens before building the next step (by default "
                         "greedy decode steps are launched one ahead, so host work overlaps device work)")

@@ -104,3 +104,23 @@ def test_sigterm_mid_write_leaves_nothing(tmp_path):
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert p.returncode == 143, p.stderr
     assert "Traceback" not in p.stderr and list(tmp_path.iterdir()) == []
+
+
+def test_warm_up_run_leaves_the_timed_run_unchanged(tiny_model, tiny_cfg, rng):
+    """`run`'s device warm-up (the same prompt, at most two new tokens, before the timed run)
+    leaves the engine empty and the timed run's tokens as a fresh engine gives them, sampled
+    with a seed included."""
+    from _util import rand_prompt
+
+    from dsv41.core.engine import Engine, SamplingParams
+    from dsv41.core.parallel import SINGLE
+    from dsv41.deploy.cli import _warm_up
+
+    prompt = rand_prompt(tiny_cfg, 9, rng).tolist()
+    for params in (SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=6, temperature=0.8, seed=3)):
+        want = Engine(tiny_model, prefill_mode="exact").generate(prompt, params).token_ids
+        engine = Engine(tiny_model, prefill_mode="exact")
+        assert _warm_up(engine, prompt, params, [], None, SINGLE) > 0
+        assert not engine.running and not engine.waiting
+        assert engine.pool.free_global_blocks == engine.pool.global_capacity - 1
+        assert engine.generate(prompt, params).token_ids == want
