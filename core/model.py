@@ -337,11 +337,11 @@ class Attention(nn.Module):
                 q = project()
         else:
             q = project()
+            if self.ratio > 0:  # a Reuse layer: its source layer's top-k
+                idx = self.select(x, qr, rows, cos, sin, ctx)
         win = rows.window(swa, self.floor_group)
         if self.ratio > 0:
             g = ctx.cache.glob[self.cfg.kv_source_of(self.layer_id)]
-            if idx is None:
-                idx = self.select(x, qr, rows, cos, sin, ctx)
             source = self.cfg.index_source_of(self.layer_id) if self.kind == "reuse" else self.layer_id
             glob = (g.kv_codes, g.kv_scale, ctx.global_rows(source, idx, rows, g))
         else:
