@@ -335,3 +335,37 @@ def test_grouped_prefill_slices_same_bits_gpu(dev, rng, poisoned):
     for s_tok, group in ((None, None), (512, 3), (700, 1)):
         got = me.moe_experts(*args, path="grouped", predequant=True, slice_tokens=s_tok, expert_group=group)
         assert torch.equal(got, whole), f"slice_tokens={s_tok}, expert_group={group} changed the result"
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("t", [1, 5, 70])
+def test_one_fp8_expert_as_linears(dev, t, rng, monkeypatch):
+    """One FP8 expert routed top-1 (the shared expert) through the dense FP8 linears: the
+    reference's values (routing weights other than 1, rows of another rank's slot); on CUDA
+    the default path for it; a call that is not one FP8 expert top-1 is refused."""
+    ex = [(weight("fp8", 96, 128, rng), weight("fp8", 128, 96, rng), weight("fp8", 96, 128, rng))]
+    x = (torch.randn(t, 128, generator=rng) * 2).to(torch.bfloat16)
+    w = torch.rand(t, 1, generator=rng) + 0.1
+    ids = torch.zeros(t, 1, dtype=torch.long)
+    ids[1::3] = -1  # rows another rank's slot holds (row 0 always computed)
+    want = moe.moe_experts(x, w, ids, ex, 10.0, torch.float64)
+    dex = [tuple((a.to(dev), b.to(dev)) for a, b in e) for e in ex]
+    got = me.moe_experts(x.to(dev), w.to(dev), ids.to(dev), dex, 10.0, torch.float64, path="linears")
+    assert got.dtype == torch.float32 and got.shape == (t, 128)
+    assert rel_err(got, want) < 1e-4, f"linears T={t}: rel err {rel_err(got, want):.2e}"
+    assert (got[1::3] == 0).all()
+    fp4 = [tuple((a.to(dev), b.to(dev)) for a, b in
+                 (weight("fp4", 64, 128, rng), weight("fp4", 128, 64, rng), weight("fp4", 64, 128, rng)))]
+    x = torch.randn(t, 128, generator=rng).to(torch.bfloat16).to(dev)
+    one, zero = torch.ones(t, 1, device=dev), torch.zeros(t, 1, dtype=torch.long, device=dev)
+    with pytest.raises(ValueError, match="one FP8 expert"):
+        me.moe_experts(x, one, zero, fp4, 10.0, path="linears")
+    if dev == "cuda":  # the default dispatch takes it for one FP8 expert top-1, not for two experts
+        taken = []
+        run = me._one_expert_linears
+        monkeypatch.setattr(me, "_one_expert_linears", lambda *a: taken.append(1) or run(*a))
+        fp8 = [tuple((a.to(dev), b.to(dev)) for a, b in
+                     (weight("fp8", 96, 128, rng), weight("fp8", 128, 96, rng), weight("fp8", 96, 128, rng)))]
+        me.moe_experts(x, one, zero, fp8, 10.0)
+        me.moe_experts(x, one, zero, fp8 * 2, 10.0)
+        assert taken == [1]

@@ -1,7 +1,8 @@
 """Routed (and shared) experts as grouped kernels over the active experts (op `moe_experts`).
 
 Paths (`moe_experts` picks one; `path=` overrides): on CUDA, FP4 experts at 1..64 tokens take
-`moe_fold` (tensor cores, weights read as int32 words); the kernels below serve the other formats
+`moe_fold` (tensor cores, weights read as int32 words), one FP8 expert routed top-1 (the shared
+expert) the dense FP8 linears (`_one_expert_linears`); the kernels below serve the other formats
 and sizes (GEMV at a few tokens, the tiled kernels described next), and prefill-sized FP4 calls
 take `moe_grouped` on a bf16 scratch.
 
@@ -490,6 +491,50 @@ def rows_pays(device: torch.device, t: int, experts: list, inter: int, d: int) -
             and rows_fits(inter, d))
 
 
+# ---- one FP8 expert as dense linears (the shared expert) ---------------------------------------
+
+def linears_pay(device: torch.device, n_exp: int, topk: int, kind: int) -> bool:
+    """Whether the default path is "linears": one FP8 expert routed top-1 (the shared expert:
+    every row's id 0, weight 1) on CUDA. The grouped kernels spread a call over its experts, so
+    one expert got 72 programs (gate/up) on 132 SMs; the dense FP8 linears spread the same
+    weights over the whole GPU (the one-row kernel, the decode table, cuBLAS at prefill sizes)."""
+    from .launch import interpreting
+
+    return device.type == "cuda" and not interpreting() and n_exp == 1 and topk == 1 and kind == W_FP8
+
+
+@triton.jit
+def _act_rows_kernel(g_ptr, u_ptr, wts_ptr, ids_ptr, h_ptr, I, limit, BLOCK: tl.constexpr):
+    """h[t] = bf16(clamped SwiGLU(g[t], u[t]) * weight[t]) (`expert_act`), 0 where id[t] < 0."""
+    t = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < I
+    row = t.to(tl.int64) * I
+    g = tl.load(g_ptr + row + c, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row + c, mask=m, other=0.0).to(tl.float32)
+    wt = tl.load(wts_ptr + t).to(tl.float32)
+    h = tl.where(tl.load(ids_ptr + t) >= 0, expert_act(g, u, wt, limit), 0.0)
+    tl.store(h_ptr + row + c, h.to(tl.bfloat16), mask=m)
+
+
+def _one_expert_linears(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert, limit: float,
+                        out: torch.Tensor) -> torch.Tensor:
+    """T rows through one FP8 expert (top-1) as the official expert computes it: w1 and w3 as
+    FP8 linears (x FP8-quantised per 32 channels inside, bf16 outputs), the clamped SwiGLU times
+    the routing weight rounded to bf16, w2 as an FP8 linear (h FP8-quantised inside, bf16
+    output), written to the fp32 `out`. The grouped kernels' values up to fp32 summation order."""
+    from .block_linear import linear
+
+    (w1, s1), (w2, s2), (w3, s3) = expert
+    t, inter = x.shape[0], w1.shape[0]
+    g, u = linear(x, w1, s1), linear(x, w3, s3)
+    h = torch.empty(t, inter, dtype=torch.bfloat16, device=x.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    _act_rows_kernel[(t, -(-inter // block))](g, u, weights.contiguous(), ids.contiguous(), h, inter, float(limit),
+                                              BLOCK=block)
+    return out.copy_(linear(h, w2, s2))
+
+
 def _k_slices(k: int, bk: int, want: int) -> tuple[int, int]:
     """(slices, K per slice) for `want` slices of whole BK steps over K (fewer when they do not
     divide: the same rule as block_linear's split-K)."""
@@ -505,7 +550,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
                 serial: bool = False, **grouped) -> torch.Tensor:
     """`ops.moe_experts` on a device: x [T, d], weights / ids [T, k] -> [T, d] fp32 (float64
     requested: fp32). Keyword tile parameters are for tuning (defaults: TILES / GEMV_TILES);
-    `path` ("rows" / "fold" / "gemv" / "tiled" / "grouped") overrides the choice of path (tests, sweeps);
+    `path` ("linears" / "rows" / "fold" / "gemv" / "tiled" / "grouped") overrides the choice of path (tests, sweeps);
+    "linears" is one FP8 expert routed top-1 (the shared expert) as dense FP8 linears, its CUDA
+    default at every T (`linears_pay`);
     "rows" is `moe_rows.rows_moe` (FP4 experts at 1..2 tokens on the CUDA cores, taking the
     keywords rs_up / rs_down / rpp_down / num_warps in `grouped`); "fold" is `moe_fold.fold_moe`
     (FP4 experts at decode sizes, weights read as int32 words); "grouped"
@@ -534,12 +581,17 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     if k_in != d:
         raise ValueError(f"expert input width {k_in} != x width {d}")
     if path is None:
-        path = ("rows" if rows_pays(x.device, t, experts, inter, k_in) else
+        path = ("linears" if linears_pay(x.device, n_exp, topk, kind) else
+                "rows" if rows_pays(x.device, t, experts, inter, k_in) else
                 "fold" if fold_pays(x.device, t, experts, inter, k_in) else
                 "gemv" if t <= GEMV_DEFAULT_T.get(kind, 0) else
                 "grouped" if scratch_pays(x.device, kind, t * topk, n_exp, inter, k_in) else "tiled")
         if path == "grouped":  # chosen for the scratch: say so (the interpreters never default to it)
             grouped = dict(grouped, predequant=True)
+    if path == "linears":
+        if n_exp != 1 or topk != 1 or kind != W_FP8:
+            raise ValueError("moe_experts: the linears path takes one FP8 expert routed top-1")
+        return _one_expert_linears(x, weights, ids, experts[0], limit, out)
     if path == "grouped":
         from .moe_grouped import grouped_moe
 
