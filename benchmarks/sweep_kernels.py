@@ -531,6 +531,30 @@ def sweep_moe_rows(rows, copy, tokens=(1, 2), check_only=False):
                 print(rows[-1], flush=True)
 
 
+def sweep_moe_shared(rows, copy, tokens=(1, 8, 64, 1792)):
+    """The shared expert (one FP8 expert, d 5120, width 2304, routed top-1 with weight 1): the
+    dense FP8 linears ("linears", its CUDA default) against the grouped kernels it took before
+    (GEMV at one token, the tiled kernels above); bytes = its weights read once."""
+    from dsv41.backends.reference.basic import fp32_accumulation
+    from dsv41.backends.reference.moe import moe_experts as moe_ref
+    from dsv41.npu_ops.triton import moe_experts as me
+
+    d, inter = CFG.hidden_size, CFG.moe_intermediate_size
+    expert = [tuple(quant.fp8_block_quant(torch.randn(a, b, device="cuda") * b ** -0.5)
+                    for a, b in ((inter, d), (d, inter), (inter, d)))]
+    nbytes = 3 * inter * d * (1 + 1 / 1024)
+    for t in tokens:
+        x = torch.randn(t, d, device="cuda").to(torch.bfloat16)
+        ids = torch.zeros(t, 1, dtype=torch.long, device="cuda")
+        wts = torch.ones(t, 1, device="cuda")
+        with fp32_accumulation():
+            want = moe_ref(x, wts, ids, expert, 10.0)
+        for v in [dict(path="linears"), dict(path="gemv" if t == 1 else "tiled")]:
+            _variant_row(rows, f"moe shared fp8 path={v['path']}", f"T={t}",
+                         lambda x=x, ids=ids, wts=wts, v=v: me.moe_experts(x, wts, ids, expert, 10.0, **v), want,
+                         nbytes + t * d * 6, 2 * t * 3 * inter * d, copy)
+
+
 def sweep_decode(rows, copy):
     """The GEMV-style decode paths (a few rows, CUDA cores, weights streamed once) against the tiled
     kernels: the FP8 linear (K=5120, N=6144) at M = 1, 4 and the FP4 experts at T = 1, 2, 4."""
@@ -688,7 +712,7 @@ def sweep_dense(rows, copy, tokens=(1, 8, 64)):
 SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_indexer, "engram_lookup": sweep_engram,
           "fp4_quant": sweep_fp4_quant, "mhc_mix": sweep_mhc_mix, "linear": sweep_linear, "moe_experts": sweep_moe,
           "moe_decode": sweep_moe_decode, "moe_rows": sweep_moe_rows, "moe_bytes": sweep_moe_bytes,
-          "decode": sweep_decode, "dense": sweep_dense}
+          "moe_shared": sweep_moe_shared, "decode": sweep_decode, "dense": sweep_dense}
 
 
 def main() -> int:
@@ -708,7 +732,7 @@ def main() -> int:
     for name in a.only.split(","):
         kw = {}
         if a.tokens and name in ("sparse_attention", "indexer_topk", "dense", "moe_experts", "moe_decode", "moe_rows",
-                                 "moe_bytes"):
+                                 "moe_bytes", "moe_shared"):
             kw["tokens"] = tuple(int(x) for x in a.tokens.split(","))
         if name in ("sparse_attention", "indexer_topk", "moe_rows"):
             kw["check_only"] = a.check_only
