@@ -464,7 +464,7 @@ def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_
     if gather or topk <= 0:
         maxg = 0
     elif maxg is None:
-        maxg = select_chunk(nc, topk, bn)
+        maxg = select_chunk(nc, topk, bn, maxima_per_k(t, q.device))
         maxg = 0 if maxg == 1 else maxg  # maxima of single entries bound nothing: not written
     if maxg and bn % maxg:
         raise ValueError(f"chunk {maxg} must divide BLOCK_N {bn}")
@@ -1040,8 +1040,8 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     scores, in one Triton launch (a program per query row, no host sync): [T, min(k, N)] int64.
     `maxima` [T, ceil(N / maxg)]: each row's maximum over every `maxg` entries (entries past
     n_visible excluded), which bounds the selection when there are enough of them (at least
-    `min_maxima_per_k` (default SELECT_MAXIMA_MIN_PER_K) * k chunks; otherwise the direct
-    select is cheaper).
+    `min_maxima_per_k` (default SELECT_MAXIMA_MIN_PER_K, or SPLIT_MAXIMA_MIN_PER_K for the split
+    select) * k chunks; otherwise the direct select is cheaper).
     With `candidates` [T, N] (entry ids, -1 padding whose scores are -inf; n_visible unused):
     the Reindex selection, `_stable_topk_sorted(scores, k, candidates >= 0)` mapped through
     the candidates and sorted by entry id (-1 padded), as `reference.attention.indexer_topk`.
@@ -1073,13 +1073,17 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     sblk = blk if not sblk else min(sblk, blk)
     if sblk & (sblk - 1):
         raise ValueError(f"survivor_block {sblk} must be a power of two")
-    per_k = SELECT_MAXIMA_MIN_PER_K if min_maxima_per_k is None else min_maxima_per_k
+    if parts is None:
+        parts = select_parts(t, scores.device) if maxima is not None and not mapped else 0
+    split = bool(parts) and scores.device.type != "npu"
+    if min_maxima_per_k is None:
+        per_k = SPLIT_MAXIMA_MIN_PER_K if split else SELECT_MAXIMA_MIN_PER_K
+    else:
+        per_k = min_maxima_per_k
     use_max = maxima is not None and not mapped and maxg > 1 and maxima.shape[1] >= per_k * k
     if use_max and (blk % maxg or maxima.shape[0] != t):
         raise ValueError(f"maxima {tuple(maxima.shape)} every {maxg} do not fit block {blk} / {t} rows")
-    if parts is None:
-        parts = select_parts(t, scores.device) if use_max else 0
-    if parts and use_max and scores.device.type != "npu":
+    if split and use_max:
         return _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix,
                              SPLIT_FINAL_BLOCK if survivor_block is None else survivor_block,
                              SELECT_SPAN if span is None else bool(span), num_warps)
@@ -1114,6 +1118,13 @@ def select_parts(t: int, device: torch.device) -> int:
     while parts > 1 and t * parts > room:
         parts //= 2
     return parts
+
+
+def maxima_per_k(t: int, device) -> int:
+    """Chunk maxima per k that the scores kernel writes for t rows (`select_chunk`):
+    SPLIT_MAXIMA_PER_K when the split select will take them (`select_parts`), else
+    SELECT_MAXIMA_PER_K (the one-program kernel's survivors grow as the maxima thin out)."""
+    return SPLIT_MAXIMA_PER_K if select_parts(t, device) else SELECT_MAXIMA_PER_K
 
 
 def _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix, final_block, span, num_warps,
@@ -1176,8 +1187,13 @@ SELECT_SPAN = False
 # (16 parts). T=64 (rows of different sequences): one-program 616.6 us, split 2 / 4 parts per row
 # 639.6 / 657.4: slower, so only T=1 takes it. 16 parts, not 32: the GPU tests ran with 16 (32 was
 # timed, its ids not checked on the device).
-SPLIT_PARTS = 16
+SPLIT_PARTS = 32
 SPLIT_MAX_T = 1
+# chunk maxima per k that the scores kernel writes when the split select takes them, and the
+# fewest per k that still bound it (every part repeats the bound's radix passes over all the
+# maxima, so fewer maxima shorten every part; more survivors only widen the one final tile)
+SPLIT_MAXIMA_PER_K = 2
+SPLIT_MAXIMA_MIN_PER_K = 2
 SPLIT_PROGRAMS_PER_WORKER = 2
 SPLIT_FINAL_BLOCK = 1024
 SPLIT_WARPS = 16
