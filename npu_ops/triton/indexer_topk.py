@@ -44,9 +44,14 @@ decode step of one token), not Ascend): a row's select runs on up to SPLIT_PARTS
 chunk maximum (the bound), reads its slice of the row once and compacts its scores >= the bound
 into its own region; the program that bumps the row's counter last (acq_rel, a self-resetting
 counter) selects the K among the regions' survivors on one tile: the same ids in the same
-order as the one-program kernel, deterministic whichever program finishes last. On the H200 at
-T=1 / 64K it cut the whole op from 41.8 to 39.0 us (16 parts; 37.1 with 32): the one-program
-select's time is mostly not its serial chain on one SM (benchmarks/RESULTS.md).
+order as the one-program kernel, deterministic whichever program finishes last. Every part
+repeats the bound's radix passes over all the chunk maxima, so at those rows the scores kernel
+writes fewer of them (SPLIT_MAXIMA_PER_K = 2 per k: 1024 of 64 entries at 64K / top-512, about
+700 survivors, still one 1024 final tile). On the H200 at T=1 / 64K the whole op took 41.8 us
+with the one-program select, 39.3 with 16 parts over 8 maxima per k, 32.3 with 32 parts over 2
+(benchmarks/RESULTS.md). The chunk follows the block table's width N (n_visible is on the
+device): a row with fewer than K chunks visible (with 2 per k, below about N / 2 entries) has
+no bound and part 0 alone runs the whole-row select (not timed on the device).
 
 Reindex selection (same kernel, MAP): the row's columns are candidates (-1 padding scored -inf);
 the chosen columns are written as their entry ids with the padding dropped, then each id is
@@ -1185,13 +1190,18 @@ SELECT_SPAN = False
 # run; benchmarks/RESULTS.md): T=1 one-program select 41.8 us, split 8 / 16 / 32 parts 40.5 /
 # 39.0 / 37.1 us (16 with span passes 39.3, with 8 warps 42.4); the select alone 28.7 -> 26.0 us
 # (16 parts). T=64 (rows of different sequences): one-program 616.6 us, split 2 / 4 parts per row
-# 639.6 / 657.4: slower, so only T=1 takes it. 16 parts, not 32: the GPU tests ran with 16 (32 was
-# timed, its ids not checked on the device).
+# 639.6 / 657.4: slower, so only T=1 takes it.
+# Chunk maxima per k that the scores kernel writes when the split select takes them, and the
+# fewest per k that still bound it: every part repeats the bound's radix passes over all the
+# maxima, so fewer maxima shorten every part, and the extra survivors only fill the one final
+# tile. H200, 2026-12-01 ~16:25 UTC, one run, ids equal to the official-mode reference in every
+# row: T=1 at 64K, 16 parts with 8 / 4 / 2 maxima per k 39.3 / 34.7 / 33.5 us, 32 parts 36.9 /
+# 33.3 / 32.3 (the default dispatch, 32 x 2, 32.4; scores kernel alone 12.8); T=1 at 4K (2 per k
+# is the only one that writes maxima there, of 2 entries) 20.0-20.6 against the direct select's
+# 19.8; T=8 at 64K the one-program select 111.4, split 16 x 8 / 16 x 2 / 32 x 2 109.2 / 112.6 /
+# 118.1, so batches keep it (SPLIT_MAX_T).
 SPLIT_PARTS = 32
 SPLIT_MAX_T = 1
-# chunk maxima per k that the scores kernel writes when the split select takes them, and the
-# fewest per k that still bound it (every part repeats the bound's radix passes over all the
-# maxima, so fewer maxima shorten every part; more survivors only widen the one final tile)
 SPLIT_MAXIMA_PER_K = 2
 SPLIT_MAXIMA_MIN_PER_K = 2
 SPLIT_PROGRAMS_PER_WORKER = 2
