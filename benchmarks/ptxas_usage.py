@@ -100,12 +100,14 @@ def indexer_rows() -> list[tuple[str, str]]:
                  ptxas_usage(itk._topk_select_kernel, sel, consts, itk.SELECT_WARPS, floats=())))
     split = {"s_ptr": "*fp32", "max_ptr": "*fp32", "nvis_ptr": "*i64", "out_ptr": "*i64", "surv_s_ptr": "*fp32",
              "surv_p_ptr": "*i32", "part_ptr": "*i32", "count_ptr": "*i32"}
-    for parts, span, warps in ((16, False, itk.SPLIT_WARPS), (32, False, itk.SPLIT_WARPS),
-                               (16, True, itk.SPLIT_WARPS), (16, False, 8)):
-        consts = dict(MAXG=16, MBLOCK=itk.SELECT_BLOCK, SBLOCK=min(itk.SELECT_BLOCK, 65536 // parts),
-                      FBLOCK=itk.SPLIT_FINAL_BLOCK, BLOCK=itk.SELECT_BLOCK, PP=parts, RADIX_BITS=itk.RADIX_BITS,
-                      SPAN=span)
-        rows.append((f"split select MAXG=16 parts={parts} span={span} warps={warps} (64K entries)",
+    # (MAXG 16: 8 maxima per k at 64K / top-512; 64: 2 per k, the default)
+    for parts, maxg, span, warps in ((16, 16, False, itk.SPLIT_WARPS), (32, 16, False, itk.SPLIT_WARPS),
+                                     (16, 16, True, itk.SPLIT_WARPS), (16, 16, False, 8),
+                                     (32, 64, False, itk.SPLIT_WARPS)):
+        consts = dict(MAXG=maxg, MBLOCK=min(itk.SELECT_BLOCK, 65536 // maxg),
+                      SBLOCK=min(itk.SELECT_BLOCK, 65536 // parts), FBLOCK=itk.SPLIT_FINAL_BLOCK,
+                      BLOCK=itk.SELECT_BLOCK, PP=parts, RADIX_BITS=itk.RADIX_BITS, SPAN=span)
+        rows.append((f"split select MAXG={maxg} parts={parts} span={span} warps={warps} (64K entries)",
                      ptxas_usage(itk._split_select_kernel, split, consts, warps, floats=())))
     sc = {"q_ptr": "*fp32", "w_ptr": "*fp32", "code_ptr": "*i8", "scale_ptr": "*i8", "table_ptr": "*i64",
           "nvis_ptr": "*i64", "cand_ptr": "*i64", "out_ptr": "*fp32", "max_ptr": "*fp32"}

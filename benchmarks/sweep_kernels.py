@@ -130,9 +130,44 @@ INDEXER_SELECTS = [
     ("rows + split select, 32 parts, 4 maxima per k", dict(_SEL, parts=32, per_k=4)),
     ("rows + split select, 32 parts, 2 maxima per k", dict(_SEL, parts=32, per_k=2, min_per_k=2)),
 ]
+# the split select's parts x chunk maxima per k (the `indexer_per_k` sweep); at 4K only 2 per k
+# writes maxima (chunks of 2 entries; fewer per k: the direct select, as the one-program row);
+# at T=8 against the default dispatch (the one-program select). H200, 2026-12-01 ~16:25 UTC (whole
+# op, T=1 at 64K): 16 parts 39.3 / 34.7 / 33.5 us at 8 / 4 / 2 per k, 32 parts 36.9 / 33.3 / 32.3
+# (now the default); 4K 20.0-20.6 against the direct select's 19.8; T=8 109.2-118.1 against 111.4
+INDEXER_PER_K = [(f"rows + split select, {p} parts, {m} maxima per k", dict(_SEL, parts=p, per_k=m, min_per_k=2))
+                 for p in (16, 32) for m in (8, 4, 2)]
+INDEXER_PER_K_4K = [INDEXER_SELECTS[0]] + [v for v in INDEXER_PER_K if v[1]["per_k"] == 2]
+INDEXER_PER_K_TN = [v for v in INDEXER_PER_K if (v[1]["parts"], v[1]["per_k"]) in ((16, 8), (16, 2), (32, 2))]
 # decode batches (T > 1): the one-program-per-row select and the split one at 2-16 parts per row
 INDEXER_SELECTS_TN = [INDEXER_SELECTS[0]] + [(f"rows + split select, {p} parts", dict(_SEL, parts=p))
                                              for p in (2, 4, 8, 16)]
+
+
+def _whole_op_rows(row, rows, variants, shape, args, want):
+    """One `row` per whole-op variant ((label, options) as `INDEXER_SELECTS`) on the indexer
+    arguments `args` (q, weights, codes, scales, table, entries per block, n_visible), its ids
+    checked against `want`; a variant that fails is a row saying so."""
+    from dsv41.npu_ops.triton import indexer_topk as itk
+
+    q, w, kc, ks, tab, e, vis = args
+    n = tab.shape[1] * e
+    for label, o in variants:
+        def call(o=o):
+            opts = dict(block=o["block"], radix_bits=o["bits"], survivor_block=o["sb"], bound_passes=o["passes"],
+                        span=o["span"], parts=o["parts"], min_maxima_per_k=o.get("min_per_k"))
+            maxg = itk.select_chunk(n, TOPK, 128, o["per_k"])
+            s, maxima, maxg = itk._scores(q, w, kc, ks, tab, e, vis, topk=TOPK, rows=o["rows"], maxg=maxg,
+                                          _cfg=o["cfg"])
+            return itk.topk_select(s, vis, TOPK, maxima, maxg, num_warps=o["warps"], **opts)
+
+        try:
+            check = f"equal {torch.equal(call(), want)}"
+        except Exception as ex:  # noqa: BLE001  (a variant that does not compile is a row, not a crash)
+            rows.append(f"| indexer_topk {label} | {shape} | failed: {type(ex).__name__}: {str(ex)[:80]} |")
+            print(rows[-1], flush=True)
+            continue
+        row(f"indexer_topk {label}", shape, check, call)
 
 
 def sweep_indexer(rows, copy, tokens=(1, 64), check_only=False):
@@ -177,22 +212,8 @@ def sweep_indexer(rows, copy, tokens=(1, 64), check_only=False):
                 print(rows[-1], flush=True)
                 continue
             row(name, f"T={t} 64K", f"err {err:.1e}", scores)
-        for label, o in INDEXER_SELECTS if t == 1 else INDEXER_SELECTS_TN:
-            def call(q=q, w=w, tab=tab, vis=vis, o=o):
-                opts = dict(block=o["block"], radix_bits=o["bits"], survivor_block=o["sb"], bound_passes=o["passes"],
-                            span=o["span"], parts=o["parts"], min_maxima_per_k=o.get("min_per_k"))
-                maxg = itk.select_chunk(n, TOPK, 128, o["per_k"])
-                s, maxima, maxg = itk._scores(q, w, kc, ks, tab, e, vis, topk=TOPK, rows=o["rows"], maxg=maxg,
-                                              _cfg=o["cfg"])
-                return itk.topk_select(s, vis, TOPK, maxima, maxg, num_warps=o["warps"], **opts)
-
-            try:
-                check = f"equal {torch.equal(call(), want)}"
-            except Exception as ex:  # noqa: BLE001  (a variant that does not compile is a row, not a crash)
-                rows.append(f"| indexer_topk {label} | T={t} | failed: {type(ex).__name__}: {str(ex)[:80]} |")
-                print(rows[-1], flush=True)
-                continue
-            row(f"indexer_topk {label}", f"T={t} 64K", check, call)
+        _whole_op_rows(row, rows, INDEXER_SELECTS if t == 1 else INDEXER_SELECTS_TN, f"T={t} 64K",
+                       (q, w, kc, ks, tab, e, vis), want)
         if t == 1:  # the select launch alone: the attn8 select, the split one, and a row with k visible
             s1, mx1, g1 = itk._scores(q, w, kc, ks, tab, e, vis, topk=TOPK, rows=True)
             few = torch.full_like(vis, TOPK)
@@ -222,6 +243,42 @@ def sweep_indexer(rows, copy, tokens=(1, 64), check_only=False):
         row("indexer_topk default dispatch", "T=1 4K",
             f"equal {torch.equal(itk.indexer_topk(q, w, kc4, ks4, tab4, e4, vis, TOPK)[0], want)}",
             lambda q=q, w=w, vis=vis: itk.indexer_topk(q, w, kc4, ks4, tab4, e4, vis, TOPK))
+
+
+def sweep_indexer_per_k(rows, copy, tokens=(1, 8), check_only=False):
+    """indexer_topk's split select by parts x chunk maxima per k (`INDEXER_PER_K`): T=1 at 64K
+    (with the scores kernel alone, for the select's share) and 4K, decode batches at 64K, each
+    against the default dispatch; every row's ids checked against the official-mode reference."""
+    from dsv41.npu_ops.triton import indexer_topk as itk
+
+    ref_fn = registry.resolve("indexer_topk", "reference")[0]
+    for n in (65536, 4096):
+        kc, ks, table, e = paged_index_keys(n, "cuda")
+        nbytes = n * (DI // 2 + DI // 32)
+
+        def row(name, shape, check, call, nbytes=nbytes):
+            if check_only:
+                rows.append(f"| {name} | {shape} | {check} | (checked only) |")
+                print(rows[-1], flush=True)
+            else:
+                bandwidth_row(rows, name, shape, check, call, nbytes, copy)
+
+        for t in tokens if n == 65536 else (1,):
+            q = quant.mxfp4_qdq(torch.randn(t, HI, DI, device="cuda"))
+            w = torch.randn(t, HI, device="cuda") * DI ** -0.5 * HI ** -0.5
+            vis = torch.full((t,), n, dtype=torch.long, device="cuda")
+            tab = torch.stack([table[0][torch.randperm(table.shape[1], device="cuda")] for _ in range(t)])
+            shape = f"T={t} {n // 1024}K"
+            with numerics("official"):  # the kernels round the head weights where the official code does
+                want = ref_fn(q, w, kc, ks, tab, e, vis, TOPK)[0]
+            if t == 1 and n == 65536:
+                row("indexer scores rows default", shape, "-",
+                    lambda q=q, w=w, tab=tab, vis=vis: itk.indexer_scores(q, w, kc, ks, tab, e, vis, rows=True))
+            row("indexer_topk default dispatch", shape,
+                f"equal {torch.equal(itk.indexer_topk(q, w, kc, ks, tab, e, vis, TOPK)[0], want)}",
+                lambda q=q, w=w, tab=tab, vis=vis: itk.indexer_topk(q, w, kc, ks, tab, e, vis, TOPK))
+            variants = INDEXER_PER_K if t == 1 and n == 65536 else INDEXER_PER_K_4K if t == 1 else INDEXER_PER_K_TN
+            _whole_op_rows(row, rows, variants, shape, (q, w, kc, ks, tab, e, vis), want)
 
 
 def sweep_engram(rows, copy):
@@ -709,7 +766,8 @@ def sweep_dense(rows, copy, tokens=(1, 8, 64)):
                          t * n * dim * 2 + fn.numel() * 4, 0, copy)
 
 
-SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_indexer, "engram_lookup": sweep_engram,
+SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_indexer,
+          "indexer_per_k": sweep_indexer_per_k, "engram_lookup": sweep_engram,
           "fp4_quant": sweep_fp4_quant, "mhc_mix": sweep_mhc_mix, "linear": sweep_linear, "moe_experts": sweep_moe,
           "moe_decode": sweep_moe_decode, "moe_rows": sweep_moe_rows, "moe_bytes": sweep_moe_bytes,
           "moe_shared": sweep_moe_shared, "decode": sweep_decode, "dense": sweep_dense}
@@ -731,10 +789,10 @@ def main() -> int:
     rows = [f"copy ceiling {copy:.0f} GB/s"]
     for name in a.only.split(","):
         kw = {}
-        if a.tokens and name in ("sparse_attention", "indexer_topk", "dense", "moe_experts", "moe_decode", "moe_rows",
-                                 "moe_bytes", "moe_shared"):
+        if a.tokens and name in ("sparse_attention", "indexer_topk", "indexer_per_k", "dense", "moe_experts",
+                                 "moe_decode", "moe_rows", "moe_bytes", "moe_shared"):
             kw["tokens"] = tuple(int(x) for x in a.tokens.split(","))
-        if name in ("sparse_attention", "indexer_topk", "moe_rows"):
+        if name in ("sparse_attention", "indexer_topk", "indexer_per_k", "moe_rows"):
             kw["check_only"] = a.check_only
         if name == "sparse_attention":
             kw["mqa"] = a.mqa

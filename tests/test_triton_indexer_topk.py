@@ -195,6 +195,31 @@ def test_split_select_equals_stable_sort(dev, rng):
             assert torch.equal(got.cpu(), want), (n, k, parts, final, span)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("parts", [16, 32])
+def test_split_select_maxima_per_k(dev, parts, rng):
+    """The split select with 4 and 2 chunk maxima per k (the default threshold,
+    SPLIT_MAXIMA_MIN_PER_K, takes both) and 16 or 32 parts against the reference's stable sort:
+    ties with -0.0 / +0.0, random scores, the top k at the row's end, a row with fewer chunks
+    than k visible; survivors on the final tile and past it (the looped path)."""
+    n, k = 512, 8
+    s = torch.randint(-3, 4, (4, n), generator=rng).float()
+    s[0, ::2] = -0.0  # ties, and -0.0 ties with +0.0
+    s[1] = torch.randn(n, generator=rng)
+    s[2] = torch.arange(n).float() + torch.rand(n, generator=rng)  # the top k at the row's end
+    nv = torch.tensor([n, n, n - 5, 200])  # 200: fewer chunks than k at 2 maxima per k (32 entries each)
+    valid = torch.arange(n).unsqueeze(0) < nv.unsqueeze(1)
+    masked = s.masked_fill(~valid, float("-inf"))
+    want = ref_att._stable_topk_sorted(s, k, valid)
+    for per_k in (4, 2):
+        maxg = n // (per_k * k)
+        maxima = masked.view(4, -1, maxg).amax(-1)
+        for final in (None, 16) if per_k == 2 else (None,):  # 16: the tied row's survivors take the looped path
+            got = itk.topk_select(masked.to(dev), nv.to(dev), k, maxima.to(dev), maxg, parts=parts,
+                                  survivor_block=final)
+            assert torch.equal(got.cpu(), want), (per_k, parts, final)
+
+
 def test_split_select_dispatch(monkeypatch):
     """The split select serves up to SPLIT_MAX_T rows (fewer parts per row for more rows), not
     Ascend (which keeps the one-program-per-row kernel)."""
@@ -211,6 +236,33 @@ def test_split_select_dispatch(monkeypatch):
     assert 64 * parts <= room < 64 * parts * 2
     npu = types.SimpleNamespace(type="npu")  # (torch names no "npu" device without torch_npu)
     assert itk.select_parts(1, npu) == 0
+    # the scores kernel writes the split select's maxima per k only where that select runs
+    monkeypatch.setattr(itk, "SPLIT_MAX_T", 1)
+    assert itk.maxima_per_k(1, cuda) == itk.SPLIT_MAXIMA_PER_K
+    assert itk.maxima_per_k(2, cuda) == itk.SELECT_MAXIMA_PER_K
+    assert itk.maxima_per_k(1, npu) == itk.SELECT_MAXIMA_PER_K
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("per_k", [8, 2])
+def test_split_select_maxima_from_scores(dev, per_k, rng, monkeypatch):
+    """The whole op at decode rows with the split select: the scores kernel writes
+    SPLIT_MAXIMA_PER_K maxima per k, the split select takes them as its bound (not the
+    whole-row select), and the ids equal the reference's (exact scores, ties)."""
+    monkeypatch.setattr(itk, "SPLIT_MAX_T", 64)
+    monkeypatch.setattr(itk, "SPLIT_MAXIMA_PER_K", per_k)
+    seen = []
+    split_select = itk._split_select
+    monkeypatch.setattr(itk, "_split_select", lambda *a, **kw: seen.append(a[2]) or split_select(*a, **kw))
+    t, n, k, e = 2, 256, 5, 4
+    q, w, codes, kscale = random_inputs(rng, t, 4, 64, n, exact=True)
+    pc, ps, table = paged(rng, [(codes, kscale)], [0] * t, e)
+    nv = torch.tensor([n, 201])
+    want_idx, _ = itk.indexer_topk_ref(q, w, pc, ps, table, e, nv, k)
+    got_idx, _ = itk.indexer_topk(q.to(dev), w.to(dev), pc.to(dev), ps.to(dev), table.to(dev), e, nv.to(dev), k)
+    assert torch.equal(got_idx.cpu(), want_idx)
+    bn = itk._rows_config(t, 4, n, dev)[2]
+    assert seen == [itk.select_chunk(n, k, bn, per_k)] and seen[0] > 1
 
 
 # ---- kernel -------------------------------------------------------------------------------------

@@ -44,9 +44,14 @@ decode step of one token), not Ascend): a row's select runs on up to SPLIT_PARTS
 chunk maximum (the bound), reads its slice of the row once and compacts its scores >= the bound
 into its own region; the program that bumps the row's counter last (acq_rel, a self-resetting
 counter) selects the K among the regions' survivors on one tile: the same ids in the same
-order as the one-program kernel, deterministic whichever program finishes last. On the H200 at
-T=1 / 64K it cut the whole op from 41.8 to 39.0 us (16 parts; 37.1 with 32): the one-program
-select's time is mostly not its serial chain on one SM (benchmarks/RESULTS.md).
+order as the one-program kernel, deterministic whichever program finishes last. Every part
+repeats the bound's radix passes over all the chunk maxima, so at those rows the scores kernel
+writes fewer of them (SPLIT_MAXIMA_PER_K = 2 per k: 1024 of 64 entries at 64K / top-512, about
+700 survivors, still one 1024 final tile). On the H200 at T=1 / 64K the whole op took 41.8 us
+with the one-program select, 39.3 with 16 parts over 8 maxima per k, 32.3 with 32 parts over 2
+(benchmarks/RESULTS.md). The chunk follows the block table's width N (n_visible is on the
+device): a row with fewer than K chunks visible (with 2 per k, below about N / 2 entries) has
+no bound and part 0 alone runs the whole-row select (not timed on the device).
 
 Reindex selection (same kernel, MAP): the row's columns are candidates (-1 padding scored -inf);
 the chosen columns are written as their entry ids with the padding dropped, then each id is
@@ -464,7 +469,7 @@ def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_
     if gather or topk <= 0:
         maxg = 0
     elif maxg is None:
-        maxg = select_chunk(nc, topk, bn)
+        maxg = select_chunk(nc, topk, bn, maxima_per_k(t, q.device))
         maxg = 0 if maxg == 1 else maxg  # maxima of single entries bound nothing: not written
     if maxg and bn % maxg:
         raise ValueError(f"chunk {maxg} must divide BLOCK_N {bn}")
@@ -1040,8 +1045,8 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     scores, in one Triton launch (a program per query row, no host sync): [T, min(k, N)] int64.
     `maxima` [T, ceil(N / maxg)]: each row's maximum over every `maxg` entries (entries past
     n_visible excluded), which bounds the selection when there are enough of them (at least
-    `min_maxima_per_k` (default SELECT_MAXIMA_MIN_PER_K) * k chunks; otherwise the direct
-    select is cheaper).
+    `min_maxima_per_k` (default SELECT_MAXIMA_MIN_PER_K, or SPLIT_MAXIMA_MIN_PER_K for the split
+    select) * k chunks; otherwise the direct select is cheaper).
     With `candidates` [T, N] (entry ids, -1 padding whose scores are -inf; n_visible unused):
     the Reindex selection, `_stable_topk_sorted(scores, k, candidates >= 0)` mapped through
     the candidates and sorted by entry id (-1 padded), as `reference.attention.indexer_topk`.
@@ -1073,13 +1078,17 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     sblk = blk if not sblk else min(sblk, blk)
     if sblk & (sblk - 1):
         raise ValueError(f"survivor_block {sblk} must be a power of two")
-    per_k = SELECT_MAXIMA_MIN_PER_K if min_maxima_per_k is None else min_maxima_per_k
+    if parts is None:
+        parts = select_parts(t, scores.device) if maxima is not None and not mapped else 0
+    split = bool(parts) and scores.device.type != "npu"
+    if min_maxima_per_k is None:
+        per_k = SPLIT_MAXIMA_MIN_PER_K if split else SELECT_MAXIMA_MIN_PER_K
+    else:
+        per_k = min_maxima_per_k
     use_max = maxima is not None and not mapped and maxg > 1 and maxima.shape[1] >= per_k * k
     if use_max and (blk % maxg or maxima.shape[0] != t):
         raise ValueError(f"maxima {tuple(maxima.shape)} every {maxg} do not fit block {blk} / {t} rows")
-    if parts is None:
-        parts = select_parts(t, scores.device) if use_max else 0
-    if parts and use_max and scores.device.type != "npu":
+    if split and use_max:
         return _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix,
                              SPLIT_FINAL_BLOCK if survivor_block is None else survivor_block,
                              SELECT_SPAN if span is None else bool(span), num_warps)
@@ -1114,6 +1123,13 @@ def select_parts(t: int, device: torch.device) -> int:
     while parts > 1 and t * parts > room:
         parts //= 2
     return parts
+
+
+def maxima_per_k(t: int, device) -> int:
+    """Chunk maxima per k that the scores kernel writes for t rows (`select_chunk`):
+    SPLIT_MAXIMA_PER_K when the split select will take them (`select_parts`), else
+    SELECT_MAXIMA_PER_K (the one-program kernel's survivors grow as the maxima thin out)."""
+    return SPLIT_MAXIMA_PER_K if select_parts(t, device) else SELECT_MAXIMA_PER_K
 
 
 def _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix, final_block, span, num_warps,
@@ -1174,10 +1190,20 @@ SELECT_SPAN = False
 # run; benchmarks/RESULTS.md): T=1 one-program select 41.8 us, split 8 / 16 / 32 parts 40.5 /
 # 39.0 / 37.1 us (16 with span passes 39.3, with 8 warps 42.4); the select alone 28.7 -> 26.0 us
 # (16 parts). T=64 (rows of different sequences): one-program 616.6 us, split 2 / 4 parts per row
-# 639.6 / 657.4: slower, so only T=1 takes it. 16 parts, not 32: the GPU tests ran with 16 (32 was
-# timed, its ids not checked on the device).
-SPLIT_PARTS = 16
+# 639.6 / 657.4: slower, so only T=1 takes it.
+# Chunk maxima per k that the scores kernel writes when the split select takes them, and the
+# fewest per k that still bound it: every part repeats the bound's radix passes over all the
+# maxima, so fewer maxima shorten every part, and the extra survivors only fill the one final
+# tile. H200, 2026-12-01 ~16:25 UTC, one run, ids equal to the official-mode reference in every
+# row: T=1 at 64K, 16 parts with 8 / 4 / 2 maxima per k 39.3 / 34.7 / 33.5 us, 32 parts 36.9 /
+# 33.3 / 32.3 (the default dispatch, 32 x 2, 32.4; scores kernel alone 12.8); T=1 at 4K (2 per k
+# is the only one that writes maxima there, of 2 entries) 20.0-20.6 against the direct select's
+# 19.8; T=8 at 64K the one-program select 111.4, split 16 x 8 / 16 x 2 / 32 x 2 109.2 / 112.6 /
+# 118.1, so batches keep it (SPLIT_MAX_T).
+SPLIT_PARTS = 32
 SPLIT_MAX_T = 1
+SPLIT_MAXIMA_PER_K = 2
+SPLIT_MAXIMA_MIN_PER_K = 2
 SPLIT_PROGRAMS_PER_WORKER = 2
 SPLIT_FINAL_BLOCK = 1024
 SPLIT_WARPS = 16
