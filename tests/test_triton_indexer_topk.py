@@ -198,8 +198,8 @@ def test_split_select_equals_stable_sort(dev, rng):
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("parts", [16, 32])
 def test_split_select_maxima_per_k(dev, parts, rng):
-    """The split select with 4 and 2 chunk maxima per k (the default threshold,
-    SPLIT_MAXIMA_MIN_PER_K, takes both) and 16 or 32 parts against the reference's stable sort:
+    """The split select with 4 and 2 chunk maxima per k (a threshold of 2 per k takes both) and
+    16 or 32 parts against the reference's stable sort:
     ties with -0.0 / +0.0, random scores, the top k at the row's end, a row with fewer chunks
     than k visible; survivors on the final tile and past it (the looped path)."""
     n, k = 512, 8
@@ -216,7 +216,7 @@ def test_split_select_maxima_per_k(dev, parts, rng):
         maxima = masked.view(4, -1, maxg).amax(-1)
         for final in (None, 16) if per_k == 2 else (None,):  # 16: the tied row's survivors take the looped path
             got = itk.topk_select(masked.to(dev), nv.to(dev), k, maxima.to(dev), maxg, parts=parts,
-                                  survivor_block=final)
+                                  survivor_block=final, min_maxima_per_k=2)
             assert torch.equal(got.cpu(), want), (per_k, parts, final)
 
 
@@ -251,6 +251,7 @@ def test_split_select_maxima_from_scores(dev, per_k, rng, monkeypatch):
     whole-row select), and the ids equal the reference's (exact scores, ties)."""
     monkeypatch.setattr(itk, "SPLIT_MAX_T", 64)
     monkeypatch.setattr(itk, "SPLIT_MAXIMA_PER_K", per_k)
+    monkeypatch.setattr(itk, "SPLIT_MAXIMA_MIN_PER_K", min(per_k, itk.SPLIT_MAXIMA_MIN_PER_K))
     seen = []
     split_select = itk._split_select
     monkeypatch.setattr(itk, "_split_select", lambda *a, **kw: seen.append(a[2]) or split_select(*a, **kw))

@@ -45,13 +45,15 @@ chunk maximum (the bound), reads its slice of the row once and compacts its scor
 into its own region; the program that bumps the row's counter last (acq_rel, a self-resetting
 counter) selects the K among the regions' survivors on one tile: the same ids in the same
 order as the one-program kernel, deterministic whichever program finishes last. Every part
-repeats the bound's radix passes over all the chunk maxima, so at those rows the scores kernel
-writes fewer of them (SPLIT_MAXIMA_PER_K = 2 per k: 1024 of 64 entries at 64K / top-512, about
-700 survivors, still one 1024 final tile). On the H200 at T=1 / 64K the whole op took 41.8 us
-with the one-program select, 39.3 with 16 parts over 8 maxima per k, 32.3 with 32 parts over 2
-(benchmarks/RESULTS.md). The chunk follows the block table's width N (n_visible is on the
-device): a row with fewer than K chunks visible (with 2 per k, below about N / 2 entries) has
-no bound and part 0 alone runs the whole-row select (not timed on the device).
+repeats the bound's radix passes over all the chunk maxima, so fewer maxima shorten every part
+(SPLIT_MAXIMA_PER_K; 2 per k: 1024 of 64 entries at 64K / top-512, about 700 survivors, still one
+1024 final tile). On the H200 at T=1 / 64K the whole op took 41.8 us with the one-program
+select, 39.3 with 16 parts over 8 maxima per k, 36.9 with 32 parts over 8 (the default), 32.3
+with 32 parts over 2 (benchmarks/RESULTS.md). The default stays at 8 per k: the chunk follows the
+block table's width N (n_visible is on the device), and a row with fewer than K chunks visible
+has no bound, so part 0 alone runs the whole-row select. At 8 per k that is a row below N / 8
+entries, at 2 per k below N / 2: in a decode graph whose table is sized for the longest
+sequence, most shorter rows would take the slow path (not timed on the device).
 
 Reindex selection (same kernel, MAP): the row's columns are candidates (-1 padding scored -inf);
 the chosen columns are written as their entry ids with the padding dropped, then each id is
@@ -1200,10 +1202,13 @@ SELECT_SPAN = False
 # is the only one that writes maxima there, of 2 entries) 20.0-20.6 against the direct select's
 # 19.8; T=8 at 64K the one-program select 111.4, split 16 x 8 / 16 x 2 / 32 x 2 109.2 / 112.6 /
 # 118.1, so batches keep it (SPLIT_MAX_T).
+# Default 8 per k (the one-program kernel's): 2 per k was 4.6 us faster at a full 64K row but
+# leaves rows below N / 2 visible entries without a bound (module docstring); merging fine maxima
+# by a factor chosen from the visible count at run time would give both (not built).
 SPLIT_PARTS = 32
 SPLIT_MAX_T = 1
-SPLIT_MAXIMA_PER_K = 2
-SPLIT_MAXIMA_MIN_PER_K = 2
+SPLIT_MAXIMA_PER_K = 8
+SPLIT_MAXIMA_MIN_PER_K = 4
 SPLIT_PROGRAMS_PER_WORKER = 2
 SPLIT_FINAL_BLOCK = 1024
 SPLIT_WARPS = 16
