@@ -229,8 +229,13 @@ def _first_contact_notes(args, tok, group) -> None:
     if group.rank != 0:
         return
     if not getattr(args, "ckpt", None):
-        print(f"dsv41: note: random weights (seed {args.seed}; no --ckpt): the generated text is meaningless",
-              file=sys.stderr)
+        note = f"random weights (seed {args.seed}; no --ckpt): the generated text is meaningless"
+        config, preset = getattr(args, "config", None), getattr(args, "preset", None)
+        if config or (preset or "tiny") != "tiny":  # minutes of CPU work (FP4 experts fitted to their RMS)
+            source = f"--config {config}" if config else f"--preset {preset}"
+            note += (f"; drawing them takes minutes on the CPU: `dsv41 make-checkpoint {source} --seed {args.seed} "
+                     "--out DIR` writes the same weights once for `--ckpt DIR`")
+        print(f"dsv41: note: {note}", file=sys.stderr)
     if tok is None and not getattr(args, "ckpt", None) and hasattr(args, "prompt_ids"):  # `run`, not profile-spec
         print(f"dsv41: note: {_model_name(args)} has no tokenizer: prompts are token ids (--prompt-ids) and "
               "the output is ids only", file=sys.stderr)

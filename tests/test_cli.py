@@ -124,3 +124,18 @@ def test_warm_up_run_leaves_the_timed_run_unchanged(tiny_model, tiny_cfg, rng):
         assert not engine.running and not engine.waiting
         assert engine.pool.free_global_blocks == engine.pool.global_capacity - 1
         assert engine.generate(prompt, params).token_ids == want
+
+
+def test_random_weight_note_points_large_models_to_make_checkpoint(capsys):
+    """Random weights beyond the tiny preset take minutes to draw: the note names the
+    `make-checkpoint` command that writes the same weights once (same preset and seed); the tiny
+    preset's note stays one plain sentence."""
+    from dsv41.core.parallel import SINGLE
+    from dsv41.deploy.cli import _first_contact_notes, build_parser
+
+    parser = build_parser()
+    _first_contact_notes(parser.parse_args(["run", "--preset", "mini", "--seed", "7"]), object(), SINGLE)
+    note = capsys.readouterr().err.strip().splitlines()
+    assert len(note) == 1 and "`dsv41 make-checkpoint --preset mini --seed 7 --out DIR`" in note[0]
+    _first_contact_notes(parser.parse_args(["run"]), object(), SINGLE)
+    assert "make-checkpoint" not in capsys.readouterr().err
