@@ -100,7 +100,7 @@ def indexer_rows() -> list[tuple[str, str]]:
                  ptxas_usage(itk._topk_select_kernel, sel, consts, itk.SELECT_WARPS, floats=())))
     split = {"s_ptr": "*fp32", "max_ptr": "*fp32", "nvis_ptr": "*i64", "out_ptr": "*i64", "surv_s_ptr": "*fp32",
              "surv_p_ptr": "*i32", "part_ptr": "*i32", "count_ptr": "*i32"}
-    # (MAXG 16: 8 maxima per k at 64K / top-512; 64: 2 per k, the default)
+    # (MAXG 16: 8 maxima per k at 64K / top-512, the default; 64: 2 per k, the option)
     for parts, maxg, span, warps in ((16, 16, False, itk.SPLIT_WARPS), (32, 16, False, itk.SPLIT_WARPS),
                                      (16, 16, True, itk.SPLIT_WARPS), (16, 16, False, 8),
                                      (32, 64, False, itk.SPLIT_WARPS)):

@@ -134,7 +134,7 @@ INDEXER_SELECTS = [
 # writes maxima (chunks of 2 entries; fewer per k: the direct select, as the one-program row);
 # at T=8 against the default dispatch (the one-program select). H200, 2026-12-01 ~16:25 UTC (whole
 # op, T=1 at 64K): 16 parts 39.3 / 34.7 / 33.5 us at 8 / 4 / 2 per k, 32 parts 36.9 / 33.3 / 32.3
-# (now the default); 4K 20.0-20.6 against the direct select's 19.8; T=8 109.2-118.1 against 111.4
+# (32 x 2 was made the default, then set back to 32 x 8 for the short-row cliff: indexer_topk.py); 4K 20.0-20.6 against the direct select's 19.8; T=8 109.2-118.1 against 111.4
 INDEXER_PER_K = [(f"rows + split select, {p} parts, {m} maxima per k", dict(_SEL, parts=p, per_k=m, min_per_k=2))
                  for p in (16, 32) for m in (8, 4, 2)]
 INDEXER_PER_K_4K = [INDEXER_SELECTS[0]] + [v for v in INDEXER_PER_K if v[1]["per_k"] == 2]

@@ -1198,7 +1198,7 @@ SELECT_SPAN = False
 # maxima, so fewer maxima shorten every part, and the extra survivors only fill the one final
 # tile. H200, 2026-12-01 ~16:25 UTC, one run, ids equal to the official-mode reference in every
 # row: T=1 at 64K, 16 parts with 8 / 4 / 2 maxima per k 39.3 / 34.7 / 33.5 us, 32 parts 36.9 /
-# 33.3 / 32.3 (the default dispatch, 32 x 2, 32.4; scores kernel alone 12.8); T=1 at 4K (2 per k
+# 33.3 / 32.3 (the dispatch with 32 x 2 as its default, 32.4; scores kernel alone 12.8); T=1 at 4K (2 per k
 # is the only one that writes maxima there, of 2 entries) 20.0-20.6 against the direct select's
 # 19.8; T=8 at 64K the one-program select 111.4, split 16 x 8 / 16 x 2 / 32 x 2 109.2 / 112.6 /
 # 118.1, so batches keep it (SPLIT_MAX_T).

@@ -245,7 +245,8 @@ GEMV_MAX_T = 4  # the most tokens the gemv path takes
 # The most tokens it takes by default, per expert format. H200 2026-11-30, graph replay, 16 FP4
 # experts 5120 x 2304, top-6: T=1 102.6 us against 224.5 us tiled, T=2 221 against 334, T=4 411
 # against 428; the FP8 shared expert at T=1 35.2 against 57.6 (FP8 at 4 rows: the gemv linear
-# was slower than the tiled kernel, so FP8 experts take it at T=1 only).
+# was slower than the tiled kernel, so FP8 experts take it at T=1 only). On CUDA the shared expert
+# itself now takes the dense linears (`linears_pay`: 25.7 us at T=1); this serves other FP8 experts.
 GEMV_DEFAULT_T = {W_FP4: 4, W_FP8: 1}
 
 
