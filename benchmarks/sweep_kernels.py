@@ -557,10 +557,19 @@ ROWS_VARIANTS = [dict(rs_up=1), dict(rs_up=4), dict(rs_down=8, rpp_down=64), dic
                  dict(rs_down=16, rpp_down=32), dict(num_warps=8)]
 
 
+# The rows path's MMA variant (`moe_rows_mma`; MMA_TILES holds the default): K blocks per loop step,
+# warps of the down kernel.
+# H200 2026-12-01 ~20:35 UTC, graph us, T=1 / 2 (12 experts): default 96.6 / 134.1, bb 2 113.7 / 145.2, bb 8
+# 96.2 / 133.4, bb 16 96.2 / 134.9, down warps 8 95.7 / 133.7, down warps 2 95.7 / 134.4; rows 95.2 / 176.4.
+MMA_VARIANTS = [dict(mma_bb=8, mma_warps_down=8), dict(mma_split_up=2), dict(mma_split_up=4), dict(mma_split_down=2),
+                dict(mma_split_up=2, mma_split_down=2), dict(mma_split_up=4, mma_split_down=2),
+                dict(mma_split_up=3, mma_split_down=3)]
+
+
 def sweep_moe_rows(rows, copy, tokens=(1, 2), check_only=False):
     """The FP4 routed experts at one and two tokens (mini preset: 16 experts, d 5120, width 2304,
     top-6, each token's 6 experts distinct): the fold path against the rows path (`moe_rows`: CUDA
-    cores, whole weight rows as int32 words) and its tile variants; where the time goes at T=1
+    cores, whole weight rows as int32 words), its MMA variant (`moe_rows_mma`) and its tile variants; where the time goes at T=1
     (both paths' kernels); bytes = the active experts' weights read once. check_only: compile and
     check every variant, time none (warms the cache from a second process)."""
     from dsv41.backends.reference.basic import fp32_accumulation
@@ -571,7 +580,8 @@ def sweep_moe_rows(rows, copy, tokens=(1, 2), check_only=False):
     experts = _fp4_experts(n_exp, d, inter)
     for t in tokens:
         x, ids, wts, want, active, nbytes = _moe_case(t, experts, d, inter, n_exp, topk, moe_ref, fp32_accumulation)
-        for v in [dict(path="fold"), dict(path="rows")] + [dict(v, path="rows") for v in ROWS_VARIANTS]:
+        for v in [dict(path="fold"), dict(path="rows"), dict(path="rows", mma=True)] + \
+                [dict(v, path="rows", mma=True) for v in MMA_VARIANTS] + [dict(v, path="rows") for v in ROWS_VARIANTS]:
             name = "moe fp4 " + " ".join(f"{a}={b}" for a, b in v.items())
             call = (lambda x=x, ids=ids, wts=wts, v=v: me.moe_experts(x, wts, ids, experts, 10.0, **v))
             if check_only:
@@ -581,10 +591,10 @@ def sweep_moe_rows(rows, copy, tokens=(1, 2), check_only=False):
                 continue
             _variant_row(rows, name, f"T={t} {active} experts", call, want, nbytes, 2 * t * topk * 3 * inter * d, copy)
         if t == 1 and not check_only:
-            for path in ("fold", "rows"):
-                rows.append(f"| moe {path} kernels | T={t} | " + kernel_times(
-                    lambda x=x, ids=ids, wts=wts, path=path: me.moe_experts(x, wts, ids, experts, 10.0, path=path))
-                    + " |")
+            for path, kw in (("fold", {}), ("rows", {}), ("rows", {"mma": True})):
+                rows.append(f"| moe {path} {' '.join(kw)} kernels | T={t} | " + kernel_times(
+                    lambda x=x, ids=ids, wts=wts, path=path, kw=kw: me.moe_experts(x, wts, ids, experts, 10.0,
+                                                                                   path=path, **kw)) + " |")
                 print(rows[-1], flush=True)
 
 

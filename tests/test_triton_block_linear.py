@@ -188,6 +188,47 @@ def test_linear_rows_path_rejects():
         bl._launch_row_gemv(torch.randn(1, 224).to(torch.bfloat16), w7, s7, torch.empty(1, 40))
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_linear_rowmma_path(dev, m, rng):
+    """The register-fed MMA kernel (`row_mma`): N = 72 / 100 (partial 16-row groups, a partial
+    scale row), K = 96 / 160 / 224 (3, 5, 7 blocks: partial loop steps); 1 / 2 / 4 / 8 warps,
+    1 / 2 / 4 blocks a step, no split, split-K 2 and 3 (partials and the last-slice sum), tokens
+    1..8 sharing one MMA column set; bf16 and fp32 outputs, each poisoned first. Under the
+    interpreter the MMA is emulated lane by lane, so this checks the fragment bookkeeping."""
+    from dsv41.npu_ops.triton import row_mma
+
+    for n, k, tiles in ((72, 96, {}), (100, 160, {"num_warps": 2, "bb": 2, "split_k": 2}),
+                        (72, 224, {"num_warps": 1, "bb": 4, "split_k": 3}), (40, 160, {"num_warps": 8, "bb": 1})):
+        x = (torch.randn(m, k, generator=rng) * 3).to(torch.bfloat16)
+        w, s = weight("fp8", n, k, rng)
+        for out_dtype in (torch.bfloat16, torch.float32):
+            out = torch.full((m, n), float("nan"), dtype=out_dtype, device=dev)
+            row_mma.launch_row_mma(x.to(dev), w.to(dev), s.to(dev), out, **tiles)
+            err = rel_err(out, basic.linear(x, w, s, out_dtype))
+            assert err < BOUND[out_dtype], f"M={m} K={k} N={n} {tiles} {out_dtype}: {err:.2e}"
+    check_linear(dev, "fp8", m, 96, 48, torch.float32, rng, path="rowmma")
+    # the 16-row panel layout (`panel_weight`, `panel=True`)
+    x = (torch.randn(m, 160, generator=rng) * 3).to(torch.bfloat16)
+    w, s = weight("fp8", 48, 160, rng)
+    out = torch.full((m, 48), float("nan"), dtype=torch.float32, device=dev)
+    row_mma.launch_row_mma(x.to(dev), row_mma.panel_weight(w).to(dev), s.to(dev), out, num_warps=2, bb=2, panel=True)
+    assert rel_err(out, basic.linear(x, w, s, torch.float32)) < BOUND[torch.float32]
+
+
+def test_linear_rowmma_rejects():
+    """One clear error for what the rowmma path does not take: more than 8 rows, K not a multiple
+    of 32."""
+    from dsv41.npu_ops.triton import row_mma
+
+    w, s = quant.fp8_block_quant(torch.randn(40, 96))
+    with pytest.raises(ValueError, match="M <= 8"):
+        row_mma.launch_row_mma(torch.randn(9, 96).to(torch.bfloat16), w, s, torch.empty(9, 40))
+    w2, s2 = quant.fp8_block_quant(torch.randn(40, 80))
+    with pytest.raises(ValueError, match="K % 32"):
+        row_mma.launch_row_mma(torch.randn(1, 80).to(torch.bfloat16), w2, s2, torch.empty(1, 40))
+
+
 def all_e4m3_codes(k: int = 64):
     """A weight whose row c holds E4M3 code c in column 0 (zeros elsewhere), scale 2^0, and x = e_0:
     output row c is code c's value exactly (NaN for 0x7F / 0xFF)."""
@@ -201,7 +242,7 @@ def all_e4m3_codes(k: int = 64):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("path", ["fold", "xscale", "place", "fp8mma", "fp16mma", "rows"])
+@pytest.mark.parametrize("path", ["fold", "xscale", "place", "fp8mma", "fp16mma", "rows", "rowmma"])
 def test_linear_fp8_decode_every_code_exact(dev, path):
     """Every E4M3 code through each decode path gives the reference's value bit for bit
     (subnormals included) and NaN for the two NaN codes, as the hardware conversion does. (The
@@ -311,7 +352,7 @@ def test_fp8_decode_switch(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", [DEVICES[1]])
-@pytest.mark.parametrize("path", ["xscale", "place", "fp8mma", "fp16mma", "rows"])
+@pytest.mark.parametrize("path", ["xscale", "place", "fp8mma", "fp16mma", "rows", "rowmma"])
 @pytest.mark.parametrize("m", [1, 4, 8])
 def test_linear_xscale_model_shapes_gpu(dev, path, m, rng):
     """Model widths (wq_a, wq_b, wo_b; "rows" at one row only); fp8mma's fp32 outputs at its own bound (its FP8 MMA block

@@ -103,6 +103,17 @@ def test_rows_tiles(dev, rng, poisoned):
     check(dev, 2, 8, 4, 256, 64, rng, used=7, rs_up=1, rs_down=1, rpp_down=32)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("t", [1, 2])
+def test_rows_mma_path(dev, t, rng, poisoned):
+    """The MMA variant (`moe_rows_mma`, `mma=True`): one and two tokens, 8 experts, top-4 with a
+    skipped slot, d = 320 (5 down programs of 64 rows) and width 96 (3 gate/up programs; 10 and 3
+    K blocks: partial loop steps); under the interpreter the MMA is emulated lane by lane."""
+    check(dev, t, 8, 4, 320, 96, rng, used=5, mma=True)
+    # K slices: gate/up in 2 (5 + 5 blocks), down in 3 (1 block each), one block a step
+    check(dev, t, 8, 4, 320, 96, rng, used=5, mma=True, mma_bb=1, mma_split_up=2, mma_split_down=3)
+
+
 def test_rows_refuses(rng):
     """Too many tokens or widths the kernels do not take: one clear error each."""
     ex = [(weight("fp4", 64, 256, rng), weight("fp4", 256, 64, rng), weight("fp4", 64, 256, rng)) for _ in range(2)]
@@ -154,9 +165,11 @@ def test_rows_model_shapes_gpu(dev, t, rng, poisoned):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", [DEVICES[1]])
 @pytest.mark.parametrize("t", [1, 2])
-def test_rows_mini_widths_gpu(dev, t, rng, poisoned):
-    """The mini preset's widths, d 5120 and width 2304 (two K parts each), 8 experts, top-6."""
-    check(dev, t, 8, 6, 5120, 2304, rng)
+@pytest.mark.parametrize("mma", [False, True])
+def test_rows_mini_widths_gpu(dev, t, mma, rng, poisoned):
+    """The mini preset's widths, d 5120 and width 2304 (two K parts each), 8 experts, top-6; the
+    CUDA-core kernels and the MMA variant."""
+    check(dev, t, 8, 6, 5120, 2304, rng, mma=mma)
 
 
 @pytest.mark.gpu

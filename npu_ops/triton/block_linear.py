@@ -50,6 +50,7 @@ from ...backends.reference.basic import linear as linear_ref  # noqa: F401  (the
 from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, e8m0_value, fp8_exponent, fp8_qdq_groups, fp8_round,
                            gemv_acc, gemv_load_w, load_weight_tile, pow2, scaled_block_step)
 from .fp4_common import split_dot_acc
+from . import row_mma
 from .launch import tile_counters
 
 
@@ -617,18 +618,24 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
         if kind == W_FP8 and m <= FOLD_MAX_M:
             path, xs_tiles = fp8_decode_mode()
             xs_tiles = dict(xs_tiles)
-            max_m = xs_tiles.pop("max_m", FOLD_MAX_M if path.endswith("mma") else XS_MAX_M)
+            max_m = xs_tiles.pop("max_m", row_mma.MAX_M if path == "rowmma" else
+                                 FOLD_MAX_M if path.endswith("mma") else XS_MAX_M)
             if m > max_m or (m > XS_MAX_M and path in ("xscale", "place", "rows")):
                 path, xs_tiles = "fold", {}
+            elif path == "rowmma" and (m > row_mma.MAX_M or k % 32):
+                path, xs_tiles = "xscale", {}
             elif path == "rows" and (m > 1 or not rows_fit(k) or k >= ROWS_MAX_K):
                 path, xs_tiles = "xscale", {}
             elif path == "rows":
                 xs_tiles = dict(rows_tiles(k), **xs_tiles)
         else:
             path = "gemv" if kind != W_DENSE and m <= GEMV_DEFAULT_M else "tiled"
-    if path in ("xscale", "place", "fp8mma", "fp16mma", "rows"):
+    if path in ("xscale", "place", "fp8mma", "fp16mma", "rows", "rowmma"):
         if kind != W_FP8:
             raise ValueError(f"linear: the {path} path takes FP8 weights")
+        if path == "rowmma":
+            row_mma.launch_row_mma(x2, weight, scale, out, **dict(xs_tiles, **({"num_warps": num_warps} if num_warps else {})))
+            return
         if path == "rows":
             _launch_row_gemv(x2, weight, scale, out, **dict(xs_tiles, **({"num_warps": num_warps} if num_warps else {})))
             return
@@ -763,7 +770,7 @@ def _launch_fold(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_k=N
 XS_MAX_M = 8
 XS = {"bn": 64, "bk": 128, "num_warps": 4, "num_stages": 4, "waves": 4}
 XS_INTERP = {"bn": 64, "bk": 64}
-FP8_DECODE_MODES = ("fold", "xscale", "place", "fp8mma", "fp16mma", "rows")
+FP8_DECODE_MODES = ("fold", "xscale", "place", "fp8mma", "fp16mma", "rows", "rowmma")
 # "rows" (`_row_gemv_kernel`, the default; M == 1 and K < ROWS_MAX_K only, else "xscale" up to 8
 # rows): whole weight rows streamed on the CUDA cores. Tiles (`rows_tiles`): rows per step and
 # programs per SM by K, from the H200 A/B (benchmarks/dense_ab.py --rows, 2026-12-01, graph time,
@@ -799,7 +806,7 @@ def parse_fp8_decode(spec: str) -> tuple[str, dict]:
     if mode not in FP8_DECODE_MODES:
         raise ValueError(f"DSV41_FP8_DECODE: unknown mode {mode!r} (one of {', '.join(FP8_DECODE_MODES)})")
     keys = {"bn": "bn", "bk": "bk", "waves": "waves", "stages": "num_stages", "warps": "num_warps", "maxm": "max_m",
-            "rs": "rs", "rpp": "rpp"}
+            "rs": "rs", "rpp": "rpp", "bb": "bb"}
     tiles = {}
     for item in filter(None, rest.split(",")):
         k, _, v = item.partition("=")

@@ -477,8 +477,11 @@ def fold_pays(device: torch.device, t: int, experts: list, inter: int, d: int) -
 # The most tokens the rows path (moe_rows: CUDA cores, whole weight rows) takes by default, on CUDA.
 # H200 2026-12-01, graph replay, 16 FP4 experts 5120 x 2304, top-6 (benchmarks/RESULTS.md, "FP4
 # experts at one token: the rows path"): T=1 rows 94.2 / 93.5 us against fold 96.8 / 96.6 (two
-# runs); T=2 rows 172.0 against fold 142.6 (each token's experts read separately), so T=2 stays on fold.
-ROWS_DEFAULT_T = 1
+# runs); T=2 rows 172.0 against fold 142.6 (each token's experts read separately). With the MMA
+# variant (`moe_rows_mma`, the rows path's CUDA default since 2026-12-01 ~20:15 UTC): T=1 76.1 us
+# against rows 94.2 / fold 97.2, T=2 137.0 against rows 177.7 / fold 192.1 (12 experts; 129.3
+# against fold 153.8 with 10): benchmarks/RESULTS.md, "register-fed MMAs".
+ROWS_DEFAULT_T = 2
 
 
 def rows_pays(device: torch.device, t: int, experts: list, inter: int, d: int) -> bool:

@@ -271,15 +271,22 @@ def _buffer(shape, dtype, device) -> torch.Tensor:
 
 def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_args: tuple, limit: float,
              out: torch.Tensor, *, rs_up: int | None = None, rs_down: int | None = None,
-             rpp_down: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+             rpp_down: int | None = None, num_warps: int | None = None, mma: bool | None = None,
+             mma_bb: int | None = None, mma_warps_down: int | None = None, mma_split_up: int | None = None,
+             mma_split_down: int | None = None) -> torch.Tensor:
     """The rows path for x [T, d] (T <= ROWS_MAX_T, FP4 experts; tiles default `ROWS_TILES`):
-    gate/up with its epilogue, down, combine into `out` [T, d] fp32."""
+    gate/up with its epilogue, down, combine into `out` [T, d] fp32. `mma`: gate/up and down on
+    the tensor cores fed from registers (`moe_rows_mma`; CUDA), with its own settings `mma_bb` (K
+    blocks a loop step), `mma_warps_down` and the K slices `mma_split_up` / `mma_split_down`;
+    None (default): compiled on CUDA where its widths fit, unless a CUDA-core kernel tile is given
+    (the H200 measured it faster at one and two tokens: `moe_rows_mma.MMA_SPLITS`)."""
     from .launch import interpreting
     from .moe_experts import _combine_kernel
 
     w_base, s_base, table, kind, inter, d, (s_up, s_down), align = table_args
     interp = interpreting()
     tiles = ROWS_TILES["interp" if interp else "cuda"]
+    core_tiles = any(v is not None for v in (rs_up, rs_down, rpp_down, num_warps))  # the CUDA-core kernels' settings
     rs_up, rs_down = rs_up or tiles["rs_up"], rs_down or tiles["rs_down"]
     rpp_down = rpp_down or tiles["rpp_down"]
     t, topk = ids.shape
@@ -290,9 +297,21 @@ def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
         raise ValueError(f"moe_experts rows path: widths ({inter}, {d}) need K / 32 blocks as a sum of two powers of "
                          f"two, {GROUP} | {inter}, rows per program {rpp_down} | {d}; rows per step (powers of two) "
                          f"rs_up {rs_up} | {GROUP}, rs_down {rs_down} | {rpp_down}")
-    kw = {} if interp else {"num_warps": num_warps or tiles["num_warps"], "num_stages": 1}
     r = t * topk
     flat_ids = ids.contiguous().reshape(-1)
+    if mma is None:
+        from .moe_rows_mma import mma_fits
+
+        mma = not interp and x.device.type == "cuda" and mma_fits(inter, d) and not core_tiles
+    if mma:
+        from .moe_rows_mma import mma_moe
+
+        y = mma_moe(x, flat_ids, weights.float().contiguous().reshape(-1), table_args, limit, topk, bb=mma_bb,
+                    num_warps_down=mma_warps_down, split_up=mma_split_up, split_down=mma_split_down)
+        cb = min(1024, triton.next_power_of_2(d))
+        _combine_kernel[(t, -(-d // cb))](y, flat_ids, out, d, TOPK=topk, BLOCK=cb)
+        return out
+    kw = {} if interp else {"num_warps": num_warps or tiles["num_warps"], "num_stages": 1}
     gu = _buffer((r, 2, inter), torch.float32, x.device)
     h = _buffer((r, inter), torch.float32, x.device)
     y = _buffer((r, d), torch.float32, x.device)

@@ -1,0 +1,297 @@
+"""FP8 linears at 1..8 activation rows on the tensor cores, fed from registers: each lane's
+weight words go through the hardware E4M3 -> f16x2 conversion straight into `mma.sync`
+m16n8k16 (f16 operands, fp32 accumulation), with no trip through shared memory and no layout
+conversion (the `linear` FP8 decode path "rowmma", `DSV41_FP8_DECODE=rowmma`).
+
+Why: the one-row kernels that stream weights on the CUDA cores (`block_linear._row_gemv_kernel`,
+`moe_rows`) spend about one fp16 -> fp32 widening and one FMA per weight and reach about 9.3
+weights per SM clock (58% of the H200's copy bandwidth for FP8 at best, far less for small
+matrices); the tiled tensor-core kernels convert each weight tile through shared memory. Here a
+weight costs half a conversion instruction and 1/16 of an MMA; the MMA does the multiply-adds.
+
+Work split (module constants / launcher): a program of NW warps owns 16 * NW consecutive output
+rows (features); warp w owns rows 16w .. 16w + 15 of them, which lie in one 32-row scale block.
+Lane l = 4g + t (g = l // 4, t = l % 4) loads, per 32-wide K block bl, the 8 codes 8t .. 8t + 7
+of the block for rows g and g + 8 (two int32 words each) and x's f16 codes 8t .. 8t + 7 of
+activation row (token) min(g, M - 1). In the m16n8k16 fragment layout that makes the lane's
+A registers rows g / g + 8 at K slots 2t, 2t + 1, 2t + 8, 2t + 9 and its B registers column g at
+the same slots; two MMAs cover the block's 32 columns (K is permuted inside the block
+identically for A and B, so the dot is unchanged). Column j of the result is token min(j, M - 1),
+so every token up to 8 shares one read of the weight. Lane (g, t) receives D[g, 2t], D[g, 2t + 1],
+D[g + 8, 2t], D[g + 8, 2t + 1]: the block's exact sums for its rows and tokens 2t, 2t + 1, which
+it multiplies by the block's factor (x's FP8 block scale times the weight's E8M0 block scale,
+both powers of two) into its fp32 accumulators. K is cut into SPLIT_K slices when there are too
+few row tiles to fill the device; the slice partials are added in slice order by the program
+that completes a tile (the counters of `launch.tile_counters`; deterministic).
+
+Numerics: x is FP8-quantised per 32 columns (`_x_codes_kernel`: the E4M3 values of
+`fp8_qdq_groups` before their power-of-two scale, exact in f16; one launch per call), weights are
+E4M3 (exact in f16), every product is exact in the MMA, the block sums are fp32 (tensor-core
+accumulation), then scaled exactly and summed in fp32: the class of `scaled_block_step` (exact
+products, fp32 sums), the reference's value up to the fp32 summation order.
+
+Under TRITON_INTERPRET=1 (no inline PTX) the MMA is emulated on the same lane registers: D[r, j]
+is the sum over the four lanes t of row r's fragment times column j's fragment, so the lane /
+fragment bookkeeping is what the interpreter tests check. CUDA only (sm_80+ for the MMA, sm_89+
+for the E4M3 conversion); not an Ascend path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .block_scaled import bf16_bits16, e8m0_value, fp8_exponent, fp8_round, pow2
+from .launch import interpreting, num_workers, tile_counters
+
+MAX_M = 8  # the MMA's n: tokens that share one read of the weight
+# Launch settings: warps per program (16 rows each), K blocks per loop step, programs per SM.
+TILES = {"num_warps": 4, "bb": 4, "waves": 4}
+X_BLOCKS = 16  # 32-wide blocks of x per program of `_x_codes_kernel`
+
+# Per lane: $4 / $5 the words of row g (codes 8t .. 8t + 3, 8t + 4 .. 8t + 7 of the block), $6 / $7
+# those of row g + 8, $8 .. $11 x's f16 pairs (8t, 8t + 1) .. (8t + 6, 8t + 7) of column g's token.
+# cvt.rn.f16x2.e4m3x2 puts the low byte in the low half: a0 = row g codes (8t, 8t + 1), etc. The
+# first MMA takes K slots 2t, 2t + 1 <- elements 8t, 8t + 1 and slots 2t + 8, 2t + 9 <- 8t + 2,
+# 8t + 3; the second the elements 8t + 4 .. 8t + 7 in the same way.
+_MMA_ASM = tl.constexpr("""{
+.reg .b16 l, h;
+.reg .b32 a0, a1, a2, a3, b0, b1, b2, b3;
+.reg .f32 d0, d1, d2, d3, z;
+mov.f32 z, 0f00000000;
+mov.b32 {l, h}, $4; cvt.rn.f16x2.e4m3x2 a0, l; cvt.rn.f16x2.e4m3x2 a1, h;
+mov.b32 {l, h}, $5; cvt.rn.f16x2.e4m3x2 a2, l; cvt.rn.f16x2.e4m3x2 a3, h;
+mov.b32 {l, h}, $6; cvt.rn.f16x2.e4m3x2 b0, l; cvt.rn.f16x2.e4m3x2 b1, h;
+mov.b32 {l, h}, $7; cvt.rn.f16x2.e4m3x2 b2, l; cvt.rn.f16x2.e4m3x2 b3, h;
+mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {a0, b0, a1, b1}, {$8, $9}, {z, z, z, z};
+mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {a2, b2, a3, b3}, {$10, $11}, {d0, d1, d2, d3};
+}""")
+
+
+@triton.jit
+def _x_codes_kernel(x_ptr, xq_ptr, xf_ptr, K, x_stride, NBB: tl.constexpr, PERM: tl.constexpr):
+    """x [M, K] -> its FP8 codes' values as f16 xq [M, K] and the power-of-two block scales xf
+    [M, K / 32] (fp32): qdq(x) = xq * xf per 32 columns, the values of `fp8_qdq_groups`. PERM:
+    each group of 8 columns stored in the order 0, 2, 4, 6, 1, 3, 5, 7 (`moe_rows_mma`)."""
+    m = tl.program_id(0)
+    b = tl.program_id(1) * NBB + tl.arange(0, NBB)
+    j = tl.arange(0, 32)
+    kk = b[:, None] * 32 + j[None, :]
+    ok = kk < K
+    x = tl.load(x_ptr + m * x_stride + kk, mask=ok, other=0.0).to(tl.float32)
+    e = fp8_exponent(tl.max(tl.abs(x), axis=1))
+    if PERM:
+        kk = b[:, None] * 32 + ((j // 8) * 8 + (j % 8) // 2 + 4 * (j % 2))[None, :]
+    tl.store(xq_ptr + m * K + kk, fp8_round(x * pow2(-e)[:, None]).to(tl.float16), mask=ok)
+    tl.store(xf_ptr + m * (K // 32) + b, pow2(e), mask=b * 32 < K)
+
+
+@triton.jit
+def _e4m3_word(wd, j: tl.constexpr):
+    """Byte j of int32 words of E4M3 codes as fp32 (the interpreter's decode)."""
+    return ((wd >> (8 * j)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _f16_half(xw, hi: tl.constexpr):
+    """The low (hi=False) or high f16 of int32 words as fp32."""
+    v = (xw >> 16) if hi else xw
+    return (v & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _mma_emulated(wg0, wg1, w80, w81, x0, x1, x2, x3, NW: tl.constexpr):
+    """What `_MMA_ASM` returns, from the same lane registers: D[r, j] = sum over the lanes t of
+    row r's 8 values times column j's 8 values; lane (g, t) gets D[g, 2t], D[g, 2t + 1],
+    D[g + 8, 2t], D[g + 8, 2t + 1]."""
+    dg = tl.zeros((NW, 8, 8), dtype=tl.float32)  # [w, row g, column j]
+    d8 = tl.zeros((NW, 8, 8), dtype=tl.float32)
+    for i in tl.static_range(8):
+        if i < 4:
+            ag = _e4m3_word(wg0, i)
+            a8 = _e4m3_word(w80, i)
+        else:
+            ag = _e4m3_word(wg1, i - 4)
+            a8 = _e4m3_word(w81, i - 4)
+        if i // 2 == 0:
+            xw = x0
+        elif i // 2 == 1:
+            xw = x1
+        elif i // 2 == 2:
+            xw = x2
+        else:
+            xw = x3
+        bx = tl.reshape(_f16_half(xw, (i % 2) == 1), (NW, 1, 8, 4))
+        dg += tl.sum(tl.reshape(ag, (NW, 8, 1, 4)) * bx, axis=3)
+        d8 += tl.sum(tl.reshape(a8, (NW, 8, 1, 4)) * bx, axis=3)
+    j = tl.arange(0, 8)[None, None, :, None]
+    t2 = 2 * tl.arange(0, 4)[None, None, None, :]
+    pick0 = (j == t2).to(tl.float32)
+    pick1 = (j == t2 + 1).to(tl.float32)
+    c0 = tl.reshape(tl.sum(dg[:, :, :, None] * pick0, axis=2), (NW * 32,))
+    c1 = tl.reshape(tl.sum(dg[:, :, :, None] * pick1, axis=2), (NW * 32,))
+    c2 = tl.reshape(tl.sum(d8[:, :, :, None] * pick0, axis=2), (NW * 32,))
+    c3 = tl.reshape(tl.sum(d8[:, :, :, None] * pick1, axis=2), (NW * 32,))
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _finish_lanes(v, tok, row, ok, out_ptr, part_ptr, pid_k, M, N, SPLIT_K: tl.constexpr,
+                  OUT_BF16: tl.constexpr, STAGE: tl.constexpr):
+    """One of a lane's four outputs (token tok, feature row): STAGE 0 stores it (no split) or its
+    slice partial; STAGE 1 (the tile's last slice) adds the partials in slice order and stores."""
+    o = tok.to(tl.int64) * N + row
+    if STAGE == 0:
+        if SPLIT_K == 1:
+            if OUT_BF16:
+                tl.store(out_ptr + o, bf16_bits16(v), mask=ok)
+            else:
+                tl.store(out_ptr + o, v, mask=ok)
+        else:
+            tl.store(part_ptr + pid_k * M * N + o, v, mask=ok)
+    else:
+        tot = tl.zeros(v.shape, dtype=tl.float32)
+        for s in range(SPLIT_K):
+            tot += tl.load(part_ptr + s * M * N + o, mask=ok, other=0.0, cache_modifier=".cg")
+        if OUT_BF16:
+            tl.store(out_ptr + o, bf16_bits16(tot), mask=ok)
+        else:
+            tl.store(out_ptr + o, tot, mask=ok)
+
+
+@triton.jit
+def _row_mma_kernel(xq_ptr, xf_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, s_stride, blocks_per_split,
+                    SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, ONE: tl.constexpr, NW: tl.constexpr,
+                    BB: tl.constexpr, ASM: tl.constexpr, PANEL: tl.constexpr = False):
+    """out [M, N] = x @ W^T for the program's 16 * NW rows and K slice program_id(1) (module
+    docstring). xq: x's f16 codes as int32 pairs [M, K / 2]; xf [M, K / 32] their block scales;
+    w: E4M3 codes as int32 words [N, K / 4]; s: E8M0 [ceil(N / 32), s_stride]. ONE: M == 1."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    lane = tl.arange(0, NW * 32)
+    warp = lane // 32
+    g = (lane % 32) // 4
+    t = lane % 4
+    base = pid_n * (16 * NW) + 16 * warp
+    rg = base + g
+    r8 = rg + 8
+    okg = rg < N
+    ok8 = r8 < N
+    KW = K // 4
+    NBK = K // 32
+    if PANEL:  # [N / 16, K / 32, 16, 32] bytes: a warp's block is one run of 512 bytes
+        wg_ptr = w_ptr + (base // 16).to(tl.int64) * (NBK * 128) + 8 * g + 2 * t
+        w8_ptr = wg_ptr + 64
+    else:
+        wg_ptr = w_ptr + rg.to(tl.int64) * KW + 2 * t
+        w8_ptr = w_ptr + r8.to(tl.int64) * KW + 2 * t
+    WSTEP: tl.constexpr = 128 if PANEL else 8  # words from one 32-wide block of a row to the next
+    s_row = s_ptr + (base // 32).to(tl.int64) * s_stride
+    xtok = tl.minimum(g, M - 1)  # column g's token
+    x_row = xq_ptr + xtok.to(tl.int64) * (K // 2) + 4 * t
+    ta = tl.minimum(2 * t, M - 1)  # the tokens of the lane's result columns 2t, 2t + 1
+    tb = tl.minimum(2 * t + 1, M - 1)
+    two = tl.arange(0, 2)
+    four = tl.arange(0, 4)
+    acc0 = tl.zeros((NW * 32,), dtype=tl.float32)
+    acc1 = tl.zeros((NW * 32,), dtype=tl.float32)
+    acc2 = tl.zeros((NW * 32,), dtype=tl.float32)
+    acc3 = tl.zeros((NW * 32,), dtype=tl.float32)
+    b_lo = pid_k * blocks_per_split
+    b_hi = tl.minimum(NBK, b_lo + blocks_per_split)
+    for b0 in range(b_lo, b_hi, BB):
+        for i in tl.static_range(BB):
+            bl = b0 + i
+            bok = bl < b_hi
+            # one 8-byte load per row and one 16-byte load of x per lane (each lane's words are
+            # contiguous: [lanes, 2] / [lanes, 4] tiles, split back into one register per lane)
+            wg0, wg1 = tl.split(tl.load(wg_ptr[:, None] + WSTEP * bl + two[None, :], mask=(okg & bok)[:, None], other=0))
+            w80, w81 = tl.split(tl.load(w8_ptr[:, None] + WSTEP * bl + two[None, :], mask=(ok8 & bok)[:, None], other=0))
+            xa, xb = tl.split(tl.reshape(tl.load(x_row[:, None] + 16 * bl + four[None, :], mask=bok, other=0),
+                                         (NW * 32, 2, 2)))
+            x0, x2 = tl.split(xa)
+            x1, x3 = tl.split(xb)
+            sw = e8m0_value(tl.load(s_row + bl, mask=bok, other=0).to(tl.int32))
+            fa = tl.load(xf_ptr + ta * NBK + bl, mask=bok, other=0.0) * sw
+            if ASM:
+                c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                    _MMA_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [wg0, wg1, w80, w81, x0, x1, x2, x3],
+                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+            else:
+                c0, c1, c2, c3 = _mma_emulated(wg0, wg1, w80, w81, x0, x1, x2, x3, NW)
+            acc0 += c0 * fa
+            acc2 += c2 * fa
+            if not ONE:
+                fb = tl.load(xf_ptr + tb * NBK + bl, mask=bok, other=0.0) * sw
+                acc1 += c1 * fb
+                acc3 += c3 * fb
+    # lane (g, t) holds tokens 2t, 2t + 1 of rows g, g + 8; with one token only t = 0 stores
+    va = (2 * t) < M
+    vb = (2 * t + 1) < M
+    _finish_lanes(acc0, ta, rg, okg & va, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, OUT_BF16, 0)
+    _finish_lanes(acc2, ta, r8, ok8 & va, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, OUT_BF16, 0)
+    if not ONE:
+        _finish_lanes(acc1, tb, rg, okg & vb, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, OUT_BF16, 0)
+        _finish_lanes(acc3, tb, r8, ok8 & vb, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, OUT_BF16, 0)
+    if SPLIT_K > 1:
+        tl.debug_barrier()  # every lane's partial is stored before the counter moves
+        done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:  # the tile's last slice: add the partials in slice order
+            _finish_lanes(acc0, ta, rg, okg & va, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, OUT_BF16, 1)
+            _finish_lanes(acc2, ta, r8, ok8 & va, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, OUT_BF16, 1)
+            if not ONE:
+                _finish_lanes(acc1, tb, rg, okg & vb, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, OUT_BF16, 1)
+                _finish_lanes(acc3, tb, r8, ok8 & vb, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, OUT_BF16, 1)
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
+def x_codes(x2: torch.Tensor, perm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 [M, K] (K % 32 == 0) -> (f16 codes [M, K], fp32 block scales [M, K / 32]); `perm`: the
+    columns of each 8 in `moe_rows_mma`'s order."""
+    m, k = x2.shape
+    xq = torch.empty(m, k, dtype=torch.float16, device=x2.device)
+    xf = torch.empty(m, k // 32, dtype=torch.float32, device=x2.device)
+    _x_codes_kernel[(m, triton.cdiv(k // 32, X_BLOCKS))](x2, xq, xf, k, x2.stride(0), NBB=X_BLOCKS, PERM=perm)
+    return xq, xf
+
+
+def launch_row_mma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *,
+                   num_warps: int | None = None, bb: int | None = None, waves: int | None = None,
+                   split_k: int | None = None, panel: bool = False) -> None:
+    """out [M, N] (bf16 or fp32) = x2 [M, K] @ dequant(weight)^T for FP8 E4M3 weight [N, K] with
+    E8M0 32x32 block scales, M <= MAX_M, K % 32 == 0 (module docstring)."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    if m > MAX_M or k % 32 or weight.shape[1] != k or not weight.is_contiguous():
+        raise ValueError(f"rowmma path: x [{m}, {k}] and weight {tuple(weight.shape)} need M <= {MAX_M}, "
+                         f"K % 32 == 0 and a contiguous [N, K] weight")
+    nw = num_warps or TILES["num_warps"]
+    bb = bb or TILES["bb"]
+    interp = interpreting()
+    xq, xf = x_codes(x2)
+    n_tiles = triton.cdiv(n, 16 * nw)
+    nbk = k // 32
+    if split_k is None:
+        want = (waves or TILES["waves"]) * (1 if interp else num_workers(x2.device))
+        split_k = max(1, min(triton.cdiv(nbk, bb), triton.cdiv(want, n_tiles)))
+    per = bb * triton.cdiv(triton.cdiv(nbk, bb), split_k)  # whole loop steps per slice
+    split_k = triton.cdiv(nbk, per)
+    if split_k > 1:
+        part = torch.empty(split_k, m, n, dtype=torch.float32, device=x2.device)
+        counts = tile_counters(x2.device, n_tiles)
+    else:
+        part = counts = out
+    out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    kw = {} if interp else {"num_warps": nw}
+    _row_mma_kernel[(n_tiles, split_k)](
+        xq.view(torch.int32), xf, weight.view(torch.int32), scale.view(torch.uint8), out_arg, part, counts, m, n, k,
+        scale.shape[1], per, SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, ONE=m == 1, NW=nw, BB=bb,
+        ASM=not interp, PANEL=panel, **kw)
+
+
+def panel_weight(weight: torch.Tensor) -> torch.Tensor:
+    """An FP8 weight [N, K] (N % 16 == 0) stored as 16-row panels [N / 16, K / 32, 16, 32] (the
+    `panel=True` layout), returned with the original shape's byte count as [N, K]."""
+    n, k = weight.shape
+    return weight.view(n // 16, 16, k // 32, 32).permute(0, 2, 1, 3).contiguous().view(n, k)
