@@ -566,6 +566,11 @@ MMA_VARIANTS = [dict(mma_bb=8, mma_warps_down=8), dict(mma_split_up=2), dict(mma
                 dict(mma_split_up=3, mma_split_down=3)]
 
 
+# At 3..8 tokens (a program per expert by default): the other layout, K slices.
+MMA_GROUPED_VARIANTS = [dict(mma_grouped=False), dict(mma_split_up=2), dict(mma_split_down=2),
+                        dict(mma_split_up=2, mma_split_down=2), dict(mma_split_up=3, mma_split_down=3)]
+
+
 def sweep_moe_rows(rows, copy, tokens=(1, 2), check_only=False):
     """The FP4 routed experts at one and two tokens (mini preset: 16 experts, d 5120, width 2304,
     top-6, each token's 6 experts distinct): the fold path against the rows path (`moe_rows`: CUDA
@@ -580,8 +585,13 @@ def sweep_moe_rows(rows, copy, tokens=(1, 2), check_only=False):
     experts = _fp4_experts(n_exp, d, inter)
     for t in tokens:
         x, ids, wts, want, active, nbytes = _moe_case(t, experts, d, inter, n_exp, topk, moe_ref, fp32_accumulation)
-        for v in [dict(path="fold"), dict(path="rows"), dict(path="rows", mma=True)] + \
-                [dict(v, path="rows", mma=True) for v in MMA_VARIANTS] + [dict(v, path="rows") for v in ROWS_VARIANTS]:
+        if t > 2:  # the CUDA-core rows kernels stop at 2 tokens: fold against the MMA variant's layouts
+            variants = [dict(path="fold"), dict(path="rows", mma=True)] + \
+                [dict(v, path="rows", mma=True) for v in MMA_GROUPED_VARIANTS]
+        else:
+            variants = [dict(path="fold"), dict(path="rows"), dict(path="rows", mma=True)] + \
+                [dict(v, path="rows", mma=True) for v in MMA_VARIANTS] + [dict(v, path="rows") for v in ROWS_VARIANTS]
+        for v in variants:
             name = "moe fp4 " + " ".join(f"{a}={b}" for a, b in v.items())
             call = (lambda x=x, ids=ids, wts=wts, v=v: me.moe_experts(x, wts, ids, experts, 10.0, **v))
             if check_only:

@@ -104,14 +104,17 @@ def test_rows_tiles(dev, rng, poisoned):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("t", [1, 2])
+@pytest.mark.parametrize("t", [1, 8])
 def test_rows_mma_path(dev, t, rng, poisoned):
-    """The MMA variant (`moe_rows_mma`, `mma=True`): one and two tokens, 8 experts, top-4 with a
-    skipped slot, d = 320 (5 down programs of 64 rows) and width 96 (3 gate/up programs; 10 and 3
-    K blocks: partial loop steps); under the interpreter the MMA is emulated lane by lane."""
+    """The MMA variant (`moe_rows_mma`, `mma=True`): 1, 2 tokens (a program per routed row) and 3,
+    8 tokens (a program per expert, its rows as MMA columns: up to 8 of them), 8 experts, top-4
+    with a skipped slot, d = 320 (5 down programs of 64 rows) and width 96 (3 gate/up programs; 10
+    and 3 K blocks: partial loop steps); under the interpreter the MMA is emulated lane by lane."""
     check(dev, t, 8, 4, 320, 96, rng, used=5, mma=True)
-    # K slices: gate/up in 2 (5 + 5 blocks), down in 3 (1 block each), one block a step
-    check(dev, t, 8, 4, 320, 96, rng, used=5, mma=True, mma_bb=1, mma_split_up=2, mma_split_down=3)
+    # K slices: gate/up in 2 (5 + 5 blocks), down in 3 (1 block each), one block a step; and the
+    # other program layout (grouped at 1-2 tokens, per routed row at 3-8)
+    check(dev, t, 8, 4, 320, 96, rng, used=5, mma=True, mma_bb=1, mma_split_up=2, mma_split_down=3,
+          mma_grouped=t <= 2)
 
 
 def test_rows_refuses(rng):
@@ -156,6 +159,15 @@ def test_default_dispatch_reaches_rows(dev, rng, poisoned, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("t", [2, 3, 5])
+def test_rows_mma_tokens_gpu(dev, t, rng, poisoned):
+    """The MMA variant at the token counts the interpreter test leaves out, both program layouts."""
+    for grouped in (False, True):
+        check(dev, t, 8, 4, 320, 96, rng, used=5, mma=True, mma_grouped=grouped)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
 @pytest.mark.parametrize("t", [1, 2])
 def test_rows_model_shapes_gpu(dev, t, rng, poisoned):
     """d 1024, width 512 (one K part each), 16 experts, top-6."""
@@ -164,11 +176,10 @@ def test_rows_model_shapes_gpu(dev, t, rng, poisoned):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", [DEVICES[1]])
-@pytest.mark.parametrize("t", [1, 2])
-@pytest.mark.parametrize("mma", [False, True])
+@pytest.mark.parametrize("t, mma", [(1, False), (2, False), (1, True), (2, True), (8, True)])
 def test_rows_mini_widths_gpu(dev, t, mma, rng, poisoned):
     """The mini preset's widths, d 5120 and width 2304 (two K parts each), 8 experts, top-6; the
-    CUDA-core kernels and the MMA variant."""
+    CUDA-core kernels (up to 2 tokens) and the MMA variant."""
     check(dev, t, 8, 6, 5120, 2304, rng, mma=mma)
 
 

@@ -634,6 +634,9 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
         if kind != W_FP8:
             raise ValueError(f"linear: the {path} path takes FP8 weights")
         if path == "rowmma":
+            extra = set(xs_tiles) - {"num_warps", "bb", "waves"}
+            if extra:
+                raise ValueError(f"DSV41_FP8_DECODE: the rowmma path takes warps, bb and waves, not {sorted(extra)}")
             row_mma.launch_row_mma(x2, weight, scale, out, **dict(xs_tiles, **({"num_warps": num_warps} if num_warps else {})))
             return
         if path == "rows":

@@ -480,19 +480,23 @@ def fold_pays(device: torch.device, t: int, experts: list, inter: int, d: int) -
 # runs); T=2 rows 172.0 against fold 142.6 (each token's experts read separately). With the MMA
 # variant (`moe_rows_mma`, the rows path's CUDA default since 2026-12-01 ~20:15 UTC): T=1 76.1 us
 # against rows 94.2 / fold 97.2, T=2 137.0 against rows 177.7 / fold 192.1 (12 experts; 129.3
-# against fold 153.8 with 10): benchmarks/RESULTS.md, "register-fed MMAs".
-ROWS_DEFAULT_T = 2
+# against fold 153.8 with 10); from 3 tokens a program per expert (its rows as MMA columns): T=3 /
+# 4 / 8 163.7 / 166.2 / 189.9 us against fold 188.5 / 181.1 / 230.5 (~20:35 UTC): benchmarks/RESULTS.md,
+# "register-fed MMAs". Up to 8 tokens (the MMA's n) when the MMA variant takes the widths.
+ROWS_DEFAULT_T = 8
 
 
 def rows_pays(device: torch.device, t: int, experts: list, inter: int, d: int) -> bool:
-    """Whether the default path is the rows one (`moe_rows`): FP4 experts read as int32 words,
-    widths its kernels take, 1..ROWS_DEFAULT_T tokens, on CUDA (the interpreters keep the old
-    default)."""
+    """Whether the default path is the rows one (`moe_rows`, on CUDA by default its MMA variant):
+    FP4 experts read as int32 words, widths its kernels take (the CUDA-core kernels' up to
+    ROWS_MAX_T tokens, the MMA variant's up to MMA_MAX_T), 1..ROWS_DEFAULT_T tokens, on CUDA (the
+    interpreters keep the old default)."""
     from .launch import interpreting
-    from .moe_rows import rows_fits
+    from .moe_rows import ROWS_MAX_T, rows_fits
+    from .moe_rows_mma import MMA_MAX_T, mma_fits
 
     return (device.type == "cuda" and not interpreting() and t <= ROWS_DEFAULT_T and word_aligned(experts)
-            and rows_fits(inter, d))
+            and ((t <= ROWS_MAX_T and rows_fits(inter, d)) or (t <= MMA_MAX_T and mma_fits(inter, d))))
 
 
 # ---- one FP8 expert as dense linears (the shared expert) ---------------------------------------

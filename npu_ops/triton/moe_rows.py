@@ -273,23 +273,50 @@ def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
              out: torch.Tensor, *, rs_up: int | None = None, rs_down: int | None = None,
              rpp_down: int | None = None, num_warps: int | None = None, mma: bool | None = None,
              mma_bb: int | None = None, mma_warps_down: int | None = None, mma_split_up: int | None = None,
-             mma_split_down: int | None = None) -> torch.Tensor:
-    """The rows path for x [T, d] (T <= ROWS_MAX_T, FP4 experts; tiles default `ROWS_TILES`):
+             mma_split_down: int | None = None, mma_grouped: bool | None = None) -> torch.Tensor:
+    """The rows path for x [T, d] (FP4 experts; T <= ROWS_MAX_T on the CUDA cores, tiles default
+    `ROWS_TILES`; T <= moe_rows_mma.MMA_MAX_T on the MMA variant):
     gate/up with its epilogue, down, combine into `out` [T, d] fp32. `mma`: gate/up and down on
     the tensor cores fed from registers (`moe_rows_mma`; CUDA), with its own settings `mma_bb` (K
-    blocks a loop step), `mma_warps_down` and the K slices `mma_split_up` / `mma_split_down`;
-    None (default): compiled on CUDA where its widths fit, unless a CUDA-core kernel tile is given
-    (the H200 measured it faster at one and two tokens: `moe_rows_mma.MMA_SPLITS`)."""
+    blocks a loop step), `mma_warps_down`, the K slices `mma_split_up` / `mma_split_down` and
+    `mma_grouped` (a program per expert, its rows as MMA columns: up to `moe_rows_mma.MMA_MAX_T`
+    tokens, where the CUDA-core kernels take ROWS_MAX_T); None (default): compiled on CUDA where its
+    widths fit, unless a CUDA-core kernel tile is given (the H200 measured it faster at one and two
+    tokens: `moe_rows_mma.MMA_SPLITS`)."""
     from .launch import interpreting
     from .moe_experts import _combine_kernel
 
-    w_base, s_base, table, kind, inter, d, (s_up, s_down), align = table_args
+    inter, d = table_args[4], table_args[5]
     interp = interpreting()
     tiles = ROWS_TILES["interp" if interp else "cuda"]
     core_tiles = any(v is not None for v in (rs_up, rs_down, rpp_down, num_warps))  # the CUDA-core kernels' settings
     rs_up, rs_down = rs_up or tiles["rs_up"], rs_down or tiles["rs_down"]
     rpp_down = rpp_down or tiles["rpp_down"]
     t, topk = ids.shape
+    flat_ids = ids.contiguous().reshape(-1)
+    if mma is None:
+        from .moe_rows_mma import MMA_MAX_T, mma_fits
+
+        mma = (not interp and x.device.type == "cuda" and mma_fits(inter, d) and not core_tiles
+               and t <= MMA_MAX_T)
+    wts = weights.float().contiguous().reshape(-1)
+    if mma:
+        from .moe_rows_mma import mma_moe
+
+        y = mma_moe(x, flat_ids, wts, table_args, limit, topk, bb=mma_bb, num_warps_down=mma_warps_down,
+                    split_up=mma_split_up, split_down=mma_split_down, grouped=mma_grouped)
+    else:
+        y = _core_moe(x, flat_ids, wts, table_args, limit, topk, rs_up, rs_down, rpp_down, num_warps, tiles, interp)
+    cb = min(1024, triton.next_power_of_2(d))
+    _combine_kernel[(t, -(-d // cb))](y, flat_ids, out, d, TOPK=topk, BLOCK=cb)
+    return out
+
+
+def _core_moe(x, flat_ids, wts, table_args, limit, topk, rs_up, rs_down, rpp_down, num_warps, tiles, interp):
+    """Gate/up and down on the CUDA cores (module docstring, steps 1-2): y [R, d] fp32."""
+    w_base, s_base, table, kind, inter, d, (s_up, s_down), align = table_args
+    r = flat_ids.numel()
+    t = r // topk
     if t > ROWS_MAX_T:
         raise ValueError(f"moe_experts rows path: at most {ROWS_MAX_T} tokens, got {t}")
     if not rows_fits(inter, d, rpp_down) or GROUP % rs_up or rpp_down % rs_down or rs_up & (rs_up - 1) \
@@ -297,25 +324,10 @@ def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
         raise ValueError(f"moe_experts rows path: widths ({inter}, {d}) need K / 32 blocks as a sum of two powers of "
                          f"two, {GROUP} | {inter}, rows per program {rpp_down} | {d}; rows per step (powers of two) "
                          f"rs_up {rs_up} | {GROUP}, rs_down {rs_down} | {rpp_down}")
-    r = t * topk
-    flat_ids = ids.contiguous().reshape(-1)
-    if mma is None:
-        from .moe_rows_mma import mma_fits
-
-        mma = not interp and x.device.type == "cuda" and mma_fits(inter, d) and not core_tiles
-    if mma:
-        from .moe_rows_mma import mma_moe
-
-        y = mma_moe(x, flat_ids, weights.float().contiguous().reshape(-1), table_args, limit, topk, bb=mma_bb,
-                    num_warps_down=mma_warps_down, split_up=mma_split_up, split_down=mma_split_down)
-        cb = min(1024, triton.next_power_of_2(d))
-        _combine_kernel[(t, -(-d // cb))](y, flat_ids, out, d, TOPK=topk, BLOCK=cb)
-        return out
     kw = {} if interp else {"num_warps": num_warps or tiles["num_warps"], "num_stages": 1}
     gu = _buffer((r, 2, inter), torch.float32, x.device)
     h = _buffer((r, inter), torch.float32, x.device)
     y = _buffer((r, d), torch.float32, x.device)
-    wts = weights.float().contiguous().reshape(-1)
     nba, nbb = block_parts(d)
     _rows_up_kernel[(r, inter // GROUP)](x, flat_ids, wts, w_base, s_base, table, gu, h, d, d // 8, inter, s_up,
                                          float(limit), TOPK=topk, ALIGN=align, RS=rs_up, NBA=nba, NBB=nbb,
@@ -324,6 +336,4 @@ def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
     _rows_down_kernel[(r, d // rpp_down)](h, flat_ids, w_base, s_base, table, y, inter, inter // 8, d, s_down,
                                           ALIGN=align, RPP=rpp_down, RS=rs_down, NBA=nba, NBB=nbb, ASM=not interp,
                                           **kw)
-    cb = min(1024, triton.next_power_of_2(d))
-    _combine_kernel[(t, -(-d // cb))](y, flat_ids, out, d, TOPK=topk, BLOCK=cb)
-    return out
+    return y

@@ -1,8 +1,8 @@
-"""FP4 routed experts at one and two tokens with the multiply-adds on the tensor cores, fed from
+"""FP4 routed experts at 1-8 tokens with the multiply-adds on the tensor cores, fed from
 registers (`rows_moe(..., mma=...)`, the rows path's MMA variant and its CUDA default; `row_mma`'s
 scheme for E2M1 weights). H200, mini widths: 76.1 us per layer at one token (K split in two)
-against 94.2 for the CUDA-core rows kernels, 137.0 against 177.7 at two (benchmarks/RESULTS.md,
-"FP4 experts at one and two tokens on register-fed MMAs").
+against 94.2 for the CUDA-core rows kernels, 137.0 against 177.7 at two, 189.9 against fold's
+230.5 at eight (benchmarks/RESULTS.md, "FP4 experts at one and two tokens on register-fed MMAs").
 
 The rows kernels (`moe_rows`) spend about 4.5 instructions per weight on the CUDA cores (bit
 placement, an fp16 -> fp32 widening and an FMA per weight). Here each lane builds f16x2 registers
@@ -10,23 +10,28 @@ from its weight word with the same bit placement (value * 2^-14, exact for every
 instructions per 8 weights) and hands them to `mma.sync.m16n8k16` (fp32 accumulation), so a
 weight costs about 2 instructions.
 
-Per call, R = T * k routed rows (token t, slot j -> flat row f = t * k + j; expert ids[f]):
+Per call, R = T * k routed rows (token t, slot j -> flat row f = t * k + j; expert ids[f]). A
+program owns an expert and up to 8 columns (the MMA's n): below GROUPED_MIN_T tokens one routed
+row (program f: expert ids[f], one column), from there one expert with all its routed rows
+(program e: rows perm[bounds[e] : bounds[e + 1]] of `moe_grouped.sort_rows`; a token's experts are
+distinct, so at most T <= MMA_MAX_T rows), so each expert's weight is read once for all of them.
 1. `row_mma._x_codes_kernel` (PERM): x's FP8 codes as f16, each group of 8 columns stored in the
    order 0, 2, 4, 6, 1, 3, 5, 7 (the pairs the placement yields), and its power-of-two block scales.
-2. `_mma_up_kernel`, grid (R, I / 32), 4 warps: warps 0 / 1 take rows 32c .. 32c + 15 / + 31 of
-   expert ids[f]'s w1, warps 2 / 3 the same rows of w3. Lane (g, t) of a warp holds rows g and
-   g + 8 of its 16: per 32-wide block one int32 word of each (codes 8t .. 8t + 7) and x's f16
-   codes 8t .. 8t + 7 (one 16-byte load); two MMAs give the block's exact sums, times the
-   block's factor (x's scale times the row's E8M0 scale, times 2^14) into fp32 accumulators. The
-   sums go to a scratch [R, 2, I]; after a CTA barrier the program applies the official epilogue
-   (`swiglu.expert_act`) to its 32 columns and stores the w2 input's FP8 codes (f16, the same
-   column order) and block scale.
-3. `_mma_down_kernel`, grid (R, D / (16 NW)): the same over w2 with h, each expert output rounded
-   to bf16 into y [R, D]; `moe_experts._combine_kernel` sums a token's slots.
-Both kernels can split K (grid axis 2, `MMA_SPLITS` by token count): each slice stores fp32
-partials and the tile's last slice (a counter of `launch.tile_counters`) adds them in slice order
-before the epilogue (deterministic). At one token the split doubles the warps streaming weights,
-which is what the unsplit kernels lacked.
+2. `_mma_up_kernel`, grid (programs, I / 32, K slices), 4 warps: warps 0 / 1 take rows 32c ..
+   32c + 15 / + 31 of the expert's w1, warps 2 / 3 the same rows of w3. Lane (g, t) of a warp
+   holds rows g and g + 8 of its 16: per 32-wide block one int32 word of each (codes 8t .. 8t + 7)
+   and column g's x codes 8t .. 8t + 7 (one 16-byte load); two MMAs give the block's exact sums
+   D[g | g + 8, 2t | 2t + 1], each times its column's factor (x's scale times the row's E8M0
+   scale, times 2^14) into fp32 accumulators. The sums go to a scratch [R, 2, I] by flat row;
+   after a CTA barrier the program applies the official epilogue (`swiglu.expert_act`) to its 32
+   columns for each of its rows and stores the w2 input's FP8 codes (f16, the same column order)
+   and block scale.
+3. `_mma_down_kernel`, grid (programs, D / (16 NW), K slices): the same over w2 with h, each
+   expert output rounded to bf16 into y [R, D]; `moe_experts._combine_kernel` sums a token's slots.
+Both kernels can split K (`MMA_SPLITS` by token count): each slice stores fp32 partials and the
+tile's last slice (a counter of `launch.tile_counters`) adds them in slice order before the
+epilogue (deterministic). At one token the split doubles the warps streaming weights, which is
+what the unsplit kernels lacked.
 Slots with ids < 0 do nothing (their rows are skipped by the masks).
 
 Numerics: the rows kernels' class (exact products, fp32 sums, bf16 rounding where the official
@@ -43,15 +48,20 @@ import triton.language as tl
 from .block_scaled import bf16_round, e8m0_value, fp8_exponent, fp8_round, pow2
 from . import moe_rows
 from .moe_rows import GROUP, _row_ptrs
-from .row_mma import _f16_half, x_codes
+from .row_mma import _pick, _x_column, x_codes
 from .swiglu import expert_act
 
 MMA_TILES = {"num_warps_down": 4, "bb": 4}
 # K slices (gate/up, down) by token count. H200 2026-12-01 ~20:10 UTC, graph replay, 16 FP4 experts
 # 5120 x 2304, top-6 (benchmarks/RESULTS.md, "FP4 experts at one and two tokens on register-fed MMAs"):
 # T=1 no split 92.5 us, up 2 80.9, down 2 88.0, 2 / 2 76.1, 3 / 3 78.2, 4 / 2 82.4 (rows kernels
-# 94.2); T=2 (12 experts) no split 137.0, 2 / 2 150.1, 3 / 3 138.0 (rows 177.7, fold 192.1).
-MMA_SPLITS = {1: (2, 2), 2: (1, 1)}
+# 94.2); T=2 (12 experts) no split 137.0, 2 / 2 150.1, 3 / 3 138.0 (rows 177.7, fold 192.1). A
+# program per expert (GROUPED_MIN_T..MMA_MAX_T tokens), ~20:35 UTC: T=3 no split 184.4, 2 / 2 169.0,
+# 3 / 3 163.7 (fold 188.5); T=4 183.5, 169.0, 166.2 (fold 181.1); T=8 223.6, 197.5, 189.9 (fold
+# 230.5); one program per routed row instead: 187.6 / 251.4 / 422.3.
+MMA_SPLITS = {1: (2, 2), 2: (1, 1), 3: (3, 3), 4: (3, 3), 5: (3, 3), 6: (3, 3), 7: (3, 3), 8: (3, 3)}
+MMA_MAX_T = 8  # the MMA's n: an expert's rows at most (the routed experts of a token are distinct)
+GROUPED_MIN_T = 3  # from here a program per expert (its rows as MMA columns), below one per routed row
 
 
 def mma_fits(inter: int, d: int, num_warps_down: int = MMA_TILES["num_warps_down"]) -> bool:
@@ -59,25 +69,25 @@ def mma_fits(inter: int, d: int, num_warps_down: int = MMA_TILES["num_warps_down
     d whole down programs of 16 rows a warp."""
     return inter > 0 and d > 0 and inter % GROUP == 0 and d % (16 * num_warps_down) == 0
 
-# $2 / $3: the words of rows g / g + 8 (E2M1 codes 8t .. 8t + 7 of the block, element i in bits
-# 4i .. 4i + 3); $4 .. $7: x's f16 pairs in the placement's order. The placement (moe_rows'
+# $4 / $5: the words of rows g / g + 8 (E2M1 codes 8t .. 8t + 7 of the block, element i in bits
+# 4i .. 4i + 3); $6 .. $9: x's f16 pairs in the placement's order. The placement (moe_rows'
 # `_E2M1_ASM`): l holds the fp16 high bytes of the even elements, h of the odd ones; prmt 0x1404
 # pairs bytes 0, 1 and 0x3424 bytes 2, 3, giving (0, 2), (4, 6) from l and (1, 3), (5, 7) from h.
+# Outputs: D[g, 2t], D[g, 2t + 1], D[g + 8, 2t], D[g + 8, 2t + 1].
 _MMA4_ASM = tl.constexpr("""{
 .reg .b32 a, b, l, h, p0, p1, p2, p3, q0, q1, q2, q3;
 .reg .f32 d0, d1, d2, d3, z;
 mov.f32 z, 0f00000000;
-shl.b32 a, $2, 1; and.b32 a, a, 0x0E0E0E0E; shl.b32 b, $2, 4; and.b32 b, b, 0x80808080; or.b32 l, a, b;
-shr.b32 a, $2, 3; and.b32 a, a, 0x0E0E0E0E; and.b32 b, $2, 0x80808080; or.b32 h, a, b;
+shl.b32 a, $4, 1; and.b32 a, a, 0x0E0E0E0E; shl.b32 b, $4, 4; and.b32 b, b, 0x80808080; or.b32 l, a, b;
+shr.b32 a, $4, 3; and.b32 a, a, 0x0E0E0E0E; and.b32 b, $4, 0x80808080; or.b32 h, a, b;
 prmt.b32 p0, l, 0, 0x1404; prmt.b32 p1, l, 0, 0x3424; prmt.b32 p2, h, 0, 0x1404; prmt.b32 p3, h, 0, 0x3424;
-shl.b32 a, $3, 1; and.b32 a, a, 0x0E0E0E0E; shl.b32 b, $3, 4; and.b32 b, b, 0x80808080; or.b32 l, a, b;
-shr.b32 a, $3, 3; and.b32 a, a, 0x0E0E0E0E; and.b32 b, $3, 0x80808080; or.b32 h, a, b;
+shl.b32 a, $5, 1; and.b32 a, a, 0x0E0E0E0E; shl.b32 b, $5, 4; and.b32 b, b, 0x80808080; or.b32 l, a, b;
+shr.b32 a, $5, 3; and.b32 a, a, 0x0E0E0E0E; and.b32 b, $5, 0x80808080; or.b32 h, a, b;
 prmt.b32 q0, l, 0, 0x1404; prmt.b32 q1, l, 0, 0x3424; prmt.b32 q2, h, 0, 0x1404; prmt.b32 q3, h, 0, 0x3424;
-mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {p0, q0, p1, q1}, {$4, $5}, {z, z, z, z};
-mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {p2, q2, p3, q3}, {$6, $7}, {d0, d1, d2, d3};
-mov.b32 $0, d0; mov.b32 $1, d2;
+mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {p0, q0, p1, q1}, {$6, $7}, {z, z, z, z};
+mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {p2, q2, p3, q3}, {$8, $9}, {d0, d1, d2, d3};
+mov.b32 $0, d0; mov.b32 $1, d1; mov.b32 $2, d2; mov.b32 $3, d3;
 }""")
-# element i of a word sits at position POS(i) of the placement's order 0, 2, 4, 6, 1, 3, 5, 7
 
 
 @triton.jit
@@ -97,68 +107,88 @@ def _e2m1_nibble(wd, i: tl.constexpr):
 
 @triton.jit
 def _mma4_emulated(wg, w8, x0, x1, x2, x3, NW: tl.constexpr):
-    """What `_MMA4_ASM` returns (D[g, 2t], D[g + 8, 2t]) from the same lane registers, with the
-    weights' true values (the asm's carry 2^-14; the caller's factor has 2^14 for both)."""
-    dg = tl.zeros((NW, 8, 8), dtype=tl.float32)
+    """What `_MMA4_ASM` returns, from the same lane registers: D[r, j] = the sum over the lanes t
+    of row r's 8 values times column j's 8 values, with the weights' true values (the asm's
+    carry 2^-14; the caller's factor has 2^14 for both)."""
+    dg = tl.zeros((NW, 8, 8), dtype=tl.float32)  # [warp, row g, column j]
     d8 = tl.zeros((NW, 8, 8), dtype=tl.float32)
     for i in tl.static_range(8):
-        p = i // 2 + 4 * (i % 2)
-        if p // 2 == 0:
-            xw = x0
-        elif p // 2 == 1:
-            xw = x1
-        elif p // 2 == 2:
-            xw = x2
-        else:
-            xw = x3
-        bx = tl.reshape(_f16_half(xw, (p % 2) == 1), (NW, 1, 8, 4))
+        bx = _x_column(x0, x1, x2, x3, i // 2 + 4 * (i % 2), NW)  # element i sits at position _pos8(i)
         dg += tl.sum(tl.reshape(_e2m1_nibble(wg, i) * 6.103515625e-05, (NW, 8, 1, 4)) * bx, axis=3)
         d8 += tl.sum(tl.reshape(_e2m1_nibble(w8, i) * 6.103515625e-05, (NW, 8, 1, 4)) * bx, axis=3)
-    # every column holds the same token here: column 0's sums
-    c0 = tl.reshape(tl.broadcast_to(tl.sum(tl.where(tl.arange(0, 8)[None, None, :] == 0, dg, 0.0), axis=2)[:, :, None],
-                                    (NW, 8, 4)), (NW * 32,))
-    c2 = tl.reshape(tl.broadcast_to(tl.sum(tl.where(tl.arange(0, 8)[None, None, :] == 0, d8, 0.0), axis=2)[:, :, None],
-                                    (NW, 8, 4)), (NW * 32,))
-    return c0, c2
+    return _pick(dg, NW, 0), _pick(dg, NW, 1), _pick(d8, NW, 0), _pick(d8, NW, 1)
 
 
 @triton.jit
-def _rows_sums(wg_rows, w8_rows, sg_rows, s8_rows, okg, ok8, xrow, xfrow, b_lo, b_hi, t, NW: tl.constexpr,
-               BB: tl.constexpr, ASM: tl.constexpr):
-    """Per lane the fp32 dot of rows g and g + 8 (word pointers wg_rows / w8_rows at their
-    first word, scale bytes sg_rows / s8_rows) with x's codes (xrow: per lane, its token's int32
-    pairs from the lane's first pair, 4t; xfrow: the token's block scales) over blocks b_lo .. b_hi."""
+def _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, xrow, xfa, xfb, b_lo, b_hi, t, NW: tl.constexpr,
+               BB: tl.constexpr, ONE: tl.constexpr, ASM: tl.constexpr):
+    """Per lane (g, t) the fp32 dots of rows g and g + 8 (word pointers wg_rows / w8_rows at their
+    first word, scale bytes sg_rows / s8_rows) with the activations of columns 2t and 2t + 1 over
+    blocks b_lo .. b_hi: (row g col 2t, row g col 2t + 1, row g + 8 col 2t, row g + 8 col 2t + 1).
+    xrow: per lane, column g's codes as int32 pairs from the lane's first pair (4t); xfa / xfb:
+    the block scales of columns 2t / 2t + 1. ONE: a single column (the second pair stays 0)."""
     four = tl.arange(0, 4)
-    accg = tl.zeros((NW * 32,), dtype=tl.float32)
-    acc8 = tl.zeros((NW * 32,), dtype=tl.float32)
+    acc0 = tl.zeros((NW * 32,), dtype=tl.float32)
+    acc1 = tl.zeros((NW * 32,), dtype=tl.float32)
+    acc2 = tl.zeros((NW * 32,), dtype=tl.float32)
+    acc3 = tl.zeros((NW * 32,), dtype=tl.float32)
     for b0 in range(b_lo, b_hi, BB):
         for i in tl.static_range(BB):
             bl = b0 + i
             bok = bl < b_hi
-            wg = tl.load(wg_rows + 4 * bl + t, mask=okg & bok, other=0)
-            w8 = tl.load(w8_rows + 4 * bl + t, mask=ok8 & bok, other=0)
+            wg = tl.load(wg_rows + 4 * bl + t, mask=okr & bok, other=0)
+            w8 = tl.load(w8_rows + 4 * bl + t, mask=okr & bok, other=0)
             xa, xb = tl.split(tl.reshape(tl.load(xrow[:, None] + 16 * bl + four[None, :], mask=bok, other=0),
                                          (NW * 32, 2, 2)))
             x0, x2 = tl.split(xa)
             x1, x3 = tl.split(xb)
-            xf = tl.load(xfrow + bl, mask=bok, other=0.0) * 16384.0
-            fg = xf * e8m0_value(tl.load(sg_rows + bl, mask=okg & bok, other=0).to(tl.int32))
-            f8 = xf * e8m0_value(tl.load(s8_rows + bl, mask=ok8 & bok, other=0).to(tl.int32))
+            sg = e8m0_value(tl.load(sg_rows + bl, mask=okr & bok, other=0).to(tl.int32)) * 16384.0
+            s8 = e8m0_value(tl.load(s8_rows + bl, mask=okr & bok, other=0).to(tl.int32)) * 16384.0
+            fa = tl.load(xfa + bl, mask=bok, other=0.0)
             if ASM:
-                cg, c8 = tl.inline_asm_elementwise(_MMA4_ASM, "=r,=r,r,r,r,r,r,r", [wg, w8, x0, x1, x2, x3],
-                                                   dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+                c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                    _MMA4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r", [wg, w8, x0, x1, x2, x3],
+                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
             else:
-                cg, c8 = _mma4_emulated(wg, w8, x0, x1, x2, x3, NW)
-            accg += cg * fg
-            acc8 += c8 * f8
-    return accg, acc8
+                c0, c1, c2, c3 = _mma4_emulated(wg, w8, x0, x1, x2, x3, NW)
+            acc0 += c0 * (fa * sg)
+            acc2 += c2 * (fa * s8)
+            if not ONE:
+                fb = tl.load(xfb + bl, mask=bok, other=0.0)
+                acc1 += c1 * (fb * sg)
+                acc3 += c3 * (fb * s8)
+    return acc0, acc1, acc2, acc3
 
 
 @triton.jit
 def _lanes(NW: tl.constexpr):
-    """Per lane: warp, g (row in the warp's 8), t (K quarter)."""
+    """Per lane: warp, g (row in the warp's 8; the MMA column it feeds), t (K quarter)."""
     lane = tl.arange(0, NW * 32)
     return lane // 32, (lane % 32) // 4, lane % 4
+
+
+@triton.jit
+def _columns(p0, ids_ptr, perm_ptr, bounds_ptr, GROUPED: tl.constexpr):
+    """A program's expert and columns: GROUPED, expert p0 and its flat rows perm[start : start +
+    cnt] (`moe_grouped.sort_rows`); else flat row p0 alone and its expert. (expert, active, start,
+    cnt)."""
+    if GROUPED:
+        start = tl.load(bounds_ptr + p0)
+        cnt = tl.load(bounds_ptr + p0 + 1) - start
+        return p0.to(tl.int64), cnt > 0, start, cnt
+    else:
+        e = tl.load(ids_ptr + p0)
+        return tl.maximum(e, 0).to(tl.int64), e >= 0, p0, 1
+
+
+@triton.jit
+def _flat_row(perm_ptr, start, cnt, col, GROUPED: tl.constexpr):
+    """The flat row of column `col` (clamped into 0 .. cnt - 1: the extra columns repeat the last)."""
+    c = tl.maximum(tl.minimum(col, cnt - 1), 0)
+    if GROUPED:  # an expert without rows reads nothing (perm past its valid rows is unset): row 0
+        return tl.load(perm_ptr + start + c, mask=cnt > 0, other=0).to(tl.int64)
+    else:
+        return (start + 0 * c).to(tl.int64)
 
 
 @triton.jit
@@ -171,7 +201,7 @@ def _k_range(NBK, bps):
 @triton.jit
 def _last_slice(count_ptr, tile, SPLIT: tl.constexpr):
     """After this program's partials are stored: whether it is the tile's last K slice (then it
-    finishes the tile and resets the counter). Always true without a split."""
+    finishes the tile; the counter is reset for the next call). Always true without a split."""
     if SPLIT == 1:
         return True
     else:
@@ -184,111 +214,150 @@ def _last_slice(count_ptr, tile, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _mma_up_kernel(xq_ptr, xf_ptr, ids_ptr, wts_ptr, w_base, s_base, table_ptr, part_ptr, count_ptr, hq_ptr, hf_ptr, K,
-                   I, R, s_stride, bps, limit, TOPK: tl.constexpr, ALIGN: tl.constexpr, BB: tl.constexpr,
-                   SPLIT: tl.constexpr, ASM: tl.constexpr):
-    """Gate / up sums of rows 32c .. 32c + 31 (c = program_id(1)) of flat row f = program_id(0)
-    over K slice program_id(2), into part [SPLIT, R, 2, I]; the tile's last slice adds the
-    slices in order and applies the epilogue into h's codes (module docstring). 4 warps."""
-    f = tl.program_id(0)
+def _mma_up_kernel(xq_ptr, xf_ptr, ids_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_ptr, part_ptr,
+                   count_ptr, hq_ptr, hf_ptr, K, I, R, s_stride, bps, limit, TOPK: tl.constexpr, ALIGN: tl.constexpr,
+                   BB: tl.constexpr, SPLIT: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr):
+    """Gate / up sums of rows 32c .. 32c + 31 (c = program_id(1)) for the program's columns
+    (`_columns`) over K slice program_id(2), into part [SPLIT, R, 2, I] by flat row; the tile's
+    last slice adds the slices in order and applies the epilogue into h's codes (module
+    docstring). 4 warps."""
+    p0 = tl.program_id(0)
     n0 = tl.program_id(1) * 32
-    e = tl.load(ids_ptr + f)
-    active = e >= 0
-    e = tl.maximum(e, 0).to(tl.int64)
+    e, active, start, cnt = _columns(p0, ids_ptr, perm_ptr, bounds_ptr, GROUPED)
     warp, g, t = _lanes(4)
     which = warp // 2  # 0: w1, 1: w3
     rg = n0 + 16 * (warp % 2) + g
     KW = K // 8
     wg_rows, sg_rows = _row_ptrs(w_base, s_base, table_ptr, e, which, rg, KW, s_stride, ALIGN)
     w8_rows, s8_rows = _row_ptrs(w_base, s_base, table_ptr, e, which, rg + 8, KW, s_stride, ALIGN)
-    tok = (f // TOPK).to(tl.int64)
+    fr_g = _flat_row(perm_ptr, start, cnt, g, GROUPED)
+    fr_a = _flat_row(perm_ptr, start, cnt, 2 * t, GROUPED)
+    fr_b = _flat_row(perm_ptr, start, cnt, 2 * t + 1, GROUPED)
     okr = (g >= 0) & active
     b_lo, b_hi = _k_range(K // 32, bps)
-    accg, acc8 = _rows_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, okr, xq_ptr + tok * (K // 2) + 4 * t,
-                            xf_ptr + tok * (K // 32), b_lo, b_hi, t, 4, BB, ASM)
-    row_out = part_ptr + (tl.program_id(2) * R + f).to(tl.int64) * 2 * I + which * I
-    tl.store(row_out + rg, accg, mask=t == 0)
-    tl.store(row_out + rg + 8, acc8, mask=t == 0)
+    NBK = K // 32
+    acc0, acc1, acc2, acc3 = _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, xq_ptr + (fr_g // TOPK) * (K // 2) + 4 * t,
+                                        xf_ptr + (fr_a // TOPK) * NBK, xf_ptr + (fr_b // TOPK) * NBK, b_lo, b_hi, t, 4,
+                                        BB, not GROUPED, ASM)
+    va = okr & (2 * t < cnt)
+    vb = okr & (2 * t + 1 < cnt)
+    pa = part_ptr + (tl.program_id(2) * R + fr_a) * 2 * I + which * I
+    pb = part_ptr + (tl.program_id(2) * R + fr_b) * 2 * I + which * I
+    tl.store(pa + rg, acc0, mask=va)
+    tl.store(pa + rg + 8, acc2, mask=va)
+    if GROUPED:
+        tl.store(pb + rg, acc1, mask=vb)
+        tl.store(pb + rg + 8, acc3, mask=vb)
     if SPLIT == 1:
         tl.debug_barrier()  # every lane's sums are stored before they are read back across the CTA
-    if _last_slice(count_ptr, f * tl.num_programs(1) + tl.program_id(1), SPLIT) & active:
-        j = tl.arange(0, 32)
-        gs = tl.zeros((32,), dtype=tl.float32)
-        us = tl.zeros((32,), dtype=tl.float32)
+    if _last_slice(count_ptr, p0 * tl.num_programs(1) + tl.program_id(1), SPLIT) & active:
+        j = tl.arange(0, 8)
+        r = tl.arange(0, 32)
+        fr = _flat_row(perm_ptr, start, cnt, j, GROUPED)  # [8] the columns' flat rows
+        ok = (j < cnt)[:, None]
+        gs = tl.zeros((8, 32), dtype=tl.float32)
+        us = tl.zeros((8, 32), dtype=tl.float32)
         for sl in range(SPLIT):  # the slices in order
-            base = part_ptr + (sl * R + f).to(tl.int64) * 2 * I + n0 + j
-            gs += tl.load(base, cache_modifier=".cg")
-            us += tl.load(base + I, cache_modifier=".cg")
-        h = expert_act(gs, us, tl.load(wts_ptr + f), limit)
-        eh = fp8_exponent(tl.max(tl.abs(h), axis=0))
-        code = fp8_round(h * pow2(-eh))
-        pos = (j // 8) * 8 + _pos8(j % 8)
-        tl.store(hq_ptr + f.to(tl.int64) * I + n0 + pos, code.to(tl.float16))
-        tl.store(hf_ptr + f.to(tl.int64) * (I // 32) + n0 // 32, pow2(eh))
+            base = part_ptr + ((sl * R + fr) * 2 * I)[:, None] + n0 + r[None, :]
+            gs += tl.load(base, mask=ok, other=0.0, cache_modifier=".cg")
+            us += tl.load(base + I, mask=ok, other=0.0, cache_modifier=".cg")
+        h = expert_act(gs, us, tl.load(wts_ptr + fr)[:, None], limit)
+        eh = fp8_exponent(tl.max(tl.abs(h), axis=1))
+        code = fp8_round(h * pow2(-eh)[:, None])
+        pos = (r // 8) * 8 + _pos8(r % 8)
+        tl.store(hq_ptr + (fr * I)[:, None] + n0 + pos[None, :], code.to(tl.float16), mask=ok)
+        tl.store(hf_ptr + fr * (I // 32) + n0 // 32, pow2(eh), mask=j < cnt)
 
 
 @triton.jit
-def _mma_down_kernel(hq_ptr, hf_ptr, ids_ptr, w_base, s_base, table_ptr, part_ptr, count_ptr, y_ptr, I, D, R, s_stride,
-                     bps, ALIGN: tl.constexpr, NW: tl.constexpr, BB: tl.constexpr, SPLIT: tl.constexpr,
-                     ASM: tl.constexpr):
-    """y[f, rows of this program] = bf16(h[f] @ w2 rows), 16 rows a warp, K slice program_id(2)
-    (partials [SPLIT, R, D] added in slice order by the tile's last slice; module docstring)."""
-    f = tl.program_id(0)
-    e = tl.load(ids_ptr + f)
-    active = e >= 0
-    e = tl.maximum(e, 0).to(tl.int64)
+def _mma_down_kernel(hq_ptr, hf_ptr, ids_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, part_ptr, count_ptr,
+                     y_ptr, I, D, R, s_stride, bps, ALIGN: tl.constexpr, NW: tl.constexpr, BB: tl.constexpr,
+                     SPLIT: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr):
+    """y[flat row, rows of this program] = bf16(h[flat row] @ w2 rows) for the program's columns,
+    16 rows a warp, K slice program_id(2) (partials [SPLIT, R, D] added in slice order by the
+    tile's last slice; module docstring)."""
+    p0 = tl.program_id(0)
+    e, active, start, cnt = _columns(p0, ids_ptr, perm_ptr, bounds_ptr, GROUPED)
     warp, g, t = _lanes(NW)
     rg = tl.program_id(1) * (16 * NW) + 16 * warp + g
     KW = I // 8
     wg_rows, sg_rows = _row_ptrs(w_base, s_base, table_ptr, e, 2, rg, KW, s_stride, ALIGN)
     w8_rows, s8_rows = _row_ptrs(w_base, s_base, table_ptr, e, 2, rg + 8, KW, s_stride, ALIGN)
+    fr_g = _flat_row(perm_ptr, start, cnt, g, GROUPED)
+    fr_a = _flat_row(perm_ptr, start, cnt, 2 * t, GROUPED)
+    fr_b = _flat_row(perm_ptr, start, cnt, 2 * t + 1, GROUPED)
     okr = (g >= 0) & active
     b_lo, b_hi = _k_range(I // 32, bps)
-    accg, acc8 = _rows_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, okr, hq_ptr + f.to(tl.int64) * (I // 2) + 4 * t,
-                            hf_ptr + f.to(tl.int64) * (I // 32), b_lo, b_hi, t, NW, BB, ASM)
-    yrow = y_ptr + f.to(tl.int64) * D
-    st = (t == 0) & active
-    if SPLIT == 1:
-        tl.store(yrow + rg, bf16_round(accg), mask=st)
-        tl.store(yrow + rg + 8, bf16_round(acc8), mask=st)
-    else:
-        prow = part_ptr + (tl.program_id(2) * R + f).to(tl.int64) * D
-        tl.store(prow + rg, accg, mask=st)
-        tl.store(prow + rg + 8, acc8, mask=st)
-        if _last_slice(count_ptr, f * tl.num_programs(1) + tl.program_id(1), SPLIT):
-            tg = tl.zeros((NW * 32,), dtype=tl.float32)
-            t8 = tl.zeros((NW * 32,), dtype=tl.float32)
+    acc0, acc1, acc2, acc3 = _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, hq_ptr + fr_g * (I // 2) + 4 * t,
+                                        hf_ptr + fr_a * (I // 32), hf_ptr + fr_b * (I // 32), b_lo, b_hi, t, NW, BB,
+                                        not GROUPED, ASM)
+    va = okr & (2 * t < cnt)
+    vb = okr & (2 * t + 1 < cnt)
+    if SPLIT > 1:
+        pa = part_ptr + (tl.program_id(2) * R + fr_a) * D
+        pb = part_ptr + (tl.program_id(2) * R + fr_b) * D
+        tl.store(pa + rg, acc0, mask=va)
+        tl.store(pa + rg + 8, acc2, mask=va)
+        if GROUPED:
+            tl.store(pb + rg, acc1, mask=vb)
+            tl.store(pb + rg + 8, acc3, mask=vb)
+        if _last_slice(count_ptr, p0 * tl.num_programs(1) + tl.program_id(1), SPLIT):
+            acc0 = tl.zeros((NW * 32,), dtype=tl.float32)
+            acc1 = tl.zeros((NW * 32,), dtype=tl.float32)
+            acc2 = tl.zeros((NW * 32,), dtype=tl.float32)
+            acc3 = tl.zeros((NW * 32,), dtype=tl.float32)
             for sl in range(SPLIT):
-                prow = part_ptr + (sl * R + f).to(tl.int64) * D
-                tg += tl.load(prow + rg, mask=st, other=0.0, cache_modifier=".cg")
-                t8 += tl.load(prow + rg + 8, mask=st, other=0.0, cache_modifier=".cg")
-            tl.store(yrow + rg, bf16_round(tg), mask=st)
-            tl.store(yrow + rg + 8, bf16_round(t8), mask=st)
+                pa = part_ptr + (sl * R + fr_a) * D
+                pb = part_ptr + (sl * R + fr_b) * D
+                acc0 += tl.load(pa + rg, mask=va, other=0.0, cache_modifier=".cg")
+                acc2 += tl.load(pa + rg + 8, mask=va, other=0.0, cache_modifier=".cg")
+                if GROUPED:
+                    acc1 += tl.load(pb + rg, mask=vb, other=0.0, cache_modifier=".cg")
+                    acc3 += tl.load(pb + rg + 8, mask=vb, other=0.0, cache_modifier=".cg")
+        else:
+            va = va & False
+            vb = vb & False
+    tl.store(y_ptr + fr_a * D + rg, bf16_round(acc0), mask=va)
+    tl.store(y_ptr + fr_a * D + rg + 8, bf16_round(acc2), mask=va)
+    if GROUPED:
+        tl.store(y_ptr + fr_b * D + rg, bf16_round(acc1), mask=vb)
+        tl.store(y_ptr + fr_b * D + rg + 8, bf16_round(acc3), mask=vb)
 
 
 def mma_moe(x, flat_ids, wts, table_args, limit, topk, *, num_warps_down=None, bb=None, split_up=None,
-            split_down=None):
-    """Steps 1-3 of the module docstring for x [T, d]: y [R, d] fp32 (each expert output rounded to
-    bf16), for `moe_rows.rows_moe` to combine. Widths: d % (16 * num_warps_down) == 0, the
-    intermediate width % 32 == 0. split_up / split_down: K slices of the two kernels."""
+            split_down=None, grouped=None):
+    """Steps 1-3 of the module docstring for x [T, d] (T <= MMA_MAX_T): y [R, d] fp32 (each expert
+    output rounded to bf16), for `moe_rows.rows_moe` to combine. Widths: `mma_fits`. split_up /
+    split_down: K slices of the two kernels (default `MMA_SPLITS`); grouped: a program per expert
+    with its rows as MMA columns (default from GROUPED_MIN_T tokens) instead of one per routed row."""
     from .launch import interpreting, tile_counters
+    from .moe_grouped import sort_rows
 
     w_base, s_base, table, kind, inter, d, (s_up, s_down), align = table_args
     nwd = num_warps_down or MMA_TILES["num_warps_down"]
     bb = bb or MMA_TILES["bb"]
-    if not mma_fits(inter, d, nwd):
-        raise ValueError(f"moe_experts rows path (mma): widths ({inter}, {d}) need {GROUP} | {inter} and "
-                         f"{16 * nwd} | {d}")
-    interp = interpreting()
     r = flat_ids.numel()
+    t = r // topk
+    if not mma_fits(inter, d, nwd) or t > MMA_MAX_T:
+        raise ValueError(f"moe_experts rows path (mma): widths ({inter}, {d}) need {GROUP} | {inter} and "
+                         f"{16 * nwd} | {d}, and at most {MMA_MAX_T} tokens (got {t})")
+    interp = interpreting()
+    grouped = t >= GROUPED_MIN_T if grouped is None else grouped
+    n_exp = table.numel() // 6
+    if grouped:
+        perm, bounds = sort_rows(flat_ids, n_exp)
+        n0 = n_exp
+    else:
+        perm = bounds = flat_ids  # (unused)
+        n0 = r
     # K slices of whole loop steps (so the split actually used can be smaller than asked)
-    t_split = MMA_SPLITS.get(r // topk, (1, 1))
+    t_split = MMA_SPLITS.get(t, (1, 1))
     bps_up = bb * triton.cdiv(triton.cdiv(d // 32, bb), split_up or t_split[0])
     su = triton.cdiv(d // 32, bps_up)
     bps_down = bb * triton.cdiv(triton.cdiv(inter // 32, bb), split_down or t_split[1])
     sd = triton.cdiv(inter // 32, bps_down)
     n_up, n_down = inter // GROUP, d // (16 * nwd)
-    counts = tile_counters(x.device, r * max(n_up, n_down)) if max(su, sd) > 1 else flat_ids
+    counts = tile_counters(x.device, n0 * max(n_up, n_down)) if max(su, sd) > 1 else flat_ids
     xq, xf = x_codes(x, perm=True)
     part = moe_rows._buffer((su, r, 2, inter), torch.float32, x.device)
     hq = moe_rows._buffer((r, inter), torch.float16, x.device)
@@ -296,11 +365,11 @@ def mma_moe(x, flat_ids, wts, table_args, limit, topk, *, num_warps_down=None, b
     y = moe_rows._buffer((r, d), torch.float32, x.device)
     part_y = moe_rows._buffer((sd, r, d), torch.float32, x.device) if sd > 1 else y
     kw = {} if interp else {"num_warps": 4}
-    _mma_up_kernel[(r, n_up, su)](xq.view(torch.int32), xf, flat_ids, wts, w_base, s_base, table, part, counts, hq, hf,
-                                  d, inter, r, s_up, bps_up, float(limit), TOPK=topk, ALIGN=align, BB=bb, SPLIT=su,
-                                  ASM=not interp, **kw)
+    _mma_up_kernel[(n0, n_up, su)](xq.view(torch.int32), xf, flat_ids, perm, bounds, wts, w_base, s_base, table, part,
+                                   counts, hq, hf, d, inter, r, s_up, bps_up, float(limit), TOPK=topk, ALIGN=align,
+                                   BB=bb, SPLIT=su, GROUPED=grouped, ASM=not interp, **kw)
     kw = {} if interp else {"num_warps": nwd}
-    _mma_down_kernel[(r, n_down, sd)](hq.view(torch.int32), hf, flat_ids, w_base, s_base, table, part_y, counts, y,
-                                      inter, d, r, s_down, bps_down, ALIGN=align, NW=nwd, BB=bb, SPLIT=sd,
-                                      ASM=not interp, **kw)
+    _mma_down_kernel[(n0, n_down, sd)](hq.view(torch.int32), hf, flat_ids, perm, bounds, w_base, s_base, table, part_y,
+                                       counts, y, inter, d, r, s_down, bps_down, ALIGN=align, NW=nwd, BB=bb, SPLIT=sd,
+                                       GROUPED=grouped, ASM=not interp, **kw)
     return y

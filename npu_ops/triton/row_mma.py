@@ -101,6 +101,29 @@ def _f16_half(xw, hi: tl.constexpr):
 
 
 @triton.jit
+def _x_column(x0, x1, x2, x3, p: tl.constexpr, NW: tl.constexpr):
+    """Element p (0..7) of the lanes' four f16-pair registers as fp32, shaped [NW, 1, 8, 4]
+    (warp, -, the column g it feeds, t): the B operand of the emulated MMA."""
+    if p // 2 == 0:
+        xw = x0
+    elif p // 2 == 1:
+        xw = x1
+    elif p // 2 == 2:
+        xw = x2
+    else:
+        xw = x3
+    return tl.reshape(_f16_half(xw, (p % 2) == 1), (NW, 1, 8, 4))
+
+
+@triton.jit
+def _pick(d, NW: tl.constexpr, ODD: tl.constexpr):
+    """Lane (g, t)'s entry D[g, 2t + ODD] of d [NW, 8 rows, 8 columns], as a [NW * 32] lane tensor."""
+    j = tl.arange(0, 8)[None, None, :, None]
+    t2 = 2 * tl.arange(0, 4)[None, None, None, :] + ODD
+    return tl.reshape(tl.sum(tl.where(j == t2, d[:, :, :, None], 0.0), axis=2), (NW * 32,))
+
+
+@triton.jit
 def _mma_emulated(wg0, wg1, w80, w81, x0, x1, x2, x3, NW: tl.constexpr):
     """What `_MMA_ASM` returns, from the same lane registers: D[r, j] = sum over the lanes t of
     row r's 8 values times column j's 8 values; lane (g, t) gets D[g, 2t], D[g, 2t + 1],
@@ -114,26 +137,10 @@ def _mma_emulated(wg0, wg1, w80, w81, x0, x1, x2, x3, NW: tl.constexpr):
         else:
             ag = _e4m3_word(wg1, i - 4)
             a8 = _e4m3_word(w81, i - 4)
-        if i // 2 == 0:
-            xw = x0
-        elif i // 2 == 1:
-            xw = x1
-        elif i // 2 == 2:
-            xw = x2
-        else:
-            xw = x3
-        bx = tl.reshape(_f16_half(xw, (i % 2) == 1), (NW, 1, 8, 4))
+        bx = _x_column(x0, x1, x2, x3, i, NW)
         dg += tl.sum(tl.reshape(ag, (NW, 8, 1, 4)) * bx, axis=3)
         d8 += tl.sum(tl.reshape(a8, (NW, 8, 1, 4)) * bx, axis=3)
-    j = tl.arange(0, 8)[None, None, :, None]
-    t2 = 2 * tl.arange(0, 4)[None, None, None, :]
-    pick0 = (j == t2).to(tl.float32)
-    pick1 = (j == t2 + 1).to(tl.float32)
-    c0 = tl.reshape(tl.sum(dg[:, :, :, None] * pick0, axis=2), (NW * 32,))
-    c1 = tl.reshape(tl.sum(dg[:, :, :, None] * pick1, axis=2), (NW * 32,))
-    c2 = tl.reshape(tl.sum(d8[:, :, :, None] * pick0, axis=2), (NW * 32,))
-    c3 = tl.reshape(tl.sum(d8[:, :, :, None] * pick1, axis=2), (NW * 32,))
-    return c0, c1, c2, c3
+    return _pick(dg, NW, 0), _pick(dg, NW, 1), _pick(d8, NW, 0), _pick(d8, NW, 1)
 
 
 @triton.jit
