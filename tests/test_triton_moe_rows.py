@@ -157,6 +157,26 @@ def test_default_dispatch_reaches_rows(dev, rng, poisoned, monkeypatch):
                            lambda: check(dev, 1, 8, 4, 320, 96, rng, path=None))
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+def test_rows_mma_more_rows_than_columns(dev, rng, poisoned):
+    """An expert routed more than 8 rows (an expert repeated inside a token: 9 rows of expert 0)
+    takes two passes of the MMA's 8 columns, with and without K slices."""
+    from dsv41.backends.reference import moe
+
+    d, inter = 128, 64
+    ex = [(weight("fp4", inter, d, rng), weight("fp4", d, inter, rng), weight("fp4", inter, d, rng)) for _ in range(2)]
+    x = (torch.randn(3, d, generator=rng) * 2).to(torch.bfloat16)
+    ids = torch.tensor([[0, 0, 0, 1], [0, 0, 1, -1], [0, 0, 0, 0]])
+    w = torch.rand(3, 4, generator=rng) + 0.1
+    want = moe.moe_experts(x, w, ids, ex, 10.0, torch.float64)
+    dex = [tuple((a.to(dev), b.to(dev)) for a, b in e) for e in ex]
+    for split in (1, 2):
+        got = me.moe_experts(x.to(dev), w.to(dev), ids.to(dev), dex, 10.0, torch.float64, path="rows", mma=True,
+                             mma_grouped=True, mma_bb=1, mma_split_up=split, mma_split_down=split)
+        err = ((got.double().cpu() - want).norm() / want.norm()).item()
+        assert err < 1e-4, f"split {split}: rel err {err:.2e}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", [DEVICES[1]])
 @pytest.mark.parametrize("t", [2, 3, 5])

@@ -14,7 +14,8 @@ Per call, R = T * k routed rows (token t, slot j -> flat row f = t * k + j; expe
 program owns an expert and up to 8 columns (the MMA's n): below GROUPED_MIN_T tokens one routed
 row (program f: expert ids[f], one column), from there one expert with all its routed rows
 (program e: rows perm[bounds[e] : bounds[e + 1]] of `moe_grouped.sort_rows`; a token's experts are
-distinct, so at most T <= MMA_MAX_T rows), so each expert's weight is read once for all of them.
+distinct, so at most T <= MMA_MAX_T rows), so each expert's weight is read once for all of them
+(an expert with more rows, from ids repeated inside a token, takes a pass per 8 of them).
 1. `row_mma._x_codes_kernel` (PERM): x's FP8 codes as f16, each group of 8 columns stored in the
    order 0, 2, 4, 6, 1, 3, 5, 7 (the pairs the placement yields), and its power-of-two block scales.
 2. `_mma_up_kernel`, grid (programs, I / 32, K slices), 4 warps: warps 0 / 1 take rows 32c ..
@@ -60,7 +61,7 @@ MMA_TILES = {"num_warps_down": 4, "bb": 4}
 # 3 / 3 163.7 (fold 188.5); T=4 183.5, 169.0, 166.2 (fold 181.1); T=8 223.6, 197.5, 189.9 (fold
 # 230.5); one program per routed row instead: 187.6 / 251.4 / 422.3.
 MMA_SPLITS = {1: (2, 2), 2: (1, 1), 3: (3, 3), 4: (3, 3), 5: (3, 3), 6: (3, 3), 7: (3, 3), 8: (3, 3)}
-MMA_MAX_T = 8  # the MMA's n: an expert's rows at most (the routed experts of a token are distinct)
+MMA_MAX_T = 8  # the MMA's n: an expert's rows in one pass (the routed experts of a token are distinct)
 GROUPED_MIN_T = 3  # from here a program per expert (its rows as MMA columns), below one per routed row
 
 
@@ -218,9 +219,9 @@ def _mma_up_kernel(xq_ptr, xf_ptr, ids_ptr, perm_ptr, bounds_ptr, wts_ptr, w_bas
                    count_ptr, hq_ptr, hf_ptr, K, I, R, s_stride, bps, limit, TOPK: tl.constexpr, ALIGN: tl.constexpr,
                    BB: tl.constexpr, SPLIT: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr):
     """Gate / up sums of rows 32c .. 32c + 31 (c = program_id(1)) for the program's columns
-    (`_columns`) over K slice program_id(2), into part [SPLIT, R, 2, I] by flat row; the tile's
-    last slice adds the slices in order and applies the epilogue into h's codes (module
-    docstring). 4 warps."""
+    (`_columns`, 8 at a time) over K slice program_id(2), into part [SPLIT, R, 2, I] by flat row;
+    the tile's last slice adds the slices in order and applies the epilogue into h's codes
+    (module docstring). 4 warps."""
     p0 = tl.program_id(0)
     n0 = tl.program_id(1) * 32
     e, active, start, cnt = _columns(p0, ids_ptr, perm_ptr, bounds_ptr, GROUPED)
@@ -228,54 +229,71 @@ def _mma_up_kernel(xq_ptr, xf_ptr, ids_ptr, perm_ptr, bounds_ptr, wts_ptr, w_bas
     which = warp // 2  # 0: w1, 1: w3
     rg = n0 + 16 * (warp % 2) + g
     KW = K // 8
+    NBK = K // 32
     wg_rows, sg_rows = _row_ptrs(w_base, s_base, table_ptr, e, which, rg, KW, s_stride, ALIGN)
     w8_rows, s8_rows = _row_ptrs(w_base, s_base, table_ptr, e, which, rg + 8, KW, s_stride, ALIGN)
-    fr_g = _flat_row(perm_ptr, start, cnt, g, GROUPED)
-    fr_a = _flat_row(perm_ptr, start, cnt, 2 * t, GROUPED)
-    fr_b = _flat_row(perm_ptr, start, cnt, 2 * t + 1, GROUPED)
     okr = (g >= 0) & active
-    b_lo, b_hi = _k_range(K // 32, bps)
-    NBK = K // 32
-    acc0, acc1, acc2, acc3 = _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, xq_ptr + (fr_g // TOPK) * (K // 2) + 4 * t,
-                                        xf_ptr + (fr_a // TOPK) * NBK, xf_ptr + (fr_b // TOPK) * NBK, b_lo, b_hi, t, 4,
-                                        BB, not GROUPED, ASM)
-    va = okr & (2 * t < cnt)
-    vb = okr & (2 * t + 1 < cnt)
-    pa = part_ptr + (tl.program_id(2) * R + fr_a) * 2 * I + which * I
-    pb = part_ptr + (tl.program_id(2) * R + fr_b) * 2 * I + which * I
-    tl.store(pa + rg, acc0, mask=va)
-    tl.store(pa + rg + 8, acc2, mask=va)
-    if GROUPED:
-        tl.store(pb + rg, acc1, mask=vb)
-        tl.store(pb + rg + 8, acc3, mask=vb)
+    b_lo, b_hi = _k_range(NBK, bps)
+    # at most 8 columns a pass: an expert routed more rows (not from distinct experts per token)
+    # takes more passes over its weights
+    for c0 in range(0, cnt, 8):
+        cn = tl.minimum(cnt - c0, 8)
+        fr_g = _flat_row(perm_ptr, start + c0, cn, g, GROUPED)
+        fr_a = _flat_row(perm_ptr, start + c0, cn, 2 * t, GROUPED)
+        fr_b = _flat_row(perm_ptr, start + c0, cn, 2 * t + 1, GROUPED)
+        acc0, acc1, acc2, acc3 = _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr,
+                                            xq_ptr + (fr_g // TOPK) * (K // 2) + 4 * t, xf_ptr + (fr_a // TOPK) * NBK,
+                                            xf_ptr + (fr_b // TOPK) * NBK, b_lo, b_hi, t, 4, BB, not GROUPED, ASM)
+        va = okr & (2 * t < cn)
+        vb = okr & (2 * t + 1 < cn)
+        pa = part_ptr + (tl.program_id(2) * R + fr_a) * 2 * I + which * I
+        pb = part_ptr + (tl.program_id(2) * R + fr_b) * 2 * I + which * I
+        tl.store(pa + rg, acc0, mask=va)
+        tl.store(pa + rg + 8, acc2, mask=va)
+        if GROUPED:
+            tl.store(pb + rg, acc1, mask=vb)
+            tl.store(pb + rg + 8, acc3, mask=vb)
     if SPLIT == 1:
         tl.debug_barrier()  # every lane's sums are stored before they are read back across the CTA
     if _last_slice(count_ptr, p0 * tl.num_programs(1) + tl.program_id(1), SPLIT) & active:
         j = tl.arange(0, 8)
         r = tl.arange(0, 32)
-        fr = _flat_row(perm_ptr, start, cnt, j, GROUPED)  # [8] the columns' flat rows
-        ok = (j < cnt)[:, None]
-        gs = tl.zeros((8, 32), dtype=tl.float32)
-        us = tl.zeros((8, 32), dtype=tl.float32)
-        for sl in range(SPLIT):  # the slices in order
-            base = part_ptr + ((sl * R + fr) * 2 * I)[:, None] + n0 + r[None, :]
-            gs += tl.load(base, mask=ok, other=0.0, cache_modifier=".cg")
-            us += tl.load(base + I, mask=ok, other=0.0, cache_modifier=".cg")
-        h = expert_act(gs, us, tl.load(wts_ptr + fr)[:, None], limit)
-        eh = fp8_exponent(tl.max(tl.abs(h), axis=1))
-        code = fp8_round(h * pow2(-eh)[:, None])
         pos = (r // 8) * 8 + _pos8(r % 8)
-        tl.store(hq_ptr + (fr * I)[:, None] + n0 + pos[None, :], code.to(tl.float16), mask=ok)
-        tl.store(hf_ptr + fr * (I // 32) + n0 // 32, pow2(eh), mask=j < cnt)
+        for c0 in range(0, cnt, 8):
+            cn = tl.minimum(cnt - c0, 8)
+            fr = _flat_row(perm_ptr, start + c0, cn, j, GROUPED)  # [8] the columns' flat rows
+            ok = (j < cn)[:, None]
+            gs = tl.zeros((8, 32), dtype=tl.float32)
+            us = tl.zeros((8, 32), dtype=tl.float32)
+            for sl in range(SPLIT):  # the slices in order
+                base = part_ptr + ((sl * R + fr) * 2 * I)[:, None] + n0 + r[None, :]
+                gs += tl.load(base, mask=ok, other=0.0, cache_modifier=".cg")
+                us += tl.load(base + I, mask=ok, other=0.0, cache_modifier=".cg")
+            h = expert_act(gs, us, tl.load(wts_ptr + fr)[:, None], limit)
+            eh = fp8_exponent(tl.max(tl.abs(h), axis=1))
+            code = fp8_round(h * pow2(-eh)[:, None])
+            tl.store(hq_ptr + (fr * I)[:, None] + n0 + pos[None, :], code.to(tl.float16), mask=ok)
+            tl.store(hf_ptr + fr * (I // 32) + n0 // 32, pow2(eh), mask=j < cn)
+
+
+@triton.jit
+def _down_out(y_ptr, part_ptr, sl, R, D, fr, rg, acc, acc8, ok, FINAL: tl.constexpr):
+    """Rows rg / rg + 8 of flat row fr: the bf16-rounded output (FINAL) or slice sl's partial."""
+    if FINAL:
+        tl.store(y_ptr + fr * D + rg, bf16_round(acc), mask=ok)
+        tl.store(y_ptr + fr * D + rg + 8, bf16_round(acc8), mask=ok)
+    else:
+        tl.store(part_ptr + (sl * R + fr) * D + rg, acc, mask=ok)
+        tl.store(part_ptr + (sl * R + fr) * D + rg + 8, acc8, mask=ok)
 
 
 @triton.jit
 def _mma_down_kernel(hq_ptr, hf_ptr, ids_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, part_ptr, count_ptr,
                      y_ptr, I, D, R, s_stride, bps, ALIGN: tl.constexpr, NW: tl.constexpr, BB: tl.constexpr,
                      SPLIT: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr):
-    """y[flat row, rows of this program] = bf16(h[flat row] @ w2 rows) for the program's columns,
-    16 rows a warp, K slice program_id(2) (partials [SPLIT, R, D] added in slice order by the
-    tile's last slice; module docstring)."""
+    """y[flat row, rows of this program] = bf16(h[flat row] @ w2 rows) for the program's columns
+    (8 at a time), 16 rows a warp, K slice program_id(2) (partials [SPLIT, R, D] added in slice
+    order by the tile's last slice; module docstring)."""
     p0 = tl.program_id(0)
     e, active, start, cnt = _columns(p0, ids_ptr, perm_ptr, bounds_ptr, GROUPED)
     warp, g, t = _lanes(NW)
@@ -283,45 +301,34 @@ def _mma_down_kernel(hq_ptr, hf_ptr, ids_ptr, perm_ptr, bounds_ptr, w_base, s_ba
     KW = I // 8
     wg_rows, sg_rows = _row_ptrs(w_base, s_base, table_ptr, e, 2, rg, KW, s_stride, ALIGN)
     w8_rows, s8_rows = _row_ptrs(w_base, s_base, table_ptr, e, 2, rg + 8, KW, s_stride, ALIGN)
-    fr_g = _flat_row(perm_ptr, start, cnt, g, GROUPED)
-    fr_a = _flat_row(perm_ptr, start, cnt, 2 * t, GROUPED)
-    fr_b = _flat_row(perm_ptr, start, cnt, 2 * t + 1, GROUPED)
     okr = (g >= 0) & active
     b_lo, b_hi = _k_range(I // 32, bps)
-    acc0, acc1, acc2, acc3 = _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, hq_ptr + fr_g * (I // 2) + 4 * t,
-                                        hf_ptr + fr_a * (I // 32), hf_ptr + fr_b * (I // 32), b_lo, b_hi, t, NW, BB,
-                                        not GROUPED, ASM)
-    va = okr & (2 * t < cnt)
-    vb = okr & (2 * t + 1 < cnt)
-    if SPLIT > 1:
-        pa = part_ptr + (tl.program_id(2) * R + fr_a) * D
-        pb = part_ptr + (tl.program_id(2) * R + fr_b) * D
-        tl.store(pa + rg, acc0, mask=va)
-        tl.store(pa + rg + 8, acc2, mask=va)
+    for c0 in range(0, cnt, 8):
+        cn = tl.minimum(cnt - c0, 8)
+        fr_g = _flat_row(perm_ptr, start + c0, cn, g, GROUPED)
+        fr_a = _flat_row(perm_ptr, start + c0, cn, 2 * t, GROUPED)
+        fr_b = _flat_row(perm_ptr, start + c0, cn, 2 * t + 1, GROUPED)
+        acc0, acc1, acc2, acc3 = _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, hq_ptr + fr_g * (I // 2) + 4 * t,
+                                            hf_ptr + fr_a * (I // 32), hf_ptr + fr_b * (I // 32), b_lo, b_hi, t, NW,
+                                            BB, not GROUPED, ASM)
+        _down_out(y_ptr, part_ptr, tl.program_id(2), R, D, fr_a, rg, acc0, acc2, okr & (2 * t < cn), SPLIT == 1)
         if GROUPED:
-            tl.store(pb + rg, acc1, mask=vb)
-            tl.store(pb + rg + 8, acc3, mask=vb)
+            _down_out(y_ptr, part_ptr, tl.program_id(2), R, D, fr_b, rg, acc1, acc3, okr & (2 * t + 1 < cn),
+                      SPLIT == 1)
+    if SPLIT > 1:
         if _last_slice(count_ptr, p0 * tl.num_programs(1) + tl.program_id(1), SPLIT):
-            acc0 = tl.zeros((NW * 32,), dtype=tl.float32)
-            acc1 = tl.zeros((NW * 32,), dtype=tl.float32)
-            acc2 = tl.zeros((NW * 32,), dtype=tl.float32)
-            acc3 = tl.zeros((NW * 32,), dtype=tl.float32)
-            for sl in range(SPLIT):
-                pa = part_ptr + (sl * R + fr_a) * D
-                pb = part_ptr + (sl * R + fr_b) * D
-                acc0 += tl.load(pa + rg, mask=va, other=0.0, cache_modifier=".cg")
-                acc2 += tl.load(pa + rg + 8, mask=va, other=0.0, cache_modifier=".cg")
-                if GROUPED:
-                    acc1 += tl.load(pb + rg, mask=vb, other=0.0, cache_modifier=".cg")
-                    acc3 += tl.load(pb + rg + 8, mask=vb, other=0.0, cache_modifier=".cg")
-        else:
-            va = va & False
-            vb = vb & False
-    tl.store(y_ptr + fr_a * D + rg, bf16_round(acc0), mask=va)
-    tl.store(y_ptr + fr_a * D + rg + 8, bf16_round(acc2), mask=va)
-    if GROUPED:
-        tl.store(y_ptr + fr_b * D + rg, bf16_round(acc1), mask=vb)
-        tl.store(y_ptr + fr_b * D + rg + 8, bf16_round(acc3), mask=vb)
+            for c0 in range(0, cnt, 8):  # the slices in order, per column
+                cn = tl.minimum(cnt - c0, 8)
+                for half in tl.static_range(2 if GROUPED else 1):
+                    fr = _flat_row(perm_ptr, start + c0, cn, 2 * t + half, GROUPED)
+                    ok = okr & (2 * t + half < cn)
+                    tot = tl.zeros((NW * 32,), dtype=tl.float32)
+                    tot8 = tl.zeros((NW * 32,), dtype=tl.float32)
+                    for sl in range(SPLIT):
+                        tot += tl.load(part_ptr + (sl * R + fr) * D + rg, mask=ok, other=0.0, cache_modifier=".cg")
+                        tot8 += tl.load(part_ptr + (sl * R + fr) * D + rg + 8, mask=ok, other=0.0,
+                                        cache_modifier=".cg")
+                    _down_out(y_ptr, part_ptr, 0, R, D, fr, rg, tot, tot8, ok, True)
 
 
 def mma_moe(x, flat_ids, wts, table_args, limit, topk, *, num_warps_down=None, bb=None, split_up=None,
