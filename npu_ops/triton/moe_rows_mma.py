@@ -200,10 +200,11 @@ def _k_range(NBK, bps):
 
 
 @triton.jit
-def _last_slice(count_ptr, tile, SPLIT: tl.constexpr):
+def _last_slice(count_ptr, tile, SPLIT: tl.constexpr, SLICED: tl.constexpr):
     """After this program's partials are stored: whether it is the tile's last K slice (then it
-    finishes the tile; the counter is reset for the next call). Always true without a split."""
-    if SPLIT == 1:
+    finishes the tile; the counter is reset for the next call). Always true without a split
+    (SLICED: SPLIT > 1, a boolean flag that tests/test_kernel_barriers.py follows)."""
+    if not SLICED:
         return True
     else:
         tl.debug_barrier()  # every lane's partial is stored before the counter moves
@@ -217,7 +218,8 @@ def _last_slice(count_ptr, tile, SPLIT: tl.constexpr):
 @triton.jit
 def _mma_up_kernel(xq_ptr, xf_ptr, ids_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_ptr, part_ptr,
                    count_ptr, hq_ptr, hf_ptr, K, I, R, s_stride, bps, limit, TOPK: tl.constexpr, ALIGN: tl.constexpr,
-                   BB: tl.constexpr, SPLIT: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr):
+                   BB: tl.constexpr, SPLIT: tl.constexpr, SLICED: tl.constexpr, GROUPED: tl.constexpr,
+                   ASM: tl.constexpr):
     """Gate / up sums of rows 32c .. 32c + 31 (c = program_id(1)) for the program's columns
     (`_columns`, 8 at a time) over K slice program_id(2), into part [SPLIT, R, 2, I] by flat row;
     the tile's last slice adds the slices in order and applies the epilogue into h's codes
@@ -253,9 +255,9 @@ def _mma_up_kernel(xq_ptr, xf_ptr, ids_ptr, perm_ptr, bounds_ptr, wts_ptr, w_bas
         if GROUPED:
             tl.store(pb + rg, acc1, mask=vb)
             tl.store(pb + rg + 8, acc3, mask=vb)
-    if SPLIT == 1:
+    if not SLICED:
         tl.debug_barrier()  # every lane's sums are stored before they are read back across the CTA
-    if _last_slice(count_ptr, p0 * tl.num_programs(1) + tl.program_id(1), SPLIT) & active:
+    if _last_slice(count_ptr, p0 * tl.num_programs(1) + tl.program_id(1), SPLIT, SLICED) & active:
         j = tl.arange(0, 8)
         r = tl.arange(0, 32)
         pos = (r // 8) * 8 + _pos8(r % 8)
@@ -290,7 +292,7 @@ def _down_out(y_ptr, part_ptr, sl, R, D, fr, rg, acc, acc8, ok, FINAL: tl.conste
 @triton.jit
 def _mma_down_kernel(hq_ptr, hf_ptr, ids_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, part_ptr, count_ptr,
                      y_ptr, I, D, R, s_stride, bps, ALIGN: tl.constexpr, NW: tl.constexpr, BB: tl.constexpr,
-                     SPLIT: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr):
+                     SPLIT: tl.constexpr, SLICED: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr):
     """y[flat row, rows of this program] = bf16(h[flat row] @ w2 rows) for the program's columns
     (8 at a time), 16 rows a warp, K slice program_id(2) (partials [SPLIT, R, D] added in slice
     order by the tile's last slice; module docstring)."""
@@ -311,12 +313,17 @@ def _mma_down_kernel(hq_ptr, hf_ptr, ids_ptr, perm_ptr, bounds_ptr, w_base, s_ba
         acc0, acc1, acc2, acc3 = _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, hq_ptr + fr_g * (I // 2) + 4 * t,
                                             hf_ptr + fr_a * (I // 32), hf_ptr + fr_b * (I // 32), b_lo, b_hi, t, NW,
                                             BB, not GROUPED, ASM)
-        _down_out(y_ptr, part_ptr, tl.program_id(2), R, D, fr_a, rg, acc0, acc2, okr & (2 * t < cn), SPLIT == 1)
-        if GROUPED:
-            _down_out(y_ptr, part_ptr, tl.program_id(2), R, D, fr_b, rg, acc1, acc3, okr & (2 * t + 1 < cn),
-                      SPLIT == 1)
-    if SPLIT > 1:
-        if _last_slice(count_ptr, p0 * tl.num_programs(1) + tl.program_id(1), SPLIT):
+        if SLICED:  # the slice's partials
+            _down_out(y_ptr, part_ptr, tl.program_id(2), R, D, fr_a, rg, acc0, acc2, okr & (2 * t < cn), False)
+            if GROUPED:
+                _down_out(y_ptr, part_ptr, tl.program_id(2), R, D, fr_b, rg, acc1, acc3, okr & (2 * t + 1 < cn),
+                          False)
+        else:  # the outputs
+            _down_out(y_ptr, part_ptr, 0, R, D, fr_a, rg, acc0, acc2, okr & (2 * t < cn), True)
+            if GROUPED:
+                _down_out(y_ptr, part_ptr, 0, R, D, fr_b, rg, acc1, acc3, okr & (2 * t + 1 < cn), True)
+    if SLICED:
+        if _last_slice(count_ptr, p0 * tl.num_programs(1) + tl.program_id(1), SPLIT, SLICED):
             for c0 in range(0, cnt, 8):  # the slices in order, per column
                 cn = tl.minimum(cnt - c0, 8)
                 for half in tl.static_range(2 if GROUPED else 1):
@@ -374,9 +381,9 @@ def mma_moe(x, flat_ids, wts, table_args, limit, topk, *, num_warps_down=None, b
     kw = {} if interp else {"num_warps": 4}
     _mma_up_kernel[(n0, n_up, su)](xq.view(torch.int32), xf, flat_ids, perm, bounds, wts, w_base, s_base, table, part,
                                    counts, hq, hf, d, inter, r, s_up, bps_up, float(limit), TOPK=topk, ALIGN=align,
-                                   BB=bb, SPLIT=su, GROUPED=grouped, ASM=not interp, **kw)
+                                   BB=bb, SPLIT=su, SLICED=su > 1, GROUPED=grouped, ASM=not interp, **kw)
     kw = {} if interp else {"num_warps": nwd}
     _mma_down_kernel[(n0, n_down, sd)](hq.view(torch.int32), hf, flat_ids, perm, bounds, w_base, s_base, table, part_y,
                                        counts, y, inter, d, r, s_down, bps_down, ALIGN=align, NW=nwd, BB=bb, SPLIT=sd,
-                                       GROUPED=grouped, ASM=not interp, **kw)
+                                       SLICED=sd > 1, GROUPED=grouped, ASM=not interp, **kw)
     return y

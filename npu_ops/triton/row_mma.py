@@ -144,13 +144,14 @@ def _mma_emulated(wg0, wg1, w80, w81, x0, x1, x2, x3, NW: tl.constexpr):
 
 
 @triton.jit
-def _finish_lanes(v, tok, row, ok, out_ptr, part_ptr, pid_k, M, N, SPLIT_K: tl.constexpr,
-                  OUT_BF16: tl.constexpr, STAGE: tl.constexpr):
-    """One of a lane's four outputs (token tok, feature row): STAGE 0 stores it (no split) or its
-    slice partial; STAGE 1 (the tile's last slice) adds the partials in slice order and stores."""
+def _finish_lanes(v, tok, row, ok, out_ptr, part_ptr, pid_k, M, N, SPLIT_K: tl.constexpr, SLICED: tl.constexpr,
+                  OUT_BF16: tl.constexpr, FINISH: tl.constexpr):
+    """One of a lane's four outputs (token tok, feature row): without FINISH it stores it (not
+    SLICED) or its slice partial; FINISH (the tile's last slice) adds the partials in slice order
+    and stores. (Boolean flags: tests/test_kernel_barriers.py follows them.)"""
     o = tok.to(tl.int64) * N + row
-    if STAGE == 0:
-        if SPLIT_K == 1:
+    if not FINISH:
+        if not SLICED:
             if OUT_BF16:
                 tl.store(out_ptr + o, bf16_bits16(v), mask=ok)
             else:
@@ -169,7 +170,8 @@ def _finish_lanes(v, tok, row, ok, out_ptr, part_ptr, pid_k, M, N, SPLIT_K: tl.c
 
 @triton.jit
 def _row_mma_kernel(xq_ptr, xf_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, s_stride, blocks_per_split,
-                    SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, ONE: tl.constexpr, NW: tl.constexpr,
+                    SPLIT_K: tl.constexpr, SLICED: tl.constexpr, OUT_BF16: tl.constexpr, ONE: tl.constexpr,
+                    NW: tl.constexpr,
                     BB: tl.constexpr, ASM: tl.constexpr, PANEL: tl.constexpr = False):
     """out [M, N] = x @ W^T for the program's 16 * NW rows and K slice program_id(1) (module
     docstring). xq: x's f16 codes as int32 pairs [M, K / 2]; xf [M, K / 32] their block scales;
@@ -236,20 +238,20 @@ def _row_mma_kernel(xq_ptr, xf_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, 
     # lane (g, t) holds tokens 2t, 2t + 1 of rows g, g + 8; with one token only t = 0 stores
     va = (2 * t) < M
     vb = (2 * t + 1) < M
-    _finish_lanes(acc0, ta, rg, okg & va, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, OUT_BF16, 0)
-    _finish_lanes(acc2, ta, r8, ok8 & va, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, OUT_BF16, 0)
+    _finish_lanes(acc0, ta, rg, okg & va, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, SLICED, OUT_BF16, False)
+    _finish_lanes(acc2, ta, r8, ok8 & va, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, SLICED, OUT_BF16, False)
     if not ONE:
-        _finish_lanes(acc1, tb, rg, okg & vb, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, OUT_BF16, 0)
-        _finish_lanes(acc3, tb, r8, ok8 & vb, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, OUT_BF16, 0)
-    if SPLIT_K > 1:
+        _finish_lanes(acc1, tb, rg, okg & vb, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, SLICED, OUT_BF16, False)
+        _finish_lanes(acc3, tb, r8, ok8 & vb, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, SLICED, OUT_BF16, False)
+    if SLICED:
         tl.debug_barrier()  # every lane's partial is stored before the counter moves
         done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
         if done == SPLIT_K - 1:  # the tile's last slice: add the partials in slice order
-            _finish_lanes(acc0, ta, rg, okg & va, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, OUT_BF16, 1)
-            _finish_lanes(acc2, ta, r8, ok8 & va, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, OUT_BF16, 1)
+            _finish_lanes(acc0, ta, rg, okg & va, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, SLICED, OUT_BF16, True)
+            _finish_lanes(acc2, ta, r8, ok8 & va, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, SLICED, OUT_BF16, True)
             if not ONE:
-                _finish_lanes(acc1, tb, rg, okg & vb, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, OUT_BF16, 1)
-                _finish_lanes(acc3, tb, r8, ok8 & vb, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, OUT_BF16, 1)
+                _finish_lanes(acc1, tb, rg, okg & vb, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, SLICED, OUT_BF16, True)
+                _finish_lanes(acc3, tb, r8, ok8 & vb, out_ptr, part_ptr, pid_k, M, N, SPLIT_K, SLICED, OUT_BF16, True)
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
@@ -293,7 +295,7 @@ def launch_row_mma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     kw = {} if interp else {"num_warps": nw}
     _row_mma_kernel[(n_tiles, split_k)](
         xq.view(torch.int32), xf, weight.view(torch.int32), scale.view(torch.uint8), out_arg, part, counts, m, n, k,
-        scale.shape[1], per, SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, ONE=m == 1, NW=nw, BB=bb,
+        scale.shape[1], per, SPLIT_K=split_k, SLICED=split_k > 1, OUT_BF16=out.dtype == torch.bfloat16, ONE=m == 1, NW=nw, BB=bb,
         ASM=not interp, PANEL=panel, **kw)
 
 
