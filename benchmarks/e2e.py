@@ -18,6 +18,8 @@ One run measures, on random weights with realistic statistics (MODEL.md section 
   narrowed for the run: fewer captures, the same step);
 - kernels per decode step by layer kind (torch.profiler over one eager step, kernels attributed
   to the layer whose range launched them);
+- optionally (`--graph-kernels`), the replayed decode step's kernels by name (launches and time per
+  step) for every decode row, and one step's launches in order in a file beside the report;
 - prefill tokens/s for each prompt length, CED and exact, against the FLOP roofline (matmul and
   attention FLOPs the step's rows need / the measured bf16 matmul rate);
 - peak device memory against weights + KV pools;
@@ -371,6 +373,47 @@ def kernel_table(model: Transformer, run, device: torch.device) -> tuple[dict, i
     return table, sum(per_range.values())
 
 
+def graph_kernels(run, device: torch.device, reps: int = 5, top: int = 14, listing: str | None = None) -> list[dict]:
+    """Device kernels of `reps` calls of `run` (the replayed decode graph) by kernel name: launches
+    and microseconds per call, and the fastest / slowest single launch (a name whose launches
+    differ a lot is worth splitting by call site). `listing`: also write every launch of the
+    first call in launch order (start, duration, stream, name, grid) to that file. Nothing on CPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        return []
+    run()
+    platform_for(device).synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+        platform_for(device).synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    durs = defaultdict(list)
+    launches = sorted((e for e in trace.get("traceEvents", []) if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                      key=lambda e: e["ts"])
+    for e in launches:
+        durs[str(e.get("name", "?"))[:60]].append(float(e.get("dur", 0.0)))
+    if listing and launches:
+        per = len(launches) // reps  # (every call launches the same graph)
+        t0 = launches[0]["ts"]
+        lines = ["start_us dur_us stream kernel grid"]
+        lines += [f"{e['ts'] - t0:9.1f} {e.get('dur', 0.0):7.1f} {e.get('args', {}).get('stream', '?')} "
+                  f"{str(e.get('name', '?'))[:60]} {e.get('args', {}).get('grid')}" for e in launches[:per]]
+        with open(listing + ".tmp", "w") as f:
+            f.write("\n".join(lines) + "\n")
+        os.replace(listing + ".tmp", listing)
+    rows = [dict(name=n, launches=len(v) / reps, us=sum(v) / reps, min_us=min(v), max_us=max(v))
+            for n, v in durs.items()]
+    rows.sort(key=lambda r: -r["us"])
+    total = sum(r["us"] for r in rows)
+    return [dict(name="(all kernels)", launches=sum(r["launches"] for r in rows), us=total, min_us=0.0, max_us=0.0)] + rows[:top]
+
+
 # ---- the run -----------------------------------------------------------------------------------
 
 def model_bytes(model: Transformer, device: torch.device) -> int:
@@ -397,7 +440,7 @@ class Memory:
 def run_decode(model, args, clock: Clock, copy_bw: float, mem: Memory, log) -> tuple[list[dict], dict, list[dict]]:
     """Decode rows per (context, batch, mode); the kernel table; memory rows."""
     cfg, dev = model.cfg, clock.device
-    rows, mem_rows, kernels = [], [], {}
+    rows, mem_rows, kernels, profiled = [], [], {}, []
     gen = torch.Generator().manual_seed(args.seed)
     bmax = max(args.batches)
     # capture only the buckets measured (the engine captures every bucket up to max_batch)
@@ -445,10 +488,16 @@ def run_decode(model, args, clock: Clock, copy_bw: float, mem: Memory, log) -> t
             row = dict(ctx=ctx, batch=b, graph_s=t_graph, eager_s=t_eager, engine_s=t_engine[True],
                        engine_sync_s=t_engine[False], roof_s=roof,
                        weight_bytes=w, kv_bytes=kv, active=n_act, graph_eager_top1=agree)
+            if args.graph_kernels:  # profiled after every batch of this context is timed
+                profiled.append((row, batch))
             rows.append(row)
             log(f"  b={b}: graph {t_graph * 1e3:.3f} ms, eager {t_eager * 1e3:.2f} ms, engine {t_engine[True] * 1e3:.2f} ms "
                 f"(no overlap {t_engine[False] * 1e3:.2f}), "
                 f"roofline {roof * 1e3:.3f} ms ({roof / t_graph:.0%}), experts {n_act}, graph/eager top-1 {agree:.2f}")
+        for row, batch in profiled:  # (a profiler session can slow the host's launches after it)
+            listing = f"{os.path.splitext(args.out)[0]}-launches-ctx{ctx}-b{row['batch']}.txt"
+            row["kernels"] = graph_kernels(lambda batch=batch: engine.graphs.run(batch), dev, listing=listing)
+        profiled.clear()
         if not kernels:
             batch = decode_batch(engine, seqs[:1])
             kernels = dict(zip(("table", "total"), kernel_table(model, lambda: model(batch, engine.pool, check=False), dev)))
@@ -539,6 +588,14 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
         for k, (n, per) in kernels["table"].items():
             L.append(f"| {k} | {n} | {per:.0f} |")
         L += [f"| total per step | | {kernels['total']} |", ""]
+    for r in (r for r in dec if r.get("kernels")):
+        L += table(f"Kernels of the replayed decode step: context {r['ctx']}, batch {r['batch']}",
+                   "torch.profiler over five graph replays, per step; the first row is every kernel, copy and set "
+                   "of the step (their durations summed: work on a second stream overlaps, so it can exceed the "
+                   "replay time); min / max = the fastest and slowest single launch of that name.",
+                   ["kernel", "launches", "us per step", "min us", "max us"],
+                   [[f"`{k['name']}`", f"{k['launches']:.0f}", f"{k['us']:.1f}", f"{k['min_us']:.1f}",
+                     f"{k['max_us']:.1f}"] for k in r["kernels"]])
     if pre:
         L += table("Prefill (one sequence)",
                    "Roofline = the step's matmul and attention FLOPs / the measured bf16 matmul rate. Seconds = "
@@ -774,6 +831,9 @@ def main() -> int:
                     help="tiny-preset positions compared with the CPU reference (0: only the greedy check)")
     ap.add_argument("--numerics-positions", type=int, default=0,
                     help="positions of the benchmark preset compared with the CPU reference (slow; 0: none)")
+    ap.add_argument("--graph-kernels", action="store_true",
+                    help="also list the replayed decode step's kernels (torch.profiler) for every decode row, "
+                         "and write each row's launches in order beside --out (<out>-launches-ctx<C>-b<B>.txt)")
     ap.add_argument("--dry-run", action="store_true", help="small ceilings (CPU bookkeeping check)")
     ap.add_argument("--out", default="benchmarks/RESULTS-e2e.md")
     args = ap.parse_args()

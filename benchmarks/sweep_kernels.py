@@ -281,6 +281,69 @@ def sweep_indexer_per_k(rows, copy, tokens=(1, 8), check_only=False):
             _whole_op_rows(row, rows, variants, shape, (q, w, kc, ks, tab, e, vis), want)
 
 
+# the one-program-per-row select alone at decode sizes without chunk maxima (the direct select of
+# a Full layer's 2K / 4K entries, a Reindex layer's 4K candidates): (tile, warps, radix bits)
+# variants. H200, 2026-12-01 (T=1 / 8, graph): at 2K / 4K dense 16 or 8 warps with 4-bit digits
+# 14.6-15.7 us, 4 warps 18.6-19.3, 8-bit digits 20.8-29.7; 4K candidates in no order 16 warps
+# 54.6-62.2, 8 warps 44.8-47.0, 4 warps 65.3-65.7 (before the ascending rows skipped the ranks).
+SELECT_SMALL = [(4096, 16, 4), (4096, 8, 4), (8192, 16, 4), (8192, 32, 4)]
+# (entries, kind): 4160 = a 4K context plus the step's tokens, past one 4096 tile
+SELECT_CASES = [(4096, "dense"), (4160, "dense"), (4096, "reindex"), (4096, "pool"), (4160, "pool")]
+
+
+def _select_case(t: int, n: int, kind: str, gen: torch.Generator, dev: str = "cuda"):
+    """Random fp32 scores [t, n] on the device and the expected ids. kind "dense": all n visible,
+    the stable top-k as ascending ids; "reindex": columns are candidate entry ids in no order, 1
+    in 8 of them -1 padding scored -inf, the chosen candidates' ids ascending, -1 padded;
+    "pool": the same with the candidates ascending and the padding last (the candidate pool's
+    order, which the model's Reindex layers see)."""
+    from dsv41.npu_ops.triton import indexer_topk as itk
+
+    s = torch.randn(t, n, generator=gen)
+    vis = torch.full((t,), n, dtype=torch.long)
+    if kind == "dense":
+        return s.to(dev), vis.to(dev), None, itk._topk_sorted(s, TOPK, torch.ones_like(s, dtype=torch.bool))
+    cand = torch.stack([torch.randperm(4 * n, generator=gen)[:n] for _ in range(t)])
+    cand[torch.rand(t, n, generator=gen) < 0.125] = -1
+    if kind == "pool":
+        cand = torch.where(cand >= 0, cand, torch.full_like(cand, 1 << 62)).sort(-1).values
+        cand[cand == 1 << 62] = -1
+    s = torch.where(cand >= 0, s, torch.full_like(s, float("-inf")))
+    cols = itk._topk_sorted(torch.where(cand >= 0, s, torch.zeros_like(s)), TOPK, cand >= 0)
+    ids = torch.where(cols >= 0, cand.gather(1, cols.clamp(min=0)), torch.full_like(cols, 1 << 62))
+    ids = ids.sort(-1).values
+    want = torch.where(ids == 1 << 62, torch.full_like(ids, -1), ids)
+    return s.to(dev), vis.to(dev), cand.to(dev), want
+
+
+def sweep_select(rows, copy, tokens=(1, 8)):
+    """`indexer_topk.topk_select` alone, without chunk maxima, on random scores: a Full layer's
+    direct select over ~4K visible entries and a Reindex layer's over ~4K candidates (in no
+    order, and in the candidate pool's ascending order; `SELECT_CASES`), by tile x warps x radix
+    digit width (`SELECT_SMALL`); every row's ids checked against a torch top-k."""
+    from dsv41.npu_ops.triton import indexer_topk as itk
+
+    gen = torch.Generator().manual_seed(0)
+    for t in tokens:
+        for n, kind in SELECT_CASES:
+            s, vis, cand, want = _select_case(t, n, kind, gen)
+            shape = f"T={t} N={n} {kind}"
+            for block, warps, bits in SELECT_SMALL:
+                def call(block=block, warps=warps, bits=bits, s=s, vis=vis, cand=cand):
+                    return itk.topk_select(s, None if cand is not None else vis, TOPK, candidates=cand,
+                                           block=block, num_warps=warps, radix_bits=bits)
+                name = f"select block={block} warps={warps} bits={bits}"
+                if block == itk.SELECT_BLOCK and (warps, bits) == (itk.SELECT_WARPS, itk.RADIX_BITS):
+                    name += " (default)"
+                try:
+                    check = f"equal {torch.equal(call().cpu(), want)}"
+                except Exception as ex:  # noqa: BLE001  (a variant that does not compile is a row, not a crash)
+                    rows.append(f"| {name} | {shape} | failed: {type(ex).__name__}: {str(ex)[:80]} |")
+                    print(rows[-1], flush=True)
+                    continue
+                bandwidth_row(rows, name, shape, check, call, s.numel() * 4, copy)
+
+
 def sweep_engram(rows, copy):
     from dsv41.npu_ops.triton import engram_lookup as el
 
@@ -787,7 +850,7 @@ def sweep_dense(rows, copy, tokens=(1, 8, 64)):
 
 
 SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_indexer,
-          "indexer_per_k": sweep_indexer_per_k, "engram_lookup": sweep_engram,
+          "indexer_per_k": sweep_indexer_per_k, "select": sweep_select, "engram_lookup": sweep_engram,
           "fp4_quant": sweep_fp4_quant, "mhc_mix": sweep_mhc_mix, "linear": sweep_linear, "moe_experts": sweep_moe,
           "moe_decode": sweep_moe_decode, "moe_rows": sweep_moe_rows, "moe_bytes": sweep_moe_bytes,
           "moe_shared": sweep_moe_shared, "decode": sweep_decode, "dense": sweep_dense}
@@ -809,7 +872,7 @@ def main() -> int:
     rows = [f"copy ceiling {copy:.0f} GB/s"]
     for name in a.only.split(","):
         kw = {}
-        if a.tokens and name in ("sparse_attention", "indexer_topk", "indexer_per_k", "dense", "moe_experts",
+        if a.tokens and name in ("sparse_attention", "indexer_topk", "indexer_per_k", "select", "dense", "moe_experts",
                                  "moe_decode", "moe_rows", "moe_bytes", "moe_shared"):
             kw["tokens"] = tuple(int(x) for x in a.tokens.split(","))
         if name in ("sparse_attention", "indexer_topk", "indexer_per_k", "moe_rows"):

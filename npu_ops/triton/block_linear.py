@@ -999,8 +999,12 @@ def int8_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, odt
 
 # From this many rows on, bf16 x bf16 with fp32 output (the head's logits) goes to cuBLAS through
 # torch.mm(..., out_dtype=torch.float32) (bf16 products, fp32 accumulation and output: the
-# kernel's numerics class); below it to `_block_linear_kernel`, at its weight-read floor for M = 1.
+# kernel's numerics class); below it to `_block_linear_kernel`, at its weight-read floor for M = 1
+# on the head. Smaller bf16 weights (at most MM_FP32_OUT_MAX_BYTES: the compressors' wkv / wgate,
+# the indexer's weights_proj) go to cuBLAS at one row as well: `_block_linear_kernel`'s split-K
+# grid took 5-8.6 us for their 0.3-5 MB in the mini decode step (H200, graph replay, 2026-12-01).
 MM_FP32_OUT_MIN_M = 2
+MM_FP32_OUT_MAX_BYTES = 64 << 20
 _MM_FP32_OUT: dict[str, bool] = {}
 
 
@@ -1044,7 +1048,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
         if scale is None and odt == weight.dtype == x2.dtype:  # bf16 x bf16 -> bf16 (or fp32 throughout)
             return torch.matmul(x2, weight.t()).reshape(*lead, n)
         if scale is None and odt == torch.float32 and x2.dtype == weight.dtype == torch.bfloat16 \
-                and m >= MM_FP32_OUT_MIN_M and _mm_fp32_out_works(x2):  # the head's fp32 logits, several rows
+                and (m >= MM_FP32_OUT_MIN_M or weight.numel() * 2 <= MM_FP32_OUT_MAX_BYTES) \
+                and _mm_fp32_out_works(x2):  # the head's fp32 logits at several rows; small weights
             return torch.mm(x2, weight.t(), out_dtype=torch.float32).reshape(*lead, n)
         if scale is None and weight.dtype != torch.bfloat16:  # fp32 weights: an fp32 GEMM (TF32 off)
             return torch.matmul(x2.float(), weight.float().t()).to(odt).reshape(*lead, n)

@@ -58,7 +58,9 @@ sequence, most shorter rows would take the slow path (not timed on the device).
 Reindex selection (same kernel, MAP): the row's columns are candidates (-1 padding scored -inf);
 the chosen columns are written as their entry ids with the padding dropped, then each id is
 stored at its rank among the chosen (a [RB, k] comparison count, no sort primitive): the
-reference's selection sorted by entry id, whatever the candidates' order.
+reference's selection sorted by entry id, whatever the candidates' order. Chosen ids that
+already ascend (candidates in the pool's entry order, as the model's Reindex layers get them)
+are copied without the ranks (H200, T=1, 4096 candidates: 55.9 -> 15.9 us).
 
 Candidate pool (`_pool_kernel`): the scores kernel writes each row's maxima over the pool's
 blocks (MAXG = pool block size, a power of two); the pool kernel raises the newest reachable
@@ -654,18 +656,24 @@ def _take_ordered(src, pos_src, n, thr, need, orow, crow, BLOCK: tl.constexpr, P
 @triton.jit
 def _sort_row(stage, n, orow, KOUT, KP: tl.constexpr, RB: tl.constexpr):
     """orow[0:KOUT] = the n ids at stage[0:n] in ascending order, then -1 (KP >= n, a power of
-    two): each id is stored at its rank (the ids below it, and equal ones earlier in the row),
-    counted RB ids at a time against the whole row, so no sort primitive is needed (portable;
-    the candidates' entry ids need not ascend with their columns)."""
+    two). Ids that already ascend (the candidate pool's blocks come in entry order, so the
+    model's Reindex rows do) are copied; otherwise each id is stored at its rank (the ids below
+    it, and equal ones earlier in the row), counted RB ids at a time against the whole row, so no
+    sort primitive is needed (portable; the candidates' entry ids need not ascend with their
+    columns). H200, T=1, 4096 candidates, top-512: the ranks cost ~40 us of the select's ~55."""
     tl.debug_barrier()  # the staged ids, written by every thread of the program, are read back
     big = 1 << 62
     c = tl.arange(0, KP)
     v = tl.load(stage + c, mask=c < n, other=big)
-    for r0 in range(0, n, RB):
-        ci = r0 + tl.arange(0, RB)
-        vi = tl.load(stage + ci, mask=ci < n, other=big)
-        below = (v[None, :] < vi[:, None]) | ((v[None, :] == vi[:, None]) & (c[None, :] < ci[:, None]))
-        tl.store(orow + tl.sum(below.to(tl.int32), axis=1), vi, mask=ci < n)
+    nxt = tl.load(stage + c + 1, mask=c + 1 < n, other=big)
+    if tl.max(((c + 1 < n) & (nxt <= v)).to(tl.int32), axis=0) == 0:  # already ascending
+        tl.store(orow + c, v, mask=c < n)
+    else:
+        for r0 in range(0, n, RB):
+            ci = r0 + tl.arange(0, RB)
+            vi = tl.load(stage + ci, mask=ci < n, other=big)
+            below = (v[None, :] < vi[:, None]) | ((v[None, :] == vi[:, None]) & (c[None, :] < ci[:, None]))
+            tl.store(orow + tl.sum(below.to(tl.int32), axis=1), vi, mask=ci < n)
     for c0 in range(n, KOUT, KP):
         cc = c0 + c
         tl.store(orow + cc, tl.full([KP], -1, dtype=tl.int64), mask=cc < KOUT)
