@@ -161,13 +161,20 @@ def _whole_op_rows(row, rows, variants, shape, args, want):
                                           _cfg=o["cfg"])
             return itk.topk_select(s, vis, TOPK, maxima, maxg, num_warps=o["warps"], **opts)
 
-        try:
-            check = f"equal {torch.equal(call(), want)}"
-        except Exception as ex:  # noqa: BLE001  (a variant that does not compile is a row, not a crash)
-            rows.append(f"| indexer_topk {label} | {shape} | failed: {type(ex).__name__}: {str(ex)[:80]} |")
-            print(rows[-1], flush=True)
-            continue
-        row(f"indexer_topk {label}", shape, check, call)
+        check = _ids_check(rows, f"indexer_topk {label}", shape, call, want)
+        if check is not None:
+            row(f"indexer_topk {label}", shape, check, call)
+
+
+def _ids_check(rows, name: str, shape: str, call, want) -> str | None:
+    """'equal True/False': `call()`'s ids against `want`; None (and a row saying so) when the
+    variant fails to compile or run (a row, not a crash)."""
+    try:
+        return f"equal {torch.equal(call().cpu(), want.cpu())}"
+    except Exception as ex:  # noqa: BLE001
+        rows.append(f"| {name} | {shape} | failed: {type(ex).__name__}: {str(ex)[:80]} |")
+        print(rows[-1], flush=True)
+        return None
 
 
 def sweep_indexer(rows, copy, tokens=(1, 64), check_only=False):
@@ -335,13 +342,9 @@ def sweep_select(rows, copy, tokens=(1, 8)):
                 name = f"select block={block} warps={warps} bits={bits}"
                 if block == itk.SELECT_BLOCK and (warps, bits) == (itk.SELECT_WARPS, itk.RADIX_BITS):
                     name += " (default)"
-                try:
-                    check = f"equal {torch.equal(call().cpu(), want)}"
-                except Exception as ex:  # noqa: BLE001  (a variant that does not compile is a row, not a crash)
-                    rows.append(f"| {name} | {shape} | failed: {type(ex).__name__}: {str(ex)[:80]} |")
-                    print(rows[-1], flush=True)
-                    continue
-                bandwidth_row(rows, name, shape, check, call, s.numel() * 4, copy)
+                check = _ids_check(rows, name, shape, call, want)
+                if check is not None:
+                    bandwidth_row(rows, name, shape, check, call, s.numel() * 4, copy)
 
 
 def sweep_engram(rows, copy):

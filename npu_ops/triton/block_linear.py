@@ -47,8 +47,8 @@ import triton.language as tl
 
 from ...backends.reference import quant
 from ...backends.reference.basic import linear as linear_ref  # noqa: F401  (the oracle)
-from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, e8m0_value, fp8_exponent, fp8_qdq_groups, fp8_round,
-                           gemv_acc, gemv_load_w, load_weight_tile, pow2, scaled_block_step)
+from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, e4m3_byte, e8m0_value, fp8_exponent, fp8_qdq_groups,
+                           fp8_round, gemv_acc, gemv_load_w, load_weight_tile, pow2, scaled_block_step)
 from .fp4_common import split_dot_acc
 from . import row_mma
 from .launch import tile_counters
@@ -392,10 +392,7 @@ def _e4m3x4_f32(wd, ASM: tl.constexpr):
                                          dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True,
                                          pack=1)
     else:
-        return (((wd >> 0) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32),
-                ((wd >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32),
-                ((wd >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32),
-                ((wd >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32))
+        return e4m3_byte(wd, 0), e4m3_byte(wd, 1), e4m3_byte(wd, 2), e4m3_byte(wd, 3)
 
 
 @triton.jit

@@ -98,6 +98,13 @@ def e2m1_value(c):
 
 
 @triton.jit
+def e4m3_byte(wd, j: tl.constexpr):
+    """Byte j of int32 words of four E4M3 codes -> fp32 value (Triton's fp8 cast: the
+    interpreters' decode; compiled kernels use the conversion PTX of their own)."""
+    return ((wd >> (8 * j)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def load_weight_tile(w_ptr, s_ptr, rn, k0, N, K, s_stride,
                      BN: tl.constexpr, BK: tl.constexpr, W_KIND: tl.constexpr):
     """Rows `rn` [BN] x columns k0..k0+BK of a weight [N, K] as exact fp32 values (0 outside).

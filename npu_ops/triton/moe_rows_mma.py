@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_scaled import bf16_round, e8m0_value, fp8_exponent, fp8_round, pow2
+from .block_scaled import bf16_round, e2m1_value, e8m0_value, fp8_exponent, fp8_round, pow2
 from . import moe_rows
 from .moe_rows import GROUP, _row_ptrs
 from .row_mma import _pick, _x_column, x_codes
@@ -98,15 +98,6 @@ def _pos8(i):
 
 
 @triton.jit
-def _e2m1_nibble(wd, i: tl.constexpr):
-    """Element i of int32 words of 8 E2M1 codes as fp32 (the interpreter's decode)."""
-    c = (wd >> (4 * i)) & 15
-    m = c & 7
-    mag = tl.where(m < 2, m.to(tl.float32) * 0.5, pow2(m // 2 - 1) * (1.0 + (m & 1).to(tl.float32) * 0.5))
-    return tl.where((c & 8) != 0, -mag, mag)
-
-
-@triton.jit
 def _mma4_emulated(wg, w8, x0, x1, x2, x3, NW: tl.constexpr):
     """What `_MMA4_ASM` returns, from the same lane registers: D[r, j] = the sum over the lanes t
     of row r's 8 values times column j's 8 values, with the weights' true values (the asm's
@@ -115,8 +106,8 @@ def _mma4_emulated(wg, w8, x0, x1, x2, x3, NW: tl.constexpr):
     d8 = tl.zeros((NW, 8, 8), dtype=tl.float32)
     for i in tl.static_range(8):
         bx = _x_column(x0, x1, x2, x3, i // 2 + 4 * (i % 2), NW)  # element i sits at position _pos8(i)
-        dg += tl.sum(tl.reshape(_e2m1_nibble(wg, i) * 6.103515625e-05, (NW, 8, 1, 4)) * bx, axis=3)
-        d8 += tl.sum(tl.reshape(_e2m1_nibble(w8, i) * 6.103515625e-05, (NW, 8, 1, 4)) * bx, axis=3)
+        dg += tl.sum(tl.reshape(e2m1_value((wg >> (4 * i)) & 15) * 6.103515625e-05, (NW, 8, 1, 4)) * bx, axis=3)
+        d8 += tl.sum(tl.reshape(e2m1_value((w8 >> (4 * i)) & 15) * 6.103515625e-05, (NW, 8, 1, 4)) * bx, axis=3)
     return _pick(dg, NW, 0), _pick(dg, NW, 1), _pick(d8, NW, 0), _pick(d8, NW, 1)
 
 

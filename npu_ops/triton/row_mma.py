@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_scaled import bf16_bits16, e8m0_value, fp8_exponent, fp8_round, pow2
+from .block_scaled import bf16_bits16, e4m3_byte, e8m0_value, fp8_exponent, fp8_round, pow2
 from .launch import interpreting, num_workers, tile_counters
 
 MAX_M = 8  # the MMA's n: tokens that share one read of the weight
@@ -88,12 +88,6 @@ def _x_codes_kernel(x_ptr, xq_ptr, xf_ptr, K, x_stride, NBB: tl.constexpr, PERM:
 
 
 @triton.jit
-def _e4m3_word(wd, j: tl.constexpr):
-    """Byte j of int32 words of E4M3 codes as fp32 (the interpreter's decode)."""
-    return ((wd >> (8 * j)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def _f16_half(xw, hi: tl.constexpr):
     """The low (hi=False) or high f16 of int32 words as fp32."""
     v = (xw >> 16) if hi else xw
@@ -132,11 +126,11 @@ def _mma_emulated(wg0, wg1, w80, w81, x0, x1, x2, x3, NW: tl.constexpr):
     d8 = tl.zeros((NW, 8, 8), dtype=tl.float32)
     for i in tl.static_range(8):
         if i < 4:
-            ag = _e4m3_word(wg0, i)
-            a8 = _e4m3_word(w80, i)
+            ag = e4m3_byte(wg0, i)
+            a8 = e4m3_byte(w80, i)
         else:
-            ag = _e4m3_word(wg1, i - 4)
-            a8 = _e4m3_word(w81, i - 4)
+            ag = e4m3_byte(wg1, i - 4)
+            a8 = e4m3_byte(w81, i - 4)
         bx = _x_column(x0, x1, x2, x3, i, NW)
         dg += tl.sum(tl.reshape(ag, (NW, 8, 1, 4)) * bx, axis=3)
         d8 += tl.sum(tl.reshape(a8, (NW, 8, 1, 4)) * bx, axis=3)
