@@ -652,8 +652,9 @@ def sweep_moe_rows(rows, copy, tokens=(1, 2), check_only=False):
     for t in tokens:
         x, ids, wts, want, active, nbytes = _moe_case(t, experts, d, inter, n_exp, topk, moe_ref, fp32_accumulation)
         if t > 2:  # the CUDA-core rows kernels stop at 2 tokens: fold against the MMA variant's layouts
+            # (past 8 tokens only the grouped layout: an expert's rows 8 columns a pass)
             variants = [dict(path="fold"), dict(path="rows", mma=True)] + \
-                [dict(v, path="rows", mma=True) for v in MMA_GROUPED_VARIANTS]
+                [dict(v, path="rows", mma=True) for v in MMA_GROUPED_VARIANTS if t <= 8 or v.get("mma_grouped", True)]
         else:
             variants = [dict(path="fold"), dict(path="rows"), dict(path="rows", mma=True)] + \
                 [dict(v, path="rows", mma=True) for v in MMA_VARIANTS] + [dict(v, path="rows") for v in ROWS_VARIANTS]

@@ -188,6 +188,16 @@ def test_rows_mma_tokens_gpu(dev, t, rng, poisoned):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("t", [12, 64])
+def test_rows_mma_grouped_many_tokens_gpu(dev, t, rng, poisoned):
+    """The grouped MMA layout past 8 tokens (not a default: `sweep_kernels.py --only moe_rows`
+    times it against fold): 5 used experts get 9-64 rows each, 8 columns a pass; with K slices."""
+    check(dev, t, 8, 4, 320, 96, rng, used=5, mma=True, mma_grouped=True)
+    check(dev, t, 8, 4, 320, 96, rng, used=5, mma=True, mma_grouped=True, mma_split_up=2, mma_split_down=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
 @pytest.mark.parametrize("t", [1, 2])
 def test_rows_model_shapes_gpu(dev, t, rng, poisoned):
     """d 1024, width 512 (one K part each), 16 experts, top-6."""

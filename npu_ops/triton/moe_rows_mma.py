@@ -331,7 +331,8 @@ def _mma_down_kernel(hq_ptr, hf_ptr, ids_ptr, perm_ptr, bounds_ptr, w_base, s_ba
 
 def mma_moe(x, flat_ids, wts, table_args, limit, topk, *, num_warps_down=None, bb=None, split_up=None,
             split_down=None, grouped=None):
-    """Steps 1-3 of the module docstring for x [T, d] (T <= MMA_MAX_T): y [R, d] fp32 (each expert
+    """Steps 1-3 of the module docstring for x [T, d] (T <= MMA_MAX_T a program per routed row; any T
+    grouped, an expert's rows 8 columns a pass): y [R, d] fp32 (each expert
     output rounded to bf16), for `moe_rows.rows_moe` to combine. Widths: `mma_fits`. split_up /
     split_down: K slices of the two kernels (default `MMA_SPLITS`); grouped: a program per expert
     with its rows as MMA columns (default from GROUPED_MIN_T tokens) instead of one per routed row."""
@@ -343,11 +344,11 @@ def mma_moe(x, flat_ids, wts, table_args, limit, topk, *, num_warps_down=None, b
     bb = bb or MMA_TILES["bb"]
     r = flat_ids.numel()
     t = r // topk
-    if not mma_fits(inter, d, nwd) or t > MMA_MAX_T:
-        raise ValueError(f"moe_experts rows path (mma): widths ({inter}, {d}) need {GROUP} | {inter} and "
-                         f"{16 * nwd} | {d}, and at most {MMA_MAX_T} tokens (got {t})")
-    interp = interpreting()
     grouped = t >= GROUPED_MIN_T if grouped is None else grouped
+    if not mma_fits(inter, d, nwd) or (t > MMA_MAX_T and not grouped):
+        raise ValueError(f"moe_experts rows path (mma): widths ({inter}, {d}) need {GROUP} | {inter} and "
+                         f"{16 * nwd} | {d}, and at most {MMA_MAX_T} tokens a program per routed row (got {t})")
+    interp = interpreting()
     n_exp = table.numel() // 6
     if grouped:
         perm, bounds = sort_rows(flat_ids, n_exp)
