@@ -275,7 +275,8 @@ def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
              mma_bb: int | None = None, mma_warps_down: int | None = None, mma_split_up: int | None = None,
              mma_split_down: int | None = None, mma_grouped: bool | None = None) -> torch.Tensor:
     """The rows path for x [T, d] (FP4 experts; T <= ROWS_MAX_T on the CUDA cores, tiles default
-    `ROWS_TILES`; T <= moe_rows_mma.MMA_MAX_T on the MMA variant):
+    `ROWS_TILES`; on the MMA variant T <= moe_rows_mma.MMA_MAX_T with a program per routed row, any
+    T grouped, and by default up to MMA_MAX_T):
     gate/up with its epilogue, down, combine into `out` [T, d] fp32. `mma`: gate/up and down on
     the tensor cores fed from registers (`moe_rows_mma`; CUDA), with its own settings `mma_bb` (K
     blocks a loop step), `mma_warps_down`, the K slices `mma_split_up` / `mma_split_down` and
