@@ -259,7 +259,9 @@ def sweep_indexer_per_k(rows, copy, tokens=(1, 8), check_only=False):
     from dsv41.npu_ops.triton import indexer_topk as itk
 
     ref_fn = registry.resolve("indexer_topk", "reference")[0]
-    for n in (65536, 4096):
+    # 4160: a 65-block table holding a 4K context plus the step's token (4097 visible), past one
+    # select tile; the default dispatch gives it SPLIT_SHORT_MAXIMA_PER_K maxima per k
+    for n in (65536, 4096, 4160):
         kc, ks, table, e = paged_index_keys(n, "cuda")
         nbytes = n * (DI // 2 + DI // 32)
 
@@ -273,9 +275,9 @@ def sweep_indexer_per_k(rows, copy, tokens=(1, 8), check_only=False):
         for t in tokens if n == 65536 else (1,):
             q = quant.mxfp4_qdq(torch.randn(t, HI, DI, device="cuda"))
             w = torch.randn(t, HI, device="cuda") * DI ** -0.5 * HI ** -0.5
-            vis = torch.full((t,), n, dtype=torch.long, device="cuda")
+            vis = torch.full((t,), 4097 if n == 4160 else n, dtype=torch.long, device="cuda")
             tab = torch.stack([table[0][torch.randperm(table.shape[1], device="cuda")] for _ in range(t)])
-            shape = f"T={t} {n // 1024}K"
+            shape = f"T={t} {n // 1024}K" if n % 1024 == 0 else f"T={t} N={n} visible {int(vis[0])}"
             with numerics("official"):  # the kernels round the head weights where the official code does
                 want = ref_fn(q, w, kc, ks, tab, e, vis, TOPK)[0]
             if t == 1 and n == 65536:
@@ -629,12 +631,14 @@ ROWS_VARIANTS = [dict(rs_up=1), dict(rs_up=4), dict(rs_down=8, rpp_down=64), dic
 # 96.2 / 133.4, bb 16 96.2 / 134.9, down warps 8 95.7 / 133.7, down warps 2 95.7 / 134.4; rows 95.2 / 176.4.
 MMA_VARIANTS = [dict(mma_bb=8, mma_warps_down=8), dict(mma_split_up=2), dict(mma_split_up=4), dict(mma_split_down=2),
                 dict(mma_split_up=2, mma_split_down=2), dict(mma_split_up=4, mma_split_down=2),
-                dict(mma_split_up=3, mma_split_down=3)]
+                dict(mma_split_up=3, mma_split_down=3), dict(mma_scale_words=True),
+                dict(mma_scale_words=True, mma_split_up=3, mma_split_down=3)]
 
 
 # At 3..8 tokens (a program per expert by default): the other layout, K slices.
 MMA_GROUPED_VARIANTS = [dict(mma_grouped=False), dict(mma_split_up=2), dict(mma_split_down=2),
-                        dict(mma_split_up=2, mma_split_down=2), dict(mma_split_up=3, mma_split_down=3)]
+                        dict(mma_split_up=2, mma_split_down=2), dict(mma_split_up=3, mma_split_down=3),
+                        dict(mma_scale_words=True)]
 
 
 def sweep_moe_rows(rows, copy, tokens=(1, 2), check_only=False):

@@ -107,18 +107,21 @@ def test_compress_rows_kernel(dev, ratio, rng):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("n,heads", [(4, 8), (3, 2), (2, 1)])
-def test_engram_hash_kernel(dev, n, heads, rng):
+@pytest.mark.parametrize("n,heads", [(4, 8), (3, 2), (2, 1), (4, 3)])
+@pytest.mark.parametrize("m", [1, 37, 130])
+def test_engram_hash_kernel(dev, n, heads, m, rng):
     """Equal to the composition (validity, token map, `engram_window_row_ids`): int64 products
     that wrap, negative hashes (the remainder follows the divisor), slots before the start and
-    on or behind an image token hashing as the pad id, the model's primes."""
+    on or behind an image token hashing as the pad id, the model's primes; one decode position,
+    a partial tile and several tiles, row counts that are and are not powers of two."""
     from dsv41.core.config import preset
     from dsv41.core.engram import engram_primes
 
-    m, vocab = 37, 300
+    vocab = 300
     ids = torch.randint(-1, vocab, (m, n), generator=rng)
     image = torch.rand(m, n, generator=rng) > 0.85
-    ids[0, -1], image[1, 0] = -1, True  # (a slot before the start, an image token, in every case)
+    ids[0, -1] = -1  # a slot before the start, and (below) an image token, in every case
+    image[-1, 0] = m > 1  # (one position: its other slots hash as tokens)
     token_map = torch.randint(0, 50_000, (vocab,), generator=rng)
     mult = torch.randint(-2**62, 2**62, (n,), generator=rng)
     primes = torch.randint(1_000, 2**31, ((n - 1) * heads,), generator=rng)

@@ -241,6 +241,17 @@ def test_split_select_dispatch(monkeypatch):
     assert itk.maxima_per_k(1, cuda) == itk.SPLIT_MAXIMA_PER_K
     assert itk.maxima_per_k(2, cuda) == itk.SELECT_MAXIMA_PER_K
     assert itk.maxima_per_k(1, npu) == itk.SELECT_MAXIMA_PER_K
+    # a row just past one select tile (no maxima at 8 per k) gets SPLIT_SHORT_MAXIMA_PER_K per k
+    # where the split select runs, enough for its bound; elsewhere the chunk is select_chunk's
+    k, bn, short = 512, 128, itk.SELECT_BLOCK + 64
+    assert itk.select_chunk(short, k, bn, itk.SPLIT_MAXIMA_PER_K) == 1
+    g = itk.scores_chunk(1, short, k, bn, cuda)
+    assert g == itk.select_chunk(short, k, bn, itk.SPLIT_SHORT_MAXIMA_PER_K) > 1
+    assert -(-short // g) >= itk.SPLIT_MAXIMA_MIN_PER_K * k
+    assert itk.scores_chunk(2, short, k, bn, cuda) == 1  # batches: the one-program select
+    assert itk.scores_chunk(1, short, k, bn, npu) == 1
+    assert itk.scores_chunk(1, itk.SELECT_BLOCK, k, bn, cuda) == 1  # one tile: the direct select
+    assert itk.scores_chunk(1, 65536, k, bn, cuda) == itk.select_chunk(65536, k, bn, itk.SPLIT_MAXIMA_PER_K)
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -444,7 +455,7 @@ def test_rejects_bad_block_table(rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", DEVICES[1:])
-@pytest.mark.parametrize("t,n", [(1, 4096), (3, 5000), (40, 2000), (64, 8192), (1, 65536)])
+@pytest.mark.parametrize("t,n", [(1, 4096), (1, 4160), (3, 5000), (40, 2000), (64, 8192), (1, 65536)])
 @pytest.mark.parametrize("rows,passes,split", [(False, 0, True), (True, 0, True), (True, 3, True), (True, 0, False)],
                          ids=["tiles", "rows", "rows-span", "rows-one-program"])
 def test_benchmark_widths_gpu(dev, t, n, rows, passes, split, rng, monkeypatch):
@@ -513,6 +524,36 @@ def test_candidates_any_order_and_padding(dev, rng):
     assert got_pool is None
     assert torch.equal(got_idx.cpu(), want_idx)
     assert (want_idx[3] == -1).all() and (want_idx[2] >= 0).sum() == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", DEVICES[1:])
+@pytest.mark.parametrize("ordered", [True, False], ids=["pool-order", "any-order"])
+def test_wide_tile_select_gpu(dev, ordered, rng):
+    """Dense rows just past one select tile without chunk maxima take one SELECT_WIDE_BLOCK
+    tile, Reindex rows (candidates) two tiles: the ids equal the stable sort's, and those of the
+    tile widths not taken by default."""
+    t, n, k = 3, itk.SELECT_BLOCK + 64, 512
+    s = torch.randn(t, n, generator=rng)
+    s[:, 100:140] = s[:, 60:100]  # ties
+    cand = torch.stack([torch.randperm(4 * n, generator=rng)[:n] for _ in range(t)])
+    cand[torch.rand(t, n, generator=rng) < 0.1] = -1
+    if ordered:  # the candidate pool's order: ascending ids, the padding last
+        cand = torch.where(cand >= 0, cand, torch.full_like(cand, 1 << 62)).sort(-1).values
+        cand[cand == 1 << 62] = -1
+    s = torch.where(cand >= 0, s, torch.full_like(s, float("-inf")))
+    cols = itk._topk_sorted(torch.where(cand >= 0, s, torch.zeros_like(s)), k, cand >= 0)
+    ids = torch.where(cols >= 0, cand.gather(1, cols.clamp(min=0)), torch.full_like(cols, 1 << 62)).sort(-1).values
+    want = torch.where(ids == 1 << 62, torch.full_like(ids, -1), ids)
+    got = itk.topk_select(s.to(dev), None, k, candidates=cand.to(dev))
+    wide = itk.topk_select(s.to(dev), None, k, candidates=cand.to(dev), block=itk.SELECT_WIDE_BLOCK)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(wide.cpu(), want)
+    d = torch.randn(t, n, generator=rng)  # dense rows, no maxima, the last one partly visible
+    vis = torch.tensor([n, n, n - 100])
+    want_d = itk._topk_sorted(d, k, torch.arange(n).unsqueeze(0) < vis.unsqueeze(1))
+    assert torch.equal(itk.topk_select(d.to(dev), vis.to(dev), k).cpu(), want_d)
+    assert torch.equal(itk.topk_select(d.to(dev), vis.to(dev), k, block=itk.SELECT_BLOCK).cpu(), want_d)
 
 
 def block_maxima(scores, n_visible, block):

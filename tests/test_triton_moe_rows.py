@@ -115,6 +115,10 @@ def test_rows_mma_path(dev, t, rng, poisoned):
     # other program layout (grouped at 1-2 tokens, per routed row at 3-8)
     check(dev, t, 8, 4, 320, 96, rng, used=5, mma=True, mma_bb=1, mma_split_up=2, mma_split_down=3,
           mma_grouped=t <= 2)
+    # a step's scale bytes as one word (d 512: 16 K blocks, 4 steps; width 128: 4 blocks, one
+    # step), with and without K slices of whole steps
+    check(dev, t, 8, 4, 512, 128, rng, used=5, mma=True, mma_scale_words=True)
+    check(dev, t, 8, 4, 512, 128, rng, used=5, mma=True, mma_scale_words=True, mma_split_up=2)
 
 
 def test_rows_refuses(rng):
@@ -206,11 +210,14 @@ def test_rows_model_shapes_gpu(dev, t, rng, poisoned):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", [DEVICES[1]])
-@pytest.mark.parametrize("t, mma", [(1, False), (2, False), (1, True), (2, True), (8, True)])
+@pytest.mark.parametrize("t, mma", [(1, False), (2, False), (1, True), (2, True), (8, True), (1, "words"),
+                                    (8, "words")])
 def test_rows_mini_widths_gpu(dev, t, mma, rng, poisoned):
     """The mini preset's widths, d 5120 and width 2304 (two K parts each), 8 experts, top-6; the
-    CUDA-core kernels (up to 2 tokens) and the MMA variant."""
-    check(dev, t, 8, 6, 5120, 2304, rng, mma=mma)
+    CUDA-core kernels (up to 2 tokens) and the MMA variant (a step's scale bytes as one word:
+    "words")."""
+    kw = dict(mma=True, mma_scale_words=True) if mma == "words" else dict(mma=mma)
+    check(dev, t, 8, 6, 5120, 2304, rng, **kw)
 
 
 @pytest.mark.gpu

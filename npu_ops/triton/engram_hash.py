@@ -18,15 +18,22 @@ import triton.language as tl
 
 from ...backends.fused import engram_hash as engram_hash_ref  # noqa: F401  (the oracle)
 
-BLOCK_M = 64
+BLOCK_M = 64  # positions per program (fewer when a call has fewer: a decode step's 1-64)
 
 
 @triton.jit
 def _engram_hash_kernel(ids_ptr, image_ptr, map_ptr, mult_ptr, primes_ptr, offsets_ptr, out_ptr, M, pad_id,
-                        N: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr):
+                        N: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr, JP: tl.constexpr):
+    """Rows [BLOCK_M, (N - 1) * HEADS] of one tile of positions. The n-gram hashes come from a
+    chain of N xors; their remainders by every row's prime are one [BLOCK_M, JP] int64 op, not
+    (N - 1) * HEADS dependent ones (each an emulated 64-bit division: 9 us a launch at one
+    position on the H200 when they ran in turn)."""
     m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     mm = m < M
     n_rows = (N - 1) * HEADS
+    j = tl.arange(0, JP)
+    jm = j < n_rows
+    hj = tl.zeros((BLOCK_M, JP), dtype=tl.int64)  # row j's n-gram hash (n = j // HEADS + 2)
     h = tl.zeros((BLOCK_M,), dtype=tl.int64)
     text = mm  # no image token in the slots so far
     for s in tl.static_range(N):
@@ -37,12 +44,12 @@ def _engram_hash_kernel(ids_ptr, image_ptr, map_ptr, mult_ptr, primes_ptr, offse
         prod = tl.where(ok, c, pad_id) * tl.load(mult_ptr + s).to(tl.int64)  # (wraps, as torch's int64)
         h = h ^ prod
         if s >= 1:
-            for k in tl.static_range(HEADS):
-                j = (s - 1) * HEADS + k
-                p = tl.load(primes_ptr + j).to(tl.int64)
-                r = h % p
-                r = tl.where(r < 0, r + p, r)  # (% truncates; torch.remainder follows the divisor)
-                tl.store(out_ptr + m * n_rows + j, r + tl.load(offsets_ptr + j).to(tl.int64), mask=mm)
+            hj = tl.where((j // HEADS == s - 1)[None, :], h[:, None], hj)
+    p = tl.load(primes_ptr + j, mask=jm, other=1).to(tl.int64)
+    r = hj % p[None, :]
+    r = tl.where(r < 0, r + p[None, :], r)  # (% truncates; torch.remainder follows the divisor)
+    off = tl.load(offsets_ptr + j, mask=jm, other=0).to(tl.int64)
+    tl.store(out_ptr + m[:, None] * n_rows + j[None, :], r + off[None, :], mask=mm[:, None] & jm[None, :])
 
 
 def _offsets(primes: torch.Tensor) -> torch.Tensor:
@@ -68,11 +75,12 @@ def engram_hash(ngram_ids: torch.Tensor, ngram_image: torch.Tensor, token_map: t
     out = torch.empty(m, (n - 1) * n_heads, dtype=torch.long, device=ngram_ids.device)
     if m:
         p = primes.to(device=ngram_ids.device, dtype=torch.int64)
-        _engram_hash_kernel[(-(-m // BLOCK_M),)](ngram_ids.contiguous(), ngram_image.contiguous().view(torch.int8),
-                                                 token_map.contiguous(),
-                                                 multipliers.to(device=ngram_ids.device, dtype=torch.int64).contiguous(),
-                                                 p, _offsets(p), out, m, int(pad_id), N=n, HEADS=n_heads,
-                                                 BLOCK_M=BLOCK_M)
+        bm = min(BLOCK_M, triton.next_power_of_2(m))
+        _engram_hash_kernel[(-(-m // bm),)](ngram_ids.contiguous(), ngram_image.contiguous().view(torch.int8),
+                                            token_map.contiguous(),
+                                            multipliers.to(device=ngram_ids.device, dtype=torch.int64).contiguous(),
+                                            p, _offsets(p), out, m, int(pad_id), N=n, HEADS=n_heads, BLOCK_M=bm,
+                                            JP=triton.next_power_of_2((n - 1) * n_heads))
     return out
 
 

@@ -473,7 +473,7 @@ def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_
     if gather or topk <= 0:
         maxg = 0
     elif maxg is None:
-        maxg = select_chunk(nc, topk, bn, maxima_per_k(t, q.device))
+        maxg = scores_chunk(t, nc, topk, bn, q.device)
         maxg = 0 if maxg == 1 else maxg  # maxima of single entries bound nothing: not written
     if maxg and bn % maxg:
         raise ValueError(f"chunk {maxg} must divide BLOCK_N {bn}")
@@ -1102,6 +1102,9 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
         return _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix,
                              SPLIT_FINAL_BLOCK if survivor_block is None else survivor_block,
                              SELECT_SPAN if span is None else bool(span), num_warps)
+    if (block is None and not use_max and not mapped and scores.device.type == "cuda" and not interpreting()
+            and blk < n <= SELECT_WIDE_BLOCK):
+        blk = SELECT_WIDE_BLOCK  # a row just past one tile: one wide tile, not two tiles a pass
     g = maxima.shape[1] if use_max else 1
     surv_s = torch.empty(t if use_max else 1, cap, dtype=torch.float32, device=scores.device)
     surv_p = torch.empty(t if use_max else 1, cap, dtype=torch.int32, device=scores.device)
@@ -1142,6 +1145,19 @@ def maxima_per_k(t: int, device) -> int:
     return SPLIT_MAXIMA_PER_K if select_parts(t, device) else SELECT_MAXIMA_PER_K
 
 
+def scores_chunk(t: int, n: int, k: int, block_n: int, device) -> int:
+    """Entries per chunk maximum the scores kernel writes for t rows of n entries (1: none):
+    `select_chunk` at `maxima_per_k`. Rows past one select tile that would get none there (a
+    4K context plus the step's token: 4097+ entries, which the direct select reads as two
+    tiles per radix pass) get SPLIT_SHORT_MAXIMA_PER_K per k when the split select runs: a row
+    visible in fewer than k of those chunks is selected whole by one program, as without them."""
+    per_k = maxima_per_k(t, device)
+    g = select_chunk(n, k, block_n, per_k)
+    if g == 1 and per_k == SPLIT_MAXIMA_PER_K and select_parts(t, device) and n > SELECT_BLOCK:
+        g = select_chunk(n, k, block_n, SPLIT_SHORT_MAXIMA_PER_K)
+    return g
+
+
 def _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix, final_block, span, num_warps,
                   _stop=0):
     """`topk_select`'s dense bounded select on `_split_select_kernel`: `parts` programs per row
@@ -1171,6 +1187,14 @@ def _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix, fi
 SELECT_BLOCK = 4096  # values per iteration of the selection passes (compiled); a set this small stays in registers
 SELECT_BLOCK_NPU = 2048  # within half the unified buffer (tests/test_triton_ub.py)
 SELECT_WARPS = 16  # sm_90 ptxas: 115 registers at BLOCK 4096 (8 warps: 191)
+# dense rows of SELECT_BLOCK < n <= SELECT_WIDE_BLOCK entries without chunk maxima (the mini
+# step's candidate-pool layer at a 4K context: 4160 entries, maxima of 8-entry pool blocks too few
+# to bound; decode batches' rows) take one tile of this width (CUDA). H200, 2026-12-02 (select
+# alone, T=1, 16 warps): 4160 entries 32.2 us on two 4096 tiles, 26.9 on one 8192 tile (26.7 at
+# 4096 entries, so rows within one tile keep SELECT_BLOCK); in the mini step 31.5 -> 26.3 us. The
+# Reindex selection keeps two tiles: alone on pool-ordered candidates one 8192 tile measured 28.2
+# against 31.2, but the mini step's Reindex select took 38.7 us with it (31.4 with two tiles).
+SELECT_WIDE_BLOCK = 8192
 SELECT_CAPACITY = 4096  # survivor buffer per row (at least 4 k)
 SELECT_MAXIMA_PER_K = 8  # chunk maxima per row, in units of k
 SORT_ROWS = 32  # ids ranked at a time when the Reindex selection is put in entry-id order
@@ -1216,7 +1240,11 @@ SELECT_SPAN = False
 SPLIT_PARTS = 32
 SPLIT_MAX_T = 1
 SPLIT_MAXIMA_PER_K = 8
-SPLIT_MAXIMA_MIN_PER_K = 4
+# rows just past one select tile (SELECT_BLOCK < n < 2 * SPLIT_MAXIMA_PER_K * k: no maxima at 8
+# per k) take this many per k instead (`scores_chunk`), and the split select accepts maxima down
+# to SPLIT_MAXIMA_MIN_PER_K per k (only those rows have fewer than 8)
+SPLIT_SHORT_MAXIMA_PER_K = 2
+SPLIT_MAXIMA_MIN_PER_K = 2
 SPLIT_PROGRAMS_PER_WORKER = 2
 SPLIT_FINAL_BLOCK = 1024
 SPLIT_WARPS = 16

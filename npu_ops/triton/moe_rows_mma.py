@@ -1,8 +1,9 @@
 """FP4 routed experts at 1-8 tokens with the multiply-adds on the tensor cores, fed from
 registers (`rows_moe(..., mma=...)`, the rows path's MMA variant and its CUDA default; `row_mma`'s
-scheme for E2M1 weights). H200, mini widths: 76.1 us per layer at one token (K split in two)
-against 94.2 for the CUDA-core rows kernels, 137.0 against 177.7 at two, 189.9 against fold's
-230.5 at eight (benchmarks/RESULTS.md, "FP4 experts at one and two tokens on register-fed MMAs").
+scheme for E2M1 weights). H200, mini widths: 70.7 us per layer at one token (K split in three, a
+step's scale bytes in one load) against 94.2 for the CUDA-core rows kernels, 131.6 against 177.7
+at two, 182.5 against fold's 227.1 at eight (benchmarks/RESULTS.md, "FP4 experts at one and two
+tokens on register-fed MMAs" and session fifteen).
 
 The rows kernels (`moe_rows`) spend about 4.5 instructions per weight on the CUDA cores (bit
 placement, an fp16 -> fp32 widening and an FMA per weight). Here each lane builds f16x2 registers
@@ -52,7 +53,13 @@ from .moe_rows import GROUP, _row_ptrs
 from .row_mma import _pick, _x_column, x_codes
 from .swiglu import expert_act
 
-MMA_TILES = {"num_warps_down": 4, "bb": 4}
+# scale_words: a loop step's four scale bytes of a row in one int32 load (`_cols_sums`' SW). H200
+# 2026-12-02 ~02:51 UTC, mini widths, graph us (sweep_kernels.py --only moe_rows): T=1 split 2 / 2
+# 77.0 -> 76.9, split 3 / 3 76.7 -> 70.7; T=2 (12 experts) 136.0 (no split) -> 131.6 (3 / 3 with
+# words); T=8 (grouped) 193.4 -> 182.5: the kernels are bound partly by load instructions (a byte
+# load per row and block reads 8 rows' lines a warp), not by their latency (loading the next
+# step's words ahead in registers: T=1 76.9, T=2 143.3, T=8 203.0 against 76-77 / 132.6 / 186.2).
+MMA_TILES = {"num_warps_down": 4, "bb": 4, "scale_words": True}
 # K slices (gate/up, down) by token count. H200 2026-12-01 ~20:10 UTC, graph replay, 16 FP4 experts
 # 5120 x 2304, top-6 (benchmarks/RESULTS.md, "FP4 experts at one and two tokens on register-fed MMAs"):
 # T=1 no split 92.5 us, up 2 80.9, down 2 88.0, 2 / 2 76.1, 3 / 3 78.2, 4 / 2 82.4 (rows kernels
@@ -60,7 +67,8 @@ MMA_TILES = {"num_warps_down": 4, "bb": 4}
 # program per expert (GROUPED_MIN_T..MMA_MAX_T tokens), ~20:35 UTC: T=3 no split 184.4, 2 / 2 169.0,
 # 3 / 3 163.7 (fold 188.5); T=4 183.5, 169.0, 166.2 (fold 181.1); T=8 223.6, 197.5, 189.9 (fold
 # 230.5); one program per routed row instead: 187.6 / 251.4 / 422.3.
-MMA_SPLITS = {1: (2, 2), 2: (1, 1), 3: (3, 3), 4: (3, 3), 5: (3, 3), 6: (3, 3), 7: (3, 3), 8: (3, 3)}
+# With scale words (2026-12-02): T=1 3 / 3 70.7 us against 2 / 2 76.9; T=2 3 / 3 131.6 against 1 / 1 136.1.
+MMA_SPLITS = {1: (3, 3), 2: (3, 3), 3: (3, 3), 4: (3, 3), 5: (3, 3), 6: (3, 3), 7: (3, 3), 8: (3, 3)}
 MMA_MAX_T = 8  # the MMA's n: an expert's rows in one pass (the routed experts of a token are distinct)
 GROUPED_MIN_T = 3  # from here a program per expert (its rows as MMA columns), below one per routed row
 
@@ -112,43 +120,76 @@ def _mma4_emulated(wg, w8, x0, x1, x2, x3, NW: tl.constexpr):
 
 
 @triton.jit
+def _block_words(wg_rows, w8_rows, sg_rows, s8_rows, okr, bl, b_hi, t, sgw, s8w, i: tl.constexpr,
+                 SW: tl.constexpr):
+    """Block bl's weight words of rows g / g + 8 (code quarter t) and their E8M0 scale bytes as
+    int32 (zeros past b_hi): SW, byte i of the step's scale words sgw / s8w; else loaded."""
+    ok = okr & (bl < b_hi)
+    wg = tl.load(wg_rows + 4 * bl + t, mask=ok, other=0)
+    w8 = tl.load(w8_rows + 4 * bl + t, mask=ok, other=0)
+    if SW:
+        return wg, w8, tl.where(ok, (sgw >> (8 * i)) & 255, 0), tl.where(ok, (s8w >> (8 * i)) & 255, 0)
+    else:
+        return (wg, w8, tl.load(sg_rows + bl, mask=ok, other=0).to(tl.int32),
+                tl.load(s8_rows + bl, mask=ok, other=0).to(tl.int32))
+
+
+@triton.jit
+def _block_sums(acc0, acc1, acc2, acc3, wg, w8, sgb, s8b, xrow, xfa, xfb, bl, b_hi, NW: tl.constexpr,
+                ONE: tl.constexpr, ASM: tl.constexpr):
+    """The accumulators plus block bl's sums (`_block_words`' values) times their factors."""
+    four = tl.arange(0, 4)
+    bok = bl < b_hi
+    xa, xb = tl.split(tl.reshape(tl.load(xrow[:, None] + 16 * bl + four[None, :], mask=bok, other=0),
+                                 (NW * 32, 2, 2)))
+    x0, x2 = tl.split(xa)
+    x1, x3 = tl.split(xb)
+    sg = e8m0_value(sgb) * 16384.0
+    s8 = e8m0_value(s8b) * 16384.0
+    fa = tl.load(xfa + bl, mask=bok, other=0.0)
+    if ASM:
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(
+            _MMA4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r", [wg, w8, x0, x1, x2, x3],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        c0, c1, c2, c3 = _mma4_emulated(wg, w8, x0, x1, x2, x3, NW)
+    acc0 += c0 * (fa * sg)
+    acc2 += c2 * (fa * s8)
+    if not ONE:
+        fb = tl.load(xfb + bl, mask=bok, other=0.0)
+        acc1 += c1 * (fb * sg)
+        acc3 += c3 * (fb * s8)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, xrow, xfa, xfb, b_lo, b_hi, t, NW: tl.constexpr,
-               BB: tl.constexpr, ONE: tl.constexpr, ASM: tl.constexpr):
+               BB: tl.constexpr, ONE: tl.constexpr, ASM: tl.constexpr, SW: tl.constexpr = False):
     """Per lane (g, t) the fp32 dots of rows g and g + 8 (word pointers wg_rows / w8_rows at their
     first word, scale bytes sg_rows / s8_rows) with the activations of columns 2t and 2t + 1 over
     blocks b_lo .. b_hi: (row g col 2t, row g col 2t + 1, row g + 8 col 2t, row g + 8 col 2t + 1).
     xrow: per lane, column g's codes as int32 pairs from the lane's first pair (4t); xfa / xfb:
-    the block scales of columns 2t / 2t + 1. ONE: a single column (the second pair stays 0)."""
-    four = tl.arange(0, 4)
+    the block scales of columns 2t / 2t + 1. ONE: a single column (the second pair stays 0).
+    BB blocks a step. SW (BB == 4, the rows' scale bytes 4-aligned at every step): a step's four
+    scale bytes of a row come in one int32 load, not four byte loads. (Loading a step's words and
+    scales one step ahead, carried in registers, measured no faster on the H200:
+    benchmarks/RESULTS.md, session fifteen.)"""
     acc0 = tl.zeros((NW * 32,), dtype=tl.float32)
     acc1 = tl.zeros((NW * 32,), dtype=tl.float32)
     acc2 = tl.zeros((NW * 32,), dtype=tl.float32)
     acc3 = tl.zeros((NW * 32,), dtype=tl.float32)
     for b0 in range(b_lo, b_hi, BB):
+        sgw = 0
+        s8w = 0
+        if SW:
+            ok0 = okr & (b0 < b_hi)
+            sgw = tl.load((sg_rows + b0).to(tl.pointer_type(tl.int32)), mask=ok0, other=0)
+            s8w = tl.load((s8_rows + b0).to(tl.pointer_type(tl.int32)), mask=ok0, other=0)
         for i in tl.static_range(BB):
-            bl = b0 + i
-            bok = bl < b_hi
-            wg = tl.load(wg_rows + 4 * bl + t, mask=okr & bok, other=0)
-            w8 = tl.load(w8_rows + 4 * bl + t, mask=okr & bok, other=0)
-            xa, xb = tl.split(tl.reshape(tl.load(xrow[:, None] + 16 * bl + four[None, :], mask=bok, other=0),
-                                         (NW * 32, 2, 2)))
-            x0, x2 = tl.split(xa)
-            x1, x3 = tl.split(xb)
-            sg = e8m0_value(tl.load(sg_rows + bl, mask=okr & bok, other=0).to(tl.int32)) * 16384.0
-            s8 = e8m0_value(tl.load(s8_rows + bl, mask=okr & bok, other=0).to(tl.int32)) * 16384.0
-            fa = tl.load(xfa + bl, mask=bok, other=0.0)
-            if ASM:
-                c0, c1, c2, c3 = tl.inline_asm_elementwise(
-                    _MMA4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r", [wg, w8, x0, x1, x2, x3],
-                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-            else:
-                c0, c1, c2, c3 = _mma4_emulated(wg, w8, x0, x1, x2, x3, NW)
-            acc0 += c0 * (fa * sg)
-            acc2 += c2 * (fa * s8)
-            if not ONE:
-                fb = tl.load(xfb + bl, mask=bok, other=0.0)
-                acc1 += c1 * (fb * sg)
-                acc3 += c3 * (fb * s8)
+            wg, w8, sgb, s8b = _block_words(wg_rows, w8_rows, sg_rows, s8_rows, okr, b0 + i, b_hi, t, sgw, s8w, i,
+                                            SW)
+            acc0, acc1, acc2, acc3 = _block_sums(acc0, acc1, acc2, acc3, wg, w8, sgb, s8b, xrow, xfa, xfb, b0 + i,
+                                                 b_hi, NW, ONE, ASM)
     return acc0, acc1, acc2, acc3
 
 
@@ -210,7 +251,7 @@ def _last_slice(count_ptr, tile, SPLIT: tl.constexpr, SLICED: tl.constexpr):
 def _mma_up_kernel(xq_ptr, xf_ptr, ids_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_ptr, part_ptr,
                    count_ptr, hq_ptr, hf_ptr, K, I, R, s_stride, bps, limit, TOPK: tl.constexpr, ALIGN: tl.constexpr,
                    BB: tl.constexpr, SPLIT: tl.constexpr, SLICED: tl.constexpr, GROUPED: tl.constexpr,
-                   ASM: tl.constexpr):
+                   ASM: tl.constexpr, SW: tl.constexpr = False):
     """Gate / up sums of rows 32c .. 32c + 31 (c = program_id(1)) for the program's columns
     (`_columns`, 8 at a time) over K slice program_id(2), into part [SPLIT, R, 2, I] by flat row;
     the tile's last slice adds the slices in order and applies the epilogue into h's codes
@@ -236,7 +277,8 @@ def _mma_up_kernel(xq_ptr, xf_ptr, ids_ptr, perm_ptr, bounds_ptr, wts_ptr, w_bas
         fr_b = _flat_row(perm_ptr, start + c0, cn, 2 * t + 1, GROUPED)
         acc0, acc1, acc2, acc3 = _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr,
                                             xq_ptr + (fr_g // TOPK) * (K // 2) + 4 * t, xf_ptr + (fr_a // TOPK) * NBK,
-                                            xf_ptr + (fr_b // TOPK) * NBK, b_lo, b_hi, t, 4, BB, not GROUPED, ASM)
+                                            xf_ptr + (fr_b // TOPK) * NBK, b_lo, b_hi, t, 4, BB, not GROUPED, ASM,
+                                            SW)
         va = okr & (2 * t < cn)
         vb = okr & (2 * t + 1 < cn)
         pa = part_ptr + (tl.program_id(2) * R + fr_a) * 2 * I + which * I
@@ -283,7 +325,8 @@ def _down_out(y_ptr, part_ptr, sl, R, D, fr, rg, acc, acc8, ok, FINAL: tl.conste
 @triton.jit
 def _mma_down_kernel(hq_ptr, hf_ptr, ids_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, part_ptr, count_ptr,
                      y_ptr, I, D, R, s_stride, bps, ALIGN: tl.constexpr, NW: tl.constexpr, BB: tl.constexpr,
-                     SPLIT: tl.constexpr, SLICED: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr):
+                     SPLIT: tl.constexpr, SLICED: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr,
+                     SW: tl.constexpr = False):
     """y[flat row, rows of this program] = bf16(h[flat row] @ w2 rows) for the program's columns
     (8 at a time), 16 rows a warp, K slice program_id(2) (partials [SPLIT, R, D] added in slice
     order by the tile's last slice; module docstring)."""
@@ -303,7 +346,7 @@ def _mma_down_kernel(hq_ptr, hf_ptr, ids_ptr, perm_ptr, bounds_ptr, w_base, s_ba
         fr_b = _flat_row(perm_ptr, start + c0, cn, 2 * t + 1, GROUPED)
         acc0, acc1, acc2, acc3 = _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, hq_ptr + fr_g * (I // 2) + 4 * t,
                                             hf_ptr + fr_a * (I // 32), hf_ptr + fr_b * (I // 32), b_lo, b_hi, t, NW,
-                                            BB, not GROUPED, ASM)
+                                            BB, not GROUPED, ASM, SW)
         if SLICED:  # the slice's partials
             _down_out(y_ptr, part_ptr, tl.program_id(2), R, D, fr_a, rg, acc0, acc2, okr & (2 * t < cn), False)
             if GROUPED:
@@ -330,18 +373,21 @@ def _mma_down_kernel(hq_ptr, hf_ptr, ids_ptr, perm_ptr, bounds_ptr, w_base, s_ba
 
 
 def mma_moe(x, flat_ids, wts, table_args, limit, topk, *, num_warps_down=None, bb=None, split_up=None,
-            split_down=None, grouped=None):
+            split_down=None, grouped=None, scale_words=None):
     """Steps 1-3 of the module docstring for x [T, d] (T <= MMA_MAX_T a program per routed row; any T
     grouped, an expert's rows 8 columns a pass): y [R, d] fp32 (each expert
     output rounded to bf16), for `moe_rows.rows_moe` to combine. Widths: `mma_fits`. split_up /
     split_down: K slices of the two kernels (default `MMA_SPLITS`); grouped: a program per expert
-    with its rows as MMA columns (default from GROUPED_MIN_T tokens) instead of one per routed row."""
+    with its rows as MMA columns (default from GROUPED_MIN_T tokens) instead of one per routed row;
+    scale_words: a step's scale bytes in one int32 load per row where the layout allows it
+    (`_cols_sums`' SW; default MMA_TILES["scale_words"])."""
     from .launch import interpreting, tile_counters
     from .moe_grouped import sort_rows
 
     w_base, s_base, table, kind, inter, d, (s_up, s_down), align = table_args
     nwd = num_warps_down or MMA_TILES["num_warps_down"]
     bb = bb or MMA_TILES["bb"]
+    sw = MMA_TILES["scale_words"] if scale_words is None else bool(scale_words)
     r = flat_ids.numel()
     t = r // topk
     grouped = t >= GROUPED_MIN_T if grouped is None else grouped
@@ -370,12 +416,16 @@ def mma_moe(x, flat_ids, wts, table_args, limit, topk, *, num_warps_down=None, b
     hf = moe_rows._buffer((r, inter // 32), torch.float32, x.device)
     y = moe_rows._buffer((r, d), torch.float32, x.device)
     part_y = moe_rows._buffer((sd, r, d), torch.float32, x.device) if sd > 1 else y
+    # scale words: 4-block steps, every row's and slice's first scale byte 4-aligned (the table's
+    # offsets 16-aligned, rows and slices of whole steps)
+    sw_up = sw and bb == 4 and align >= 4 and s_up % 4 == 0 and (d // 32) % 4 == 0
+    sw_down = sw and bb == 4 and align >= 4 and s_down % 4 == 0 and (inter // 32) % 4 == 0
     kw = {} if interp else {"num_warps": 4}
     _mma_up_kernel[(n0, n_up, su)](xq.view(torch.int32), xf, flat_ids, perm, bounds, wts, w_base, s_base, table, part,
                                    counts, hq, hf, d, inter, r, s_up, bps_up, float(limit), TOPK=topk, ALIGN=align,
-                                   BB=bb, SPLIT=su, SLICED=su > 1, GROUPED=grouped, ASM=not interp, **kw)
+                                   BB=bb, SPLIT=su, SLICED=su > 1, GROUPED=grouped, ASM=not interp, SW=sw_up, **kw)
     kw = {} if interp else {"num_warps": nwd}
     _mma_down_kernel[(n0, n_down, sd)](hq.view(torch.int32), hf, flat_ids, perm, bounds, w_base, s_base, table, part_y,
                                        counts, y, inter, d, r, s_down, bps_down, ALIGN=align, NW=nwd, BB=bb, SPLIT=sd,
-                                       SLICED=sd > 1, GROUPED=grouped, ASM=not interp, **kw)
+                                       SLICED=sd > 1, GROUPED=grouped, ASM=not interp, SW=sw_down, **kw)
     return y
