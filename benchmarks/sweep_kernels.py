@@ -629,16 +629,20 @@ ROWS_VARIANTS = [dict(rs_up=1), dict(rs_up=4), dict(rs_down=8, rpp_down=64), dic
 # warps of the down kernel.
 # H200 2026-12-01 ~20:35 UTC, graph us, T=1 / 2 (12 experts): default 96.6 / 134.1, bb 2 113.7 / 145.2, bb 8
 # 96.2 / 133.4, bb 16 96.2 / 134.9, down warps 8 95.7 / 133.7, down warps 2 95.7 / 134.4; rows 95.2 / 176.4.
+# 2026-12-02 ~03:02 UTC (scale words and K split 3 / 3 the default then): T=1 / 2 / 8 default 70.1 /
+# 127.9 / 183.5, without scale words 77.6 / 139.7 / 195.5, 16-byte words in both kernels 72.8 / 122.7 /
+# 173.9 (then made the gate/up kernel's default: moe_rows_mma.MMA_TILES).
 MMA_VARIANTS = [dict(mma_bb=8, mma_warps_down=8), dict(mma_split_up=2), dict(mma_split_up=4), dict(mma_split_down=2),
                 dict(mma_split_up=2, mma_split_down=2), dict(mma_split_up=4, mma_split_down=2),
-                dict(mma_split_up=3, mma_split_down=3), dict(mma_scale_words=True),
-                dict(mma_scale_words=True, mma_split_up=3, mma_split_down=3)]
+                dict(mma_split_up=3, mma_split_down=3), dict(mma_scale_words=False),
+                dict(mma_scale_words=False, mma_split_up=2, mma_split_down=2), dict(mma_vec_words=True),
+                dict(mma_vec_words=False), dict(mma_vec_words=True, mma_split_up=2, mma_split_down=2)]
 
 
 # At 3..8 tokens (a program per expert by default): the other layout, K slices.
 MMA_GROUPED_VARIANTS = [dict(mma_grouped=False), dict(mma_split_up=2), dict(mma_split_down=2),
                         dict(mma_split_up=2, mma_split_down=2), dict(mma_split_up=3, mma_split_down=3),
-                        dict(mma_scale_words=True)]
+                        dict(mma_scale_words=False), dict(mma_vec_words=True), dict(mma_vec_words=False)]
 
 
 def sweep_moe_rows(rows, copy, tokens=(1, 2), check_only=False):

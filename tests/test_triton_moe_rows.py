@@ -119,6 +119,8 @@ def test_rows_mma_path(dev, t, rng, poisoned):
     # step), with and without K slices of whole steps
     check(dev, t, 8, 4, 512, 128, rng, used=5, mma=True, mma_scale_words=True)
     check(dev, t, 8, 4, 512, 128, rng, used=5, mma=True, mma_scale_words=True, mma_split_up=2)
+    # and the weight words as 16-byte loads transposed across each quad of lanes
+    check(dev, t, 8, 4, 512, 128, rng, used=5, mma=True, mma_vec_words=True, mma_split_down=1)
 
 
 def test_rows_refuses(rng):
@@ -211,12 +213,14 @@ def test_rows_model_shapes_gpu(dev, t, rng, poisoned):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", [DEVICES[1]])
 @pytest.mark.parametrize("t, mma", [(1, False), (2, False), (1, True), (2, True), (8, True), (1, "words"),
-                                    (8, "words")])
+                                    (8, "words"), (1, "vec"), (8, "vec")])
 def test_rows_mini_widths_gpu(dev, t, mma, rng, poisoned):
     """The mini preset's widths, d 5120 and width 2304 (two K parts each), 8 experts, top-6; the
     CUDA-core kernels (up to 2 tokens) and the MMA variant (a step's scale bytes as one word:
-    "words")."""
+    "words"; 16-byte weight loads: "vec")."""
     kw = dict(mma=True, mma_scale_words=True) if mma == "words" else dict(mma=mma)
+    if mma == "vec":  # (16-byte weight loads, transposed across lanes)
+        kw = dict(mma=True, mma_vec_words=True)
     check(dev, t, 8, 6, 5120, 2304, rng, **kw)
 
 

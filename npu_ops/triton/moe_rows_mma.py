@@ -59,7 +59,12 @@ from .swiglu import expert_act
 # words); T=8 (grouped) 193.4 -> 182.5: the kernels are bound partly by load instructions (a byte
 # load per row and block reads 8 rows' lines a warp), not by their latency (loading the next
 # step's words ahead in registers: T=1 76.9, T=2 143.3, T=8 203.0 against 76-77 / 132.6 / 186.2).
-MMA_TILES = {"num_warps_down": 4, "bb": 4, "scale_words": True}
+# vec_words (gate/up, down): each lane loads 16 bytes of its row a step and the quad's transpose
+# hands out the words (`_cols_sums`' VEC). H200 2026-12-02 ~03:02 UTC: the whole op with both
+# kernels so T=1 72.8 us (70.1 without), T=2 122.7 (127.9), T=8 173.9 (183.5); in the mini decode
+# step (graph, 6 layers) the gate/up kernel 294.7 -> 273.4 us at batch 1 and 706.7 -> 645.2 at
+# batch 8, the down kernel 151.1 -> 172.5 at batch 1 (336.7 / 336.3 at batch 8): gate/up only.
+MMA_TILES = {"num_warps_down": 4, "bb": 4, "scale_words": True, "vec_words": (True, False)}
 # K slices (gate/up, down) by token count. H200 2026-12-01 ~20:10 UTC, graph replay, 16 FP4 experts
 # 5120 x 2304, top-6 (benchmarks/RESULTS.md, "FP4 experts at one and two tokens on register-fed MMAs"):
 # T=1 no split 92.5 us, up 2 80.9, down 2 88.0, 2 / 2 76.1, 3 / 3 78.2, 4 / 2 82.4 (rows kernels
@@ -119,14 +124,67 @@ def _mma4_emulated(wg, w8, x0, x1, x2, x3, NW: tl.constexpr):
     return _pick(dg, NW, 0), _pick(dg, NW, 1), _pick(d8, NW, 0), _pick(d8, NW, 1)
 
 
+# A quad's 4 x 4 transpose of words (lanes 4g .. 4g + 3, two butterfly rounds): $4 .. $7 are the
+# lane's words 0 .. 3 of its own block (b0 + t); $0 .. $3 become word t of blocks b0 .. b0 + 3.
+# Round 1 (lanes t and t ^ 2) swaps the off-diagonal 2 x 2 blocks, round 2 (t and t ^ 1) the
+# off-diagonal words inside them.
+_QUAD_T_ASM = tl.constexpr("""{
+.reg .b32 l, ra, rb, sa, sb, w0, w1, w2, w3;
+.reg .pred p;
+mov.u32 l, %laneid; and.b32 l, l, 2; setp.ne.u32 p, l, 0;
+selp.b32 sa, $4, $6, p; selp.b32 sb, $5, $7, p;
+shfl.sync.bfly.b32 ra, sa, 2, 0x1f, 0xffffffff; shfl.sync.bfly.b32 rb, sb, 2, 0x1f, 0xffffffff;
+selp.b32 w0, ra, $4, p; selp.b32 w1, rb, $5, p; selp.b32 w2, $6, ra, p; selp.b32 w3, $7, rb, p;
+mov.u32 l, %laneid; and.b32 l, l, 1; setp.ne.u32 p, l, 0;
+selp.b32 sa, w0, w1, p; selp.b32 sb, w2, w3, p;
+shfl.sync.bfly.b32 ra, sa, 1, 0x1f, 0xffffffff; shfl.sync.bfly.b32 rb, sb, 1, 0x1f, 0xffffffff;
+selp.b32 $0, ra, w0, p; selp.b32 $1, w1, ra, p; selp.b32 $2, rb, w2, p; selp.b32 $3, w3, rb, p;
+}""")
+
+
 @triton.jit
-def _block_words(wg_rows, w8_rows, sg_rows, s8_rows, okr, bl, b_hi, t, sgw, s8w, i: tl.constexpr,
-                 SW: tl.constexpr):
+def _quad_words(v, NW: tl.constexpr, ASM: tl.constexpr):
+    """v [NW * 32, 4]: each lane's 16 bytes of its row (the 4 words of block b0 + t). Returns the
+    4 lane tensors u_i = word t of block b0 + i (the per-block words of the MMA's lane layout),
+    by `_QUAD_T_ASM`; under the interpreter by a transpose of the [quad, t, word] view."""
+    if not ASM:
+        v = tl.reshape(tl.permute(tl.reshape(v, (NW * 8, 4, 4)), (0, 2, 1)), (NW * 32, 4))
+    a, b = tl.split(tl.reshape(v, (NW * 32, 2, 2)))
+    v0, v2 = tl.split(a)
+    v1, v3 = tl.split(b)
+    if ASM:
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(
+            _QUAD_T_ASM, "=r,=r,=r,=r,r,r,r,r", [v0, v1, v2, v3],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _pick4(a, b, c, d, i: tl.constexpr):
+    """a, b, c or d by the compile-time index i."""
+    if i == 0:
+        return a
+    elif i == 1:
+        return b
+    elif i == 2:
+        return c
+    else:
+        return d
+
+
+@triton.jit
+def _block_words(wg_rows, w8_rows, sg_rows, s8_rows, okr, bl, b_hi, t, sgw, s8w, qg, q8, i: tl.constexpr,
+                 SW: tl.constexpr, VEC: tl.constexpr):
     """Block bl's weight words of rows g / g + 8 (code quarter t) and their E8M0 scale bytes as
-    int32 (zeros past b_hi): SW, byte i of the step's scale words sgw / s8w; else loaded."""
+    int32 (zeros past b_hi): SW, byte i of the step's scale words sgw / s8w, else loaded; VEC,
+    word i of the step's transposed quads qg / q8 (`_quad_words`), else loaded."""
     ok = okr & (bl < b_hi)
-    wg = tl.load(wg_rows + 4 * bl + t, mask=ok, other=0)
-    w8 = tl.load(w8_rows + 4 * bl + t, mask=ok, other=0)
+    if VEC:
+        wg = _pick4(qg[0], qg[1], qg[2], qg[3], i)
+        w8 = _pick4(q8[0], q8[1], q8[2], q8[3], i)
+    else:
+        wg = tl.load(wg_rows + 4 * bl + t, mask=ok, other=0)
+        w8 = tl.load(w8_rows + 4 * bl + t, mask=ok, other=0)
     if SW:
         return wg, w8, tl.where(ok, (sgw >> (8 * i)) & 255, 0), tl.where(ok, (s8w >> (8 * i)) & 255, 0)
     else:
@@ -164,30 +222,43 @@ def _block_sums(acc0, acc1, acc2, acc3, wg, w8, sgb, s8b, xrow, xfa, xfb, bl, b_
 
 @triton.jit
 def _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, xrow, xfa, xfb, b_lo, b_hi, t, NW: tl.constexpr,
-               BB: tl.constexpr, ONE: tl.constexpr, ASM: tl.constexpr, SW: tl.constexpr = False):
+               BB: tl.constexpr, ONE: tl.constexpr, ASM: tl.constexpr, SW: tl.constexpr = False,
+               VEC: tl.constexpr = False):
     """Per lane (g, t) the fp32 dots of rows g and g + 8 (word pointers wg_rows / w8_rows at their
     first word, scale bytes sg_rows / s8_rows) with the activations of columns 2t and 2t + 1 over
     blocks b_lo .. b_hi: (row g col 2t, row g col 2t + 1, row g + 8 col 2t, row g + 8 col 2t + 1).
     xrow: per lane, column g's codes as int32 pairs from the lane's first pair (4t); xfa / xfb:
     the block scales of columns 2t / 2t + 1. ONE: a single column (the second pair stays 0).
     BB blocks a step. SW (BB == 4, the rows' scale bytes 4-aligned at every step): a step's four
-    scale bytes of a row come in one int32 load, not four byte loads. (Loading a step's words and
+    scale bytes of a row come in one int32 load, not four byte loads. VEC (BB == 4, rows 16-byte
+    aligned, slices of whole steps): each lane loads 16 bytes of its row a step (block b0 + t
+    whole: one load where the lane layout takes four), and the quad's transpose
+    (`_quad_words`) hands every lane word t of each of the 4 blocks. (Loading a step's words and
     scales one step ahead, carried in registers, measured no faster on the H200:
     benchmarks/RESULTS.md, session fifteen.)"""
     acc0 = tl.zeros((NW * 32,), dtype=tl.float32)
     acc1 = tl.zeros((NW * 32,), dtype=tl.float32)
     acc2 = tl.zeros((NW * 32,), dtype=tl.float32)
     acc3 = tl.zeros((NW * 32,), dtype=tl.float32)
+    four = tl.arange(0, 4)
     for b0 in range(b_lo, b_hi, BB):
         sgw = 0
         s8w = 0
+        qg = (0, 0, 0, 0)
+        q8 = (0, 0, 0, 0)
+        if VEC:
+            okv = (okr & (b0 + t < b_hi))[:, None]
+            pg = tl.multiple_of(wg_rows + 4 * (b0 + t), 16)  # (16-byte rows: the launcher's condition)
+            p8 = tl.multiple_of(w8_rows + 4 * (b0 + t), 16)
+            qg = _quad_words(tl.load(pg[:, None] + four[None, :], mask=okv, other=0), NW, ASM)
+            q8 = _quad_words(tl.load(p8[:, None] + four[None, :], mask=okv, other=0), NW, ASM)
         if SW:
             ok0 = okr & (b0 < b_hi)
             sgw = tl.load((sg_rows + b0).to(tl.pointer_type(tl.int32)), mask=ok0, other=0)
             s8w = tl.load((s8_rows + b0).to(tl.pointer_type(tl.int32)), mask=ok0, other=0)
         for i in tl.static_range(BB):
-            wg, w8, sgb, s8b = _block_words(wg_rows, w8_rows, sg_rows, s8_rows, okr, b0 + i, b_hi, t, sgw, s8w, i,
-                                            SW)
+            wg, w8, sgb, s8b = _block_words(wg_rows, w8_rows, sg_rows, s8_rows, okr, b0 + i, b_hi, t, sgw, s8w, qg,
+                                            q8, i, SW, VEC)
             acc0, acc1, acc2, acc3 = _block_sums(acc0, acc1, acc2, acc3, wg, w8, sgb, s8b, xrow, xfa, xfb, b0 + i,
                                                  b_hi, NW, ONE, ASM)
     return acc0, acc1, acc2, acc3
@@ -251,7 +322,7 @@ def _last_slice(count_ptr, tile, SPLIT: tl.constexpr, SLICED: tl.constexpr):
 def _mma_up_kernel(xq_ptr, xf_ptr, ids_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_ptr, part_ptr,
                    count_ptr, hq_ptr, hf_ptr, K, I, R, s_stride, bps, limit, TOPK: tl.constexpr, ALIGN: tl.constexpr,
                    BB: tl.constexpr, SPLIT: tl.constexpr, SLICED: tl.constexpr, GROUPED: tl.constexpr,
-                   ASM: tl.constexpr, SW: tl.constexpr = False):
+                   ASM: tl.constexpr, SW: tl.constexpr = False, VEC: tl.constexpr = False):
     """Gate / up sums of rows 32c .. 32c + 31 (c = program_id(1)) for the program's columns
     (`_columns`, 8 at a time) over K slice program_id(2), into part [SPLIT, R, 2, I] by flat row;
     the tile's last slice adds the slices in order and applies the epilogue into h's codes
@@ -278,7 +349,7 @@ def _mma_up_kernel(xq_ptr, xf_ptr, ids_ptr, perm_ptr, bounds_ptr, wts_ptr, w_bas
         acc0, acc1, acc2, acc3 = _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr,
                                             xq_ptr + (fr_g // TOPK) * (K // 2) + 4 * t, xf_ptr + (fr_a // TOPK) * NBK,
                                             xf_ptr + (fr_b // TOPK) * NBK, b_lo, b_hi, t, 4, BB, not GROUPED, ASM,
-                                            SW)
+                                            SW, VEC)
         va = okr & (2 * t < cn)
         vb = okr & (2 * t + 1 < cn)
         pa = part_ptr + (tl.program_id(2) * R + fr_a) * 2 * I + which * I
@@ -326,7 +397,7 @@ def _down_out(y_ptr, part_ptr, sl, R, D, fr, rg, acc, acc8, ok, FINAL: tl.conste
 def _mma_down_kernel(hq_ptr, hf_ptr, ids_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, part_ptr, count_ptr,
                      y_ptr, I, D, R, s_stride, bps, ALIGN: tl.constexpr, NW: tl.constexpr, BB: tl.constexpr,
                      SPLIT: tl.constexpr, SLICED: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr,
-                     SW: tl.constexpr = False):
+                     SW: tl.constexpr = False, VEC: tl.constexpr = False):
     """y[flat row, rows of this program] = bf16(h[flat row] @ w2 rows) for the program's columns
     (8 at a time), 16 rows a warp, K slice program_id(2) (partials [SPLIT, R, D] added in slice
     order by the tile's last slice; module docstring)."""
@@ -346,7 +417,7 @@ def _mma_down_kernel(hq_ptr, hf_ptr, ids_ptr, perm_ptr, bounds_ptr, w_base, s_ba
         fr_b = _flat_row(perm_ptr, start + c0, cn, 2 * t + 1, GROUPED)
         acc0, acc1, acc2, acc3 = _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, hq_ptr + fr_g * (I // 2) + 4 * t,
                                             hf_ptr + fr_a * (I // 32), hf_ptr + fr_b * (I // 32), b_lo, b_hi, t, NW,
-                                            BB, not GROUPED, ASM, SW)
+                                            BB, not GROUPED, ASM, SW, VEC)
         if SLICED:  # the slice's partials
             _down_out(y_ptr, part_ptr, tl.program_id(2), R, D, fr_a, rg, acc0, acc2, okr & (2 * t < cn), False)
             if GROUPED:
@@ -373,14 +444,16 @@ def _mma_down_kernel(hq_ptr, hf_ptr, ids_ptr, perm_ptr, bounds_ptr, w_base, s_ba
 
 
 def mma_moe(x, flat_ids, wts, table_args, limit, topk, *, num_warps_down=None, bb=None, split_up=None,
-            split_down=None, grouped=None, scale_words=None):
+            split_down=None, grouped=None, scale_words=None, vec_words=None):
     """Steps 1-3 of the module docstring for x [T, d] (T <= MMA_MAX_T a program per routed row; any T
     grouped, an expert's rows 8 columns a pass): y [R, d] fp32 (each expert
     output rounded to bf16), for `moe_rows.rows_moe` to combine. Widths: `mma_fits`. split_up /
     split_down: K slices of the two kernels (default `MMA_SPLITS`); grouped: a program per expert
     with its rows as MMA columns (default from GROUPED_MIN_T tokens) instead of one per routed row;
     scale_words: a step's scale bytes in one int32 load per row where the layout allows it
-    (`_cols_sums`' SW; default MMA_TILES["scale_words"])."""
+    (`_cols_sums`' SW; default MMA_TILES["scale_words"]); vec_words: 16-byte weight loads and the
+    quad transpose where the layout allows it (`_cols_sums`' VEC), a bool for both kernels or
+    (gate/up, down) (default MMA_TILES["vec_words"])."""
     from .launch import interpreting, tile_counters
     from .moe_grouped import sort_rows
 
@@ -388,6 +461,8 @@ def mma_moe(x, flat_ids, wts, table_args, limit, topk, *, num_warps_down=None, b
     nwd = num_warps_down or MMA_TILES["num_warps_down"]
     bb = bb or MMA_TILES["bb"]
     sw = MMA_TILES["scale_words"] if scale_words is None else bool(scale_words)
+    vec = MMA_TILES["vec_words"] if vec_words is None else vec_words
+    vec = (bool(vec), bool(vec)) if isinstance(vec, bool) else tuple(map(bool, vec))
     r = flat_ids.numel()
     t = r // topk
     grouped = t >= GROUPED_MIN_T if grouped is None else grouped
@@ -420,12 +495,17 @@ def mma_moe(x, flat_ids, wts, table_args, limit, topk, *, num_warps_down=None, b
     # offsets 16-aligned, rows and slices of whole steps)
     sw_up = sw and bb == 4 and align >= 4 and s_up % 4 == 0 and (d // 32) % 4 == 0
     sw_down = sw and bb == 4 and align >= 4 and s_down % 4 == 0 and (inter // 32) % 4 == 0
+    # 16-byte word loads: 4-block steps, the matrices 16-byte aligned (table offsets, rows of
+    # whole steps: K / 32 a multiple of 4)
+    vec_up = vec[0] and bb == 4 and align >= 16 and (d // 32) % 4 == 0
+    vec_down = vec[1] and bb == 4 and align >= 16 and (inter // 32) % 4 == 0
     kw = {} if interp else {"num_warps": 4}
     _mma_up_kernel[(n0, n_up, su)](xq.view(torch.int32), xf, flat_ids, perm, bounds, wts, w_base, s_base, table, part,
                                    counts, hq, hf, d, inter, r, s_up, bps_up, float(limit), TOPK=topk, ALIGN=align,
-                                   BB=bb, SPLIT=su, SLICED=su > 1, GROUPED=grouped, ASM=not interp, SW=sw_up, **kw)
+                                   BB=bb, SPLIT=su, SLICED=su > 1, GROUPED=grouped, ASM=not interp, SW=sw_up, VEC=vec_up, **kw)
     kw = {} if interp else {"num_warps": nwd}
     _mma_down_kernel[(n0, n_down, sd)](hq.view(torch.int32), hf, flat_ids, perm, bounds, w_base, s_base, table, part_y,
                                        counts, y, inter, d, r, s_down, bps_down, ALIGN=align, NW=nwd, BB=bb, SPLIT=sd,
-                                       SLICED=sd > 1, GROUPED=grouped, ASM=not interp, SW=sw_down, **kw)
+                                       SLICED=sd > 1, GROUPED=grouped, ASM=not interp, SW=sw_down, VEC=vec_down,
+                                       **kw)
     return y
