@@ -39,7 +39,8 @@ LIN_VARIANTS = [("fold", "fold"), ("xscale", "xscale"), ("place", "place"), ("fp
                 ("fp16mma", "fp16mma"), ("fp8mma waves8", "fp8mma:waves=8")]
 # --variants: the one-row "rows" kernel and tile settings of "xscale" (dense8)
 LIN_VARIANTS_ROWS = [("xscale", "xscale"), ("xs bk256", "xscale:bk=256"), ("rows", "rows"), ("rows w8", "rows:warps=8"),
-                     ("rows wv8", "rows:waves=8"), ("rows rs2", "rows:rs=2")]
+                     ("rows wv8", "rows:waves=8"), ("rows rs2", "rows:rs=2"), ("rowmma", "rowmma"),
+                     ("rowmma wv8", "rowmma:waves=8"), ("rowmma wv2", "rowmma:waves=2")]
 MMA = ("fp8mma", "fp16mma")  # the paths that also take 9-64 rows
 BIG_M = 64  # batch 64: fold against the MMA variants (xscale / place stop at 8 rows)
 # the fp32-output error of each path against the reference must stay within the tests' bound for

@@ -632,11 +632,16 @@ ROWS_VARIANTS = [dict(rs_up=1), dict(rs_up=4), dict(rs_down=8, rpp_down=64), dic
 # 2026-12-02 ~03:02 UTC (scale words and K split 3 / 3 the default then): T=1 / 2 / 8 default 70.1 /
 # 127.9 / 183.5, without scale words 77.6 / 139.7 / 195.5, 16-byte words in both kernels 72.8 / 122.7 /
 # 173.9 (then made the gate/up kernel's default: moe_rows_mma.MMA_TILES).
+# 2026-12-02 06:13 UTC (the block-diagonal operand at one column a program, `mma_diag`): T=1 / 2
+# default 62.1 / 106.7, diag off 71.5 / 120.4, split 3 / 2 59.7 / 107.3 (then the T=1 default),
+# 2 / 2 62.7 / 116.5, 4 / 4 67.7 / 110.1.
 MMA_VARIANTS = [dict(mma_bb=8, mma_warps_down=8), dict(mma_split_up=2), dict(mma_split_up=4), dict(mma_split_down=2),
                 dict(mma_split_up=2, mma_split_down=2), dict(mma_split_up=4, mma_split_down=2),
                 dict(mma_split_up=3, mma_split_down=3), dict(mma_scale_words=False),
                 dict(mma_scale_words=False, mma_split_up=2, mma_split_down=2), dict(mma_vec_words=True),
-                dict(mma_vec_words=False), dict(mma_vec_words=True, mma_split_up=2, mma_split_down=2)]
+                dict(mma_vec_words=False), dict(mma_vec_words=True, mma_split_up=2, mma_split_down=2),
+                dict(mma_diag=False), dict(mma_diag=False, mma_vec_words=True), dict(mma_split_up=4, mma_split_down=4),
+                dict(mma_split_up=4, mma_split_down=3)]
 
 
 # At 3..8 tokens (a program per expert by default): the other layout, K slices.

@@ -194,12 +194,15 @@ def test_linear_rowmma_path(dev, m, rng):
     """The register-fed MMA kernel (`row_mma`): N = 72 / 100 (partial 16-row groups, a partial
     scale row), K = 96 / 160 / 224 (3, 5, 7 blocks: partial loop steps); 1 / 2 / 4 / 8 warps,
     1 / 2 / 4 blocks a step, no split, split-K 2 and 3 (partials and the last-slice sum), tokens
-    1..8 sharing one MMA column set; bf16 and fp32 outputs, each poisoned first. Under the
-    interpreter the MMA is emulated lane by lane, so this checks the fragment bookkeeping."""
+    1..8 sharing one MMA column set; bf16 and fp32 outputs, each poisoned first. K = 256 / 384
+    (whole 4-block steps): one token takes the block-diagonal operand (`_diag_step`), one slice
+    and three. Under the interpreter the MMA is emulated lane by lane, so this checks the
+    fragment bookkeeping."""
     from dsv41.npu_ops.triton import row_mma
 
     for n, k, tiles in ((72, 96, {}), (100, 160, {"num_warps": 2, "bb": 2, "split_k": 2}),
-                        (72, 224, {"num_warps": 1, "bb": 4, "split_k": 3}), (40, 160, {"num_warps": 8, "bb": 1})):
+                        (72, 224, {"num_warps": 1, "bb": 4, "split_k": 3}), (40, 160, {"num_warps": 8, "bb": 1}),
+                        (72, 256, {}), (100, 384, {"num_warps": 2, "split_k": 3})):
         x = (torch.randn(m, k, generator=rng) * 3).to(torch.bfloat16)
         w, s = weight("fp8", n, k, rng)
         for out_dtype in (torch.bfloat16, torch.float32):
@@ -300,7 +303,8 @@ def test_e4m3_placement_ptx_every_code():
 def test_fp8_decode_switch(monkeypatch):
     """DSV41_FP8_DECODE: mode and tile settings parsed once, bad values one clear error, and the
     default dispatch of FP8 weights at M <= XS_MAX_M follows it (more rows keep the fold path);
-    unset, "rows" with `rows_tiles` by K (xscale from ROWS_MAX_K)."""
+    unset, "rows" with `rows_tiles` by K (the register-fed MMA kernel from ROWMMA_MIN_K at whole
+    4-block steps, else xscale from ROWS_MAX_K); "rowdiag": that kernel at one row and any such K."""
     assert bl.parse_fp8_decode("place:bn=128,waves=8,stages=3") == (
         "place", {"bn": 128, "waves": 8, "num_stages": 3})
     assert bl.parse_fp8_decode("") == ("fold", {})
@@ -343,11 +347,25 @@ def test_fp8_decode_switch(monkeypatch):
     monkeypatch.setattr(bl, "_FP8_DECODE", [])
     monkeypatch.delenv("DSV41_FP8_DECODE")  # the default: "rows" with the measured tiles by K
     assert bl.fp8_decode_mode() == ("rows", {})
-    for k, want in ((1280, {}), (2304, {"rs": 2, "waves": 8}), (5120, {"rs": 2}), (bl.ROWS_MAX_K, None)):
+    mma = []
+    monkeypatch.setattr(bl.row_mma, "launch_row_mma", lambda *a, **kw: mma.append(kw))
+    for k, want in ((1280, {}), (2304, {"rs": 2, "waves": 8}), (5120, {"rs": 2}), (6144, "mma"), (8192, "mma"),
+                    (6176, None), (bl.ROWS_MAX_K + 32, None)):
         wk, sk = quant.fp8_block_quant(torch.randn(32, k))
-        rows.clear(), xs.clear()
+        rows.clear(), xs.clear(), mma.clear()
         bl.linear(torch.randn(1, k).to(torch.bfloat16), wk, sk)
-        assert (rows, xs) == (([want], []) if want is not None else ([], [{"place": False, "qdq_row": None}]))
+        if want == "mma":
+            assert (rows, xs, mma) == ([], [], [{}]), k
+        else:
+            assert (rows, mma) == (([want], []) if want is not None else ([], [])), k
+            assert xs == ([] if want is not None else [{"place": False, "qdq_row": None}]), k
+    monkeypatch.setattr(bl, "_FP8_DECODE", [])
+    monkeypatch.setenv("DSV41_FP8_DECODE", "rowdiag")
+    for k, n_mma in ((1280, 1), (224, 0)):  # K = 224: not whole 4-block steps, the rows rules (xscale here)
+        wk, sk = quant.fp8_block_quant(torch.randn(32, k))
+        mma.clear()
+        bl.linear(torch.randn(1, k).to(torch.bfloat16), wk, sk)
+        assert len(mma) == n_mma, k
 
 
 @pytest.mark.gpu

@@ -121,6 +121,9 @@ def test_rows_mma_path(dev, t, rng, poisoned):
     check(dev, t, 8, 4, 512, 128, rng, used=5, mma=True, mma_scale_words=True, mma_split_up=2)
     # and the weight words as 16-byte loads transposed across each quad of lanes
     check(dev, t, 8, 4, 512, 128, rng, used=5, mma=True, mma_vec_words=True, mma_split_down=1)
+    check(dev, t, 8, 4, 512, 128, rng, used=5, mma=True, mma_vec_words=True, mma_split_up=4)
+    if t == 1:  # (at one token the defaults take the block-diagonal operand instead of the transpose)
+        check(dev, t, 8, 4, 512, 128, rng, used=5, mma=True, mma_vec_words=True, mma_diag=False)
 
 
 def test_rows_refuses(rng):

@@ -615,12 +615,16 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
         if kind == W_FP8 and m <= FOLD_MAX_M:
             path, xs_tiles = fp8_decode_mode()
             xs_tiles = dict(xs_tiles)
+            if path == "rowdiag":  # one row: the block-diagonal MMA kernel where K is whole 4-block steps
+                path = "rowmma" if m == 1 and k % 128 == 0 else "rows"
             max_m = xs_tiles.pop("max_m", row_mma.MAX_M if path == "rowmma" else
                                  FOLD_MAX_M if path.endswith("mma") else XS_MAX_M)
             if m > max_m or (m > XS_MAX_M and path in ("xscale", "place", "rows")):
                 path, xs_tiles = "fold", {}
             elif path == "rowmma" and (m > row_mma.MAX_M or k % 32):
                 path, xs_tiles = "xscale", {}
+            elif path == "rows" and m == 1 and k >= ROWMMA_MIN_K and k % 128 == 0:
+                path, xs_tiles = "rowmma", {}
             elif path == "rows" and (m > 1 or not rows_fit(k) or k >= ROWS_MAX_K):
                 path, xs_tiles = "xscale", {}
             elif path == "rows":
@@ -770,9 +774,10 @@ def _launch_fold(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_k=N
 XS_MAX_M = 8
 XS = {"bn": 64, "bk": 128, "num_warps": 4, "num_stages": 4, "waves": 4}
 XS_INTERP = {"bn": 64, "bk": 64}
-FP8_DECODE_MODES = ("fold", "xscale", "place", "fp8mma", "fp16mma", "rows", "rowmma")
+FP8_DECODE_MODES = ("fold", "xscale", "place", "fp8mma", "fp16mma", "rows", "rowmma", "rowdiag")
 # "rows" (`_row_gemv_kernel`, the default; M == 1 and K < ROWS_MAX_K only, else "xscale" up to 8
-# rows): whole weight rows streamed on the CUDA cores. Tiles (`rows_tiles`): rows per step and
+# rows; from ROWMMA_MIN_K "rowmma" at one row): whole weight rows streamed on the CUDA cores.
+# Tiles (`rows_tiles`): rows per step and
 # programs per SM by K, from the H200 A/B (benchmarks/dense_ab.py --rows, 2026-12-01, graph time,
 # one row; xscale in brackets): K = 1280: 4 rows a step, 4 waves -- wq_b 32768x1280 17.0 us
 # (23.3), idx_wq_b 4096x1280 4.9 (7.0); K = 2304: 2 rows, 8 waves -- 5120x2304 8.4 (10.0);
@@ -781,6 +786,14 @@ FP8_DECODE_MODES = ("fold", "xscale", "place", "fp8mma", "fp16mma", "rows", "row
 ROWS = {"step_bytes": 8192, "waves": 4, "num_warps": 4}
 ROWS_INTERP = {"step_bytes": 256, "waves": 4}
 ROWS_MAX_K = 8192
+# From this K on, one row in "rows" mode takes the register-fed MMA kernel with its block-diagonal
+# operand (`row_mma`, `_diag_step`; "rowdiag" takes it at every K % 128 == 0). H200 2026-12-02,
+# the mini decode step at batch 1 (graph, per launch; the rowmma figure adds its x-codes launch,
+# ~1.2 us): wo_b 5120x8192 15.5 + 1.1 us against 20.0 on xscale, Engram's wkv 25600x6144 46.7 +
+# 1.2 against 50.5 on rows; below it rows stayed ahead or even (wq_b 32768x1280 14.0 + 1.1
+# against 15.1, wkv 512x5120 5.7 + 1.3 against 4.3, the shared expert's 2304x5120 16.4 + 1.4
+# against 13.6), so "rowdiag" everywhere took 1.892 ms a step against 1.879.
+ROWMMA_MIN_K = 6144
 
 
 def rows_tiles(k: int) -> dict:

@@ -274,14 +274,17 @@ def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
              rpp_down: int | None = None, num_warps: int | None = None, mma: bool | None = None,
              mma_bb: int | None = None, mma_warps_down: int | None = None, mma_split_up: int | None = None,
              mma_split_down: int | None = None, mma_grouped: bool | None = None,
-             mma_scale_words: bool | None = None, mma_vec_words: bool | tuple | None = None) -> torch.Tensor:
+             mma_scale_words: bool | None = None, mma_vec_words: bool | tuple | None = None,
+             mma_diag: bool | None = None) -> torch.Tensor:
     """The rows path for x [T, d] (FP4 experts; T <= ROWS_MAX_T on the CUDA cores, tiles default
     `ROWS_TILES`; on the MMA variant T <= moe_rows_mma.MMA_MAX_T with a program per routed row, any
     T grouped, and by default up to MMA_MAX_T):
     gate/up with its epilogue, down, combine into `out` [T, d] fp32. `mma`: gate/up and down on
     the tensor cores fed from registers (`moe_rows_mma`; CUDA), with its own settings `mma_bb` (K
     blocks a loop step), `mma_warps_down`, `mma_scale_words` (a step's scale bytes in one load),
-    `mma_vec_words` (16-byte weight loads, transposed across lanes; a bool or (gate/up, down)), the K
+    `mma_vec_words` (16-byte weight loads, transposed across lanes; a bool or (gate/up, down)),
+    `mma_diag` (at a program per routed row, the block-diagonal MMA operand in place of that
+    transpose), the K
     slices `mma_split_up` / `mma_split_down` and
     `mma_grouped` (a program per expert, its rows as MMA columns: up to `moe_rows_mma.MMA_MAX_T`
     tokens, where the CUDA-core kernels take ROWS_MAX_T); None (default): compiled on CUDA where its
@@ -309,7 +312,7 @@ def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
 
         y = mma_moe(x, flat_ids, wts, table_args, limit, topk, bb=mma_bb, num_warps_down=mma_warps_down,
                     split_up=mma_split_up, split_down=mma_split_down, grouped=mma_grouped,
-                    scale_words=mma_scale_words, vec_words=mma_vec_words)
+                    scale_words=mma_scale_words, vec_words=mma_vec_words, diag=mma_diag)
     else:
         y = _core_moe(x, flat_ids, wts, table_args, limit, topk, rs_up, rs_down, rpp_down, num_warps, tiles, interp)
     cb = min(1024, triton.next_power_of_2(d))

@@ -1,9 +1,9 @@
 """FP4 routed experts at 1-8 tokens with the multiply-adds on the tensor cores, fed from
 registers (`rows_moe(..., mma=...)`, the rows path's MMA variant and its CUDA default; `row_mma`'s
-scheme for E2M1 weights). H200, mini widths: 70.7 us per layer at one token (K split in three, a
-step's scale bytes in one load) against 94.2 for the CUDA-core rows kernels, 131.6 against 177.7
-at two, 182.5 against fold's 227.1 at eight (benchmarks/RESULTS.md, "FP4 experts at one and two
-tokens on register-fed MMAs" and session fifteen).
+scheme for E2M1 weights). H200, mini widths: 59.7-62.1 us per layer at one token (the
+block-diagonal operand below) against 94.2 for the CUDA-core rows kernels, 106.7 against 177.7 at
+two, 173.9 against fold's 227.1 at eight (benchmarks/RESULTS.md, "FP4 experts at one and two
+tokens on register-fed MMAs", sessions fifteen and sixteen).
 
 The rows kernels (`moe_rows`) spend about 4.5 instructions per weight on the CUDA cores (bit
 placement, an fp16 -> fp32 widening and an FMA per weight). Here each lane builds f16x2 registers
@@ -30,6 +30,13 @@ distinct, so at most T <= MMA_MAX_T rows), so each expert's weight is read once 
    and block scale.
 3. `_mma_down_kernel`, grid (programs, D / (16 NW), K slices): the same over w2 with h, each
    expert output rounded to bf16 into y [R, D]; `moe_experts._combine_kernel` sums a token's slots.
+At a program per routed row (one activation column) the MMA's other 7 columns would repeat it;
+DIAG (`_diag_step_sums`) uses them instead: lane (g, t) keeps its 16 loaded bytes (block b0 + t
+of its rows whole), and the B operand is block diagonal (column n: x's codes of block b0 + n in
+lane (n, n), zero elsewhere), so D's column n sums one block and a 4-block step's 8 MMAs chain in
+the tensor core's accumulator; no transpose, and the scale factors once a step. The row sums are
+totalled across each quad at the end. The gate/up loop went from 286 to 167 sm_90a instructions
+a step (72 to 42 a block), down from 279 to 180.
 Both kernels can split K (`MMA_SPLITS` by token count): each slice stores fp32 partials and the
 tile's last slice (a counter of `launch.tile_counters`) adds them in slice order before the
 epilogue (deterministic). At one token the split doubles the warps streaming weights, which is
@@ -50,7 +57,7 @@ import triton.language as tl
 from .block_scaled import bf16_round, e2m1_value, e8m0_value, fp8_exponent, fp8_round, pow2
 from . import moe_rows
 from .moe_rows import GROUP, _row_ptrs
-from .row_mma import _pick, _x_column, x_codes
+from .row_mma import _cols4, _diag_factors, _pick, _pick4, _quad_total, _x_column, mma_asm, x_codes
 from .swiglu import expert_act
 
 # scale_words: a loop step's four scale bytes of a row in one int32 load (`_cols_sums`' SW). H200
@@ -64,7 +71,11 @@ from .swiglu import expert_act
 # kernels so T=1 72.8 us (70.1 without), T=2 122.7 (127.9), T=8 173.9 (183.5); in the mini decode
 # step (graph, 6 layers) the gate/up kernel 294.7 -> 273.4 us at batch 1 and 706.7 -> 645.2 at
 # batch 8, the down kernel 151.1 -> 172.5 at batch 1 (336.7 / 336.3 at batch 8): gate/up only.
-MMA_TILES = {"num_warps_down": 4, "bb": 4, "scale_words": True, "vec_words": (True, False)}
+# diag (`_diag_step_sums`, at one column a program), H200 2026-12-02 06:13 UTC, whole op: T=1 62.1
+# us (71.5 without), T=2 106.7 (120.4); kernels at T=1 gate/up 35.3 us (44-45 before), down 21.4
+# (25.7); the mini decode step (graph) 1.959 -> 1.902 ms at batch 1. (The 16-byte loads alone with
+# the step's x scales in one load and 2^14 once per block: T=1 71.5 / T=2 120.4, the VEC row.)
+MMA_TILES = {"num_warps_down": 4, "bb": 4, "scale_words": True, "vec_words": (True, False), "diag": True}
 # K slices (gate/up, down) by token count. H200 2026-12-01 ~20:10 UTC, graph replay, 16 FP4 experts
 # 5120 x 2304, top-6 (benchmarks/RESULTS.md, "FP4 experts at one and two tokens on register-fed MMAs"):
 # T=1 no split 92.5 us, up 2 80.9, down 2 88.0, 2 / 2 76.1, 3 / 3 78.2, 4 / 2 82.4 (rows kernels
@@ -73,7 +84,10 @@ MMA_TILES = {"num_warps_down": 4, "bb": 4, "scale_words": True, "vec_words": (Tr
 # 3 / 3 163.7 (fold 188.5); T=4 183.5, 169.0, 166.2 (fold 181.1); T=8 223.6, 197.5, 189.9 (fold
 # 230.5); one program per routed row instead: 187.6 / 251.4 / 422.3.
 # With scale words (2026-12-02): T=1 3 / 3 70.7 us against 2 / 2 76.9; T=2 3 / 3 131.6 against 1 / 1 136.1.
-MMA_SPLITS = {1: (3, 3), 2: (3, 3), 3: (3, 3), 4: (3, 3), 5: (3, 3), 6: (3, 3), 7: (3, 3), 8: (3, 3)}
+# With diag (06:13): T=1 3 / 2 59.7 us against 3 / 3 62.1, 2 / 2 62.7, 4 / 4 67.7 (the down kernel's
+# 50 registers allow 9 programs an SM: 3 slices of 480 programs are 1.21 waves, 2 fit in one);
+# T=2 3 / 3 106.7 against 3 / 2 107.3, 4 / 4 110.1.
+MMA_SPLITS = {1: (3, 2), 2: (3, 3), 3: (3, 3), 4: (3, 3), 5: (3, 3), 6: (3, 3), 7: (3, 3), 8: (3, 3)}
 MMA_MAX_T = 8  # the MMA's n: an expert's rows in one pass (the routed experts of a token are distinct)
 GROUPED_MIN_T = 3  # from here a program per expert (its rows as MMA columns), below one per routed row
 
@@ -88,20 +102,20 @@ def mma_fits(inter: int, d: int, num_warps_down: int = MMA_TILES["num_warps_down
 # `_E2M1_ASM`): l holds the fp16 high bytes of the even elements, h of the odd ones; prmt 0x1404
 # pairs bytes 0, 1 and 0x3424 bytes 2, 3, giving (0, 2), (4, 6) from l and (1, 3), (5, 7) from h.
 # Outputs: D[g, 2t], D[g, 2t + 1], D[g + 8, 2t], D[g + 8, 2t + 1].
-_MMA4_ASM = tl.constexpr("""{
+_MMA4_BODY = """
 .reg .b32 a, b, l, h, p0, p1, p2, p3, q0, q1, q2, q3;
-.reg .f32 d0, d1, d2, d3, z;
-mov.f32 z, 0f00000000;
 shl.b32 a, $4, 1; and.b32 a, a, 0x0E0E0E0E; shl.b32 b, $4, 4; and.b32 b, b, 0x80808080; or.b32 l, a, b;
 shr.b32 a, $4, 3; and.b32 a, a, 0x0E0E0E0E; and.b32 b, $4, 0x80808080; or.b32 h, a, b;
 prmt.b32 p0, l, 0, 0x1404; prmt.b32 p1, l, 0, 0x3424; prmt.b32 p2, h, 0, 0x1404; prmt.b32 p3, h, 0, 0x3424;
 shl.b32 a, $5, 1; and.b32 a, a, 0x0E0E0E0E; shl.b32 b, $5, 4; and.b32 b, b, 0x80808080; or.b32 l, a, b;
 shr.b32 a, $5, 3; and.b32 a, a, 0x0E0E0E0E; and.b32 b, $5, 0x80808080; or.b32 h, a, b;
 prmt.b32 q0, l, 0, 0x1404; prmt.b32 q1, l, 0, 0x3424; prmt.b32 q2, h, 0, 0x1404; prmt.b32 q3, h, 0, 0x3424;
-mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {p0, q0, p1, q1}, {$6, $7}, {z, z, z, z};
+mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {p0, q0, p1, q1}, {$6, $7}, {d0, d1, d2, d3};
 mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {p2, q2, p3, q3}, {$8, $9}, {d0, d1, d2, d3};
 mov.b32 $0, d0; mov.b32 $1, d1; mov.b32 $2, d2; mov.b32 $3, d3;
-}""")
+}"""
+_MMA4_ASM = mma_asm(_MMA4_BODY)
+_MMA4C_ASM = mma_asm(_MMA4_BODY, 10)  # the same onto D given in $10 .. $13 (`_diag_step_sums`' chain)
 
 
 @triton.jit
@@ -149,9 +163,7 @@ def _quad_words(v, NW: tl.constexpr, ASM: tl.constexpr):
     by `_QUAD_T_ASM`; under the interpreter by a transpose of the [quad, t, word] view."""
     if not ASM:
         v = tl.reshape(tl.permute(tl.reshape(v, (NW * 8, 4, 4)), (0, 2, 1)), (NW * 32, 4))
-    a, b = tl.split(tl.reshape(v, (NW * 32, 2, 2)))
-    v0, v2 = tl.split(a)
-    v1, v3 = tl.split(b)
+    v0, v1, v2, v3 = _cols4(v, NW)
     if ASM:
         v0, v1, v2, v3 = tl.inline_asm_elementwise(
             _QUAD_T_ASM, "=r,=r,=r,=r,r,r,r,r", [v0, v1, v2, v3],
@@ -160,31 +172,12 @@ def _quad_words(v, NW: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _pick4(a, b, c, d, i: tl.constexpr):
-    """a, b, c or d by the compile-time index i."""
-    if i == 0:
-        return a
-    elif i == 1:
-        return b
-    elif i == 2:
-        return c
-    else:
-        return d
-
-
-@triton.jit
-def _block_words(wg_rows, w8_rows, sg_rows, s8_rows, okr, bl, b_hi, t, sgw, s8w, qg, q8, i: tl.constexpr,
-                 SW: tl.constexpr, VEC: tl.constexpr):
+def _block_words(wg_rows, w8_rows, sg_rows, s8_rows, okr, bl, b_hi, t, sgw, s8w, i: tl.constexpr, SW: tl.constexpr):
     """Block bl's weight words of rows g / g + 8 (code quarter t) and their E8M0 scale bytes as
-    int32 (zeros past b_hi): SW, byte i of the step's scale words sgw / s8w, else loaded; VEC,
-    word i of the step's transposed quads qg / q8 (`_quad_words`), else loaded."""
+    int32 (zeros past b_hi): SW, byte i of the step's scale words sgw / s8w, else loaded."""
     ok = okr & (bl < b_hi)
-    if VEC:
-        wg = _pick4(qg[0], qg[1], qg[2], qg[3], i)
-        w8 = _pick4(q8[0], q8[1], q8[2], q8[3], i)
-    else:
-        wg = tl.load(wg_rows + 4 * bl + t, mask=ok, other=0)
-        w8 = tl.load(w8_rows + 4 * bl + t, mask=ok, other=0)
+    wg = tl.load(wg_rows + 4 * bl + t, mask=ok, other=0)
+    w8 = tl.load(w8_rows + 4 * bl + t, mask=ok, other=0)
     if SW:
         return wg, w8, tl.where(ok, (sgw >> (8 * i)) & 255, 0), tl.where(ok, (s8w >> (8 * i)) & 255, 0)
     else:
@@ -193,74 +186,158 @@ def _block_words(wg_rows, w8_rows, sg_rows, s8_rows, okr, bl, b_hi, t, sgw, s8w,
 
 
 @triton.jit
-def _block_sums(acc0, acc1, acc2, acc3, wg, w8, sgb, s8b, xrow, xfa, xfb, bl, b_hi, NW: tl.constexpr,
-                ONE: tl.constexpr, ASM: tl.constexpr):
-    """The accumulators plus block bl's sums (`_block_words`' values) times their factors."""
-    four = tl.arange(0, 4)
-    bok = bl < b_hi
-    xa, xb = tl.split(tl.reshape(tl.load(xrow[:, None] + 16 * bl + four[None, :], mask=bok, other=0),
-                                 (NW * 32, 2, 2)))
+def _mma_block(acc0, acc1, acc2, acc3, wg, w8, xq, fg, f8, fbg, fb8, NW: tl.constexpr, ONE: tl.constexpr,
+               ASM: tl.constexpr):
+    """The accumulators plus one block's MMA sums of the words wg / w8 with the lane's x codes xq
+    [NW * 32, 4] (int32 f16 pairs), times the factors of (row g, row g + 8) x (column 2t, 2t + 1)."""
+    xa, xb = tl.split(tl.reshape(xq, (NW * 32, 2, 2)))
     x0, x2 = tl.split(xa)
     x1, x3 = tl.split(xb)
-    sg = e8m0_value(sgb) * 16384.0
-    s8 = e8m0_value(s8b) * 16384.0
-    fa = tl.load(xfa + bl, mask=bok, other=0.0)
     if ASM:
         c0, c1, c2, c3 = tl.inline_asm_elementwise(
             _MMA4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r", [wg, w8, x0, x1, x2, x3],
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
     else:
         c0, c1, c2, c3 = _mma4_emulated(wg, w8, x0, x1, x2, x3, NW)
-    acc0 += c0 * (fa * sg)
-    acc2 += c2 * (fa * s8)
+    acc0 += c0 * fg
+    acc2 += c2 * f8
     if not ONE:
-        fb = tl.load(xfb + bl, mask=bok, other=0.0)
-        acc1 += c1 * (fb * sg)
-        acc3 += c3 * (fb * s8)
+        acc1 += c1 * fbg
+        acc3 += c3 * fb8
     return acc0, acc1, acc2, acc3
 
 
 @triton.jit
-def _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, xrow, xfa, xfb, b_lo, b_hi, t, NW: tl.constexpr,
+def _block_sums(acc0, acc1, acc2, acc3, wg, w8, sgb, s8b, xrow, xfa, xfb, bl, b_hi, NW: tl.constexpr,
+                ONE: tl.constexpr, ASM: tl.constexpr):
+    """The accumulators plus block bl's sums (`_block_words`' values) times their factors."""
+    bok = bl < b_hi
+    xq = tl.load(xrow[:, None] + 16 * bl + tl.arange(0, 4)[None, :], mask=bok, other=0)
+    sg = e8m0_value(sgb) * 16384.0
+    s8 = e8m0_value(s8b) * 16384.0
+    fa = tl.load(xfa + bl, mask=bok, other=0.0)
+    fb = fa
+    if not ONE:
+        fb = tl.load(xfb + bl, mask=bok, other=0.0)
+    return _mma_block(acc0, acc1, acc2, acc3, wg, w8, xq, fa * sg, fa * s8, fb * sg, fb * s8, NW, ONE, ASM)
+
+
+@triton.jit
+def _vec_step_sums(acc0, acc1, acc2, acc3, wg_rows, w8_rows, sg_rows, s8_rows, okr, xrow, xfa, xfb, b0, t,
+                   NW: tl.constexpr, ONE: tl.constexpr, ASM: tl.constexpr):
+    """VEC: the accumulators plus blocks b0 .. b0 + 3, a slice's whole step (the launcher's
+    condition, so no block of it lies past the slice). Each lane loads 16 bytes of its row (block
+    b0 + t whole) and the quad's transpose (`_quad_words`) hands every lane word t of each block;
+    a row's 4 scale bytes come as one int32 and x's 4 block scales as one 16-byte load (2^14, the
+    placement's factor, multiplied in once per block for both rows); x's codes load unmasked."""
+    four = tl.arange(0, 4)
+    pg = tl.multiple_of(wg_rows + 4 * (b0 + t), 16)  # (16-byte rows: the launcher's condition)
+    p8 = tl.multiple_of(w8_rows + 4 * (b0 + t), 16)
+    qg = _quad_words(tl.load(pg[:, None] + four[None, :], mask=okr[:, None], other=0), NW, ASM)
+    q8 = _quad_words(tl.load(p8[:, None] + four[None, :], mask=okr[:, None], other=0), NW, ASM)
+    # masked rows read scale 0 (e8m0_value: 0.0) beside zero words: no per-block select
+    sgw = tl.load((sg_rows + b0).to(tl.pointer_type(tl.int32)), mask=okr, other=0)
+    s8w = tl.load((s8_rows + b0).to(tl.pointer_type(tl.int32)), mask=okr, other=0)
+    fa = _cols4(tl.load(tl.multiple_of(xfa + b0, 16)[:, None] + four[None, :]) * 16384.0, NW)
+    fb = fa
+    if not ONE:
+        fb = _cols4(tl.load(tl.multiple_of(xfb + b0, 16)[:, None] + four[None, :]) * 16384.0, NW)
+    for i in tl.static_range(4):
+        sg = e8m0_value((sgw >> (8 * i)) & 255)
+        s8 = e8m0_value((s8w >> (8 * i)) & 255)
+        fai = _pick4(fa[0], fa[1], fa[2], fa[3], i)
+        fbi = _pick4(fb[0], fb[1], fb[2], fb[3], i)
+        xq = tl.load(xrow[:, None] + 16 * (b0 + i) + four[None, :])
+        acc0, acc1, acc2, acc3 = _mma_block(acc0, acc1, acc2, acc3, _pick4(qg[0], qg[1], qg[2], qg[3], i),
+                                            _pick4(q8[0], q8[1], q8[2], q8[3], i), xq, fai * sg, fai * s8,
+                                            fbi * sg, fbi * s8, NW, ONE, ASM)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _diag_step_sums(acc0, acc1, acc2, acc3, wg_rows, w8_rows, sg_rows, s8_rows, okr, xblk, xfa, b0, g, t,
+                    NW: tl.constexpr, ASM: tl.constexpr):
+    """DIAG (one column, VEC's conditions): the accumulators plus blocks b0 .. b0 + 3 with the
+    MMA's unused columns separating the blocks instead of a transpose. Lane (g, t) keeps its 16
+    bytes of row g / g + 8 as they load (block b0 + t whole, 4 words), and the B operand is block
+    diagonal: column n holds x's codes of block b0 + n at the K positions of lane t = n (lane
+    (n, n) loads them; every other lane's B is zero). So each MMA's column n sums lane n's
+    products only, one block each, and a step's 8 MMAs chain in the tensor core's fp32
+    accumulator: D[r, n] = block b0 + n's 32-product sum for row r. Lane (g, t < 2) gets columns
+    2t, 2t + 1 (lanes t >= 2: columns 4..7, zero), times their factors into the accumulators.
+    xblk: column 0's codes (int32 f16 pairs) at block 0."""
+    four = tl.arange(0, 4)
+    pg = tl.multiple_of(wg_rows + 4 * (b0 + t), 16)  # (16-byte rows: the launcher's condition)
+    p8 = tl.multiple_of(w8_rows + 4 * (b0 + t), 16)
+    wg = _cols4(tl.load(pg[:, None] + four[None, :], mask=okr[:, None], other=0), NW)
+    w8 = _cols4(tl.load(p8[:, None] + four[None, :], mask=okr[:, None], other=0), NW)
+    sgw = tl.load((sg_rows + b0).to(tl.pointer_type(tl.int32)), mask=okr, other=0)
+    s8w = tl.load((s8_rows + b0).to(tl.pointer_type(tl.int32)), mask=okr, other=0)
+    fa = _cols4(tl.load(tl.multiple_of(xfa + b0, 16)[:, None] + four[None, :]), NW)
+    xw = xblk + 16 * (b0 + t)  # lane (n, n): block b0 + n's codes, word w at 4w
+    d0 = tl.zeros((NW * 32,), dtype=tl.float32)
+    d1 = tl.zeros((NW * 32,), dtype=tl.float32)
+    d2 = tl.zeros((NW * 32,), dtype=tl.float32)
+    d3 = tl.zeros((NW * 32,), dtype=tl.float32)
+    for w in tl.static_range(4):
+        x0, x1, x2, x3 = _cols4(tl.load(xw[:, None] + 4 * w + four[None, :], mask=(g == t)[:, None], other=0), NW)
+        a = _pick4(wg[0], wg[1], wg[2], wg[3], w)
+        b = _pick4(w8[0], w8[1], w8[2], w8[3], w)
+        if ASM:
+            d0, d1, d2, d3 = tl.inline_asm_elementwise(
+                _MMA4C_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r", [a, b, x0, x1, x2, x3, d0, d1, d2, d3],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+        else:
+            c0, c1, c2, c3 = _mma4_emulated(a, b, x0, x1, x2, x3, NW)
+            d0 += c0
+            d1 += c1
+            d2 += c2
+            d3 += c3
+    fa16 = (fa[0] * 16384.0, fa[1] * 16384.0, fa[2] * 16384.0, fa[3] * 16384.0)
+    return _diag_factors(acc0, acc1, acc2, acc3, d0, d1, d2, d3, fa16, sgw, s8w, t)
+
+
+@triton.jit
+def _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, xrow, xfa, xfb, b_lo, b_hi, g, t, NW: tl.constexpr,
                BB: tl.constexpr, ONE: tl.constexpr, ASM: tl.constexpr, SW: tl.constexpr = False,
-               VEC: tl.constexpr = False):
+               VEC: tl.constexpr = False, DIAG: tl.constexpr = False):
     """Per lane (g, t) the fp32 dots of rows g and g + 8 (word pointers wg_rows / w8_rows at their
     first word, scale bytes sg_rows / s8_rows) with the activations of columns 2t and 2t + 1 over
     blocks b_lo .. b_hi: (row g col 2t, row g col 2t + 1, row g + 8 col 2t, row g + 8 col 2t + 1).
     xrow: per lane, column g's codes as int32 pairs from the lane's first pair (4t); xfa / xfb:
     the block scales of columns 2t / 2t + 1. ONE: a single column (the second pair stays 0).
     BB blocks a step. SW (BB == 4, the rows' scale bytes 4-aligned at every step): a step's four
-    scale bytes of a row come in one int32 load, not four byte loads. VEC (BB == 4, rows 16-byte
-    aligned, slices of whole steps): each lane loads 16 bytes of its row a step (block b0 + t
-    whole: one load where the lane layout takes four), and the quad's transpose
-    (`_quad_words`) hands every lane word t of each of the 4 blocks. (Loading a step's words and
-    scales one step ahead, carried in registers, measured no faster on the H200:
-    benchmarks/RESULTS.md, session fifteen.)"""
+    scale bytes of a row come in one int32 load, not four byte loads. VEC (SW, and slices of whole
+    steps over 16-byte rows): `_vec_step_sums`; DIAG (VEC's conditions and ONE): `_diag_step_sums`,
+    and the row sums are totalled across each quad at the end. (Loading a step's words and scales one step
+    ahead, carried in registers, measured no faster on the H200: benchmarks/RESULTS.md, session
+    fifteen.)"""
     acc0 = tl.zeros((NW * 32,), dtype=tl.float32)
     acc1 = tl.zeros((NW * 32,), dtype=tl.float32)
     acc2 = tl.zeros((NW * 32,), dtype=tl.float32)
     acc3 = tl.zeros((NW * 32,), dtype=tl.float32)
-    four = tl.arange(0, 4)
     for b0 in range(b_lo, b_hi, BB):
-        sgw = 0
-        s8w = 0
-        qg = (0, 0, 0, 0)
-        q8 = (0, 0, 0, 0)
-        if VEC:
-            okv = (okr & (b0 + t < b_hi))[:, None]
-            pg = tl.multiple_of(wg_rows + 4 * (b0 + t), 16)  # (16-byte rows: the launcher's condition)
-            p8 = tl.multiple_of(w8_rows + 4 * (b0 + t), 16)
-            qg = _quad_words(tl.load(pg[:, None] + four[None, :], mask=okv, other=0), NW, ASM)
-            q8 = _quad_words(tl.load(p8[:, None] + four[None, :], mask=okv, other=0), NW, ASM)
-        if SW:
-            ok0 = okr & (b0 < b_hi)
-            sgw = tl.load((sg_rows + b0).to(tl.pointer_type(tl.int32)), mask=ok0, other=0)
-            s8w = tl.load((s8_rows + b0).to(tl.pointer_type(tl.int32)), mask=ok0, other=0)
-        for i in tl.static_range(BB):
-            wg, w8, sgb, s8b = _block_words(wg_rows, w8_rows, sg_rows, s8_rows, okr, b0 + i, b_hi, t, sgw, s8w, qg,
-                                            q8, i, SW, VEC)
-            acc0, acc1, acc2, acc3 = _block_sums(acc0, acc1, acc2, acc3, wg, w8, sgb, s8b, xrow, xfa, xfb, b0 + i,
-                                                 b_hi, NW, ONE, ASM)
+        if DIAG:
+            acc0, acc1, acc2, acc3 = _diag_step_sums(acc0, acc1, acc2, acc3, wg_rows, w8_rows, sg_rows, s8_rows, okr,
+                                                     xrow - 4 * t, xfa, b0, g, t, NW, ASM)
+        elif VEC:
+            acc0, acc1, acc2, acc3 = _vec_step_sums(acc0, acc1, acc2, acc3, wg_rows, w8_rows, sg_rows, s8_rows, okr,
+                                                    xrow, xfa, xfb, b0, t, NW, ONE, ASM)
+        else:
+            sgw = 0
+            s8w = 0
+            if SW:
+                ok0 = okr & (b0 < b_hi)
+                sgw = tl.load((sg_rows + b0).to(tl.pointer_type(tl.int32)), mask=ok0, other=0)
+                s8w = tl.load((s8_rows + b0).to(tl.pointer_type(tl.int32)), mask=ok0, other=0)
+            for i in tl.static_range(BB):
+                wg, w8, sgb, s8b = _block_words(wg_rows, w8_rows, sg_rows, s8_rows, okr, b0 + i, b_hi, t, sgw, s8w, i,
+                                                SW)
+                acc0, acc1, acc2, acc3 = _block_sums(acc0, acc1, acc2, acc3, wg, w8, sgb, s8b, xrow, xfa, xfb, b0 + i,
+                                                     b_hi, NW, ONE, ASM)
+    if DIAG:  # a row's blocks are spread over its quad's columns: each lane gets the row's total
+        acc0 = _quad_total(acc0 + acc1, NW)
+        acc2 = _quad_total(acc2 + acc3, NW)
     return acc0, acc1, acc2, acc3
 
 
@@ -322,7 +399,8 @@ def _last_slice(count_ptr, tile, SPLIT: tl.constexpr, SLICED: tl.constexpr):
 def _mma_up_kernel(xq_ptr, xf_ptr, ids_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_ptr, part_ptr,
                    count_ptr, hq_ptr, hf_ptr, K, I, R, s_stride, bps, limit, TOPK: tl.constexpr, ALIGN: tl.constexpr,
                    BB: tl.constexpr, SPLIT: tl.constexpr, SLICED: tl.constexpr, GROUPED: tl.constexpr,
-                   ASM: tl.constexpr, SW: tl.constexpr = False, VEC: tl.constexpr = False):
+                   ASM: tl.constexpr, SW: tl.constexpr = False, VEC: tl.constexpr = False,
+                   DIAG: tl.constexpr = False):
     """Gate / up sums of rows 32c .. 32c + 31 (c = program_id(1)) for the program's columns
     (`_columns`, 8 at a time) over K slice program_id(2), into part [SPLIT, R, 2, I] by flat row;
     the tile's last slice adds the slices in order and applies the epilogue into h's codes
@@ -348,8 +426,8 @@ def _mma_up_kernel(xq_ptr, xf_ptr, ids_ptr, perm_ptr, bounds_ptr, wts_ptr, w_bas
         fr_b = _flat_row(perm_ptr, start + c0, cn, 2 * t + 1, GROUPED)
         acc0, acc1, acc2, acc3 = _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr,
                                             xq_ptr + (fr_g // TOPK) * (K // 2) + 4 * t, xf_ptr + (fr_a // TOPK) * NBK,
-                                            xf_ptr + (fr_b // TOPK) * NBK, b_lo, b_hi, t, 4, BB, not GROUPED, ASM,
-                                            SW, VEC)
+                                            xf_ptr + (fr_b // TOPK) * NBK, b_lo, b_hi, g, t, 4, BB, not GROUPED, ASM,
+                                            SW, VEC, DIAG)
         va = okr & (2 * t < cn)
         vb = okr & (2 * t + 1 < cn)
         pa = part_ptr + (tl.program_id(2) * R + fr_a) * 2 * I + which * I
@@ -397,7 +475,7 @@ def _down_out(y_ptr, part_ptr, sl, R, D, fr, rg, acc, acc8, ok, FINAL: tl.conste
 def _mma_down_kernel(hq_ptr, hf_ptr, ids_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, part_ptr, count_ptr,
                      y_ptr, I, D, R, s_stride, bps, ALIGN: tl.constexpr, NW: tl.constexpr, BB: tl.constexpr,
                      SPLIT: tl.constexpr, SLICED: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr,
-                     SW: tl.constexpr = False, VEC: tl.constexpr = False):
+                     SW: tl.constexpr = False, VEC: tl.constexpr = False, DIAG: tl.constexpr = False):
     """y[flat row, rows of this program] = bf16(h[flat row] @ w2 rows) for the program's columns
     (8 at a time), 16 rows a warp, K slice program_id(2) (partials [SPLIT, R, D] added in slice
     order by the tile's last slice; module docstring)."""
@@ -416,8 +494,8 @@ def _mma_down_kernel(hq_ptr, hf_ptr, ids_ptr, perm_ptr, bounds_ptr, w_base, s_ba
         fr_a = _flat_row(perm_ptr, start + c0, cn, 2 * t, GROUPED)
         fr_b = _flat_row(perm_ptr, start + c0, cn, 2 * t + 1, GROUPED)
         acc0, acc1, acc2, acc3 = _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, hq_ptr + fr_g * (I // 2) + 4 * t,
-                                            hf_ptr + fr_a * (I // 32), hf_ptr + fr_b * (I // 32), b_lo, b_hi, t, NW,
-                                            BB, not GROUPED, ASM, SW, VEC)
+                                            hf_ptr + fr_a * (I // 32), hf_ptr + fr_b * (I // 32), b_lo, b_hi, g, t, NW,
+                                            BB, not GROUPED, ASM, SW, VEC, DIAG)
         if SLICED:  # the slice's partials
             _down_out(y_ptr, part_ptr, tl.program_id(2), R, D, fr_a, rg, acc0, acc2, okr & (2 * t < cn), False)
             if GROUPED:
@@ -444,7 +522,7 @@ def _mma_down_kernel(hq_ptr, hf_ptr, ids_ptr, perm_ptr, bounds_ptr, w_base, s_ba
 
 
 def mma_moe(x, flat_ids, wts, table_args, limit, topk, *, num_warps_down=None, bb=None, split_up=None,
-            split_down=None, grouped=None, scale_words=None, vec_words=None):
+            split_down=None, grouped=None, scale_words=None, vec_words=None, diag=None):
     """Steps 1-3 of the module docstring for x [T, d] (T <= MMA_MAX_T a program per routed row; any T
     grouped, an expert's rows 8 columns a pass): y [R, d] fp32 (each expert
     output rounded to bf16), for `moe_rows.rows_moe` to combine. Widths: `mma_fits`. split_up /
@@ -453,7 +531,9 @@ def mma_moe(x, flat_ids, wts, table_args, limit, topk, *, num_warps_down=None, b
     scale_words: a step's scale bytes in one int32 load per row where the layout allows it
     (`_cols_sums`' SW; default MMA_TILES["scale_words"]); vec_words: 16-byte weight loads and the
     quad transpose where the layout allows it (`_cols_sums`' VEC), a bool for both kernels or
-    (gate/up, down) (default MMA_TILES["vec_words"])."""
+    (gate/up, down) (default MMA_TILES["vec_words"]); diag: at a program per routed row, the
+    block-diagonal B operand in place of the transpose where VEC's layout conditions hold
+    (`_diag_step_sums`; default MMA_TILES["diag"])."""
     from .launch import interpreting, tile_counters
     from .moe_grouped import sort_rows
 
@@ -495,17 +575,21 @@ def mma_moe(x, flat_ids, wts, table_args, limit, topk, *, num_warps_down=None, b
     # offsets 16-aligned, rows and slices of whole steps)
     sw_up = sw and bb == 4 and align >= 4 and s_up % 4 == 0 and (d // 32) % 4 == 0
     sw_down = sw and bb == 4 and align >= 4 and s_down % 4 == 0 and (inter // 32) % 4 == 0
-    # 16-byte word loads: 4-block steps, the matrices 16-byte aligned (table offsets, rows of
-    # whole steps: K / 32 a multiple of 4)
-    vec_up = vec[0] and bb == 4 and align >= 16 and (d // 32) % 4 == 0
-    vec_down = vec[1] and bb == 4 and align >= 16 and (inter // 32) % 4 == 0
+    # 16-byte word loads: scale words' conditions (4-block steps, rows and slices of whole steps)
+    # and the matrices 16-byte aligned (table offsets)
+    vec_up = vec[0] and sw_up and align >= 16
+    vec_down = vec[1] and sw_down and align >= 16
+    diag = (MMA_TILES["diag"] if diag is None else diag) and not grouped
+    diag_up = diag and sw_up and align >= 16
+    diag_down = diag and sw_down and align >= 16
     kw = {} if interp else {"num_warps": 4}
     _mma_up_kernel[(n0, n_up, su)](xq.view(torch.int32), xf, flat_ids, perm, bounds, wts, w_base, s_base, table, part,
                                    counts, hq, hf, d, inter, r, s_up, bps_up, float(limit), TOPK=topk, ALIGN=align,
-                                   BB=bb, SPLIT=su, SLICED=su > 1, GROUPED=grouped, ASM=not interp, SW=sw_up, VEC=vec_up, **kw)
+                                   BB=bb, SPLIT=su, SLICED=su > 1, GROUPED=grouped, ASM=not interp, SW=sw_up, VEC=vec_up,
+                                   DIAG=diag_up, **kw)
     kw = {} if interp else {"num_warps": nwd}
     _mma_down_kernel[(n0, n_down, sd)](hq.view(torch.int32), hf, flat_ids, perm, bounds, w_base, s_base, table, part_y,
                                        counts, y, inter, d, r, s_down, bps_down, ALIGN=align, NW=nwd, BB=bb, SPLIT=sd,
                                        SLICED=sd > 1, GROUPED=grouped, ASM=not interp, SW=sw_down, VEC=vec_down,
-                                       **kw)
+                                       DIAG=diag_down, **kw)
     return y

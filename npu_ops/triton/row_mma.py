@@ -24,6 +24,16 @@ both powers of two) into its fp32 accumulators. K is cut into SPLIT_K slices whe
 few row tiles to fill the device; the slice partials are added in slice order by the program
 that completes a tile (the counters of `launch.tile_counters`; deterministic).
 
+One token (DIAG, `_diag_step`; K in whole 4-block steps): the MMA's 7 other columns would repeat
+the token, so they separate K blocks instead: lane (g, t) loads block b0 + t of its two rows whole
+(two 16-byte loads each) and the B operand is block diagonal (column n holds block b0 + n's x
+codes in lane (n, n), zero elsewhere); column n of D then sums block b0 + n alone, a step's 8 MMAs
+chain in the tensor core's accumulator, and each lane scales its two columns once a step; the
+quads total their rows at the end. sm_90a loop: 104 instructions a 4-block step against 172
+(32 of them the E4M3 conversions). H200, one row in the mini decode step: wo_b 5120x8192 15.5 us
+(+1.1 for the x-codes launch) against 20.0 on xscale, 25600x6144 46.7 against 50.5 on the
+CUDA-core rows kernel; so `linear` takes it at one row from block_linear.ROWMMA_MIN_K.
+
 Numerics: x is FP8-quantised per 32 columns (`_x_codes_kernel`: the E4M3 values of
 `fp8_qdq_groups` before their power-of-two scale, exact in f16; one launch per call), weights are
 E4M3 (exact in f16), every product is exact in the MMA, the block sums are fp32 (tensor-core
@@ -47,7 +57,7 @@ from .launch import interpreting, num_workers, tile_counters
 
 MAX_M = 8  # the MMA's n: tokens that share one read of the weight
 # Launch settings: warps per program (16 rows each), K blocks per loop step, programs per SM.
-TILES = {"num_warps": 4, "bb": 4, "waves": 4}
+TILES = {"num_warps": 4, "bb": 4, "waves": 4, "diag": True}
 X_BLOCKS = 16  # 32-wide blocks of x per program of `_x_codes_kernel`
 
 # Per lane: $4 / $5 the words of row g (codes 8t .. 8t + 3, 8t + 4 .. 8t + 7 of the block), $6 / $7
@@ -55,18 +65,30 @@ X_BLOCKS = 16  # 32-wide blocks of x per program of `_x_codes_kernel`
 # cvt.rn.f16x2.e4m3x2 puts the low byte in the low half: a0 = row g codes (8t, 8t + 1), etc. The
 # first MMA takes K slots 2t, 2t + 1 <- elements 8t, 8t + 1 and slots 2t + 8, 2t + 9 <- 8t + 2,
 # 8t + 3; the second the elements 8t + 4 .. 8t + 7 in the same way.
-_MMA_ASM = tl.constexpr("""{
+_MMA_BODY = """
 .reg .b16 l, h;
 .reg .b32 a0, a1, a2, a3, b0, b1, b2, b3;
-.reg .f32 d0, d1, d2, d3, z;
-mov.f32 z, 0f00000000;
 mov.b32 {l, h}, $4; cvt.rn.f16x2.e4m3x2 a0, l; cvt.rn.f16x2.e4m3x2 a1, h;
 mov.b32 {l, h}, $5; cvt.rn.f16x2.e4m3x2 a2, l; cvt.rn.f16x2.e4m3x2 a3, h;
 mov.b32 {l, h}, $6; cvt.rn.f16x2.e4m3x2 b0, l; cvt.rn.f16x2.e4m3x2 b1, h;
 mov.b32 {l, h}, $7; cvt.rn.f16x2.e4m3x2 b2, l; cvt.rn.f16x2.e4m3x2 b3, h;
-mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {a0, b0, a1, b1}, {$8, $9}, {z, z, z, z};
-mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {a2, b2, a3, b3}, {$10, $11}, {d0, d1, d2, d3};
-}""")
+mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {a0, b0, a1, b1}, {$8, $9}, {d0, d1, d2, d3};
+mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {a2, b2, a3, b3}, {$10, $11}, {d0, d1, d2, d3};
+mov.b32 $0, d0; mov.b32 $1, d1; mov.b32 $2, d2; mov.b32 $3, d3;
+}"""
+
+
+def mma_asm(body: str, d_in: int | None = None) -> tl.constexpr:
+    """An inline-PTX block for `tl.inline_asm_elementwise`: the accumulator registers d0 .. d3
+    zeroed (d_in None) or taken from operands $d_in .. $d_in + 3 (a chain of MMAs across calls),
+    then `body` (its MMAs into d0 .. d3, the outputs $0 .. $3, the closing brace)."""
+    start = ("mov.f32 d0, 0f00000000; mov.f32 d1, 0f00000000; mov.f32 d2, 0f00000000; mov.f32 d3, 0f00000000;"
+             if d_in is None else " ".join(f"mov.b32 d{i}, ${d_in + i};" for i in range(4)))
+    return tl.constexpr("{\n.reg .f32 d0, d1, d2, d3;\n" + start + body)
+
+
+_MMA_ASM = mma_asm(_MMA_BODY)
+_MMAC_ASM = mma_asm(_MMA_BODY, 12)  # the same onto D given in $12 .. $15 (`_diag_step`'s chain)
 
 
 @triton.jit
@@ -118,6 +140,96 @@ def _pick(d, NW: tl.constexpr, ODD: tl.constexpr):
 
 
 @triton.jit
+def _pick4(a, b, c, d, i: tl.constexpr):
+    """a, b, c or d by the compile-time index i."""
+    if i == 0:
+        return a
+    elif i == 1:
+        return b
+    elif i == 2:
+        return c
+    else:
+        return d
+
+
+@triton.jit
+def _cols4(v, NW: tl.constexpr):
+    """The 4 columns of a lane tensor v [NW * 32, 4]."""
+    a, b = tl.split(tl.reshape(v, (NW * 32, 2, 2)))
+    v0, v2 = tl.split(a)
+    v1, v3 = tl.split(b)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _quad_total(v, NW: tl.constexpr):
+    """Every lane of a quad gets the sum of the quad's 4 values of v [NW * 32]."""
+    tot = tl.sum(tl.reshape(v, (NW * 8, 4)), axis=1)
+    return tl.reshape(tl.broadcast_to(tot[:, None], (NW * 8, 4)), (NW * 32,))
+
+
+@triton.jit
+def _diag_factors(acc0, acc1, acc2, acc3, d0, d1, d2, d3, fa, sgw, s8w, t):
+    """The block-diagonal step's sums into the accumulators: lane (g, t) holds D's columns 2u,
+    2u + 1 (u = t & 1; the columns of lanes t >= 2 are zero), blocks b0 + 2u and b0 + 2u + 1 of
+    the step, times x's block scale (fa: the step's 4) and the rows' E8M0 scale bytes (sgw / s8w:
+    the step's 4 of row g / g + 8, one int32 each)."""
+    odd = (t & 1) == 1
+    sh = 16 * (t & 1)  # (u keeps the shifts in range)
+    f0 = tl.where(odd, fa[2], fa[0])
+    f1 = tl.where(odd, fa[3], fa[1])
+    acc0 += d0 * (f0 * e8m0_value((sgw >> sh) & 255))
+    acc1 += d1 * (f1 * e8m0_value((sgw >> (sh + 8)) & 255))
+    acc2 += d2 * (f0 * e8m0_value((s8w >> sh) & 255))
+    acc3 += d3 * (f1 * e8m0_value((s8w >> (sh + 8)) & 255))
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _diag_step(acc0, acc1, acc2, acc3, wg_row, w8_row, okg, ok8, xq_ptr, xf_ptr, s_row, b0, g, t,
+               NW: tl.constexpr, ASM: tl.constexpr):
+    """DIAG (one token): blocks b0 .. b0 + 3 of rows g / g + 8 with the MMA's unused columns
+    separating the blocks. Lane (g, t) loads block b0 + t of both rows whole (32 bytes each) and
+    the B operand is block diagonal: column n holds x's codes of block b0 + n at the K slots of
+    lane t = n (lane (n, n) loads them, every other lane's B is zero), so column n of D sums lane
+    n's products only, and the step's 8 MMAs chain in the tensor core's fp32 accumulator: D[r, n]
+    = block b0 + n's 32-product sum of row r. Rows g and g + 8 share one 32-row scale block."""
+    four = tl.arange(0, 4)
+    pg = tl.multiple_of(wg_row + 8 * (b0 + t), 16)
+    p8 = tl.multiple_of(w8_row + 8 * (b0 + t), 16)
+    # words 0-3 and 4-7 of each row's block as two 16-byte loads (one [lanes, 8] load would be
+    # split through shared memory)
+    ga = _cols4(tl.load(pg[:, None] + four[None, :], mask=okg[:, None], other=0), NW)
+    gb = _cols4(tl.load(pg[:, None] + 4 + four[None, :], mask=okg[:, None], other=0), NW)
+    ea = _cols4(tl.load(p8[:, None] + four[None, :], mask=ok8[:, None], other=0), NW)
+    eb = _cols4(tl.load(p8[:, None] + 4 + four[None, :], mask=ok8[:, None], other=0), NW)
+    sw = tl.load(tl.multiple_of(s_row + b0, 4).to(tl.pointer_type(tl.int32)), mask=okg, other=0)
+    fa = _cols4(tl.load(tl.multiple_of(xf_ptr + b0, 16) + (0 * t)[:, None] + four[None, :]), NW)
+    xw = xq_ptr + 16 * (b0 + t)  # lane (n, n): block b0 + n's x codes, words 2j, 2j + 1 at 4j
+    d0 = tl.zeros((NW * 32,), dtype=tl.float32)
+    d1 = tl.zeros((NW * 32,), dtype=tl.float32)
+    d2 = tl.zeros((NW * 32,), dtype=tl.float32)
+    d3 = tl.zeros((NW * 32,), dtype=tl.float32)
+    for j in tl.static_range(4):
+        x0, x1, x2, x3 = _cols4(tl.load(xw[:, None] + 4 * j + four[None, :], mask=(g == t)[:, None], other=0), NW)
+        a0 = _pick4(ga[0], ga[2], gb[0], gb[2], j)  # words 2j, 2j + 1 of row g
+        a1 = _pick4(ga[1], ga[3], gb[1], gb[3], j)
+        b0w = _pick4(ea[0], ea[2], eb[0], eb[2], j)  # and of row g + 8
+        b1w = _pick4(ea[1], ea[3], eb[1], eb[3], j)
+        if ASM:
+            d0, d1, d2, d3 = tl.inline_asm_elementwise(
+                _MMAC_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r", [a0, a1, b0w, b1w, x0, x1, x2, x3, d0, d1, d2, d3],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+        else:
+            c0, c1, c2, c3 = _mma_emulated(a0, a1, b0w, b1w, x0, x1, x2, x3, NW)
+            d0 += c0
+            d1 += c1
+            d2 += c2
+            d3 += c3
+    return _diag_factors(acc0, acc1, acc2, acc3, d0, d1, d2, d3, fa, sw, sw, t)
+
+
+@triton.jit
 def _mma_emulated(wg0, wg1, w80, w81, x0, x1, x2, x3, NW: tl.constexpr):
     """What `_MMA_ASM` returns, from the same lane registers: D[r, j] = sum over the lanes t of
     row r's 8 values times column j's 8 values; lane (g, t) gets D[g, 2t], D[g, 2t + 1],
@@ -166,10 +278,12 @@ def _finish_lanes(v, tok, row, ok, out_ptr, part_ptr, pid_k, M, N, SPLIT_K: tl.c
 def _row_mma_kernel(xq_ptr, xf_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, s_stride, blocks_per_split,
                     SPLIT_K: tl.constexpr, SLICED: tl.constexpr, OUT_BF16: tl.constexpr, ONE: tl.constexpr,
                     NW: tl.constexpr,
-                    BB: tl.constexpr, ASM: tl.constexpr, PANEL: tl.constexpr = False):
+                    BB: tl.constexpr, ASM: tl.constexpr, PANEL: tl.constexpr = False, DIAG: tl.constexpr = False):
     """out [M, N] = x @ W^T for the program's 16 * NW rows and K slice program_id(1) (module
     docstring). xq: x's f16 codes as int32 pairs [M, K / 2]; xf [M, K / 32] their block scales;
-    w: E4M3 codes as int32 words [N, K / 4]; s: E8M0 [ceil(N / 32), s_stride]. ONE: M == 1."""
+    w: E4M3 codes as int32 words [N, K / 4]; s: E8M0 [ceil(N / 32), s_stride]. ONE: M == 1.
+    DIAG (ONE, BB == 4, 16-byte rows and slices of whole steps): `_diag_step`, the row sums
+    totalled across each quad at the end."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     lane = tl.arange(0, NW * 32)
@@ -204,31 +318,38 @@ def _row_mma_kernel(xq_ptr, xf_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, 
     b_lo = pid_k * blocks_per_split
     b_hi = tl.minimum(NBK, b_lo + blocks_per_split)
     for b0 in range(b_lo, b_hi, BB):
-        for i in tl.static_range(BB):
-            bl = b0 + i
-            bok = bl < b_hi
-            # one 8-byte load per row and one 16-byte load of x per lane (each lane's words are
-            # contiguous: [lanes, 2] / [lanes, 4] tiles, split back into one register per lane)
-            wg0, wg1 = tl.split(tl.load(wg_ptr[:, None] + WSTEP * bl + two[None, :], mask=(okg & bok)[:, None], other=0))
-            w80, w81 = tl.split(tl.load(w8_ptr[:, None] + WSTEP * bl + two[None, :], mask=(ok8 & bok)[:, None], other=0))
-            xa, xb = tl.split(tl.reshape(tl.load(x_row[:, None] + 16 * bl + four[None, :], mask=bok, other=0),
-                                         (NW * 32, 2, 2)))
-            x0, x2 = tl.split(xa)
-            x1, x3 = tl.split(xb)
-            sw = e8m0_value(tl.load(s_row + bl, mask=bok, other=0).to(tl.int32))
-            fa = tl.load(xf_ptr + ta * NBK + bl, mask=bok, other=0.0) * sw
-            if ASM:
-                c0, c1, c2, c3 = tl.inline_asm_elementwise(
-                    _MMA_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [wg0, wg1, w80, w81, x0, x1, x2, x3],
-                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-            else:
-                c0, c1, c2, c3 = _mma_emulated(wg0, wg1, w80, w81, x0, x1, x2, x3, NW)
-            acc0 += c0 * fa
-            acc2 += c2 * fa
-            if not ONE:
-                fb = tl.load(xf_ptr + tb * NBK + bl, mask=bok, other=0.0) * sw
-                acc1 += c1 * fb
-                acc3 += c3 * fb
+        if DIAG:
+            acc0, acc1, acc2, acc3 = _diag_step(acc0, acc1, acc2, acc3, wg_ptr - 2 * t, w8_ptr - 2 * t, okg, ok8, xq_ptr,
+                                                xf_ptr, s_row, b0, g, t, NW, ASM)
+        else:
+            for i in tl.static_range(BB):
+                bl = b0 + i
+                bok = bl < b_hi
+                # one 8-byte load per row and one 16-byte load of x per lane (each lane's words are
+                # contiguous: [lanes, 2] / [lanes, 4] tiles, split back into one register per lane)
+                wg0, wg1 = tl.split(tl.load(wg_ptr[:, None] + WSTEP * bl + two[None, :], mask=(okg & bok)[:, None], other=0))
+                w80, w81 = tl.split(tl.load(w8_ptr[:, None] + WSTEP * bl + two[None, :], mask=(ok8 & bok)[:, None], other=0))
+                xa, xb = tl.split(tl.reshape(tl.load(x_row[:, None] + 16 * bl + four[None, :], mask=bok, other=0),
+                                             (NW * 32, 2, 2)))
+                x0, x2 = tl.split(xa)
+                x1, x3 = tl.split(xb)
+                sw = e8m0_value(tl.load(s_row + bl, mask=bok, other=0).to(tl.int32))
+                fa = tl.load(xf_ptr + ta * NBK + bl, mask=bok, other=0.0) * sw
+                if ASM:
+                    c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                        _MMA_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [wg0, wg1, w80, w81, x0, x1, x2, x3],
+                        dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+                else:
+                    c0, c1, c2, c3 = _mma_emulated(wg0, wg1, w80, w81, x0, x1, x2, x3, NW)
+                acc0 += c0 * fa
+                acc2 += c2 * fa
+                if not ONE:
+                    fb = tl.load(xf_ptr + tb * NBK + bl, mask=bok, other=0.0) * sw
+                    acc1 += c1 * fb
+                    acc3 += c3 * fb
+    if DIAG:  # a row's blocks are spread over its quad's columns: each lane gets the row's total
+        acc0 = _quad_total(acc0 + acc1, NW)
+        acc2 = _quad_total(acc2 + acc3, NW)
     # lane (g, t) holds tokens 2t, 2t + 1 of rows g, g + 8; with one token only t = 0 stores
     va = (2 * t) < M
     vb = (2 * t + 1) < M
@@ -261,9 +382,10 @@ def x_codes(x2: torch.Tensor, perm: bool = False) -> tuple[torch.Tensor, torch.T
 
 def launch_row_mma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *,
                    num_warps: int | None = None, bb: int | None = None, waves: int | None = None,
-                   split_k: int | None = None, panel: bool = False) -> None:
+                   split_k: int | None = None, panel: bool = False, diag: bool | None = None) -> None:
     """out [M, N] (bf16 or fp32) = x2 [M, K] @ dequant(weight)^T for FP8 E4M3 weight [N, K] with
-    E8M0 32x32 block scales, M <= MAX_M, K % 32 == 0 (module docstring)."""
+    E8M0 32x32 block scales, M <= MAX_M, K % 32 == 0 (module docstring). diag: one token's
+    block-diagonal operand (`_diag_step`; default TILES["diag"] where its layout holds)."""
     m, k = x2.shape
     n = weight.shape[0]
     if m > MAX_M or k % 32 or weight.shape[1] != k or not weight.is_contiguous():
@@ -280,6 +402,10 @@ def launch_row_mma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         split_k = max(1, min(triton.cdiv(nbk, bb), triton.cdiv(want, n_tiles)))
     per = bb * triton.cdiv(triton.cdiv(nbk, bb), split_k)  # whole loop steps per slice
     split_k = triton.cdiv(nbk, per)
+    # the block-diagonal step: one token, 4-block steps over 16-byte rows, a row's 4 scale bytes
+    # of a step one aligned int32
+    diag = (TILES["diag"] if diag is None else diag) and m == 1 and bb == 4 and nbk % 4 == 0 and not panel \
+        and weight.data_ptr() % 16 == 0 and scale.shape[1] % 4 == 0 and scale.data_ptr() % 4 == 0
     if split_k > 1:
         part = torch.empty(split_k, m, n, dtype=torch.float32, device=x2.device)
         counts = tile_counters(x2.device, n_tiles)
@@ -290,7 +416,7 @@ def launch_row_mma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     _row_mma_kernel[(n_tiles, split_k)](
         xq.view(torch.int32), xf, weight.view(torch.int32), scale.view(torch.uint8), out_arg, part, counts, m, n, k,
         scale.shape[1], per, SPLIT_K=split_k, SLICED=split_k > 1, OUT_BF16=out.dtype == torch.bfloat16, ONE=m == 1, NW=nw, BB=bb,
-        ASM=not interp, PANEL=panel, **kw)
+        ASM=not interp, PANEL=panel, DIAG=diag, **kw)
 
 
 def panel_weight(weight: torch.Tensor) -> torch.Tensor:

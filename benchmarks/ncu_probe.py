@@ -1,0 +1,61 @@
+"""The batch-1 decode step's largest kernels at mini widths, each launched once inside a profiler
+window, for Nsight Compute's hardware counters: one MoE layer at one token (the routed FP4 MMA
+kernels: 16 experts 5120 x 2304, top-6) and five FP8 linears at one row (wo_b 5120x8192, wq_b
+32768x1280, Engram's wkv 25600x6144, the shared expert's 2304x5120 and 5120x2304). Every call runs
+twice first (compiles, counters), then once between cudaProfilerStart / Stop:
+
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight --section SchedulerStats \\
+        --kernel-name regex:"_mma_up|_mma_down|_row_gemv|_row_mma|_fold_xs" python benchmarks/ncu_probe.py [moe] [lin]
+
+Random weights (seed 0); needs a CUDA device. Timings without ncu: sweep_kernels.py, e2e.py.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def main() -> int:
+    from dsv41.backends.reference import quant
+    from dsv41.npu_ops.triton import block_linear as bl
+    from dsv41.npu_ops.triton import moe_experts as me
+
+    if not torch.cuda.is_available():
+        print("benchmarks/ncu_probe.py needs a CUDA device", file=sys.stderr)
+        return 2
+    which = sys.argv[1:] or ["moe", "lin"]
+    bad = set(which) - {"moe", "lin"}
+    if bad:
+        print(f"ncu_probe.py: unknown part(s) {sorted(bad)} (moe, lin)", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    calls = []
+    if "moe" in which:
+        d, inter, n_exp = 5120, 2304, 16
+        experts = [tuple(quant.fp4_weight_quant(torch.randn(a, b, device="cuda") * b ** -0.5)
+                         for a, b in ((inter, d), (d, inter), (inter, d))) for _ in range(n_exp)]
+        x = torch.randn(1, d, device="cuda").to(torch.bfloat16)
+        ids = torch.randperm(n_exp, device="cuda")[:6][None]
+        wts = torch.rand(1, 6, device="cuda")
+        calls.append(lambda: me.moe_experts(x, wts, ids, experts, 10.0, path="rows", mma=True))
+    if "lin" in which:
+        for n, k in ((5120, 8192), (32768, 1280), (25600, 6144), (2304, 5120), (5120, 2304)):
+            w, s = quant.fp8_block_quant(torch.randn(n, k, device="cuda") * k ** -0.5)
+            xk = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+            calls.append(lambda xk=xk, w=w, s=s: bl.linear(xk, w, s))
+    for c in calls:
+        c()
+        c()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
