@@ -65,7 +65,9 @@ def smoke_shapes() -> None:
 
 def graph_median(calls, reps: int = 15) -> float:
     """Median seconds per call over `reps` replays of one CUDA graph holding every call in
-    `calls` once (warm-up outside the capture, on a side stream, as torch requires)."""
+    `calls` once (warm-up outside the capture, on a side stream, as torch requires, and the capture
+    on that same stream: per-stream state such as `launch.tile_counters` is made eagerly there, a
+    capture cannot allocate it)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -73,7 +75,7 @@ def graph_median(calls, reps: int = 15) -> float:
             c()
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, stream=side):
         for c in calls:
             c()
     torch.cuda.synchronize()

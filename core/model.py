@@ -406,26 +406,39 @@ class MoE(nn.Module):
         cfg = self.cfg
         # image tokens choose with bias_vl (selected inside the router: no [T, E] bias per layer)
         vl = is_image is not None and hasattr(self.gate, "bias_vl")
-        w, ids = ops.moe_route(x, self.gate.weight, self.gate.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor,
-                               cfg.gate_temp, cfg.norm_topk_prob, image_bias=self.gate.bias_vl if vl else None,
-                               is_image=is_image if vl else None)
-        if self.group.world_size > 1:  # local slots; experts of other ranks are skipped (-1)
-            mine = (ids >= self.expert_lo) & (ids < self.expert_lo + len(self.experts))
-            ids = torch.where(mine, ids - self.expert_lo, -1)
         # Expert outputs are summed unrounded (`partial_sum_dtype`: fp64 on the reference; the
         # shared expert on rank 0 only) and rounded once, after the cross-rank sum: on the
         # reference an N-way run equals the one-process run bit for bit.
         acc = ops.partial_sum_dtype(x.device)
-        routed = lambda: ops.moe_experts(x, w, ids, [e.parts() for e in self.experts.values()],  # noqa: E731
-                                         cfg.swiglu_limit, acc)
+
+        def route() -> tuple[torch.Tensor, torch.Tensor]:
+            """The router's weights and expert ids (local slots on a rank of several)."""
+            w, ids = ops.moe_route(x, self.gate.weight, self.gate.bias, cfg.num_experts_per_tok,
+                                   cfg.routed_scaling_factor, cfg.gate_temp, cfg.norm_topk_prob,
+                                   image_bias=self.gate.bias_vl if vl else None, is_image=is_image if vl else None)
+            if self.group.world_size > 1:  # local slots; experts of other ranks are skipped (-1)
+                mine = (ids >= self.expert_lo) & (ids < self.expert_lo + len(self.experts))
+                ids = torch.where(mine, ids - self.expert_lo, -1)
+            return w, ids
+
+        def routed(chosen: tuple | None = None) -> torch.Tensor:
+            """The routed experts' partial sums (routing first unless `chosen` gives it)."""
+            w, ids = chosen if chosen is not None else route()
+            return ops.moe_experts(x, w, ids, [e.parts() for e in self.experts.values()], cfg.swiglu_limit, acc)
+
         if self.group.rank != 0:
             return self.group.all_reduce_sum(routed()).float().to(BF16)
         plat = module_platform(self, x.device)
         on = self.overlap_shared
         if on is None:  # the platform's default: where it was measured to pay (decode sizes on CUDA)
             on = x.shape[0] <= plat.overlap_shared_tokens
-        if on:  # the shared expert on a second stream beside the routed experts
-            shared, y = plat.overlap(lambda: self.shared(x, acc), routed)
+        if on:  # the shared expert on a second stream beside the routed experts, and from two tokens
+            # beside the router too (it needs x only). H200, mini decode step at 4K (graph): batch
+            # 64 6.29 -> 6.13 ms, batch 8 2.99 -> 2.97; at one token the router's latency-bound
+            # launch, slowed by the expert's weight reads beside it (6 -> 14 us), cost more than
+            # it hid (1.86 -> 1.88 ms), so one token routes first.
+            chosen = route() if x.shape[0] == 1 else None
+            shared, y = plat.overlap(lambda: self.shared(x, acc), lambda: routed(chosen))
         else:
             y, shared = routed(), self.shared(x, acc)
         if self.group.world_size == 1 and y.dtype == torch.float32 and y.device.type in ("cuda", "cpu"):

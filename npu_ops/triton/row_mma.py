@@ -56,8 +56,11 @@ from .block_scaled import bf16_bits16, e4m3_byte, e8m0_value, fp8_exponent, fp8_
 from .launch import interpreting, num_workers, tile_counters
 
 MAX_M = 8  # the MMA's n: tokens that share one read of the weight
-# Launch settings: warps per program (16 rows each), K blocks per loop step, programs per SM.
-TILES = {"num_warps": 4, "bb": 4, "waves": 4, "diag": True}
+# Launch settings: warps per program (16 rows each), K blocks per loop step, programs per SM; the
+# K loop unrolled (`tl.range`'s loop_unroll_factor: several steps' loads in one basic block). H200
+# 2026-12-02 (benchmarks/RESULTS.md, "Session seventeen"), one row, graph, unroll 1 / 4: wo_b
+# 5120x8192 13.0 / 12.4 us, 25600x6144 47.9 / 47.2, 32768x1280 11.8 / 11.2; outputs bit-equal.
+TILES = {"num_warps": 4, "bb": 4, "waves": 4, "diag": True, "unroll": 4}
 X_BLOCKS = 16  # 32-wide blocks of x per program of `_x_codes_kernel`
 
 # Per lane: $4 / $5 the words of row g (codes 8t .. 8t + 3, 8t + 4 .. 8t + 7 of the block), $6 / $7
@@ -278,12 +281,13 @@ def _finish_lanes(v, tok, row, ok, out_ptr, part_ptr, pid_k, M, N, SPLIT_K: tl.c
 def _row_mma_kernel(xq_ptr, xf_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, s_stride, blocks_per_split,
                     SPLIT_K: tl.constexpr, SLICED: tl.constexpr, OUT_BF16: tl.constexpr, ONE: tl.constexpr,
                     NW: tl.constexpr,
-                    BB: tl.constexpr, ASM: tl.constexpr, PANEL: tl.constexpr = False, DIAG: tl.constexpr = False):
+                    BB: tl.constexpr, ASM: tl.constexpr, PANEL: tl.constexpr = False, DIAG: tl.constexpr = False,
+                    UF: tl.constexpr = 1):
     """out [M, N] = x @ W^T for the program's 16 * NW rows and K slice program_id(1) (module
     docstring). xq: x's f16 codes as int32 pairs [M, K / 2]; xf [M, K / 32] their block scales;
     w: E4M3 codes as int32 words [N, K / 4]; s: E8M0 [ceil(N / 32), s_stride]. ONE: M == 1.
     DIAG (ONE, BB == 4, 16-byte rows and slices of whole steps): `_diag_step`, the row sums
-    totalled across each quad at the end."""
+    totalled across each quad at the end. UF: the K loop's unroll factor."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     lane = tl.arange(0, NW * 32)
@@ -317,7 +321,7 @@ def _row_mma_kernel(xq_ptr, xf_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, 
     acc3 = tl.zeros((NW * 32,), dtype=tl.float32)
     b_lo = pid_k * blocks_per_split
     b_hi = tl.minimum(NBK, b_lo + blocks_per_split)
-    for b0 in range(b_lo, b_hi, BB):
+    for b0 in tl.range(b_lo, b_hi, BB, loop_unroll_factor=UF):
         if DIAG:
             acc0, acc1, acc2, acc3 = _diag_step(acc0, acc1, acc2, acc3, wg_ptr - 2 * t, w8_ptr - 2 * t, okg, ok8, xq_ptr,
                                                 xf_ptr, s_row, b0, g, t, NW, ASM)
@@ -382,10 +386,12 @@ def x_codes(x2: torch.Tensor, perm: bool = False) -> tuple[torch.Tensor, torch.T
 
 def launch_row_mma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *,
                    num_warps: int | None = None, bb: int | None = None, waves: int | None = None,
-                   split_k: int | None = None, panel: bool = False, diag: bool | None = None) -> None:
+                   split_k: int | None = None, panel: bool = False, diag: bool | None = None,
+                   unroll: int | None = None) -> None:
     """out [M, N] (bf16 or fp32) = x2 [M, K] @ dequant(weight)^T for FP8 E4M3 weight [N, K] with
     E8M0 32x32 block scales, M <= MAX_M, K % 32 == 0 (module docstring). diag: one token's
-    block-diagonal operand (`_diag_step`; default TILES["diag"] where its layout holds)."""
+    block-diagonal operand (`_diag_step`; default TILES["diag"] where its layout holds); unroll: the
+    K loop's unroll factor (default TILES["unroll"]; 1 under the interpreter)."""
     m, k = x2.shape
     n = weight.shape[0]
     if m > MAX_M or k % 32 or weight.shape[1] != k or not weight.is_contiguous():
@@ -413,10 +419,11 @@ def launch_row_mma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         part = counts = out
     out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
     kw = {} if interp else {"num_warps": nw}
+    uf = 1 if interp else int(unroll or TILES["unroll"])
     _row_mma_kernel[(n_tiles, split_k)](
         xq.view(torch.int32), xf, weight.view(torch.int32), scale.view(torch.uint8), out_arg, part, counts, m, n, k,
         scale.shape[1], per, SPLIT_K=split_k, SLICED=split_k > 1, OUT_BF16=out.dtype == torch.bfloat16, ONE=m == 1, NW=nw, BB=bb,
-        ASM=not interp, PANEL=panel, DIAG=diag, **kw)
+        ASM=not interp, PANEL=panel, DIAG=diag, UF=uf, **kw)
 
 
 def panel_weight(weight: torch.Tensor) -> torch.Tensor:
