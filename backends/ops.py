@@ -301,17 +301,18 @@ def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, experts: list, limit: f
     `experts[e]` = ((w1, s1), (w2, s2), (w3, s3)); ids < 0 are skipped (experts held by another
     model-parallel rank). Expert outputs are summed in `out_dtype` (fp32, or fp64 for sums that
     are combined across ranks before rounding; device backends sum in fp32 and return fp32 for
-    the fp64 request). Returns [T, d] of `out_dtype`."""
+    the fp64 request). Returns [T, d] of `out_dtype`, or bf16 when every value is a bf16 value
+    (a device backend's one expert routed top-1, the shared expert: no widening launch)."""
 
 
 @_op
 def engram_gate(x: Tensor, k: Tensor, v: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
                 is_image: Tensor) -> Tensor:
     """Engram's per-stream gated add: x [T, n, d] bf16, keys k [T, n, d] and value v [T, d]
-    (fp32), q_weight / k_weight [n, d] (row s weights stream s);
-    dot_s = sum(rms(k_s) * k_weight[s] * rms(x_s) * q_weight[s]) * d^-0.5 (both RMS-normalised
-    with eps); gate_s = sigmoid(sign(dot_s) sqrt(max(|dot_s|, 1e-6))), 0 on image tokens;
-    x_s + gate_s * v in fp32, cast to x's dtype."""
+    (bf16 or fp32; views of one wkv output, any strides), q_weight / k_weight [n, d] (row s
+    weights stream s); dot_s = sum(rms(k_s) * k_weight[s] * rms(x_s) * q_weight[s]) * d^-0.5
+    (both RMS-normalised with eps); gate_s = sigmoid(sign(dot_s) sqrt(max(|dot_s|, 1e-6))), 0 on
+    image tokens; x_s + gate_s * v in fp32, cast to x's dtype."""
 
 
 @_op(device_arg="rows")

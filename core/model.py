@@ -434,9 +434,9 @@ class MoE(nn.Module):
             on = x.shape[0] <= plat.overlap_shared_tokens
         if on:  # the shared expert on a second stream beside the routed experts, and from two tokens
             # beside the router too (it needs x only). H200, mini decode step at 4K (graph): batch
-            # 64 6.29 -> 6.13 ms, batch 8 2.99 -> 2.97; at one token the router's latency-bound
-            # launch, slowed by the expert's weight reads beside it (6 -> 14 us), cost more than
-            # it hid (1.86 -> 1.88 ms), so one token routes first.
+            # 64 6.29 -> 6.10 ms, batch 8 within the spread (2.97-2.99); at one token the router's
+            # latency-bound launch, slowed by the expert's weight reads beside it (6 -> 14 us),
+            # cost more than it hid (1.86 -> 1.88 ms), so one token routes first.
             chosen = route() if x.shape[0] == 1 else None
             shared, y = plat.overlap(lambda: self.shared(x, acc), lambda: routed(chosen))
         else:
@@ -595,7 +595,7 @@ class Engram(nn.Module):
             e = ops.engram_lookup(self.embed.weight, self.embed.scale, rows)
         else:
             e = self.sharded_lookup(rows)
-        kv = self.wkv(e).float()
+        kv = self.wkv(e)  # (engram_gate widens k and v itself, reading them in place)
         k, v = kv[:, : n * d].reshape(t, n, d), kv[:, n * d:]
         return ops.engram_gate(x, k, v, self.q_weight, self.k_weight, self.cfg.rms_norm_eps, is_image)
 

@@ -135,6 +135,14 @@ def check_mhc_engram(dev, t, d, rng):
     img = torch.rand(t, generator=rng) < 0.3
     got = eg.engram_gate(x.to(dev), k.to(dev), v.to(dev), qw.to(dev), kw.to(dev), 1e-20, img.to(dev))
     assert rel_err(got, basic.engram_gate(x, k, v, qw, kw, 1e-20, img)) < 4e-3
+    # the model's form: bf16 k and v as strided views of one wkv output row [(n + 1) d], read in
+    # place; the same values as widened, contiguous copies of them
+    kv = torch.randn(t, (n + 1) * d, generator=rng).to(torch.bfloat16).to(dev)
+    kb, vb = kv[:, : n * d].reshape(t, n, d), kv[:, n * d:]
+    got = eg.engram_gate(x.to(dev), kb, vb, qw.to(dev), kw.to(dev), 1e-20, img.to(dev))
+    want = eg.engram_gate(x.to(dev), kb.float().contiguous(), vb.float().contiguous(), qw.to(dev), kw.to(dev), 1e-20,
+                          img.to(dev))
+    assert torch.equal(got, want) and rel_err(got, basic.engram_gate(x, kb.cpu(), vb.cpu(), qw, kw, 1e-20, img)) < 4e-3
     with pytest.raises(ValueError, match=rf"q_weight must be \[n_streams, d\] = \[{n}, {d}\]"):
         eg.engram_gate(x.to(dev), k.to(dev), v.to(dev), qw[0].to(dev), kw[0].to(dev), 1e-20, img.to(dev))
 

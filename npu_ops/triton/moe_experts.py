@@ -525,12 +525,14 @@ def _act_rows_kernel(g_ptr, u_ptr, wts_ptr, ids_ptr, h_ptr, I, limit, BLOCK: tl.
     tl.store(h_ptr + row + c, h.to(tl.bfloat16), mask=m)
 
 
-def _one_expert_linears(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert, limit: float,
-                        out: torch.Tensor) -> torch.Tensor:
+def _one_expert_linears(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert,
+                        limit: float) -> torch.Tensor:
     """T rows through one FP8 expert (top-1) as the official expert computes it: w1 and w3 as
     FP8 linears (x FP8-quantised per 32 channels inside, bf16 outputs), the clamped SwiGLU times
-    the routing weight rounded to bf16, w2 as an FP8 linear (h FP8-quantised inside, bf16
-    output), written to the fp32 `out`. The grouped kernels' values up to fp32 summation order."""
+    the routing weight rounded to bf16, w2 as an FP8 linear (h FP8-quantised inside), returned
+    as w2's bf16 output: one expert's sum is its output, a bf16 value, so widening it to fp32 would
+    change nothing and cost a launch (3.2 us a layer at one token on the H200; the MoE's final add
+    takes the bf16 rows as they are). The grouped kernels' values up to fp32 summation order."""
     from .block_linear import linear
 
     (w1, s1), (w2, s2), (w3, s3) = expert
@@ -540,7 +542,7 @@ def _one_expert_linears(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
     block = min(1024, triton.next_power_of_2(inter))
     _act_rows_kernel[(t, -(-inter // block))](g, u, weights.contiguous(), ids.contiguous(), h, inter, float(limit),
                                               BLOCK=block)
-    return out.copy_(linear(h, w2, s2))
+    return linear(h, w2, s2)
 
 
 def _k_slices(k: int, bk: int, want: int) -> tuple[int, int]:
@@ -557,8 +559,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
                 num_stages: int | None = None, path: str | None = None, k_split: tuple[int, int] = (1, 1),
                 serial: bool = False, **grouped) -> torch.Tensor:
     """`ops.moe_experts` on a device: x [T, d], weights / ids [T, k] -> [T, d] fp32 (float64
-    requested: fp32). Keyword tile parameters are for tuning (defaults: TILES / GEMV_TILES);
-    `path` ("linears" / "rows" / "fold" / "gemv" / "tiled" / "grouped") overrides the choice of path (tests, sweeps);
+    requested: fp32; the "linears" path's one expert: bf16, its exact value). Keyword tile
+    parameters are for tuning (defaults: TILES / GEMV_TILES); `path` ("linears" / "rows" / "fold"
+    / "gemv" / "tiled" / "grouped") overrides the choice of path (tests, sweeps);
     "linears" is one FP8 expert routed top-1 (the shared expert) as dense FP8 linears, its CUDA
     default at every T (`linears_pay`);
     "rows" is `moe_rows.rows_moe` (FP4 experts at 1..2 tokens on the CUDA cores, taking the
@@ -599,7 +602,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     if path == "linears":
         if n_exp != 1 or topk != 1 or kind != W_FP8:
             raise ValueError("moe_experts: the linears path takes one FP8 expert routed top-1")
-        return _one_expert_linears(x, weights, ids, experts[0], limit, out)
+        return _one_expert_linears(x, weights, ids, experts[0], limit)
     if path == "grouped":
         from .moe_grouped import grouped_moe
 
