@@ -172,7 +172,7 @@ def compress_kv(kv: Tensor, score: Tensor | None, ratio: int, norm_weight: Tenso
     group with a per-channel softmax over `score` (fp32); then RMSNorm (fp32 math) -> latent
     bf16; RoPE at the entries' positions (cos/sin [G, R/2]); FP4 (E2M1 + E4M3/16) written into
     codes/scales [cap, ...] at `slots` [G]. kv, score [G * ratio, D] fp32 (score None at
-    ratio 1). Returns the un-rotated latent [G, D] bf16 (the indexer key's input)."""
+    ratio 1, where kv may also be bf16: the compressor's matmul output). Returns the un-rotated latent [G, D] bf16 (the indexer key's input)."""
 
 
 @_op

@@ -244,7 +244,8 @@ class Attention(nn.Module):
             ("compress", r, g.table, g.entries_per_block, swa.table, swa.block_size),
             lambda: self._compress_plan(rows, g, swa))
         if r == 1:
-            kv, score = comp.wkv(x).float(), None  # a plain bf16 matmul, no activation quantisation
+            # a plain bf16 matmul, no activation quantisation (compress_kv widens the rows itself)
+            kv, score = comp.wkv(x), None
         else:
             carry = ctx.cache.carry[self.layer_id]
             carry.index_copy_(0, rows.swa_rows(swa),

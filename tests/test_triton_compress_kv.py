@@ -158,6 +158,20 @@ def test_compress_kv_row_strided_inputs(dev, ratio, rng):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+def test_compress_kv_bf16_rows_at_ratio_one(dev, rng):
+    """At ratio 1 kv may be the compressor's bf16 matmul output (the model passes it so): widened
+    as it loads, the same bytes out as from its fp32 copy, on the device and on the reference."""
+    kv, _, weight, cos, sin, codes, scales, slots = make_inputs(rng, 5, 1, 64, 32, cap=12, exact=True)
+    kb = kv.to(torch.bfloat16)
+    pools = lambda: (codes.clone(), scales.clone())  # noqa: E731  (fresh pools: .to("cpu") aliases)
+    got, gc, gs, want, wc, ws = run_both(dev, 1, 1e-20, kb, None, weight, cos, sin, *pools(), slots)
+    wide, cc, cs, _, _, _ = run_both(dev, 1, 1e-20, kb.float(), None, weight, cos, sin, *pools(), slots)
+    assert torch.equal(bits16(got), bits16(wide)) and torch.equal(bits16(got), bits16(want))
+    assert torch.equal(gc, cc) and torch.equal(gc, wc)
+    assert torch.equal(gs.view(torch.uint8), cs.view(torch.uint8)) and torch.equal(gs.view(torch.uint8), ws.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 def test_compress_kv_odd_rows_and_no_groups(dev, rng):
     """ratio 2 with a trailing incomplete group (ignored, as the reference), and zero groups."""
     kv, score, weight, cos, sin, codes, scales, slots = make_inputs(rng, 3, 2, 64, 32, cap=8, exact=True)

@@ -134,7 +134,8 @@ def _tiles(device: torch.device, ratio: int) -> tuple[int, int]:
 
 
 def compress_kv(kv, score, ratio, norm_weight, eps, cos, sin, codes, scales, slots):
-    """`ops.compress_kv`: kv, score [G * ratio, D] fp32 (score None at ratio 1), norm_weight [D],
+    """`ops.compress_kv`: kv, score [G * ratio, D] fp32 (score None at ratio 1, where kv may be bf16:
+    the kernel widens what it loads, so the model's bf16 matmul rows need no copy), norm_weight [D],
     cos / sin [G, R/2] fp32, codes [cap, D/2] uint8, scales [cap, D/16] float8_e4m3fn (or
     uint8), slots [G] -> writes codes[slots] / scales[slots]; returns the latent [G, D] bf16.
     ratio 1 or 2; D a power of two >= 16; R <= D. Requires triton."""
