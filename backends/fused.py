@@ -7,7 +7,8 @@ CPU path computes exactly what it computed before the op existed) and its implem
 backend without a fused kernel of its own (`registry.register_composite`; Ascend runs it so until
 its kernels are vetted on triton-ascend). CUDA registers the Triton kernels
 (`npu_ops/triton/rope_store_kv.py`, `rope_store_key.py`, `unrope_grouped_linear.py`,
-`engram_hash.py`, `mhc_mix_norm.py`, `indexer_queries.py`), tested against these.
+`engram_hash.py`, `mhc_mix_norm.py`, `indexer_queries.py`, `block_linear.py`'s
+`linear_pair`), tested against these.
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ def rope_store_key(key: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos
     """The compressed entries' indexer keys, normed, RoPE'd, MXFP4-quantised, written to the pool."""
     codes, scales = ops.mxfp4_quant(ops.rope(ops.rms_norm(key, norm_weight, eps), cos, sin))
     write_rows((key_codes, key_scale), slots, (codes, scales))
+
+
+@register_composite("linear_pair")
+def linear_pair(x: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tensor | None, weight_b: torch.Tensor,
+                scale_b: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two projections of the same input."""
+    return ops.linear(x, weight_a, scale_a, out_dtype), ops.linear(x, weight_b, scale_b, out_dtype)
 
 
 @register_composite("indexer_queries")  # H200: 2.0 vs 6.7 us at one row, 2.4 vs 7.1 at eight

@@ -231,6 +231,14 @@ def engram_hash(ngram_ids: Tensor, ngram_image: Tensor, token_map: Tensor, multi
 
 
 @_op
+def linear_pair(x: Tensor, weight_a: Tensor, scale_a: Tensor | None, weight_b: Tensor, scale_b: Tensor | None,
+                out_dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor]:
+    """Two projections of the same input in one pass: (linear(x, weight_a, scale_a, out_dtype),
+    linear(x, weight_b, scale_b, out_dtype)) (the attention's wq_a and wkv, the compressor's wkv
+    and wgate)."""
+
+
+@_op
 def indexer_queries(q: Tensor, cos: Tensor, sin: Tensor, w: Tensor, w_scale: float) -> tuple[Tensor, Tensor]:
     """The indexer's query tail in one pass: (mxfp4_act_quant(rope(q, cos, sin)) fp32 [T, H, Di],
     w * w_scale fp32 [T, H]). q [T, H, Di] bf16, w [T, H] fp32 head weights."""

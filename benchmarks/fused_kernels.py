@@ -86,6 +86,23 @@ def cases(cfg, t: int, dev: torch.device):
     mix = (xs, ys, post, comb, pre, fn, sc, base, 1e-20, 1e-6, 20, nw, 1e-6)
     enter = (xs, pre, fn, sc, base, 1e-20, 1e-6, 20, nw, 1e-6)
 
+    # linear_pair: the attention's wq_a / wkv and the shared expert's w1 / w3 (FP8, random codes of
+    # either sign below 448, block scales near 1) and the compressor's bf16 wkv / wgate (fp32 out)
+    from dsv41.npu_ops.triton import block_linear as bl
+
+    def fp8_weight(n_out: int, k_in: int):
+        codes = torch.randint(0, 0x7E, (n_out, k_in), device=dev, generator=g, dtype=torch.int32)
+        codes |= torch.randint(0, 2, (n_out, k_in), device=dev, generator=g, dtype=torch.int32) << 7
+        sc8 = torch.randint(120, 124, (-(-n_out // 32), -(-k_in // 32)), device=dev, generator=g, dtype=torch.int32)
+        return codes.to(torch.uint8).view(torch.float8_e4m3fn), sc8.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+    xh = torch.randn(t, hd, device=dev, generator=g).to(bf)
+    inter = cfg.moe_intermediate_size
+    attn_pair = (xh, *fp8_weight(cfg.q_lora_rank, hd), *fp8_weight(d, hd))
+    shared_pair = (xh, *fp8_weight(inter, hd), *fp8_weight(inter, hd))
+    comp_pair = (xh, (torch.randn(d, hd, device=dev, generator=g) * hd ** -0.5).to(bf), None,
+                 (torch.randn(d, hd, device=dev, generator=g) * hd ** -0.5).to(bf), None, torch.float32)
+
     def coef_inside(call):
         """`call` with the coefficient epilogue inside the main mHC kernel (the process's narrow
         setting kept)."""
@@ -117,6 +134,11 @@ def cases(cfg, t: int, dev: torch.device):
         ("rope_tables", lambda: rp.rope_tables(inv, pos), lambda: torch_tables(inv, pos)),
         ("indexer_queries", lambda: iq.indexer_queries(iqs, cos, sin, iw, 0.01),
          lambda: fused.indexer_queries(iqs, cos, sin, iw, 0.01)),
+        ("linear_pair (wq_a / wkv, FP8)", lambda: bl.linear_pair(*attn_pair), lambda: fused.linear_pair(*attn_pair)),
+        ("linear_pair (shared w1 / w3, FP8)", lambda: bl.linear_pair(*shared_pair),
+         lambda: fused.linear_pair(*shared_pair)),
+        ("linear_pair (compressor wkv / wgate, bf16 -> fp32)", lambda: bl.linear_pair(*comp_pair),
+         lambda: fused.linear_pair(*comp_pair)),
         ("mhc_mix_norm", lambda: mn.mhc_mix_norm(*mix), lambda: fused.mhc_mix_norm(*mix)),
         ("mhc_mix_norm (coefficients fused)", coef_inside(lambda: mn.mhc_mix_norm(*mix)),
          coef_inside(lambda: fused.mhc_mix_norm(*mix))),

@@ -248,8 +248,8 @@ class Attention(nn.Module):
             kv, score = comp.wkv(x), None
         else:
             carry = ctx.cache.carry[self.layer_id]
-            carry.index_copy_(0, rows.swa_rows(swa),
-                              torch.stack((comp.wkv(x, torch.float32), comp.wgate(x, torch.float32)), 1))
+            kv_gate = ops.linear_pair(x, comp.wkv.weight, None, comp.wgate.weight, None, torch.float32)
+            carry.index_copy_(0, rows.swa_rows(swa), torch.stack(kv_gate, 1))
             rows_g = carry[group_rows]  # [T * r, 2, D]
             kv, score = rows_g[:, 0], rows_g[:, 1]
         lat = ops.compress_kv(kv, score, r, comp.norm.weight, comp.norm.eps, cos, sin, g.kv_codes, g.kv_scale, slots)
@@ -313,7 +313,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rows: Rows, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         cos, sin = self.rope_tables(rows)
-        qr = self.q_norm(self.wq_a(x))
+        # wq_a and wkv read the same x: one launch for both where the device has a kernel for it
+        q_lat, kv = ops.linear_pair(x, self.wq_a.weight, self.wq_a.scale, self.wkv.weight, self.wkv.scale)
+        qr = self.q_norm(q_lat)
         swa = ctx.cache.swa[self.layer_id]
         own = rows.swa_rows(swa)  # (made here: both streams below read it)
 
@@ -321,7 +323,7 @@ class Attention(nn.Module):
             """The RoPE'd query, and this step's SWA entries (normed, RoPE'd, FP8) written into
             the pool first (positions address them, so nothing older is overwritten): every
             query then reads its window from the pool."""
-            return ops.rope_store_kv(self.wq_b(qr).view(t, self.n_heads, self.head_dim), self.wkv(x),
+            return ops.rope_store_kv(self.wq_b(qr).view(t, self.n_heads, self.head_dim), kv,
                                      self.kv_norm.weight, self.kv_norm.eps, cos, sin, swa.kv, swa.scale, own)
 
         idx = None

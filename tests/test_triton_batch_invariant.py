@@ -265,11 +265,16 @@ def test_mhc_row_alone_equals_batch_at_model_width_gpu(invariant, dev, rng, monk
     """mHC at the mini width (d 5120, 40 d chunks) and a prefill-sized batch: the coefficients of
     a row alone equal that row's in the batch. The coefficient epilogue's default block of chunk
     partials follows its tokens per tile; with it the row differs (this broke greedy = prefill on
-    mini; narrow widths hide it), so the test sees the mode's block `MHC_COEF_CB` at work."""
+    mini; narrow widths hide it), so the test sees the mode's block `MHC_COEF_CB` at work. (The
+    default takes one token a tile up to `COEF_ONE_MAX_T` tokens, so 48 rows would share the lone
+    row's block there: the negative check sets the 4-token tiles that a longer batch takes.)"""
+    from dsv41.npu_ops.triton import mega_mhc
+
     x = torch.empty(1, 4, 5120, device=dev)
     assert bi._mhc_d_split(x) > 8, "the mode's d split no longer exceeds the blocks the default groups by"
     mhc_rows_alone_equal_batch(dev, rng, 48, 5120, 20)
     monkeypatch.setattr(bi, "MHC_COEF_CB", None)
+    monkeypatch.setattr(mega_mhc, "COEF_ONE_MAX_T", 0)
     with pytest.raises(AssertionError, match="alone differs"):
         mhc_rows_alone_equal_batch(dev, rng, 48, 5120, 20)
 

@@ -174,6 +174,36 @@ def test_linear_rows_path(dev, k, rng):
     check_linear(dev, "fp8", 1, k, 72, torch.float32, rng, path="rows")
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("k,n_a,n_b", [(160, 64, 40), (96, 32, 72), (5120, 1280, 512)])
+def test_linear_pair(dev, k, n_a, n_b, rng):
+    """`linear_pair` (two weights, one x): at one row two FP8 weights in one `_row_gemv_kernel`
+    launch (the second's rows after the first's, a partial last program in either), outputs equal
+    to each weight's own `linear` bit for bit; two bf16 weights in one `_dense_pair_kernel` launch
+    (fp32 and bf16 outputs); both within the dtype's bound of the reference (the model's wq_a / wkv
+    widths included, compiled only: the interpreter takes minutes there). Several rows and mixed
+    formats take two linears."""
+    if dev == "cpu" and k > 256:
+        pytest.skip("model widths run compiled only (minutes under the interpreter)")
+    cases = (("fp8", "fp8", 1, torch.bfloat16, "rows"), ("fp8", "fp8", 3, torch.bfloat16, ""),
+             ("fp8", "bf16", 1, torch.bfloat16, ""), ("bf16", "bf16", 1, torch.float32, "dense"),
+             ("bf16", "bf16", 1, torch.bfloat16, "dense"), ("bf16", "bf16", 2, torch.float32, ""))
+    for fmt_a, fmt_b, m, odt, how in cases:
+        x = (torch.randn(m, k, generator=rng) * 3).to(torch.bfloat16).to(dev)
+        (w_a, s_a), (w_b, s_b) = weight(fmt_a, n_a, k, rng), weight(fmt_b, n_b, k, rng)
+        w_a, w_b = w_a.to(dev), w_b.to(dev)
+        s_a, s_b = (None if s is None else s.to(dev) for s in (s_a, s_b))
+        case = f"{fmt_a}/{fmt_b} M={m} K={k} {odt}"
+        assert bl.pair_in_one_launch(x, w_a, s_a, w_b, s_b, odt) == how, case
+        outs = bl.linear_pair(x, w_a, s_a, w_b, s_b, odt)
+        for got, w, s, name in zip(outs, (w_a, w_b), (s_a, s_b), "ab"):
+            assert got.shape == (m, w.shape[0]) and got.dtype == odt, f"{case} weight {name}"
+            if how != "dense":
+                assert torch.equal(got, bl.linear(x, w, s, odt)), f"{case} weight {name}: differs from its own linear"
+            err = rel_err(got, basic.linear(x.cpu(), w.cpu(), None if s is None else s.cpu(), odt))
+            assert err < BOUND[odt], f"{case} weight {name}: rel err {err:.2e}"
+
+
 def test_linear_rows_path_rejects():
     """One clear error for what the rows path does not take: several rows, K not 4 x (a sum of two
     powers of two), rows per program that are not a power of two dividing 32."""

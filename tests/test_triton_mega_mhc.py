@@ -190,15 +190,17 @@ def test_mhc_enter_norm(dev, t, d, fused, dtype, rng, monkeypatch):
 @pytest.mark.parametrize("mode", ["narrow", "fused-narrow", "fused"])
 @pytest.mark.parametrize("t", [1, 2, 6])
 def test_mhc_coef_modes(dev, mode, t, monkeypatch, rng):
-    """DSV41_MHC_COEF: the narrow coefficient tile (fewer than COEF_T tokens: a tile of just those,
-    every chunk in one reduction step; 6 tokens keep COEF_T) in its own launch and fused, for
-    mhc_mix and mhc_mixes, with several d chunks; called twice (the counters return to 0)."""
+    """DSV41_MHC_COEF: the narrow coefficient tile (in its own launch one token a program up to
+    COEF_ONE_MAX_T tokens; fused, fewer than COEF_T tokens: a tile of just those, 6 tokens keep
+    COEF_T), every chunk in one reduction step, for mhc_mix and mhc_mixes, with several d chunks;
+    called twice (the counters return to 0)."""
     from dsv41.npu_ops.triton import mhc_mixes as mx
 
     monkeypatch.setattr(mm, "_COEF_MODE", [])
     monkeypatch.setenv("DSV41_MHC_COEF", mode)
     assert mm.coef_mode() == (mode.startswith("fused"), mode.endswith("narrow"))
-    assert mm.coef_tokens(t, True) == min(mm.COEF_T, 1 << (t - 1).bit_length())
+    assert mm.coef_tokens(t, True) == 1 and mm.coef_tokens(mm.COEF_ONE_MAX_T + 1, True) == mm.COEF_T
+    assert mm.coef_tokens(t, True, fused=True) == min(mm.COEF_T, 1 << (t - 1).bit_length())
     inputs = make_inputs(rng, t, 192)
     x, fn, scale, base = inputs[0], inputs[5], inputs[6], inputs[7]
     want = ref.mhc_mixes(x, fn, scale, base, NORM_EPS, HC_EPS, ITERS)

@@ -37,6 +37,8 @@ Where the default path depends on the row count M (T tokens), and what this modu
   composition (rope inverse, then the invariant grouped_linear) at every T.
 - `mhc_mix_norm`, `mhc_enter_norm` (the norm inside the mHC kernels' coefficient epilogue, whose
   d split depends on T): here the compositions over the invariant `mhc_mix` / `mhc_mixes`.
+- `linear_pair` (one launch for two weights at one row, another kernel than a prefill's): here
+  the composition, two invariant `linear`s.
 - `moe_experts` (moe_experts.py): GEMV at T <= 4 (FP4) / 1 (FP8), the tiled kernels with
   decode or prefill tiles (BM by rows per expert), the bf16-scratch grouped path for prefill FP4.
   Here: FP4 experts the folded kernels take (moe_fold.py; scale bytes and widths permitting) run
@@ -311,7 +313,8 @@ def mhc_update(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch
 OPS = {"linear": linear, "grouped_linear": grouped_linear, "unrope_grouped_linear": fused.unrope_grouped_linear,
        "moe_experts": moe_experts, "moe_route": moe_route, "mhc_mix": mhc_mix, "mhc_mixes": mhc_mixes,
        "sparse_attention": sparse_attention, "indexer_topk": indexer_topk, "sinkhorn": sinkhorn,
-       "mhc_update": mhc_update, "mhc_mix_norm": fused.mhc_mix_norm, "mhc_enter_norm": fused.mhc_enter_norm}
+       "mhc_update": mhc_update, "mhc_mix_norm": fused.mhc_mix_norm, "mhc_enter_norm": fused.mhc_enter_norm,
+       "linear_pair": fused.linear_pair}
 
 
 def register(backend: str = "cuda") -> None:

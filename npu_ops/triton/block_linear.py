@@ -431,8 +431,9 @@ def _row_dot(wd, xs0, xs1, xs2, xs3, ASM: tl.constexpr):
 
 @triton.jit
 def _row_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, KW, s_stride, rows_per_prog,
+                     w2_ptr, s2_ptr, out2_ptr, N2, P1,
                      OUT_BF16: tl.constexpr, RS: tl.constexpr, BWA: tl.constexpr, BWB: tl.constexpr,
-                     ASM: tl.constexpr):
+                     ASM: tl.constexpr, TWO: tl.constexpr):
     """The FP8 linear at one activation row, streaming whole weight rows: program p owns the
     `rows_per_prog` consecutive rows from p * rows_per_prog (a divisor of 32, so all of them share
     one row of 32x32 block scales) and reads them RS rows per step, each step one contiguous run
@@ -444,8 +445,19 @@ def _row_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, KW, s_stride, rows_per_pro
     times a power of two), held in registers; each output is the fp32 sum of the exact products
     E4M3 value x x'[k] (at most 8 significant bits) -- the fold kernels' class (exact products,
     fp32 sums), on the CUDA cores: no split-K, no partials, no counters. The next step's rows
-    are loaded before this step's are used (two steps in flight)."""
+    are loaded before this step's are used (two steps in flight).
+
+    TWO: a second weight of the same K (w2 / s2 -> out2, N2 rows) in the same launch, programs
+    P1.. on it (`linear_pair`: one launch where two small projections of one row each paid a
+    launch's ramp and tail); a row's arithmetic is the same as in its own launch."""
     pid = tl.program_id(0)
+    if TWO:
+        if pid >= P1:
+            pid -= P1
+            w_ptr = w2_ptr
+            s_ptr = s2_ptr
+            out_ptr = out2_ptr
+            N = N2
     n_lo = pid * rows_per_prog
     n_hi = tl.minimum(n_lo + rows_per_prog, N)
     sw_row = s_ptr + (n_lo // 32) * s_stride
@@ -471,6 +483,40 @@ def _row_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, KW, s_stride, rows_per_pro
         else:
             tl.store(out_ptr + rows, y, mask=rows < n_hi)
         wa = wa_next
+
+
+@triton.jit
+def _dense_pair_kernel(x_ptr, w_ptr, out_ptr, N, K, rows_per_prog, w2_ptr, out2_ptr, N2, P1,
+                       OUT_BF16: tl.constexpr, RS: tl.constexpr, BK: tl.constexpr):
+    """Two plain bf16 weights of the same K at one activation row in one launch (`linear_pair`;
+    the compressor's wkv / wgate with fp32 outputs, which cuBLAS ran as two split-K GEMMs with a
+    reduction each): programs 0 .. P1 - 1 own `rows_per_prog` rows of w, the rest rows of w2. Each
+    output is the fp32 sum of exact bf16 x bf16 products (cuBLAS's class, another order)."""
+    pid = tl.program_id(0)
+    if pid >= P1:
+        pid -= P1
+        w_ptr = w2_ptr
+        out_ptr = out2_ptr
+        N = N2
+    n_lo = pid * rows_per_prog
+    n_hi = tl.minimum(n_lo + rows_per_prog, N)
+    rr = tl.arange(0, RS)
+    for n0 in range(n_lo, n_hi, RS):
+        rows = n0 + rr
+        rok = rows < n_hi
+        acc = tl.zeros((RS, BK), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            kok = kk < K
+            w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :], mask=rok[:, None] & kok[None, :],
+                        other=0.0)
+            xv = tl.load(x_ptr + kk, mask=kok, other=0.0)
+            acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)
+        if OUT_BF16:
+            tl.store(out_ptr + rows, bf16_bits16(y), mask=rok)
+        else:
+            tl.store(out_ptr + rows, y, mask=rok)
 
 
 @triton.jit
@@ -888,14 +934,22 @@ def rows_fit(k: int) -> bool:
     return k > 0 and k % 32 == 0 and rest & (rest - 1) == 0 and not 0 < rest < 8
 
 
-def _launch_row_gemv(x2, weight, scale, out, *, rs=None, rpp=None, waves=None, num_warps=None):
+def _launch_row_gemv(x2, weight, scale, out, *, rs=None, rpp=None, waves=None, num_warps=None, second=None):
     """The M == 1 launch of `_row_gemv_kernel`: one program per `rpp` consecutive weight rows (a
     power of two dividing 32, at least `rs`; by default the least giving at most `waves` programs
-    per SM), `rs` rows per step (default: about ROWS["step_bytes"] of K padded to a power of two)."""
+    per SM), `rs` rows per step (default: about ROWS["step_bytes"] of K padded to a power of two).
+    `second`: (weight, scale, out) of another weight of the same K, in the same launch after the
+    first's rows (whose count must then be a multiple of 32)."""
     from .launch import interpreting, num_workers
 
     m, k = x2.shape
-    n = weight.shape[0]
+    n = n1 = weight.shape[0]
+    if second is not None:
+        if n1 % 32 or second[0].shape[1] != weight.shape[1] or second[1].shape[1] != scale.shape[1] \
+                or second[2].dtype != out.dtype:
+            raise ValueError(f"rows path: a weight pair needs the same in_features and a first weight of a "
+                             f"multiple of 32 rows, got {tuple(weight.shape)} and {tuple(second[0].shape)}")
+        n = n1 + second[0].shape[0]
     if m != 1:
         raise ValueError(f"rows path: takes one activation row, got {m}")
     interp = interpreting()
@@ -913,11 +967,18 @@ def _launch_row_gemv(x2, weight, scale, out, *, rs=None, rpp=None, waves=None, n
     if rs & (rs - 1) or rpp & (rpp - 1) or rpp > 32 or rpp < rs:
         raise ValueError(f"rows path: rows per step {rs} and per program {rpp} must be powers of two, "
                          f"rs <= rpp <= 32 (one row of 32x32 scale blocks per program)")
-    out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+
+    def args(w, s, o):
+        return w.view(torch.int32), s.view(torch.uint8), o.view(torch.int16) if o.dtype == torch.bfloat16 else o
+
+    w_a, s_a, out_a = args(weight, scale, out)
+    w_b, s_b, out_b = args(*second) if second is not None else (w_a, s_a, out_a)
+    p1 = -(-n1 // rpp)
+    grid = p1 + -(-(n - n1) // rpp)
     kw_opts = {} if interp else {"num_warps": num_warps or cfg["num_warps"], "num_stages": 1}
-    _row_gemv_kernel[(-(-n // rpp),)](x2, weight.view(torch.int32), scale.view(torch.uint8), out_arg, n, kw,
-                                      scale.shape[1], rpp, OUT_BF16=out.dtype == torch.bfloat16, RS=rs, BWA=bwa,
-                                      BWB=bwb, ASM=not interp, **kw_opts)
+    _row_gemv_kernel[(grid,)](x2, w_a, s_a, out_a, n1, kw, scale.shape[1], rpp, w_b, s_b, out_b, n - n1, p1,
+                              OUT_BF16=out.dtype == torch.bfloat16, RS=rs, BWA=bwa, BWB=bwb, ASM=not interp,
+                              TWO=second is not None, **kw_opts)
 
 
 def _launch_fp8_mma(x2, weight, scale, out, *, f16: bool = False, bm=None, bn=None, bk=None, split_k=None,
@@ -1073,4 +1134,77 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     return out.reshape(*lead, n)
 
 
-OPS = {"linear": linear}
+def pair_in_one_launch(x2: torch.Tensor, weight_a, scale_a, weight_b, scale_b, out_dtype=torch.bfloat16) -> str:
+    """How `linear_pair` runs x2's rows: "rows" (one `_row_gemv_kernel` launch: one row, two FP8
+    weights of the same K that the default decode mode gives that kernel each, bf16 outputs, the
+    first weight a whole number of 32-row scale blocks), "dense" (one `_dense_pair_kernel` launch:
+    one row, two plain bf16 weights of the same K) or "" (two linears)."""
+    k = x2.shape[-1]
+    if x2.shape[0] != 1 or weight_a.shape[1] != weight_b.shape[1] \
+            or not (weight_a.is_contiguous() and weight_b.is_contiguous()):
+        return ""
+    if scale_a is None and scale_b is None and weight_a.dtype == weight_b.dtype == x2.dtype == torch.bfloat16 \
+            and weight_a.shape[1] == k and out_dtype in (torch.bfloat16, torch.float32):
+        return "dense"
+    if (out_dtype == torch.bfloat16 and weight_kind(weight_a, scale_a) == W_FP8 == weight_kind(weight_b, scale_b)
+            and weight_a.shape[1] == k and weight_a.shape[0] % 32 == 0 and scale_a.shape[1] == scale_b.shape[1]
+            and scale_a.is_contiguous() and scale_b.is_contiguous()
+            and fp8_decode_mode() == ("rows", {}) and rows_fit(k) and k < ROWMMA_MIN_K):
+        return "rows"
+    return ""
+
+
+# The dense pair kernel's tiles: rows per step, K per step, and about DENSE_PAIR["waves"] programs
+# per SM (the interpreter: small steps). H200 2026-12-02 (graph time, the compressor's wkv / wgate,
+# 2 x 512 x 5120 bf16, fp32 out, one row): 3.89 us here against 12.47 for cuBLAS's two split-K
+# GEMMs with their reductions; whole rows a step (bk 8192, 1 row, 4 or 8 waves) 4.8, bk 2048 4.0,
+# 8 warps 5.7-4.9. In the decode step it runs beside wq_b on the other stream: 8.8-9.8 us there.
+DENSE_PAIR = {"rs": 2, "bk": 1024, "waves": 4, "num_warps": 4}
+DENSE_PAIR_INTERP = {"rs": 2, "bk": 64, "waves": 1}
+
+
+def _launch_dense_pair(x2, weight_a, weight_b, out_a, out_b, **tiles):
+    """The launch of `_dense_pair_kernel`: `rpp` rows per program (the least giving at most
+    `waves` programs per SM), `rs` rows and `bk` columns per step (DENSE_PAIR; `tiles` override)."""
+    from .launch import interpreting, num_workers
+
+    interp = interpreting()
+    cfg = dict(DENSE_PAIR_INTERP if interp else DENSE_PAIR, **tiles)
+    n_a, n_b = weight_a.shape[0], weight_b.shape[0]
+    rs = cfg["rs"]
+    rpp = max(rs, -(-(n_a + n_b) // (cfg["waves"] * num_workers(x2.device))))
+    p1 = -(-n_a // rpp)
+    bk = min(cfg["bk"], triton.next_power_of_2(x2.shape[1]))
+    kw = {} if interp else {"num_warps": cfg["num_warps"]}
+    bits = (lambda o: o.view(torch.int16)) if out_a.dtype == torch.bfloat16 else (lambda o: o)
+    _dense_pair_kernel[(p1 + -(-n_b // rpp),)](x2, weight_a, bits(out_a), n_a, x2.shape[1], rpp, weight_b, bits(out_b),
+                                               n_b, p1, OUT_BF16=out_a.dtype == torch.bfloat16, RS=rs, BK=bk, **kw)
+
+
+def linear_pair(x: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tensor | None, weight_b: torch.Tensor,
+                scale_b: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.linear_pair` on a device: at one row one launch for both weights where
+    `pair_in_one_launch` finds a kernel (the attention's wq_a and wkv and the shared expert's w1
+    and w3 on the FP8 rows kernel: two latency-bound launches become one; the compressor's bf16
+    wkv and wgate with fp32 outputs on `_dense_pair_kernel`); else the two linears. On the rows
+    kernel each output row is computed as its own `linear` computes it (the same kernel steps per
+    weight row): the results are identical."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    how = pair_in_one_launch(x2, weight_a, scale_a, weight_b, scale_b, out_dtype)
+    if not how:
+        return linear(x, weight_a, scale_a, out_dtype), linear(x, weight_b, scale_b, out_dtype)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    lead, n_a = x.shape[:-1], weight_a.shape[0]
+    odt = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+    out = torch.empty(1, n_a + weight_b.shape[0], dtype=odt, device=x.device)
+    out_a, out_b = out[:, :n_a], out[:, n_a:]
+    if how == "rows":
+        _launch_row_gemv(x2, weight_a, scale_a, out_a, second=(weight_b, scale_b, out_b), **rows_tiles(k))
+    else:
+        _launch_dense_pair(x2, weight_a, weight_b, out_a, out_b)
+    return out_a.reshape(*lead, -1), out_b.reshape(*lead, -1)
+
+
+OPS = {"linear": linear, "linear_pair": linear_pair}

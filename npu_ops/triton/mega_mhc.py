@@ -87,9 +87,19 @@ def coef_mode() -> tuple[bool, bool]:
     return _COEF_MODE[0]
 
 
-def coef_tokens(t: int, narrow: bool) -> int:
-    """Tokens per coefficient work item: COEF_T, or with `narrow` the next power of two >= T when
-    that is fewer (a decode call of 1-2 tokens)."""
+# Narrow tiles in their own launch: one token per coefficient work item up to COEF_ONE_MAX_T
+# tokens, so a token's chunk partials are one reduction step (CB = 128 chunks) and the T programs
+# run side by side. With 4 tokens a program, a decode call's 80 chunks took three chained steps of
+# 32 (H200 2026-12-02, the mini step at batch 8: `_mhc_coef_kernel` 14 us a launch, 5 at one token).
+COEF_ONE_MAX_T = 64
+
+
+def coef_tokens(t: int, narrow: bool, fused: bool = False) -> int:
+    """Tokens per coefficient work item: COEF_T; with `narrow` one token (in its own launch, up to
+    COEF_ONE_MAX_T tokens), or inside the main kernel (`fused`) the next power of two >= T when
+    that is fewer than COEF_T (the tile's last program computes its tokens in turn)."""
+    if narrow and not fused and t <= COEF_ONE_MAX_T:
+        return 1
     return min(COEF_T, triton.next_power_of_2(max(1, t))) if narrow else COEF_T
 TILES = {
     "cuda": {"block_t": 16, "block_d": 64, "num_warps": 4, "num_stages": 2, "d_split": 8},
@@ -624,7 +634,7 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     fused = fused and has_fn
     if early is None:  # (CUDA only by default: on Ascend the four fn slices at once are unmeasured UB)
         early = EARLY_LOADS and x.device.type == "cuda"
-    ct = coef_tokens(t, narrow)
+    ct = coef_tokens(t, narrow, fused)
     if has_fn:
         part = torch.empty(n_chunks, t, 32, dtype=torch.float32, device=x.device)
         pcomp = torch.empty_like(part)

@@ -119,7 +119,7 @@ def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
     fused_default, narrow = coef_mode()
     if fused is None:
         fused = fused_default
-    ct = coef_tokens(t, narrow)
+    ct = coef_tokens(t, narrow, fused)
     wide = needs_int64(x, fn)
     counts = tile_counters(x.device, n_tiles) if fused else pss
     cb = chunk_block or coef_chunk_block(ct)

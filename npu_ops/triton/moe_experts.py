@@ -528,16 +528,17 @@ def _act_rows_kernel(g_ptr, u_ptr, wts_ptr, ids_ptr, h_ptr, I, limit, BLOCK: tl.
 def _one_expert_linears(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert,
                         limit: float) -> torch.Tensor:
     """T rows through one FP8 expert (top-1) as the official expert computes it: w1 and w3 as
-    FP8 linears (x FP8-quantised per 32 channels inside, bf16 outputs), the clamped SwiGLU times
-    the routing weight rounded to bf16, w2 as an FP8 linear (h FP8-quantised inside), returned
+    FP8 linears (x FP8-quantised per 32 channels inside, bf16 outputs; one launch for both at one
+    row, `linear_pair`), the clamped SwiGLU times the routing weight rounded to bf16, w2 as an
+    FP8 linear (h FP8-quantised inside), returned
     as w2's bf16 output: one expert's sum is its output, a bf16 value, so widening it to fp32 would
     change nothing and cost a launch (3.2 us a layer at one token on the H200; the MoE's final add
     takes the bf16 rows as they are). The grouped kernels' values up to fp32 summation order."""
-    from .block_linear import linear
+    from .block_linear import linear, linear_pair
 
     (w1, s1), (w2, s2), (w3, s3) = expert
     t, inter = x.shape[0], w1.shape[0]
-    g, u = linear(x, w1, s1), linear(x, w3, s3)
+    g, u = linear_pair(x, w1, s1, w3, s3)  # (at one row views of one buffer: the kernel reads row 0)
     h = torch.empty(t, inter, dtype=torch.bfloat16, device=x.device)
     block = min(1024, triton.next_power_of_2(inter))
     _act_rows_kernel[(t, -(-inter // block))](g, u, weights.contiguous(), ids.contiguous(), h, inter, float(limit),
@@ -582,9 +583,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
 
     t, d = x.shape
     topk = ids.shape[1]
-    out = torch.empty(t, d, dtype=torch.float32, device=x.device)
     if t == 0:
-        return out
+        return torch.empty(t, d, dtype=torch.float32, device=x.device)
     if ids.shape != weights.shape or ids.shape[0] != t:
         raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [{t}, k]")
     n_exp = len(experts)
@@ -603,6 +603,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
         if n_exp != 1 or topk != 1 or kind != W_FP8:
             raise ValueError("moe_experts: the linears path takes one FP8 expert routed top-1")
         return _one_expert_linears(x, weights, ids, experts[0], limit)
+    out = torch.empty(t, d, dtype=torch.float32, device=x.device)  # (after "linears", which returns its own)
     if path == "grouped":
         from .moe_grouped import grouped_moe
 
