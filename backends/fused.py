@@ -8,7 +8,7 @@ backend without a fused kernel of its own (`registry.register_composite`; Ascend
 its kernels are vetted on triton-ascend). CUDA registers the Triton kernels
 (`npu_ops/triton/rope_store_kv.py`, `rope_store_key.py`, `unrope_grouped_linear.py`,
 `engram_hash.py`, `mhc_mix_norm.py`, `indexer_queries.py`, `block_linear.py`'s
-`linear_pair`), tested against these.
+`linear_pair`, `moe_experts.py`'s `moe_experts_add`), tested against these.
 """
 
 from __future__ import annotations
@@ -49,6 +49,17 @@ def linear_pair(x: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tensor |
                 scale_b: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     """Two projections of the same input."""
     return ops.linear(x, weight_a, scale_a, out_dtype), ops.linear(x, weight_b, scale_b, out_dtype)
+
+
+@register_composite("moe_experts_add")
+def moe_experts_add(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: list, limit: float,
+                    add: torch.Tensor, join=None) -> torch.Tensor:
+    """The routed experts' fp32 sum plus the shared expert's output, rounded to bf16 once (an fp32
+    add that casts on store: the value of (y + add).to(bf16))."""
+    y = ops.moe_experts(x, weights, ids, experts, limit, torch.float32)
+    if join is not None:
+        join()
+    return torch.add(y, add, out=torch.empty(y.shape, dtype=torch.bfloat16, device=y.device))
 
 
 @register_composite("indexer_queries")  # H200: 2.0 vs 6.7 us at one row, 2.4 vs 7.1 at eight

@@ -314,6 +314,15 @@ def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, experts: list, limit: f
 
 
 @_op
+def moe_experts_add(x: Tensor, weights: Tensor, ids: Tensor, experts: list, limit: float, add: Tensor,
+                    join=None) -> Tensor:
+    """The MoE's output: `moe_experts` summed in fp32, plus `add` [T, d] (the shared expert's
+    output, bf16 or fp32) in fp32, rounded to bf16 once. `join` (optional, no arguments) is
+    called after the experts are issued and before `add` is read: the join with the stream that
+    makes `add` (`Platform.overlap`'s `joined`), so the experts run beside it."""
+
+
+@_op
 def engram_gate(x: Tensor, k: Tensor, v: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
                 is_image: Tensor) -> Tensor:
     """Engram's per-stream gated add: x [T, n, d] bf16, keys k [T, n, d] and value v [T, d]

@@ -121,6 +121,10 @@ def overlap(device: torch.device | str, side, main):
 _OVERLAP_PLATFORMS: dict = {}  # str(device) -> its Platform, for `overlap`
 
 
+def _no_join() -> None:
+    """The join of work that ran in order on one stream: nothing to wait for."""
+
+
 def _tensors(out):
     """The tensors of a result (a tensor, or a tuple / list of them)."""
     if isinstance(out, torch.Tensor):
@@ -147,22 +151,31 @@ def _capture_stream(plat: "Platform"):
     return _device_stream(_CAPTURE_STREAMS, plat)
 
 
-def aux_stream_overlap(plat: "Platform", side, main):
+def aux_stream_overlap(plat: "Platform", side, main, joined: bool = False):
     """`side` on the device's auxiliary stream, `main` on the current one, then joined: the
     auxiliary stream first waits for the current one (side's inputs were made there), the
     current one waits for the auxiliary one before returning (the caller reads side's results),
     and side's result tensors are marked as used on the current stream so the caching allocator
     does not hand their memory back to the auxiliary stream early. Both joins are stream waits,
-    no host sync, so the pattern can sit inside a captured graph."""
+    no host sync, so the pattern can sit inside a captured graph. `joined`: main is called as
+    main(side_out, join) and reads side's results only after calling join() (the join, done
+    once: main's last kernel can take side's output while its earlier ones overlap side)."""
     cur = plat.current_stream()
     aux = _device_stream(_AUX_STREAMS, plat)
     aux.wait_stream(cur)
     with plat.use_stream(aux):
         side_out = side()
-    main_out = main()
-    cur.wait_stream(aux)
-    for t in _tensors(side_out):
-        t.record_stream(cur)
+    done = []
+
+    def join() -> None:
+        if not done:
+            done.append(True)
+            cur.wait_stream(aux)
+            for t in _tensors(side_out):
+                t.record_stream(cur)
+
+    main_out = main(side_out, join) if joined else main()
+    join()
     return side_out, main_out
 
 
@@ -283,9 +296,11 @@ class Platform:
         keyed by it); 0 where the device has no streams."""
         return 0
 
-    def overlap(self, side, main):
-        """(side(), main()), in order, on the calling stream (see the module's `overlap`)."""
-        return side(), main()
+    def overlap(self, side, main, joined: bool = False):
+        """(side(), main()), in order, on the calling stream (see the module's `overlap`;
+        `joined`: main(side_out, join) as in `aux_stream_overlap`, join doing nothing here)."""
+        side_out = side()
+        return side_out, (main(side_out, _no_join) if joined else main())
 
     def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype `dtype` data are held in on this device (`storage_dtype`)."""
@@ -342,12 +357,12 @@ class CudaPlatform(Platform):
     def stream_key(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
 
-    def overlap(self, side, main):
+    def overlap(self, side, main, joined: bool = False):
         """`side` on an auxiliary stream beside `main` (`aux_stream_overlap`). Only callers that
         ask the platform directly get it (the MoE's shared expert under
         `Transformer.overlap_streams`: the shared expert, the indexer); the module's `overlap`
         stays sequential on CUDA."""
-        return aux_stream_overlap(self, side, main)
+        return aux_stream_overlap(self, side, main, joined)
 
 
 class AscendPlatform(Platform):
@@ -421,10 +436,10 @@ class AscendPlatform(Platform):
         # the aux and capture streams included, gets its own
         return int(torch.npu.current_stream(self.device).stream_id)  # type: ignore[attr-defined]
 
-    def overlap(self, side, main):
+    def overlap(self, side, main, joined: bool = False):
         """`side` on an auxiliary stream, `main` on the current one, then joined (UNVERIFIED on
         hardware; the pattern of vllm-ascend's `multistream_dsv4_dsa_overlap`; `aux_stream_overlap`)."""
-        return aux_stream_overlap(self, side, main)
+        return aux_stream_overlap(self, side, main, joined)
 
 
 _PLATFORM_CLASSES = {"cpu": Platform, "meta": Platform, "cuda": CudaPlatform, "npu": AscendPlatform}

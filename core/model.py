@@ -429,8 +429,17 @@ class MoE(nn.Module):
             w, ids = chosen if chosen is not None else route()
             return ops.moe_experts(x, w, ids, [e.parts() for e in self.experts.values()], cfg.swiglu_limit, acc)
 
+        def routed_plus(shared: torch.Tensor, join=None, chosen: tuple | None = None) -> torch.Tensor:
+            """The MoE's output on one rank summing in fp32: the routed experts' sum + the shared
+            expert's output, rounded to bf16 once, in the routed path's last launch (`join`: the
+            wait for the stream the shared expert ran on, just before that launch)."""
+            w, ids = chosen if chosen is not None else route()
+            return ops.moe_experts_add(x, w, ids, [e.parts() for e in self.experts.values()], cfg.swiglu_limit,
+                                       shared, join)
+
         if self.group.rank != 0:
             return self.group.all_reduce_sum(routed()).float().to(BF16)
+        fused_add = self.group.world_size == 1 and acc == torch.float32
         plat = module_platform(self, x.device)
         on = self.overlap_shared
         if on is None:  # the platform's default: where it was measured to pay (decode sizes on CUDA)
@@ -441,13 +450,14 @@ class MoE(nn.Module):
             # latency-bound launch, slowed by the expert's weight reads beside it (6 -> 14 us),
             # cost more than it hid (1.86 -> 1.88 ms), so one token routes first.
             chosen = route() if x.shape[0] == 1 else None
+            if fused_add:
+                return plat.overlap(lambda: self.shared(x, acc),
+                                    lambda shared, join: routed_plus(shared, join, chosen), joined=True)[1]
             shared, y = plat.overlap(lambda: self.shared(x, acc), lambda: routed(chosen))
+        elif fused_add:
+            return routed_plus(self.shared(x, acc))
         else:
             y, shared = routed(), self.shared(x, acc)
-        if self.group.world_size == 1 and y.dtype == torch.float32 and y.device.type in ("cuda", "cpu"):
-            # fp32 sums: the add and the bf16 rounding in one kernel (CUDA's elementwise kernels
-            # cast on store: the value of (y + shared).to(bf16), an fp32 add then one rounding)
-            return torch.add(y, shared, out=torch.empty(y.shape, dtype=BF16, device=y.device))
         return self.group.all_reduce_sum(y + shared).float().to(BF16)
 
     def shared(self, x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:

@@ -237,7 +237,7 @@ def test_fused_ops_are_compositions_on_every_backend(monkeypatch):
     monkeypatch.setenv("DSV41_STRICT", "1")
     registry.reset_warnings()
     for name in ("rope_store_kv", "rope_store_key", "unrope_grouped_linear", "table_rows", "window_rows",
-                 "compress_rows", "engram_hash"):
+                 "compress_rows", "engram_hash", "linear_pair", "moe_experts_add"):
         comp = registry.composite_of(name)
         assert comp is (getattr(paging, f"{name}_torch") if name.endswith("_rows") else getattr(fused, name))
         assert registry.resolve(name, "reference")[0] is comp

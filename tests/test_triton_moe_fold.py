@@ -315,3 +315,32 @@ def test_fold_byte_tiles_mini_widths_gpu(dev, t, rng, poisoned):
     """The mini preset's widths (d 5120, width 2304: 40 / 18 K tiles), 4 experts (the fp64
     reference's dequantised copies stay small)."""
     check(dev, t, 4, 4, 5120, 2304, rng, byte_tiles=True)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("path,t", [("fold", 3), ("rows", 2), ("gemv", 2), ("tiled", 5), ("grouped", 5)])
+def test_moe_experts_add(dev, path, t, rng):
+    """`moe_experts_add` (the MoE's final add in the path's combine launch; through the path's
+    own add after it where the path has no combine of its own: grouped) is bit-equal to the path's
+    fp32 sum + the shared output rounded once (`fused.moe_experts_add`'s torch.add), with a bf16
+    and an fp32 `add`, calling `join` once before it reads `add`."""
+    n_exp, topk, d, inter = 8, 4, 320 if path == "rows" else 256, 96 if path == "rows" else 128
+    x = (torch.randn(t, d, generator=rng) * 2).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(7, generator=rng)[:topk] for _ in range(t)])
+    ids[0, -1] = -1  # a slot another model-parallel rank holds
+    w = torch.rand(t, topk, generator=rng) + 0.1
+    fmt = "fp8" if path == "gemv" else "fp4"
+    ex = [tuple((a.to(dev), None if b is None else b.to(dev))
+                for a, b in (weight(fmt, inter, d, rng), weight(fmt, d, inter, rng), weight(fmt, inter, d, rng)))
+          for _ in range(n_exp)]
+    args = (x.to(dev), w.to(dev), ids.to(dev), ex, 10.0)
+    y = me.moe_experts(*args, path=path)
+    assert y.dtype == torch.float32
+    for add_dtype in (torch.bfloat16, torch.float32):
+        add = (torch.randn(t, d, generator=rng) * y.abs().mean().item()).to(add_dtype).to(dev)
+        joins = []
+        got = me.moe_experts(*args, path=path, add=add, join=lambda: joins.append(1))
+        want = torch.add(y, add, out=torch.empty(t, d, dtype=torch.bfloat16, device=dev))
+        assert got.dtype == torch.bfloat16 and joins == [1]
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{path} add {add_dtype}"
+        assert not torch.equal(got, y.to(torch.bfloat16))  # (the add changes the value)

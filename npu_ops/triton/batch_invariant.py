@@ -314,7 +314,7 @@ OPS = {"linear": linear, "grouped_linear": grouped_linear, "unrope_grouped_linea
        "moe_experts": moe_experts, "moe_route": moe_route, "mhc_mix": mhc_mix, "mhc_mixes": mhc_mixes,
        "sparse_attention": sparse_attention, "indexer_topk": indexer_topk, "sinkhorn": sinkhorn,
        "mhc_update": mhc_update, "mhc_mix_norm": fused.mhc_mix_norm, "mhc_enter_norm": fused.mhc_enter_norm,
-       "linear_pair": fused.linear_pair}
+       "linear_pair": fused.linear_pair, "moe_experts_add": fused.moe_experts_add}
 
 
 def register(backend: str = "cuda") -> None:

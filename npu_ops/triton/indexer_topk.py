@@ -1138,11 +1138,14 @@ def select_parts(t: int, device: torch.device) -> int:
     return parts
 
 
-def maxima_per_k(t: int, device) -> int:
+def maxima_per_k(t: int, device, parts: int | None = None) -> int:
     """Chunk maxima per k that the scores kernel writes for t rows (`select_chunk`):
-    SPLIT_MAXIMA_PER_K when the split select will take them (`select_parts`), else
-    SELECT_MAXIMA_PER_K (the one-program kernel's survivors grow as the maxima thin out)."""
-    return SPLIT_MAXIMA_PER_K if select_parts(t, device) else SELECT_MAXIMA_PER_K
+    SPLIT_MAXIMA_PER_K when the split select will take them (`select_parts`, or `parts` when the
+    caller has it), else SELECT_MAXIMA_PER_K (the one-program kernel's survivors grow as the
+    maxima thin out)."""
+    if parts is None:
+        parts = select_parts(t, device)
+    return SPLIT_MAXIMA_PER_K if parts else SELECT_MAXIMA_PER_K
 
 
 def scores_chunk(t: int, n: int, k: int, block_n: int, device) -> int:
@@ -1151,9 +1154,9 @@ def scores_chunk(t: int, n: int, k: int, block_n: int, device) -> int:
     4K context plus the step's token: 4097+ entries, which the direct select reads as two
     tiles per radix pass) get SPLIT_SHORT_MAXIMA_PER_K per k when the split select runs: a row
     visible in fewer than k of those chunks is selected whole by one program, as without them."""
-    per_k = maxima_per_k(t, device)
-    g = select_chunk(n, k, block_n, per_k)
-    if g == 1 and per_k == SPLIT_MAXIMA_PER_K and select_parts(t, device) and n > SELECT_BLOCK:
+    parts = select_parts(t, device)
+    g = select_chunk(n, k, block_n, maxima_per_k(t, device, parts))
+    if g == 1 and parts and n > SELECT_BLOCK:
         g = select_chunk(n, k, block_n, SPLIT_SHORT_MAXIMA_PER_K)
     return g
 

@@ -220,7 +220,10 @@ def _down_kernel(hb_ptr, hq_ptr, hs_ptr, perm_ptr, bounds_ptr, w_base, s_base, t
 
 
 @triton.jit
-def _combine_kernel(y_ptr, ids_ptr, out_ptr, D, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(y_ptr, ids_ptr, add_ptr, out_ptr, D, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+                    ADD: tl.constexpr, ROUND: tl.constexpr):
+    """out[t] = sum of y's slot rows j with ids >= 0 in slot order, fp32 (+ add[t] in fp32 when
+    ADD), rounded to bf16 (ties to even) when ROUND, stored in out's dtype."""
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < D
@@ -228,7 +231,28 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, D, TOPK: tl.constexpr, BLOCK: tl.co
     for j in range(TOPK):
         ok = tl.load(ids_ptr + t * TOPK + j) >= 0
         acc += tl.load(y_ptr + (t.to(tl.int64) * TOPK + j) * D + cols, mask=m & ok, other=0.0)
+    if ADD:
+        acc += tl.load(add_ptr + t.to(tl.int64) * D + cols, mask=m, other=0.0).to(tl.float32)
+    if ROUND:
+        acc = bf16_round(acc)  # (then the store's cast is exact)
     tl.store(out_ptr + t.to(tl.int64) * D + cols, acc, mask=m)
+
+
+def combine(y: torch.Tensor, flat_ids: torch.Tensor, out: torch.Tensor, add: torch.Tensor | None = None,
+            join=None) -> torch.Tensor:
+    """Every path's last launch: `out` [T, d] = the sum of y's [T * k, d] slot rows (slots with
+    ids < 0 skipped), + `add` [T, d] (read after `join()`, `ops.moe_experts_add`) when given."""
+    t, d = out.shape
+    if add is not None:
+        if add.shape != out.shape:
+            raise ValueError(f"moe_experts_add: add {tuple(add.shape)} must be [{t}, {d}]")
+        if join is not None:
+            join()
+        add = add.contiguous()  # (after the join: a copy would read `add`)
+    cb = min(1024, triton.next_power_of_2(d))
+    _combine_kernel[(t, -(-d // cb))](y, flat_ids, out if add is None else add, out, d, TOPK=flat_ids.numel() // t,
+                                      BLOCK=cb, ADD=add is not None, ROUND=out.dtype == torch.bfloat16)
+    return out
 
 
 # ---- decode path: 1..GEMV_MAX_T tokens, scaled experts --------------------------------------------
@@ -339,7 +363,7 @@ GEMV_TILES = {"cuda": {"bn_up": 32, "bn_down": 32, "bk": 256, "num_warps": 4, "n
 
 
 def _moe_gemv(x, weights, ids, topk, n_exp, table_args, limit, out, *, bn_up=None, bn_down=None, bk=None,
-              num_warps=None, num_stages=None):
+              num_warps=None, num_stages=None, add=None, join=None):
     """The decode path (T <= GEMV_MAX_T, scaled experts): x's FP8 quantise-dequantise pass, then
     the gate/up, down and combine kernels."""
     from .fp8_quant import fp8_qdq_bf16
@@ -372,9 +396,7 @@ def _moe_gemv(x, weights, ids, topk, n_exp, table_args, limit, out, *, bn_up=Non
     _down_gemv_kernel[(slots, -(-d // bn_down))](
         h, flat_ids, w_base, s_base, table, y, r, inter, d, w_row(inter), s_down, W_KIND=kind, ALIGN=align, RP2=rp2, RB=rb,
         BN=bn_down, BK=bk_down, ASM=not interp, **kw)
-    cb = min(1024, triton.next_power_of_2(d))
-    _combine_kernel[(t, -(-d // cb))](y, flat_ids, out, d, TOPK=topk, BLOCK=cb)
-    return out
+    return combine(y, flat_ids, out, add, join)
 
 
 # ---- launcher -----------------------------------------------------------------------------------
@@ -558,7 +580,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
                 out_dtype: torch.dtype = torch.float32, *, bm: int | None = None, bn_up: int | None = None,
                 bn_down: int | None = None, bk: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, path: str | None = None, k_split: tuple[int, int] = (1, 1),
-                serial: bool = False, **grouped) -> torch.Tensor:
+                serial: bool = False, add: torch.Tensor | None = None, join=None, **grouped) -> torch.Tensor:
     """`ops.moe_experts` on a device: x [T, d], weights / ids [T, k] -> [T, d] fp32 (float64
     requested: fp32; the "linears" path's one expert: bf16, its exact value). Keyword tile
     parameters are for tuning (defaults: TILES / GEMV_TILES); `path` ("linears" / "rows" / "fold"
@@ -577,14 +599,16 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     the H200 the grouped path without the scratch did not beat them: benchmarks/RESULTS.md).
     `k_split` (tiled path): the K slice counts of the gate/up and down kernels, run as programs of
     their own whose partials the tile's last slice adds in slice order, or with `serial` inside each
-    program in the same order (one result either way)."""
+    program in the same order (one result either way). `add` [T, d]: `ops.moe_experts_add` (the
+    sum + add in fp32, bf16 out; read after `join()`), in the combine launch where the path ends
+    in one, else one add after the path."""
     from .fp8_quant import fp8_quant
     from .launch import interpreting
 
     t, d = x.shape
     topk = ids.shape[1]
     if t == 0:
-        return torch.empty(t, d, dtype=torch.float32, device=x.device)
+        return torch.empty(t, d, dtype=torch.float32 if add is None else torch.bfloat16, device=x.device)
     if ids.shape != weights.shape or ids.shape[0] != t:
         raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [{t}, k]")
     n_exp = len(experts)
@@ -599,11 +623,19 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
                 "grouped" if scratch_pays(x.device, kind, t * topk, n_exp, inter, k_in) else "tiled")
         if path == "grouped":  # chosen for the scratch: say so (the interpreters never default to it)
             grouped = dict(grouped, predequant=True)
+    if add is not None and path in ("linears", "grouped"):  # (no combine of theirs takes the add: one after)
+        y = moe_experts(x, weights, ids, experts, limit, bm=bm, bn_up=bn_up, bn_down=bn_down, bk=bk,
+                        num_warps=num_warps, num_stages=num_stages, path=path, **grouped)
+        if join is not None:
+            join()
+        return torch.add(y, add, out=torch.empty(t, d, dtype=torch.bfloat16, device=x.device))
     if path == "linears":
         if n_exp != 1 or topk != 1 or kind != W_FP8:
             raise ValueError("moe_experts: the linears path takes one FP8 expert routed top-1")
         return _one_expert_linears(x, weights, ids, experts[0], limit)
-    out = torch.empty(t, d, dtype=torch.float32, device=x.device)  # (after "linears", which returns its own)
+    # (after "linears", which returns its own)
+    out = torch.empty(t, d, dtype=torch.float32 if add is None else torch.bfloat16, device=x.device)
+    fin = {} if add is None else {"add": add, "join": join}
     if path == "grouped":
         from .moe_grouped import grouped_moe
 
@@ -620,21 +652,21 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
         return fold_moe(x if x.stride(-1) == 1 else x.contiguous(), weights, ids,
                         (w_base, s_base, table, kind, inter, k_in, (s_up, s_down), align), limit, out,
                         rb=bm, bn_up=bn_up, bn_down=bn_down, bk=bk, num_warps=num_warps, num_stages=num_stages,
-                        **grouped)
+                        **fin, **grouped)
     if path == "rows":
         from .moe_rows import rows_moe
 
         if not word_aligned(experts):
             raise ValueError("moe_experts: the rows path takes FP4 experts with 4-byte aligned weight tensors")
         return rows_moe(x.contiguous(), weights, ids, (w_base, s_base, table, kind, inter, k_in, (s_up, s_down), align),
-                        limit, out, num_warps=num_warps, **grouped)
+                        limit, out, num_warps=num_warps, **fin, **grouped)
     if path == "gemv":
         if kind == W_DENSE or t > GEMV_MAX_T:
             raise ValueError(f"moe_experts: the gemv path takes scaled experts and <= {GEMV_MAX_T} tokens")
         x_rows = x if x.stride(-1) == 1 else x.contiguous()
         return _moe_gemv(x_rows, weights, ids, topk, n_exp,
                          (w_base, s_base, table, kind, inter, k_in, (s_up, s_down), align), limit, out,
-                         bn_up=bn_up, bn_down=bn_down, bk=bk, num_warps=num_warps, num_stages=num_stages)
+                         bn_up=bn_up, bn_down=bn_down, bk=bk, num_warps=num_warps, num_stages=num_stages, **fin)
     interp = interpreting()
     tiles = TILES["interp" if interp else ("cuda" if t <= DECODE_MAX_M else "cuda_prefill")]
     r = t * topk
@@ -679,9 +711,15 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
         hb, hq, hs, perm, bounds, w_base, s_base, table, y, part_down, counts, r, inter, d, s_down, kps_down,
         W_KIND=kind, LOWP=not interp, ALIGN=align, SPLIT_K=1 if serial else split_down,
         SERIAL=serial and split_down > 1, BM=bm, BN=bn_down, BK=bk, **kw)
-    cb = min(1024, triton.next_power_of_2(d))
-    _combine_kernel[(t, -(-d // cb))](y, ids.contiguous(), out, d, TOPK=topk, BLOCK=cb)
-    return out
+    return combine(y, ids.contiguous().reshape(-1), out, add, join)
 
 
-OPS = {"moe_experts": moe_experts}
+def moe_experts_add(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: list, limit: float,
+                    add: torch.Tensor, join=None) -> torch.Tensor:
+    """`ops.moe_experts_add` on a device: the routed experts' fp32 sum + `add` rounded to bf16 in
+    the path's combine launch (the MoE's final add without a launch of its own: 3.5 us a layer
+    on the H200 at one token); the value of `backends.fused.moe_experts_add`."""
+    return moe_experts(x, weights, ids, experts, limit, add=add, join=join)
+
+
+OPS = {"moe_experts": moe_experts, "moe_experts_add": moe_experts_add}

@@ -427,14 +427,15 @@ def fold_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
              out: torch.Tensor, *, rb: int | None = None, bn_up: int | None = None, bn_down: int | None = None,
              bk: int | None = None, split: int | None = None, w_left: bool | None = None,
              byte_tiles: bool | None = None, num_warps: int | None = None,
-             num_stages: int | None = None) -> torch.Tensor:
+             num_stages: int | None = None, add: torch.Tensor | None = None, join=None) -> torch.Tensor:
     """The folded FP4 decode path for x [T, d] (up to rb rows per expert in one tile, default
     the next power of two >= T in 16..the tiles' rb_max; more rows loop; the gate/up K range in `split`
     slices; `byte_tiles`: weight tiles from bytes, `fp4_bytes_bf16`; tile defaults `fold_tiles`):
     sort, x's FP8 quantise-dequantise, gate/up (+ its epilogue when split), down, combine into
-    `out` [T, d] fp32."""
+    `out` [T, d] fp32
+    (bf16 with `add`, `moe_experts.combine`)."""
     from .launch import interpreting
-    from .moe_experts import _combine_kernel
+    from .moe_experts import combine
     from .moe_grouped import sort_rows
 
     w_base, s_base, table, kind, inter, d, (s_up, s_down), align = table_args
@@ -473,6 +474,4 @@ def fold_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
     _fold_down_kernel[(n_exp, d // bn_down)](
         h, perm, bounds, w_base, s_base, table, y, inter, d, s_down, ALIGN=align, ASM=not interp, LOWP=not interp,
         RB=rb, BN=bn_down, BK=bk, W_LEFT=w_left, BYTES=byte_tiles, **kw)
-    cb = min(1024, triton.next_power_of_2(d))
-    _combine_kernel[(t, -(-d // cb))](y, flat_ids, out, d, TOPK=topk, BLOCK=cb)
-    return out
+    return combine(y, flat_ids, out, add, join)

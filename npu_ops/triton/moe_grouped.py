@@ -508,7 +508,7 @@ def _grouped_pass(a, wts, ids, table_args, limit, out, plan, quant, predequant, 
     """One pass of `grouped_moe` over a slice of tokens: align its rows, then per expert group
     (the bf16 scratch refilled with the group first when predequantised) the gate/up and down
     GEMMs over that group's blocks, then the ordered combine into `out` (the slice's rows)."""
-    from .moe_experts import _combine_kernel
+    from .moe_experts import combine
 
     w_base, s_base, table, kind, inter, d, (s_up, s_down), align = table_args
     n_exp = table.shape[0]
@@ -540,5 +540,4 @@ def _grouped_pass(a, wts, ids, table_args, limit, out, plan, quant, predequant, 
             h, rows, bexp, bcnt, wb, sb, tab, y, inter, d, w_row(inter), sd, n_blocks, gm, e_lo, e_hi, W_KIND=k_now,
             LOWP=not interp, ALIGN=al, SWAP=plan["swap"], BM=bm, BN=plan["bn_down"], BK=plan["bk_down"],
             EVEN=d % plan["bn_down"] == 0 and inter % plan["bk_down"] == 0, **plan["kw"])
-    cb = min(1024, triton.next_power_of_2(d))
-    _combine_kernel[(t, -(-d // cb))](y, flat_ids, out, d, TOPK=topk, BLOCK=cb)
+    combine(y, flat_ids, out)

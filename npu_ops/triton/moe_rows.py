@@ -275,23 +275,22 @@ def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
              mma_bb: int | None = None, mma_warps_down: int | None = None, mma_split_up: int | None = None,
              mma_split_down: int | None = None, mma_grouped: bool | None = None,
              mma_scale_words: bool | None = None, mma_vec_words: bool | tuple | None = None,
-             mma_diag: bool | None = None) -> torch.Tensor:
+             mma_diag: bool | None = None, add: torch.Tensor | None = None, join=None) -> torch.Tensor:
     """The rows path for x [T, d] (FP4 experts; T <= ROWS_MAX_T on the CUDA cores, tiles default
     `ROWS_TILES`; on the MMA variant T <= moe_rows_mma.MMA_MAX_T with a program per routed row, any
     T grouped, and by default up to MMA_MAX_T):
-    gate/up with its epilogue, down, combine into `out` [T, d] fp32. `mma`: gate/up and down on
-    the tensor cores fed from registers (`moe_rows_mma`; CUDA), with its own settings `mma_bb` (K
-    blocks a loop step), `mma_warps_down`, `mma_scale_words` (a step's scale bytes in one load),
-    `mma_vec_words` (16-byte weight loads, transposed across lanes; a bool or (gate/up, down)),
-    `mma_diag` (at a program per routed row, the block-diagonal MMA operand in place of that
-    transpose), the K
-    slices `mma_split_up` / `mma_split_down` and
-    `mma_grouped` (a program per expert, its rows as MMA columns: up to `moe_rows_mma.MMA_MAX_T`
+    gate/up with its epilogue, down, combine into `out` [T, d] (fp32; bf16 with `add`:
+    `moe_experts.combine`). `mma`: gate/up and down on the tensor cores fed from registers
+    (`moe_rows_mma`; CUDA), with its own settings `mma_bb` (K blocks a loop step),
+    `mma_warps_down`, `mma_scale_words` (a step's scale bytes in one load), `mma_vec_words`
+    (16-byte weight loads, transposed across lanes; a bool or (gate/up, down)), `mma_diag` (at a
+    program per routed row, the block-diagonal MMA operand in place of that transpose), the K
+    slices `mma_split_up` / `mma_split_down` and `mma_grouped` (a program per expert, its rows as MMA columns: up to `moe_rows_mma.MMA_MAX_T`
     tokens, where the CUDA-core kernels take ROWS_MAX_T); None (default): compiled on CUDA where its
     widths fit, unless a CUDA-core kernel tile is given (the H200 measured it faster at one and two
     tokens: `moe_rows_mma.MMA_SPLITS`)."""
     from .launch import interpreting
-    from .moe_experts import _combine_kernel
+    from .moe_experts import combine
 
     inter, d = table_args[4], table_args[5]
     interp = interpreting()
@@ -315,9 +314,7 @@ def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
                     scale_words=mma_scale_words, vec_words=mma_vec_words, diag=mma_diag)
     else:
         y = _core_moe(x, flat_ids, wts, table_args, limit, topk, rs_up, rs_down, rpp_down, num_warps, tiles, interp)
-    cb = min(1024, triton.next_power_of_2(d))
-    _combine_kernel[(t, -(-d // cb))](y, flat_ids, out, d, TOPK=topk, BLOCK=cb)
-    return out
+    return combine(y, flat_ids, out, add, join)
 
 
 def _core_moe(x, flat_ids, wts, table_args, limit, topk, rs_up, rs_down, rpp_down, num_warps, tiles, interp):

@@ -190,9 +190,7 @@ def _mma_block(acc0, acc1, acc2, acc3, wg, w8, xq, fg, f8, fbg, fb8, NW: tl.cons
                ASM: tl.constexpr):
     """The accumulators plus one block's MMA sums of the words wg / w8 with the lane's x codes xq
     [NW * 32, 4] (int32 f16 pairs), times the factors of (row g, row g + 8) x (column 2t, 2t + 1)."""
-    xa, xb = tl.split(tl.reshape(xq, (NW * 32, 2, 2)))
-    x0, x2 = tl.split(xa)
-    x1, x3 = tl.split(xb)
+    x0, x1, x2, x3 = _cols4(xq, NW)
     if ASM:
         c0, c1, c2, c3 = tl.inline_asm_elementwise(
             _MMA4_ASM, "=r,=r,=r,=r,r,r,r,r,r,r", [wg, w8, x0, x1, x2, x3],
@@ -496,15 +494,11 @@ def _mma_down_kernel(hq_ptr, hf_ptr, ids_ptr, perm_ptr, bounds_ptr, w_base, s_ba
         acc0, acc1, acc2, acc3 = _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, hq_ptr + fr_g * (I // 2) + 4 * t,
                                             hf_ptr + fr_a * (I // 32), hf_ptr + fr_b * (I // 32), b_lo, b_hi, g, t, NW,
                                             BB, not GROUPED, ASM, SW, VEC, DIAG)
-        if SLICED:  # the slice's partials
-            _down_out(y_ptr, part_ptr, tl.program_id(2), R, D, fr_a, rg, acc0, acc2, okr & (2 * t < cn), False)
-            if GROUPED:
-                _down_out(y_ptr, part_ptr, tl.program_id(2), R, D, fr_b, rg, acc1, acc3, okr & (2 * t + 1 < cn),
-                          False)
-        else:  # the outputs
-            _down_out(y_ptr, part_ptr, 0, R, D, fr_a, rg, acc0, acc2, okr & (2 * t < cn), True)
-            if GROUPED:
-                _down_out(y_ptr, part_ptr, 0, R, D, fr_b, rg, acc1, acc3, okr & (2 * t + 1 < cn), True)
+        # the slice's partials (SLICED), else the outputs (one slice: program_id(2) is 0)
+        _down_out(y_ptr, part_ptr, tl.program_id(2), R, D, fr_a, rg, acc0, acc2, okr & (2 * t < cn), not SLICED)
+        if GROUPED:
+            _down_out(y_ptr, part_ptr, tl.program_id(2), R, D, fr_b, rg, acc1, acc3, okr & (2 * t + 1 < cn),
+                      not SLICED)
     if SLICED:
         if _last_slice(count_ptr, p0 * tl.num_programs(1) + tl.program_id(1), SPLIT, SLICED):
             for c0 in range(0, cnt, 8):  # the slices in order, per column
