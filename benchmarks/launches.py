@@ -45,8 +45,8 @@ NO_KERNEL = {
 # Launches per layer of each kind (and in all) in one tiny-preset decode step at batch 1, 24
 # tokens of context: what this code reaches; tests/test_triton_launches.py holds the counts at or under
 # these (lower them when a change removes launches).
-BOUNDS = {"attn.full": 26, "attn.reindex": 15, "attn.reuse": 9, "attn.swa": 9.5, "engram": 5, "moe": 10,
-          "other": 58, "total": 360}
+BOUNDS = {"attn.full": 26, "attn.reindex": 15, "attn.reuse": 9, "attn.swa": 9.5, "engram": 5, "moe": 9,
+          "other": 58, "total": 359}
 # 'other' with the mHC coefficient epilogue inside the main mHC kernels (DSV41_MHC_COEF=fused-narrow, off
 # until measured on a device: one launch per mHC step instead of two)
 BOUNDS_FUSED_COEF = {"other": 34, "total": 336}
