@@ -25,7 +25,8 @@ One run measures, on random weights with realistic statistics (MODEL.md section 
 - peak device memory against weights + KV pools;
 - optionally (`--offload`), decode with the Engram tables in page-locked host memory, and
   (`--streams`) with work on a second stream: each MoE's shared expert beside the routed experts,
-  then also each indexed layer's compressor and top-k beside its projections.
+  then also each indexed layer's compressor and top-k beside its projections, and (`--pdl`)
+  with programmatic dependent launch off and in its two modes.
 Writes a dated markdown report naming the device (`--out`), and prints it.
 """
 
@@ -554,7 +555,7 @@ def run_prefill(model, args, clock: Clock, mm_rate: float, mem: Memory, log) -> 
 
 
 def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre, mems, offload, num, failed,
-           streams=()) -> str:
+           streams=(), pdl=()) -> str:
     """The markdown report."""
     now = datetime.datetime.now(datetime.timezone.utc)
     L = [f"# End-to-end benchmark: {args.preset} preset on {device_name}", "",
@@ -624,6 +625,15 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
                     "same logits"],
                    [[r["ctx"], r["batch"], f"{r['one_s'] * 1e3:.3f}", *_ms_change(r, "shared_s", "one_s"),
                      *_ms_change(r, "both_s", "one_s"), r["same"]] for r in streams])
+    if pdl:
+        L += table("Programmatic dependent launch (decode, graph replay)",
+                   "Off: each Triton kernel scheduled after the one ahead finishes; wait: scheduled when every "
+                   "program of the one ahead has exited; trigger: as soon as every program of it has started. "
+                   "Under PDL a kernel waits on the device before touching memory (npu_ops/triton/pdl.py). "
+                   "Same logits = bit-identical in all three.",
+                   ["context", "batch", "off ms", "wait ms", "change", "trigger ms", "change", "same logits"],
+                   [[r["ctx"], r["batch"], f"{r['off_s'] * 1e3:.3f}", *_ms_change(r, "wait_s", "off_s"),
+                     *_ms_change(r, "trigger_s", "off_s"), r["same"]] for r in pdl])
     if mems and mems[0]["peak"] is not None:
         L += table("Peak device memory", None, ["phase", "peak GB", "weights GB", "KV pools GB", "peak / (weights + KV)"],
                    [[m["phase"], f"{m['peak'] / 1e9:.2f}", f"{m['weights'] / 1e9:.2f}", f"{m['kv'] / 1e9:.2f}",
@@ -733,18 +743,15 @@ def _ms_change(row: dict, key: str, base: str) -> list[str]:
     return [f"{row[key] * 1e3:.3f}", f"{row[key] / row[base] - 1:+.1%}"]
 
 
-def run_streams(model, args, clock: Clock, log) -> list[dict]:
-    """Decode step time (graph replay) with everything on one stream, with each MoE's shared
-    expert on a second stream, and with the indexed layers' compressor and top-k there as well,
-    batch 1 and the largest batch at the first context."""
+def _step_variants(model, args, clock: Clock, log, label: str, variants, reset) -> list[dict]:
+    """Decode step time (graph replay) under each (name, apply) variant, batch 1 and the largest
+    batch at the first context, and whether the step's logits are bit-identical in all of them
+    (`row["same"]`); `reset()` afterwards, also on failure."""
     ctx = args.contexts[0]
     rows = {b: dict(ctx=ctx, batch=b, same=True) for b in sorted({1, max(args.batches)})}
-    configs = (("one", ()), ("shared", ("shared",)), ("both", ("shared", "indexer")))
     try:
-        for name, parts in configs:
-            model.overlap_streams(False)
-            if parts:
-                model.overlap_streams(True, parts)
+        for name, apply in variants:
+            apply()
             for b, row in rows.items():
                 engine = Engine(model, max_batch=b, graphs=True, max_model_len=ctx + 64, block_size=args.block_size,
                                 max_tokens_per_step=args.max_tokens_per_step)
@@ -758,12 +765,32 @@ def run_streams(model, args, clock: Clock, log) -> list[dict]:
                 for s in seqs:
                     engine.finish(s)
                 del engine
-                log(f"streams {name} b={b}: {row[f'{name}_s'] * 1e3:.3f} ms")
+                log(f"{label} {name} b={b}: {row[f'{name}_s'] * 1e3:.3f} ms")
     finally:
-        model.overlap_streams(None)  # (the platform's default again)
+        reset()
     for row in rows.values():
         row.pop("logits", None)
     return list(rows.values())
+
+
+def run_streams(model, args, clock: Clock, log) -> list[dict]:
+    """Everything on one stream, each MoE's shared expert on a second stream beside its routed
+    experts, and the indexed layers' compressor and top-k there as well (`_step_variants`)."""
+    def on(parts):
+        return lambda: (model.overlap_streams(False), parts and model.overlap_streams(True, parts))
+
+    variants = (("one", on(())), ("shared", on(("shared",))), ("both", on(("shared", "indexer"))))
+    return _step_variants(model, args, clock, log, "streams", variants,
+                          lambda: model.overlap_streams(None))  # (the platform's default again)
+
+
+def run_pdl(model, args, clock: Clock, log) -> list[dict]:
+    """Plain launches against programmatic dependent launch (npu_ops/triton/pdl.py), each graph
+    captured under its setting (`_step_variants`)."""
+    from dsv41.npu_ops.triton import pdl
+
+    variants = [(mode, lambda mode=mode: pdl.set_pdl(mode)) for mode in ("off", "wait", "trigger")]
+    return _step_variants(model, args, clock, log, "pdl", variants, lambda: pdl.set_pdl(None))
 
 
 def run_numerics(model, args, log) -> list[dict]:
@@ -822,6 +849,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", default="", help="comma list of phases to skip: decode,prefill,kernels")
     ap.add_argument("--offload", action="store_true", help="also decode with Engram tables in host memory")
+    ap.add_argument("--pdl", action="store_true",
+                    help="also decode with programmatic dependent launch off, 'wait' and 'trigger' (npu_ops/triton/pdl.py)")
     ap.add_argument("--streams", action="store_true",
                     help="also decode with work on a second stream: the shared expert, then also the indexer "
                          "(Transformer.overlap_streams)")
@@ -854,7 +883,7 @@ def main() -> int:
     clock.sync()
     build_s = time.perf_counter() - t
     log(f"{args.preset}: built in {build_s:.1f} s, {model_bytes(model, dev) / 1e9:.2f} GB of weights on {dev}")
-    dec, kernels, mems, pre, offload, num, streams = [], {}, [], [], [], [], []
+    dec, kernels, mems, pre, offload, num, streams, pdl = [], {}, [], [], [], [], [], []
 
     def phase(name, fn):
         """Run one phase; a failure is logged and the others still run."""
@@ -872,7 +901,7 @@ def main() -> int:
     def write() -> str:
         """The report so far, written whole (temp name, then rename) after every phase."""
         text = report(args, device_name, copy_bw, mm_rate, build_s, dec, kernels, pre, mems, offload, num, failed,
-                      streams)
+                      streams, pdl)
         tmp = args.out + ".tmp"
         with open(tmp, "w") as f:
             f.write(text)
@@ -884,6 +913,9 @@ def main() -> int:
         write()
     if args.streams:
         streams = phase("streams", lambda: run_streams(model, args, clock, log)) or []
+        write()
+    if args.pdl:
+        pdl = phase("pdl", lambda: run_pdl(model, args, clock, log)) or []
         write()
     if args.offload:
         offload = phase("offload", lambda: run_offload(model, args, clock, log)) or []

@@ -47,6 +47,7 @@ import triton.language as tl
 
 from ...backends.reference import quant
 from ...backends.reference.basic import linear as linear_ref  # noqa: F401  (the oracle)
+from .pdl import pdl_launch, pdl_start
 from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, e4m3_byte, e8m0_value, fp8_exponent, fp8_qdq_groups,
                            fp8_round, gemv_acc, gemv_load_w, load_weight_tile, pow2, scaled_block_step)
 from .fp4_common import split_dot_acc
@@ -89,11 +90,12 @@ def _block_linear_kernel(x_ptr, q_ptr, qs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, 
                          M, N, K, s_stride, k_per_split,
                          W_KIND: tl.constexpr, SPLIT_K: tl.constexpr, SERIAL: tl.constexpr,
                          A_TERMS: tl.constexpr, LOWP: tl.constexpr, OUT_BF16: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr = 0):
     """One [BM, BN] output tile over one K slice (grid (tiles, SPLIT_K): the slices' partials are
     added in slice order by `_finish_tile`), or with SERIAL over every K slice of k_per_split in
     turn, each summed from zero and added to the tile's total in slice order: the same fp32
     operations as the split launch, in one program (no partials, no counters)."""
+    pdl_start(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     n_m = tl.cdiv(M, BM)
@@ -150,10 +152,11 @@ def _finish_tile(acc, out_ptr, part_ptr, count_ptr, tile, pid_k, rm, rn, M, N, S
 @triton.jit
 def _gemv_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride, w_stride, s_stride,
                         k_per_split, W_KIND: tl.constexpr, SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr,
-                        RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
+                        RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = 0):
     """The scaled linear for M <= GEMV_MAX_M rows (all in one program, RB >= M; x already holds
     its FP8 quantise-dequantise values): BN weight rows streamed once over a K slice, the next
     BK step's weight tile loaded before the current one is used (two tiles in flight)."""
+    pdl_start(PDL)
     NB: tl.constexpr = BK // 32
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -204,7 +207,7 @@ def _decode_tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr):
 def _fold_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride, s_stride, k_per_split,
                         SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, QDQ_ROW: tl.constexpr,
                         SCALE_X: tl.constexpr, LOWP: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = 0):
     """The FP8 (E4M3, E8M0 per 32x32 block) linear at decode sizes on the tensor cores, the
     weight as the dot's wide side: acc [BN, BM] += W tile [BN, BK] @ x tile^T [BK, BM].
 
@@ -214,6 +217,7 @@ def _fold_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
     multiplies that block of x; else it multiplies the weight tile ([BN, BK/32, 32] view). Either
     way every product is exact and the sums are fp32 (the tiled kernel's numerics class).
     QDQ_ROW (M == 1, BM padded): x's single row is quantise-dequantised here (no separate pass)."""
+    pdl_start(PDL)
     NB: tl.constexpr = BK // 32
     pid_n, pid_m, pid_k, rn, rm, nmask, mmask, rn64, rm64 = _decode_tile_ids(M, N, BM, BN)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
@@ -297,7 +301,7 @@ def e4m3_placed(w, ASM: tl.constexpr):
 @triton.jit
 def _fold_xs_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride, s_stride, k_per_split,
                     SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, QDQ_ROW: tl.constexpr, PLACE: tl.constexpr,
-                    LOWP: tl.constexpr, MP: tl.constexpr, BX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    LOWP: tl.constexpr, MP: tl.constexpr, BX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = 0):
     """The FP8 linear for M <= MP rows (decode, batch 1..8) with the weight scales on x's side,
     so the weight goes from its load through one conversion into the dot (no per-element scale
     product): acc [BN, BX] += W tile [BN, BK] @ X' [BK, BX], where the G = BN / 32 scale rows of
@@ -308,6 +312,7 @@ def _fold_xs_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, 
     Exact operands and fp32 sums, as `_fold_linear_kernel` (exact while |x| * scale < 2^63 with
     PLACE). QDQ_ROW (M == 1): x's row is FP8-quantised here (no separate pass). BX >= G * MP
     (at least 16, the dot's minimum width); unused columns are zero."""
+    pdl_start(PDL)
     NB: tl.constexpr = BK // 32
     G: tl.constexpr = BN // 32
     pid_n = tl.program_id(0)
@@ -433,7 +438,7 @@ def _row_dot(wd, xs0, xs1, xs2, xs3, ASM: tl.constexpr):
 def _row_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, KW, s_stride, rows_per_prog,
                      w2_ptr, s2_ptr, out2_ptr, N2, P1,
                      OUT_BF16: tl.constexpr, RS: tl.constexpr, BWA: tl.constexpr, BWB: tl.constexpr,
-                     ASM: tl.constexpr, TWO: tl.constexpr):
+                     ASM: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr = 0):
     """The FP8 linear at one activation row, streaming whole weight rows: program p owns the
     `rows_per_prog` consecutive rows from p * rows_per_prog (a divisor of 32, so all of them share
     one row of 32x32 block scales) and reads them RS rows per step, each step one contiguous run
@@ -450,6 +455,7 @@ def _row_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, KW, s_stride, rows_per_pro
     TWO: a second weight of the same K (w2 / s2 -> out2, N2 rows) in the same launch, programs
     P1.. on it (`linear_pair`: one launch where two small projections of one row each paid a
     launch's ramp and tail); a row's arithmetic is the same as in its own launch."""
+    pdl_start(PDL)
     pid = tl.program_id(0)
     if TWO:
         if pid >= P1:
@@ -487,11 +493,12 @@ def _row_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, KW, s_stride, rows_per_pro
 
 @triton.jit
 def _dense_pair_kernel(x_ptr, w_ptr, out_ptr, N, K, rows_per_prog, w2_ptr, out2_ptr, N2, P1,
-                       OUT_BF16: tl.constexpr, RS: tl.constexpr, BK: tl.constexpr):
+                       OUT_BF16: tl.constexpr, RS: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = 0):
     """Two plain bf16 weights of the same K at one activation row in one launch (`linear_pair`;
     the compressor's wkv / wgate with fp32 outputs, which cuBLAS ran as two split-K GEMMs with a
     reduction each): programs 0 .. P1 - 1 own `rows_per_prog` rows of w, the rest rows of w2. Each
     output is the fp32 sum of exact bf16 x bf16 products (cuBLAS's class, another order)."""
+    pdl_start(PDL)
     pid = tl.program_id(0)
     if pid >= P1:
         pid -= P1
@@ -522,7 +529,7 @@ def _dense_pair_kernel(x_ptr, w_ptr, out_ptr, N, K, rows_per_prog, w2_ptr, out2_
 @triton.jit
 def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, s_stride, k_per_split,
                     SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, QDQ_ROW: tl.constexpr, LOWP: tl.constexpr,
-                    F16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    F16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = 0):
     """The FP8 linear at decode sizes on the FP8 tensor cores: no weight conversion at all. Per
     32-wide K block one dot of the raw E4M3 weight tile [BN, 32] with x's E4M3 codes [32, BM]
     (fp32 out), times the weight's and x's power-of-two block scales, added to the fp32
@@ -537,6 +544,7 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
     F16: the same block dots as fp16 MMAs instead (the codes widened by the hardware's packed
     E4M3 -> f16x2 conversion, one instruction per two weights and nothing else): exact products
     and the fp16 MMA's fp32 accumulation, the tiled kernel's numerics class (`scaled_block_step`)."""
+    pdl_start(PDL)
     NB: tl.constexpr = BK // 32
     pid_n, pid_m, pid_k, rn, rm, nmask, mmask, rn64, rm64 = _decode_tile_ids(M, N, BM, BN)
     j = tl.arange(0, 32)
@@ -569,8 +577,9 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M
 
 
 @triton.jit
-def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, s_stride, W_KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, s_stride, W_KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = 0):
     """A scaled weight [N, K] -> its exact values as bf16 (the large-M path's cuBLAS operand)."""
+    pdl_start(PDL)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     k0 = tl.program_id(1) * BK
     kk = k0 + tl.arange(0, BK)
@@ -749,7 +758,7 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     _block_linear_kernel[(n_tiles, split_k)](
         x2, q, qs, w, s, out_arg, part, counts, m, n, k, s.shape[1] if scale is not None else 0, k_per_split,
         W_KIND=kind, SPLIT_K=split_k, SERIAL=serial, A_TERMS=a_terms, LOWP=not interp,
-        OUT_BF16=out.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, GROUP_M=group_m or cfg["group_m"], **kw)
+        OUT_BF16=out.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk, GROUP_M=group_m or cfg["group_m"], **kw, **pdl_launch(x2))
 
 
 def _launch_gemv(x2, weight, scale, out, kind, *, bn=None, bk=None, split_k=None, num_warps=None, num_stages=None):
@@ -777,7 +786,7 @@ def _launch_gemv(x2, weight, scale, out, kind, *, bn=None, bk=None, split_k=None
         x2, w, scale.view(torch.uint8), out_arg, part, counts, m, n, k, x2.stride(0), weight.stride(0), scale.shape[1],
         k_per_split,
         W_KIND=kind, SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, RB=max(1, triton.next_power_of_2(m)),
-        BN=bn, BK=bk, ASM=not interp, **kw)
+        BN=bn, BK=bk, ASM=not interp, **kw, **pdl_launch(x2))
 
 
 def _launch_fold(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_k=None, num_warps=None,
@@ -813,7 +822,7 @@ def _launch_fold(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_k=N
     _fold_linear_kernel[(n_n, n_m, split_k)](
         x2, weight, scale.view(torch.uint8), out_arg, part, counts, m, n, k, x2.stride(0), scale.shape[1], k_per_split,
         SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, QDQ_ROW=qdq_row, SCALE_X=bn == 32, LOWP=not interp,
-        BM=bm, BN=bn, BK=bk, **kw)
+        BM=bm, BN=bn, BK=bk, **kw, **pdl_launch(x2))
 
 
 # The FP8 decode path, chosen once per process from the environment: DSV41_FP8_DECODE = "fold"
@@ -932,7 +941,7 @@ def _launch_fold_xs(x2, weight, scale, out, *, place: bool, bn=None, bk=None, sp
         x2, weight.view(torch.uint8) if place else weight, scale.view(torch.uint8), out_arg, part, counts, m, n, k,
         x2.stride(0), scale.shape[1], k_per_split,
         SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, QDQ_ROW=qdq_row, PLACE=place, LOWP=not interp,
-        MP=mp, BX=bx, BN=bn, BK=bk, **kw)
+        MP=mp, BX=bx, BN=bn, BK=bk, **kw, **pdl_launch(x2))
 
 
 def rows_fit(k: int) -> bool:
@@ -987,7 +996,7 @@ def _launch_row_gemv(x2, weight, scale, out, *, rs=None, rpp=None, waves=None, n
     kw_opts = {} if interp else {"num_warps": num_warps or cfg["num_warps"], "num_stages": 1}
     _row_gemv_kernel[(grid,)](x2, w_a, s_a, out_a, n1, kw, scale.shape[1], rpp, w_b, s_b, out_b, n - n1, p1,
                               OUT_BF16=out.dtype == torch.bfloat16, RS=rs, BWA=bwa, BWB=bwb, ASM=not interp,
-                              TWO=second is not None, **kw_opts)
+                              TWO=second is not None, **kw_opts, **pdl_launch(x2))
 
 
 def _launch_fp8_mma(x2, weight, scale, out, *, f16: bool = False, bm=None, bn=None, bk=None, split_k=None,
@@ -1030,7 +1039,7 @@ def _launch_fp8_mma(x2, weight, scale, out, *, f16: bool = False, bm=None, bn=No
     _fp8_mma_kernel[(n_n, n_m, split_k)](
         xq, xs, weight, scale.view(torch.uint8), out_arg, part, counts, m, n, k, scale.shape[1], k_per_split,
         SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, QDQ_ROW=qdq_row, LOWP=not interp, F16=f16, BM=bm, BN=bn,
-        BK=bk, **kw)
+        BK=bk, **kw, **pdl_launch(xq))
 
 
 def dequant_bf16(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -1042,7 +1051,7 @@ def dequant_bf16(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     bn, bk = 32, 128
     _dequant_kernel[(-(-n // bn), -(-k // bk))](weight.view(torch.uint8) if kind == W_FP4 else weight,
                                                 scale.view(torch.uint8), out.view(torch.int16), n, k, scale.shape[1],
-                                                W_KIND=kind, BN=bn, BK=bk)
+                                                W_KIND=kind, BN=bn, BK=bk, **pdl_launch(out))
     return out
 
 
@@ -1187,7 +1196,7 @@ def _launch_dense_pair(x2, weight_a, weight_b, out_a, out_b, **tiles):
     kw = {} if interp else {"num_warps": cfg["num_warps"]}
     bits = (lambda o: o.view(torch.int16)) if out_a.dtype == torch.bfloat16 else (lambda o: o)
     _dense_pair_kernel[(p1 + -(-n_b // rpp),)](x2, weight_a, bits(out_a), n_a, x2.shape[1], rpp, weight_b, bits(out_b),
-                                               n_b, p1, OUT_BF16=out_a.dtype == torch.bfloat16, RS=rs, BK=bk, **kw)
+                                               n_b, p1, OUT_BF16=out_a.dtype == torch.bfloat16, RS=rs, BK=bk, **kw, **pdl_launch(x2))
 
 
 def linear_pair(x: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tensor | None, weight_b: torch.Tensor,

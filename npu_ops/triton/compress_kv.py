@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.attention import compress_kv as compress_kv_ref  # noqa: F401 (the oracle)
+from .pdl import pdl_launch, pdl_start
 from .fp4_common import (FP4_GROUP, as_cmp, bf16_rne_bits, byte_to_int8, e2m1_code, e4m3_value, fp4_scale_code,
                          offsets)
 
@@ -64,7 +65,8 @@ def ub_tiles(block_g: int, d: int, ratio: int) -> dict[str, tuple[int, ...]]:
 def _compress_kv_kernel(kv_ptr, score_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, lat_ptr, code_ptr, scale_ptr,
                         n_groups, cap, eps, n_tiles, num_programs, code_stride, scale_stride, kv_stride, score_stride,
                         D: tl.constexpr, HALF_R: tl.constexpr, RATIO: tl.constexpr,
-                        BLOCK_G: tl.constexpr, WIDE: tl.constexpr):
+                        BLOCK_G: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     NG: tl.constexpr = D // 16  # FP4 groups per row
     HALF_D: tl.constexpr = D // 2
     pid = tl.program_id(0)
@@ -178,7 +180,7 @@ def compress_kv(kv, score, ratio, norm_weight, eps, cos, sin, codes, scales, slo
                                  slots.contiguous(), lat.view(torch.int16), as_int8(cv), as_int8(sv), n, cv.shape[0],
                                  float(eps), n_tiles, grid, cv.stride(0), sv.stride(0), kv_c.stride(0),
                                  score_c.stride(0), D=d, HALF_R=half_r,
-                                 RATIO=ratio, BLOCK_G=block_g, WIDE=needs_int64(kv, cv, lat), **extra)
+                                 RATIO=ratio, BLOCK_G=block_g, WIDE=needs_int64(kv, cv, lat), **extra, **pdl_launch(kv_c))
     return lat
 
 

@@ -14,12 +14,14 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.basic import engram_gate as engram_gate_ref  # noqa: F401  (the oracle)
+from .pdl import pdl_launch, pdl_start
 from .block_scaled import bf16_bits16
 
 
 @triton.jit
 def _engram_gate_kernel(x_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, img_ptr, y_ptr, N, D, k_st, k_ss, v_st, eps,
-                        inv_sqrt_d, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr):
+                        inv_sqrt_d, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     t = tl.program_id(0)
     s = tl.program_id(1)
     cols = tl.arange(0, BLOCK_D)
@@ -67,7 +69,7 @@ def engram_gate(x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: tor
         _engram_gate_kernel[(t, n)](xc, k, v, q_weight.contiguous(), k_weight.contiguous(), img,
                                     y.view(torch.int16) if out_bf16 else y, n, d, k.stride(0), k.stride(1),
                                     v.stride(0), float(eps), d ** -0.5, BLOCK_D=triton.next_power_of_2(d),
-                                    OUT_BF16=out_bf16)
+                                    OUT_BF16=out_bf16, **pdl_launch(xc))
     return y
 
 

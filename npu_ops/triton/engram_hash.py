@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_start
+
 from ...backends.fused import engram_hash as engram_hash_ref  # noqa: F401  (the oracle)
 
 BLOCK_M = 64  # positions per program (fewer when a call has fewer: a decode step's 1-64)
@@ -23,11 +25,12 @@ BLOCK_M = 64  # positions per program (fewer when a call has fewer: a decode ste
 
 @triton.jit
 def _engram_hash_kernel(ids_ptr, image_ptr, map_ptr, mult_ptr, primes_ptr, offsets_ptr, out_ptr, M, pad_id,
-                        N: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr, JP: tl.constexpr):
+                        N: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr, JP: tl.constexpr, PDL: tl.constexpr = 0):
     """Rows [BLOCK_M, (N - 1) * HEADS] of one tile of positions. The n-gram hashes come from a
     chain of N xors; their remainders by every row's prime are one [BLOCK_M, JP] int64 op, not
     (N - 1) * HEADS dependent ones (each an emulated 64-bit division: 9 us a launch at one
     position on the H200 when they ran in turn)."""
+    pdl_start(PDL)
     m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     mm = m < M
     n_rows = (N - 1) * HEADS
@@ -80,7 +83,7 @@ def engram_hash(ngram_ids: torch.Tensor, ngram_image: torch.Tensor, token_map: t
                                             token_map.contiguous(),
                                             multipliers.to(device=ngram_ids.device, dtype=torch.int64).contiguous(),
                                             p, _offsets(p), out, m, int(pad_id), N=n, HEADS=n_heads, BLOCK_M=bm,
-                                            JP=triton.next_power_of_2((n - 1) * n_heads))
+                                            JP=triton.next_power_of_2((n - 1) * n_heads), **pdl_launch(out))
     return out
 
 

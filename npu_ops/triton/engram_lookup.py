@@ -24,6 +24,7 @@ import triton.language as tl
 from ...backends.reference.basic import engram_lookup as engram_lookup_ref  # noqa: F401  (the oracle)
 from ...backends.reference.basic import gather_rows_to
 
+from .pdl import pdl_launch, pdl_start
 from .fp4_common import as_cmp, offsets
 
 BLOCK_R = 16  # gathered rows per tile
@@ -52,7 +53,8 @@ def _bf16_bits(v):
 
 @triton.jit
 def _engram_kernel(tab_ptr, sc_ptr, rows_ptr, out_ptr, n_rows, DH, n_tiles, num_programs,
-                   MODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, WIDE: tl.constexpr):
+                   MODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     # columns as [groups of 32, 32]: one scale per group, loaded once and broadcast
     gg = tl.arange(0, BLOCK_D // 32)
@@ -139,7 +141,7 @@ def engram_lookup(table: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, 
     kw = {} if interpreting() else {"num_warps": num_warps or NUM_WARPS}
     _engram_kernel[(grid,)](tab, sc, rows.contiguous(), out.view(torch.int16), n_rows, dh, n_tiles, grid,
                             MODE=mode, BLOCK_R=br, BLOCK_D=max(32, triton.next_power_of_2(dh)),
-                            WIDE=needs_int64(tab, out), **kw)
+                            WIDE=needs_int64(tab, out), **kw, **pdl_launch(tab))
     return out
 
 

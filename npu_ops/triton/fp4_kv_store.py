@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference import quant
+from .pdl import pdl_launch, pdl_start
 from .fp4_common import byte_to_int8, e2m1_code, e4m3_value, fp4_scale_code, offsets
 
 GROUP = 16
@@ -106,7 +107,8 @@ def _encode_words(w, s):
 @triton.jit
 def _fp4_kv_store_kernel(x_ptr, slot_ptr, code_ptr, scale_ptr, n_groups, n_tiles, num_programs,
                          groups_per_row: tl.constexpr, BLOCK_G: tl.constexpr, BF16_WORDS: tl.constexpr,
-                         WIDE: tl.constexpr):
+                         WIDE: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     j = tl.arange(0, 8)
     for t in range(pid, n_tiles, num_programs):
@@ -173,7 +175,7 @@ def fp4_kv_store(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scal
     kw = {} if interpreting() else {"num_warps": nw}
     _fp4_kv_store_kernel[(grid,)](x if xw is None else xw, slots.contiguous(), as_int8(cv), as_int8(sv), n_groups,
                                   n_tiles, grid, groups_per_row=d // GROUP, BLOCK_G=bg, BF16_WORDS=xw is not None,
-                                  WIDE=needs_int64(x, cv), **kw)
+                                  WIDE=needs_int64(x, cv), **kw, **pdl_launch(x))
 
 
 def fp4_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

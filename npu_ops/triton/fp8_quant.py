@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.quant import fp8_quant as fp8_quant_ref  # noqa: F401  (the oracle)
+from .pdl import pdl_launch, pdl_start
 from .block_scaled import FP8_GROUP, fp8_code, fp8_exponent, fp8_round, pow2
 
 BLOCK_G = 64  # groups of 32 per tile
@@ -21,7 +22,8 @@ BLOCK_G = 64  # groups of 32 per tile
 
 @triton.jit
 def _fp8_quant_kernel(x_ptr, q_ptr, s_ptr, n_groups, n_tiles, num_programs,
-                      BLOCK_G: tl.constexpr, QDQ: tl.constexpr):
+                      BLOCK_G: tl.constexpr, QDQ: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     cols = tl.arange(0, 32)
     for t in range(pid, n_tiles, num_programs):
@@ -56,7 +58,7 @@ def _launch(x: torch.Tensor, qdq: bool):
         n_tiles = -(-n_groups // BLOCK_G)
         grid = grid_for(n_tiles, x.device)
         _fp8_quant_kernel[(grid,)](xc, q.view(torch.int16 if qdq else torch.uint8), s.view(torch.int16 if qdq else torch.uint8),
-                                   n_groups, n_tiles, grid, BLOCK_G=BLOCK_G, QDQ=qdq)
+                                   n_groups, n_tiles, grid, BLOCK_G=BLOCK_G, QDQ=qdq, **pdl_launch(xc))
     return q, s
 
 

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ...backends.fused import indexer_queries as indexer_queries_ref  # noqa: F401  (the oracle)
+from .pdl import pdl_launch, pdl_start
 from .mxfp4_quant import MX_GROUP
 from .block_scaled import bf16_round
 
@@ -52,7 +53,8 @@ def _qdq(v, scl):
 
 @triton.jit
 def _indexer_queries_kernel(q_ptr, cos_ptr, sin_ptr, w_ptr, qo_ptr, wo_ptr, H, D, R, w_scale,
-                            BLOCK_G: tl.constexpr):
+                            BLOCK_G: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     row = tl.program_id(0)
     t = row // H
     g = tl.arange(0, BLOCK_G)
@@ -92,7 +94,7 @@ def indexer_queries(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: to
     if t * h:
         _indexer_queries_kernel[(t * h,)](q.contiguous(), cos.float().contiguous(), sin.float().contiguous(),
                                           w.contiguous(), q_out, w_out, h, d, r, float(w_scale),
-                                          BLOCK_G=triton.next_power_of_2(d // MX_GROUP))
+                                          BLOCK_G=triton.next_power_of_2(d // MX_GROUP), **pdl_launch(q_out))
     return q_out, w_out
 
 

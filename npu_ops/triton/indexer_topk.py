@@ -86,6 +86,7 @@ import triton.language as tl
 
 from ...backends.reference import attention as ref_attention
 from ...backends.paging import table_rows
+from .pdl import pdl_launch, pdl_start
 from .block_scaled import bf16_round
 from ...backends.reference.attention import candidate_pool
 
@@ -199,7 +200,8 @@ def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_pt
                            T, NC, NB, E, G, n_nc, n_tiles, num_programs, code_stride, scale_stride,
                            H: tl.constexpr, HP: tl.constexpr, HP1: tl.constexpr, DH: tl.constexpr,
                            DHP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr,
-                           GATHER: tl.constexpr, LOWP: tl.constexpr, MAXG: tl.constexpr):
+                           GATHER: tl.constexpr, LOWP: tl.constexpr, MAXG: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     cn = tl.arange(0, BLOCK_N)
     tq = tl.arange(0, BLOCK_T)
@@ -283,13 +285,14 @@ def _row_keys(table_ptr, code_ptr, scale_ptr, tq, cols, nv, NB, E, DH: tl.conste
 def _indexer_rows_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_ptr, out_ptr, max_ptr,
                          T, NC, NB, E, G, n_nc, n_tiles, num_programs, code_stride, scale_stride,
                          H: tl.constexpr, HP: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NSUB: tl.constexpr, LOWP: tl.constexpr, MAXG: tl.constexpr):
+                         BLOCK_N: tl.constexpr, NSUB: tl.constexpr, LOWP: tl.constexpr, MAXG: tl.constexpr, PDL: tl.constexpr = 0):
     """Dense scores at decode shapes: a tile is one query (its heads padded to HP >= 16 rows) by
     NSUB blocks of BLOCK_N entries, tiles walked by a 1-D persistent loop. Each query reads its
     own rows (no test whether the tile's queries share them), and the next block's pool rows
     and key bytes are loaded while the current block is scored, so a program keeps a load in
     flight instead of waiting on one chain of dependent loads per block. Same arithmetic as
     `_indexer_scores_kernel` (`_byte_scores`); tiles wholly past n_visible compute nothing."""
+    pdl_start(PDL)
     pid = tl.program_id(0)
     cn = tl.arange(0, BLOCK_N)
     for tile in range(pid, n_tiles, num_programs):
@@ -491,13 +494,13 @@ def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_
             q.contiguous(), weights.contiguous(), codes, scales, table, nvis, out, maxima,
             t, nc, nb, e, g, n_nc, n_tiles, grid, codes.stride(0), scales.stride(0),
             H=h, HP=hp, DH=d // 2, DHP=_pow2(d // 2), BLOCK_N=bn, NSUB=nsub, LOWP=not interpreting(), MAXG=maxg,
-            **extra)
+            **extra, **pdl_launch(codes))
         return out, (maxima if maxg else None), maxg
     _indexer_scores_kernel[(grid,)](
         q.contiguous(), weights.contiguous(), codes, scales, table, nvis, cand, out, maxima,
         t, nc, nb, e, g, n_nc, n_tiles, grid, codes.stride(0), scales.stride(0),
         H=h, HP=hp, HP1=max(hp, 16), DH=d // 2, DHP=_pow2(d // 2), BLOCK_T=bt, BLOCK_N=bn, NSUB=nsub,
-        GATHER=gather, LOWP=not interpreting(), MAXG=maxg, **extra)
+        GATHER=gather, LOWP=not interpreting(), MAXG=maxg, **extra, **pdl_launch(codes))
     return out, (maxima if maxg else None), maxg
 
 
@@ -684,7 +687,7 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
                         T, N, G, K, KOUT, num_programs,
                         MAXG: tl.constexpr, CAP: tl.constexpr, USE_MAX: tl.constexpr, BLOCK: tl.constexpr,
                         RADIX_BITS: tl.constexpr, MAP: tl.constexpr, KP: tl.constexpr, RB: tl.constexpr,
-                        SBLOCK: tl.constexpr, BOUND_PASSES: tl.constexpr, SPAN: tl.constexpr):
+                        SBLOCK: tl.constexpr, BOUND_PASSES: tl.constexpr, SPAN: tl.constexpr, PDL: tl.constexpr = 0):
     """Per query row t (persistent loop): the K largest of scores[t, :n_visible[t]] (ties to the
     lower entry id) as ascending entry ids in out[t, :KOUT], -1 padded.
 
@@ -707,6 +710,7 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
     -inf): the whole row is visible, the chosen columns are written as their entry ids with the
     padding dropped (the reference's selection among valid columns), staged (stage_ptr [T, KP]),
     then placed in entry-id order."""
+    pdl_start(PDL)
     CH: tl.constexpr = BLOCK // MAXG  # chunks per iteration of the survivor pass
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -873,7 +877,7 @@ def _split_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_p
                          T, N, G, K, KOUT, SL, P, num_programs,
                          MAXG: tl.constexpr, MBLOCK: tl.constexpr, SBLOCK: tl.constexpr, FBLOCK: tl.constexpr,
                          BLOCK: tl.constexpr, PP: tl.constexpr, RADIX_BITS: tl.constexpr, SPAN: tl.constexpr,
-                         STOP: tl.constexpr = 0):
+                         STOP: tl.constexpr = 0, PDL: tl.constexpr = 0):
     """The dense top-K select of `_topk_select_kernel` (same result: the K largest of
     scores[t, :n_visible[t]], ties to the lower entry id, ascending ids, -1 padded) split over P
     programs per row, so that a decode step's few rows use many SMs:
@@ -893,6 +897,7 @@ def _split_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_p
     `_topk_select_kernel` does them (no counter). STOP (timing the stages; no result): 1 ends
     after the bound, 2 after the slices. CUDA only (atomics, `.cg` loads); Ascend keeps
     `_topk_select_kernel`."""
+    pdl_start(PDL)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     for job in range(pid, T * P, num_programs):
@@ -956,7 +961,7 @@ def _split_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_p
 
 @triton.jit
 def _pool_kernel(max_ptr, nvis_ptr, out_ptr, work_ptr, T, N, G, NBLK, OUTW, num_programs,
-                 B: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
+                 B: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, PDL: tl.constexpr = 0):
     """Per query row (persistent loop): the hierarchical candidate pool of
     `reference.attention.candidate_pool` from the row's block maxima (max_ptr [T, G], one per B
     entries, entries past n_visible excluded, written by the scores kernel): the reachable
@@ -964,6 +969,7 @@ def _pool_kernel(max_ptr, nvis_ptr, out_ptr, work_ptr, T, N, G, NBLK, OUTW, num_
     of them by radix select (ties to the older block), in ascending order, each expanded to its
     B entry ids (-1 past n_visible); -1 after the chosen blocks. work_ptr [T, G]: the row's
     maxima with the newest one raised (the select reads them from memory)."""
+    pdl_start(PDL)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     jb = tl.arange(0, B)
@@ -1022,7 +1028,7 @@ def pool_select(maxima: torch.Tensor, n_visible: torch.Tensor, n: int, n_blocks:
     grid = grid_for(t, maxima.device)
     extra = {} if interpreting() else {"num_warps": SELECT_WARPS}
     _pool_kernel[(grid,)](maxima.contiguous(), n_visible.contiguous(), out, work, t, n, g, n_blocks, out.shape[1],
-                          grid, B=block, BLOCK=max(blk // block, 16), RADIX_BITS=radix, **extra)
+                          grid, B=block, BLOCK=max(blk // block, 16), RADIX_BITS=radix, **extra, **pdl_launch(out))
     return out
 
 
@@ -1120,7 +1126,7 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
                                  RADIX_BITS=radix, MAP=mapped, KP=_pow2(kout),
                                  RB=sort_rows(_pow2(kout), scores.device.type == "npu"), SBLOCK=sblk,
                                  BOUND_PASSES=SELECT_BOUND_PASSES if bound_passes is None else int(bound_passes),
-                                 SPAN=SELECT_SPAN if span is None else bool(span), **extra)
+                                 SPAN=SELECT_SPAN if span is None else bool(span), **extra, **pdl_launch(nvis))
     return out
 
 
@@ -1183,7 +1189,7 @@ def _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix, fi
     _split_select_kernel[(grid,)](scores.contiguous(), maxima.contiguous(), n_visible.contiguous(), out, surv_s,
                                   surv_p, part, tile_counters(scores.device, t), t, n, g, k, out.shape[1], sl, p,
                                   grid, MAXG=maxg, MBLOCK=mblock, SBLOCK=min(blk, _pow2(sl)), FBLOCK=fb, BLOCK=blk,
-                                  PP=pp, RADIX_BITS=radix, SPAN=span and g <= mblock, STOP=_stop, **extra)
+                                  PP=pp, RADIX_BITS=radix, SPAN=span and g <= mblock, STOP=_stop, **extra, **pdl_launch(out))
     return out
 
 

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.mhc import mhc_mix as mhc_mix_ref  # noqa: F401  (the oracle)
+from .pdl import pdl_launch, pdl_start
 from .block_scaled import bf16_bits16
 from .fp4_common import as_cmp, offsets
 from .launch import tile_counters
@@ -196,10 +197,11 @@ def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_FN: tl.constexpr,
                     SPLIT: tl.constexpr, OUT_BF16: tl.constexpr, WIDE: tl.constexpr, FUSED: tl.constexpr,
                     CT: tl.constexpr, CB: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr,
-                    FN_FIRST: tl.constexpr = False):
+                    FN_FIRST: tl.constexpr = False, PDL: tl.constexpr = 0):
     """See the module docstring. FN_FIRST (decode: one token tile, one BLOCK_D slice per work item):
     each slice's fn loads are issued before its activation loads, so that the fn bytes (from HBM)
     do not wait behind the x_new / x_hat stores (which Triton keeps in order with later loads)."""
+    pdl_start(PDL)
     pid = tl.program_id(0)
     dt = tl.arange(0, BLOCK_D)
     kk = tl.arange(0, 32)
@@ -482,11 +484,12 @@ def _mhc_coef_kernel(part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr
                      xhat_ptr, nw_ptr, xn_ptr, x_ptr, pre_ptr, T, D, n_chunks, norm_eps, hc_eps, iters, rms_eps,
                      n_tiles, num_programs, BLOCK_T: tl.constexpr, CB: tl.constexpr, WIDE: tl.constexpr,
                      NORM: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr, COLLAPSE: tl.constexpr,
-                     NORM_FIRST: tl.constexpr = False):
+                     NORM_FIRST: tl.constexpr = False, PDL: tl.constexpr = 0):
     """The coefficient epilogue as its own launch (the unfused path: Ascend, or fused=False), BLOCK_T
     tokens per work item; with NORM also the RMSNorm of their x_hat rows (`_norm_rows`). NORM_FIRST
     (BLOCK_T == 1, no collapse): the x_hat row's loads go out before the chunk sums' and the
     Sinkhorn chain, so their latency overlaps it."""
+    pdl_start(PDL)
     pid = tl.program_id(0)
     for tile in range(pid, n_tiles, num_programs):
         if NORM and NORM_FIRST:  # one token: its x_hat row and the weight requested before the chain
@@ -554,7 +557,7 @@ def launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunk
                                COLLAPSE=bool(collapse),
                                NORM_FIRST=(EARLY_LOADS and part.device.type == "cuda" if early is None else early)
                                and ct == 1 and not collapse,
-                               **({} if interpreting() else {"num_warps": 4}))
+                               **({} if interpreting() else {"num_warps": 4}), **pdl_launch(part))
 
 
 def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
@@ -653,7 +656,7 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
                              float(hc_eps), int(iters), float(norm[1]) if norm is not None else 0.0, BLOCK_T=bt,
                              BLOCK_D=bd, HAS_FN=has_fn, SPLIT=split, OUT_BF16=x.dtype == torch.bfloat16, WIDE=wide,
                              FUSED=fused, CT=ct, CB=cb, NORM=norm is not None, BLOCK_N=triton.next_power_of_2(d),
-                             FN_FIRST=early and n_tiles == 1 and chunk == bd, **kw)
+                             FN_FIRST=early and n_tiles == 1 and chunk == bd, **kw, **pdl_launch(x))
     if has_fn and not fused:
         launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps, iters, wide,
                     ct, (xhat_arg, nw, xn_arg, norm[1]) if norm is not None else None, early, cb)

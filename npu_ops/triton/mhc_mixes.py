@@ -20,6 +20,7 @@ import triton.language as tl
 
 from ...backends.reference.mhc import mhc_collapse as mhc_collapse_ref  # noqa: F401  (the oracle)
 from ...backends.reference.mhc import mhc_mixes as mhc_mixes_ref  # noqa: F401  (the oracle)
+from .pdl import pdl_launch, pdl_start
 from .block_scaled import bf16_bits16
 from .mega_mhc import (N_MIX, N_STREAMS, TILES, _finish_coef, _fn_partial_step, coef_chunk_block, coef_mode,
                        coef_tokens, launch_coef)
@@ -31,7 +32,8 @@ def _mhc_partials_kernel(x_ptr, fn_ptr, part_ptr, pcomp_ptr, pss_ptr, count_ptr,
                          num_programs, norm_eps, hc_eps, iters, rms_eps,
                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
                          CT: tl.constexpr, CB: tl.constexpr, WIDE: tl.constexpr, NORM: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BF16: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     dt = tl.arange(0, BLOCK_D)
     kk = tl.arange(0, 32)
@@ -127,7 +129,7 @@ def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
                                   xn_arg, t, d, chunk, n_chunks, n_items, grid, float(norm_eps), float(hc_eps),
                                   int(iters), float(rms_eps), BLOCK_T=bt, BLOCK_D=bd, SPLIT=split, FUSED=fused,
                                   CT=ct, CB=cb, WIDE=wide, NORM=norm,
-                                  BLOCK_N=triton.next_power_of_2(d), BF16=bf16, **kw)
+                                  BLOCK_N=triton.next_power_of_2(d), BF16=bf16, **kw, **pdl_launch(x))
     if not fused:
         launch_coef(part, pcomp, pss, scale, base, pre, post, comb, t, d, n_chunks, norm_eps, hc_eps, iters, wide,
                     ct, (xh_arg, nw, xn_arg, rms_eps, x, pre_prev) if norm else None, cb=cb)
@@ -135,7 +137,8 @@ def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
 
 
 @triton.jit
-def _mhc_collapse_kernel(x_ptr, pre_ptr, y_ptr, D, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr):
+def _mhc_collapse_kernel(x_ptr, pre_ptr, y_ptr, D, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = cols < D
@@ -162,7 +165,7 @@ def mhc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         bd = min(1024, triton.next_power_of_2(d))
         out_bf16 = x.dtype == torch.bfloat16
         _mhc_collapse_kernel[(t, -(-d // bd))](xc, pre.float().contiguous(), y.view(torch.int16) if out_bf16 else y,
-                                              d, BLOCK_D=bd, OUT_BF16=out_bf16)
+                                              d, BLOCK_D=bd, OUT_BF16=out_bf16, **pdl_launch(xc))
     return y
 
 

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.moe import moe_experts as moe_experts_ref  # noqa: F401  (the oracle)
+from .pdl import pdl_launch, pdl_start
 from .block_linear import DECODE_MAX_M, tile_k_range, weight_kind
 from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, bf16_round, fp8_code, fp8_exponent, fp8_qdq_groups,
                            gemv_acc, gemv_load_w, load_weight_tile, pow2, scaled_block_step)
@@ -107,11 +108,12 @@ def _gate_up_kernel(x_ptr, q_ptr, qs_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base,
                     hq_ptr, hs_ptr, hb_ptr, part_ptr, count_ptr, R, K, I, s_stride, limit, k_per_split,
                     TOPK: tl.constexpr, W_KIND: tl.constexpr, LOWP: tl.constexpr, ALIGN: tl.constexpr,
                     SPLIT_K: tl.constexpr, SERIAL: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = 0):
     """Grid (experts, I / BN, row-tile slots, or with SPLIT_K > 1 the K slices: each program takes
     every row tile of its expert over its slice, and the tile's last slice adds the partials in
     slice order). SERIAL: each row tile's K slices of k_per_split in turn, each summed from zero and added
     in slice order (the split launch's fp32 operations in one program)."""
+    pdl_start(PDL)
     e = tl.program_id(0)
     pn = tl.program_id(1)
     rn = pn * BN + tl.arange(0, BN)
@@ -174,8 +176,9 @@ def _gate_up_kernel(x_ptr, q_ptr, qs_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base,
 def _down_kernel(hb_ptr, hq_ptr, hs_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, y_ptr, part_ptr, count_ptr,
                  R, I, D, s_stride, k_per_split,
                  W_KIND: tl.constexpr, LOWP: tl.constexpr, ALIGN: tl.constexpr, SPLIT_K: tl.constexpr,
-                 SERIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 SERIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = 0):
     """Grid and K slices as `_gate_up_kernel`."""
+    pdl_start(PDL)
     e = tl.program_id(0)
     pn = tl.program_id(1)
     rn = pn * BN + tl.arange(0, BN)
@@ -221,9 +224,10 @@ def _down_kernel(hb_ptr, hq_ptr, hs_ptr, perm_ptr, bounds_ptr, w_base, s_base, t
 
 @triton.jit
 def _combine_kernel(y_ptr, ids_ptr, add_ptr, out_ptr, D, TOPK: tl.constexpr, BLOCK: tl.constexpr,
-                    ADD: tl.constexpr, ROUND: tl.constexpr):
+                    ADD: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr = 0):
     """out[t] = sum of y's slot rows j with ids >= 0 in slot order, fp32 (+ add[t] in fp32 when
     ADD), rounded to bf16 (ties to even) when ROUND, stored in out's dtype."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < D
@@ -251,7 +255,7 @@ def combine(y: torch.Tensor, flat_ids: torch.Tensor, out: torch.Tensor, add: tor
         add = add.contiguous()  # (after the join: a copy would read `add`)
     cb = min(1024, triton.next_power_of_2(d))
     _combine_kernel[(t, -(-d // cb))](y, flat_ids, out if add is None else add, out, d, TOPK=flat_ids.numel() // t,
-                                      BLOCK=cb, ADD=add is not None, ROUND=out.dtype == torch.bfloat16)
+                                      BLOCK=cb, ADD=add is not None, ROUND=out.dtype == torch.bfloat16, **pdl_launch(y))
     return out
 
 
@@ -312,7 +316,8 @@ def _expert_matrix(w_base, s_base, table_ptr, e, which: tl.constexpr, ALIGN: tl.
 @triton.jit
 def _gate_up_gemv_kernel(x_ptr, x_stride, ids_ptr, wts_ptr, w_base, s_base, table_ptr, h_ptr, R, K, I, w_stride,
                          s_stride, limit, TOPK: tl.constexpr, W_KIND: tl.constexpr, ALIGN: tl.constexpr,
-                         RP2: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
+                         RP2: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     NB: tl.constexpr = BK // 32
     active, e, rows, rmask = _slot_rows(ids_ptr, R, RP2, RB)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -341,7 +346,8 @@ def _gate_up_gemv_kernel(x_ptr, x_stride, ids_ptr, wts_ptr, w_base, s_base, tabl
 @triton.jit
 def _down_gemv_kernel(h_ptr, ids_ptr, w_base, s_base, table_ptr, y_ptr, R, I, D, w_stride, s_stride,
                       W_KIND: tl.constexpr, ALIGN: tl.constexpr, RP2: tl.constexpr, RB: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
+                      BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     NB: tl.constexpr = BK // 32
     active, e, rows, rmask = _slot_rows(ids_ptr, R, RP2, RB)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -392,10 +398,10 @@ def _moe_gemv(x, weights, ids, topk, n_exp, table_args, limit, out, *, bn_up=Non
     _gate_up_gemv_kernel[(slots, -(-inter // bn_up))](
         x, x.stride(0), flat_ids, weights.contiguous().reshape(-1), w_base, s_base, table, h, r, d, inter, w_row(d),
         s_up, float(limit), TOPK=topk, W_KIND=kind, ALIGN=align, RP2=rp2, RB=rb, BN=bn_up, BK=bk_up, ASM=not interp,
-        **kw)
+        **kw, **pdl_launch(x))
     _down_gemv_kernel[(slots, -(-d // bn_down))](
         h, flat_ids, w_base, s_base, table, y, r, inter, d, w_row(inter), s_down, W_KIND=kind, ALIGN=align, RP2=rp2, RB=rb,
-        BN=bn_down, BK=bk_down, ASM=not interp, **kw)
+        BN=bn_down, BK=bk_down, ASM=not interp, **kw, **pdl_launch(h))
     return combine(y, flat_ids, out, add, join)
 
 
@@ -534,8 +540,9 @@ def linears_pay(device: torch.device, n_exp: int, topk: int, kind: int) -> bool:
 
 
 @triton.jit
-def _act_rows_kernel(g_ptr, u_ptr, wts_ptr, ids_ptr, h_ptr, I, limit, BLOCK: tl.constexpr):
+def _act_rows_kernel(g_ptr, u_ptr, wts_ptr, ids_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
     """h[t] = bf16(clamped SwiGLU(g[t], u[t]) * weight[t]) (`expert_act`), 0 where id[t] < 0."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < I
@@ -564,7 +571,7 @@ def _one_expert_linears(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
     h = torch.empty(t, inter, dtype=torch.bfloat16, device=x.device)
     block = min(1024, triton.next_power_of_2(inter))
     _act_rows_kernel[(t, -(-inter // block))](g, u, weights.contiguous(), ids.contiguous(), h, inter, float(limit),
-                                              BLOCK=block)
+                                              BLOCK=block, **pdl_launch(g))
     return linear(h, w2, s2)
 
 
@@ -706,11 +713,11 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
         xc, q, qs, perm, bounds, weights.float().contiguous().reshape(-1), w_base, s_base, table,
         hq.view(torch.uint8) if kind != W_DENSE else hq, hs, hb.view(torch.int16) if kind == W_DENSE else hb,
         part_up, counts, r, d, inter, s_up, float(limit), kps_up, TOPK=topk, W_KIND=kind, LOWP=not interp, ALIGN=align,
-        SPLIT_K=1 if serial else split_up, SERIAL=serial and split_up > 1, BM=bm, BN=bn_up, BK=bk, **kw)
+        SPLIT_K=1 if serial else split_up, SERIAL=serial and split_up > 1, BM=bm, BN=bn_up, BK=bk, **kw, **pdl_launch(xc))
     _down_kernel[(n_exp, n_down, grid(split_down))](
         hb, hq, hs, perm, bounds, w_base, s_base, table, y, part_down, counts, r, inter, d, s_down, kps_down,
         W_KIND=kind, LOWP=not interp, ALIGN=align, SPLIT_K=1 if serial else split_down,
-        SERIAL=serial and split_down > 1, BM=bm, BN=bn_down, BK=bk, **kw)
+        SERIAL=serial and split_down > 1, BM=bm, BN=bn_down, BK=bk, **kw, **pdl_launch(hb))
     return combine(y, ids.contiguous().reshape(-1), out, add, join)
 
 

@@ -60,6 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_start
 from .block_scaled import bf16_round, e2m1_value, e8m0_value, fp8_qdq_groups, pow2
 from .swiglu import expert_act
 
@@ -315,10 +316,11 @@ def _act_store(g, u, p, pmask, wts_ptr, f, h_ptr, I, rn, limit, RB: tl.constexpr
 def _fold_up_kernel(x_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_ptr, h_ptr, part_ptr, R, K, I,
                     s_stride, limit, TOPK: tl.constexpr, ALIGN: tl.constexpr, ASM: tl.constexpr,
                     LOWP: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                    W_LEFT: tl.constexpr, BYTES: tl.constexpr = False, BK_DOWN: tl.constexpr = 128):
+                    W_LEFT: tl.constexpr, BYTES: tl.constexpr = False, BK_DOWN: tl.constexpr = 128, PDL: tl.constexpr = 0):
     """h[p, n] for the expert-ordered rows p of expert program_id(0), columns of tile
     program_id(1); with SPLIT > 1, K slice program_id(2)'s partial sums of gate and up to
     part [SPLIT, R, 2, I] instead (`_fold_act_kernel` adds them up)."""
+    pdl_start(PDL)
     e = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     start = tl.load(bounds_ptr + e)
@@ -351,10 +353,11 @@ def _fold_up_kernel(x_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_
 
 @triton.jit
 def _fold_act_kernel(part_ptr, perm_ptr, bounds_ptr, wts_ptr, h_ptr, R, I, E, limit, SPLIT: tl.constexpr,
-                     RB: tl.constexpr, BN: tl.constexpr, BYTES: tl.constexpr = False, BK_DOWN: tl.constexpr = 128):
+                     RB: tl.constexpr, BN: tl.constexpr, BYTES: tl.constexpr = False, BK_DOWN: tl.constexpr = 128, PDL: tl.constexpr = 0):
     """The split gate/up's epilogue: rows p of block program_id(0) (those below bounds[E], the
     routed rows), columns of tile program_id(1): gate and up summed over the K slices in slice
     order (deterministic), then `_act_store`."""
+    pdl_start(PDL)
     p = tl.program_id(0) * RB + tl.arange(0, RB)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     pmask = p < tl.load(bounds_ptr + E)
@@ -371,8 +374,9 @@ def _fold_act_kernel(part_ptr, perm_ptr, bounds_ptr, wts_ptr, h_ptr, R, I, E, li
 @triton.jit
 def _fold_down_kernel(h_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, y_ptr, I, D, s_stride,
                       ALIGN: tl.constexpr, ASM: tl.constexpr, LOWP: tl.constexpr, RB: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, W_LEFT: tl.constexpr, BYTES: tl.constexpr = False):
+                      BN: tl.constexpr, BK: tl.constexpr, W_LEFT: tl.constexpr, BYTES: tl.constexpr = False, PDL: tl.constexpr = 0):
     """y[flat row, n] = h rows of expert program_id(0) times its w2, columns of tile program_id(1)."""
+    pdl_start(PDL)
     e = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     start = tl.load(bounds_ptr + e)
@@ -392,9 +396,10 @@ def _fold_down_kernel(h_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, y_
 
 
 @triton.jit
-def _x_qdq_kernel(x_ptr, out_ptr, D, CB: tl.constexpr, BYTES: tl.constexpr = False, BK: tl.constexpr = 128):
+def _x_qdq_kernel(x_ptr, out_ptr, D, CB: tl.constexpr, BYTES: tl.constexpr = False, BK: tl.constexpr = 128, PDL: tl.constexpr = 0):
     """out[t] = x[t]'s FP8 quantise-dequantise values (per 32 columns; exact in bf16), columns in
     the word order of the weight tiles (`word_order` is its own inverse)."""
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * CB + tl.arange(0, CB)
     v = fp8_qdq_groups(tl.load(x_ptr + t * D + c).to(tl.float32)[None, :], 1, CB)
@@ -458,7 +463,7 @@ def fold_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
     act = torch.float32 if interp else torch.bfloat16  # exact either way; the interpreter has no bf16 dots
     xq = _buffer((t, d), act, x.device)
     cb = 256 if d % 256 == 0 else 32
-    _x_qdq_kernel[(t, d // cb)](x, xq, d, CB=cb, BYTES=byte_tiles, BK=bk)
+    _x_qdq_kernel[(t, d // cb)](x, xq, d, CB=cb, BYTES=byte_tiles, BK=bk, **pdl_launch(x))
     h = _buffer((r, inter), act, x.device)
     y = _buffer((r, d), torch.float32, x.device)
     wts = weights.float().contiguous().reshape(-1)
@@ -466,12 +471,12 @@ def fold_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
     _fold_up_kernel[(n_exp, inter // bn_up, split)](
         xq, perm, bounds, wts, w_base, s_base, table, h, part, r, d, inter, s_up, float(limit), TOPK=topk,
         ALIGN=align, ASM=not interp, LOWP=not interp, RB=rb, BN=bn_up, BK=bk, SPLIT=split, W_LEFT=w_left,
-        BYTES=byte_tiles, BK_DOWN=bk, **kw)
+        BYTES=byte_tiles, BK_DOWN=bk, **kw, **pdl_launch(xq))
     if split > 1:
         rbf = min(16, triton.next_power_of_2(r))
         _fold_act_kernel[(-(-r // rbf), inter // 32)](part, perm, bounds, wts, h, r, inter, n_exp, float(limit),
-                                                       SPLIT=split, RB=rbf, BN=32, BYTES=byte_tiles, BK_DOWN=bk)
+                                                       SPLIT=split, RB=rbf, BN=32, BYTES=byte_tiles, BK_DOWN=bk, **pdl_launch(part))
     _fold_down_kernel[(n_exp, d // bn_down)](
         h, perm, bounds, w_base, s_base, table, y, inter, d, s_down, ALIGN=align, ASM=not interp, LOWP=not interp,
-        RB=rb, BN=bn_down, BK=bk, W_LEFT=w_left, BYTES=byte_tiles, **kw)
+        RB=rb, BN=bn_down, BK=bk, W_LEFT=w_left, BYTES=byte_tiles, **kw, **pdl_launch(h))
     return combine(y, flat_ids, out, add, join)

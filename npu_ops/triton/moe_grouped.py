@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_start
 from .block_scaled import W_DENSE, W_FP4, bf16_bits16, bf16_round, e2m1_pairs_f32, e8m0_value, fp8_qdq_groups
 from .swiglu import expert_act
 
@@ -66,8 +67,9 @@ def _buffer(shape, dtype, device) -> torch.Tensor:
 # ---- 1. align: rows ordered by expert, padded to BM per expert ----------------------------------
 
 @triton.jit
-def _count_kernel(ids_ptr, cnt_ptr, R, E, CH: tl.constexpr, EP: tl.constexpr):
+def _count_kernel(ids_ptr, cnt_ptr, R, E, CH: tl.constexpr, EP: tl.constexpr, PDL: tl.constexpr = 0):
     """cnt[c, e] = rows of chunk c (CH flat rows) routed to expert e."""
+    pdl_start(PDL)
     c = tl.program_id(0)
     f = c * CH + tl.arange(0, CH)
     ex = tl.arange(0, EP)
@@ -79,11 +81,12 @@ def _count_kernel(ids_ptr, cnt_ptr, R, E, CH: tl.constexpr, EP: tl.constexpr):
 @triton.jit
 def _place_kernel(ids_ptr, cnt_ptr, rows_ptr, bexp_ptr, bcnt_ptr, bounds_ptr, R, E, n_chunks, n_blocks,
                   CH: tl.constexpr, EP: tl.constexpr, NCB: tl.constexpr, BM: tl.constexpr, BB: tl.constexpr,
-                  ONE: tl.constexpr, BLOCKS: tl.constexpr):
+                  ONE: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr = 0):
     """Each program places its chunk's rows at their padded positions; program 0 also writes the
     segment bounds (bounds[e] .. bounds[e + 1]: expert e's padded segment) and, with BLOCKS, the
     block table. Expert e's segment starts at the sum of the padded counts of the experts below
     it; inside it, rows keep their flat order (chunks below, then the rank inside the chunk)."""
+    pdl_start(PDL)
     c = tl.program_id(0)
     f = c * CH + tl.arange(0, CH)
     ex = tl.arange(0, EP)
@@ -138,11 +141,11 @@ def _align(flat_ids: torch.Tensor, n_exp: int, bm: int, chunk: int | None, block
     one = n_chunks == 1
     cnt = rows if one else _buffer((n_chunks, ep), torch.int32, dev)
     if not one:
-        _count_kernel[(n_chunks,)](flat_ids, cnt, r, n_exp, CH=ch, EP=ep)
+        _count_kernel[(n_chunks,)](flat_ids, cnt, r, n_exp, CH=ch, EP=ep, **pdl_launch(flat_ids))
     ncb = max(2, min(triton.next_power_of_2(n_chunks), 8192 // ep))
     _place_kernel[(n_chunks,)](flat_ids, cnt, rows, bexp, bcnt, bounds, r, n_exp, n_chunks, n_blocks, CH=ch, EP=ep,
                                NCB=ncb, BM=bm, BB=max(2, min(256, triton.next_power_of_2(n_blocks))), ONE=one,
-                               BLOCKS=blocks)
+                               BLOCKS=blocks, **pdl_launch(flat_ids))
     return rows, bexp, bcnt, bounds
 
 
@@ -298,7 +301,8 @@ def _gate_up_kernel(a_ptr, rows_ptr, bexp_ptr, bcnt_ptr, wts_ptr, w_base, s_base
                     K, I, w_stride, s_stride, limit, n_blocks, GROUP_M, e_lo, e_hi,
                     TOPK: tl.constexpr, W_KIND: tl.constexpr, LOWP: tl.constexpr, ALIGN: tl.constexpr,
                     SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P_OUT: tl.constexpr,
-                    QUANT_H: tl.constexpr, EVEN: tl.constexpr):
+                    QUANT_H: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     blk, pn = _tile_of(tl.program_id(0), n_blocks, tl.cdiv(I, BN), GROUP_M)
     e = tl.load(bexp_ptr + blk)
     if (e >= e_lo) & (e < e_hi):  # (unused blocks hold -1; e_lo >= 0)
@@ -338,7 +342,8 @@ def _gate_up_kernel(a_ptr, rows_ptr, bexp_ptr, bcnt_ptr, wts_ptr, w_base, s_base
 @triton.jit(do_not_specialize=["e_lo", "e_hi"])
 def _down_kernel(h_ptr, rows_ptr, bexp_ptr, bcnt_ptr, w_base, s_base, table_ptr, y_ptr, I, D, w_stride, s_stride,
                  n_blocks, GROUP_M, e_lo, e_hi, W_KIND: tl.constexpr, LOWP: tl.constexpr, ALIGN: tl.constexpr,
-                 SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr):
+                 SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     blk, pn = _tile_of(tl.program_id(0), n_blocks, tl.cdiv(D, BN), GROUP_M)
     e = tl.load(bexp_ptr + blk)
     if (e >= e_lo) & (e < e_hi):
@@ -381,9 +386,10 @@ _SCRATCH_TABLES: dict[tuple, torch.Tensor] = {}
 
 
 @triton.jit
-def _fp4_to_bf16_kernel(w_base, s_base, table_ptr, out_ptr, I, D, e_lo, BT: tl.constexpr, LOWP: tl.constexpr):
+def _fp4_to_bf16_kernel(w_base, s_base, table_ptr, out_ptr, I, D, e_lo, BT: tl.constexpr, LOWP: tl.constexpr, PDL: tl.constexpr = 0):
     """Program (expert e_lo + i, matrix m, tile): a [BT, BT] tile of matrix m (0: w1, 1: w3, 2: w2)
     of that expert dequantised to bf16 into out [G, 3, I * D] at slot i."""
+    pdl_start(PDL)
     i = tl.program_id(0)
     e = e_lo + i
     m = tl.program_id(1)
@@ -422,7 +428,7 @@ def predequantised(table_args, interp: bool, experts: tuple[int, int] | None = N
     if out is None:
         out = _buffer((e_hi - e_lo, 3, inter * d), torch.bfloat16, w_base.device)
     _fp4_to_bf16_kernel[(e_hi - e_lo, 3, (inter // bt) * (d // bt))](w_base, s_base, table, out, inter, d, e_lo,
-                                                                        BT=bt, LOWP=not interp)
+                                                                        BT=bt, LOWP=not interp, **pdl_launch(w_base))
     key = (n_exp, inter, d, e_lo, e_hi, w_base.device)
     tab = _SCRATCH_TABLES.get(key)
     if tab is None:
@@ -535,9 +541,9 @@ def _grouped_pass(a, wts, ids, table_args, limit, out, plan, quant, predequant, 
             a, rows, bexp, bcnt, wts, wb, sb, tab, h.view(torch.int16), d, inter, w_row(d), su, float(limit),
             n_blocks, gm, e_lo, e_hi, TOPK=topk, W_KIND=k_now, LOWP=not interp, ALIGN=al, SWAP=plan["swap"], BM=bm,
             BN=plan["bn_up"], BK=plan["bk_up"], P_OUT=plan["bk_down"] if k_now == W_FP4 else 0, QUANT_H=quant,
-            EVEN=inter % plan["bn_up"] == 0 and d % plan["bk_up"] == 0, **plan["kw"])
+            EVEN=inter % plan["bn_up"] == 0 and d % plan["bk_up"] == 0, **plan["kw"], **pdl_launch(a))
         _down_kernel[(n_blocks * -(-d // plan["bn_down"]),)](
             h, rows, bexp, bcnt, wb, sb, tab, y, inter, d, w_row(inter), sd, n_blocks, gm, e_lo, e_hi, W_KIND=k_now,
             LOWP=not interp, ALIGN=al, SWAP=plan["swap"], BM=bm, BN=plan["bn_down"], BK=plan["bk_down"],
-            EVEN=d % plan["bn_down"] == 0 and inter % plan["bk_down"] == 0, **plan["kw"])
+            EVEN=d % plan["bn_down"] == 0 and inter % plan["bk_down"] == 0, **plan["kw"], **pdl_launch(h))
     combine(y, flat_ids, out)

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference import moe as ref_moe
+from .pdl import pdl_launch, pdl_start
 from .fp4_common import as_cmp, offsets, split_dot_acc
 
 
@@ -86,7 +87,8 @@ def _moe_route_kernel(x_ptr, w_ptr, bias_ptr, vl_ptr, img_ptr, logit_ptr, count_
                       T, E, K, bias_stride_t, gate_temp, route_scale, n_eb, n_ks, KS, n_tiles, num_programs,
                       TOPK: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SPLITS: tl.constexpr, LOWP: tl.constexpr, WIDE: tl.constexpr, HAS_IMG: tl.constexpr):
+                      SPLITS: tl.constexpr, LOWP: tl.constexpr, WIDE: tl.constexpr, HAS_IMG: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     bt = tl.arange(0, BLOCK_T)
     be = tl.arange(0, BLOCK_E)
@@ -140,13 +142,14 @@ def _moe_route_small_kernel(x_ptr, w_ptr, bias_ptr, vl_ptr, img_ptr, logit_ptr, 
                             T, E, K, bias_stride_t, gate_temp, route_scale, n_ks, KS,
                             TOPK: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
                             BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, KSP: tl.constexpr, WIDE: tl.constexpr,
-                            HAS_IMG: tl.constexpr):
+                            HAS_IMG: tl.constexpr, PDL: tl.constexpr = 0):
     """The router for a few tokens (decode: T * experts small): one program per K slice, all
     tokens and experts at once, products on the CUDA cores (fp32, exact for bf16 operands) summed
     per slice; the slice's partial logits [T, E] go to scratch, and the program that finishes last
     (a self-resetting counter: no memset launch) loads every slice's partials in one [KSP, T, E]
     read, sums them (a fixed tree: deterministic) and routes. Short critical path: one K slice
     of loads, one atomic, one L2 read, the routing."""
+    pdl_start(PDL)
     ks = tl.program_id(0)
     rows = tl.arange(0, BLOCK_T)
     rmask = rows < T
@@ -281,7 +284,7 @@ def moe_route_small(x, gate_weight, bias, bias_stride, weights, ids, topk, route
         x.contiguous(), gate_weight.contiguous(), bias.contiguous(), *(image or (bias, bias)), logits, counts, weights,
         ids, t, e, d, bias_stride, float(gate_temp), float(route_scale), n_ks, ks_len,
         TOPK=topk, NORM=bool(norm_topk_prob) and topk > 1, KP=_pow2(topk), EP=ep, BLOCK_T=bt, BLOCK_K=bk,
-        KSP=_pow2(n_ks), WIDE=needs_int64(x, gate_weight, logits), HAS_IMG=image is not None, **extra)
+        KSP=_pow2(n_ks), WIDE=needs_int64(x, gate_weight, logits), HAS_IMG=image is not None, **extra, **pdl_launch(logits))
 
 
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, topk: int, route_scale: float,
@@ -340,7 +343,7 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
         weights, ids,
         t, e, d, bias_stride, float(gate_temp), float(route_scale), n_eb, n_ks, ks_len, n_tiles, grid,
         TOPK=topk, NORM=bool(norm_topk_prob) and topk > 1, KP=_pow2(topk), EP=_pow2(e), BLOCK_T=bt, BLOCK_E=be,
-        BLOCK_K=bk, SPLITS=splits, LOWP=lowp, WIDE=needs_int64(x, gate_weight, logits), HAS_IMG=has_img, **extra)
+        BLOCK_K=bk, SPLITS=splits, LOWP=lowp, WIDE=needs_int64(x, gate_weight, logits), HAS_IMG=has_img, **extra, **pdl_launch(logits))
     return weights, ids
 
 

@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_start
 from .block_scaled import _E2M1_ASM, bf16_round, e8m0_value, fp8_exponent, fp8_qdq_groups, fp8_round, pow2
 from .swiglu import expert_act
 
@@ -181,10 +182,11 @@ def _stream_rows(w_rows, s_rows, rin, n_end, KW, s_stride, out, wa, sa, wb, sb, 
 @triton.jit
 def _rows_up_kernel(x_ptr, ids_ptr, wts_ptr, w_base, s_base, table_ptr, gu_ptr, h_ptr, K, KW, I, s_stride, limit,
                     TOPK: tl.constexpr, ALIGN: tl.constexpr, RS: tl.constexpr, NBA: tl.constexpr, NBB: tl.constexpr,
-                    ASM: tl.constexpr):
+                    ASM: tl.constexpr, PDL: tl.constexpr = 0):
     """h[f, 32c .. 32c + 31] for flat row f = program_id(0), c = program_id(1) (module docstring):
     each step RS rows of w1 and the same RS rows of w3 (one [2 RS] tile); NBA + NBB = K / 32
     blocks in two power-of-two parts (NBB may be 0)."""
+    pdl_start(PDL)
     f = tl.program_id(0)
     n0 = tl.program_id(1) * 32
     e = tl.load(ids_ptr + f)
@@ -221,9 +223,10 @@ def _rows_up_kernel(x_ptr, ids_ptr, wts_ptr, w_base, s_base, table_ptr, gu_ptr, 
 
 @triton.jit
 def _rows_down_kernel(h_ptr, ids_ptr, w_base, s_base, table_ptr, y_ptr, I, KW, D, s_stride, ALIGN: tl.constexpr,
-                      RPP: tl.constexpr, RS: tl.constexpr, NBA: tl.constexpr, NBB: tl.constexpr, ASM: tl.constexpr):
+                      RPP: tl.constexpr, RS: tl.constexpr, NBA: tl.constexpr, NBB: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = 0):
     """y[f, RPP c .. RPP (c + 1)] = bf16(h[f] @ w2 rows) for flat row f = program_id(0), c =
     program_id(1), RS rows a step (slots with ids < 0 do nothing)."""
+    pdl_start(PDL)
     f = tl.program_id(0)
     n0 = tl.program_id(1) * RPP
     e = tl.load(ids_ptr + f)
@@ -336,9 +339,9 @@ def _core_moe(x, flat_ids, wts, table_args, limit, topk, rs_up, rs_down, rpp_dow
     nba, nbb = block_parts(d)
     _rows_up_kernel[(r, inter // GROUP)](x, flat_ids, wts, w_base, s_base, table, gu, h, d, d // 8, inter, s_up,
                                          float(limit), TOPK=topk, ALIGN=align, RS=rs_up, NBA=nba, NBB=nbb,
-                                         ASM=not interp, **kw)
+                                         ASM=not interp, **kw, **pdl_launch(x))
     nba, nbb = block_parts(inter)
     _rows_down_kernel[(r, d // rpp_down)](h, flat_ids, w_base, s_base, table, y, inter, inter // 8, d, s_down,
                                           ALIGN=align, RPP=rpp_down, RS=rs_down, NBA=nba, NBB=nbb, ASM=not interp,
-                                          **kw)
+                                          **kw, **pdl_launch(h))
     return y

@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_start
 from .block_scaled import bf16_round, e2m1_value, e8m0_value, fp8_exponent, fp8_round, pow2
 from . import moe_rows
 from .moe_rows import GROUP, _row_ptrs
@@ -398,11 +399,12 @@ def _mma_up_kernel(xq_ptr, xf_ptr, ids_ptr, perm_ptr, bounds_ptr, wts_ptr, w_bas
                    count_ptr, hq_ptr, hf_ptr, K, I, R, s_stride, bps, limit, TOPK: tl.constexpr, ALIGN: tl.constexpr,
                    BB: tl.constexpr, SPLIT: tl.constexpr, SLICED: tl.constexpr, GROUPED: tl.constexpr,
                    ASM: tl.constexpr, SW: tl.constexpr = False, VEC: tl.constexpr = False,
-                   DIAG: tl.constexpr = False):
+                   DIAG: tl.constexpr = False, PDL: tl.constexpr = 0):
     """Gate / up sums of rows 32c .. 32c + 31 (c = program_id(1)) for the program's columns
     (`_columns`, 8 at a time) over K slice program_id(2), into part [SPLIT, R, 2, I] by flat row;
     the tile's last slice adds the slices in order and applies the epilogue into h's codes
     (module docstring). 4 warps."""
+    pdl_start(PDL)
     p0 = tl.program_id(0)
     n0 = tl.program_id(1) * 32
     e, active, start, cnt = _columns(p0, ids_ptr, perm_ptr, bounds_ptr, GROUPED)
@@ -473,10 +475,11 @@ def _down_out(y_ptr, part_ptr, sl, R, D, fr, rg, acc, acc8, ok, FINAL: tl.conste
 def _mma_down_kernel(hq_ptr, hf_ptr, ids_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, part_ptr, count_ptr,
                      y_ptr, I, D, R, s_stride, bps, ALIGN: tl.constexpr, NW: tl.constexpr, BB: tl.constexpr,
                      SPLIT: tl.constexpr, SLICED: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr,
-                     SW: tl.constexpr = False, VEC: tl.constexpr = False, DIAG: tl.constexpr = False):
+                     SW: tl.constexpr = False, VEC: tl.constexpr = False, DIAG: tl.constexpr = False, PDL: tl.constexpr = 0):
     """y[flat row, rows of this program] = bf16(h[flat row] @ w2 rows) for the program's columns
     (8 at a time), 16 rows a warp, K slice program_id(2) (partials [SPLIT, R, D] added in slice
     order by the tile's last slice; module docstring)."""
+    pdl_start(PDL)
     p0 = tl.program_id(0)
     e, active, start, cnt = _columns(p0, ids_ptr, perm_ptr, bounds_ptr, GROUPED)
     warp, g, t = _lanes(NW)
@@ -580,10 +583,10 @@ def mma_moe(x, flat_ids, wts, table_args, limit, topk, *, num_warps_down=None, b
     _mma_up_kernel[(n0, n_up, su)](xq.view(torch.int32), xf, flat_ids, perm, bounds, wts, w_base, s_base, table, part,
                                    counts, hq, hf, d, inter, r, s_up, bps_up, float(limit), TOPK=topk, ALIGN=align,
                                    BB=bb, SPLIT=su, SLICED=su > 1, GROUPED=grouped, ASM=not interp, SW=sw_up, VEC=vec_up,
-                                   DIAG=diag_up, **kw)
+                                   DIAG=diag_up, **kw, **pdl_launch(xf))
     kw = {} if interp else {"num_warps": nwd}
     _mma_down_kernel[(n0, n_down, sd)](hq.view(torch.int32), hf, flat_ids, perm, bounds, w_base, s_base, table, part_y,
                                        counts, y, inter, d, r, s_down, bps_down, ALIGN=align, NW=nwd, BB=bb, SPLIT=sd,
                                        SLICED=sd > 1, GROUPED=grouped, ASM=not interp, SW=sw_down, VEC=vec_down,
-                                       DIAG=diag_down, **kw)
+                                       DIAG=diag_down, **kw, **pdl_launch(hf))
     return y

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from ...backends.reference import quant
 from .fp4_common import offsets
+from .pdl import pdl_launch, pdl_start
 
 MX_GROUP = 32
 BLOCK_G = 64  # groups per tile: 64 x 32 fp32 = 8 KB live per tensor (inside Ascend UB; H200 sweep: 16 -> 1851 GB/s, 64 -> 2294 GB/s)
@@ -42,7 +43,9 @@ def mxfp4_act_quant_ref(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _mxfp4_act_quant_kernel(x_ptr, y_ptr, n_groups, n_tiles, num_programs,
-                            BLOCK_G: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr):
+                            BLOCK_G: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr,
+                            PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     cols = tl.arange(0, GROUP)
     for t in range(pid, n_tiles, num_programs):
@@ -81,7 +84,6 @@ def mxfp4_act_quant(x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> 
 
     if x.shape[-1] % MX_GROUP:
         raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of {MX_GROUP}")
-    kernel = _mxfp4_act_quant_kernel
     xc = x.contiguous()
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     n_groups = xc.numel() // MX_GROUP
@@ -89,7 +91,8 @@ def mxfp4_act_quant(x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> 
         return y
     n_tiles = -(-n_groups // BLOCK_G)
     grid = grid_for(n_tiles, x.device)
-    kernel[(grid,)](xc, y, n_groups, n_tiles, grid, BLOCK_G=BLOCK_G, GROUP=MX_GROUP, WIDE=needs_int64(xc))
+    _mxfp4_act_quant_kernel[(grid,)](xc, y, n_groups, n_tiles, grid, BLOCK_G=BLOCK_G, GROUP=MX_GROUP,
+                                     WIDE=needs_int64(xc), **pdl_launch(xc))
     return y
 
 

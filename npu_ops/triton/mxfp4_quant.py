@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.quant import mxfp4_quant as mxfp4_quant_ref  # noqa: F401  (the oracle)
+from .pdl import pdl_launch, pdl_start
 from .block_scaled import pow2
 
 MX_GROUP = 32
@@ -32,7 +33,8 @@ def _e2m1_code(v):
 
 
 @triton.jit
-def _mxfp4_quant_kernel(x_ptr, p_ptr, s_ptr, n_groups, n_tiles, num_programs, BLOCK_G: tl.constexpr):
+def _mxfp4_quant_kernel(x_ptr, p_ptr, s_ptr, n_groups, n_tiles, num_programs, BLOCK_G: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     half = tl.arange(0, 16)
     for t in range(pid, n_tiles, num_programs):
@@ -63,7 +65,7 @@ def mxfp4_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if n_groups:
         n_tiles = -(-n_groups // BLOCK_G)
         grid = grid_for(n_tiles, x.device)
-        _mxfp4_quant_kernel[(grid,)](xc, packed, scale.view(torch.uint8), n_groups, n_tiles, grid, BLOCK_G=BLOCK_G)
+        _mxfp4_quant_kernel[(grid,)](xc, packed, scale.view(torch.uint8), n_groups, n_tiles, grid, BLOCK_G=BLOCK_G, **pdl_launch(xc))
     return packed, scale
 
 

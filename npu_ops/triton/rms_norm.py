@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.basic import rms_norm as rms_norm_ref  # noqa: F401  (the oracle)
+from .pdl import pdl_launch, pdl_start
 from .block_scaled import bf16_bits16
 
 MAX_D = 8192
@@ -18,7 +19,8 @@ MAX_D = 8192
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, R, D, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                     OUT_BF16: tl.constexpr):
+                     OUT_BF16: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < R) & (cols[None, :] < D)
@@ -48,7 +50,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         br = max(1, min(16, 2048 // bd))
         out_bf16 = x.dtype == torch.bfloat16
         _rms_norm_kernel[(-(-r // br),)](xc, weight.contiguous(), y.view(torch.int16) if out_bf16 else y, r, d,
-                                        float(eps), BLOCK_R=br, BLOCK_D=bd, OUT_BF16=out_bf16)
+                                        float(eps), BLOCK_R=br, BLOCK_D=bd, OUT_BF16=out_bf16, **pdl_launch(xc))
     return y
 
 

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.basic import rope as rope_ref  # noqa: F401  (the oracle)
+from .pdl import pdl_launch, pdl_start
 from .block_scaled import bf16_bits16
 
 
@@ -62,7 +63,8 @@ def rope_rows(x_ptr, cos_ptr, sin_ptr, y_ptr, t, heads, H, D, R, sign, BLOCK_D: 
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, D, R, sign, BLOCK_H: tl.constexpr,
-                 BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr):
+                 BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     rope_rows(x_ptr, cos_ptr, sin_ptr, y_ptr, tl.program_id(0), heads, H, D, R, sign, BLOCK_D, OUT_BF16)
 
@@ -84,13 +86,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
         out_bf16 = x.dtype == torch.bfloat16
         _rope_kernel[(t, -(-h // bh))](xc, cos.float().contiguous(), sin.float().contiguous(),
                                       y.view(torch.int16) if out_bf16 else y, h, d, r,
-                                      -1.0 if inverse else 1.0, BLOCK_H=bh, BLOCK_D=bd, OUT_BF16=out_bf16)
+                                      -1.0 if inverse else 1.0, BLOCK_H=bh, BLOCK_D=bd, OUT_BF16=out_bf16, **pdl_launch(xc))
     return y
 
 
 @triton.jit
 def _rope_tables_kernel(pos_ptr, ca_ptr, sa_ptr, cb_ptr, sb_ptr, cos_ptr, sin_ptr, T, F, SPLIT: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+                        BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_F)
     rmask = rows < T
@@ -125,7 +128,7 @@ def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.
     if t and f:
         bf = triton.next_power_of_2(f)
         bt = max(1, min(triton.next_power_of_2(t), 4096 // bf))
-        _rope_tables_kernel[(-(-t // bt),)](p, ca, sa, cb, sb, cos, sin, t, f, SPLIT=SPLIT, BLOCK_T=bt, BLOCK_F=bf)
+        _rope_tables_kernel[(-(-t // bt),)](p, ca, sa, cb, sb, cos, sin, t, f, SPLIT=SPLIT, BLOCK_T=bt, BLOCK_F=bf, **pdl_launch(p))
     return cos, sin
 
 

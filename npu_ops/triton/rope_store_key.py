@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ...backends.fused import rope_store_key as rope_store_key_ref  # noqa: F401  (the oracle)
+from .pdl import pdl_launch, pdl_start
 from .block_scaled import bf16_round, pow2
 from .mxfp4_quant import MX_GROUP, _e2m1_code
 
@@ -29,7 +30,8 @@ MAX_D = 8192  # a key row in registers
 
 @triton.jit
 def _rope_store_key_kernel(k_ptr, w_ptr, cos_ptr, sin_ptr, codes_ptr, scales_ptr, slots_ptr, D, R, eps,
-                           codes_stride, scales_stride, BLOCK_G: tl.constexpr):
+                           codes_stride, scales_stride, BLOCK_G: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     t = tl.program_id(0)
     g = tl.arange(0, BLOCK_G)
     even = g[:, None] * 32 + 2 * tl.arange(0, 16)[None, :]  # [groups, 16]: channel 2i of each pair
@@ -76,7 +78,7 @@ def rope_store_key(key: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos
     _rope_store_key_kernel[(t,)](key.contiguous(), norm_weight.contiguous(), cos.float().contiguous(),
                                  sin.float().contiguous(), key_codes.view(torch.uint8), key_scale.view(torch.uint8),
                                  slots.contiguous(), d, r, float(eps), key_codes.stride(0), key_scale.stride(0),
-                                 BLOCK_G=triton.next_power_of_2(d // MX_GROUP))
+                                 BLOCK_G=triton.next_power_of_2(d // MX_GROUP), **pdl_launch(slots))
     return None
 
 

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ...backends.fused import rope_store_kv as rope_store_kv_ref  # noqa: F401  (the oracle)
+from .pdl import pdl_launch, pdl_start
 from .block_scaled import FP8_GROUP, bf16_round, fp8_code, fp8_exponent, pow2
 from .rope import partner_cols, rope_cols, rope_rows
 
@@ -29,7 +30,8 @@ MAX_D = 8192  # a kv row in registers
 @triton.jit
 def _rope_store_kv_kernel(q_ptr, qo_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, codes_ptr, scales_ptr, rows_ptr,
                           H, D, R, eps, n_q_programs, n_head_blocks, codes_stride, scales_stride,
-                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
+                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     if pid < n_q_programs:  # a block of query heads of one token
         t = pid // n_head_blocks
@@ -84,7 +86,7 @@ def rope_store_kv(q: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor, 
         qc, out.view(torch.int16), kv.contiguous(), norm_weight.contiguous(), cos.float().contiguous(),
         sin.float().contiguous(), swa_kv.view(torch.uint8), swa_scale.view(torch.uint8), rows.contiguous(),
         h, d, r, float(eps), n_q, max(n_hb, 1), swa_kv.stride(0), swa_scale.stride(0),
-        BLOCK_H=bh, BLOCK_D=bd, BLOCK_G=triton.next_power_of_2(d // FP8_GROUP))
+        BLOCK_H=bh, BLOCK_D=bd, BLOCK_G=triton.next_power_of_2(d // FP8_GROUP), **pdl_launch(qc))
     return out
 
 

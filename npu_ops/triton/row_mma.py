@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_start
 from .block_scaled import bf16_bits16, e4m3_byte, e8m0_value, fp8_exponent, fp8_round, pow2
 from .launch import interpreting, num_workers, tile_counters
 
@@ -95,10 +96,11 @@ _MMAC_ASM = mma_asm(_MMA_BODY, 12)  # the same onto D given in $12 .. $15 (`_dia
 
 
 @triton.jit
-def _x_codes_kernel(x_ptr, xq_ptr, xf_ptr, K, x_stride, NBB: tl.constexpr, PERM: tl.constexpr):
+def _x_codes_kernel(x_ptr, xq_ptr, xf_ptr, K, x_stride, NBB: tl.constexpr, PERM: tl.constexpr, PDL: tl.constexpr = 0):
     """x [M, K] -> its FP8 codes' values as f16 xq [M, K] and the power-of-two block scales xf
     [M, K / 32] (fp32): qdq(x) = xq * xf per 32 columns, the values of `fp8_qdq_groups`. PERM:
     each group of 8 columns stored in the order 0, 2, 4, 6, 1, 3, 5, 7 (`moe_rows_mma`)."""
+    pdl_start(PDL)
     m = tl.program_id(0)
     b = tl.program_id(1) * NBB + tl.arange(0, NBB)
     j = tl.arange(0, 32)
@@ -282,12 +284,13 @@ def _row_mma_kernel(xq_ptr, xf_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, 
                     SPLIT_K: tl.constexpr, SLICED: tl.constexpr, OUT_BF16: tl.constexpr, ONE: tl.constexpr,
                     NW: tl.constexpr,
                     BB: tl.constexpr, ASM: tl.constexpr, PANEL: tl.constexpr = False, DIAG: tl.constexpr = False,
-                    UF: tl.constexpr = 1):
+                    UF: tl.constexpr = 1, PDL: tl.constexpr = 0):
     """out [M, N] = x @ W^T for the program's 16 * NW rows and K slice program_id(1) (module
     docstring). xq: x's f16 codes as int32 pairs [M, K / 2]; xf [M, K / 32] their block scales;
     w: E4M3 codes as int32 words [N, K / 4]; s: E8M0 [ceil(N / 32), s_stride]. ONE: M == 1.
     DIAG (ONE, BB == 4, 16-byte rows and slices of whole steps): `_diag_step`, the row sums
     totalled across each quad at the end. UF: the K loop's unroll factor."""
+    pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     lane = tl.arange(0, NW * 32)
@@ -380,7 +383,7 @@ def x_codes(x2: torch.Tensor, perm: bool = False) -> tuple[torch.Tensor, torch.T
     m, k = x2.shape
     xq = torch.empty(m, k, dtype=torch.float16, device=x2.device)
     xf = torch.empty(m, k // 32, dtype=torch.float32, device=x2.device)
-    _x_codes_kernel[(m, triton.cdiv(k // 32, X_BLOCKS))](x2, xq, xf, k, x2.stride(0), NBB=X_BLOCKS, PERM=perm)
+    _x_codes_kernel[(m, triton.cdiv(k // 32, X_BLOCKS))](x2, xq, xf, k, x2.stride(0), NBB=X_BLOCKS, PERM=perm, **pdl_launch(x2))
     return xq, xf
 
 
@@ -423,7 +426,7 @@ def launch_row_mma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     _row_mma_kernel[(n_tiles, split_k)](
         xq.view(torch.int32), xf, weight.view(torch.int32), scale.view(torch.uint8), out_arg, part, counts, m, n, k,
         scale.shape[1], per, SPLIT_K=split_k, SLICED=split_k > 1, OUT_BF16=out.dtype == torch.bfloat16, ONE=m == 1, NW=nw, BB=bb,
-        ASM=not interp, PANEL=panel, DIAG=diag, UF=uf, **kw)
+        ASM=not interp, PANEL=panel, DIAG=diag, UF=uf, **kw, **pdl_launch(xf))
 
 
 def panel_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_start
+
 from ...backends.reference.attention import sparse_attention as sparse_attention_ref  # noqa: F401  (the oracle)
 
 RUNNING_MAX_INIT = tl.constexpr(-1e30)  # a row with no valid entry outputs 0
@@ -351,7 +353,8 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
                         w_stride, ws_stride, g_stride, gs_stride,
                         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT: tl.constexpr,
-                        DOT_BF16: tl.constexpr, QK_T: tl.constexpr, DV_HALF: tl.constexpr):
+                        DOT_BF16: tl.constexpr, QK_T: tl.constexpr, DV_HALF: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     nn = tl.arange(0, BLOCK_N)
     jv = tl.arange(0, BLOCK_DV // 2)
@@ -545,13 +548,14 @@ def _mqa_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gidx_ptr, s
                 pl_ptr, H, S, K, n_wb, n_blocks, bps, n_split, n_hb, n_tiles, num_programs, scale,
                 w_stride, ws_stride, g_stride, gs_stride,
                 D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                SPLIT: tl.constexpr, DOT_BF16: tl.constexpr, AHEAD: tl.constexpr, LAZY: tl.constexpr):
+                SPLIT: tl.constexpr, DOT_BF16: tl.constexpr, AHEAD: tl.constexpr, LAZY: tl.constexpr, PDL: tl.constexpr = 0):
     """Tiles (query, split, head block), walked by a 1-D persistent loop; heads are the MMA's M
     (all heads of a token share each decoded entry, decoded once per tile and used as K and V).
     Pools arrive as 32-bit words (row strides in words). AHEAD: each block's index row and
     words are loaded one block ahead, so the gather's latency overlaps the previous block's
     math. One split: the tile normalises (sink included) and writes bf16; several: fp32
     partials for `_combine_kernel`. Outputs are written as even / odd halves (stride 2)."""
+    pdl_start(PDL)
     pid = tl.program_id(0)
     jq = tl.arange(0, D // 2)
     for tile in range(pid, n_tiles, num_programs):
@@ -591,10 +595,11 @@ def _mqa_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gidx_ptr, s
 
 @triton.jit
 def _combine_kernel(pacc_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, H, n_split, n_db, n_tiles, num_programs,
-                    D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE_CAST: tl.constexpr):
+                    D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE_CAST: tl.constexpr, PDL: tl.constexpr = 0):
     """Merge the splits of one (query, head, channel block) per tile: every split's running max,
     sum and partial accumulator are loaded at once ([SPLITS] and [SPLITS, BLOCK_D], SPLITS >=
     n_split), so the merge costs one round trip to memory, not one per split."""
+    pdl_start(PDL)
     pid = tl.program_id(0)
     sp = tl.arange(0, SPLITS)
     spm = sp < n_split
@@ -721,14 +726,14 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
                              h, s, k, n_wb, n_blocks, bps, n_split, n_hb, n_tiles, grid, float(softmax_scale),
                              ww.stride(0), ws.stride(0), gw.stride(0), gs.stride(0),
                              D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N, SPLIT=split, DOT_BF16=dot_bf16,
-                             AHEAD=bool(AHEAD), LAZY=float(LAZY), **kw)
+                             AHEAD=bool(AHEAD), LAZY=float(LAZY), **kw, **pdl_launch(qc))
     else:
         _sparse_attn_kernel[(grid,)](qc, wk, ws, wi, gk, gs, gi, sk, out, pacc, pm, pl,
                                      h, s, k, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, grid,
                                      float(softmax_scale), wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
                                      D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
                                      BLOCK_D=block_d, BLOCK_DV=block_dv, SPLIT=split, DOT_BF16=dot_bf16,
-                                     QK_T=bool(QK_T), DV_HALF=dv_half, **kw)
+                                     QK_T=bool(QK_T), DV_HALF=dv_half, **kw, **pdl_launch(qc))
     if split:
         splits = _pow2_at_least(n_split, 2)
         cb_d = min(d, _pow2_at_least(max(32, COMBINE_ELEMS // splits), 32))  # [splits, cb_d] fp32 per tile
@@ -737,7 +742,7 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
         c_tiles = t * h * (d // cb_d)
         c_grid = grid_for(c_tiles, dev)
         _combine_kernel[(c_grid,)](pacc, pm, pl, sk, out, h, n_split, d // cb_d, c_tiles, c_grid,
-                                   D=d, SPLITS=splits, BLOCK_D=cb_d, NATIVE_CAST=dot_bf16)
+                                   D=d, SPLITS=splits, BLOCK_D=cb_d, NATIVE_CAST=dot_bf16, **pdl_launch(pacc))
     return out
 
 

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from ...backends.reference.basic import swiglu_clamped as swiglu_ref  # noqa: F401  (the oracle)
+from .pdl import pdl_launch, pdl_start
 from .block_scaled import bf16_round
 
 BLOCK = 1024
@@ -34,7 +35,8 @@ def expert_act(g, u, wt, limit):
 
 
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, y_ptr, n, limit, BLOCK: tl.constexpr):
+def _swiglu_kernel(g_ptr, u_ptr, y_ptr, n, limit, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
@@ -49,7 +51,7 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     y = torch.empty(g.shape, dtype=torch.float32, device=g.device)
     n = g.numel()
     if n:
-        _swiglu_kernel[(-(-n // BLOCK),)](g, u, y, n, float(limit), BLOCK=BLOCK)
+        _swiglu_kernel[(-(-n // BLOCK),)](g, u, y, n, float(limit), BLOCK=BLOCK, **pdl_launch(g))
     return y
 
 

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch, pdl_start
+
 from ...backends.paging import table_rows_torch as table_rows_ref  # noqa: F401  (the oracle)
 from ...backends.paging import compress_rows_torch as compress_rows_ref  # noqa: F401  (the oracle)
 from ...backends.paging import window_rows_torch as window_rows_ref  # noqa: F401  (the oracle)
@@ -36,7 +38,8 @@ def _rows(tab_ptr, t, j, m, nb, tab_stride, per_block, NULL_INVALID: tl.constexp
 
 @triton.jit
 def _table_rows_kernel(tab_ptr, idx_ptr, out_ptr, n_per_row, nb, tab_stride, per_block, total,
-                       NULL_INVALID: tl.constexpr, BLOCK: tl.constexpr):
+                       NULL_INVALID: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < total
     j = tl.load(idx_ptr + offs, mask=m, other=-1).to(tl.int64)
@@ -45,7 +48,8 @@ def _table_rows_kernel(tab_ptr, idx_ptr, out_ptr, n_per_row, nb, tab_stride, per
 
 @triton.jit
 def _window_rows_kernel(tab_ptr, lo_ptr, hi_ptr, floor_ptr, floor_stride, out_ptr, width, nb, tab_stride, per_block,
-                        total, BLOCK: tl.constexpr):
+                        total, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < total
     t = offs // width
@@ -58,7 +62,8 @@ def _window_rows_kernel(tab_ptr, lo_ptr, hi_ptr, floor_ptr, floor_stride, out_pt
 @triton.jit
 def _compress_rows_kernel(pos_ptr, from_ptr, gtab_ptr, stab_ptr, write_ptr, slots_ptr, epos_ptr, group_ptr, T,
                           g_nb, g_stride, per_entry_block, s_nb, s_stride, swa_block, ratio,
-                          RP: tl.constexpr, BLOCK: tl.constexpr):
+                          RP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = t < T
     p = tl.load(pos_ptr + t, mask=m, other=0).to(tl.int64)
@@ -100,7 +105,7 @@ def compress_rows(pos: torch.Tensor, glob_from: torch.Tensor, glob_table: torch.
         _compress_rows_kernel[(-(-t // bt),)](pos.contiguous(), glob_from.contiguous(), gt, st, write, slots, epos,
                                              group if group is not None else slots, t, gt.shape[1], gt.stride(0),
                                              entries_per_block, st.shape[1], st.stride(0), swa_block, ratio,
-                                             RP=rp, BLOCK=bt)
+                                             RP=rp, BLOCK=bt, **pdl_launch(gt))
     return write.view(torch.bool), slots, epos, group
 
 
@@ -113,7 +118,7 @@ def table_rows(block_table: torch.Tensor, per_block: int, index: torch.Tensor, *
     idx = index.contiguous()
     return _rows_out("table_rows", block_table, index.shape, index.device, lambda tab, out, total: _table_rows_kernel[
         (-(-total // BLOCK),)](tab, idx, out, total // index.shape[0], tab.shape[1], tab.stride(0), per_block, total,
-                               NULL_INVALID=bool(null_invalid), BLOCK=BLOCK))
+                               NULL_INVALID=bool(null_invalid), BLOCK=BLOCK, **pdl_launch(tab)))
 
 
 def _rows_out(op: str, block_table: torch.Tensor, shape, device, launch) -> torch.Tensor:
@@ -138,7 +143,7 @@ def window_rows(block_table: torch.Tensor, per_block: int, lo: torch.Tensor, hi:
                          f"{tuple(hi.shape)}, floor {tuple(floor.shape)}, width {width} do not fit together")
     return _rows_out("window_rows", block_table, (t, width), lo.device, lambda tab, out, total: _window_rows_kernel[
         (-(-total // BLOCK),)](tab, lo.contiguous(), hi.contiguous(), floor, floor.stride(0), out, width, tab.shape[1],
-                               tab.stride(0), per_block, total, BLOCK=BLOCK))
+                               tab.stride(0), per_block, total, BLOCK=BLOCK, **pdl_launch(tab)))
 
 
 OPS = {"table_rows": table_rows, "window_rows": window_rows, "compress_rows": compress_rows}

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ...backends.fused import unrope_grouped_linear as unrope_grouped_linear_ref  # noqa: F401  (the oracle)
+from .pdl import pdl_launch, pdl_start
 from .block_scaled import bf16_bits16, bf16_round
 from .rope import partner_cols, rope_cols
 
@@ -38,7 +39,8 @@ TILES_INTERP = {"bn": 16, "bk": 64}
 
 @triton.jit
 def _unrope_grouped_linear_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, out_ptr, N, K, HD, D, R, RO,
-                                  BN: tl.constexpr, BK: tl.constexpr):
+                                  BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     t = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nmask = n < N
@@ -87,7 +89,7 @@ def unrope_grouped_linear(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     kw = {} if interpreting() else {"num_warps": cfg["num_warps"]}
     _unrope_grouped_linear_kernel[(t, -(-n // bn))](x.contiguous(), cos.float().contiguous(), sin.float().contiguous(),
                                                    weight, out.view(torch.int16), n, k, h * d, d, r, ro,
-                                                   BN=bn, BK=bk, **kw)
+                                                   BN=bn, BK=bk, **kw, **pdl_launch(weight))
     return out
 
 

@@ -1,0 +1,101 @@
+"""Programmatic dependent launch (PDL, CUDA compute capability >= 9): a kernel may be scheduled
+before the kernel ahead of it in the stream has finished, and waits on the device until it has.
+Off by default: measured slower on the mini decode step (below).
+
+A decode step is a chain of about 190 launches at batch 1 (mini preset), most of a few
+microseconds; in a captured graph each dependent launch leaves about a microsecond of idle SMs
+between kernels. Each kernel here starts with `pdl_start(PDL)`, which under PDL waits
+(`gdc_wait`) until the kernel ahead has finished and its writes are visible: nothing is read or
+written before it, so the memory effects keep the plain stream order and only the launch and
+scheduling overlap. Two modes (`DSV41_PDL`, or `set_pdl`):
+- "wait" (PDL=1): the next kernel is scheduled when every program of this one has exited;
+- "trigger" (PDL=2): each program first calls `gdc_launch_dependents`, so the next kernel is
+  scheduled as soon as every program of this one has started (its programs then sit in their
+  wait). Safe: a kernel's wait covers the whole of the kernel ahead, whatever its trigger.
+
+Measured (H200, 2026-12-03, `benchmarks/e2e.py --pdl`, mini, 4K context, graph replay): batch 1
+plain 1.793 ms, "trigger" 1.877 ms (+4.7%); "wait" not measured yet. Hence off unless asked for.
+
+Host side: `pdl_launch(t)` gives the launch arguments, `{"PDL": mode, "launch_pdl": True}` where
+PDL is on and applies (a CUDA tensor on a device of capability >= 9, Triton with `gdc_wait`,
+not the interpreter), else `{}` (the kernels' `PDL` defaults to 0: the interpreters,
+triton-ascend and older GPUs never see the CUDA-only calls, which sit in constexpr-false
+branches). A kernel launched with `launch_pdl` must call `pdl_start(PDL)` first:
+tests/test_triton_pdl.py checks that every kernel taking `PDL` does and every launch of one asks
+`pdl_launch`. `benchmarks/pdl_probe.py` times chains of dependent launches under each mode.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import interpreting
+
+try:  # CUDA builds of Triton: tl.extra.cuda.gdc_* (pdl_start's constexpr-true branch only)
+    import triton.language.extra.cuda  # noqa: F401
+except ImportError:
+    pass
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """First statement of a kernel launched with `pdl_launch`: under "trigger" let the next kernel
+    be scheduled, then (either mode) wait for the one ahead, its writes visible, before touching
+    memory."""
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+    if PDL >= 1:
+        tl.extra.cuda.gdc_wait()
+
+
+MODES = {"0": 0, "off": 0, "wait": 1, "trigger": 2}
+_BY_DEVICE: dict[int, bool] = {}
+
+
+def _mode_of(value: str) -> int:
+    if value not in MODES:
+        raise ValueError(f"DSV41_PDL={value!r}: choose one of {sorted(MODES)}")
+    return MODES[value]
+
+
+_mode = _mode_of(os.environ.get("DSV41_PDL", "0"))
+
+
+def set_pdl(mode: str | None) -> None:
+    """PDL mode for later launches: "off", "wait" or "trigger" (None: `DSV41_PDL` again, default
+    off). Graphs captured before keep their launches."""
+    global _mode
+    _mode = _mode_of(os.environ.get("DSV41_PDL", "0") if mode is None else mode)
+
+
+def pdl_mode() -> str:
+    return next(k for k, v in MODES.items() if v == _mode and k != "0")
+
+
+def _supported(index: int) -> bool:
+    ok = _BY_DEVICE.get(index)
+    if ok is None:
+        try:
+            from triton.language.extra import cuda as tl_cuda
+
+            has_gdc = hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents")
+        except ImportError:
+            has_gdc = False
+        ok = _BY_DEVICE[index] = has_gdc and torch.cuda.get_device_capability(index)[0] >= 9
+    return ok
+
+
+_LAUNCH = {1: {"PDL": 1, "launch_pdl": True}, 2: {"PDL": 2, "launch_pdl": True}}
+_OFF: dict = {}
+
+
+def pdl_launch(t: torch.Tensor) -> dict:
+    """Keyword arguments for a launch of a `pdl_start` kernel on t's device (see the module)."""
+    if not _mode or t.device.type != "cuda" or interpreting():
+        return _OFF
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return _LAUNCH[_mode] if _supported(index) else _OFF
