@@ -777,7 +777,11 @@ def run_streams(model, args, clock: Clock, log) -> list[dict]:
     """Everything on one stream, each MoE's shared expert on a second stream beside its routed
     experts, and the indexed layers' compressor and top-k there as well (`_step_variants`)."""
     def on(parts):
-        return lambda: (model.overlap_streams(False), parts and model.overlap_streams(True, parts))
+        def apply():
+            model.overlap_streams(False)
+            if parts:
+                model.overlap_streams(True, parts)
+        return apply
 
     variants = (("one", on(())), ("shared", on(("shared",))), ("both", on(("shared", "indexer"))))
     return _step_variants(model, args, clock, log, "streams", variants,

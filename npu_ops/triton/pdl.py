@@ -35,10 +35,11 @@ import triton.language as tl
 
 from .launch import interpreting
 
-try:  # CUDA builds of Triton: tl.extra.cuda.gdc_* (pdl_start's constexpr-true branch only)
-    import triton.language.extra.cuda  # noqa: F401
+try:  # CUDA builds of Triton: tl.extra.cuda.gdc_* (pdl_start's constexpr-true branches only)
+    from triton.language.extra import cuda as _tl_cuda
 except ImportError:
-    pass
+    _tl_cuda = None
+_HAS_GDC = hasattr(_tl_cuda, "gdc_wait") and hasattr(_tl_cuda, "gdc_launch_dependents")
 
 
 @triton.jit
@@ -53,6 +54,7 @@ def pdl_start(PDL: tl.constexpr):
 
 
 MODES = {"0": 0, "off": 0, "wait": 1, "trigger": 2}
+_NAMES = {0: "off", 1: "wait", 2: "trigger"}
 _BY_DEVICE: dict[int, bool] = {}
 
 
@@ -73,19 +75,13 @@ def set_pdl(mode: str | None) -> None:
 
 
 def pdl_mode() -> str:
-    return next(k for k, v in MODES.items() if v == _mode and k != "0")
+    return _NAMES[_mode]
 
 
 def _supported(index: int) -> bool:
     ok = _BY_DEVICE.get(index)
     if ok is None:
-        try:
-            from triton.language.extra import cuda as tl_cuda
-
-            has_gdc = hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents")
-        except ImportError:
-            has_gdc = False
-        ok = _BY_DEVICE[index] = has_gdc and torch.cuda.get_device_capability(index)[0] >= 9
+        ok = _BY_DEVICE[index] = _HAS_GDC and torch.cuda.get_device_capability(index)[0] >= 9
     return ok
 
 
