@@ -628,12 +628,15 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
     if pdl:
         L += table("Programmatic dependent launch (decode, graph replay)",
                    "Off: each Triton kernel scheduled after the one ahead finishes; wait: scheduled when every "
-                   "program of the one ahead has exited; trigger: as soon as every program of it has started. "
-                   "Under PDL a kernel waits on the device before touching memory (npu_ops/triton/pdl.py). "
-                   "Same logits = bit-identical in all three.",
-                   ["context", "batch", "off ms", "wait ms", "change", "trigger ms", "change", "same logits"],
+                   "program of the one ahead has exited; trigger: as soon as every program of it has started; "
+                   "chain: as soon as every program of it has passed its own wait. Under PDL a kernel waits on "
+                   "the device before touching memory (npu_ops/triton/pdl.py). Same logits = bit-identical in all "
+                   "four.",
+                   ["context", "batch", "off ms", "wait ms", "change", "trigger ms", "change", "chain ms", "change",
+                    "same logits"],
                    [[r["ctx"], r["batch"], f"{r['off_s'] * 1e3:.3f}", *_ms_change(r, "wait_s", "off_s"),
-                     *_ms_change(r, "trigger_s", "off_s"), r["same"]] for r in pdl])
+                     *_ms_change(r, "trigger_s", "off_s"), *_ms_change(r, "chain_s", "off_s"), r["same"]]
+                    for r in pdl])
     if mems and mems[0]["peak"] is not None:
         L += table("Peak device memory", None, ["phase", "peak GB", "weights GB", "KV pools GB", "peak / (weights + KV)"],
                    [[m["phase"], f"{m['peak'] / 1e9:.2f}", f"{m['weights'] / 1e9:.2f}", f"{m['kv'] / 1e9:.2f}",
@@ -793,7 +796,7 @@ def run_pdl(model, args, clock: Clock, log) -> list[dict]:
     captured under its setting (`_step_variants`)."""
     from dsv41.npu_ops.triton import pdl
 
-    variants = [(mode, lambda mode=mode: pdl.set_pdl(mode)) for mode in ("off", "wait", "trigger")]
+    variants = [(mode, lambda mode=mode: pdl.set_pdl(mode)) for mode in ("off", "wait", "trigger", "chain")]
     return _step_variants(model, args, clock, log, "pdl", variants, lambda: pdl.set_pdl(None))
 
 
@@ -854,7 +857,7 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of phases to skip: decode,prefill,kernels")
     ap.add_argument("--offload", action="store_true", help="also decode with Engram tables in host memory")
     ap.add_argument("--pdl", action="store_true",
-                    help="also decode with programmatic dependent launch off, 'wait' and 'trigger' (npu_ops/triton/pdl.py)")
+                    help="also decode with programmatic dependent launch off, 'wait', 'trigger' and 'chain' (npu_ops/triton/pdl.py)")
     ap.add_argument("--streams", action="store_true",
                     help="also decode with work on a second stream: the shared expert, then also the indexer "
                          "(Transformer.overlap_streams)")

@@ -11,7 +11,7 @@ its 40 s on the H200, 2026-12-03: no numbers from it yet.)
 
 Chains of N dependent GEMV kernels (each reads the previous output and its own weight; a
 one-program 64 x 64 kernel, launch-bound, and a 256-program 4096 x 4096 one), captured under
-each mode of npu_ops/triton/pdl.py: off, "wait" and "trigger". Each mode's final output is checked
+each mode of npu_ops/triton/pdl.py: off, "wait", "trigger" and "chain". Each mode's final output is checked
 bit for bit against the first's (outputs poisoned before the checked replay). Needs CUDA
 (compute capability >= 9).
 
@@ -61,8 +61,8 @@ def main() -> int:
         return 2
     torch.manual_seed(args.seed)
     print(f"seed {args.seed}, chain {args.chain}, {torch.cuda.get_device_name()}, triton {triton.__version__}")
-    print("| kernel | programs | off us | wait us | trigger us | per launch saved us | bit-equal |")
-    print("|---|---|---|---|---|---|---|")
+    print("| kernel | programs | off us | wait us | trigger us | chain us | per launch saved us | bit-equal |")
+    print("|---|---|---|---|---|---|---|---|")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     # a one-program 64 x 64 step (launch-bound) and a 256-program 4096 x 4096 one (a 32 MB weight)
     for n, rows in ((64, 64), (4096, 16)):
@@ -70,7 +70,7 @@ def main() -> int:
         xs = [torch.randn(n, device="cuda")] + [torch.empty(n, device="cuda") for _ in range(args.chain)]
         times, equal, want = [], [], None
         try:
-            for mode in ("off", "wait", "trigger"):
+            for mode in ("off", "wait", "trigger", "chain"):
                 set_pdl(mode)
                 _chain(xs, ws, rows)  # compiles outside the capture
                 torch.cuda.synchronize()
@@ -95,7 +95,7 @@ def main() -> int:
         finally:
             set_pdl(None)
         saved = (times[0] - min(times[1:])) / args.chain
-        print(f"| {n} x {n} bf16 | {n // rows} | {times[0]:.1f} | {times[1]:.1f} | {times[2]:.1f} | {saved:.2f} | "
+        print(f"| {n} x {n} bf16 | {n // rows} | {times[0]:.1f} | {times[1]:.1f} | {times[2]:.1f} | {times[3]:.1f} | {saved:.2f} | "
               f"{all(equal)} |", flush=True)
     return 0
 

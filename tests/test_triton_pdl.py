@@ -55,9 +55,9 @@ def test_pdl_is_off_where_it_does_not_apply(monkeypatch):
     cpu = torch.zeros(1)
     monkeypatch.delenv("DSV41_PDL", raising=False)
     pdl.set_pdl(None)
-    assert pdl.pdl_mode() == "off"  # the default
+    assert pdl.pdl_mode() == pdl.DEFAULT == "chain"  # the default (measured fastest)
     try:
-        for mode in ("wait", "trigger"):
+        for mode in ("wait", "trigger", "chain"):
             pdl.set_pdl(mode)
             assert pdl.pdl_mode() == mode
             assert pdl.pdl_launch(cpu) == {}  # a CPU tensor (also the interpreters' device)
@@ -80,7 +80,7 @@ def test_pdl_is_off_where_it_does_not_apply(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("mode", ["wait", "trigger"])
+@pytest.mark.parametrize("mode", ["wait", "trigger", "chain"])
 def test_cuda_decode_graphs_give_the_same_logits_with_and_without_pdl(tiny_cfg, fresh_seed, rng, mode):
     """Only the launch overlaps, never the memory effects: the same bits in captured decode
     steps (with the second stream's fork and join at its CUDA default) and eager prefill."""

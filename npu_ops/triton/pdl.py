@@ -1,20 +1,27 @@
 """Programmatic dependent launch (PDL, CUDA compute capability >= 9): a kernel may be scheduled
 before the kernel ahead of it in the stream has finished, and waits on the device until it has.
-Off by default: measured slower on the mini decode step (below).
+On by default in the "chain" mode (measured below).
 
 A decode step is a chain of about 190 launches at batch 1 (mini preset), most of a few
 microseconds; in a captured graph each dependent launch leaves about a microsecond of idle SMs
 between kernels. Each kernel here starts with `pdl_start(PDL)`, which under PDL waits
 (`gdc_wait`) until the kernel ahead has finished and its writes are visible: nothing is read or
 written before it, so the memory effects keep the plain stream order and only the launch and
-scheduling overlap. Two modes (`DSV41_PDL`, or `set_pdl`):
+scheduling overlap. Three modes (`DSV41_PDL`, or `set_pdl`):
 - "wait" (PDL=1): the next kernel is scheduled when every program of this one has exited;
 - "trigger" (PDL=2): each program first calls `gdc_launch_dependents`, so the next kernel is
   scheduled as soon as every program of this one has started (its programs then sit in their
-  wait). Safe: a kernel's wait covers the whole of the kernel ahead, whatever its trigger.
+  wait). Each of those then triggers at once, so a whole chain of later kernels can be scheduled
+  ahead and hold SM slots while they wait;
+- "chain" (PDL=3): each program triggers right after its wait, so at most the next kernel is
+  scheduled ahead of the one running.
+Safe in every mode: a kernel's wait covers the whole of the kernel ahead, whatever its trigger.
 
-Measured (H200, 2026-12-03, `benchmarks/e2e.py --pdl`, mini, 4K context, graph replay): batch 1
-plain 1.793 ms, "trigger" 1.877 ms (+4.7%); "wait" not measured yet. Hence off unless asked for.
+Measured (H200, 2026-12-03 09:31-09:35 UTC, `benchmarks/e2e.py --pdl`, mini, 4K context, graph
+replay; the logits bit-identical in all four modes): batch 1 off 1.794 ms, "wait" 1.693 (-5.7%),
+"trigger" 1.861 (+3.7%), "chain" 1.684 (-6.2%); batch 8 2.757 / 2.642 / 2.798 / 2.639 ms. The
+early trigger loses (a run of later kernels parked on the SMs, holding their slots); "chain" is
+the default where PDL applies (`DSV41_PDL=off` turns it off).
 
 Host side: `pdl_launch(t)` gives the launch arguments, `{"PDL": mode, "launch_pdl": True}` where
 PDL is on and applies (a CUDA tensor on a device of capability >= 9, Triton with `gdc_wait`,
@@ -45,16 +52,18 @@ _HAS_GDC = hasattr(_tl_cuda, "gdc_wait") and hasattr(_tl_cuda, "gdc_launch_depen
 @triton.jit
 def pdl_start(PDL: tl.constexpr):
     """First statement of a kernel launched with `pdl_launch`: under "trigger" let the next kernel
-    be scheduled, then (either mode) wait for the one ahead, its writes visible, before touching
-    memory."""
+    be scheduled, then (every mode) wait for the one ahead, its writes visible, before touching
+    memory; under "chain" let the next kernel be scheduled only after that wait."""
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
     if PDL >= 1:
         tl.extra.cuda.gdc_wait()
+    if PDL == 3:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
-MODES = {"0": 0, "off": 0, "wait": 1, "trigger": 2}
-_NAMES = {0: "off", 1: "wait", 2: "trigger"}
+MODES = {"0": 0, "off": 0, "wait": 1, "trigger": 2, "chain": 3}
+_NAMES = {0: "off", 1: "wait", 2: "trigger", 3: "chain"}
 _BY_DEVICE: dict[int, bool] = {}
 
 
@@ -64,14 +73,15 @@ def _mode_of(value: str) -> int:
     return MODES[value]
 
 
-_mode = _mode_of(os.environ.get("DSV41_PDL", "0"))
+DEFAULT = "chain"
+_mode = _mode_of(os.environ.get("DSV41_PDL", DEFAULT))
 
 
 def set_pdl(mode: str | None) -> None:
-    """PDL mode for later launches: "off", "wait" or "trigger" (None: `DSV41_PDL` again, default
-    off). Graphs captured before keep their launches."""
+    """PDL mode for later launches: "off", "wait", "trigger" or "chain" (None: `DSV41_PDL` again, default
+    DEFAULT). Graphs captured before keep their launches."""
     global _mode
-    _mode = _mode_of(os.environ.get("DSV41_PDL", "0") if mode is None else mode)
+    _mode = _mode_of(os.environ.get("DSV41_PDL", DEFAULT) if mode is None else mode)
 
 
 def pdl_mode() -> str:
@@ -85,7 +95,7 @@ def _supported(index: int) -> bool:
     return ok
 
 
-_LAUNCH = {1: {"PDL": 1, "launch_pdl": True}, 2: {"PDL": 2, "launch_pdl": True}}
+_LAUNCH = {m: {"PDL": m, "launch_pdl": True} for m in _NAMES if m}
 _OFF: dict = {}
 
 
