@@ -61,6 +61,14 @@ SPARSE_TN = [("whole-row table (cuda_whole)", dict(BLOCK_N=32, BLOCK_D=None, BLO
                                               min_blocks_per_split=2)),
              ("decode table", {}), ("decode 4/split", dict(min_blocks_per_split=4)),
              ("decode DV256 w8", dict(BLOCK_DV=256, num_warps=8))]
+# the two-pass form (every logit, then the values: sparse_attention_two_pass.py) and its tiles,
+# timed at every token count
+SPARSE_TWO_PASS = [("two-pass", dict(TWO_PASS=True)), ("two-pass N16", dict(TWO_PASS=True, BLOCK_N=16)),
+                   ("two-pass 2/split", dict(TWO_PASS=True, min_blocks_per_split=2)),
+                   ("two-pass 4/split", dict(TWO_PASS=True, min_blocks_per_split=4)),
+                   ("two-pass D256 w8", dict(TWO_PASS=True, BLOCK_D=256, num_warps=8)),
+                   ("two-pass DV256 w8", dict(TWO_PASS=True, BLOCK_DV=256, num_warps=8)),
+                   ("two-pass D512 DV256 w8", dict(TWO_PASS=True, BLOCK_D=512, BLOCK_DV=256, num_warps=8))]
 
 
 def sweep_sparse_attention(rows, copy, tokens=(1, 8, 64), check_only=False, mqa=False):
@@ -75,7 +83,7 @@ def sweep_sparse_attention(rows, copy, tokens=(1, 8, 64), check_only=False, mqa=
         args, must_read = sparse_attention_args(t, n, "cuda", masked_fraction=0.05)
         ref = ref_fn(*args)
         flops = 4 * t * H * D * (TOPK + W)
-        variants = [(name, dict(SPARSE_DECODE, **v)) for name, v in (SPARSE_T1 if t == 1 else SPARSE_TN)]
+        variants = [(name, dict(SPARSE_DECODE, **v)) for name, v in (SPARSE_T1 if t == 1 else SPARSE_TN) + SPARSE_TWO_PASS]
         variants.append(("default dispatch", None))
         if mqa:
             variants.append(("mqa (opt-in cuda_mqa table)", dict(sa.CONFIGS["cuda_mqa"])))

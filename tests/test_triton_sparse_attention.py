@@ -27,6 +27,8 @@ WHOLE_HALF = dict(WHOLE, DV_HALF=True)  # one output-channel parity per tile
 MQA = dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, MQA=True)  # rows decoded once as K and V
 MQA_H32 = dict(MQA, BLOCK_H=32)  # heads padded past H (masked rows)
 MQA_LAZY = dict(MQA, LAZY=2.0)  # the running max moves only when a block passes it by > 2 (e^2 bound)
+TWO_PASS = dict(TILED, TWO_PASS=True)  # every logit first (one tile per entry block), then the values
+TWO_PASS_WHOLE = dict(WHOLE, TWO_PASS=True)  # the same with whole-row chunks and output blocks
 
 BLOCK = 8  # pool block size (rows) of both pools in these tests
 
@@ -113,8 +115,9 @@ def check(out, args, scale, dead_rows=(), ref=None):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(sink + 1e30) of an all-masked row
 @pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("cfg", [WHOLE, WHOLE_T, WHOLE_HALF, TILED, MQA, MQA_H32, MQA_LAZY],
-                         ids=["whole", "whole_t", "whole_half", "tiled", "mqa", "mqa_h32", "mqa_lazy"])
+@pytest.mark.parametrize("cfg", [WHOLE, WHOLE_T, WHOLE_HALF, TILED, MQA, MQA_H32, MQA_LAZY, TWO_PASS, TWO_PASS_WHOLE],
+                         ids=["whole", "whole_t", "whole_half", "tiled", "mqa", "mqa_h32", "mqa_lazy", "two_pass",
+                              "two_pass_whole"])
 @pytest.mark.parametrize("n_split", [1, 3, None])
 def test_sparse_attention_tiny(dev, cfg, n_split, rng):
     # tiny preset widths: H = 4, D = 64
@@ -179,7 +182,9 @@ def test_sparse_attention_decode_splits(dev, t, rng):
 DECODE_VARIANTS = [dict(), dict(BLOCK_N=16), dict(BLOCK_N=16, num_stages=3), dict(BLOCK_N=64), dict(min_blocks_per_split=2), dict(BLOCK_N=16, min_blocks_per_split=2),
                    dict(num_warps=8), dict(BLOCK_D=256), dict(BLOCK_D=256, num_warps=8),
                    dict(BLOCK_DV=256, num_warps=8), dict(BLOCK_N=16, BLOCK_D=64, BLOCK_DV=64),
-                   dict(BLOCK_N=16, BLOCK_D=256, BLOCK_DV=256, num_warps=8), dict(min_blocks_per_split=4)]
+                   dict(BLOCK_N=16, BLOCK_D=256, BLOCK_DV=256, num_warps=8), dict(min_blocks_per_split=4),
+                   dict(TWO_PASS=True), dict(TWO_PASS=True, BLOCK_N=16), dict(TWO_PASS=True, min_blocks_per_split=4),
+                   dict(TWO_PASS=True, BLOCK_DV=256, num_warps=8)]
 
 
 @pytest.fixture(scope="module")
@@ -205,15 +210,19 @@ def test_sparse_attention_decode_variants_gpu(dev, variant, model_width_cases):
 
 
 def test_decode_table_serves_decode_batches(monkeypatch):
-    """On a 132-SM GPU the decode table serves one token and a decode batch of 64 (it won at
-    T = 1, 8 and 64 on the H200); a prefill chunk keeps the whole-row table."""
+    """On a 132-SM GPU the decode tables serve one token (one pass) and decode batches of 2-64
+    (two passes: they won at T = 8 and 64 on the H200, one pass at T = 1); a prefill chunk keeps
+    the whole-row table."""
     from dsv41.npu_ops.triton import launch
 
     monkeypatch.setattr(sa, "_backend_key", lambda device: "cuda")
     monkeypatch.setattr(launch, "num_workers", lambda device=None, cores="vector": 132)
+    monkeypatch.setattr(sa, "_SPARSE_DECODE", [])
+    monkeypatch.delenv("DSV41_SPARSE_DECODE", raising=False)
     dev = torch.device("cpu")
-    for t in (1, 8, 64):
-        assert sa.config_for(dev, t, 64) is sa.CONFIGS["cuda_decode"], t
+    assert sa.config_for(dev, 1, 64) is sa.CONFIGS["cuda_decode"]
+    for t in (2, 8, 64):  # the default form: two passes from TWO_PASS_MIN_T tokens
+        assert sa.config_for(dev, t, 64) is sa.CONFIGS["cuda_decode_two_pass"], t
     assert sa.config_for(dev, 2048, 64) is sa.CONFIGS["cuda"]
 
 
@@ -316,7 +325,7 @@ def with_null_block(args, nan: bool = True):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(sink + 1e30) of an all-masked row
 @pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("cfg", [MQA, TILED, None], ids=["mqa", "tiled", "auto"])
+@pytest.mark.parametrize("cfg", [MQA, TILED, TWO_PASS, None], ids=["mqa", "tiled", "two_pass", "auto"])
 def test_sparse_attention_null_block_nan_does_not_leak(dev, cfg, rng):
     """Masked entries point at a null block of NaN bytes (row 0 of both pools, where -1 entries
     are clamped): the output equals the reference, which selects them away with torch.where."""
@@ -432,3 +441,52 @@ def test_sparse_attention_prefill_variants_gpu(dev, variant, prefill_cases):
         check(out, args, 512 ** -0.5, dead_rows=dead, ref=ref)
         if variant == "cuda":
             check(sa.sparse_attention(*to(dev, args), 512 ** -0.5), args, 512 ** -0.5, dead_rows=dead, ref=ref)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(sink + 1e30) of an all-masked row
+@pytest.mark.parametrize("dev", DEVICES)
+def test_sparse_attention_two_pass_splits_and_mixed_lengths(dev, rng):
+    """The two-pass form over a decode batch with mixed entry counts (some tokens with none) and
+    index lists of two integer widths, with one split per entry block, a few, and the automatic
+    choice: every choice equals the reference, all-masked tokens give exact zeros, and an empty
+    global list behaves as none."""
+    t = 9
+    h, d = (4, 64) if dev == "cpu" else (64, 512)
+    s, n, k = (16, 60, 24) if dev == "cpu" else (128, 4096, 512)
+    args = make_inputs(rng, t, h, d, s, n, k, dead_rows=(5,), window_off_rows=(7,), n_seq=3)
+    win_idx, glob_idx = args[3], args[6]
+    win_idx[torch.arange(s).unsqueeze(0) >= torch.randint(0, s + 1, (t, 1), generator=rng)] = -1
+    glob_idx[torch.arange(k).unsqueeze(0) >= torch.randint(0, k + 1, (t, 1), generator=rng)] = -1
+    dead = [r for r in range(t) if (win_idx[r] < 0).all() and (glob_idx[r] < 0).all()]
+    args[6] = glob_idx.int()  # index lists of two integer widths (int32 global, int64 window)
+    cfg = TWO_PASS if dev == "cpu" else dict(sa.CONFIGS["cuda_decode"], TWO_PASS=True)
+    n_blocks = -(-s // cfg["BLOCK_N"]) + -(-k // cfg["BLOCK_N"])
+    for n_split in (n_blocks, 3, None):
+        out = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, n_split=n_split, **cfg)
+        check(out, args, d ** -0.5, dead_rows=dead)
+    empty = list(args)
+    empty[6] = torch.zeros(t, 0, dtype=torch.long)
+    empty[3] = args[3].clone()
+    empty[3][dead] = -1
+    out = sa.sparse_attention_launch(*to(dev, empty), d ** -0.5, n_split=2, **cfg)
+    check(out, empty, d ** -0.5, dead_rows=[r for r in range(t) if (empty[3][r] < 0).all()])
+
+
+def test_sparse_decode_form_chooses_the_decode_entry(monkeypatch):
+    """DSV41_SPARSE_DECODE picks the decode entry's form (read once per process: the memo is
+    reset here); a prefill chunk keeps the prefill table; a bad value is one clear error."""
+    from dsv41.npu_ops.triton import launch
+
+    monkeypatch.setattr(sa, "_backend_key", lambda device: "cuda")
+    monkeypatch.setattr(launch, "num_workers", lambda device=None, cores="vector": 132)
+    dev = torch.device("cpu")
+    for form, entry in (("two_pass", "cuda_decode_two_pass"), ("one_pass", "cuda_decode")):
+        monkeypatch.setattr(sa, "_SPARSE_DECODE", [])
+        monkeypatch.setenv("DSV41_SPARSE_DECODE", form)
+        for t in (1, 8):
+            assert sa.config_for(dev, t, 64) is sa.CONFIGS[entry], (form, t)
+        assert sa.config_for(dev, 2048, 64) is sa.CONFIGS["cuda"]
+    monkeypatch.setattr(sa, "_SPARSE_DECODE", [])
+    monkeypatch.setenv("DSV41_SPARSE_DECODE", "three_pass")
+    with pytest.raises(ValueError, match="DSV41_SPARSE_DECODE"):
+        sa.config_for(dev, 8, 64)

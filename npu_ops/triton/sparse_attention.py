@@ -108,6 +108,13 @@ CONFIGS = {
     # gave wrong results, then an illegal address (triton 3.6).
     "cuda_decode": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=4, num_stages=2,
                         QK_T=False, min_blocks_per_split=1),
+    # cuda_decode_two_pass (from TWO_PASS_MIN_T tokens by default): the decode shapes through the
+    # two-pass form (`sparse_attention_two_pass.py`: logits once per query, then p.V per output
+    # block). H200 neighbours (2026-12-03, T=8 / T=64 at 4K, graph us): this 27.1 / 95.3; 2 or 4
+    # blocks per split 27.1 / 94.4, 27.0 / 94.2; BLOCK_N 16 38.7 / 163.5; 256-channel contraction
+    # (8 warps) 35.8 / 148.2; 256-channel output blocks (8 warps) 32.7 / 152.1.
+    "cuda_decode_two_pass": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=4, num_stages=2,
+                                 TWO_PASS=True, min_blocks_per_split=1),
     "npu": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=None, min_blocks_per_split=2),
     "interp": dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=None, min_blocks_per_split=1),
 }
@@ -644,12 +651,13 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
                             *, BLOCK_H: int, BLOCK_N: int, BLOCK_D: int | None, BLOCK_DV: int | None,
                             num_warps: int | None = None, num_stages: int | None = None, QK_T: bool = False,
                             DV_HALF: bool = False, MQA: bool = False, AHEAD: bool = True, LAZY: float = 0.0,
-                            min_blocks_per_split: int = 2,
+                            TWO_PASS: bool = False, min_blocks_per_split: int = 2,
                             n_split: int | None = None) -> torch.Tensor:
     """`sparse_attention` with explicit tile sizes (tests and tuning); `n_split` forces the split
     count. MQA (CUDA; whole rows): `_mqa_kernel` (each entry decoded once per head block and used
     as K and as V, the next block's words loaded ahead; LAZY: the running max moves only past
-    that margin) instead of `_sparse_attn_kernel`."""
+    that margin) instead of `_sparse_attn_kernel`. TWO_PASS: every logit first, then the values
+    (`sparse_attention_two_pass`; tiled, BLOCK_D / BLOCK_DV as given)."""
     from .launch import as_int8, grid_for, interpreting, num_workers
 
     t, h, d = q.shape
@@ -674,6 +682,8 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
         raise ValueError(f"MQA tiles need BLOCK_N >= 16 (tl.dot's least N), got {BLOCK_N}")
     if MQA and d & (d - 1):
         raise ValueError(f"MQA tiles need a power-of-two head_dim, got {d}")
+    if TWO_PASS and (MQA or DV_HALF or QK_T):
+        raise ValueError("TWO_PASS takes none of MQA / DV_HALF / QK_T")
     if MQA and (block_d != d or block_dv != d):
         raise ValueError(f"MQA tiles take whole rows (BLOCK_D = BLOCK_DV = head_dim {d}; got {block_d} / {block_dv})")
     block_h = _pow2_at_least(min(BLOCK_H, h), 16)  # tl.dot needs M >= 16; extra heads are masked
@@ -696,6 +706,19 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
         gk, gs, gi = wk, ws, wi  # placeholders: K = 0, so no global block is visited (no fill launched)
     sk = sink.contiguous()
 
+    kw = {}
+    if dev.type == "cuda" and not interpreting():
+        kw = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v}
+    dot_bf16 = not interpreting()  # interpreters: fp32 dot operands (same values), integer bf16 rounding
+    if TWO_PASS:
+        from .sparse_attention_two_pass import launch_two_pass
+
+        n_split, pacc, pm, pl = launch_two_pass(
+            qc, wk, ws, wi, gk, gs, gi, sk, out, softmax_scale, s=s, k=k, block_h=block_h, block_n=BLOCK_N,
+            block_d=block_d, block_dv=block_dv, n_split=n_split, min_blocks_per_split=min_blocks_per_split,
+            kw=kw, dot_bf16=dot_bf16)
+        _combine_splits(pacc, pm, pl, sk, out, n_split, dot_bf16)
+        return out
     n_hb = -(-h // block_h)
     dv_half = bool(DV_HALF) and not MQA and block_d == d and block_dv == d  # whole rows only
     n_dv = 2 if dv_half else 1 if MQA else d // block_dv
@@ -704,22 +727,10 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
     base_tiles = t * n_hb * n_dv
     if n_split is None:
         n_split = _auto_splits(base_tiles, n_blocks, num_workers(dev, "cube"), min_blocks_per_split)
-    n_split = max(1, min(n_split, max(1, n_blocks)))
-    bps = max(1, -(-n_blocks // n_split))
-    n_split = max(1, -(-n_blocks // bps))  # no empty split
+    n_split, bps, pacc, pm, pl = split_buffers(out, n_blocks, n_split)
     split = n_split > 1
-    if split:
-        pacc = torch.empty(t, n_split, h, d, dtype=torch.float32, device=dev)
-        pm = torch.empty(t, n_split, h, dtype=torch.float32, device=dev)
-        pl = torch.empty(t, n_split, h, dtype=torch.float32, device=dev)
-    else:
-        pacc = pm = pl = out
     n_tiles = base_tiles * n_split
     grid = grid_for(n_tiles, dev, cores="cube")  # tl.dot: one program per AI core on Ascend
-    kw = {}
-    if dev.type == "cuda" and not interpreting():
-        kw = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v}
-    dot_bf16 = not interpreting()  # interpreters: fp32 dot operands (same values), integer bf16 rounding
     if MQA:
         ww, gw = _words(wk), _words(gk)
         _mqa_kernel[(grid,)](qc, ww, ws, wi, gw, gs, gi, sk, out, pacc, pm, pl,
@@ -734,16 +745,41 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
                                      D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
                                      BLOCK_D=block_d, BLOCK_DV=block_dv, SPLIT=split, DOT_BF16=dot_bf16,
                                      QK_T=bool(QK_T), DV_HALF=dv_half, **kw, **pdl_launch(qc))
-    if split:
-        splits = _pow2_at_least(n_split, 2)
-        cb_d = min(d, _pow2_at_least(max(32, COMBINE_ELEMS // splits), 32))  # [splits, cb_d] fp32 per tile
-        while d % cb_d:
-            cb_d //= 2
-        c_tiles = t * h * (d // cb_d)
-        c_grid = grid_for(c_tiles, dev)
-        _combine_kernel[(c_grid,)](pacc, pm, pl, sk, out, h, n_split, d // cb_d, c_tiles, c_grid,
-                                   D=d, SPLITS=splits, BLOCK_D=cb_d, NATIVE_CAST=dot_bf16, **pdl_launch(pacc))
+    _combine_splits(pacc, pm, pl, sk, out, n_split, dot_bf16)
     return out
+
+
+def split_buffers(out: torch.Tensor, n_blocks: int, n_split: int):
+    """(splits, entry blocks per split, fp32 partials [T, splits, H, D], maxima and sums [T,
+    splits, H]) for n_split asked over n_blocks blocks: at most one split per block, none empty;
+    one split writes `out` directly (it stands in for the partials)."""
+    t, h, d = out.shape
+    n_split = max(1, min(n_split, max(1, n_blocks)))
+    bps = max(1, -(-n_blocks // n_split))
+    n_split = max(1, -(-n_blocks // bps))
+    if n_split == 1:
+        return 1, bps, out, out, out
+    f32 = dict(dtype=torch.float32, device=out.device)
+    return (n_split, bps, torch.empty(t, n_split, h, d, **f32), torch.empty(t, n_split, h, **f32),
+            torch.empty(t, n_split, h, **f32))
+
+
+def _combine_splits(pacc, pm, pl, sk, out, n_split: int, dot_bf16: bool) -> None:
+    """`_combine_kernel` over the n_split partials [T, n_split, H, D] into out [T, H, D] (nothing
+    to do for one split: the kernel wrote `out`)."""
+    from .launch import grid_for
+
+    if n_split <= 1:
+        return
+    t, h, d = out.shape
+    splits = _pow2_at_least(n_split, 2)
+    cb_d = min(d, _pow2_at_least(max(32, COMBINE_ELEMS // splits), 32))  # [splits, cb_d] fp32 per tile
+    while d % cb_d:
+        cb_d //= 2
+    c_tiles = t * h * (d // cb_d)
+    c_grid = grid_for(c_tiles, out.device)
+    _combine_kernel[(c_grid,)](pacc, pm, pl, sk, out, h, n_split, d // cb_d, c_tiles, c_grid,
+                               D=d, SPLITS=splits, BLOCK_D=cb_d, NATIVE_CAST=dot_bf16, **pdl_launch(pacc))
 
 
 def ub_tiles(cfg: dict, d: int) -> dict[str, tuple[int, ...]]:
@@ -793,9 +829,34 @@ def _auto_splits(base_tiles: int, n_blocks: int, workers: int, min_blocks_per_sp
     return max(1, min(-(-workers // base_tiles), n_blocks // max(1, min_blocks_per_split)))
 
 
+# The form of the decode entry (DSV41_SPARSE_DECODE, read once per process): "one_pass" (the
+# "<key>_decode" entry: online softmax, logits recomputed per output block), "two_pass" (its
+# "<key>_decode_two_pass" entry where the backend has one), or "auto" (the default): two-pass
+# from TWO_PASS_MIN_T tokens. H200 2026-12-03 (benchmarks/sweep_kernels.py, 64 heads x 512, window
+# 128 + top-512, graph us, one-pass / two-pass): T=1 at 64K 14.4 / 18.3 (pass 1 has only 20
+# tiles then), T=8 at 4K 43.9 / 27.1, T=64 at 4K 160.9 / 95.3. T = 2..7 untimed: 2 is a guess.
+SPARSE_DECODE_FORMS = ("auto", "one_pass", "two_pass")
+SPARSE_DECODE_DEFAULT = "auto"
+TWO_PASS_MIN_T = 2
+_SPARSE_DECODE: list = []
+
+
+def sparse_decode_form() -> str:
+    """The DSV41_SPARSE_DECODE choice, read once per process (one clear error for a bad value)."""
+    import os
+
+    if not _SPARSE_DECODE:
+        form = os.environ.get("DSV41_SPARSE_DECODE", SPARSE_DECODE_DEFAULT).strip() or SPARSE_DECODE_DEFAULT
+        if form not in SPARSE_DECODE_FORMS:
+            raise ValueError(f"DSV41_SPARSE_DECODE: unknown form {form!r} (one of {', '.join(SPARSE_DECODE_FORMS)})")
+        _SPARSE_DECODE.append(form)
+    return _SPARSE_DECODE[0]
+
+
 def config_for(device: torch.device, t: int, h: int) -> dict:
-    """The tile table entry for a launch: the decode entry when the queries' whole-head tiles
-    would leave most workers idle (small T: flash-decoding over head blocks and entry splits)."""
+    """The tile table entry for a launch: the decode entry (in the DSV41_SPARSE_DECODE form: by
+    default two-pass from TWO_PASS_MIN_T tokens) when the queries' whole-head tiles would leave
+    most workers idle (small T: flash-decoding over head blocks and entry splits)."""
     from .launch import num_workers
 
     key = _backend_key(device)
@@ -803,6 +864,10 @@ def config_for(device: torch.device, t: int, h: int) -> dict:
     if decode in CONFIGS:
         cfg = CONFIGS[key]
         if t * -(-h // cfg["BLOCK_H"]) <= num_workers(device, "cube") // DECODE_FILL_FRACTION:
+            two = decode + "_two_pass"
+            form = sparse_decode_form()
+            if two in CONFIGS and (form == "two_pass" or form == "auto" and t >= TWO_PASS_MIN_T):
+                return CONFIGS[two]
             return CONFIGS[decode]
     return CONFIGS[key]
 

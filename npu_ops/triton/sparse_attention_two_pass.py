@@ -1,0 +1,190 @@
+"""Sparse attention (CSA2) at decode batches in two passes: every logit first, then the values.
+
+Same op, inputs and numerics class as `sparse_attention.py` (the oracle is
+`sparse_attention_ref`); what differs is the work split. The single-pass decode table tiles the
+output channels (128 of 512 a tile) and so computes each query's q.k^T over all 512 channels once
+per output block, four times in all, with an online softmax along the entries. Here:
+
+- pass 1 (`_logits_kernel`): a tile is (query, entry block, head block); it decodes its
+  BLOCK_N entries once, in BLOCK_D-channel chunks, and writes the scaled logits [heads, BLOCK_N]
+  (fp32, masked entries -inf) and their per-block maximum. Every (query, block) is its own tile,
+  so one token's 20 blocks already fill 20 SMs and a decode batch of 64 gives 1280 tiles;
+- pass 2 (`_values_kernel`): a tile is (query, split, head block, output-channel block); it
+  takes the exact maximum over the block maxima, then for each of its entry blocks loads the
+  logits, p = exp(logit - max) (rounded to bf16 for p.V, summed in fp32: the reference's form,
+  with the global maximum rather than a running one), decodes only its BLOCK_DV channels of the
+  entries and accumulates p.V. One split writes bf16 directly; several write fp32 partials with
+  the same maximum, which `sparse_attention._combine_kernel` adds (its rescaling factors are 1).
+
+So q.k^T is computed once per query and every entry is decoded once for K and once (in slices)
+for V; the logits round trip costs H x entries x 8 bytes a query (L2-resident at decode sizes).
+Used through `sparse_attention_launch(..., TWO_PASS=True)` (a tile table entry); CUDA timing in
+benchmarks/RESULTS.md. Written for CUDA and the interpreters; on Ascend it is unverified on
+hardware (no table selects it there).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .pdl import pdl_launch, pdl_start
+from .sparse_attention import RUNNING_MAX_INIT, _dot_in, _kv, _load_halves, _store_halves, _to_bf16
+
+
+@triton.jit
+def _entry_block(widx_ptr, gidx_ptr, tq, nb, S, K, n_wb, BLOCK_N: tl.constexpr):
+    """Pool rows [BN] (int64, 0 where masked), their validity, and whether entry block nb of query
+    tq is a global block (blocks < n_wb are window blocks)."""
+    nn = tl.arange(0, BLOCK_N)
+    is_glob = nb >= n_wb
+    if is_glob:
+        k_idx = (nb - n_wb) * BLOCK_N + nn
+        idx = tl.load(gidx_ptr + tq.to(tl.int64) * K + k_idx, mask=k_idx < K, other=-1).to(tl.int64)
+    else:  # (both branches int64: the two index lists may be int32 and int64)
+        s_idx = nb * BLOCK_N + nn
+        idx = tl.load(widx_ptr + tq.to(tl.int64) * S + s_idx, mask=s_idx < S, other=-1).to(tl.int64)
+    return tl.maximum(idx, 0), idx >= 0, is_glob
+
+
+@triton.jit
+def _entry_cols(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, is_glob, c0, W: tl.constexpr, D: tl.constexpr,
+                BLOCK_N: tl.constexpr, w_stride, ws_stride, g_stride, gs_stride):
+    """Channels c0 .. c0 + W of the block's entries as even / odd halves [BN, W/2] (fp32, exact
+    bf16 values), from the window (FP8) or the global (FP4) pool."""
+    if is_glob:
+        e, o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, c0, W, D, BLOCK_N, True, g_stride, gs_stride)
+    else:
+        e, o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, c0, W, D, BLOCK_N, False, w_stride, ws_stride)
+    return e, o
+
+
+@triton.jit
+def _logits_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gidx_ptr, lg_ptr, mb_ptr,
+                   H, S, K, n_wb, n_blocks, n_hb, n_tiles, num_programs, scale,
+                   w_stride, ws_stride, g_stride, gs_stride,
+                   D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   DOT_BF16: tl.constexpr, PDL: tl.constexpr = 0):
+    """Pass 1: tile (query, entry block, head block) -> scaled logits lg[query, heads, block's
+    entries] (fp32, -inf where masked) and their maximum mb[query, heads, block]."""
+    pdl_start(PDL)
+    pid = tl.program_id(0)
+    nn = tl.arange(0, BLOCK_N)
+    n_e = n_blocks * BLOCK_N
+    for tile in range(pid, n_tiles, num_programs):
+        hb = tile % n_hb
+        r = tile // n_hb
+        nb = r % n_blocks
+        tq = r // n_blocks
+        heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hok = heads < H
+        qrow = (tq * H + heads).to(tl.int64) * D
+        rows, ok, is_glob = _entry_block(widx_ptr, gidx_ptr, tq, nb, S, K, n_wb, BLOCK_N)
+        s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+        for c0 in range(0, D, BLOCK_D):
+            qe, qo = _load_halves(q_ptr, qrow, hok, c0, BLOCK_D, BLOCK_H)
+            k_e, k_o = _entry_cols(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, is_glob, c0, BLOCK_D, D, BLOCK_N,
+                                   w_stride, ws_stride, g_stride, gs_stride)
+            s += tl.dot(_dot_in(qe.to(tl.float32), DOT_BF16), tl.trans(_dot_in(k_e, DOT_BF16)))
+            s += tl.dot(_dot_in(qo.to(tl.float32), DOT_BF16), tl.trans(_dot_in(k_o, DOT_BF16)))
+        s = tl.where(ok[None, :], s * scale, float("-inf"))
+        hrow = (tq * H + heads).to(tl.int64)
+        tl.store(lg_ptr + hrow[:, None] * n_e + (nb * BLOCK_N + nn)[None, :], s, mask=hok[:, None])
+        tl.store(mb_ptr + hrow * n_blocks + nb, tl.max(s, axis=1), mask=hok)
+
+
+@triton.jit
+def _values_kernel(lg_ptr, mb_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gidx_ptr, sink_ptr,
+                   out_ptr, pacc_ptr, pm_ptr, pl_ptr,
+                   H, S, K, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, num_programs,
+                   w_stride, ws_stride, g_stride, gs_stride,
+                   D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   NB_MAX: tl.constexpr, SPLIT: tl.constexpr, DOT_BF16: tl.constexpr, PDL: tl.constexpr = 0):
+    """Pass 2: tile (query, split, head block, output-channel block) -> p.V over the split's
+    entry blocks with the query's exact maximum; normalised bf16 output, or (SPLIT) the fp32
+    partial, that maximum and the partial sum for `_combine_kernel`."""
+    pdl_start(PDL)
+    pid = tl.program_id(0)
+    nn = tl.arange(0, BLOCK_N)
+    bb = tl.arange(0, NB_MAX)
+    n_e = n_blocks * BLOCK_N
+    for tile in range(pid, n_tiles, num_programs):
+        dvb = tile % n_dv
+        r = tile // n_dv
+        hb = r % n_hb
+        r = r // n_hb
+        sp = r % n_split
+        tq = r // n_split
+        heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hok = heads < H
+        hrow = (tq * H + heads).to(tl.int64)
+        mbs = tl.load(mb_ptr + hrow[:, None] * n_blocks + bb[None, :], mask=hok[:, None] & (bb < n_blocks)[None, :],
+                      other=float("-inf"))
+        m = tl.maximum(tl.max(mbs, axis=1), RUNNING_MAX_INIT)  # an all-masked row: p = 0 everywhere
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc_e = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
+        acc_o = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
+        dv0 = dvb * BLOCK_DV
+        b_lo = sp * bps
+        for nb in range(b_lo, tl.minimum(b_lo + bps, n_blocks)):
+            rows, ok, is_glob = _entry_block(widx_ptr, gidx_ptr, tq, nb, S, K, n_wb, BLOCK_N)
+            s = tl.load(lg_ptr + hrow[:, None] * n_e + (nb * BLOCK_N + nn)[None, :], mask=hok[:, None],
+                        other=float("-inf"))
+            p = tl.exp(s - m[:, None])
+            l_i += tl.sum(p, axis=1)
+            pb = _to_bf16(p, DOT_BF16)  # probabilities rounded to bf16 (nearest even) for p.V
+            if not DOT_BF16:
+                pb = pb.to(tl.float32)
+            v_e, v_o = _entry_cols(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, is_glob, dv0, BLOCK_DV, D, BLOCK_N,
+                                   w_stride, ws_stride, g_stride, gs_stride)
+            acc_e = tl.dot(pb, _dot_in(v_e, DOT_BF16), acc_e)
+            acc_o = tl.dot(pb, _dot_in(v_o, DOT_BF16), acc_o)
+        if SPLIT:
+            prow = ((tq * n_split + sp) * H + heads).to(tl.int64)
+            _store_halves(pacc_ptr, prow * D, hok, dv0, acc_e, acc_o, BLOCK_DV, BLOCK_H)
+            first = hok & (dvb == 0)
+            tl.store(pm_ptr + prow, m, mask=first)
+            tl.store(pl_ptr + prow, l_i, mask=first)
+        else:
+            sk = tl.load(sink_ptr + heads, mask=hok, other=0.0).to(tl.float32)
+            inv = 1.0 / (l_i + tl.exp(sk - m))
+            _store_halves(out_ptr, hrow * D, hok, dv0, _to_bf16(acc_e * inv[:, None], DOT_BF16),
+                          _to_bf16(acc_o * inv[:, None], DOT_BF16), BLOCK_DV, BLOCK_H)
+
+
+def launch_two_pass(qc, wk, ws, wi, gk, gs, gi, sk, out, softmax_scale, *, s: int, k: int, block_h: int,
+                    block_n: int, block_d: int, block_dv: int, n_split: int | None, min_blocks_per_split: int,
+                    kw: dict, dot_bf16: bool):
+    """Both passes for `sparse_attention_launch` (inputs already validated and viewed as there);
+    returns (n_split, pacc, pm, pl) for its combine step (n_split 1: `out` is written)."""
+    from .launch import grid_for, num_workers
+    from .sparse_attention import _auto_splits, split_buffers
+
+    t, h, d = qc.shape
+    dev = qc.device
+    n_hb = -(-h // block_h)
+    n_wb = -(-s // block_n)
+    n_blocks = n_wb + -(-k // block_n)
+    lg = torch.empty(t, h, n_blocks * block_n, dtype=torch.float32, device=dev)
+    mb = torch.empty(t, h, n_blocks, dtype=torch.float32, device=dev)
+    l_tiles = t * n_blocks * n_hb
+    l_grid = grid_for(l_tiles, dev, cores="cube")
+    _logits_kernel[(l_grid,)](qc, wk, ws, wi, gk, gs, gi, lg, mb, h, s, k, n_wb, n_blocks, n_hb, l_tiles, l_grid,
+                              float(softmax_scale), wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
+                              D=d, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_BF16=dot_bf16,
+                              **kw, **pdl_launch(qc))
+    n_dv = d // block_dv
+    base_tiles = t * n_hb * n_dv
+    if n_split is None:
+        n_split = _auto_splits(base_tiles, n_blocks, num_workers(dev, "cube"), min_blocks_per_split)
+    n_split, bps, pacc, pm, pl = split_buffers(out, n_blocks, n_split)
+    v_tiles = base_tiles * n_split
+    v_grid = grid_for(v_tiles, dev, cores="cube")
+    _values_kernel[(v_grid,)](lg, mb, wk, ws, wi, gk, gs, gi, sk, out, pacc, pm, pl,
+                              h, s, k, n_wb, n_blocks, bps, n_split, n_hb, n_dv, v_tiles, v_grid,
+                              wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
+                              D=d, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DV=block_dv,
+                              NB_MAX=triton.next_power_of_2(n_blocks), SPLIT=n_split > 1, DOT_BF16=dot_bf16,
+                              **kw, **pdl_launch(lg))
+    return n_split, pacc, pm, pl
