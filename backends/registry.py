@@ -27,9 +27,9 @@ STRICT_VAR = "DSV41_STRICT"
 # DSV41_FUSED=all|none|op,op: the fused ops whose backend kernels run; every other fused op runs
 # as the composition of ops it stands for. Unset: the fused ops registered `kernel_by_default`,
 # those whose kernels matched the reference on the H200 and beat their compositions there
-# (benchmarks/fused_kernels.py, 2026-12-01); opt-in: `unrope_grouped_linear` (its kernel lost:
-# 24 vs 22 us at one row, 99 vs 26 us at eight), `mhc_mix_norm` and `mhc_enter_norm` (tied at one
-# row, lost at eight).
+# (benchmarks/fused_kernels.py, 2026-12-01; `unrope_grouped_linear` since 2026-12-04, its one-token
+# rows kernel: 18.8-19.5 us against 22.2-22.5 for rope + cuBLAS at the mini width); opt-in:
+# `mhc_mix_norm` and `mhc_enter_norm` (tied at one row, lost at eight).
 FUSED_VAR = "DSV41_FUSED"
 # DSV41_BATCH_INVARIANT=1: ops that have a batch-invariant implementation on the backend
 # (`register_invariant`) use it: every row's result is then bitwise independent of how many rows

@@ -626,16 +626,17 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
                    [[r["ctx"], r["batch"], f"{r['one_s'] * 1e3:.3f}", *_ms_change(r, "shared_s", "one_s"),
                      *_ms_change(r, "both_s", "one_s"), r["same"]] for r in streams])
     if pdl:
+        modes = [k[:-2] for k in pdl[0] if k.endswith("_s")]
         L += table("Programmatic dependent launch (decode, graph replay)",
                    "Off: each Triton kernel scheduled after the one ahead finishes; wait: scheduled when every "
                    "program of the one ahead has exited; trigger: as soon as every program of it has started; "
                    "chain: as soon as every program of it has passed its own wait. Under PDL a kernel waits on "
-                   "the device before touching memory (npu_ops/triton/pdl.py). Same logits = bit-identical in all "
-                   "four.",
-                   ["context", "batch", "off ms", "wait ms", "change", "trigger ms", "change", "chain ms", "change",
+                   "the device before touching memory (npu_ops/triton/pdl.py). Changes against "
+                   f"{modes[0]}; same logits = bit-identical in every mode.",
+                   ["context", "batch", f"{modes[0]} ms", *[c for m in modes[1:] for c in (f"{m} ms", "change")],
                     "same logits"],
-                   [[r["ctx"], r["batch"], f"{r['off_s'] * 1e3:.3f}", *_ms_change(r, "wait_s", "off_s"),
-                     *_ms_change(r, "trigger_s", "off_s"), *_ms_change(r, "chain_s", "off_s"), r["same"]]
+                   [[r["ctx"], r["batch"], f"{r[modes[0] + '_s'] * 1e3:.3f}",
+                     *[c for m in modes[1:] for c in _ms_change(r, m + "_s", modes[0] + "_s")], r["same"]]
                     for r in pdl])
     if mems and mems[0]["peak"] is not None:
         L += table("Peak device memory", None, ["phase", "peak GB", "weights GB", "KV pools GB", "peak / (weights + KV)"],
@@ -791,12 +792,22 @@ def run_streams(model, args, clock: Clock, log) -> list[dict]:
                           lambda: model.overlap_streams(None))  # (the platform's default again)
 
 
+def _pdl_modes(text: str) -> list[str]:
+    """--pdl-modes: distinct names of npu_ops/triton/pdl.py's modes (one clear error otherwise;
+    checked here, as pdl.py needs Triton to import)."""
+    modes = [m for m in text.split(",") if m]
+    bad = [m for m in modes if m not in ("off", "wait", "trigger", "chain")]
+    if not modes or bad or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"{text!r}: give distinct modes from off,wait,trigger,chain")
+    return modes
+
+
 def run_pdl(model, args, clock: Clock, log) -> list[dict]:
     """Plain launches against programmatic dependent launch (npu_ops/triton/pdl.py), each graph
     captured under its setting (`_step_variants`)."""
     from dsv41.npu_ops.triton import pdl
 
-    variants = [(mode, lambda mode=mode: pdl.set_pdl(mode)) for mode in ("off", "wait", "trigger", "chain")]
+    variants = [(mode, lambda mode=mode: pdl.set_pdl(mode)) for mode in args.pdl_modes]
     return _step_variants(model, args, clock, log, "pdl", variants, lambda: pdl.set_pdl(None))
 
 
@@ -857,7 +868,10 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of phases to skip: decode,prefill,kernels")
     ap.add_argument("--offload", action="store_true", help="also decode with Engram tables in host memory")
     ap.add_argument("--pdl", action="store_true",
-                    help="also decode with programmatic dependent launch off, 'wait', 'trigger' and 'chain' (npu_ops/triton/pdl.py)")
+                    help="also decode under each programmatic dependent launch mode of --pdl-modes (npu_ops/triton/pdl.py)")
+    ap.add_argument("--pdl-modes", type=_pdl_modes, default=["off", "wait", "trigger", "chain"],
+                    help="the --pdl modes, comma-separated, the first the baseline of the table's changes "
+                         "(default: off,wait,trigger,chain)")
     ap.add_argument("--streams", action="store_true",
                     help="also decode with work on a second stream: the shared expert, then also the indexer "
                          "(Transformer.overlap_streams)")

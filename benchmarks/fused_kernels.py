@@ -6,7 +6,8 @@ Per op and token count: the fused CUDA launch and the composition of the CUDA op
 (`backends/fused.py`, `backends/paging.*_torch`), each captured several times in one CUDA graph
 and replayed (GPU time per call, launch gaps included: what a decode graph pays), with the maximum
 difference of their outputs. `unrope_grouped_linear` is timed with its fused GEMV forced on
-(`MAX_WEIGHT_BYTES=None`): the row says whether raising that limit pays at this width. The mHC
+(`MAX_WEIGHT_BYTES=None`): from two tokens the row says whether raising that limit pays at this
+width (one token takes the rows kernel, which has no limit). The mHC
 ops are timed twice: with the coefficient epilogue as its own launch (the shipped setting) and
 inside the main kernel (DSV41_MHC_COEF=fused-narrow, one launch per mix): the rows decide that switch.
 Correctness is the tests' business (tests/test_triton_fused.py); this only times.
