@@ -142,14 +142,14 @@ def unrope_grouped_linear(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     out = torch.empty(t, n, dtype=torch.bfloat16, device=x.device)
     if t == 0:
         return out
+    x, cos, sin = x.contiguous(), cos.float().contiguous(), sin.float().contiguous()
     if t == 1:
-        _launch_rows(x.contiguous(), cos.float().contiguous(), sin.float().contiguous(), weight, out, k, d, r, ro)
+        _launch_rows(x, cos, sin, weight, out, k, d, r, ro)
         return out
     cfg = TILES_INTERP if interpreting() else TILES
     bk = min(cfg["bk"], triton.next_power_of_2(k))
     kw = {} if interpreting() else {"num_warps": cfg["num_warps"]}
-    _unrope_grouped_linear_kernel[(t, -(-n // bn))](x.contiguous(), cos.float().contiguous(), sin.float().contiguous(),
-                                                   weight, out.view(torch.int16), n, k, h * d, d, r, ro,
+    _unrope_grouped_linear_kernel[(t, -(-n // bn))](x, cos, sin, weight, out.view(torch.int16), n, k, h * d, d, r, ro,
                                                    BN=bn, BK=bk, **kw, **pdl_launch(weight))
     return out
 
