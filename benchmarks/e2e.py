@@ -851,6 +851,14 @@ def parse_ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
+def positive_int(s: str) -> int:
+    """An argparse type: an integer >= 1 (one clear error otherwise)."""
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{s} is not a positive integer")
+    return v
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="mini")
@@ -862,8 +870,8 @@ def main() -> int:
                     help="tokens per prefill step (0: the engine's default, sized from its memory budget)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-tokens-per-step", type=int, default=256, help="engine step budget (sizes the SWA pools)")
-    ap.add_argument("--reps", type=int, default=20, help="graph replays timed per decode row")
-    ap.add_argument("--engine-steps", type=int, default=4)
+    ap.add_argument("--reps", type=positive_int, default=20, help="graph replays timed per decode row")
+    ap.add_argument("--engine-steps", type=positive_int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", default="", help="comma list of phases to skip: decode,prefill,kernels")
     ap.add_argument("--offload", action="store_true", help="also decode with Engram tables in host memory")

@@ -95,6 +95,44 @@ def test_linear_fold_path(dev, m, rng):
         assert rel_err(out, want) < BOUND[torch.float32], f"M={m} qdq_row={qdq_row}"
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("m", [9, 17, 64])
+def test_linear_fold_tm_path(dev, m, rng):
+    """The token-major FP8 kernel (`_fold_tm_kernel`, 9..64 rows): partial row tiles, N and K not
+    multiples of the tiles (N = 72, K = 160 with BK = 128: a ragged last step and scale block
+    ahead), 32- and 64-wide weight tiles, split-K (the scales loaded a step ahead across slice
+    ends), outputs poisoned with NaN beforehand."""
+    for out_dtype in (torch.bfloat16, torch.float32):
+        check_linear(dev, "fp8", m, 160, 72, out_dtype, rng, path="foldtm", bk=128)
+    check_linear(dev, "fp8", m, 160, 72, torch.float32, rng, path="foldtm", bn=64, bk=64)
+    check_linear(dev, "fp8", m, 320, 40, torch.float32, rng, path="foldtm", split_k=3, bk=64)
+    k, n = 96, 80
+    x = (torch.randn(m, k, generator=rng) * 3).to(torch.bfloat16)
+    w, s = weight("fp8", n, k, rng)
+    out = torch.full((m, n), float("nan"), device=dev)
+    bl._launch_fold_tm(x.to(dev), w.to(dev), s.to(dev), out, split_k=2, bk=32)
+    assert rel_err(out, basic.linear(x, w, s, torch.float32)) < BOUND[torch.float32], f"M={m}"
+
+
+def test_fold_tm_choice(monkeypatch):
+    """Above XS_MAX_M rows the default modes take the token-major kernel for weights up to
+    FOLD_TM_SMALL_BYTES (32-wide tiles) and for weights wide enough to occupy the SMs twice without a
+    K split, else `_fold_linear_kernel`; DSV41_FP8_DECODE=fold keeps fold at every row count."""
+    assert bl.fold_tm_tiles(512, 5120, 132) == bl.FOLD_TM_SMALL
+    assert bl.fold_tm_tiles(32768, 1280, 132) == {}
+    assert bl.fold_tm_tiles(5120, 8192, 132) is None
+    monkeypatch.setattr(bl, "_FP8_DECODE", [])
+    monkeypatch.delenv("DSV41_FP8_DECODE", raising=False)
+    assert bl.fp8_default_path(9, 5120, 512, 132) == ("foldtm", bl.FOLD_TM_SMALL)
+    assert bl.fp8_default_path(64, 8192, 5120, 132) == ("fold", {})
+    assert bl.fp8_default_path(8, 5120, 512, 132)[0] == "xscale"
+    monkeypatch.setattr(bl, "_FP8_DECODE", [])
+    monkeypatch.setenv("DSV41_FP8_DECODE", "fold")
+    assert bl.fp8_default_path(9, 5120, 512, 132) == ("fold", {})
+    with pytest.raises(ValueError, match="foldtm path takes FP8"):
+        bl.linear(torch.randn(9, 64).to(torch.bfloat16), *quant.fp4_weight_quant(torch.randn(8, 64)), path="foldtm")
+
+
 def test_linear_fold_is_the_fp8_decode_default():
     """FP8 weights at M <= FOLD_MAX_M take the fold path; FP4 keeps the gemv / tiled paths, and the
     fold path refuses FP4 / bf16 weights with one clear error."""
@@ -332,7 +370,7 @@ def test_e4m3_placement_ptx_every_code():
 
 def test_fp8_decode_switch(monkeypatch):
     """DSV41_FP8_DECODE: mode and tile settings parsed once, bad values one clear error, and the
-    default dispatch of FP8 weights at M <= XS_MAX_M follows it (more rows keep the fold path);
+    default dispatch of FP8 weights at M <= XS_MAX_M follows it (more rows take a fold kernel);
     unset, "rows" with `rows_tiles` by K (the register-fed MMA kernel from ROWMMA_MIN_K at whole
     4-block steps, else xscale from ROWS_MAX_K); "rowdiag": that kernel at one row and any such K."""
     assert bl.parse_fp8_decode("place:bn=128,waves=8,stages=3") == (
@@ -353,7 +391,7 @@ def test_fp8_decode_switch(monkeypatch):
     monkeypatch.setenv("DSV41_FP8_DECODE", "fold")  # read once: still "place"
     bl.linear(x, w, s)
     assert len(seen) == 2
-    check = bl.linear(torch.randn(bl.XS_MAX_M + 1, 64).to(torch.bfloat16), w, s)  # the fold path
+    check = bl.linear(torch.randn(bl.XS_MAX_M + 1, 64).to(torch.bfloat16), w, s)  # a fold kernel
     assert len(seen) == 2 and check.shape == (bl.XS_MAX_M + 1, 40)
     f8 = []
     monkeypatch.setattr(bl, "_launch_fp8_mma", lambda *a, **kw: f8.append(kw))
@@ -443,10 +481,22 @@ def test_linear_rejects_bad_shapes():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", [DEVICES[1]])
 @pytest.mark.parametrize("fmt", ["fp8", "fp4", "bf16"])
-@pytest.mark.parametrize("m", [1, 7, 64, 300, 1100])
+@pytest.mark.parametrize("m", [1, 7, 17, 64, 300, 1100])
 def test_linear_model_shapes_gpu(dev, fmt, m, rng):
     for out_dtype in (torch.bfloat16, torch.float32):
         check_linear(dev, fmt, m, 5120, 1536, out_dtype, rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("m", [16, 64])
+def test_linear_fp8_batch_default_gpu(dev, m, rng):
+    """The default FP8 dispatch at 9..64 rows at the mini preset's widths, each shape class of
+    `fold_tm_tiles`: a small weight (token-major, 32-wide tiles, split-K), a wide one (token-major,
+    no split) and a large one that needs a split (the weight-major fold)."""
+    for k, n in [(5120, 512), (1280, 32768), (8192, 5120)]:
+        check_linear(dev, "fp8", m, k, n, torch.bfloat16, rng)
+    check_linear(dev, "fp8", m, 1280, 32768, torch.float32, rng)
 
 
 def experts_in(fmt: str, n_exp: int, d: int, inter: int, rng):

@@ -25,8 +25,9 @@ partials (decode) or, for many rows, in turn inside each tile's program with the
 ranges so that the partials stay bounded.
 
 Where the default path depends on the row count M (T tokens), and what this module does:
-- `linear` (block_linear.py): FP8 weights take the fold kernel at M <= 64 (split-K by the SM
-  count) and the tiled kernel above; FP4 weights the GEMV kernel at M = 1; the tiled kernel's
+- `linear` (block_linear.py): FP8 weights take the decode kernels at M <= 64 (by row count:
+  rows / xscale / token-major or weight-major fold, split-K by the SM count) and the tiled kernel
+  above; FP4 weights the GEMV kernel at M = 1; the tiled kernel's
   tiles (BM 16/32/64 vs 128, GROUP_M) and split-K depend on M; scaled weights go to cuBLAS on a
   bf16 dequantised weight at M >= 1024; bf16 -> bf16 and the head's bf16 -> fp32 logits (M >= 2)
   go to cuBLAS. Here: the tiled kernel, fixed BM / BN / BK / GROUP_M / warps / stages and the K

@@ -17,15 +17,18 @@ For M >= CUBLAS_MIN_M with bf16 output the weight is dequantised to bf16 once (e
 quantised through FP8 to bf16 (exact), and cuBLAS multiplies (fp32 accumulation): prefill is
 matrix-bound, and cuBLAS's bf16 GEMM ran at twice this kernel's rate there.
 
-FP8 weights at M <= FOLD_MAX_M (decode) take `_fold_linear_kernel` instead: the E8M0 scales are
+FP8 weights at M <= FOLD_MAX_M (decode) take the fold kernels instead: the E8M0 scales are
 powers of two and x's FP8 quantise-dequantise values are bf16-exact, so the weight tile with its
 block scales multiplied in (or, for 32-row tiles, x's 32-wide K blocks times the weight scale)
 is an exact bf16 operand, and one bf16 tensor-core dot with fp32 accumulation covers a whole
-BK = 128 step (exact products, fp32 sums: the same class as above). The weight is the dot's wide
-side (acc [BN, BM], M padded to 16); at M = 1 each program quantises x's row itself. By default
-(DSV41_FP8_DECODE, below) one row at K < ROWS_MAX_K takes `_row_gemv_kernel` (whole weight rows
-streamed on the CUDA cores, same numerics class) and 2-8 rows `_fold_xs_kernel`. W8A8 weights
-(int8 [N, K], one fp32 scale per output channel) take `int8_linear` (exact int32 sums).
+BK = 128 step (exact products, fp32 sums: the same class as above). `_fold_linear_kernel` puts
+the weight on the dot's wide side (acc [BN, BM], M padded to 16; at M = 1 each program quantises
+x's row itself); `_fold_tm_kernel` the tokens (acc [BM, BN], both operands from shared memory),
+the default at 9..64 rows except for large weights that need a K split (`fold_tm_tiles`). By
+default (DSV41_FP8_DECODE, below) one row at K < ROWS_MAX_K takes `_row_gemv_kernel` (whole
+weight rows streamed on the CUDA cores, same numerics class) and 2-8 rows `_fold_xs_kernel`.
+W8A8 weights (int8 [N, K], one fp32 scale per output channel) take `int8_linear` (exact int32
+sums).
 
 Work split: output tiles BM x BN; the K range is cut into SPLIT_K slices for small M (decode:
 M = 1..64 is weight-read bound and needs every SM streaming weights). Each slice writes its fp32
@@ -248,6 +251,40 @@ def _fold_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
             wf = tl.reshape(tl.reshape(w.to(tl.float32), (BN, NB, 32)) * s[:, :, None], (BN, BK))
             acc = _fold_dot(acc, wf, xt, LOWP)
     _finish_tile(tl.trans(acc), out_ptr, part_ptr, count_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, rm, rn,
+                 M, N, SPLIT_K, OUT_BF16)
+
+
+@triton.jit
+def _fold_tm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride, s_stride, k_per_split,
+                    SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, LOWP: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = 0):
+    """The FP8 linear at 9..64 rows, token-major: acc [BM, BN] += x tile [BM, BK] @ W'^T [BK, BN],
+    W' the weight tile with its power-of-two block scales multiplied in (exact bf16 operands and
+    fp32 sums, as `_fold_linear_kernel`). With the tokens on the MMA's 64-row side both operands
+    come from shared memory, so a K step's MMAs issue back to back and are waited on once (with
+    the weight on the register side each MMA is waited on before the next conversion). The next
+    step's scale bytes are loaded a step ahead: the compiler's pipeline takes the weight and x
+    tiles but not the scales, whose load otherwise stalls every step. x holds its FP8
+    quantise-dequantise values (bf16)."""
+    pdl_start(PDL)
+    NB: tl.constexpr = BK // 32
+    pid_n, pid_m, pid_k, rn, rm, nmask, mmask, rn64, rm64 = _decode_tile_ids(M, N, BM, BN)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
+    s_rows = s_ptr + (rn64 // 32)[:, None] * s_stride
+    kb = k_lo // 32 + tl.arange(0, NB)
+    s = tl.load(s_rows + kb[None, :], mask=nmask[:, None] & (kb * 32 < k_hi)[None, :], other=0)
+    for k0 in range(k_lo, k_hi, BK):
+        kk = k0 + tl.arange(0, BK)
+        kmask = kk < k_hi
+        w = tl.load(w_ptr + rn64[:, None] * K + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        x = tl.load(x_ptr + rm64[:, None] * x_stride + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        kb_next = (k0 + BK) // 32 + tl.arange(0, NB)
+        s_next = tl.load(s_rows + kb_next[None, :], mask=nmask[:, None] & (kb_next * 32 < k_hi)[None, :], other=0)
+        wf = tl.reshape(tl.reshape(w.to(tl.float32), (BN, NB, 32)) * e8m0_value(s.to(tl.int32))[:, :, None], (BN, BK))
+        acc = _fold_dot(acc, x.to(tl.float32), tl.trans(wf), LOWP)
+        s = s_next
+    _finish_tile(acc, out_ptr, part_ptr, count_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, rm, rn,
                  M, N, SPLIT_K, OUT_BF16)
 
 
@@ -641,10 +678,22 @@ def weight_kind(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
     raise TypeError(f"unsupported quantised weight dtype {weight.dtype}")
 
 
-def fp8_default_path(m: int, k: int) -> tuple[str, dict]:
-    """The path `launch_linear` takes for an FP8 weight at m <= FOLD_MAX_M rows of K, and its
-    tiles: the DSV41_FP8_DECODE choice (`fp8_decode_mode`), then the widths and row counts each
-    kernel takes (one place: `pair_in_one_launch` asks it too)."""
+def fold_tm_tiles(n: int, k: int, workers: int) -> dict | None:
+    """The token-major kernel's settings for an FP8 weight [n, k] at 9..64 rows (see FOLD_TM), or
+    None where `_fold_linear_kernel` stays ahead (a large weight whose 64-row tiles need a K split
+    to occupy the `workers` SMs)."""
+    if n * k <= FOLD_TM_SMALL_BYTES:
+        return dict(FOLD_TM_SMALL)
+    if -(-n // FOLD_TM["bn"]) >= 2 * workers:
+        return {}
+    return None
+
+
+def fp8_default_path(m: int, k: int, n: int = 0, workers: int = 0) -> tuple[str, dict]:
+    """The path `launch_linear` takes for an FP8 weight [n, k] at m <= FOLD_MAX_M rows on a device
+    of `workers` SMs, and its tiles: the DSV41_FP8_DECODE choice (`fp8_decode_mode`), then the
+    widths and row counts each kernel takes (one place: `pair_in_one_launch` asks it too). Above
+    XS_MAX_M rows every mode but "fold" and the MMA ones takes `fold_tm_tiles`' choice."""
     path, xs_tiles = fp8_decode_mode()
     xs_tiles = dict(xs_tiles)
     if path == "rowdiag":  # one row: the block-diagonal MMA kernel where K is whole 4-block steps
@@ -652,7 +701,8 @@ def fp8_default_path(m: int, k: int) -> tuple[str, dict]:
     max_m = xs_tiles.pop("max_m", row_mma.MAX_M if path == "rowmma" else
                          FOLD_MAX_M if path.endswith("mma") else XS_MAX_M)
     if m > max_m or (m > XS_MAX_M and path in ("xscale", "place", "rows")):
-        return "fold", {}
+        tm = None if path == "fold" or path.endswith("mma") or not n else fold_tm_tiles(n, k, workers)
+        return ("fold", {}) if tm is None else ("foldtm", tm)
     if path == "rowmma" and (m > row_mma.MAX_M or k % 32):
         return "xscale", {}
     if path == "rows" and m == 1 and k >= ROWMMA_MIN_K and k % 128 == 0:
@@ -670,9 +720,10 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
                   qdq_row: bool | None = None, group_m: int | None = None, serial: bool = False) -> None:
     """out [M, N] (bf16 or fp32) = x2 [M, K] @ dequant(weight)^T; with a scaled weight x2 is
     FP8-quantised first (`fp8_quant`, one pass; in the kernel on the gemv path). The keyword tile
-    parameters are for tuning (defaults: the tables above); `path` ("fold" / "gemv" / "tiled")
-    overrides the choice of path (FP8 at M <= FOLD_MAX_M: fold, or at M <= XS_MAX_M the
-    DSV41_FP8_DECODE choice "xscale" / "place"; other scaled weights at M <= GEMV_DEFAULT_M: gemv;
+    parameters are for tuning (defaults: the tables above); `path` ("fold" / "foldtm" / "gemv" /
+    "tiled") overrides the choice of path (FP8 at M <= FOLD_MAX_M: `fp8_default_path`, i.e. at
+    M <= XS_MAX_M the DSV41_FP8_DECODE choice, above it foldtm or fold by weight shape
+    (`fold_tm_tiles`); other scaled weights at M <= GEMV_DEFAULT_M: gemv;
     else tiled); `qdq_row` (fold / xscale / place, M = 1) quantises x in the kernel. `serial`
     (tiled path): each program sums the `split_k` K slices itself in slice order, the same
     result as the split launch (grid (tiles, 1), no partials)."""
@@ -691,7 +742,7 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     xs_tiles = {}
     if path is None:
         if kind == W_FP8 and m <= FOLD_MAX_M:
-            path, xs_tiles = fp8_default_path(m, k)
+            path, xs_tiles = fp8_default_path(m, k, n, num_workers(x2.device))
         else:
             path = "gemv" if kind != W_DENSE and m <= GEMV_DEFAULT_M else "tiled"
     if path in ("xscale", "place", "fp8mma", "fp16mma", "rows", "rowmma"):
@@ -712,6 +763,12 @@ def launch_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
             _launch_fp8_mma(x2, weight, scale, out, f16=path == "fp16mma", bm=bm, qdq_row=qdq_row, **xs_tiles)
         else:
             _launch_fold_xs(x2, weight, scale, out, place=path == "place", qdq_row=qdq_row, **xs_tiles)
+        return
+    if path == "foldtm":
+        if kind != W_FP8:
+            raise ValueError("linear: the foldtm path takes FP8 weights")
+        given = {"bm": bm, "bn": bn, "bk": bk, "split_k": split_k, "num_warps": num_warps, "num_stages": num_stages}
+        _launch_fold_tm(x2, weight, scale, out, **dict(xs_tiles, **{a: b for a, b in given.items() if b is not None}))
         return
     if path == "fold":
         if kind != W_FP8:
@@ -823,6 +880,52 @@ def _launch_fold(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_k=N
         x2, weight, scale.view(torch.uint8), out_arg, part, counts, m, n, k, x2.stride(0), scale.shape[1], k_per_split,
         SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, QDQ_ROW=qdq_row, SCALE_X=bn == 32, LOWP=not interp,
         BM=bm, BN=bn, BK=bk, **kw, **pdl_launch(x2))
+
+
+def _launch_fold_tm(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_k=None, num_warps=None,
+                    num_stages=None, waves=None):
+    """The FP8 launch of `_fold_tm_kernel` (grid (N tiles, M tiles, K slices)) after one
+    `fp8_qdq_bf16` pass over x; split-K so that about `waves` programs per SM stream the weight
+    (defaults: FOLD_TM; `fold_tm_tiles` picks the settings per weight shape)."""
+    from .fp8_quant import fp8_qdq_bf16
+    from .launch import interpreting, num_workers
+
+    m, k = x2.shape
+    n = weight.shape[0]
+    interp = interpreting()
+    cfg = FOLD_TM_INTERP if interp else FOLD_TM
+    bn, bk = bn or cfg["bn"], min(bk or cfg["bk"], max(32, triton.next_power_of_2(k)))
+    bm = bm or max(16, min(cfg["bm_max"], triton.next_power_of_2(m)))
+    if bn % 32 or bk % 32:
+        raise ValueError(f"fold_tm path: bn {bn} and bk {bk} must be multiples of 32 (the scale block)")
+    x2 = fp8_qdq_bf16(x2)
+    n_n, n_m = -(-n // bn), -(-m // bm)
+    k_steps = -(-k // bk)
+    if split_k is None:
+        split_k = 1 if interp else max(1, min(k_steps, -(-(waves or cfg["waves"]) * num_workers(x2.device) // (n_n * n_m))))
+    split_k, k_per_split, part, counts = _split_k_buffers(m, n, k, bk, k_steps, split_k, n_n * n_m, out)
+    out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    kw = {} if interp else {"num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages or cfg["num_stages"]}
+    _fold_tm_kernel[(n_n, n_m, split_k)](
+        x2, weight, scale.view(torch.uint8), out_arg, part, counts, m, n, k, x2.stride(0), scale.shape[1], k_per_split,
+        SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, LOWP=not interp, BM=bm, BN=bn, BK=bk,
+        **kw, **pdl_launch(x2))
+
+
+# `_fold_tm_kernel` (FP8 at 9..64 rows by default, `fold_tm_tiles`). H200 2026-12-04
+# (benchmarks/fp8_batch_sweep.py, graph replay, weights cycled past the L2; the mini preset's seven
+# per-layer linears, us at 64 rows, fold in brackets): bn 64 / 3 stages / one wave of programs
+# wq_b 32768x1280 31.7 (46.7); bn 32 / two waves for weights up to 16 MB: wq_a 15.2 (26.3), wkv
+# 13.3 (25.2), idx_wq_b 12.0 (15.1), shared w1 / w3 18.8 (25.4), w2 16.8 (21.0); wo_b 5120x8192,
+# whose 80 tiles need a K split, stayed ahead on fold (42.6 against 42.4-45.2; at 16 / 32 rows
+# 27.9 / 35.3 against 37-47). Seven-linear sums at 64 / 32 / 16 rows: fold 202 / 149 / 117 us,
+# this choice about 150 / 131 / 97. Slower: 4 stages, 8 waves, bn 128 with 4 or 8 warps, bk 256,
+# bk 64, the FP8 MMA per 32-wide block in this orientation (182-248 at 64 rows), and the scale
+# load left to the compiler (172 -> 181 us: it is not pipelined and stalls every step).
+FOLD_TM = {"bn": 64, "bm_max": 64, "bk": 128, "num_warps": 4, "num_stages": 3, "waves": 1}
+FOLD_TM_SMALL = {"bn": 32, "waves": 2}
+FOLD_TM_SMALL_BYTES = 16 << 20
+FOLD_TM_INTERP = {"bn": 32, "bm_max": 16, "bk": 64, "waves": 1}
 
 
 # The FP8 decode path, chosen once per process from the environment: DSV41_FP8_DECODE = "fold"
