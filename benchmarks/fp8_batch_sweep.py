@@ -4,9 +4,9 @@ token-major kernel (`_fold_tm_kernel`, both operands from shared memory), at the
 seven per-layer linear shapes. Every variant is first checked against the reference op (bf16
 output, the model's bound), then timed as the median of CUDA-graph replays with the weights
 cycled past the L2 (as in a decode step); the table gives microseconds per call, the sum over
-the seven shapes, and the weight-read floor (weight bytes / measured copy bandwidth).
+the shapes, and the weight-read floor (weight bytes / measured copy bandwidth).
 
-    python benchmarks/fp8_batch_sweep.py [--m 16,32,64] [--only default,fold] [--seed 0]
+    python fp8_batch_sweep.py [--m 16,32,64] [--only default,fold] [--engram] [--seed 0]
 
 Run from benchmarks/ (it imports dense_ab.py beside it).
 """
@@ -64,15 +64,17 @@ def main() -> int:
     ap.add_argument("--m", default="16,32,64", help="comma-separated row counts")
     ap.add_argument("--only", default="", help="comma-separated label prefixes to run (default all)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engram", action="store_true", help="also Engram's value projection (25600 x 6144)")
     a = ap.parse_args()
     ms = [int(v) for v in a.m.split(",")]
     only = [p for p in a.only.split(",") if p]
     variants = [v for v in VARIANTS if not only or any(v[0].startswith(p) for p in only)]
+    linears = LINEARS + ([("engram_wkv", 25600, 6144)] if a.engram else [])
     gen = torch.Generator().manual_seed(a.seed)
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; seed {a.seed}")
-    names = [name for name, _, _ in LINEARS]
-    floor = {name: n * k / bw * 1e6 for name, n, k in LINEARS}
+    names = [name for name, _, _ in linears]
+    floor = {name: n * k / bw * 1e6 for name, n, k in linears}
     print("| M | variant | " + " | ".join(names) + " | sum us | floor share |")
     print("|---|---|" + "---|" * (len(names) + 2))
     print(f"| - | floor | " + " | ".join(f"{floor[x]:.1f}" for x in names) + f" | {sum(floor.values()):.1f} | 100% |")
@@ -81,7 +83,7 @@ def main() -> int:
         for label, kind, kw in variants:
             run = launcher(kind, kw)
             times = []
-            for name, n, k in LINEARS:
+            for name, n, k in linears:
                 try:
                     err = check(run, n, k, m, gen)
                 except Exception as e:  # a setting the compiler refuses (shared memory, registers)

@@ -897,7 +897,7 @@ def _launch_fold_tm(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_
     bn, bk = bn or cfg["bn"], min(bk or cfg["bk"], max(32, triton.next_power_of_2(k)))
     bm = bm or max(16, min(cfg["bm_max"], triton.next_power_of_2(m)))
     if bn % 32 or bk % 32:
-        raise ValueError(f"fold_tm path: bn {bn} and bk {bk} must be multiples of 32 (the scale block)")
+        raise ValueError(f"foldtm path: bn {bn} and bk {bk} must be multiples of 32 (the scale block)")
     x2 = fp8_qdq_bf16(x2)
     n_n, n_m = -(-n // bn), -(-m // bm)
     k_steps = -(-k // bk)
@@ -918,10 +918,11 @@ def _launch_fold_tm(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_
 # wq_b 32768x1280 31.7 (46.7); bn 32 / two waves for weights up to 16 MB: wq_a 15.2 (26.3), wkv
 # 13.3 (25.2), idx_wq_b 12.0 (15.1), shared w1 / w3 18.8 (25.4), w2 16.8 (21.0); wo_b 5120x8192,
 # whose 80 tiles need a K split, stayed ahead on fold (42.6 against 42.4-45.2; at 16 / 32 rows
-# 27.9 / 35.3 against 37-47). Seven-linear sums at 64 / 32 / 16 rows: fold 202 / 149 / 117 us,
-# this choice about 150 / 131 / 97. Slower: 4 stages, 8 waves, bn 128 with 4 or 8 warps, bk 256,
-# bk 64, the FP8 MMA per 32-wide block in this orientation (182-248 at 64 rows), and the scale
-# load left to the compiler (172 -> 181 us: it is not pipelined and stalls every step).
+# 27.9 / 35.3 against 37-47). Seven-linear sums at 64 / 32 / 16 rows, this default against fold:
+# 150 / 132 / 95 against 202 / 150 / 116 us; Engram's 25600x6144 wkv (bn 64, no split) 121 / 97 /
+# 68 against 136 / 101 / 79. Slower: 4 stages, 8 waves, bn 128 with 4 or 8 warps, bk 256, bk 64,
+# the FP8 MMA per 32-wide block in this orientation (182-248 at 64 rows), and the scale load left
+# to the compiler (172 -> 181 us: it is not pipelined and stalls every step).
 FOLD_TM = {"bn": 64, "bm_max": 64, "bk": 128, "num_warps": 4, "num_stages": 3, "waves": 1}
 FOLD_TM_SMALL = {"bn": 32, "waves": 2}
 FOLD_TM_SMALL_BYTES = 16 << 20
