@@ -40,6 +40,17 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() * 2 / timeit(lambda: b.copy_(a), iters=10, warmup=2)
 
 
+def row_counts(spec: str) -> list[int]:
+    """--m: comma-separated integers in 1..64 (the fold kernels' range; 9..64 is the default path's)."""
+    try:
+        ms = [int(v) for v in spec.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{spec!r} is not a comma-separated list of integers") from None
+    if not ms or any(not 1 <= m <= bl.FOLD_MAX_M for m in ms):
+        raise argparse.ArgumentTypeError(f"row counts must lie in 1..{bl.FOLD_MAX_M}, got {spec!r}")
+    return ms
+
+
 def launcher(kind: str, kw: dict):
     if kind == "default":
         return lambda x, w, s, out: bl.launch_linear(x, w, s, out)
@@ -64,12 +75,12 @@ def check(run, n: int, k: int, m: int, gen: torch.Generator) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--m", default="16,32,64", help="comma-separated row counts")
+    ap.add_argument("--m", type=row_counts, default="16,32,64", help="comma-separated row counts, 9..64")
     ap.add_argument("--only", default="", help="comma-separated label prefixes to run (default all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engram", action="store_true", help="also Engram's value projection (25600 x 6144)")
     a = ap.parse_args()
-    ms = [int(v) for v in a.m.split(",")]
+    ms = a.m
     only = [p for p in a.only.split(",") if p]
     variants = [v for v in VARIANTS if not only or any(v[0].startswith(p) for p in only)]
     linears = LINEARS + ([("engram_wkv", 25600, 6144)] if a.engram else [])
@@ -80,7 +91,7 @@ def main() -> int:
     floor = {name: n * k / bw * 1e6 for name, n, k in linears}
     print("| M | variant | " + " | ".join(names) + " | sum us | floor share |")
     print("|---|---|" + "---|" * (len(names) + 2))
-    print(f"| - | floor | " + " | ".join(f"{floor[x]:.1f}" for x in names) + f" | {sum(floor.values()):.1f} | 100% |")
+    print("| - | floor | " + " | ".join(f"{floor[x]:.1f}" for x in names) + f" | {sum(floor.values()):.1f} | 100% |")
     failed = []
     for m in ms:
         for label, kind, kw in variants:

@@ -667,6 +667,14 @@ def _split_k_buffers(m, n, k, bk, k_steps, split_k, n_tiles, out):
             tile_counters(out.device, n_tiles))
 
 
+def _waves_split(waves: int, device, tiles: int, k_steps: int) -> int:
+    """The K split that gives about `waves` programs per SM over `tiles` output tiles (at least 1,
+    at most one slice per K step): the decode launches' rule."""
+    from .launch import num_workers
+
+    return max(1, min(k_steps, -(-waves * num_workers(device) // tiles)))
+
+
 def weight_kind(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
     """W_DENSE / W_FP8 / W_FP4 from the storage dtypes (the checkpoint's formats)."""
     if scale is None:
@@ -822,7 +830,7 @@ def _launch_gemv(x2, weight, scale, out, kind, *, bn=None, bk=None, split_k=None
     """The M <= GEMV_MAX_M launch of `_gemv_linear_kernel` (split-K to give every SM work), after
     one `fp8_qdq_bf16` pass over x."""
     from .fp8_quant import fp8_qdq_bf16
-    from .launch import interpreting, num_workers
+    from .launch import interpreting
 
     m, k = x2.shape
     n = weight.shape[0]
@@ -834,7 +842,7 @@ def _launch_gemv(x2, weight, scale, out, kind, *, bn=None, bk=None, split_k=None
     n_tiles = -(-n // bn)
     k_steps = -(-k // bk)
     if split_k is None:
-        split_k = 1 if interp else max(1, min(k_steps, -(-GEMV["waves"] * num_workers(x2.device) // n_tiles)))
+        split_k = 1 if interp else _waves_split(GEMV["waves"], x2.device, n_tiles, k_steps)
     split_k, k_per_split, part, counts = _split_k_buffers(m, n, k, bk, k_steps, split_k, n_tiles, out)
     w = weight.view(torch.uint8) if kind == W_FP4 else weight
     out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
@@ -852,7 +860,7 @@ def _launch_fold(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_k=N
     about FOLD["waves"] programs per SM stream the weight. x goes through one `fp8_qdq_bf16` pass
     first unless M == 1 (then each program quantises the row itself)."""
     from .fp8_quant import fp8_qdq_bf16
-    from .launch import interpreting, num_workers
+    from .launch import interpreting
 
     m, k = x2.shape
     n = weight.shape[0]
@@ -872,7 +880,7 @@ def _launch_fold(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_k=N
     n_n, n_m = -(-n // bn), -(-m // bm)
     k_steps = -(-k // bk)
     if split_k is None:
-        split_k = 1 if interp else max(1, min(k_steps, -(-cfg["waves"] * num_workers(x2.device) // (n_n * n_m))))
+        split_k = 1 if interp else _waves_split(cfg["waves"], x2.device, n_n * n_m, k_steps)
     split_k, k_per_split, part, counts = _split_k_buffers(m, n, k, bk, k_steps, split_k, n_n * n_m, out)
     out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
     kw = {} if interp else {"num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages or cfg["num_stages"]}
@@ -888,7 +896,7 @@ def _launch_fold_tm(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_
     `fp8_qdq_bf16` pass over x; split-K so that about `waves` programs per SM stream the weight
     (defaults: FOLD_TM; `fold_tm_tiles` picks the settings per weight shape)."""
     from .fp8_quant import fp8_qdq_bf16
-    from .launch import interpreting, num_workers
+    from .launch import interpreting
 
     m, k = x2.shape
     n = weight.shape[0]
@@ -902,7 +910,7 @@ def _launch_fold_tm(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_
     n_n, n_m = -(-n // bn), -(-m // bm)
     k_steps = -(-k // bk)
     if split_k is None:
-        split_k = 1 if interp else max(1, min(k_steps, -(-(waves or cfg["waves"]) * num_workers(x2.device) // (n_n * n_m))))
+        split_k = 1 if interp else _waves_split(waves or cfg["waves"], x2.device, n_n * n_m, k_steps)
     split_k, k_per_split, part, counts = _split_k_buffers(m, n, k, bk, k_steps, split_k, n_n * n_m, out)
     out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
     kw = {} if interp else {"num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages or cfg["num_stages"]}
@@ -1012,7 +1020,7 @@ def _launch_fold_xs(x2, weight, scale, out, *, place: bool, bn=None, bk=None, sp
     `fp8_qdq_bf16` pass unless M == 1 (then each program quantises the row; at 8 rows, each
     program quantising its rows cost 2.856 -> 3.192 ms a batch-8 step on the H200, 2026-12-02)."""
     from .fp8_quant import fp8_qdq_bf16
-    from .launch import interpreting, num_workers
+    from .launch import interpreting
 
     m, k = x2.shape
     n = weight.shape[0]
@@ -1037,7 +1045,7 @@ def _launch_fold_xs(x2, weight, scale, out, *, place: bool, bn=None, bk=None, sp
     k_steps = -(-k // bk)
     if split_k is None:
         per_sm = waves or cfg.get("waves", 4)
-        split_k = 1 if interp else max(1, min(k_steps, -(-per_sm * num_workers(x2.device) // n_n)))
+        split_k = 1 if interp else _waves_split(per_sm, x2.device, n_n, k_steps)
     split_k, k_per_split, part, counts = _split_k_buffers(m, n, k, bk, k_steps, split_k, n_n, out)
     out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
     kw = {} if interp else {"num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages or cfg["num_stages"]}
@@ -1111,7 +1119,7 @@ def _launch_fp8_mma(x2, weight, scale, out, *, f16: bool = False, bm=None, bn=No
     32-block's max and rounding in every program, about twice the loop's instructions (sm_90a
     SASS, 826 against 433 per 128-wide step), for one launch less."""
     from .fp8_quant import fp8_quant
-    from .launch import interpreting, num_workers
+    from .launch import interpreting
 
     m, k = x2.shape
     n = weight.shape[0]
@@ -1134,7 +1142,7 @@ def _launch_fp8_mma(x2, weight, scale, out, *, f16: bool = False, bm=None, bn=No
     k_steps = -(-k // bk)
     if split_k is None:
         per_sm = waves or cfg.get("waves", 4)
-        split_k = 1 if interp else max(1, min(k_steps, -(-per_sm * num_workers(x2.device) // (n_n * n_m))))
+        split_k = 1 if interp else _waves_split(per_sm, x2.device, n_n * n_m, k_steps)
     split_k, k_per_split, part, counts = _split_k_buffers(m, n, k, bk, k_steps, split_k, n_n * n_m, out)
     out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
     # 64-row tiles: 4 warps spill (acc and the block partial, 64 x 64 fp32 each; sm_90a ptxas)
