@@ -135,7 +135,7 @@ def swiglu_clamped(gate: Tensor, up: Tensor, limit: float) -> Tensor:
 @_op
 def sparse_attention(q: Tensor, swa_kv: Tensor, swa_scale: Tensor, win_idx: Tensor,
                      glob_kv: Tensor | None, glob_scale: Tensor | None, glob_idx: Tensor | None,
-                     sink: Tensor, softmax_scale: float) -> Tensor:
+                     sink: Tensor, softmax_scale: float, rows_bound: tuple[int, int] | None = None) -> Tensor:
     """One softmax over a query's SWA window entries then its selected global entries, read in
     place from the paged cache pools.
 
@@ -144,6 +144,11 @@ def sparse_attention(q: Tensor, swa_kv: Tensor, swa_scale: Tensor, win_idx: Tens
     glob_kv [Ng, D/2] packed FP4 + glob_scale [Ng, D/16] (the rows of the KV source's global
     block pool), glob_idx [T, K] pool rows (-1 = masked); sink [H]. K = V. Duplicated rows count
     as often as they appear. Returns [T, H, D] bf16.
+
+    rows_bound (optional): (window, global) upper bounds of the distinct pool rows the index
+    lists name, known on the host before the step (the rows its block tables reach). A backend
+    that first gathers the rows read into a scratch table sizes the table with them (it may
+    take less; it never reads the count back); past a too-small bound entries are dropped.
     """
 
 

@@ -1,11 +1,13 @@
-"""sparse_attention at prefill shapes on a CUDA GPU: tile variants of the whole-row kernel and of
-the MQA kernel (each gathered entry decoded once per token and used by all 64 heads as K and V),
-each checked against the reference, then timed.
+"""sparse_attention at prefill shapes on a CUDA GPU: tile variants of the whole-row kernel, of
+the MQA kernel (each gathered entry decoded once per token and used by all 64 heads as K and V)
+and of the rows form (each pool row decoded once per launch into a bf16 table, then bf16
+gathers), each checked against the reference, then timed.
 
     python benchmarks/sparse_prefill.py --check mqa_n16_w8_s2,shipped   # compile + check (warms the cache)
     python benchmarks/sparse_prefill.py --time all                   # time the variants one after another
     python benchmarks/sparse_prefill.py --bisect 0                   # the MQA kernel at tiny widths
 
+"rows_table" (time only) is the rows form's table step alone.
 `--check` compares each variant with the reference op (fp64 on the GPU) at T=256 and with the
 previous whole-row table at T=1792 (relative max error). `--time` prints kernel time (median of
 CUDA-event timed calls; prefill launches take milliseconds, so launch overhead is noise) and
@@ -37,7 +39,17 @@ def _variants():
     from dsv41.npu_ops.triton import sparse_attention as sa
 
     mqa = sa.CONFIGS["cuda_mqa"]
+    rows = sa.CONFIGS["cuda_prefill"]
     return {
+        "rows": rows,
+        "rows_n32_s2": dict(rows, num_stages=2),
+        "rows_n64_s2": dict(rows, BLOCK_N=64, num_stages=2),
+        "rows_n16_s4": dict(rows, BLOCK_N=16, num_stages=4),
+        "rows_n32_s4": dict(rows, num_stages=4),
+        "rows_n64_s2_w16": dict(rows, BLOCK_N=64, num_stages=2, num_warps=16),
+        "rows_n128_s1": dict(rows, BLOCK_N=128, num_stages=1),
+        "rows_n32_s2_w16": dict(rows, num_stages=2, num_warps=16),
+        "rows_n64_s3": dict(rows, BLOCK_N=64, num_stages=3),
         "cuda_whole": sa.CONFIGS["cuda"],
         "cuda_whole_s3": dict(sa.CONFIGS["cuda"], num_stages=3),
         "mqa_n16_w8_s2_lazy8": dict(mqa, BLOCK_N=16, num_warps=8, num_stages=2, LAZY=8.0),
@@ -63,6 +75,10 @@ def launch(name, args):
 
     if name == "shipped":
         return sa.sparse_attention(*args)
+    if name == "rows_table":  # the rows form's first step alone: the dense bf16 table and entry lists
+        from dsv41.npu_ops.triton.sparse_attention_rows import dense_table
+
+        return dense_table(*args[1:7])
     return sa.sparse_attention_launch(*args, **VARIANTS[name])
 
 
@@ -98,7 +114,7 @@ def time_all(names, tokens=(1792, 8192), contexts=(8192, 32768)):
             base = launch("cuda_whole", args)
             for name in names:
                 try:
-                    err = rel_err(launch(name, args), base)
+                    err = rel_err(launch(name, args), base) if name != "rows_table" else float("nan")
                     s = timeit(lambda: launch(name, args), iters=10, warmup=2)
                     print(f"| time {name} | T={t} ctx={n // 1024}K | {s * 1e3:.3f} ms | {flops / s / 1e12:.1f} TFLOP/s "
                           f"| vs cuda_whole {err:.1e} |", flush=True)

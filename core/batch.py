@@ -76,6 +76,7 @@ class Rows:
     win_lo: torch.Tensor  # [T] first key position of the window
     win_hi: torch.Tensor  # [T] last key position of the window
     width: int  # key slots per row (window size, or window + block for a draft)
+    n_seqs: int = 0  # sequences of the step (the tables' rows; a host int; 0 = not known)
     # what every layer would otherwise compute again from these rows (windows, write rows, RoPE
     # tables, compressor metadata): made once per step, on first use (`memo`)
     _memo: dict = field(default_factory=dict)
@@ -90,9 +91,10 @@ class Rows:
             width = w + cfg.dspark_block_size
         if b.rows_are_sequences and b.floors.shape[0] == b.num_tokens:  # per row already: no gathers
             return cls(b.positions, seq, b.is_image, tuple(b.swa_tables), tuple(b.glob_tables), b.floors,
-                       b.glob_from, lo, hi, width)
+                       b.glob_from, lo, hi, width, b.floors.shape[0])
         return cls(b.positions, seq, b.is_image, tuple(t[seq] for t in b.swa_tables),
-                   tuple(t[seq] for t in b.glob_tables), b.floors[seq], b.glob_from[seq], lo, hi, width)
+                   tuple(t[seq] for t in b.glob_tables), b.floors[seq], b.glob_from[seq], lo, hi, width,
+                   b.floors.shape[0])
 
     def select(self, index: torch.Tensor) -> "Rows":
         pick = lambda t: t[index]  # noqa: E731
@@ -111,6 +113,15 @@ class Rows:
         if key not in self._memo:
             self._memo[key] = make()
         return self._memo[key]
+
+    def rows_bound(self, swa: SWAPool, g: GlobalPool | None) -> tuple[int, int] | None:
+        """(window, global) bounds of the distinct rows of pools `swa` and `g` these rows' tables
+        reach: sequences x table width x rows per block (host ints, no device read; the
+        `rows_bound` of `ops.sparse_attention`). None when the sequence count is not known."""
+        if not self.n_seqs:
+            return None
+        w = self.n_seqs * self.swa_tables[swa.table].shape[1] * swa.block_size
+        return w, (self.n_seqs * self.glob_table(g).shape[1] * g.entries_per_block if g is not None else 0)
 
     def glob_table(self, g: GlobalPool) -> torch.Tensor:
         """[T, nbg] the global table each row's entries of pool `g` are addressed through."""

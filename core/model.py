@@ -343,13 +343,15 @@ class Attention(nn.Module):
             if self.ratio > 0:  # a Reuse layer: its source layer's top-k
                 idx = self.select(x, qr, rows, cos, sin, ctx)
         win = rows.window(swa, self.floor_group)
+        g = None
         if self.ratio > 0:
             g = ctx.cache.glob[self.cfg.kv_source_of(self.layer_id)]
             source = self.cfg.index_source_of(self.layer_id) if self.kind == "reuse" else self.layer_id
             glob = (g.kv_codes, g.kv_scale, ctx.global_rows(source, idx, rows, g))
         else:
             glob = (None, None, None)
-        o = ops.sparse_attention(q, swa.kv, swa.scale, win, *glob, self.attn_sink, self.head_dim ** -0.5)
+        o = ops.sparse_attention(q, swa.kv, swa.scale, win, *glob, self.attn_sink, self.head_dim ** -0.5,
+                                 rows_bound=rows.rows_bound(swa, g))
         # rotated back, then wo_a: each group of heads (group g = heads g*H/G .. ) maps to o_lora_rank
         o = ops.unrope_grouped_linear(o, cos, sin, self.wo_a.weight, self.o_groups)
         if self.group.world_size == 1:

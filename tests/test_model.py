@@ -265,3 +265,28 @@ def test_decode_rows_need_no_gathers(tiny_cfg):
                  *zip(rows.swa_tables + rows.glob_tables, gathered.swa_tables + gathered.glob_tables)]:
         assert torch.equal(a, b)
     assert len({tuple(t.tolist()) for t in rows.glob_tables[0]}) == 3  # (the sequences' tables differ)
+
+
+def test_rows_bound_covers_every_row_attended(tiny_model, tiny_cfg, rng, monkeypatch):
+    """`Rows.rows_bound` (the sizing hint `ops.sparse_attention` gets, host ints from the step's
+    table shapes) is at least the number of distinct window and global pool rows each attention
+    call names: batched steps of three sequences, prefill chunks beside decode tokens."""
+    from dsv41.core.engine import Engine, SamplingParams
+
+    seen = []
+    real = ops.sparse_attention
+
+    def spy(q, swa_kv, swa_scale, win, glob_kv, glob_scale, glob_idx, sink, scale, rows_bound=None):
+        n_w = len(set(win[win >= 0].tolist()))
+        n_g = 0 if glob_idx is None else len(set(glob_idx[glob_idx >= 0].tolist()))
+        seen.append((n_w, n_g, rows_bound))
+        return real(q, swa_kv, swa_scale, win, glob_kv, glob_scale, glob_idx, sink, scale, rows_bound=rows_bound)
+
+    monkeypatch.setattr(ops, "sparse_attention", spy)
+    eng = Engine(tiny_model, prefill_mode="exact", max_tokens_per_step=24)
+    params = SamplingParams(max_new_tokens=6)
+    eng.generate_batch([(rand_prompt(tiny_cfg, n, rng).tolist(), params, None) for n in (40, 9, 23)])
+    assert seen and all(b is not None for _, _, b in seen)
+    assert max(n_g for n_g in (s[1] for s in seen)) > 0  # global entries were attended
+    for n_w, n_g, (b_w, b_g) in seen:
+        assert n_w <= b_w and n_g <= b_g, (n_w, n_g, b_w, b_g, f"seed {rng.initial_seed()}")

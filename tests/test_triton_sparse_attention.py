@@ -29,6 +29,7 @@ MQA_H32 = dict(MQA, BLOCK_H=32)  # heads padded past H (masked rows)
 MQA_LAZY = dict(MQA, LAZY=2.0)  # the running max moves only when a block passes it by > 2 (e^2 bound)
 TWO_PASS = dict(TILED, TWO_PASS=True)  # every logit first (one tile per entry block), then the values
 TWO_PASS_WHOLE = dict(WHOLE, TWO_PASS=True)  # the same with whole-row chunks and output blocks
+ROWS = dict(WHOLE, ROWS=True)  # every pool row read decoded once into a dense bf16 table, then bf16 gathers
 
 BLOCK = 8  # pool block size (rows) of both pools in these tests
 
@@ -211,8 +212,10 @@ def test_sparse_attention_decode_variants_gpu(dev, variant, model_width_cases):
 
 def test_decode_table_serves_decode_batches(monkeypatch):
     """On a 132-SM GPU the decode tables serve one token (one pass) and decode batches of 2-64
-    (two passes: they won at T = 8 and 64 on the H200, one pass at T = 1); a prefill chunk keeps
-    the whole-row table."""
+    (two passes: they won at T = 8 and 64 on the H200, one pass at T = 1); a prefill chunk takes
+    the rows form, except while a graph is captured (the whole-row table then: the rows form
+    reads its table size back to the host)."""
+    from dsv41.backends.platform import platform_for
     from dsv41.npu_ops.triton import launch
 
     monkeypatch.setattr(sa, "_backend_key", lambda device: "cuda")
@@ -223,7 +226,10 @@ def test_decode_table_serves_decode_batches(monkeypatch):
     assert sa.config_for(dev, 1, 64) is sa.CONFIGS["cuda_decode"]
     for t in (2, 8, 64):  # the default form: two passes from TWO_PASS_MIN_T tokens
         assert sa.config_for(dev, t, 64) is sa.CONFIGS["cuda_decode_two_pass"], t
+    assert sa.config_for(dev, 2048, 64) is sa.CONFIGS["cuda_prefill"]
+    monkeypatch.setattr(type(platform_for(dev)), "is_capturing", lambda self: True)
     assert sa.config_for(dev, 2048, 64) is sa.CONFIGS["cuda"]
+    assert sa.config_for(dev, 1, 64) is sa.CONFIGS["cuda_decode"]
 
 
 def test_sparse_attention_rejects_mismatched_pools(rng):
@@ -325,7 +331,7 @@ def with_null_block(args, nan: bool = True):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(sink + 1e30) of an all-masked row
 @pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("cfg", [MQA, TILED, TWO_PASS, None], ids=["mqa", "tiled", "two_pass", "auto"])
+@pytest.mark.parametrize("cfg", [MQA, TILED, TWO_PASS, ROWS, None], ids=["mqa", "tiled", "two_pass", "rows", "auto"])
 def test_sparse_attention_null_block_nan_does_not_leak(dev, cfg, rng):
     """Masked entries point at a null block of NaN bytes (row 0 of both pools, where -1 entries
     are clamped): the output equals the reference, which selects them away with torch.where."""
@@ -387,6 +393,8 @@ def test_sparse_attention_batch_of_64_mixed_lengths(dev, rng):
     dead = [r for r in range(t) if (win_idx[r] < 0).all() and (glob_idx[r] < 0).all()]
     out = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, **(MQA if dev == "cpu" else sa.CONFIGS["cuda_mqa"]))
     check(out, args, d ** -0.5, dead_rows=dead)
+    rows = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, **(ROWS if dev == "cpu" else sa.CONFIGS["cuda_prefill"]))
+    check(rows, args, d ** -0.5, dead_rows=dead)
     if dev == "cuda":
         check(sa.sparse_attention(*to(dev, args), d ** -0.5), args, d ** -0.5, dead_rows=dead)
 
@@ -410,7 +418,8 @@ def test_sparse_attention_mqa_loads_ahead_or_in_place(dev, ahead, rng):
 # default whole-row prefill table: each checked at model widths on prefill chunks (split and unsplit).
 PREFILL_VARIANTS = [dict(), dict(LAZY=8.0), dict(BLOCK_N=16), dict(BLOCK_N=16, LAZY=8.0),
                     dict(BLOCK_N=16, LAZY=8.0, AHEAD=False), dict(BLOCK_N=16, LAZY=8.0, num_warps=16),
-                    dict(BLOCK_N=16, LAZY=8.0, num_stages=3), "cuda"]
+                    dict(BLOCK_N=16, LAZY=8.0, num_stages=3), "cuda", "cuda_prefill",
+                    dict(sa.CONFIGS["cuda_prefill"], BLOCK_N=64, num_stages=2), dict(sa.CONFIGS["cuda_prefill"], num_stages=2)]
 
 
 @pytest.fixture(scope="module")
@@ -435,7 +444,8 @@ def prefill_cases():
 def test_sparse_attention_prefill_variants_gpu(dev, variant, prefill_cases):
     """The MQA entry changed as given (or the named entry), at model widths on prefill chunks;
     equal to the reference. The default dispatch takes the prefill table (cuda)."""
-    cfg = sa.CONFIGS[variant] if isinstance(variant, str) else dict(sa.CONFIGS["cuda_mqa"], **variant)
+    cfg = sa.CONFIGS[variant] if isinstance(variant, str) else variant if variant.get("ROWS") else \
+        dict(sa.CONFIGS["cuda_mqa"], **variant)
     for args, ref, dead in prefill_cases:
         out = sa.sparse_attention_launch(*to(dev, args), 512 ** -0.5, **cfg)
         check(out, args, 512 ** -0.5, dead_rows=dead, ref=ref)
@@ -485,8 +495,67 @@ def test_sparse_decode_form_chooses_the_decode_entry(monkeypatch):
         monkeypatch.setenv("DSV41_SPARSE_DECODE", form)
         for t in (1, 8):
             assert sa.config_for(dev, t, 64) is sa.CONFIGS[entry], (form, t)
-        assert sa.config_for(dev, 2048, 64) is sa.CONFIGS["cuda"]
+        assert sa.config_for(dev, 2048, 64) is sa.CONFIGS["cuda_prefill"]
     monkeypatch.setattr(sa, "_SPARSE_DECODE", [])
     monkeypatch.setenv("DSV41_SPARSE_DECODE", "three_pass")
     with pytest.raises(ValueError, match="DSV41_SPARSE_DECODE"):
         sa.config_for(dev, 8, 64)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(sink + 1e30) of an all-masked row
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_sparse_attention_rows_form(dev, block_n, rng):
+    """The rows form (pool rows decoded once into a dense bf16 table, then bf16 gathers): tokens
+    of two sequences with masked, duplicated and all-masked entries, the entry list not a multiple
+    of the block; a window-only launch; equal to the reference."""
+    t, h, d, s, n, k = 6, 4, 64, 37, 50, 21
+    args = make_inputs(rng, t, h, d, s, n, k, dead_rows=(2,))
+    out = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, **dict(ROWS, BLOCK_N=block_n))
+    check(out, args, d ** -0.5, dead_rows=(2,))
+    win = make_inputs(rng, 4, h, d, 24, 0, 0, glob=False, dead_rows=(1,))
+    out = sa.sparse_attention_launch(*to(dev, win), d ** -0.5, **dict(ROWS, BLOCK_N=block_n))
+    check(out, win, d ** -0.5, dead_rows=(1,))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_dense_table_holds_each_row_read_once(dev, rng):
+    """The rows form's table step: every pool row the lists name decoded once (bf16, exact: the
+    reference dequantisation), each entry pointing at its row's slot, -1 kept; the table sized by
+    the least of pool rows, list entries and `rows_bound`; a bound below the rows read drops
+    entries (masked) and never writes or reads past the table."""
+    from dsv41.npu_ops.triton.sparse_attention_rows import dense_table
+
+    t, h, d, s, n, k = 6, 4, 64, 19, 50, 13
+    q, wk, ws, wi, gk, gs, gi, _ = make_inputs(rng, t, h, d, s, n, k, dead_rows=(2,))
+    want_w, want_g = quant.fp8_dequant(wk, ws), quant.fp4_dequant(gk, gs)
+    n_w, n_g = len(set(wi[wi >= 0].tolist())), len(set(gi[gi >= 0].tolist()))
+    for bound, full in ((None, True), ((n_w, n_g), True), ((n_w, 2), False)):
+        table, ent = dense_table(*to(dev, [wk, ws, wi, gk, gs, gi]), rows_bound=bound)
+        table, ent = table.cpu().float(), ent.cpu().long()
+        assert ent.shape == (t, s + k)
+        cap = min(wk.shape[0], t * s) + min(gk.shape[0], t * k)
+        if bound is not None:
+            cap = min(wk.shape[0], t * s, bound[0]) + min(gk.shape[0], t * k, bound[1])
+        assert table.shape == (cap, d), f"seed {rng.initial_seed()}"
+        src = torch.cat([wi, gi], 1)
+        assert ((ent >= 0) <= (src >= 0)).all()  # a masked entry stays masked
+        if full:
+            assert torch.equal(ent >= 0, src >= 0)
+            assert len(set(ent[ent >= 0].tolist())) == n_w + n_g  # each row once
+        else:
+            assert (ent >= 0).sum() < (src >= 0).sum()
+        for tq in range(t):
+            for j in range(s + k):
+                if ent[tq, j] >= 0:
+                    row = want_w[src[tq, j]] if j < s else want_g[src[tq, j]]
+                    assert torch.equal(table[ent[tq, j]], row.bfloat16().float()), (tq, j)
+
+
+def test_rows_form_rejects_other_options():
+    q = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+    args = make_inputs(torch.Generator().manual_seed(0), 2, 4, 64, 8, 16, 4)
+    args[0] = q
+    for bad in (dict(ROWS, MQA=True), dict(ROWS, TWO_PASS=True), dict(ROWS, BLOCK_N=8)):
+        with pytest.raises(ValueError, match="ROWS"):
+            sa.sparse_attention_launch(*args, 0.125, **bad)

@@ -177,7 +177,9 @@ def official_block_probabilities(logits: torch.Tensor, row_max: torch.Tensor,
 
 
 @register("sparse_attention")
-def sparse_attention(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink, softmax_scale):
+def sparse_attention(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink, softmax_scale,
+                     rows_bound=None):
+    """`ops.sparse_attention` (rows_bound is a sizing hint for scratch tables: none here)."""
     t = q.shape[0]
     if t > ATTENTION_TOKEN_CHUNK:  # every token is independent: pieces give the same bits
         c = ATTENTION_TOKEN_CHUNK

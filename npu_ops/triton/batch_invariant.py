@@ -249,8 +249,9 @@ def attention_splits(win_width: int, glob_width: int, key: str) -> int:
     return max(1, -(-(-(-win_width // bn) + -(-glob_width // bn)) // ATTN_SPLIT[key]["blocks"]))
 
 
-def sparse_attention(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink, softmax_scale):
-    """`ops.sparse_attention`, batch-invariant: the main tile table (never the decode one) and
+def sparse_attention(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink, softmax_scale,
+                     rows_bound=None):
+    """`ops.sparse_attention`, batch-invariant: the main tile table (never the decode or prefill one) and
     the entry-block splits of `attention_splits` for every query count, so each query reduces
     over its entries in the same blocks, splits and merge order alone or in a prefill chunk
     (queries chunked to bound the partials)."""

@@ -18,7 +18,10 @@ channels and the high nibbles the odd ones, so the queries are loaded as even / 
 halves and the dot is tl.dot(q_even, k_lo) + tl.dot(q_odd, k_hi) over [BLOCK_T * HP, D/2] x
 [D/2, BLOCK_N] with fp32 accumulation; relu, the head weights and the sum over heads follow in
 fp32. Entries >= n_visible[t] (dense) or candidates < 0 (Reindex) are stored as -inf, and entry
-blocks wholly past the visible range of a query block are not computed at all.
+blocks wholly past the visible range of a query block are not computed at all. At prefill
+sizes a tile is a group of QSUB such query tiles (`scores_qsub`): a key block the whole group
+reads from the same rows is loaded and decoded once and scored against each sub-tile in turn
+(the same dots, so the same bits as QSUB 1).
 
 Operand precision: compiled (CUDA / Ascend), the dot operands are bf16. That is exact for the
 op's contract: keys are E2M1 * 2^k, and the queries are MXFP4 quantise-dequantised (E2M1 * 2^k
@@ -142,24 +145,44 @@ def _key_bytes(code_ptr, scale_ptr, rows, kvalid, DH: tl.constexpr, DHP: tl.cons
 
 
 @triton.jit
-def _byte_scores(q_even, q_odd, wh, b, e8, DHP: tl.constexpr, NQ: tl.constexpr, HP: tl.constexpr,
-                 BLOCK_N: tl.constexpr, LOWP: tl.constexpr):
-    """Scores [NQ, BLOCK_N] of NQ queries (rows [NQ * HP, DHP] of even / odd channels, head
-    weights wh) against keys given as their stored bytes (`_key_bytes`): E2M1 nibbles and E8M0
-    scales decoded with bit ops, two MMAs (even / odd channels), relu, weights, sum over heads."""
+def _decode_keys(b, e8, DHP: tl.constexpr, BLOCK_N: tl.constexpr, LOWP: tl.constexpr):
+    """Keys given as their stored bytes (`_key_bytes`) -> even / odd channel halves [BLOCK_N,
+    DHP]: E2M1 nibbles and E8M0 scales decoded with bit ops; bf16 when compiled (exact: E2M1 *
+    2^k values are bf16 numbers), fp32 under the interpreters."""
     b = b.to(tl.int32) & 0xFF  # int8 loads (Ascend takes no uint8 pointers) back to 0..255
     e8 = e8.to(tl.int32) & 0xFF
     scale = tl.where(e8 > 0, (e8 << 23).to(tl.float32, bitcast=True), _SCALE_2M127)[:, :, None]
     k_lo = tl.reshape(_e2m1_value(b & 15) * scale, [BLOCK_N, DHP])  # even channels
     k_hi = tl.reshape(_e2m1_value(b >> 4) * scale, [BLOCK_N, DHP])  # odd channels
-    if LOWP:  # exact: E2M1 * 2^k values (keys and MXFP4 queries) are bf16 numbers
-        acc = tl.dot(q_even, tl.trans(k_lo.to(tl.bfloat16)))
-        acc = tl.dot(q_odd, tl.trans(k_hi.to(tl.bfloat16)), acc)
+    if LOWP:
+        k_lo = k_lo.to(tl.bfloat16)
+        k_hi = k_hi.to(tl.bfloat16)
+    return k_lo, k_hi
+
+
+@triton.jit
+def _dot_scores(q_even, q_odd, wh, k_lo, k_hi, NQ: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr,
+                LOWP: tl.constexpr):
+    """Scores [NQ, BLOCK_N] of NQ queries (rows [NQ * HP, DHP] of even / odd channels, head
+    weights wh) against decoded keys (`_decode_keys`): two MMAs (even / odd channels), relu,
+    weights, sum over heads."""
+    if LOWP:
+        acc = tl.dot(q_even, tl.trans(k_lo))
+        acc = tl.dot(q_odd, tl.trans(k_hi), acc)
     else:
         acc = tl.dot(q_even, tl.trans(k_lo), input_precision="ieee")
         acc = tl.dot(q_odd, tl.trans(k_hi), acc, input_precision="ieee")
     rel = tl.maximum(acc, 0.0) * wh[:, None]
     return tl.sum(tl.reshape(rel, (NQ, HP, BLOCK_N)), axis=1)
+
+
+@triton.jit
+def _byte_scores(q_even, q_odd, wh, b, e8, DHP: tl.constexpr, NQ: tl.constexpr, HP: tl.constexpr,
+                 BLOCK_N: tl.constexpr, LOWP: tl.constexpr):
+    """Scores [NQ, BLOCK_N] of NQ queries against keys given as their stored bytes
+    (`_key_bytes`): `_decode_keys` then `_dot_scores`."""
+    k_lo, k_hi = _decode_keys(b, e8, DHP, BLOCK_N, LOWP)
+    return _dot_scores(q_even, q_odd, wh, k_lo, k_hi, NQ, HP, BLOCK_N, LOWP)
 
 
 @triton.jit
@@ -196,78 +219,151 @@ def _load_queries(q_ptr, w_ptr, t0, T, H: tl.constexpr, HP: tl.constexpr, DH: tl
 
 
 @triton.jit
+def _entry_blocks(table_ptr, ts, vis, cols, NB, E):
+    """The pool blocks [len(ts), BLOCK_N] (int64) of entries cols for queries ts where visible,
+    their largest per entry (-1: nobody sees it), whether someone sees it, and 1 if two queries
+    that see one entry read it from different blocks (tokens of different sequences)."""
+    blk = tl.load(table_ptr + ts.to(tl.int64)[:, None] * NB + (cols // E)[None, :], mask=vis, other=0).to(tl.int64)
+    bmax = tl.max(tl.where(vis, blk, -1), axis=0)
+    bmin = tl.min(tl.where(vis, blk, 1 << 62), axis=0)
+    kvalid = bmax >= 0
+    return blk, bmax, kvalid, tl.max((kvalid & (bmax != bmin)).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _dense_block(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, q_even, q_odd, wh, nv, t0, T, NB, E, n0, cols,
+                 code_stride, scale_stride, H: tl.constexpr, HP: tl.constexpr, HP1: tl.constexpr,
+                 DH: tl.constexpr, DHP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                 LOWP: tl.constexpr):
+    """Scores [BLOCK_T, BLOCK_N] of queries t0 .. (loaded: q_even / q_odd / wh, n_visible nv)
+    at entries cols (dense: entry c of query t sits at pool row table[t, c // E] * E + c % E),
+    -inf where not visible; entries past every query's n_visible compute nothing."""
+    tq = tl.arange(0, BLOCK_T)
+    ts = t0 + tq
+    tmask = ts < T
+    if n0 < tl.max(nv, axis=0):
+        vis = tmask[:, None] & (cols[None, :] < nv[:, None])  # [BLOCK_T, BLOCK_N]
+        blk, bmax, kvalid, differ = _entry_blocks(table_ptr, ts, vis, cols, NB, E)
+        if differ == 0:  # every query that sees these entries reads the same rows: one MMA
+            rows = tl.maximum(bmax, 0) * E + cols % E
+            s = _key_scores(q_even, q_odd, wh, code_ptr, scale_ptr, rows, kvalid,
+                            DH, DHP, BLOCK_T, HP, BLOCK_N, LOWP, code_stride, scale_stride)
+        else:  # queries of different sequences: each against its own rows
+            s = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+            for i in range(BLOCK_T):
+                vis_i = tl.max(tl.where(tq[:, None] == i, vis.to(tl.int32), 0), axis=0) > 0
+                blk_i = tl.max(tl.where(tq[:, None] == i, blk, 0), axis=0)
+                # one query's heads padded to HP1 >= 16 rows (tl.dot's least M)
+                qe_i, qo_i, wh_i = _load_queries(q_ptr, w_ptr, t0 + i, T, H, HP1, DH, DHP, 1, LOWP)
+                s_i = _key_scores(qe_i, qo_i, wh_i, code_ptr, scale_ptr, blk_i * E + cols % E, vis_i,
+                                  DH, DHP, 1, HP1, BLOCK_N, LOWP, code_stride, scale_stride)
+                s = tl.where(tq[:, None] == i, s_i, s)
+        s = tl.where(vis, s, float("-inf"))
+    else:
+        s = tl.full([BLOCK_T, BLOCK_N], float("-inf"), dtype=tl.float32)
+    return s
+
+
+@triton.jit
+def _visible(nvis_ptr, ts, tmask, NC):
+    """n_visible of queries ts (0 where masked), at most NC."""
+    return tl.minimum(tl.load(nvis_ptr + ts, mask=tmask, other=0).to(tl.int32), NC)
+
+
+@triton.jit
+def _store_scores(out_ptr, max_ptr, s, ts, tmask, cols, cmask, n0, NC, G, BLOCK_T: tl.constexpr,
+                  BLOCK_N: tl.constexpr, MAXG: tl.constexpr):
+    """Scores [BLOCK_T, BLOCK_N] of queries ts at entries cols, and (MAXG > 0) each query's
+    maximum over every MAXG entries (they bound the top-k select)."""
+    tl.store(out_ptr + ts.to(tl.int64)[:, None] * NC + cols[None, :], s, mask=tmask[:, None] & cmask[None, :])
+    if MAXG > 0:
+        if MAXG == 1:
+            mx = s
+        else:
+            mx = tl.max(tl.reshape(s, (BLOCK_T, BLOCK_N // MAXG, MAXG)), axis=2)
+        gc = n0 // MAXG + tl.arange(0, BLOCK_N // MAXG)
+        tl.store(max_ptr + ts.to(tl.int64)[:, None] * G + gc[None, :], mx, mask=tmask[:, None] & (gc < G)[None, :])
+
+
+@triton.jit
 def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_ptr, cand_ptr, out_ptr, max_ptr,
                            T, NC, NB, E, G, n_nc, n_tiles, num_programs, code_stride, scale_stride,
                            H: tl.constexpr, HP: tl.constexpr, HP1: tl.constexpr, DH: tl.constexpr,
                            DHP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr,
-                           GATHER: tl.constexpr, LOWP: tl.constexpr, MAXG: tl.constexpr, PDL: tl.constexpr = 0):
+                           GATHER: tl.constexpr, LOWP: tl.constexpr, MAXG: tl.constexpr, QSUB: tl.constexpr = 1,
+                           PDL: tl.constexpr = 0):
+    """Tiles (query group, NSUB key blocks), walked by a 1-D persistent loop. A group is QSUB
+    sub-tiles of BLOCK_T queries (dense only): where every query of the group that sees a key
+    block reads it from the same pool rows (a prefill chunk of one sequence), the block is
+    loaded and decoded once and scored against each sub-tile in turn; otherwise each sub-tile
+    goes its own way (`_dense_block`). GATHER (Reindex candidates): BLOCK_T == QSUB == 1."""
     pdl_start(PDL)
     pid = tl.program_id(0)
     cn = tl.arange(0, BLOCK_N)
     tq = tl.arange(0, BLOCK_T)
+    QG: tl.constexpr = QSUB * BLOCK_T
     for tile in range(pid, n_tiles, num_programs):
-        tb = tile // n_nc + tl.zeros([], dtype=tl.int32)  # a tensor also under the interpreter
-        nc = tile - tb * n_nc
-        q_even, q_odd, wh = _load_queries(q_ptr, w_ptr, tb * BLOCK_T, T, H, HP, DH, DHP, BLOCK_T, LOWP)
-        ts = tb * BLOCK_T + tq
+        tg = tile // n_nc + tl.zeros([], dtype=tl.int32)  # a tensor also under the interpreter
+        nc = tile - tg * n_nc
+        g0 = tg * QG
+        ts = g0 + tq
         tmask = ts < T
-        if GATHER:
-            limit = NC
-            nv = tl.zeros([BLOCK_T], dtype=tl.int32) + NC
-        else:
-            nv = tl.minimum(tl.load(nvis_ptr + ts, mask=tmask, other=0).to(tl.int32), NC)
-            limit = tl.max(nv, axis=0)
+        if QSUB == 1:  # the tile's queries, loaded once for its NSUB key blocks
+            q_even, q_odd, wh = _load_queries(q_ptr, w_ptr, g0, T, H, HP, DH, DHP, BLOCK_T, LOWP)
+            if not GATHER:
+                nv = _visible(nvis_ptr, ts, tmask, NC)
+        else:  # the group's visibility, for the shared-rows test of each key block
+            tsg = g0 + tl.arange(0, QG)
+            gmask = tsg < T
+            nvg = _visible(nvis_ptr, tsg, gmask, NC)
+            glimit = tl.max(nvg, axis=0)
         for sub in range(NSUB):
             n0 = (nc * NSUB + sub) * BLOCK_N
             cols = n0 + cn
             cmask = cols < NC
-            if n0 < limit:
-                if GATHER:  # BLOCK_T == 1: this tile's query is tb; candidates are entry ids
-                    ent = tl.load(cand_ptr + tb.to(tl.int64) * NC + cols, mask=cmask, other=-1)
+            if GATHER:  # this tile's query is tg; candidates are entry ids
+                if n0 < NC:
+                    ent = tl.load(cand_ptr + tg.to(tl.int64) * NC + cols, mask=cmask, other=-1)
                     kvalid = cmask & (ent >= 0)
                     ent = tl.maximum(ent, 0)
-                    blk = tl.load(table_ptr + tb.to(tl.int64) * NB + ent // E, mask=kvalid, other=0)
+                    blk = tl.load(table_ptr + tg.to(tl.int64) * NB + ent // E, mask=kvalid, other=0)
                     rows = blk.to(tl.int64) * E + ent % E
                     s = _key_scores(q_even, q_odd, wh, code_ptr, scale_ptr, rows, kvalid,
                                     DH, DHP, BLOCK_T, HP, BLOCK_N, LOWP, code_stride, scale_stride)
-                    ok = kvalid[None, :]
+                    s = tl.where(kvalid[None, :], s, float("-inf"))
                 else:
-                    # entry c of query t sits at pool row table[t, c // E] * E + c % E
-                    vis = tmask[:, None] & (cols[None, :] < nv[:, None])  # [BLOCK_T, BLOCK_N]
-                    blk = tl.load(table_ptr + ts.to(tl.int64)[:, None] * NB + (cols // E)[None, :], mask=vis,
-                                  other=0).to(tl.int64)
-                    bmax = tl.max(tl.where(vis, blk, -1), axis=0)
-                    bmin = tl.min(tl.where(vis, blk, 1 << 62), axis=0)
-                    kvalid = bmax >= 0
-                    differ = tl.max((kvalid & (bmax != bmin)).to(tl.int32), axis=0)
-                    if differ == 0:  # every query that sees these entries reads the same rows: one MMA
-                        rows = tl.maximum(bmax, 0) * E + cols % E
-                        s = _key_scores(q_even, q_odd, wh, code_ptr, scale_ptr, rows, kvalid,
-                                        DH, DHP, BLOCK_T, HP, BLOCK_N, LOWP, code_stride, scale_stride)
-                    else:  # queries of different sequences: each against its own rows
-                        s = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-                        for i in range(BLOCK_T):
-                            vis_i = tl.max(tl.where(tq[:, None] == i, vis.to(tl.int32), 0), axis=0) > 0
-                            blk_i = tl.max(tl.where(tq[:, None] == i, blk, 0), axis=0)
-                            # one query's heads padded to HP1 >= 16 rows (tl.dot's least M)
-                            qe_i, qo_i, wh_i = _load_queries(q_ptr, w_ptr, tb * BLOCK_T + i, T, H, HP1, DH, DHP, 1, LOWP)
-                            s_i = _key_scores(qe_i, qo_i, wh_i, code_ptr, scale_ptr, blk_i * E + cols % E, vis_i,
-                                              DH, DHP, 1, HP1, BLOCK_N, LOWP, code_stride, scale_stride)
-                            s = tl.where(tq[:, None] == i, s_i, s)
-                    ok = vis
-                s = tl.where(ok, s, float("-inf"))
+                    s = tl.full([BLOCK_T, BLOCK_N], float("-inf"), dtype=tl.float32)
+                _store_scores(out_ptr, max_ptr, s, ts, tmask, cols, cmask, n0, NC, G, BLOCK_T, BLOCK_N, MAXG)
+            elif QSUB == 1:
+                s = _dense_block(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, q_even, q_odd, wh, nv, g0, T, NB, E,
+                                 n0, cols, code_stride, scale_stride, H, HP, HP1, DH, DHP, BLOCK_T, BLOCK_N, LOWP)
+                _store_scores(out_ptr, max_ptr, s, ts, tmask, cols, cmask, n0, NC, G, BLOCK_T, BLOCK_N, MAXG)
             else:
-                s = tl.full([BLOCK_T, BLOCK_N], float("-inf"), dtype=tl.float32)
-            tl.store(out_ptr + ts.to(tl.int64)[:, None] * NC + cols[None, :], s,
-                     mask=tmask[:, None] & cmask[None, :])
-            if MAXG > 0:  # each query's maximum over every MAXG entries (bounds the top-k select)
-                if MAXG == 1:
-                    mx = s
-                else:
-                    mx = tl.max(tl.reshape(s, (BLOCK_T, BLOCK_N // MAXG, MAXG)), axis=2)
-                gc = n0 // MAXG + tl.arange(0, BLOCK_N // MAXG)
-                tl.store(max_ptr + ts.to(tl.int64)[:, None] * G + gc[None, :], mx,
-                         mask=tmask[:, None] & (gc < G)[None, :])
+                visg = gmask[:, None] & (cols[None, :] < nvg[:, None])  # [QG, BLOCK_N]
+                _, bmax, kvalid, differ = _entry_blocks(table_ptr, tsg, visg, cols, NB, E)
+                # where the group's queries share the block's rows, one load and decode of it for
+                # them all (elsewhere the load is masked off and each sub-tile goes its own way)
+                shared = (n0 < glimit) & (differ == 0)
+                b, e8 = _key_bytes(code_ptr, scale_ptr, tl.maximum(bmax, 0) * E + cols % E, kvalid & shared,
+                                   DH, DHP, code_stride, scale_stride)
+                k_lo, k_hi = _decode_keys(b, e8, DHP, BLOCK_N, LOWP)
+                for qs in range(QSUB):
+                    t0 = g0 + qs * BLOCK_T
+                    ts_q = t0 + tq
+                    tm_q = ts_q < T
+                    nv_q = _visible(nvis_ptr, ts_q, tm_q, NC)
+                    if n0 < tl.max(nv_q, axis=0):
+                        qe, qo, wq = _load_queries(q_ptr, w_ptr, t0, T, H, HP, DH, DHP, BLOCK_T, LOWP)
+                        if shared:
+                            s = _dot_scores(qe, qo, wq, k_lo, k_hi, BLOCK_T, HP, BLOCK_N, LOWP)
+                            s = tl.where(tm_q[:, None] & (cols[None, :] < nv_q[:, None]), s, float("-inf"))
+                        else:
+                            s = _dense_block(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, qe, qo, wq, nv_q, t0, T,
+                                             NB, E, n0, cols, code_stride, scale_stride, H, HP, HP1, DH, DHP,
+                                             BLOCK_T, BLOCK_N, LOWP)
+                    else:
+                        s = tl.full([BLOCK_T, BLOCK_N], float("-inf"), dtype=tl.float32)
+                    _store_scores(out_ptr, max_ptr, s, ts_q, tm_q, cols, cmask, n0, NC, G, BLOCK_T, BLOCK_N, MAXG)
 
 
 @triton.jit
@@ -357,17 +453,41 @@ def tile_shape(t: int, h: int, gather: bool, on_npu: bool, interp: bool) -> tupl
     return hp, bt, bn
 
 
-def _config(t: int, h: int, nc: int, gather: bool, device) -> tuple[int, int, int, int, int]:
-    """(HP, BLOCK_T, BLOCK_N, NSUB, num_warps) for a launch."""
+def _config(t: int, h: int, nc: int, gather: bool, device) -> tuple[int, int, int, int, int, int]:
+    """(HP, BLOCK_T, BLOCK_N, NSUB, num_warps, QSUB) for a launch: query groups of up to
+    `scores_qsub` sub-tiles while the tiles still fill the workers twice, then NSUB key blocks a
+    tile likewise."""
     from .launch import interpreting, num_workers
 
     hp, bt, bn = tile_shape(t, h, gather, torch.device(device).type == "npu", interpreting())
     n_tb, n_nb = -(-t // bt), -(-nc // bn)
     target = 2 * num_workers(device, "cube")
+    qsub = 1
+    limit = 1 if gather else scores_qsub(device)
+    while qsub < limit and -(-n_tb // (qsub * 2)) * n_nb >= target:
+        qsub *= 2
+    n_tg = -(-n_tb // qsub)
     nsub = 1
-    while nsub < 8 and n_tb * (-(-n_nb // (nsub * 2))) >= target:
+    while nsub < 8 and n_tg * (-(-n_nb // (nsub * 2))) >= target:
         nsub *= 2
-    return hp, bt, bn, nsub, 8
+    return hp, bt, bn, nsub, 8, qsub
+
+
+# Query sub-tiles a dense scores tile may group (`_indexer_scores_kernel`'s QSUB): a key block
+# is decoded once per group where the group's queries read the same rows (a prefill chunk).
+# H200 (2026-12-04, `benchmarks/indexer_prefill.py`, scores kernel alone, one sequence, bit-equal
+# at every QSUB): T=1792 over 8K entries QSUB 1 / 4 / 8 / 16: 1.644 / 1.555 / 1.472 / 1.817 ms
+# (a second call 1.726 / - / 1.560); over 16K 3.138 / 2.901 / 2.795 / 3.086; T=128 over 2K / 8K:
+# QSUB 1 0.126 / 0.204, QSUB 8 0.095 / 0.163 ms. The decode is a small part of the tile's work:
+# the rest (two MMAs, relu, the head sum, the stores) is per query tile either way.
+SCORES_QSUB = {"cuda": 8}
+
+
+def scores_qsub(device) -> int:
+    """The most query sub-tiles per dense scores tile on this device (1: no grouping)."""
+    from .launch import interpreting
+
+    return 2 if interpreting() else SCORES_QSUB.get(torch.device(device).type, 1)
 
 
 def _rows_config(t: int, h: int, nc: int, device) -> tuple[int, int, int, int, int]:
@@ -466,11 +586,15 @@ def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_
     if rows and gather:
         raise ValueError("the one-query-per-tile scores kernel is dense only (no candidates)")
     if _cfg is not None:
-        hp, bt, bn, nsub, warps = _cfg
+        hp, bt, bn, nsub, warps, *more = _cfg
+        qsub = more[0] if more else 1
     elif rows:
         hp, bt, bn, nsub, warps = _rows_config(t, h, nc, q.device)
+        qsub = 1
     else:
-        hp, bt, bn, nsub, warps = _config(t, h, nc, gather, q.device)
+        hp, bt, bn, nsub, warps, qsub = _config(t, h, nc, gather, q.device)
+    if qsub < 1 or qsub > 1 and (gather or rows):
+        raise ValueError(f"query groups (QSUB {qsub}) are for the dense multi-query tiles only")
     if rows and (bt != 1 or hp < max(16, h)):
         raise ValueError(f"rows tiles take one query and all its heads padded to >= 16 rows, got {_cfg}")
     if gather or topk <= 0:
@@ -483,7 +607,7 @@ def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_
     g = -(-nc // maxg) if maxg else 1
     maxima = torch.empty(t, g, dtype=torch.float32, device=q.device) if maxg else out
     n_nc = -(-(-(-nc // bn)) // nsub)
-    n_tiles = -(-t // bt) * n_nc
+    n_tiles = -(-t // (bt * qsub)) * n_nc
     grid = grid_for(n_tiles, q.device, cores="cube")  # tl.dot: one program per AI core on Ascend
     table = block_table.contiguous()
     cand = candidates.contiguous() if gather else table  # unused pointer when dense
@@ -500,7 +624,7 @@ def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_
         q.contiguous(), weights.contiguous(), codes, scales, table, nvis, cand, out, maxima,
         t, nc, nb, e, g, n_nc, n_tiles, grid, codes.stride(0), scales.stride(0),
         H=h, HP=hp, HP1=max(hp, 16), DH=d // 2, DHP=_pow2(d // 2), BLOCK_T=bt, BLOCK_N=bn, NSUB=nsub,
-        GATHER=gather, LOWP=not interpreting(), MAXG=maxg, **extra, **pdl_launch(codes))
+        GATHER=gather, LOWP=not interpreting(), MAXG=maxg, QSUB=qsub, **extra, **pdl_launch(codes))
     return out, (maxima if maxg else None), maxg
 
 

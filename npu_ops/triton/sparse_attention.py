@@ -44,9 +44,13 @@ How it runs:
   H200 it gave wrong global-entry results with its loads in the loop and faulted at model widths
   (8 and 16 warps, 1-3 stages); the source has no global memory written and read back and every load
   is masked or clamped. This form is right in every configuration tried there.)
+- Rows form (`sparse_attention_rows.py`, `ROWS=True`; CUDA's prefill entry "cuda_prefill"):
+  every pool row the launch reads is decoded once into a dense bf16 table (sized without a host
+  read: `rows_bound`), then one program per (query, all heads) gathers bf16 rows into the MMAs.
 - Per-backend tile tables (`config_for`): at decode shapes (T <= 66 on the H200) CUDA takes
   all 64 heads with 128-channel contraction / output blocks and one split per entry block;
-  otherwise CUDA takes the whole-row kernel with all 64 heads in one tile; the MQA kernel (each
+  above that the rows form, except while a graph is captured, when CUDA takes the whole-row
+  kernel with all 64 heads in one tile (also the batch-invariant mode's table); the MQA kernel (each
   decoded row serves every head; M = 64 is one wgmma tile; q stays in shared memory) is the
   opt-in `cuda_mqa` entry (faster alone at 1792 / 8192 tokens, not end to end: see CONFIGS);
   Ascend tiles the contraction (BLOCK_D) and the output channels (BLOCK_DV, part of the tile
@@ -70,9 +74,10 @@ RUNNING_MAX_INIT = tl.constexpr(-1e30)  # a row with no valid entry outputs 0
 
 # Tile tables: BLOCK_D / BLOCK_DV of None mean the full head_dim (one decode per block).
 CONFIGS = {
-    # cuda (prefill, the default): the whole-row table: `_sparse_attn_kernel` with whole 512-wide
-    # rows (byte loads in the loop, no prefetch). H200 sweep (T=256, 64K context, CUDA-graph time): this 530
-    # us; BLOCK_N 16: 586; BLOCK_N 64 + QK_T: 811; 16 warps: 1208; DV_HALF (BLOCK_N 32 / 64, 4 or
+    # cuda (the main entry: prefill shapes while a graph is captured, and the batch-invariant
+    # mode's table; the prefill default until 2026-12-04, now cuda_prefill): the whole-row
+    # table: `_sparse_attn_kernel` with whole 512-wide rows (byte loads in the loop, no
+    # prefetch). H200 sweep (T=256, 64K context, CUDA-graph time): this 530 us; BLOCK_N 16: 586; BLOCK_N 64 + QK_T: 811; 16 warps: 1208; DV_HALF (BLOCK_N 32 / 64, 4 or
     # 8 warps): 667-759. ptxas: 255 registers + ~1 KB spill (the 64x512 fp32 accumulator alone is
     # 128 registers a thread). Prefill shapes (2026-12-01 08:14 UTC, triton 3.6, kernel time):
     # T=1792: 3.72 ms (8K context) / 3.75 ms (32K), 40 TFLOP/s; T=8192: 15.5 / 15.6 ms, 44
@@ -95,6 +100,20 @@ CONFIGS = {
     # carry over, the CED loss is unexplained (untimed shapes: fewer tokens than SMs, splits).
     "cuda_mqa": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=2, MQA=True,
                      AHEAD=True, LAZY=0.0, min_blocks_per_split=1),
+    # cuda_prefill (the prefill shapes' default on CUDA, `config_for`): the rows form
+    # (`sparse_attention_rows`): every pool row the launch reads decoded once into a dense bf16
+    # table, then one program per (query, all 64 heads) gathering bf16 rows (pipelined) straight
+    # into the MMAs. H200 (2026-12-04 05:10 UTC, `benchmarks/sparse_prefill.py --time`, kernel
+    # time with the table step, T=1792, 8K / 32K context): this 1.239 / 1.250 ms (121 / 120
+    # TFLOP/s) against the whole-row table's 3.737 / 3.635; BLOCK_N 32 (2 / 3 / 4 stages)
+    # 1.497-1.553 / 1.558-2.056; BLOCK_N 16 (4 stages) 2.026 / 2.031; 16 warps (BLOCK_N 64 / 32)
+    # 1.98-2.12; BLOCK_N 128 (1 stage) 1.37-1.42 against 1.36-1.37 (second call). Those times
+    # read the table size back (the first form); without the read (05:20 UTC): 1.064 / 1.083
+    # ms (141 / 139 TFLOP/s), BLOCK_N 32 / 2 stages 1.023 / 1.056 (within 4%, after trailing
+    # by 17-35% in the first form: not changed), the table step alone 0.31-0.34 ms (CUDA events
+    # around the Python call: host launch gaps included). Never while a graph is
+    # captured (its launches are sized by the step): the main entry serves then.
+    "cuda_prefill": dict(BLOCK_H=64, BLOCK_N=64, BLOCK_D=None, BLOCK_DV=None, num_warps=8, num_stages=2, ROWS=True),
     # cuda at decode shapes (few tokens): all 64 heads per tile (wgmma M = 64, 4 warps = one warp
     # group), the contraction and the output channels in blocks of 128, one split per entry
     # block (flash-decoding): a T=1 step is 4 channel blocks x 20 splits = 80 programs. H200
@@ -651,13 +670,15 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
                             *, BLOCK_H: int, BLOCK_N: int, BLOCK_D: int | None, BLOCK_DV: int | None,
                             num_warps: int | None = None, num_stages: int | None = None, QK_T: bool = False,
                             DV_HALF: bool = False, MQA: bool = False, AHEAD: bool = True, LAZY: float = 0.0,
-                            TWO_PASS: bool = False, min_blocks_per_split: int = 2,
-                            n_split: int | None = None) -> torch.Tensor:
+                            TWO_PASS: bool = False, ROWS: bool = False, min_blocks_per_split: int = 2,
+                            n_split: int | None = None, rows_bound: tuple[int, int] | None = None) -> torch.Tensor:
     """`sparse_attention` with explicit tile sizes (tests and tuning); `n_split` forces the split
     count. MQA (CUDA; whole rows): `_mqa_kernel` (each entry decoded once per head block and used
     as K and as V, the next block's words loaded ahead; LAZY: the running max moves only past
     that margin) instead of `_sparse_attn_kernel`. TWO_PASS: every logit first, then the values
-    (`sparse_attention_two_pass`; tiled, BLOCK_D / BLOCK_DV as given)."""
+    (`sparse_attention_two_pass`; tiled, BLOCK_D / BLOCK_DV as given). ROWS: every pool row read
+    decoded once into a dense bf16 table, then bf16 gathers (`sparse_attention_rows`; whole rows,
+    no splits; `rows_bound` sizes the table, see `ops.sparse_attention`)."""
     from .launch import as_int8, grid_for, interpreting, num_workers
 
     t, h, d = q.shape
@@ -684,6 +705,9 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
         raise ValueError(f"MQA tiles need a power-of-two head_dim, got {d}")
     if TWO_PASS and (MQA or DV_HALF or QK_T):
         raise ValueError("TWO_PASS takes none of MQA / DV_HALF / QK_T")
+    if ROWS and (MQA or DV_HALF or QK_T or TWO_PASS or BLOCK_N < 16 or d & (d - 1)):
+        raise ValueError(f"ROWS takes none of MQA / DV_HALF / QK_T / TWO_PASS, BLOCK_N >= 16 and a power-of-two "
+                         f"head_dim (got BLOCK_N {BLOCK_N}, head_dim {d})")
     if MQA and (block_d != d or block_dv != d):
         raise ValueError(f"MQA tiles take whole rows (BLOCK_D = BLOCK_DV = head_dim {d}; got {block_d} / {block_dv})")
     block_h = _pow2_at_least(min(BLOCK_H, h), 16)  # tl.dot needs M >= 16; extra heads are masked
@@ -710,6 +734,13 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
     if dev.type == "cuda" and not interpreting():
         kw = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v}
     dot_bf16 = not interpreting()  # interpreters: fp32 dot operands (same values), integer bf16 rounding
+    if ROWS:
+        from .sparse_attention_rows import rows_attention
+
+        return rows_attention(qc, swa_kv, swa_scale, win_idx, glob_kv if have_glob else None,
+                              glob_scale if have_glob else None, glob_idx if have_glob else None, sk, softmax_scale,
+                              out, BLOCK_H=block_h, BLOCK_N=BLOCK_N, num_warps=num_warps, num_stages=num_stages,
+                              dot_bf16=dot_bf16, rows_bound=rows_bound)
     if TWO_PASS:
         from .sparse_attention_two_pass import launch_two_pass
 
@@ -856,7 +887,9 @@ def sparse_decode_form() -> str:
 def config_for(device: torch.device, t: int, h: int) -> dict:
     """The tile table entry for a launch: the decode entry (in the DSV41_SPARSE_DECODE form: by
     default two-pass from TWO_PASS_MIN_T tokens) when the queries' whole-head tiles would leave
-    most workers idle (small T: flash-decoding over head blocks and entry splits)."""
+    most workers idle (small T: flash-decoding over head blocks and entry splits); otherwise the
+    "<key>_prefill" entry where the backend has one, except while a graph is captured (the rows
+    form's table is sized by the step's shapes, which a graph would freeze), else the main entry."""
     from .launch import num_workers
 
     key = _backend_key(device)
@@ -869,14 +902,23 @@ def config_for(device: torch.device, t: int, h: int) -> dict:
             if two in CONFIGS and (form == "two_pass" or form == "auto" and t >= TWO_PASS_MIN_T):
                 return CONFIGS[two]
             return CONFIGS[decode]
+    prefill = CONFIGS.get(key + "_prefill")
+    if prefill is not None:
+        from ...backends.platform import platform_for
+
+        if not platform_for(device).is_capturing():
+            return prefill
     return CONFIGS[key]
 
 
 def sparse_attention(q: torch.Tensor, swa_kv: torch.Tensor, swa_scale: torch.Tensor, win_idx: torch.Tensor,
                      glob_kv: torch.Tensor | None, glob_scale: torch.Tensor | None, glob_idx: torch.Tensor | None,
-                     sink: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+                     sink: torch.Tensor, softmax_scale: float,
+                     rows_bound: tuple[int, int] | None = None) -> torch.Tensor:
     """`ops.sparse_attention` on the Triton kernel: [T, H, D] bf16 out. Requires triton."""
     cfg = config_for(q.device, q.shape[0], q.shape[1])
+    if cfg.get("ROWS"):
+        cfg = dict(cfg, rows_bound=rows_bound)
     return sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink,
                                    softmax_scale, **cfg)
 
