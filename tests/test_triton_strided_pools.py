@@ -61,6 +61,15 @@ def test_sparse_attention_reads_strided_pools(device, fresh_seed):
         got = sa.sparse_attention_launch(dev(q), v[0], v[1], dev(win_idx), v[2], v[3], dev(glob_idx), dev(sink),
                                          d ** -0.5, **mqa)
         assert torch.equal(got, want), (before, after)
+    # the rows form (every pool row read decoded into a bf16 table first) reads the same views
+    rows = dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, ROWS=True)
+    want = sa.sparse_attention_launch(*map(dev, (q, swa_kv, swa_sc, win_idx, glob_kv, glob_sc, glob_idx, sink)),
+                                      d ** -0.5, **rows)
+    v = [dev(x) for x in views]
+    got = sa.sparse_attention_launch(dev(q), v[0], v[1], dev(win_idx), v[2], v[3], dev(glob_idx), dev(sink),
+                                     d ** -0.5, **rows)
+    assert torch.isfinite(want.float()).all() and want.abs().max() > 0
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("device", DEVICES)
