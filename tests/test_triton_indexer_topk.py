@@ -294,7 +294,7 @@ def test_scores_match_reference(dev, t, h, d, n, rng):
 
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("cfg,rows", [((8, 2, 32, 3, 4), False), ((16, 1, 16, 2, 4), False), ((4, 8, 64, 4, 8), False),
-                                      ((8, 2, 32, 3, 4, 2), False), ((4, 1, 32, 2, 4, 4), False),
+                                      ((8, 2, 32, 3, 4, 2), False), ((16, 1, 32, 2, 4, 4), False),
                                       ((16, 1, 16, 1, 4), True), ((16, 1, 16, 3, 4), True), ((16, 1, 32, 4, 8), True)])
 @pytest.mark.parametrize("layout", ["one_seq", "paged"])
 def test_tile_configs(dev, cfg, rows, layout, rng):
