@@ -71,6 +71,13 @@ def sparse_rows() -> list[tuple[str, str]]:
                           DOT_BF16=True, QK_T=False, DV_HALF=False)
             fn = sa._sparse_attn_kernel
         rows.append((f"sparse_attention {key}", ptxas_usage(fn, ptrs, consts, cfg["num_warps"], cfg["num_stages"])))
+    from dsv41.npu_ops.triton import sparse_attention_rows as sar
+
+    cfg = sa.CONFIGS["cuda_prefill"]  # the rows form's attention kernel (bf16 table rows)
+    consts = dict(D=512, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["num_stages"], DOT_BF16=True)
+    rows.append(("sparse_attention cuda_prefill (rows form)", ptxas_usage(
+        sar._rows_attn_kernel, {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32",
+                                "out_ptr": "*bf16"}, consts, cfg["num_warps"], cfg["num_stages"])))
     return rows
 
 

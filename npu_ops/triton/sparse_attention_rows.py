@@ -7,7 +7,7 @@ loop's critical path between the gather and the tensor cores. This form decodes 
 the launch reads once, into a dense bf16 table, and the attention loop then gathers bf16 rows
 straight into the MMA (the values are the same: every decoded value is exact in bf16).
 
-Three steps per launch:
+Two steps per launch:
 1. `dense_table`: the pool rows the queries read, numbered densely: `_mark_kernel` sets a flag
    per pool row an index list names (window rows, then global rows, in one flag array), a prefix
    sum numbers them; `_decode_rows_kernel` decodes every flagged row to bf16 into its slot (FP8
