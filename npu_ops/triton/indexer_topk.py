@@ -168,24 +168,20 @@ def _dot_scores(q_even, q_odd, wh, k_lo, k_hi, NQ: tl.constexpr, HP: tl.constexp
     weights, sum over heads. KEYS_M: the keys are the MMAs' M side (k.q^T, the decoded keys
     feed the MMA from registers and a query's heads lie along one accumulator row, so the head
     sum stays within a thread quad); the same products and sums, transposed at the end."""
-    if KEYS_M:
-        if LOWP:
-            acc = tl.dot(k_lo, tl.trans(q_even))
-            acc = tl.dot(k_hi, tl.trans(q_odd), acc)
-        else:
-            acc = tl.dot(k_lo, tl.trans(q_even), input_precision="ieee")
-            acc = tl.dot(k_hi, tl.trans(q_odd), acc, input_precision="ieee")
-        rel = tl.maximum(acc, 0.0) * wh[None, :]
-        out = tl.trans(tl.sum(tl.reshape(rel, (BLOCK_N, NQ, HP)), axis=2))
+    if KEYS_M:  # [BLOCK_N, NQ * HP] = k . q^T
+        a_e, b_e, a_o, b_o = k_lo, q_even, k_hi, q_odd
+    else:  # [NQ * HP, BLOCK_N] = q . k^T
+        a_e, b_e, a_o, b_o = q_even, k_lo, q_odd, k_hi
+    if LOWP:
+        acc = tl.dot(a_e, tl.trans(b_e))
+        acc = tl.dot(a_o, tl.trans(b_o), acc)
     else:
-        if LOWP:
-            acc = tl.dot(q_even, tl.trans(k_lo))
-            acc = tl.dot(q_odd, tl.trans(k_hi), acc)
-        else:
-            acc = tl.dot(q_even, tl.trans(k_lo), input_precision="ieee")
-            acc = tl.dot(q_odd, tl.trans(k_hi), acc, input_precision="ieee")
-        rel = tl.maximum(acc, 0.0) * wh[:, None]
-        out = tl.sum(tl.reshape(rel, (NQ, HP, BLOCK_N)), axis=1)
+        acc = tl.dot(a_e, tl.trans(b_e), input_precision="ieee")
+        acc = tl.dot(a_o, tl.trans(b_o), acc, input_precision="ieee")
+    if KEYS_M:
+        out = tl.trans(tl.sum(tl.reshape(tl.maximum(acc, 0.0) * wh[None, :], (BLOCK_N, NQ, HP)), axis=2))
+    else:
+        out = tl.sum(tl.reshape(tl.maximum(acc, 0.0) * wh[:, None], (NQ, HP, BLOCK_N)), axis=1)
     return out
 
 
