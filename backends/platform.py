@@ -39,6 +39,19 @@ def capture_without_gc(capture):
             gc.enable()
 
 
+def freeze_host_objects() -> None:
+    """Take every Python object alive now out of the cyclic garbage collector's view (one
+    collection, then `gc.freeze`), as vLLM does after start-up. A full (generation-2) collection
+    walks every tracked object: with the mini model loaded and its kernels compiled that is about
+    0.2 M objects, and one such collection took 111 ms of host time inside a warm CED prefill
+    on the H200 machine (a 0.10 s prefill read 0.22 s). Called once the long-lived state exists
+    (model, engine, compiled kernels, captured graphs); later objects are collected as before.
+    Frozen objects are never freed by the collector, so this is for serving processes, not
+    for test sessions that build many models."""
+    gc.collect()
+    gc.freeze()
+
+
 def cuda_unavailable_reason() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device visible to torch"

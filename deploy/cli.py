@@ -295,6 +295,16 @@ def _warm_up(engine, prompt, params, images, spec_opts, group) -> float:
     return time.perf_counter() - start
 
 
+def _settle_host(device) -> None:
+    """On a device, once the model and engine are built (and warmed up): the long-lived Python
+    objects out of the garbage collector's full passes (`platform.freeze_host_objects`), so no
+    collection of them stalls the host inside a prefill or decode step."""
+    if device.type != "cpu":
+        from ..backends.platform import freeze_host_objects
+
+        freeze_host_objects()
+
+
 def _generate(args, group, device) -> int:
     import torch
 
@@ -331,6 +341,7 @@ def _generate(args, group, device) -> int:
     try:
         warmup_s = _warm_up(engine, prompt, params, images, spec_opts, group) \
             if device.type != "cpu" and not args.no_warmup else None
+        _settle_host(device)
         if spec_opts is not None:
             res = engine.generate_speculative(prompt, params, spec_opts, images=images)
         else:
@@ -404,6 +415,7 @@ def _generate_file(args, cfg, tok, group, device, base) -> int:
         if device.type != "cpu" and not args.no_warmup:
             ids, first, images = batch[0]
             _warm_up(engine, ids, first, images, None, group)
+        _settle_host(device)
         rows = run_prompts_file(engine, tok, reqs, batch)
     except ValueError as e:
         raise UserError(str(e)) from None

@@ -94,11 +94,14 @@ def test_grouped_predequantised(dev, swap, rng, poisoned):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-def test_predequantised_weights_exact(dev, rng, poisoned):
-    """The bf16 scratch holds every expert's w1, w3, w2 exactly (the reference's values)."""
+@pytest.mark.parametrize("fill_tile", [(32, 256, 4), (64, 64, 4), (64, 128, 8), (64, 96, 4)])
+def test_predequantised_weights_exact(dev, fill_tile, rng, poisoned, monkeypatch):
+    """The bf16 scratch holds every expert's w1, w3, w2 exactly (the reference's values), for
+    square and oblong fill tiles, and for a tile that does not divide the widths (32 x 32 then)."""
     from dsv41.backends.reference.basic import dequant_weight
 
-    d, inter = 128, 64
+    monkeypatch.setattr(mg, "FILL_TILE", fill_tile)
+    d, inter = 512, 256
     ex = [(weight("fp4", inter, d, rng), weight("fp4", d, inter, rng), weight("fp4", inter, d, rng)) for _ in range(3)]
     dex = [tuple((a.to(dev), b.to(dev)) for a, b in e) for e in ex]
     # (the tensors' own device: "cuda" alone would not equal their "cuda:0")

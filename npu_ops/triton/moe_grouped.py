@@ -50,10 +50,15 @@ from .block_scaled import W_DENSE, W_FP4, bf16_bits16, bf16_round, e2m1_pairs_f3
 from .swiglu import expert_act
 
 # Tiles per routed-row range: the best measured on the H200 (benchmarks/RESULTS.md, "MoE: the
-# grouped tensor-core path": T=8 swap off 980 us, T=64 swap + BK 256 999 us, T=8192 41.7 ms).
+# grouped tensor-core path": T=8 swap off 980 us, T=64 swap + BK 256 999 us). Prefill (the bf16
+# scratch, experts two at a time; H200 2026-12-04, `moe_experts` CUDA-event time, 16 FP4 experts
+# at the mini widths, top-6): BN 128 for gate/up and BK 64 2.556 ms at T=1792 (one engine step)
+# and 9.697 ms at T=8192 against 2.941 / 11.423 for BN 64 / BK 128 (the same bits: a wgmma chain
+# adds K in the same order whatever BK); 4 stages, BN 256 for down, BM 64 or GROUP_M 4 / 16
+# within 5% or slower; four experts a scratch fill 2.500 ms (not taken: twice the scratch).
 TILES = {"decode": {"bm": 16, "bn_up": 64, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 3},
          "mid": {"bm": 32, "bn_up": 64, "bn_down": 64, "bk": 256, "num_warps": 4, "num_stages": 3, "swap": True},
-         "prefill": {"bm": 128, "bn_up": 64, "bn_down": 128, "bk": 128, "num_warps": 8, "num_stages": 3,
+         "prefill": {"bm": 128, "bn_up": 128, "bn_down": 128, "bk": 64, "num_warps": 8, "num_stages": 3,
                      "group_m": 8},
          "interp": {"bm": 16, "bn_up": 32, "bn_down": 32, "bk": 64}}
 DECODE_MAX_ROWS = 64 * 8  # routed rows up to which every block of a column tile runs side by side
@@ -386,25 +391,38 @@ _SCRATCH_TABLES: dict[tuple, torch.Tensor] = {}
 
 
 @triton.jit
-def _fp4_to_bf16_kernel(w_base, s_base, table_ptr, out_ptr, I, D, e_lo, BT: tl.constexpr, LOWP: tl.constexpr, PDL: tl.constexpr = 0):
-    """Program (expert e_lo + i, matrix m, tile): a [BT, BT] tile of matrix m (0: w1, 1: w3, 2: w2)
-    of that expert dequantised to bf16 into out [G, 3, I * D] at slot i."""
+def _fp4_to_bf16_kernel(w_base, s_base, table_ptr, out_ptr, I, D, e_lo, BN: tl.constexpr, BK: tl.constexpr,
+                        LOWP: tl.constexpr, EVEN: tl.constexpr = False, PDL: tl.constexpr = 0):
+    """Program (expert e_lo + i, matrix m, tile): a [BN, BK] tile of matrix m (0: w1, 1: w3, 2: w2)
+    of that expert dequantised to bf16 into out [G, 3, I * D] at slot i (EVEN: the tiles divide
+    both matrices, no masks)."""
     pdl_start(PDL)
     i = tl.program_id(0)
     e = e_lo + i
     m = tl.program_id(1)
     n_rows = tl.where(m == 2, D, I)
     k = tl.where(m == 2, I, D)
-    n_kt = k // BT
+    n_kt = k // BK
     pn = tl.program_id(2) // n_kt
     pk = tl.program_id(2) - pn * n_kt
     w = w_base + tl.load(table_ptr + e * 6 + m)
     sc = s_base + tl.load(table_ptr + e * 6 + 3 + m)
-    rn = pn * BT + tl.arange(0, BT)
-    lo, hi = fp4_tiles(w, sc, rn, rn < n_rows, pk * BT, k, k // 2, k // 32, BT, BT, LOWP)
-    kk = pk * BT + tl.arange(0, BT)
+    rn = pn * BN + tl.arange(0, BN)
+    lo, hi = fp4_tiles(w, sc, rn, rn < n_rows, pk * BK, k, k // 2, k // 32, BN, BK, LOWP, EVEN)
+    kk = pk * BK + tl.arange(0, BK)
     dst = out_ptr + (i * 3 + m).to(tl.int64) * I * D + rn.to(tl.int64)[:, None] * k + kk[None, :]
-    tl.store(dst, tl.interleave(lo, hi), mask=(rn < n_rows)[:, None])
+    if EVEN:
+        tl.store(dst, tl.interleave(lo, hi))
+    else:
+        tl.store(dst, tl.interleave(lo, hi), mask=(rn < n_rows)[:, None])
+
+
+# The scratch fill's tiles on devices: (BN rows, BK columns, warps); both matrices' widths must be
+# multiples of BN and BK (else 32 x 32 tiles). H200 2026-12-04 (16 mini experts, two a fill, CUDA
+# events; the same bytes every time): 32 x 256 0.441 ms (3.25 TB/s of reads + writes), 64 x 128
+# 0.448, 16 x 256 0.449, 32 x 128 0.452, 64 x 64 (before) 0.467, 64 x 64 on 8 warps 0.541, 128 x
+# 128 on 8 warps 0.533.
+FILL_TILE = (32, 256, 4)
 
 
 def predequant_pays(kind: str, rows: int, n_exp: int, inter: int, d: int) -> bool:
@@ -424,11 +442,16 @@ def predequantised(table_args, interp: bool, experts: tuple[int, int] | None = N
     w_base, s_base, table, kind, inter, d, _, align = table_args
     n_exp = table.shape[0]
     e_lo, e_hi = experts or (0, n_exp)
-    bt = 64 if inter % 64 == 0 and d % 64 == 0 else 32
+    bn, bk, warps = FILL_TILE
+    if inter % bn or d % bn or inter % bk or d % bk:
+        bn, bk = 32, 32  # (the widths are multiples of 32: FP4 scale blocks)
     if out is None:
         out = _buffer((e_hi - e_lo, 3, inter * d), torch.bfloat16, w_base.device)
-    _fp4_to_bf16_kernel[(e_hi - e_lo, 3, (inter // bt) * (d // bt))](w_base, s_base, table, out, inter, d, e_lo,
-                                                                        BT=bt, LOWP=not interp, **pdl_launch(w_base))
+    # (w1 / w3 [I, d] and w2 [d, I] have the same number of tiles, I * d / (BN * BK))
+    _fp4_to_bf16_kernel[(e_hi - e_lo, 3, (inter // bn) * (d // bk))](
+        w_base, s_base, table, out, inter, d, e_lo, BN=bn, BK=bk, LOWP=not interp,
+        EVEN=all(w % t == 0 for w in (inter, d) for t in (bn, bk)),
+        **({} if interp else {"num_warps": warps}), **pdl_launch(w_base))
     key = (n_exp, inter, d, e_lo, e_hi, w_base.device)
     tab = _SCRATCH_TABLES.get(key)
     if tab is None:
