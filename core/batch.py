@@ -19,6 +19,7 @@ prefill.
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -173,6 +174,20 @@ def block_tables(tables: list) -> torch.Tensor:
     return out
 
 
+_ARRAY_CODES = {torch.long: "q", torch.bool: "B"}
+
+
+def host_tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
+    """A flat list of Python ints (or bools) as a 1-D CPU tensor. Long lists go through a typed array
+    (`array.array`, then `torch.frombuffer`, which keeps the array alive): 3-4x faster than
+    `torch.tensor` on a list (1792 ints: 19 against 69 us here), and a prefill step converts a
+    dozen such lists."""
+    code = _ARRAY_CODES.get(dtype)
+    if code is None or len(data) < 64:
+        return torch.tensor(data, dtype=dtype)
+    return torch.frombuffer(array.array(code, data), dtype=dtype)
+
+
 def build_step(cfg: ModelConfig, pool: KVPool, chunks: list[Chunk], device: torch.device | str,
                image_token_id: int | None = None) -> StepBatch:
     """Lay out one step of `chunks` (one per sequence): allocate the blocks the new positions
@@ -227,22 +242,23 @@ def build_step(cfg: ModelConfig, pool: KVPool, chunks: list[Chunk], device: torc
             images.append(ch.image_embeds)
         st.length = start + n
     back = torch.arange(n_gram)  # n-gram slot s holds position p - s (-1 / False before the start)
-    ok = torch.tensor(pos, dtype=torch.long)[:, None] >= back
-    at = (torch.tensor(hist_at, dtype=torch.long)[:, None] - back).clamp(min=0)
-    ngram_host = (torch.where(ok, torch.tensor(hist_tok, dtype=torch.long)[at], -1),
-                  ok & torch.tensor(hist_img, dtype=torch.bool)[at])  # sent once
+    pos_t = host_tensor(pos, torch.long)
+    ok = pos_t[:, None] >= back
+    at = (host_tensor(hist_at, torch.long)[:, None] - back).clamp(min=0)
+    ngram_host = (torch.where(ok, host_tensor(hist_tok, torch.long)[at], -1),
+                  ok & host_tensor(hist_img, torch.bool)[at])  # sent once
     # built on the host, sent without a host wait (`to_device`): the forward reads nothing back,
     # so the host builds the next step (a prefill's next chunk) while the device runs this one
     def t(data, dtype):
-        return to_device(torch.tensor(data, dtype=dtype), device)
+        return to_device(data if isinstance(data, torch.Tensor) else host_tensor(data, dtype), device)
 
     return StepBatch(
         ids=t(ids, torch.long),
-        positions=t(pos, torch.long),
+        positions=t(pos_t, torch.long),
         seq=t(seq, torch.long),
         swa_tables=(to_device(block_tables([c.state.swa_blocks for c in chunks]), device),),
         glob_tables=(to_device(block_tables([c.state.glob_blocks for c in chunks]), device),),
-        floors=t([c.state.floors for c in chunks], torch.long),
+        floors=to_device(torch.tensor([c.state.floors for c in chunks], dtype=torch.long), device),
         glob_from=t([c.state.glob_from for c in chunks], torch.long),
         ngram_ids=to_device(ngram_host[0], device),
         ngram_image=to_device(ngram_host[1], device),

@@ -50,7 +50,7 @@ def test_step_rows_match_their_definitions(seed):
         chunks = []
         for b in rng.sample(range(4), rng.randint(1, 4)):
             st = states[b]
-            n = rng.choice([1, 2, 5, 37])
+            n = rng.choice([1, 2, 5, 37, 80])  # (80: past host_tensor's typed-array threshold)
             ids = [IMG if rng.random() < 0.2 else rng.randrange(cfg.vocab_size) for _ in range(n)]
             text_only = rng.random() < 0.3
             n_img = 0 if text_only else ids.count(IMG)
@@ -61,6 +61,9 @@ def test_step_rows_match_their_definitions(seed):
         batch = build_step(cfg, pool, chunks, "cpu", IMG)
         want, n_dec = _expected(cfg, chunks, starts)  # (the states now hold this step's tokens)
         where = f"seed {seed}, step {step}"
+        for name, dtype in (("ids", torch.long), ("positions", torch.long), ("seq", torch.long),
+                            ("is_image", torch.bool), ("ngram_ids", torch.long), ("ngram_image", torch.bool)):
+            assert getattr(batch, name).dtype == dtype, (where, name)
         assert batch.ids.tolist() == want["ids"], where
         assert batch.positions.tolist() == want["pos"], where
         assert batch.seq.tolist() == want["seq"], where
