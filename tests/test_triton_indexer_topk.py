@@ -293,20 +293,16 @@ def test_scores_match_reference(dev, t, h, d, n, rng):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("cfg,rows,keys_m", [
-    ((8, 2, 32, 3, 4), False, False), ((16, 1, 16, 2, 4), False, False), ((4, 8, 64, 4, 8), False, False),
-    ((8, 2, 32, 3, 4, 2), False, False), ((16, 1, 32, 2, 4, 4), False, False),
-    ((8, 2, 32, 3, 4, 2), False, True), ((16, 1, 32, 2, 4, 4), False, True),
-    ((16, 1, 16, 1, 4), True, False), ((16, 1, 16, 3, 4), True, False), ((16, 1, 32, 4, 8), True, False)])
+@pytest.mark.parametrize("cfg,rows", [((8, 2, 32, 3, 4), False), ((16, 1, 16, 2, 4), False), ((4, 8, 64, 4, 8), False),
+                                      ((8, 2, 32, 3, 4, 2), False), ((16, 1, 32, 2, 4, 4), False),
+                                      ((16, 1, 16, 1, 4), True), ((16, 1, 16, 3, 4), True), ((16, 1, 32, 4, 8), True)])
 @pytest.mark.parametrize("layout", ["one_seq", "paged"])
-def test_tile_configs(dev, cfg, rows, keys_m, layout, rng, monkeypatch):
+def test_tile_configs(dev, cfg, rows, layout, rng):
     """Padded heads, several key blocks per tile (NSUB > 1), query groups (QSUB, the 6th entry:
     one key decode for the group where its queries share rows, else each sub-tile alone),
     skipped invisible blocks, a token that sees nothing; paged: three sequences in scattered
-    blocks of 8 entries, so multi-query tiles mix sequences. keys_m: the group path's MMAs with
-    the keys as M (`SCORES_KEYS_M`). Both scores kernels (rows: one query per tile, the next block's keys
+    blocks of 8 entries, so multi-query tiles mix sequences. Both scores kernels (rows: one query per tile, the next block's keys
     loaded ahead); exact inputs, so scores and chunk maxima equal the reference's bit for bit."""
-    monkeypatch.setitem(itk.SCORES_KEYS_M, torch.device(dev).type, keys_m)
     t, h, d, n = 5, 4, 64, 333
     q, w, codes, kscale = random_inputs(rng, t, h, d, n, exact=True)
     nv = torch.tensor([n, 1, 0, 100, 200])

@@ -162,27 +162,18 @@ def _decode_keys(b, e8, DHP: tl.constexpr, BLOCK_N: tl.constexpr, LOWP: tl.const
 
 @triton.jit
 def _dot_scores(q_even, q_odd, wh, k_lo, k_hi, NQ: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr,
-                LOWP: tl.constexpr, KEYS_M: tl.constexpr = False):
+                LOWP: tl.constexpr):
     """Scores [NQ, BLOCK_N] of NQ queries (rows [NQ * HP, DHP] of even / odd channels, head
     weights wh) against decoded keys (`_decode_keys`): two MMAs (even / odd channels), relu,
-    weights, sum over heads. KEYS_M: the keys are the MMAs' M side (k.q^T, the decoded keys
-    feed the MMA from registers and a query's heads lie along one accumulator row, so the head
-    sum stays within a thread quad); the same products and sums, transposed at the end."""
-    if KEYS_M:  # [BLOCK_N, NQ * HP] = k . q^T
-        a_e, b_e, a_o, b_o = k_lo, q_even, k_hi, q_odd
-    else:  # [NQ * HP, BLOCK_N] = q . k^T
-        a_e, b_e, a_o, b_o = q_even, k_lo, q_odd, k_hi
+    weights, sum over heads."""
     if LOWP:
-        acc = tl.dot(a_e, tl.trans(b_e))
-        acc = tl.dot(a_o, tl.trans(b_o), acc)
+        acc = tl.dot(q_even, tl.trans(k_lo))
+        acc = tl.dot(q_odd, tl.trans(k_hi), acc)
     else:
-        acc = tl.dot(a_e, tl.trans(b_e), input_precision="ieee")
-        acc = tl.dot(a_o, tl.trans(b_o), acc, input_precision="ieee")
-    if KEYS_M:
-        out = tl.trans(tl.sum(tl.reshape(tl.maximum(acc, 0.0) * wh[None, :], (BLOCK_N, NQ, HP)), axis=2))
-    else:
-        out = tl.sum(tl.reshape(tl.maximum(acc, 0.0) * wh[:, None], (NQ, HP, BLOCK_N)), axis=1)
-    return out
+        acc = tl.dot(q_even, tl.trans(k_lo), input_precision="ieee")
+        acc = tl.dot(q_odd, tl.trans(k_hi), acc, input_precision="ieee")
+    rel = tl.maximum(acc, 0.0) * wh[:, None]
+    return tl.sum(tl.reshape(rel, (NQ, HP, BLOCK_N)), axis=1)
 
 
 @triton.jit
@@ -300,7 +291,7 @@ def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_pt
                            H: tl.constexpr, HP: tl.constexpr, HP1: tl.constexpr, DH: tl.constexpr,
                            DHP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr,
                            GATHER: tl.constexpr, LOWP: tl.constexpr, MAXG: tl.constexpr, QSUB: tl.constexpr = 1,
-                           KEYS_M: tl.constexpr = False, PDL: tl.constexpr = 0):
+                           PDL: tl.constexpr = 0):
     """Tiles (query group, NSUB key blocks), walked by a 1-D persistent loop. A group is QSUB
     sub-tiles of BLOCK_T queries (dense only): where every query of the group that sees a key
     block reads it from the same pool rows (a prefill chunk of one sequence), the block is
@@ -364,7 +355,7 @@ def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_pt
                     if n0 < tl.max(nv_q, axis=0):
                         qe, qo, wq = _load_queries(q_ptr, w_ptr, t0, T, H, HP, DH, DHP, BLOCK_T, LOWP)
                         if shared:
-                            s = _dot_scores(qe, qo, wq, k_lo, k_hi, BLOCK_T, HP, BLOCK_N, LOWP, KEYS_M)
+                            s = _dot_scores(qe, qo, wq, k_lo, k_hi, BLOCK_T, HP, BLOCK_N, LOWP)
                             s = tl.where(tm_q[:, None] & (cols[None, :] < nv_q[:, None]), s, float("-inf"))
                         else:
                             s = _dense_block(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, qe, qo, wq, nv_q, t0, T,
@@ -490,18 +481,6 @@ def _config(t: int, h: int, nc: int, gather: bool, device) -> tuple[int, int, in
 # QSUB 1 0.126 / 0.204, QSUB 8 0.095 / 0.163 ms. The decode is a small part of the tile's work:
 # the rest (two MMAs, relu, the head sum, the stores) is per query tile either way.
 SCORES_QSUB = {"cuda": 8}
-
-
-# The group path's MMAs with the keys as M (`_dot_scores` KEYS_M): written 2026-12-04, not yet
-# timed on a GPU (sm_90a, triton 3.7.1 on the CPU: 255 registers and no spill against 16 bytes
-# of stack for the default orientation); off until measured (`benchmarks/indexer_prefill.py
-# --keys-m`).
-SCORES_KEYS_M = {"cuda": False}
-
-
-def scores_keys_m(device) -> bool:
-    """Whether the dense scores tiles' query-group path puts the keys on the MMAs' M side."""
-    return bool(SCORES_KEYS_M.get(torch.device(device).type, False))
 
 
 def scores_qsub(device) -> int:
@@ -645,8 +624,7 @@ def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_
         q.contiguous(), weights.contiguous(), codes, scales, table, nvis, cand, out, maxima,
         t, nc, nb, e, g, n_nc, n_tiles, grid, codes.stride(0), scales.stride(0),
         H=h, HP=hp, HP1=max(hp, 16), DH=d // 2, DHP=_pow2(d // 2), BLOCK_T=bt, BLOCK_N=bn, NSUB=nsub,
-        GATHER=gather, LOWP=not interpreting(), MAXG=maxg, QSUB=qsub, KEYS_M=qsub > 1 and scores_keys_m(q.device),
-        **extra, **pdl_launch(codes))
+        GATHER=gather, LOWP=not interpreting(), MAXG=maxg, QSUB=qsub, **extra, **pdl_launch(codes))
     return out, (maxima if maxg else None), maxg
 
 
