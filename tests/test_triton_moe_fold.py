@@ -227,6 +227,37 @@ def test_fold_byte_tiles_split_k(dev, rng, poisoned):
     check(dev, 5, 8, 4, 512, 128, rng, used=7, split=2, byte_tiles=True)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("slots", [2, 3])
+def test_fold_row_slots(dev, slots, rng, poisoned):
+    """An expert's row tiles dealt to several programs side by side (`slots`; 3 leaves a slot
+    without a tile) at T = 20 with 16-row tiles: experts with more than 16 rows take two."""
+    check(dev, 20, 8, 4, 256, 128, rng, used=5, bm=16, slots=slots)
+
+
+def slots_case(dev, t, d, inter, rng):
+    """t tokens routed top-2 over 4 FP4 experts, expert 0 in every token (t rows: several row
+    tiles), and the fold path's output for a given `slots` / tiles."""
+    x = (torch.randn(t, d, generator=rng) * 2).to(torch.bfloat16).to(dev)
+    ids = torch.stack([torch.tensor([0, 1 + i % 3]) for i in range(t)]).to(dev)
+    w = (torch.rand(t, 2, generator=rng) + 0.1).to(dev)
+    ex = [tuple((a.to(dev), b.to(dev)) for a, b in (weight("fp4", inter, d, rng), weight("fp4", d, inter, rng),
+                                                   weight("fp4", inter, d, rng))) for _ in range(4)]
+    return lambda **tiles: me.moe_experts(x, w, ids, ex, 10.0, path="fold", **tiles)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_fold_slots_bit_equal(dev, rng, poisoned):
+    """Slots change no bit (each row's sums run in the same order in whichever program): 24 rows
+    of one expert in 16-row tiles, in one program or two."""
+    run = slots_case(dev, 24, 256, 128, rng)
+    one = run(bm=16, slots=1)
+    assert torch.isfinite(one).all()
+    assert torch.equal(run(bm=16, slots=2), one)
+    with pytest.raises(ValueError, match="slots"):
+        run(bm=16, slots=0)
+
+
 def test_fold_refuses_large_scales(rng):
     """Scale bytes above MAX_SCALE_BYTE (weights beyond +-12) are refused with a clear error."""
     w, s = quant.fp4_weight_quant(torch.full((32, 64), 100.0))
@@ -306,6 +337,17 @@ def test_fold_byte_tiles_model_shapes_gpu(dev, t, rng, poisoned):
 @pytest.mark.parametrize("t", [1, 16])
 def test_fold_byte_tiles_split_k_gpu(dev, t, rng, poisoned):
     check(dev, t, 16, 6, 1024, 512, rng, used=14, split=4, byte_tiles=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("t", [40, 64])
+def test_fold_default_slots_bit_equal_gpu(dev, t, rng, poisoned):
+    """The default tiles from 17 tokens (register cap, row tiles in slots) against one program
+    per (expert, column tile) with no cap: bit-equal, with one expert routed every token."""
+    run = slots_case(dev, t, 1024, 512, rng)
+    assert mf.fold_tiles(t).get("slots")
+    assert torch.equal(run(), run(slots=1, maxnreg=255))
 
 
 @pytest.mark.gpu

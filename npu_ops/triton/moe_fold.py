@@ -15,7 +15,9 @@ Per call, with R = T * k routed rows (token t, slot j -> flat row t * k + j):
    order (columns in the tiles' K order).
 3. `_fold_down_kernel`, one program per (expert, BN columns of d): the same with w2 and h, fp32
    output rows written to their flat rows; `moe_experts._combine_kernel` sums a token's slots.
-Every expert's weights are read once per RB-row tile of its rows (`TILES`: RB up to 32 or 64).
+Every expert's weights are read once per RB-row tile of its rows (`TILES`: RB up to 32 or 64);
+with `slots` an expert's row tiles go to as many programs side by side (grid dimension 2), so a
+popular expert's tiles run in parallel (each slot reads the expert's weights; empty slots return at once).
 
 The conversion (`fp4_words_bf16`, after Marlin's FP4 -> bf16 dequantisation): a word's nibble
 (sign, e1, e0, m) placed as the bf16 bits (sign -> bit 15, e1 e0 m -> bits 8..6) is the E2M1
@@ -77,10 +79,18 @@ from .swiglu import expert_act
 # pipeline stages (e.g. 4: 124.7 / 296.7 / 468.8), and w1's K loop before w3's (fewer registers:
 # 107.0 / 245.3 / 460.3 at 4 stages). H200 2026-12-01 14:25 UTC: byte tiles at T=64 307.4 us
 # against 379.9 (words), at 4 stages 347.1, RB 64 402.8; slower at T = 1 / 8 / 16 (above).
+# H200 2026-12-04 (session twenty-seven), T=64, graph replay, byte tiles: the gate/up kernel capped
+# at 168 registers (`maxnreg`: 3 programs an SM instead of 2; no spill inside the K loop) and an
+# expert's row tiles dealt to ceil(T / RB) programs (`slots`: an expert with more than 32 rows no
+# longer runs its tiles one after the other): uniform routing (16-29 rows an expert) 302 -> 267
+# us, the skewed routing the mini model's decode batches produce (up to 46-51 rows) 397 -> 301 us,
+# outputs bit-equal. Slower: maxnreg 128 (283), 2 or 4 stages with the cap (298 / 307), RB 16 in
+# 4 slots (377-393), the gate/up K split in 2 (+ its epilogue kernel: 271-334), 8-warp or 4-stage
+# down kernels. T=17..63 take it unmeasured.
 _DECODE = {"bn_up": 64, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 3, "split": 1, "w_left": True,
            "rb_max": 64}
 TILES = {"cuda": [(1, _DECODE), (3, dict(_DECODE, split=2)), (16, dict(_DECODE, split=4)),
-                  (64, dict(_DECODE, rb_max=32, byte_tiles=True))],
+                  (64, dict(_DECODE, rb_max=32, byte_tiles=True, maxnreg=168, slots=True))],
          "interp": [(1 << 30, {"bn_up": 32, "bn_down": 32, "bk": 128, "split": 1, "w_left": True})]}
 MAX_SCALE_BYTE = 128  # the largest E8M0 weight scale byte the folded conversion takes (module docstring)
 _SIGN2 = tl.constexpr(-2147450880)  # 0x80008000: both halves' sign bits, as an int32 literal
@@ -316,10 +326,13 @@ def _act_store(g, u, p, pmask, wts_ptr, f, h_ptr, I, rn, limit, RB: tl.constexpr
 def _fold_up_kernel(x_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_ptr, h_ptr, part_ptr, R, K, I,
                     s_stride, limit, TOPK: tl.constexpr, ALIGN: tl.constexpr, ASM: tl.constexpr,
                     LOWP: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                    W_LEFT: tl.constexpr, BYTES: tl.constexpr = False, BK_DOWN: tl.constexpr = 128, PDL: tl.constexpr = 0):
+                    W_LEFT: tl.constexpr, BYTES: tl.constexpr = False, BK_DOWN: tl.constexpr = 128,
+                    SLOTS: tl.constexpr = 1, PDL: tl.constexpr = 0):
     """h[p, n] for the expert-ordered rows p of expert program_id(0), columns of tile
-    program_id(1); with SPLIT > 1, K slice program_id(2)'s partial sums of gate and up to
-    part [SPLIT, R, 2, I] instead (`_fold_act_kernel` adds them up)."""
+    program_id(1); with SPLIT > 1, K slice program_id(2) // SLOTS's partial sums of gate and up
+    to part [SPLIT, R, 2, I] instead (`_fold_act_kernel` adds them up). The expert's RB-row
+    tiles are dealt to SLOTS programs (slot program_id(2) % SLOTS takes tiles slot, slot +
+    SLOTS, ...), so an expert with more rows than one tile runs its tiles side by side."""
     pdl_start(PDL)
     e = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -328,8 +341,8 @@ def _fold_up_kernel(x_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_
     w1, s1 = _expert_ptrs(w_base, s_base, table_ptr, e, 0, ALIGN)
     w3, s3 = _expert_ptrs(w_base, s_base, table_ptr, e, 1, ALIGN)
     kk = tl.arange(0, BK)
-    k_lo = tl.multiple_of(tl.program_id(2) * (K // SPLIT), BK)  # the launcher checks K % (SPLIT * BK) == 0
-    for p0 in range(start, end, RB):
+    k_lo = tl.multiple_of((tl.program_id(2) // SLOTS) * (K // SPLIT), BK)  # the launcher checks K % (SPLIT * BK) == 0
+    for p0 in range(start + (tl.program_id(2) % SLOTS) * RB, end, RB * SLOTS):
         p = p0 + tl.arange(0, RB)
         pmask = p < end
         f = tl.load(perm_ptr + p, mask=pmask, other=0).to(tl.int64)
@@ -346,7 +359,7 @@ def _fold_up_kernel(x_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_
         if SPLIT == 1:
             _act_store(g, u, p, pmask, wts_ptr, f, h_ptr, I, rn, limit, RB, BN, BYTES, BK_DOWN)
         else:
-            base = part_ptr + ((tl.program_id(2) * R + p.to(tl.int64)[:, None]) * 2) * I + rn[None, :]
+            base = part_ptr + (((tl.program_id(2) // SLOTS) * R + p.to(tl.int64)[:, None]) * 2) * I + rn[None, :]
             tl.store(base, g, mask=pmask[:, None])
             tl.store(base + I, u, mask=pmask[:, None])
 
@@ -374,8 +387,10 @@ def _fold_act_kernel(part_ptr, perm_ptr, bounds_ptr, wts_ptr, h_ptr, R, I, E, li
 @triton.jit
 def _fold_down_kernel(h_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, y_ptr, I, D, s_stride,
                       ALIGN: tl.constexpr, ASM: tl.constexpr, LOWP: tl.constexpr, RB: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, W_LEFT: tl.constexpr, BYTES: tl.constexpr = False, PDL: tl.constexpr = 0):
-    """y[flat row, n] = h rows of expert program_id(0) times its w2, columns of tile program_id(1)."""
+                      BN: tl.constexpr, BK: tl.constexpr, W_LEFT: tl.constexpr, BYTES: tl.constexpr = False,
+                      SLOTS: tl.constexpr = 1, PDL: tl.constexpr = 0):
+    """y[flat row, n] = h rows of expert program_id(0) times its w2, columns of tile program_id(1);
+    the row tiles dealt to SLOTS programs as in `_fold_up_kernel` (slot program_id(2))."""
     pdl_start(PDL)
     e = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -383,7 +398,7 @@ def _fold_down_kernel(h_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, y_
     end = tl.load(bounds_ptr + e + 1)
     w2, s2 = _expert_ptrs(w_base, s_base, table_ptr, e, 2, ALIGN)
     kk = tl.arange(0, BK)
-    for p0 in range(start, end, RB):
+    for p0 in range(start + tl.program_id(2) * RB, end, RB * SLOTS):
         p = p0 + tl.arange(0, RB)
         pmask = p < end
         p64 = p.to(tl.int64)
@@ -432,10 +447,13 @@ def fold_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
              out: torch.Tensor, *, rb: int | None = None, bn_up: int | None = None, bn_down: int | None = None,
              bk: int | None = None, split: int | None = None, w_left: bool | None = None,
              byte_tiles: bool | None = None, num_warps: int | None = None,
-             num_stages: int | None = None, add: torch.Tensor | None = None, join=None) -> torch.Tensor:
+             num_stages: int | None = None, maxnreg: int | None = None, slots: int | None = None,
+             add: torch.Tensor | None = None, join=None) -> torch.Tensor:
     """The folded FP4 decode path for x [T, d] (up to rb rows per expert in one tile, default
-    the next power of two >= T in 16..the tiles' rb_max; more rows loop; the gate/up K range in `split`
-    slices; `byte_tiles`: weight tiles from bytes, `fp4_bytes_bf16`; tile defaults `fold_tiles`):
+    the next power of two >= T in 16..the tiles' rb_max; more rows loop, or with `slots` programs
+    per (expert, column tile) run side by side; the gate/up K range in `split` slices;
+    `byte_tiles`: weight tiles from bytes, `fp4_bytes_bf16`; `maxnreg`: the gate/up kernel's
+    register cap; tile defaults `fold_tiles`):
     sort, x's FP8 quantise-dequantise, gate/up (+ its epilogue when split), down, combine into
     `out` [T, d] fp32
     (bf16 with `add`, `moe_experts.combine`)."""
@@ -456,8 +474,16 @@ def fold_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
         raise ValueError(f"moe_experts fold path: tiles (bn_up {bn_up}, bn_down {bn_down}, bk {bk}, split {split}) "
                          f"must divide the widths ({inter}, {d}); bn_up a multiple of 32, bk of 128")
     kw = {} if interp else {"num_warps": num_warps or tiles["num_warps"], "num_stages": num_stages or tiles["num_stages"]}
+    kw_down = dict(kw)
+    maxnreg = maxnreg or tiles.get("maxnreg")
+    if maxnreg and not interp:  # a register cap for the gate/up kernel: more programs per SM
+        kw["maxnreg"] = maxnreg
     r = t * topk
     rb = rb or max(16, min(tiles.get("rb_max", 64), triton.next_power_of_2(t)))  # rows of an expert: at most T
+    if slots is None:  # enough programs per (expert, column tile) for an expert routed every token
+        slots = -(-t // rb) if tiles.get("slots") else 1
+    if slots < 1:
+        raise ValueError(f"moe_experts fold path: slots must be a positive number of programs, got {slots}")
     flat_ids = ids.contiguous().reshape(-1)
     perm, bounds = sort_rows(flat_ids, n_exp)
     act = torch.float32 if interp else torch.bfloat16  # exact either way; the interpreter has no bf16 dots
@@ -468,15 +494,15 @@ def fold_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
     y = _buffer((r, d), torch.float32, x.device)
     wts = weights.float().contiguous().reshape(-1)
     part = _buffer((split, r, 2, inter), torch.float32, x.device) if split > 1 else y
-    _fold_up_kernel[(n_exp, inter // bn_up, split)](
+    _fold_up_kernel[(n_exp, inter // bn_up, split * slots)](
         xq, perm, bounds, wts, w_base, s_base, table, h, part, r, d, inter, s_up, float(limit), TOPK=topk,
         ALIGN=align, ASM=not interp, LOWP=not interp, RB=rb, BN=bn_up, BK=bk, SPLIT=split, W_LEFT=w_left,
-        BYTES=byte_tiles, BK_DOWN=bk, **kw, **pdl_launch(xq))
+        BYTES=byte_tiles, BK_DOWN=bk, SLOTS=slots, **kw, **pdl_launch(xq))
     if split > 1:
         rbf = min(16, triton.next_power_of_2(r))
         _fold_act_kernel[(-(-r // rbf), inter // 32)](part, perm, bounds, wts, h, r, inter, n_exp, float(limit),
                                                        SPLIT=split, RB=rbf, BN=32, BYTES=byte_tiles, BK_DOWN=bk, **pdl_launch(part))
-    _fold_down_kernel[(n_exp, d // bn_down)](
+    _fold_down_kernel[(n_exp, d // bn_down, slots)](
         h, perm, bounds, w_base, s_base, table, y, inter, d, s_down, ALIGN=align, ASM=not interp, LOWP=not interp,
-        RB=rb, BN=bn_down, BK=bk, W_LEFT=w_left, BYTES=byte_tiles, **kw, **pdl_launch(h))
+        RB=rb, BN=bn_down, BK=bk, W_LEFT=w_left, BYTES=byte_tiles, SLOTS=slots, **kw_down, **pdl_launch(h))
     return combine(y, flat_ids, out, add, join)
