@@ -624,6 +624,45 @@ def sweep_moe_bytes(rows, copy, tokens=(1, 8, 16, 64)):
                 print(rows[-1], flush=True)
 
 
+def skewed_ids(t, n_exp, topk, sigma, seed=1):
+    """t tokens' distinct top-k experts drawn by popularity exp(sigma * N(0, 1)) per expert (the
+    uneven routing of the mini model's decode batches: sigma 0.5 gives ~12..51 rows an expert at
+    T=64, as e2e's batches); sigma 0: uniform."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pop = torch.exp(torch.randn(n_exp, device="cuda", generator=g) * sigma)
+    return torch.stack([torch.multinomial(pop, topk, replacement=False, generator=g) for _ in range(t)])
+
+
+def sweep_moe_slots(rows, copy, tokens=(33, 64), sigmas=(0.0, 0.5, 1.0)):
+    """The folded FP4 path at 17..64 tokens (mini preset widths, 16 experts, top-6) under uniform
+    and skewed routing (`skewed_ids`): the default (row tiles in slots, the gate/up kernel capped
+    at 168 registers) against one program per (expert, column tile) without the cap (the default
+    before 2026-12-04) and each change alone; bytes = the active experts' weights read once."""
+    from dsv41.backends.reference.basic import fp32_accumulation
+    from dsv41.backends.reference.moe import moe_experts as moe_ref
+    from dsv41.npu_ops.triton import moe_experts as me
+
+    d, inter, n_exp, topk = CFG.hidden_size, CFG.moe_intermediate_size, 16, CFG.num_experts_per_tok
+    experts = _fp4_experts(n_exp, d, inter)
+    variants = [("default", {}), ("one slot, no cap (before)", dict(slots=1, maxnreg=255)),
+                ("slots alone", dict(maxnreg=255)), ("cap alone", dict(slots=1))]
+    for t in tokens:
+        x = torch.randn(t, d, device="cuda").to(torch.bfloat16)
+        wts = torch.rand(t, topk, device="cuda")
+        for sigma in sigmas:
+            ids = skewed_ids(t, n_exp, topk, sigma)
+            counts = torch.bincount(ids.flatten(), minlength=n_exp)
+            with fp32_accumulation():
+                want = moe_ref(x, wts, ids, experts, 10.0)
+            active = int((counts > 0).sum())
+            nbytes = active * 3 * inter * d * (0.5 + 1 / 32) + t * d * 6
+            shape = f"T={t} sigma {sigma}: {int(counts.min())}..{int(counts.max())} rows"
+            for name, v in variants:
+                _variant_row(rows, f"moe fold {name}", shape, lambda x=x, ids=ids, wts=wts, v=v:
+                             me.moe_experts(x, wts, ids, experts, 10.0, path="fold", **v), want, nbytes,
+                             2 * t * topk * 3 * inter * d, copy)
+
+
 # The rows path's tile variants (moe_rows.ROWS_TILES holds the default): rows per step of w1 / w3
 # and of w2, w2 rows per program, warps.
 # H200 2026-12-01 11:18 UTC, T=1 / 2, graph us: default 94.2 / 172.0, rs_up 1 108.0 / 173.3, rs_up 4
@@ -878,6 +917,7 @@ SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_inde
           "indexer_per_k": sweep_indexer_per_k, "select": sweep_select, "engram_lookup": sweep_engram,
           "fp4_quant": sweep_fp4_quant, "mhc_mix": sweep_mhc_mix, "linear": sweep_linear, "moe_experts": sweep_moe,
           "moe_decode": sweep_moe_decode, "moe_rows": sweep_moe_rows, "moe_bytes": sweep_moe_bytes,
+          "moe_slots": sweep_moe_slots,
           "moe_shared": sweep_moe_shared, "decode": sweep_decode, "dense": sweep_dense}
 
 
@@ -898,7 +938,7 @@ def main() -> int:
     for name in a.only.split(","):
         kw = {}
         if a.tokens and name in ("sparse_attention", "indexer_topk", "indexer_per_k", "select", "dense", "moe_experts",
-                                 "moe_decode", "moe_rows", "moe_bytes", "moe_shared"):
+                                 "moe_decode", "moe_rows", "moe_bytes", "moe_shared", "moe_slots"):
             kw["tokens"] = tuple(int(x) for x in a.tokens.split(","))
         if name in ("sparse_attention", "indexer_topk", "indexer_per_k", "moe_rows"):
             kw["check_only"] = a.check_only

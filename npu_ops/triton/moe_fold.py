@@ -86,7 +86,12 @@ from .swiglu import expert_act
 # us, the skewed routing the mini model's decode batches produce (up to 46-51 rows) 397 -> 301 us,
 # outputs bit-equal. Slower: maxnreg 128 (283), 2 or 4 stages with the cap (298 / 307), RB 16 in
 # 4 slots (377-393), the gate/up K split in 2 (+ its epilogue kernel: 271-334), 8-warp or 4-stage
-# down kernels. T=17..63 take it unmeasured.
+# down kernels; on the skewed routing (290 us then): maxnreg 160 the same, 176 (2 programs an SM)
+# 334, BK 256 338, RB 64 without slots 391, 8 warps x BN 128 446, a cap or 2 stages on the down
+# kernel 295-304. T=33 (`sweep_kernels.py --only moe_slots`): 297 -> 256 us uniform, 363 -> 277 with
+# an expert routed every token; T=17..32 (one row tile: the cap alone) unmeasured. Nsight
+# Compute (T=64): gate/up issues an instruction every 2.2 cycles per scheduler (2.6 warps each),
+# DRAM at 22%: bound by the conversion's instructions and their latency, not by bytes.
 _DECODE = {"bn_up": 64, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 3, "split": 1, "w_left": True,
            "rb_max": 64}
 TILES = {"cuda": [(1, _DECODE), (3, dict(_DECODE, split=2)), (16, dict(_DECODE, split=4)),
@@ -474,7 +479,7 @@ def fold_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
         raise ValueError(f"moe_experts fold path: tiles (bn_up {bn_up}, bn_down {bn_down}, bk {bk}, split {split}) "
                          f"must divide the widths ({inter}, {d}); bn_up a multiple of 32, bk of 128")
     kw = {} if interp else {"num_warps": num_warps or tiles["num_warps"], "num_stages": num_stages or tiles["num_stages"]}
-    kw_down = dict(kw)
+    kw_down = dict(kw)  # (the down kernel, 95-126 registers, gained nothing from a cap: session twenty-seven)
     maxnreg = maxnreg or tiles.get("maxnreg")
     if maxnreg and not interp:  # a register cap for the gate/up kernel: more programs per SM
         kw["maxnreg"] = maxnreg
