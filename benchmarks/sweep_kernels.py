@@ -69,12 +69,18 @@ SPARSE_TWO_PASS = [("two-pass", dict(TWO_PASS=True)), ("two-pass N16", dict(TWO_
                    ("two-pass D256 w8", dict(TWO_PASS=True, BLOCK_D=256, num_warps=8)),
                    ("two-pass DV256 w8", dict(TWO_PASS=True, BLOCK_DV=256, num_warps=8)),
                    ("two-pass D512 DV256 w8", dict(TWO_PASS=True, BLOCK_D=512, BLOCK_DV=256, num_warps=8))]
+# register caps on the two-pass form's logits pass alone (`--only sparse_two_pass`): the shipped table,
+# then the two-pass tiles without a cap and with each cap. Session twenty-seven measured a 168 cap on
+# both passes: logits 45.4 -> 38.8 us but values 49.9 -> 54.7 at T=64 (4K)
+SPARSE_LOGITS_CAPS = [("two-pass, no cap", dict(TWO_PASS=True, LOGITS_MAXNREG=None))] + [
+    (f"two-pass, logits cap {c}", dict(TWO_PASS=True, LOGITS_MAXNREG=c)) for c in (128, 168, 192)]
 
 
-def sweep_sparse_attention(rows, copy, tokens=(1, 8, 64), check_only=False, mqa=False):
+def sweep_sparse_attention(rows, copy, tokens=(1, 8, 64), check_only=False, mqa=False, variants=None):
     """sparse_attention tiles on paged pools (every variant checked against the reference): T=1
     at a 64K context (flash-decoding splits), T > 1 at 4K (a decode batch); `mqa` adds the
-    MQA kernel (the prefill table) last, at these decode shapes."""
+    MQA kernel (the prefill table) last, at these decode shapes; `variants` replaces the tile
+    lists (options over the decode entry's)."""
     from dsv41.npu_ops.triton import sparse_attention as sa
 
     ref_fn = registry.resolve("sparse_attention", "reference")[0]
@@ -83,11 +89,12 @@ def sweep_sparse_attention(rows, copy, tokens=(1, 8, 64), check_only=False, mqa=
         args, must_read = sparse_attention_args(t, n, "cuda", masked_fraction=0.05)
         ref = ref_fn(*args)
         flops = 4 * t * H * D * (TOPK + W)
-        variants = [(name, dict(SPARSE_DECODE, **v)) for name, v in (SPARSE_T1 if t == 1 else SPARSE_TN) + SPARSE_TWO_PASS]
-        variants.append(("default dispatch", None))
+        todo = [(name, dict(SPARSE_DECODE, **v))
+                for name, v in variants or (SPARSE_T1 if t == 1 else SPARSE_TN) + SPARSE_TWO_PASS]
+        todo.append(("default dispatch", None))
         if mqa:
-            variants.append(("mqa (opt-in cuda_mqa table)", dict(sa.CONFIGS["cuda_mqa"])))
-        for name, cfg in variants:
+            todo.append(("mqa (opt-in cuda_mqa table)", dict(sa.CONFIGS["cuda_mqa"])))
+        for name, cfg in todo:
             def call(args=args, cfg=cfg):
                 if cfg is None:
                     return sa.sparse_attention(*args)
@@ -918,6 +925,8 @@ SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_inde
           "fp4_quant": sweep_fp4_quant, "mhc_mix": sweep_mhc_mix, "linear": sweep_linear, "moe_experts": sweep_moe,
           "moe_decode": sweep_moe_decode, "moe_rows": sweep_moe_rows, "moe_bytes": sweep_moe_bytes,
           "moe_slots": sweep_moe_slots,
+          "sparse_two_pass": lambda rows, copy, tokens=(8, 32, 64): sweep_sparse_attention(
+              rows, copy, tokens, variants=SPARSE_LOGITS_CAPS),
           "moe_shared": sweep_moe_shared, "decode": sweep_decode, "dense": sweep_dense}
 
 
@@ -937,7 +946,7 @@ def main() -> int:
     rows = [f"copy ceiling {copy:.0f} GB/s"]
     for name in a.only.split(","):
         kw = {}
-        if a.tokens and name in ("sparse_attention", "indexer_topk", "indexer_per_k", "select", "dense", "moe_experts",
+        if a.tokens and name in ("sparse_attention", "sparse_two_pass", "indexer_topk", "indexer_per_k", "select", "dense", "moe_experts",
                                  "moe_decode", "moe_rows", "moe_bytes", "moe_shared", "moe_slots"):
             kw["tokens"] = tuple(int(x) for x in a.tokens.split(","))
         if name in ("sparse_attention", "indexer_topk", "indexer_per_k", "moe_rows"):

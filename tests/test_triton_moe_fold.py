@@ -117,9 +117,9 @@ def test_fold_bytes_dequant_bit_exact(dev):
 
 
 def run_ptx(asm: str, args: dict) -> dict:
-    """A Python interpreter for the few b32 instructions (prmt, shl, and, or, mul.rn.bf16x2) of a
-    packed-conversion PTX string: `args` maps operand names ($4, ...) to 32-bit inputs; returns
-    every register after the run. The bf16x2 product is rounded to nearest even (torch), as
+    """A Python interpreter for the few b32 instructions (prmt, shl, shr, and, or, mul.lo.u32,
+    mul.rn.bf16x2) of a packed-conversion PTX string: `args` maps operand names ($4, ...) to
+    32-bit inputs; returns every register after the run. The bf16x2 product is rounded to nearest even (torch), as
     mul.rn keeps subnormal bf16 inputs and results on sm_90."""
     regs = dict(args)
     body = asm.replace("{", "").replace("}", "")
@@ -144,6 +144,10 @@ def run_ptx(asm: str, args: dict) -> dict:
             regs[d] = sum(((both >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
         elif op == "shl.b32":
             regs[d] = (val(src[0]) << val(src[1])) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            regs[d] = val(src[0]) >> val(src[1])
+        elif op == "mul.lo.u32":
+            regs[d] = (val(src[0]) * val(src[1])) & 0xFFFFFFFF
         elif op == "and.b32":
             regs[d] = val(src[0]) & val(src[1])
         elif op == "or.b32":

@@ -185,7 +185,7 @@ DECODE_VARIANTS = [dict(), dict(BLOCK_N=16), dict(BLOCK_N=16, num_stages=3), dic
                    dict(BLOCK_DV=256, num_warps=8), dict(BLOCK_N=16, BLOCK_D=64, BLOCK_DV=64),
                    dict(BLOCK_N=16, BLOCK_D=256, BLOCK_DV=256, num_warps=8), dict(min_blocks_per_split=4),
                    dict(TWO_PASS=True), dict(TWO_PASS=True, BLOCK_N=16), dict(TWO_PASS=True, min_blocks_per_split=4),
-                   dict(TWO_PASS=True, BLOCK_DV=256, num_warps=8)]
+                   dict(TWO_PASS=True, BLOCK_DV=256, num_warps=8), dict(TWO_PASS=True, LOGITS_MAXNREG=168)]
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +212,8 @@ def test_sparse_attention_decode_variants_gpu(dev, variant, model_width_cases):
 
 def test_decode_table_serves_decode_batches(monkeypatch):
     """On a 132-SM GPU the decode tables serve one token (one pass) and decode batches of 2-64
-    (two passes: they won at T = 8 and 64 on the H200, one pass at T = 1); a prefill chunk takes
+    (two passes: they won at T = 8 and 64 on the H200, one pass at T = 1; the logits pass
+    register-capped from TWO_PASS_LOGITS_CAP's token count); a prefill chunk takes
     the rows form, except while a graph is captured (the whole-row table then: the rows form
     reads its table size back to the host)."""
     from dsv41.backends.platform import platform_for
@@ -224,8 +225,11 @@ def test_decode_table_serves_decode_batches(monkeypatch):
     monkeypatch.delenv("DSV41_SPARSE_DECODE", raising=False)
     dev = torch.device("cpu")
     assert sa.config_for(dev, 1, 64) is sa.CONFIGS["cuda_decode"]
-    for t in (2, 8, 64):  # the default form: two passes from TWO_PASS_MIN_T tokens
+    cap_t, cap = sa.TWO_PASS_LOGITS_CAP["cuda"]
+    for t in (2, 8, cap_t - 1):  # the default form: two passes from TWO_PASS_MIN_T tokens
         assert sa.config_for(dev, t, 64) is sa.CONFIGS["cuda_decode_two_pass"], t
+    for t in (cap_t, 64):  # and from cap_t tokens the logits pass under a register cap
+        assert sa.config_for(dev, t, 64) == dict(sa.CONFIGS["cuda_decode_two_pass"], LOGITS_MAXNREG=cap), t
     assert sa.config_for(dev, 2048, 64) is sa.CONFIGS["cuda_prefill"]
     monkeypatch.setattr(type(platform_for(dev)), "is_capturing", lambda self: True)
     assert sa.config_for(dev, 2048, 64) is sa.CONFIGS["cuda"]

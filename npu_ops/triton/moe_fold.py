@@ -22,7 +22,9 @@ popular expert's tiles run in parallel (each slot reads the expert's weights; em
 The conversion (`fp4_words_bf16`, after Marlin's FP4 -> bf16 dequantisation): a word's nibble
 (sign, e1, e0, m) placed as the bf16 bits (sign -> bit 15, e1 e0 m -> bits 8..6) is the E2M1
 value times 2^-126 (code 1, the value 0.5, becomes the subnormal 2^-127); one bf16x2 multiply by
-2^(byte - 1) per two values then gives value * 2^(byte - 127). The four bit placements of a word
+2^(byte - 1) per two values then gives value * 2^(byte - 127). The placement of two nibbles 16
+bits apart is a mask, one integer multiply that makes the sign's and the magnitude's shifts at
+once, and a mask (`_place`; 3 integer ops per two values instead of 5). The four bit placements of a word
 take elements (v, v + 4) for v = 0..3 into one bf16x2 register, so the tile's K order inside each
 group of 8 is permuted (`word_order`); x and h are stored in that order, and a dot does not care
 about the order of K.
@@ -38,7 +40,8 @@ pipelined shared-memory buffer straight into the operand layout. With words, the
 makes a round trip through shared memory (STS, barrier, LDSM) every K step. Local sm_90a SASS of
 the gate/up K step, 32-row tile: 564 instructions instead of 591, no STS / LDSM / barrier,
 234 registers without spills (words: 255 + 16 bytes of stack); benchmarks/RESULTS.md, "FP4
-experts at decode sizes: FP8 dots". K order `byte_order` per BK tile (x and h stored in it).
+experts at decode sizes: FP8 dots". With the one-multiply placement (session twenty-eight) the
+K step is 503 instructions at the 168-register cap (567 before), the down kernel's 289 (322). K order `byte_order` per BK tile (x and h stored in it).
 
 Numerics: every dot operand is an exact bf16 value, every product exact in fp32, only the fp32
 summation order differs from the reference (the class of the other MoE kernels); the w1 / w3 sums, the weighted SwiGLU product and each expert's
@@ -92,14 +95,17 @@ from .swiglu import expert_act
 # an expert routed every token; T=17..32 (one row tile: the cap alone) unmeasured. Nsight
 # Compute (T=64): gate/up issues an instruction every 2.2 cycles per scheduler (2.6 warps each),
 # DRAM at 22%: bound by the conversion's instructions and their latency, not by bytes.
+# H200 2026-12-04 (session twenty-eight), the one-multiply placement (`_place`, 11% fewer
+# instructions a K step): T=64 267.5 -> 261.2 us uniform, 286.7 -> 281.2 / 289.1 -> 283.6 skewed;
+# T=33 257.1 -> 251.8, 275.3 -> 270.6 (`sweep_kernels.py --only moe_slots`, two calls); the
+# batch-64 decode step 4.87-4.89 -> 4.78-4.79 ms with the two-pass logits cap (benchmarks/RESULTS.md).
 _DECODE = {"bn_up": 64, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 3, "split": 1, "w_left": True,
            "rb_max": 64}
 TILES = {"cuda": [(1, _DECODE), (3, dict(_DECODE, split=2)), (16, dict(_DECODE, split=4)),
                   (64, dict(_DECODE, rb_max=32, byte_tiles=True, maxnreg=168, slots=True))],
          "interp": [(1 << 30, {"bn_up": 32, "bn_down": 32, "bk": 128, "split": 1, "w_left": True})]}
 MAX_SCALE_BYTE = 128  # the largest E8M0 weight scale byte the folded conversion takes (module docstring)
-_SIGN2 = tl.constexpr(-2147450880)  # 0x80008000: both halves' sign bits, as an int32 literal
-_MAG2 = tl.constexpr(0x01C001C0)  # both halves' bf16 bits 8..6
+_KEEP2 = tl.constexpr(-2118090304)  # 0x81C081C0: both halves' sign bit and bf16 bits 8..6, as an int32 literal
 
 
 @triton.jit
@@ -113,10 +119,16 @@ def word_order(i):
 
 
 @triton.jit
-def _place(q):
-    """The bf16x2 bits of the nibbles in bits 12..15 and 28..31 of q: sign to bit 15 / 31, the
-    three magnitude bits to 8..6 / 24..22 (value * 2^-126)."""
-    return (q & _SIGN2) | ((q >> 6) & _MAG2)
+def _place(q, lo: tl.constexpr):
+    """The bf16x2 bits of the nibbles at bits lo..lo + 3 and lo + 16..lo + 19 of q (lo 0 or 4):
+    sign to bit 15 / 31, the three magnitude bits to 8..6 / 24..22 (value * 2^-126). One
+    multiply makes both shifts at once (sign: 12 - lo, magnitude: 6 - lo; the two copies of a
+    nibble land in bits 6..9 and 12..15 of its half, apart), then one mask keeps the bits wanted:
+    3 integer ops a register."""
+    if lo == 0:
+        return ((q & 0x000F000F) * 0x1040) & _KEEP2
+    else:
+        return ((q & 0x00F000F0) * 0x0104) & _KEEP2
 
 
 @triton.jit
@@ -139,10 +151,11 @@ def fp4_words_bf16(words, s, ASM: tl.constexpr):
     (low half) and v + 4 (high half) of each word as value * 2^(s - 127) (exact: module docstring)."""
     e = (s + 126) << 7  # 2^(s - 1) as bf16 bits
     f2 = e | (e << 16)
-    r0 = _scale2(_place(words << 12), f2, s, ASM)
-    r1 = _scale2(_place(words << 8), f2, s, ASM)
-    r2 = _scale2(_place(words << 4), f2, s, ASM)
-    r3 = _scale2(_place(words), f2, s, ASM)
+    high = words >> 8  # elements 2, 3, 6, 7 at the places of 0, 1, 4, 5
+    r0 = _scale2(_place(words, 0), f2, s, ASM)
+    r1 = _scale2(_place(words, 4), f2, s, ASM)
+    r2 = _scale2(_place(high, 0), f2, s, ASM)
+    r3 = _scale2(_place(high, 4), f2, s, ASM)
     return r0, r1, r2, r3
 
 
@@ -177,22 +190,22 @@ def fp4_tile_bf16(w_ptr, s_ptr, rn, kw0, s_stride, w_stride, BN: tl.constexpr, B
     return tl.reshape(_halves(tl.join(tl.join(r0, r1), tl.join(r2, r3)), LOWP), (BN, BK))
 
 
-# E2M1 bytes -> bf16 with the scale folded in, 4 bytes ($4) per call: prmt spreads bytes 0, 1 and
-# 2, 3 into the 16-bit halves of two registers; each nibble's sign goes to bit 15 and its three
-# magnitude bits to bits 8..6 of its half (the value times 2^-126, as `_place`), and one
-# mul.rn.bf16x2 by the halves' factors 2^(s - 1) ($5: elements 0, 1; $6: elements 2, 3) scales
-# them. Out: $0, $1 the four low nibbles' values, $2, $3 the four high nibbles'.
+# E2M1 bytes -> bf16 with the scale folded in, 4 bytes ($4) per call: prmt orders the bytes 0, 2,
+# 1, 3, so byte 0's and byte 1's nibbles lie 16 bits apart, and bytes 2 and 3's after a shift by 8;
+# each pair goes into one bf16x2 register as `_place` does (mask, one multiply for both shifts,
+# mask: sign to bit 15, the three magnitude bits to 8..6 of its half: the value times 2^-126), and
+# one mul.rn.bf16x2 by the halves' factors 2^(s - 1) ($5: elements 0, 1; $6: elements 2, 3) scales
+# them. Out: $0, $1 the four low nibbles' values, $2, $3 the four high nibbles'. 18 instructions
+# for 8 values (26 with separate shifts for the sign and the magnitude). The factors stay one per
+# element: which 4 bytes a call gets is the compiler's layout (on sm_90 two bytes of one row and
+# two of a row 8 below), so a call cannot assume one scale block.
 _E2M1_BF16X4_ASM = tl.constexpr("""{
-.reg .b32 t0, t1, a, b;
-prmt.b32 t0, $4, 0, 0x4140; prmt.b32 t1, $4, 0, 0x4342;
-shl.b32 a, t0, 12; and.b32 a, a, 0x80008000; shl.b32 b, t0, 6; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;
-mul.rn.bf16x2 $0, a, $5;
-shl.b32 a, t1, 12; and.b32 a, a, 0x80008000; shl.b32 b, t1, 6; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;
-mul.rn.bf16x2 $1, a, $6;
-shl.b32 a, t0, 8; and.b32 a, a, 0x80008000; shl.b32 b, t0, 2; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;
-mul.rn.bf16x2 $2, a, $5;
-shl.b32 a, t1, 8; and.b32 a, a, 0x80008000; shl.b32 b, t1, 2; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;
-mul.rn.bf16x2 $3, a, $6;
+.reg .b32 w, v, a;
+prmt.b32 w, $4, 0, 0x3120; shr.b32 v, w, 8;
+and.b32 a, w, 0x000F000F; mul.lo.u32 a, a, 0x1040; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $0, a, $5;
+and.b32 a, v, 0x000F000F; mul.lo.u32 a, a, 0x1040; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $1, a, $6;
+and.b32 a, w, 0x00F000F0; mul.lo.u32 a, a, 0x0104; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $2, a, $5;
+and.b32 a, v, 0x00F000F0; mul.lo.u32 a, a, 0x0104; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $3, a, $6;
 }""")
 
 

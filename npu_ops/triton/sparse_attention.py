@@ -671,12 +671,14 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
                             num_warps: int | None = None, num_stages: int | None = None, QK_T: bool = False,
                             DV_HALF: bool = False, MQA: bool = False, AHEAD: bool = True, LAZY: float = 0.0,
                             TWO_PASS: bool = False, ROWS: bool = False, min_blocks_per_split: int = 2,
-                            n_split: int | None = None, rows_bound: tuple[int, int] | None = None) -> torch.Tensor:
+                            LOGITS_MAXNREG: int | None = None, n_split: int | None = None,
+                            rows_bound: tuple[int, int] | None = None) -> torch.Tensor:
     """`sparse_attention` with explicit tile sizes (tests and tuning); `n_split` forces the split
     count. MQA (CUDA; whole rows): `_mqa_kernel` (each entry decoded once per head block and used
     as K and as V, the next block's words loaded ahead; LAZY: the running max moves only past
     that margin) instead of `_sparse_attn_kernel`. TWO_PASS: every logit first, then the values
-    (`sparse_attention_two_pass`; tiled, BLOCK_D / BLOCK_DV as given). ROWS: every pool row read
+    (`sparse_attention_two_pass`; tiled, BLOCK_D / BLOCK_DV as given; LOGITS_MAXNREG: a register
+    cap for its logits pass on CUDA). ROWS: every pool row read
     decoded once into a dense bf16 table, then bf16 gathers (`sparse_attention_rows`; whole rows,
     no splits; `rows_bound` sizes the table, see `ops.sparse_attention`)."""
     from .launch import as_int8, grid_for, interpreting, num_workers
@@ -731,7 +733,8 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
     sk = sink.contiguous()
 
     kw = {}
-    if dev.type == "cuda" and not interpreting():
+    compiled_cuda = dev.type == "cuda" and not interpreting()
+    if compiled_cuda:
         kw = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v}
     dot_bf16 = not interpreting()  # interpreters: fp32 dot operands (same values), integer bf16 rounding
     if ROWS:
@@ -747,7 +750,8 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
         n_split, pacc, pm, pl = launch_two_pass(
             qc, wk, ws, wi, gk, gs, gi, sk, out, softmax_scale, s=s, k=k, block_h=block_h, block_n=BLOCK_N,
             block_d=block_d, block_dv=block_dv, n_split=n_split, min_blocks_per_split=min_blocks_per_split,
-            kw=kw, dot_bf16=dot_bf16)
+            kw=kw, dot_bf16=dot_bf16,
+            logits_kw={"maxnreg": LOGITS_MAXNREG} if LOGITS_MAXNREG and compiled_cuda else {})
         _combine_splits(pacc, pm, pl, sk, out, n_split, dot_bf16)
         return out
     n_hb = -(-h // block_h)
@@ -869,6 +873,14 @@ def _auto_splits(base_tiles: int, n_blocks: int, workers: int, min_blocks_per_sp
 SPARSE_DECODE_FORMS = ("auto", "one_pass", "two_pass")
 SPARSE_DECODE_DEFAULT = "auto"
 TWO_PASS_MIN_T = 2
+# A register cap on the two-pass form's logits pass from that many tokens, (tokens, registers) per
+# backend key: 210 -> 168 registers leaves room for 3 programs of 4 warps an SM instead of 2 (its
+# tiles' loads come from L2, so more of them in flight pays); the values pass keeps its registers
+# (capped too, it slowed: session twenty-seven). H200 2026-12-04 (`sweep_kernels.py --only
+# sparse_two_pass`, 4K, graph us, no cap / 128 / 168 / 192): T=8 27.3 / 30.3 / 28.9 / 27.0,
+# T=16 40.4 / 40.9 / 37.2 / 39.4, T=24 50.4 / 48.5 / 50.7 / 48.5, T=32 57.9 / 56.7 / 53.8 / 55.5,
+# T=64 94.6 / 89.9 / 88.3 / 92.6.
+TWO_PASS_LOGITS_CAP = {"cuda": (16, 168)}
 _SPARSE_DECODE: list = []
 
 
@@ -886,7 +898,8 @@ def sparse_decode_form() -> str:
 
 def config_for(device: torch.device, t: int, h: int) -> dict:
     """The tile table entry for a launch: the decode entry (in the DSV41_SPARSE_DECODE form: by
-    default two-pass from TWO_PASS_MIN_T tokens) when the queries' whole-head tiles would leave
+    default two-pass from TWO_PASS_MIN_T tokens, its logits pass under TWO_PASS_LOGITS_CAP's register
+    cap from that many tokens) when the queries' whole-head tiles would leave
     most workers idle (small T: flash-decoding over head blocks and entry splits); otherwise the
     "<key>_prefill" entry where the backend has one, except while a graph is captured (the rows
     form's table is sized by the step's shapes, which a graph would freeze), else the main entry."""
@@ -900,6 +913,9 @@ def config_for(device: torch.device, t: int, h: int) -> dict:
             two = decode + "_two_pass"
             form = sparse_decode_form()
             if two in CONFIGS and (form == "two_pass" or form == "auto" and t >= TWO_PASS_MIN_T):
+                cap = TWO_PASS_LOGITS_CAP.get(key)
+                if cap and t >= cap[0]:
+                    return dict(CONFIGS[two], LOGITS_MAXNREG=cap[1])
                 return CONFIGS[two]
             return CONFIGS[decode]
     prefill = CONFIGS.get(key + "_prefill")

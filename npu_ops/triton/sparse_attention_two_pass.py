@@ -155,9 +155,10 @@ def _values_kernel(lg_ptr, mb_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr,
 
 def launch_two_pass(qc, wk, ws, wi, gk, gs, gi, sk, out, softmax_scale, *, s: int, k: int, block_h: int,
                     block_n: int, block_d: int, block_dv: int, n_split: int | None, min_blocks_per_split: int,
-                    kw: dict, dot_bf16: bool):
-    """Both passes for `sparse_attention_launch` (inputs already validated and viewed as there);
-    returns (n_split, pacc, pm, pl) for its combine step (n_split 1: `out` is written)."""
+                    kw: dict, dot_bf16: bool, logits_kw: dict | None = None):
+    """Both passes for `sparse_attention_launch` (inputs already validated and viewed as there;
+    `logits_kw`: launch options for the logits pass alone, e.g. a register cap); returns (n_split,
+    pacc, pm, pl) for its combine step (n_split 1: `out` is written)."""
     from .launch import grid_for, num_workers
     from .sparse_attention import _auto_splits, split_buffers
 
@@ -173,7 +174,7 @@ def launch_two_pass(qc, wk, ws, wi, gk, gs, gi, sk, out, softmax_scale, *, s: in
     _logits_kernel[(l_grid,)](qc, wk, ws, wi, gk, gs, gi, lg, mb, h, s, k, n_wb, n_blocks, n_hb, l_tiles, l_grid,
                               float(softmax_scale), wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
                               D=d, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_BF16=dot_bf16,
-                              **kw, **pdl_launch(qc))
+                              **kw, **(logits_kw or {}), **pdl_launch(qc))
     n_dv = d // block_dv
     base_tiles = t * n_hb * n_dv
     if n_split is None:
