@@ -28,6 +28,16 @@ One run measures, on random weights with realistic statistics (MODEL.md section 
   then also each indexed layer's compressor and top-k beside its projections, and (`--pdl`)
   with programmatic dependent launch off and in its two modes.
 Writes a dated markdown report naming the device (`--out`), and prints it.
+
+Profiler sessions: torch.profiler can leave CUPTI attached after a session ends (Kineto tears it
+down only when configured to, which torch avoids where CUDA graphs are used: PyTorch issue
+144455), and the process's later eager launches then pay for it. So the timed phases come before any
+profiler session: prefill first, then decode, whose kernel table (one profiled eager step) is
+taken after the last context's timings; `--prefill-kernels` profiles after every timed prefill.
+`--graph-kernels` profiles each context after its rows, so with several contexts it can slow the
+later contexts' host-side (engine) timings; graph replays are one launch each. (A full run with
+the table taken at the first context and prefill last read the prefills ~1.8x slower than a
+prefill-only run: benchmarks/RESULTS-e2e.md, 2026-12-04.)
 """
 
 from __future__ import annotations
@@ -438,8 +448,10 @@ class Memory:
         return torch.cuda.max_memory_allocated() if self.cuda else None
 
 
-def run_decode(model, args, clock: Clock, copy_bw: float, mem: Memory, log) -> tuple[list[dict], dict, list[dict]]:
-    """Decode rows per (context, batch, mode); the kernel table; memory rows."""
+def run_decode(model, args, clock: Clock, copy_bw: float, mem: Memory, log,
+               table: bool = True) -> tuple[list[dict], dict, list[dict]]:
+    """Decode rows per (context, batch, mode); the kernel table (`table`: at the last context, after
+    its timings); memory rows."""
     cfg, dev = model.cfg, clock.device
     rows, mem_rows, kernels, profiled = [], [], {}, []
     gen = torch.Generator().manual_seed(args.seed)
@@ -500,8 +512,8 @@ def run_decode(model, args, clock: Clock, copy_bw: float, mem: Memory, log) -> t
             listing = f"{os.path.splitext(args.out)[0]}-launches-ctx{ctx}-b{row['batch']}.txt"
             row["kernels"] = profile_kernels(lambda batch=batch: engine.graphs.run(batch), dev, listing=listing)
         profiled.clear()
-        if not kernels:
-            batch = decode_batch(engine, seqs[:1])
+        if table and ctx == args.contexts[-1]:  # after every context's timings: a profiler session
+            batch = decode_batch(engine, seqs[:1])  # slows the process's later launches (module docstring)
             kernels = dict(zip(("table", "total"), kernel_table(model, lambda: model(batch, engine.pool, check=False), dev)))
             kernels["ctx"] = ctx
         mem_rows.append(dict(phase=f"decode ctx {ctx}, {bmax} sequences, graphs", peak=mem.peak(),
@@ -547,17 +559,25 @@ def run_prefill(model, args, clock: Clock, mm_rate: float, mem: Memory, log) -> 
             finite = bool(torch.isfinite(logits).all())
             engine.finish(seq)
             flops = prefill_flops(model, n, mode == "ced")
-            rows.append(dict(mode=mode, n=n, s=dt, cold_s=cold[0], flops=flops, roof_s=flops / mm_rate, finite=finite))
-            if args.prefill_kernels:  # a fourth and fifth prefill, after the timed ones
-                def again(prompt=prompt):
-                    engine.finish(engine.prefill_alone(prompt, SamplingParams(max_new_tokens=1))[0])
-                rows[-1]["kernels"] = profile_kernels(again, dev, reps=1, top=24)
+            rows.append(dict(mode=mode, n=n, s=dt, cold_s=cold[0], flops=flops, roof_s=flops / mm_rate, finite=finite,
+                             prompt=prompt))
             log(f"prefill {mode} {n} in {engine.max_tokens_per_step}-token steps: {dt:.3f} s (warm runs {cold[1]:.3f} / {cold[2]:.3f} s, first run {cold[0]:.3f} s), {n / dt:.0f} tok/s, {flops / dt / 1e12:.1f} TFLOP/s "
                 f"({flops / mm_rate / dt:.0%} of the matmul roofline)")
             if n == max(args.prefill):
                 mem_rows.append(dict(phase=f"prefill {mode} {n} ({engine.max_tokens_per_step}-token steps)", peak=mem.peak(), weights=model_bytes(model, dev),
                                      kv=engine.pool.nbytes()))
             del engine
+    if args.prefill_kernels:  # two more prefills of each row's prompt, after every timed one (module docstring)
+        for row in rows:
+            engine = Engine(model, prefill_mode=row["mode"], max_batch=1, max_tokens_per_step=args.prefill_chunk or None,
+                            block_size=args.block_size, max_model_len=max(args.prefill) + 8, prefix_cache=False)
+
+            def again(engine=engine, prompt=row["prompt"]):
+                engine.finish(engine.prefill_alone(prompt, SamplingParams(max_new_tokens=1))[0])
+            row["kernels"] = profile_kernels(again, dev, reps=1, top=24)
+            del engine
+    for row in rows:
+        del row["prompt"]
     return rows, mem_rows
 
 
@@ -888,7 +908,8 @@ def main() -> int:
     ap.add_argument("--reps", type=positive_int, default=20, help="graph replays timed per decode row")
     ap.add_argument("--engine-steps", type=positive_int, default=4)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--skip", default="", help="comma list of phases to skip: decode,prefill,kernels")
+    ap.add_argument("--skip", default="", help="comma list of phases to skip: decode, prefill, kernels (the decode "
+                                               "phase's profiled kernel table)")
     ap.add_argument("--offload", action="store_true", help="also decode with Engram tables in host memory")
     ap.add_argument("--pdl", action="store_true",
                     help="also decode under each programmatic dependent launch mode of --pdl-modes (npu_ops/triton/pdl.py)")
@@ -954,8 +975,17 @@ def main() -> int:
         os.replace(tmp, args.out)
         return text
 
+    # Prefill first: a profiler session leaves the process's later eager launches slower (module
+    # docstring), and the decode phase ends with one (the kernel table).
+    pm: list[dict] = []
+    if "prefill" not in skip:
+        pre, pm = phase("prefill", lambda: run_prefill(model, args, clock, mm_rate, mem, log)) or ([], [])
+        mems = list(pm)
+        write()
     if "decode" not in skip:
-        dec, kernels, mems = phase("decode", lambda: run_decode(model, args, clock, copy_bw, mem, log)) or ([], {}, [])
+        dec, kernels, dm = phase("decode", lambda: run_decode(model, args, clock, copy_bw, mem, log,
+                                                             table="kernels" not in skip)) or ([], {}, [])
+        mems = dm + pm
         write()
     if args.streams:
         streams = phase("streams", lambda: run_streams(model, args, clock, log)) or []
@@ -965,10 +995,6 @@ def main() -> int:
         write()
     if args.offload:
         offload = phase("offload", lambda: run_offload(model, args, clock, log)) or []
-        write()
-    if "prefill" not in skip:
-        pre, pm = phase("prefill", lambda: run_prefill(model, args, clock, mm_rate, mem, log)) or ([], [])
-        mems += pm
         write()
     if args.numerics:
         num = phase("numerics", lambda: run_numerics(model, args, log)) or []

@@ -1,0 +1,60 @@
+"""`benchmarks/e2e.py`'s phase order on the CPU dry run: every timed phase before any profiler
+session (a torch.profiler session leaves the process's later eager launches slower), the
+decode kernel table at the last context, `--skip kernels` without it."""
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "e2e.py"
+_spec = importlib.util.spec_from_file_location("e2e_bench", _PATH)
+e2e = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(e2e)
+
+
+@pytest.fixture
+def events(monkeypatch):
+    """The order of the timed prefills, decode graph timings and profiler sessions of a run."""
+    seen: list[tuple] = []
+
+    def wrap(name, fn):
+        def inner(*args, **kwargs):
+            seen.append((name,))
+            return fn(*args, **kwargs)
+        return inner
+
+    monkeypatch.setattr(e2e, "run_prefill", wrap("prefill", e2e.run_prefill))
+    monkeypatch.setattr(e2e, "run_decode", wrap("decode", e2e.run_decode))
+    monkeypatch.setattr(e2e, "kernel_table", wrap("kernel_table", e2e.kernel_table))
+    monkeypatch.setattr(e2e, "profile_kernels", wrap("profile_kernels", e2e.profile_kernels))
+    monkeypatch.setattr(e2e.Clock, "per_call", wrap("per_call", e2e.Clock.per_call))
+    return seen
+
+
+def run(monkeypatch, tmp_path, *extra) -> str:
+    out = tmp_path / "e2e.md"
+    monkeypatch.setattr(sys, "argv", ["e2e.py", "--preset", "tiny", "--device", "cpu", "--dry-run", "--batches", "1",
+                                      "--reps", "1", "--engine-steps", "1", "--out", str(out), *extra])
+    assert e2e.main() == 0
+    return out.read_text()
+
+
+def test_timed_phases_come_before_the_profiler(monkeypatch, tmp_path, events):
+    """Prefill first, then every decode context's timings (`Clock.per_call`, also used by the
+    ceilings before), then the kernel table (one profiler session, at the last context)."""
+    text = run(monkeypatch, tmp_path, "--contexts", "128,256", "--prefill", "256")
+    names = [e[0] for e in events]
+    assert names.index("prefill") < names.index("decode"), names
+    assert names.index("decode") < max(i for i, n in enumerate(names) if n == "per_call"), names
+    assert names.count("kernel_table") == 1, names
+    assert names.index("kernel_table") > max(i for i, n in enumerate(names) if n == "per_call"), names
+    assert "## Kernels per decode step (batch 1, context 256" in text
+    assert "## Prefill (one sequence)" in text and "## Decode" in text
+
+
+def test_skip_kernels_leaves_out_the_table(monkeypatch, tmp_path, events):
+    text = run(monkeypatch, tmp_path, "--contexts", "128", "--skip", "prefill,kernels")
+    names = [e[0] for e in events]
+    assert "kernel_table" not in names and "prefill" not in names, names
+    assert "## Decode" in text and "Kernels per decode step" not in text
