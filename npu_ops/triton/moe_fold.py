@@ -24,10 +24,10 @@ The conversion (`fp4_words_bf16`, after Marlin's FP4 -> bf16 dequantisation): a 
 value times 2^-126 (code 1, the value 0.5, becomes the subnormal 2^-127); one bf16x2 multiply by
 2^(byte - 1) per two values then gives value * 2^(byte - 127). The placement of two nibbles 16
 bits apart is a mask, one integer multiply that makes the sign's and the magnitude's shifts at
-once, and a mask (`_place`; 3 integer ops per two values instead of 5). The four bit placements of a word
-take elements (v, v + 4) for v = 0..3 into one bf16x2 register, so the tile's K order inside each
-group of 8 is permuted (`word_order`); x and h are stored in that order, and a dot does not care
-about the order of K.
+once, and a mask (`_place`; 3 integer ops per two values instead of 5). The four bit placements
+of a word take elements (v, v + 4) for v = 0..3 into one bf16x2 register, so the tile's K order
+inside each group of 8 is permuted (`word_order`); x and h are stored in that order, and a dot
+does not care about the order of K.
 
 Byte tiles (`fold_moe(..., byte_tiles=True)`; the CUDA default at 17..64 tokens, where the
 H200 measured them faster: T=64 379.9 -> 307.4 us, but slower at 1 / 8 / 16 tokens: 99.7 ->
@@ -41,7 +41,8 @@ makes a round trip through shared memory (STS, barrier, LDSM) every K step. Loca
 the gate/up K step, 32-row tile: 564 instructions instead of 591, no STS / LDSM / barrier,
 234 registers without spills (words: 255 + 16 bytes of stack); benchmarks/RESULTS.md, "FP4
 experts at decode sizes: FP8 dots". With the one-multiply placement (session twenty-eight) the
-K step is 503 instructions at the 168-register cap (567 before), the down kernel's 289 (322). K order `byte_order` per BK tile (x and h stored in it).
+K step is 503 instructions at the 168-register cap (567 before), the down kernel's 289 (322).
+K order `byte_order` per BK tile (x and h stored in it).
 
 Numerics: every dot operand is an exact bf16 value, every product exact in fp32, only the fp32
 summation order differs from the reference (the class of the other MoE kernels); the w1 / w3 sums, the weighted SwiGLU product and each expert's
