@@ -16,11 +16,11 @@ _spec.loader.exec_module(e2e)
 @pytest.fixture
 def events(monkeypatch):
     """The order of the timed prefills, decode graph timings and profiler sessions of a run."""
-    seen: list[tuple] = []
+    seen: list[str] = []
 
     def wrap(name, fn):
         def inner(*args, **kwargs):
-            seen.append((name,))
+            seen.append(name)
             return fn(*args, **kwargs)
         return inner
 
@@ -44,7 +44,7 @@ def test_timed_phases_come_before_the_profiler(monkeypatch, tmp_path, events):
     """Prefill first, then every decode context's timings (`Clock.per_call`, also used by the
     ceilings before), then the kernel table (one profiler session, at the last context)."""
     text = run(monkeypatch, tmp_path, "--contexts", "128,256", "--prefill", "256")
-    names = [e[0] for e in events]
+    names = events
     assert names.index("prefill") < names.index("decode"), names
     assert names.index("decode") < max(i for i, n in enumerate(names) if n == "per_call"), names
     assert names.count("kernel_table") == 1, names
@@ -55,6 +55,6 @@ def test_timed_phases_come_before_the_profiler(monkeypatch, tmp_path, events):
 
 def test_skip_kernels_leaves_out_the_table(monkeypatch, tmp_path, events):
     text = run(monkeypatch, tmp_path, "--contexts", "128", "--skip", "prefill,kernels")
-    names = [e[0] for e in events]
+    names = events
     assert "kernel_table" not in names and "prefill" not in names, names
     assert "## Decode" in text and "Kernels per decode step" not in text

@@ -119,8 +119,8 @@ def test_fold_bytes_dequant_bit_exact(dev):
 def run_ptx(asm: str, args: dict) -> dict:
     """A Python interpreter for the few b32 instructions (prmt, shl, shr, and, or, mul.lo.u32,
     mul.rn.bf16x2) of a packed-conversion PTX string: `args` maps operand names ($4, ...) to
-    32-bit inputs; returns every register after the run. The bf16x2 product is rounded to nearest even (torch), as
-    mul.rn keeps subnormal bf16 inputs and results on sm_90."""
+    32-bit inputs; returns every register after the run. The bf16x2 product is rounded to nearest
+    even (torch), as mul.rn keeps subnormal bf16 inputs and results on sm_90."""
     regs = dict(args)
     body = asm.replace("{", "").replace("}", "")
 
