@@ -1,6 +1,7 @@
 """`benchmarks/e2e.py`'s phase order on the CPU dry run: every timed phase before any profiler
 session (a torch.profiler session leaves the process's later eager launches slower), the
 decode kernel table at the last context, `--skip kernels` without it."""
+import gc
 import importlib.util
 import pathlib
 import sys
@@ -24,12 +25,15 @@ def events(monkeypatch):
             return fn(*args, **kwargs)
         return inner
 
+    # e2e narrows the captured buckets for its run (a process-wide setting): restored after the test
+    monkeypatch.setattr(e2e.decode_graphs, "BUCKETS", e2e.decode_graphs.BUCKETS)
     monkeypatch.setattr(e2e, "run_prefill", wrap("prefill", e2e.run_prefill))
     monkeypatch.setattr(e2e, "run_decode", wrap("decode", e2e.run_decode))
     monkeypatch.setattr(e2e, "kernel_table", wrap("kernel_table", e2e.kernel_table))
     monkeypatch.setattr(e2e, "profile_kernels", wrap("profile_kernels", e2e.profile_kernels))
     monkeypatch.setattr(e2e.Clock, "per_call", wrap("per_call", e2e.Clock.per_call))
-    return seen
+    yield seen
+    gc.unfreeze()  # the run froze the test process's objects, as a serving process would
 
 
 def run(monkeypatch, tmp_path, *extra) -> str:
