@@ -695,7 +695,11 @@ MMA_VARIANTS = [dict(mma_bb=8, mma_warps_down=8), dict(mma_split_up=2), dict(mma
                 dict(mma_scale_words=False, mma_split_up=2, mma_split_down=2), dict(mma_vec_words=True),
                 dict(mma_vec_words=False), dict(mma_vec_words=True, mma_split_up=2, mma_split_down=2),
                 dict(mma_diag=False), dict(mma_diag=False, mma_vec_words=True), dict(mma_split_up=4, mma_split_down=4),
-                dict(mma_split_up=4, mma_split_down=3)]
+                dict(mma_split_up=4, mma_split_down=3), dict(mma_l2_hint=False), dict(mma_l2_hint=True),
+                dict(mma_split_up=2, mma_split_down=2), dict(mma_split_up=4, mma_split_down=2)]
+# 2026-12-04 ~16:38-16:45 UTC (the L2 hint on the gate/up kernel's weight loads the default since):
+# T=1 default 57.7 / 58.1, hint off 64.9 / 64.7, on both kernels 58.7 / 58.8, 2 / 2 56.7 / 57.2
+# (slower in the decode step: moe_rows_mma.MMA_SPLITS), 4 / 2 56.9 / 56.9.
 
 
 # At 3..8 tokens (a program per expert by default): the other layout, K slices.

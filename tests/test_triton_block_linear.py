@@ -456,6 +456,25 @@ def test_linear_xscale_model_shapes_gpu(dev, path, m, rng):
             assert rel_err(got, basic.linear(x, w, s, torch.float32)) < 2e-4
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("l2_hint", [False, True])
+def test_linear_rowmma_l2_hint_gpu(dev, l2_hint, rng):
+    """The block-diagonal step's weight loads with and without the L2 hint (`row_mma.lane_words`,
+    PTX asm; on by default) at one row and model widths (wo_b, Engram's wkv), one K slice and
+    several, both output dtypes."""
+    from dsv41.npu_ops.triton import row_mma
+
+    for k, n, tiles in ((8192, 5120, {}), (6144, 25600, {}), (8192, 5120, {"split_k": 1})):
+        x = (torch.randn(1, k, generator=rng) * 3).to(torch.bfloat16)
+        w, s = weight("fp8", n, k, rng)
+        for out_dtype in (torch.bfloat16, torch.float32):
+            out = torch.full((1, n), float("nan"), dtype=out_dtype, device=dev)
+            row_mma.launch_row_mma(x.to(dev), w.to(dev), s.to(dev), out, l2_hint=l2_hint, **tiles)
+            err = rel_err(out, basic.linear(x, w, s, out_dtype))
+            assert err < BOUND[out_dtype], f"K={k} N={n} {tiles} {out_dtype} l2_hint {l2_hint}: {err:.2e}"
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("m", [1, 5, 40])
 def test_linear_w8a8(dev, m, rng):

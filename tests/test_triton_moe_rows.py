@@ -229,6 +229,17 @@ def test_rows_mini_widths_gpu(dev, t, mma, rng, poisoned):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("l2_hint", [False, True, (False, True)])
+def test_rows_mma_l2_hint_gpu(dev, l2_hint, rng, poisoned):
+    """The block-diagonal operand's weight loads with and without the L2 hint (`mma_l2_hint`, PTX
+    asm; the default hints the gate/up kernel only) at the mini widths, one token, with K slices
+    and without."""
+    check(dev, 1, 8, 6, 5120, 2304, rng, mma=True, mma_l2_hint=l2_hint)
+    check(dev, 1, 8, 6, 5120, 2304, rng, mma=True, mma_l2_hint=l2_hint, mma_split_up=1, mma_split_down=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
 @pytest.mark.parametrize("tiles", [dict(rs_up=1), dict(rs_up=4), dict(rs_down=2, rpp_down=16),
                                    dict(rs_down=8, rpp_down=64), dict(num_warps=8)])
 def test_rows_tiles_gpu(dev, tiles, rng, poisoned):

@@ -278,7 +278,8 @@ def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
              mma_bb: int | None = None, mma_warps_down: int | None = None, mma_split_up: int | None = None,
              mma_split_down: int | None = None, mma_grouped: bool | None = None,
              mma_scale_words: bool | None = None, mma_vec_words: bool | tuple | None = None,
-             mma_diag: bool | None = None, add: torch.Tensor | None = None, join=None) -> torch.Tensor:
+             mma_diag: bool | None = None, mma_l2_hint: bool | tuple | None = None,
+             add: torch.Tensor | None = None, join=None) -> torch.Tensor:
     """The rows path for x [T, d] (FP4 experts; T <= ROWS_MAX_T on the CUDA cores, tiles default
     `ROWS_TILES`; on the MMA variant T <= moe_rows_mma.MMA_MAX_T with a program per routed row, any
     T grouped, and by default up to MMA_MAX_T):
@@ -287,7 +288,8 @@ def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
     (`moe_rows_mma`; CUDA), with its own settings `mma_bb` (K blocks a loop step),
     `mma_warps_down`, `mma_scale_words` (a step's scale bytes in one load), `mma_vec_words`
     (16-byte weight loads, transposed across lanes; a bool or (gate/up, down)), `mma_diag` (at a
-    program per routed row, the block-diagonal MMA operand in place of that transpose), the K
+    program per routed row, the block-diagonal MMA operand in place of that transpose), `mma_l2_hint`
+    (its weight loads asking L2 for 256-byte blocks; a bool or (gate/up, down)), the K
     slices `mma_split_up` / `mma_split_down` and `mma_grouped` (a program per expert, its rows as MMA columns: up to `moe_rows_mma.MMA_MAX_T`
     tokens, where the CUDA-core kernels take ROWS_MAX_T); None (default): compiled on CUDA where its
     widths fit, unless a CUDA-core kernel tile is given (the H200 measured it faster at one and two
@@ -314,7 +316,8 @@ def rows_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
 
         y = mma_moe(x, flat_ids, wts, table_args, limit, topk, bb=mma_bb, num_warps_down=mma_warps_down,
                     split_up=mma_split_up, split_down=mma_split_down, grouped=mma_grouped,
-                    scale_words=mma_scale_words, vec_words=mma_vec_words, diag=mma_diag)
+                    scale_words=mma_scale_words, vec_words=mma_vec_words, diag=mma_diag,
+                    l2_hint=mma_l2_hint)
     else:
         y = _core_moe(x, flat_ids, wts, table_args, limit, topk, rs_up, rs_down, rpp_down, num_warps, tiles, interp)
     return combine(y, flat_ids, out, add, join)

@@ -36,7 +36,9 @@ of its rows whole), and the B operand is block diagonal (column n: x's codes of 
 lane (n, n), zero elsewhere), so D's column n sums one block and a 4-block step's 8 MMAs chain in
 the tensor core's accumulator; no transpose, and the scale factors once a step. The row sums are
 totalled across each quad at the end. The gate/up loop went from 286 to 167 sm_90a instructions
-a step (72 to 42 a block), down from 279 to 180.
+a step (72 to 42 a block), down from 279 to 180. The gate/up kernel's weight loads ask L2 for
+the 256-byte block around them (`ld.global.L2::256B`, MMA_TILES["l2_hint"]), so three of every
+four steps of a row slice find their bytes in L2: the op at one token 62 -> 58 us on the H200.
 Both kernels can split K (`MMA_SPLITS` by token count): each slice stores fp32 partials and the
 tile's last slice (a counter of `launch.tile_counters`) adds them in slice order before the
 epilogue (deterministic). At one token the split doubles the warps streaming weights, which is
@@ -58,7 +60,7 @@ from .pdl import pdl_launch, pdl_start
 from .block_scaled import bf16_round, e2m1_value, e8m0_value, fp8_exponent, fp8_round, pow2
 from . import moe_rows
 from .moe_rows import GROUP, _row_ptrs
-from .row_mma import _cols4, _diag_factors, _pick, _pick4, _quad_total, _x_column, mma_asm, x_codes
+from .row_mma import _cols4, _diag_factors, _pick, _pick4, _quad_total, _x_column, lane_words, mma_asm, x_codes
 from .swiglu import expert_act
 
 # scale_words: a loop step's four scale bytes of a row in one int32 load (`_cols_sums`' SW). H200
@@ -76,7 +78,15 @@ from .swiglu import expert_act
 # us (71.5 without), T=2 106.7 (120.4); kernels at T=1 gate/up 35.3 us (44-45 before), down 21.4
 # (25.7); the mini decode step (graph) 1.959 -> 1.902 ms at batch 1. (The 16-byte loads alone with
 # the step's x scales in one load and 2^14 once per block: T=1 71.5 / T=2 120.4, the VEC row.)
-MMA_TILES = {"num_warps_down": 4, "bb": 4, "scale_words": True, "vec_words": (True, False), "diag": True}
+# l2_hint (`_diag_sums`' L2, `row_mma.lane_words`) and variants not kept, H200 2026-12-04 ~16:38 UTC,
+# whole op at T=1 (graph us, two alternated passes, K split 3 / 2): none 61.6 / 62.2; factors one step ahead
+# 64.4 / 64.8, factors and words 62.9 / 63.5 (ptxas sinks the early loads back to the step's end);
+# L2::256B on both kernels' weight loads 58.3 / 58.8 (gate/up 39.8 -> 34.8 us, down 18.8 -> 19.9),
+# an L2 prefetch 256 bytes ahead 74.2 / 74.8. The mini decode step at batch 1 (graph, 4K, 16:40,
+# alternated) with L2::256B on both kernels: 1.676 / 1.684 -> 1.669 / 1.666 ms. Gate/up only (the
+# default, ~16:45): 57.7 / 58.1 against 64.9 / 64.7 without, 58.7 / 58.8 on both.
+MMA_TILES = {"num_warps_down": 4, "bb": 4, "scale_words": True, "vec_words": (True, False), "diag": True,
+             "l2_hint": (True, False)}
 # K slices (gate/up, down) by token count. H200 2026-12-01 ~20:10 UTC, graph replay, 16 FP4 experts
 # 5120 x 2304, top-6 (benchmarks/RESULTS.md, "FP4 experts at one and two tokens on register-fed MMAs"):
 # T=1 no split 92.5 us, up 2 80.9, down 2 88.0, 2 / 2 76.1, 3 / 3 78.2, 4 / 2 82.4 (rows kernels
@@ -88,6 +98,10 @@ MMA_TILES = {"num_warps_down": 4, "bb": 4, "scale_words": True, "vec_words": (Tr
 # With diag (06:13): T=1 3 / 2 59.7 us against 3 / 3 62.1, 2 / 2 62.7, 4 / 4 67.7 (the down kernel's
 # 50 registers allow 9 programs an SM: 3 slices of 480 programs are 1.21 waves, 2 fit in one);
 # T=2 3 / 3 106.7 against 3 / 2 107.3, 4 / 4 110.1.
+# With the gate/up kernel's L2 hint (l2_hint (True, False), 2026-12-04 ~16:45 UTC, two alternated
+# passes): T=1 2 / 2 56.7 / 57.2 us against 3 / 2 57.7 / 58.1, 4 / 2 56.9 / 56.9, 4 / 3 58.3 / 58.1 alone; but in
+# the mini decode step (graph, batch 1, 4K, 16:51-16:52 UTC, alternated) 2 / 2 read 1.700 / 1.709 ms
+# against 1.669 / 1.673 for 3 / 2, so 3 / 2 stays.
 MMA_SPLITS = {1: (3, 2), 2: (3, 3), 3: (3, 3), 4: (3, 3), 5: (3, 3), 6: (3, 3), 7: (3, 3), 8: (3, 3)}
 MMA_MAX_T = 8  # the MMA's n: an expert's rows in one pass (the routed experts of a token are distinct)
 GROUPED_MIN_T = 3  # from here a program per expert (its rows as MMA columns), below one per routed row
@@ -254,25 +268,41 @@ def _vec_step_sums(acc0, acc1, acc2, acc3, wg_rows, w8_rows, sg_rows, s8_rows, o
 
 
 @triton.jit
-def _diag_step_sums(acc0, acc1, acc2, acc3, wg_rows, w8_rows, sg_rows, s8_rows, okr, xblk, xfa, b0, g, t,
-                    NW: tl.constexpr, ASM: tl.constexpr):
-    """DIAG (one column, VEC's conditions): the accumulators plus blocks b0 .. b0 + 3 with the
-    MMA's unused columns separating the blocks instead of a transpose. Lane (g, t) keeps its 16
-    bytes of row g / g + 8 as they load (block b0 + t whole, 4 words), and the B operand is block
-    diagonal: column n holds x's codes of block b0 + n at the K positions of lane t = n (lane
-    (n, n) loads them; every other lane's B is zero). So each MMA's column n sums lane n's
-    products only, one block each, and a step's 8 MMAs chain in the tensor core's fp32
-    accumulator: D[r, n] = block b0 + n's 32-product sum for row r. Lane (g, t < 2) gets columns
-    2t, 2t + 1 (lanes t >= 2: columns 4..7, zero), times their factors into the accumulators.
-    xblk: column 0's codes (int32 f16 pairs) at block 0."""
+def _diag_scales(sg_rows, s8_rows, okr, xfa, b0, NW: tl.constexpr):
+    """DIAG's factors of step b0: the 4 scale bytes of rows g / g + 8 as one int32 each (masked
+    rows: 0, which `e8m0_value` reads as 0.0 beside their zero words) and x's 4 block scales times
+    2^14 (the placement's factor)."""
     four = tl.arange(0, 4)
-    pg = tl.multiple_of(wg_rows + 4 * (b0 + t), 16)  # (16-byte rows: the launcher's condition)
-    p8 = tl.multiple_of(w8_rows + 4 * (b0 + t), 16)
-    wg = _cols4(tl.load(pg[:, None] + four[None, :], mask=okr[:, None], other=0), NW)
-    w8 = _cols4(tl.load(p8[:, None] + four[None, :], mask=okr[:, None], other=0), NW)
     sgw = tl.load((sg_rows + b0).to(tl.pointer_type(tl.int32)), mask=okr, other=0)
     s8w = tl.load((s8_rows + b0).to(tl.pointer_type(tl.int32)), mask=okr, other=0)
     fa = _cols4(tl.load(tl.multiple_of(xfa + b0, 16)[:, None] + four[None, :]), NW)
+    return sgw, s8w, fa[0] * 16384.0, fa[1] * 16384.0, fa[2] * 16384.0, fa[3] * 16384.0
+
+
+@triton.jit
+def _diag_words(wg_rows, w8_rows, okr, b0, t, NW: tl.constexpr, L2: tl.constexpr = False):
+    """DIAG's weights of step b0: lane (g, t)'s 16 bytes of rows g / g + 8 (block b0 + t whole)
+    as 4 + 4 int32 words (masked rows: zeros); L2: `row_mma.lane_words`' L2 hint (CUDA asm only)."""
+    pg = tl.multiple_of(wg_rows + 4 * (b0 + t), 16)  # (16-byte rows: the launcher's condition)
+    p8 = tl.multiple_of(w8_rows + 4 * (b0 + t), 16)
+    g0, g1, g2, g3 = lane_words(pg, okr, L2, NW)
+    e0, e1, e2, e3 = lane_words(p8, okr, L2, NW)
+    return g0, g1, g2, g3, e0, e1, e2, e3
+
+
+@triton.jit
+def _diag_step_sums(acc0, acc1, acc2, acc3, wg, w8, sgw, s8w, fa16, xblk, b0, g, t, NW: tl.constexpr,
+                    ASM: tl.constexpr):
+    """DIAG (one column, VEC's conditions): the accumulators plus blocks b0 .. b0 + 3 with the
+    MMA's unused columns separating the blocks instead of a transpose. Lane (g, t) keeps its 16
+    bytes of row g / g + 8 as they load (block b0 + t whole, 4 words: `_diag_words`), and the B
+    operand is block diagonal: column n holds x's codes of block b0 + n at the K positions of
+    lane t = n (lane (n, n) loads them; every other lane's B is zero). So each MMA's column n sums
+    lane n's products only, one block each, and a step's 8 MMAs chain in the tensor core's fp32
+    accumulator: D[r, n] = block b0 + n's 32-product sum for row r. Lane (g, t < 2) gets columns
+    2t, 2t + 1 (lanes t >= 2: columns 4..7, zero), times their factors (`_diag_scales`: sgw, s8w,
+    fa16) into the accumulators. xblk: column 0's codes (int32 f16 pairs) at block 0."""
+    four = tl.arange(0, 4)
     xw = xblk + 16 * (b0 + t)  # lane (n, n): block b0 + n's codes, word w at 4w
     d0 = tl.zeros((NW * 32,), dtype=tl.float32)
     d1 = tl.zeros((NW * 32,), dtype=tl.float32)
@@ -292,14 +322,34 @@ def _diag_step_sums(acc0, acc1, acc2, acc3, wg_rows, w8_rows, sg_rows, s8_rows, 
             d1 += c1
             d2 += c2
             d3 += c3
-    fa16 = (fa[0] * 16384.0, fa[1] * 16384.0, fa[2] * 16384.0, fa[3] * 16384.0)
     return _diag_factors(acc0, acc1, acc2, acc3, d0, d1, d2, d3, fa16, sgw, s8w, t)
+
+
+@triton.jit
+def _diag_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, xblk, xfa, b_lo, b_hi, g, t, NW: tl.constexpr,
+               ASM: tl.constexpr, L2: tl.constexpr):
+    """DIAG's loop over blocks b_lo .. b_hi in 4-block steps (`_diag_step_sums`), returning the
+    four accumulators. L2: the weight loads ask L2 for the 256-byte block around them
+    (`row_mma.lane_words`), so the next 3 steps of a row slice wait on L2, not DRAM. (ptxas sinks
+    a step's scale loads below its fifth MMA, and loads written one step ahead back to the step's
+    end, so a step waits on its weights, then on its scales: benchmarks/RESULTS.md, "A lead for
+    batch 1's routed experts" and "Session twenty-nine".)"""
+    acc0 = tl.zeros((NW * 32,), dtype=tl.float32)
+    acc1 = tl.zeros((NW * 32,), dtype=tl.float32)
+    acc2 = tl.zeros((NW * 32,), dtype=tl.float32)
+    acc3 = tl.zeros((NW * 32,), dtype=tl.float32)
+    for b0 in range(b_lo, b_hi, 4):
+        sgw, s8w, f0, f1, f2, f3 = _diag_scales(sg_rows, s8_rows, okr, xfa, b0, NW)
+        g0, g1, g2, g3, e0, e1, e2, e3 = _diag_words(wg_rows, w8_rows, okr, b0, t, NW, L2)
+        acc0, acc1, acc2, acc3 = _diag_step_sums(acc0, acc1, acc2, acc3, (g0, g1, g2, g3), (e0, e1, e2, e3), sgw,
+                                                 s8w, (f0, f1, f2, f3), xblk, b0, g, t, NW, ASM)
+    return acc0, acc1, acc2, acc3
 
 
 @triton.jit
 def _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, xrow, xfa, xfb, b_lo, b_hi, g, t, NW: tl.constexpr,
                BB: tl.constexpr, ONE: tl.constexpr, ASM: tl.constexpr, SW: tl.constexpr = False,
-               VEC: tl.constexpr = False, DIAG: tl.constexpr = False):
+               VEC: tl.constexpr = False, DIAG: tl.constexpr = False, L2: tl.constexpr = False):
     """Per lane (g, t) the fp32 dots of rows g and g + 8 (word pointers wg_rows / w8_rows at their
     first word, scale bytes sg_rows / s8_rows) with the activations of columns 2t and 2t + 1 over
     blocks b_lo .. b_hi: (row g col 2t, row g col 2t + 1, row g + 8 col 2t, row g + 8 col 2t + 1).
@@ -307,19 +357,21 @@ def _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, xrow, xfa, xfb, b_lo, b_
     the block scales of columns 2t / 2t + 1. ONE: a single column (the second pair stays 0).
     BB blocks a step. SW (BB == 4, the rows' scale bytes 4-aligned at every step): a step's four
     scale bytes of a row come in one int32 load, not four byte loads. VEC (SW, and slices of whole
-    steps over 16-byte rows): `_vec_step_sums`; DIAG (VEC's conditions and ONE): `_diag_step_sums`,
-    and the row sums are totalled across each quad at the end. (Loading a step's words and scales one step
-    ahead, carried in registers, measured no faster on the H200: benchmarks/RESULTS.md, session
-    fifteen.)"""
+    steps over 16-byte rows): `_vec_step_sums`; DIAG (VEC's conditions and ONE): `_diag_sums` (L2:
+    its L2 hint; the other forms ignore L2), and the row sums are totalled across each quad at the
+    end. (Loading a step's words and scales one step ahead, carried in registers, measured no
+    faster on the H200, before DIAG and with it: benchmarks/RESULTS.md, sessions fifteen and
+    twenty-nine.)"""
+    if DIAG:  # a row's blocks are spread over its quad's columns: each lane gets the row's total
+        acc0, acc1, acc2, acc3 = _diag_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, xrow - 4 * t, xfa, b_lo, b_hi, g,
+                                            t, NW, ASM, L2)
+        return _quad_total(acc0 + acc1, NW), acc1, _quad_total(acc2 + acc3, NW), acc3
     acc0 = tl.zeros((NW * 32,), dtype=tl.float32)
     acc1 = tl.zeros((NW * 32,), dtype=tl.float32)
     acc2 = tl.zeros((NW * 32,), dtype=tl.float32)
     acc3 = tl.zeros((NW * 32,), dtype=tl.float32)
     for b0 in range(b_lo, b_hi, BB):
-        if DIAG:
-            acc0, acc1, acc2, acc3 = _diag_step_sums(acc0, acc1, acc2, acc3, wg_rows, w8_rows, sg_rows, s8_rows, okr,
-                                                     xrow - 4 * t, xfa, b0, g, t, NW, ASM)
-        elif VEC:
+        if VEC:
             acc0, acc1, acc2, acc3 = _vec_step_sums(acc0, acc1, acc2, acc3, wg_rows, w8_rows, sg_rows, s8_rows, okr,
                                                     xrow, xfa, xfb, b0, t, NW, ONE, ASM)
         else:
@@ -334,9 +386,6 @@ def _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, xrow, xfa, xfb, b_lo, b_
                                                 SW)
                 acc0, acc1, acc2, acc3 = _block_sums(acc0, acc1, acc2, acc3, wg, w8, sgb, s8b, xrow, xfa, xfb, b0 + i,
                                                      b_hi, NW, ONE, ASM)
-    if DIAG:  # a row's blocks are spread over its quad's columns: each lane gets the row's total
-        acc0 = _quad_total(acc0 + acc1, NW)
-        acc2 = _quad_total(acc2 + acc3, NW)
     return acc0, acc1, acc2, acc3
 
 
@@ -399,7 +448,7 @@ def _mma_up_kernel(xq_ptr, xf_ptr, ids_ptr, perm_ptr, bounds_ptr, wts_ptr, w_bas
                    count_ptr, hq_ptr, hf_ptr, K, I, R, s_stride, bps, limit, TOPK: tl.constexpr, ALIGN: tl.constexpr,
                    BB: tl.constexpr, SPLIT: tl.constexpr, SLICED: tl.constexpr, GROUPED: tl.constexpr,
                    ASM: tl.constexpr, SW: tl.constexpr = False, VEC: tl.constexpr = False,
-                   DIAG: tl.constexpr = False, PDL: tl.constexpr = 0):
+                   DIAG: tl.constexpr = False, L2: tl.constexpr = False, PDL: tl.constexpr = 0):
     """Gate / up sums of rows 32c .. 32c + 31 (c = program_id(1)) for the program's columns
     (`_columns`, 8 at a time) over K slice program_id(2), into part [SPLIT, R, 2, I] by flat row;
     the tile's last slice adds the slices in order and applies the epilogue into h's codes
@@ -427,7 +476,7 @@ def _mma_up_kernel(xq_ptr, xf_ptr, ids_ptr, perm_ptr, bounds_ptr, wts_ptr, w_bas
         acc0, acc1, acc2, acc3 = _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr,
                                             xq_ptr + (fr_g // TOPK) * (K // 2) + 4 * t, xf_ptr + (fr_a // TOPK) * NBK,
                                             xf_ptr + (fr_b // TOPK) * NBK, b_lo, b_hi, g, t, 4, BB, not GROUPED, ASM,
-                                            SW, VEC, DIAG)
+                                            SW, VEC, DIAG, L2)
         va = okr & (2 * t < cn)
         vb = okr & (2 * t + 1 < cn)
         pa = part_ptr + (tl.program_id(2) * R + fr_a) * 2 * I + which * I
@@ -475,7 +524,8 @@ def _down_out(y_ptr, part_ptr, sl, R, D, fr, rg, acc, acc8, ok, FINAL: tl.conste
 def _mma_down_kernel(hq_ptr, hf_ptr, ids_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, part_ptr, count_ptr,
                      y_ptr, I, D, R, s_stride, bps, ALIGN: tl.constexpr, NW: tl.constexpr, BB: tl.constexpr,
                      SPLIT: tl.constexpr, SLICED: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr,
-                     SW: tl.constexpr = False, VEC: tl.constexpr = False, DIAG: tl.constexpr = False, PDL: tl.constexpr = 0):
+                     SW: tl.constexpr = False, VEC: tl.constexpr = False, DIAG: tl.constexpr = False,
+                     L2: tl.constexpr = False, PDL: tl.constexpr = 0):
     """y[flat row, rows of this program] = bf16(h[flat row] @ w2 rows) for the program's columns
     (8 at a time), 16 rows a warp, K slice program_id(2) (partials [SPLIT, R, D] added in slice
     order by the tile's last slice; module docstring)."""
@@ -496,7 +546,7 @@ def _mma_down_kernel(hq_ptr, hf_ptr, ids_ptr, perm_ptr, bounds_ptr, w_base, s_ba
         fr_b = _flat_row(perm_ptr, start + c0, cn, 2 * t + 1, GROUPED)
         acc0, acc1, acc2, acc3 = _cols_sums(wg_rows, w8_rows, sg_rows, s8_rows, okr, hq_ptr + fr_g * (I // 2) + 4 * t,
                                             hf_ptr + fr_a * (I // 32), hf_ptr + fr_b * (I // 32), b_lo, b_hi, g, t, NW,
-                                            BB, not GROUPED, ASM, SW, VEC, DIAG)
+                                            BB, not GROUPED, ASM, SW, VEC, DIAG, L2)
         # the slice's partials (SLICED), else the outputs (one slice: program_id(2) is 0)
         _down_out(y_ptr, part_ptr, tl.program_id(2), R, D, fr_a, rg, acc0, acc2, okr & (2 * t < cn), not SLICED)
         if GROUPED:
@@ -519,7 +569,7 @@ def _mma_down_kernel(hq_ptr, hf_ptr, ids_ptr, perm_ptr, bounds_ptr, w_base, s_ba
 
 
 def mma_moe(x, flat_ids, wts, table_args, limit, topk, *, num_warps_down=None, bb=None, split_up=None,
-            split_down=None, grouped=None, scale_words=None, vec_words=None, diag=None):
+            split_down=None, grouped=None, scale_words=None, vec_words=None, diag=None, l2_hint=None):
     """Steps 1-3 of the module docstring for x [T, d] (T <= MMA_MAX_T a program per routed row; any T
     grouped, an expert's rows 8 columns a pass): y [R, d] fp32 (each expert
     output rounded to bf16), for `moe_rows.rows_moe` to combine. Widths: `mma_fits`. split_up /
@@ -530,7 +580,9 @@ def mma_moe(x, flat_ids, wts, table_args, limit, topk, *, num_warps_down=None, b
     quad transpose where the layout allows it (`_cols_sums`' VEC), a bool for both kernels or
     (gate/up, down) (default MMA_TILES["vec_words"]); diag: at a program per routed row, the
     block-diagonal B operand in place of the transpose where VEC's layout conditions hold
-    (`_diag_step_sums`; default MMA_TILES["diag"])."""
+    (`_diag_sums`; default MMA_TILES["diag"]); l2_hint: DIAG's weight loads asking L2 for the
+    256-byte block around them (a bool or (gate/up, down); default MMA_TILES["l2_hint"]; CUDA asm,
+    off under the interpreter)."""
     from .launch import interpreting, tile_counters
     from .moe_grouped import sort_rows
 
@@ -579,14 +631,17 @@ def mma_moe(x, flat_ids, wts, table_args, limit, topk, *, num_warps_down=None, b
     diag = (MMA_TILES["diag"] if diag is None else diag) and not grouped
     diag_up = diag and sw_up and align >= 16
     diag_down = diag and sw_down and align >= 16
+    l2h = MMA_TILES["l2_hint"] if l2_hint is None else l2_hint
+    l2h = (bool(l2h), bool(l2h)) if isinstance(l2h, (bool, int)) else tuple(map(bool, l2h))
+    l2h = (False, False) if interp else l2h
     kw = {} if interp else {"num_warps": 4}
     _mma_up_kernel[(n0, n_up, su)](xq.view(torch.int32), xf, flat_ids, perm, bounds, wts, w_base, s_base, table, part,
                                    counts, hq, hf, d, inter, r, s_up, bps_up, float(limit), TOPK=topk, ALIGN=align,
                                    BB=bb, SPLIT=su, SLICED=su > 1, GROUPED=grouped, ASM=not interp, SW=sw_up, VEC=vec_up,
-                                   DIAG=diag_up, **kw, **pdl_launch(xf))
+                                   DIAG=diag_up, L2=l2h[0], **kw, **pdl_launch(xf))
     kw = {} if interp else {"num_warps": nwd}
     _mma_down_kernel[(n0, n_down, sd)](hq.view(torch.int32), hf, flat_ids, perm, bounds, w_base, s_base, table, part_y,
                                        counts, y, inter, d, r, s_down, bps_down, ALIGN=align, NW=nwd, BB=bb, SPLIT=sd,
                                        SLICED=sd > 1, GROUPED=grouped, ASM=not interp, SW=sw_down, VEC=vec_down,
-                                       DIAG=diag_down, **kw, **pdl_launch(hf))
+                                       DIAG=diag_down, L2=l2h[1], **kw, **pdl_launch(hf))
     return y

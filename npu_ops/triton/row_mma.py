@@ -61,7 +61,12 @@ MAX_M = 8  # the MMA's n: tokens that share one read of the weight
 # K loop unrolled (`tl.range`'s loop_unroll_factor: several steps' loads in one basic block). H200
 # 2026-12-02 (benchmarks/RESULTS.md, "Session seventeen"), one row, graph, unroll 1 / 4: wo_b
 # 5120x8192 13.0 / 12.4 us, 25600x6144 47.9 / 47.2, 32768x1280 11.8 / 11.2; outputs bit-equal.
-TILES = {"num_warps": 4, "bb": 4, "waves": 4, "diag": True, "unroll": 4}
+# l2_hint (`lane_words`, the diag step's weight loads), H200 2026-12-04 ~16:45 UTC, one row, graph us,
+# two alternated passes: Engram's wkv 25600x6144 46.5 / 46.4 -> 45.2 / 44.9; wo_b 5120x8192 12.7 /
+# 12.6 -> 12.4 / 12.9; bit-equal outputs (an L2 prefetch 256 bytes ahead instead, not kept: 59.4 /
+# 59.3 and 12.8 / 14.5). The mini decode step at batch 1 (graph, 4K, off / on alternated, 16:47):
+# 1.675 / 1.666 -> 1.671 / 1.660 ms.
+TILES = {"num_warps": 4, "bb": 4, "waves": 4, "diag": True, "unroll": 4, "l2_hint": True}
 X_BLOCKS = 16  # 32-wide blocks of x per program of `_x_codes_kernel`
 
 # Per lane: $4 / $5 the words of row g (codes 8t .. 8t + 3, 8t + 4 .. 8t + 7 of the block), $6 / $7
@@ -190,24 +195,50 @@ def _diag_factors(acc0, acc1, acc2, acc3, d0, d1, d2, d3, fa, sgw, s8w, t):
     return acc0, acc1, acc2, acc3
 
 
+# A lane's 16 weight bytes with an L2 prefetch of the 256-byte block around them (the next steps
+# of its row slice then wait on L2, not DRAM); masked lanes get zeros.
+_LD_L2_256B_ASM = tl.constexpr("""{
+.reg .pred p;
+setp.ne.b32 p, $5, 0;
+mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
+@p ld.global.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];
+}""")
+
+
+@triton.jit
+def lane_words(p, ok, L2: tl.constexpr, NW: tl.constexpr):
+    """The 4 int32 words at p (16-byte aligned) per lane, zeros where not ok; L2: the load asks
+    L2 for the 256-byte block around them (`_LD_L2_256B_ASM`; PTX, CUDA only)."""
+    if L2:
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(
+            _LD_L2_256B_ASM, "=r,=r,=r,=r,l,r", [p, ok.to(tl.int32)],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        return w0, w1, w2, w3
+    else:
+        four = tl.arange(0, 4)
+        w = _cols4(tl.load(p[:, None] + four[None, :], mask=ok[:, None], other=0), NW)
+        return w[0], w[1], w[2], w[3]
+
+
 @triton.jit
 def _diag_step(acc0, acc1, acc2, acc3, wg_row, w8_row, okg, ok8, xq_ptr, xf_ptr, s_row, b0, g, t,
-               NW: tl.constexpr, ASM: tl.constexpr):
+               NW: tl.constexpr, ASM: tl.constexpr, L2: tl.constexpr = False):
     """DIAG (one token): blocks b0 .. b0 + 3 of rows g / g + 8 with the MMA's unused columns
     separating the blocks. Lane (g, t) loads block b0 + t of both rows whole (32 bytes each) and
     the B operand is block diagonal: column n holds x's codes of block b0 + n at the K slots of
     lane t = n (lane (n, n) loads them, every other lane's B is zero), so column n of D sums lane
     n's products only, and the step's 8 MMAs chain in the tensor core's fp32 accumulator: D[r, n]
-    = block b0 + n's 32-product sum of row r. Rows g and g + 8 share one 32-row scale block."""
+    = block b0 + n's 32-product sum of row r. Rows g and g + 8 share one 32-row scale block.
+    L2: the weight loads' L2 hint (`lane_words`)."""
     four = tl.arange(0, 4)
     pg = tl.multiple_of(wg_row + 8 * (b0 + t), 16)
     p8 = tl.multiple_of(w8_row + 8 * (b0 + t), 16)
     # words 0-3 and 4-7 of each row's block as two 16-byte loads (one [lanes, 8] load would be
     # split through shared memory)
-    ga = _cols4(tl.load(pg[:, None] + four[None, :], mask=okg[:, None], other=0), NW)
-    gb = _cols4(tl.load(pg[:, None] + 4 + four[None, :], mask=okg[:, None], other=0), NW)
-    ea = _cols4(tl.load(p8[:, None] + four[None, :], mask=ok8[:, None], other=0), NW)
-    eb = _cols4(tl.load(p8[:, None] + 4 + four[None, :], mask=ok8[:, None], other=0), NW)
+    ga = lane_words(pg, okg, L2, NW)
+    gb = lane_words(pg + 4, okg, L2, NW)
+    ea = lane_words(p8, ok8, L2, NW)
+    eb = lane_words(p8 + 4, ok8, L2, NW)
     sw = tl.load(tl.multiple_of(s_row + b0, 4).to(tl.pointer_type(tl.int32)), mask=okg, other=0)
     fa = _cols4(tl.load(tl.multiple_of(xf_ptr + b0, 16) + (0 * t)[:, None] + four[None, :]), NW)
     xw = xq_ptr + 16 * (b0 + t)  # lane (n, n): block b0 + n's x codes, words 2j, 2j + 1 at 4j
@@ -284,12 +315,13 @@ def _row_mma_kernel(xq_ptr, xf_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, 
                     SPLIT_K: tl.constexpr, SLICED: tl.constexpr, OUT_BF16: tl.constexpr, ONE: tl.constexpr,
                     NW: tl.constexpr,
                     BB: tl.constexpr, ASM: tl.constexpr, PANEL: tl.constexpr = False, DIAG: tl.constexpr = False,
-                    UF: tl.constexpr = 1, PDL: tl.constexpr = 0):
+                    UF: tl.constexpr = 1, L2: tl.constexpr = False, PDL: tl.constexpr = 0):
     """out [M, N] = x @ W^T for the program's 16 * NW rows and K slice program_id(1) (module
     docstring). xq: x's f16 codes as int32 pairs [M, K / 2]; xf [M, K / 32] their block scales;
     w: E4M3 codes as int32 words [N, K / 4]; s: E8M0 [ceil(N / 32), s_stride]. ONE: M == 1.
     DIAG (ONE, BB == 4, 16-byte rows and slices of whole steps): `_diag_step`, the row sums
-    totalled across each quad at the end. UF: the K loop's unroll factor."""
+    totalled across each quad at the end (L2: its weight loads' L2 hint, `lane_words`). UF:
+    the K loop's unroll factor."""
     pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -327,7 +359,7 @@ def _row_mma_kernel(xq_ptr, xf_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, 
     for b0 in tl.range(b_lo, b_hi, BB, loop_unroll_factor=UF):
         if DIAG:
             acc0, acc1, acc2, acc3 = _diag_step(acc0, acc1, acc2, acc3, wg_ptr - 2 * t, w8_ptr - 2 * t, okg, ok8, xq_ptr,
-                                                xf_ptr, s_row, b0, g, t, NW, ASM)
+                                                xf_ptr, s_row, b0, g, t, NW, ASM, L2)
         else:
             for i in tl.static_range(BB):
                 bl = b0 + i
@@ -390,11 +422,13 @@ def x_codes(x2: torch.Tensor, perm: bool = False) -> tuple[torch.Tensor, torch.T
 def launch_row_mma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *,
                    num_warps: int | None = None, bb: int | None = None, waves: int | None = None,
                    split_k: int | None = None, panel: bool = False, diag: bool | None = None,
-                   unroll: int | None = None) -> None:
+                   unroll: int | None = None, l2_hint: bool | None = None) -> None:
     """out [M, N] (bf16 or fp32) = x2 [M, K] @ dequant(weight)^T for FP8 E4M3 weight [N, K] with
     E8M0 32x32 block scales, M <= MAX_M, K % 32 == 0 (module docstring). diag: one token's
     block-diagonal operand (`_diag_step`; default TILES["diag"] where its layout holds); unroll: the
-    K loop's unroll factor (default TILES["unroll"]; 1 under the interpreter)."""
+    K loop's unroll factor (default TILES["unroll"]; 1 under the interpreter); l2_hint: the diag
+    step's weight loads asking L2 for the 256-byte block around them (`lane_words`; default
+    TILES["l2_hint"]; off under the interpreter)."""
     m, k = x2.shape
     n = weight.shape[0]
     if m > MAX_M or k % 32 or weight.shape[1] != k or not weight.is_contiguous():
@@ -423,10 +457,11 @@ def launch_row_mma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
     kw = {} if interp else {"num_warps": nw}
     uf = 1 if interp else int(unroll or TILES["unroll"])
+    l2h = not interp and bool(TILES["l2_hint"] if l2_hint is None else l2_hint)
     _row_mma_kernel[(n_tiles, split_k)](
         xq.view(torch.int32), xf, weight.view(torch.int32), scale.view(torch.uint8), out_arg, part, counts, m, n, k,
         scale.shape[1], per, SPLIT_K=split_k, SLICED=split_k > 1, OUT_BF16=out.dtype == torch.bfloat16, ONE=m == 1, NW=nw, BB=bb,
-        ASM=not interp, PANEL=panel, DIAG=diag, UF=uf, **kw, **pdl_launch(xf))
+        ASM=not interp, PANEL=panel, DIAG=diag, UF=uf, L2=l2h, **kw, **pdl_launch(xf))
 
 
 def panel_weight(weight: torch.Tensor) -> torch.Tensor:
