@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,51 @@ def freeze_host_objects() -> None:
     for test sessions that build many models."""
     gc.collect()
     gc.freeze()
+
+
+HOST_THREADS_ENV = "DSV41_HOST_THREADS"
+
+
+def serving_host_threads() -> int:
+    """torch's intra-op CPU threads for a process that computes on a device, once its model is
+    loaded: `DSV41_HOST_THREADS` (a positive integer), default 1. torch sizes that pool to the
+    machine's cores, ignoring affinity and container CPU quotas, and its OpenMP workers spin after
+    every parallel CPU op; while serving, the host's work is one Python thread launching kernels
+    and building small step tensors, which those spinning workers only slow (and in a container
+    they can use up the CPU quota, throttling the whole process). vLLM's workers serve with one
+    thread for the same reason. The CPU reference computes on the host and keeps its threads."""
+    raw = os.environ.get(HOST_THREADS_ENV, "1")
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{HOST_THREADS_ENV} must be a positive integer (intra-op CPU threads while "
+                         f"serving on a device), got {raw!r}")
+    return n
+
+
+def limit_host_threads() -> int:
+    """Set torch's intra-op threads to `serving_host_threads()`; returns the count before, for a
+    caller that restores it (a benchmark whose later phases compute on the CPU)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(serving_host_threads())
+    return before
+
+
+def host_cpus() -> str:
+    """The host CPUs this process may use, for reports: the affinity count and, where the cgroup
+    (v2) sets one, the CPU quota ("16 CPUs (affinity), quota 8.0")."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    text = f"{n} CPUs (affinity)"
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            text += f", quota {int(quota) / int(period):.1f}"
+    except (OSError, ValueError):
+        pass
+    return text
 
 
 def cuda_unavailable_reason() -> str | None:

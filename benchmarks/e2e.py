@@ -29,15 +29,21 @@ One run measures, on random weights with realistic statistics (MODEL.md section 
   with programmatic dependent launch off and in its two modes.
 Writes a dated markdown report naming the device (`--out`), and prints it.
 
-Profiler sessions: torch.profiler can leave CUPTI attached after a session ends (Kineto tears it
-down only when configured to, which torch avoids where CUDA graphs are used: PyTorch issue
-144455), and the process's later eager launches then pay for it. So the timed phases come before any
-profiler session: prefill first, then decode, whose kernel table (one profiled eager step) is
-taken after the last context's timings; `--prefill-kernels` profiles after every timed prefill.
-`--graph-kernels` profiles each context after its rows, so with several contexts it can slow the
-later contexts' host-side (engine) timings; graph replays are one launch each. (A full run with
-the table taken at the first context and prefill last read the prefills ~1.8x slower than a
-prefill-only run: benchmarks/RESULTS-e2e.md, 2026-12-04.)
+Host: on a device the timed phases run as a serving process does (`dsv41 run`): the long-lived
+objects frozen out of the garbage collector after the warm-up, and torch's intra-op CPU threads
+limited to `DSV41_HOST_THREADS` (default 1, `platform.serving_host_threads`; restored after each
+phase). The report names the host's CPUs (affinity, cgroup quota): a prefill launches a few
+hundred kernels a step eagerly, so where the host runs slower the device waits (the 2026-12-04
+machines read session twenty-six's prefills 1.7x slower with the same code:
+benchmarks/RESULTS-e2e.md).
+
+Profiler sessions: torch.profiler can leave CUPTI attached after a session ends (PyTorch issue
+144455), so the timed phases come before any profiler session: prefill first, then decode, whose
+kernel table (one profiled eager step) is taken after the last context's timings;
+`--prefill-kernels` profiles after every timed prefill. `--graph-kernels` profiles each context
+after its rows, so with several contexts it could slow the later contexts' host-side (engine)
+timings; graph replays are one launch each. (On the H200 machines of 2026-12-04 the prefill read
+as slowly with this order as after a profiled decode phase: the profiler was not what slowed it.)
 """
 
 from __future__ import annotations
@@ -55,7 +61,8 @@ from collections import Counter, defaultdict
 import torch
 
 from dsv41.backends import ops
-from dsv41.backends.platform import freeze_host_objects, platform_for
+from dsv41.backends.platform import (freeze_host_objects, host_cpus, limit_host_threads, platform_for,
+                                     serving_host_threads)
 from dsv41.core.batch import Chunk, build_step
 from dsv41.core.cache import KVPool
 from dsv41.core.config import preset
@@ -513,7 +520,7 @@ def run_decode(model, args, clock: Clock, copy_bw: float, mem: Memory, log,
             row["kernels"] = profile_kernels(lambda batch=batch: engine.graphs.run(batch), dev, listing=listing)
         profiled.clear()
         if table and ctx == args.contexts[-1]:  # after every context's timings: a profiler session
-            batch = decode_batch(engine, seqs[:1])  # slows the process's later launches (module docstring)
+            batch = decode_batch(engine, seqs[:1])  # can stay attached (module docstring)
             kernels = dict(zip(("table", "total"), kernel_table(model, lambda: model(batch, engine.pool, check=False), dev)))
             kernels["ctx"] = ctx
         mem_rows.append(dict(phase=f"decode ctx {ctx}, {bmax} sequences, graphs", peak=mem.peak(),
@@ -589,7 +596,9 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
          f"Run {now:%Y-%m-%d %H:%M} UTC with `python benchmarks/e2e.py --preset {args.preset} --device {args.device}"
          f"{' --dry-run' if args.dry_run else ''}` (torch {torch.__version__}); random weights with realistic "
          f"statistics drawn on the device (seed {args.seed}, built in {build_s:.0f} s). Ceilings measured in this run: "
-         f"copy {copy_bw / 1e9:.0f} GB/s (read + write), bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s.", ""]
+         f"copy {copy_bw / 1e9:.0f} GB/s (read + write), bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s. Host: "
+         f"{host_cpus()}; torch CPU threads in the timed phases: "
+         f"{torch.get_num_threads() if torch.device(args.device).type == 'cpu' else serving_host_threads()}.", ""]
     if dec:
         L += ["## Decode", "",
               "Step time = one decode step of every sequence (graph: the captured step replayed, inputs copied in; "
@@ -935,6 +944,11 @@ def main() -> int:
     args = ap.parse_args()
     skip = set(args.skip.split(","))
     dev = torch.device(args.device)
+    if dev.type != "cpu":
+        try:
+            serving_host_threads()  # (DSV41_HOST_THREADS checked before anything is built)
+        except ValueError as e:
+            ap.error(str(e))
     clock, mem = Clock(dev), Memory(dev)
     t_start = time.perf_counter()
 
@@ -975,16 +989,27 @@ def main() -> int:
         os.replace(tmp, args.out)
         return text
 
-    # Prefill first: a profiler session leaves the process's later eager launches slower (module
-    # docstring), and the decode phase ends with one (the kernel table).
+    def serving(fn):
+        """A timed phase with the host as a device serving process holds it (module docstring)."""
+        if dev.type == "cpu":
+            return fn()
+        before = limit_host_threads()
+        try:
+            return fn()
+        finally:
+            torch.set_num_threads(before)
+
+    # Prefill first, then decode: no profiler session before a timed phase (module docstring); the
+    # decode phase ends with one (the kernel table).
     pm: list[dict] = []
     if "prefill" not in skip:
-        pre, pm = phase("prefill", lambda: run_prefill(model, args, clock, mm_rate, mem, log)) or ([], [])
+        pre, pm = phase("prefill", lambda: serving(lambda: run_prefill(model, args, clock, mm_rate, mem, log))) \
+            or ([], [])
         mems = list(pm)
         write()
     if "decode" not in skip:
-        dec, kernels, dm = phase("decode", lambda: run_decode(model, args, clock, copy_bw, mem, log,
-                                                             table="kernels" not in skip)) or ([], {}, [])
+        dec, kernels, dm = phase("decode", lambda: serving(lambda: run_decode(
+            model, args, clock, copy_bw, mem, log, table="kernels" not in skip))) or ([], {}, [])
         mems = dm + pm
         write()
     if args.streams:

@@ -298,11 +298,24 @@ def _warm_up(engine, prompt, params, images, spec_opts, group) -> float:
 def _settle_host(device) -> None:
     """On a device, once the model and engine are built (and warmed up): the long-lived Python
     objects out of the garbage collector's full passes (`platform.freeze_host_objects`), so no
-    collection of them stalls the host inside a prefill or decode step."""
+    collection of them stalls the host inside a prefill or decode step, and torch's intra-op CPU
+    threads down to `DSV41_HOST_THREADS` (default 1: `platform.serving_host_threads`)."""
     if device.type != "cpu":
-        from ..backends.platform import freeze_host_objects
+        from ..backends.platform import freeze_host_objects, limit_host_threads
 
         freeze_host_objects()
+        limit_host_threads()
+
+
+def _check_host_threads(device) -> None:
+    """`DSV41_HOST_THREADS` read before anything loads, so a bad value fails at once."""
+    if device.type != "cpu":
+        from ..backends.platform import serving_host_threads
+
+        try:
+            serving_host_threads()
+        except ValueError as e:
+            raise UserError(str(e)) from None
 
 
 def _generate(args, group, device) -> int:
@@ -320,6 +333,7 @@ def _generate(args, group, device) -> int:
     if args.speculative and cfg.num_nextn_predict_layers <= 0:
         raise UserError("--speculative: this model has no DSpark drafter (num_nextn_predict_layers = 0)")
     spec_opts = _spec_options(args, cfg, device) if args.speculative else None
+    _check_host_threads(device)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tok = _tokenizer_for(args, cfg)
     if args.max_batch < 1:

@@ -185,3 +185,31 @@ def test_freeze_host_objects_moves_live_objects_out_of_collections():
         assert ref() is None
     finally:
         gc.unfreeze()  # (the test session builds many models: nothing stays frozen after it)
+
+
+def test_serving_host_threads(monkeypatch):
+    """What `dsv41 run` (and e2e.py's timed phases) set on a device once the model is loaded:
+    torch's intra-op CPU threads from DSV41_HOST_THREADS (default 1), the count before returned;
+    a bad value is one error naming the variable, raised by `dsv41 run` before anything loads."""
+    import torch
+
+    from dsv41.backends import platform
+    from dsv41.deploy import cli
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("DSV41_HOST_THREADS", raising=False)
+        assert platform.serving_host_threads() == 1
+        monkeypatch.setenv("DSV41_HOST_THREADS", "3")
+        assert platform.limit_host_threads() == before
+        assert torch.get_num_threads() == 3
+        for bad in ("0", "-2", "two", ""):
+            monkeypatch.setenv("DSV41_HOST_THREADS", bad)
+            with pytest.raises(ValueError, match="DSV41_HOST_THREADS must be a positive integer"):
+                platform.serving_host_threads()
+            with pytest.raises(cli.UserError, match="DSV41_HOST_THREADS"):
+                cli._check_host_threads(torch.device("meta"))  # (any device but the CPU)
+            cli._check_host_threads(torch.device("cpu"))  # the CPU reference keeps its threads
+    finally:
+        torch.set_num_threads(before)
+    assert "CPUs (affinity)" in platform.host_cpus()
