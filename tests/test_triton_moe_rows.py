@@ -141,6 +141,8 @@ def test_rows_refuses(rng):
     fp8 = [(weight("fp8", 64, 256, rng), weight("fp8", 256, 64, rng), weight("fp8", 64, 256, rng))]
     with pytest.raises(ValueError, match="rows path takes FP4"):
         me.moe_experts(x[:1], torch.ones(1, 1), ids[:1], fp8, 10.0, path="rows")
+    with pytest.raises(ValueError, match="l2_hint is a bool or a"):
+        me.moe_experts(x[:1], torch.ones(1, 1), ids[:1], ex, 10.0, path="rows", mma=True, mma_l2_hint=(True,))
 
 
 def test_rows_pays(rng, monkeypatch):

@@ -633,6 +633,8 @@ def mma_moe(x, flat_ids, wts, table_args, limit, topk, *, num_warps_down=None, b
     diag_down = diag and sw_down and align >= 16
     l2h = MMA_TILES["l2_hint"] if l2_hint is None else l2_hint
     l2h = (bool(l2h), bool(l2h)) if isinstance(l2h, (bool, int)) else tuple(map(bool, l2h))
+    if len(l2h) != 2:
+        raise ValueError(f"moe_experts rows path (mma): l2_hint is a bool or a (gate/up, down) pair, got {l2_hint!r}")
     l2h = (False, False) if interp else l2h
     kw = {} if interp else {"num_warps": 4}
     _mma_up_kernel[(n0, n_up, su)](xq.view(torch.int32), xf, flat_ids, perm, bounds, wts, w_base, s_base, table, part,
