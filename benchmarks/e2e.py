@@ -29,9 +29,9 @@ One run measures, on random weights with realistic statistics (MODEL.md section 
   with programmatic dependent launch off and in its two modes.
 Writes a dated markdown report naming the device (`--out`), and prints it.
 
-Host: on a device the timed phases run as a serving process does (`dsv41 run`): the long-lived
-objects frozen out of the garbage collector after the warm-up, and torch's intra-op CPU threads
-limited to `DSV41_HOST_THREADS` (default 1, `platform.serving_host_threads`; restored after each
+Host: on a device the timed phases (all but `--numerics`, whose reference runs on the CPU) run
+as a serving process does (`dsv41 run`): the long-lived objects frozen out of the garbage
+collector after the warm-up, and torch's intra-op CPU threads limited to `DSV41_HOST_THREADS` (default 1, `platform.serving_host_threads`; restored after each
 phase). The report names the host's CPUs (affinity, cgroup quota): a prefill launches a few
 hundred kernels a step eagerly, so where the host runs slower the device waits (the 2026-12-04
 machines read session twenty-six's prefills 1.7x slower with the same code:
@@ -1013,13 +1013,13 @@ def main() -> int:
         mems = dm + pm
         write()
     if args.streams:
-        streams = phase("streams", lambda: run_streams(model, args, clock, log)) or []
+        streams = phase("streams", lambda: serving(lambda: run_streams(model, args, clock, log))) or []
         write()
     if args.pdl:
-        pdl = phase("pdl", lambda: run_pdl(model, args, clock, log)) or []
+        pdl = phase("pdl", lambda: serving(lambda: run_pdl(model, args, clock, log))) or []
         write()
     if args.offload:
-        offload = phase("offload", lambda: run_offload(model, args, clock, log)) or []
+        offload = phase("offload", lambda: serving(lambda: run_offload(model, args, clock, log))) or []
         write()
     if args.numerics:
         num = phase("numerics", lambda: run_numerics(model, args, log)) or []
