@@ -31,8 +31,8 @@ Writes a dated markdown report naming the device (`--out`), and prints it.
 
 Host: on a device the timed phases (all but `--numerics`, whose reference runs on the CPU) run
 as a serving process does (`dsv41 run`): the long-lived objects frozen out of the garbage
-collector after the warm-up, and torch's intra-op CPU threads limited to `DSV41_HOST_THREADS` (default 1, `platform.serving_host_threads`; restored after each
-phase). The report names the host's CPUs (affinity, cgroup quota): a prefill launches a few
+collector after the warm-up, and torch's intra-op CPU threads limited to `DSV41_HOST_THREADS`
+(default 1, `platform.serving_host_threads`; restored after each phase). The report names the host's CPUs (affinity, cgroup quota): a prefill launches a few
 hundred kernels a step eagerly, so where the host runs slower the device waits (the 2026-12-04
 machines read session twenty-six's prefills 1.7x slower with the same code:
 benchmarks/RESULTS-e2e.md).
