@@ -468,7 +468,9 @@ def run_decode(model, args, clock: Clock, copy_bw: float, mem: Memory, log,
     for ctx in args.contexts:
         mem.reset()
         t0 = time.perf_counter()
-        engine = Engine(model, max_batch=bmax, graphs=True, max_model_len=ctx + 64, block_size=args.block_size,
+        # (room for the engine rows' tokens: a warm-up step and the timed steps, each mode)
+        engine = Engine(model, max_batch=bmax, graphs=True, max_model_len=ctx + 64 + args.engine_steps,
+                        block_size=args.block_size,
                         max_tokens_per_step=args.max_tokens_per_step)
         capture_s = time.perf_counter() - t0
         seqs = fill_sequences(engine, bmax, ctx, gen)
@@ -915,7 +917,9 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-tokens-per-step", type=int, default=256, help="engine step budget (sizes the SWA pools)")
     ap.add_argument("--reps", type=positive_int, default=20, help="graph replays timed per decode row")
-    ap.add_argument("--engine-steps", type=positive_int, default=4)
+    ap.add_argument("--engine-steps", type=positive_int, default=32,
+                    help="engine steps timed per decode row and mode (their mean; a few steps let one host "
+                         "hiccup decide the row)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", default="", help="comma list of phases to skip: decode, prefill, kernels (the decode "
                                                "phase's profiled kernel table)")

@@ -486,6 +486,77 @@ def test_benchmark_widths_gpu(dev, t, n, rows, passes, split, rng, monkeypatch):
     check_topk_rowwise(got_idx, want_idx, s_ref, valid, 512)
 
 
+def test_scores_tiles_by_device():
+    """The scores kernel's tiles per device: 128-entry blocks and 4 warps on CUDA (gather tiles of
+    fewer than GATHER_FOUR_WARPS_MIN_T queries keep 8), dense tiles of at most DENSE_TILE_ENTRIES
+    entries; 64-entry blocks and 8 warps on Ascend and under the interpreters."""
+    assert itk.tile_shape(1792, 32, False, False, False) == (32, 4, 128)
+    assert itk.tile_shape(1792, 32, False, True, False)[2] == itk.tile_shape(1792, 32, False, False, True)[2] == 64
+    assert itk.tile_shape(1, 32, True, False, False) == (32, 1, 128)
+    assert itk.scores_warps(1792, False, "cuda") == itk.scores_warps(64, True, "cuda") == 4
+    assert itk.scores_warps(8, True, "cuda") == 4
+    assert itk.scores_warps(1, True, "cuda") == itk.scores_warps(1792, False, "cpu") == 8
+    assert itk.DENSE_TILE_ENTRIES // 128 == 4
+
+
+def _old_scores_config(t, h, nc, gather):
+    """`_config`'s CUDA tiles before the 4-warp tiles: 8 warps, 64-entry blocks for the dense
+    multi-query tiles, up to 8 blocks a tile (the same worker-filling rule)."""
+    hp, bt, bn = itk.tile_shape(t, h, gather, False, False)
+    bn = bn if gather else 64
+    n_tb, n_nb = -(-t // bt), -(-nc // bn)
+    target = 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    qsub = 1
+    while not gather and qsub < itk.scores_qsub("cuda") and -(-n_tb // (qsub * 2)) * n_nb >= target:
+        qsub *= 2
+    n_tg, nsub = -(-n_tb // qsub), 1
+    while nsub < 8 and n_tg * (-(-n_nb // (nsub * 2))) >= target:
+        nsub *= 2
+    return hp, bt, bn, nsub, 8, qsub
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", DEVICES[1:])
+@pytest.mark.parametrize("t,n,layout", [(1792, 8192, "one_seq"), (128, 4096, "paged"), (256, 2048, "paged"),
+                                        (64, 4096, "gather"), (8, 4096, "gather")])
+def test_default_tiles_gpu(dev, t, n, layout, rng):
+    """Mini widths (32 heads x 128), the default tiles (`_config`) against the 8-warp / 64-entry
+    tiles before them: one sequence (a prefill chunk) and gather (Reindex) tiles over candidates
+    give the same scores and chunk maxima bit for bit; queries of two sequences side by side (a
+    large decode batch) equal the reference within RTOL (which key blocks share one MMA depends
+    on the tile's width there, so the last bits may differ from the old tiles')."""
+    h, d = 32, 128
+    q, w, codes, kscale = random_inputs(rng, t, h, d, n)
+    cands = None
+    if layout == "paged":
+        half = n // 2
+        codes, kscale, table = paged(rng, [(codes, kscale), (codes[:half].flip(0), kscale[:half].flip(0))],
+                                     [i % 2 for i in range(t)], 64)
+        e = 64
+        lens = torch.tensor([n if i % 2 == 0 else half for i in range(t)])
+        nv = torch.minimum(torch.randint(n // 4, n + 1, (t,), generator=rng), lens)
+    else:
+        table, e = one_seq(codes, t)
+        nv = torch.randint(n // 4, n + 1, (t,), generator=rng)
+    if layout == "gather":
+        cands = torch.randint(-1, n, (t, n // 2), generator=rng)
+        nv = torch.full((t,), n)
+    args = (q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), table.to(dev), e, nv.to(dev))
+    nc = cands.shape[1] if cands is not None else table.shape[1] * e
+    cand = None if cands is None else cands.to(dev)
+    topk = 0 if cands is not None else 512
+    new = itk._scores(*args, candidates=cand, topk=topk)
+    if layout == "paged":
+        want = itk.indexer_scores_ref(q, w, codes, kscale, table, e)
+        assert_scores_close(new[0], want, torch.arange(want.shape[1]).unsqueeze(0) < nv.unsqueeze(1))
+        return
+    old_cfg = _old_scores_config(t, h, nc, cands is not None)
+    assert itk._config(t, h, nc, cands is not None, dev) != old_cfg  # (the tiles did change here)
+    old = itk._scores(*args, candidates=cand, topk=topk, _cfg=old_cfg, maxg=new[2] or None)
+    assert torch.equal(new[0], old[0]), f"scores differ from the tiles {old_cfg}"
+    assert (new[1] is None) == (old[1] is None) and (new[1] is None or torch.equal(new[1], old[1]))
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 def test_cuda_backend_registers_kernel(dev, monkeypatch, rng):
     from dsv41.backends import ops

@@ -447,9 +447,8 @@ def tile_shape(t: int, h: int, gather: bool, on_npu: bool, interp: bool) -> tupl
         bt = max(1, min(rows // hp, _pow2(t)))
         bt = max(bt, -(-16 // hp))  # tl.dot needs M >= 16
         hp = max(hp, -(-16 // bt))
-    # compiled on CUDA: 8 warps and 128-entry blocks for one query (M = 32 rows), 64-entry blocks
-    # for more (sm_90 ptxas: 202 and 255 registers, no spill; 4 warps spill)
-    bn = 64 if (on_npu or interp or bt * hp > 32) else 128
+    # compiled on CUDA: 128-entry blocks (SCORES_WARPS for the measurements); 64 elsewhere
+    bn = 64 if (on_npu or interp) else 128
     return hp, bt, bn
 
 
@@ -468,9 +467,39 @@ def _config(t: int, h: int, nc: int, gather: bool, device) -> tuple[int, int, in
         qsub *= 2
     n_tg = -(-n_tb // qsub)
     nsub = 1
-    while nsub < 8 and n_tg * (-(-n_nb // (nsub * 2))) >= target:
+    nsub_max = 8 if gather else max(1, DENSE_TILE_ENTRIES // bn)
+    while nsub < nsub_max and n_tg * (-(-n_nb // (nsub * 2))) >= target:
         nsub *= 2
-    return hp, bt, bn, nsub, 8, qsub
+    return hp, bt, bn, nsub, scores_warps(t, gather, device), qsub
+
+
+# Warps of a scores program (`_config`). CUDA: 4 for the dense multi-query tiles and for gather
+# (Reindex) tiles of GATHER_FOUR_WARPS_MIN_T+ queries, 8 otherwise (elsewhere: 8). H200
+# (2026-12-04 20:5x-21:0x UTC, `_scores` with fixed tiles, CUDA-event median of 11, two passes,
+# every variant bit-equal to the tiles before, scores and chunk maxima): at 8 warps the program
+# holds 255 registers a thread, one program an SM (ncu: 12.5% occupancy, no eligible warp 68% of
+# the cycles). One sequence, dense, T=1792: over 8K entries 1692 / 1784 us (8 warps, 64-entry
+# blocks x 8) -> 1357 / 1404 (4 warps) -> 1256 / 1244 (4 warps, 128-entry blocks x 4, the new
+# tiles); over 32K 6816 / 6830 -> 5107 / 5137 -> 4170 / 4219; T=256 over 8K 287 / 295 -> 274 /
+# 239 -> 256 / 210; T=128 over 4K 177 / 157 -> 149 / 146 -> 148 / 133 (the new tiles there:
+# QSUB 2, unmeasured). Queries of different sequences side by side (a decode batch past the rows
+# kernel, each query against its own rows; 21:3x UTC, one pass): T=128 over 4K 403 -> 289 us, T=256
+# 585 -> 366. Gather over 16K candidates: T=1792 5703 / 5553 -> 3832 / 3806 us; T=64 262 / 256 ->
+# 200 / 197; T=8 over 32K 107 / 120 -> 84; T=1 over 32K 83 / 75 against 100 at 4 warps, so one
+# query keeps 8 (T=2..7 unmeasured: 8). Bits: one sequence's tiles and gather tiles give the same
+# scores as before; where sequences mix, a key block's queries take one shared MMA or one MMA each
+# (`_dense_block`) depending on what else the tile holds, so with 128-entry blocks some scores
+# differ in the last bits (fp32 sums of MMAs of other shapes; the reference comparisons hold).
+SCORES_WARPS = {"cuda": 4}
+GATHER_FOUR_WARPS_MIN_T = 8
+# Entries of a dense tile at most (NSUB x BLOCK_N): the 512 measured above at 128-entry blocks.
+DENSE_TILE_ENTRIES = 512
+
+
+def scores_warps(t: int, gather: bool, device) -> int:
+    """num_warps of `_indexer_scores_kernel` for t queries (`SCORES_WARPS`)."""
+    warps = SCORES_WARPS.get(torch.device(device).type, 8)
+    return warps if not gather or t >= GATHER_FOUR_WARPS_MIN_T else 8
 
 
 # Query sub-tiles a dense scores tile may group (`_indexer_scores_kernel`'s QSUB): a key block
