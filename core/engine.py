@@ -82,8 +82,9 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None)
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens: list) -> list[int]:
     """One token for each of the first len(params) rows of `logits` [R, V]: the greedy rows argmax'd together and read back with
     the finiteness check in one transfer (one device sync per step, not one per sequence); rows
-    with a temperature draw from `sampling_probs` with their own generator. Non-finite logits are
-    an error."""
+    with a temperature draw from `sampling_probs` with their own generator, their distributions
+    read back together in one more transfer (not one sync per sampled row). Non-finite logits
+    are an error."""
     if logits.shape[0] == 0:
         return []
     host = torch.cat([logits.argmax(-1), (~torch.isfinite(logits).all()).long().view(1)]).tolist()
@@ -91,9 +92,11 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens: list) 
         raise ValueError("the model produced non-finite logits (NaN or Inf): the weights or the "
                          "device computation are broken")
     out = host[:len(params)]
-    for i, (p, gen) in enumerate(zip(params, gens)):
-        if p.temperature != 0:
-            out[i] = int(torch.multinomial(sampling_probs(logits[i], p).cpu(), 1, generator=gen))
+    drawn = [i for i, p in enumerate(params) if p.temperature != 0]
+    if drawn:
+        probs = torch.stack([sampling_probs(logits[i], params[i]) for i in drawn]).cpu()
+        for row, i in zip(probs, drawn):
+            out[i] = int(torch.multinomial(row, 1, generator=gens[i]))
     return out
 
 

@@ -475,7 +475,7 @@ def _config(t: int, h: int, nc: int, gather: bool, device) -> tuple[int, int, in
 
 # Warps of a scores program (`_config`). CUDA: 4 for the dense multi-query tiles and for gather
 # (Reindex) tiles of GATHER_FOUR_WARPS_MIN_T+ queries, 8 otherwise (elsewhere: 8). H200
-# (2026-12-04 20:5x-21:0x UTC, `_scores` with fixed tiles, CUDA-event median of 11, two passes,
+# (2026-12-04 20:09-20:13 UTC, `_scores` with fixed tiles, CUDA-event median of 11, two passes,
 # every variant bit-equal to the tiles before, scores and chunk maxima): at 8 warps the program
 # holds 255 registers a thread, one program an SM (ncu: 12.5% occupancy, no eligible warp 68% of
 # the cycles). One sequence, dense, T=1792: over 8K entries 1692 / 1784 us (8 warps, 64-entry
@@ -483,7 +483,7 @@ def _config(t: int, h: int, nc: int, gather: bool, device) -> tuple[int, int, in
 # tiles); over 32K 6816 / 6830 -> 5107 / 5137 -> 4170 / 4219; T=256 over 8K 287 / 295 -> 274 /
 # 239 -> 256 / 210; T=128 over 4K 177 / 157 -> 149 / 146 -> 148 / 133 (the new tiles there:
 # QSUB 2, unmeasured). Queries of different sequences side by side (a decode batch past the rows
-# kernel, each query against its own rows; 21:3x UTC, one pass): T=128 over 4K 403 -> 289 us, T=256
+# kernel, each query against its own rows; 20:22 UTC, one pass): T=128 over 4K 403 -> 289 us, T=256
 # 585 -> 366. Gather over 16K candidates: T=1792 5703 / 5553 -> 3832 / 3806 us; T=64 262 / 256 ->
 # 200 / 197; T=8 over 32K 107 / 120 -> 84; T=1 over 32K 83 / 75 against 100 at 4 warps, so one
 # query keeps 8 (T=2..7 unmeasured: 8). Bits: one sequence's tiles and gather tiles give the same
