@@ -172,7 +172,7 @@ def block_tables(tables: list) -> torch.Tensor:
     26-28 -> 22, one table 4.2-4.4 -> 4.6-4.8."""
     rows = [tb.tensor() if isinstance(tb, BlockTable) else torch.tensor(tb, dtype=torch.long) for tb in tables]
     if not any(r.shape[0] for r in rows):  # (pad_sequence would give no column)
-        return torch.zeros(len(rows), 1, dtype=torch.long)
+        return torch.full((len(rows), 1), NULL_BLOCK, dtype=torch.long)
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=NULL_BLOCK)
 
 
