@@ -155,18 +155,23 @@ def sparse_attention(q: Tensor, swa_kv: Tensor, swa_scale: Tensor, win_idx: Tens
 @_op
 def indexer_topk(q: Tensor, weights: Tensor, key_codes: Tensor, key_scale: Tensor, block_table: Tensor,
                  entries_per_block: int, n_visible: Tensor, topk: int, candidates: Tensor | None = None,
-                 pool_blocks: int = 0, pool_block_size: int = 1, reduce_scores=None) -> tuple[Tensor, Tensor | None]:
+                 pool_blocks: int = 0, pool_block_size: int = 1, reduce_scores=None,
+                 candidate_block_size: int = 1) -> tuple[Tensor, Tensor | None]:
     """CSA2 indexer: score(i, s) = sum_h relu(q_ih . k_s) * weights_ih over the MXFP4 keys.
 
     q [T, Hi, Di] (RoPE'd, MXFP4 quantise-dequantised), weights [T, Hi] (scales folded in),
     key pool [Ng, Di/2] + [Ng, Di/32]; block_table [T, nb]: row t is the global block table of
     token t's sequence, whose entry j sits at pool row block_table[t, j // E] * E + j % E
     (E = entries_per_block). Query t sees entries j < n_visible[t] (N = nb * E addressable).
-    With `candidates` [T, P] (entry ids, -1 padded) only those are scored (Reindex layers).
-    Returns the top min(topk, N) entry ids sorted by position (-1 padded, ties to the lower
-    id) and, when pool_blocks > 0, the hierarchical candidate pool [T, pool_blocks *
-    pool_block_size] of entry ids. `reduce_scores` (model parallelism, heads split by rank)
-    maps this rank's partial score sums to the full sums (an all-reduce) before any selection.
+    With `candidates` [T, P] only the candidates' entries are scored (Reindex layers): ids of
+    blocks of `candidate_block_size` entries (1: entry ids), -1 padded; entries >= n_visible[t]
+    are not candidates. Returns the top min(topk, N) entry ids sorted by position (-1 padded,
+    ties to the lower id; over candidates min(topk, P * candidate_block_size)) and, when
+    pool_blocks > 0, the hierarchical candidate pool: [T, min(pool_blocks, ceil(N /
+    pool_block_size))] ascending ids of blocks of pool_block_size entries, -1 padded (int32 or
+    int64; pass it back as `candidates` with that block size). `reduce_scores` (model
+    parallelism, heads split by rank) maps this rank's partial score sums to the full sums (an
+    all-reduce) before any selection.
     """
 
 

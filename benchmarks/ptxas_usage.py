@@ -31,6 +31,8 @@ def ptxas_usage(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, 
     from triton.compiler import ASTSource
 
     names = fn.arg_names
+    # compile-time parameters left out take their defaults (as a launch that omits them does)
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
     sig = {n: pointers[n] if n in pointers else "constexpr" if n in constexprs else "fp32" if n in floats else "i32"
            for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
@@ -88,13 +90,14 @@ def indexer_rows() -> list[tuple[str, str]]:
     sel = {"s_ptr": "*fp32", "max_ptr": "*fp32", "nvis_ptr": "*i64", "out_ptr": "*i64", "chunk_ptr": "*i32",
            "surv_s_ptr": "*fp32", "surv_p_ptr": "*i32", "cand_ptr": "*i64", "stage_ptr": "*i64"}
     rows = []
-    for mapped, use_max in ((False, True), (False, False), (True, False)):
+    for mapped, use_max, cb in ((False, True, 1), (False, False, 1), (True, False, 1), (True, False, 8)):
         consts = dict(MAXG=8 if use_max else 1, CAP=itk.SELECT_CAPACITY, USE_MAX=use_max, BLOCK=itk.SELECT_BLOCK,
                       RADIX_BITS=itk.RADIX_BITS, MAP=mapped, KP=512, RB=itk.SORT_ROWS,
                       SBLOCK=itk.SELECT_SURVIVOR_BLOCK or itk.SELECT_BLOCK, BOUND_PASSES=itk.SELECT_BOUND_PASSES,
-                      SPAN=itk.SELECT_SPAN)
-        rows.append((f"topk_select MAP={mapped} USE_MAX={use_max}",
-                     ptxas_usage(itk._topk_select_kernel, sel, consts, itk.SELECT_WARPS, floats=())))
+                      SPAN=itk.SELECT_SPAN, CB=cb, MAP_NV=cb > 1)
+        cand = dict(sel, cand_ptr="*i32") if cb > 1 else sel  # (the pool's int32 block ids)
+        rows.append((f"topk_select MAP={mapped} USE_MAX={use_max}" + (f" candidate blocks of {cb}" if cb > 1 else ""),
+                     ptxas_usage(itk._topk_select_kernel, cand, consts, itk.SELECT_WARPS, floats=())))
     for bits in itk.RADIX_BITS_CHOICES:
         consts = dict(MAXG=16, CAP=itk.SELECT_CAPACITY, USE_MAX=True, BLOCK=itk.SELECT_BLOCK, RADIX_BITS=bits,
                       MAP=False, KP=512, RB=itk.SORT_ROWS, SBLOCK=itk.SELECT_SURVIVOR_BLOCK or itk.SELECT_BLOCK,
@@ -125,8 +128,13 @@ def indexer_rows() -> list[tuple[str, str]]:
     consts = dict(H=32, HP=32, HP1=32, DH=64, DHP=64, BLOCK_T=1, BLOCK_N=128, NSUB=1, GATHER=False, LOWP=True, MAXG=16)
     rows.append(("indexer scores kernel T=1 BLOCK_N=128 warps=8",
                  ptxas_usage(itk._indexer_scores_kernel, sc, consts, 8, floats=())))
-    pool = {"max_ptr": "*fp32", "nvis_ptr": "*i64", "out_ptr": "*i64", "work_ptr": "*fp32"}
-    rows.append(("pool_select B=8", ptxas_usage(itk._pool_kernel, pool, dict(B=8, BLOCK=itk.SELECT_BLOCK // 8,
+    for warps in (8, 4):  # Reindex gather tiles over the pool's blocks of 8 (int32 block ids)
+        consts = dict(H=32, HP=32, HP1=32, DH=64, DHP=64, BLOCK_T=1, BLOCK_N=128, NSUB=4, GATHER=True, LOWP=True,
+                      MAXG=0, CB=8)
+        rows.append((f"indexer scores kernel gather, candidate blocks of 8, BLOCK_N=128 NSUB=4 warps={warps}",
+                     ptxas_usage(itk._indexer_scores_kernel, dict(sc, cand_ptr="*i32"), consts, warps, floats=())))
+    pool = {"max_ptr": "*fp32", "nvis_ptr": "*i64", "out_ptr": "*i32", "work_ptr": "*fp32"}
+    rows.append(("pool_select B=8", ptxas_usage(itk._pool_kernel, pool, dict(B=8, BLOCK=itk.SELECT_BLOCK,
                                                                                RADIX_BITS=itk.RADIX_BITS),
                                                  itk.SELECT_WARPS, floats=())))
     return rows

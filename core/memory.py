@@ -4,7 +4,8 @@ vLLM sizes its scheduler's token budget from a memory budget; the engine does th
 user gives no `max_tokens_per_step`, a device engine takes the most tokens per step whose
 estimated transient memory (activations and scratch that live only during the step) stays
 within `TRANSIENT_FRACTION` of the weights plus the KV pools, so a long prompt's prefill peaks
-at about (1 + TRANSIENT_FRACTION) x (weights + KV).
+at about (1 + TRANSIENT_FRACTION) x (weights + KV), and at most one MoE pass
+(`MAX_TOKENS_PER_STEP`).
 
 The estimate follows the device path's allocations, item by item, as the allocator history of
 an exact 32K prefill of the mini preset showed them (`benchmarks/prefill_memory.py`, H200,
@@ -22,13 +23,17 @@ from .config import ModelConfig
 TRANSIENT_FRACTION = 0.15  # the issue's bound: peak <= 1.15 x (weights + KV)
 STEP_MULTIPLE = 256  # the default is rounded down to a multiple of this many tokens
 MIN_TOKENS_PER_STEP = 256  # below this the weights are read too often per token: not worth it
-MAX_TOKENS_PER_STEP = 16384
 CPU_TOKENS_PER_STEP = 2048  # the reference engine's fixed default on the CPU
 
 # The MoE prefill path's constants (npu_ops/triton/moe_grouped.py: PREFILL_SLICE_TOKENS,
 # PREDEQUANT_GROUP, the prefill tiles' BM). Repeated here because core/ imports no kernel code;
 # tests/test_memory.py holds them equal.
 MOE_SLICE_TOKENS = 2048
+# The default's ceiling: the MoE's pass length. A longer step runs its MoE in several passes,
+# each filling the bf16 expert scratch again (the largest fixed cost of a step: 6 x 0.48 ms at
+# the mini preset on the H200), so past one pass a step saves only the dense weights' re-reads
+# and some launches while its transient memory keeps growing.
+MAX_TOKENS_PER_STEP = MOE_SLICE_TOKENS
 MOE_SCRATCH_EXPERTS = 2
 MOE_BLOCK_ROWS = 128
 # Everything else per token and hidden unit: norm and linear outputs, FP8 copies, the gathered
@@ -54,8 +59,8 @@ def prefill_footprint(cfg: ModelConfig) -> PrefillFootprint:
     d, hc = cfg.hidden_size, cfg.hc_mult
     streams = hc * d * 2  # the [T, hc, d] bf16 residual streams (0.31 GiB)
     mhc = hc * d * 5  # mHC mixing: fp32 stream copies + bf16 outputs (0.78 GiB)
-    pool = (cfg.candidate_topk_blocks * cfg.candidate_block_size * 8
-            if cfg.candidate_source_layer_id is not None and cfg.candidate_topk_blocks > 0 else 0)  # int64 (1 GiB)
+    pool = (cfg.candidate_topk_blocks * 4  # int32 block ids (64 MiB; 1 GiB as int64 entry ids before)
+            if cfg.candidate_source_layer_id is not None and cfg.candidate_topk_blocks > 0 else 0)
     topk = len(cfg.index_source_layer_ids) * 2 * cfg.index_topk * 8  # kept ids + one in flight (0.19 GiB)
     other = OTHER_BYTES_PER_UNIT * d
     k, inter, n_exp = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.n_routed_experts

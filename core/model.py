@@ -95,7 +95,7 @@ class ForwardContext:
 
     cache: KVPool | None = None
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index-source layer -> [T, K] entry ids
-    pool: torch.Tensor | None = None  # hierarchical candidate pool of the decoder's KV source
+    pool: torch.Tensor | None = None  # hierarchical candidate pool of the decoder's KV source (block ids)
     # work counts: name -> what `count` was given (reduced and read only by `counts`)
     counters: dict[str, list] = field(default_factory=dict)
     # DSpark: when a dict, the forward stores here the mean over the mHC streams at the input of
@@ -296,9 +296,12 @@ class Attention(nn.Module):
             ctx.count(f"indexer_scored.{self.layer_id}", n_vis)
         else:
             assert ctx.pool is not None, "Reindex layer without a candidate pool"
-            idx, _ = ops.indexer_topk(q, w, *keys, n_vis, cfg.index_topk, candidates=ctx.pool, reduce_scores=reduce)
-            pool = ctx.pool
-            ctx.count(f"indexer_scored.{self.layer_id}", lambda: pool >= 0)
+            b = cfg.candidate_block_size
+            idx, _ = ops.indexer_topk(q, w, *keys, n_vis, cfg.index_topk, candidates=ctx.pool, reduce_scores=reduce,
+                                      candidate_block_size=b)
+            pool = ctx.pool  # block ids: a block's entries below n_vis are scored
+            ctx.count(f"indexer_scored.{self.layer_id}",
+                      lambda: torch.where(pool >= 0, (n_vis.unsqueeze(1) - pool.long() * b).clamp(0, b), 0))
         ctx.topk[self.layer_id] = idx
         return idx
 

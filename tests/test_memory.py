@@ -11,12 +11,13 @@ from dsv41.core.engine import Engine, SamplingParams
 
 def test_footprint_counts_the_profiled_items_at_mini_widths():
     """Per token at mini widths, item by item as the H200 allocator profile saw them at 8192
-    tokens (benchmarks/RESULTS-e2e.md): streams 0.3125 GiB, mHC 0.78125 GiB, the int64
-    candidate pool 1 GiB; the MoE pass buffers stop growing at the pass length."""
+    tokens (benchmarks/RESULTS-e2e.md): streams 0.3125 GiB, mHC 0.78125 GiB, the candidate
+    pool (1 GiB as int64 entry ids then; 2048 int32 block ids a token now: 64 MiB); the MoE pass
+    buffers stop growing at the pass length."""
     cfg = preset("mini")
     fp = memory.prefill_footprint(cfg)
     gib = 2 ** 30
-    profiled = (0.3125 + 0.78125 + 1.0) * gib / 8192  # streams + mHC + one pool, per token
+    profiled = (0.3125 + 0.78125 + 1 / 16) * gib / 8192  # streams + mHC + one pool, per token
     assert fp.per_token >= profiled
     s = memory.MOE_SLICE_TOKENS
     assert fp.bytes(2 * s) - fp.bytes(s) == fp.per_token * s  # past one pass only per-token items grow
@@ -41,11 +42,12 @@ def test_default_tokens_fit_the_budget(name):
 
 
 def test_default_tokens_mini_on_the_h200_sizes():
-    """Mini (8.24 GB of weights, 0.26 GB of KV for a 32K prompt): a step of well under the 8192
-    tokens that peaked at 1.83x, and its estimate within 0.15 x (weights + KV)."""
+    """Mini (8.24 GB of weights, 0.26 GB of KV for a 32K prompt): one MoE pass a step (2048
+    tokens; 1792 while the candidate pool was an int64 entry list), well under the 8192 tokens
+    that peaked at 1.83x, and its estimate within 0.15 x (weights + KV)."""
     cfg = preset("mini")
     n = memory.default_tokens_per_step(cfg, int(8.24e9), int(0.26e9))
-    assert 1024 <= n <= 4096
+    assert n == memory.MAX_TOKENS_PER_STEP == memory.MOE_SLICE_TOKENS
     assert memory.prefill_footprint(cfg).bytes(n) <= 0.15 * 8.5e9
 
 

@@ -474,15 +474,36 @@ def test_indexer_candidate_pool_matches_oracle():
     q, weights, codes, kscale = _exact_indexer_inputs()
     n_visible = torch.tensor([0, 5, 13, 22, 40, 37])
     idx, pool = ops.indexer_topk(q, weights, codes, kscale, *_one_seq(codes, q), n_visible, 8, pool_blocks=3, pool_block_size=4)
-    assert pool.shape == (6, 12)
+    assert pool.shape == (6, 3)  # block ids
+    entries = ref_attention.pool_entries(pool, 4, n_visible)
     s = _scores(q, weights, codes, kscale).tolist()
     for t in range(6):
         nv = int(n_visible[t])
-        assert pool[t].tolist() == _oracle_pool(s[t], nv, 3, 4), t
+        assert entries[t].tolist() == _oracle_pool(s[t], nv, 3, 4), t
         # the top-k itself is not restricted to the pool
         assert idx[t].tolist() == _oracle_topk(s[t], range(nv), 8, 8)
-    assert pool[0].tolist() == [-1] * 12
-    assert pool[1].tolist() == [0, 1, 2, 3, 4, -1, -1, -1] + [-1] * 4  # unreachable blocks dropped
+    assert pool[0].tolist() == [-1] * 3
+    assert pool[1].tolist() == [0, 1, -1]  # unreachable blocks dropped
+    assert entries[1].tolist() == [0, 1, 2, 3, 4, -1, -1, -1] + [-1] * 4  # entries past n_visible too
+
+
+def test_indexer_candidate_blocks_equal_their_entries(rng):
+    """Reindex over candidate blocks (the pool's form) = over the blocks' entry ids: the newest
+    block's entries past n_visible and -1 blocks are no candidates, in any block order."""
+    q, weights, codes, kscale = _exact_indexer_inputs()
+    t, n, b = 6, codes.shape[0], 4
+    n_visible = torch.tensor([1, 5, 13, 22, 40, 37])
+    blocks = torch.full((t, 4), -1, dtype=torch.int32)
+    for tt in range(t):
+        reach = -(-int(n_visible[tt]) // b)
+        pick = torch.randperm(reach, generator=rng)[:3]
+        blocks[tt, :len(pick)] = pick.int()
+    want, _ = ops.indexer_topk(q, weights, codes, kscale, *_one_seq(codes, q), n_visible, 5,
+                               candidates=ref_attention.pool_entries(blocks, b, n_visible))
+    got, _ = ops.indexer_topk(q, weights, codes, kscale, *_one_seq(codes, q), n_visible, 5, candidates=blocks,
+                              candidate_block_size=b)
+    assert torch.equal(got, want)
+    assert (got < n_visible.unsqueeze(1)).all()
 
 
 def test_indexer_candidate_pool_keeps_newest_block():
@@ -495,15 +516,17 @@ def test_indexer_candidate_pool_keeps_newest_block():
                                pool_blocks=3, pool_block_size=4)
     s = _scores(q, torch.ones(1, 4), codes, kscale)[0].tolist()
     blocks = sorted(range(5), key=lambda b: (-max(s[4 * b:4 * b + 4]), b))[:2]
+    assert pool[0].tolist() == sorted(blocks) + [5]
     expect = [p for b in sorted(blocks) for p in range(4 * b, 4 * b + 4)] + [20, 21, -1, -1]
-    assert pool[0].tolist() == expect
+    assert ref_attention.pool_entries(pool, 4, torch.tensor([22]))[0].tolist() == expect
 
 
 def test_candidate_pool_direct():
     scores = torch.tensor([[1.0, 5.0, 2.0, 2.0, 9.0, 0.0, 3.0]])
     pool = ref_attention.candidate_pool(scores, torch.tensor([7]), 2, 2)
     # blocks: [1,5] -> 5, [2,2] -> 2, [9,0] -> 9, [3] newest -> kept
-    assert pool.tolist() == [[4, 5, 6, -1]]
+    assert pool.tolist() == [[2, 3]]
+    assert ref_attention.pool_entries(pool, 2, torch.tensor([7])).tolist() == [[4, 5, 6, -1]]
 
 
 # ---- RoPE ------------------------------------------------------------------------------------

@@ -640,6 +640,50 @@ def block_maxima(scores, n_visible, block):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("cb", [8, 3])
+@pytest.mark.parametrize("exact", [True, False])
+def test_candidate_blocks(dev, cb, exact, rng):
+    """Reindex candidates as block ids (the pool's form, CB entries a block; 3: a block size
+    that is no power of two): blocks in any order, -1 blocks anywhere, the newest block partly
+    past n_visible, a token whose blocks are all -1; two sequences side by side in scattered
+    pool blocks. Scores and selection equal the reference's over the blocks' entries."""
+    t, h, d, n, p, k = 5, 4, 64, 96, 6, 10
+    q, w, codes, kscale = random_inputs(rng, t, h, d, n, exact=exact)
+    e = 8
+    pc, ps, table = paged(rng, [(codes, kscale), (codes[:64].flip(0), kscale[:64].flip(0))], [0, 1, 0, 1, 0], e)
+    nv = torch.tensor([n - 5, 61, 37, 64, 20])
+    blocks = torch.full((t, p), -1, dtype=torch.int32)
+    for i in range(t - 1):
+        reach = -(-int(nv[i]) // cb)
+        pick = torch.randperm(reach, generator=rng)[:p - 1]
+        if reach - 1 not in pick.tolist():
+            pick[0] = reach - 1  # the newest (partial unless cb divides n_visible) block
+        blocks[i, torch.randperm(p, generator=rng)[:len(pick)]] = pick.int()
+    entries = ref_att.pool_entries(blocks, cb, nv)
+    assert (entries[:t - 1] == -1).any(1).all() and (entries[t - 1] == -1).all()
+    want_idx, _ = itk.indexer_topk_ref(q, w, pc, ps, table, e, nv, k, candidates=blocks, candidate_block_size=cb)
+    want_by_entries, _ = itk.indexer_topk_ref(q, w, pc, ps, table, e, nv, k, candidates=entries)
+    assert torch.equal(want_idx, want_by_entries)
+    args = (q.to(dev), w.to(dev), pc.to(dev), ps.to(dev), table.to(dev), e, nv.to(dev))
+    got_idx, got_pool = itk.indexer_topk(*args, k, candidates=blocks.to(dev), candidate_block_size=cb)
+    assert got_pool is None
+    s = itk.indexer_scores(*args, blocks.to(dev), candidate_block_size=cb)
+    s_ref = itk.indexer_scores_ref(q, w, pc, ps, table, e, entries)
+    assert_scores_close(s, s_ref, entries >= 0)
+    assert torch.isneginf(s.cpu()[entries < 0]).all()
+    if exact:
+        assert torch.equal(got_idx.cpu(), want_idx)
+    else:
+        chosen = got_idx.cpu()
+        assert ((chosen == -1) | torch.isin(chosen, entries)).all() and (chosen < nv.unsqueeze(1)).all()
+        # the chosen entries as candidate columns, in column order (the blocks are not in entry order)
+        local = torch.stack([torch.tensor(sorted((entries[i] == c).nonzero()[0, 0].item()
+                                                 for c in row.tolist() if c >= 0) + [-1] * int((row < 0).sum()))
+                             for i, row in enumerate(chosen)])
+        check_topk_rowwise(local, ref_att._stable_topk_sorted(s_ref, k, entries >= 0), s_ref, entries >= 0, k)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("block,n_blocks", [(4, 3), (8, 5), (2, 40)])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_pool_select_equals_candidate_pool(dev, block, n_blocks, bits, rng):
@@ -676,8 +720,11 @@ def test_prefill_chunks_equal_reference(dev, rng, monkeypatch):
     got_idx, got_pool = itk.indexer_topk(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), table.to(dev), e,
                                          nv.to(dev), k, pool_blocks=3, pool_block_size=8)
     assert torch.equal(got_idx.cpu(), want_idx) and torch.equal(got_pool.cpu(), want_pool)
+    assert got_pool.dtype == torch.int32  # block ids: 4 bytes a block of 8 entries
     assert scored_rows == [2, 2, 2, 2, 1]
-    want_re, _ = itk.indexer_topk_ref(q, w, codes, kscale, table, e, nv, k, candidates=want_pool)
+    want_re, _ = itk.indexer_topk_ref(q, w, codes, kscale, table, e, nv, k, candidates=want_pool,
+                                      candidate_block_size=8)
     got_re, _ = itk.indexer_topk(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), table.to(dev), e, nv.to(dev),
-                                 k, candidates=want_pool.to(dev))
+                                 k, candidates=got_pool, candidate_block_size=8)
     assert torch.equal(got_re.cpu(), want_re)
+    assert scored_rows[5:] == [8, 1]  # the Reindex selection in chunks too (24 candidate entries a row)

@@ -73,7 +73,11 @@ def candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, n_blocks: int,
                    topk_sorted=None) -> torch.Tensor:
     """Hierarchical candidate pool: blocks of `block` positions scored by their best visible
     position; the newest (possibly partial) block is always kept; the best `n_blocks` blocks are
-    kept (ties to the older block); unreachable blocks are dropped. [T, n_blocks * block], -1 pad.
+    kept (ties to the older block); unreachable blocks are dropped. Returns the chosen block ids
+    [T, min(n_blocks, blocks)] in ascending order, -1 padded (block b holds entries b * block ..
+    b * block + block - 1; `pool_entries` lists them). Kept as blocks, not entries: the pool
+    lives through the rest of the forward, and a [T, n_blocks * block] int64 entry list was
+    the largest transient buffer of a long prefill step (1 GiB at 8192 mini tokens).
     `topk_sorted` may replace the block selection with a faster one of the same contract."""
     t, n = scores.shape
     nb = -(-n // block)
@@ -85,9 +89,16 @@ def candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, n_blocks: int,
     reachable = vis.reshape(t, nb, block).any(-1)
     newest = ((n_visible - 1).clamp_min(0) // block).unsqueeze(1)
     bmax = bmax.scatter(1, newest, float("inf"))
-    chosen = (topk_sorted or _stable_topk_sorted)(bmax, n_blocks, reachable)  # [T, n_blocks] block ids
-    cand = chosen.unsqueeze(-1) * block + torch.arange(block, device=scores.device)
-    ok = (chosen.unsqueeze(-1) >= 0) & (cand < n_visible.view(t, 1, 1))
+    return (topk_sorted or _stable_topk_sorted)(bmax, n_blocks, reachable)  # [T, n_blocks] block ids
+
+
+def pool_entries(blocks: torch.Tensor, block: int, n_visible: torch.Tensor) -> torch.Tensor:
+    """The entry ids [T, P * block] of candidate blocks [T, P] (`candidate_pool`'s form; block 1:
+    entry ids), -1 for padding blocks and for entries >= n_visible[t] (a pool's newest block
+    may be partial)."""
+    t = blocks.shape[0]
+    cand = blocks.long().unsqueeze(-1) * block + torch.arange(block, device=blocks.device)
+    ok = (blocks.unsqueeze(-1) >= 0) & (cand < n_visible.view(t, 1, 1))
     return torch.where(ok, cand, torch.full_like(cand, -1)).reshape(t, -1)
 
 
@@ -99,7 +110,7 @@ def _sequence_groups(block_table: torch.Tensor):
 
 @register("indexer_topk")
 def indexer_topk(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, topk,
-                 candidates=None, pool_blocks=0, pool_block_size=1, reduce_scores=None):
+                 candidates=None, pool_blocks=0, pool_block_size=1, reduce_scores=None, candidate_block_size=1):
     t = q.shape[0]
     n = block_table.shape[1] * entries_per_block  # entries addressable through the tables
     if candidates is None:
@@ -116,6 +127,7 @@ def indexer_topk(q, weights, key_codes, key_scale, block_table, entries_per_bloc
         pool = candidate_pool(s.masked_fill(~valid, NEG_INF), n_visible, pool_blocks, pool_block_size) \
             if pool_blocks > 0 else None
         return idx, pool
+    candidates = pool_entries(candidates, candidate_block_size, n_visible)
     valid = candidates >= 0
     slots = table_rows(block_table, entries_per_block, candidates).clamp_min(0)
     keys = quant.mxfp4_dequant(key_codes[slots], key_scale[slots])  # only the pool's keys: [T, P, Di]

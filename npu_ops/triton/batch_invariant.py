@@ -272,7 +272,7 @@ def sparse_attention(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_id
 
 
 def indexer_topk(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, topk,
-                    candidates=None, pool_blocks=0, pool_block_size=1, reduce_scores=None):
+                    candidates=None, pool_blocks=0, pool_block_size=1, reduce_scores=None, candidate_block_size=1):
     """`ops.indexer_topk`, batch-invariant: one query per tile, its heads padded to at least 16
     (the Reindex tile shape) for every T, so a query's scores come from the same MMA shape and
     head sum alone, beside its own sequence's queries, or beside other sequences' (the
@@ -280,7 +280,7 @@ def indexer_topk(q, weights, key_codes, key_scale, block_table, entries_per_bloc
     hp, bt, bn = indexer_mod.tile_shape(1, q.shape[1], True, False, interpreting())
     return indexer_mod.indexer_topk(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible,
                                     topk, candidates, pool_blocks, pool_block_size, reduce_scores,
-                                    _cfg=(hp, bt, bn, 1, 8))
+                                    candidate_block_size, _cfg=(hp, bt, bn, 1, 8))
 
 
 def _sum_in_order(parts) -> torch.Tensor:

@@ -58,8 +58,9 @@ has no bound, so part 0 alone runs the whole-row select. At 8 per k that is a ro
 entries, at 2 per k below N / 2: in a decode graph whose table is sized for the longest
 sequence, most shorter rows would take the slow path (not timed on the device).
 
-Reindex selection (same kernel, MAP): the row's columns are candidates (-1 padding scored -inf);
-the chosen columns are written as their entry ids with the padding dropped, then each id is
+Reindex selection (same kernel, MAP): the row's columns are the candidate blocks' entries (-1
+blocks and entries past n_visible scored -inf); the chosen columns are written as their entry
+ids with those dropped, then each id is
 stored at its rank among the chosen (a [RB, k] comparison count, no sort primitive): the
 reference's selection sorted by entry id, whatever the candidates' order. Chosen ids that
 already ascend (candidates in the pool's entry order, as the model's Reindex layers get them)
@@ -68,8 +69,12 @@ are copied without the ranks (H200, T=1, 4096 candidates: 55.9 -> 15.9 us).
 Candidate pool (`_pool_kernel`): the scores kernel writes each row's maxima over the pool's
 blocks (MAXG = pool block size, a power of two); the pool kernel raises the newest reachable
 block to +inf, radix-selects the best `pool_blocks` reachable blocks (ties to the older one)
-and writes them in order, expanded to their entry ids (-1 past n_visible). With model-parallel
-score reduction (or a block size that is no power of two) the pool falls back to torch
+and writes their ids in order (int32, -1 padded). The pool stays in blocks: the Reindex layers'
+scores and selection kernels take block ids (CB entries a block) and expand them to entries in
+registers (an entry past the query's n_visible is no candidate), so the pool costs 4 bytes a
+block instead of 8 bytes an entry (8 KiB instead of 128 KiB a query at the mini preset's 2048
+blocks of 8: the largest buffer that lived through a prefill step). With model-parallel score
+reduction (or a block size that is no power of two) the pool falls back to torch
 (`_candidate_pool`).
 
 Long prefills are scored in chunks of queries (SCORE_CHUNK_ELEMS scores per chunk), so the
@@ -99,10 +104,11 @@ _SCALE_2M127 = tl.constexpr(5.877471754111438e-39)  # 2^-127 (E8M0 byte 0), an f
 
 
 def indexer_topk_ref(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, topk,
-                     candidates=None, pool_blocks=0, pool_block_size=1):
+                     candidates=None, pool_blocks=0, pool_block_size=1, candidate_block_size=1):
     """The torch reference (the oracle)."""
     return ref_attention.indexer_topk(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible,
-                                      topk, candidates, pool_blocks, pool_block_size)
+                                      topk, candidates, pool_blocks, pool_block_size,
+                                      candidate_block_size=candidate_block_size)
 
 
 def indexer_scores_ref(q, weights, key_codes, key_scale, block_table, entries_per_block, candidates=None):
@@ -291,12 +297,15 @@ def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_pt
                            H: tl.constexpr, HP: tl.constexpr, HP1: tl.constexpr, DH: tl.constexpr,
                            DHP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr,
                            GATHER: tl.constexpr, LOWP: tl.constexpr, MAXG: tl.constexpr, QSUB: tl.constexpr = 1,
-                           PDL: tl.constexpr = 0):
+                           CB: tl.constexpr = 1, PDL: tl.constexpr = 0):
     """Tiles (query group, NSUB key blocks), walked by a 1-D persistent loop. A group is QSUB
     sub-tiles of BLOCK_T queries (dense only): where every query of the group that sees a key
     block reads it from the same pool rows (a prefill chunk of one sequence), the block is
     loaded and decoded once and scored against each sub-tile in turn; otherwise each sub-tile
-    goes its own way (`_dense_block`). GATHER (Reindex candidates): BLOCK_T == QSUB == 1."""
+    goes its own way (`_dense_block`). GATHER (Reindex candidates): BLOCK_T == QSUB == 1; the
+    candidates are ids of blocks of CB entries (cand_ptr [T, NC / CB]; CB 1: entry ids), and a
+    column's entry is block * CB + column % CB, a candidate unless its block is -1 or the entry
+    is past the query's n_visible."""
     pdl_start(PDL)
     pid = tl.program_id(0)
     cn = tl.arange(0, BLOCK_N)
@@ -310,7 +319,9 @@ def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_pt
         tmask = ts < T
         if QSUB == 1:  # the tile's queries, loaded once for its NSUB key blocks
             q_even, q_odd, wh = _load_queries(q_ptr, w_ptr, g0, T, H, HP, DH, DHP, BLOCK_T, LOWP)
-            if not GATHER:
+            if GATHER:  # (the tile's one query's visible entries)
+                nv = tl.load(nvis_ptr + tg).to(tl.int32)
+            else:
                 nv = _visible(nvis_ptr, ts, tmask, NC)
         else:  # the group's visibility, for the shared-rows test of each key block
             tsg = g0 + tl.arange(0, QG)
@@ -321,10 +332,11 @@ def _indexer_scores_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_pt
             n0 = (nc * NSUB + sub) * BLOCK_N
             cols = n0 + cn
             cmask = cols < NC
-            if GATHER:  # this tile's query is tg; candidates are entry ids
+            if GATHER:  # this tile's query is tg; candidates are blocks of CB entries
                 if n0 < NC:
-                    ent = tl.load(cand_ptr + tg.to(tl.int64) * NC + cols, mask=cmask, other=-1)
-                    kvalid = cmask & (ent >= 0)
+                    cblk = tl.load(cand_ptr + tg.to(tl.int64) * (NC // CB) + cols // CB, mask=cmask, other=-1)
+                    ent = cblk * CB + cols % CB
+                    kvalid = cmask & (cblk >= 0) & (ent < nv)
                     ent = tl.maximum(ent, 0)
                     blk = tl.load(table_ptr + tg.to(tl.int64) * NB + ent // E, mask=kvalid, other=0)
                     rows = blk.to(tl.int64) * E + ent % E
@@ -571,17 +583,19 @@ def sort_rows(kp: int, on_npu: bool) -> int:
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
                    block_table: torch.Tensor, entries_per_block: int, n_visible: torch.Tensor | None,
                    candidates: torch.Tensor | None = None, _cfg: tuple | None = None,
-                   rows: bool | None = None) -> torch.Tensor:
+                   rows: bool | None = None, candidate_block_size: int = 1) -> torch.Tensor:
     """Indexer scores [T, N] over each token's N = nb * E entries (dense; entries >= n_visible[t]
-    are -inf) or [T, P] over the candidate entry ids (-1 padding is -inf), fp32, with the keys
-    read in place from the pool through the per-token block tables. `rows` (dense): one query
-    per tile (`_indexer_rows_kernel`); None: `use_rows_kernel`. Requires triton."""
+    are -inf) or [T, P * candidate_block_size] over the entries of the candidate blocks (-1
+    blocks and entries >= n_visible[t] are -inf), fp32, with the keys read in place from the
+    pool through the per-token block tables. `rows` (dense): one query per tile
+    (`_indexer_rows_kernel`); None: `use_rows_kernel`. Requires triton."""
     return _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, candidates,
-                   _cfg=_cfg, rows=rows)[0]
+                   _cfg=_cfg, rows=rows, candidate_block_size=candidate_block_size)[0]
 
 
 def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, candidates=None,
-            topk: int = 0, _cfg: tuple | None = None, maxg: int | None = None, rows: bool | None = None):
+            topk: int = 0, _cfg: tuple | None = None, maxg: int | None = None, rows: bool | None = None,
+            candidate_block_size: int = 1):
     """`indexer_scores` plus, when topk > 0 (dense), the chunk maxima that bound the top-k
     select: (scores, maxima [T, ceil(N / maxg)] or None, maxg). `_cfg` fixes the tiles of the
     chosen kernel (`_config`'s tuple; with rows, (HP, 1, BLOCK_N, NSUB, warps)); a `_cfg` without
@@ -604,9 +618,12 @@ def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_
                          f"{entries_per_block} > 0")
     nb = block_table.shape[1]
     gather = candidates is not None
+    cb = int(candidate_block_size)
     if gather and (candidates.dim() != 2 or candidates.shape[0] != t):
         raise ValueError(f"candidates {tuple(candidates.shape)} must be [T={t}, P]")
-    nc = candidates.shape[1] if gather else nb * e
+    if gather and cb < 1:
+        raise ValueError(f"candidate_block_size must be >= 1, got {candidate_block_size}")
+    nc = candidates.shape[1] * cb if gather else nb * e
     out = torch.empty(t, nc, dtype=torch.float32, device=q.device)
     if t == 0 or nc == 0:
         return out, None, 0
@@ -640,7 +657,10 @@ def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_
     grid = grid_for(n_tiles, q.device, cores="cube")  # tl.dot: one program per AI core on Ascend
     table = block_table.contiguous()
     cand = candidates.contiguous() if gather else table  # unused pointer when dense
-    nvis = n_visible.contiguous() if not gather else table
+    if n_visible is None and not gather:
+        raise ValueError("dense indexer scores need n_visible")
+    nvis = n_visible.contiguous() if n_visible is not None else \
+        torch.full((t,), 2**31 - 1, dtype=torch.int32, device=q.device)  # (candidates, no visible limit)
     extra = {} if interpreting() else {"num_warps": warps}
     if rows:
         _indexer_rows_kernel[(grid,)](
@@ -653,7 +673,8 @@ def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_
         q.contiguous(), weights.contiguous(), codes, scales, table, nvis, cand, out, maxima,
         t, nc, nb, e, g, n_nc, n_tiles, grid, codes.stride(0), scales.stride(0),
         H=h, HP=hp, HP1=max(hp, 16), DH=d // 2, DHP=_pow2(d // 2), BLOCK_T=bt, BLOCK_N=bn, NSUB=nsub,
-        GATHER=gather, LOWP=not interpreting(), MAXG=maxg, QSUB=qsub, **extra, **pdl_launch(codes))
+        GATHER=gather, LOWP=not interpreting(), MAXG=maxg, QSUB=qsub, CB=cb if gather else 1, **extra,
+        **pdl_launch(codes))
     return out, (maxima if maxg else None), maxg
 
 
@@ -783,11 +804,12 @@ def _take_flags(key, m, thr, need, n_eq):
 
 @triton.jit
 def _take_ordered(src, pos_src, n, thr, need, orow, crow, BLOCK: tl.constexpr, POS: tl.constexpr,
-                  MAP: tl.constexpr):
+                  MAP: tl.constexpr, CB: tl.constexpr = 1, lim=0):
     """Write, in ascending order, the ids of the values in src[0:n] above `thr` (order key) and
     of the first `need` equal to it: ids from pos_src[0:n] when POS, else the indices; MAP: the
-    ids are columns of the candidate row `crow`, written as its entries, -1 ones dropped.
-    Returns how many ids were written."""
+    ids are columns of the candidate row `crow` (blocks of CB entries: column c is entry
+    crow[c // CB] * CB + c % CB), written as those entries, dropping -1 blocks and entries >=
+    `lim`. Returns how many ids were written."""
     cols = tl.arange(0, BLOCK)
     n_sel = tl.zeros([], dtype=tl.int32)
     n_eq = tl.zeros([], dtype=tl.int32)
@@ -800,8 +822,11 @@ def _take_ordered(src, pos_src, n, thr, need, orow, crow, BLOCK: tl.constexpr, P
         else:
             ids = c
         if MAP:  # the entry ids of the chosen candidates; padding (-1) is not an entry
-            ids = tl.load(crow + ids, mask=take != 0, other=-1)
-            take = take & (ids >= 0).to(tl.int32)
+            cblk = tl.load(crow + ids // CB, mask=take != 0, other=-1)
+            ent = cblk * CB + ids % CB
+            ok = (cblk >= 0) & (ent < lim)
+            ids = tl.where(ok, ent, -1)
+            take = take & ok.to(tl.int32)
         pos = n_sel + tl.cumsum(take, axis=0) - take
         tl.store(orow + pos, ids.to(tl.int64), mask=take != 0)
         n_sel += tl.sum(take, axis=0)
@@ -840,7 +865,8 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
                         T, N, G, K, KOUT, num_programs,
                         MAXG: tl.constexpr, CAP: tl.constexpr, USE_MAX: tl.constexpr, BLOCK: tl.constexpr,
                         RADIX_BITS: tl.constexpr, MAP: tl.constexpr, KP: tl.constexpr, RB: tl.constexpr,
-                        SBLOCK: tl.constexpr, BOUND_PASSES: tl.constexpr, SPAN: tl.constexpr, PDL: tl.constexpr = 0):
+                        SBLOCK: tl.constexpr, BOUND_PASSES: tl.constexpr, SPAN: tl.constexpr,
+                        CB: tl.constexpr = 1, MAP_NV: tl.constexpr = False, PDL: tl.constexpr = 0):
     """Per query row t (persistent loop): the K largest of scores[t, :n_visible[t]] (ties to the
     lower entry id) as ascending entry ids in out[t, :KOUT], -1 padded.
 
@@ -859,10 +885,11 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
     the maxima's keys (`_kth_key_span`), a lower bound of their K-th largest, not the exact one
     (a few more chunks are read in step 2). SPAN: step 3's select on a tile runs its passes over
     the survivors' span only (`_kth_key_span`, exact).
-    MAP (Reindex: the row's columns are candidates, cand_ptr [T, N] entry ids, -1 padding scored
-    -inf): the whole row is visible, the chosen columns are written as their entry ids with the
-    padding dropped (the reference's selection among valid columns), staged (stage_ptr [T, KP]),
-    then placed in entry-id order."""
+    MAP (Reindex: the row's columns are the entries of candidate blocks, cand_ptr [T, N / CB]
+    block ids (CB 1: entry ids), -1 padding and, with MAP_NV, entries >= n_visible[t] scored
+    -inf): the whole row is selectable, the chosen columns are written as their entry ids with
+    those invalid ones dropped (the reference's selection among valid columns), staged
+    (stage_ptr [T, KP]), then placed in entry-id order."""
     pdl_start(PDL)
     CH: tl.constexpr = BLOCK // MAXG  # chunks per iteration of the survivor pass
     pid = tl.program_id(0)
@@ -871,15 +898,18 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
         t64 = t + tl.zeros([], dtype=tl.int64)  # 64-bit row offsets (a plain int under the interpreter)
         row = s_ptr + t64 * N
         orow = out_ptr + t64 * KOUT
-        crow = cand_ptr + t64 * N
+        crow = cand_ptr + t64 * (N // CB)
         stage = stage_ptr + t64 * KP
+        lim = 2147483647 + tl.zeros([], dtype=tl.int32)  # (MAP: entries past it are not candidates)
         if MAP:
             nv = N + tl.zeros([], dtype=tl.int32)
+            if MAP_NV:
+                lim = tl.load(nvis_ptr + t).to(tl.int32)
         else:
             nv = tl.minimum(tl.load(nvis_ptr + t).to(tl.int32), N)
         if nv <= K:  # everything visible is selected
             if MAP:
-                n_out = _take_ordered(row, row, nv, -2147483648, 0, stage, crow, BLOCK, False, True)
+                n_out = _take_ordered(row, row, nv, -2147483648, 0, stage, crow, BLOCK, False, True, CB, lim)
                 _sort_row(stage, n_out, orow, KOUT, KP, RB)
             else:
                 for c0 in range(0, KOUT, BLOCK):
@@ -938,7 +968,7 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
             else:
                 thr, need = _kth_key(row, nv, K, BLOCK, RADIX_BITS)
                 if MAP:
-                    n_out = _take_ordered(row, prow, nv, thr, need, stage, crow, BLOCK, False, True)
+                    n_out = _take_ordered(row, prow, nv, thr, need, stage, crow, BLOCK, False, True, CB, lim)
                     _sort_row(stage, n_out, orow, KOUT, KP, RB)
                 else:
                     _take_ordered(row, prow, nv, thr, need, orow, crow, BLOCK, False, False)
@@ -1113,33 +1143,32 @@ def _split_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_p
 
 
 @triton.jit
-def _pool_kernel(max_ptr, nvis_ptr, out_ptr, work_ptr, T, N, G, NBLK, OUTW, num_programs,
+def _pool_kernel(max_ptr, nvis_ptr, out_ptr, work_ptr, T, N, G, NBLK, num_programs,
                  B: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, PDL: tl.constexpr = 0):
     """Per query row (persistent loop): the hierarchical candidate pool of
     `reference.attention.candidate_pool` from the row's block maxima (max_ptr [T, G], one per B
     entries, entries past n_visible excluded, written by the scores kernel): the reachable
     blocks (those holding a visible entry) with the newest one forced in (+inf), the best NBLK
-    of them by radix select (ties to the older block), in ascending order, each expanded to its
-    B entry ids (-1 past n_visible); -1 after the chosen blocks. work_ptr [T, G]: the row's
-    maxima with the newest one raised (the select reads them from memory)."""
+    of them by radix select (ties to the older block), their ids in ascending order (int32
+    out_ptr [T, NBLK]), -1 after the chosen blocks. work_ptr [T, G]: the row's maxima with the
+    newest one raised (the select reads them from memory)."""
     pdl_start(PDL)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    jb = tl.arange(0, B)
     for t in range(pid, T, num_programs):
         t64 = t + tl.zeros([], dtype=tl.int64)
         nv = tl.minimum(tl.load(nvis_ptr + t).to(tl.int32), N)
         gv = (nv + B - 1) // B  # reachable blocks
         mrow = max_ptr + t64 * G
         wrow = work_ptr + t64 * G
-        orow = out_ptr + t64 * OUTW
+        orow = out_ptr + t64 * NBLK
         for c0 in range(0, gv, BLOCK):
             c = c0 + cols
             x = tl.load(mrow + c, mask=c < gv, other=0.0)
             tl.store(wrow + c, tl.where(c == gv - 1, float("inf"), x), mask=c < gv)
-        for c0 in range(tl.minimum(gv, NBLK) * B, OUTW, BLOCK):  # past the chosen blocks
+        for c0 in range(tl.minimum(gv, NBLK), NBLK, BLOCK):  # past the chosen blocks
             c = c0 + cols
-            tl.store(orow + c, tl.full([BLOCK], -1, dtype=tl.int64), mask=c < OUTW)
+            tl.store(orow + c, tl.full([BLOCK], -1, dtype=tl.int32), mask=c < NBLK)
         tl.debug_barrier()  # the raised maxima, written by every thread of the program, are read back
         thr = tl.full([], -2147483648, dtype=tl.int32)  # every reachable block, unless more than NBLK
         need = tl.zeros([], dtype=tl.int32)
@@ -1147,14 +1176,12 @@ def _pool_kernel(max_ptr, nvis_ptr, out_ptr, work_ptr, T, N, G, NBLK, OUTW, num_
             thr, need = _kth_key(wrow, gv, NBLK, BLOCK, RADIX_BITS)
         n_sel = tl.zeros([], dtype=tl.int32)
         n_eq = tl.zeros([], dtype=tl.int32)
-        for c0 in range(0, gv, BLOCK):  # the chosen blocks in order, expanded to their entries
+        for c0 in range(0, gv, BLOCK):  # the chosen blocks, in order
             c = c0 + cols
             m = c < gv
             take, eq = _take_flags(_order_key(tl.load(wrow + c, mask=m, other=0.0)), m, thr, need, n_eq)
             pos = n_sel + tl.cumsum(take, axis=0) - take
-            ent = c[:, None] * B + jb[None, :]
-            tl.store(orow + pos[:, None] * B + jb[None, :], tl.where(ent < nv, ent, -1).to(tl.int64),
-                     mask=(take != 0)[:, None])
+            tl.store(orow + pos, c, mask=take != 0)
             n_sel += tl.sum(take, axis=0)
             n_eq += tl.sum(eq, axis=0)
 
@@ -1163,7 +1190,7 @@ def pool_select(maxima: torch.Tensor, n_visible: torch.Tensor, n: int, n_blocks:
                 radix_bits: int | None = None) -> torch.Tensor:
     """`reference.attention.candidate_pool` (scores [T, n]) from the scores' block maxima [T,
     ceil(n / block)] (one per `block` entries, invisible entries excluded) in one Triton launch:
-    [T, min(n_blocks, blocks) * block] int64 entry ids, -1 padded. `block` a power of two;
+    [T, min(n_blocks, blocks)] int32 block ids, ascending, -1 padded. `block` a power of two;
     `radix_bits` as `topk_select`'s."""
     from .launch import grid_for, interpreting
 
@@ -1173,15 +1200,17 @@ def pool_select(maxima: torch.Tensor, n_visible: torch.Tensor, n: int, n_blocks:
         raise ValueError(f"block maxima {tuple(maxima.shape)} do not fit {n} entries in blocks of {block} "
                          "(a power of two)")
     n_blocks = min(n_blocks, g)  # as the reference: the best min(n_blocks, blocks) blocks
-    out = torch.empty(t, n_blocks * block, dtype=torch.long, device=maxima.device)
-    if t == 0 or out.shape[1] == 0:
+    out = torch.empty(t, n_blocks, dtype=torch.int32, device=maxima.device)
+    if t == 0 or n_blocks == 0:
         return out
-    blk = 64 if interpreting() else SELECT_BLOCK_NPU if maxima.device.type == "npu" else SELECT_BLOCK
+    # the select's tile (blocks are not expanded to entries here: one block a lane; the
+    # interpreter's 16 keeps its tests on the multi-tile loops)
+    blk = SELECT_BLOCK_NPU if maxima.device.type == "npu" else SELECT_BLOCK
     work = torch.empty(t, g, dtype=torch.float32, device=maxima.device)
     grid = grid_for(t, maxima.device)
     extra = {} if interpreting() else {"num_warps": SELECT_WARPS}
-    _pool_kernel[(grid,)](maxima.contiguous(), n_visible.contiguous(), out, work, t, n, g, n_blocks, out.shape[1],
-                          grid, B=block, BLOCK=max(blk // block, 16), RADIX_BITS=radix, **extra, **pdl_launch(out))
+    _pool_kernel[(grid,)](maxima.contiguous(), n_visible.contiguous(), out, work, t, n, g, n_blocks, grid,
+                          B=block, BLOCK=16 if interpreting() else blk, RADIX_BITS=radix, **extra, **pdl_launch(out))
     return out
 
 
@@ -1209,16 +1238,18 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
                 capacity: int | None = None, num_warps: int | None = None,
                 min_maxima_per_k: int | None = None, radix_bits: int | None = None,
                 survivor_block: int | None = None, bound_passes: int | None = None,
-                span: bool | None = None, parts: int | None = None) -> torch.Tensor:
+                span: bool | None = None, parts: int | None = None, candidate_block_size: int = 1) -> torch.Tensor:
     """The reference's `_stable_topk_sorted(scores, k, arange < n_visible)` for finite visible
     scores, in one Triton launch (a program per query row, no host sync): [T, min(k, N)] int64.
     `maxima` [T, ceil(N / maxg)]: each row's maximum over every `maxg` entries (entries past
     n_visible excluded), which bounds the selection when there are enough of them (at least
     `min_maxima_per_k` (default SELECT_MAXIMA_MIN_PER_K, or SPLIT_MAXIMA_MIN_PER_K for the split
     select) * k chunks; otherwise the direct select is cheaper).
-    With `candidates` [T, N] (entry ids, -1 padding whose scores are -inf; n_visible unused):
-    the Reindex selection, `_stable_topk_sorted(scores, k, candidates >= 0)` mapped through
-    the candidates and sorted by entry id (-1 padded), as `reference.attention.indexer_topk`.
+    With `candidates` [T, N / candidate_block_size] (ids of blocks of that many entries, 1: entry
+    ids; -1 padding): the Reindex selection, `_stable_topk_sorted(scores, k, entries >= 0)`
+    over the candidates' entries (`reference.attention.pool_entries`; entries >= n_visible[t]
+    are invalid when n_visible is given; invalid columns' scores are -inf) and sorted by entry
+    id (-1 padded), as `reference.attention.indexer_topk`.
     `radix_bits`: the radix select's digit width (RADIX_BITS_CHOICES; default RADIX_BITS).
     `survivor_block`: the tile of the bounded path's survivor select (a power of two >= k, at
     most `block`; default SELECT_SURVIVOR_BLOCK, 0 = `block`).
@@ -1239,8 +1270,10 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     blk = block or (64 if interpreting() else SELECT_BLOCK_NPU if scores.device.type == "npu" else SELECT_BLOCK)
     cap = capacity or max(SELECT_CAPACITY, _pow2(4 * k))
     mapped = candidates is not None
-    if mapped and candidates.shape != scores.shape:
-        raise ValueError(f"candidates {tuple(candidates.shape)} do not match scores {tuple(scores.shape)}")
+    cb = int(candidate_block_size)
+    if mapped and (cb < 1 or candidates.dim() != 2 or candidates.shape[0] != t or candidates.shape[1] * cb != n):
+        raise ValueError(f"candidates {tuple(candidates.shape)} in blocks of {candidate_block_size} do not match "
+                         f"scores {tuple(scores.shape)}")
     if not mapped and n_visible is None:
         raise ValueError("topk_select needs n_visible (or candidates)")
     sblk = SELECT_SURVIVOR_BLOCK if survivor_block is None else survivor_block
@@ -1272,14 +1305,15 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     extra = {} if interpreting() else {"num_warps": num_warps or SELECT_WARPS}
     cand = candidates.contiguous() if mapped else out  # (unused pointers unless mapped)
     stage = torch.empty(t, _pow2(kout), dtype=torch.long, device=scores.device) if mapped else out
-    nvis = n_visible.contiguous() if not mapped else out
+    nvis = n_visible.contiguous() if n_visible is not None else out
     _topk_select_kernel[(grid,)](scores.contiguous(), maxima.contiguous() if use_max else scores,
                                  nvis, out, chunks, surv_s, surv_p, cand, stage, t, n, g, k, kout, grid,
                                  MAXG=maxg if use_max else 1, CAP=cap, USE_MAX=use_max, BLOCK=blk,
                                  RADIX_BITS=radix, MAP=mapped, KP=_pow2(kout),
                                  RB=sort_rows(_pow2(kout), scores.device.type == "npu"), SBLOCK=sblk,
                                  BOUND_PASSES=SELECT_BOUND_PASSES if bound_passes is None else int(bound_passes),
-                                 SPAN=SELECT_SPAN if span is None else bool(span), **extra, **pdl_launch(nvis))
+                                 SPAN=SELECT_SPAN if span is None else bool(span), CB=cb if mapped else 1,
+                                 MAP_NV=mapped and n_visible is not None, **extra, **pdl_launch(nvis))
     return out
 
 
@@ -1447,7 +1481,8 @@ def _candidate_pool(scores: torch.Tensor, n_visible: torch.Tensor, n_blocks: int
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
                  block_table: torch.Tensor, entries_per_block: int, n_visible: torch.Tensor, topk: int,
                  candidates: torch.Tensor | None = None, pool_blocks: int = 0, pool_block_size: int = 1,
-                 reduce_scores=None, _cfg: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 reduce_scores=None, candidate_block_size: int = 1,
+                 _cfg: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`ops.indexer_topk`: Triton scores over the paged key pool, then the Triton selections (top-k
     radix select, the Reindex selection over the candidates, the candidate pool from the scores
     kernel's block maxima): the reference's results, without a host sync. A long prefill is
@@ -1456,20 +1491,21 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor
     kernel's tiles (`_config`'s tuple; batch-invariant mode fixes them)."""
     n_visible = n_visible.to(q.device)
     t = q.shape[0]
-    n = candidates.shape[1] if candidates is not None else block_table.shape[1] * entries_per_block
+    cb = candidate_block_size
+    n = candidates.shape[1] * cb if candidates is not None else block_table.shape[1] * entries_per_block
     step = max(1, SCORE_CHUNK_ELEMS // max(1, n))
     if t <= step:
         return _indexer_topk_rows(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, topk,
-                                  candidates, pool_blocks, pool_block_size, reduce_scores, _cfg)
+                                  candidates, pool_blocks, pool_block_size, reduce_scores, cb, _cfg)
     idx = torch.empty(t, min(topk, n), dtype=torch.long, device=q.device)
-    pool = torch.empty(t, min(pool_blocks, -(-n // pool_block_size)) * pool_block_size, dtype=torch.long,
+    pool = torch.empty(t, min(pool_blocks, -(-n // pool_block_size)), dtype=torch.int32,
                        device=q.device) if candidates is None and pool_blocks > 0 else None
     for i in range(0, t, step):
         j = min(t, i + step)
         part, part_pool = _indexer_topk_rows(q[i:j], weights[i:j], key_codes, key_scale, block_table[i:j],
                                              entries_per_block, n_visible[i:j], topk,
                                              None if candidates is None else candidates[i:j], pool_blocks,
-                                             pool_block_size, reduce_scores, _cfg)
+                                             pool_block_size, reduce_scores, cb, _cfg)
         idx[i:j] = part
         if pool is not None:
             pool[i:j] = part_pool
@@ -1480,7 +1516,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor
 
 
 def _indexer_topk_rows(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, topk,
-                       candidates, pool_blocks, pool_block_size, reduce_scores, _cfg=None):
+                       candidates, pool_blocks, pool_block_size, reduce_scores, candidate_block_size=1, _cfg=None):
     """`indexer_topk` for one chunk of queries (every output row depends on its query alone)."""
     # the pool comes from the scores kernel's maxima over its blocks (a power of two dividing
     # every BLOCK_N of tile_shape), which also bound the top-k select
@@ -1488,11 +1524,12 @@ def _indexer_topk_rows(q, weights, key_codes, key_scale, block_table, entries_pe
                    and pool_block_size & (pool_block_size - 1) == 0 and pool_block_size <= 64)
     s, maxima, maxg = _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible,
                               candidates, topk=topk if reduce_scores is None else 0,
-                              maxg=pool_block_size if pool_maxima else None, _cfg=_cfg)
+                              maxg=pool_block_size if pool_maxima else None, _cfg=_cfg,
+                              candidate_block_size=candidate_block_size)
     if reduce_scores is not None:  # model parallel: add the other ranks' heads (-inf stays -inf)
         s = reduce_scores(s)  # (this rank's maxima would not bound the summed scores: none taken)
     if candidates is not None:
-        return topk_select(s, None, topk, candidates=candidates), None
+        return topk_select(s, n_visible, topk, candidates=candidates, candidate_block_size=candidate_block_size), None
     idx = topk_select(s, n_visible, topk, maxima, maxg or 1)
     if pool_blocks <= 0:
         return idx, None
