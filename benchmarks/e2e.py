@@ -49,6 +49,7 @@ as slowly with this order as after a profiled decode phase: the profiler was not
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -70,6 +71,10 @@ from dsv41.core.engine import Engine, SamplingParams
 from dsv41.core.memory import weight_bytes
 from dsv41.core.model import MoE, Transformer
 from dsv41.core.weights import build_model
+
+# the engine rows' sampling parameters: greedy, and a common serving setting for the sampled row
+GREEDY_ROWS = dict(temperature=0.0, top_p=1.0, top_k=0)
+SAMPLED_ROWS = dict(temperature=0.8, top_p=0.95, top_k=0)
 from dsv41.deploy.device_numerics import random_text_ids
 from dsv41.graphs import decode as decode_graphs
 
@@ -491,31 +496,37 @@ def run_decode(model, args, clock: Clock, copy_bw: float, mem: Memory, log,
             kv = b * kv_bytes_per_token(cfg, engine.pool, ctx)
             roof = (sum(w.values()) + kv) / copy_bw
             # the engine end to end: scheduling, the graph replay, sampling (one token per sequence),
-            # without and with the overlapped decode loop (`Engine(overlap=...)`)
+            # without and with the overlapped decode loop (`Engine(overlap=...)`), greedy; then every
+            # row sampled (SAMPLED_ROWS, drawn on the device), overlapped
             t_engine = {}
-            for overlap in (False, True):
+            for overlap, sampled in ((False, False), (True, False), (True, True)):
                 engine.overlap = overlap
                 engine.running = list(seqs[:b])
+                for i, s in enumerate(seqs[:b]):
+                    s.params = dataclasses.replace(s.params, **(dict(SAMPLED_ROWS, seed=i) if sampled else GREEDY_ROWS))
                 engine.step()
                 clock.sync()
                 t = time.perf_counter()
                 for _ in range(args.engine_steps):
                     engine.step()
                 clock.sync()
-                t_engine[overlap] = (time.perf_counter() - t) / args.engine_steps
+                t_engine[overlap, sampled] = (time.perf_counter() - t) / args.engine_steps
                 engine.drain()  # (the overlapped loop's last launched step) before the states are reset
                 for s in seqs[:b]:  # back to ctx tokens, the next token known again
                     s.state.length, s.state.tokens = ctx, s.state.tokens[:ctx]
                     s.out = s.out[:1]
             engine.running = list(seqs)
-            row = dict(ctx=ctx, batch=b, graph_s=t_graph, eager_s=t_eager, engine_s=t_engine[True],
-                       engine_sync_s=t_engine[False], roof_s=roof,
+            for s in seqs[:b]:
+                s.params = dataclasses.replace(s.params, **GREEDY_ROWS)
+            row = dict(ctx=ctx, batch=b, graph_s=t_graph, eager_s=t_eager, engine_s=t_engine[True, False],
+                       engine_sync_s=t_engine[False, False], engine_sampled_s=t_engine[True, True], roof_s=roof,
                        weight_bytes=w, kv_bytes=kv, active=n_act, graph_eager_top1=agree)
             if args.graph_kernels:  # profiled after every batch of this context is timed
                 profiled.append((row, batch))
             rows.append(row)
-            log(f"  b={b}: graph {t_graph * 1e3:.3f} ms, eager {t_eager * 1e3:.2f} ms, engine {t_engine[True] * 1e3:.2f} ms "
-                f"(no overlap {t_engine[False] * 1e3:.2f}), "
+            log(f"  b={b}: graph {t_graph * 1e3:.3f} ms, eager {t_eager * 1e3:.2f} ms, engine "
+                f"{t_engine[True, False] * 1e3:.2f} ms (no overlap {t_engine[False, False] * 1e3:.2f}, sampled "
+                f"{t_engine[True, True] * 1e3:.2f}), "
                 f"roofline {roof * 1e3:.3f} ms ({roof / t_graph:.0%}), experts {n_act}, graph/eager top-1 {agree:.2f}")
         for row, batch in profiled:  # (a profiler session can slow the host's launches after it)
             listing = f"{os.path.splitext(args.out)[0]}-launches-ctx{ctx}-b{row['batch']}.txt"
@@ -606,16 +617,18 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
               "Step time = one decode step of every sequence (graph: the captured step replayed, inputs copied in; "
               "eager: the same forward uncaptured). Engine = `Engine.step()` end to end with graphs (scheduling, "
               "replay, sampling), with the overlapped decode loop (the next step launched before this one's tokens "
-              "are read) and without it (no overlap). Roofline = (weights read + KV read) / copy bandwidth; weights read = dense layers + "
+              "are read) and without it (no overlap), greedy; sampled = the overlapped engine with every row drawn "
+              f"({', '.join(f'{k} {v}' for k, v in SAMPLED_ROWS.items())}, on the device: core/sampling.py). "
+              "Roofline = (weights read + KV read) / copy bandwidth; weights read = dense layers + "
               "the routed experts the step's tokens chose + Engram rows + head.", "",
               "| context | batch | graph ms | tok/s (graph) | eager ms | engine ms | engine tok/s | engine ms, no overlap | "
-              "roofline ms | of roofline | weights MB | KV MB | experts/layer |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "engine ms, sampled | roofline ms | of roofline | weights MB | KV MB | experts/layer |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in dec:
             wb = sum(r["weight_bytes"].values())
             L.append(f"| {r['ctx']} | {r['batch']} | {r['graph_s'] * 1e3:.3f} | {r['batch'] / r['graph_s']:.0f} | "
                      f"{r['eager_s'] * 1e3:.2f} | {r['engine_s'] * 1e3:.2f} | {r['batch'] / r['engine_s']:.0f} | "
-                     f"{r['engine_sync_s'] * 1e3:.2f} | "
+                     f"{r['engine_sync_s'] * 1e3:.2f} | {r['engine_sampled_s'] * 1e3:.2f} | "
                      f"{r['roof_s'] * 1e3:.3f} | {r['roof_s'] / r['graph_s']:.0%} | {wb / 1e6:.0f} | "
                      f"{r['kv_bytes'] / 1e6:.1f} | {'/'.join(map(str, r['active']))} |")
         L.append("")

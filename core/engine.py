@@ -21,15 +21,16 @@ the replay start. Shared global entries are never rewritten. Unreferenced cached
 until their memory is needed (LRU). Prompts with images bypass it.
 
 Overlapped decode (`overlap=True`, the default with decode graphs)
-When every running sequence is decoding greedily, `step()` launches the next step before it
-reads the current step's tokens back: the next step's input ids are the current step's argmax,
-copied on the device into the graph's buffers, and everything else the step needs (positions,
-block tables, n-grams of earlier tokens) is known on the host. The host's scheduling, table
+When every running sequence is decoding, `step()` launches the next step before it reads the
+current step's tokens back: the next step's input ids are the current step's tokens (argmax, or
+drawn on the device from seeded counter-based uniforms: `core/sampling.py`), copied on the
+device into the graph's buffers, and everything else the step needs (positions, block tables,
+n-grams of earlier tokens, the draws' keys) is known on the host. The host's scheduling, table
 building and bookkeeping then run while the device computes, instead of between steps
 (vLLM's async scheduling, SGLang's overlap scheduler). The tokens are the same; a sequence that
 stops on a stop token has computed one row for nothing. Anything else (a waiting request, a
-prefill chunk, sampling with a temperature, recorded logits, Engram rows fetched ahead on the
-host) first drains the launched step and then runs the ordinary step.
+prefill chunk, recorded logits, Engram rows fetched ahead on the host) first drains the
+launched step and then runs the ordinary step.
 
 Batch invariance: the reference backend's arithmetic does not depend on what else is in the
 batch (fp64 contractions, per-token ops), so a sequence's greedy tokens and logits are the same
@@ -48,6 +49,7 @@ import torch
 from .batch import Chunk, StepBatch, build_step
 from .cache import KVPool, SequenceState
 from .model import ForwardContext, Transformer, read_counts
+from .sampling import RowParams, sample_tokens, sampling_probs
 
 
 @dataclass
@@ -74,45 +76,27 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    """One token from one row with a torch generator (the speculative decoder's own draws;
+    the engine's steps draw through `sample_rows`)."""
     if p.temperature == 0:
         return int(torch.argmax(logits))
     return int(torch.multinomial(sampling_probs(logits, p).cpu(), 1, generator=gen))
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens: list) -> list[int]:
-    """One token for each of the first len(params) rows of `logits` [R, V]: the greedy rows argmax'd together and read back with
-    the finiteness check in one transfer (one device sync per step, not one per sequence); rows
-    with a temperature draw from `sampling_probs` with their own generator, their distributions
-    read back together in one more transfer (not one sync per sampled row). Non-finite logits
-    are an error."""
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+                pinned_empty=None) -> list[int]:
+    """One token for each of the first len(params) rows of `logits` [R, V], row i drawing the
+    token at positions[i] of its sequence (`core/sampling.py`: argmax, or the seeded exponential
+    race on the device), read back with the finiteness check in one transfer (one device sync
+    per step). Non-finite logits are an error."""
     if logits.shape[0] == 0:
         return []
-    host = torch.cat([logits.argmax(-1), (~torch.isfinite(logits).all()).long().view(1)]).tolist()
+    tokens = sample_tokens(logits[:len(params)], RowParams.of(params, positions, logits.device, pinned_empty))
+    host = torch.cat([tokens, (~torch.isfinite(logits).all()).long().view(1)]).tolist()
     if host[-1]:
         raise ValueError("the model produced non-finite logits (NaN or Inf): the weights or the "
                          "device computation are broken")
-    out = host[:len(params)]
-    drawn = [i for i, p in enumerate(params) if p.temperature != 0]
-    if drawn:
-        probs = torch.stack([sampling_probs(logits[i], params[i]) for i in drawn]).cpu()
-        for row, i in zip(probs, drawn):
-            out[i] = int(torch.multinomial(row, 1, generator=gens[i]))
-    return out
-
-
-def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The distribution `sample` draws from (temperature > 0): temperature, top-k, top-p."""
-    x = logits.float() / p.temperature
-    if p.top_k > 0:
-        kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, -1)
-    if p.top_p < 1:
-        sp, si = torch.sort(probs, descending=True)
-        drop = sp.cumsum(-1) - sp > p.top_p  # keep the smallest prefix reaching top_p
-        probs = torch.zeros_like(probs).scatter(0, si, sp.masked_fill(drop, 0))
-        probs = probs / probs.sum()
-    return probs
+    return host[:len(params)]
 
 
 class PrefixCache:
@@ -214,7 +198,6 @@ class Sequence:
     params: SamplingParams
     state: SequenceState
     image_rows: torch.Tensor | None = None  # vision output for every image position, in order
-    gen: torch.Generator | None = None
     fed: int = 0  # prompt tokens sent to the model so far
     decoder_from: int = 0
     hit: int = 0
@@ -367,8 +350,7 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
-        seq = Sequence(self._next, list(prompt), p, SequenceState(),
-                       gen=torch.Generator().manual_seed(p.seed) if p.temperature > 0 else None)
+        seq = Sequence(self._next, list(prompt), p, SequenceState())
         self._next += 1
         n_img = sum(1 for t in prompt if t == cfg.image_token_id) if cfg.vision is not None else 0
         if images:
@@ -467,7 +449,8 @@ class Engine:
                 seq.fed += len(ids)
         logits, ctx, _ = self.run_chunks(chunks)
         wanted = [seq for seq, _, want in work if want != "none"]
-        tokens = sample_rows(logits, [s.params for s in wanted], [s.gen for s in wanted])
+        # (each drawn token's position: its sequence's length after this step's tokens)
+        tokens = sample_rows(logits, [s.params for s in wanted], [s.state.length for s in wanted])
         counts = ctx.counts()
         self.counters += counts
         finished, row = [], 0
@@ -505,13 +488,14 @@ class Engine:
     # -- the overlapped decode loop --
     def _can_overlap(self) -> bool:
         """Whether the next step can be launched before the current one's tokens are read:
-        greedy decode rows only, nothing waiting, a graph bucket holds the batch, and the
-        n-grams are hashed on the device (no host fetch-ahead of Engram rows)."""
+        decode rows only (greedy or sampled: both are drawn on the device), nothing waiting, a
+        graph bucket holds the batch, and the n-grams are hashed on the device (no host
+        fetch-ahead of Engram rows)."""
         if not self.overlap or self.waiting or self.record_logits or not self.running:
             return False
         if self.graphs.bucket(len(self.running)) is None:
             return False
-        if any(s.prefilling or not s.out or s.params.temperature != 0 for s in self.running):
+        if any(s.prefilling or not s.out for s in self.running):
             return False
         if self._launched is not None and set(map(id, self.running)) != set(map(id, self._launched.seqs)):
             return False
@@ -520,7 +504,7 @@ class Engine:
 
     def _launch(self, seqs: list[Sequence], ids: torch.Tensor | None) -> _Launched:
         """Build and replay one decode step of `seqs` (input ids from the host, or `ids` on the
-        device), then start copying its greedy tokens back."""
+        device), draw its tokens on the device (`core/sampling.py`), then start copying them back."""
         if ids is None:
             chunks = [Chunk(s.state, [s.out[-1]], 0, "last", text_only=True) for s in seqs]
         else:  # the ids are on the device; the host list holds a placeholder until they are read
@@ -528,7 +512,9 @@ class Engine:
         batch = build_step(self.cfg, self.pool, chunks, "cpu", self._image_token())
         logits = self.graphs.run(batch, ids)
         platform = self.graphs.platform
-        tokens = logits.argmax(-1)
+        rows = RowParams.of([s.params for s in seqs], [s.state.length for s in seqs], logits.device,
+                            platform.pinned_empty)
+        tokens = sample_tokens(logits, rows)
         flag = (~torch.isfinite(logits).all()).long().view(1)
         host = platform.pinned_empty((len(seqs) + 1,), torch.long)
         host.copy_(torch.cat([tokens, flag]), non_blocking=True)

@@ -39,25 +39,6 @@ def test_seeded_sampling_reproduces_and_varies(tiny_model, tiny_cfg, rng):
     assert len(others | {tuple(a)}) > 1
 
 
-def test_sample_rows_draws_each_row_from_its_own_distribution(rng):
-    """Sampled rows drawn together (one read-back of their distributions) give the tokens of a
-    draw per row from `sampling_probs` with the row's generator; greedy rows take the argmax."""
-    from dsv41.core.engine import sample_rows, sampling_probs
-
-    logits = torch.randn(5, 300, generator=rng) * 3
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1),
-              SamplingParams(temperature=1.5, top_k=20, seed=2), SamplingParams(temperature=0.0),
-              SamplingParams(temperature=1.0, top_p=0.9, seed=3)]
-    gens = [torch.Generator().manual_seed(p.seed) if p.temperature else None for p in params]
-    got = [sample_rows(logits, params, gens) for _ in range(3)]  # the generators move on each time
-    gens = [torch.Generator().manual_seed(p.seed) if p.temperature else None for p in params]
-    for step in got:
-        want = [int(torch.multinomial(sampling_probs(logits[i], p), 1, generator=gens[i])) if p.temperature
-                else int(logits[i].argmax()) for i, p in enumerate(params)]
-        assert step == want
-    assert len({tuple(s) for s in got}) > 1  # the draws do vary
-
-
 @pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2)])
 def test_invalid_sampling_options(tiny_model, bad):
     with pytest.raises(ValueError):

@@ -99,15 +99,20 @@ def test_draft_graph_equals_eager_draft(tiny_cfg, fresh_seed, rng, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_overlapped_decode_equals_step_by_step(tiny_cfg, fresh_seed, rng, device):
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_overlapped_decode_equals_step_by_step(tiny_cfg, fresh_seed, rng, device, sampled):
     """The overlapped decode loop (the next step launched on the device's tokens before the host
     reads them) gives the tokens of the ordinary loop, with sequences stopping on a stop token,
-    on max_new_tokens and on their last prompt step mixed in one batch, and returns every block."""
+    on max_new_tokens and on their last prompt step mixed in one batch, and returns every block;
+    `sampled`: rows drawn with temperatures, top-k and top-p beside greedy ones (drawn on the
+    device in both loops)."""
     from dsv41.core.weights import build_model
 
     model = build_model(tiny_cfg, seed=fresh_seed, device=device)
     prompts = [rand_prompt(tiny_cfg, n, rng).tolist() for n in (5, 17, 9, 12, 3)]
-    params = [SamplingParams(max_new_tokens=m) for m in (9, 4, 12, 1, 7)]
+    draw = [dict(temperature=0.9, seed=11), {}, dict(temperature=1.3, top_k=40, seed=12), {},
+            dict(temperature=0.8, top_p=0.9, seed=13)] if sampled else [{}] * 5
+    params = [SamplingParams(max_new_tokens=m, **d) for m, d in zip((9, 4, 12, 1, 7), draw)]
 
     def run(overlap, params):
         e = Engine(model, prefill_mode="exact", max_batch=4, graphs=True, max_model_len=48, overlap=overlap)
@@ -124,7 +129,7 @@ def test_overlapped_decode_equals_step_by_step(tiny_cfg, fresh_seed, rng, device
     assert not any(fed)
     # sequence 2 stops on the token it produced fifth (earlier tokens may equal it: the first wins)
     stop = want[2][4]
-    params[2] = SamplingParams(max_new_tokens=12, stop_token_ids=(stop,))
+    params[2] = SamplingParams(max_new_tokens=12, stop_token_ids=(stop,), **draw[2])
     want, reasons, _ = run(False, params)
     assert reasons[2] == "stop" and len(want[2]) <= 5
     got, got_reasons, fed = run(True, params)

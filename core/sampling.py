@@ -1,0 +1,146 @@
+"""Token sampling for a whole step at once, on the logits' device, without a host round trip.
+
+Greedy rows (temperature 0) take the argmax. A sampled row draws from `sampling_probs`
+(temperature, then top-k, then top-p) by an exponential race: token = argmax_v p[v] / E[v] with
+E[v] = -log U[v] and U[v] uniform in (0, 1), which picks v with probability p[v] (the Gumbel-max
+trick in its exponential form; `torch.multinomial` draws one sample the same way). The uniforms
+come from no generator's state: U[v] is a hash of (the request's seed, the position of the token
+being drawn, v), counter-based random numbers in 32-bit integer arithmetic that every device
+computes alike. So
+- the draw needs nothing from the host: the overlapped decode loop feeds a sampled token to the
+  next step the way it feeds an argmax, and a step's rows are drawn by a fixed handful of batched
+  ops (no per-row launches, no per-row read-back of a vocabulary-sized distribution);
+- a sequence's tokens depend on its seed, its prompt and its own positions only: the same alone
+  or in any batch, in any step layout, on any backend up to the last-bit rounding of the
+  distribution (the reference and a device can round a near-tie apart).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+# odd multipliers below 2^31, so a 32-bit value times one stays below 2^63 in int64 arithmetic
+# (no overflow on any backend); the shifts and constants are Chris Wellons' hash-prospector
+# 32-bit hash (16, 0x21f0aaad, 15, 0x735a2d97, 15), a bijection of the 32-bit integers
+_MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97
+_GOLDEN = 0x9E3779B9
+
+
+def hash32(x):
+    """The 32-bit integer hash on ints or int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL1) & _M32
+    x = x ^ (x >> 15)
+    x = (x * _MUL2) & _M32
+    return x ^ (x >> 15)
+
+
+def row_key(seed: int, position: int) -> int:
+    """The 32-bit key of one draw: the request's seed (any Python int, taken mod 2^64) and the
+    position the drawn token takes in its sequence."""
+    s = seed & 0xFFFFFFFFFFFFFFFF
+    k = hash32((s & _M32) ^ hash32(((s >> 32) ^ _GOLDEN) & _M32))
+    return hash32(k ^ (position & _M32))
+
+
+_COLUMN_HASHES: dict[tuple, torch.Tensor] = {}
+
+
+def _column_hashes(n: int, device: torch.device) -> torch.Tensor:
+    """hash32 of the vocabulary ids 0 .. n-1 (int64 [n]), made once per size and device."""
+    key = (n, device.type, device.index)
+    h = _COLUMN_HASHES.get(key)
+    if h is None:
+        h = _COLUMN_HASHES[key] = hash32(torch.arange(n, dtype=torch.int64, device=device))
+    return h
+
+
+def uniforms(keys: torch.Tensor, n: int) -> torch.Tensor:
+    """U [R, n] fp32 in (0, 1): row r's n uniforms for draw key keys[r] (int64 [R] in [0, 2^32)),
+    24-bit values at the centres of their intervals (exact in fp32, never 0 or 1)."""
+    h = hash32(keys.unsqueeze(1) ^ _column_hashes(n, keys.device).unsqueeze(0))
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def sampling_probs(logits: torch.Tensor, p) -> torch.Tensor:
+    """The distribution a sampled row draws from (p.temperature > 0): temperature, top-k, top-p."""
+    x = logits.float() / p.temperature
+    if p.top_k > 0:
+        kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, -1)
+    if p.top_p < 1:
+        sp, si = torch.sort(probs, descending=True)
+        drop = sp.cumsum(-1) - sp > p.top_p  # keep the smallest prefix reaching top_p
+        probs = torch.zeros_like(probs).scatter(0, si, sp.masked_fill(drop, 0))
+        probs = probs / probs.sum()
+    return probs
+
+
+@dataclass
+class RowParams:
+    """The sampled rows of one step as tensors on the logits' device: `rows` [S] (their row
+    indices), `temperature`, `top_k`, `top_p` and the draw keys (`row_key`), all [S]; and, known
+    on the host so that sampling never reads the device, the largest top-k and whether any row
+    cuts by top-p."""
+
+    rows: torch.Tensor
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    keys: torch.Tensor
+    max_top_k: int
+    any_top_p: bool
+
+    @staticmethod
+    def of(params: list, positions: list[int], device, pinned_empty=None) -> "RowParams | None":
+        """The sampled rows among `params` (SamplingParams; row i draws the token at
+        positions[i]); None when every row is greedy. Two small host-to-device copies, through
+        page-locked memory from `pinned_empty(shape, dtype)` when given (then the copies do not
+        wait for the device: `Platform.pinned_empty`)."""
+        drawn = [i for i, p in enumerate(params) if p.temperature != 0]
+        if not drawn:
+            return None
+        ints = torch.tensor([[i, params[i].top_k, row_key(params[i].seed, positions[i])] for i in drawn],
+                            dtype=torch.int64)
+        reals = torch.tensor([[params[i].temperature, params[i].top_p] for i in drawn], dtype=torch.float32)
+        if pinned_empty is not None:
+            ints = pinned_empty(ints.shape, ints.dtype).copy_(ints)
+            reals = pinned_empty(reals.shape, reals.dtype).copy_(reals)
+        ints = ints.to(device, non_blocking=pinned_empty is not None)
+        reals = reals.to(device, non_blocking=pinned_empty is not None)
+        return RowParams(ints[:, 0], reals[:, 0], ints[:, 1], reals[:, 1], ints[:, 2],
+                         max(params[i].top_k for i in drawn), any(params[i].top_p < 1 for i in drawn))
+
+
+def sampling_probs_rows(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
+    """`sampling_probs` of each sampled row (logits [S, V]: those rows), batched: the same
+    masks and renormalisation, row by row."""
+    x = logits.float() / rp.temperature.unsqueeze(1)
+    n = x.shape[1]
+    if rp.max_top_k > 0:
+        k = rp.top_k.clamp(0, n)
+        kth = torch.topk(x, min(rp.max_top_k, n)).values.gather(1, (k - 1).clamp_min(0).unsqueeze(1))
+        x = x.masked_fill((k > 0).unsqueeze(1) & (x < kth), float("-inf"))
+    probs = torch.softmax(x, -1)
+    if rp.any_top_p:
+        sp, si = torch.sort(probs, dim=-1, descending=True)
+        cut = rp.top_p < 1
+        drop = (sp.cumsum(-1) - sp > rp.top_p.unsqueeze(1)) & cut.unsqueeze(1)
+        kept = torch.zeros_like(probs).scatter(1, si, sp.masked_fill(drop, 0))
+        probs = torch.where(cut.unsqueeze(1), kept / kept.sum(-1, keepdim=True), probs)
+    return probs
+
+
+def sample_tokens(logits: torch.Tensor, rp: RowParams | None) -> torch.Tensor:
+    """One token per row of logits [R, V] (int64 [R], on their device): the argmax, or for the
+    rows of `rp` the exponential race over their `sampling_probs_rows`."""
+    tokens = logits.argmax(-1)
+    if rp is None:
+        return tokens
+    probs = sampling_probs_rows(logits.index_select(0, rp.rows), rp)
+    drawn = (probs / -torch.log(uniforms(rp.keys, probs.shape[1]))).argmax(-1)
+    return tokens.index_copy(0, rp.rows, drawn)
