@@ -204,6 +204,7 @@ class Sequence:
     out: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     counters: Counter = field(default_factory=Counter)
+    pending: list = field(default_factory=list)  # counter parts still on the device (`add_counts`)
     logits: list[torch.Tensor] = field(default_factory=list)  # with Engine(record_logits=True)
     t_admit: float = 0.0
     t_first: float = 0.0
@@ -225,10 +226,36 @@ class Sequence:
             self.t_done = now
         return self.finish_reason is not None
 
+    def add_counts(self, done: Counter, parts: list) -> None:
+        """Add a step's counters (`ForwardContext.count_parts`) without reading the device."""
+        self.counters += done
+        self.pending = fold_counts(self.pending + parts)
+
+    def read_counts(self) -> Counter:
+        """The counters with the parts still on the device read (one read)."""
+        self.counters += read_counts(self.pending)
+        self.pending = []
+        return self.counters
+
     def result(self) -> GenerationResult:
+        self.read_counts()
         return GenerationResult(list(self.out), len(self.prompt), self.t_first - self.t_admit, self.t_done - self.t_first,
                                 self.hit, self.finish_reason or "length", self.counters,
                                 logits=self.logits or None)
+
+
+FOLD_COUNTS_AT = 64  # pending counter parts past which they are summed per name on the device
+
+
+def fold_counts(parts: list) -> list:
+    """Pending (name, 0-d device tensor) counter parts, summed per name on the device (no read)
+    once there are more than FOLD_COUNTS_AT, so a long run without reads holds a bounded list."""
+    if len(parts) <= FOLD_COUNTS_AT:
+        return parts
+    by_name: dict[str, list[torch.Tensor]] = {}
+    for name, t in parts:
+        by_name.setdefault(name, []).append(t)
+    return [(name, torch.stack(ts).sum()) for name, ts in by_name.items()]
 
 
 def default_step_tokens(model: Transformer, pool: KVPool) -> int:
@@ -288,7 +315,7 @@ class Engine:
         self._draft_graph = None  # captured on first speculative use (`draft_graph`)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
-        self.counters = Counter()
+        self._counters, self._counter_parts = Counter(), []
         self._next = 0
         # with decode graphs: launch the next greedy decode step before reading this one's tokens
         self.overlap = overlap and self.graphs is not None
@@ -297,6 +324,13 @@ class Engine:
     @property
     def device(self) -> torch.device:
         return self.model.embed.weight.device
+
+    @property
+    def counters(self) -> Counter:
+        """Every step's counters so far (reading the device once for the parts still there)."""
+        self._counters += read_counts(self._counter_parts)
+        self._counter_parts = []
+        return Counter(self._counters)
 
     def _capture(self, max_model_len: int | None):
         """Fixed pools sized for `max_batch` sequences of `max_model_len` tokens, and the decode
@@ -451,12 +485,15 @@ class Engine:
         wanted = [seq for seq, _, want in work if want != "none"]
         # (each drawn token's position: its sequence's length after this step's tokens)
         tokens = sample_rows(logits, [s.params for s in wanted], [s.state.length for s in wanted])
-        counts = ctx.counts()
-        self.counters += counts
+        # counters stay on the device until a result or `counters` reads them: a prefill chunk's
+        # step returns without waiting for the device (the host builds the next one meanwhile)
+        done, parts = ctx.count_parts()
+        self._counters += done
+        self._counter_parts = fold_counts(self._counter_parts + parts)
         finished, row = [], 0
         now = time.perf_counter()
         for seq, ids, want in work:
-            seq.counters += counts
+            seq.add_counts(done, parts)
             if want == "none":
                 continue
             if self.prefix is not None and seq.image_rows is None and not seq.out:
@@ -616,7 +653,7 @@ class Engine:
         self.waiting.remove(seq)
         self._admit(seq)
         self.running.remove(seq)
-        feats, logits, pending = [], None, []
+        feats, logits = [], None
         while seq.prefilling:
             n = min(len(seq.prompt) - seq.fed, self.max_tokens_per_step)
             ids = seq.prompt[seq.fed:seq.fed + n]
@@ -627,9 +664,7 @@ class Engine:
             lg, ctx, _ = self.run_chunks([ch], ForwardContext(features={} if features else None))
             # counters reduced on the device and read once after the last chunk: no device sync
             # between chunks (the host builds and launches the next chunk while this one runs)
-            done, parts = ctx.count_parts()
-            seq.counters += done
-            pending += parts
+            seq.add_counts(*ctx.count_parts())
             if features and ctx.features:
                 feats.append(target_features_of(ctx, self.cfg))
             # the step's context holds its candidate pool and top-k ids ([chunk, 16K] int64: 1 GB
@@ -637,7 +672,7 @@ class Engine:
             del ctx
             if last:
                 logits = lg[0]
-        seq.counters += read_counts(pending)
+        seq.read_counts()
         if self.prefix is not None and seq.image_rows is None:
             self.prefix.insert(seq.prompt, seq.state.glob_blocks)
         return seq, logits, (torch.cat(feats) if feats else None)

@@ -125,17 +125,28 @@ def test_prefill_logits_do_not_depend_on_the_step_budget(tiny_model, tiny_cfg, r
         assert torch.equal(lg, outs[0][1])
 
 
-def test_prefill_alone_counters_read_once_equal_per_step_reads(tiny_model, tiny_cfg, rng):
-    """`prefill_alone` reads its work counters once after the last chunk (no device sync between
-    chunks): the same totals as reading every step's counters as it ends (`step`)."""
+def test_step_counters_stay_on_the_device_until_read(tiny_model, tiny_cfg, rng, monkeypatch):
+    """Neither `prefill_alone` nor `step` reads a step's work counters from the device as it
+    ends (no device sync between prefill chunks): `prefill_alone` reads them once after the last
+    chunk, `step` when the sequence's result (or the engine's `counters`) is made: the same
+    totals as the per-step counters. More than FOLD_COUNTS_AT parts are summed on the device."""
+    from dsv41.core import engine as engine_mod
+
     prompt = rand_prompt(tiny_cfg, 70, rng).tolist()
     a = Engine(tiny_model, prefill_mode="exact", max_tokens_per_step=16)
     seq, _, _ = a.prefill_alone(prompt, SamplingParams(max_new_tokens=1))
+    monkeypatch.setattr(engine_mod, "FOLD_COUNTS_AT", 3)
     b = Engine(tiny_model, prefill_mode="exact", max_tokens_per_step=16)
     other = b.add(prompt, SamplingParams(max_new_tokens=1))
+    reads, real = [], engine_mod.read_counts
+    monkeypatch.setattr(engine_mod, "read_counts", lambda parts: reads.append(len(parts)) or real(parts))
+    steps = []
     while other.prefilling:
         b.step()
-    assert seq.counters and seq.counters == other.counters
+        steps.append(len(other.pending))
+    assert not reads and len(steps) == 5 and 0 < max(steps) <= 2 * len({n for n, _ in other.pending}) + 3
+    assert other.result().counters == seq.counters and reads
+    assert seq.counters and b.counters == seq.counters
     assert any(k.startswith("indexer_scored") for k in seq.counters)
 
 
