@@ -299,6 +299,12 @@ def test_grouped_slices_and_expert_groups_same_bits(dev, predequant, rng, poison
     for s_tok, group in ((7, 2), (1, 1), (23, 3), (10, 5)):
         got = me.moe_experts(*args, path="grouped", predequant=predequant, slice_tokens=s_tok, expert_group=group)
         assert torch.equal(got, whole), f"slice_tokens={s_tok}, expert_group={group} changed the result"
+    bm = mg.TILES["interp"]["bm"] if dev == "cpu" else mg.tiles_for(23, 2, False)["bm"]
+    for split in (2, 4) if dev == "cpu" else (1,):  # the down GEMM over sub-blocks of each row block
+        got = me.moe_experts(*args, path="grouped", predequant=predequant, down_split=split, slice_tokens=7)
+        assert torch.equal(got, whole), f"down_split={split} (BM {bm}) changed the result"
+    with pytest.raises(ValueError, match="down_split"):
+        me.moe_experts(*args, path="grouped", down_split=3)
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -338,6 +344,9 @@ def test_grouped_prefill_slices_same_bits_gpu(dev, rng, poisoned):
     for s_tok, group in ((None, None), (512, 3), (700, 1)):
         got = me.moe_experts(*args, path="grouped", predequant=True, slice_tokens=s_tok, expert_group=group)
         assert torch.equal(got, whole), f"slice_tokens={s_tok}, expert_group={group} changed the result"
+    assert mg.tiles_for(1500, 6, False)["down_split"] == 2  # the default here: 64-row halves
+    got = me.moe_experts(*args, path="grouped", predequant=True, down_split=1)
+    assert torch.equal(got, whole), "the down GEMM over whole 128-row blocks changed the result"
 
 
 @pytest.mark.parametrize("dev", DEVICES)

@@ -56,10 +56,13 @@ from .swiglu import expert_act
 # and 9.697 ms at T=8192 against 2.941 / 11.423 for BN 64 / BK 128 (the same bits: a wgmma chain
 # adds K in the same order whatever BK); 4 stages, BN 256 for down, BM 64 or GROUP_M 4 / 16
 # within 5% or slower; four experts a scratch fill 2.500 ms (not taken: twice the scratch).
+# BM 64 made the down GEMM 861 against 1056 us at T=1792 but gate/up 1496 against 1201 (H200,
+# 2026-12-04, the same bits): `down_split` 2 runs the down GEMM over each 128-row block as two
+# 64-row halves (a half without rows returns at once), keeping BM 128 for gate/up and the layout.
 TILES = {"decode": {"bm": 16, "bn_up": 64, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 3},
          "mid": {"bm": 32, "bn_up": 64, "bn_down": 64, "bk": 256, "num_warps": 4, "num_stages": 3, "swap": True},
          "prefill": {"bm": 128, "bn_up": 128, "bn_down": 128, "bk": 64, "num_warps": 8, "num_stages": 3,
-                     "group_m": 8},
+                     "group_m": 8, "down_split": 2},
          "interp": {"bm": 16, "bn_up": 32, "bn_down": 32, "bk": 64}}
 DECODE_MAX_ROWS = 64 * 8  # routed rows up to which every block of a column tile runs side by side
 
@@ -347,14 +350,20 @@ def _gate_up_kernel(a_ptr, rows_ptr, bexp_ptr, bcnt_ptr, wts_ptr, w_base, s_base
 @triton.jit(do_not_specialize=["e_lo", "e_hi"])
 def _down_kernel(h_ptr, rows_ptr, bexp_ptr, bcnt_ptr, w_base, s_base, table_ptr, y_ptr, I, D, w_stride, s_stride,
                  n_blocks, GROUP_M, e_lo, e_hi, W_KIND: tl.constexpr, LOWP: tl.constexpr, ALIGN: tl.constexpr,
-                 SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = 0):
+                 SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
+                 SPLIT: tl.constexpr = 1, PDL: tl.constexpr = 0):
+    """y rows of each block = h rows @ its expert's w2^T. SPLIT > 1: each of the n_blocks blocks
+    of the layout (SPLIT * BM rows) is taken as SPLIT sub-blocks of BM rows (tiles hb), a
+    sub-block past the block's rows doing nothing; every row's sums are the same either way."""
     pdl_start(PDL)
-    blk, pn = _tile_of(tl.program_id(0), n_blocks, tl.cdiv(D, BN), GROUP_M)
+    hb, pn = _tile_of(tl.program_id(0), n_blocks * SPLIT, tl.cdiv(D, BN), GROUP_M)
+    blk = hb // SPLIT
     e = tl.load(bexp_ptr + blk)
-    if (e >= e_lo) & (e < e_hi):
+    cnt = tl.load(bcnt_ptr + blk) - (hb - blk * SPLIT) * BM  # this sub-block's rows (<= 0: none)
+    if (e >= e_lo) & (e < e_hi) & (cnt > 0):
         r = tl.arange(0, BM)
-        rmask = r < tl.load(bcnt_ptr + blk)
-        arow = (blk * BM + r).to(tl.int64) * I
+        rmask = r < cnt
+        arow = (hb * BM + r).to(tl.int64) * I
         rn = pn * BN + tl.arange(0, BN)
         nmask = rn < D
         w2, s2 = _expert_ptrs(w_base, s_base, table_ptr, e, 2, ALIGN)
@@ -365,7 +374,7 @@ def _down_kernel(h_ptr, rows_ptr, bexp_ptr, bcnt_ptr, w_base, s_base, table_ptr,
         for k0 in range(0, I, BK):
             acc = _gemm_step(acc, h_ptr, arow, rmask, k0, I, w2, s2, rn, nmask, w_stride, s_stride, W_KIND, SWAP,
                              LOWP, BN, BK, EVEN)
-        f = tl.load(rows_ptr + blk * BM + r, mask=rmask, other=0).to(tl.int64)
+        f = tl.load(rows_ptr + hb * BM + r, mask=rmask, other=0).to(tl.int64)
         if SWAP:
             tl.store(y_ptr + f[None, :] * D + rn[:, None], bf16_round(acc), mask=rmask[None, :] & nmask[:, None])
         else:
@@ -480,13 +489,14 @@ def _fit_bk(bk: int, width: int) -> int:
 
 def grouped_moe(x, weights, ids, table_args, limit, out, *, bm=None, bn_up=None, bn_down=None, bk=None,
                 bk_down=None, group_m=None, swap=None, num_warps=None, num_stages=None, chunk=None,
-                predequant=None, slice_tokens=None, expert_group=None):
+                predequant=None, slice_tokens=None, expert_group=None, down_split=None):
     """The grouped path of `moe_experts` (module docstring): out [T, d] fp32 <- x [T, d].
     `predequant`: FP4 experts dequantised to a bf16 scratch first (default: from
     PREDEQUANT_MIN_ROWS rows per expert on devices, within PREDEQUANT_MAX_BYTES), `expert_group`
     experts at a time (default PREDEQUANT_GROUP). Tokens go through in passes of at most
     `slice_tokens` (default PREFILL_SLICE_TOKENS) over one set of reused buffers; the tiles are
-    those of the whole call, so the result is the same bits for any slicing and grouping."""
+    those of the whole call, so the result is the same bits for any slicing and grouping.
+    `down_split`: the down GEMM's sub-blocks per row block (default the tiles'; same bits)."""
     from .fp8_quant import fp8_qdq_bf16
     from .launch import interpreting
 
@@ -503,6 +513,9 @@ def grouped_moe(x, weights, ids, table_args, limit, out, *, bm=None, bn_up=None,
     if bn_up % 32 or inter % 32 or d % 32 or bm < 16 or bn_down < 16 or (bk or 32) % 32 or (bk_down or 32) % 32:
         raise ValueError("moe_experts grouped path: widths, BN (gate/up) and BK must be multiples of 32, "
                          "BM and BN (down) at least 16")
+    split = down_split or cfg.get("down_split", 1)
+    if split < 1 or bm % split or (not interp and bm // split < 16):
+        raise ValueError(f"down_split {split} must divide BM {bm} into sub-blocks of at least 16 rows")
     s_tok = slice_tokens or PREFILL_SLICE_TOKENS
     g_exp = (expert_group or PREDEQUANT_GROUP) if predequant else n_exp
     if s_tok < 1 or g_exp < 1:
@@ -511,6 +524,7 @@ def grouped_moe(x, weights, ids, table_args, limit, out, *, bm=None, bn_up=None,
     plan = dict(bm=bm, bn_up=bn_up, bn_down=bn_down, bk_up=_fit_bk(bk or cfg["bk"], d),
                 bk_down=_fit_bk(bk_down or bk or cfg["bk"], inter),
                 swap=cfg.get("swap", False) if swap is None else swap, group_m=group_m or cfg.get("group_m"),
+                down_split=split,
                 kw={} if interp else {"num_warps": num_warps or cfg["num_warps"],
                                       "num_stages": num_stages or cfg["num_stages"]})
     # the activation formats come from the experts' own kind: the scratch is bf16, but x and the
@@ -565,8 +579,10 @@ def _grouped_pass(a, wts, ids, table_args, limit, out, plan, quant, predequant, 
             n_blocks, gm, e_lo, e_hi, TOPK=topk, W_KIND=k_now, LOWP=not interp, ALIGN=al, SWAP=plan["swap"], BM=bm,
             BN=plan["bn_up"], BK=plan["bk_up"], P_OUT=plan["bk_down"] if k_now == W_FP4 else 0, QUANT_H=quant,
             EVEN=inter % plan["bn_up"] == 0 and d % plan["bk_up"] == 0, **plan["kw"], **pdl_launch(a))
-        _down_kernel[(n_blocks * -(-d // plan["bn_down"]),)](
-            h, rows, bexp, bcnt, wb, sb, tab, y, inter, d, w_row(inter), sd, n_blocks, gm, e_lo, e_hi, W_KIND=k_now,
-            LOWP=not interp, ALIGN=al, SWAP=plan["swap"], BM=bm, BN=plan["bn_down"], BK=plan["bk_down"],
-            EVEN=d % plan["bn_down"] == 0 and inter % plan["bk_down"] == 0, **plan["kw"], **pdl_launch(h))
+        split = plan["down_split"]  # (GROUP_M in sub-blocks: the same rows side by side)
+        _down_kernel[(n_blocks * split * -(-d // plan["bn_down"]),)](
+            h, rows, bexp, bcnt, wb, sb, tab, y, inter, d, w_row(inter), sd, n_blocks, gm * split, e_lo, e_hi,
+            W_KIND=k_now, LOWP=not interp, ALIGN=al, SWAP=plan["swap"], BM=bm // split, BN=plan["bn_down"],
+            BK=plan["bk_down"], EVEN=d % plan["bn_down"] == 0 and inter % plan["bk_down"] == 0, SPLIT=split,
+            **plan["kw"], **pdl_launch(h))
     combine(y, flat_ids, out)
