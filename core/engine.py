@@ -317,7 +317,7 @@ class Engine:
         self.running: list[Sequence] = []
         self._counters, self._counter_parts = Counter(), []
         self._next = 0
-        # with decode graphs: launch the next greedy decode step before reading this one's tokens
+        # with decode graphs: launch the next decode step before reading this one's tokens
         self.overlap = overlap and self.graphs is not None
         self._launched: _Launched | None = None
 

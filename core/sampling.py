@@ -17,6 +17,7 @@ computes alike. So
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,12 +39,17 @@ def hash32(x):
     return x ^ (x >> 15)
 
 
+@functools.lru_cache(maxsize=4096)
+def _seed_key(seed: int) -> int:
+    s = seed & 0xFFFFFFFFFFFFFFFF
+    return hash32((s & _M32) ^ hash32(((s >> 32) ^ _GOLDEN) & _M32))
+
+
 def row_key(seed: int, position: int) -> int:
     """The 32-bit key of one draw: the request's seed (any Python int, taken mod 2^64) and the
-    position the drawn token takes in its sequence."""
-    s = seed & 0xFFFFFFFFFFFFFFFF
-    k = hash32((s & _M32) ^ hash32(((s >> 32) ^ _GOLDEN) & _M32))
-    return hash32(k ^ (position & _M32))
+    position the drawn token takes in its sequence (one hash a row a step on the host; the
+    seed's own hashes are cached)."""
+    return hash32(_seed_key(seed) ^ (position & _M32))
 
 
 _COLUMN_HASHES: dict[tuple, torch.Tensor] = {}
