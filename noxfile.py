@@ -20,6 +20,10 @@ nox.options.sessions = ["tests", "triton", "triton_ascend", "mindspore", "vllm",
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"  # the CPU build; an unpinned torch would pull a multi-GB CUDA build
+# pytest-xdist, one worker per core: the suites are single-threaded Python (torch runs one intra-op
+# thread in the tests, the Triton interpreter is numpy op by op), so on CI's 2 cores two workers
+# halve the wall time. tests/conftest.py starts the `slow` tests first so they do not run last alone.
+PARALLEL = ("-n", "auto")
 
 
 def versions() -> dict[str, str]:
@@ -34,7 +38,7 @@ def versions() -> dict[str, str]:
 def tests(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("-e", ".[test]")
-    session.run("pytest", "-q", *session.posargs)
+    session.run("pytest", "-q", *PARALLEL, *session.posargs)
 
 
 def triton_tests() -> list[str]:
@@ -57,7 +61,7 @@ INTERPRETER_ENV = {"TRITON_INTERPRET": "1", "OPENBLAS_CORETYPE": "Sandybridge"}
 def triton(session: nox.Session) -> None:
     session.install(TORCH, "numpy", "triton==3.7.1")
     session.install("-e", ".[test]")
-    session.run("pytest", "-q", *triton_tests(), *session.posargs, env=INTERPRETER_ENV)
+    session.run("pytest", "-q", *PARALLEL, *triton_tests(), *session.posargs, env=INTERPRETER_ENV)
 
 
 @nox.session
@@ -66,7 +70,7 @@ def triton_ascend(session: nox.Session) -> None:
     # `range(pid, n, step)`), which numpy 2.4 rejects ("only 0-dimensional arrays ...").
     session.install(TORCH, "numpy<2.4", "pybind11", "triton-ascend==3.2.0")
     session.install("-e", ".[test]")
-    session.run("pytest", "-q", *triton_tests(), *session.posargs, env=INTERPRETER_ENV)
+    session.run("pytest", "-q", *PARALLEL, *triton_tests(), *session.posargs, env=INTERPRETER_ENV)
 
 
 @nox.session

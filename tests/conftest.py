@@ -48,6 +48,13 @@ def pytest_configure(config):
     config.dsv41_seed = _session_seed(config)
 
 
+def pytest_collection_modifyitems(config, items):
+    """The `slow` tests first, the rest in file order: under pytest-xdist (the nox sessions run one
+    worker per core) the longest tests then start at once and the short ones fill in around them,
+    instead of a long one starting last and running alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_report_header(config):
     return f"dsv41 test seed: {config.dsv41_seed} (replay with --seed {config.dsv41_seed} or {SEED_ENV})"
 

@@ -103,6 +103,7 @@ def test_rows_tiles(dev, rng, poisoned):
     check(dev, 2, 8, 4, 256, 64, rng, used=7, rs_up=1, rs_down=1, rpp_down=32)
 
 
+@pytest.mark.slow  # 2-4 minutes under the interpreter (the MMA emulated lane by lane)
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("t", [1, 8])
 def test_rows_mma_path(dev, t, rng, poisoned):

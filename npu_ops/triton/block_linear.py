@@ -959,7 +959,10 @@ FP8_DECODE_MODES = ("fold", "xscale", "place", "fp8mma", "fp16mma", "rows", "row
 # K = 5120: 2 rows, 4 waves -- wq_a 1280x5120 6.9 (7.7), wkv 512x5120 4.7 (5.9), 2304x5120 9.2
 # (10.1). At K = 8192 (wo_b 5120x8192) every rows setting lost: 25.9-32.4 us against 22.3.
 ROWS = {"step_bytes": 8192, "waves": 4, "num_warps": 4}
-ROWS_INTERP = {"step_bytes": 256, "waves": 4}
+# The interpreter's cost is per loop step (a few ms of Python each), not per byte: 4 KB steps (1 row
+# a step at 256 B made this kernel a third of the model test's interpreter time); the step / tail
+# logic at many steps is covered by test_triton_block_linear's explicit rows-per-step cases.
+ROWS_INTERP = {"step_bytes": 4096, "waves": 4}
 ROWS_MAX_K = 8192
 # From this K on, one row in "rows" mode takes the register-fed MMA kernel with its block-diagonal
 # operand (`row_mma`, `_diag_step`; "rowdiag" takes it at every K % 128 == 0). H200 2026-12-02,
