@@ -22,8 +22,10 @@ nox.options.reuse_existing_virtualenvs = True
 TORCH = "torch==2.13.0"  # the CPU build; an unpinned torch would pull a multi-GB CUDA build
 # pytest-xdist, one worker per core: the suites are single-threaded Python (torch runs one intra-op
 # thread in the tests, the Triton interpreter is numpy op by op), so on CI's 2 cores two workers
-# halve the wall time. tests/conftest.py starts the `slow` tests first so they do not run last alone.
-PARALLEL = ("-n", "auto")
+# halve the wall time. tests/conftest.py puts the `slow` tests first, and one test a step goes to
+# whichever worker is free (xdist's default hands each worker a quarter of its share of consecutive
+# tests at once: every slow test went to the first worker, one after the other).
+PARALLEL = ("-n", "auto", "--maxschedchunk", "1")
 
 
 def versions() -> dict[str, str]:

@@ -271,7 +271,7 @@ def generate_speculative(engine: Engine, prompt: list[int], params: SamplingPara
             start = state.length
             logits, ctx, _ = engine.run_chunks([Chunk(state, [tok] + drafts, 0, "all", text_only=True)],
                                                ForwardContext(features={}))
-            seq.counters += ctx.counts()
+            seq.add_counts(*ctx.count_parts())  # read once, with the result (no sync per verification)
             if greedy:
                 a, nxt = accept_greedy(logits, drafts)
             else:
@@ -291,7 +291,8 @@ def generate_speculative(engine: Engine, prompt: list[int], params: SamplingPara
     finally:
         engine.finish(seq)
     t2 = time.perf_counter()
-    return GenerationResult(out, len(prompt), t1 - t0, t2 - t1, seq.hit, reason, seq.counters, spec=stats.as_dict())
+    return GenerationResult(out, len(prompt), t1 - t0, t2 - t1, seq.hit, reason, seq.read_counts(),
+                            spec=stats.as_dict())
 
 
 # ---- measuring the throughput curve ---------------------------------------------------------------

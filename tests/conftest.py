@@ -50,8 +50,8 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """The `slow` tests first, the rest in file order: under pytest-xdist (the nox sessions run one
-    worker per core) the longest tests then start at once and the short ones fill in around them,
-    instead of a long one starting last and running alone."""
+    worker per core, one test at a time to whichever is free) the longest tests then start at once
+    and the short ones fill in around them, instead of a long one starting last and running alone."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
