@@ -349,4 +349,18 @@ def engram_lookup(table: Tensor, scale: Tensor, rows: Tensor) -> Tensor:
     held in host memory (Engram offload; page-locked on a device)."""
 
 
+# ---- sampling -------------------------------------------------------------------------------
+@_op
+def sample_race(logits: Tensor, rows: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, keys: Tensor,
+                max_top_k: int, any_top_p: bool) -> Tensor:
+    """The sampled tokens of a step, int64 [S]: row rows[s] of logits [R, V] (fp32 or bf16) draws
+    argmax_v p[v] / -log U[v], the seeded exponential race, where p is its distribution
+    (logits / temperature[s], top-k top_k[s] (0 = off), softmax, top-p top_p[s] (1 = off), both
+    cuts keeping ties, renormalised) and U[v] its counter-based uniforms for the 32-bit key
+    keys[s] (int64 [S]). `max_top_k` (the largest top_k, 0 when no row cuts) and `any_top_p`
+    (whether a row cuts by top-p) are known on the host so no implementation reads the device.
+    Reference: `dsv41.backends.reference.sampling`. Backends may round p differently in the
+    last bit (a near-tie of two race scores can then go the other way)."""
+
+
 from . import fused  # noqa: E402, F401  (registers the fused ops' compositions; imports this module)

@@ -924,6 +924,32 @@ def sweep_dense(rows, copy, tokens=(1, 8, 64)):
                          t * n * dim * 2 + fn.numel() * 4, 0, copy)
 
 
+def sweep_sampler(rows, copy, tokens=(1, 8, 64)):
+    """`sample_race` at the model's vocabulary: the fused kernel against the reference's torch ops
+    (each row at temperature 0.8, top_p 0.95, e2e's sampled setting; top-k 50 as a third case),
+    on flat logits (std 0.05, like random weights' head: top-p keeps most of the vocabulary) and
+    peaked ones (std 4). Checked: the same tokens (a near-tie may part them: counted)."""
+    from dsv41.backends.reference import sampling as ref
+    from dsv41.npu_ops.triton import sample_race as sr
+
+    v = CFG.vocab_size
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for t in tokens:
+        for spread, top_k in ((0.05, 0), (4.0, 0), (4.0, 50)):
+            logits = torch.randn(t, v, device="cuda", generator=gen) * spread
+            args = (logits, torch.arange(t, device="cuda"), torch.full((t,), 0.8, device="cuda"),
+                    torch.full((t,), top_k, device="cuda"), torch.full((t,), 0.95, device="cuda"),
+                    torch.randint(0, 2 ** 32, (t,), device="cuda", generator=gen), top_k, True)
+            want, got = ref.sample_race(*args), sr.sample_race(*args)
+            apart = int((want != got).sum())
+            t_ref, t_k = graph_time(lambda: ref.sample_race(*args)), graph_time(lambda: sr.sample_race(*args))
+            t_one = graph_time(lambda: sr.sample_race(*args, rounds=1))
+            rows.append(f"| sample_race | rows {t}, std {spread}, top_k {top_k}, top_p 0.95 | {apart} of {t} apart | "
+                        f"reference {t_ref * 1e6:.1f} us | kernels {t_k * 1e6:.1f} us (1 split round: {t_one * 1e6:.1f}) | "
+                        f"{logits.numel() * 4 / t_k / 1e9:.0f} GB/s of logits |")
+            print(rows[-1], flush=True)
+
+
 SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_indexer,
           "indexer_per_k": sweep_indexer_per_k, "select": sweep_select, "engram_lookup": sweep_engram,
           "fp4_quant": sweep_fp4_quant, "mhc_mix": sweep_mhc_mix, "linear": sweep_linear, "moe_experts": sweep_moe,
@@ -931,7 +957,7 @@ SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_inde
           "moe_slots": sweep_moe_slots,
           "sparse_two_pass": lambda rows, copy, tokens=(8, 32, 64): sweep_sparse_attention(
               rows, copy, tokens, variants=SPARSE_LOGITS_CAPS),
-          "moe_shared": sweep_moe_shared, "decode": sweep_decode, "dense": sweep_dense}
+          "moe_shared": sweep_moe_shared, "decode": sweep_decode, "dense": sweep_dense, "sampler": sweep_sampler}
 
 
 def main() -> int:
@@ -951,7 +977,7 @@ def main() -> int:
     for name in a.only.split(","):
         kw = {}
         if a.tokens and name in ("sparse_attention", "sparse_two_pass", "indexer_topk", "indexer_per_k", "select", "dense", "moe_experts",
-                                 "moe_decode", "moe_rows", "moe_bytes", "moe_shared", "moe_slots"):
+                                 "moe_decode", "moe_rows", "moe_bytes", "moe_shared", "moe_slots", "sampler"):
             kw["tokens"] = tuple(int(x) for x in a.tokens.split(","))
         if name in ("sparse_attention", "indexer_topk", "indexer_per_k", "moe_rows"):
             kw["check_only"] = a.check_only

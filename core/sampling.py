@@ -8,8 +8,10 @@ come from no generator's state: U[v] is a hash of (the request's seed, the posit
 being drawn, v), counter-based random numbers in 32-bit integer arithmetic that every device
 computes alike. So
 - the draw needs nothing from the host: the overlapped decode loop feeds a sampled token to the
-  next step the way it feeds an argmax, and a step's rows are drawn by a fixed handful of batched
-  ops (no per-row launches, no per-row read-back of a vocabulary-sized distribution);
+  next step the way it feeds an argmax, and a step's rows are drawn by one op, `sample_race`
+  (no per-row launches, no read-back of a vocabulary-sized distribution): on the reference
+  backend and Ascend a fixed handful of batched torch ops with a sort for top-p, on CUDA two
+  Triton launches that find the top-p cut without sorting (`npu_ops/triton/sample_race.py`);
 - a sequence's tokens depend on its seed, its prompt and its own positions only: the same alone
   or in any batch, in any step layout, on any backend up to the last-bit rounding of the
   distribution (the reference and a device can round a near-tie apart).
@@ -22,21 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backends import ops
+from ..backends.reference.sampling import hash32, top_p_keep, uniforms  # noqa: F401  (the scheme's parts)
+from ..backends.reference.sampling import sampling_probs_rows as _probs_rows
+
 _M32 = 0xFFFFFFFF
-# odd multipliers below 2^31, so a 32-bit value times one stays below 2^63 in int64 arithmetic
-# (no overflow on any backend); the shifts and constants are Chris Wellons' hash-prospector
-# 32-bit hash (16, 0x21f0aaad, 15, 0x735a2d97, 15), a bijection of the 32-bit integers
-_MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97
 _GOLDEN = 0x9E3779B9
-
-
-def hash32(x):
-    """The 32-bit integer hash on ints or int64 tensors holding values in [0, 2^32)."""
-    x = x ^ (x >> 16)
-    x = (x * _MUL1) & _M32
-    x = x ^ (x >> 15)
-    x = (x * _MUL2) & _M32
-    return x ^ (x >> 15)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -52,25 +45,6 @@ def row_key(seed: int, position: int) -> int:
     return hash32(_seed_key(seed) ^ (position & _M32))
 
 
-_COLUMN_HASHES: dict[tuple, torch.Tensor] = {}
-
-
-def _column_hashes(n: int, device: torch.device) -> torch.Tensor:
-    """hash32 of the vocabulary ids 0 .. n-1 (int64 [n]), made once per size and device."""
-    key = (n, device.type, device.index)
-    h = _COLUMN_HASHES.get(key)
-    if h is None:
-        h = _COLUMN_HASHES[key] = hash32(torch.arange(n, dtype=torch.int64, device=device))
-    return h
-
-
-def uniforms(keys: torch.Tensor, n: int) -> torch.Tensor:
-    """U [R, n] fp32 in (0, 1): row r's n uniforms for draw key keys[r] (int64 [R] in [0, 2^32)),
-    24-bit values at the centres of their intervals (exact in fp32, never 0 or 1)."""
-    h = hash32(keys.unsqueeze(1) ^ _column_hashes(n, keys.device).unsqueeze(0))
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
-
-
 def sampling_probs(logits: torch.Tensor, p) -> torch.Tensor:
     """The distribution a sampled row draws from (p.temperature > 0): temperature, top-k, top-p."""
     x = logits.float() / p.temperature
@@ -78,10 +52,8 @@ def sampling_probs(logits: torch.Tensor, p) -> torch.Tensor:
         kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, -1)
-    if p.top_p < 1:
-        sp, si = torch.sort(probs, descending=True)
-        drop = sp.cumsum(-1) - sp > p.top_p  # keep the smallest prefix reaching top_p
-        probs = torch.zeros_like(probs).scatter(0, si, sp.masked_fill(drop, 0))
+    if p.top_p < 1:  # ties with the last token kept stay (`top_p_keep`)
+        probs = probs.masked_fill(~top_p_keep(probs.unsqueeze(0), torch.tensor([p.top_p], device=probs.device))[0], 0)
         probs = probs / probs.sum()
     return probs
 
@@ -125,20 +97,7 @@ class RowParams:
 def sampling_probs_rows(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
     """`sampling_probs` of each sampled row (logits [S, V]: those rows), batched: the same
     masks and renormalisation, row by row."""
-    x = logits.float() / rp.temperature.unsqueeze(1)
-    n = x.shape[1]
-    if rp.max_top_k > 0:
-        k = rp.top_k.clamp(0, n)
-        kth = torch.topk(x, min(rp.max_top_k, n)).values.gather(1, (k - 1).clamp_min(0).unsqueeze(1))
-        x = x.masked_fill((k > 0).unsqueeze(1) & (x < kth), float("-inf"))
-    probs = torch.softmax(x, -1)
-    if rp.any_top_p:
-        sp, si = torch.sort(probs, dim=-1, descending=True)
-        cut = rp.top_p < 1
-        drop = (sp.cumsum(-1) - sp > rp.top_p.unsqueeze(1)) & cut.unsqueeze(1)
-        kept = torch.zeros_like(probs).scatter(1, si, sp.masked_fill(drop, 0))
-        probs = torch.where(cut.unsqueeze(1), kept / kept.sum(-1, keepdim=True), probs)
-    return probs
+    return _probs_rows(logits, rp.temperature, rp.top_k, rp.top_p, rp.max_top_k, rp.any_top_p)
 
 
 def sample_tokens(logits: torch.Tensor, rp: RowParams | None) -> torch.Tensor:
@@ -147,6 +106,6 @@ def sample_tokens(logits: torch.Tensor, rp: RowParams | None) -> torch.Tensor:
     tokens = logits.argmax(-1)
     if rp is None:
         return tokens
-    probs = sampling_probs_rows(logits.index_select(0, rp.rows), rp)
-    drawn = (probs / -torch.log(uniforms(rp.keys, probs.shape[1]))).argmax(-1)
+    drawn = ops.sample_race(logits, rp.rows, rp.temperature, rp.top_k, rp.top_p, rp.keys, rp.max_top_k,
+                            rp.any_top_p)
     return tokens.index_copy(0, rp.rows, drawn)

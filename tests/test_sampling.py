@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dsv41.core.engine import SamplingParams, sample_rows
+from dsv41.backends.reference.sampling import uniform_from_hash
 from dsv41.core.sampling import (RowParams, hash32, row_key, sample_tokens, sampling_probs, sampling_probs_rows,
                                  uniforms)
 
@@ -92,6 +93,15 @@ def test_uniforms_are_uniform_in_the_open_interval(rng):
     x = torch.randint(0, 2 ** 32, (50000,), dtype=torch.int64, generator=rng).unique()
     assert hash32(x).unique().numel() == x.numel()
     assert hash32(0xFFFFFFFF) < 2 ** 32 and row_key(-1, 3) == row_key(2 ** 64 - 1, 3)
+
+
+def test_uniforms_never_reach_one():
+    """The extreme hashes give U strictly inside (0, 1), the top one 1 - 2^-24 exactly (with 24
+    bits it rounded to 1.0: E = -log U = 0, a race won whatever the probabilities)."""
+    u = uniform_from_hash(torch.tensor([0, 1 << 8, 0xFFFFFFFF - (1 << 9), 0xFFFFFFFF]))
+    assert u.dtype == torch.float32 and (u > 0).all() and (u < 1).all()
+    assert float(u[-1]) == 1 - 2 ** -24 and float(u[0]) == 2 ** -24
+    assert len(set(u.tolist())) == 3  # 0 and 1 << 8 share their top 23 bits
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
