@@ -45,7 +45,7 @@ NUM_WARPS = 8
 # model's 129280 tokens; 64 rows make 1024 programs.
 SPLIT = 16
 # Top-p rounds on split rows (each: is the candidate kept, and the race above it) before the
-# finishing program sweeps a row alone; a third candidate is needed about once in 1000 rows.
+# finishing program sweeps a row alone: only a row whose first two candidates were both cut.
 ROUNDS = 2
 INTERPRETER_SPLIT = 4  # fewer programs under TRITON_INTERPRET=1 (each costs milliseconds there)
 _MUL1, _MUL2 = tl.constexpr(HASH_MUL1), tl.constexpr(HASH_MUL2)
@@ -179,6 +179,34 @@ def _decide(prev_ptr, state_ptr, s, top_p, V, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _sweep_above(row, temp, inv_t, kth, key, m, pivot, V, first, step, BLOCK: tl.constexpr, TOP_K: tl.constexpr,
+                 FAST: tl.constexpr):
+    """One sweep of chunks first, first + step, ... of a row (per lane): the kept mass, the mass
+    above the candidate's x (pivot), and the race above it (best score, its index)."""
+    lanes = tl.arange(0, BLOCK)
+    total_l = tl.zeros([BLOCK], tl.float32)
+    above_l = tl.zeros([BLOCK], tl.float32)
+    best_l = tl.full([BLOCK], -float("inf"), tl.float32)
+    w_l = tl.zeros([BLOCK], tl.int32)
+    ahead = tl.load(row + first + lanes, mask=first + lanes < V, other=0.0)
+    for start in range(first, V, step):
+        offs = start + lanes
+        x = _scaled(ahead, temp, inv_t, TOP_K)
+        ahead = tl.load(row + offs + step, mask=offs + step < V, other=0.0)
+        ok = offs < V
+        if TOP_K:
+            ok = ok & (x >= kth)
+        e = tl.where(ok, tl.exp(x - m), 0.0)
+        above = ok & (x > pivot)
+        total_l += e
+        above_l += tl.where(above, e, 0.0)
+        g = tl.where(above, _race_scores(x, offs, key, FAST), -float("inf"))
+        w_l = tl.where(g > best_l, offs, w_l)
+        best_l = tl.maximum(best_l, g)
+    return total_l, above_l, best_l, w_l
+
+
+@triton.jit
 def _race_round_kernel(logits_ptr, stride, rows_ptr, temp_ptr, kth_ptr, top_p_ptr, keys_ptr, sweep_ptr,
                        prev_ptr, prev_state_ptr, part_ptr, state_ptr, V, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
                        FIRST: tl.constexpr, TOP_K: tl.constexpr, FAST: tl.constexpr):
@@ -201,28 +229,8 @@ def _race_round_kernel(logits_ptr, stride, rows_ptr, temp_ptr, kth_ptr, top_p_pt
         row, temp, inv_t, kth = _row_args(logits_ptr, stride, rows_ptr, temp_ptr, kth_ptr, s)
         key = tl.load(keys_ptr + s).to(tl.uint32)
         pivot = _scaled(tl.load(row + w), temp, inv_t, TOP_K)
-        lanes = tl.arange(0, BLOCK)
-        total_l = tl.zeros([BLOCK], tl.float32)
-        above_l = tl.zeros([BLOCK], tl.float32)
-        best_l = tl.full([BLOCK], -float("inf"), tl.float32)
-        w_l = tl.zeros([BLOCK], tl.int32)
-        first = j * BLOCK + lanes
-        ahead = tl.load(row + first, mask=first < V, other=0.0)
-        for start in range(j * BLOCK, V, SPLIT * BLOCK):
-            offs = start + lanes
-            x = _scaled(ahead, temp, inv_t, TOP_K)
-            nxt = offs + SPLIT * BLOCK
-            ahead = tl.load(row + nxt, mask=nxt < V, other=0.0)
-            ok = offs < V
-            if TOP_K:
-                ok = ok & (x >= kth)
-            e = tl.where(ok, tl.exp(x - m), 0.0)
-            above = ok & (x > pivot)
-            total_l += e
-            above_l += tl.where(above, e, 0.0)
-            g = tl.where(above, _race_scores(x, offs, key, FAST), -float("inf"))
-            w_l = tl.where(g > best_l, offs, w_l)
-            best_l = tl.maximum(best_l, g)
+        total_l, above_l, best_l, w_l = _sweep_above(row, temp, inv_t, kth, key, m, pivot, V, j * BLOCK,
+                                                     SPLIT * BLOCK, BLOCK, TOP_K, FAST)
         at = s * SPLIT + j
         n = tl.num_programs(0) * SPLIT
         tl.store(part_ptr + at, tl.sum(total_l, 0))
@@ -245,28 +253,10 @@ def _race_finish_kernel(logits_ptr, stride, rows_ptr, temp_ptr, kth_ptr, top_p_p
     if done == 0:
         row, temp, inv_t, kth = _row_args(logits_ptr, stride, rows_ptr, temp_ptr, kth_ptr, s)
         key = tl.load(keys_ptr + s).to(tl.uint32)
-        lanes = tl.arange(0, BLOCK)
         while done == 0:
             pivot = _scaled(tl.load(row + w), temp, inv_t, TOP_K)
-            total_l = tl.zeros([BLOCK], tl.float32)
-            above_l = tl.zeros([BLOCK], tl.float32)
-            best_l = tl.full([BLOCK], -float("inf"), tl.float32)
-            w_l = tl.zeros([BLOCK], tl.int32)
-            ahead = tl.load(row + lanes, mask=lanes < V, other=0.0)
-            for start in range(0, V, BLOCK):
-                offs = start + lanes
-                x = _scaled(ahead, temp, inv_t, TOP_K)
-                ahead = tl.load(row + offs + BLOCK, mask=offs + BLOCK < V, other=0.0)
-                ok = offs < V
-                if TOP_K:
-                    ok = ok & (x >= kth)
-                e = tl.where(ok, tl.exp(x - m), 0.0)
-                above = ok & (x > pivot)
-                total_l += e
-                above_l += tl.where(above, e, 0.0)
-                g = tl.where(above, _race_scores(x, offs, key, FAST), -float("inf"))
-                w_l = tl.where(g > best_l, offs, w_l)
-                best_l = tl.maximum(best_l, g)
+            total_l, above_l, best_l, w_l = _sweep_above(row, temp, inv_t, kth, key, m, pivot, V, 0, BLOCK, BLOCK,
+                                                         TOP_K, FAST)
             done = (tl.sum(above_l, 0) <= top_p * tl.sum(total_l, 0)).to(tl.int32)
             w = tl.where(done != 0, w, _winner(best_l, w_l, V))
     tl.store(out_ptr + s, w.to(tl.int64))
