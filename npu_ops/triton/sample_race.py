@@ -262,6 +262,20 @@ def _race_finish_kernel(logits_ptr, stride, rows_ptr, temp_ptr, kth_ptr, top_p_p
     tl.store(out_ptr + s, w.to(tl.int64))
 
 
+def top_k_threshold(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                    max_top_k: int) -> torch.Tensor:
+    """fp32 [S]: the k-th largest x = logits[rows[s]] / temperature[s] of each row (-inf where
+    top_k is 0 or no row cuts): the k-th largest logit divided, as the division's rounding is
+    monotone -- the reference's threshold bit for bit without dividing the whole rows."""
+    if max_top_k <= 0:
+        return torch.full((rows.numel(),), float("-inf"), device=logits.device)
+    vocab = logits.shape[1]
+    k = top_k.clamp(0, vocab)
+    kth = torch.topk(logits.index_select(0, rows), min(max_top_k, vocab)).values
+    kth = kth.gather(1, (k - 1).clamp_min(0).unsqueeze(1)).squeeze(1).float() / temperature
+    return torch.where(k > 0, kth, float("-inf")).contiguous()
+
+
 def sample_race(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                 top_p: torch.Tensor, keys: torch.Tensor, max_top_k: int, any_top_p: bool,
                 rounds: int = ROUNDS) -> torch.Tensor:
@@ -277,13 +291,7 @@ def sample_race(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Ten
     if s == 0:
         return out
     temperature = temperature.float().contiguous()
-    if max_top_k > 0:  # the k-th largest x of each cutting row, by torch.topk on the reference's x
-        x = logits.index_select(0, rows).float() / temperature.unsqueeze(1)
-        k = top_k.clamp(0, vocab)
-        kth = torch.topk(x, min(max_top_k, vocab)).values.gather(1, (k - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
-        kth = torch.where(k > 0, kth, float("-inf")).contiguous()
-    else:
-        kth = torch.full((s,), float("-inf"), device=dev)
+    kth = top_k_threshold(logits, rows, temperature, top_k, max_top_k)
     top_p = top_p.float().contiguous() if any_top_p else torch.ones(s, device=dev)
     split = INTERPRETER_SPLIT if interpreting() else SPLIT
     sweep = torch.empty(3, s, split, dtype=torch.float32, device=dev)  # pass 1's partials
