@@ -10,7 +10,7 @@ computes alike. So
 - the draw needs nothing from the host: the overlapped decode loop feeds a sampled token to the
   next step the way it feeds an argmax, and a step's rows are drawn by one op, `sample_race`
   (no per-row launches, no read-back of a vocabulary-sized distribution): on the reference
-  backend and Ascend a fixed handful of batched torch ops with a sort for top-p, on CUDA two
+  backend and Ascend a fixed handful of batched torch ops with a sort for top-p, on CUDA four
   Triton launches that find the top-p cut without sorting (`npu_ops/triton/sample_race.py`);
 - a sequence's tokens depend on its seed, its prompt and its own positions only: the same alone
   or in any batch, in any step layout, on any backend up to the last-bit rounding of the
