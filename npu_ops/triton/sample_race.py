@@ -37,6 +37,7 @@ import triton.language as tl
 from ...backends.reference.sampling import HASH_MUL1, HASH_MUL2
 from ...backends.reference.sampling import sample_race as sample_race_ref  # noqa: F401  (the oracle)
 from .launch import interpreting
+from .pdl import pdl_launch, pdl_start
 
 BLOCK = 2048
 NUM_WARPS = 8
@@ -117,9 +118,11 @@ def _row_args(logits_ptr, stride, rows_ptr, temp_ptr, kth_ptr, s):
 
 @triton.jit
 def _race_sweep_kernel(logits_ptr, stride, rows_ptr, temp_ptr, kth_ptr, keys_ptr, part_ptr, V,
-                       SPLIT: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr, FAST: tl.constexpr):
+                       SPLIT: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr, FAST: tl.constexpr,
+                       PDL: tl.constexpr = 0):
     """Pass 1 over chunks j, j + SPLIT, ... of row s (program (s, j)): the largest kept x, and the
     race's best score and its index, into part [3, S, SPLIT] (the index as int32 bits)."""
+    pdl_start(PDL)
     s = tl.program_id(0)
     j = tl.program_id(1)
     row, temp, inv_t, kth = _row_args(logits_ptr, stride, rows_ptr, temp_ptr, kth_ptr, s)
@@ -209,11 +212,12 @@ def _sweep_above(row, temp, inv_t, kth, key, m, pivot, V, first, step, BLOCK: tl
 @triton.jit
 def _race_round_kernel(logits_ptr, stride, rows_ptr, temp_ptr, kth_ptr, top_p_ptr, keys_ptr, sweep_ptr,
                        prev_ptr, prev_state_ptr, part_ptr, state_ptr, V, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                       FIRST: tl.constexpr, TOP_K: tl.constexpr, FAST: tl.constexpr):
+                       FIRST: tl.constexpr, TOP_K: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr = 0):
     """One top-p round, a row split over programs as pass 1: decide the previous round (FIRST:
     pass 1's winner, done where top_p >= 1), write the row's state [2, S] (candidate, done), and
     for a row whose candidate is not yet known kept, sweep chunks j, j + SPLIT, ...: total mass,
     mass above the candidate, the race above it, into part [4, S, SPLIT]."""
+    pdl_start(PDL)
     s = tl.program_id(0)
     j = tl.program_id(1)
     top_p = tl.load(top_p_ptr + s)
@@ -242,10 +246,11 @@ def _race_round_kernel(logits_ptr, stride, rows_ptr, temp_ptr, kth_ptr, top_p_pt
 @triton.jit
 def _race_finish_kernel(logits_ptr, stride, rows_ptr, temp_ptr, kth_ptr, top_p_ptr, keys_ptr, sweep_ptr, prev_ptr,
                         prev_state_ptr, out_ptr, V, SPLIT: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr,
-                        FAST: tl.constexpr):
+                        FAST: tl.constexpr, PDL: tl.constexpr = 0):
     """Row s's token: decide the last split round; a candidate still not known kept (rare: the
     race's winner cut by top-p in every round) is settled by whole-row sweeps in this one
     program, each the mass above the candidate and the race above it, until one is kept."""
+    pdl_start(PDL)
     s = tl.program_id(0)
     top_p = tl.load(top_p_ptr + s)
     m, w = _sweep_result(sweep_ptr, s, V, SPLIT)
@@ -300,12 +305,13 @@ def sample_race(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Ten
     rows, keys = rows.contiguous(), keys.contiguous()
     head = (logits, logits.stride(0), rows, temperature, kth)
     common = dict(SPLIT=split, BLOCK=BLOCK, TOP_K=max_top_k > 0, FAST=not interpreting(), num_warps=NUM_WARPS)
-    _race_sweep_kernel[(s, split)](*head, keys, sweep, vocab, **common)
+    _race_sweep_kernel[(s, split)](*head, keys, sweep, vocab, **common, **pdl_launch(logits))
     for r in range(rounds):
         prev, prev_state = (parts[r - 1], states[r - 1]) if r else (sweep, states[0])
         _race_round_kernel[(s, split)](*head, top_p, keys, sweep, prev, prev_state, parts[r], states[r], vocab,
-                                       FIRST=r == 0, **common)
-    _race_finish_kernel[(s,)](*head, top_p, keys, sweep, parts[-1], states[-1], out, vocab, **common)
+                                       FIRST=r == 0, **common, **pdl_launch(logits))
+    _race_finish_kernel[(s,)](*head, top_p, keys, sweep, parts[-1], states[-1], out, vocab, **common,
+                              **pdl_launch(logits))
     return out
 
 
