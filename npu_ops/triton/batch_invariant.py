@@ -125,6 +125,7 @@ ROW_LOCAL_OPS = frozenset({
     "rms_norm", "rope", "rope_tables", "swiglu_clamped", "rope_store_kv", "rope_store_key", "compress_kv",
     "mhc_collapse", "engram_gate", "engram_lookup", "engram_hash", "table_rows", "window_rows", "compress_rows",
     "indexer_queries",
+    "sample_race",  # every row split over the same programs whatever the row count (tested: alone == batch)
 })
 
 
