@@ -948,6 +948,12 @@ def sweep_sampler(rows, copy, tokens=(1, 8, 64)):
                         f"reference {t_ref * 1e6:.1f} us | kernels {t_k * 1e6:.1f} us (1 split round: {t_one * 1e6:.1f}) | "
                         f"{logits.numel() * 4 / t_k / 1e9:.0f} GB/s of logits |")
             print(rows[-1], flush=True)
+            if top_k:  # the threshold alone: the radix-select kernel against torch.topk
+                th = {m: (lambda m=m: sr.top_k_threshold(*args[:4], top_k, m)) for m in ("radix", "topk")}
+                same = torch.equal(th["radix"](), th["topk"]())
+                rows.append(f"| top_k_threshold | rows {t}, std {spread}, top_k {top_k} | equal {same} | "
+                            f"radix {graph_time(th['radix']) * 1e6:.1f} us | torch.topk {graph_time(th['topk']) * 1e6:.1f} us |")
+                print(rows[-1], flush=True)
 
 
 SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_indexer,

@@ -124,21 +124,27 @@ def test_ties_at_the_top_p_cut_are_kept(dev, rng):
     assert (ref.sampling_probs_rows(logits, temp, top_k, top_p, 0, True)[0] > 0).sum() == 40
 
 
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_top_k_threshold_is_the_references(dtype, rng):
-    """The launcher's top-k threshold (the k-th largest logit, divided) equals the k-th largest
-    of the divided row bit for bit, ties and small temperatures included; -inf where k is 0."""
-    n, v = 9, 3000
+@pytest.mark.parametrize("method", ["radix", "topk"])
+def test_top_k_threshold_is_the_references(dev, dtype, method, rng):
+    """The launcher's top-k threshold (the k-th largest logit, divided; by the radix-select kernel
+    or torch.topk) equals the k-th largest of the divided row bit for bit: ties across the cut,
+    negative and positive logits, small temperatures, k past the vocabulary; -inf where k is 0."""
+    n, v = 9, 5000 if dev == "cpu" else VOCAB[dev]
     logits = (torch.randn(n, v, generator=rng) * 5).to(dtype)
     logits[2, :50] = logits[2, 0]  # a tie group across the cut
+    logits[6] = -logits[6].abs() - 1  # every value negative
     rows = torch.tensor([3, 0, 2, 8, 5, 1, 7, 4, 6])
     temp = torch.tensor([0.8, 1.0, 0.3, 1e-3, 1.7, 0.9, 2.5, 0.05, 1.0])
     top_k = torch.tensor([1, 20, 25, 7, 0, v + 5, 3, 64, 2])
-    got = sr.top_k_threshold(logits, rows, temp, top_k, int(top_k.max()))
+    got = sr.top_k_threshold(*(a.to(dev) for a in (logits, rows, temp, top_k)), int(top_k.max()), method).cpu()
     x = logits.index_select(0, rows).float() / temp.unsqueeze(1)
     for s in range(n):
         k = min(int(top_k[s]), v)
         want = torch.topk(x[s], k).values[-1] if k else torch.tensor(float("-inf"))
         assert torch.equal(got[s], want), (s, float(got[s]), float(want))
-    assert torch.isinf(sr.top_k_threshold(logits, rows, temp, top_k, 0)).all()
+    assert torch.isinf(sr.top_k_threshold(logits.to(dev), rows.to(dev), temp.to(dev), top_k.to(dev), 0)).all()
+    with pytest.raises(ValueError, match="method"):
+        sr.top_k_threshold(logits, rows, temp, top_k, 3, "sort")
 

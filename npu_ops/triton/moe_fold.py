@@ -100,6 +100,12 @@ from .swiglu import expert_act
 # instructions a K step): T=64 267.5 -> 261.2 us uniform, 286.7 -> 281.2 / 289.1 -> 283.6 skewed;
 # T=33 257.1 -> 251.8, 275.3 -> 270.6 (`sweep_kernels.py --only moe_slots`, two calls); the
 # batch-64 decode step 4.87-4.89 -> 4.78-4.79 ms with the two-pass logits cap (benchmarks/RESULTS.md).
+# H100 2026-12-05 (session thirty-four): 64-wide K steps in both kernels at 17..64 tokens (byte tiles;
+# 151 registers without spills against 168 + 140 bytes of stack) were 1-3% faster alone (graph replay of
+# the op, `moe_slots` routings: T=64 sigma 0.5 291.3 -> 283.9 us, sigma 1 294.9 -> 288.7, uniform equal)
+# but SLOWER in the decode step: batch 64 at 4K 5.015 / 5.038 ms (these tiles) against 5.305 / 5.302
+# (alternated processes, one machine). A 128-register cap (4 programs an SM) or 4 stages with them was
+# slower alone too (268-329 us). Not kept; the change is in benchmarks/RESULTS.md's session thirty-four.
 _DECODE = {"bn_up": 64, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 3, "split": 1, "w_left": True,
            "rb_max": 64}
 TILES = {"cuda": [(1, _DECODE), (3, dict(_DECODE, split=2)), (16, dict(_DECODE, split=4)),

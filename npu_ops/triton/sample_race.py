@@ -1,5 +1,6 @@
 """The sampler without sorting the vocabulary (op `sample_race`): each sampled row's seeded
-exponential race over its temperature / top-k / top-p distribution, in four launches.
+exponential race over its temperature / top-k / top-p distribution, in four launches (five with
+a top-k cut).
 
 The reference (`backends/reference/sampling.py`) builds each row's distribution with ~18 torch
 ops over [rows, vocabulary] fp32, a full sort for top-p among them (2.1 ms for 64 rows of the
@@ -24,7 +25,9 @@ drawn, every row split over SPLIT programs:
 Rounding: the race in log space (the reference divides probabilities), approximate logs away from
 U = 1 and the masses summed in another order can part the two on a near-tie, as the op's
 contract allows. Where a row cuts by top-k, x is the IEEE quotient (torch's) and the cut's
-threshold comes from `torch.topk` on the reference's own x, so both keep the same tokens. CUDA
+threshold is the k-th largest logit divided, found by a radix select over the row
+(`_top_k_threshold_kernel`, a fifth launch): the reference's threshold bit for bit, so both keep
+the same tokens. CUDA
 only for now (inline PTX for the log); Ascend runs the reference in fp32.
 """
 
@@ -36,6 +39,7 @@ import triton.language as tl
 
 from ...backends.reference.sampling import HASH_MUL1, HASH_MUL2
 from ...backends.reference.sampling import sample_race as sample_race_ref  # noqa: F401  (the oracle)
+from .indexer_topk import _order_key, _radix_digit
 from .launch import interpreting
 from .pdl import pdl_launch, pdl_start
 
@@ -49,6 +53,10 @@ SPLIT = 16
 # finishing program sweeps a row alone: only a row whose first two candidates were both cut.
 ROUNDS = 2
 INTERPRETER_SPLIT = 4  # fewer programs under TRITON_INTERPRET=1 (each costs milliseconds there)
+# The top-k threshold's radix select (`_top_k_threshold_kernel`): values a chunk of its sweeps and
+# bits a digit (32 / RADIX_BITS sweeps of the row).
+THRESHOLD_BLOCK = 4096
+RADIX_BITS = 8
 _MUL1, _MUL2 = tl.constexpr(HASH_MUL1), tl.constexpr(HASH_MUL2)
 
 
@@ -267,14 +275,58 @@ def _race_finish_kernel(logits_ptr, stride, rows_ptr, temp_ptr, kth_ptr, top_p_p
     tl.store(out_ptr + s, w.to(tl.int64))
 
 
+@triton.jit
+def _top_k_threshold_kernel(logits_ptr, stride, rows_ptr, temp_ptr, k_ptr, out_ptr, V, BLOCK: tl.constexpr,
+                            RADIX_BITS: tl.constexpr, PDL: tl.constexpr = 0):
+    """out[s] = the k-th largest logit of row rows[s] (k = top_k[s], at most V), divided by
+    temperature[s] (IEEE); -inf where k <= 0. A radix select over order-preserving int32 keys,
+    RADIX_BITS at a time from the top: each pass sweeps the row once and histograms the digit of
+    the values that share the digits found so far (indexer_topk's radix steps)."""
+    pdl_start(PDL)
+    s = tl.program_id(0)
+    k = tl.minimum(tl.load(k_ptr + s).to(tl.int32), V)
+    if k <= 0:
+        tl.store(out_ptr + s, float("-inf"))
+    else:
+        NBIN: tl.constexpr = 1 << RADIX_BITS
+        src = logits_ptr + tl.load(rows_ptr + s).to(tl.int64) * stride
+        cols = tl.arange(0, BLOCK)
+        prefix = tl.zeros([], dtype=tl.int32)  # the k-th key's digits found so far (unsigned order bits)
+        pmask = tl.zeros([], dtype=tl.int32)
+        need = k
+        for p in range(0, 32 // RADIX_BITS):  # (a run-time shift: the digit masks wrap in int32)
+            shift = 32 - RADIX_BITS * (p + 1)
+            hist = tl.zeros([2 * NBIN], dtype=tl.int32)
+            for c0 in range(0, V, BLOCK):
+                c = c0 + cols
+                m = c < V
+                u = _order_key(tl.load(src + c, mask=m, other=0.0).to(tl.float32)) ^ -2147483648
+                hist += tl.histogram(tl.where(m & ((u & pmask) == prefix), (u >> shift) & (NBIN - 1), NBIN), 2 * NBIN)
+            need, prefix, pmask = _radix_digit(hist, need, prefix, pmask, shift, NBIN)
+        key = prefix ^ -2147483648
+        kth = tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
+        tl.store(out_ptr + s, tl.math.div_rn(kth, tl.load(temp_ptr + s)))
+
+
 def top_k_threshold(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    max_top_k: int) -> torch.Tensor:
+                    max_top_k: int, method: str = "radix") -> torch.Tensor:
     """fp32 [S]: the k-th largest x = logits[rows[s]] / temperature[s] of each row (-inf where
     top_k is 0 or no row cuts): the k-th largest logit divided, as the division's rounding is
-    monotone -- the reference's threshold bit for bit without dividing the whole rows."""
-    if max_top_k <= 0:
-        return torch.full((rows.numel(),), float("-inf"), device=logits.device)
+    monotone -- the reference's threshold bit for bit without dividing the whole rows (a k-th
+    largest of -0.0 comes out as +0.0: equal under comparison). `method` "radix": one program a
+    row (`_top_k_threshold_kernel`); "topk": `torch.topk` over the rows (the form before it)."""
+    if method not in ("radix", "topk"):
+        raise ValueError(f"top_k_threshold: method must be 'radix' or 'topk', got {method!r}")
+    s = rows.numel()
+    if max_top_k <= 0 or s == 0:
+        return torch.full((s,), float("-inf"), device=logits.device)
     vocab = logits.shape[1]
+    if method == "radix":
+        out = torch.empty(s, dtype=torch.float32, device=logits.device)
+        _top_k_threshold_kernel[(s,)](logits, logits.stride(0), rows.contiguous(), temperature.float().contiguous(),
+                                      top_k.contiguous(), out, vocab, BLOCK=THRESHOLD_BLOCK, RADIX_BITS=RADIX_BITS,
+                                      num_warps=NUM_WARPS, **pdl_launch(logits))
+        return out
     k = top_k.clamp(0, vocab)
     kth = torch.topk(logits.index_select(0, rows), min(max_top_k, vocab)).values
     kth = kth.gather(1, (k - 1).clamp_min(0).unsqueeze(1)).squeeze(1).float() / temperature
