@@ -948,7 +948,7 @@ def sweep_sampler(rows, copy, tokens=(1, 8, 64)):
                         f"reference {t_ref * 1e6:.1f} us | kernels {t_k * 1e6:.1f} us (1 split round: {t_one * 1e6:.1f}) | "
                         f"{logits.numel() * 4 / t_k / 1e9:.0f} GB/s of logits |")
             print(rows[-1], flush=True)
-            if top_k:  # the threshold alone: the radix-select kernel against torch.topk
+            if top_k:  # the threshold alone: the radix-select kernel against torch.topk (sr.TOP_K_THRESHOLD)
                 th = {m: (lambda m=m: sr.top_k_threshold(*args[:4], top_k, m)) for m in ("radix", "topk")}
                 same = torch.equal(th["radix"](), th["topk"]())
                 rows.append(f"| top_k_threshold | rows {t}, std {spread}, top_k {top_k} | equal {same} | "

@@ -40,10 +40,10 @@ def _near_tie_ok(logits, s, row, params, got, want):
         (s, row, got, want, float(score[got]), float(score[want]))
 
 
-def _check(logits, rows, temp, top_k, top_p, keys, dev):
+def _check(logits, rows, temp, top_k, top_p, keys, dev, threshold=None):
     max_k, any_p = int(top_k.max()), bool((top_p < 1).any())
     got = sr.sample_race(logits.to(dev), rows.to(dev), temp.to(dev), top_k.to(dev), top_p.to(dev), keys.to(dev),
-                         max_k, any_p).cpu()
+                         max_k, any_p, threshold=threshold).cpu()
     want = ref.sample_race(logits, rows, temp, top_k, top_p, keys, max_k, any_p)
     apart = (got != want).nonzero().flatten().tolist()
     for s in apart:
@@ -56,9 +56,11 @@ def _check(logits, rows, temp, top_k, top_p, keys, dev):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dev", DEVICES)
-def test_sample_race_equals_the_reference(dev, dtype, rng):
+@pytest.mark.parametrize("threshold", ["topk", "radix"])
+def test_sample_race_equals_the_reference(dev, dtype, threshold, rng):
     """Mixed rows of one step (some rows not sampled, rows out of order), peaked (std 4) and flat
-    (std 0.05: top-p 0.95 keeps most of the vocabulary) logits, top-k alone, top-p alone, both."""
+    (std 0.05: top-p 0.95 keeps most of the vocabulary) logits, top-k alone, top-p alone, both;
+    the top-k threshold from torch.topk and from the radix-select kernel."""
     v = VOCAB[dev]
     n = 12 if dev == "cpu" else 64
     logits = torch.randn(n + 3, v, generator=rng) * torch.where(torch.arange(n + 3) % 2 == 0, 4.0, 0.05).unsqueeze(1)
@@ -67,7 +69,7 @@ def test_sample_race_equals_the_reference(dev, dtype, rng):
     temp = torch.rand(n, generator=rng) * 1.2 + 0.3
     top_k = torch.where(torch.arange(n) % 3 == 1, torch.randint(1, 200, (n,), generator=rng), 0)
     top_p = torch.where(torch.arange(n) % 4 < 2, torch.rand(n, generator=rng) * 0.9 + 0.05, 1.0)
-    _check(logits, rows, temp, top_k, top_p, _keys(rng, n), dev)
+    _check(logits, rows, temp, top_k, top_p, _keys(rng, n), dev, threshold)
 
 
 @pytest.mark.parametrize("dev", DEVICES)

@@ -1,6 +1,5 @@
 """The sampler without sorting the vocabulary (op `sample_race`): each sampled row's seeded
-exponential race over its temperature / top-k / top-p distribution, in four launches (five with
-a top-k cut).
+exponential race over its temperature / top-k / top-p distribution, in four launches.
 
 The reference (`backends/reference/sampling.py`) builds each row's distribution with ~18 torch
 ops over [rows, vocabulary] fp32, a full sort for top-p among them (2.1 ms for 64 rows of the
@@ -25,8 +24,8 @@ drawn, every row split over SPLIT programs:
 Rounding: the race in log space (the reference divides probabilities), approximate logs away from
 U = 1 and the masses summed in another order can part the two on a near-tie, as the op's
 contract allows. Where a row cuts by top-k, x is the IEEE quotient (torch's) and the cut's
-threshold is the k-th largest logit divided, found by a radix select over the row
-(`_top_k_threshold_kernel`, a fifth launch): the reference's threshold bit for bit, so both keep
+threshold is the k-th largest logit divided (by `torch.topk`, or a radix select over the row,
+`_top_k_threshold_kernel`: TOP_K_THRESHOLD): the reference's threshold bit for bit, so both keep
 the same tokens. CUDA
 only for now (inline PTX for the log); Ascend runs the reference in fp32.
 """
@@ -57,6 +56,13 @@ INTERPRETER_SPLIT = 4  # fewer programs under TRITON_INTERPRET=1 (each costs mil
 # bits a digit (32 / RADIX_BITS sweeps of the row).
 THRESHOLD_BLOCK = 4096
 RADIX_BITS = 8
+# How the op finds a top-k cut's threshold (`top_k_threshold`'s method). The radix kernel (one
+# program a row, four sweeps of it) is written, checked under the interpreter and compiled for
+# sm_90a (80 registers, no spill) but has not run on a GPU: no device was lent after it was written
+# (session thirty-four). torch.topk stays the default until `sweep_kernels.py --only sampler`
+# (its "top_k_threshold" rows time both) and the GPU tests have run it; torch.topk took 80-210 us
+# for 1-64 rows on an H100.
+TOP_K_THRESHOLD = "topk"
 _MUL1, _MUL2 = tl.constexpr(HASH_MUL1), tl.constexpr(HASH_MUL2)
 
 
@@ -335,8 +341,9 @@ def top_k_threshold(logits: torch.Tensor, rows: torch.Tensor, temperature: torch
 
 def sample_race(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                 top_p: torch.Tensor, keys: torch.Tensor, max_top_k: int, any_top_p: bool,
-                rounds: int = ROUNDS) -> torch.Tensor:
-    """The op; `rounds`: top-p rounds on split rows before the finishing program's own sweeps."""
+                rounds: int = ROUNDS, threshold: str | None = None) -> torch.Tensor:
+    """The op; `rounds`: top-p rounds on split rows before the finishing program's own sweeps;
+    `threshold`: the top-k threshold's method (`top_k_threshold`; default TOP_K_THRESHOLD)."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [rows, vocabulary] with unit column stride, got {tuple(logits.shape)}")
     if rounds < 1:
@@ -348,7 +355,7 @@ def sample_race(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Ten
     if s == 0:
         return out
     temperature = temperature.float().contiguous()
-    kth = top_k_threshold(logits, rows, temperature, top_k, max_top_k)
+    kth = top_k_threshold(logits, rows, temperature, top_k, max_top_k, threshold or TOP_K_THRESHOLD)
     top_p = top_p.float().contiguous() if any_top_p else torch.ones(s, device=dev)
     split = INTERPRETER_SPLIT if interpreting() else SPLIT
     sweep = torch.empty(3, s, split, dtype=torch.float32, device=dev)  # pass 1's partials
