@@ -240,11 +240,12 @@ class BlockTable(list):
     a step's tables are built from tensors instead of converting every sequence's whole list on
     every step (at a 32K context and 64 sequences that conversion alone took ~15 ms a table).
     Appends and single-element writes update the copy in place; any other change rebuilds it
-    on the next `tensor()`."""
+    on the next `tensor()` / `padded()`. The copy's entries past the list's end are always
+    NULL_BLOCK, so equal-width views of several tables stack into a step's padded table."""
 
     def __init__(self, blocks=()):
         super().__init__(blocks)
-        self._buf = torch.tensor(list(self), dtype=torch.long) if len(self) else torch.zeros(16, dtype=torch.long)
+        self._buf = torch.tensor(list(self), dtype=torch.long) if len(self) else _null_blocks(16)
         self._valid = True
 
     def __reduce__(self):  # copies and pickles get their own tensor copy, never this one's
@@ -252,26 +253,39 @@ class BlockTable(list):
 
     def tensor(self) -> torch.Tensor:
         """The blocks as a 1-D int64 CPU tensor (a view: copy it before keeping it)."""
+        return self.padded(len(self))
+
+    def padded(self, width: int) -> torch.Tensor:
+        """The blocks as a 1-D int64 CPU tensor view of `width` >= len entries, NULL_BLOCK past
+        the end (a view: copy it before keeping it)."""
         n = len(self)
-        if not self._valid or self._buf.shape[0] < n:
-            self._buf = torch.tensor(list(self), dtype=torch.long)
-            self._valid = True
-        return self._buf[:n]
+        if width < n:
+            raise ValueError(f"a block table of {n} blocks does not fit {width} columns")
+        if not self._valid or self._buf.shape[0] < width:
+            buf = _null_blocks(max(width, 16))
+            buf[:n] = self._buf[:n] if self._valid else torch.tensor(list(self), dtype=torch.long)
+            self._buf, self._valid = buf, True
+        return self._buf[:width]
 
     def append(self, block: int) -> None:
         n = len(self)
         super().append(block)
         if self._valid:
             if self._buf.shape[0] <= n:  # double the copy's capacity
-                self._buf = torch.cat([self._buf[:n], torch.zeros(max(16, n), dtype=torch.long)])
+                self._buf = torch.cat([self._buf[:n], _null_blocks(max(16, n))])
             self._buf[n] = block
 
     def __setitem__(self, i, value) -> None:
         super().__setitem__(i, value)
         if isinstance(i, int) and self._valid:
-            self._buf[i] = value
+            self._buf[i + len(self) if i < 0 else i] = value  # (the list's index, not the copy's)
         else:
             self._valid = False
+
+
+def _null_blocks(n: int) -> torch.Tensor:
+    """n int64 NULL_BLOCK entries (a block table copy's spare capacity)."""
+    return torch.full((n,), NULL_BLOCK, dtype=torch.long)
 
 
 def _invalidating(name: str):

@@ -197,25 +197,36 @@ def test_prefix_cached_blocks_give_way_before_the_pool_grows(tiny_model, tiny_cf
 
 
 def test_block_table_tensor_follows_every_change(rng):
-    """A `BlockTable`'s tensor copy equals the list after appends, single writes and every other
-    list mutation; lists assigned to a `SequenceState` become BlockTables; the step's tables are
-    padded with the null block."""
+    """A `BlockTable`'s tensor copy equals the list after appends, single writes (negative indices
+    too) and every other list mutation, and its padded view holds the null block past the end;
+    lists assigned to a `SequenceState` become BlockTables; the step's tables are padded with the
+    null block."""
+    from dsv41.backends.paging import NULL_BLOCK
     from dsv41.core.batch import block_tables
     from dsv41.core.cache import BlockTable, SequenceState
+
+    def follows(t):
+        assert t.tensor().tolist() == list(t)
+        for extra in (0, 3, 40):  # within and past the copy's capacity
+            assert t.padded(len(t) + extra).tolist() == list(t) + [NULL_BLOCK] * extra
 
     tb = BlockTable()
     for v in torch.randint(1, 1000, (40,), generator=rng).tolist():  # past the first capacities
         tb.append(v)
-        assert tb.tensor().tolist() == list(tb)
+        follows(tb)
     tb[3] = 0
-    assert tb.tensor().tolist() == list(tb)
+    tb[-1] = 77
+    follows(tb)
+    with pytest.raises(ValueError, match="does not fit"):
+        tb.padded(len(tb) - 1)
     for change in (lambda t: t.extend([7, 8]), lambda t: t.__setitem__(slice(0, 2), [5]), lambda t: t.pop(),
                    lambda t: t.insert(1, 9), lambda t: t.__delitem__(0), lambda t: t.__iadd__([4]),
                    lambda t: t.remove(9), lambda t: t.reverse(), lambda t: t.sort(), lambda t: t.clear()):
         change(tb)
-        assert tb.tensor().tolist() == list(tb)
+        follows(tb)
         tb.append(11)
-        assert tb.tensor().tolist() == list(tb)
+        tb[-1] = 12
+        follows(tb)
     import copy
 
     for dup in (copy.copy(tb), copy.deepcopy(tb)):  # a copy's changes never reach the original's tensor
@@ -226,6 +237,7 @@ def test_block_table_tensor_follows_every_change(rng):
     st.swa_blocks, st.glob_blocks = [3, 4], [5]
     assert isinstance(st.swa_blocks, BlockTable) and isinstance(st.glob_blocks, BlockTable)
     assert block_tables([st.swa_blocks, st.glob_blocks, []]).tolist() == [[3, 4], [5, 0], [0, 0]]
+    assert block_tables([[], BlockTable()]).tolist() == [[0], [0]] and block_tables([]).shape == (0, 1)
 
 
 def test_free_old_swa_frees_each_block_once(tiny_model, tiny_cfg, rng):
