@@ -315,12 +315,13 @@ def _top_k_threshold_kernel(logits_ptr, stride, rows_ptr, temp_ptr, k_ptr, out_p
 
 
 def top_k_threshold(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    max_top_k: int, method: str = "radix") -> torch.Tensor:
+                    max_top_k: int, method: str | None = None) -> torch.Tensor:
     """fp32 [S]: the k-th largest x = logits[rows[s]] / temperature[s] of each row (-inf where
     top_k is 0 or no row cuts): the k-th largest logit divided, as the division's rounding is
     monotone -- the reference's threshold bit for bit without dividing the whole rows (a k-th
     largest of -0.0 comes out as +0.0: equal under comparison). `method` "radix": one program a
-    row (`_top_k_threshold_kernel`); "topk": `torch.topk` over the rows (the form before it)."""
+    row (`_top_k_threshold_kernel`); "topk": `torch.topk` over the rows; default TOP_K_THRESHOLD."""
+    method = method or TOP_K_THRESHOLD
     if method not in ("radix", "topk"):
         raise ValueError(f"top_k_threshold: method must be 'radix' or 'topk', got {method!r}")
     s = rows.numel()
@@ -355,7 +356,7 @@ def sample_race(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Ten
     if s == 0:
         return out
     temperature = temperature.float().contiguous()
-    kth = top_k_threshold(logits, rows, temperature, top_k, max_top_k, threshold or TOP_K_THRESHOLD)
+    kth = top_k_threshold(logits, rows, temperature, top_k, max_top_k, threshold)
     top_p = top_p.float().contiguous() if any_top_p else torch.ones(s, device=dev)
     split = INTERPRETER_SPLIT if interpreting() else SPLIT
     sweep = torch.empty(3, s, split, dtype=torch.float32, device=dev)  # pass 1's partials
