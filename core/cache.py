@@ -241,12 +241,14 @@ class BlockTable(list):
     every step (at a 32K context and 64 sequences that conversion alone took ~15 ms a table).
     Appends and single-element writes update the copy in place; any other change rebuilds it
     on the next `tensor()` / `padded()`. The copy's entries past the list's end are always
-    NULL_BLOCK, so equal-width views of several tables stack into a step's padded table."""
+    NULL_BLOCK, so equal-width views of several tables stack into a step's padded table.
+    `version` counts the changes (any kind), so a step can tell which tables moved since the last."""
 
     def __init__(self, blocks=()):
         super().__init__(blocks)
         self._buf = torch.tensor(list(self), dtype=torch.long) if len(self) else _null_blocks(16)
         self._valid = True
+        self.version = 0
 
     def __reduce__(self):  # copies and pickles get their own tensor copy, never this one's
         return BlockTable, (list(self),)
@@ -270,6 +272,7 @@ class BlockTable(list):
     def append(self, block: int) -> None:
         n = len(self)
         super().append(block)
+        self.version += 1
         if self._valid:
             if self._buf.shape[0] <= n:  # double the copy's capacity
                 self._buf = torch.cat([self._buf[:n], _null_blocks(max(16, n))])
@@ -277,6 +280,7 @@ class BlockTable(list):
 
     def __setitem__(self, i, value) -> None:
         super().__setitem__(i, value)
+        self.version += 1
         if isinstance(i, int) and self._valid:
             self._buf[i + len(self) if i < 0 else i] = value  # (the list's index, not the copy's)
         else:
@@ -294,6 +298,7 @@ def _invalidating(name: str):
 
     def method(self, *args):
         self._valid = False
+        self.version += 1
         return base(self, *args)
 
     method.__name__ = name

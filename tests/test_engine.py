@@ -240,6 +240,37 @@ def test_block_table_tensor_follows_every_change(rng):
     assert block_tables([[], BlockTable()]).tolist() == [[0], [0]] and block_tables([]).shape == (0, 1)
 
 
+def test_stacked_tables_follow_every_change(rng):
+    """`StackedTables` (a step's padded tables kept from the step before, only changed rows
+    rewritten) equals a fresh `block_tables` step after step: appends, single writes, other
+    list changes, a table replaced, the batch reordered or resized, the width growing; and a
+    returned tensor never changes afterwards."""
+    from dsv41.core.batch import StackedTables, block_tables
+    from dsv41.core.cache import BlockTable
+
+    stacked = StackedTables()
+    tables = [BlockTable(torch.randint(1, 99, (int(n),), generator=rng).tolist())
+              for n in torch.randint(0, 40, (6,), generator=rng)]
+    kept = []
+    for step in range(60):
+        i = int(torch.randint(0, len(tables), (1,), generator=rng))
+        kind = step % 6
+        if kind in (0, 1):
+            tables[i].append(step + 100)
+        elif kind == 2 and len(tables[i]):
+            tables[i][int(torch.randint(0, len(tables[i]), (1,), generator=rng))] = 0
+        elif kind == 3 and len(tables[i]):
+            tables[i].pop()
+        elif kind == 4:
+            tables[i] = BlockTable(list(tables[i]) + [7])
+        elif step % 12 == 5:
+            tables = tables[::-1] if step % 24 == 5 else tables[:-1] + [BlockTable([1, 2, 3])]
+        got = stacked(tables)
+        assert torch.equal(got, block_tables(tables)), step
+        kept.append((got, got.clone()))
+    assert all(torch.equal(a, b) for a, b in kept)
+
+
 def test_free_old_swa_frees_each_block_once(tiny_model, tiny_cfg, rng):
     """Freeing out-of-window SWA blocks starts where the last call stopped, and frees exactly the
     blocks whose positions lie below the bound (the pool gets each back once)."""
