@@ -764,7 +764,7 @@ def _kth_of_keys(key, m, k, RADIX_BITS: tl.constexpr):
 
 @triton.jit
 def _kth_key(src, n, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
-    """The k-th largest order key among the fp32 values src[0:n] (1 <= k <= n), found digit by
+    """The k-th largest order key among the values src[0:n] (fp32 or bf16; 1 <= k <= n), found digit by
     digit (RADIX_BITS at a time, most significant first: a histogram of the digit over the
     values matching the prefix found so far picks the digit holding the k-th), and how many
     values equal to it belong to the top k (the rest of the top k is strictly above it).
@@ -776,7 +776,7 @@ def _kth_key(src, n, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
     need = k + tl.zeros([], dtype=tl.int32)  # how many of the values matching the prefix to take
     if n <= BLOCK:
         m = cols < n
-        thr, need = _kth_of_keys(_order_key(tl.load(src + cols, mask=m, other=0.0)), m, k, RADIX_BITS)
+        thr, need = _kth_of_keys(_order_key(tl.load(src + cols, mask=m, other=0.0).to(tl.float32)), m, k, RADIX_BITS)
     else:
         for p in range(0, 32 // RADIX_BITS):
             shift = 32 - RADIX_BITS * (p + 1)
@@ -784,7 +784,7 @@ def _kth_key(src, n, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
             for c0 in range(0, n, BLOCK):
                 c = c0 + cols
                 m = c < n
-                u = _order_key(tl.load(src + c, mask=m, other=0.0)) ^ -2147483648
+                u = _order_key(tl.load(src + c, mask=m, other=0.0).to(tl.float32)) ^ -2147483648
                 digit = (u >> shift) & (NBIN - 1)
                 hist += tl.histogram(tl.where(m & ((u & pmask) == prefix), digit, NBIN), 2 * NBIN)
             need, prefix, pmask = _radix_digit(hist, need, prefix, pmask, shift, NBIN)

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from ...backends.reference.sampling import HASH_MUL1, HASH_MUL2
 from ...backends.reference.sampling import sample_race as sample_race_ref  # noqa: F401  (the oracle)
-from .indexer_topk import _order_key, _radix_digit
+from .indexer_topk import _kth_key
 from .launch import interpreting
 from .pdl import pdl_launch, pdl_start
 
@@ -58,7 +58,7 @@ THRESHOLD_BLOCK = 4096
 RADIX_BITS = 8
 # How the op finds a top-k cut's threshold (`top_k_threshold`'s method). The radix kernel (one
 # program a row, four sweeps of it) is written, checked under the interpreter and compiled for
-# sm_90a (80 registers, no spill) but has not run on a GPU: no device was lent after it was written
+# sm_90a (102 registers, no spill) but has not run on a GPU: no device was lent after it was written
 # (session thirty-four). torch.topk stays the default until `sweep_kernels.py --only sampler`
 # (its "top_k_threshold" rows time both) and the GPU tests have run it; torch.topk took 80-210 us
 # for 1-64 rows on an H100.
@@ -285,31 +285,16 @@ def _race_finish_kernel(logits_ptr, stride, rows_ptr, temp_ptr, kth_ptr, top_p_p
 def _top_k_threshold_kernel(logits_ptr, stride, rows_ptr, temp_ptr, k_ptr, out_ptr, V, BLOCK: tl.constexpr,
                             RADIX_BITS: tl.constexpr, PDL: tl.constexpr = 0):
     """out[s] = the k-th largest logit of row rows[s] (k = top_k[s], at most V), divided by
-    temperature[s] (IEEE); -inf where k <= 0. A radix select over order-preserving int32 keys,
-    RADIX_BITS at a time from the top: each pass sweeps the row once and histograms the digit of
-    the values that share the digits found so far (indexer_topk's radix steps)."""
+    temperature[s] (IEEE); -inf where k <= 0. indexer_topk's radix select (`_kth_key`) over
+    order-preserving int32 keys, RADIX_BITS at a time from the top: each pass sweeps the row once
+    and histograms the digit of the values that share the digits found so far."""
     pdl_start(PDL)
     s = tl.program_id(0)
     k = tl.minimum(tl.load(k_ptr + s).to(tl.int32), V)
     if k <= 0:
         tl.store(out_ptr + s, float("-inf"))
     else:
-        NBIN: tl.constexpr = 1 << RADIX_BITS
-        src = logits_ptr + tl.load(rows_ptr + s).to(tl.int64) * stride
-        cols = tl.arange(0, BLOCK)
-        prefix = tl.zeros([], dtype=tl.int32)  # the k-th key's digits found so far (unsigned order bits)
-        pmask = tl.zeros([], dtype=tl.int32)
-        need = k
-        for p in range(0, 32 // RADIX_BITS):  # (a run-time shift: the digit masks wrap in int32)
-            shift = 32 - RADIX_BITS * (p + 1)
-            hist = tl.zeros([2 * NBIN], dtype=tl.int32)
-            for c0 in range(0, V, BLOCK):
-                c = c0 + cols
-                m = c < V
-                u = _order_key(tl.load(src + c, mask=m, other=0.0).to(tl.float32)) ^ -2147483648
-                hist += tl.histogram(tl.where(m & ((u & pmask) == prefix), (u >> shift) & (NBIN - 1), NBIN), 2 * NBIN)
-            need, prefix, pmask = _radix_digit(hist, need, prefix, pmask, shift, NBIN)
-        key = prefix ^ -2147483648
+        key, _ = _kth_key(logits_ptr + tl.load(rows_ptr + s).to(tl.int64) * stride, V, k, BLOCK, RADIX_BITS)
         kth = tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
         tl.store(out_ptr + s, tl.math.div_rn(kth, tl.load(temp_ptr + s)))
 
