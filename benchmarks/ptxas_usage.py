@@ -121,9 +121,12 @@ def indexer_rows() -> list[tuple[str, str]]:
                      ptxas_usage(itk._split_select_kernel, split, consts, warps, floats=())))
     sc = {"q_ptr": "*fp32", "w_ptr": "*fp32", "code_ptr": "*i8", "scale_ptr": "*i8", "table_ptr": "*i64",
           "nvis_ptr": "*i64", "cand_ptr": "*i64", "out_ptr": "*fp32", "max_ptr": "*fp32"}
-    for bn, nsub, warps in ((128, 4, 8), (128, 4, 4), (64, 8, 4), (256, 2, 8)):
-        consts = dict(H=32, HP=32, DH=64, DHP=64, BLOCK_N=bn, NSUB=nsub, LOWP=True, MAXG=16)
-        rows.append((f"indexer rows kernel BLOCK_N={bn} NSUB={nsub} warps={warps}",
+    for bn, nsub, warps, words, keys_m in ((128, 4, 8, 0, 0), (128, 4, 4, 0, 0), (64, 8, 4, 0, 0), (256, 2, 8, 0, 0),
+                                           (128, 4, 8, 1, 0), (128, 4, 8, 1, 1), (64, 4, 4, 1, 1)):
+        consts = dict(H=32, HP=32, DH=64, DHP=64, BLOCK_N=bn, NSUB=nsub, LOWP=True, MAXG=16, WORDS=words,
+                      KEYS_M=keys_m, ASM=1)
+        decode = f"word decode, keys on {'M' if keys_m else 'N'}" if words else "byte decode"
+        rows.append((f"indexer rows kernel BLOCK_N={bn} NSUB={nsub} warps={warps} {decode}",
                      ptxas_usage(itk._indexer_rows_kernel, sc, consts, warps, floats=())))
     consts = dict(H=32, HP=32, HP1=32, DH=64, DHP=64, BLOCK_T=1, BLOCK_N=128, NSUB=1, GATHER=False, LOWP=True, MAXG=16)
     rows.append(("indexer scores kernel T=1 BLOCK_N=128 warps=8",

@@ -267,6 +267,78 @@ def sweep_indexer(rows, copy, tokens=(1, 64), check_only=False):
             lambda q=q, w=w, vis=vis: itk.indexer_topk(q, w, kc4, ks4, tab4, e4, vis, TOPK))
 
 
+# the rows scores kernel's key decode (`indexer_topk._indexer_rows_kernel`): the shipped byte decode,
+# the word decode (`_decode_key_words`) with the keys on the dot's N or M side, and tiles for it:
+# (label, words, keys_m, BLOCK_N or None, warps or None); None keeps `_rows_config`'s choice
+INDEXER_ROWS = [("bytes (shipped)", False, False, None, None), ("words, keys N", True, False, None, None),
+                ("words, keys M", True, True, None, None), ("words, keys M, BN 128 w4", True, True, 128, 4),
+                ("words, keys M, BN 64 w4", True, True, 64, 4), ("words, keys M, BN 256 w8", True, True, 256, 8)]
+
+
+def sweep_indexer_rows(rows, copy, tokens=(1, 8, 64), check_only=False):
+    """The indexer's rows scores kernel (decode shapes), `INDEXER_ROWS` variants, at 8K and 64K
+    entries a query; each query of a batch reads its own keys (a decode batch of different
+    sequences: the keys cross DRAM, not L2). Every variant's scores checked against the reference
+    query by query; then `indexer_topk` by the default dispatch with the shipped decode and with
+    the word decode (ids against the official-mode reference)."""
+    from dsv41.npu_ops.triton import indexer_topk as itk
+
+    ref_fn = registry.resolve("indexer_topk", "reference")[0]
+    for n in (65536, 8192):
+        for t in tokens:
+            kc, ks, table, e = paged_index_keys(n * t, "cuda")
+            nb = -(-n // e)
+            tab = table[0][: t * nb].view(t, nb)  # query i: its own nb blocks of the pool
+            q = quant.mxfp4_qdq(torch.randn(t, HI, DI, device="cuda"))
+            w = torch.randn(t, HI, device="cuda") * DI ** -0.5 * HI ** -0.5
+            vis = torch.full((t,), n, dtype=torch.long, device="cuda")
+            shape = f"T={t} {n // 1024}K"
+            nbytes = t * n * (DI // 2 + DI // 32)
+            with numerics("official"):
+                s_ref = torch.cat([itk.indexer_scores_ref(q[i:i + 1], w[i:i + 1], kc, ks, tab[i:i + 1], e)
+                                   for i in range(t)])
+            for label, words, keys_m, bn, warps in INDEXER_ROWS:
+                hp, _, bn0, _, w0 = itk._rows_config(t, HI, n, "cuda")
+                saved = itk.ROWS_BLOCK_N
+                itk.ROWS_BLOCK_N = bn or bn0
+                cfg = (hp, 1, itk.ROWS_BLOCK_N, itk._rows_config(t, HI, n, "cuda")[3], warps or w0)
+                itk.ROWS_BLOCK_N = saved
+
+                def call(q=q, w=w, tab=tab, vis=vis, cfg=cfg, words=words, keys_m=keys_m):
+                    return itk.indexer_scores(q, w, kc, ks, tab, e, vis, _cfg=cfg, rows=True, words=words,
+                                              keys_m=keys_m)
+
+                name = f"indexer rows scores, {label} {cfg}"
+                try:
+                    err = rel_err(call(), s_ref)
+                except Exception as ex:  # noqa: BLE001  (a variant that does not compile is a row, not a crash)
+                    rows.append(f"| {name} | {shape} | failed: {type(ex).__name__}: {str(ex)[:80]} |")
+                    print(rows[-1], flush=True)
+                    continue
+                if check_only:
+                    rows.append(f"| {name} | {shape} | err {err:.1e} | (checked only) |")
+                    print(rows[-1], flush=True)
+                else:
+                    bandwidth_row(rows, name, shape, f"err {err:.1e}", call, nbytes, copy)
+            with numerics("official"):
+                want = ref_fn(q, w, kc, ks, tab, e, vis, TOPK)[0]
+            saved = itk.ROWS_WORDS, itk.ROWS_KEYS_M
+            for words, keys_m in ((False, False), (True, True)):
+                itk.ROWS_WORDS, itk.ROWS_KEYS_M = words, keys_m
+                try:
+                    eq = torch.equal(itk.indexer_topk(q, w, kc, ks, tab, e, vis, TOPK)[0], want)
+                    if check_only:
+                        rows.append(f"| indexer_topk default dispatch, words={words} | {shape} | equal {eq} | (checked only) |")
+                        print(rows[-1], flush=True)
+                    else:
+                        bandwidth_row(rows, f"indexer_topk default dispatch, words={words} keys_m={keys_m}", shape,
+                                      f"equal {eq}", lambda q=q, w=w, tab=tab, vis=vis: itk.indexer_topk(
+                                          q, w, kc, ks, tab, e, vis, TOPK), nbytes, copy)
+                finally:
+                    itk.ROWS_WORDS, itk.ROWS_KEYS_M = saved
+            del kc, ks, table
+
+
 def sweep_indexer_per_k(rows, copy, tokens=(1, 8), check_only=False):
     """indexer_topk's split select by parts x chunk maxima per k (`INDEXER_PER_K`): T=1 at 64K
     (with the scores kernel alone, for the select's share) and 4K, decode batches at 64K, each
@@ -957,7 +1029,7 @@ def sweep_sampler(rows, copy, tokens=(1, 8, 64)):
 
 
 SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_indexer,
-          "indexer_per_k": sweep_indexer_per_k, "select": sweep_select, "engram_lookup": sweep_engram,
+          "indexer_per_k": sweep_indexer_per_k, "indexer_rows": sweep_indexer_rows, "select": sweep_select, "engram_lookup": sweep_engram,
           "fp4_quant": sweep_fp4_quant, "mhc_mix": sweep_mhc_mix, "linear": sweep_linear, "moe_experts": sweep_moe,
           "moe_decode": sweep_moe_decode, "moe_rows": sweep_moe_rows, "moe_bytes": sweep_moe_bytes,
           "moe_slots": sweep_moe_slots,
@@ -982,10 +1054,10 @@ def main() -> int:
     rows = [f"copy ceiling {copy:.0f} GB/s"]
     for name in a.only.split(","):
         kw = {}
-        if a.tokens and name in ("sparse_attention", "sparse_two_pass", "indexer_topk", "indexer_per_k", "select", "dense", "moe_experts",
+        if a.tokens and name in ("sparse_attention", "sparse_two_pass", "indexer_topk", "indexer_per_k", "indexer_rows", "select", "dense", "moe_experts",
                                  "moe_decode", "moe_rows", "moe_bytes", "moe_shared", "moe_slots", "sampler"):
             kw["tokens"] = tuple(int(x) for x in a.tokens.split(","))
-        if name in ("sparse_attention", "indexer_topk", "indexer_per_k", "moe_rows"):
+        if name in ("sparse_attention", "indexer_topk", "indexer_per_k", "indexer_rows", "moe_rows"):
             kw["check_only"] = a.check_only
         if name == "sparse_attention":
             kw["mqa"] = a.mqa

@@ -325,6 +325,67 @@ def test_tile_configs(dev, cfg, rows, layout, rng):
     assert maxg == 4 and torch.equal(maxima.cpu(), ref_max)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("keys_m", [False, True], ids=["keys-n", "keys-m"])
+@pytest.mark.parametrize("layout", ["one_seq", "paged"])
+def test_rows_word_decode(dev, keys_m, layout, rng):
+    """The rows kernel's word decode (`_decode_key_words`: int32 words through the experts' bf16x2
+    conversion, one dot over all channels, either orientation): on exact inputs the scores and
+    chunk maxima equal the reference's bit for bit, with two index head widths (2 and 4 scale
+    groups), padded heads, several blocks a tile, a token that sees nothing."""
+    for d, h in ((64, 4), (128, 3)):
+        t, n = 4, 200
+        q, w, codes, kscale = random_inputs(rng, t, h, d, n, exact=True)
+        nv = torch.tensor([n, 0, 77, 150])
+        if layout == "one_seq":
+            table, e = one_seq(codes, t)
+        else:
+            e = 8
+            codes, kscale, table = paged(rng, [(codes, kscale), (codes[:90].flip(0), kscale[:90].flip(0))],
+                                         [0, 1, 0, 1], e)
+            nv[3] = 90
+        args = (q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), table.to(dev), e, nv.to(dev))
+        assert itk.rows_words_fit(args[2], d)
+        want = itk.indexer_scores_ref(q, w, codes, kscale, table, e)
+        valid = torch.arange(want.shape[1]).unsqueeze(0) < nv.unsqueeze(1)
+        for cfg in ((16, 1, 16, 3, 4), (16, 1, 32, 2, 4)):
+            s, maxima, maxg = itk._scores(*args, topk=4, _cfg=cfg, rows=True, maxg=4, words=True, keys_m=keys_m)
+            assert torch.equal(s.cpu()[valid], want[valid]), (d, cfg)
+            assert torch.isneginf(s.cpu()[~valid]).all()
+            pad = -(-want.shape[1] // 4) * 4 - want.shape[1]
+            ref_max = torch.nn.functional.pad(want.masked_fill(~valid, float("-inf")), (0, pad),
+                                              value=float("-inf")).view(t, -1, 4).amax(-1)
+            assert maxg == 4 and torch.equal(maxima.cpu(), ref_max), (d, cfg)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("words", [False, True], ids=["bytes", "words"])
+def test_rows_extreme_key_scales(dev, words, rng):
+    """Scale bytes 0 (2^-127, subnormal), 1, 2 and past 128 (the word decode's second factor, up to
+    2^53) in one key set, through the rows kernel's two decodes."""
+    t, h, d, n = 2, 4, 64, 48
+    q, w, codes, kscale = random_inputs(rng, t, h, d, n)
+    ks = kscale.view(torch.uint8).clone()
+    ks[:10] = torch.tensor([0, 1, 2, 127, 128, 129, 140, 167, 180, 3], dtype=torch.uint8).unsqueeze(1)
+    kscale = ks.view(torch.float8_e8m0fnu)
+    q = q * 2.0 ** 60  # keep products of the tiny keys away from fp32 underflow
+    table, e = one_seq(codes, t)
+    nv = torch.full((t,), n)
+    got = itk.indexer_scores(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), table.to(dev), e, nv.to(dev),
+                             _cfg=(16, 1, 16, 2, 4), rows=True, words=words, keys_m=True)
+    want = itk.indexer_scores_ref(q, w, codes, kscale, table, e)
+    assert_scores_close(got, want, torch.ones(t, n, dtype=torch.bool))
+
+
+def test_rows_words_fit():
+    """The word decode takes 16-byte aligned rows of a power-of-two count of 4-word groups only."""
+    codes = torch.zeros(64, 64, dtype=torch.uint8)
+    assert itk.rows_words_fit(codes, 128)
+    assert not itk.rows_words_fit(codes[:, 4:], 128)  # rows 16-byte aligned, the start is not
+    assert not itk.rows_words_fit(torch.zeros(64, 48, dtype=torch.uint8), 96)  # 12 words: no power of two
+    assert not itk.rows_words_fit(torch.zeros(64, 72, dtype=torch.uint8)[:, :64], 128)  # row stride 72 bytes
+
+
 def test_rows_kernel_is_dense_only():
     """The one-query-per-tile kernel refuses candidates (the Reindex gather) with one clear error."""
     q, w, codes, kscale = random_inputs(torch.Generator().manual_seed(0), 2, 4, 64, 16)
@@ -458,8 +519,9 @@ def test_rejects_bad_block_table(rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", DEVICES[1:])
 @pytest.mark.parametrize("t,n", [(1, 4096), (1, 4160), (3, 5000), (40, 2000), (64, 8192), (1, 65536)])
-@pytest.mark.parametrize("rows,passes,split", [(False, 0, True), (True, 0, True), (True, 3, True), (True, 0, False)],
-                         ids=["tiles", "rows", "rows-span", "rows-one-program"])
+@pytest.mark.parametrize("rows,passes,split", [(False, 0, True), (True, 0, True), (True, 3, True), (True, 0, False),
+                                               ("words", 0, True)],
+                         ids=["tiles", "rows", "rows-span", "rows-one-program", "rows-words"])
 def test_benchmark_widths_gpu(dev, t, n, rows, passes, split, rng, monkeypatch):
     """Mini-preset widths: 32 heads x 128, top-512; two sequences in blocks of 64 entries; the
     multi-query tiles and the one-query-per-tile kernel (rows) as the default scores path; the
@@ -470,6 +532,8 @@ def test_benchmark_widths_gpu(dev, t, n, rows, passes, split, rng, monkeypatch):
     monkeypatch.setattr(itk, "SPLIT_MAX_T", 64)  # the split select for the batches too (fewer parts per row)
     monkeypatch.setattr(itk, "SELECT_BOUND_PASSES", passes)
     monkeypatch.setattr(itk, "SELECT_SPAN", passes > 0)
+    monkeypatch.setattr(itk, "ROWS_WORDS", rows == "words")  # the word decode, keys on the M side
+    monkeypatch.setattr(itk, "ROWS_KEYS_M", rows == "words")
     q, w, codes, kscale = random_inputs(rng, t, 32, 128, n)
     e = 64
     pc, ps, table = paged(rng, [(codes, kscale), (codes[: n // 2], kscale[: n // 2])],

@@ -95,7 +95,8 @@ import triton.language as tl
 from ...backends.reference import attention as ref_attention
 from ...backends.paging import table_rows
 from .pdl import pdl_launch, pdl_start
-from .block_scaled import bf16_round
+from .block_scaled import bf16_round, pow2
+from .moe_fold import _halves, _place, word_order
 from ...backends.reference.attention import candidate_pool
 
 MX_GROUP = 32
@@ -390,19 +391,118 @@ def _row_keys(table_ptr, code_ptr, scale_ptr, tq, cols, nv, NB, E, DH: tl.conste
 
 
 @triton.jit
+def _row_key_words(table_ptr, code_ptr, scale_ptr, tq, cols, nv, NB, E, W: tl.constexpr, G: tl.constexpr,
+                   code_stride, scale_stride):
+    """`_row_keys` for the word decode: query tq's entries `cols` [BLOCK_N] -> their key codes as
+    int32 words [BLOCK_N, W] (8 nibbles each: 4 bytes a register while in flight instead of one),
+    their E8M0 scale bytes [BLOCK_N, G] (int8 as loaded) and visibility. The launcher checks that
+    the code rows are 16-byte aligned (`rows_words_fit`)."""
+    vis = cols < nv
+    blk = tl.load(table_ptr + tq.to(tl.int64) * NB + cols // E, mask=vis, other=0).to(tl.int64)
+    rows = blk * E + cols % E
+    words = tl.load(code_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (code_stride // 4)
+                    + tl.arange(0, W)[None, :], mask=vis[:, None], other=0)
+    e8 = tl.load(scale_ptr + rows[:, None] * scale_stride + tl.arange(0, G)[None, :], mask=vis[:, None], other=127)
+    return words, e8, vis
+
+
+@triton.jit
+def _scale2_wide(placed, s, ASM: tl.constexpr):
+    """`moe_fold._place`'d bf16x2 bits (value * 2^-126) times 2^(s - 1) for any E8M0 byte s (int32
+    0..255): as two exact factors 2^(min(s, 128) - 1) and 2^(max(s, 128) - 128), each a finite
+    bf16 (the experts' single factor stops at byte 128; key scales go past it). On CUDA two
+    `mul.rn.bf16x2` (sm_90 bf16 arithmetic keeps subnormals: byte 0 gives 2^-128); elsewhere the
+    same products in fp32."""
+    lo = tl.minimum(s, 128)
+    hi = tl.maximum(s, 128)
+    if ASM:
+        e1 = (lo + 126) << 7
+        e2 = (hi - 1) << 7
+        return tl.inline_asm_elementwise("{ .reg .b32 t; mul.rn.bf16x2 t, $1, $2; mul.rn.bf16x2 $0, t, $3; }",
+                                         "=r,r,r,r", [placed, e1 | (e1 << 16), e2 | (e2 << 16)], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        f = pow2(lo - 1)
+        g = pow2(hi - 128)
+        a = ((placed << 16).to(tl.float32, bitcast=True) * f * g).to(tl.int32, bitcast=True)
+        b = ((placed & -65536).to(tl.float32, bitcast=True) * f * g).to(tl.int32, bitcast=True)
+        return ((a >> 16) & 0xFFFF) | (b & -65536)
+
+
+@triton.jit
+def _decode_key_words(words, e8, W: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr,
+                      LOWP: tl.constexpr):
+    """Keys as int32 words [BLOCK_N, W] and scale bytes [BLOCK_N, G] -> [BLOCK_N, 8 W] exact bf16
+    (LOWP) or fp32 values, channels in `moe_fold.word_order` inside each 8 (the experts'
+    conversion: 3 integer ops and two bf16x2 multiplies per two values, against ~10 ops a value
+    for `_decode_keys`' fp32 bit patterns). Word j holds channels 8j .. 8j + 7, scale group j // (W / G)."""
+    s = e8.to(tl.int32) & 0xFF
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, G, W // G)), (BLOCK_N, W))
+    high = words >> 8  # elements 2, 3, 6, 7 at the places of 0, 1, 4, 5
+    r0 = _scale2_wide(_place(words, 0), s, ASM)
+    r1 = _scale2_wide(_place(words, 4), s, ASM)
+    r2 = _scale2_wide(_place(high, 0), s, ASM)
+    r3 = _scale2_wide(_place(high, 4), s, ASM)
+    return tl.reshape(_halves(tl.join(tl.join(r0, r1), tl.join(r2, r3)), LOWP), (BLOCK_N, 8 * W))
+
+
+@triton.jit
+def _load_query_words(q_ptr, w_ptr, tq, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, LOWP: tl.constexpr):
+    """Query tq (heads padded to HP) as [HP, D] with its channels in the word decode's order
+    (`word_order`, so the dot pairs each channel with its key channel), bf16 (LOWP) or fp32, and
+    its head weights rounded to bf16 (as `_load_queries`)."""
+    r = tl.arange(0, HP)
+    rmask = r < H
+    qrow = tq.to(tl.int64) * H + r
+    c = word_order(tl.arange(0, D))
+    x = tl.load(q_ptr + qrow[:, None] * D + c[None, :], mask=rmask[:, None], other=0.0)
+    x = x.to(tl.bfloat16) if LOWP else x.to(tl.float32)
+    wh = bf16_round(tl.load(w_ptr + qrow, mask=rmask, other=0.0).to(tl.float32))
+    return x, wh
+
+
+@triton.jit
+def _word_scores(q, wh, words, e8, W: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KEYS_M: tl.constexpr,
+                 ASM: tl.constexpr, LOWP: tl.constexpr):
+    """One query's scores [1, BLOCK_N] against keys given as words: one dot over all channels
+    (K = D), relu, head weights, sum over heads. KEYS_M: the decoded keys as the dot's left
+    operand (M = entries; on Hopper the register operand, so the tile skips shared memory) and
+    the heads along N (the head sum stays within a thread quad); otherwise q on the left."""
+    k = _decode_key_words(words, e8, W, G, BLOCK_N, ASM, LOWP)
+    if KEYS_M:
+        if LOWP:
+            acc = tl.dot(k, tl.trans(q))
+        else:
+            acc = tl.dot(k, tl.trans(q), input_precision="ieee")
+        return tl.sum(tl.maximum(acc, 0.0) * wh[None, :], axis=1)[None, :]
+    else:
+        if LOWP:
+            acc = tl.dot(q, tl.trans(k))
+        else:
+            acc = tl.dot(q, tl.trans(k), input_precision="ieee")
+        return tl.sum(tl.maximum(acc, 0.0) * wh[:, None], axis=0)[None, :]
+
+
+@triton.jit
 def _indexer_rows_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_ptr, out_ptr, max_ptr,
                          T, NC, NB, E, G, n_nc, n_tiles, num_programs, code_stride, scale_stride,
                          H: tl.constexpr, HP: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NSUB: tl.constexpr, LOWP: tl.constexpr, MAXG: tl.constexpr, PDL: tl.constexpr = 0):
+                         BLOCK_N: tl.constexpr, NSUB: tl.constexpr, LOWP: tl.constexpr, MAXG: tl.constexpr,
+                         WORDS: tl.constexpr = 0, KEYS_M: tl.constexpr = 0, ASM: tl.constexpr = 0,
+                         PDL: tl.constexpr = 0):
     """Dense scores at decode shapes: a tile is one query (its heads padded to HP >= 16 rows) by
     NSUB blocks of BLOCK_N entries, tiles walked by a 1-D persistent loop. Each query reads its
     own rows (no test whether the tile's queries share them), and the next block's pool rows
     and key bytes are loaded while the current block is scored, so a program keeps a load in
     flight instead of waiting on one chain of dependent loads per block. Same arithmetic as
-    `_indexer_scores_kernel` (`_byte_scores`); tiles wholly past n_visible compute nothing."""
+    `_indexer_scores_kernel` (`_byte_scores`); tiles wholly past n_visible compute nothing.
+    WORDS: the keys loaded as int32 words and converted by `_decode_key_words` (one dot over
+    all channels; KEYS_M picks its orientation)."""
     pdl_start(PDL)
     pid = tl.program_id(0)
     cn = tl.arange(0, BLOCK_N)
+    W: tl.constexpr = DH // 4
+    GK: tl.constexpr = DH // 16  # scale groups of 32 channels
     for tile in range(pid, n_tiles, num_programs):
         tq = tile // n_nc + tl.zeros([], dtype=tl.int32)  # a tensor also under the interpreter
         n0 = (tile - tq * n_nc) * (NSUB * BLOCK_N)
@@ -410,14 +510,27 @@ def _indexer_rows_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_ptr,
         orow = out_ptr + tq.to(tl.int64) * NC
         mrow = max_ptr + tq.to(tl.int64) * G
         if n0 < nv:
-            q_even, q_odd, wh = _load_queries(q_ptr, w_ptr, tq, T, H, HP, DH, DHP, 1, LOWP)
-            b, e8, vis = _row_keys(table_ptr, code_ptr, scale_ptr, tq, n0 + cn, nv, NB, E, DH, DHP,
-                                   code_stride, scale_stride)
+            if WORDS:
+                qw, wh = _load_query_words(q_ptr, w_ptr, tq, H, HP, 2 * DH, LOWP)
+                b, e8, vis = _row_key_words(table_ptr, code_ptr, scale_ptr, tq, n0 + cn, nv, NB, E, W, GK,
+                                            code_stride, scale_stride)
+            else:
+                q_even, q_odd, wh = _load_queries(q_ptr, w_ptr, tq, T, H, HP, DH, DHP, 1, LOWP)
+                b, e8, vis = _row_keys(table_ptr, code_ptr, scale_ptr, tq, n0 + cn, nv, NB, E, DH, DHP,
+                                       code_stride, scale_stride)
             for sub in tl.static_range(NSUB):
                 if sub + 1 < NSUB:  # in flight while this block is scored
-                    b_n, e8_n, vis_n = _row_keys(table_ptr, code_ptr, scale_ptr, tq, n0 + (sub + 1) * BLOCK_N + cn,
-                                                 nv, NB, E, DH, DHP, code_stride, scale_stride)
-                s = _byte_scores(q_even, q_odd, wh, b, e8, DHP, 1, HP, BLOCK_N, LOWP)
+                    if WORDS:
+                        b_n, e8_n, vis_n = _row_key_words(table_ptr, code_ptr, scale_ptr, tq,
+                                                          n0 + (sub + 1) * BLOCK_N + cn, nv, NB, E, W, GK,
+                                                          code_stride, scale_stride)
+                    else:
+                        b_n, e8_n, vis_n = _row_keys(table_ptr, code_ptr, scale_ptr, tq, n0 + (sub + 1) * BLOCK_N + cn,
+                                                     nv, NB, E, DH, DHP, code_stride, scale_stride)
+                if WORDS:
+                    s = _word_scores(qw, wh, b, e8, W, GK, BLOCK_N, KEYS_M, ASM, LOWP)
+                else:
+                    s = _byte_scores(q_even, q_odd, wh, b, e8, DHP, 1, HP, BLOCK_N, LOWP)
                 s = tl.where(vis[None, :], s, float("-inf"))
                 _store_row_scores(orow, mrow, s, n0 + sub * BLOCK_N, NC, G, BLOCK_N, MAXG)
                 if sub + 1 < NSUB:
@@ -583,23 +696,37 @@ def sort_rows(kp: int, on_npu: bool) -> int:
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor,
                    block_table: torch.Tensor, entries_per_block: int, n_visible: torch.Tensor | None,
                    candidates: torch.Tensor | None = None, _cfg: tuple | None = None,
-                   rows: bool | None = None, candidate_block_size: int = 1) -> torch.Tensor:
+                   rows: bool | None = None, candidate_block_size: int = 1, words: bool | None = None,
+                   keys_m: bool | None = None) -> torch.Tensor:
     """Indexer scores [T, N] over each token's N = nb * E entries (dense; entries >= n_visible[t]
     are -inf) or [T, P * candidate_block_size] over the entries of the candidate blocks (-1
     blocks and entries >= n_visible[t] are -inf), fp32, with the keys read in place from the
     pool through the per-token block tables. `rows` (dense): one query per tile
-    (`_indexer_rows_kernel`); None: `use_rows_kernel`. Requires triton."""
+    (`_indexer_rows_kernel`); None: `use_rows_kernel`; `words` / `keys_m`: that kernel's word
+    decode (`_scores`). Requires triton."""
     return _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, candidates,
-                   _cfg=_cfg, rows=rows, candidate_block_size=candidate_block_size)[0]
+                   _cfg=_cfg, rows=rows, candidate_block_size=candidate_block_size, words=words, keys_m=keys_m)[0]
+
+
+def rows_words_fit(codes: torch.Tensor, d: int) -> bool:
+    """Whether the rows kernel can read these key codes as int32 words (`_row_key_words`): a
+    power-of-two count of 16-byte groups per key (at least one scale group of four words) and
+    16-byte aligned rows; CUDA and the interpreters (the conversion's bf16x2 multiplies are
+    inline PTX; Ascend keeps the byte decode)."""
+    w = d // 8
+    return (codes.device.type in ("cuda", "cpu") and d % 32 == 0 and w & (w - 1) == 0
+            and codes.data_ptr() % 16 == 0 and codes.stride(0) % 16 == 0)
 
 
 def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, candidates=None,
             topk: int = 0, _cfg: tuple | None = None, maxg: int | None = None, rows: bool | None = None,
-            candidate_block_size: int = 1):
+            candidate_block_size: int = 1, words: bool | None = None, keys_m: bool | None = None):
     """`indexer_scores` plus, when topk > 0 (dense), the chunk maxima that bound the top-k
     select: (scores, maxima [T, ceil(N / maxg)] or None, maxg). `_cfg` fixes the tiles of the
     chosen kernel (`_config`'s tuple; with rows, (HP, 1, BLOCK_N, NSUB, warps)); a `_cfg` without
-    `rows` keeps the multi-query kernel (the batch-invariant mode's fixed tiles)."""
+    `rows` keeps the multi-query kernel (the batch-invariant mode's fixed tiles). `words` /
+    `keys_m`: the rows kernel's word decode and its dot orientation (default ROWS_WORDS /
+    ROWS_KEYS_M; the word decode only where `rows_words_fit`)."""
     from .launch import as_int8, grid_for, interpreting
 
     t, h, d = q.shape
@@ -663,11 +790,15 @@ def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_
         torch.full((t,), 2**31 - 1, dtype=torch.int32, device=q.device)  # (candidates, no visible limit)
     extra = {} if interpreting() else {"num_warps": warps}
     if rows:
+        words = ROWS_WORDS if words is None else words
+        if words and not rows_words_fit(codes, d):
+            words = False
         _indexer_rows_kernel[(grid,)](
             q.contiguous(), weights.contiguous(), codes, scales, table, nvis, out, maxima,
             t, nc, nb, e, g, n_nc, n_tiles, grid, codes.stride(0), scales.stride(0),
             H=h, HP=hp, DH=d // 2, DHP=_pow2(d // 2), BLOCK_N=bn, NSUB=nsub, LOWP=not interpreting(), MAXG=maxg,
-            **extra, **pdl_launch(codes))
+            WORDS=bool(words), KEYS_M=bool(ROWS_KEYS_M if keys_m is None else keys_m),
+            ASM=q.device.type == "cuda" and not interpreting(), **extra, **pdl_launch(codes))
         return out, (maxima if maxg else None), maxg
     _indexer_scores_kernel[(grid,)](
         q.contiguous(), weights.contiguous(), codes, scales, table, nvis, cand, out, maxima,
@@ -1548,6 +1679,13 @@ ROWS_MAX_T = 64
 ROWS_BLOCK_N = 128
 ROWS_NSUB_MAX = 8
 ROWS_WARPS = 8
+# the rows kernel's keys as int32 words through the experts' bf16x2 conversion (`_decode_key_words`),
+# one dot over all channels, the keys on the dot's M side (KEYS_M) or N side. Written 2026-12-05
+# (session thirty-five) for the batch-64 step at long contexts, where the byte decode's rows kernel
+# took 426 us at T=64 / 64K on the H200 (255 registers and 168 bytes of spill at sm_90a, one 8-warp
+# program an SM); interpreter-checked, not yet timed on a GPU, so off.
+ROWS_WORDS = False
+ROWS_KEYS_M = False
 # queries x entries of fp32 scores per chunk of a long prefill (256 MiB)
 SCORE_CHUNK_ELEMS = 1 << 26
 
