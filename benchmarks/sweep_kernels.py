@@ -46,6 +46,17 @@ def rel_err(out, ref):
     return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
 
 
+def checked_err(rows, name: str, shape: str, call, ref) -> float | None:
+    """rel_err of `call()` against `ref`, or None after appending a "failed" row (a variant that
+    does not compile is a row, not a crash)."""
+    try:
+        return rel_err(call(), ref)
+    except Exception as ex:  # noqa: BLE001
+        rows.append(f"| {name} | {shape} | failed: {type(ex).__name__}: {str(ex)[:80]} |")
+        print(rows[-1], flush=True)
+        return None
+
+
 # sparse_attention tile variants at decode shapes: (label, launch keywords). T=1 at a 64K context
 # tries the decode table's neighbours (entries per block, channel blocks, warps, stages, blocks
 # per split); T > 1 (a decode batch at 4K) compares the prefill table with decode-table entries.
@@ -227,13 +238,9 @@ def sweep_indexer(rows, copy, tokens=(1, 64), check_only=False):
                 return itk.indexer_scores(q, w, kc, ks, tab, e, vis, _cfg=cfg, rows=by_rows)
 
             name = f"indexer scores {'rows' if by_rows else 'tiles'} {cfg or 'default'}"
-            try:
-                err = rel_err(scores(), s_ref)
-            except Exception as ex:  # noqa: BLE001  (a variant that does not compile is a row, not a crash)
-                rows.append(f"| {name} | T={t} | failed: {type(ex).__name__}: {str(ex)[:80]} |")
-                print(rows[-1], flush=True)
-                continue
-            row(name, f"T={t} 64K", f"err {err:.1e}", scores)
+            err = checked_err(rows, name, f"T={t}", scores, s_ref)
+            if err is not None:
+                row(name, f"T={t} 64K", f"err {err:.1e}", scores)
         _whole_op_rows(row, rows, INDEXER_SELECTS if t == 1 else INDEXER_SELECTS_TN, f"T={t} 64K",
                        (q, w, kc, ks, tab, e, vis), want)
         if t == 1:  # the select launch alone: the attn8 select, the split one, and a row with k visible
@@ -309,11 +316,8 @@ def sweep_indexer_rows(rows, copy, tokens=(1, 8, 64), check_only=False):
                                               keys_m=keys_m)
 
                 name = f"indexer rows scores, {label} {cfg}"
-                try:
-                    err = rel_err(call(), s_ref)
-                except Exception as ex:  # noqa: BLE001  (a variant that does not compile is a row, not a crash)
-                    rows.append(f"| {name} | {shape} | failed: {type(ex).__name__}: {str(ex)[:80]} |")
-                    print(rows[-1], flush=True)
+                err = checked_err(rows, name, shape, call, s_ref)
+                if err is None:
                     continue
                 if check_only:
                     rows.append(f"| {name} | {shape} | err {err:.1e} | (checked only) |")
