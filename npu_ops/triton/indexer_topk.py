@@ -32,7 +32,10 @@ broken, so the interpreter runs the same dots in fp32 (input_precision="ieee").
 
 Decode shapes (`_indexer_rows_kernel`, dense, up to ROWS_MAX_T queries): a tile is one query by
 NSUB key blocks, each query reading its own rows, and the next block's pool rows and key bytes
-are loaded while the current block is scored (same arithmetic, `_byte_scores`).
+are loaded while the current block is scored (same arithmetic, `_byte_scores`). Optionally
+(`ROWS_WORDS`, CUDA and the interpreters) the keys are read as int32 words and decoded with the
+routed experts' bf16x2 conversion (`_decode_key_words`), one dot over all channels in the words'
+channel order, the keys on the dot's M side (`ROWS_KEYS_M`) or N side.
 
 Selection (`_topk_select_kernel`, dense path): a program per query row finds the K-th largest
 score by radix select over order-preserving int32 keys (-0.0 folded into +0.0; one pass per
@@ -466,8 +469,10 @@ def _word_scores(q, wh, words, e8, W: tl.constexpr, G: tl.constexpr, BLOCK_N: tl
                  ASM: tl.constexpr, LOWP: tl.constexpr):
     """One query's scores [1, BLOCK_N] against keys given as words: one dot over all channels
     (K = D), relu, head weights, sum over heads. KEYS_M: the decoded keys as the dot's left
-    operand (M = entries; on Hopper the register operand, so the tile skips shared memory) and
-    the heads along N (the head sum stays within a thread quad); otherwise q on the left."""
+    operand (M = entries: on Hopper wgmma's register operand, so M = 128 keys instead of 32 heads
+    on mma.sync; the tile still passes through shared memory into that layout, 8 LDSM a 128-key
+    block at sm_90a) and the heads along N (the head sum stays within a thread quad); otherwise q
+    on the left."""
     k = _decode_key_words(words, e8, W, G, BLOCK_N, ASM, LOWP)
     if KEYS_M:
         if LOWP:
