@@ -305,11 +305,7 @@ def sweep_indexer_rows(rows, copy, tokens=(1, 8, 64), check_only=False):
                 s_ref = torch.cat([itk.indexer_scores_ref(q[i:i + 1], w[i:i + 1], kc, ks, tab[i:i + 1], e)
                                    for i in range(t)])
             for label, words, keys_m, bn, warps in INDEXER_ROWS:
-                hp, _, bn0, _, w0 = itk._rows_config(t, HI, n, "cuda")
-                saved = itk.ROWS_BLOCK_N
-                itk.ROWS_BLOCK_N = bn or bn0
-                cfg = (hp, 1, itk.ROWS_BLOCK_N, itk._rows_config(t, HI, n, "cuda")[3], warps or w0)
-                itk.ROWS_BLOCK_N = saved
+                cfg = itk._rows_config(t, HI, n, "cuda", block_n=bn, warps=warps)
 
                 def call(q=q, w=w, tab=tab, vis=vis, cfg=cfg, words=words, keys_m=keys_m):
                     return itk.indexer_scores(q, w, kc, ks, tab, e, vis, _cfg=cfg, rows=True, words=words,
@@ -331,13 +327,13 @@ def sweep_indexer_rows(rows, copy, tokens=(1, 8, 64), check_only=False):
                 itk.ROWS_WORDS, itk.ROWS_KEYS_M = words, keys_m
                 try:
                     eq = torch.equal(itk.indexer_topk(q, w, kc, ks, tab, e, vis, TOPK)[0], want)
+                    name = f"indexer_topk default dispatch, words={words} keys_m={keys_m}"
                     if check_only:
-                        rows.append(f"| indexer_topk default dispatch, words={words} | {shape} | equal {eq} | (checked only) |")
+                        rows.append(f"| {name} | {shape} | equal {eq} | (checked only) |")
                         print(rows[-1], flush=True)
                     else:
-                        bandwidth_row(rows, f"indexer_topk default dispatch, words={words} keys_m={keys_m}", shape,
-                                      f"equal {eq}", lambda q=q, w=w, tab=tab, vis=vis: itk.indexer_topk(
-                                          q, w, kc, ks, tab, e, vis, TOPK), nbytes, copy)
+                        bandwidth_row(rows, name, shape, f"equal {eq}", lambda q=q, w=w, tab=tab, vis=vis:
+                                      itk.indexer_topk(q, w, kc, ks, tab, e, vis, TOPK), nbytes, copy)
                 finally:
                     itk.ROWS_WORDS, itk.ROWS_KEYS_M = saved
             del kc, ks, table

@@ -649,19 +649,21 @@ def scores_qsub(device) -> int:
     return 2 if interpreting() else SCORES_QSUB.get(torch.device(device).type, 1)
 
 
-def _rows_config(t: int, h: int, nc: int, device) -> tuple[int, int, int, int, int]:
+def _rows_config(t: int, h: int, nc: int, device, block_n: int | None = None,
+                 warps: int | None = None) -> tuple[int, int, int, int, int]:
     """(HP, 1, BLOCK_N, NSUB, num_warps) for `_indexer_rows_kernel`: one query per tile, heads
     padded to >= 16 rows, NSUB blocks per tile so that the tiles about fill the workers once
-    (at most ROWS_NSUB_MAX blocks)."""
+    (at most ROWS_NSUB_MAX blocks). `block_n` / `warps` replace the device's defaults (the
+    benchmarks' tile variants)."""
     from .launch import interpreting, num_workers
 
     hp = max(16, _pow2(h))
-    bn = 64 if interpreting() or torch.device(device).type == "npu" else ROWS_BLOCK_N
+    bn = block_n or (64 if interpreting() or torch.device(device).type == "npu" else ROWS_BLOCK_N)
     blocks = t * -(-nc // bn)
     nsub = 1
     while nsub < ROWS_NSUB_MAX and blocks >= 2 * nsub * num_workers(device, "cube"):
         nsub *= 2
-    return hp, 1, bn, nsub, ROWS_WARPS
+    return hp, 1, bn, nsub, warps or ROWS_WARPS
 
 
 def use_rows_kernel(t: int, gather: bool) -> bool:
