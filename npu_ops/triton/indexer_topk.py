@@ -32,10 +32,12 @@ broken, so the interpreter runs the same dots in fp32 (input_precision="ieee").
 
 Decode shapes (`_indexer_rows_kernel`, dense, up to ROWS_MAX_T queries): a tile is one query by
 NSUB key blocks, each query reading its own rows, and the next block's pool rows and key bytes
-are loaded while the current block is scored (same arithmetic, `_byte_scores`). Optionally
-(`ROWS_WORDS`, CUDA and the interpreters) the keys are read as int32 words and decoded with the
+are loaded while the current block is scored. By default on CUDA and the interpreters
+(`ROWS_WORDS`, where `rows_words_fit`) the keys are read as int32 words and decoded with the
 routed experts' bf16x2 conversion (`_decode_key_words`), one dot over all channels in the words'
-channel order, the keys on the dot's M side (`ROWS_KEYS_M`) or N side.
+channel order, the keys on the dot's M side (`ROWS_KEYS_M`: 1.5x faster than the byte decode at 64
+queries on an H100); elsewhere (Ascend) each block's bytes are decoded as in the tiles
+(`_byte_scores`).
 
 Selection (`_topk_select_kernel`, dense path): a program per query row finds the K-th largest
 score by radix select over order-preserving int32 keys (-0.0 folded into +0.0; one pass per
@@ -1690,9 +1692,13 @@ ROWS_WARPS = 8
 # one dot over all channels, the keys on the dot's M side (KEYS_M) or N side. Written 2026-12-05
 # (session thirty-five) for the batch-64 step at long contexts, where the byte decode's rows kernel
 # took 426 us at T=64 / 64K on the H200 (255 registers and 168 bytes of spill at sm_90a, one 8-warp
-# program an SM); interpreter-checked, not yet timed on a GPU, so off.
-ROWS_WORDS = False
-ROWS_KEYS_M = False
+# program an SM). H100 2026-12-06 (`sweep_kernels.py --only indexer_rows`, CUDA-graph time, each
+# query on its own keys): the scores at T=64 / 64K 521.9 us (bytes) -> 521.8 (words, keys N) ->
+# 348.3 (words, keys M), T=8 / 64K 67.3 -> 45.9, T=1 / 64K 12.4 -> 11.2; the whole `indexer_topk` at
+# T=64 / 64K 734.3 -> 387.2 us; the mini batch-64 decode step at 32K 5.72 -> 5.45 ms (batch 1
+# unchanged). So on, keys on M.
+ROWS_WORDS = True
+ROWS_KEYS_M = True
 # queries x entries of fp32 scores per chunk of a long prefill (256 MiB)
 SCORE_CHUNK_ELEMS = 1 << 26
 
