@@ -141,7 +141,8 @@ INDEXER_SCORE_CFGS = [(None, False), (None, True), ((32, 1, 64, 8, 8), True), ((
 # (A select fused into the rows scores launch, the query's last tile selecting it after an
 # acq_rel counter, was slower on the H200 on 2026-12-01: T=1 47.1 us (3 passes + span: 45.4)
 # against 42.0, T=8 145.9 against 107.0, T=64 888.6 against 580.3; not kept.)
-# parts: the split select's programs per row (`_split_select_kernel`; 0: one program per row).
+# parts: the split select's programs per row (`_split_select_kernel`; 0: one program per row);
+# merge: the most neighbouring chunk maxima its bound merges (None: SPLIT_BOUND_MERGE).
 # H200, 2026-12-01 14:00 UTC (T=1, whole op): one program 41.8 us; 8 / 16 / 32 parts 40.5 / 39.0 /
 # 37.1; 16 with span 39.3, with 8 warps 42.4. T=64: one program 616.6, 2 / 4 parts 639.6 / 657.4.
 _SEL = dict(block=4096, warps=16, per_k=8, bits=4, rows=True, sb=1024, passes=0, span=False, cfg=None, parts=0)
@@ -155,6 +156,8 @@ INDEXER_SELECTS = [
     ("rows + split select, 64 parts", dict(_SEL, parts=64)),
     ("rows + split select, 32 parts, 4 maxima per k", dict(_SEL, parts=32, per_k=4)),
     ("rows + split select, 32 parts, 2 maxima per k", dict(_SEL, parts=32, per_k=2, min_per_k=2)),
+    ("rows + split select, 32 parts, bound merge 1", dict(_SEL, parts=32, merge=1)),
+    ("rows + split select, 32 parts, bound merge 2", dict(_SEL, parts=32, merge=2)),
 ]
 # the split select's parts x chunk maxima per k (the `indexer_per_k` sweep); at 4K only 2 per k
 # writes maxima (chunks of 2 entries; fewer per k: the direct select, as the one-program row);
@@ -181,7 +184,7 @@ def _whole_op_rows(row, rows, variants, shape, args, want):
     for label, o in variants:
         def call(o=o):
             opts = dict(block=o["block"], radix_bits=o["bits"], survivor_block=o["sb"], bound_passes=o["passes"],
-                        span=o["span"], parts=o["parts"], min_maxima_per_k=o.get("min_per_k"))
+                        span=o["span"], parts=o["parts"], min_maxima_per_k=o.get("min_per_k"), merge=o.get("merge"))
             maxg = itk.select_chunk(n, TOPK, 128, o["per_k"])
             s, maxima, maxg = itk._scores(q, w, kc, ks, tab, e, vis, topk=TOPK, rows=o["rows"], maxg=maxg,
                                           _cfg=o["cfg"])
@@ -261,6 +264,20 @@ def sweep_indexer(rows, copy, tokens=(1, 64), check_only=False):
         row("indexer_topk default dispatch", f"T={t} 64K",
             f"equal {torch.equal(itk.indexer_topk(q, w, kc, ks, tab, e, vis, TOPK)[0], want)}",
             lambda q=q, w=w, tab=tab, vis=vis: itk.indexer_topk(q, w, kc, ks, tab, e, vis, TOPK))
+        if t == 1:  # the split select's merged bound (SPLIT_BOUND_MERGE) against none, full and part rows
+            saved = itk.SPLIT_BOUND_MERGE
+            for frac in (1, 2, 4):
+                vf = vis // frac
+                with numerics("official"):
+                    want_f = ref_fn(q, w, kc, ks, tab, e, vf, TOPK)[0]
+                for merge in (saved, 1):
+                    itk.SPLIT_BOUND_MERGE = merge
+                    try:
+                        row(f"indexer_topk default dispatch, bound merge {merge}", f"T={t} 64K, 1/{frac} visible",
+                            f"equal {torch.equal(itk.indexer_topk(q, w, kc, ks, tab, e, vf, TOPK)[0], want_f)}",
+                            lambda q=q, w=w, tab=tab, vf=vf: itk.indexer_topk(q, w, kc, ks, tab, e, vf, TOPK))
+                    finally:
+                        itk.SPLIT_BOUND_MERGE = saved
     if 1 in tokens:  # a short context (no chunk maxima: the direct select) with the default dispatch
         n4 = 4096
         kc4, ks4, tab4, e4 = paged_index_keys(n4, "cuda")

@@ -220,6 +220,48 @@ def test_split_select_maxima_per_k(dev, parts, rng):
             assert torch.equal(got.cpu(), want), (per_k, parts, final)
 
 
+def _order_keys(x: torch.Tensor) -> torch.Tensor:
+    """`_order_key` in torch: fp32 -> int32 keys in the values' order (-0.0 as +0.0)."""
+    b = x.float().contiguous().view(torch.int32)
+    b = torch.where(b == -2**31, torch.zeros_like(b), b)
+    return torch.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_split_select_merged_bound(dev, rng):
+    """The split select's bound over merged neighbouring chunk maxima (`_maxima_bound`): with 8
+    maxima per k, a full row merges 4 of them, a row with half its entries visible 2, a quarter
+    none, fewer chunks than k the whole-row select; the bound each part computes is the k-th
+    largest of the merged maxima, and the ids equal the reference's for every merge limit."""
+    n, k, maxg = 1024, 8, 16  # 64 maxima: 8 per k
+    s = torch.randn(6, n, generator=rng)
+    s[4] = torch.randint(-2, 3, (n,), generator=rng).float()  # ties
+    s[4, ::3] = -0.0
+    s[5] = torch.arange(n).float()  # the top k at the row's end (its last part holds them all)
+    nv = torch.tensor([n, 600, 300, 100, n, n])  # 64 / 38 / 19 / 7 visible chunks
+    valid = torch.arange(n).unsqueeze(0) < nv.unsqueeze(1)
+    masked = s.masked_fill(~valid, float("-inf"))
+    maxima = masked.view(6, -1, maxg).amax(-1)
+    want = ref_att._stable_topk_sorted(s, k, valid)
+    for merge in (1, 2, 4):
+        for parts in (4, 8):
+            got = itk.topk_select(masked.to(dev), nv.to(dev), k, maxima.to(dev), maxg, parts=parts,
+                                  min_maxima_per_k=0, merge=merge)
+            assert torch.equal(got.cpu(), want), (merge, parts)
+    # the bound itself (STOP=1: each part writes it in its output column)
+    out = torch.empty(6, k, dtype=torch.long, device=dev)
+    itk._split_select(masked.to(dev), maxima.to(dev), maxg, nv.to(dev), out, k, 4, 64, itk.RADIX_BITS, None,
+                      False, None, _stop=1, merge=4)
+    for row, f in ((0, 4), (1, 2), (2, 1), (4, 4), (5, 4)):
+        g = -(-int(nv[row]) // maxg)
+        m = maxima[row, :g]
+        m = torch.nn.functional.pad(m, (0, -(-g // f) * f - g), value=float("-inf")).view(-1, f).amax(-1)
+        bound = _order_keys(m).topk(k).values[-1]
+        assert out[row, :4].cpu().tolist() == [int(bound)] * 4, (row, f)
+    with pytest.raises(ValueError, match="merge 3"):
+        itk.topk_select(masked.to(dev), nv.to(dev), k, maxima.to(dev), maxg, parts=4, min_maxima_per_k=0, merge=3)
+
+
 def test_split_select_dispatch(monkeypatch):
     """The split select serves up to SPLIT_MAX_T rows (fewer parts per row for more rows), not
     Ascend (which keeps the one-program-per-row kernel)."""

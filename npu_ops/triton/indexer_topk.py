@@ -933,6 +933,32 @@ def _kth_key(src, n, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
 
 
 @triton.jit
+def _kth_merged(src, g, k, CB: tl.constexpr, F: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """`_kth_key` over the maxima of every F consecutive values of src[0:g] (ceil(g / F) <= CB, on
+    one tile): a lower bound of src's k-th largest (k groups each hold a value at least as large)."""
+    j = tl.arange(0, CB)
+    idx = j[:, None] * F + tl.arange(0, F)[None, :]
+    x = tl.load(src + idx, mask=idx < g, other=float("-inf")).to(tl.float32)
+    return _kth_of_keys(_order_key(tl.max(x, axis=1)), j * F < g, k, RADIX_BITS)
+
+
+@triton.jit
+def _maxima_bound(src, g, k, BLOCK: tl.constexpr, MERGE: tl.constexpr, PER_K: tl.constexpr,
+                  RADIX_BITS: tl.constexpr):
+    """The split select's lower bound from a row's g chunk maxima (g <= BLOCK): the k-th largest
+    of their maxima over MERGE neighbours while that leaves at least PER_K * k of them, else over
+    2 neighbours, else of the maxima themselves. Fewer values, less radix work a pass (every
+    part computes the bound); still a lower bound, so only the survivors grow."""
+    if g >= MERGE * PER_K * k:
+        thr, _ = _kth_merged(src, g, k, BLOCK // MERGE, MERGE, RADIX_BITS)
+    elif g >= 2 * PER_K * k:
+        thr, _ = _kth_merged(src, g, k, BLOCK // 2, 2, RADIX_BITS)
+    else:
+        thr, _ = _kth_key(src, g, k, BLOCK, RADIX_BITS)
+    return thr
+
+
+@triton.jit
 def _take_flags(key, m, thr, need, n_eq):
     """Which values of a block (order keys `key`, valid where m) belong to the top set: those
     above `thr` and the first `need` equal to it (n_eq equal ones came in earlier blocks).
@@ -1200,14 +1226,19 @@ def _split_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_p
                          T, N, G, K, KOUT, SL, P, num_programs,
                          MAXG: tl.constexpr, MBLOCK: tl.constexpr, SBLOCK: tl.constexpr, FBLOCK: tl.constexpr,
                          BLOCK: tl.constexpr, PP: tl.constexpr, RADIX_BITS: tl.constexpr, SPAN: tl.constexpr,
-                         STOP: tl.constexpr = 0, PDL: tl.constexpr = 0):
+                         MERGE: tl.constexpr = 1, PER_K: tl.constexpr = 2, STOP: tl.constexpr = 0,
+                         PDL: tl.constexpr = 0):
     """The dense top-K select of `_topk_select_kernel` (same result: the K largest of
     scores[t, :n_visible[t]], ties to the lower entry id, ascending ids, -1 padded) split over P
     programs per row, so that a decode step's few rows use many SMs:
 
     1. Every part computes the exact K-th largest of the row's chunk maxima (max_ptr [T, G], one
        per MAXG entries, from the scores kernel): a lower bound of the K-th largest score
-       (computed redundantly by the P parts instead of a launch or a wait).
+       (computed redundantly by the P parts instead of a launch or a wait). With MERGE > 1 (the
+       maxima on one tile) the K-th largest of the maxima of up to MERGE neighbouring chunks,
+       while at least PER_K * K of those remain (`_maxima_bound`): the scores kernel writes
+       maxima fine enough for rows with a fraction of their entries visible, and a full row's
+       bound runs on a tile MERGE times narrower.
     2. Part p reads its slice of SL entries once (contiguous) and compacts its scores >= bound
        in entry order into region p of the row's survivor buffers (surv_s / surv_p [T, N]: the
        region has room for the whole slice, so nothing overflows), its count into part_ptr
@@ -1243,6 +1274,8 @@ def _split_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_p
         else:
             if SPAN:  # (G <= MBLOCK: the launcher's condition)
                 bound, _ = _kth_key_span(max_ptr + t64 * G, g, K, MBLOCK, RADIX_BITS, 32)
+            elif MERGE > 1:  # (G <= MBLOCK: the launcher's condition)
+                bound = _maxima_bound(max_ptr + t64 * G, g, K, MBLOCK, MERGE, PER_K, RADIX_BITS)
             else:
                 bound, _ = _kth_key(max_ptr + t64 * G, g, K, MBLOCK, RADIX_BITS)
             srow = surv_s_ptr + t64 * N
@@ -1378,7 +1411,8 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
                 capacity: int | None = None, num_warps: int | None = None,
                 min_maxima_per_k: int | None = None, radix_bits: int | None = None,
                 survivor_block: int | None = None, bound_passes: int | None = None,
-                span: bool | None = None, parts: int | None = None, candidate_block_size: int = 1) -> torch.Tensor:
+                span: bool | None = None, parts: int | None = None, candidate_block_size: int = 1,
+                merge: int | None = None) -> torch.Tensor:
     """The reference's `_stable_topk_sorted(scores, k, arange < n_visible)` for finite visible
     scores, in one Triton launch (a program per query row, no host sync): [T, min(k, N)] int64.
     `maxima` [T, ceil(N / maxg)]: each row's maximum over every `maxg` entries (entries past
@@ -1398,7 +1432,9 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     `span`: the survivors' exact select passes over their span only (default SELECT_SPAN).
     `parts`: with a maxima bound (dense), the row's select split over this many programs
     (`_split_select_kernel`; then `survivor_block` is the final select's tile, default
-    SPLIT_FINAL_BLOCK); None: `select_parts`; 0: the one-program-per-row kernel."""
+    SPLIT_FINAL_BLOCK); None: `select_parts`; 0: the one-program-per-row kernel.
+    `merge`: the split select's bound over the maxima of up to this many neighbouring chunks
+    (`_maxima_bound`; default SPLIT_BOUND_MERGE)."""
     from .launch import grid_for, interpreting
 
     radix = _radix_bits(radix_bits)
@@ -1433,7 +1469,7 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     if split and use_max:
         return _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix,
                              SPLIT_FINAL_BLOCK if survivor_block is None else survivor_block,
-                             SELECT_SPAN if span is None else bool(span), num_warps)
+                             SELECT_SPAN if span is None else bool(span), num_warps, merge=merge)
     if (block is None and not use_max and not mapped and scores.device.type == "cuda" and not interpreting()
             and blk < n <= SELECT_WIDE_BLOCK):
         blk = SELECT_WIDE_BLOCK  # a row just past one tile: one wide tile, not two tiles a pass
@@ -1495,10 +1531,12 @@ def scores_chunk(t: int, n: int, k: int, block_n: int, device) -> int:
 
 
 def _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix, final_block, span, num_warps,
-                  _stop=0):
+                  _stop=0, merge=None):
     """`topk_select`'s dense bounded select on `_split_select_kernel`: `parts` programs per row
-    (slices of the row's entries), the final select on a `final_block` tile. `_stop`: the
-    kernel's STOP (timing its stages)."""
+    (slices of the row's entries), the final select on a `final_block` tile. `merge`: the most
+    neighbouring chunk maxima the bound merges (1, 2 or 4; default SPLIT_BOUND_MERGE; taken only
+    without span passes and with the maxima on one tile). `_stop`: the kernel's STOP (timing its
+    stages)."""
     from .launch import grid_for, interpreting, tile_counters
 
     t, n = scores.shape
@@ -1508,6 +1546,11 @@ def _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix, fi
     pp = _pow2(p)
     fb = max(_pow2(final_block or SPLIT_FINAL_BLOCK), pp, 16)
     mblock = min(_pow2(g), blk)  # the maxima on one tile when they fit (else `_kth_key` loops)
+    merge = SPLIT_BOUND_MERGE if merge is None else int(merge)
+    if merge not in (1, 2, 4):
+        raise ValueError(f"merge {merge}: the split select's bound merges 1, 2 or 4 chunk maxima")
+    if span or g > mblock or mblock < merge:
+        merge = 1  # (span passes, or maxima past one tile: the plain bound)
     surv_s = torch.empty(t, n, dtype=torch.float32, device=scores.device)
     surv_p = torch.empty(t, n, dtype=torch.int32, device=scores.device)
     part = torch.empty(t, p, dtype=torch.int32, device=scores.device)
@@ -1516,7 +1559,8 @@ def _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix, fi
     _split_select_kernel[(grid,)](scores.contiguous(), maxima.contiguous(), n_visible.contiguous(), out, surv_s,
                                   surv_p, part, tile_counters(scores.device, t), t, n, g, k, out.shape[1], sl, p,
                                   grid, MAXG=maxg, MBLOCK=mblock, SBLOCK=min(blk, _pow2(sl)), FBLOCK=fb, BLOCK=blk,
-                                  PP=pp, RADIX_BITS=radix, SPAN=span and g <= mblock, STOP=_stop, **extra, **pdl_launch(out))
+                                  PP=pp, RADIX_BITS=radix, SPAN=span and g <= mblock, MERGE=merge,
+                                  PER_K=SPLIT_BOUND_PER_K, STOP=_stop, **extra, **pdl_launch(out))
     return out
 
 
@@ -1581,6 +1625,15 @@ SPLIT_MAXIMA_PER_K = 8
 # to SPLIT_MAXIMA_MIN_PER_K per k (only those rows have fewer than 8)
 SPLIT_SHORT_MAXIMA_PER_K = 2
 SPLIT_MAXIMA_MIN_PER_K = 2
+# The split select's bound over the maxima of up to SPLIT_BOUND_MERGE neighbouring chunks while
+# SPLIT_BOUND_PER_K per k of them remain (`_maxima_bound`, decided per row from its visible
+# chunks): a full row's bound on 2 per k (4.6-5 us faster at a full 64K row than 8 per k, above),
+# the fine 8 per k still bounding rows with an eighth of their entries visible. H100 2026-12-06
+# (`sweep_kernels.py --only indexer_topk --tokens 1`, CUDA-graph time, the whole op at 64K, ids
+# equal to the reference's): merge 4 / none, all entries visible 28.0 / 34.1 us, half 30.0 / 33.6,
+# a quarter 30.8 / 30.6 (no merge left there); the bound alone 12.9 -> 6.6 us (32 parts).
+SPLIT_BOUND_MERGE = 4
+SPLIT_BOUND_PER_K = 2
 SPLIT_PROGRAMS_PER_WORKER = 2
 SPLIT_FINAL_BLOCK = 1024
 SPLIT_WARPS = 16
