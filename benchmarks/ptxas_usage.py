@@ -110,14 +110,19 @@ def indexer_rows() -> list[tuple[str, str]]:
                  ptxas_usage(itk._topk_select_kernel, sel, consts, itk.SELECT_WARPS, floats=())))
     split = {"s_ptr": "*fp32", "max_ptr": "*fp32", "nvis_ptr": "*i64", "out_ptr": "*i64", "surv_s_ptr": "*fp32",
              "surv_p_ptr": "*i32", "part_ptr": "*i32", "count_ptr": "*i32"}
-    # (MAXG 16: 8 maxima per k at 64K / top-512, the default; 64: 2 per k, the option)
-    for parts, maxg, span, warps in ((16, 16, False, itk.SPLIT_WARPS), (32, 16, False, itk.SPLIT_WARPS),
-                                     (16, 16, True, itk.SPLIT_WARPS), (16, 16, False, 8),
-                                     (32, 64, False, itk.SPLIT_WARPS)):
+    # (MAXG 16: 8 maxima per k at 64K / top-512, the default; 64: 2 per k, the option; merge: the
+    # bound over merged neighbouring maxima, the launcher's default without span passes)
+    for parts, maxg, span, warps, merge in ((16, 16, False, itk.SPLIT_WARPS, itk.SPLIT_BOUND_MERGE),
+                                            (32, 16, False, itk.SPLIT_WARPS, itk.SPLIT_BOUND_MERGE),
+                                            (32, 16, False, itk.SPLIT_WARPS, 1),
+                                            (16, 16, True, itk.SPLIT_WARPS, 1),
+                                            (16, 16, False, 8, itk.SPLIT_BOUND_MERGE),
+                                            (32, 64, False, itk.SPLIT_WARPS, itk.SPLIT_BOUND_MERGE)):
         consts = dict(MAXG=maxg, MBLOCK=min(itk.SELECT_BLOCK, 65536 // maxg),
                       SBLOCK=min(itk.SELECT_BLOCK, 65536 // parts), FBLOCK=itk.SPLIT_FINAL_BLOCK,
-                      BLOCK=itk.SELECT_BLOCK, PP=parts, RADIX_BITS=itk.RADIX_BITS, SPAN=span)
-        rows.append((f"split select MAXG={maxg} parts={parts} span={span} warps={warps} (64K entries)",
+                      BLOCK=itk.SELECT_BLOCK, PP=parts, RADIX_BITS=itk.RADIX_BITS, SPAN=span, MERGE=merge,
+                      PER_K=itk.SPLIT_BOUND_PER_K)
+        rows.append((f"split select MAXG={maxg} parts={parts} span={span} warps={warps} merge={merge} (64K entries)",
                      ptxas_usage(itk._split_select_kernel, split, consts, warps, floats=())))
     sc = {"q_ptr": "*fp32", "w_ptr": "*fp32", "code_ptr": "*i8", "scale_ptr": "*i8", "table_ptr": "*i64",
           "nvis_ptr": "*i64", "cand_ptr": "*i64", "out_ptr": "*fp32", "max_ptr": "*fp32"}

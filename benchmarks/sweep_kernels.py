@@ -132,7 +132,8 @@ def sweep_sparse_attention(rows, copy, tokens=(1, 8, 64), check_only=False, mqa=
 # H200, 2026-12-01 (two calls): rows default (NSUB 2: 256 tiles) 12.4 / 12.7 us, (32, 1, 64, 8, 8)
 # 12.4 / 12.6, NSUB 4 (one wave of 128 tiles) 15.3 / 15.4, NSUB 1 18.7 / 19.2; tiles 15.3 / 15.6
 INDEXER_SCORE_CFGS = [(None, False), (None, True), ((32, 1, 64, 8, 8), True), ((64, 1, 128, 4, 8), True),
-                      ((64, 1, 128, 1, 8), True)]
+                      ((64, 1, 128, 1, 8), True), ((64, 1, 128, 2, 8), True), ((32, 1, 128, 4, 8), True),
+                      ((32, 1, 128, 8, 8), True)]
 # whole-op variants: (label, options). block / warps / per_k / bits / sb: the select's tile, warps,
 # maxima per k, radix digit width, survivor tile; rows: the rows scores kernel; passes / span: the
 # chunk-maxima bound from that many radix passes over the maxima's span (0: exact) and the
@@ -158,6 +159,7 @@ INDEXER_SELECTS = [
     ("rows + split select, 32 parts, 2 maxima per k", dict(_SEL, parts=32, per_k=2, min_per_k=2)),
     ("rows + split select, 32 parts, bound merge 1", dict(_SEL, parts=32, merge=1)),
     ("rows + split select, 32 parts, bound merge 2", dict(_SEL, parts=32, merge=2)),
+    ("rows NSUB 4 + split select, 32 parts", dict(_SEL, parts=32, cfg=(32, 1, 128, 4, 8))),
 ]
 # the split select's parts x chunk maxima per k (the `indexer_per_k` sweep); at 4K only 2 per k
 # writes maxima (chunks of 2 entries; fewer per k: the direct select, as the one-program row);

@@ -1,6 +1,8 @@
 """Shared @triton.jit helpers for the FP4 main-KV format (E2M1 + E4M3 scale per 16) and bf16
 rounding, with integer/fp32 ops only (no fp8/bf16 arithmetic, no division); plus the exact
-split-bf16 dot (`split_dot_acc`) and the offset width switch (`offsets`) other kernels share.
+split-bf16 dot (`split_dot_acc`) and the offset width switch (`offsets`) other kernels share, and
+the E2M1-word to bf16x2 bit placement (`e2m1_place`, `word_order`, `bf16x2_halves`) of the
+routed experts and the indexer's keys.
 
 The encoding is the one of `fp4_kv_store.py` (see its docstring for why every comparison is
 exact and agrees with `quant.fp4_quant`), factored out so fused kernels can quantise rows they
@@ -111,3 +113,43 @@ def split_dot_acc(acc, a, w, TERMS: tl.constexpr, LOWP: tl.constexpr):
     else:
         acc = tl.dot(a, w, acc, input_precision="ieee")
     return acc
+
+
+# E2M1 words -> bf16x2 registers by bit placement, shared by the routed experts' `moe_fold` and
+# the indexer's word decode (`indexer_topk._decode_key_words`)
+_KEEP2 = tl.constexpr(-2118090304)  # 0x81C081C0: both halves' sign bit and bf16 bits 8..6, as an int32 literal
+
+
+@triton.jit
+def word_order(i):
+    """The activation column to load at tile column i of a tile built by `moe_fold.fp4_tile_bf16`:
+    the word's base (i - i % 8) plus element v + 4h of the word, where position p = i % 8 holds
+    p = (v & 1) * 4 + (v >> 1) * 2 + h (h innermost: a bf16x2 register's two halves stay side
+    by side, so nothing is repacked between the conversion and the dot)."""
+    p = i % 8
+    return i - p + ((p >> 1) & 1) * 2 + ((p >> 2) & 1) + (p & 1) * 4
+
+
+@triton.jit
+def e2m1_place(q, lo: tl.constexpr):
+    """The bf16x2 bits of the nibbles at bits lo..lo + 3 and lo + 16..lo + 19 of q (lo 0 or 4):
+    sign to bit 15 / 31, the three magnitude bits to 8..6 / 24..22 (value * 2^-126). One
+    multiply makes both shifts at once (sign: 12 - lo, magnitude: 6 - lo; the two copies of a
+    nibble land in bits 6..9 and 12..15 of its half, apart), then one mask keeps the bits wanted:
+    3 integer ops a register."""
+    if lo == 0:
+        return ((q & 0x000F000F) * 0x1040) & _KEEP2
+    else:
+        return ((q & 0x00F000F0) * 0x0104) & _KEEP2
+
+
+@triton.jit
+def bf16x2_halves(r, LOWP: tl.constexpr):
+    """bf16x2 bits -> [..., 2] (low half, high half) as bf16 (LOWP) or their exact fp32 values."""
+    if LOWP:
+        lo = r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (r >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        lo = (r << 16).to(tl.float32, bitcast=True)
+        hi = (r & -65536).to(tl.float32, bitcast=True)
+    return tl.join(lo, hi)

@@ -101,7 +101,7 @@ from ...backends.reference import attention as ref_attention
 from ...backends.paging import table_rows
 from .pdl import pdl_launch, pdl_start
 from .block_scaled import bf16_round, pow2
-from .moe_fold import _halves, _place, word_order
+from .fp4_common import bf16x2_halves, e2m1_place, word_order
 from ...backends.reference.attention import candidate_pool
 
 MX_GROUP = 32
@@ -413,7 +413,7 @@ def _row_key_words(table_ptr, code_ptr, scale_ptr, tq, cols, nv, NB, E, W: tl.co
 
 @triton.jit
 def _scale2_wide(placed, s, ASM: tl.constexpr):
-    """`moe_fold._place`'d bf16x2 bits (value * 2^-126) times 2^(s - 1) for any E8M0 byte s (int32
+    """`e2m1_place`'d bf16x2 bits (value * 2^-126) times 2^(s - 1) for any E8M0 byte s (int32
     0..255): as two exact factors 2^(min(s, 128) - 1) and 2^(max(s, 128) - 128), each a finite
     bf16 (the experts' single factor stops at byte 128; key scales go past it). On CUDA two
     `mul.rn.bf16x2` (sm_90 bf16 arithmetic keeps subnormals: byte 0 gives 2^-128); elsewhere the
@@ -438,17 +438,17 @@ def _scale2_wide(placed, s, ASM: tl.constexpr):
 def _decode_key_words(words, e8, W: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr,
                       LOWP: tl.constexpr):
     """Keys as int32 words [BLOCK_N, W] and scale bytes [BLOCK_N, G] -> [BLOCK_N, 8 W] exact bf16
-    (LOWP) or fp32 values, channels in `moe_fold.word_order` inside each 8 (the experts'
+    (LOWP) or fp32 values, channels in `word_order` inside each 8 (the experts'
     conversion: 3 integer ops and two bf16x2 multiplies per two values, against ~10 ops a value
     for `_decode_keys`' fp32 bit patterns). Word j holds channels 8j .. 8j + 7, scale group j // (W / G)."""
     s = e8.to(tl.int32) & 0xFF
     s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, G, W // G)), (BLOCK_N, W))
     high = words >> 8  # elements 2, 3, 6, 7 at the places of 0, 1, 4, 5
-    r0 = _scale2_wide(_place(words, 0), s, ASM)
-    r1 = _scale2_wide(_place(words, 4), s, ASM)
-    r2 = _scale2_wide(_place(high, 0), s, ASM)
-    r3 = _scale2_wide(_place(high, 4), s, ASM)
-    return tl.reshape(_halves(tl.join(tl.join(r0, r1), tl.join(r2, r3)), LOWP), (BLOCK_N, 8 * W))
+    r0 = _scale2_wide(e2m1_place(words, 0), s, ASM)
+    r1 = _scale2_wide(e2m1_place(words, 4), s, ASM)
+    r2 = _scale2_wide(e2m1_place(high, 0), s, ASM)
+    r3 = _scale2_wide(e2m1_place(high, 4), s, ASM)
+    return tl.reshape(bf16x2_halves(tl.join(tl.join(r0, r1), tl.join(r2, r3)), LOWP), (BLOCK_N, 8 * W))
 
 
 @triton.jit

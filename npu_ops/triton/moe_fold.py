@@ -24,7 +24,7 @@ The conversion (`fp4_words_bf16`, after Marlin's FP4 -> bf16 dequantisation): a 
 value times 2^-126 (code 1, the value 0.5, becomes the subnormal 2^-127); one bf16x2 multiply by
 2^(byte - 1) per two values then gives value * 2^(byte - 127). The placement of two nibbles 16
 bits apart is a mask, one integer multiply that makes the sign's and the magnitude's shifts at
-once, and a mask (`_place`; 3 integer ops per two values instead of 5). The four bit placements
+once, and a mask (`e2m1_place`; 3 integer ops per two values instead of 5). The four bit placements
 of a word take elements (v, v + 4) for v = 0..3 into one bf16x2 register, so the tile's K order
 inside each group of 8 is permuted (`word_order`); x and h are stored in that order, and a dot
 does not care about the order of K.
@@ -68,6 +68,7 @@ import triton.language as tl
 
 from .pdl import pdl_launch, pdl_start
 from .block_scaled import bf16_round, e2m1_value, e8m0_value, fp8_qdq_groups, pow2
+from .fp4_common import bf16x2_halves, e2m1_place, word_order
 from .swiglu import expert_act
 
 # Tiles by token count, (most tokens, tiles): BN weight rows per program (gate/up, down), BK along
@@ -96,7 +97,7 @@ from .swiglu import expert_act
 # an expert routed every token; T=17..32 (one row tile: the cap alone) unmeasured. Nsight
 # Compute (T=64): gate/up issues an instruction every 2.2 cycles per scheduler (2.6 warps each),
 # DRAM at 22%: bound by the conversion's instructions and their latency, not by bytes.
-# H200 2026-12-04 (session twenty-eight), the one-multiply placement (`_place`, 11% fewer
+# H200 2026-12-04 (session twenty-eight), the one-multiply placement (`e2m1_place`, 11% fewer
 # instructions a K step): T=64 267.5 -> 261.2 us uniform, 286.7 -> 281.2 / 289.1 -> 283.6 skewed;
 # T=33 257.1 -> 251.8, 275.3 -> 270.6 (`sweep_kernels.py --only moe_slots`, two calls); the
 # batch-64 decode step 4.87-4.89 -> 4.78-4.79 ms with the two-pass logits cap (benchmarks/RESULTS.md).
@@ -112,30 +113,6 @@ TILES = {"cuda": [(1, _DECODE), (3, dict(_DECODE, split=2)), (16, dict(_DECODE, 
                   (64, dict(_DECODE, rb_max=32, byte_tiles=True, maxnreg=168, slots=True))],
          "interp": [(1 << 30, {"bn_up": 32, "bn_down": 32, "bk": 128, "split": 1, "w_left": True})]}
 MAX_SCALE_BYTE = 128  # the largest E8M0 weight scale byte the folded conversion takes (module docstring)
-_KEEP2 = tl.constexpr(-2118090304)  # 0x81C081C0: both halves' sign bit and bf16 bits 8..6, as an int32 literal
-
-
-@triton.jit
-def word_order(i):
-    """The activation column to load at tile column i of a tile built by `fp4_tile_bf16`: the
-    word's base (i - i % 8) plus element v + 4h of the word, where position p = i % 8 holds
-    p = (v & 1) * 4 + (v >> 1) * 2 + h (h innermost: a bf16x2 register's two halves stay side
-    by side, so nothing is repacked between the conversion and the dot)."""
-    p = i % 8
-    return i - p + ((p >> 1) & 1) * 2 + ((p >> 2) & 1) + (p & 1) * 4
-
-
-@triton.jit
-def _place(q, lo: tl.constexpr):
-    """The bf16x2 bits of the nibbles at bits lo..lo + 3 and lo + 16..lo + 19 of q (lo 0 or 4):
-    sign to bit 15 / 31, the three magnitude bits to 8..6 / 24..22 (value * 2^-126). One
-    multiply makes both shifts at once (sign: 12 - lo, magnitude: 6 - lo; the two copies of a
-    nibble land in bits 6..9 and 12..15 of its half, apart), then one mask keeps the bits wanted:
-    3 integer ops a register."""
-    if lo == 0:
-        return ((q & 0x000F000F) * 0x1040) & _KEEP2
-    else:
-        return ((q & 0x00F000F0) * 0x0104) & _KEEP2
 
 
 @triton.jit
@@ -159,23 +136,11 @@ def fp4_words_bf16(words, s, ASM: tl.constexpr):
     e = (s + 126) << 7  # 2^(s - 1) as bf16 bits
     f2 = e | (e << 16)
     high = words >> 8  # elements 2, 3, 6, 7 at the places of 0, 1, 4, 5
-    r0 = _scale2(_place(words, 0), f2, s, ASM)
-    r1 = _scale2(_place(words, 4), f2, s, ASM)
-    r2 = _scale2(_place(high, 0), f2, s, ASM)
-    r3 = _scale2(_place(high, 4), f2, s, ASM)
+    r0 = _scale2(e2m1_place(words, 0), f2, s, ASM)
+    r1 = _scale2(e2m1_place(words, 4), f2, s, ASM)
+    r2 = _scale2(e2m1_place(high, 0), f2, s, ASM)
+    r3 = _scale2(e2m1_place(high, 4), f2, s, ASM)
     return r0, r1, r2, r3
-
-
-@triton.jit
-def _halves(r, LOWP: tl.constexpr):
-    """bf16x2 bits -> [..., 2] (low half, high half) as bf16 (LOWP) or their exact fp32 values."""
-    if LOWP:
-        lo = r.to(tl.int16).to(tl.bfloat16, bitcast=True)
-        hi = (r >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        lo = (r << 16).to(tl.float32, bitcast=True)
-        hi = (r & -65536).to(tl.float32, bitcast=True)
-    return tl.join(lo, hi)
 
 
 @triton.jit
@@ -194,12 +159,12 @@ def fp4_tile_bf16(w_ptr, s_ptr, rn, kw0, s_stride, w_stride, BN: tl.constexpr, B
     j = tl.arange(0, W)[None, :]
     s = (sw >> (((j % 16) // 4) * 8)) & 0xFF  # word j's block: byte (j % 16) // 4 of its scale word
     r0, r1, r2, r3 = fp4_words_bf16(words, s, ASM)
-    return tl.reshape(_halves(tl.join(tl.join(r0, r1), tl.join(r2, r3)), LOWP), (BN, BK))
+    return tl.reshape(bf16x2_halves(tl.join(tl.join(r0, r1), tl.join(r2, r3)), LOWP), (BN, BK))
 
 
 # E2M1 bytes -> bf16 with the scale folded in, 4 bytes ($4) per call: prmt orders the bytes 0, 2,
 # 1, 3, so byte 0's and byte 1's nibbles lie 16 bits apart, and bytes 2 and 3's after a shift by 8;
-# each pair goes into one bf16x2 register as `_place` does (mask, one multiply for both shifts,
+# each pair goes into one bf16x2 register as `e2m1_place` does (mask, one multiply for both shifts,
 # mask: sign to bit 15, the three magnitude bits to 8..6 of its half: the value times 2^-126), and
 # one mul.rn.bf16x2 by the halves' factors 2^(s - 1) ($5: elements 0, 1; $6: elements 2, 3) scales
 # them. Out: $0, $1 the four low nibbles' values, $2, $3 the four high nibbles'. 18 instructions
