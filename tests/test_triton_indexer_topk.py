@@ -258,8 +258,10 @@ def test_split_select_merged_bound(dev, rng):
         m = torch.nn.functional.pad(m, (0, -(-g // f) * f - g), value=float("-inf")).view(-1, f).amax(-1)
         bound = _order_keys(m).topk(k).values[-1]
         assert out[row, :4].cpu().tolist() == [int(bound)] * 4, (row, f)
-    with pytest.raises(ValueError, match="merge 3"):
-        itk.topk_select(masked.to(dev), nv.to(dev), k, maxima.to(dev), maxg, parts=4, min_maxima_per_k=0, merge=3)
+    for parts in (4, 0):  # an invalid merge is refused on the split and the one-program path alike
+        with pytest.raises(ValueError, match="merge 3"):
+            itk.topk_select(masked.to(dev), nv.to(dev), k, maxima.to(dev), maxg, parts=parts, min_maxima_per_k=0,
+                            merge=3)
 
 
 def test_split_select_dispatch(monkeypatch):

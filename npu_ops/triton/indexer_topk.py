@@ -1438,6 +1438,7 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     from .launch import grid_for, interpreting
 
     radix = _radix_bits(radix_bits)
+    merge = _bound_merge(merge)  # (checked whichever path runs)
     t, n = scores.shape
     kout = min(k, n)
     out = torch.empty(t, kout, dtype=torch.long, device=scores.device)
@@ -1530,6 +1531,14 @@ def scores_chunk(t: int, n: int, k: int, block_n: int, device) -> int:
     return g
 
 
+def _bound_merge(merge: int | None) -> int:
+    """The split select's bound merge (`merge` or SPLIT_BOUND_MERGE), one of 1, 2, 4."""
+    merge = SPLIT_BOUND_MERGE if merge is None else int(merge)
+    if merge not in (1, 2, 4):
+        raise ValueError(f"merge {merge}: the split select's bound merges 1, 2 or 4 chunk maxima")
+    return merge
+
+
 def _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix, final_block, span, num_warps,
                   _stop=0, merge=None):
     """`topk_select`'s dense bounded select on `_split_select_kernel`: `parts` programs per row
@@ -1546,9 +1555,7 @@ def _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix, fi
     pp = _pow2(p)
     fb = max(_pow2(final_block or SPLIT_FINAL_BLOCK), pp, 16)
     mblock = min(_pow2(g), blk)  # the maxima on one tile when they fit (else `_kth_key` loops)
-    merge = SPLIT_BOUND_MERGE if merge is None else int(merge)
-    if merge not in (1, 2, 4):
-        raise ValueError(f"merge {merge}: the split select's bound merges 1, 2 or 4 chunk maxima")
+    merge = _bound_merge(merge)
     if span or g > mblock or mblock < merge:
         merge = 1  # (span passes, or maxima past one tile: the plain bound)
     surv_s = torch.empty(t, n, dtype=torch.float32, device=scores.device)
