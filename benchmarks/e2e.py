@@ -79,6 +79,7 @@ from dsv41.deploy.device_numerics import random_text_ids
 from dsv41.graphs import decode as decode_graphs
 
 TARGETS = {"decode_b1": 0.50, "decode_b64": 0.40, "ced_vs_exact": 0.55, "prefill": 0.30, "memory": 1.15}
+CED_TARGET_PROMPT = 32768  # the prompt length of the CED / exact prefill time target
 
 
 # ---- timing and ceilings ---------------------------------------------------------------------
@@ -748,8 +749,12 @@ def targets(dec, pre, mems) -> list[str]:
     for n in sorted({r["n"] for r in pre}):
         if ("ced", n) in by and ("exact", n) in by:
             q = by["ced", n]["s"] / by["exact", n]["s"]
-            line(f"CED / exact prefill time at {n}", q, f"<= {TARGETS['ced_vs_exact']}", q <= TARGETS["ced_vs_exact"],
-                 lambda v: f"{v:.2f}x")
+            if n == CED_TARGET_PROMPT:
+                line(f"CED / exact prefill time at {n}", q, f"<= {TARGETS['ced_vs_exact']}",
+                     q <= TARGETS["ced_vs_exact"], lambda v: f"{v:.3f}x")
+            else:  # (the issue sets the ratio's target at one prompt length only)
+                out.append(f"- CED / exact prefill time at {n}: {q:.3f}x (no target at this length; "
+                           f"the target is at {CED_TARGET_PROMPT})")
     for r in pre:
         f = r["roof_s"] / r["s"]
         line(f"{r['mode']} prefill {r['n']}, fraction of FLOP roofline", f, f">= {TARGETS['prefill']:.0%}",
