@@ -220,13 +220,6 @@ def test_split_select_maxima_per_k(dev, parts, rng):
             assert torch.equal(got.cpu(), want), (per_k, parts, final)
 
 
-def _order_keys(x: torch.Tensor) -> torch.Tensor:
-    """`_order_key` in torch: fp32 -> int32 keys in the values' order (-0.0 as +0.0)."""
-    b = x.float().contiguous().view(torch.int32)
-    b = torch.where(b == -2**31, torch.zeros_like(b), b)
-    return torch.where(b < 0, b ^ 0x7FFFFFFF, b)
-
-
 @pytest.mark.parametrize("dev", DEVICES)
 def test_split_select_merged_bound(dev, rng):
     """The split select's bound over merged neighbouring chunk maxima (`_maxima_bound`): with 8
@@ -256,7 +249,7 @@ def test_split_select_merged_bound(dev, rng):
         g = -(-int(nv[row]) // maxg)
         m = maxima[row, :g]
         m = torch.nn.functional.pad(m, (0, -(-g // f) * f - g), value=float("-inf")).view(-1, f).amax(-1)
-        bound = _order_keys(m).topk(k).values[-1]
+        bound = itk.order_keys(m).topk(k).values[-1]
         assert out[row, :4].cpu().tolist() == [int(bound)] * 4, (row, f)
     for parts in (4, 0):  # an invalid merge is refused on the split and the one-program path alike
         with pytest.raises(ValueError, match="merge 3"):

@@ -1652,6 +1652,14 @@ RADIX_BITS_CHOICES = (4, 8)
 
 # ---- selection (torch) ------------------------------------------------------------------------
 
+def order_keys(scores: torch.Tensor) -> torch.Tensor:
+    """`_order_key` in torch: fp32 scores -> int32 keys whose signed order is the scores' order
+    (-0.0 folded into +0.0, which tie under float comparison)."""
+    s = torch.where(scores == 0, torch.zeros_like(scores), scores.float())
+    b = s.contiguous().view(torch.int32)
+    return torch.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
 def _topk_sorted(scores: torch.Tensor, k: int, valid: torch.Tensor) -> torch.Tensor:
     """Same result as `reference.attention._stable_topk_sorted` (top-k column ids among `valid`,
     ties to the lower id, ascending, -1 padded) for finite scores, through torch.topk on
@@ -1660,9 +1668,7 @@ def _topk_sorted(scores: torch.Tensor, k: int, valid: torch.Tensor) -> torch.Ten
     k = min(k, n)
     if k == 0:
         return torch.empty(t, 0, dtype=torch.long, device=scores.device)
-    s = torch.where(scores == 0, torch.zeros_like(scores), scores.float())  # -0.0 ties with +0.0
-    b = s.view(torch.int32).long()
-    b = torch.where(b < 0, b ^ 0x7FFFFFFF, b)  # order-preserving fp32 -> int
+    b = order_keys(scores).long()  # order-preserving fp32 -> int, -0.0 ties with +0.0
     pos = torch.arange(n, device=scores.device)
     key = (b << 32) | (n - 1 - pos)
     lowest = torch.iinfo(torch.long).min
