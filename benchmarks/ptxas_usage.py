@@ -109,7 +109,8 @@ def indexer_rows() -> list[tuple[str, str]]:
     rows.append(("topk_select USE_MAX MAXG=16 bound 3 passes, span",
                  ptxas_usage(itk._topk_select_kernel, sel, consts, itk.SELECT_WARPS, floats=())))
     split = {"s_ptr": "*fp32", "max_ptr": "*fp32", "nvis_ptr": "*i64", "out_ptr": "*i64", "surv_s_ptr": "*fp32",
-             "surv_p_ptr": "*i32", "part_ptr": "*i32", "count_ptr": "*i32"}
+             "surv_p_ptr": "*i32", "part_ptr": "*i32", "count_ptr": "*i32", "cand_ptr": "*i32", "stage_ptr": "*i64",
+             "pool_ptr": "*i32", "work_ptr": "*fp32"}
     # (MAXG 16: 8 maxima per k at 64K / top-512, the default; 64: 2 per k, the option; merge: the
     # bound over merged neighbouring maxima, the launcher's default without span passes)
     for parts, maxg, span, warps, merge in ((16, 16, False, itk.SPLIT_WARPS, itk.SPLIT_BOUND_MERGE),
@@ -124,6 +125,18 @@ def indexer_rows() -> list[tuple[str, str]]:
                       PER_K=itk.SPLIT_BOUND_PER_K)
         rows.append((f"split select MAXG={maxg} parts={parts} span={span} warps={warps} merge={merge} (64K entries)",
                      ptxas_usage(itk._split_select_kernel, split, consts, warps, floats=())))
+    # the Reindex selection (MAP: 8192 candidate columns in blocks of 4, maxima of 2) and the pool
+    # source's select with the candidate pool beside it (POOL: 32K entries, maxima of 4-entry blocks)
+    # (MBLOCK 8192: the merged bound over 8192 maxima on one tile, SPLIT_BOUND_WIDE's option)
+    for label, maxg, mblock, extra in (
+            ("MAP CB=4", 2, itk.SELECT_BLOCK, dict(MAP=True, CB=4, MAP_NV=True, KP=512, RB=itk.SORT_ROWS)),
+            ("POOL", 4, itk.SELECT_BLOCK, dict(POOL=True, POOL_BLOCK=itk.POOL_BLOCK)),
+            ("POOL MBLOCK=8192", 4, 8192, dict(POOL=True, POOL_BLOCK=itk.POOL_BLOCK))):
+        consts = dict(MAXG=maxg, MBLOCK=mblock, SBLOCK=256, FBLOCK=itk.SPLIT_FINAL_BLOCK,
+                      BLOCK=itk.SELECT_BLOCK, PP=32, RADIX_BITS=itk.RADIX_BITS, SPAN=False, MERGE=itk.SPLIT_BOUND_MERGE,
+                      PER_K=itk.SPLIT_BOUND_PER_K, **extra)
+        rows.append((f"split select {label} MAXG={maxg} parts=32", ptxas_usage(itk._split_select_kernel, split, consts,
+                                                                             itk.SPLIT_WARPS, floats=())))
     sc = {"q_ptr": "*fp32", "w_ptr": "*fp32", "code_ptr": "*i8", "scale_ptr": "*i8", "table_ptr": "*i64",
           "nvis_ptr": "*i64", "cand_ptr": "*i64", "out_ptr": "*fp32", "max_ptr": "*fp32"}
     for bn, nsub, warps, words, keys_m in ((128, 4, 8, 0, 0), (128, 4, 4, 0, 0), (64, 8, 4, 0, 0), (256, 2, 8, 0, 0),

@@ -455,6 +455,57 @@ def sweep_select(rows, copy, tokens=(1, 8)):
                     bandwidth_row(rows, name, shape, check, call, s.numel() * 4, copy)
 
 
+def sweep_reindex(rows, copy, tokens=(1,), n=32768, pool_blocks=2048, pool_block=4):
+    """A decode row's candidate pool and Reindex selection as the mini step makes them at a 32K
+    context (ratio-1 layers: 32K entries, the pool's 2048 blocks of 4 = 8192 candidates): the pool
+    source's whole `indexer_topk` (scores, top-k select, candidate pool) with the pool after the
+    select or beside it (`POOL_BESIDE_SELECT`) at `POOL_BLOCK` 4096 and 8192 (and beside it with the
+    merged bound on one 8192 tile, `SPLIT_BOUND_WIDE`), then the Reindex
+    layer's whole op over that pool with the one-program select and the split select
+    (`SPLIT_CANDIDATES`); ids and pool checked against the reference."""
+    from dsv41.npu_ops.triton import indexer_topk as itk
+
+    kc, ks, table, e = paged_index_keys(n, "cuda")
+    ref_fn = registry.resolve("indexer_topk", "reference")[0]
+    for t in tokens:
+        q = quant.mxfp4_qdq(torch.randn(t, HI, DI, device="cuda"))
+        w = torch.randn(t, HI, device="cuda") * DI ** -0.5 * HI ** -0.5
+        q2 = quant.mxfp4_qdq(torch.randn(t, HI, DI, device="cuda"))  # the Reindex layer's own queries
+        vis = torch.full((t,), n, dtype=torch.long, device="cuda")
+        tab = table.expand(t, -1).contiguous()
+        args = (kc, ks, tab, e, vis, TOPK)
+        with numerics("official"):
+            want_idx, want_pool = ref_fn(q, w, *args, pool_blocks=pool_blocks, pool_block_size=pool_block)
+            want_re = ref_fn(q2, w, *args, candidates=want_pool, candidate_block_size=pool_block)[0]
+        shape = f"T={t} {n // 1024}K, pool {pool_blocks}x{pool_block}"
+        saved = (itk.POOL_BLOCK, itk.SPLIT_CANDIDATES, itk.POOL_BESIDE_SELECT, itk.SPLIT_BOUND_WIDE)
+        try:
+            for blk, beside, wide in ((4096, False, 4096), (4096, True, 4096), (8192, False, 4096),
+                                      (8192, True, 4096), (8192, True, 8192)):
+                itk.POOL_BLOCK, itk.POOL_BESIDE_SELECT, itk.SPLIT_BOUND_WIDE = blk, beside, wide
+                got = itk.indexer_topk(q, w, *args, pool_blocks=pool_blocks, pool_block_size=pool_block)
+                ok = torch.equal(got[0], want_idx) and torch.equal(got[1].long(), want_pool.long())
+                bandwidth_row(rows, f"indexer_topk pool source, POOL_BLOCK {blk}, "
+                              f"{'beside' if beside else 'after'} the select, SPLIT_BOUND_WIDE {wide}", shape,
+                              f"equal {ok}",
+                              lambda: itk.indexer_topk(q, w, *args, pool_blocks=pool_blocks, pool_block_size=pool_block),
+                              n * (DI // 2 + DI // 32), copy)
+                if beside or wide != 4096:
+                    continue
+                mx = itk._scores(q, w, kc, ks, tab, e, vis, topk=TOPK, maxg=pool_block)[1]
+                bandwidth_row(rows, f"pool_select alone, POOL_BLOCK {blk}", shape, "-",
+                              lambda mx=mx: itk.pool_select(mx, vis, n, pool_blocks, pool_block), mx.numel() * 4, copy)
+            pool = want_pool.to(torch.int32)
+            for split in (False, True):
+                itk.SPLIT_CANDIDATES = split
+                call = lambda: itk.indexer_topk(q2, w, *args, candidates=pool, candidate_block_size=pool_block)  # noqa: E731
+                bandwidth_row(rows, f"indexer_topk Reindex, {'split' if split else 'one-program'} select", shape,
+                              f"equal {torch.equal(call()[0], want_re)}", call,
+                              pool.numel() * pool_block * (DI // 2 + DI // 32), copy)
+        finally:
+            itk.POOL_BLOCK, itk.SPLIT_CANDIDATES, itk.POOL_BESIDE_SELECT, itk.SPLIT_BOUND_WIDE = saved
+
+
 def sweep_engram(rows, copy):
     from dsv41.npu_ops.triton import engram_lookup as el
 
@@ -1048,7 +1099,8 @@ def sweep_sampler(rows, copy, tokens=(1, 8, 64)):
 
 
 SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_indexer,
-          "indexer_per_k": sweep_indexer_per_k, "indexer_rows": sweep_indexer_rows, "select": sweep_select, "engram_lookup": sweep_engram,
+          "indexer_per_k": sweep_indexer_per_k, "indexer_rows": sweep_indexer_rows, "select": sweep_select,
+          "reindex": sweep_reindex, "engram_lookup": sweep_engram,
           "fp4_quant": sweep_fp4_quant, "mhc_mix": sweep_mhc_mix, "linear": sweep_linear, "moe_experts": sweep_moe,
           "moe_decode": sweep_moe_decode, "moe_rows": sweep_moe_rows, "moe_bytes": sweep_moe_bytes,
           "moe_slots": sweep_moe_slots,

@@ -116,11 +116,15 @@ def test_linear_fold_tm_path(dev, m, rng):
 
 def test_fold_tm_choice(monkeypatch):
     """Above XS_MAX_M rows the default modes take the token-major kernel for weights up to
-    FOLD_TM_SMALL_BYTES (32-wide tiles) and for weights wide enough to occupy the SMs twice without a
-    K split, else `_fold_linear_kernel`; DSV41_FP8_DECODE=fold keeps fold at every row count."""
+    FOLD_TM_SMALL_BYTES (32-wide tiles), from FOLD_TM_LARGE_BYTES (128-wide tiles, a K split) and
+    for weights wide enough to occupy the SMs twice without a K split, else `_fold_linear_kernel`;
+    DSV41_FP8_DECODE=fold keeps fold at every row count."""
     assert bl.fold_tm_tiles(512, 5120, 132) == bl.FOLD_TM_SMALL
     assert bl.fold_tm_tiles(32768, 1280, 132) == {}
     assert bl.fold_tm_tiles(5120, 8192, 132) is None
+    assert bl.fold_tm_tiles(25600, 6144, 132) == bl.FOLD_TM_LARGE  # Engram's wkv
+    monkeypatch.setattr(bl, "FOLD_TM_LARGE_BYTES", 0)
+    assert bl.fold_tm_tiles(25600, 6144, 132) == {}
     monkeypatch.setattr(bl, "_FP8_DECODE", [])
     monkeypatch.delenv("DSV41_FP8_DECODE", raising=False)
     assert bl.fp8_default_path(9, 5120, 512, 132) == ("foldtm", bl.FOLD_TM_SMALL)
@@ -240,6 +244,29 @@ def test_linear_pair(dev, k, n_a, n_b, rng):
                 assert torch.equal(got, bl.linear(x, w, s, odt)), f"{case} weight {name}: differs from its own linear"
             err = rel_err(got, basic.linear(x.cpu(), w.cpu(), None if s is None else s.cpu(), odt))
             assert err < BOUND[odt], f"{case} weight {name}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_linear_dense_row(dev, rng, monkeypatch):
+    """One bf16 row and a small bf16 weight alone on `_dense_pair_kernel` (`dense_row_fits`): bf16
+    and fp32 outputs equal the pair launch's for that weight bit for bit and lie within the
+    dtype's bound of the reference; several rows, a scaled weight or one past
+    DENSE_ROW_MAX_BYTES keep the other paths (same bound)."""
+    k, n = 200, 37
+    x = (torch.randn(1, 1, k, generator=rng) * 3).to(torch.bfloat16)
+    w = weight("bf16", n, k, rng)[0]
+    w2 = weight("bf16", 8, k, rng)[0]
+    xd, wd = x.to(dev), w.to(dev)
+    assert bl.dense_row_fits(xd.view(1, k), wd, None)
+    assert not bl.dense_row_fits(xd.view(1, k).expand(2, k), wd, None)
+    for odt in (torch.bfloat16, torch.float32):
+        got = bl.linear(xd, wd, None, odt)
+        assert got.shape == (1, 1, n) and got.dtype == odt
+        assert torch.equal(got.view(1, n), bl.linear_pair(xd.view(1, k), wd, None, w2.to(dev), None, odt)[0])
+        assert rel_err(got.view(1, n), basic.linear(x.view(1, k), w, None, odt)) < BOUND[odt]
+    monkeypatch.setattr(bl, "DENSE_ROW_MAX_BYTES", w.numel() * 2 - 1)
+    assert not bl.dense_row_fits(xd.view(1, k), wd, None)
+    check_linear(dev, "bf16", 1, k, n, torch.float32, rng)
 
 
 def test_linear_rows_path_rejects():
@@ -512,8 +539,9 @@ def test_linear_model_shapes_gpu(dev, fmt, m, rng):
 def test_linear_fp8_batch_default_gpu(dev, m, rng):
     """The default FP8 dispatch at 9..64 rows at the mini preset's widths, each shape class of
     `fold_tm_tiles`: a small weight (token-major, 32-wide tiles, split-K), a wide one (token-major,
-    no split) and a large one that needs a split (the weight-major fold)."""
-    for k, n in [(5120, 512), (1280, 32768), (8192, 5120)]:
+    no split), a large one that needs a split (the weight-major fold) and Engram's wkv
+    (FOLD_TM_LARGE: 128-wide tiles, K split)."""
+    for k, n in [(5120, 512), (1280, 32768), (8192, 5120), (6144, 25600)]:
         check_linear(dev, "fp8", m, k, n, torch.bfloat16, rng)
     check_linear(dev, "fp8", m, 1280, 32768, torch.float32, rng)
 

@@ -257,6 +257,82 @@ def test_split_select_merged_bound(dev, rng):
                             merge=3)
 
 
+def _mapped_want(s, cand, cb, lim, k):
+    """The Reindex selection written out: the stable top-k among the valid candidate columns
+    (block >= 0, entry < lim), as entry ids ascending, -1 padded."""
+    ent = (cand.long() * cb).repeat_interleave(cb, 1) + torch.arange(cand.shape[1] * cb) % cb
+    valid = (cand >= 0).repeat_interleave(cb, 1) & (ent < lim.unsqueeze(1))
+    cols = ref_att._stable_topk_sorted(s, k, valid)
+    big = 1 << 62
+    ids = torch.where(cols >= 0, ent.gather(1, cols.clamp(min=0)), big).sort(-1).values
+    return torch.where(ids == big, -1, ids), valid
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_split_select_candidates(dev, rng):
+    """The Reindex selection on the split select (MAP: the candidate columns' maxima bound it,
+    parts keep valid columns only, the final select stages the ids and puts them in entry-id
+    order): candidate blocks in the pool's ascending order with padding last and the newest
+    block partly past n_visible, blocks in no order with -1 anywhere, fewer valid entries than
+    k, none, ties with -0.0; without n_visible; the final select on one tile and looped; rows
+    with fewer chunks than k and with at most k columns (part 0 alone). Equal to the
+    reference's selection among valid columns sorted by entry id."""
+    t, p, cb, k, maxg = 6, 64, 4, 8, 4
+    n = p * cb
+    cand = torch.full((t, p), -1, dtype=torch.int32)
+    cand[0] = torch.randperm(200, generator=rng)[:p].sort().values.int()
+    cand[1, :40] = torch.randperm(100, generator=rng)[:40].sort().values.int()
+    cand[2, torch.randperm(p, generator=rng)[:50]] = torch.randperm(300, generator=rng)[:50].int()
+    cand[3, 7] = 5  # one valid block: 4 entries, fewer than k
+    cand[5] = torch.arange(p, dtype=torch.int32) * 3
+    lim = torch.tensor([10 ** 6, int(cand[1, 39]) * cb + 2, 10 ** 6, 22, 10 ** 6, 10 ** 6])  # row 3: 2 of its 4
+    s = torch.randn(t, n, generator=rng)
+    s[5] = torch.randint(-2, 3, (n,), generator=rng).float()  # ties
+    s[5, ::3] = -0.0
+    for nvis in (lim, None):
+        want, valid = _mapped_want(s, cand, cb, lim if nvis is not None else torch.full((t,), 10 ** 6), k)
+        masked = s.masked_fill(~valid, float("-inf"))  # (the scores kernel's -inf at invalid columns)
+        maxima = masked.view(t, -1, maxg).amax(-1)
+        assert (want[3] >= 0).sum() == (2 if nvis is not None else 4) and (want[4] == -1).all()
+        for parts, final, merge in ((4, None, 4), (16, 16, 1), (5, None, 2)):
+            got = itk.topk_select(masked.to(dev), None if nvis is None else nvis.to(dev), k, maxima.to(dev), maxg,
+                                  candidates=cand.to(dev), candidate_block_size=cb, parts=parts,
+                                  survivor_block=final, min_maxima_per_k=0, merge=merge)
+            assert torch.equal(got.cpu(), want), (nvis is None, parts, final, merge)
+    for p2, k2 in ((4, 20), (16, 20)):  # at most k columns; fewer chunks than k (whole-row select)
+        c2 = cand[:, :p2].clone()
+        want, valid = _mapped_want(s[:, :p2 * cb], c2, cb, lim, k2)
+        masked = s[:, :p2 * cb].masked_fill(~valid, float("-inf"))
+        got = itk.topk_select(masked.to(dev), lim.to(dev), k2, masked.view(t, -1, maxg).amax(-1).to(dev), maxg,
+                              candidates=c2.to(dev), candidate_block_size=cb, parts=4, min_maxima_per_k=0)
+        assert torch.equal(got.cpu(), want), (p2, k2)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_candidates_take_split_select(dev, rng, monkeypatch):
+    """A decode row's Reindex selection over a candidate pool long enough for chunk maxima: the
+    gather scores kernel writes them, the split select takes them with the candidates, and the
+    ids equal the reference's (exact scores; pool-ordered blocks, the newest partly past
+    n_visible, padding last)."""
+    seen = []
+    split_select = itk._split_select
+    monkeypatch.setattr(itk, "_split_select",
+                        lambda *a, **kw: seen.append(kw.get("candidates") is not None) or split_select(*a, **kw))
+    cb, p, k, e, n = 4, 40, 6, 8, 240
+    q, w, codes, kscale = random_inputs(rng, 1, 4, 64, n, exact=True)
+    table, e = one_seq(codes, 1)
+    nv = torch.tensor([n - 2])
+    reach = -(-int(nv[0]) // cb)
+    blocks = torch.full((1, p), -1, dtype=torch.int32)
+    pick = torch.randperm(reach - 1, generator=rng)[:p - 5].sort().values
+    blocks[0, :p - 4] = torch.cat([pick, torch.tensor([reach - 1])]).int()  # the newest last, then padding
+    want_idx, _ = itk.indexer_topk_ref(q, w, codes, kscale, table, e, nv, k, candidates=blocks, candidate_block_size=cb)
+    got_idx, _ = itk.indexer_topk(q.to(dev), w.to(dev), codes.to(dev), kscale.to(dev), table.to(dev), e, nv.to(dev),
+                                  k, candidates=blocks.to(dev), candidate_block_size=cb)
+    assert torch.equal(got_idx.cpu(), want_idx)
+    assert seen == [True]
+
+
 def test_split_select_dispatch(monkeypatch):
     """The split select serves up to SPLIT_MAX_T rows (fewer parts per row for more rows), not
     Ascend (which keeps the one-program-per-row kernel)."""
@@ -798,6 +874,34 @@ def test_pool_select_equals_candidate_pool(dev, block, n_blocks, bits, rng):
     want = ref_att.candidate_pool(s, nv, n_blocks, block)
     got = itk.pool_select(block_maxima(s, nv, block).to(dev), nv.to(dev), n, n_blocks, block, radix_bits=bits)
     assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("block,n_blocks", [(4, 3), (2, 40)])
+def test_pool_beside_split_select(dev, block, n_blocks, rng, monkeypatch):
+    """`topk_select(..., pool_out=)`: the candidate pool from the select's block maxima, made by
+    programs beside the split select's parts (POOL_BESIDE_SELECT), by `pool_select` after it, and
+    beside the one-program select: every form's ids equal the stable sort's and its pool the
+    reference's (ties, the newest partial block, nothing visible, fewer blocks than the pool)."""
+    t, n, k = 6, 70, 5
+    s = torch.randint(-3, 4, (t, n), generator=rng).float()  # small integers: many exact ties
+    s[2] = torch.randn(n, generator=rng)
+    nv = torch.tensor([70, 0, 61, 13, 33, 64])
+    valid = torch.arange(n).unsqueeze(0) < nv.unsqueeze(1)
+    s = s.masked_fill(~valid, float("-inf"))
+    want_idx = ref_att._stable_topk_sorted(s, k, valid)
+    want_pool = ref_att.candidate_pool(s, nv, n_blocks, block)
+    maxima = block_maxima(s, nv, block).to(dev)
+    for beside, parts in ((True, 4), (False, 4), (True, 0)):
+        monkeypatch.setattr(itk, "POOL_BESIDE_SELECT", beside)
+        pool = torch.full((t, want_pool.shape[1]), -7, dtype=torch.int32, device=dev)
+        got = itk.topk_select(s.to(dev), nv.to(dev), k, maxima, block, parts=parts, min_maxima_per_k=0,
+                              pool_out=pool, pool_n=n_blocks)
+        assert torch.equal(got.cpu(), want_idx), (beside, parts)
+        assert torch.equal(pool.cpu().long(), want_pool.long()), (beside, parts)
+    with pytest.raises(ValueError, match="pool"):
+        itk.topk_select(s.to(dev), nv.to(dev), k, maxima, block, candidates=torch.zeros(t, n, dtype=torch.long,
+                        device=dev), pool_out=pool, pool_n=n_blocks)
 
 
 @pytest.mark.parametrize("dev", DEVICES)

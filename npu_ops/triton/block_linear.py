@@ -692,6 +692,8 @@ def fold_tm_tiles(n: int, k: int, workers: int) -> dict | None:
     to occupy the `workers` SMs)."""
     if n * k <= FOLD_TM_SMALL_BYTES:
         return dict(FOLD_TM_SMALL)
+    if FOLD_TM_LARGE_BYTES and n * k >= FOLD_TM_LARGE_BYTES:
+        return dict(FOLD_TM_LARGE)
     if -(-n // FOLD_TM["bn"]) >= 2 * workers:
         return {}
     return None
@@ -934,6 +936,15 @@ def _launch_fold_tm(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_
 FOLD_TM = {"bn": 64, "bm_max": 64, "bk": 128, "num_warps": 4, "num_stages": 3, "waves": 1}
 FOLD_TM_SMALL = {"bn": 32, "waves": 2}
 FOLD_TM_SMALL_BYTES = 16 << 20
+# weights from FOLD_TM_LARGE_BYTES (Engram's 25600x6144 wkv, 157 MB; no other mini linear is
+# past 42 MB): 128-wide tiles on 8 warps in a K split of about 4 waves. H100 2026-12-06
+# (fp8_batch_sweep.py --m 64 --engram, one run): 106.4 us against 124.1 for bn 64 / one wave
+# (113.6 at 2 stages / 2 waves); on the seven per-layer linears the same tiles lost (wq_b 45.2
+# against 33.0), so only this size takes them. In the mini batch-64 step (two Engram layers,
+# alternated processes) 4.980 / 4.970 -> 4.964 / 4.960 ms at 4K, 5.399 / 5.395 -> 5.417 / 5.386
+# at 32K: a few us, within the spread at 32K. 0 turns the rule off.
+FOLD_TM_LARGE = {"bn": 128, "num_warps": 8, "waves": 4}
+FOLD_TM_LARGE_BYTES = 96 << 20
 FOLD_TM_INTERP = {"bn": 32, "bm_max": 16, "bk": 64, "waves": 1}
 
 
@@ -1230,7 +1241,8 @@ def _mm_fp32_out_works(x: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
            out_dtype: torch.dtype = torch.bfloat16, **tiles) -> torch.Tensor:
     """`ops.linear` on a device: x [..., K] -> [..., N] in `out_dtype` (float64 gives fp32: no
-    fp64 on devices). bf16 x and weights with bf16 output, and fp32 weights, go to torch's matmul
+    fp64 on devices). One bf16 row with a small bf16 weight goes to `_dense_pair_kernel` alone
+    (`dense_row_fits`); other bf16 x and weights with bf16 output, and fp32 weights, go to torch's matmul
     (cuBLAS, fp32 accumulation), as do scaled weights at M >= CUBLAS_MIN_M with bf16 output (the
     weight dequantised exactly to bf16, x quantised through FP8 to bf16: exact operands); the
     rest (decode, fp32 outputs, the bf16 head's fp32 logits) to the kernel above."""
@@ -1248,6 +1260,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     odt = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
     if quant.is_int8_channel_weight(weight, scale):
         return int8_linear(x2, weight, scale, odt).reshape(*lead, n)
+    if dense_row_fits(x2, weight, scale) and not tiles:  # one row, a small bf16 weight: one launch
+        out = torch.empty(1, n, dtype=odt, device=x.device)
+        _launch_dense_pair(x2, weight, None, out, None)
+        return out.reshape(*lead, n)
     if not interpreting() and not tiles:
         if scale is None and odt == weight.dtype == x2.dtype:  # bf16 x bf16 -> bf16 (or fp32 throughout)
             return torch.matmul(x2, weight.t()).reshape(*lead, n)
@@ -1294,16 +1310,36 @@ def pair_in_one_launch(x2: torch.Tensor, weight_a, scale_a, weight_b, scale_b, o
 # 8 warps 5.7-4.9. In the decode step it runs beside wq_b on the other stream: 8.8-9.8 us there.
 DENSE_PAIR = {"rs": 2, "bk": 1024, "waves": 4, "num_warps": 4}
 DENSE_PAIR_INTERP = {"rs": 2, "bk": 64, "waves": 1}
+# one bf16 row with one bf16 weight up to this size takes the same kernel (`dense_row_fits`): in
+# the mini decode step at batch 1 the indexer's weights_proj (32 x 5120, fp32 out), the ratio-1
+# compressor's wkv (512 x 5120) and the indexer's wk ran as cuBLAS split-K GEMMs with a reduction
+# (and casts): 3.2-9.4 us each on the H100 (2026-12-06), on the indexer's critical path; with
+# this kernel 3.7-6.2 us, and the batch-1 step 2.003 / 1.998 -> 1.989 / 1.989 ms at 4K, 2.036 /
+# 2.029 -> 2.020 / 2.015 at 32K (H100, alternated processes). 0: off.
+DENSE_ROW_MAX_BYTES = 64 << 20
+
+
+def dense_row_fits(x2: torch.Tensor, weight: torch.Tensor, scale) -> bool:
+    """Whether `linear` takes one row through `_dense_pair_kernel` with this weight alone: plain
+    bf16 x and weight (contiguous), at most DENSE_ROW_MAX_BYTES (the head stays on its own path)."""
+    return (DENSE_ROW_MAX_BYTES > 0 and x2.shape[0] == 1 and scale is None
+            and x2.dtype == weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.is_contiguous()
+            and weight.shape[1] == x2.shape[1] and weight.numel() * 2 <= DENSE_ROW_MAX_BYTES)
 
 
 def _launch_dense_pair(x2, weight_a, weight_b, out_a, out_b, **tiles):
     """The launch of `_dense_pair_kernel`: `rpp` rows per program (the least giving at most
-    `waves` programs per SM), `rs` rows and `bk` columns per step (DENSE_PAIR; `tiles` override)."""
+    `waves` programs per SM), `rs` rows and `bk` columns per step (DENSE_PAIR; `tiles` override).
+    weight_b None: weight_a alone (its outputs in out_a)."""
     from .launch import interpreting, num_workers
 
     interp = interpreting()
     cfg = dict(DENSE_PAIR_INTERP if interp else DENSE_PAIR, **tiles)
-    n_a, n_b = weight_a.shape[0], weight_b.shape[0]
+    if weight_b is None:  # (the second weight's arguments stand in, with no rows)
+        weight_b, out_b = weight_a, out_a
+        n_a, n_b = weight_a.shape[0], 0
+    else:
+        n_a, n_b = weight_a.shape[0], weight_b.shape[0]
     rs = cfg["rs"]
     rpp = max(rs, -(-(n_a + n_b) // (cfg["waves"] * num_workers(x2.device))))
     p1 = -(-n_a // rpp)

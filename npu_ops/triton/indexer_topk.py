@@ -69,7 +69,11 @@ ids with those dropped, then each id is
 stored at its rank among the chosen (a [RB, k] comparison count, no sort primitive): the
 reference's selection sorted by entry id, whatever the candidates' order. Chosen ids that
 already ascend (candidates in the pool's entry order, as the model's Reindex layers get them)
-are copied without the ranks (H200, T=1, 4096 candidates: 55.9 -> 15.9 us).
+are copied without the ranks (H200, T=1, 4096 candidates: 55.9 -> 15.9 us). At a decode token
+(where the split select runs) the Reindex selection is split too (`SPLIT_CANDIDATES`): the
+gather scores kernel writes the candidate columns' chunk maxima, each part keeps its valid
+columns >= the bound as entry ids, and the final select's ids are staged and put in entry-id
+order as above (H100, T=1, 8192 candidates: 35.6 -> 20.5 us for the whole op).
 
 Candidate pool (`_pool_kernel`): the scores kernel writes each row's maxima over the pool's
 blocks (MAXG = pool block size, a power of two); the pool kernel raises the newest reachable
@@ -80,13 +84,15 @@ registers (an entry past the query's n_visible is no candidate), so the pool cos
 block instead of 8 bytes an entry (8 KiB instead of 128 KiB a query at the mini preset's 2048
 blocks of 8: the largest buffer that lived through a prefill step). With model-parallel score
 reduction (or a block size that is no power of two) the pool falls back to torch
-(`_candidate_pool`).
+(`_candidate_pool`). A row of up to POOL_BLOCK blocks is selected on registers (`_pool_row`).
+Where the split select runs, the pool is made by programs of the same launch beside its parts
+(`POOL_BESIDE_SELECT`: the pool's one program no longer runs after the select on the layer's
+critical path; H100, T=1, 32K entries, pool 2048 x 4: the whole op 82.7 -> 46.4 us).
 
 Long prefills are scored in chunks of queries (SCORE_CHUNK_ELEMS scores per chunk), so the
 [T, N] score matrix, which grows quadratically, never exists whole. `tl.histogram` on Ascend is
 unverified on hardware (the triton-ascend interpreter accepts it). The Reindex selection and
-the pool kernel are checked under both interpreters and compiled for sm_90a on a CPU
-(benchmarks/ptxas_usage.py: no spill); they have not run on the H200 yet.
+the pool kernel are checked under both interpreters and on CUDA (H100 GPU tests, 2026-12-06).
 """
 
 from __future__ import annotations
@@ -779,8 +785,8 @@ def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_
         raise ValueError(f"query groups (QSUB {qsub}) are for the dense multi-query tiles only")
     if rows and (bt != 1 or hp < max(16, h)):
         raise ValueError(f"rows tiles take one query and all its heads padded to >= 16 rows, got {_cfg}")
-    if gather or topk <= 0:
-        maxg = 0
+    if topk <= 0 or gather and not (SPLIT_CANDIDATES and select_parts(t, q.device)):
+        maxg = 0  # (candidates: only the split select takes their columns' maxima)
     elif maxg is None:
         maxg = scores_chunk(t, nc, topk, bn, q.device)
         maxg = 0 if maxg == 1 else maxg  # maxima of single entries bound nothing: not written
@@ -1147,7 +1153,7 @@ def _region_take(srow, prow, cnts, starts, total, SL, K, orow, PP: tl.constexpr,
     region r's cnts[r] survivors (scores srow[r * SL + j], entry ids prow[...], j < cnts[r]) are
     gathered into tile positions starts[r] + j (regions ascend, so the tile is in entry order),
     their K-th largest key found on registers, and the ids above it plus the first ones equal
-    to it written to orow in order."""
+    to it written to orow in order (all of them when total <= K)."""
     i = tl.arange(0, FB)
     pi = tl.arange(0, PP)
     # region of tile position i: the last region starting at or before i (empty regions share
@@ -1160,7 +1166,10 @@ def _region_take(srow, prow, cnts, starts, total, SL, K, orow, PP: tl.constexpr,
     x = tl.load(srow + src, mask=m, other=0.0, cache_modifier=".cg")
     ids = tl.load(prow + src, mask=m, other=0, cache_modifier=".cg")
     key = _order_key(x)
-    if SPAN:
+    if total <= K:  # (Reindex rows with at most K valid candidates: every survivor is taken)
+        thr = tl.full([], -2147483648, dtype=tl.int32)
+        need = tl.zeros([], dtype=tl.int32)
+    elif SPAN:
         thr, need = _kth_of_keys_span(key, m, K, RADIX_BITS, 32)
     else:
         thr, need = _kth_of_keys(key, m, K, RADIX_BITS)
@@ -1223,11 +1232,14 @@ def _region_take_looped(srow, prow, cnts, SL, K, orow, PP: tl.constexpr, WB: tl.
 
 @triton.jit
 def _split_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_ptr, part_ptr, count_ptr,
-                         T, N, G, K, KOUT, SL, P, num_programs,
+                         cand_ptr, stage_ptr, pool_ptr, work_ptr, NBLK, NPOOL, T, N, G, K, KOUT, SL, P,
+                         num_programs,
                          MAXG: tl.constexpr, MBLOCK: tl.constexpr, SBLOCK: tl.constexpr, FBLOCK: tl.constexpr,
                          BLOCK: tl.constexpr, PP: tl.constexpr, RADIX_BITS: tl.constexpr, SPAN: tl.constexpr,
                          MERGE: tl.constexpr = 1, PER_K: tl.constexpr = 2, STOP: tl.constexpr = 0,
-                         PDL: tl.constexpr = 0):
+                         MAP: tl.constexpr = False, CB: tl.constexpr = 1, MAP_NV: tl.constexpr = False,
+                         KP: tl.constexpr = 1, RB: tl.constexpr = 1, POOL: tl.constexpr = False,
+                         POOL_BLOCK: tl.constexpr = 16, PDL: tl.constexpr = 0):
     """The dense top-K select of `_topk_select_kernel` (same result: the K largest of
     scores[t, :n_visible[t]], ties to the lower entry id, ascending ids, -1 padded) split over P
     programs per row, so that a decode step's few rows use many SMs:
@@ -1250,27 +1262,58 @@ def _split_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_p
     Rows with at most K visible entries, or fewer than K chunks, are done by part 0 alone as
     `_topk_select_kernel` does them (no counter). STOP (timing the stages; no result): 1 ends
     after the bound, 2 after the slices. CUDA only (atomics, `.cg` loads); Ascend keeps
-    `_topk_select_kernel`."""
+    `_topk_select_kernel`.
+    MAP (the Reindex selection, as `_topk_select_kernel`'s MAP: every column selectable, cand_ptr
+    [T, N / CB] candidate block ids, -1 padding and, with MAP_NV, entries >= n_visible[t]
+    invalid, their scores -inf): the maxima are the candidate columns' (the gather scores
+    kernel's), a part keeps only valid columns and stores their entry ids as survivor ids, so the
+    final select takes the K best valid candidates (all of them when fewer) in column order,
+    staged (stage_ptr [T, KP]) and then put in entry-id order by `_sort_row` (a copy for the
+    candidate pool's ascending blocks).
+    POOL: programs num_programs .. + NPOOL make each row's candidate pool from the same maxima
+    (`_pool_row`: blocks of MAXG entries, NBLK of them, into pool_ptr; work_ptr its scratch), so
+    the pool's one-program select runs beside the parts instead of in a launch after them."""
     pdl_start(PDL)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    for job in range(pid, T * P, num_programs):
+    if POOL:
+        if pid >= num_programs:
+            for t in range(pid - num_programs, T, NPOOL):
+                _pool_row(max_ptr, nvis_ptr, pool_ptr, work_ptr, t, N, G, NBLK, MAXG, POOL_BLOCK, RADIX_BITS)
+    first = tl.where(pid < num_programs, pid, T * P)  # (the pool's programs take no select job)
+    for job in range(first, T * P, num_programs):
         t = job // P
         p = job - t * P
         t64 = t + tl.zeros([], dtype=tl.int64)  # 64-bit row offsets (a plain int under the interpreter)
         row = s_ptr + t64 * N
         orow = out_ptr + t64 * KOUT
-        nv = tl.minimum(tl.load(nvis_ptr + t).to(tl.int32), N)
+        crow = cand_ptr + t64 * (N // CB)
+        stage = stage_ptr + t64 * KP
+        lim = 2147483647 + tl.zeros([], dtype=tl.int32)  # (MAP: entries past it are not candidates)
+        if MAP:
+            nv = N + tl.zeros([], dtype=tl.int32)
+            if MAP_NV:
+                lim = tl.load(nvis_ptr + t).to(tl.int32)
+        else:
+            nv = tl.minimum(tl.load(nvis_ptr + t).to(tl.int32), N)
         g = (nv + MAXG - 1) // MAXG  # chunks holding a visible entry
         if nv <= K:  # everything visible is selected
             if p == 0:
-                for c0 in range(0, KOUT, BLOCK):
-                    c = c0 + cols
-                    tl.store(orow + c, tl.where(c < nv, c, -1).to(tl.int64), mask=c < KOUT)
+                if MAP:
+                    n_out = _take_ordered(row, row, nv, -2147483648, 0, stage, crow, BLOCK, False, True, CB, lim)
+                    _sort_row(stage, n_out, orow, KOUT, KP, RB)
+                else:
+                    for c0 in range(0, KOUT, BLOCK):
+                        c = c0 + cols
+                        tl.store(orow + c, tl.where(c < nv, c, -1).to(tl.int64), mask=c < KOUT)
         elif g < K:  # the maxima bound nothing: the whole-row select
             if p == 0:
                 thr, need = _kth_key(row, nv, K, BLOCK, RADIX_BITS)
-                _take_ordered(row, row, nv, thr, need, orow, row, BLOCK, False, False)
+                if MAP:
+                    n_out = _take_ordered(row, row, nv, thr, need, stage, crow, BLOCK, False, True, CB, lim)
+                    _sort_row(stage, n_out, orow, KOUT, KP, RB)
+                else:
+                    _take_ordered(row, row, nv, thr, need, orow, row, BLOCK, False, False)
         else:
             if SPAN:  # (G <= MBLOCK: the launcher's condition)
                 bound, _ = _kth_key_span(max_ptr + t64 * G, g, K, MBLOCK, RADIX_BITS, 32)
@@ -1290,10 +1333,16 @@ def _split_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_p
                 c = c0 + tl.arange(0, SBLOCK)
                 m = c < hi
                 x = tl.load(row + c, mask=m, other=0.0)
-                keep = (m & (_order_key(x) >= bound)).to(tl.int32)
+                keep = m & (_order_key(x) >= bound)
+                ids = c
+                if MAP:  # valid candidates only, kept as their entry ids
+                    cblk = tl.load(crow + c // CB, mask=keep, other=-1)
+                    ids = cblk * CB + c % CB
+                    keep = keep & (cblk >= 0) & (ids < lim)
+                keep = keep.to(tl.int32)
                 pos = lo + cnt + tl.cumsum(keep, axis=0) - keep
                 tl.store(srow + pos, x, mask=keep != 0)
-                tl.store(prow + pos, c, mask=keep != 0)
+                tl.store(prow + pos, ids, mask=keep != 0)
                 cnt += tl.sum(keep, axis=0)
             tl.store(part_ptr + t64 * P + p, cnt)
             tl.debug_barrier()  # every thread's survivors are written before the release below
@@ -1305,14 +1354,73 @@ def _split_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_p
                 pi = tl.arange(0, PP)
                 cnts = tl.load(part_ptr + t64 * P + pi, mask=pi < P, other=0, cache_modifier=".cg")
                 total = tl.sum(cnts, axis=0)
-                if total <= FBLOCK:
-                    _region_take(srow, prow, cnts, tl.cumsum(cnts, axis=0) - cnts, total, SL, K, orow, PP, FBLOCK,
+                dst = stage if MAP else orow  # (MAP: staged, then in entry-id order)
+                if total <= FBLOCK:  # (MAP: the launcher's FBLOCK >= K, so total > K below)
+                    _region_take(srow, prow, cnts, tl.cumsum(cnts, axis=0) - cnts, total, SL, K, dst, PP, FBLOCK,
                                  RADIX_BITS, SPAN)
                 else:
-                    _region_take_looped(srow, prow, cnts, SL, K, orow, PP, FBLOCK // PP, RADIX_BITS)
+                    _region_take_looped(srow, prow, cnts, SL, K, dst, PP, FBLOCK // PP, RADIX_BITS)
+                if MAP:
+                    _sort_row(stage, tl.minimum(total, K), orow, KOUT, KP, RB)
                 # the row's counter back to zero for the next call (`tile_counters`): every part
                 # of the row has counted, so nothing else touches it in this launch
                 tl.atomic_xchg(count_ptr + t, 0)
+
+
+@triton.jit
+def _pool_row(max_ptr, nvis_ptr, out_ptr, work_ptr, t, N, G, NBLK, B: tl.constexpr, BLOCK: tl.constexpr,
+              RADIX_BITS: tl.constexpr):
+    """Query row t's hierarchical candidate pool (`_pool_kernel`). A row of at most BLOCK blocks
+    stays on registers (one load, the radix passes and the ordered take on the tile); a longer
+    one goes through work_ptr, tile by tile."""
+    cols = tl.arange(0, BLOCK)
+    t64 = t + tl.zeros([], dtype=tl.int64)
+    nv = tl.minimum(tl.load(nvis_ptr + t).to(tl.int32), N)
+    gv = (nv + B - 1) // B  # reachable blocks
+    mrow = max_ptr + t64 * G
+    wrow = work_ptr + t64 * G
+    orow = out_ptr + t64 * NBLK
+    for c0 in range(tl.minimum(gv, NBLK), NBLK, BLOCK):  # past the chosen blocks
+        c = c0 + cols
+        tl.store(orow + c, tl.full([BLOCK], -1, dtype=tl.int32), mask=c < NBLK)
+    if gv <= BLOCK:
+        m = cols < gv
+        key = _order_key(tl.where(cols == gv - 1, float("inf"), tl.load(mrow + cols, mask=m, other=0.0)))
+        if gv > NBLK:
+            thr, need = _kth_of_keys(key, m, NBLK, RADIX_BITS)
+        else:  # every reachable block
+            thr = tl.full([], -2147483648, dtype=tl.int32)
+            need = tl.zeros([], dtype=tl.int32)
+        take, _ = _take_flags(key, m, thr, need, 0)
+        tl.store(orow + tl.cumsum(take, axis=0) - take, cols, mask=take != 0)
+    else:
+        _pool_row_tiles(mrow, wrow, orow, gv, NBLK, BLOCK, RADIX_BITS)
+
+
+@triton.jit
+def _pool_row_tiles(mrow, wrow, orow, gv, NBLK, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """`_pool_row` for a row past one tile: the maxima (the newest raised) copied to wrow, the
+    radix passes and the ordered take over it tile by tile."""
+    cols = tl.arange(0, BLOCK)
+    for c0 in range(0, gv, BLOCK):
+        c = c0 + cols
+        x = tl.load(mrow + c, mask=c < gv, other=0.0)
+        tl.store(wrow + c, tl.where(c == gv - 1, float("inf"), x), mask=c < gv)
+    tl.debug_barrier()  # the raised maxima, written by every thread of the program, are read back
+    thr = tl.full([], -2147483648, dtype=tl.int32)  # every reachable block, unless more than NBLK
+    need = tl.zeros([], dtype=tl.int32)
+    if gv > NBLK:
+        thr, need = _kth_key(wrow, gv, NBLK, BLOCK, RADIX_BITS)
+    n_sel = tl.zeros([], dtype=tl.int32)
+    n_eq = tl.zeros([], dtype=tl.int32)
+    for c0 in range(0, gv, BLOCK):  # the chosen blocks, in order
+        c = c0 + cols
+        m = c < gv
+        take, eq = _take_flags(_order_key(tl.load(wrow + c, mask=m, other=0.0)), m, thr, need, n_eq)
+        pos = n_sel + tl.cumsum(take, axis=0) - take
+        tl.store(orow + pos, c, mask=take != 0)
+        n_sel += tl.sum(take, axis=0)
+        n_eq += tl.sum(eq, axis=0)
 
 
 @triton.jit
@@ -1327,44 +1435,16 @@ def _pool_kernel(max_ptr, nvis_ptr, out_ptr, work_ptr, T, N, G, NBLK, num_progra
     newest one raised (the select reads them from memory)."""
     pdl_start(PDL)
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
     for t in range(pid, T, num_programs):
-        t64 = t + tl.zeros([], dtype=tl.int64)
-        nv = tl.minimum(tl.load(nvis_ptr + t).to(tl.int32), N)
-        gv = (nv + B - 1) // B  # reachable blocks
-        mrow = max_ptr + t64 * G
-        wrow = work_ptr + t64 * G
-        orow = out_ptr + t64 * NBLK
-        for c0 in range(0, gv, BLOCK):
-            c = c0 + cols
-            x = tl.load(mrow + c, mask=c < gv, other=0.0)
-            tl.store(wrow + c, tl.where(c == gv - 1, float("inf"), x), mask=c < gv)
-        for c0 in range(tl.minimum(gv, NBLK), NBLK, BLOCK):  # past the chosen blocks
-            c = c0 + cols
-            tl.store(orow + c, tl.full([BLOCK], -1, dtype=tl.int32), mask=c < NBLK)
-        tl.debug_barrier()  # the raised maxima, written by every thread of the program, are read back
-        thr = tl.full([], -2147483648, dtype=tl.int32)  # every reachable block, unless more than NBLK
-        need = tl.zeros([], dtype=tl.int32)
-        if gv > NBLK:
-            thr, need = _kth_key(wrow, gv, NBLK, BLOCK, RADIX_BITS)
-        n_sel = tl.zeros([], dtype=tl.int32)
-        n_eq = tl.zeros([], dtype=tl.int32)
-        for c0 in range(0, gv, BLOCK):  # the chosen blocks, in order
-            c = c0 + cols
-            m = c < gv
-            take, eq = _take_flags(_order_key(tl.load(wrow + c, mask=m, other=0.0)), m, thr, need, n_eq)
-            pos = n_sel + tl.cumsum(take, axis=0) - take
-            tl.store(orow + pos, c, mask=take != 0)
-            n_sel += tl.sum(take, axis=0)
-            n_eq += tl.sum(eq, axis=0)
+        _pool_row(max_ptr, nvis_ptr, out_ptr, work_ptr, t, N, G, NBLK, B, BLOCK, RADIX_BITS)
 
 
 def pool_select(maxima: torch.Tensor, n_visible: torch.Tensor, n: int, n_blocks: int, block: int,
-                radix_bits: int | None = None) -> torch.Tensor:
+                radix_bits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """`reference.attention.candidate_pool` (scores [T, n]) from the scores' block maxima [T,
     ceil(n / block)] (one per `block` entries, invisible entries excluded) in one Triton launch:
-    [T, min(n_blocks, blocks)] int32 block ids, ascending, -1 padded. `block` a power of two;
-    `radix_bits` as `topk_select`'s."""
+    [T, min(n_blocks, blocks)] int32 block ids, ascending, -1 padded (into `out` when given).
+    `block` a power of two; `radix_bits` as `topk_select`'s."""
     from .launch import grid_for, interpreting
 
     radix = _radix_bits(radix_bits)
@@ -1373,17 +1453,26 @@ def pool_select(maxima: torch.Tensor, n_visible: torch.Tensor, n: int, n_blocks:
         raise ValueError(f"block maxima {tuple(maxima.shape)} do not fit {n} entries in blocks of {block} "
                          "(a power of two)")
     n_blocks = min(n_blocks, g)  # as the reference: the best min(n_blocks, blocks) blocks
-    out = torch.empty(t, n_blocks, dtype=torch.int32, device=maxima.device)
+    out = _pool_out(out, t, n_blocks, maxima.device)
     if t == 0 or n_blocks == 0:
         return out
     # the select's tile (blocks are not expanded to entries here: one block a lane; the
     # interpreter's 16 keeps its tests on the multi-tile loops)
-    blk = SELECT_BLOCK_NPU if maxima.device.type == "npu" else SELECT_BLOCK
+    blk = SELECT_BLOCK_NPU if maxima.device.type == "npu" else POOL_BLOCK
     work = torch.empty(t, g, dtype=torch.float32, device=maxima.device)
     grid = grid_for(t, maxima.device)
     extra = {} if interpreting() else {"num_warps": SELECT_WARPS}
     _pool_kernel[(grid,)](maxima.contiguous(), n_visible.contiguous(), out, work, t, n, g, n_blocks, grid,
                           B=block, BLOCK=16 if interpreting() else blk, RADIX_BITS=radix, **extra, **pdl_launch(out))
+    return out
+
+
+def _pool_out(out: torch.Tensor | None, t: int, n_blocks: int, device) -> torch.Tensor:
+    """The candidate pool's output [t, n_blocks] int32: `out` checked, or a new tensor."""
+    if out is None:
+        return torch.empty(t, n_blocks, dtype=torch.int32, device=device)
+    if out.shape != (t, n_blocks) or out.dtype != torch.int32 or not out.is_contiguous():
+        raise ValueError(f"pool out {tuple(out.shape)} {out.dtype} must be a contiguous int32 [{t}, {n_blocks}]")
     return out
 
 
@@ -1412,7 +1501,8 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
                 min_maxima_per_k: int | None = None, radix_bits: int | None = None,
                 survivor_block: int | None = None, bound_passes: int | None = None,
                 span: bool | None = None, parts: int | None = None, candidate_block_size: int = 1,
-                merge: int | None = None) -> torch.Tensor:
+                merge: int | None = None, pool_out: torch.Tensor | None = None,
+                pool_n: int = 0) -> torch.Tensor:
     """The reference's `_stable_topk_sorted(scores, k, arange < n_visible)` for finite visible
     scores, in one Triton launch (a program per query row, no host sync): [T, min(k, N)] int64.
     `maxima` [T, ceil(N / maxg)]: each row's maximum over every `maxg` entries (entries past
@@ -1434,7 +1524,11 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     (`_split_select_kernel`; then `survivor_block` is the final select's tile, default
     SPLIT_FINAL_BLOCK); None: `select_parts`; 0: the one-program-per-row kernel.
     `merge`: the split select's bound over the maxima of up to this many neighbouring chunks
-    (`_maxima_bound`; default SPLIT_BOUND_MERGE)."""
+    (`_maxima_bound`; default SPLIT_BOUND_MERGE).
+    `pool_out` [T, pool_n] int32 (dense rows with maxima of pool blocks of maxg entries): also
+    the candidate pool of `pool_select`, of pool_n blocks, from the same maxima; where the split
+    select runs, in its launch by programs beside the select's (POOL_BESIDE_SELECT), else by
+    `pool_select`."""
     from .launch import grid_for, interpreting
 
     radix = _radix_bits(radix_bits)
@@ -1443,6 +1537,8 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     kout = min(k, n)
     out = torch.empty(t, kout, dtype=torch.long, device=scores.device)
     if t == 0 or kout == 0:
+        if pool_out is not None and t:
+            pool_select(maxima, n_visible, n, pool_n, maxg, radix_bits, out=pool_out)
         return out
     blk = block or (64 if interpreting() else SELECT_BLOCK_NPU if scores.device.type == "npu" else SELECT_BLOCK)
     cap = capacity or max(SELECT_CAPACITY, _pow2(4 * k))
@@ -1458,19 +1554,31 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     if sblk & (sblk - 1):
         raise ValueError(f"survivor_block {sblk} must be a power of two")
     if parts is None:
-        parts = select_parts(t, scores.device) if maxima is not None and not mapped else 0
+        parts = select_parts(t, scores.device) if maxima is not None else 0
     split = bool(parts) and scores.device.type != "npu"
     if min_maxima_per_k is None:
         per_k = SPLIT_MAXIMA_MIN_PER_K if split else SELECT_MAXIMA_MIN_PER_K
     else:
         per_k = min_maxima_per_k
-    use_max = maxima is not None and not mapped and maxg > 1 and maxima.shape[1] >= per_k * k
+    # (the one-program kernel's Reindex path has no bound: only the split select takes the
+    # candidate columns' maxima)
+    use_max = maxima is not None and (split or not mapped) and maxg > 1 and maxima.shape[1] >= per_k * k
     if use_max and (blk % maxg or maxima.shape[0] != t):
         raise ValueError(f"maxima {tuple(maxima.shape)} every {maxg} do not fit block {blk} / {t} rows")
+    if pool_out is not None and (mapped or maxima is None):
+        raise ValueError("the candidate pool comes from a dense row's block maxima (no candidates)")
     if split and use_max:
-        return _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix,
-                             SPLIT_FINAL_BLOCK if survivor_block is None else survivor_block,
-                             SELECT_SPAN if span is None else bool(span), num_warps, merge=merge)
+        beside = pool_out is not None and POOL_BESIDE_SELECT
+        _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix,
+                      SPLIT_FINAL_BLOCK if survivor_block is None else survivor_block,
+                      SELECT_SPAN if span is None else bool(span), num_warps, merge=merge,
+                      candidates=candidates if mapped else None, candidate_block_size=cb,
+                      pool=(pool_out, pool_n) if beside else None)
+        if pool_out is not None and not beside:
+            pool_select(maxima, n_visible, n, pool_n, maxg, radix_bits, out=pool_out)
+        return out
+    if pool_out is not None:
+        pool_select(maxima, n_visible, n, pool_n, maxg, radix_bits, out=pool_out)
     if (block is None and not use_max and not mapped and scores.device.type == "cuda" and not interpreting()
             and blk < n <= SELECT_WIDE_BLOCK):
         blk = SELECT_WIDE_BLOCK  # a row just past one tile: one wide tile, not two tiles a pass
@@ -1540,12 +1648,14 @@ def _bound_merge(merge: int | None) -> int:
 
 
 def _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix, final_block, span, num_warps,
-                  _stop=0, merge=None):
-    """`topk_select`'s dense bounded select on `_split_select_kernel`: `parts` programs per row
+                  _stop=0, merge=None, candidates=None, candidate_block_size=1, pool=None):
+    """`topk_select`'s bounded select on `_split_select_kernel`: `parts` programs per row
     (slices of the row's entries), the final select on a `final_block` tile. `merge`: the most
     neighbouring chunk maxima the bound merges (1, 2 or 4; default SPLIT_BOUND_MERGE; taken only
-    without span passes and with the maxima on one tile). `_stop`: the kernel's STOP (timing its
-    stages)."""
+    without span passes and with the maxima on one tile). `candidates`: the Reindex selection
+    (the kernel's MAP; n_visible may then be None). `pool` (out [T, n_blocks] int32, n_blocks):
+    the candidate pool of the maxima's blocks (`pool_select`) by T more programs of the launch
+    (the kernel's POOL). `_stop`: the kernel's STOP (timing its stages)."""
     from .launch import grid_for, interpreting, tile_counters
 
     t, n = scores.shape
@@ -1554,8 +1664,14 @@ def _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix, fi
     p = -(-n // sl)
     pp = _pow2(p)
     fb = max(_pow2(final_block or SPLIT_FINAL_BLOCK), pp, 16)
-    mblock = min(_pow2(g), blk)  # the maxima on one tile when they fit (else `_kth_key` loops)
+    mapped = candidates is not None
+    kp = _pow2(out.shape[1])
+    if mapped:  # fewer than K valid survivors must fit the one-tile take (`_region_take`)
+        fb = max(fb, _pow2(k))
     merge = _bound_merge(merge)
+    # the maxima on one tile when they fit (else `_kth_key` loops over tiles every pass); a merged
+    # bound loads up to SPLIT_BOUND_WIDE of them at once
+    mblock = min(_pow2(g), blk if span or merge == 1 else max(blk, SPLIT_BOUND_WIDE))
     if span or g > mblock or mblock < merge:
         merge = 1  # (span passes, or maxima past one tile: the plain bound)
     surv_s = torch.empty(t, n, dtype=torch.float32, device=scores.device)
@@ -1563,11 +1679,27 @@ def _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix, fi
     part = torch.empty(t, p, dtype=torch.int32, device=scores.device)
     grid = grid_for(t * p, scores.device)
     extra = {} if interpreting() else {"num_warps": num_warps or SPLIT_WARPS}
-    _split_select_kernel[(grid,)](scores.contiguous(), maxima.contiguous(), n_visible.contiguous(), out, surv_s,
-                                  surv_p, part, tile_counters(scores.device, t), t, n, g, k, out.shape[1], sl, p,
+    stage = torch.empty(t, kp, dtype=torch.long, device=scores.device) if mapped else out
+    nvis = n_visible.contiguous() if n_visible is not None else out
+    pool_out, n_pool, work = out, 0, out  # (unused pointers without a pool)
+    if pool is not None:
+        if mapped or maxg & (maxg - 1) or g != -(-n // maxg):
+            raise ValueError(f"a pool of blocks of {maxg} entries comes from a dense row's maxima of those blocks")
+        n_pool = min(pool[1], g)
+        pool_out = _pool_out(pool[0], t, n_pool, scores.device)
+        work = torch.empty(t, g, dtype=torch.float32, device=scores.device)
+    pool_programs = t if pool is not None and n_pool > 0 else 0
+    _split_select_kernel[(grid + pool_programs,)](scores.contiguous(), maxima.contiguous(), nvis, out, surv_s,
+                                  surv_p, part, tile_counters(scores.device, t),
+                                  candidates.contiguous() if mapped else out, stage, pool_out, work, n_pool,
+                                  max(pool_programs, 1), t, n, g, k, out.shape[1], sl, p,
                                   grid, MAXG=maxg, MBLOCK=mblock, SBLOCK=min(blk, _pow2(sl)), FBLOCK=fb, BLOCK=blk,
                                   PP=pp, RADIX_BITS=radix, SPAN=span and g <= mblock, MERGE=merge,
-                                  PER_K=SPLIT_BOUND_PER_K, STOP=_stop, **extra, **pdl_launch(out))
+                                  PER_K=SPLIT_BOUND_PER_K, STOP=_stop, MAP=mapped,
+                                  CB=int(candidate_block_size) if mapped else 1,
+                                  MAP_NV=mapped and n_visible is not None, KP=kp,
+                                  RB=sort_rows(kp, scores.device.type == "npu"), POOL=pool_programs > 0,
+                                  POOL_BLOCK=16 if interpreting() else POOL_BLOCK, **extra, **pdl_launch(nvis))
     return out
 
 
@@ -1641,6 +1773,34 @@ SPLIT_MAXIMA_MIN_PER_K = 2
 # a quarter 30.8 / 30.6 (no merge left there); the bound alone 12.9 -> 6.6 us (32 parts).
 SPLIT_BOUND_MERGE = 4
 SPLIT_BOUND_PER_K = 2
+# the most chunk maxima a merged bound takes on one tile. The mini step's pool source at 32K has
+# 8192 maxima (of its 4-entry pool blocks): on 4096 tiles they take the unmerged bound's looped
+# passes in every part (the select ~36 us of the op's 71 on the H100, 2026-12-06). 8192 merges
+# them on one tile (interpreter-tested; sm_90a: 128 registers, 20 bytes of spill against 64 for
+# the 4096 form) but was written after the session's last device call: NOT timed, so it stays
+# at SELECT_BLOCK (no change) until `sweep_kernels.py --only reindex` times it.
+SPLIT_BOUND_WIDE = SELECT_BLOCK
+# the Reindex selection of a decode row on the split select: the gather scores kernel writes the
+# candidate columns' chunk maxima and `_split_select_kernel` takes them (MAP), instead of one
+# program's whole-row select over every candidate (the mini step's Reindex layer at 32K: 8192
+# candidates, one program ~60 us in the step). H100 2026-12-06 (`sweep_kernels.py --only
+# reindex`, T=1, 8192 candidates, CUDA-graph time, ids equal to the reference's): the whole op
+# 35.1 / 35.6 -> 20.3 / 20.5 us (two calls); the step: benchmarks/RESULTS.md, session thirty-seven.
+SPLIT_CANDIDATES = True
+# the candidate pool's select tile on CUDA (`_pool_row`): a row of up to this many blocks is
+# loaded once and selected on registers (longer rows: once per radix pass per tile, through a
+# scratch copy). The mini step's pool source at 32K has 8192 blocks of 4 entries. H100 2026-12-06
+# (`sweep_kernels.py --only reindex`, T=1, 8192 blocks, CUDA-graph time): the pool alone 36.6 us
+# on 4096 tiles, 28.1 on one 8192 tile through the scratch copy, 25.1 on registers. Beside the
+# split select it is hidden either way (the mini batch-1 step at 32K 2.018 / 2.018 ms with 4096,
+# 2.031 / 2.019 with 8192); batches (one pool launch after the select) keep the faster form.
+POOL_BLOCK = SELECT_WIDE_BLOCK
+# the candidate pool made by programs of the split select's launch, beside its parts (T=1 rows
+# whose select splits), instead of a `pool_select` launch after it: in the mini step at 32K the
+# pool's one program took ~36 us on the critical path after the select. H100 2026-12-06 (T=1,
+# 32K entries, pool 2048 x 4, the pool source's whole op, ids and pool equal to the reference's):
+# 81.6 / 82.7 -> 46.1 / 46.4 us on 4096-block tiles, 71.4 -> 47.1 on one 8192 tile (two calls).
+POOL_BESIDE_SELECT = True
 SPLIT_PROGRAMS_PER_WORKER = 2
 SPLIT_FINAL_BLOCK = 1024
 SPLIT_WARPS = 16
@@ -1735,12 +1895,14 @@ def _indexer_topk_rows(q, weights, key_codes, key_scale, block_table, entries_pe
     if reduce_scores is not None:  # model parallel: add the other ranks' heads (-inf stays -inf)
         s = reduce_scores(s)  # (this rank's maxima would not bound the summed scores: none taken)
     if candidates is not None:
-        return topk_select(s, n_visible, topk, candidates=candidates, candidate_block_size=candidate_block_size), None
+        return topk_select(s, n_visible, topk, maxima, maxg or 1, candidates=candidates,
+                           candidate_block_size=candidate_block_size), None
+    if pool_blocks > 0 and pool_maxima:  # the pool from the select's maxima (beside it where it can)
+        pool = _pool_out(None, s.shape[0], min(pool_blocks, maxima.shape[1]), s.device)
+        return topk_select(s, n_visible, topk, maxima, maxg, pool_out=pool, pool_n=pool_blocks), pool
     idx = topk_select(s, n_visible, topk, maxima, maxg or 1)
     if pool_blocks <= 0:
         return idx, None
-    if pool_maxima:
-        return idx, pool_select(maxima, n_visible, s.shape[1], pool_blocks, pool_block_size)
     return idx, _candidate_pool(s, n_visible, pool_blocks, pool_block_size)
 
 
