@@ -1536,6 +1536,8 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     t, n = scores.shape
     kout = min(k, n)
     out = torch.empty(t, kout, dtype=torch.long, device=scores.device)
+    if pool_out is not None and (candidates is not None or maxima is None):
+        raise ValueError("the candidate pool comes from a dense row's block maxima (no candidates)")
     if t == 0 or kout == 0:
         if pool_out is not None and t:
             pool_select(maxima, n_visible, n, pool_n, maxg, radix_bits, out=pool_out)
@@ -1565,8 +1567,6 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     use_max = maxima is not None and (split or not mapped) and maxg > 1 and maxima.shape[1] >= per_k * k
     if use_max and (blk % maxg or maxima.shape[0] != t):
         raise ValueError(f"maxima {tuple(maxima.shape)} every {maxg} do not fit block {blk} / {t} rows")
-    if pool_out is not None and (mapped or maxima is None):
-        raise ValueError("the candidate pool comes from a dense row's block maxima (no candidates)")
     if split and use_max:
         beside = pool_out is not None and POOL_BESIDE_SELECT
         _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix,
