@@ -1033,6 +1033,48 @@ def _sort_row(stage, n, orow, KOUT, KP: tl.constexpr, RB: tl.constexpr):
 
 
 @triton.jit
+def _select_row(s_ptr, out_ptr, cand_ptr, stage_ptr, nvis_ptr, t, N, KOUT, KP: tl.constexpr, CB: tl.constexpr,
+                MAP: tl.constexpr, MAP_NV: tl.constexpr):
+    """A select kernel's query row t: (64-bit t, its scores, output, candidate and stage rows, the
+    entry limit (MAP_NV: n_visible[t]; else none), the selectable columns (MAP: all N; else
+    n_visible[t], at most N))."""
+    t64 = t + tl.zeros([], dtype=tl.int64)  # 64-bit row offsets (a plain int under the interpreter)
+    lim = 2147483647 + tl.zeros([], dtype=tl.int32)  # (MAP: entries past it are not candidates)
+    if MAP:
+        nv = N + tl.zeros([], dtype=tl.int32)
+        if MAP_NV:
+            lim = tl.load(nvis_ptr + t).to(tl.int32)
+    else:
+        nv = tl.minimum(tl.load(nvis_ptr + t).to(tl.int32), N)
+    return (t64, s_ptr + t64 * N, out_ptr + t64 * KOUT, cand_ptr + t64 * (N // CB), stage_ptr + t64 * KP, lim,
+            nv)
+
+
+@triton.jit
+def _whole_row(row, orow, crow, stage, nv, K, KOUT, lim, everything, BLOCK: tl.constexpr,
+               RADIX_BITS: tl.constexpr, MAP: tl.constexpr, CB: tl.constexpr, KP: tl.constexpr,
+               RB: tl.constexpr):
+    """A row selected without a bound: all nv columns (`everything`: nv <= K), else the K largest
+    by radix passes over the whole row; MAP: written as entry ids, invalid ones dropped, staged
+    and put in entry-id order (`_sort_row`); else the ascending columns, -1 padded."""
+    if everything:
+        thr = tl.full([], -2147483648, dtype=tl.int32)
+        need = tl.zeros([], dtype=tl.int32)
+    else:
+        thr, need = _kth_key(row, nv, K, BLOCK, RADIX_BITS)
+    if MAP:
+        n_out = _take_ordered(row, row, nv, thr, need, stage, crow, BLOCK, False, True, CB, lim)
+        _sort_row(stage, n_out, orow, KOUT, KP, RB)
+    elif everything:
+        cols = tl.arange(0, BLOCK)
+        for c0 in range(0, KOUT, BLOCK):
+            c = c0 + cols
+            tl.store(orow + c, tl.where(c < nv, c, -1).to(tl.int64), mask=c < KOUT)
+    else:
+        _take_ordered(row, row, nv, thr, need, orow, row, BLOCK, False, False)
+
+
+@triton.jit
 def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr, surv_p_ptr, cand_ptr, stage_ptr,
                         T, N, G, K, KOUT, num_programs,
                         MAXG: tl.constexpr, CAP: tl.constexpr, USE_MAX: tl.constexpr, BLOCK: tl.constexpr,
@@ -1067,26 +1109,10 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     for t in range(pid, T, num_programs):
-        t64 = t + tl.zeros([], dtype=tl.int64)  # 64-bit row offsets (a plain int under the interpreter)
-        row = s_ptr + t64 * N
-        orow = out_ptr + t64 * KOUT
-        crow = cand_ptr + t64 * (N // CB)
-        stage = stage_ptr + t64 * KP
-        lim = 2147483647 + tl.zeros([], dtype=tl.int32)  # (MAP: entries past it are not candidates)
-        if MAP:
-            nv = N + tl.zeros([], dtype=tl.int32)
-            if MAP_NV:
-                lim = tl.load(nvis_ptr + t).to(tl.int32)
-        else:
-            nv = tl.minimum(tl.load(nvis_ptr + t).to(tl.int32), N)
+        t64, row, orow, crow, stage, lim, nv = _select_row(s_ptr, out_ptr, cand_ptr, stage_ptr, nvis_ptr, t, N, KOUT,
+                                                           KP, CB, MAP, MAP_NV)
         if nv <= K:  # everything visible is selected
-            if MAP:
-                n_out = _take_ordered(row, row, nv, -2147483648, 0, stage, crow, BLOCK, False, True, CB, lim)
-                _sort_row(stage, n_out, orow, KOUT, KP, RB)
-            else:
-                for c0 in range(0, KOUT, BLOCK):
-                    c = c0 + cols
-                    tl.store(orow + c, tl.where(c < nv, c, -1).to(tl.int64), mask=c < KOUT)
+            _whole_row(row, orow, crow, stage, nv, K, KOUT, lim, True, BLOCK, RADIX_BITS, MAP, CB, KP, RB)
         else:
             srow = surv_s_ptr + t64 * CAP
             prow = surv_p_ptr + t64 * CAP
@@ -1138,12 +1164,7 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
                     thr, need = _kth_key(srow, cnt, K, BLOCK, RADIX_BITS)
                 _take_ordered(srow, prow, cnt, thr, need, orow, crow, BLOCK, True, False)
             else:
-                thr, need = _kth_key(row, nv, K, BLOCK, RADIX_BITS)
-                if MAP:
-                    n_out = _take_ordered(row, prow, nv, thr, need, stage, crow, BLOCK, False, True, CB, lim)
-                    _sort_row(stage, n_out, orow, KOUT, KP, RB)
-                else:
-                    _take_ordered(row, prow, nv, thr, need, orow, crow, BLOCK, False, False)
+                _whole_row(row, orow, crow, stage, nv, K, KOUT, lim, False, BLOCK, RADIX_BITS, MAP, CB, KP, RB)
 
 
 @triton.jit
@@ -1275,7 +1296,6 @@ def _split_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_p
     the pool's one-program select runs beside the parts instead of in a launch after them."""
     pdl_start(PDL)
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
     if POOL:
         if pid >= num_programs:
             for t in range(pid - num_programs, T, NPOOL):
@@ -1284,36 +1304,12 @@ def _split_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_p
     for job in range(first, T * P, num_programs):
         t = job // P
         p = job - t * P
-        t64 = t + tl.zeros([], dtype=tl.int64)  # 64-bit row offsets (a plain int under the interpreter)
-        row = s_ptr + t64 * N
-        orow = out_ptr + t64 * KOUT
-        crow = cand_ptr + t64 * (N // CB)
-        stage = stage_ptr + t64 * KP
-        lim = 2147483647 + tl.zeros([], dtype=tl.int32)  # (MAP: entries past it are not candidates)
-        if MAP:
-            nv = N + tl.zeros([], dtype=tl.int32)
-            if MAP_NV:
-                lim = tl.load(nvis_ptr + t).to(tl.int32)
-        else:
-            nv = tl.minimum(tl.load(nvis_ptr + t).to(tl.int32), N)
+        t64, row, orow, crow, stage, lim, nv = _select_row(s_ptr, out_ptr, cand_ptr, stage_ptr, nvis_ptr, t, N, KOUT,
+                                                           KP, CB, MAP, MAP_NV)
         g = (nv + MAXG - 1) // MAXG  # chunks holding a visible entry
-        if nv <= K:  # everything visible is selected
+        if nv <= K or g < K:  # everything visible is selected, or the maxima bound nothing
             if p == 0:
-                if MAP:
-                    n_out = _take_ordered(row, row, nv, -2147483648, 0, stage, crow, BLOCK, False, True, CB, lim)
-                    _sort_row(stage, n_out, orow, KOUT, KP, RB)
-                else:
-                    for c0 in range(0, KOUT, BLOCK):
-                        c = c0 + cols
-                        tl.store(orow + c, tl.where(c < nv, c, -1).to(tl.int64), mask=c < KOUT)
-        elif g < K:  # the maxima bound nothing: the whole-row select
-            if p == 0:
-                thr, need = _kth_key(row, nv, K, BLOCK, RADIX_BITS)
-                if MAP:
-                    n_out = _take_ordered(row, row, nv, thr, need, stage, crow, BLOCK, False, True, CB, lim)
-                    _sort_row(stage, n_out, orow, KOUT, KP, RB)
-                else:
-                    _take_ordered(row, row, nv, thr, need, orow, row, BLOCK, False, False)
+                _whole_row(row, orow, crow, stage, nv, K, KOUT, lim, nv <= K, BLOCK, RADIX_BITS, MAP, CB, KP, RB)
         else:
             if SPAN:  # (G <= MBLOCK: the launcher's condition)
                 bound, _ = _kth_key_span(max_ptr + t64 * G, g, K, MBLOCK, RADIX_BITS, 32)
@@ -1776,7 +1772,7 @@ SPLIT_BOUND_PER_K = 2
 # the most chunk maxima a merged bound takes on one tile. The mini step's pool source at 32K has
 # 8192 maxima (of its 4-entry pool blocks): on 4096 tiles they take the unmerged bound's looped
 # passes in every part (the select ~36 us of the op's 71 on the H100, 2026-12-06). 8192 merges
-# them on one tile (interpreter-tested; sm_90a: 128 registers, 20 bytes of spill against 64 for
+# them on one tile (interpreter-tested; sm_90a: 128 registers, 32 bytes of spill against 44 for
 # the 4096 form) but was written after the session's last device call: NOT timed, so it stays
 # at SELECT_BLOCK (no change) until `sweep_kernels.py --only reindex` times it.
 SPLIT_BOUND_WIDE = SELECT_BLOCK
