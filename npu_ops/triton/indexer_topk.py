@@ -1033,12 +1033,10 @@ def _sort_row(stage, n, orow, KOUT, KP: tl.constexpr, RB: tl.constexpr):
 
 
 @triton.jit
-def _select_row(s_ptr, out_ptr, cand_ptr, stage_ptr, nvis_ptr, t, N, KOUT, KP: tl.constexpr, CB: tl.constexpr,
-                MAP: tl.constexpr, MAP_NV: tl.constexpr):
-    """A select kernel's query row t: (64-bit t, its scores, output, candidate and stage rows, the
-    entry limit (MAP_NV: n_visible[t]; else none), the selectable columns (MAP: all N; else
-    n_visible[t], at most N))."""
-    t64 = t + tl.zeros([], dtype=tl.int64)  # 64-bit row offsets (a plain int under the interpreter)
+def _select_row(nvis_ptr, t, N, MAP: tl.constexpr, MAP_NV: tl.constexpr):
+    """A select kernel's query row t: (64-bit t for its row offsets, the entry limit (MAP_NV:
+    n_visible[t]; else none), the selectable columns (MAP: all N; else n_visible[t], at most N))."""
+    t64 = t + tl.zeros([], dtype=tl.int64)  # (a plain int under the interpreter otherwise)
     lim = 2147483647 + tl.zeros([], dtype=tl.int32)  # (MAP: entries past it are not candidates)
     if MAP:
         nv = N + tl.zeros([], dtype=tl.int32)
@@ -1046,8 +1044,7 @@ def _select_row(s_ptr, out_ptr, cand_ptr, stage_ptr, nvis_ptr, t, N, KOUT, KP: t
             lim = tl.load(nvis_ptr + t).to(tl.int32)
     else:
         nv = tl.minimum(tl.load(nvis_ptr + t).to(tl.int32), N)
-    return (t64, s_ptr + t64 * N, out_ptr + t64 * KOUT, cand_ptr + t64 * (N // CB), stage_ptr + t64 * KP, lim,
-            nv)
+    return t64, lim, nv
 
 
 @triton.jit
@@ -1109,8 +1106,11 @@ def _topk_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, chunk_ptr, surv_s_ptr
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     for t in range(pid, T, num_programs):
-        t64, row, orow, crow, stage, lim, nv = _select_row(s_ptr, out_ptr, cand_ptr, stage_ptr, nvis_ptr, t, N, KOUT,
-                                                           KP, CB, MAP, MAP_NV)
+        t64, lim, nv = _select_row(nvis_ptr, t, N, MAP, MAP_NV)
+        row = s_ptr + t64 * N
+        orow = out_ptr + t64 * KOUT
+        crow = cand_ptr + t64 * (N // CB)
+        stage = stage_ptr + t64 * KP
         if nv <= K:  # everything visible is selected
             _whole_row(row, orow, crow, stage, nv, K, KOUT, lim, True, BLOCK, RADIX_BITS, MAP, CB, KP, RB)
         else:
@@ -1196,6 +1196,19 @@ def _region_take(srow, prow, cnts, starts, total, SL, K, orow, PP: tl.constexpr,
         thr, need = _kth_of_keys(key, m, K, RADIX_BITS)
     take, _ = _take_flags(key, m, thr, need, 0)
     tl.store(orow + tl.cumsum(take, axis=0) - take, ids.to(tl.int64), mask=take != 0)
+
+
+@triton.jit
+def _final_take(srow, prow, cnts, total, SL, K, orow, PP: tl.constexpr, FBLOCK: tl.constexpr,
+                RADIX_BITS: tl.constexpr, SPAN: tl.constexpr):
+    """The split select's final select over the regions' `total` survivors: on one tile
+    (`_region_take`) up to FBLOCK of them, else looped over the regions (`_region_take_looped`).
+    (MAP: the launcher's FBLOCK >= K, so the looped path sees more than K.)"""
+    if total <= FBLOCK:
+        _region_take(srow, prow, cnts, tl.cumsum(cnts, axis=0) - cnts, total, SL, K, orow, PP, FBLOCK, RADIX_BITS,
+                     SPAN)
+    else:
+        _region_take_looped(srow, prow, cnts, SL, K, orow, PP, FBLOCK // PP, RADIX_BITS)
 
 
 @triton.jit
@@ -1304,8 +1317,11 @@ def _split_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_p
     for job in range(first, T * P, num_programs):
         t = job // P
         p = job - t * P
-        t64, row, orow, crow, stage, lim, nv = _select_row(s_ptr, out_ptr, cand_ptr, stage_ptr, nvis_ptr, t, N, KOUT,
-                                                           KP, CB, MAP, MAP_NV)
+        t64, lim, nv = _select_row(nvis_ptr, t, N, MAP, MAP_NV)
+        row = s_ptr + t64 * N
+        orow = out_ptr + t64 * KOUT
+        crow = cand_ptr + t64 * (N // CB)
+        stage = stage_ptr + t64 * KP
         g = (nv + MAXG - 1) // MAXG  # chunks holding a visible entry
         if nv <= K or g < K:  # everything visible is selected, or the maxima bound nothing
             if p == 0:
@@ -1350,14 +1366,11 @@ def _split_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_p
                 pi = tl.arange(0, PP)
                 cnts = tl.load(part_ptr + t64 * P + pi, mask=pi < P, other=0, cache_modifier=".cg")
                 total = tl.sum(cnts, axis=0)
-                dst = stage if MAP else orow  # (MAP: staged, then in entry-id order)
-                if total <= FBLOCK:  # (MAP: the launcher's FBLOCK >= K, so total > K below)
-                    _region_take(srow, prow, cnts, tl.cumsum(cnts, axis=0) - cnts, total, SL, K, dst, PP, FBLOCK,
-                                 RADIX_BITS, SPAN)
-                else:
-                    _region_take_looped(srow, prow, cnts, SL, K, dst, PP, FBLOCK // PP, RADIX_BITS)
-                if MAP:
+                if MAP:  # staged, then in entry-id order
+                    _final_take(srow, prow, cnts, total, SL, K, stage, PP, FBLOCK, RADIX_BITS, SPAN)
                     _sort_row(stage, tl.minimum(total, K), orow, KOUT, KP, RB)
+                else:
+                    _final_take(srow, prow, cnts, total, SL, K, orow, PP, FBLOCK, RADIX_BITS, SPAN)
                 # the row's counter back to zero for the next call (`tile_counters`): every part
                 # of the row has counted, so nothing else touches it in this launch
                 tl.atomic_xchg(count_ptr + t, 0)
