@@ -1440,8 +1440,9 @@ def _pool_kernel(max_ptr, nvis_ptr, out_ptr, work_ptr, T, N, G, NBLK, num_progra
     entries, entries past n_visible excluded, written by the scores kernel): the reachable
     blocks (those holding a visible entry) with the newest one forced in (+inf), the best NBLK
     of them by radix select (ties to the older block), their ids in ascending order (int32
-    out_ptr [T, NBLK]), -1 after the chosen blocks. work_ptr [T, G]: the row's maxima with the
-    newest one raised (the select reads them from memory)."""
+    out_ptr [T, NBLK]), -1 after the chosen blocks. work_ptr [T, G]: scratch for rows past one
+    BLOCK tile (their maxima with the newest one raised, read back every radix pass); rows
+    within one tile are selected on registers (`_pool_row`)."""
     pdl_start(PDL)
     pid = tl.program_id(0)
     for t in range(pid, T, num_programs):
