@@ -193,15 +193,16 @@ def _tensors(out):
     return []
 
 
-_AUX_STREAMS: dict = {}  # device -> the auxiliary stream `overlap` uses there
+_AUX_STREAMS: dict = {}  # (device, lane) -> the auxiliary stream `fork` uses there
 _CAPTURE_STREAMS: dict = {}  # device -> the stream its graphs are captured (and warmed up) on
 
 
-def _device_stream(table: dict, plat: "Platform"):
-    """The platform's device's stream in `table`, made on first use."""
-    s = table.get(plat.device)
+def _device_stream(table: dict, plat: "Platform", key=None):
+    """The platform's device's stream in `table` (under `key`, default the device), made on first use."""
+    key = plat.device if key is None else key
+    s = table.get(key)
     if s is None:
-        s = table[plat.device] = plat.stream()
+        s = table[key] = plat.stream()
     return s
 
 
@@ -210,28 +211,40 @@ def _capture_stream(plat: "Platform"):
     return _device_stream(_CAPTURE_STREAMS, plat)
 
 
-def aux_stream_overlap(plat: "Platform", side, main, joined: bool = False):
-    """`side` on the device's auxiliary stream, `main` on the current one, then joined: the
-    auxiliary stream first waits for the current one (side's inputs were made there), the
-    current one waits for the auxiliary one before returning (the caller reads side's results),
-    and side's result tensors are marked as used on the current stream so the caching allocator
-    does not hand their memory back to the auxiliary stream early. Both joins are stream waits,
-    no host sync, so the pattern can sit inside a captured graph. `joined`: main is called as
-    main(side_out, join) and reads side's results only after calling join() (the join, done
-    once: main's last kernel can take side's output while its earlier ones overlap side)."""
+def aux_fork(plat: "Platform", fn, lane: int = 0):
+    """fn() on the device's auxiliary stream `lane`, after the work queued so far on the calling
+    stream (side work forked off it: the lane waits for the calling stream, no host sync).
+    Returns fn's result; the caller joins the lane (`aux_join`) before it reads that result."""
     cur = plat.current_stream()
-    aux = _device_stream(_AUX_STREAMS, plat)
+    aux = _device_stream(_AUX_STREAMS, plat, (plat.device, lane))
     aux.wait_stream(cur)
     with plat.use_stream(aux):
-        side_out = side()
+        return fn()
+
+
+def aux_join(plat: "Platform", lane: int = 0, out=None) -> None:
+    """The calling stream waits for everything queued on auxiliary stream `lane`, and the tensors
+    of `out` (what was forked there) are marked as used on the calling stream, so the caching
+    allocator does not hand their memory back to the lane while the caller still reads them.
+    A stream wait, no host sync: the pattern can sit inside a captured graph."""
+    cur = plat.current_stream()
+    cur.wait_stream(_device_stream(_AUX_STREAMS, plat, (plat.device, lane)))
+    for t in _tensors(out):
+        t.record_stream(cur)
+
+
+def aux_stream_overlap(plat: "Platform", side, main, joined: bool = False):
+    """`side` on the device's auxiliary stream (`aux_fork`), `main` on the current one, then
+    joined (`aux_join`: the caller reads side's results after it). `joined`: main is called as
+    main(side_out, join) and reads side's results only after calling join() (the join, done
+    once: main's last kernel can take side's output while its earlier ones overlap side)."""
+    side_out = aux_fork(plat, side)
     done = []
 
     def join() -> None:
         if not done:
             done.append(True)
-            cur.wait_stream(aux)
-            for t in _tensors(side_out):
-                t.record_stream(cur)
+            aux_join(plat, 0, side_out)
 
     main_out = main(side_out, join) if joined else main()
     join()
@@ -361,6 +374,14 @@ class Platform:
         side_out = side()
         return side_out, (main(side_out, _no_join) if joined else main())
 
+    def fork(self, fn, lane: int = 0):
+        """fn() as side work beside the caller's (`aux_fork` on devices with streams; here it
+        runs at once, on the calling stream). Join it (`join`) before reading its results."""
+        return fn()
+
+    def join(self, lane: int = 0, out=None) -> None:
+        """The calling stream waits for side work forked on `lane` (`aux_join`); nothing here."""
+
     def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype `dtype` data are held in on this device (`storage_dtype`)."""
         return storage_dtype(dtype, self.device)
@@ -422,6 +443,12 @@ class CudaPlatform(Platform):
         `Transformer.overlap_streams`: the shared expert, the indexer); the module's `overlap`
         stays sequential on CUDA."""
         return aux_stream_overlap(self, side, main, joined)
+
+    def fork(self, fn, lane: int = 0):
+        return aux_fork(self, fn, lane)
+
+    def join(self, lane: int = 0, out=None) -> None:
+        aux_join(self, lane, out)
 
 
 class AscendPlatform(Platform):
@@ -499,6 +526,12 @@ class AscendPlatform(Platform):
         """`side` on an auxiliary stream, `main` on the current one, then joined (UNVERIFIED on
         hardware; the pattern of vllm-ascend's `multistream_dsv4_dsa_overlap`; `aux_stream_overlap`)."""
         return aux_stream_overlap(self, side, main, joined)
+
+    def fork(self, fn, lane: int = 0):
+        return aux_fork(self, fn, lane)
+
+    def join(self, lane: int = 0, out=None) -> None:
+        aux_join(self, lane, out)
 
 
 _PLATFORM_CLASSES = {"cpu": Platform, "meta": Platform, "cuda": CudaPlatform, "npu": AscendPlatform}

@@ -274,15 +274,18 @@ class Attention(nn.Module):
         return rows.memo(("rope", self.ratio), lambda: rope_tables(self.inv_freq, rows.pos))
 
     # -- top-k selection --
-    def select(self, x, qr, rows: Rows, cos, sin, ctx: ForwardContext) -> torch.Tensor:
+    def select(self, x, qr, rows: Rows, cos, sin, ctx: ForwardContext, keys_ready=None) -> torch.Tensor:
         """Global entry ids each query attends: own indexer (Full), re-scored pool (Reindex) or
-        the latest index source's choice (Reuse)."""
+        the latest index source's choice (Reuse). `keys_ready()` runs between the queries and
+        the scores (the wait for a compressor on another stream)."""
         cfg = self.cfg
         if self.kind == "reuse":
             return ctx.topk[cfg.index_source_of(self.layer_id)]
         g = ctx.cache.glob[cfg.kv_source_of(self.layer_id)]
         n_vis = rows.memo(("visible", self.ratio), lambda: torch.div(rows.pos + 1, self.ratio, rounding_mode="floor"))
         q, w = self.indexer.queries(x, qr, cos, sin)
+        if keys_ready is not None:
+            keys_ready()
         keys = (g.key_codes, g.key_scale, rows.glob_table(g), g.entries_per_block)
         reduce = self.group.all_reduce_sum if self.group.world_size > 1 else None
         if self.kind == "full":
@@ -305,22 +308,27 @@ class Attention(nn.Module):
         ctx.topk[self.layer_id] = idx
         return idx
 
-    def indexed(self, x: torch.Tensor, qr: torch.Tensor, rows: Rows, cos, sin, ctx: ForwardContext):
-        """This layer's compressor step (Full) and top-k (Full / Reindex): (idx, the candidate
-        pool when this layer made it, else None)."""
-        if self.kind == "full" and self.layer_id not in ctx.precompressed:
-            self.update_global(x, rows, ctx)
-        idx = self.select(x, qr, rows, cos, sin, ctx)
-        return idx, (ctx.pool if self.layer_id == self.cfg.candidate_source_layer_id else None)
-
     def forward(self, x: torch.Tensor, rows: Rows, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         cos, sin = self.rope_tables(rows)
+        swa = ctx.cache.swa[self.layer_id]
+        own = rows.swa_rows(swa)  # (made here, before any fork: every stream below reads it)
+        indexed = self.ratio > 0 and self.kind != "reuse"  # this layer scores its own top-k
+        compress = self.kind == "full" and self.layer_id not in ctx.precompressed
+        on, plat = False, None
+        if indexed:
+            plat = module_platform(self, x.device)
+            on = self.overlap_indexer
+            if on is None:  # the platform's default: where it was measured to pay (one rank: the
+                # indexer's cross-rank score sum on the second stream is not measured)
+                on = t <= plat.overlap_indexer_tokens and self.group.world_size == 1
+        if on and compress:
+            # the compressor reads only x: from the layer input on a second side stream (lane 1),
+            # beside the projections and the indexer's queries; the scores wait for its keys
+            plat.fork(lambda: self.update_global(x, rows, ctx), lane=1)
         # wq_a and wkv read the same x: one launch for both where the device has a kernel for it
         q_lat, kv = ops.linear_pair(x, self.wq_a.weight, self.wq_a.scale, self.wkv.weight, self.wkv.scale)
         qr = self.q_norm(q_lat)
-        swa = ctx.cache.swa[self.layer_id]
-        own = rows.swa_rows(swa)  # (made here: both streams below read it)
 
         def project():
             """The RoPE'd query, and this step's SWA entries (normed, RoPE'd, FP8) written into
@@ -330,17 +338,17 @@ class Attention(nn.Module):
                                      self.kv_norm.weight, self.kv_norm.eps, cos, sin, swa.kv, swa.scale, own)
 
         idx = None
-        if self.ratio > 0 and self.kind != "reuse":
-            plat = module_platform(self, x.device)
-            on = self.overlap_indexer
-            if on is None:  # the platform's default: where it was measured to pay (one rank: the
-                # indexer's cross-rank score sum on the second stream is not measured)
-                on = t <= plat.overlap_indexer_tokens and self.group.world_size == 1
-            if on:  # the indexer beside the projections: no data passes between them
-                (idx, _), q = plat.overlap(lambda: self.indexed(x, qr, rows, cos, sin, ctx), project)
-            else:
-                idx, _ = self.indexed(x, qr, rows, cos, sin, ctx)
-                q = project()
+        if on:  # the top-k on a side stream (lane 0) beside the projections: no data passes between them
+            keys_ready = (lambda: plat.join(lane=1)) if compress else None
+            idx = plat.fork(lambda: self.select(x, qr, rows, cos, sin, ctx, keys_ready))
+            q = project()
+            rows.window(swa, self.floor_group)  # (made on this stream while the top-k runs)
+            plat.join(out=(idx, ctx.pool))  # (the pool, where this layer made it, is read later)
+        elif indexed:
+            if compress:
+                self.update_global(x, rows, ctx)
+            idx = self.select(x, qr, rows, cos, sin, ctx)
+            q = project()
         else:
             q = project()
             if self.ratio > 0:  # a Reuse layer: its source layer's top-k
