@@ -79,7 +79,9 @@ SPARSE_TWO_PASS = [("two-pass", dict(TWO_PASS=True)), ("two-pass N16", dict(TWO_
                    ("two-pass 4/split", dict(TWO_PASS=True, min_blocks_per_split=4)),
                    ("two-pass D256 w8", dict(TWO_PASS=True, BLOCK_D=256, num_warps=8)),
                    ("two-pass DV256 w8", dict(TWO_PASS=True, BLOCK_DV=256, num_warps=8)),
-                   ("two-pass D512 DV256 w8", dict(TWO_PASS=True, BLOCK_D=512, BLOCK_DV=256, num_warps=8))]
+                   ("two-pass D512 DV256 w8", dict(TWO_PASS=True, BLOCK_D=512, BLOCK_DV=256, num_warps=8)),
+                   ("two-pass N64", dict(TWO_PASS=True, BLOCK_N=64)),
+                   ("two-pass N64 w8", dict(TWO_PASS=True, BLOCK_N=64, num_warps=8))]
 # register caps on the two-pass form's logits pass alone (`--only sparse_two_pass`): the shipped table,
 # then the two-pass tiles without a cap and with each cap. Session twenty-seven measured a 168 cap on
 # both passes: logits 45.4 -> 38.8 us but values 49.9 -> 54.7 at T=64 (4K)
@@ -455,14 +457,22 @@ def sweep_select(rows, copy, tokens=(1, 8)):
                     bandwidth_row(rows, name, shape, check, call, s.numel() * 4, copy)
 
 
-def sweep_reindex(rows, copy, tokens=(1,), n=32768, pool_blocks=2048, pool_block=4):
-    """A decode row's candidate pool and Reindex selection as the mini step makes them at a 32K
-    context (ratio-1 layers: 32K entries, the pool's 2048 blocks of 4 = 8192 candidates): the pool
-    source's whole `indexer_topk` (scores, top-k select, candidate pool) with the pool after the
-    select or beside it (`POOL_BESIDE_SELECT`) at `POOL_BLOCK` 4096 and 8192 (and beside it with the
-    merged bound on one 8192 tile, `SPLIT_BOUND_WIDE`), then the Reindex
-    layer's whole op over that pool with the one-program select and the split select
-    (`SPLIT_CANDIDATES`); ids and pool checked against the reference."""
+def sweep_reindex(rows, copy, tokens=(1,), contexts=(32768, 65536), pool_blocks=CFG.candidate_topk_blocks,
+                  pool_block=CFG.candidate_block_size):
+    """A decode row's candidate pool and Reindex selection as the mini step makes them (ratio-1
+    layers: one entry a position; the pool's `candidate_topk_blocks` blocks of
+    `candidate_block_size` entries: 2048 x 8 = 16384 candidates, one block maximum per 8 entries,
+    4096 of them at 32K, 8192 at 64K): the pool source's whole `indexer_topk` (scores, top-k
+    select, candidate pool) with the pool after the select or beside it (`POOL_BESIDE_SELECT`) at
+    `POOL_BLOCK` 4096 and 8192 (and beside it with the merged bound on one 8192 tile,
+    `SPLIT_BOUND_WIDE`), then the Reindex layer's whole op over that pool with the one-program
+    select and the split select (`SPLIT_CANDIDATES`); ids and pool checked against the reference."""
+    for n in contexts:
+        _sweep_reindex_at(rows, copy, tokens, n, pool_blocks, pool_block)
+
+
+def _sweep_reindex_at(rows, copy, tokens, n, pool_blocks, pool_block):
+    """`sweep_reindex` at one context of n entries."""
     from dsv41.npu_ops.triton import indexer_topk as itk
 
     kc, ks, table, e = paged_index_keys(n, "cuda")

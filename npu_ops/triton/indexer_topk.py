@@ -84,10 +84,12 @@ registers (an entry past the query's n_visible is no candidate), so the pool cos
 block instead of 8 bytes an entry (8 KiB instead of 128 KiB a query at the mini preset's 2048
 blocks of 8: the largest buffer that lived through a prefill step). With model-parallel score
 reduction (or a block size that is no power of two) the pool falls back to torch
-(`_candidate_pool`). A row of up to POOL_BLOCK blocks is selected on registers (`_pool_row`).
+(`_candidate_pool`). A row of up to POOL_BLOCK blocks is selected on registers (`_pool_row`, on the
+smallest of three tiles that holds its reachable blocks).
 Where the split select runs, the pool is made by programs of the same launch beside its parts
 (`POOL_BESIDE_SELECT`: the pool's one program no longer runs after the select on the layer's
-critical path; H100, T=1, 32K entries, pool 2048 x 4: the whole op 82.7 -> 46.4 us).
+critical path; H100, T=1, 32K entries, the mini preset's pool of 2048 blocks of 8: the whole
+op 38.2 -> 24.7 us).
 
 Long prefills are scored in chunks of queries (SCORE_CHUNK_ELEMS scores per chunk), so the
 [T, N] score matrix, which grows quadratically, never exists whole. `tl.histogram` on Ascend is
@@ -1380,30 +1382,43 @@ def _split_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_p
 def _pool_row(max_ptr, nvis_ptr, out_ptr, work_ptr, t, N, G, NBLK, B: tl.constexpr, BLOCK: tl.constexpr,
               RADIX_BITS: tl.constexpr):
     """Query row t's hierarchical candidate pool (`_pool_kernel`). A row of at most BLOCK blocks
-    stays on registers (one load, the radix passes and the ordered take on the tile); a longer
-    one goes through work_ptr, tile by tile."""
-    cols = tl.arange(0, BLOCK)
+    stays on registers, on the smallest of the tiles BLOCK / 8, BLOCK / 2 and BLOCK that holds its
+    reachable blocks (chosen at run time from its visible count: the rows' block tables are as
+    wide as the longest context, so the width says nothing); a longer one goes through work_ptr,
+    tile by tile."""
     t64 = t + tl.zeros([], dtype=tl.int64)
     nv = tl.minimum(tl.load(nvis_ptr + t).to(tl.int32), N)
     gv = (nv + B - 1) // B  # reachable blocks
     mrow = max_ptr + t64 * G
-    wrow = work_ptr + t64 * G
     orow = out_ptr + t64 * NBLK
+    cols = tl.arange(0, BLOCK)
     for c0 in range(tl.minimum(gv, NBLK), NBLK, BLOCK):  # past the chosen blocks
         c = c0 + cols
         tl.store(orow + c, tl.full([BLOCK], -1, dtype=tl.int32), mask=c < NBLK)
-    if gv <= BLOCK:
-        m = cols < gv
-        key = _order_key(tl.where(cols == gv - 1, float("inf"), tl.load(mrow + cols, mask=m, other=0.0)))
-        if gv > NBLK:
-            thr, need = _kth_of_keys(key, m, NBLK, RADIX_BITS)
-        else:  # every reachable block
-            thr = tl.full([], -2147483648, dtype=tl.int32)
-            need = tl.zeros([], dtype=tl.int32)
-        take, _ = _take_flags(key, m, thr, need, 0)
-        tl.store(orow + tl.cumsum(take, axis=0) - take, cols, mask=take != 0)
+    if gv <= BLOCK // 8:
+        _pool_row_regs(mrow, orow, gv, NBLK, BLOCK // 8, RADIX_BITS)
+    elif gv <= BLOCK // 2:
+        _pool_row_regs(mrow, orow, gv, NBLK, BLOCK // 2, RADIX_BITS)
+    elif gv <= BLOCK:
+        _pool_row_regs(mrow, orow, gv, NBLK, BLOCK, RADIX_BITS)
     else:
-        _pool_row_tiles(mrow, wrow, orow, gv, NBLK, BLOCK, RADIX_BITS)
+        _pool_row_tiles(mrow, work_ptr + t64 * G, orow, gv, NBLK, BLOCK, RADIX_BITS)
+
+
+@triton.jit
+def _pool_row_regs(mrow, orow, gv, NBLK, TILE: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """`_pool_row` for a row of gv <= TILE reachable blocks: one load (the newest block raised to
+    +inf), the radix passes and the ordered take on registers."""
+    cols = tl.arange(0, TILE)
+    m = cols < gv
+    key = _order_key(tl.where(cols == gv - 1, float("inf"), tl.load(mrow + cols, mask=m, other=0.0)))
+    if gv > NBLK:
+        thr, need = _kth_of_keys(key, m, NBLK, RADIX_BITS)
+    else:  # every reachable block
+        thr = tl.full([], -2147483648, dtype=tl.int32)
+        need = tl.zeros([], dtype=tl.int32)
+    take, _ = _take_flags(key, m, thr, need, 0)
+    tl.store(orow + tl.cumsum(take, axis=0) - take, cols, mask=take != 0)
 
 
 @triton.jit
@@ -1783,13 +1798,14 @@ SPLIT_MAXIMA_MIN_PER_K = 2
 # a quarter 30.8 / 30.6 (no merge left there); the bound alone 12.9 -> 6.6 us (32 parts).
 SPLIT_BOUND_MERGE = 4
 SPLIT_BOUND_PER_K = 2
-# the most chunk maxima a merged bound takes on one tile. The mini step's pool source at 32K has
-# 8192 maxima (of its 4-entry pool blocks): on 4096 tiles they take the unmerged bound's looped
-# passes in every part (the select ~36 us of the op's 71 on the H100, 2026-12-06). 8192 merges
-# them on one tile (interpreter-tested; sm_90a: 128 registers, 32 bytes of spill against 44 for
-# the 4096 form) but was written after the session's last device call: NOT timed, so it stays
-# at SELECT_BLOCK (no change) until `sweep_kernels.py --only reindex` times it.
-SPLIT_BOUND_WIDE = SELECT_BLOCK
+# the most chunk maxima a merged bound takes on one tile: up to 8192 the merged bound loads a row's
+# maxima at once instead of the unmerged bound's looped passes over 4096 tiles in every part (the
+# pool source's rows past 32K: one maximum per 8-entry pool block, 8192 of them at 64K). sm_90a:
+# 128 registers, 32 bytes of spill (44 for the 4096 form). H100 2026-12-06 (`sweep_kernels.py
+# --only reindex`, T=1, the pool source's whole op with the pool beside the select, ids and pool
+# equal to the reference's): 64K 50.7 -> 38.8 us, 32K (4096 maxima: one tile either way) 36.3 /
+# 36.2; the mini batch-1 step at 32K unchanged (2.008 / 2.008 ms).
+SPLIT_BOUND_WIDE = SELECT_WIDE_BLOCK
 # the Reindex selection of a decode row on the split select: the gather scores kernel writes the
 # candidate columns' chunk maxima and `_split_select_kernel` takes them (MAP), instead of one
 # program's whole-row select over every candidate (the mini step's Reindex layer at 32K: 8192
@@ -1797,19 +1813,21 @@ SPLIT_BOUND_WIDE = SELECT_BLOCK
 # reindex`, T=1, 8192 candidates, CUDA-graph time, ids equal to the reference's): the whole op
 # 35.1 / 35.6 -> 20.3 / 20.5 us (two calls); the step: benchmarks/RESULTS.md, session thirty-seven.
 SPLIT_CANDIDATES = True
-# the candidate pool's select tile on CUDA (`_pool_row`): a row of up to this many blocks is
-# loaded once and selected on registers (longer rows: once per radix pass per tile, through a
-# scratch copy). The mini step's pool source at 32K has 8192 blocks of 4 entries. H100 2026-12-06
-# (`sweep_kernels.py --only reindex`, T=1, 8192 blocks, CUDA-graph time): the pool alone 36.6 us
-# on 4096 tiles, 28.1 on one 8192 tile through the scratch copy, 25.1 on registers. Beside the
-# split select it is hidden either way (the mini batch-1 step at 32K 2.018 / 2.018 ms with 4096,
-# 2.031 / 2.019 with 8192); batches (one pool launch after the select) keep the faster form.
+# the candidate pool's largest register tile on CUDA (`_pool_row`): a row of up to this many
+# reachable blocks is loaded once and selected on registers, on the smallest of the tiles POOL_BLOCK
+# / 8, / 2 and POOL_BLOCK that holds it, chosen per row at run time (longer rows: once per radix
+# pass per tile, through a scratch copy). H100 2026-12-06 (`sweep_kernels.py --only reindex`, T=1,
+# the mini preset's 8-entry pool blocks, CUDA-graph time; before the run-time choice, one tile for
+# every row): the pool alone at 32K (4096 blocks) 13.5 us on a 4096 tile, 24.9 on an 8192 one; at
+# 64K (8192 blocks) 36.2 on 4096 tiles through the scratch, 24.9 on one 8192 tile; the pool
+# source's whole op with the pool beside the select at 32K 24.7 us (4096) against 36.3 (8192).
 POOL_BLOCK = SELECT_WIDE_BLOCK
 # the candidate pool made by programs of the split select's launch, beside its parts (T=1 rows
 # whose select splits), instead of a `pool_select` launch after it: in the mini step at 32K the
 # pool's one program took ~36 us on the critical path after the select. H100 2026-12-06 (T=1,
-# 32K entries, pool 2048 x 4, the pool source's whole op, ids and pool equal to the reference's):
-# 81.6 / 82.7 -> 46.1 / 46.4 us on 4096-block tiles, 71.4 -> 47.1 on one 8192 tile (two calls).
+# the pool source's whole op, ids and pool equal to the reference's; 32K entries in 4-entry pool
+# blocks, 8192 of them: 81.6 / 82.7 -> 46.1 / 46.4 us on 4096-block tiles, 71.4 -> 47.1 on one 8192
+# tile; the mini preset's 8-entry blocks at 32K: 38.2 -> 24.7 us on a 4096 tile).
 POOL_BESIDE_SELECT = True
 SPLIT_PROGRAMS_PER_WORKER = 2
 SPLIT_FINAL_BLOCK = 1024
