@@ -224,9 +224,9 @@ class Attention(nn.Module):
         self.floor_group = (FLOOR_DRAFT if layer_id >= cfg.num_hidden_layers
                             else FLOOR_DECODER if layer_id >= cfg.decoder_start else FLOOR_ENCODER)
         self.register_buffer("inv_freq", torch.tensor(yarn_inv_freq(cfg, self.ratio), dtype=torch.float32), persistent=False)
-        # run the compressor and the indexer (this layer's top-k) on a second stream beside the
-        # query / KV projections (`Transformer.overlap_streams`; None: the platform's default,
-        # `Platform.overlap_indexer_tokens`)
+        # run the indexer (this layer's top-k) on a second stream beside the query / KV projections,
+        # and a Full layer's compressor on a third one from the layer input (`forward`;
+        # `Transformer.overlap_streams`; None: the platform's default, `Platform.overlap_indexer_tokens`)
         self.overlap_indexer: bool | None = None
 
     # -- global KV (Full layers) --

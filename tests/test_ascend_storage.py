@@ -263,3 +263,39 @@ def test_ascend_overlap_runs_side_work_on_a_second_stream(monkeypatch):
     assert npu.log == ["aux waits main", "side on aux", "main on main", "main waits aux", "record main", "record main"]
     # off Ascend: in order on the calling stream, nothing of the above
     assert platform.overlap("cpu", lambda: 1, lambda: 2) == (1, 2)
+
+
+def test_fork_lanes_wait_and_join_in_order(monkeypatch):
+    """`Platform.fork` / `join` on two lanes (a Full layer's compressor on lane 1 from the layer
+    input, its top-k on lane 0 after the query norm): each lane waits for the stream it is forked
+    from, a lane joins another from inside its own work, and the main stream's join marks the
+    forked results as used there."""
+    from dsv41.backends import platform
+
+    npu = _FakeNpu()
+    npu_stream, made = npu.Stream, []
+
+    def new_stream(device):
+        made.append(npu_stream(npu, ("first", "second")[len(made)]))  # lane 1's is made first
+        return made[-1]
+
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(
+        Stream=new_stream, current_stream=npu.current_stream, stream=npu.stream), raising=False)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: npu.log.append(f"record {s.name}"))
+    monkeypatch.setattr(platform, "_AUX_STREAMS", {})
+    plat = platform.AscendPlatform("npu", torch.device("cpu"))
+    plat.fork(lambda: npu.log.append(f"compressor on {npu.active.name}"), lane=1)
+
+    def top_k():
+        npu.log.append(f"queries on {npu.active.name}")
+        plat.join(lane=1)
+        return torch.arange(3)
+
+    idx = plat.fork(top_k)
+    plat.join(out=idx)
+    assert torch.equal(idx, torch.arange(3))
+    assert npu.log == ["first waits main", "compressor on first", "second waits main", "queries on second",
+                       "second waits first", "main waits second", "record main"]
+    # the same lane is the same stream the next time
+    plat.fork(lambda: None, lane=1)
+    assert len(made) == 2 and npu.log[-1] == "first waits main"

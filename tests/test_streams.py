@@ -24,6 +24,45 @@ def test_overlap_gives_the_same_logits(tiny_cfg, fresh_seed, rng):
         model.overlap_streams(True, parts=("indexer", "engram"))
 
 
+def test_full_layers_fork_their_compressor_from_the_layer_input(tiny_cfg, fresh_seed, rng):
+    """With the indexer overlapped, a Full layer forks its compressor (lane 1) before its query
+    projection's norm, then its top-k (lane 0), whose scores join lane 1 before the main stream
+    joins lane 0; a Reindex layer forks its top-k alone, after the norm. The order is recorded by
+    a CPU platform that runs forked work at once (as CPU does), and the logits stay the
+    sequential ones."""
+    from dsv41.backends.platform import Platform
+
+    log = []
+
+    class Recording(Platform):
+        def fork(self, fn, lane=0):
+            log.append(f"fork {lane}")
+            return fn()
+
+        def join(self, lane=0, out=None):
+            log.append(f"join {lane}")
+
+    model = build_model(tiny_cfg, seed=fresh_seed, with_drafter=False)
+    ids = rand_prompt(tiny_cfg, 12, rng)
+    want = SingleSequence(model).feed(ids, all_logits=True)
+    model.overlap_streams(True, parts=("indexer",))
+    for blk in model.layers:
+        blk.attn._plat = Recording("cpu", torch.device("cpu"))
+        norm = blk.attn.q_norm.forward
+        blk.attn.q_norm.forward = lambda x, norm=norm: (log.append("q_norm"), norm(x))[1]
+    got = SingleSequence(model).feed(ids, all_logits=True)
+    assert torch.equal(got, want)
+    forms = {"full": ["fork 1", "q_norm", "fork 0", "join 1", "join 0"], "reindex": ["q_norm", "fork 0", "join 0"],
+             "none": ["q_norm"]}
+    seen, i = [], 0
+    while i < len(log):  # the log cut into per-layer blocks of the three forms
+        kind = next((k for k, f in forms.items() if log[i:i + len(f)] == f), None)
+        assert kind is not None, (i, log)
+        seen.append(kind)
+        i += len(forms[kind])
+    assert {"full", "reindex"} <= set(seen), seen
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_overlap_in_decode_graphs_gives_the_same_tokens(tiny_cfg, fresh_seed, rng):
