@@ -62,3 +62,14 @@ def test_skip_kernels_leaves_out_the_table(monkeypatch, tmp_path, events):
     names = events
     assert "kernel_table" not in names and "prefill" not in names, names
     assert "## Decode" in text and "Kernels per decode step" not in text
+
+
+def test_span_charges_add_up_to_the_busy_time():
+    """`span_charges`: a launch overlapped by an earlier one on another stream is charged
+    nothing, one that starts early (its programmatic-launch wait) only the part past the one
+    before, one after an idle gap its whole duration; the charges sum to the busy time."""
+    launches = [(0.0, 10.0, "a"), (2.0, 5.0, "b"), (8.0, 4.0, "c"), (15.0, 3.0, "d"), (16.0, 1.0, "b")]
+    charged = e2e.span_charges(launches)
+    assert charged == {"a": 10.0, "b": 0.0, "c": 2.0, "d": 3.0}
+    assert sum(charged.values()) == 12.0 + 3.0
+    assert e2e.span_charges(list(reversed(launches))) == charged  # (walked by start, whatever the order)
