@@ -387,7 +387,24 @@ class Platform:
         return storage_dtype(dtype, self.device)
 
 
-class CudaPlatform(Platform):
+class _StreamPlatform(Platform):
+    """A platform with device streams: side work runs on auxiliary streams beside the caller's
+    (`aux_stream_overlap`, `aux_fork` / `aux_join`). Only callers that ask the platform directly
+    get it (the MoE's shared expert and the indexer under `Transformer.overlap_streams`); the
+    module's `overlap` stays sequential on CUDA. On Ascend UNVERIFIED on hardware (the pattern of
+    vllm-ascend's `multistream_dsv4_dsa_overlap`)."""
+
+    def overlap(self, side, main, joined: bool = False):
+        return aux_stream_overlap(self, side, main, joined)
+
+    def fork(self, fn, lane: int = 0):
+        return aux_fork(self, fn, lane)
+
+    def join(self, lane: int = 0, out=None) -> None:
+        aux_join(self, lane, out)
+
+
+class CudaPlatform(_StreamPlatform):
     # the lookup kernel reads page-locked host tables in place (no host gather, no sync): on the
     # H200 (2026-11-30, mini) +0.1-0.2% decode step time against +4.5-6.1% for the fetch-ahead,
     # whose graph replays with page-locked tables also failed a GPU test (tests/test_engram_offload.py)
@@ -437,21 +454,9 @@ class CudaPlatform(Platform):
     def stream_key(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
 
-    def overlap(self, side, main, joined: bool = False):
-        """`side` on an auxiliary stream beside `main` (`aux_stream_overlap`). Only callers that
-        ask the platform directly get it (the MoE's shared expert under
-        `Transformer.overlap_streams`: the shared expert, the indexer); the module's `overlap`
-        stays sequential on CUDA."""
-        return aux_stream_overlap(self, side, main, joined)
-
-    def fork(self, fn, lane: int = 0):
-        return aux_fork(self, fn, lane)
-
-    def join(self, lane: int = 0, out=None) -> None:
-        aux_join(self, lane, out)
 
 
-class AscendPlatform(Platform):
+class AscendPlatform(_StreamPlatform):
     """torch_npu's device API (unverified on hardware). Vector-core and AI-core counts come from
     the device properties at run time; Atlas A2 parts have 20-24 AI cores with 2 vector cores
     each, which is what the fallback assumes when a property is missing. Atlas A2/A3 have no
@@ -522,16 +527,6 @@ class AscendPlatform(Platform):
         # the aux and capture streams included, gets its own
         return int(torch.npu.current_stream(self.device).stream_id)  # type: ignore[attr-defined]
 
-    def overlap(self, side, main, joined: bool = False):
-        """`side` on an auxiliary stream, `main` on the current one, then joined (UNVERIFIED on
-        hardware; the pattern of vllm-ascend's `multistream_dsv4_dsa_overlap`; `aux_stream_overlap`)."""
-        return aux_stream_overlap(self, side, main, joined)
-
-    def fork(self, fn, lane: int = 0):
-        return aux_fork(self, fn, lane)
-
-    def join(self, lane: int = 0, out=None) -> None:
-        aux_join(self, lane, out)
 
 
 _PLATFORM_CLASSES = {"cpu": Platform, "meta": Platform, "cuda": CudaPlatform, "npu": AscendPlatform}
