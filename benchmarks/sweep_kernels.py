@@ -75,7 +75,9 @@ SPARSE_TN = [("whole-row table (cuda_whole)", dict(BLOCK_N=32, BLOCK_D=None, BLO
 # the two-pass form (every logit, then the values: sparse_attention_two_pass.py) and its tiles,
 # timed at every token count. H100 2026-12-06 (T=64, 4K, graph us; no cap unless named): BLOCK_N 32
 # 94.2, BLOCK_N 64 88.3, BLOCK_N 64 with 8 warps 123.7; the default dispatch (BLOCK_N 32, logits
-# capped at 168 registers) 87.9; BLOCK_N 64 with the cap not yet timed
+# capped at 168 registers) 87.9; BLOCK_N 64 with the cap 89.2 against 88.6 (2026-12-06, session
+# thirty-nine). The values pass's look-ahead (VALUES_AHEAD, the shipped table's since then; the
+# rows here without it unless named): 78-79 us against 86-88 at T=64 with the cap
 SPARSE_TWO_PASS = [("two-pass", dict(TWO_PASS=True)), ("two-pass N16", dict(TWO_PASS=True, BLOCK_N=16)),
                    ("two-pass 2/split", dict(TWO_PASS=True, min_blocks_per_split=2)),
                    ("two-pass 4/split", dict(TWO_PASS=True, min_blocks_per_split=4)),
@@ -84,7 +86,10 @@ SPARSE_TWO_PASS = [("two-pass", dict(TWO_PASS=True)), ("two-pass N16", dict(TWO_
                    ("two-pass D512 DV256 w8", dict(TWO_PASS=True, BLOCK_D=512, BLOCK_DV=256, num_warps=8)),
                    ("two-pass N64", dict(TWO_PASS=True, BLOCK_N=64)),
                    ("two-pass N64 w8", dict(TWO_PASS=True, BLOCK_N=64, num_warps=8)),
-                   ("two-pass N64, logits cap 168", dict(TWO_PASS=True, BLOCK_N=64, LOGITS_MAXNREG=168))]
+                   ("two-pass N64, logits cap 168", dict(TWO_PASS=True, BLOCK_N=64, LOGITS_MAXNREG=168)),
+                   ("two-pass, values ahead", dict(TWO_PASS=True, VALUES_AHEAD=True)),
+                   ("two-pass, values ahead, logits cap 168", dict(TWO_PASS=True, VALUES_AHEAD=True, LOGITS_MAXNREG=168)),
+                   ("two-pass N16, values ahead", dict(TWO_PASS=True, BLOCK_N=16, VALUES_AHEAD=True))]
 # register caps on the two-pass form's logits pass alone (`--only sparse_two_pass`): the shipped table,
 # then the two-pass tiles without a cap and with each cap. Session twenty-seven measured a 168 cap on
 # both passes: logits 45.4 -> 38.8 us but values 49.9 -> 54.7 at T=64 (4K)

@@ -29,6 +29,7 @@ MQA_H32 = dict(MQA, BLOCK_H=32)  # heads padded past H (masked rows)
 MQA_LAZY = dict(MQA, LAZY=2.0)  # the running max moves only when a block passes it by > 2 (e^2 bound)
 TWO_PASS = dict(TILED, TWO_PASS=True)  # every logit first (one tile per entry block), then the values
 TWO_PASS_WHOLE = dict(WHOLE, TWO_PASS=True)  # the same with whole-row chunks and output blocks
+TWO_PASS_AHEAD = dict(TWO_PASS, VALUES_AHEAD=True)  # the values pass loads each entry block one ahead
 ROWS = dict(WHOLE, ROWS=True)  # every pool row read decoded once into a dense bf16 table, then bf16 gathers
 
 BLOCK = 8  # pool block size (rows) of both pools in these tests
@@ -116,9 +117,10 @@ def check(out, args, scale, dead_rows=(), ref=None):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(sink + 1e30) of an all-masked row
 @pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("cfg", [WHOLE, WHOLE_T, WHOLE_HALF, TILED, MQA, MQA_H32, MQA_LAZY, TWO_PASS, TWO_PASS_WHOLE],
+@pytest.mark.parametrize("cfg", [WHOLE, WHOLE_T, WHOLE_HALF, TILED, MQA, MQA_H32, MQA_LAZY, TWO_PASS, TWO_PASS_WHOLE,
+                                 TWO_PASS_AHEAD],
                          ids=["whole", "whole_t", "whole_half", "tiled", "mqa", "mqa_h32", "mqa_lazy", "two_pass",
-                              "two_pass_whole"])
+                              "two_pass_whole", "two_pass_ahead"])
 @pytest.mark.parametrize("n_split", [1, 3, None])
 def test_sparse_attention_tiny(dev, cfg, n_split, rng):
     # tiny preset widths: H = 4, D = 64
@@ -185,7 +187,9 @@ DECODE_VARIANTS = [dict(), dict(BLOCK_N=16), dict(BLOCK_N=16, num_stages=3), dic
                    dict(BLOCK_DV=256, num_warps=8), dict(BLOCK_N=16, BLOCK_D=64, BLOCK_DV=64),
                    dict(BLOCK_N=16, BLOCK_D=256, BLOCK_DV=256, num_warps=8), dict(min_blocks_per_split=4),
                    dict(TWO_PASS=True), dict(TWO_PASS=True, BLOCK_N=16), dict(TWO_PASS=True, min_blocks_per_split=4),
-                   dict(TWO_PASS=True, BLOCK_DV=256, num_warps=8), dict(TWO_PASS=True, LOGITS_MAXNREG=168)]
+                   dict(TWO_PASS=True, BLOCK_DV=256, num_warps=8), dict(TWO_PASS=True, LOGITS_MAXNREG=168),
+                   dict(TWO_PASS=True, VALUES_AHEAD=True), dict(TWO_PASS=True, VALUES_AHEAD=True, BLOCK_N=16),
+                   dict(TWO_PASS=True, VALUES_AHEAD=False)]
 
 
 @pytest.fixture(scope="module")

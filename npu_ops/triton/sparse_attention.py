@@ -131,9 +131,14 @@ CONFIGS = {
     # two-pass form (`sparse_attention_two_pass.py`: logits once per query, then p.V per output
     # block). H200 neighbours (2026-12-03, T=8 / T=64 at 4K, graph us): this 27.1 / 95.3; 2 or 4
     # blocks per split 27.1 / 94.4, 27.0 / 94.2; BLOCK_N 16 38.7 / 163.5; 256-channel contraction
-    # (8 warps) 35.8 / 148.2; 256-channel output blocks (8 warps) 32.7 / 152.1.
+    # (8 warps) 35.8 / 148.2; 256-channel output blocks (8 warps) 32.7 / 152.1. VALUES_AHEAD (the
+    # values pass loads each entry block's index row and bytes one block ahead), H100 2026-12-06
+    # (graph us, 4K, logits capped as shipped): T=8 29.6 -> 27.7, T=32 54.0 -> 49.1, T=64 87.0 ->
+    # 78.9 (values kernel 48 -> 40); the batch-64 step 4.850 / 4.806 -> 4.741 / 4.730 ms at 4K,
+    # 5.270 / 5.260 -> 5.161 / 5.200 at 32K (processes alternated). The same look-ahead on the
+    # logits pass's channel chunks lost (T=64 78 -> 106 us), as did BLOCK_N 16 with it (146).
     "cuda_decode_two_pass": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=4, num_stages=2,
-                                 TWO_PASS=True, min_blocks_per_split=1),
+                                 TWO_PASS=True, min_blocks_per_split=1, VALUES_AHEAD=True),
     "npu": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=None, min_blocks_per_split=2),
     "interp": dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=None, min_blocks_per_split=1),
 }
@@ -174,21 +179,57 @@ def _e2m1_fast(c):
 
 
 @triton.jit
+def _glob_raw(gkv_ptr, gsc_ptr, rows, ok, c0, W: tl.constexpr, kv_stride, sc_stride):
+    """`_glob_cols`' loads alone: the bytes [BN, W/16, 8] and the scale bytes [BN, W/16] as loaded
+    (int8), for `_glob_decode` (a load issued a block ahead of its use)."""
+    g = tl.arange(0, W // 16)
+    e = tl.arange(0, 8)
+    byte = c0 // 2 + (g * 8)[None, :, None] + e[None, None, :]
+    b = tl.load(gkv_ptr + rows[:, None, None] * kv_stride + byte, mask=ok[:, None, None], other=0)
+    sc = tl.load(gsc_ptr + rows[:, None] * sc_stride + (c0 // 16 + g)[None, :], mask=ok[:, None], other=0)
+    return b, sc
+
+
+@triton.jit
+def _glob_decode(b, sc, W: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`_glob_raw`'s bytes -> even / odd channel halves, fp32 [BN, W/2] each."""
+    b = b.to(tl.int32) & 0xFF
+    s = _e4m3_pos(sc.to(tl.int32) & 127)[:, :, None]
+    k_e = tl.reshape(_e2m1_fast(b & 15) * s, [BLOCK_N, W // 2])
+    k_o = tl.reshape(_e2m1_fast((b >> 4) & 15) * s, [BLOCK_N, W // 2])
+    return k_e, k_o
+
+
+@triton.jit
 def _glob_cols(gkv_ptr, gsc_ptr, rows, ok, c0, W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                kv_stride, sc_stride):
     """Packed FP4 rows [BN] (int64), channels c0 .. c0 + W -> even / odd channel halves, fp32
     [BN, W/2] each (a byte holds channel 2j in its low nibble, 2j + 1 in its high one). The
     bytes are one contiguous load of [BN, W/16, 8] (8 bytes = one 16-channel scale group), so
     each E4M3 scale is loaded and decoded once and broadcast over its group."""
-    g = tl.arange(0, W // 16)
-    e = tl.arange(0, 8)
-    byte = c0 // 2 + (g * 8)[None, :, None] + e[None, None, :]
-    b = tl.load(gkv_ptr + rows[:, None, None] * kv_stride + byte, mask=ok[:, None, None], other=0).to(tl.int32) & 0xFF
-    sc = tl.load(gsc_ptr + rows[:, None] * sc_stride + (c0 // 16 + g)[None, :], mask=ok[:, None],
-                 other=0).to(tl.int32) & 0xFF
-    s = _e4m3_pos(sc & 127)[:, :, None]
-    k_e = tl.reshape(_e2m1_fast(b & 15) * s, [BLOCK_N, W // 2])
-    k_o = tl.reshape(_e2m1_fast((b >> 4) & 15) * s, [BLOCK_N, W // 2])
+    b, sc = _glob_raw(gkv_ptr, gsc_ptr, rows, ok, c0, W, kv_stride, sc_stride)
+    return _glob_decode(b, sc, W, BLOCK_N)
+
+
+@triton.jit
+def _win_raw(win_ptr, wsc_ptr, rows, ok, c0, W: tl.constexpr, kv_stride, sc_stride):
+    """`_win_cols`' loads alone: the bytes [BN, W/32, 32] and the scale bytes [BN, W/32] as loaded
+    (int8), for `_win_decode`."""
+    g = tl.arange(0, W // 32)
+    e = tl.arange(0, 32)
+    ch = c0 + (g * 32)[None, :, None] + e[None, None, :]
+    b = tl.load(win_ptr + rows[:, None, None] * kv_stride + ch, mask=ok[:, None, None], other=0)
+    sb = tl.load(wsc_ptr + rows[:, None] * sc_stride + (c0 // 32 + g)[None, :], mask=ok[:, None], other=0)
+    return b, sb
+
+
+@triton.jit
+def _win_decode(b, sb, W: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`_win_raw`'s bytes -> even / odd channel halves, fp32 [BN, W/2] each."""
+    b0, b1 = tl.split(tl.reshape(b.to(tl.int32) & 0xFF, [BLOCK_N, W // 32, 16, 2]))
+    sc = ((sb.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)[:, :, None]
+    k_e = tl.reshape(_e4m3_signed(b0) * sc, [BLOCK_N, W // 2])
+    k_o = tl.reshape(_e4m3_signed(b1) * sc, [BLOCK_N, W // 2])
     return k_e, k_o
 
 
@@ -199,17 +240,8 @@ def _win_cols(win_ptr, wsc_ptr, rows, ok, c0, W: tl.constexpr, D: tl.constexpr, 
     [BN, W/2] each. The bytes are one contiguous load of [BN, W/32, 32] (vector loads, one
     pointer per vector), split into channel pairs; the E8M0 scale of each 32-channel group is
     loaded once and broadcast over it."""
-    g = tl.arange(0, W // 32)
-    e = tl.arange(0, 32)
-    ch = c0 + (g * 32)[None, :, None] + e[None, None, :]
-    b = tl.load(win_ptr + rows[:, None, None] * kv_stride + ch, mask=ok[:, None, None], other=0).to(tl.int32) & 0xFF
-    b0, b1 = tl.split(tl.reshape(b, [BLOCK_N, W // 32, 16, 2]))
-    sb = tl.load(wsc_ptr + rows[:, None] * sc_stride + (c0 // 32 + g)[None, :], mask=ok[:, None],
-                 other=0).to(tl.int32) & 0xFF
-    sc = (sb << 23).to(tl.float32, bitcast=True)[:, :, None]
-    k_e = tl.reshape(_e4m3_signed(b0) * sc, [BLOCK_N, W // 2])
-    k_o = tl.reshape(_e4m3_signed(b1) * sc, [BLOCK_N, W // 2])
-    return k_e, k_o
+    b, sb = _win_raw(win_ptr, wsc_ptr, rows, ok, c0, W, kv_stride, sc_stride)
+    return _win_decode(b, sb, W, BLOCK_N)
 
 
 @triton.jit
@@ -240,6 +272,26 @@ def _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, c0, W: tl.constexpr, D: tl
         e, o = _glob_cols(gkv_ptr, gsc_ptr, rows, ok, c0, W, D, BLOCK_N, kv_stride, sc_stride)
     else:
         e, o = _win_cols(win_ptr, wsc_ptr, rows, ok, c0, W, D, BLOCK_N, kv_stride, sc_stride)
+    return e, o
+
+
+@triton.jit
+def _kv_raw(kv_ptr, sc_ptr, rows, ok, c0, W: tl.constexpr, IS_GLOB: tl.constexpr, kv_stride, sc_stride):
+    """`_kv`'s loads alone from one pool (bytes and scale bytes as loaded), for `_kv_decode`."""
+    if IS_GLOB:
+        b, sc = _glob_raw(kv_ptr, sc_ptr, rows, ok, c0, W, kv_stride, sc_stride)
+    else:
+        b, sc = _win_raw(kv_ptr, sc_ptr, rows, ok, c0, W, kv_stride, sc_stride)
+    return b, sc
+
+
+@triton.jit
+def _kv_decode(b, sc, W: tl.constexpr, BLOCK_N: tl.constexpr, IS_GLOB: tl.constexpr):
+    """`_kv_raw`'s bytes -> even / odd channel halves [BN, W/2]."""
+    if IS_GLOB:
+        e, o = _glob_decode(b, sc, W, BLOCK_N)
+    else:
+        e, o = _win_decode(b, sc, W, BLOCK_N)
     return e, o
 
 
@@ -671,16 +723,18 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
                             num_warps: int | None = None, num_stages: int | None = None, QK_T: bool = False,
                             DV_HALF: bool = False, MQA: bool = False, AHEAD: bool = True, LAZY: float = 0.0,
                             TWO_PASS: bool = False, ROWS: bool = False, min_blocks_per_split: int = 2,
-                            LOGITS_MAXNREG: int | None = None, n_split: int | None = None,
+                            LOGITS_MAXNREG: int | None = None, VALUES_AHEAD: bool = False, n_split: int | None = None,
                             rows_bound: tuple[int, int] | None = None) -> torch.Tensor:
     """`sparse_attention` with explicit tile sizes (tests and tuning); `n_split` forces the split
     count. MQA (CUDA; whole rows): `_mqa_kernel` (each entry decoded once per head block and used
     as K and as V, the next block's words loaded ahead; LAZY: the running max moves only past
     that margin) instead of `_sparse_attn_kernel`. TWO_PASS: every logit first, then the values
     (`sparse_attention_two_pass`; tiled, BLOCK_D / BLOCK_DV as given; LOGITS_MAXNREG: a register
-    cap for its logits pass on CUDA). ROWS: every pool row read
-    decoded once into a dense bf16 table, then bf16 gathers (`sparse_attention_rows`; whole rows,
-    no splits; `rows_bound` sizes the table, see `ops.sparse_attention`)."""
+    cap for its logits pass on CUDA; VALUES_AHEAD: its values pass loads each entry block one
+    ahead).
+    ROWS: every pool row read decoded once into a dense bf16 table, then bf16 gathers
+    (`sparse_attention_rows`; whole rows, no splits; `rows_bound` sizes the table, see
+    `ops.sparse_attention`)."""
     from .launch import as_int8, grid_for, interpreting, num_workers
 
     t, h, d = q.shape
@@ -751,7 +805,8 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
             qc, wk, ws, wi, gk, gs, gi, sk, out, softmax_scale, s=s, k=k, block_h=block_h, block_n=BLOCK_N,
             block_d=block_d, block_dv=block_dv, n_split=n_split, min_blocks_per_split=min_blocks_per_split,
             kw=kw, dot_bf16=dot_bf16,
-            logits_kw={"maxnreg": LOGITS_MAXNREG} if LOGITS_MAXNREG and compiled_cuda else {})
+            logits_kw={"maxnreg": LOGITS_MAXNREG} if LOGITS_MAXNREG and compiled_cuda else {},
+            values_ahead=VALUES_AHEAD)
         _combine_splits(pacc, pm, pl, sk, out, n_split, dot_bf16)
         return out
     n_hb = -(-h // block_h)

@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_launch, pdl_start
-from .sparse_attention import RUNNING_MAX_INIT, _dot_in, _kv, _load_halves, _store_halves, _to_bf16
+from .sparse_attention import (RUNNING_MAX_INIT, _dot_in, _entry_rows, _kv, _kv_decode, _kv_raw, _load_halves,
+                               _store_halves, _to_bf16)
 
 
 @triton.jit
@@ -95,18 +96,53 @@ def _logits_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gidx_ptr
 
 
 @triton.jit
+def _values_range(lg_ptr, hrow, hok, m, l_i, acc_e, acc_o, idx_ptr, tq, L, off, lo, hi, kv_ptr, sc_ptr,
+                  kv_stride, sc_stride, dv0, n_e, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  IS_GLOB: tl.constexpr, DOT_BF16: tl.constexpr, AHEAD: tl.constexpr):
+    """p.V over entry blocks lo .. hi, all from one pool (block nb holds entries (nb - off) * BN ..
+    of the query's index list idx_ptr [T, L]): each block's logits loaded, p = exp(logit - m)
+    summed into l_i and rounded to bf16, its BLOCK_DV channels decoded and accumulated. AHEAD:
+    the next block's index row and bytes are requested before this block's math, so the gather's
+    latency (index row, then the rows it names) overlaps the work instead of preceding it."""
+    nn = tl.arange(0, BLOCK_N)
+    if AHEAD:
+        rows, ok = _entry_rows(idx_ptr, tq, L, lo - off, lo < hi, BLOCK_N)
+        vb, vs = _kv_raw(kv_ptr, sc_ptr, rows, ok, dv0, BLOCK_DV, IS_GLOB, kv_stride, sc_stride)
+    for nb in range(lo, hi):
+        if AHEAD:
+            cb, cs = vb, vs
+            rows, ok = _entry_rows(idx_ptr, tq, L, nb + 1 - off, nb + 1 < hi, BLOCK_N)
+            vb, vs = _kv_raw(kv_ptr, sc_ptr, rows, ok, dv0, BLOCK_DV, IS_GLOB, kv_stride, sc_stride)
+        else:
+            rows, ok = _entry_rows(idx_ptr, tq, L, nb - off, True, BLOCK_N)
+            cb, cs = _kv_raw(kv_ptr, sc_ptr, rows, ok, dv0, BLOCK_DV, IS_GLOB, kv_stride, sc_stride)
+        s = tl.load(lg_ptr + hrow[:, None] * n_e + (nb * BLOCK_N + nn)[None, :], mask=hok[:, None],
+                    other=float("-inf"))
+        p = tl.exp(s - m[:, None])
+        l_i += tl.sum(p, axis=1)
+        pb = _to_bf16(p, DOT_BF16)  # probabilities rounded to bf16 (nearest even) for p.V
+        if not DOT_BF16:
+            pb = pb.to(tl.float32)
+        v_e, v_o = _kv_decode(cb, cs, BLOCK_DV, BLOCK_N, IS_GLOB)  # (masked entries: zero bytes, p = 0)
+        acc_e = tl.dot(pb, _dot_in(v_e, DOT_BF16), acc_e)
+        acc_o = tl.dot(pb, _dot_in(v_o, DOT_BF16), acc_o)
+    return l_i, acc_e, acc_o
+
+
+@triton.jit
 def _values_kernel(lg_ptr, mb_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gidx_ptr, sink_ptr,
                    out_ptr, pacc_ptr, pm_ptr, pl_ptr,
                    H, S, K, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, num_programs,
                    w_stride, ws_stride, g_stride, gs_stride,
                    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   NB_MAX: tl.constexpr, SPLIT: tl.constexpr, DOT_BF16: tl.constexpr, PDL: tl.constexpr = 0):
+                   NB_MAX: tl.constexpr, SPLIT: tl.constexpr, DOT_BF16: tl.constexpr, AHEAD: tl.constexpr = False,
+                   PDL: tl.constexpr = 0):
     """Pass 2: tile (query, split, head block, output-channel block) -> p.V over the split's
-    entry blocks with the query's exact maximum; normalised bf16 output, or (SPLIT) the fp32
-    partial, that maximum and the partial sum for `_combine_kernel`."""
+    entry blocks with the query's exact maximum (window blocks, then global ones: `_values_range`);
+    normalised bf16 output, or (SPLIT) the fp32 partial, that maximum and the partial sum for
+    `_combine_kernel`."""
     pdl_start(PDL)
     pid = tl.program_id(0)
-    nn = tl.arange(0, BLOCK_N)
     bb = tl.arange(0, NB_MAX)
     n_e = n_blocks * BLOCK_N
     for tile in range(pid, n_tiles, num_programs):
@@ -127,19 +163,13 @@ def _values_kernel(lg_ptr, mb_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr,
         acc_o = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
         dv0 = dvb * BLOCK_DV
         b_lo = sp * bps
-        for nb in range(b_lo, tl.minimum(b_lo + bps, n_blocks)):
-            rows, ok, is_glob = _entry_block(widx_ptr, gidx_ptr, tq, nb, S, K, n_wb, BLOCK_N)
-            s = tl.load(lg_ptr + hrow[:, None] * n_e + (nb * BLOCK_N + nn)[None, :], mask=hok[:, None],
-                        other=float("-inf"))
-            p = tl.exp(s - m[:, None])
-            l_i += tl.sum(p, axis=1)
-            pb = _to_bf16(p, DOT_BF16)  # probabilities rounded to bf16 (nearest even) for p.V
-            if not DOT_BF16:
-                pb = pb.to(tl.float32)
-            v_e, v_o = _entry_cols(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, is_glob, dv0, BLOCK_DV, D, BLOCK_N,
-                                   w_stride, ws_stride, g_stride, gs_stride)
-            acc_e = tl.dot(pb, _dot_in(v_e, DOT_BF16), acc_e)
-            acc_o = tl.dot(pb, _dot_in(v_o, DOT_BF16), acc_o)
+        b_hi = tl.minimum(b_lo + bps, n_blocks)
+        l_i, acc_e, acc_o = _values_range(lg_ptr, hrow, hok, m, l_i, acc_e, acc_o, widx_ptr, tq, S, 0, b_lo,
+                                          tl.minimum(b_hi, n_wb), win_ptr, wsc_ptr, w_stride, ws_stride, dv0, n_e,
+                                          BLOCK_N, BLOCK_DV, False, DOT_BF16, AHEAD)
+        l_i, acc_e, acc_o = _values_range(lg_ptr, hrow, hok, m, l_i, acc_e, acc_o, gidx_ptr, tq, K, n_wb,
+                                          tl.maximum(b_lo, n_wb), b_hi, gkv_ptr, gsc_ptr, g_stride, gs_stride, dv0,
+                                          n_e, BLOCK_N, BLOCK_DV, True, DOT_BF16, AHEAD)
         if SPLIT:
             prow = ((tq * n_split + sp) * H + heads).to(tl.int64)
             _store_halves(pacc_ptr, prow * D, hok, dv0, acc_e, acc_o, BLOCK_DV, BLOCK_H)
@@ -155,9 +185,10 @@ def _values_kernel(lg_ptr, mb_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr,
 
 def launch_two_pass(qc, wk, ws, wi, gk, gs, gi, sk, out, softmax_scale, *, s: int, k: int, block_h: int,
                     block_n: int, block_d: int, block_dv: int, n_split: int | None, min_blocks_per_split: int,
-                    kw: dict, dot_bf16: bool, logits_kw: dict | None = None):
+                    kw: dict, dot_bf16: bool, logits_kw: dict | None = None, values_ahead: bool = False):
     """Both passes for `sparse_attention_launch` (inputs already validated and viewed as there;
-    `logits_kw`: launch options for the logits pass alone, e.g. a register cap); returns (n_split,
+    `logits_kw`: launch options for the logits pass alone, e.g. a register cap; `values_ahead`:
+    the values pass's AHEAD); returns (n_split,
     pacc, pm, pl) for its combine step (n_split 1: `out` is written)."""
     from .launch import grid_for, num_workers
     from .sparse_attention import _auto_splits, split_buffers
@@ -187,5 +218,5 @@ def launch_two_pass(qc, wk, ws, wi, gk, gs, gi, sk, out, softmax_scale, *, s: in
                               wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
                               D=d, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DV=block_dv,
                               NB_MAX=triton.next_power_of_2(n_blocks), SPLIT=n_split > 1, DOT_BF16=dot_bf16,
-                              **kw, **pdl_launch(lg))
+                              AHEAD=bool(values_ahead), **kw, **pdl_launch(lg))
     return n_split, pacc, pm, pl
