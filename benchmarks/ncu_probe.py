@@ -1,11 +1,13 @@
 """The batch-1 decode step's largest kernels at mini widths, each launched once inside a profiler
 window, for Nsight Compute's hardware counters: one MoE layer at one token (the routed FP4 MMA
-kernels: 16 experts 5120 x 2304, top-6) and five FP8 linears at one row (wo_b 5120x8192, wq_b
-32768x1280, Engram's wkv 25600x6144, the shared expert's 2304x5120 and 5120x2304). Every call runs
-twice first (compiles, counters), then once between cudaProfilerStart / Stop:
+kernels: 16 experts 5120 x 2304, top-6), five FP8 linears at one row (wo_b 5120x8192, wq_b
+32768x1280, Engram's wkv 25600x6144, the shared expert's 2304x5120 and 5120x2304), and ("attn")
+the two ops with T=1 targets at a 64K context: `sparse_attention` (window 128 + top-512) and
+`indexer_topk` (the sweep's inputs, benchmarks/ops.py). Every call runs twice first (compiles,
+counters), then once between cudaProfilerStart / Stop:
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section SchedulerStats \\
-        --kernel-name regex:"_mma_up|_mma_down|_row_gemv|_row_mma|_fold_xs" python benchmarks/ncu_probe.py [moe] [lin]
+        --kernel-name regex:"_mma_up|_mma_down|_row_gemv|_row_mma|_fold_xs" python benchmarks/ncu_probe.py [moe] [lin] [attn]
 
 Random weights (seed 0); needs a CUDA device. Timings without ncu: sweep_kernels.py, e2e.py.
 """
@@ -26,9 +28,9 @@ def main() -> int:
         print("benchmarks/ncu_probe.py needs a CUDA device", file=sys.stderr)
         return 2
     which = sys.argv[1:] or ["moe", "lin"]
-    bad = set(which) - {"moe", "lin"}
+    bad = set(which) - {"moe", "lin", "attn"}
     if bad:
-        print(f"ncu_probe.py: unknown part(s) {sorted(bad)} (moe, lin)", file=sys.stderr)
+        print(f"ncu_probe.py: unknown part(s) {sorted(bad)} (moe, lin, attn)", file=sys.stderr)
         return 2
     torch.manual_seed(0)
     calls = []
@@ -45,6 +47,19 @@ def main() -> int:
             w, s = quant.fp8_block_quant(torch.randn(n, k, device="cuda") * k ** -0.5)
             xk = torch.randn(1, k, device="cuda").to(torch.bfloat16)
             calls.append(lambda xk=xk, w=w, s=s: bl.linear(xk, w, s))
+    if "attn" in which:
+        from ops import DI, HI, TOPK, paged_index_keys, sparse_attention_args  # benchmarks/ops.py: the sweep's inputs
+
+        from dsv41.npu_ops.triton import indexer_topk as itk
+        from dsv41.npu_ops.triton import sparse_attention as sa
+
+        args, _ = sparse_attention_args(1, 65536, "cuda", masked_fraction=0.05)
+        calls.append(lambda: sa.sparse_attention(*args))
+        kc, ks, table, e = paged_index_keys(65536, "cuda")
+        q = quant.mxfp4_qdq(torch.randn(1, HI, DI, device="cuda"))
+        w = torch.randn(1, HI, device="cuda") * DI ** -0.5 * HI ** -0.5
+        vis = torch.full((1,), 65536, dtype=torch.long, device="cuda")
+        calls.append(lambda: itk.indexer_topk(q, w, kc, ks, table, e, vis, TOPK))
     for c in calls:
         c()
         c()
