@@ -91,7 +91,8 @@ def _dequant_bytes_kernel(w_ptr, s_ptr, out_ptr, K, BN: tl.constexpr, BK: tl.con
     rn = tl.arange(0, BN).to(tl.int64)
     kcol = mf.byte_order(tl.arange(0, BK), BK)
     for k0 in range(0, K, BK):
-        w = mf.fp4_bytes_bf16(w_ptr, s_ptr, rn, k0, K // 32, K // 2, BN, BK, ASM, LOWP)
+        sb = mf.scale_bytes(s_ptr, rn, k0, K // 32, BN, BK, True)
+        w = mf.fp4_bytes_bf16(w_ptr, sb, rn, k0, K // 2, BN, BK, ASM, LOWP)
         tl.store(out_ptr + rn[:, None] * K + k0 + kcol[None, :], w.to(tl.float32))
 
 
@@ -352,6 +353,18 @@ def test_fold_default_slots_bit_equal_gpu(dev, t, rng, poisoned):
     run = slots_case(dev, t, 1024, 512, rng)
     assert mf.fold_tiles(t).get("slots")
     assert torch.equal(run(), run(slots=1, maxnreg=255))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("t", [24, 64])
+def test_fold_scales_ahead_bit_equal_gpu(dev, t, rng, poisoned):
+    """The byte tiles' scale bytes loaded a K step ahead or in their own step (`ahead_up`; the
+    down kernel always ahead): bit-equal, one slot (24 tokens) and two (64)."""
+    run = slots_case(dev, t, 1024, 512, rng)
+    ahead = run(ahead_up=True)
+    assert torch.isfinite(ahead).all()
+    assert torch.equal(ahead, run(ahead_up=False))
 
 
 @pytest.mark.gpu

@@ -207,6 +207,20 @@ def _decode_tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
+def _fold_scale_bytes(s_ptr, pid_n, rn64, nmask, k0, k_hi, s_stride, SCALE_X: tl.constexpr, BN: tl.constexpr,
+                      NB: tl.constexpr):
+    """`_fold_linear_kernel`'s E8M0 weight scale bytes of the BK step at k0 (zero past k_hi): the
+    tile's one scale row-block [NB] with SCALE_X (BN == 32), else each weight row's [BN, NB]."""
+    kb = k0 // 32 + tl.arange(0, NB)
+    bmask = kb * 32 < k_hi
+    if SCALE_X:
+        return tl.load(s_ptr + (pid_n * (BN // 32)) * s_stride + kb, mask=bmask, other=0)
+    else:
+        return tl.load(s_ptr + (rn64 // 32)[:, None] * s_stride + kb[None, :], mask=nmask[:, None] & bmask[None, :],
+                       other=0)
+
+
+@triton.jit
 def _fold_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride, s_stride, k_per_split,
                         SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, QDQ_ROW: tl.constexpr,
                         SCALE_X: tl.constexpr, LOWP: tl.constexpr,
@@ -225,11 +239,13 @@ def _fold_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
     pid_n, pid_m, pid_k, rn, rm, nmask, mmask, rn64, rm64 = _decode_tile_ids(M, N, BM, BN)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
+    sb = _fold_scale_bytes(s_ptr, pid_n, rn64, nmask, k_lo, k_hi, s_stride, SCALE_X, BN, NB)
     for k0 in range(k_lo, k_hi, BK):
         kk = k0 + tl.arange(0, BK)
-        kb = k0 // 32 + tl.arange(0, NB)
         kmask = kk < k_hi
-        bmask = kb * 32 < k_hi
+        # the next step's scale bytes, a step ahead (1-byte loads: the compiler's pipeline does
+        # not stage them, and loaded in their own step they stalled it on the round trip)
+        sb_next = _fold_scale_bytes(s_ptr, pid_n, rn64, nmask, k0 + BK, k_hi, s_stride, SCALE_X, BN, NB)
         w = tl.load(w_ptr + rn64[:, None] * K + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         if QDQ_ROW:  # one activation row: quantise it here, place it in column 0 of the [BK, BM] operand
             xr = tl.load(x_ptr + kk[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
@@ -239,17 +255,16 @@ def _fold_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
             xt = tl.load(x_ptr + rm64[None, :] * x_stride + kk[:, None], mask=kmask[:, None] & mmask[None, :],
                          other=0.0).to(tl.float32)
         if SCALE_X:
-            sw = e8m0_value(tl.load(s_ptr + (pid_n * (BN // 32)) * s_stride + kb, mask=bmask, other=0).to(tl.int32))
-            xs = tl.reshape(tl.reshape(xt, (NB, 32, BM)) * sw[:, None, None], (BK, BM))
+            xs = tl.reshape(tl.reshape(xt, (NB, 32, BM)) * e8m0_value(sb.to(tl.int32))[:, None, None], (BK, BM))
             if LOWP:
                 acc = _fold_dot(acc, w.to(tl.bfloat16), xs, LOWP)
             else:
                 acc = _fold_dot(acc, w.to(tl.float32), xs, LOWP)
         else:
-            s = e8m0_value(tl.load(s_ptr + (rn64 // 32)[:, None] * s_stride + kb[None, :],
-                                   mask=nmask[:, None] & bmask[None, :], other=0).to(tl.int32))
-            wf = tl.reshape(tl.reshape(w.to(tl.float32), (BN, NB, 32)) * s[:, :, None], (BN, BK))
+            wf = tl.reshape(tl.reshape(w.to(tl.float32), (BN, NB, 32)) * e8m0_value(sb.to(tl.int32))[:, :, None],
+                            (BN, BK))
             acc = _fold_dot(acc, wf, xt, LOWP)
+        sb = sb_next
     _finish_tile(tl.trans(acc), out_ptr, part_ptr, count_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, rm, rn,
                  M, N, SPLIT_K, OUT_BF16)
 

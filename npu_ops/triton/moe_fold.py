@@ -107,6 +107,17 @@ from .swiglu import expert_act
 # but SLOWER in the decode step: batch 64 at 4K 5.015 / 5.038 ms (these tiles) against 5.305 / 5.302
 # (alternated processes, one machine). A 128-register cap (4 programs an SM) or 4 stages with them was
 # slower alone too (268-329 us). Not kept; the change is in benchmarks/RESULTS.md's session thirty-four.
+# The byte tiles' scale bytes loaded a K step ahead (`scale_bytes`, the kernels' AHEAD): in the down
+# kernel always, in the gate/up kernel with at most AHEAD_UP_MAX_SLOTS row-tile slots (T <= 32). H100
+# 2026-12-06 (session forty): the op alone (`sweep_kernels.py --only moe_slots`, graph us, both kernels
+# ahead against neither) T=33 uniform / sigma 0.5 / sigma 1 263.6 / 267.5 / 280.7 -> 231.8 / 227.2 /
+# 238.4, T=64 270.9 / 290.2 / 294.0 -> 239.7 / 250.0 / 253.8; the mini decode step at 4K (graph ms,
+# processes alternated) batch 32 3.946 / 3.957 -> 3.717 / 3.729 with both. At batch 64 (two slots) the
+# gate/up kernel ahead measured slower in the step than alone: 4.795 / 4.790 neither, 4.803 / 4.811
+# both, 4.896 the gate/up kernel alone ahead, 4.717 the down kernel alone ahead (its six launches
+# 99-197 us against 149-178; the gate/up ones 173-259 against 203-235, so some layers gained and
+# others lost: not understood; the ahead form spills 172 bytes at the 168-register cap against 140).
+AHEAD_UP_MAX_SLOTS = 1
 _DECODE = {"bn_up": 64, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 3, "split": 1, "w_left": True,
            "rb_max": 64}
 TILES = {"cuda": [(1, _DECODE), (3, dict(_DECODE, split=2)), (16, dict(_DECODE, split=4)),
@@ -212,16 +223,32 @@ def _fragment_bytes(b, BN: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def fp4_bytes_bf16(w_ptr, s_ptr, rn64, k0, s_stride, w_stride, BN: tl.constexpr, BK: tl.constexpr,
+def scale_bytes(s_ptr, rn, k0, s_stride, BN: tl.constexpr, BK: tl.constexpr, BYTES: tl.constexpr):
+    """The E8M0 scale bytes [BN, BK / 32] (int32) of weight rows rn, K columns k0 .. k0 + BK, for
+    `fp4_bytes_bf16` (s_ptr: int32 word pointer, row stride s_stride bytes); 0 for the word tiles
+    (`fp4_tile_bf16` loads its scale words itself). The kernels load a K step's scale bytes one
+    step ahead: the compiler's pipeline takes the 2-byte loads of [BN, 4] bytes into no stage,
+    so loaded in the step that used them they stalled it on their round trip (Nsight Compute,
+    H100, the gate/up kernel at 64 tokens: 39% of its stall cycles waiting on L1TEX, the weight
+    and x tiles being in shared memory stages ahead)."""
+    if BYTES:
+        return tl.load(s_ptr.to(tl.pointer_type(tl.uint8)) + rn.to(tl.int64)[:, None] * s_stride + k0 // 32
+                       + tl.arange(0, BK // 32)[None, :]).to(tl.int32)
+    else:
+        return 0
+
+
+@triton.jit
+def fp4_bytes_bf16(w_ptr, sb, rn64, k0, w_stride, BN: tl.constexpr, BK: tl.constexpr,
                    ASM: tl.constexpr, LOWP: tl.constexpr):
     """Weight rows rn [BN], K columns k0 .. k0 + BK of a packed FP4 matrix (bytes, row stride
-    w_stride; E8M0 scale bytes, row stride s_stride) -> [BN, BK] exact bf16 (LOWP) or fp32 values
-    with the scale folded in, K in `byte_order`. The weight is loaded as bytes (not words), so
-    the compiler can give each thread the bytes of its own dot-operand fragment and the tile never
-    goes through shared memory after its load. No masks (whole tiles: the launcher checks)."""
+    w_stride) with its E8M0 scale bytes sb [BN, BK / 32] (`scale_bytes`) -> [BN, BK] exact bf16
+    (LOWP) or fp32 values with the scale folded in, K in `byte_order`. The weight is loaded as
+    bytes (not words), so the compiler can give each thread the bytes of its own dot-operand
+    fragment and the tile never goes through shared memory after its load. No masks (whole
+    tiles: the launcher checks)."""
     b = _fragment_bytes(tl.load(w_ptr + rn64[:, None] * w_stride + k0 // 2 + tl.arange(0, BK // 2)[None, :]), BN,
                         BK // 2)
-    sb = tl.load(s_ptr + rn64[:, None] * s_stride + k0 // 32 + tl.arange(0, BK // 32)[None, :]).to(tl.int32)
     if ASM:
         f = (((sb + 126) << 7).to(tl.int16)).to(tl.bfloat16, bitcast=True)  # 2^(s - 1)
         f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, BK // 32, 16)), (BN, BK // 2))
@@ -236,15 +263,14 @@ def fp4_bytes_bf16(w_ptr, s_ptr, rn64, k0, s_stride, w_stride, BN: tl.constexpr,
 
 
 @triton.jit
-def _tile(w_ptr, s_ptr, rn, k0, s_stride, K, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr,
+def _tile(w_ptr, s_ptr, sb, rn, k0, s_stride, K, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr,
           LOWP: tl.constexpr, BYTES: tl.constexpr):
     """Weight rows rn, K columns k0 .. k0 + BK of expert matrix w_ptr (int32 words; scales s_ptr as
     int32 words of 4 bytes, row stride s_stride bytes; K columns a row) with the scale folded in:
     from words (`fp4_tile_bf16`, `word_order`) or, BYTES, from bytes (`fp4_bytes_bf16`,
-    `byte_order`)."""
+    `byte_order`) with this step's scale bytes sb (`scale_bytes`, loaded a step ahead)."""
     if BYTES:
-        w = fp4_bytes_bf16(w_ptr.to(tl.pointer_type(tl.uint8)), s_ptr.to(tl.pointer_type(tl.uint8)),
-                           rn.to(tl.int64), k0, s_stride, K // 2, BN, BK, ASM, LOWP)
+        w = fp4_bytes_bf16(w_ptr.to(tl.pointer_type(tl.uint8)), sb, rn.to(tl.int64), k0, K // 2, BN, BK, ASM, LOWP)
     else:
         w = fp4_tile_bf16(w_ptr, s_ptr, rn, k0 // 8, s_stride // 4, K // 8, BN, BK, ASM, LOWP)
     return w
@@ -317,12 +343,14 @@ def _fold_up_kernel(x_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_
                     s_stride, limit, TOPK: tl.constexpr, ALIGN: tl.constexpr, ASM: tl.constexpr,
                     LOWP: tl.constexpr, RB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                     W_LEFT: tl.constexpr, BYTES: tl.constexpr = False, BK_DOWN: tl.constexpr = 128,
-                    SLOTS: tl.constexpr = 1, PDL: tl.constexpr = 0):
+                    SLOTS: tl.constexpr = 1, AHEAD: tl.constexpr = True, PDL: tl.constexpr = 0):
     """h[p, n] for the expert-ordered rows p of expert program_id(0), columns of tile
     program_id(1); with SPLIT > 1, K slice program_id(2) // SLOTS's partial sums of gate and up
     to part [SPLIT, R, 2, I] instead (`_fold_act_kernel` adds them up). The expert's RB-row
     tiles are dealt to SLOTS programs (slot program_id(2) % SLOTS takes tiles slot, slot +
-    SLOTS, ...), so an expert with more rows than one tile runs its tiles side by side."""
+    SLOTS, ...), so an expert with more rows than one tile runs its tiles side by side. AHEAD:
+    byte tiles take their scale bytes a K step ahead (`scale_bytes`), else in the step that uses
+    them (the launcher's rule: AHEAD_UP_MAX_SLOTS)."""
     pdl_start(PDL)
     e = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -339,11 +367,20 @@ def _fold_up_kernel(x_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_
         tok = f // TOPK
         acc1 = _acc0(BN, RB, W_LEFT)
         acc3 = _acc0(BN, RB, W_LEFT)
+        sb1 = scale_bytes(s1, rn, k_lo, s_stride, BN, BK, BYTES)
+        sb3 = scale_bytes(s3, rn, k_lo, s_stride, BN, BK, BYTES)
         for kr in range(0, K // SPLIT, BK):
             k0 = tl.multiple_of(k_lo + kr, BK)
+            # the next step's scale bytes (the last step reloads its own), or without AHEAD this one's
+            k_next = tl.minimum(k0 + BK, k_lo + K // SPLIT - BK) if AHEAD else k0
+            sn1 = scale_bytes(s1, rn, k_next, s_stride, BN, BK, BYTES)
+            sn3 = scale_bytes(s3, rn, k_next, s_stride, BN, BK, BYTES)
             xt = tl.load(x_ptr + tok[None, :] * K + (k0 + kk)[:, None], mask=pmask[None, :], other=0.0)
-            acc1 = _wdot(acc1, _tile(w1, s1, rn, k0, s_stride, K, BN, BK, ASM, LOWP, BYTES), xt, W_LEFT, LOWP)
-            acc3 = _wdot(acc3, _tile(w3, s3, rn, k0, s_stride, K, BN, BK, ASM, LOWP, BYTES), xt, W_LEFT, LOWP)
+            if not AHEAD:
+                sb1, sb3 = sn1, sn3
+            acc1 = _wdot(acc1, _tile(w1, s1, sb1, rn, k0, s_stride, K, BN, BK, ASM, LOWP, BYTES), xt, W_LEFT, LOWP)
+            acc3 = _wdot(acc3, _tile(w3, s3, sb3, rn, k0, s_stride, K, BN, BK, ASM, LOWP, BYTES), xt, W_LEFT, LOWP)
+            sb1, sb3 = sn1, sn3
         g = _rows_first(acc1, W_LEFT)
         u = _rows_first(acc3, W_LEFT)
         if SPLIT == 1:
@@ -380,7 +417,8 @@ def _fold_down_kernel(h_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, y_
                       BN: tl.constexpr, BK: tl.constexpr, W_LEFT: tl.constexpr, BYTES: tl.constexpr = False,
                       SLOTS: tl.constexpr = 1, PDL: tl.constexpr = 0):
     """y[flat row, n] = h rows of expert program_id(0) times its w2, columns of tile program_id(1);
-    the row tiles dealt to SLOTS programs as in `_fold_up_kernel` (slot program_id(2))."""
+    the row tiles dealt to SLOTS programs as in `_fold_up_kernel` (slot program_id(2)). Byte
+    tiles take their scale bytes a K step ahead (`scale_bytes`)."""
     pdl_start(PDL)
     e = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -393,9 +431,12 @@ def _fold_down_kernel(h_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, y_
         pmask = p < end
         p64 = p.to(tl.int64)
         acc = _acc0(BN, RB, W_LEFT)
+        sb = scale_bytes(s2, rn, 0, s_stride, BN, BK, BYTES)
         for k0 in range(0, I, BK):
+            sn = scale_bytes(s2, rn, tl.minimum(k0 + BK, I - BK), s_stride, BN, BK, BYTES)  # the next step's
             ht = tl.load(h_ptr + p64[None, :] * I + (k0 + kk)[:, None], mask=pmask[None, :], other=0.0)
-            acc = _wdot(acc, _tile(w2, s2, rn, k0, s_stride, I, BN, BK, ASM, LOWP, BYTES), ht, W_LEFT, LOWP)
+            acc = _wdot(acc, _tile(w2, s2, sb, rn, k0, s_stride, I, BN, BK, ASM, LOWP, BYTES), ht, W_LEFT, LOWP)
+            sb = sn
         f = tl.load(perm_ptr + p, mask=pmask, other=0).to(tl.int64)
         tl.store(y_ptr + f[:, None] * D + rn[None, :], bf16_round(_rows_first(acc, W_LEFT)), mask=pmask[:, None])
 
@@ -438,12 +479,13 @@ def fold_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
              bk: int | None = None, split: int | None = None, w_left: bool | None = None,
              byte_tiles: bool | None = None, num_warps: int | None = None,
              num_stages: int | None = None, maxnreg: int | None = None, slots: int | None = None,
-             add: torch.Tensor | None = None, join=None) -> torch.Tensor:
+             ahead_up: bool | None = None, add: torch.Tensor | None = None, join=None) -> torch.Tensor:
     """The folded FP4 decode path for x [T, d] (up to rb rows per expert in one tile, default
     the next power of two >= T in 16..the tiles' rb_max; more rows loop, or with `slots` programs
     per (expert, column tile) run side by side; the gate/up K range in `split` slices;
     `byte_tiles`: weight tiles from bytes, `fp4_bytes_bf16`; `maxnreg`: the gate/up kernel's
-    register cap; tile defaults `fold_tiles`):
+    register cap; `ahead_up`: the gate/up kernel's scale bytes a K step ahead, default at most
+    AHEAD_UP_MAX_SLOTS slots; tile defaults `fold_tiles`):
     sort, x's FP8 quantise-dequantise, gate/up (+ its epilogue when split), down, combine into
     `out` [T, d] fp32
     (bf16 with `add`, `moe_experts.combine`)."""
@@ -487,7 +529,7 @@ def fold_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
     _fold_up_kernel[(n_exp, inter // bn_up, split * slots)](
         xq, perm, bounds, wts, w_base, s_base, table, h, part, r, d, inter, s_up, float(limit), TOPK=topk,
         ALIGN=align, ASM=not interp, LOWP=not interp, RB=rb, BN=bn_up, BK=bk, SPLIT=split, W_LEFT=w_left,
-        BYTES=byte_tiles, BK_DOWN=bk, SLOTS=slots, **kw, **pdl_launch(xq))
+        BYTES=byte_tiles, BK_DOWN=bk, SLOTS=slots, AHEAD=slots <= AHEAD_UP_MAX_SLOTS if ahead_up is None else bool(ahead_up), **kw, **pdl_launch(xq))
     if split > 1:
         rbf = min(16, triton.next_power_of_2(r))
         _fold_act_kernel[(-(-r // rbf), inter // 32)](part, perm, bounds, wts, h, r, inter, n_exp, float(limit),
