@@ -4,9 +4,15 @@ assembled by the ptxas that ships with Triton (`ptxas -v`). Integer arguments na
 DIVISIBLE and every pointer are marked divisible by 16, as Triton's launcher specialises them
 at run time (without the hint, loads are compiled per byte and the counts mislead).
 
-    python benchmarks/ptxas_usage.py [--only sparse,indexer]
+    python benchmarks/ptxas_usage.py [--only sparse,indexer,decode]
 
-A check of static resource use (spill = local-memory traffic in the loop), not a timing.
+A check of static resource use (spill = local-memory traffic in the loop), not a timing. The
+"decode" group (the FP8 linears and FP4 experts at 2-64 rows) also reads each kernel's SASS
+(`nvdisasm`) and reports its loops: instructions in the body and the plain global loads
+narrower than 4 bytes there ("narrow in-loop loads"). A load like that is one the compiler's
+cp.async pipeline cannot stage, so unless the kernel issues it a step ahead it is waited on
+in the step that issues it (session forty: the FP4 experts' scale bytes, 39% of the gate/up
+kernel's stall cycles).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -22,10 +29,13 @@ DIVISIBLE = {"w_stride", "ws_stride", "g_stride", "gs_stride", "H", "S", "K"}
 
 
 def ptxas_usage(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, num_stages: int = 1,
-                floats: tuple[str, ...] = ("scale",)) -> str:
+                floats: tuple[str, ...] = ("scale",), divisible: tuple[str, ...] = (), maxnreg: int | None = None,
+                loops: bool = False) -> str:
     """ptxas's register / spill lines for `fn` (a triton.jit function) compiled for sm_90a:
     `pointers` maps pointer arguments to Triton types ("*fp32", "*i8", ...), `constexprs` the
-    compile-time arguments; the other arguments are i32 (or fp32 when named in `floats`)."""
+    compile-time arguments; the other arguments are i32 (or fp32 when named in `floats`), marked
+    divisible by 16 when named in DIVISIBLE or `divisible`. `maxnreg`: the launch's register cap.
+    `loops`: also `sass_loops` of the cubin."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -36,19 +46,65 @@ def ptxas_usage(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, 
     sig = {n: pointers[n] if n in pointers else "constexpr" if n in constexprs else "fp32" if n in floats else "i32"
            for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if (n in pointers or n in DIVISIBLE) and n not in constexprs}
+             if (n in pointers or n in DIVISIBLE or n in divisible) and n not in constexprs}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
-                                                                                 num_stages=num_stages))
-    ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))[0]
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = glob.glob(os.path.join(bindir, "ptxas"))[0]
     with tempfile.TemporaryDirectory() as d:
-        ptx = os.path.join(d, "k.ptx")
+        ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         with open(ptx, "w") as f:
             f.write(kernel.asm["ptx"])
-        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.path.join(d, "k.cubin")],
-                           capture_output=True, text=True, check=True)
-    return " | ".join(line.split(":", 1)[-1].strip() for line in r.stderr.splitlines()
-                      if "registers" in line or "spill" in line)
+        cap = [f"--maxrregcount={maxnreg}"] if maxnreg else []
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", *cap, ptx, "-o", cubin], capture_output=True, text=True,
+                           check=True)
+        usage = " | ".join(line.split(":", 1)[-1].strip() for line in r.stderr.splitlines()
+                           if "registers" in line or "spill" in line)
+        if loops:
+            sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", cubin], capture_output=True, text=True,
+                                  check=True).stdout
+            usage += " | " + sass_loops(sass)
+    return usage
+
+
+def sass_loops(sass: str) -> str:
+    """Each innermost loop of a kernel's SASS (a backward branch to a label, no other loop
+    inside): its instruction count and its plain global loads narrower than 4 bytes
+    (`LDG.E.U8` / `.S8` / `.U16` / `.S16`), each with how many instructions later (wrapping to
+    the loop's top) its register is first read: a few dozen means the step that issued it waits
+    on it, about the loop's length means it is carried to the next step."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) for m in [re.match(r"^(\.L_x_\d+):", line)] if m}
+    spans = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA `?\(?(\.L_x_\d+)", line)
+        if m and m.group(1) in labels and labels[m.group(1)] < i:
+            spans.append((labels[m.group(1)], i))
+    out = []
+    for a, z in spans:
+        if any(a < a2 and z2 < z for a2, z2 in spans if (a2, z2) != (a, z)):
+            continue  # (an outer loop)
+        body = [b.split("*/", 1)[1].strip() for b in lines[a:z] if re.match(r"\s+/\*[0-9a-f]{4}\*/", b)]
+        if not body:
+            continue
+        dists = []
+        for i, ins in enumerate(body):
+            m = re.search(r"\bLDG\.E\.[US](?:8|16)\s+(R\d+)", ins)
+            if not m:
+                continue
+            reg = re.compile(rf"\b{m.group(1)}\b")
+            for d in range(1, len(body) + 1):
+                nxt = re.sub(r"^@!?P\w+\s+", "", body[(i + d) % len(body)])
+                ops = nxt.split(None, 1)[1] if " " in nxt else ""
+                srcs = ops if nxt.startswith(("ST", "RED", "ATOM")) else ops.split(",", 1)[-1] if "," in ops else ""
+                if reg.search(srcs):
+                    dists.append(d)
+                    break
+        out.append(f"loop of {len(body)} instructions, narrow in-loop loads read after {dists or 'none'}")
+    return "; ".join(out) or "no loops"
 
 
 def sparse_rows() -> list[tuple[str, str]]:
@@ -161,11 +217,50 @@ def indexer_rows() -> list[tuple[str, str]]:
     return rows
 
 
+def decode_rows() -> list[tuple[str, str]]:
+    """The batch 2-64 decode kernels of the FP8 linears (wq_b's K = 1280 and wo_b's 8192 as the
+    launches specialise them) and the FP4 experts' fold kernels (mini widths, byte tiles at the
+    17-64 token tiles), with their loops' narrow loads."""
+    from dsv41.npu_ops.triton import block_linear as bl
+    from dsv41.npu_ops.triton import moe_fold as mf
+
+    lin = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "out_ptr": "*i16", "part_ptr": "*fp32",
+           "count_ptr": "*i32"}
+    div = ("M", "N", "x_stride", "k_per_split")
+    rows = [("_fold_tm_kernel 64 rows (FOLD_TM)", ptxas_usage(
+                bl._fold_tm_kernel, lin, dict(SPLIT_K=1, OUT_BF16=True, LOWP=True, BM=64, BN=bl.FOLD_TM["bn"],
+                                              BK=bl.FOLD_TM["bk"]),
+                bl.FOLD_TM["num_warps"], bl.FOLD_TM["num_stages"], floats=(), divisible=div, loops=True)),
+            ("_fold_linear_kernel 64 rows, split K (FOLD)", ptxas_usage(
+                bl._fold_linear_kernel, lin, dict(SPLIT_K=2, OUT_BF16=True, QDQ_ROW=False, SCALE_X=False, LOWP=True,
+                                                  BM=64, BN=bl.FOLD["bn"], BK=bl.FOLD["bk"]),
+                bl.FOLD["num_warps"], bl.FOLD["num_stages"], floats=(), divisible=div, loops=True)),
+            ("_fold_xs_kernel 8 rows (XS)", ptxas_usage(
+                bl._fold_xs_kernel, lin, dict(SPLIT_K=2, OUT_BF16=True, QDQ_ROW=False, PLACE=False, LOWP=True, MP=8,
+                                              BX=max(16, bl.XS["bn"] // 32 * 8), BN=bl.XS["bn"], BK=bl.XS["bk"]),
+                bl.XS["num_warps"], bl.XS["num_stages"], floats=(), divisible=div, loops=True))]
+    tiles = mf.fold_tiles(64)
+    moe = {"x_ptr": "*bf16", "perm_ptr": "*i32", "bounds_ptr": "*i32", "wts_ptr": "*fp32", "w_base": "*i8",
+           "s_base": "*i8", "table_ptr": "*i64", "h_ptr": "*bf16", "part_ptr": "*fp32", "y_ptr": "*fp32"}
+    common = dict(ALIGN=16, ASM=True, LOWP=True, RB=tiles["rb_max"], BK=tiles["bk"], W_LEFT=tiles["w_left"],
+                  BYTES=tiles["byte_tiles"], SLOTS=2)
+    for ahead in (True, False):
+        rows.append((f"_fold_up_kernel 33-64 tokens, scale bytes {'a step ahead' if ahead else 'in their step'}",
+                     ptxas_usage(mf._fold_up_kernel, moe, dict(common, TOPK=6, BN=tiles["bn_up"], SPLIT=1,
+                                                               BK_DOWN=tiles["bk"], AHEAD=ahead),
+                                 tiles["num_warps"], tiles["num_stages"], floats=("limit",),
+                                 divisible=("K", "I", "s_stride"), maxnreg=tiles["maxnreg"], loops=True)))
+    rows.append(("_fold_down_kernel 33-64 tokens", ptxas_usage(
+        mf._fold_down_kernel, moe, dict(common, BN=tiles["bn_down"]), tiles["num_warps"], tiles["num_stages"],
+        floats=(), divisible=("I", "D", "s_stride"), loops=True)))
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="sparse,indexer", help="comma-separated: sparse, indexer")
+    ap.add_argument("--only", default="sparse,indexer", help="comma-separated: sparse, indexer, decode")
     a = ap.parse_args()
-    groups = {"sparse": sparse_rows, "indexer": indexer_rows}
+    groups = {"sparse": sparse_rows, "indexer": indexer_rows, "decode": decode_rows}
     for name in a.only.split(","):
         for kernel, usage in groups[name]():
             print(f"| {kernel} | {usage} |", flush=True)
