@@ -526,10 +526,11 @@ def fold_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, table_ar
     y = _buffer((r, d), torch.float32, x.device)
     wts = weights.float().contiguous().reshape(-1)
     part = _buffer((split, r, 2, inter), torch.float32, x.device) if split > 1 else y
+    ahead = slots <= AHEAD_UP_MAX_SLOTS if ahead_up is None else bool(ahead_up)
     _fold_up_kernel[(n_exp, inter // bn_up, split * slots)](
         xq, perm, bounds, wts, w_base, s_base, table, h, part, r, d, inter, s_up, float(limit), TOPK=topk,
         ALIGN=align, ASM=not interp, LOWP=not interp, RB=rb, BN=bn_up, BK=bk, SPLIT=split, W_LEFT=w_left,
-        BYTES=byte_tiles, BK_DOWN=bk, SLOTS=slots, AHEAD=slots <= AHEAD_UP_MAX_SLOTS if ahead_up is None else bool(ahead_up), **kw, **pdl_launch(xq))
+        BYTES=byte_tiles, BK_DOWN=bk, SLOTS=slots, AHEAD=ahead, **kw, **pdl_launch(xq))
     if split > 1:
         rbf = min(16, triton.next_power_of_2(r))
         _fold_act_kernel[(-(-r // rbf), inter // 32)](part, perm, bounds, wts, h, r, inter, n_exp, float(limit),
