@@ -65,13 +65,12 @@ def main() -> int:
         calls.append(lambda: itk.indexer_topk(q, w, kc, ks, table, e, vis, TOPK))
     if "b64" in which:
         from ops import sparse_attention_args
-        from sweep_kernels import skewed_ids
+        from sweep_kernels import _fp4_experts, skewed_ids
 
         from dsv41.npu_ops.triton import sparse_attention as sa
 
         d, inter, n_exp, t = 5120, 2304, 16, 64
-        experts = [tuple(quant.fp4_weight_quant(torch.randn(a, b, device="cuda") * b ** -0.5)
-                         for a, b in ((inter, d), (d, inter), (inter, d))) for _ in range(n_exp)]
+        experts = _fp4_experts(n_exp, d, inter)
         x = torch.randn(t, d, device="cuda").to(torch.bfloat16)
         ids = skewed_ids(t, n_exp, 6, 0.5)
         wts = torch.rand(t, 6, device="cuda")
