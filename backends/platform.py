@@ -411,8 +411,13 @@ class CudaPlatform(_StreamPlatform):
     engram_fetch = "in_place"
 
     # measured on the H200 (2026-12-01, mini, decode graphs): -2.1% step at batch 1, -8.1% at 64;
-    # prefill sizes unmeasured, so they stay on one stream
-    overlap_shared_tokens = 64
+    # prefill sizes unmeasured, so they stay on one stream. The shared expert beside the routed
+    # ones stops at 32 tokens since the gate/up kernel takes its scale bytes a K step ahead at 33-64
+    # (`moe_fold.AHEAD_UP_MAX_SLOTS`): beside that faster kernel it cost time (H100 2026-12-06, 4K,
+    # graph ms, ahead at 33-64: shared expert on the main stream / beside: batch 33 4.05 / 4.14,
+    # 40 4.17 / 4.24, 48 4.27 / 4.23, 56 4.44 / 4.59, 64 4.57 / 4.87); at 8-32 tokens it still pays
+    # (batch 24 3.61 against 3.86 with it on the main stream, 32 3.75 against 3.97)
+    overlap_shared_tokens = 32
     overlap_indexer_tokens = 64
 
     def num_workers(self) -> int:

@@ -351,6 +351,15 @@ def e4m3_placed(w, ASM: tl.constexpr):
 
 
 @triton.jit
+def _xs_scale_bytes(s_ptr, srow, sok, k0, k_hi, s_stride, NB: tl.constexpr):
+    """`_fold_xs_kernel`'s E8M0 weight scale bytes of the BK step at k0 (zero past k_hi), laid out
+    as its X' columns: [NB, BX], column c holding its scale row srow[c]."""
+    kb = k0 // 32 + tl.arange(0, NB)
+    return tl.load(s_ptr + srow[None, :] * s_stride + kb[:, None], mask=sok[None, :] & (kb[:, None] * 32 < k_hi),
+                   other=0)
+
+
+@triton.jit
 def _fold_xs_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride, s_stride, k_per_split,
                     SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, QDQ_ROW: tl.constexpr, PLACE: tl.constexpr,
                     LOWP: tl.constexpr, MP: tl.constexpr, BX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = 0):
@@ -381,10 +390,13 @@ def _fold_xs_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, 
     sok = cok & (srow * 32 < N)
     acc = tl.zeros((BN, BX), dtype=tl.float32)
     k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
+    sb = _xs_scale_bytes(s_ptr, srow, sok, k_lo, k_hi, s_stride, NB)
     for k0 in range(k_lo, k_hi, BK):
         kk = k0 + tl.arange(0, BK)
-        kb = k0 // 32 + tl.arange(0, NB)
         kmask = kk < k_hi
+        # the next step's scale bytes, a step ahead (as `_fold_linear_kernel`: 1-byte loads are
+        # not staged by the compiler's pipeline, and in their own step they waited a round trip)
+        sb_next = _xs_scale_bytes(s_ptr, srow, sok, k0 + BK, k_hi, s_stride, NB)
         woffs = w_ptr + rn64[:, None] * K + kk[None, :]
         if PLACE:  # uint8 codes (code 0 is +0)
             w = tl.load(woffs, mask=nmask[:, None] & kmask[None, :], other=0)
@@ -397,8 +409,7 @@ def _fold_xs_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, 
         else:
             xt = tl.load(x_ptr + mcol.to(tl.int64)[None, :] * x_stride + kk[:, None],
                          mask=kmask[:, None] & cok[None, :], other=0.0).to(tl.float32)
-        sw = e8m0_value(tl.load(s_ptr + srow[None, :] * s_stride + kb[:, None],
-                                mask=sok[None, :] & (kb[:, None] * 32 < k_hi), other=0).to(tl.int32))  # [NB, BX]
+        sw = e8m0_value(sb.to(tl.int32))  # [NB, BX]
         if PLACE:
             sw = sw * PLACE_X_SCALE
         xs = tl.reshape(tl.reshape(xt, (NB, 32, BX)) * sw[:, None, :], (BK, BX))
@@ -409,6 +420,7 @@ def _fold_xs_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, 
         else:
             wb = w.to(tl.float32)
         acc = _fold_dot(acc, wb, xs, LOWP)
+        sb = sb_next
     if PLACE:
         acc = acc * PLACE_ACC_SCALE
     # row n's sums sit in the MP columns of its scale row (n % BN) // 32

@@ -108,16 +108,24 @@ from .swiglu import expert_act
 # (alternated processes, one machine). A 128-register cap (4 programs an SM) or 4 stages with them was
 # slower alone too (268-329 us). Not kept; the change is in benchmarks/RESULTS.md's session thirty-four.
 # The byte tiles' scale bytes loaded a K step ahead (`scale_bytes`, the kernels' AHEAD): in the down
-# kernel always, in the gate/up kernel with at most AHEAD_UP_MAX_SLOTS row-tile slots (T <= 32). H100
-# 2026-12-06 (session forty): the op alone (`sweep_kernels.py --only moe_slots`, graph us, both kernels
-# ahead against neither) T=33 uniform / sigma 0.5 / sigma 1 263.6 / 267.5 / 280.7 -> 231.8 / 227.2 /
-# 238.4, T=64 270.9 / 290.2 / 294.0 -> 239.7 / 250.0 / 253.8; the mini decode step at 4K (graph ms,
-# processes alternated) batch 32 3.946 / 3.957 -> 3.717 / 3.729 with both. At batch 64 (two slots) the
-# gate/up kernel ahead measured slower in the step than alone: 4.795 / 4.790 neither, 4.803 / 4.811
-# both, 4.896 the gate/up kernel alone ahead, 4.717 the down kernel alone ahead (its six launches
-# 99-197 us against 149-178; the gate/up ones 173-259 against 203-235, so some layers gained and
-# others lost: not understood; the ahead form spills 172 bytes at the 168-register cap against 140).
-AHEAD_UP_MAX_SLOTS = 1
+# kernel always, in the gate/up kernel with at most AHEAD_UP_MAX_SLOTS row-tile slots (T <= 64). H100
+# 2026-12-06 (session forty): the op alone (`sweep_kernels.py --only moe_slots`, graph us, both
+# kernels ahead against neither) T=33 uniform / sigma 0.5 / sigma 1 263.6 / 267.5 / 280.7 -> 231.8 /
+# 227.2 / 238.4, T=64 270.9 / 290.2 / 294.0 -> 239.7 / 250.0 / 253.8; the mini decode step at 4K
+# (graph ms, processes alternated) batch 32 3.946 / 3.957 -> 3.717 / 3.729 with both. At batch 64 (two
+# slots) the gate/up kernel ahead measured slower in the step than alone: 4.795 / 4.790 neither, 4.803
+# / 4.811 both, 4.896 the gate/up kernel alone ahead, 4.717 the down kernel alone ahead (its six
+# launches 99-197 us against 149-178; the gate/up ones 173-259 against 203-235, so some layers gained
+# and others lost; the ahead form spills 172 bytes at the 168-register cap against 140), so it stayed
+# at one slot. Session forty-one found where the loss was: the shared expert on the second stream.
+# With everything on one stream the gate/up kernel ahead won at batch 64 (4.649 against 4.862 ms), and
+# with the shared expert beside it lost (4.869 against 4.842; presumably the two share the SMs, and
+# the faster gate/up kernel leaves the shared expert less to hide behind). So the CUDA platform runs
+# the shared expert beside the routed ones only up to 32 tokens (`CudaPlatform.overlap_shared_tokens`)
+# and the gate/up kernel takes its scales ahead at two slots as well: the step at 4K 4.19 / 4.33 /
+# 4.35 / 4.62 / 4.75 -> 4.05 / 4.15 / 4.23 / 4.44 / 4.57 ms at batch 33 / 40 / 48 / 56 / 64 (H100,
+# alternated processes).
+AHEAD_UP_MAX_SLOTS = 2
 _DECODE = {"bn_up": 64, "bn_down": 64, "bk": 128, "num_warps": 4, "num_stages": 3, "split": 1, "w_left": True,
            "rb_max": 64}
 TILES = {"cuda": [(1, _DECODE), (3, dict(_DECODE, split=2)), (16, dict(_DECODE, split=4)),
@@ -372,7 +380,7 @@ def _fold_up_kernel(x_ptr, perm_ptr, bounds_ptr, wts_ptr, w_base, s_base, table_
         for kr in range(0, K // SPLIT, BK):
             k0 = tl.multiple_of(k_lo + kr, BK)
             # the next step's scale bytes (the last step reloads its own), or without AHEAD this one's
-            k_next = tl.minimum(k0 + BK, k_lo + K // SPLIT - BK) if AHEAD else k0
+            k_next = tl.multiple_of(tl.minimum(k0 + BK, k_lo + K // SPLIT - BK), BK) if AHEAD else k0
             sn1 = scale_bytes(s1, rn, k_next, s_stride, BN, BK, BYTES)
             sn3 = scale_bytes(s3, rn, k_next, s_stride, BN, BK, BYTES)
             xt = tl.load(x_ptr + tok[None, :] * K + (k0 + kk)[:, None], mask=pmask[None, :], other=0.0)
@@ -433,7 +441,8 @@ def _fold_down_kernel(h_ptr, perm_ptr, bounds_ptr, w_base, s_base, table_ptr, y_
         acc = _acc0(BN, RB, W_LEFT)
         sb = scale_bytes(s2, rn, 0, s_stride, BN, BK, BYTES)
         for k0 in range(0, I, BK):
-            sn = scale_bytes(s2, rn, tl.minimum(k0 + BK, I - BK), s_stride, BN, BK, BYTES)  # the next step's
+            sn = scale_bytes(s2, rn, tl.multiple_of(tl.minimum(k0 + BK, I - BK), BK), s_stride, BN, BK,
+                             BYTES)  # the next step's
             ht = tl.load(h_ptr + p64[None, :] * I + (k0 + kk)[:, None], mask=pmask[None, :], other=0.0)
             acc = _wdot(acc, _tile(w2, s2, sb, rn, k0, s_stride, I, BN, BK, ASM, LOWP, BYTES), ht, W_LEFT, LOWP)
             sb = sn
