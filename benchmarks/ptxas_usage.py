@@ -8,11 +8,11 @@ at run time (without the hint, loads are compiled per byte and the counts mislea
 
 A check of static resource use (spill = local-memory traffic in the loop), not a timing. The
 "decode" group (the FP8 linears and FP4 experts at 2-64 rows) also reads each kernel's SASS
-(`nvdisasm`) and reports its loops: instructions in the body and the plain global loads
-narrower than 4 bytes there ("narrow in-loop loads"). A load like that is one the compiler's
-cp.async pipeline cannot stage, so unless the kernel issues it a step ahead it is waited on
-in the step that issues it (session forty: the FP4 experts' scale bytes, 39% of the gate/up
-kernel's stall cycles).
+(`nvdisasm`) and reports its loops: instructions in the body, their most frequent opcodes and
+the plain global loads narrower than 4 bytes there ("narrow in-loop loads"). A load like that
+is one the compiler's cp.async pipeline cannot stage, so unless the kernel issues it a step
+ahead it is waited on in the step that issues it (session forty: the FP4 experts' scale bytes,
+39% of the gate/up kernel's stall cycles).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 
 DIVISIBLE = {"w_stride", "ws_stride", "g_stride", "gs_stride", "H", "S", "K"}
 
@@ -72,10 +73,11 @@ def ptxas_usage(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, 
 
 def sass_loops(sass: str) -> str:
     """Each innermost loop of a kernel's SASS (a backward branch to a label, no other loop
-    inside): its instruction count and its plain global loads narrower than 4 bytes
+    inside): its instruction count, its plain global loads narrower than 4 bytes
     (`LDG.E.U8` / `.S8` / `.U16` / `.S16`), each with how many instructions later (wrapping to
     the loop's top) its register is first read: a few dozen means the step that issued it waits
-    on it, about the loop's length means it is carried to the next step."""
+    on it, about the loop's length means it is carried to the next step; and its most frequent
+    opcodes (where an instruction-bound loop's issue slots go)."""
     lines = sass.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) for m in [re.match(r"^(\.L_x_\d+):", line)] if m}
     spans = []
@@ -103,7 +105,10 @@ def sass_loops(sass: str) -> str:
                 if reg.search(srcs):
                     dists.append(d)
                     break
-        out.append(f"loop of {len(body)} instructions, narrow in-loop loads read after {dists or 'none'}")
+        opcodes = Counter(re.sub(r"^@!?P\w+\s+", "", ins).split()[0].split(".")[0] for ins in body)
+        top = ", ".join(f"{op} {n}" for op, n in opcodes.most_common(8))
+        out.append(f"loop of {len(body)} instructions, narrow in-loop loads read after {dists or 'none'}, "
+                   f"most frequent: {top}")
     return "; ".join(out) or "no loops"
 
 
