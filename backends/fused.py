@@ -44,11 +44,57 @@ def rope_store_key(key: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos
     write_rows((key_codes, key_scale), slots, (codes, scales))
 
 
+def _rows_after(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """a's rows then b's as one tensor where b's rows follow a's in one allocation, else None."""
+    if (a.dim() != 2 or b.dim() != 2 or a.dtype != b.dtype or a.shape[1] != b.shape[1] or a.device != b.device
+            or a.device.type == "meta" or not (a.is_contiguous() and b.is_contiguous())
+            or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+            or b.storage_offset() != a.storage_offset() + a.numel()):
+        return None
+    return a.as_strided((a.shape[0] + b.shape[0], a.shape[1]), a.stride(), a.storage_offset())
+
+
+def scale_rows_line_up(weight_a: torch.Tensor, scale_a: torch.Tensor, weight_b: torch.Tensor,
+                       scale_b: torch.Tensor) -> bool:
+    """Whether b's scale rows, stacked after a's, start at b's first weight row: one scale row per
+    weight row (FP4, int8 channels), or 32-row FP8 blocks that a's rows fill whole."""
+    na, nb, sa, sb = weight_a.shape[0], weight_b.shape[0], scale_a.shape[0], scale_b.shape[0]
+    return (sa, sb) == (na, nb) or (sa * 32 == na and sb == -(-nb // 32))
+
+
+def stacked_pair(weight_a: torch.Tensor, scale_a: torch.Tensor | None, weight_b: torch.Tensor,
+                 scale_b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, scale) of the two linears as one, where `core.weights.stack_linears` put b's rows
+    (weight and scale alike) right after a's, their scale rows lined up; else None. The answer is
+    kept on weight_a (the same stacked tensors on every call: per-weight caches such as the
+    Ascend backend's key on the tensor object)."""
+    memo = weight_a.__dict__.get("_stacked_pair")
+    if memo is not None and memo[0] is weight_b and memo[1] is scale_a and memo[2] is scale_b:
+        return memo[3]
+    w = _rows_after(weight_a, weight_b)
+    both = None
+    if w is not None and scale_a is None and scale_b is None:
+        both = w, None
+    elif w is not None and scale_a is not None and scale_b is not None:
+        s = _rows_after(scale_a, scale_b)
+        if s is not None and scale_rows_line_up(weight_a, scale_a, weight_b, scale_b):
+            both = w, s
+    if weight_a.device.type != "meta":
+        weight_a._stacked_pair = (weight_b, scale_a, scale_b, both)
+    return both
+
+
 @register_composite("linear_pair")
 def linear_pair(x: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tensor | None, weight_b: torch.Tensor,
                 scale_b: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two projections of the same input."""
-    return ops.linear(x, weight_a, scale_a, out_dtype), ops.linear(x, weight_b, scale_b, out_dtype)
+    """Two projections of the same input: one linear over the stacked rows where the weights are
+    stacked (`stacked_pair`; each output column is the same dot product either way), the two
+    outputs then views of its output."""
+    stacked = stacked_pair(weight_a, scale_a, weight_b, scale_b)
+    if stacked is None:
+        return ops.linear(x, weight_a, scale_a, out_dtype), ops.linear(x, weight_b, scale_b, out_dtype)
+    y = ops.linear(x, *stacked, out_dtype)
+    return y[..., :weight_a.shape[0]], y[..., weight_a.shape[0]:]
 
 
 @register_composite("moe_experts_add")

@@ -6,7 +6,7 @@ output, the model's bound), then timed as the median of CUDA-graph replays with 
 cycled past the L2 (as in a decode step); the table gives microseconds per call, the sum over
 the shapes, and the weight-read floor (weight bytes / measured copy bandwidth).
 
-    python fp8_batch_sweep.py [--m 16,32,64] [--only default,fold] [--engram] [--seed 0]
+    python fp8_batch_sweep.py [--m 16,32,64] [--only default,fold] [--engram] [--pairs] [--seed 0]
 
 Run from benchmarks/ (it imports dense_ab.py beside it).
 """
@@ -17,7 +17,7 @@ import argparse
 import sys
 
 import torch
-from dense_ab import LINEARS, graph_median, rel_err, weight_copies  # benchmarks/dense_ab.py
+from dense_ab import CFG, D, LINEARS, graph_median, rel_err, weight_copies  # benchmarks/dense_ab.py
 from dsv41.backends.reference import quant
 from dsv41.npu_ops.triton import block_linear as bl
 from ops import timeit  # benchmarks/ops.py: CUDA-event median per call
@@ -29,6 +29,9 @@ VARIANTS = [("default", "default", {}), ("fold", "fold", {})] + [
     for bn, bk, w, st, v in [(64, 128, 4, 3, 1), (64, 128, 4, 3, 2), (32, 128, 4, 3, 2), (32, 128, 4, 3, 1),
                              (64, 128, 4, 4, 4), (64, 128, 4, 2, 2), (64, 64, 4, 4, 2), (128, 64, 4, 3, 2),
                              (128, 128, 4, 3, 4), (128, 128, 8, 3, 4), (64, 256, 4, 3, 4), (32, 256, 4, 3, 2)]]
+
+# `--pairs`: the stacked weights of the two pairs that read one x (rows of the first weight, then the second's)
+PAIRS = [("wq_a+wkv", CFG.q_lora_rank + CFG.head_dim, D), ("shared_w1+w3", 2 * CFG.moe_intermediate_size, D)]
 
 
 def copy_bandwidth() -> float:
@@ -79,11 +82,13 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated label prefixes to run (default all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engram", action="store_true", help="also Engram's value projection (25600 x 6144)")
+    ap.add_argument("--pairs", action="store_true", help="also the two pairs `linear_pair` runs as one weight "
+                    "(wq_a + wkv, the shared expert's w1 + w3), to set against their separate columns")
     a = ap.parse_args()
     ms = a.m
     only = [p for p in a.only.split(",") if p]
     variants = [v for v in VARIANTS if not only or any(v[0].startswith(p) for p in only)]
-    linears = LINEARS + ([("engram_wkv", 25600, 6144)] if a.engram else [])
+    linears = LINEARS + ([("engram_wkv", 25600, 6144)] if a.engram else []) + (PAIRS if a.pairs else [])
     gen = torch.Generator().manual_seed(a.seed)
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; seed {a.seed}")

@@ -212,6 +212,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = Linear(cfg.q_lora_rank, h * d, dense)
         self.wkv = Linear(cfg.hidden_size, d, dense)
+        self.stacked_linears = (("wq_a", "wkv"),)  # both read x: one allocation, one launch (`weights.stack_linears`)
         self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.wo_a = Linear(cfg.num_attention_heads * d // cfg.o_groups, self.o_groups * cfg.o_lora_rank, "bf16")
         self.wo_b = Linear(self.o_groups * cfg.o_lora_rank, cfg.hidden_size, dense)
@@ -414,6 +415,9 @@ class MoE(nn.Module):
             {str(e): Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_dtype) for e in range(lo, hi)}
         )
         self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, _dense(cfg))
+        # w1 and w3 read the same rows: one allocation, one launch (`weights.stack_linears`; the routed
+        # experts run as grouped kernels over their own tables)
+        self.shared_experts.stacked_linears = (("w1", "w3"),)
         # run the shared expert on a second stream beside the routed ones (`Transformer.overlap_streams`;
         # None: the platform's default, `Platform.overlap_shared_tokens`)
         self.overlap_shared: bool | None = None

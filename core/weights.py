@@ -27,6 +27,7 @@ import re
 
 import torch
 
+from ..backends.fused import scale_rows_line_up
 from ..backends.platform import as_storage, storage_dtype
 from ..backends.reference import quant
 from .model import Linear, RMSNorm, Transformer
@@ -254,11 +255,36 @@ def materialize(model: Transformer, device: str | torch.device = "cpu") -> Trans
                 m._buffers[bname] = torch.empty(buf.shape, dtype=storage_dtype(buf.dtype, device), device="meta")
                 model.float8_storage[f"{mname}.{bname}" if mname else bname] = buf.dtype
     model = model.to_empty(device=device)
+    stack_linears(model)
     for m in model.modules():
         if hasattr(m, "inv_freq"):
             m.inv_freq = torch.tensor(yarn_inv_freq(cfg, m.ratio), dtype=torch.float32, device=device)
     model.set_engram_vocab(torch.arange(cfg.vocab_size, device=device), cfg.vocab_size)
     return model
+
+
+def stack_linears(model: torch.nn.Module) -> None:
+    """Give each pair of linears a module names in `stacked_linears` (two projections of one
+    input: the attention's wq_a and wkv, the shared expert's w1 and w3) one allocation, the second
+    weight's rows right after the first's, and their scales likewise, so that `ops.linear_pair`
+    runs them as ONE linear (one launch, the input quantised once; `backends.fused.stacked_pair`).
+    The two buffers become views of it: names, shapes and the state dict are unchanged, and the
+    loaders copy into them as before. Pairs of different storage or width, or whose scale rows
+    would not line up (`backends.fused.scale_rows_line_up`), stay apart (two linears, as before). Run on uninitialised
+    storage (`materialize`): the old buffers are dropped, not copied."""
+    for m in model.modules():
+        for name_a, name_b in getattr(m, "stacked_linears", ()):
+            a, b = getattr(m, name_a), getattr(m, name_b)
+            wa, wb, sa, sb = a.weight, b.weight, a.scale, b.scale
+            if (wa.dtype != wb.dtype or wa.shape[1:] != wb.shape[1:] or (sa is None) != (sb is None)
+                    or (sa is not None and (sa.dtype != sb.dtype or sa.shape[1:] != sb.shape[1:]
+                                            or not scale_rows_line_up(wa, sa, wb, sb)))):
+                continue
+            for attr, ta, tb in (("weight", wa, wb), ("scale", sa, sb)):
+                if ta is None:
+                    continue
+                both = torch.empty((ta.shape[0] + tb.shape[0], *ta.shape[1:]), dtype=ta.dtype, device=ta.device)
+                a._buffers[attr], b._buffers[attr] = both[:ta.shape[0]], both[ta.shape[0]:]
 
 
 def build_model(cfg, seed: int = 0, device: str | torch.device = "cpu", state_dict=None,

@@ -124,7 +124,10 @@ def write_state_dict(sd: dict[str, torch.Tensor], out_dir: str | os.PathLike, ma
         part = {}
         for k in names:
             key = rename(k) if rename else k
-            part[key] = sd[k].contiguous()
+            t = sd[k]
+            # a view into a larger allocation (`weights.stack_linears`' pairs): its own copy, as
+            # safetensors refuses tensors that share memory
+            part[key] = t.clone() if t.untyped_storage().nbytes() != t.numel() * t.element_size() else t.contiguous()
             weight_map[key] = fname
             total += sd[k].numel() * sd[k].element_size()
         save_file(part, str(out / fname), metadata={"format": "pt"})

@@ -290,3 +290,43 @@ def test_rows_bound_covers_every_row_attended(tiny_model, tiny_cfg, rng, monkeyp
     assert max(n_g for n_g in (s[1] for s in seen)) > 0  # global entries were attended
     for n_w, n_g, (b_w, b_g) in seen:
         assert n_w <= b_w and n_g <= b_g, (n_w, n_g, b_w, b_g, f"seed {rng.initial_seed()}")
+
+
+def test_stacked_linears_change_nothing_but_the_launches(tiny_model, tiny_cfg, rng, tmp_path):
+    """`weights.stack_linears` (run by `materialize`) puts each declared pair (wq_a / wkv, the
+    shared expert's w1 / w3) in one allocation that `linear_pair` runs as one linear: every pair
+    of the built model is found stacked, the state dict keeps its names and shapes, the logits equal
+    those of a model loaded with the same weights but built without stacking, bit for bit (the
+    reference computes each output column alike), and the stacked model still writes a checkpoint
+    (safetensors refuses tensors that share memory)."""
+    from dsv41.backends.fused import stacked_pair
+    from dsv41.core.model import Transformer
+    from dsv41.core.weights import load_into, materialize
+
+    def meta_model(cfg):
+        with torch.device("meta"):
+            return Transformer(cfg)
+    from dsv41.deploy.checkpoint import write_state_dict
+
+    pairs = [(getattr(m, a), getattr(m, b)) for m in tiny_model.modules() for a, b in getattr(m, "stacked_linears", ())]
+    n_attn = sum(1 for m in tiny_model.modules() if type(m).__name__ == "Attention")
+    assert len(pairs) >= 2 * tiny_cfg.num_hidden_layers and len(pairs) >= n_attn
+    for a, b in pairs:
+        w, s = stacked_pair(a.weight, a.scale, b.weight, b.scale)
+        assert w.shape == (a.out_features + b.out_features, a.in_features)
+        assert torch.equal(w[:a.out_features].view(torch.uint8), a.weight.view(torch.uint8))
+    sd = tiny_model.state_dict()
+    plain = load_into(materialize(meta_model(tiny_cfg), "cpu"), sd)
+    for m in plain.modules():  # every pair apart again: each buffer its own copy
+        for lin in (getattr(m, n) for pair in getattr(m, "stacked_linears", ()) for n in pair):
+            for name in ("weight", "scale"):
+                if lin._buffers.get(name) is not None:
+                    lin._buffers[name] = lin._buffers[name].clone()
+    assert all(stacked_pair(getattr(m, a).weight, getattr(m, a).scale, getattr(m, b).weight, getattr(m, b).scale)
+               is None for m in plain.modules() for a, b in getattr(m, "stacked_linears", ()))
+    ids = rand_prompt(tiny_cfg, 12, rng)
+    got, _, _ = prefill_all(tiny_model, ids)
+    want, _, _ = prefill_all(plain, ids)
+    assert torch.equal(got, want), f"stacked logits differ: max rel {rel_err(got, want):.3g}"
+    files = write_state_dict(sd, tmp_path, 1 << 30)
+    assert files and (tmp_path / files[0]).stat().st_size > 0

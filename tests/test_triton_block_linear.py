@@ -246,6 +246,69 @@ def test_linear_pair(dev, k, n_a, n_b, rng):
             assert err < BOUND[odt], f"{case} weight {name}: rel err {err:.2e}"
 
 
+def stacked(fmt: str, n_a: int, n_b: int, k: int, rng, dev):
+    """Two weights of one allocation, b's rows (and scale rows) right after a's, as
+    `core.weights.stack_linears` lays them: ((w_a, s_a), (w_b, s_b))."""
+    (w_a, s_a), (w_b, s_b) = weight(fmt, n_a, k, rng), weight(fmt, n_b, k, rng)
+    cat = lambda a, b: torch.cat([a.view(torch.uint8), b.view(torch.uint8)]).view(a.dtype).to(dev)  # noqa: E731
+    w = cat(w_a, w_b)
+    if s_a is None:
+        return (w[:n_a], None), (w[n_a:], None)
+    s = cat(s_a, s_b)
+    return (w[:n_a], s[:s_a.shape[0]]), (w[n_a:], s[s_a.shape[0]:])
+
+
+def check_stacked_pair(dev, fmt, k, n_a, n_b, m, rng):
+    """`linear_pair` on stacked weights: one linear over the stacked rows (its output's views,
+    bit for bit), each within the bound of its own reference linear."""
+    from dsv41.backends.fused import stacked_pair
+
+    (w_a, s_a), (w_b, s_b) = stacked(fmt, n_a, n_b, k, rng, dev)
+    both = stacked_pair(w_a, s_a, w_b, s_b)
+    assert both is not None and both[0].shape == (n_a + n_b, k)
+    x = (torch.randn(m, k, generator=rng) * 3).to(torch.bfloat16).to(dev)
+    out_a, out_b = bl.linear_pair(x, w_a, s_a, w_b, s_b)
+    whole = bl.linear(x, *both)
+    case = f"{fmt} M={m} K={k} N={n_a}+{n_b}"
+    assert torch.equal(out_a, whole[:, :n_a]) and torch.equal(out_b, whole[:, n_a:]), case
+    assert out_b.data_ptr() == out_a.data_ptr() + n_a * out_a.element_size(), f"{case}: not views of one output"
+    for got, w, s in ((out_a, w_a, s_a), (out_b, w_b, s_b)):
+        err = rel_err(got, basic.linear(x.cpu(), w.cpu(), None if s is None else s.cpu()))
+        assert err < BOUND[torch.bfloat16], f"{case}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("m", [1, 3, 12])
+def test_linear_pair_stacked(dev, m, rng):
+    """Stacked FP8 and bf16 pairs take one linear at one row, a few rows and the token-major
+    range; an FP8 pair whose first weight ends inside a 32-row scale block is not taken as
+    stacked (its scale rows would not line up) and runs as two linears; so does the composite
+    (`backends.fused.linear_pair`, the reference) on stacked weights, bit for bit."""
+    from dsv41.backends import fused
+    from dsv41.backends.fused import stacked_pair
+
+    check_stacked_pair(dev, "fp8", 160, 64, 40, m, rng)
+    check_stacked_pair(dev, "bf16", 96, 24, 40, m, rng)
+    (w_a, s_a), (w_b, s_b) = stacked("fp8", 40, 64, 160, rng, dev)
+    assert stacked_pair(w_a, s_a, w_b, s_b) is None
+    x = (torch.randn(m, 160, generator=rng) * 3).to(torch.bfloat16)
+    for got, w, s in zip(bl.linear_pair(x.to(dev), w_a, s_a, w_b, s_b), (w_a, w_b), (s_a, s_b)):
+        assert torch.equal(got, bl.linear(x.to(dev), w, s))
+    (w_a, s_a), (w_b, s_b) = stacked("fp8", 64, 40, 160, rng, "cpu")
+    for got, w, s in zip(fused.linear_pair(x, w_a, s_a, w_b, s_b), (w_a, w_b), (s_a, s_b)):
+        assert torch.equal(got, basic.linear(x, w, s))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("m", [1, 2, 8, 9, 16, 33, 64])
+def test_linear_pair_stacked_model_widths_gpu(dev, m, rng):
+    """The mini preset's two stacked pairs (wq_a / wkv, the shared expert's w1 / w3) at decode row
+    counts: one launch's output, within the bound of each weight's reference."""
+    check_stacked_pair(dev, "fp8", 5120, 1280, 512, m, rng)
+    check_stacked_pair(dev, "fp8", 5120, 2304, 2304, m, rng)
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 def test_linear_dense_row(dev, rng, monkeypatch):
     """One bf16 row and a small bf16 weight alone on `_dense_pair_kernel` (`dense_row_fits`): bf16
@@ -595,6 +658,23 @@ def test_moe_shared_expert_call(dev, rng):
         want = moe.moe_experts(x, ones, zeros, ex, 10.0)
     dex = [tuple((a.to(dev), b.to(dev)) for a, b in e) for e in ex]
     assert rel_err(me.moe_experts(x.to(dev), ones.to(dev), zeros.to(dev), dex, 10.0), want) < 2e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", [DEVICES[1]])
+@pytest.mark.parametrize("t", [1, 4, 64])
+def test_moe_shared_expert_stacked_gpu(dev, t, rng):
+    """The shared expert with w1 / w3 stacked (the model's layout): one launch for both, the
+    SwiGLU reading g and u at the stacked row stride; within the bound of the reference."""
+    d, inter = 512, 256
+    x = torch.randn(t, d, generator=rng).to(torch.bfloat16)
+    (w1, w3), w2 = stacked("fp8", inter, inter, d, rng, dev), weight("fp8", d, inter, rng)
+    ex = [(w1, tuple(a.to(dev) for a in w2), w3)]
+    ones, zeros = torch.ones(t, 1), torch.zeros(t, 1, dtype=torch.long)
+    with numerics("official"):
+        want = moe.moe_experts(x, ones, zeros, [tuple((a.cpu(), b.cpu()) for a, b in ex[0])], 10.0)
+    got = me.moe_experts(x.to(dev), ones.to(dev), zeros.to(dev), ex, 10.0)
+    assert rel_err(got, want) < 4e-3, f"T={t}: rel err {rel_err(got, want):.2e}"
 
 
 @pytest.mark.gpu

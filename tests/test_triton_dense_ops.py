@@ -109,6 +109,23 @@ def test_norm_rope_swiglu(dev, rng):
     check_dense(dev, 3, 64, 16, 2, rng)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_row_strided(dev, dtype, rng):
+    """Rows of a 2-D view read at their stride (`linear_pair`'s outputs: columns of one stacked
+    output): the same bits as the contiguous copy, a contiguous result, the view untouched."""
+    t, d, wide = 5, 96, 160
+    y = (torch.randn(t, wide, generator=rng) * 5).to(dtype).to(dev)
+    w = (1 + 0.2 * torch.randn(d, generator=rng)).to(torch.bfloat16).to(dev)
+    before = y.clone()
+    for x in (y[:, :d], y[:, wide - d:]):
+        got = rn.rms_norm(x, w, 1e-20)
+        assert got.is_contiguous() and got.shape == x.shape
+        assert torch.equal(got, rn.rms_norm(x.contiguous(), w, 1e-20))
+        assert rel_err(got, basic.rms_norm(x.cpu(), w.cpu(), 1e-20)) < (4e-3 if dtype == torch.bfloat16 else 1e-6)
+    assert torch.equal(y, before)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", GPU)
 @pytest.mark.parametrize("t", [1, 64, 1000])

@@ -169,6 +169,23 @@ def test_rope_store_kv_kernel(dev, t, h, d, r, pad, rng):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+def test_rope_store_kv_row_strided_kv(dev, rng):
+    """kv rows read at their stride (the stacked wq_a / wkv output's view): the same query and
+    the same pool bytes as with the contiguous copy."""
+    t, h, d, r = 4, 3, 96, 32
+    q, kv, w, cos, sin, (pk, ps), rows = _store_case(rng, t, h, d, r, 8)
+    wide = torch.cat([torch.randn(t, 64, generator=rng).to(torch.bfloat16), kv], dim=1).to(dev)
+    outs = []
+    for kv_in in (wide[:, 64:], wide[:, 64:].contiguous()):
+        k_, s_ = pk.clone().to(dev), ps.clone().to(dev)
+        got_q = rs.rope_store_kv(q.to(dev), kv_in, w.to(dev), 1e-6, cos.to(dev), sin.to(dev), k_, s_, rows.to(dev))
+        outs.append((got_q, k_.view(torch.uint8), s_.view(torch.uint8)))
+    assert wide[:, 64:].stride(0) == 64 + d
+    for got, want in zip(*outs):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("t,d,r,pad", [(1, 64, 32, 0), (6, 128, 64, 8), (3, 96, 96, 4)])
 def test_rope_store_key_kernel(dev, t, d, r, pad, rng):
     """The indexer keys written (packed E2M1 and E8M0 at the given rows of a row-strided pool,

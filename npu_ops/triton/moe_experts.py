@@ -540,15 +540,17 @@ def linears_pay(device: torch.device, n_exp: int, topk: int, kind: int) -> bool:
 
 
 @triton.jit
-def _act_rows_kernel(g_ptr, u_ptr, wts_ptr, ids_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
-    """h[t] = bf16(clamped SwiGLU(g[t], u[t]) * weight[t]) (`expert_act`), 0 where id[t] < 0."""
+def _act_rows_kernel(g_ptr, u_ptr, gu_stride, wts_ptr, ids_ptr, h_ptr, I, limit, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = 0):
+    """h[t] = bf16(clamped SwiGLU(g[t], u[t]) * weight[t]) (`expert_act`), 0 where id[t] < 0; g and
+    u rows `gu_stride` apart (views of one stacked output: 2 I)."""
     pdl_start(PDL)
     t = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < I
     row = t.to(tl.int64) * I
-    g = tl.load(g_ptr + row + c, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row + c, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + t.to(tl.int64) * gu_stride + c, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + t.to(tl.int64) * gu_stride + c, mask=m, other=0.0).to(tl.float32)
     wt = tl.load(wts_ptr + t).to(tl.float32)
     h = tl.where(tl.load(ids_ptr + t) >= 0, expert_act(g, u, wt, limit), 0.0)
     tl.store(h_ptr + row + c, h.to(tl.bfloat16), mask=m)
@@ -557,8 +559,8 @@ def _act_rows_kernel(g_ptr, u_ptr, wts_ptr, ids_ptr, h_ptr, I, limit, BLOCK: tl.
 def _one_expert_linears(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert,
                         limit: float) -> torch.Tensor:
     """T rows through one FP8 expert (top-1) as the official expert computes it: w1 and w3 as
-    FP8 linears (x FP8-quantised per 32 channels inside, bf16 outputs; one launch for both at one
-    row, `linear_pair`), the clamped SwiGLU times the routing weight rounded to bf16, w2 as an
+    FP8 linears (x FP8-quantised per 32 channels inside, bf16 outputs; one launch for both,
+    `linear_pair`, where the model stacked them), the clamped SwiGLU times the routing weight rounded to bf16, w2 as an
     FP8 linear (h FP8-quantised inside), returned
     as w2's bf16 output: one expert's sum is its output, a bf16 value, so widening it to fp32 would
     change nothing and cost a launch (3.2 us a layer at one token on the H200; the MoE's final add
@@ -567,11 +569,13 @@ def _one_expert_linears(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
 
     (w1, s1), (w2, s2), (w3, s3) = expert
     t, inter = x.shape[0], w1.shape[0]
-    g, u = linear_pair(x, w1, s1, w3, s3)  # (at one row views of one buffer: the kernel reads row 0)
+    g, u = linear_pair(x, w1, s1, w3, s3)  # (views of one output where w1 and w3 are stacked)
+    if g.stride(-1) != 1 or u.stride(-1) != 1 or g.stride(0) != u.stride(0):
+        g, u = g.contiguous(), u.contiguous()
     h = torch.empty(t, inter, dtype=torch.bfloat16, device=x.device)
     block = min(1024, triton.next_power_of_2(inter))
-    _act_rows_kernel[(t, -(-inter // block))](g, u, weights.contiguous(), ids.contiguous(), h, inter, float(limit),
-                                              BLOCK=block, **pdl_launch(g))
+    _act_rows_kernel[(t, -(-inter // block))](g, u, g.stride(0), weights.contiguous(), ids.contiguous(), h, inter,
+                                              float(limit), BLOCK=block, **pdl_launch(g))
     return linear(h, w2, s2)
 
 

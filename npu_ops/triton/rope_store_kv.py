@@ -29,7 +29,7 @@ MAX_D = 8192  # a kv row in registers
 
 @triton.jit
 def _rope_store_kv_kernel(q_ptr, qo_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, codes_ptr, scales_ptr, rows_ptr,
-                          H, D, R, eps, n_q_programs, n_head_blocks, codes_stride, scales_stride,
+                          H, D, R, eps, n_q_programs, n_head_blocks, kv_stride, codes_stride, scales_stride,
                           BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_start(PDL)
     pid = tl.program_id(0)
@@ -42,7 +42,7 @@ def _rope_store_kv_kernel(q_ptr, qo_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, codes_
         g = tl.arange(0, BLOCK_G)
         cols = g[:, None] * 32 + tl.arange(0, 32)[None, :]  # [groups, 32]
         ok = cols < D
-        base = kv_ptr + t.to(tl.int64) * D
+        base = kv_ptr + t.to(tl.int64) * kv_stride
         x = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
         inv = tl.math.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / D + eps)
         partner = partner_cols(cols, D, R)
@@ -74,6 +74,7 @@ def rope_store_kv(q: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor, 
             or swa_scale.element_size() != 1):
         return rope_store_kv_ref(q, kv, norm_weight, eps, cos, sin, swa_kv, swa_scale, rows)
     qc = q.contiguous()
+    kvc = kv if kv.stride(-1) == 1 else kv.contiguous()  # (rows at their stride: `linear_pair`'s views)
     out = torch.empty_like(qc)
     h = qc.numel() // (t * d) if t * d else 0
     if t == 0:
@@ -83,9 +84,9 @@ def rope_store_kv(q: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor, 
     n_hb = -(-h // bh) if h else 0
     n_q = t * n_hb
     _rope_store_kv_kernel[(n_q + t,)](
-        qc, out.view(torch.int16), kv.contiguous(), norm_weight.contiguous(), cos.float().contiguous(),
+        qc, out.view(torch.int16), kvc, norm_weight.contiguous(), cos.float().contiguous(),
         sin.float().contiguous(), swa_kv.view(torch.uint8), swa_scale.view(torch.uint8), rows.contiguous(),
-        h, d, r, float(eps), n_q, max(n_hb, 1), swa_kv.stride(0), swa_scale.stride(0),
+        h, d, r, float(eps), n_q, max(n_hb, 1), kvc.stride(0), swa_kv.stride(0), swa_scale.stride(0),
         BLOCK_H=bh, BLOCK_D=bd, BLOCK_G=triton.next_power_of_2(d // FP8_GROUP), **pdl_launch(qc))
     return out
 
