@@ -155,6 +155,7 @@ class Compressor(nn.Module):
         self.wkv = Linear(cfg.hidden_size, cfg.head_dim, "bf16")
         if ratio > 1:
             self.wgate = Linear(cfg.hidden_size, cfg.head_dim, "bf16")
+            self.stacked_linears = (("wkv", "wgate"),)  # both read x: one launch (`weights.stack_linears`)
         self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
 

@@ -265,7 +265,8 @@ def materialize(model: Transformer, device: str | torch.device = "cpu") -> Trans
 
 def stack_linears(model: torch.nn.Module) -> None:
     """Give each pair of linears a module names in `stacked_linears` (two projections of one
-    input: the attention's wq_a and wkv, the shared expert's w1 and w3) one allocation, the second
+    input: the attention's wq_a and wkv, the shared expert's w1 and w3, the compressor's wkv and
+    wgate) one allocation, the second
     weight's rows right after the first's, and their scales likewise, so that `ops.linear_pair`
     runs them as ONE linear (one launch, the input quantised once; `backends.fused.stacked_pair`).
     The two buffers become views of it: names, shapes and the state dict are unchanged, and the

@@ -294,7 +294,7 @@ def test_rows_bound_covers_every_row_attended(tiny_model, tiny_cfg, rng, monkeyp
 
 def test_stacked_linears_change_nothing_but_the_launches(tiny_model, tiny_cfg, rng, tmp_path):
     """`weights.stack_linears` (run by `materialize`) puts each declared pair (wq_a / wkv, the
-    shared expert's w1 / w3) in one allocation that `linear_pair` runs as one linear: every pair
+    shared expert's w1 / w3, the compressor's wkv / wgate) in one allocation that `linear_pair` runs as one linear: every pair
     of the built model is found stacked, the state dict keeps its names and shapes, the logits equal
     those of a model loaded with the same weights but built without stacking, bit for bit (the
     reference computes each output column alike), and the stacked model still writes a checkpoint

@@ -258,7 +258,7 @@ def stacked(fmt: str, n_a: int, n_b: int, k: int, rng, dev):
     return (w[:n_a], s[:s_a.shape[0]]), (w[n_a:], s[s_a.shape[0]:])
 
 
-def check_stacked_pair(dev, fmt, k, n_a, n_b, m, rng):
+def check_stacked_pair(dev, fmt, k, n_a, n_b, m, rng, odt=torch.bfloat16):
     """`linear_pair` on stacked weights: one linear over the stacked rows (its output's views,
     bit for bit), each within the bound of its own reference linear."""
     from dsv41.backends.fused import stacked_pair
@@ -267,14 +267,14 @@ def check_stacked_pair(dev, fmt, k, n_a, n_b, m, rng):
     both = stacked_pair(w_a, s_a, w_b, s_b)
     assert both is not None and both[0].shape == (n_a + n_b, k)
     x = (torch.randn(m, k, generator=rng) * 3).to(torch.bfloat16).to(dev)
-    out_a, out_b = bl.linear_pair(x, w_a, s_a, w_b, s_b)
-    whole = bl.linear(x, *both)
-    case = f"{fmt} M={m} K={k} N={n_a}+{n_b}"
+    out_a, out_b = bl.linear_pair(x, w_a, s_a, w_b, s_b, odt)
+    whole = bl.linear(x, *both, odt)
+    case = f"{fmt} M={m} K={k} N={n_a}+{n_b} {odt}"
     assert torch.equal(out_a, whole[:, :n_a]) and torch.equal(out_b, whole[:, n_a:]), case
     assert out_b.data_ptr() == out_a.data_ptr() + n_a * out_a.element_size(), f"{case}: not views of one output"
     for got, w, s in ((out_a, w_a, s_a), (out_b, w_b, s_b)):
-        err = rel_err(got, basic.linear(x.cpu(), w.cpu(), None if s is None else s.cpu()))
-        assert err < BOUND[torch.bfloat16], f"{case}: rel err {err:.2e}"
+        err = rel_err(got, basic.linear(x.cpu(), w.cpu(), None if s is None else s.cpu(), odt))
+        assert err < BOUND[odt], f"{case}: rel err {err:.2e}"
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -289,6 +289,7 @@ def test_linear_pair_stacked(dev, m, rng):
 
     check_stacked_pair(dev, "fp8", 160, 64, 40, m, rng)
     check_stacked_pair(dev, "bf16", 96, 24, 40, m, rng)
+    check_stacked_pair(dev, "bf16", 96, 24, 40, m, rng, torch.float32)
     (w_a, s_a), (w_b, s_b) = stacked("fp8", 40, 64, 160, rng, dev)
     assert stacked_pair(w_a, s_a, w_b, s_b) is None
     x = (torch.randn(m, 160, generator=rng) * 3).to(torch.bfloat16)
@@ -303,10 +304,12 @@ def test_linear_pair_stacked(dev, m, rng):
 @pytest.mark.parametrize("dev", [DEVICES[1]])
 @pytest.mark.parametrize("m", [1, 2, 8, 9, 16, 33, 64])
 def test_linear_pair_stacked_model_widths_gpu(dev, m, rng):
-    """The mini preset's two stacked pairs (wq_a / wkv, the shared expert's w1 / w3) at decode row
-    counts: one launch's output, within the bound of each weight's reference."""
+    """The mini preset's stacked pairs (wq_a / wkv, the shared expert's w1 / w3, the compressor's
+    bf16 wkv / wgate with fp32 outputs) at decode row counts: one launch's output, within the bound
+    of each weight's reference."""
     check_stacked_pair(dev, "fp8", 5120, 1280, 512, m, rng)
     check_stacked_pair(dev, "fp8", 5120, 2304, 2304, m, rng)
+    check_stacked_pair(dev, "bf16", 5120, 512, 512, m, rng, torch.float32)
 
 
 @pytest.mark.parametrize("dev", DEVICES)

@@ -1380,15 +1380,15 @@ def _launch_dense_pair(x2, weight_a, weight_b, out_a, out_b, **tiles):
 def linear_pair(x: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tensor | None, weight_b: torch.Tensor,
                 scale_b: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     """`ops.linear_pair` on a device. Weights stacked at load (`core.weights.stack_linears`: the
-    attention's wq_a and wkv, the shared expert's w1 and w3) run as one `linear` over the stacked
-    rows below CUBLAS_MIN_M rows (`backends.fused.stacked_pair`): one launch and one quantisation of x
-    instead of two, the outputs views of its output (row stride the stacked width). Otherwise at
-    one row one launch for both weights where `pair_in_one_launch` finds a kernel (FP8 pairs on
-    the rows kernel; the compressor's bf16 wkv and wgate with fp32 outputs on
-    `_dense_pair_kernel`), else the two linears. On the rows kernel each output row is computed as
-    its own `linear` computes it (the same kernel steps per weight row): the results are
-    identical; at 2..64 rows the stacked width may choose other tiles (K split) than either weight
-    alone, so sums can differ in fp32 order."""
+    attention's wq_a and wkv, the shared expert's w1 and w3, the compressor's wkv and wgate) run
+    as one `linear` over the stacked rows below CUBLAS_MIN_M rows (`backends.fused.stacked_pair`):
+    one launch and one quantisation of x instead of two, the outputs views of its output (row
+    stride the stacked width). Otherwise at one row one launch for both weights where
+    `pair_in_one_launch` finds a kernel (FP8 pairs on the rows kernel, bf16 pairs with fp32
+    outputs on `_dense_pair_kernel`), else the two linears. On the one-row kernels each output row
+    is computed as its own `linear` computes it (the same kernel steps per weight row): the
+    results are identical; at 2..64 rows the stacked width may choose other tiles (a K split)
+    than either weight alone, so sums can differ in fp32 order."""
     from ...backends.fused import stacked_pair
 
     k = x.shape[-1]
