@@ -120,6 +120,7 @@ def test_fold_tm_choice(monkeypatch):
     for weights wide enough to occupy the SMs twice without a K split, else `_fold_linear_kernel`;
     DSV41_FP8_DECODE=fold keeps fold at every row count."""
     assert bl.fold_tm_tiles(512, 5120, 132) == bl.FOLD_TM_SMALL
+    assert bl.fold_tm_tiles(2 * 2304, 5120, 132) == bl.FOLD_TM_SMALL  # the stacked shared w1 / w3
     assert bl.fold_tm_tiles(32768, 1280, 132) == {}
     assert bl.fold_tm_tiles(5120, 8192, 132) is None
     assert bl.fold_tm_tiles(25600, 6144, 132) == bl.FOLD_TM_LARGE  # Engram's wkv

@@ -960,9 +960,16 @@ def _launch_fold_tm(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_
 # 68 against 136 / 101 / 79. Slower: 4 stages, 8 waves, bn 128 with 4 or 8 warps, bk 256, bk 64,
 # the FP8 MMA per 32-wide block in this orientation (182-248 at 64 rows), and the scale load left
 # to the compiler (172 -> 181 us: it is not pipelined and stalls every step).
+# Up to 24 MB (16 before) since the shared expert's w1 and w3 run stacked (`linear_pair`: one
+# 4608x5120 weight, 23.6 MB, which the rule then sent to fold). H100 2026-12-06 (session
+# forty-two, fp8_batch_sweep.py --m 64 --pairs): the stacked pair 28.0 us here against 33.5 on
+# fold and 30.7 at bn 64; in the mini decode step at 4K (alternated processes, graph ms) stacked
+# with 16 MB 2.932 / 3.964 / 4.488 at batch 8 / 32 / 64, with 24 MB 2.935 / 3.722 / 4.450 (the
+# fold launch beside the routed experts at 32 tokens cost 0.25 ms), the pairs apart 2.976 / 3.711
+# / 4.574.
 FOLD_TM = {"bn": 64, "bm_max": 64, "bk": 128, "num_warps": 4, "num_stages": 3, "waves": 1}
 FOLD_TM_SMALL = {"bn": 32, "waves": 2}
-FOLD_TM_SMALL_BYTES = 16 << 20
+FOLD_TM_SMALL_BYTES = 24 << 20
 # weights from FOLD_TM_LARGE_BYTES (Engram's 25600x6144 wkv, 157 MB; no other mini linear is
 # past 42 MB): 128-wide tiles on 8 warps in a K split of about 4 waves. H100 2026-12-06
 # (fp8_batch_sweep.py --m 64 --engram, one run): 106.4 us against 124.1 for bn 64 / one wave
