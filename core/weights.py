@@ -266,13 +266,13 @@ def materialize(model: Transformer, device: str | torch.device = "cpu") -> Trans
 def stack_linears(model: torch.nn.Module) -> None:
     """Give each pair of linears a module names in `stacked_linears` (two projections of one
     input: the attention's wq_a and wkv, the shared expert's w1 and w3, the compressor's wkv and
-    wgate) one allocation, the second
-    weight's rows right after the first's, and their scales likewise, so that `ops.linear_pair`
-    runs them as ONE linear (one launch, the input quantised once; `backends.fused.stacked_pair`).
-    The two buffers become views of it: names, shapes and the state dict are unchanged, and the
-    loaders copy into them as before. Pairs of different storage or width, or whose scale rows
-    would not line up (`backends.fused.scale_rows_line_up`), stay apart (two linears, as before). Run on uninitialised
-    storage (`materialize`): the old buffers are dropped, not copied."""
+    wgate) one allocation, the second weight's rows right after the first's and their scales
+    likewise, so that `ops.linear_pair` runs them as ONE linear (one launch, the input quantised
+    once; `backends.fused.stacked_pair`). The two buffers become views of it: names, shapes and
+    the state dict are unchanged, and the loaders copy into them as before. Pairs of different
+    storage or width, or whose scale rows would not line up (`backends.fused.scale_rows_line_up`),
+    stay apart (two linears, as before). Run on uninitialised storage (`materialize`): the old
+    buffers are dropped, not copied."""
     for m in model.modules():
         for name_a, name_b in getattr(m, "stacked_linears", ()):
             a, b = getattr(m, name_a), getattr(m, name_b)

@@ -560,11 +560,11 @@ def _one_expert_linears(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
                         limit: float) -> torch.Tensor:
     """T rows through one FP8 expert (top-1) as the official expert computes it: w1 and w3 as
     FP8 linears (x FP8-quantised per 32 channels inside, bf16 outputs; one launch for both,
-    `linear_pair`, where the model stacked them), the clamped SwiGLU times the routing weight rounded to bf16, w2 as an
-    FP8 linear (h FP8-quantised inside), returned
-    as w2's bf16 output: one expert's sum is its output, a bf16 value, so widening it to fp32 would
-    change nothing and cost a launch (3.2 us a layer at one token on the H200; the MoE's final add
-    takes the bf16 rows as they are). The grouped kernels' values up to fp32 summation order."""
+    `linear_pair`, where the model stacked them), the clamped SwiGLU times the routing weight
+    rounded to bf16, w2 as an FP8 linear (h FP8-quantised inside), returned as w2's bf16 output:
+    one expert's sum is its output, a bf16 value, so widening it to fp32 would change nothing and
+    cost a launch (3.2 us a layer at one token on the H200; the MoE's final add takes the bf16
+    rows as they are). The grouped kernels' values up to fp32 summation order."""
     from .block_linear import linear, linear_pair
 
     (w1, s1), (w2, s2), (w3, s3) = expert
