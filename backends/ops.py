@@ -244,8 +244,9 @@ def engram_hash(ngram_ids: Tensor, ngram_image: Tensor, token_map: Tensor, multi
 def linear_pair(x: Tensor, weight_a: Tensor, scale_a: Tensor | None, weight_b: Tensor, scale_b: Tensor | None,
                 out_dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor]:
     """Two projections of the same input in one pass: (linear(x, weight_a, scale_a, out_dtype),
-    linear(x, weight_b, scale_b, out_dtype)) (the attention's wq_a and wkv, the compressor's wkv
-    and wgate)."""
+    linear(x, weight_b, scale_b, out_dtype)) (the attention's wq_a and wkv, the shared expert's w1
+    and w3, the compressor's wkv and wgate). Where the model stacked the two weights
+    (`core.weights.stack_linears`) the results are views of one output, rows strided."""
 
 
 @_op
