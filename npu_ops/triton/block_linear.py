@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...backends.fused import stacked_pair
 from ...backends.reference import quant
 from ...backends.reference.basic import linear as linear_ref  # noqa: F401  (the oracle)
 from .pdl import pdl_launch, pdl_start
@@ -1396,8 +1397,6 @@ def linear_pair(x: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tensor |
     is computed as its own `linear` computes it (the same kernel steps per weight row): the
     results are identical; at 2..64 rows the stacked width may choose other tiles (a K split)
     than either weight alone, so sums can differ in fp32 order."""
-    from ...backends.fused import stacked_pair
-
     k = x.shape[-1]
     stacked = stacked_pair(weight_a, scale_a, weight_b, scale_b)
     # (from CUBLAS_MIN_M rows cuBLAS takes each weight dequantised: one launch more is nothing
