@@ -5,9 +5,9 @@ Importing this module is cheap (no triton): it only hands `load` to the registry
 the first time an op is dispatched to "cuda" (a CUDA tensor, or `DSV41_BACKEND=cuda`). `load`
 imports triton and every kernel module listed in `npu_ops.triton.KERNELS` and `CUDA_KERNELS`;
 each module's `OPS` dict maps op names to its launchers. The ops below are torch sequences with
-fp32 math (cuBLAS for the grouped bf16 projection; the Sinkhorn and the residual update outside
-the fused `mhc_mix`; the dequantisers, which are plain fp32 torch already): with them every op
-of the forward has a device implementation and none computes in fp64. When triton is missing the
+fp32 math (the Sinkhorn and the residual update outside the fused `mhc_mix`; the dequantisers,
+which are plain fp32 torch already): with them every op of the forward has a device
+implementation and none computes in fp64. When triton is missing the
 registry records why and every op falls back to the reference (or raises under DSV41_STRICT=1).
 Under `TRITON_INTERPRET=1` the kernels also run on CPU tensors (the interpreter tests); without
 it and without a CUDA device, loading fails on purpose.
@@ -41,21 +41,6 @@ def register_triton_kernels(backend: str, names: list[str] | None = None) -> lis
     return ops
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, G, K] with weight [G * R, K] -> [T, G * R] bf16: one batched cuBLAS product over the
-    groups (bf16 operands, fp32 accumulation; other dtypes in fp32). The product is written in
-    place into the [T, G, R] result through a transposed view (cuBLAS takes the row stride G * R
-    as its leading dimension): no transposing copy after it (2.6 us a layer at 8 tokens on the H200)."""
-    t, g, k = x.shape
-    w = weight.view(g, -1, k)
-    if not (x.dtype == weight.dtype == torch.bfloat16):
-        x, w = x.float(), w.float()
-        return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).reshape(t, -1).to(torch.bfloat16)
-    out = torch.empty(t, g, w.shape[1], dtype=torch.bfloat16, device=x.device)
-    torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=out.transpose(0, 1))
-    return out.view(t, -1)
-
-
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """The reference's Sinkhorn normalisation in fp32 (its softmax in fp32, not fp64)."""
     c = torch.softmax(logits.float(), dim=-1) + eps
@@ -72,7 +57,7 @@ def mhc_update(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch
     return (post.float().unsqueeze(-1) * y.float().unsqueeze(1) + mixed).to(x.dtype)
 
 
-TORCH_OPS = {"grouped_linear": grouped_linear, "sinkhorn": sinkhorn, "mhc_update": mhc_update,
+TORCH_OPS = {"sinkhorn": sinkhorn, "mhc_update": mhc_update,
              "fp4_dequant": quant.fp4_dequant, "mxfp4_dequant": quant.mxfp4_dequant, "fp8_dequant": quant.fp8_dequant}
 
 

@@ -590,7 +590,10 @@ def mhc_activations(t: int):
     return x, y, post, comb, torch.rand(t, n, device="cuda")
 
 
-def sweep_mhc_mix(rows, copy):
+def sweep_mhc_mix(rows, copy, tokens=(64, 4096)):
+    """`mhc_mix` with the next sublayer's coefficients (fn) at T tokens, tile variants against the
+    fp64-accumulating oracle; at decode batches (T <= 64) also wider token tiles and fewer d
+    chunks."""
     from dsv41.backends.reference.basic import fp32_accumulation
     from dsv41.npu_ops.triton import mega_mhc as mm
 
@@ -600,14 +603,16 @@ def sweep_mhc_mix(rows, copy):
     variants = [  # (block_t, block_d, num_warps, num_stages, d_split; None: the launcher's rule)
         (16, 64, 4, 2, None), (16, 64, 4, 3, None), (16, 64, 4, 2, 16), (16, 128, 4, 2, None), (32, 64, 4, 2, None),
     ]
-    for t in (64, 4096):
+    decode = [(32, 64, 4, 2, 16), (64, 64, 4, 2, None), (64, 64, 8, 2, None), (16, 64, 4, 2, 32), (16, 128, 4, 2, 16),
+              (16, 64, 4, 1, None)]
+    for t in tokens:
         x, y, post, comb, pre = mhc_activations(t)
         args = (x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, CFG.hc_sinkhorn_iters)
         want = ref_fn(*args)  # the fp64-accumulating oracle
         with fp32_accumulation():  # the unfused torch sequence the kernel replaces
             t_ref = timeit(lambda args=args: ref_fn(*args), iters=5)
         nbytes = t * (2 * n + 2) * dim * 2 + fn.numel() * 4
-        for bt, bd, nw, ns, ds in variants:
+        for bt, bd, nw, ns, ds in variants + (decode if t <= 64 else []):
             def call(args=args, bt=bt, bd=bd, nw=nw, ns=ns, ds=ds):
                 return mm.mhc_mix(*args, block_t=bt, block_d=bd, num_warps=nw, num_stages=ns, d_split=ds)
 
@@ -628,13 +633,14 @@ def sweep_mhc_mix(rows, copy):
             print(rows[-1], flush=True)
 
 
-def _variant_row(rows, name, shape, call, want, nbytes, flops, copy):
-    """Check `call` against `want` (relative error in norm), time it, append / print its row."""
+def _variant_row(rows, name, shape, call, want, nbytes, flops, copy, timed=None):
+    """Check `call` against `want` (relative error in norm), time it (or `timed`: the same op on
+    inputs cycled past the L2), append / print its row."""
     try:
         got = call()
         err = ((got.double() - want.double()).norm() / want.double().norm()).item()
-        te = timeit(call)
-        tg = graph_time(call) or te
+        te = timeit(timed or call)
+        tg = graph_time(timed or call) or te
     except Exception as e:  # noqa: BLE001  (a variant that does not compile is a row, not a crash)
         rows.append(f"| {name} | {shape} | failed: {type(e).__name__}: {str(e)[:100]} |")
         print(rows[-1], flush=True)
@@ -1116,6 +1122,33 @@ def sweep_sampler(rows, copy, tokens=(1, 8, 64)):
                 print(rows[-1], flush=True)
 
 
+def sweep_grouped_linear(rows, copy, tokens=(2, 4, 8, 16, 32, 64)):
+    """`grouped_linear` at the mini width (wo_a: 8 groups of 1024 rows over 4096 channels, 64 MB
+    bf16) at decode batches: cuBLAS's batched product against `_grouped_linear_kernel`'s tiles,
+    each checked against the reference first; three weight copies cycled (past the L2), so the
+    floor is the weight's bytes over the copy rate."""
+    from dsv41.backends.reference.basic import grouped_linear as grouped_ref
+    from dsv41.npu_ops.triton import grouped_linear as gl
+
+    g, k, r = 8, H * D // 8, CFG.o_lora_rank
+    ws = [(torch.randn(g * r, k, device="cuda") * k ** -0.5).to(torch.bfloat16) for _ in range(3)]
+    variants = [("cuBLAS bmm", None), ("kernel default", {}), ("kernel bn128 8 warps", dict(bn=128, num_warps=8)),
+                ("kernel 3 stages", dict(num_stages=3)), ("kernel 5 stages bk64", dict(bk=64, num_stages=5)),
+                ("kernel bk256 3 stages", dict(bk=256, num_stages=3)), ("kernel bn32", dict(bn=32))]
+    for t in tokens:
+        x = torch.randn(t, g, k, device="cuda").to(torch.bfloat16)
+        want = grouped_ref(x.cpu(), ws[0].cpu()).cuda()
+        nbytes = ws[0].numel() * 2 + x.numel() * 2 + t * g * r * 2
+        for label, v in variants:
+            def call(v=v, x=x, it=iter(range(1 << 30))):
+                w = ws[next(it) % len(ws)]
+                return gl.grouped_linear_bmm(x, w) if v is None else gl.grouped_linear(x, w, **v)
+            _variant_row(rows, f"grouped_linear {label}", f"T={t} floor {nbytes / (copy * 1e9) * 1e6:.1f} us",
+                         lambda v=v, x=x: (gl.grouped_linear_bmm(x, ws[0]) if v is None
+                                           else gl.grouped_linear(x, ws[0], **v)), want, nbytes, 2 * t * g * r * k,
+                         copy, timed=call)
+
+
 SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_indexer,
           "indexer_per_k": sweep_indexer_per_k, "indexer_rows": sweep_indexer_rows, "select": sweep_select,
           "reindex": sweep_reindex, "engram_lookup": sweep_engram,
@@ -1124,7 +1157,8 @@ SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_inde
           "moe_slots": sweep_moe_slots,
           "sparse_two_pass": lambda rows, copy, tokens=(8, 32, 64): sweep_sparse_attention(
               rows, copy, tokens, variants=SPARSE_LOGITS_CAPS),
-          "moe_shared": sweep_moe_shared, "decode": sweep_decode, "dense": sweep_dense, "sampler": sweep_sampler}
+          "moe_shared": sweep_moe_shared, "decode": sweep_decode, "dense": sweep_dense, "sampler": sweep_sampler,
+          "grouped_linear": sweep_grouped_linear}
 
 
 def main() -> int:
@@ -1143,8 +1177,9 @@ def main() -> int:
     rows = [f"copy ceiling {copy:.0f} GB/s"]
     for name in a.only.split(","):
         kw = {}
-        if a.tokens and name in ("sparse_attention", "sparse_two_pass", "indexer_topk", "indexer_per_k", "indexer_rows", "select", "dense", "moe_experts",
-                                 "moe_decode", "moe_rows", "moe_bytes", "moe_shared", "moe_slots", "sampler"):
+        if a.tokens and name in ("mhc_mix", "sparse_attention", "sparse_two_pass", "indexer_topk", "indexer_per_k", "indexer_rows", "select", "dense", "moe_experts",
+                                 "moe_decode", "moe_rows", "moe_bytes", "moe_shared", "moe_slots", "sampler",
+                                 "grouped_linear"):
             kw["tokens"] = tuple(int(x) for x in a.tokens.split(","))
         if name in ("sparse_attention", "indexer_topk", "indexer_per_k", "indexer_rows", "moe_rows"):
             kw["check_only"] = a.check_only

@@ -198,15 +198,9 @@ def test_mhc_entry_and_engram_gate_model_shapes_gpu(dev, t, rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", GPU)
 def test_torch_ops_gpu(dev, rng):
-    """The backend's torch-sequence ops: grouped_linear, sinkhorn, mhc_update (fp32 math)."""
-    t, g, k, r = 5, 8, 512, 128
-    x = torch.randn(t, g, k, generator=rng).to(torch.bfloat16)
-    w = (torch.randn(g * r, k, generator=rng) * k ** -0.5).to(torch.bfloat16)
-    got = cuda.grouped_linear(x.to(dev), w.to(dev))
-    assert rel_err(got, basic.grouped_linear(x, w)) < 4e-3
-    # written in place through a transposed view: the bytes of the product transposed afterwards
-    xd, wd = x.to(dev).transpose(0, 1), w.to(dev).view(g, r, k).transpose(1, 2)
-    assert got.is_contiguous() and torch.equal(got, torch.bmm(xd, wd).transpose(0, 1).reshape(t, -1))
+    """The backend's torch-sequence ops: sinkhorn, mhc_update (fp32 math; grouped_linear's cuBLAS
+    path is tests/test_triton_grouped_linear.py's)."""
+    t, k = 5, 512
     logits = torch.randn(t, 4, 4, generator=rng)
     assert rel_err(cuda.sinkhorn(logits.to(dev), 20, 1e-6), mhc.sinkhorn(logits, 20, 1e-6)) < 1e-5
     xs, y = torch.randn(t, 4, k, generator=rng).to(torch.bfloat16), torch.randn(t, k, generator=rng).to(torch.bfloat16)
