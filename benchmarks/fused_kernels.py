@@ -10,6 +10,8 @@ difference of their outputs. `unrope_grouped_linear` is timed with its fused GEM
 width (one token takes the rows kernel, which has no limit). The mHC
 ops are timed twice: with the coefficient epilogue as its own launch (the shipped setting) and
 inside the main kernel (DSV41_MHC_COEF=fused-narrow, one launch per mix): the rows decide that switch.
+`linear_pair` runs on weights stacked as the loader stacks them (one linear), against the two
+linears apart.
 Correctness is the tests' business (tests/test_triton_fused.py); this only times.
 """
 
@@ -88,7 +90,8 @@ def cases(cfg, t: int, dev: torch.device):
     enter = (xs, pre, fn, sc, base, 1e-20, 1e-6, 20, nw, 1e-6)
 
     # linear_pair: the attention's wq_a / wkv and the shared expert's w1 / w3 (FP8, random codes of
-    # either sign below 448, block scales near 1) and the compressor's bf16 wkv / wgate (fp32 out)
+    # either sign below 448, block scales near 1) and the compressor's bf16 wkv / wgate (fp32 out),
+    # stacked as the loader stacks them (one linear), against the two linears apart
     from dsv41.npu_ops.triton import block_linear as bl
 
     def fp8_weight(n_out: int, k_in: int):
@@ -97,12 +100,28 @@ def cases(cfg, t: int, dev: torch.device):
         sc8 = torch.randint(120, 124, (-(-n_out // 32), -(-k_in // 32)), device=dev, generator=g, dtype=torch.int32)
         return codes.to(torch.uint8).view(torch.float8_e4m3fn), sc8.to(torch.uint8).view(torch.float8_e8m0fnu)
 
+    def stacked(a, b):
+        """(w_a, s_a, w_b, s_b): b's rows and scale rows after a's in one allocation each
+        (`core.weights.stack_linears`' layout)."""
+        def cat(u, v):
+            return None if u is None else torch.cat([u.view(torch.uint8), v.view(torch.uint8)]).view(u.dtype)
+        w, s = cat(a[0], b[0]), cat(a[1], b[1])
+        n, ns = a[0].shape[0], (None if a[1] is None else a[1].shape[0])
+        return w[:n], (None if s is None else s[:ns]), w[n:], (None if s is None else s[ns:])
+
+    def apart(pair):
+        """The two linears of a pair (x, w_a, s_a, w_b, s_b[, out dtype]), one after the other."""
+        x, w_a, s_a, w_b, s_b, *odt = pair
+        return lambda: (bl.linear(x, w_a, s_a, *odt), bl.linear(x, w_b, s_b, *odt))
+
+    def bf16_weight(n_out: int, k_in: int):
+        return (torch.randn(n_out, k_in, device=dev, generator=g) * k_in ** -0.5).to(bf), None
+
     xh = torch.randn(t, hd, device=dev, generator=g).to(bf)
     inter = cfg.moe_intermediate_size
-    attn_pair = (xh, *fp8_weight(cfg.q_lora_rank, hd), *fp8_weight(d, hd))
-    shared_pair = (xh, *fp8_weight(inter, hd), *fp8_weight(inter, hd))
-    comp_pair = (xh, (torch.randn(d, hd, device=dev, generator=g) * hd ** -0.5).to(bf), None,
-                 (torch.randn(d, hd, device=dev, generator=g) * hd ** -0.5).to(bf), None, torch.float32)
+    attn_pair = (xh, *stacked(fp8_weight(cfg.q_lora_rank, hd), fp8_weight(d, hd)))
+    shared_pair = (xh, *stacked(fp8_weight(inter, hd), fp8_weight(inter, hd)))
+    comp_pair = (xh, *stacked(bf16_weight(d, hd), bf16_weight(d, hd)), torch.float32)
 
     def coef_inside(call):
         """`call` with the coefficient epilogue inside the main mHC kernel (the process's narrow
@@ -135,11 +154,10 @@ def cases(cfg, t: int, dev: torch.device):
         ("rope_tables", lambda: rp.rope_tables(inv, pos), lambda: torch_tables(inv, pos)),
         ("indexer_queries", lambda: iq.indexer_queries(iqs, cos, sin, iw, 0.01),
          lambda: fused.indexer_queries(iqs, cos, sin, iw, 0.01)),
-        ("linear_pair (wq_a / wkv, FP8)", lambda: bl.linear_pair(*attn_pair), lambda: fused.linear_pair(*attn_pair)),
-        ("linear_pair (shared w1 / w3, FP8)", lambda: bl.linear_pair(*shared_pair),
-         lambda: fused.linear_pair(*shared_pair)),
-        ("linear_pair (compressor wkv / wgate, bf16 -> fp32)", lambda: bl.linear_pair(*comp_pair),
-         lambda: fused.linear_pair(*comp_pair)),
+        ("linear_pair (wq_a / wkv, FP8, stacked)", lambda: bl.linear_pair(*attn_pair), apart(attn_pair)),
+        ("linear_pair (shared w1 / w3, FP8, stacked)", lambda: bl.linear_pair(*shared_pair), apart(shared_pair)),
+        ("linear_pair (compressor wkv / wgate, bf16 -> fp32, stacked)", lambda: bl.linear_pair(*comp_pair),
+         apart(comp_pair)),
         ("mhc_mix_norm", lambda: mn.mhc_mix_norm(*mix), lambda: fused.mhc_mix_norm(*mix)),
         ("mhc_mix_norm (coefficients fused)", coef_inside(lambda: mn.mhc_mix_norm(*mix)),
          coef_inside(lambda: fused.mhc_mix_norm(*mix))),

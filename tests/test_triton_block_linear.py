@@ -220,29 +220,24 @@ def test_linear_rows_path(dev, k, rng):
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("k,n_a,n_b", [(160, 64, 40), (96, 32, 72), (5120, 1280, 512)])
 def test_linear_pair(dev, k, n_a, n_b, rng):
-    """`linear_pair` (two weights, one x): at one row two FP8 weights in one `_row_gemv_kernel`
-    launch (the second's rows after the first's, a partial last program in either), outputs equal
-    to each weight's own `linear` bit for bit; two bf16 weights in one `_dense_pair_kernel` launch
-    (fp32 and bf16 outputs); both within the dtype's bound of the reference (the model's wq_a / wkv
-    widths included, compiled only: the interpreter takes minutes there). Several rows and mixed
-    formats take two linears."""
+    """`linear_pair` on two weights of their own allocations (not stacked: a module built by hand)
+    runs each weight's own `linear`: outputs equal to it bit for bit and within the dtype's bound
+    of the reference, at one row and several, for FP8, bf16 and mixed pairs (the model's wq_a / wkv
+    widths compiled only: the interpreter takes minutes there)."""
     if dev == "cpu" and k > 256:
         pytest.skip("model widths run compiled only (minutes under the interpreter)")
-    cases = (("fp8", "fp8", 1, torch.bfloat16, "rows"), ("fp8", "fp8", 3, torch.bfloat16, ""),
-             ("fp8", "bf16", 1, torch.bfloat16, ""), ("bf16", "bf16", 1, torch.float32, "dense"),
-             ("bf16", "bf16", 1, torch.bfloat16, "dense"), ("bf16", "bf16", 2, torch.float32, ""))
-    for fmt_a, fmt_b, m, odt, how in cases:
+    cases = (("fp8", "fp8", 1, torch.bfloat16), ("fp8", "fp8", 3, torch.bfloat16), ("fp8", "bf16", 1, torch.bfloat16),
+             ("bf16", "bf16", 1, torch.float32), ("bf16", "bf16", 1, torch.bfloat16), ("bf16", "bf16", 2, torch.float32))
+    for fmt_a, fmt_b, m, odt in cases:
         x = (torch.randn(m, k, generator=rng) * 3).to(torch.bfloat16).to(dev)
         (w_a, s_a), (w_b, s_b) = weight(fmt_a, n_a, k, rng), weight(fmt_b, n_b, k, rng)
         w_a, w_b = w_a.to(dev), w_b.to(dev)
         s_a, s_b = (None if s is None else s.to(dev) for s in (s_a, s_b))
         case = f"{fmt_a}/{fmt_b} M={m} K={k} {odt}"
-        assert bl.pair_in_one_launch(x, w_a, s_a, w_b, s_b, odt) == how, case
         outs = bl.linear_pair(x, w_a, s_a, w_b, s_b, odt)
         for got, w, s, name in zip(outs, (w_a, w_b), (s_a, s_b), "ab"):
             assert got.shape == (m, w.shape[0]) and got.dtype == odt, f"{case} weight {name}"
-            if how != "dense":
-                assert torch.equal(got, bl.linear(x, w, s, odt)), f"{case} weight {name}: differs from its own linear"
+            assert torch.equal(got, bl.linear(x, w, s, odt)), f"{case} weight {name}: differs from its own linear"
             err = rel_err(got, basic.linear(x.cpu(), w.cpu(), None if s is None else s.cpu(), odt))
             assert err < BOUND[odt], f"{case} weight {name}: rel err {err:.2e}"
 
@@ -261,7 +256,8 @@ def stacked(fmt: str, n_a: int, n_b: int, k: int, rng, dev):
 
 def check_stacked_pair(dev, fmt, k, n_a, n_b, m, rng, odt=torch.bfloat16):
     """`linear_pair` on stacked weights: one linear over the stacked rows (its output's views,
-    bit for bit), each within the bound of its own reference linear."""
+    bit for bit), each within the bound of its own reference linear; at one row each equal to its
+    own weight's `linear` bit for bit (the one-row kernels compute every weight row alike)."""
     from dsv41.backends.fused import stacked_pair
 
     (w_a, s_a), (w_b, s_b) = stacked(fmt, n_a, n_b, k, rng, dev)
@@ -276,6 +272,8 @@ def check_stacked_pair(dev, fmt, k, n_a, n_b, m, rng, odt=torch.bfloat16):
     for got, w, s in ((out_a, w_a, s_a), (out_b, w_b, s_b)):
         err = rel_err(got, basic.linear(x.cpu(), w.cpu(), None if s is None else s.cpu(), odt))
         assert err < BOUND[odt], f"{case}: rel err {err:.2e}"
+        if m == 1:
+            assert torch.equal(got, bl.linear(x, w, s, odt)), f"{case}: differs from its own linear at one row"
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -315,21 +313,20 @@ def test_linear_pair_stacked_model_widths_gpu(dev, m, rng):
 
 @pytest.mark.parametrize("dev", DEVICES)
 def test_linear_dense_row(dev, rng, monkeypatch):
-    """One bf16 row and a small bf16 weight alone on `_dense_pair_kernel` (`dense_row_fits`): bf16
-    and fp32 outputs equal the pair launch's for that weight bit for bit and lie within the
-    dtype's bound of the reference; several rows, a scaled weight or one past
-    DENSE_ROW_MAX_BYTES keep the other paths (same bound)."""
+    """One bf16 row and a small bf16 weight on `_dense_row_kernel` (`dense_row_fits`): bf16 and
+    fp32 outputs equal, bit for bit, that weight's part of a stacked pair's one launch (the
+    compressor's wkv / wgate) and lie within the dtype's bound of the reference; several rows, a
+    scaled weight or one past DENSE_ROW_MAX_BYTES keep the other paths (same bound)."""
     k, n = 200, 37
     x = (torch.randn(1, 1, k, generator=rng) * 3).to(torch.bfloat16)
-    w = weight("bf16", n, k, rng)[0]
-    w2 = weight("bf16", 8, k, rng)[0]
-    xd, wd = x.to(dev), w.to(dev)
+    (wd, _), (w2, _) = stacked("bf16", n, 8, k, rng, dev)
+    w, xd = wd.cpu(), x.to(dev)
     assert bl.dense_row_fits(xd.view(1, k), wd, None)
     assert not bl.dense_row_fits(xd.view(1, k).expand(2, k), wd, None)
     for odt in (torch.bfloat16, torch.float32):
         got = bl.linear(xd, wd, None, odt)
         assert got.shape == (1, 1, n) and got.dtype == odt
-        assert torch.equal(got.view(1, n), bl.linear_pair(xd.view(1, k), wd, None, w2.to(dev), None, odt)[0])
+        assert torch.equal(got.view(1, n), bl.linear_pair(xd.view(1, k), wd, None, w2, None, odt)[0])
         assert rel_err(got.view(1, n), basic.linear(x.view(1, k), w, None, odt)) < BOUND[odt]
     monkeypatch.setattr(bl, "DENSE_ROW_MAX_BYTES", w.numel() * 2 - 1)
     assert not bl.dense_row_fits(xd.view(1, k), wd, None)

@@ -501,9 +501,8 @@ def _row_dot(wd, xs0, xs1, xs2, xs3, ASM: tl.constexpr):
 
 @triton.jit
 def _row_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, KW, s_stride, rows_per_prog,
-                     w2_ptr, s2_ptr, out2_ptr, N2, P1,
                      OUT_BF16: tl.constexpr, RS: tl.constexpr, BWA: tl.constexpr, BWB: tl.constexpr,
-                     ASM: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr = 0):
+                     ASM: tl.constexpr, PDL: tl.constexpr = 0):
     """The FP8 linear at one activation row, streaming whole weight rows: program p owns the
     `rows_per_prog` consecutive rows from p * rows_per_prog (a divisor of 32, so all of them share
     one row of 32x32 block scales) and reads them RS rows per step, each step one contiguous run
@@ -515,21 +514,10 @@ def _row_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, KW, s_stride, rows_per_pro
     times a power of two), held in registers; each output is the fp32 sum of the exact products
     E4M3 value x x'[k] (at most 8 significant bits) -- the fold kernels' class (exact products,
     fp32 sums), on the CUDA cores: no split-K, no partials, no counters. The next step's rows
-    are loaded before this step's are used (two steps in flight).
-
-    TWO: a second weight of the same K (w2 / s2 -> out2, N2 rows) in the same launch, programs
-    P1.. on it (`linear_pair`: one launch where two small projections of one row each paid a
-    launch's ramp and tail); a row's arithmetic is the same as in its own launch."""
+    are loaded before this step's are used (two steps in flight). (`linear_pair`'s two weights
+    run through it as one: stacked at load, `core.weights.stack_linears`.)"""
     pdl_start(PDL)
-    pid = tl.program_id(0)
-    if TWO:
-        if pid >= P1:
-            pid -= P1
-            w_ptr = w2_ptr
-            s_ptr = s2_ptr
-            out_ptr = out2_ptr
-            N = N2
-    n_lo = pid * rows_per_prog
+    n_lo = tl.program_id(0) * rows_per_prog
     n_hi = tl.minimum(n_lo + rows_per_prog, N)
     sw_row = s_ptr + (n_lo // 32) * s_stride
     rr = tl.arange(0, RS)
@@ -557,20 +545,14 @@ def _row_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, KW, s_stride, rows_per_pro
 
 
 @triton.jit
-def _dense_pair_kernel(x_ptr, w_ptr, out_ptr, N, K, rows_per_prog, w2_ptr, out2_ptr, N2, P1,
-                       OUT_BF16: tl.constexpr, RS: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = 0):
-    """Two plain bf16 weights of the same K at one activation row in one launch (`linear_pair`;
-    the compressor's wkv / wgate with fp32 outputs, which cuBLAS ran as two split-K GEMMs with a
-    reduction each): programs 0 .. P1 - 1 own `rows_per_prog` rows of w, the rest rows of w2. Each
-    output is the fp32 sum of exact bf16 x bf16 products (cuBLAS's class, another order)."""
+def _dense_row_kernel(x_ptr, w_ptr, out_ptr, N, K, rows_per_prog,
+                      OUT_BF16: tl.constexpr, RS: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = 0):
+    """A plain bf16 weight at one activation row (`dense_row_fits`: the compressor's stacked wkv /
+    wgate with fp32 outputs, the indexer's weights_proj and wk, which cuBLAS ran as split-K GEMMs
+    with a reduction each): program p owns `rows_per_prog` rows. Each output is the fp32 sum of
+    exact bf16 x bf16 products (cuBLAS's class, another order)."""
     pdl_start(PDL)
-    pid = tl.program_id(0)
-    if pid >= P1:
-        pid -= P1
-        w_ptr = w2_ptr
-        out_ptr = out2_ptr
-        N = N2
-    n_lo = pid * rows_per_prog
+    n_lo = tl.program_id(0) * rows_per_prog
     n_hi = tl.minimum(n_lo + rows_per_prog, N)
     rr = tl.arange(0, RS)
     for n0 in range(n_lo, n_hi, RS):
@@ -730,7 +712,7 @@ def fold_tm_tiles(n: int, k: int, workers: int) -> dict | None:
 def fp8_default_path(m: int, k: int, n: int = 0, workers: int = 0) -> tuple[str, dict]:
     """The path `launch_linear` takes for an FP8 weight [n, k] at m <= FOLD_MAX_M rows on a device
     of `workers` SMs, and its tiles: the DSV41_FP8_DECODE choice (`fp8_decode_mode`), then the
-    widths and row counts each kernel takes (one place: `pair_in_one_launch` asks it too). Above
+    widths and row counts each kernel takes. Above
     XS_MAX_M rows every mode but "fold" and the MMA ones takes `fold_tm_tiles`' choice."""
     path, xs_tiles = fp8_decode_mode()
     xs_tiles = dict(xs_tiles)
@@ -1113,22 +1095,14 @@ def rows_fit(k: int) -> bool:
     return k > 0 and k % 32 == 0 and rest & (rest - 1) == 0 and not 0 < rest < 8
 
 
-def _launch_row_gemv(x2, weight, scale, out, *, rs=None, rpp=None, waves=None, num_warps=None, second=None):
+def _launch_row_gemv(x2, weight, scale, out, *, rs=None, rpp=None, waves=None, num_warps=None):
     """The M == 1 launch of `_row_gemv_kernel`: one program per `rpp` consecutive weight rows (a
     power of two dividing 32, at least `rs`; by default the least giving at most `waves` programs
-    per SM), `rs` rows per step (default: about ROWS["step_bytes"] of K padded to a power of two).
-    `second`: (weight, scale, out) of another weight of the same K, in the same launch after the
-    first's rows (whose count must then be a multiple of 32)."""
+    per SM), `rs` rows per step (default: about ROWS["step_bytes"] of K padded to a power of two)."""
     from .launch import interpreting, num_workers
 
     m, k = x2.shape
-    n = n1 = weight.shape[0]
-    if second is not None:
-        if n1 % 32 or second[0].shape[1] != weight.shape[1] or second[1].shape[1] != scale.shape[1] \
-                or second[2].dtype != out.dtype:
-            raise ValueError(f"rows path: a weight pair needs the same in_features and a first weight of a "
-                             f"multiple of 32 rows, got {tuple(weight.shape)} and {tuple(second[0].shape)}")
-        n = n1 + second[0].shape[0]
+    n = weight.shape[0]
     if m != 1:
         raise ValueError(f"rows path: takes one activation row, got {m}")
     interp = interpreting()
@@ -1146,18 +1120,11 @@ def _launch_row_gemv(x2, weight, scale, out, *, rs=None, rpp=None, waves=None, n
     if rs & (rs - 1) or rpp & (rpp - 1) or rpp > 32 or rpp < rs:
         raise ValueError(f"rows path: rows per step {rs} and per program {rpp} must be powers of two, "
                          f"rs <= rpp <= 32 (one row of 32x32 scale blocks per program)")
-
-    def args(w, s, o):
-        return w.view(torch.int32), s.view(torch.uint8), o.view(torch.int16) if o.dtype == torch.bfloat16 else o
-
-    w_a, s_a, out_a = args(weight, scale, out)
-    w_b, s_b, out_b = args(*second) if second is not None else (w_a, s_a, out_a)
-    p1 = -(-n1 // rpp)
-    grid = p1 + -(-(n - n1) // rpp)
+    out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
     kw_opts = {} if interp else {"num_warps": num_warps or cfg["num_warps"], "num_stages": 1}
-    _row_gemv_kernel[(grid,)](x2, w_a, s_a, out_a, n1, kw, scale.shape[1], rpp, w_b, s_b, out_b, n - n1, p1,
-                              OUT_BF16=out.dtype == torch.bfloat16, RS=rs, BWA=bwa, BWB=bwb, ASM=not interp,
-                              TWO=second is not None, **kw_opts, **pdl_launch(x2))
+    _row_gemv_kernel[(-(-n // rpp),)](x2, weight.view(torch.int32), scale.view(torch.uint8), out_arg, n, kw,
+                                      scale.shape[1], rpp, OUT_BF16=out.dtype == torch.bfloat16, RS=rs, BWA=bwa,
+                                      BWB=bwb, ASM=not interp, **kw_opts, **pdl_launch(x2))
 
 
 def _launch_fp8_mma(x2, weight, scale, out, *, f16: bool = False, bm=None, bn=None, bk=None, split_k=None,
@@ -1276,7 +1243,7 @@ def _mm_fp32_out_works(x: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
            out_dtype: torch.dtype = torch.bfloat16, **tiles) -> torch.Tensor:
     """`ops.linear` on a device: x [..., K] -> [..., N] in `out_dtype` (float64 gives fp32: no
-    fp64 on devices). One bf16 row with a small bf16 weight goes to `_dense_pair_kernel` alone
+    fp64 on devices). One bf16 row with a small bf16 weight goes to `_dense_row_kernel`
     (`dense_row_fits`); other bf16 x and weights with bf16 output, and fp32 weights, go to torch's matmul
     (cuBLAS, fp32 accumulation), as do scaled weights at M >= CUBLAS_MIN_M with bf16 output (the
     weight dequantised exactly to bf16, x quantised through FP8 to bf16: exact operands); the
@@ -1297,7 +1264,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
         return int8_linear(x2, weight, scale, odt).reshape(*lead, n)
     if dense_row_fits(x2, weight, scale) and not tiles:  # one row, a small bf16 weight: one launch
         out = torch.empty(1, n, dtype=odt, device=x.device)
-        _launch_dense_pair(x2, weight, None, out, None)
+        _launch_dense_row(x2, weight, out)
         return out.reshape(*lead, n)
     if not interpreting() and not tiles:
         if scale is None and odt == weight.dtype == x2.dtype:  # bf16 x bf16 -> bf16 (or fp32 throughout)
@@ -1318,33 +1285,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     return out.reshape(*lead, n)
 
 
-def pair_in_one_launch(x2: torch.Tensor, weight_a, scale_a, weight_b, scale_b, out_dtype=torch.bfloat16) -> str:
-    """How `linear_pair` runs x2's rows: "rows" (one `_row_gemv_kernel` launch: one row, two FP8
-    weights of the same K that `launch_linear` would give that kernel with its default tiles
-    (`fp8_default_path`), bf16 outputs, the first weight a whole number of 32-row scale blocks), "dense" (one `_dense_pair_kernel` launch:
-    one row, two plain bf16 weights of the same K) or "" (two linears)."""
-    k = x2.shape[-1]
-    if x2.shape[0] != 1 or weight_a.shape[1] != weight_b.shape[1] \
-            or not (weight_a.is_contiguous() and weight_b.is_contiguous()):
-        return ""
-    if scale_a is None and scale_b is None and weight_a.dtype == weight_b.dtype == x2.dtype == torch.bfloat16 \
-            and weight_a.shape[1] == k and out_dtype in (torch.bfloat16, torch.float32):
-        return "dense"
-    if (out_dtype == torch.bfloat16 and weight_kind(weight_a, scale_a) == W_FP8 == weight_kind(weight_b, scale_b)
-            and weight_a.shape[1] == k and weight_a.shape[0] % 32 == 0 and scale_a.shape[1] == scale_b.shape[1]
-            and scale_a.is_contiguous() and scale_b.is_contiguous()
-            and fp8_default_path(1, k) == ("rows", rows_tiles(k))):
-        return "rows"
-    return ""
-
-
-# The dense pair kernel's tiles: rows per step, K per step, and about DENSE_PAIR["waves"] programs
+# The dense row kernel's tiles: rows per step, K per step, and about DENSE_ROW["waves"] programs
 # per SM (the interpreter: small steps). H200 2026-12-02 (graph time, the compressor's wkv / wgate,
-# 2 x 512 x 5120 bf16, fp32 out, one row): 3.89 us here against 12.47 for cuBLAS's two split-K
-# GEMMs with their reductions; whole rows a step (bk 8192, 1 row, 4 or 8 waves) 4.8, bk 2048 4.0,
-# 8 warps 5.7-4.9. In the decode step it runs beside wq_b on the other stream: 8.8-9.8 us there.
-DENSE_PAIR = {"rs": 2, "bk": 1024, "waves": 4, "num_warps": 4}
-DENSE_PAIR_INTERP = {"rs": 2, "bk": 64, "waves": 1}
+# 2 x 512 x 5120 bf16, fp32 out, one row, then as two weights in one launch; since 2026-12-06 they
+# are one stacked weight): 3.89 us here against 12.47 for cuBLAS's two split-K GEMMs with their
+# reductions; whole rows a step (bk 8192, 1 row, 4 or 8 waves) 4.8, bk 2048 4.0, 8 warps 5.7-4.9.
+# In the decode step it runs beside wq_b on the other stream: 8.8-9.8 us there.
+DENSE_ROW = {"rs": 2, "bk": 1024, "waves": 4, "num_warps": 4}
+DENSE_ROW_INTERP = {"rs": 2, "bk": 64, "waves": 1}
 # one bf16 row with one bf16 weight up to this size takes the same kernel (`dense_row_fits`): in
 # the mini decode step at batch 1 the indexer's weights_proj (32 x 5120, fp32 out), the ratio-1
 # compressor's wkv (512 x 5120) and the indexer's wk ran as cuBLAS split-K GEMMs with a reduction
@@ -1355,34 +1303,28 @@ DENSE_ROW_MAX_BYTES = 64 << 20
 
 
 def dense_row_fits(x2: torch.Tensor, weight: torch.Tensor, scale) -> bool:
-    """Whether `linear` takes one row through `_dense_pair_kernel` with this weight alone: plain
+    """Whether `linear` takes one row through `_dense_row_kernel` with this weight: plain
     bf16 x and weight (contiguous), at most DENSE_ROW_MAX_BYTES (the head stays on its own path)."""
     return (DENSE_ROW_MAX_BYTES > 0 and x2.shape[0] == 1 and scale is None
             and x2.dtype == weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.is_contiguous()
             and weight.shape[1] == x2.shape[1] and weight.numel() * 2 <= DENSE_ROW_MAX_BYTES)
 
 
-def _launch_dense_pair(x2, weight_a, weight_b, out_a, out_b, **tiles):
-    """The launch of `_dense_pair_kernel`: `rpp` rows per program (the least giving at most
-    `waves` programs per SM), `rs` rows and `bk` columns per step (DENSE_PAIR; `tiles` override).
-    weight_b None: weight_a alone (its outputs in out_a)."""
+def _launch_dense_row(x2, weight, out, **tiles):
+    """The launch of `_dense_row_kernel`: `rpp` rows per program (the least giving at most
+    `waves` programs per SM), `rs` rows and `bk` columns per step (DENSE_ROW; `tiles` override)."""
     from .launch import interpreting, num_workers
 
     interp = interpreting()
-    cfg = dict(DENSE_PAIR_INTERP if interp else DENSE_PAIR, **tiles)
-    if weight_b is None:  # (the second weight's arguments stand in, with no rows)
-        weight_b, out_b = weight_a, out_a
-        n_a, n_b = weight_a.shape[0], 0
-    else:
-        n_a, n_b = weight_a.shape[0], weight_b.shape[0]
+    cfg = dict(DENSE_ROW_INTERP if interp else DENSE_ROW, **tiles)
+    n = weight.shape[0]
     rs = cfg["rs"]
-    rpp = max(rs, -(-(n_a + n_b) // (cfg["waves"] * num_workers(x2.device))))
-    p1 = -(-n_a // rpp)
+    rpp = max(rs, -(-n // (cfg["waves"] * num_workers(x2.device))))
     bk = min(cfg["bk"], triton.next_power_of_2(x2.shape[1]))
     kw = {} if interp else {"num_warps": cfg["num_warps"]}
-    bits = (lambda o: o.view(torch.int16)) if out_a.dtype == torch.bfloat16 else (lambda o: o)
-    _dense_pair_kernel[(p1 + -(-n_b // rpp),)](x2, weight_a, bits(out_a), n_a, x2.shape[1], rpp, weight_b, bits(out_b),
-                                               n_b, p1, OUT_BF16=out_a.dtype == torch.bfloat16, RS=rs, BK=bk, **kw, **pdl_launch(x2))
+    out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    _dense_row_kernel[(-(-n // rpp),)](x2, weight, out_arg, n, x2.shape[1], rpp, OUT_BF16=out.dtype == torch.bfloat16,
+                                      RS=rs, BK=bk, **kw, **pdl_launch(x2))
 
 
 def linear_pair(x: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tensor | None, weight_b: torch.Tensor,
@@ -1391,12 +1333,11 @@ def linear_pair(x: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tensor |
     attention's wq_a and wkv, the shared expert's w1 and w3, the compressor's wkv and wgate) run
     as one `linear` over the stacked rows below CUBLAS_MIN_M rows (`backends.fused.stacked_pair`):
     one launch and one quantisation of x instead of two, the outputs views of its output (row
-    stride the stacked width). Otherwise at one row one launch for both weights where
-    `pair_in_one_launch` finds a kernel (FP8 pairs on the rows kernel, bf16 pairs with fp32
-    outputs on `_dense_pair_kernel`), else the two linears. On the one-row kernels each output row
-    is computed as its own `linear` computes it (the same kernel steps per weight row): the
-    results are identical; at 2..64 rows the stacked width may choose other tiles (a K split)
-    than either weight alone, so sums can differ in fp32 order."""
+    stride the stacked width). Otherwise (prefill, or weights not stacked: a module built by hand)
+    the two linears. At one row each stacked output row is computed as its own `linear` computes
+    it (the same kernel steps per weight row): the results are identical; at 2..64 rows the
+    stacked width may choose other tiles (a K split) than either weight alone, so sums can differ
+    in fp32 order."""
     k = x.shape[-1]
     stacked = stacked_pair(weight_a, scale_a, weight_b, scale_b)
     # (from CUBLAS_MIN_M rows cuBLAS takes each weight dequantised: one launch more is nothing
@@ -1404,21 +1345,7 @@ def linear_pair(x: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tensor |
     if stacked is not None and x.numel() < CUBLAS_MIN_M * k:
         y = linear(x, *stacked, out_dtype)
         return y[..., :weight_a.shape[0]], y[..., weight_a.shape[0]:]
-    x2 = x.reshape(-1, k)
-    how = pair_in_one_launch(x2, weight_a, scale_a, weight_b, scale_b, out_dtype)
-    if not how:
-        return linear(x, weight_a, scale_a, out_dtype), linear(x, weight_b, scale_b, out_dtype)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    lead, n_a = x.shape[:-1], weight_a.shape[0]
-    odt = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
-    out = torch.empty(1, n_a + weight_b.shape[0], dtype=odt, device=x.device)
-    out_a, out_b = out[:, :n_a], out[:, n_a:]
-    if how == "rows":
-        _launch_row_gemv(x2, weight_a, scale_a, out_a, second=(weight_b, scale_b, out_b), **rows_tiles(k))
-    else:
-        _launch_dense_pair(x2, weight_a, weight_b, out_a, out_b)
-    return out_a.reshape(*lead, -1), out_b.reshape(*lead, -1)
+    return linear(x, weight_a, scale_a, out_dtype), linear(x, weight_b, scale_b, out_dtype)
 
 
 OPS = {"linear": linear, "linear_pair": linear_pair}
