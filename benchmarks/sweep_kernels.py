@@ -1140,13 +1140,13 @@ def sweep_grouped_linear(rows, copy, tokens=(2, 4, 8, 16, 32, 64)):
         want = grouped_ref(x.cpu(), ws[0].cpu()).cuda()
         nbytes = ws[0].numel() * 2 + x.numel() * 2 + t * g * r * 2
         for label, v in variants:
-            def call(v=v, x=x, it=iter(range(1 << 30))):
-                w = ws[next(it) % len(ws)]
+            def run(w, v=v, x=x):
                 return gl.grouped_linear_bmm(x, w) if v is None else gl.grouped_linear(x, w, **v)
+
+            cycled = iter(range(1 << 30))
             _variant_row(rows, f"grouped_linear {label}", f"T={t} floor {nbytes / (copy * 1e9) * 1e6:.1f} us",
-                         lambda v=v, x=x: (gl.grouped_linear_bmm(x, ws[0]) if v is None
-                                           else gl.grouped_linear(x, ws[0], **v)), want, nbytes, 2 * t * g * r * k,
-                         copy, timed=call)
+                         lambda run=run: run(ws[0]), want, nbytes, 2 * t * g * r * k, copy,
+                         timed=lambda run=run, it=cycled: run(ws[next(it) % len(ws)]))
 
 
 SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_indexer,
