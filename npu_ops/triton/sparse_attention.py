@@ -27,6 +27,23 @@ How it runs:
   in bf16 (E2M1 x E4M3: <= 6 significant bits; E4M3 x 2^k: 4 bits), so the q.k^T and p.V
   products run as bf16 tl.dot with fp32 accumulation, heads as M, entries as N. (Under the
   interpreter the dot operands stay fp32: same values, interpreter bf16 math is unreliable.)
+- KV_X2 (the tiled forms; CUDA's decode tables): the rows are decoded straight to bf16 pairs
+  instead (`_kv_decode_x2`; about 3x fewer instructions in the decode loops, sm_90a SASS):
+  packed FP4 bytes through the FP4 experts' conversion (`moe_fold._E2M1_BF16X4_ASM`: nibble
+  bits placed under bf16's exponent, the value times 2^-126, then one `mul.rn.bf16x2` by the
+  row's E4M3 scale times 2^62), FP8 window bytes through `block_linear.e4m3_placed` (the value
+  times 2^-120) and one `mul.rn.bf16x2` by 2^(s - 71) from the E8M0 scale byte s. A bf16
+  factor holds at most 2^127, so the decoded values cannot carry their true scale: every K / V
+  value is the true one times KV_SHIFT = 2^-64, still exact (<= 6 significant bits, far above
+  bf16's subnormals: the smallest is 2^-74 for FP4 rows, 2^-73 for window rows at the
+  quantiser's floor s >= 105) with every factor a normal bf16 (window scale bytes up to 198,
+  i.e. cache values below 2^71 x 448). The kernels multiply the softmax scale by 2^64 and the
+  accumulator by 2^64 before the output or the fp32 partial. Powers of two commute with every
+  rounding here (products and sums stay normal fp32 unless a q x k product is below 2^-62), so
+  the result has the unshifted bits: the tests hold KV_X2 bit-equal to the fp32 decode. Under
+  the interpreters (ASM off) the same shift runs on the fp32 decode, so they check the
+  bookkeeping; the bf16x2 conversions run on CUDA only (the experts' GPU tests check the FP4 one
+  bit for bit, and the factors were checked exhaustively against torch's E4M3 / bf16 on the CPU).
 - Channels are handled as even / odd halves: a packed FP4 byte holds channel 2j (low nibble)
   and 2j+1 (high nibble), so q.k^T = q_even.k_even^T + q_odd.k_odd^T and the output is
   written as two interleaved halves; all row loads stay contiguous (bytes) or stride 2.
@@ -66,6 +83,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .block_linear import e4m3_placed
+from .moe_fold import _E2M1_BF16X4_ASM
 from .pdl import pdl_launch, pdl_start
 
 from ...backends.reference.attention import sparse_attention as sparse_attention_ref  # noqa: F401  (the oracle)
@@ -234,17 +253,6 @@ def _win_decode(b, sb, W: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _win_cols(win_ptr, wsc_ptr, rows, ok, c0, W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-              kv_stride, sc_stride):
-    """FP8 window rows [BN] (int64), channels c0 .. c0 + W -> even / odd channel halves, fp32
-    [BN, W/2] each. The bytes are one contiguous load of [BN, W/32, 32] (vector loads, one
-    pointer per vector), split into channel pairs; the E8M0 scale of each 32-channel group is
-    loaded once and broadcast over it."""
-    b, sb = _win_raw(win_ptr, wsc_ptr, rows, ok, c0, W, kv_stride, sc_stride)
-    return _win_decode(b, sb, W, BLOCK_N)
-
-
-@triton.jit
 def _win_rows(win_ptr, wsc_ptr, rows, ok, D: tl.constexpr, BLOCK_N: tl.constexpr, kv_stride, sc_stride):
     """Whole FP8 window rows [BN] (int64) -> even / odd channel halves, fp32 [BN, D/2] each;
     the E8M0 scale of each 32-channel group (16 channel pairs) is loaded once per group. Byte
@@ -265,19 +273,9 @@ def _win_rows(win_ptr, wsc_ptr, rows, ok, D: tl.constexpr, BLOCK_N: tl.constexpr
 
 
 @triton.jit
-def _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, c0, W: tl.constexpr, D: tl.constexpr,
-        BLOCK_N: tl.constexpr, IS_GLOB: tl.constexpr, kv_stride, sc_stride):
-    """Even / odd channel halves [BN, W/2] of channels c0 .. c0 + W of the window or global rows."""
-    if IS_GLOB:
-        e, o = _glob_cols(gkv_ptr, gsc_ptr, rows, ok, c0, W, D, BLOCK_N, kv_stride, sc_stride)
-    else:
-        e, o = _win_cols(win_ptr, wsc_ptr, rows, ok, c0, W, D, BLOCK_N, kv_stride, sc_stride)
-    return e, o
-
-
-@triton.jit
 def _kv_raw(kv_ptr, sc_ptr, rows, ok, c0, W: tl.constexpr, IS_GLOB: tl.constexpr, kv_stride, sc_stride):
-    """`_kv`'s loads alone from one pool (bytes and scale bytes as loaded), for `_kv_decode`."""
+    """The loads of channels c0 .. c0 + W of one pool's rows (bytes and scale bytes as loaded), for
+    `_kv_decode` / `_kv_decode_x2` (split so a block's loads can be issued ahead of its decode)."""
     if IS_GLOB:
         b, sc = _glob_raw(kv_ptr, sc_ptr, rows, ok, c0, W, kv_stride, sc_stride)
     else:
@@ -292,6 +290,64 @@ def _kv_decode(b, sc, W: tl.constexpr, BLOCK_N: tl.constexpr, IS_GLOB: tl.conste
         e, o = _glob_decode(b, sc, W, BLOCK_N)
     else:
         e, o = _win_decode(b, sc, W, BLOCK_N)
+    return e, o
+
+
+# KV_X2's shift of every decoded value (module docstring) and the factor that undoes it; an FP4
+# row's E4M3 scale enters the bf16x2 multiply as scale * 2^62, a window row's E8M0 scale as
+# 2^(s - 127 + 120 - 64)
+KV_SHIFT = tl.constexpr(2.0 ** -64)
+KV_UNSHIFT = tl.constexpr(2.0 ** 64)
+_GLOB_FACTOR = tl.constexpr(2.0 ** 62)
+_WIN_SHIFT_BITS = tl.constexpr(64)
+
+
+@triton.jit
+def _kv_decode_x2(b, sc, W: tl.constexpr, BLOCK_N: tl.constexpr, IS_GLOB: tl.constexpr, ASM: tl.constexpr):
+    """`_kv_raw`'s bytes -> even / odd channel halves [BN, W/2] of the values times KV_SHIFT:
+    with ASM (CUDA) bf16 from the bf16x2 conversions (module docstring), else fp32 from the
+    shared decode with the shift folded in (exact either way)."""
+    if IS_GLOB:
+        if ASM:
+            f = (_e4m3_pos(sc.to(tl.int32) & 127) * _GLOB_FACTOR).to(tl.bfloat16)
+            f = tl.broadcast_to(f[:, :, None], (BLOCK_N, W // 16, 8))
+            e, o = tl.inline_asm_elementwise(_E2M1_BF16X4_ASM, "=r,=r,=r,=r,r,r,r", [b, f],
+                                             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+            e = tl.reshape(e, [BLOCK_N, W // 2])
+            o = tl.reshape(o, [BLOCK_N, W // 2])
+        else:
+            e, o = _kv_decode(b, sc, W, BLOCK_N, True)
+            e = e * KV_SHIFT
+            o = o * KV_SHIFT
+    elif ASM:  # E4M3 bytes placed as bf16 (value * 2^-120), one bf16x2 multiply by 2^(s - 127 + 120) * KV_SHIFT
+        b0, b1 = tl.split(tl.reshape(b, [BLOCK_N, W // 32, 16, 2]))
+        # the factor's bf16 exponent field: s - 127 + 120 - 64, biased by 127 (normal for s <= 198)
+        f = ((((sc.to(tl.int32) & 0xFF) + (120 - _WIN_SHIFT_BITS)) << 7).to(tl.int16)).to(tl.bfloat16, bitcast=True)
+        f = tl.broadcast_to(f[:, :, None], (BLOCK_N, W // 32, 16))
+        e = tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [e4m3_placed(b0, True), f],
+                                      dtype=tl.bfloat16, is_pure=True, pack=2)
+        o = tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [e4m3_placed(b1, True), f],
+                                      dtype=tl.bfloat16, is_pure=True, pack=2)
+        e = tl.reshape(e, [BLOCK_N, W // 2])
+        o = tl.reshape(o, [BLOCK_N, W // 2])
+    else:  # `_win_decode` with the shift in each 32-channel group's scale
+        b0, b1 = tl.split(tl.reshape(b.to(tl.int32) & 0xFF, [BLOCK_N, W // 32, 16, 2]))
+        f = (((sc.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True) * KV_SHIFT)[:, :, None]
+        e = tl.reshape(_e4m3_signed(b0) * f, [BLOCK_N, W // 2])
+        o = tl.reshape(_e4m3_signed(b1) * f, [BLOCK_N, W // 2])
+    return e, o
+
+
+@triton.jit
+def _kv_block(kv_ptr, sc_ptr, rows, ok, c0, W: tl.constexpr, BLOCK_N: tl.constexpr, IS_GLOB: tl.constexpr,
+              kv_stride, sc_stride, X2: tl.constexpr, ASM: tl.constexpr):
+    """Channels c0 .. c0 + W of pool rows [BN] as even / odd halves [BN, W/2]: the shared fp32
+    decode, or with X2 `_kv_decode_x2`'s (values times KV_SHIFT)."""
+    b, sc = _kv_raw(kv_ptr, sc_ptr, rows, ok, c0, W, IS_GLOB, kv_stride, sc_stride)
+    if X2:
+        e, o = _kv_decode_x2(b, sc, W, BLOCK_N, IS_GLOB, ASM)
+    else:
+        e, o = _kv_decode(b, sc, W, BLOCK_N, IS_GLOB)
     return e, o
 
 
@@ -387,7 +443,16 @@ def _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows,
            m_i, l_i, acc_e, acc_o, dv0, half, scale,
            D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
            BLOCK_DV: tl.constexpr, IS_GLOB: tl.constexpr, DOT_BF16: tl.constexpr, QK_T: tl.constexpr,
-           DV_HALF: tl.constexpr, kv_stride, sc_stride):
+           DV_HALF: tl.constexpr, kv_stride, sc_stride, KV_X2: tl.constexpr, ASM: tl.constexpr):
+    """One entry block for the tile: logits (whole rows: one decode as K and V; tiled: BLOCK_D
+    chunks for K, then the tile's BLOCK_DV channels for V; KV_X2: `_kv_decode_x2`'s shifted
+    values, tiled only), online-softmax update, p.V."""
+    if IS_GLOB:
+        kv_ptr = gkv_ptr
+        sc_ptr = gsc_ptr
+    else:
+        kv_ptr = win_ptr
+        sc_ptr = wsc_ptr
     if BLOCK_D == D and BLOCK_DV == D:
         # whole rows: decode once, use as K and as V
         if IS_GLOB:
@@ -404,12 +469,12 @@ def _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows,
         s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
         for c0 in range(0, D, BLOCK_D):
             qe, qo = _load_halves(q_ptr, qrow, hok, c0, BLOCK_D, BLOCK_H)
-            k_e, k_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, c0, BLOCK_D, D, BLOCK_N, IS_GLOB,
-                               kv_stride, sc_stride)
+            k_e, k_o = _kv_block(kv_ptr, sc_ptr, rows, ok, c0, BLOCK_D, BLOCK_N, IS_GLOB, kv_stride, sc_stride,
+                                 KV_X2, ASM)
             s += tl.dot(_dot_in(qe.to(tl.float32), DOT_BF16), tl.trans(_dot_in(k_e, DOT_BF16)))
             s += tl.dot(_dot_in(qo.to(tl.float32), DOT_BF16), tl.trans(_dot_in(k_o, DOT_BF16)))
-        v_e, v_o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, dv0, BLOCK_DV, D, BLOCK_N, IS_GLOB,
-                       kv_stride, sc_stride)
+        v_e, v_o = _kv_block(kv_ptr, sc_ptr, rows, ok, dv0, BLOCK_DV, BLOCK_N, IS_GLOB, kv_stride, sc_stride,
+                             KV_X2, ASM)
         v_e = _dot_in(v_e, DOT_BF16)
         v_o = _dot_in(v_o, DOT_BF16)
     m_new, l_i, alpha, pb = _online_softmax(s, ok, m_i, l_i, scale, DOT_BF16)
@@ -431,8 +496,11 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
                         w_stride, ws_stride, g_stride, gs_stride,
                         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT: tl.constexpr,
-                        DOT_BF16: tl.constexpr, QK_T: tl.constexpr, DV_HALF: tl.constexpr, PDL: tl.constexpr = 0):
+                        DOT_BF16: tl.constexpr, QK_T: tl.constexpr, DV_HALF: tl.constexpr,
+                        KV_X2: tl.constexpr = False, ASM: tl.constexpr = False, PDL: tl.constexpr = 0):
     pdl_start(PDL)
+    if KV_X2:  # keys and values decoded times KV_SHIFT: undone on the logits here, on acc at the end
+        scale = scale * KV_UNSHIFT
     pid = tl.program_id(0)
     nn = tl.arange(0, BLOCK_N)
     jv = tl.arange(0, BLOCK_DV // 2)
@@ -461,7 +529,7 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
             m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
                                             tl.maximum(widx, 0).to(tl.int64), ok, m_i, l_i, acc_e, acc_o, dv0, dvb, scale,
                                             D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, False, DOT_BF16, QK_T, DV_HALF,
-                                            w_stride, ws_stride)
+                                            w_stride, ws_stride, KV_X2, ASM)
         # global blocks
         for nb in range(tl.maximum(b_lo, n_wb), b_hi):
             k_idx = (nb - n_wb) * BLOCK_N + nn
@@ -472,7 +540,10 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
             m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
                                             rows, ok, m_i, l_i, acc_e, acc_o, dv0, dvb, scale,
                                             D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, True, DOT_BF16, QK_T, DV_HALF,
-                                            g_stride, gs_stride)
+                                            g_stride, gs_stride, KV_X2, ASM)
+        if KV_X2:
+            acc_e = acc_e * KV_UNSHIFT
+            acc_o = acc_o * KV_UNSHIFT
         # whole rows: two stores at stride 2 (the form run with 64-head whole-row tiles on the
         # H200); tiled: one contiguous store of the interleaved halves
         STRIDED: tl.constexpr = DV_HALF or (BLOCK_D == D and BLOCK_DV == D)
@@ -723,15 +794,16 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
                             num_warps: int | None = None, num_stages: int | None = None, QK_T: bool = False,
                             DV_HALF: bool = False, MQA: bool = False, AHEAD: bool = True, LAZY: float = 0.0,
                             TWO_PASS: bool = False, ROWS: bool = False, min_blocks_per_split: int = 2,
-                            LOGITS_MAXNREG: int | None = None, VALUES_AHEAD: bool = False, n_split: int | None = None,
-                            rows_bound: tuple[int, int] | None = None) -> torch.Tensor:
+                            LOGITS_MAXNREG: int | None = None, VALUES_AHEAD: bool = False, KV_X2: bool = False,
+                            n_split: int | None = None, rows_bound: tuple[int, int] | None = None) -> torch.Tensor:
     """`sparse_attention` with explicit tile sizes (tests and tuning); `n_split` forces the split
     count. MQA (CUDA; whole rows): `_mqa_kernel` (each entry decoded once per head block and used
     as K and as V, the next block's words loaded ahead; LAZY: the running max moves only past
     that margin) instead of `_sparse_attn_kernel`. TWO_PASS: every logit first, then the values
     (`sparse_attention_two_pass`; tiled, BLOCK_D / BLOCK_DV as given; LOGITS_MAXNREG: a register
     cap for its logits pass on CUDA; VALUES_AHEAD: its values pass loads each entry block one
-    ahead).
+    ahead). KV_X2 (two-pass or tiled one-pass): cache rows decoded straight to bf16 pairs on CUDA
+    (`_kv_decode_x2`), elsewhere through the shifted fp32 decode that mirrors it.
     ROWS: every pool row read decoded once into a dense bf16 table, then bf16 gathers
     (`sparse_attention_rows`; whole rows, no splits; `rows_bound` sizes the table, see
     `ops.sparse_attention`)."""
@@ -761,6 +833,8 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
         raise ValueError(f"MQA tiles need a power-of-two head_dim, got {d}")
     if TWO_PASS and (MQA or DV_HALF or QK_T):
         raise ValueError("TWO_PASS takes none of MQA / DV_HALF / QK_T")
+    if KV_X2 and (MQA or ROWS or not TWO_PASS and block_d == d and block_dv == d):
+        raise ValueError("KV_X2 is an option of the tiled forms (two-pass, or BLOCK_D / BLOCK_DV below head_dim)")
     if ROWS and (MQA or DV_HALF or QK_T or TWO_PASS or BLOCK_N < 16 or d & (d - 1)):
         raise ValueError(f"ROWS takes none of MQA / DV_HALF / QK_T / TWO_PASS, BLOCK_N >= 16 and a power-of-two "
                          f"head_dim (got BLOCK_N {BLOCK_N}, head_dim {d})")
@@ -806,7 +880,7 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
             block_d=block_d, block_dv=block_dv, n_split=n_split, min_blocks_per_split=min_blocks_per_split,
             kw=kw, dot_bf16=dot_bf16,
             logits_kw={"maxnreg": LOGITS_MAXNREG} if LOGITS_MAXNREG and compiled_cuda else {},
-            values_ahead=VALUES_AHEAD)
+            values_ahead=VALUES_AHEAD, kv_x2=KV_X2, asm=KV_X2 and compiled_cuda)
         _combine_splits(pacc, pm, pl, sk, out, n_split, dot_bf16)
         return out
     n_hb = -(-h // block_h)
@@ -834,7 +908,8 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
                                      float(softmax_scale), wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
                                      D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
                                      BLOCK_D=block_d, BLOCK_DV=block_dv, SPLIT=split, DOT_BF16=dot_bf16,
-                                     QK_T=bool(QK_T), DV_HALF=dv_half, **kw, **pdl_launch(qc))
+                                     QK_T=bool(QK_T), DV_HALF=dv_half, KV_X2=bool(KV_X2), ASM=bool(KV_X2) and compiled_cuda,
+                                     **kw, **pdl_launch(qc))
     _combine_splits(pacc, pm, pl, sk, out, n_split, dot_bf16)
     return out
 

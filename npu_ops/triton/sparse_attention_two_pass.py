@@ -18,6 +18,10 @@ per output block, four times in all, with an online softmax along the entries. H
 
 So q.k^T is computed once per query and every entry is decoded once for K and once (in slices)
 for V; the logits round trip costs H x entries x 8 bytes a query (L2-resident at decode sizes).
+
+KV_X2 (the CUDA table's choice): both passes decode the cache rows straight to bf16 pairs, every
+value times KV_SHIFT, which the logits pass undoes on its softmax scale and the values pass on
+its accumulator (`sparse_attention._kv_decode_x2`, the module docstring there).
 Used through `sparse_attention_launch(..., TWO_PASS=True)` (a tile table entry); CUDA timing in
 benchmarks/RESULTS.md. Written for CUDA and the interpreters; on Ascend it is unverified on
 hardware (no table selects it there).
@@ -30,9 +34,8 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_launch, pdl_start
-from .sparse_attention import (RUNNING_MAX_INIT, _dot_in, _entry_rows, _kv, _kv_decode, _kv_raw, _load_halves,
-                               _store_halves, _to_bf16)
-
+from .sparse_attention import (KV_UNSHIFT, RUNNING_MAX_INIT, _dot_in, _entry_rows, _kv_block, _kv_decode,
+                               _kv_decode_x2, _kv_raw, _load_halves, _store_halves, _to_bf16)
 
 @triton.jit
 def _entry_block(widx_ptr, gidx_ptr, tq, nb, S, K, n_wb, BLOCK_N: tl.constexpr):
@@ -50,14 +53,14 @@ def _entry_block(widx_ptr, gidx_ptr, tq, nb, S, K, n_wb, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _entry_cols(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, is_glob, c0, W: tl.constexpr, D: tl.constexpr,
-                BLOCK_N: tl.constexpr, w_stride, ws_stride, g_stride, gs_stride):
-    """Channels c0 .. c0 + W of the block's entries as even / odd halves [BN, W/2] (fp32, exact
-    bf16 values), from the window (FP8) or the global (FP4) pool."""
+def _entry_cols(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, is_glob, c0, W: tl.constexpr,
+                BLOCK_N: tl.constexpr, w_stride, ws_stride, g_stride, gs_stride, X2: tl.constexpr, ASM: tl.constexpr):
+    """Channels c0 .. c0 + W of the block's entries as even / odd halves [BN, W/2] (exact bf16
+    values; times KV_SHIFT with X2), from the window (FP8) or the global (FP4) pool."""
     if is_glob:
-        e, o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, c0, W, D, BLOCK_N, True, g_stride, gs_stride)
+        e, o = _kv_block(gkv_ptr, gsc_ptr, rows, ok, c0, W, BLOCK_N, True, g_stride, gs_stride, X2, ASM)
     else:
-        e, o = _kv(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, c0, W, D, BLOCK_N, False, w_stride, ws_stride)
+        e, o = _kv_block(win_ptr, wsc_ptr, rows, ok, c0, W, BLOCK_N, False, w_stride, ws_stride, X2, ASM)
     return e, o
 
 
@@ -66,10 +69,14 @@ def _logits_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gidx_ptr
                    H, S, K, n_wb, n_blocks, n_hb, n_tiles, num_programs, scale,
                    w_stride, ws_stride, g_stride, gs_stride,
                    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   DOT_BF16: tl.constexpr, PDL: tl.constexpr = 0):
+                   DOT_BF16: tl.constexpr, KV_X2: tl.constexpr = False, ASM: tl.constexpr = False,
+                   PDL: tl.constexpr = 0):
     """Pass 1: tile (query, entry block, head block) -> scaled logits lg[query, heads, block's
-    entries] (fp32, -inf where masked) and their maximum mb[query, heads, block]."""
+    entries] (fp32, -inf where masked) and their maximum mb[query, heads, block]. KV_X2: keys
+    decoded by `_kv_decode_x2` (times KV_SHIFT), which the softmax scale undoes."""
     pdl_start(PDL)
+    if KV_X2:
+        scale = scale * KV_UNSHIFT
     pid = tl.program_id(0)
     nn = tl.arange(0, BLOCK_N)
     n_e = n_blocks * BLOCK_N
@@ -85,8 +92,8 @@ def _logits_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gidx_ptr
         s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
         for c0 in range(0, D, BLOCK_D):
             qe, qo = _load_halves(q_ptr, qrow, hok, c0, BLOCK_D, BLOCK_H)
-            k_e, k_o = _entry_cols(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, is_glob, c0, BLOCK_D, D, BLOCK_N,
-                                   w_stride, ws_stride, g_stride, gs_stride)
+            k_e, k_o = _entry_cols(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, is_glob, c0, BLOCK_D, BLOCK_N,
+                                   w_stride, ws_stride, g_stride, gs_stride, KV_X2, ASM)
             s += tl.dot(_dot_in(qe.to(tl.float32), DOT_BF16), tl.trans(_dot_in(k_e, DOT_BF16)))
             s += tl.dot(_dot_in(qo.to(tl.float32), DOT_BF16), tl.trans(_dot_in(k_o, DOT_BF16)))
         s = tl.where(ok[None, :], s * scale, float("-inf"))
@@ -98,12 +105,14 @@ def _logits_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gidx_ptr
 @triton.jit
 def _values_range(lg_ptr, hrow, hok, m, l_i, acc_e, acc_o, idx_ptr, tq, L, off, lo, hi, kv_ptr, sc_ptr,
                   kv_stride, sc_stride, dv0, n_e, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  IS_GLOB: tl.constexpr, DOT_BF16: tl.constexpr, AHEAD: tl.constexpr):
+                  IS_GLOB: tl.constexpr, DOT_BF16: tl.constexpr, AHEAD: tl.constexpr, KV_X2: tl.constexpr,
+                  ASM: tl.constexpr):
     """p.V over entry blocks lo .. hi, all from one pool (block nb holds entries (nb - off) * BN ..
     of the query's index list idx_ptr [T, L]): each block's logits loaded, p = exp(logit - m)
     summed into l_i and rounded to bf16, its BLOCK_DV channels decoded and accumulated. AHEAD:
     the next block's index row and bytes are requested before this block's math, so the gather's
-    latency (index row, then the rows it names) overlaps the work instead of preceding it."""
+    latency (index row, then the rows it names) overlaps the work instead of preceding it.
+    KV_X2: values decoded by `_kv_decode_x2` (times KV_SHIFT; the caller undoes it)."""
     nn = tl.arange(0, BLOCK_N)
     if AHEAD:
         rows, ok = _entry_rows(idx_ptr, tq, L, lo - off, lo < hi, BLOCK_N)
@@ -123,7 +132,10 @@ def _values_range(lg_ptr, hrow, hok, m, l_i, acc_e, acc_o, idx_ptr, tq, L, off, 
         pb = _to_bf16(p, DOT_BF16)  # probabilities rounded to bf16 (nearest even) for p.V
         if not DOT_BF16:
             pb = pb.to(tl.float32)
-        v_e, v_o = _kv_decode(cb, cs, BLOCK_DV, BLOCK_N, IS_GLOB)  # (masked entries: zero bytes, p = 0)
+        if KV_X2:  # (masked entries: zero bytes, p = 0)
+            v_e, v_o = _kv_decode_x2(cb, cs, BLOCK_DV, BLOCK_N, IS_GLOB, ASM)
+        else:
+            v_e, v_o = _kv_decode(cb, cs, BLOCK_DV, BLOCK_N, IS_GLOB)
         acc_e = tl.dot(pb, _dot_in(v_e, DOT_BF16), acc_e)
         acc_o = tl.dot(pb, _dot_in(v_o, DOT_BF16), acc_o)
     return l_i, acc_e, acc_o
@@ -136,11 +148,11 @@ def _values_kernel(lg_ptr, mb_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr,
                    w_stride, ws_stride, g_stride, gs_stride,
                    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
                    NB_MAX: tl.constexpr, SPLIT: tl.constexpr, DOT_BF16: tl.constexpr, AHEAD: tl.constexpr = False,
-                   PDL: tl.constexpr = 0):
+                   KV_X2: tl.constexpr = False, ASM: tl.constexpr = False, PDL: tl.constexpr = 0):
     """Pass 2: tile (query, split, head block, output-channel block) -> p.V over the split's
     entry blocks with the query's exact maximum (window blocks, then global ones: `_values_range`);
     normalised bf16 output, or (SPLIT) the fp32 partial, that maximum and the partial sum for
-    `_combine_kernel`."""
+    `_combine_kernel`. KV_X2: values times KV_SHIFT, undone on the accumulator at the end."""
     pdl_start(PDL)
     pid = tl.program_id(0)
     bb = tl.arange(0, NB_MAX)
@@ -166,10 +178,13 @@ def _values_kernel(lg_ptr, mb_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr,
         b_hi = tl.minimum(b_lo + bps, n_blocks)
         l_i, acc_e, acc_o = _values_range(lg_ptr, hrow, hok, m, l_i, acc_e, acc_o, widx_ptr, tq, S, 0, b_lo,
                                           tl.minimum(b_hi, n_wb), win_ptr, wsc_ptr, w_stride, ws_stride, dv0, n_e,
-                                          BLOCK_N, BLOCK_DV, False, DOT_BF16, AHEAD)
+                                          BLOCK_N, BLOCK_DV, False, DOT_BF16, AHEAD, KV_X2, ASM)
         l_i, acc_e, acc_o = _values_range(lg_ptr, hrow, hok, m, l_i, acc_e, acc_o, gidx_ptr, tq, K, n_wb,
                                           tl.maximum(b_lo, n_wb), b_hi, gkv_ptr, gsc_ptr, g_stride, gs_stride, dv0,
-                                          n_e, BLOCK_N, BLOCK_DV, True, DOT_BF16, AHEAD)
+                                          n_e, BLOCK_N, BLOCK_DV, True, DOT_BF16, AHEAD, KV_X2, ASM)
+        if KV_X2:
+            acc_e = acc_e * KV_UNSHIFT
+            acc_o = acc_o * KV_UNSHIFT
         if SPLIT:
             prow = ((tq * n_split + sp) * H + heads).to(tl.int64)
             _store_halves(pacc_ptr, prow * D, hok, dv0, acc_e, acc_o, BLOCK_DV, BLOCK_H)
@@ -185,10 +200,11 @@ def _values_kernel(lg_ptr, mb_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr,
 
 def launch_two_pass(qc, wk, ws, wi, gk, gs, gi, sk, out, softmax_scale, *, s: int, k: int, block_h: int,
                     block_n: int, block_d: int, block_dv: int, n_split: int | None, min_blocks_per_split: int,
-                    kw: dict, dot_bf16: bool, logits_kw: dict | None = None, values_ahead: bool = False):
+                    kw: dict, dot_bf16: bool, logits_kw: dict | None = None, values_ahead: bool = False,
+                    kv_x2: bool = False, asm: bool = False):
     """Both passes for `sparse_attention_launch` (inputs already validated and viewed as there;
     `logits_kw`: launch options for the logits pass alone, e.g. a register cap; `values_ahead`:
-    the values pass's AHEAD); returns (n_split,
+    the values pass's AHEAD; `kv_x2` / `asm`: the kernels' KV_X2 / ASM); returns (n_split,
     pacc, pm, pl) for its combine step (n_split 1: `out` is written)."""
     from .launch import grid_for, num_workers
     from .sparse_attention import _auto_splits, split_buffers
@@ -205,7 +221,7 @@ def launch_two_pass(qc, wk, ws, wi, gk, gs, gi, sk, out, softmax_scale, *, s: in
     _logits_kernel[(l_grid,)](qc, wk, ws, wi, gk, gs, gi, lg, mb, h, s, k, n_wb, n_blocks, n_hb, l_tiles, l_grid,
                               float(softmax_scale), wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
                               D=d, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_BF16=dot_bf16,
-                              **kw, **(logits_kw or {}), **pdl_launch(qc))
+                              KV_X2=bool(kv_x2), ASM=bool(asm), **kw, **(logits_kw or {}), **pdl_launch(qc))
     n_dv = d // block_dv
     base_tiles = t * n_hb * n_dv
     if n_split is None:
@@ -218,5 +234,5 @@ def launch_two_pass(qc, wk, ws, wi, gk, gs, gi, sk, out, softmax_scale, *, s: in
                               wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
                               D=d, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DV=block_dv,
                               NB_MAX=triton.next_power_of_2(n_blocks), SPLIT=n_split > 1, DOT_BF16=dot_bf16,
-                              AHEAD=bool(values_ahead), **kw, **pdl_launch(lg))
+                              AHEAD=bool(values_ahead), KV_X2=bool(kv_x2), ASM=bool(asm), **kw, **pdl_launch(lg))
     return n_split, pacc, pm, pl
