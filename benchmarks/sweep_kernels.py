@@ -96,12 +96,7 @@ _SHIPPED_TWO_PASS = dict(TWO_PASS=True, VALUES_AHEAD=True)
 SPARSE_KV_X2 = [("two-pass shipped (fp32 decode), logits cap 168", dict(_SHIPPED_TWO_PASS, LOGITS_MAXNREG=168)),
                 ("two-pass KV_X2, logits cap 168", dict(_SHIPPED_TWO_PASS, KV_X2=True, LOGITS_MAXNREG=168)),
                 ("two-pass shipped (fp32 decode), no cap", dict(_SHIPPED_TWO_PASS)),
-                ("two-pass KV_X2, no cap", dict(_SHIPPED_TWO_PASS, KV_X2=True)),
-                ("two-pass KV_X2 N64, no cap", dict(_SHIPPED_TWO_PASS, KV_X2=True, BLOCK_N=64)),
-                ("two-pass KV_X2 2/split", dict(_SHIPPED_TWO_PASS, KV_X2=True, min_blocks_per_split=2))]
-# the same at one token on the one-pass decode table (its tiled kernel)
-SPARSE_KV_X2_T1 = [("decode (shipped, fp32 decode)", {}), ("decode KV_X2", dict(KV_X2=True)),
-                   ("decode KV_X2 N16", dict(KV_X2=True, BLOCK_N=16)), ("decode KV_X2 N64", dict(KV_X2=True, BLOCK_N=64))]
+                ("two-pass KV_X2, no cap", dict(_SHIPPED_TWO_PASS, KV_X2=True))]
 # register caps on the two-pass form's logits pass alone (`--only sparse_two_pass`): the shipped table,
 # then the two-pass tiles without a cap and with each cap. Session twenty-seven measured a 168 cap on
 # both passes: logits 45.4 -> 38.8 us but values 49.9 -> 54.7 at T=64 (4K)
@@ -1171,7 +1166,6 @@ SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_inde
               rows, copy, tokens, variants=SPARSE_LOGITS_CAPS),
           "sparse_x2": lambda rows, copy, tokens=(2, 8, 32, 64): sweep_sparse_attention(
               rows, copy, tokens, variants=SPARSE_KV_X2),
-          "sparse_x2_t1": lambda rows, copy: sweep_sparse_attention(rows, copy, (1,), variants=SPARSE_KV_X2_T1),
           "moe_shared": sweep_moe_shared, "decode": sweep_decode, "dense": sweep_dense, "sampler": sweep_sampler,
           "grouped_linear": sweep_grouped_linear}
 

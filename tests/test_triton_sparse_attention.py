@@ -31,7 +31,6 @@ TWO_PASS = dict(TILED, TWO_PASS=True)  # every logit first (one tile per entry b
 TWO_PASS_WHOLE = dict(WHOLE, TWO_PASS=True)  # the same with whole-row chunks and output blocks
 TWO_PASS_AHEAD = dict(TWO_PASS, VALUES_AHEAD=True)  # the values pass loads each entry block one ahead
 TWO_PASS_X2 = dict(TWO_PASS_AHEAD, KV_X2=True)  # rows decoded to bf16 pairs, every value times 2^-64
-TILED_X2 = dict(TILED, KV_X2=True)  # the same in the one-pass tiled kernel
 ROWS = dict(WHOLE, ROWS=True)  # every pool row read decoded once into a dense bf16 table, then bf16 gathers
 
 BLOCK = 8  # pool block size (rows) of both pools in these tests
@@ -120,9 +119,9 @@ def check(out, args, scale, dead_rows=(), ref=None):
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(sink + 1e30) of an all-masked row
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("cfg", [WHOLE, WHOLE_T, WHOLE_HALF, TILED, MQA, MQA_H32, MQA_LAZY, TWO_PASS, TWO_PASS_WHOLE,
-                                 TWO_PASS_AHEAD, TWO_PASS_X2, TILED_X2],
+                                 TWO_PASS_AHEAD, TWO_PASS_X2],
                          ids=["whole", "whole_t", "whole_half", "tiled", "mqa", "mqa_h32", "mqa_lazy", "two_pass",
-                              "two_pass_whole", "two_pass_ahead", "two_pass_x2", "tiled_x2"])
+                              "two_pass_whole", "two_pass_ahead", "two_pass_x2"])
 @pytest.mark.parametrize("n_split", [1, 3, None])
 def test_sparse_attention_tiny(dev, cfg, n_split, rng):
     # tiny preset widths: H = 4, D = 64
@@ -176,12 +175,6 @@ def test_sparse_attention_decode_splits(dev, t, rng):
     n_blocks = -(-s // 16) + -(-k // 16)
     out = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, n_split=n_blocks, **cfg)
     check(out, args, d ** -0.5)
-    # KV_X2 in the one-pass tiles: the same bits (every decoded value times 2^-64, undone exactly);
-    # tiles below head_dim (on the CPU's head_dim 64 the decode table's 128 would be whole rows)
-    tiled = dict(cfg, BLOCK_D=min(cfg["BLOCK_D"], d // 2), BLOCK_DV=min(cfg["BLOCK_DV"], d // 2))
-    base = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, n_split=n_blocks, **tiled)
-    x2 = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, n_split=n_blocks, **dict(tiled, KV_X2=True))
-    assert torch.equal(x2, base), f"KV_X2 differs: max {(x2.float() - base.float()).abs().max()}"
     auto = sa.sparse_attention(*to(dev, args), d ** -0.5)
     check(auto, args, d ** -0.5)
 
@@ -198,8 +191,7 @@ DECODE_VARIANTS = [dict(), dict(BLOCK_N=16), dict(BLOCK_N=16, num_stages=3), dic
                    dict(TWO_PASS=True, BLOCK_DV=256, num_warps=8), dict(TWO_PASS=True, LOGITS_MAXNREG=168),
                    dict(TWO_PASS=True, VALUES_AHEAD=True), dict(TWO_PASS=True, VALUES_AHEAD=True, BLOCK_N=16),
                    dict(TWO_PASS=True, VALUES_AHEAD=False), dict(TWO_PASS=True, VALUES_AHEAD=True, KV_X2=True),
-                   dict(TWO_PASS=True, VALUES_AHEAD=False, KV_X2=True, BLOCK_N=16), dict(KV_X2=True),
-                   dict(KV_X2=True, BLOCK_N=16)]
+                   dict(TWO_PASS=True, VALUES_AHEAD=False, KV_X2=True, BLOCK_N=16)]
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +248,7 @@ def test_sparse_attention_rejects_mismatched_pools(rng):
         sa.sparse_attention(q, swa_kv, swa_scale[:-1], win_idx, glob_kv, glob_scale, glob_idx, sink, 0.1)
     with pytest.raises(ValueError, match="global pool"):
         sa.sparse_attention(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx[:1], sink, 0.1)
-    for bad in (dict(WHOLE, KV_X2=True), dict(MQA, KV_X2=True)):  # KV_X2 is a tiled-form option
+    for bad in (dict(TILED, KV_X2=True), dict(MQA, KV_X2=True)):  # KV_X2 is a two-pass option
         with pytest.raises(ValueError, match="KV_X2"):
             sa.sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, glob_idx, sink, 0.1, **bad)
 

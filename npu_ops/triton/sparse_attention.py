@@ -27,7 +27,7 @@ How it runs:
   in bf16 (E2M1 x E4M3: <= 6 significant bits; E4M3 x 2^k: 4 bits), so the q.k^T and p.V
   products run as bf16 tl.dot with fp32 accumulation, heads as M, entries as N. (Under the
   interpreter the dot operands stay fp32: same values, interpreter bf16 math is unreliable.)
-- KV_X2 (the tiled forms; CUDA's decode tables): the rows are decoded straight to bf16 pairs
+- KV_X2 (the two-pass form; CUDA's decode batches): the rows are decoded straight to bf16 pairs
   instead (`_kv_decode_x2`; about 3x fewer instructions in the decode loops, sm_90a SASS):
   packed FP4 bytes through the FP4 experts' conversion (`moe_fold._E2M1_BF16X4_ASM`: nibble
   bits placed under bf16's exponent, the value times 2^-126, then one `mul.rn.bf16x2` by the
@@ -44,6 +44,9 @@ How it runs:
   the interpreters (ASM off) the same shift runs on the fp32 decode, so they check the
   bookkeeping; the bf16x2 conversions run on CUDA only (the experts' GPU tests check the FP4 one
   bit for bit, and the factors were checked exhaustively against torch's E4M3 / bf16 on the CPU).
+  The same decode in the one-pass tiled kernel (the T=1 table) faulted on the H200 with triton
+  3.6 (illegal memory access; that kernel runs at 255 registers with spill), so it was taken
+  out of that kernel (2026-12-06).
 - Channels are handled as even / odd halves: a packed FP4 byte holds channel 2j (low nibble)
   and 2j+1 (high nibble), so q.k^T = q_even.k_even^T + q_odd.k_odd^T and the output is
   written as two interleaved halves; all row loads stay contiguous (bytes) or stride 2.
@@ -156,8 +159,10 @@ CONFIGS = {
     # 78.9 (values kernel 48 -> 40); the batch-64 step 4.850 / 4.806 -> 4.741 / 4.730 ms at 4K,
     # 5.270 / 5.260 -> 5.161 / 5.200 at 32K (processes alternated). The same look-ahead on the
     # logits pass's channel chunks lost (T=64 78 -> 106 us), as did BLOCK_N 16 with it (146).
+    # KV_X2 (rows decoded straight to bf16 pairs: `_kv_decode_x2`), H200 2026-12-06 (graph us, 4K, the
+    # shipped cap at 64): T=8 27.0 -> 21.1, T=64 77.6 -> 66.6 (the same error against the reference).
     "cuda_decode_two_pass": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=4, num_stages=2,
-                                 TWO_PASS=True, min_blocks_per_split=1, VALUES_AHEAD=True),
+                                 TWO_PASS=True, min_blocks_per_split=1, VALUES_AHEAD=True, KV_X2=True),
     "npu": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=None, min_blocks_per_split=2),
     "interp": dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=None, min_blocks_per_split=1),
 }
@@ -443,10 +448,9 @@ def _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows,
            m_i, l_i, acc_e, acc_o, dv0, half, scale,
            D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
            BLOCK_DV: tl.constexpr, IS_GLOB: tl.constexpr, DOT_BF16: tl.constexpr, QK_T: tl.constexpr,
-           DV_HALF: tl.constexpr, kv_stride, sc_stride, KV_X2: tl.constexpr, ASM: tl.constexpr):
+           DV_HALF: tl.constexpr, kv_stride, sc_stride):
     """One entry block for the tile: logits (whole rows: one decode as K and V; tiled: BLOCK_D
-    chunks for K, then the tile's BLOCK_DV channels for V; KV_X2: `_kv_decode_x2`'s shifted
-    values, tiled only), online-softmax update, p.V."""
+    chunks for K, then the tile's BLOCK_DV channels for V), online-softmax update, p.V."""
     if IS_GLOB:
         kv_ptr = gkv_ptr
         sc_ptr = gsc_ptr
@@ -470,11 +474,11 @@ def _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows,
         for c0 in range(0, D, BLOCK_D):
             qe, qo = _load_halves(q_ptr, qrow, hok, c0, BLOCK_D, BLOCK_H)
             k_e, k_o = _kv_block(kv_ptr, sc_ptr, rows, ok, c0, BLOCK_D, BLOCK_N, IS_GLOB, kv_stride, sc_stride,
-                                 KV_X2, ASM)
+                                 False, False)
             s += tl.dot(_dot_in(qe.to(tl.float32), DOT_BF16), tl.trans(_dot_in(k_e, DOT_BF16)))
             s += tl.dot(_dot_in(qo.to(tl.float32), DOT_BF16), tl.trans(_dot_in(k_o, DOT_BF16)))
         v_e, v_o = _kv_block(kv_ptr, sc_ptr, rows, ok, dv0, BLOCK_DV, BLOCK_N, IS_GLOB, kv_stride, sc_stride,
-                             KV_X2, ASM)
+                             False, False)
         v_e = _dot_in(v_e, DOT_BF16)
         v_o = _dot_in(v_o, DOT_BF16)
     m_new, l_i, alpha, pb = _online_softmax(s, ok, m_i, l_i, scale, DOT_BF16)
@@ -496,11 +500,8 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
                         w_stride, ws_stride, g_stride, gs_stride,
                         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT: tl.constexpr,
-                        DOT_BF16: tl.constexpr, QK_T: tl.constexpr, DV_HALF: tl.constexpr,
-                        KV_X2: tl.constexpr = False, ASM: tl.constexpr = False, PDL: tl.constexpr = 0):
+                        DOT_BF16: tl.constexpr, QK_T: tl.constexpr, DV_HALF: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_start(PDL)
-    if KV_X2:  # keys and values decoded times KV_SHIFT: undone on the logits here, on acc at the end
-        scale = scale * KV_UNSHIFT
     pid = tl.program_id(0)
     nn = tl.arange(0, BLOCK_N)
     jv = tl.arange(0, BLOCK_DV // 2)
@@ -529,7 +530,7 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
             m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
                                             tl.maximum(widx, 0).to(tl.int64), ok, m_i, l_i, acc_e, acc_o, dv0, dvb, scale,
                                             D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, False, DOT_BF16, QK_T, DV_HALF,
-                                            w_stride, ws_stride, KV_X2, ASM)
+                                            w_stride, ws_stride)
         # global blocks
         for nb in range(tl.maximum(b_lo, n_wb), b_hi):
             k_idx = (nb - n_wb) * BLOCK_N + nn
@@ -540,10 +541,7 @@ def _sparse_attn_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gid
             m_i, l_i, acc_e, acc_o = _block(q_ptr, qrow, hok, q_e, q_o, win_ptr, wsc_ptr, gkv_ptr, gsc_ptr,
                                             rows, ok, m_i, l_i, acc_e, acc_o, dv0, dvb, scale,
                                             D, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, True, DOT_BF16, QK_T, DV_HALF,
-                                            g_stride, gs_stride, KV_X2, ASM)
-        if KV_X2:
-            acc_e = acc_e * KV_UNSHIFT
-            acc_o = acc_o * KV_UNSHIFT
+                                            g_stride, gs_stride)
         # whole rows: two stores at stride 2 (the form run with 64-head whole-row tiles on the
         # H200); tiled: one contiguous store of the interleaved halves
         STRIDED: tl.constexpr = DV_HALF or (BLOCK_D == D and BLOCK_DV == D)
@@ -802,8 +800,8 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
     that margin) instead of `_sparse_attn_kernel`. TWO_PASS: every logit first, then the values
     (`sparse_attention_two_pass`; tiled, BLOCK_D / BLOCK_DV as given; LOGITS_MAXNREG: a register
     cap for its logits pass on CUDA; VALUES_AHEAD: its values pass loads each entry block one
-    ahead). KV_X2 (two-pass or tiled one-pass): cache rows decoded straight to bf16 pairs on CUDA
-    (`_kv_decode_x2`), elsewhere through the shifted fp32 decode that mirrors it.
+    ahead; KV_X2: both passes decode the cache rows straight to bf16 pairs on CUDA
+    (`_kv_decode_x2`), elsewhere through the shifted fp32 decode that mirrors it).
     ROWS: every pool row read decoded once into a dense bf16 table, then bf16 gathers
     (`sparse_attention_rows`; whole rows, no splits; `rows_bound` sizes the table, see
     `ops.sparse_attention`)."""
@@ -833,8 +831,8 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
         raise ValueError(f"MQA tiles need a power-of-two head_dim, got {d}")
     if TWO_PASS and (MQA or DV_HALF or QK_T):
         raise ValueError("TWO_PASS takes none of MQA / DV_HALF / QK_T")
-    if KV_X2 and (MQA or ROWS or not TWO_PASS and block_d == d and block_dv == d):
-        raise ValueError("KV_X2 is an option of the tiled forms (two-pass, or BLOCK_D / BLOCK_DV below head_dim)")
+    if KV_X2 and not TWO_PASS:
+        raise ValueError("KV_X2 is an option of the two-pass form (TWO_PASS=True)")
     if ROWS and (MQA or DV_HALF or QK_T or TWO_PASS or BLOCK_N < 16 or d & (d - 1)):
         raise ValueError(f"ROWS takes none of MQA / DV_HALF / QK_T / TWO_PASS, BLOCK_N >= 16 and a power-of-two "
                          f"head_dim (got BLOCK_N {BLOCK_N}, head_dim {d})")
@@ -908,8 +906,7 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
                                      float(softmax_scale), wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
                                      D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
                                      BLOCK_D=block_d, BLOCK_DV=block_dv, SPLIT=split, DOT_BF16=dot_bf16,
-                                     QK_T=bool(QK_T), DV_HALF=dv_half, KV_X2=bool(KV_X2), ASM=bool(KV_X2) and compiled_cuda,
-                                     **kw, **pdl_launch(qc))
+                                     QK_T=bool(QK_T), DV_HALF=dv_half, **kw, **pdl_launch(qc))
     _combine_splits(pacc, pm, pl, sk, out, n_split, dot_bf16)
     return out
 
