@@ -519,6 +519,31 @@ def test_sparse_decode_form_chooses_the_decode_entry(monkeypatch):
         sa.config_for(dev, 8, 64)
 
 
+def test_sparse_kv_x2_switch(monkeypatch):
+    """DSV41_SPARSE_KV_X2=1 adds KV_X2 to the two-pass decode entry (capped or not) and nothing
+    else; unset it is off; a bad value is one clear error (read once per process: memo reset)."""
+    from dsv41.npu_ops.triton import launch
+
+    monkeypatch.setattr(sa, "_backend_key", lambda device: "cuda")
+    monkeypatch.setattr(launch, "num_workers", lambda device=None, cores="vector": 132)
+    monkeypatch.setattr(sa, "_SPARSE_DECODE", [])
+    monkeypatch.delenv("DSV41_SPARSE_DECODE", raising=False)
+    dev = torch.device("cpu")
+    cap_t = sa.TWO_PASS_LOGITS_CAP["cuda"][0]
+    monkeypatch.setattr(sa, "_SPARSE_KV_X2", [])
+    monkeypatch.delenv("DSV41_SPARSE_KV_X2", raising=False)
+    assert not sa.config_for(dev, 8, 64).get("KV_X2") and not sa.config_for(dev, cap_t, 64).get("KV_X2")
+    monkeypatch.setattr(sa, "_SPARSE_KV_X2", [])
+    monkeypatch.setenv("DSV41_SPARSE_KV_X2", "1")
+    assert sa.config_for(dev, 8, 64) == dict(sa.CONFIGS["cuda_decode_two_pass"], KV_X2=True)
+    assert sa.config_for(dev, cap_t, 64)["KV_X2"] and sa.config_for(dev, cap_t, 64)["LOGITS_MAXNREG"]
+    assert sa.config_for(dev, 1, 64) is sa.CONFIGS["cuda_decode"]  # the one-pass T=1 entry keeps its decode
+    monkeypatch.setattr(sa, "_SPARSE_KV_X2", [])
+    monkeypatch.setenv("DSV41_SPARSE_KV_X2", "yes")
+    with pytest.raises(ValueError, match="DSV41_SPARSE_KV_X2"):
+        sa.config_for(dev, 8, 64)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(sink + 1e30) of an all-masked row
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("block_n", [16, 32])

@@ -161,8 +161,11 @@ CONFIGS = {
     # logits pass's channel chunks lost (T=64 78 -> 106 us), as did BLOCK_N 16 with it (146).
     # KV_X2 (rows decoded straight to bf16 pairs: `_kv_decode_x2`), H200 2026-12-06 (graph us, 4K, the
     # shipped cap at 64): T=8 27.0 -> 21.1, T=64 77.6 -> 66.6 (the same error against the reference).
+    # Off until its GPU tests and the model's decode (4K and 32K) have run with it: the same decode
+    # faulted in the one-pass kernel (module docstring), and no device time was left to run them.
+    # DSV41_SPARSE_KV_X2=1 turns it on (`kv_x2_default`).
     "cuda_decode_two_pass": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=4, num_stages=2,
-                                 TWO_PASS=True, min_blocks_per_split=1, VALUES_AHEAD=True, KV_X2=True),
+                                 TWO_PASS=True, min_blocks_per_split=1, VALUES_AHEAD=True, KV_X2=False),
     "npu": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=None, min_blocks_per_split=2),
     "interp": dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=None, min_blocks_per_split=1),
 }
@@ -1009,6 +1012,7 @@ TWO_PASS_MIN_T = 2
 # T=64 94.6 / 89.9 / 88.3 / 92.6.
 TWO_PASS_LOGITS_CAP = {"cuda": (16, 168)}
 _SPARSE_DECODE: list = []
+_SPARSE_KV_X2: list = []
 
 
 def sparse_decode_form() -> str:
@@ -1023,10 +1027,24 @@ def sparse_decode_form() -> str:
     return _SPARSE_DECODE[0]
 
 
+def sparse_kv_x2() -> bool:
+    """DSV41_SPARSE_KV_X2 ("1" / "0", default "0"), read once per process: whether the two-pass
+    decode entry takes KV_X2 (the cache rows decoded straight to bf16 pairs; the entry's comment
+    says why it is off by default)."""
+    import os
+
+    if not _SPARSE_KV_X2:
+        v = os.environ.get("DSV41_SPARSE_KV_X2", "0").strip() or "0"
+        if v not in ("0", "1"):
+            raise ValueError(f"DSV41_SPARSE_KV_X2: expected 0 or 1, got {v!r}")
+        _SPARSE_KV_X2.append(v == "1")
+    return _SPARSE_KV_X2[0]
+
+
 def config_for(device: torch.device, t: int, h: int) -> dict:
     """The tile table entry for a launch: the decode entry (in the DSV41_SPARSE_DECODE form: by
     default two-pass from TWO_PASS_MIN_T tokens, its logits pass under TWO_PASS_LOGITS_CAP's register
-    cap from that many tokens) when the queries' whole-head tiles would leave
+    cap from that many tokens, with KV_X2 under DSV41_SPARSE_KV_X2=1) when the queries' whole-head tiles would leave
     most workers idle (small T: flash-decoding over head blocks and entry splits); otherwise the
     "<key>_prefill" entry where the backend has one, except while a graph is captured (the rows
     form's table is sized by the step's shapes, which a graph would freeze), else the main entry."""
@@ -1041,9 +1059,10 @@ def config_for(device: torch.device, t: int, h: int) -> dict:
             form = sparse_decode_form()
             if two in CONFIGS and (form == "two_pass" or form == "auto" and t >= TWO_PASS_MIN_T):
                 cap = TWO_PASS_LOGITS_CAP.get(key)
-                if cap and t >= cap[0]:
-                    return dict(CONFIGS[two], LOGITS_MAXNREG=cap[1])
-                return CONFIGS[two]
+                extra = {"LOGITS_MAXNREG": cap[1]} if cap and t >= cap[0] else {}
+                if sparse_kv_x2():
+                    extra["KV_X2"] = True
+                return dict(CONFIGS[two], **extra) if extra else CONFIGS[two]
             return CONFIGS[decode]
     prefill = CONFIGS.get(key + "_prefill")
     if prefill is not None:
