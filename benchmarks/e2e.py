@@ -629,6 +629,13 @@ def run_prefill(model, args, clock: Clock, mm_rate: float, mem: Memory, log) -> 
     return rows, mem_rows
 
 
+def env_settings() -> str:
+    """The DSV41_* variables of this process (kernel and path choices, e.g. DSV41_SPARSE_KV_X2=1), so a
+    report says which choices it measured; "none (the defaults)" without any."""
+    knobs = sorted(f"`{k}={v}`" for k, v in os.environ.items() if k.startswith("DSV41_"))
+    return ", ".join(knobs) if knobs else "none (the defaults)"
+
+
 def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre, mems, offload, num, failed,
            streams=(), pdl=()) -> str:
     """The markdown report."""
@@ -639,7 +646,8 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
          f"statistics drawn on the device (seed {args.seed}, built in {build_s:.0f} s). Ceilings measured in this run: "
          f"copy {copy_bw / 1e9:.0f} GB/s (read + write), bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s. Host: "
          f"{host_cpus()}; torch CPU threads in the timed phases: "
-         f"{torch.get_num_threads() if torch.device(args.device).type == 'cpu' else serving_host_threads()}.", ""]
+         f"{torch.get_num_threads() if torch.device(args.device).type == 'cpu' else serving_host_threads()}. "
+         f"Settings from the environment: {env_settings()}.", ""]
     if dec:
         L += ["## Decode", "",
               "Step time = one decode step of every sequence (graph: the captured step replayed, inputs copied in; "

@@ -64,6 +64,17 @@ def test_skip_kernels_leaves_out_the_table(monkeypatch, tmp_path, events):
     assert "## Decode" in text and "Kernels per decode step" not in text
 
 
+def test_report_names_the_environment_settings(monkeypatch):
+    """The report's header lists the process's DSV41_* choices (what a run measured), or says
+    there are none."""
+    for k in [k for k in e2e.os.environ if k.startswith("DSV41_")]:
+        monkeypatch.delenv(k)
+    assert e2e.env_settings() == "none (the defaults)"
+    monkeypatch.setenv("DSV41_SPARSE_KV_X2", "1")
+    monkeypatch.setenv("DSV41_FP8_DECODE", "fold")
+    assert e2e.env_settings() == "`DSV41_FP8_DECODE=fold`, `DSV41_SPARSE_KV_X2=1`"
+
+
 def test_span_charges_add_up_to_the_busy_time():
     """`span_charges`: a launch overlapped by an earlier one on another stream is charged
     nothing, one that starts early (its programmatic-launch wait) only the part past the one
