@@ -28,7 +28,8 @@ How it runs:
   products run as bf16 tl.dot with fp32 accumulation, heads as M, entries as N. (Under the
   interpreter the dot operands stay fp32: same values, interpreter bf16 math is unreliable.)
 - KV_X2 (the two-pass form; CUDA's decode batches): the rows are decoded straight to bf16 pairs
-  instead (`_kv_decode_x2`; about 3x fewer instructions in the decode loops, sm_90a SASS):
+  instead (`_kv_decode_x2`; sm_90a SASS, triton 3.6: the logits pass's chunk loop 1222 -> 482
+  instructions, a values-pass block 657 / 832 -> 461 / 480 for FP4 / window rows):
   packed FP4 bytes through the FP4 experts' conversion (`moe_fold._E2M1_BF16X4_ASM`: nibble
   bits placed under bf16's exponent, the value times 2^-126, then one `mul.rn.bf16x2` by the
   row's E4M3 scale times 2^62), FP8 window bytes through `block_linear.e4m3_placed` (the value
