@@ -91,7 +91,7 @@ SPARSE_TWO_PASS = [("two-pass", dict(TWO_PASS=True)), ("two-pass N16", dict(TWO_
                    ("two-pass, values ahead, logits cap 168", dict(TWO_PASS=True, VALUES_AHEAD=True, LOGITS_MAXNREG=168)),
                    ("two-pass N16, values ahead", dict(TWO_PASS=True, BLOCK_N=16, VALUES_AHEAD=True))]
 # the two-pass form's FP4 decode to bf16 pairs (KV_X2: the experts' bf16x2 conversion, every value
-# times 2^-8) against the shipped table's fp32 decode, with and without the logits pass's cap
+# times 2^-64) against the shipped table's fp32 decode, with and without the logits pass's cap
 _SHIPPED_TWO_PASS = dict(TWO_PASS=True, VALUES_AHEAD=True)
 SPARSE_KV_X2 = [("two-pass shipped (fp32 decode), logits cap 168", dict(_SHIPPED_TWO_PASS, LOGITS_MAXNREG=168)),
                 ("two-pass KV_X2, logits cap 168", dict(_SHIPPED_TWO_PASS, KV_X2=True, LOGITS_MAXNREG=168)),

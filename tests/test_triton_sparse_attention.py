@@ -487,7 +487,7 @@ def test_sparse_attention_two_pass_splits_and_mixed_lengths(dev, rng):
     for n_split in (n_blocks, 3, None):
         out = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, n_split=n_split, **cfg)
         check(out, args, d ** -0.5, dead_rows=dead)
-        # KV_X2 (every decoded value times 2^-8, undone by powers of two) gives the same bits,
+        # KV_X2 (every decoded value times 2^-64, undone by powers of two) gives the same bits,
         # split partials included
         x2 = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, n_split=n_split, **dict(cfg, KV_X2=True))
         assert torch.equal(x2, out), f"KV_X2 differs at n_split {n_split}: max {(x2.float() - out.float()).abs().max()}"

@@ -27,7 +27,7 @@ How it runs:
   in bf16 (E2M1 x E4M3: <= 6 significant bits; E4M3 x 2^k: 4 bits), so the q.k^T and p.V
   products run as bf16 tl.dot with fp32 accumulation, heads as M, entries as N. (Under the
   interpreter the dot operands stay fp32: same values, interpreter bf16 math is unreliable.)
-- KV_X2 (the two-pass form; CUDA's decode batches): the rows are decoded straight to bf16 pairs
+- KV_X2 (the two-pass form, opt-in: DSV41_SPARSE_KV_X2=1): the rows are decoded straight to bf16 pairs
   instead (`_kv_decode_x2`; sm_90a SASS, triton 3.6: the logits pass's chunk loop 1222 -> 482
   instructions, a values-pass block 657 / 832 -> 461 / 480 for FP4 / window rows):
   packed FP4 bytes through the FP4 experts' conversion (`moe_fold._E2M1_BF16X4_ASM`: nibble
@@ -164,7 +164,7 @@ CONFIGS = {
     # shipped cap at 64): T=8 27.0 -> 21.1, T=64 77.6 -> 66.6 (the same error against the reference).
     # Off until its GPU tests and the model's decode (4K and 32K) have run with it: the same decode
     # faulted in the one-pass kernel (module docstring), and no device time was left to run them.
-    # DSV41_SPARSE_KV_X2=1 turns it on (`kv_x2_default`).
+    # DSV41_SPARSE_KV_X2=1 turns it on (`sparse_kv_x2`).
     "cuda_decode_two_pass": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=4, num_stages=2,
                                  TWO_PASS=True, min_blocks_per_split=1, VALUES_AHEAD=True, KV_X2=False),
     "npu": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=None, min_blocks_per_split=2),

@@ -19,9 +19,10 @@ per output block, four times in all, with an online softmax along the entries. H
 So q.k^T is computed once per query and every entry is decoded once for K and once (in slices)
 for V; the logits round trip costs H x entries x 8 bytes a query (L2-resident at decode sizes).
 
-KV_X2 (the CUDA table's choice): both passes decode the cache rows straight to bf16 pairs, every
-value times KV_SHIFT, which the logits pass undoes on its softmax scale and the values pass on
-its accumulator (`sparse_attention._kv_decode_x2`, the module docstring there).
+KV_X2 (opt-in, `DSV41_SPARSE_KV_X2=1`): both passes decode the cache rows straight to bf16 pairs,
+every value times KV_SHIFT, which the logits pass undoes on its softmax scale and the values pass
+on its accumulator (`sparse_attention._kv_decode_x2`, the module docstring there).
+
 Used through `sparse_attention_launch(..., TWO_PASS=True)` (a tile table entry); CUDA timing in
 benchmarks/RESULTS.md. Written for CUDA and the interpreters; on Ascend it is unverified on
 hardware (no table selects it there).
@@ -36,6 +37,7 @@ import triton.language as tl
 from .pdl import pdl_launch, pdl_start
 from .sparse_attention import (KV_UNSHIFT, RUNNING_MAX_INIT, _dot_in, _entry_rows, _kv_block, _kv_decode,
                                _kv_decode_x2, _kv_raw, _load_halves, _store_halves, _to_bf16)
+
 
 @triton.jit
 def _entry_block(widx_ptr, gidx_ptr, tq, nb, S, K, n_wb, BLOCK_N: tl.constexpr):
