@@ -36,7 +36,7 @@ How it runs:
   times 2^-120) and one `mul.rn.bf16x2` by 2^(s - 71) from the E8M0 scale byte s. A bf16
   factor holds at most 2^127, so the decoded values cannot carry their true scale: every K / V
   value is the true one times KV_SHIFT = 2^-64, still exact (<= 6 significant bits, far above
-  bf16's subnormals: the smallest is 2^-74 for FP4 rows, 2^-73 for window rows at the
+  bf16's subnormals: the smallest is 2^-74 for FP4 rows, 2^-95 for window rows at the
   quantiser's floor s >= 105) with every factor a normal bf16 (window scale bytes up to 198,
   i.e. cache values below 2^71 x 448). The kernels multiply the softmax scale by 2^64 and the
   accumulator by 2^64 before the output or the fp32 partial. Powers of two commute with every
