@@ -161,7 +161,8 @@ CONFIGS = {
     # 5.270 / 5.260 -> 5.161 / 5.200 at 32K (processes alternated). The same look-ahead on the
     # logits pass's channel chunks lost (T=64 78 -> 106 us), as did BLOCK_N 16 with it (146).
     # KV_X2 (rows decoded straight to bf16 pairs: `_kv_decode_x2`), H200 2026-12-06 (graph us, 4K, the
-    # shipped cap at 64): T=8 27.0 -> 21.1, T=64 77.6 -> 66.6 (the same error against the reference).
+    # shipped forms: no cap at 8, the cap at 64): T=8 25.0 -> 21.1, T=64 77.6 -> 66.6 (the same error against
+    # the reference).
     # Off until its GPU tests and the model's decode (4K and 32K) have run with it: the same decode
     # faulted in the one-pass kernel (module docstring), and no device time was left to run them.
     # DSV41_SPARSE_KV_X2=1 turns it on (`sparse_kv_x2`).
