@@ -316,19 +316,14 @@ _WIN_SHIFT_BITS = tl.constexpr(64)
 def _kv_decode_x2(b, sc, W: tl.constexpr, BLOCK_N: tl.constexpr, IS_GLOB: tl.constexpr, ASM: tl.constexpr):
     """`_kv_raw`'s bytes -> even / odd channel halves [BN, W/2] of the values times KV_SHIFT:
     with ASM (CUDA) bf16 from the bf16x2 conversions (module docstring), else fp32 from the
-    shared decode with the shift folded in (exact either way)."""
-    if IS_GLOB:
-        if ASM:
-            f = (_e4m3_pos(sc.to(tl.int32) & 127) * _GLOB_FACTOR).to(tl.bfloat16)
-            f = tl.broadcast_to(f[:, :, None], (BLOCK_N, W // 16, 8))
-            e, o = tl.inline_asm_elementwise(_E2M1_BF16X4_ASM, "=r,=r,=r,=r,r,r,r", [b, f],
-                                             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-            e = tl.reshape(e, [BLOCK_N, W // 2])
-            o = tl.reshape(o, [BLOCK_N, W // 2])
-        else:
-            e, o = _kv_decode(b, sc, W, BLOCK_N, True)
-            e = e * KV_SHIFT
-            o = o * KV_SHIFT
+    shared decode times the shift (exact either way)."""
+    if ASM and IS_GLOB:  # E2M1 nibbles placed as bf16 (value * 2^-126), times the E4M3 scale * 2^62
+        f = (_e4m3_pos(sc.to(tl.int32) & 127) * _GLOB_FACTOR).to(tl.bfloat16)
+        f = tl.broadcast_to(f[:, :, None], (BLOCK_N, W // 16, 8))
+        e, o = tl.inline_asm_elementwise(_E2M1_BF16X4_ASM, "=r,=r,=r,=r,r,r,r", [b, f],
+                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        e = tl.reshape(e, [BLOCK_N, W // 2])
+        o = tl.reshape(o, [BLOCK_N, W // 2])
     elif ASM:  # E4M3 bytes placed as bf16 (value * 2^-120), one bf16x2 multiply by 2^(s - 127 + 120) * KV_SHIFT
         b0, b1 = tl.split(tl.reshape(b, [BLOCK_N, W // 32, 16, 2]))
         # the factor's bf16 exponent field: s - 127 + 120 - 64, biased by 127 (normal for s <= 198)
@@ -340,11 +335,10 @@ def _kv_decode_x2(b, sc, W: tl.constexpr, BLOCK_N: tl.constexpr, IS_GLOB: tl.con
                                       dtype=tl.bfloat16, is_pure=True, pack=2)
         e = tl.reshape(e, [BLOCK_N, W // 2])
         o = tl.reshape(o, [BLOCK_N, W // 2])
-    else:  # `_win_decode` with the shift in each 32-channel group's scale
-        b0, b1 = tl.split(tl.reshape(b.to(tl.int32) & 0xFF, [BLOCK_N, W // 32, 16, 2]))
-        f = (((sc.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True) * KV_SHIFT)[:, :, None]
-        e = tl.reshape(_e4m3_signed(b0) * f, [BLOCK_N, W // 2])
-        o = tl.reshape(_e4m3_signed(b1) * f, [BLOCK_N, W // 2])
+    else:  # the interpreters (and any non-CUDA compile): the shared fp32 decode, shifted (exact)
+        e, o = _kv_decode(b, sc, W, BLOCK_N, IS_GLOB)
+        e = e * KV_SHIFT
+        o = o * KV_SHIFT
     return e, o
 
 
