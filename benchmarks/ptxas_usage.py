@@ -64,6 +64,7 @@ def ptxas_usage(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, 
                            check=True)
         usage = " | ".join(line.split(":", 1)[-1].strip() for line in r.stderr.splitlines()
                            if "registers" in line or "spill" in line)
+        usage += f" | {kernel.metadata.shared} bytes shared memory (launch)"
         if loops:
             sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", cubin], capture_output=True, text=True,
                                   check=True).stdout
@@ -134,6 +135,7 @@ def sparse_rows() -> list[tuple[str, str]]:
                           DOT_BF16=True, QK_T=False, DV_HALF=False)
             fn = sa._sparse_attn_kernel
         rows.append((f"sparse_attention {key}", ptxas_usage(fn, ptrs, consts, cfg["num_warps"], cfg["num_stages"])))
+    rows += two_pass_rows(ptrs)
     from dsv41.npu_ops.triton import sparse_attention_rows as sar
 
     cfg = sa.CONFIGS["cuda_prefill"]  # the rows form's attention kernel (bf16 table rows)
@@ -141,6 +143,31 @@ def sparse_rows() -> list[tuple[str, str]]:
     rows.append(("sparse_attention cuda_prefill (rows form)", ptxas_usage(
         sar._rows_attn_kernel, {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32",
                                 "out_ptr": "*bf16"}, consts, cfg["num_warps"], cfg["num_stages"])))
+    return rows
+
+
+def two_pass_rows(ptrs: dict[str, str]) -> list[tuple[str, str]]:
+    """The two-pass decode attention's kernels (the decode batches' table, `cuda_decode_two_pass`;
+    the logits pass under its register cap as from TWO_PASS_LOGITS_CAP's token count), with the
+    cache rows decoded to fp32 and with KV_X2, and their loops. Each loop holds the window (FP8)
+    and the global (FP4) decode behind a run-time branch, so a block executes one of the two."""
+    from dsv41.npu_ops.triton import sparse_attention as sa
+    from dsv41.npu_ops.triton import sparse_attention_two_pass as tp
+
+    cfg = sa.CONFIGS["cuda_decode_two_pass"]
+    cap = sa.TWO_PASS_LOGITS_CAP["cuda"][1]
+    lg = dict(ptrs, lg_ptr="*fp32", mb_ptr="*fp32")
+    rows = []
+    for x2 in (False, True):
+        tag = "KV_X2" if x2 else "fp32 decode"
+        consts = dict(D=512, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], DOT_BF16=True,
+                      KV_X2=x2, ASM=x2)
+        rows.append((f"two-pass logits, {tag}, cap {cap}", ptxas_usage(
+            tp._logits_kernel, lg, consts, cfg["num_warps"], cfg["num_stages"], maxnreg=cap, loops=True)))
+        consts = dict(D=512, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_DV=cfg["BLOCK_DV"], NB_MAX=32,
+                      SPLIT=True, DOT_BF16=True, AHEAD=cfg["VALUES_AHEAD"], KV_X2=x2, ASM=x2)
+        rows.append((f"two-pass values, {tag}", ptxas_usage(
+            tp._values_kernel, lg, consts, cfg["num_warps"], cfg["num_stages"], loops=True)))
     return rows
 
 
