@@ -125,16 +125,17 @@ def sparse_rows() -> list[tuple[str, str]]:
         cfg = sa.CONFIGS[key]
         bd, bdv = cfg["BLOCK_D"] or 512, cfg["BLOCK_DV"] or 512
         split = cfg["min_blocks_per_split"] == 1  # the decode tables run split
-        if cfg.get("MQA"):  # pools as 32-bit words
+        if cfg.get("MQA"):  # pools as 32-bit words (this kernel only: the others take the bytes)
             consts = dict(D=512, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], SPLIT=split, DOT_BF16=True,
                           AHEAD=cfg.get("AHEAD", True), LAZY=cfg.get("LAZY", 0.0))
-            ptrs = dict(ptrs, win_ptr="*i32", gkv_ptr="*i32")
+            kptrs = dict(ptrs, win_ptr="*i32", gkv_ptr="*i32")
             fn = sa._mqa_kernel
         else:
             consts = dict(D=512, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=bd, BLOCK_DV=bdv, SPLIT=split,
                           DOT_BF16=True, QK_T=False, DV_HALF=False)
+            kptrs = ptrs
             fn = sa._sparse_attn_kernel
-        rows.append((f"sparse_attention {key}", ptxas_usage(fn, ptrs, consts, cfg["num_warps"], cfg["num_stages"])))
+        rows.append((f"sparse_attention {key}", ptxas_usage(fn, kptrs, consts, cfg["num_warps"], cfg["num_stages"])))
     rows += two_pass_rows(ptrs)
     from dsv41.npu_ops.triton import sparse_attention_rows as sar
 
