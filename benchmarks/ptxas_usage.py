@@ -165,6 +165,7 @@ def two_pass_rows(ptrs: dict[str, str]) -> list[tuple[str, str]]:
                       KV_X2=x2, ASM=x2)
         rows.append((f"two-pass logits, {tag}, cap {cap}", ptxas_usage(
             tp._logits_kernel, lg, consts, cfg["num_warps"], cfg["num_stages"], maxnreg=cap, loops=True)))
+        # NB_MAX: the launch's power of two over the entry blocks (128 window + 512 global entries: 20)
         consts = dict(D=512, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_DV=cfg["BLOCK_DV"], NB_MAX=32,
                       SPLIT=True, DOT_BF16=True, AHEAD=cfg["VALUES_AHEAD"], KV_X2=x2, ASM=x2)
         rows.append((f"two-pass values, {tag}", ptxas_usage(
