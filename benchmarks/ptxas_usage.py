@@ -170,6 +170,13 @@ def two_pass_rows(ptrs: dict[str, str]) -> list[tuple[str, str]]:
                       SPLIT=True, DOT_BF16=True, AHEAD=cfg["VALUES_AHEAD"], KV_X2=x2, ASM=x2)
         rows.append((f"two-pass values, {tag}", ptxas_usage(
             tp._values_kernel, lg, consts, cfg["num_warps"], cfg["num_stages"], loops=True)))
+    # the opt-in per-pool logits pass (LOGITS_BLOCK_N): one loop per pool, each pool's decode
+    # fixed at compile time, at the values pass's block size and at twice it
+    for lbn in (cfg["BLOCK_N"], 2 * cfg["BLOCK_N"]):
+        consts = dict(D=512, BLOCK_H=cfg["BLOCK_H"], LBN=lbn, BLOCK_D=cfg["BLOCK_D"], DOT_BF16=True, KV_X2=True,
+                      ASM=True)
+        rows.append((f"two-pass logits per pool, KV_X2, {lbn} entries, cap {cap}", ptxas_usage(
+            tp._logits_pools_kernel, lg, consts, cfg["num_warps"], cfg["num_stages"], maxnreg=cap, loops=True)))
     return rows
 
 

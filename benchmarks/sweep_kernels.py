@@ -96,7 +96,17 @@ _SHIPPED_TWO_PASS = dict(TWO_PASS=True, VALUES_AHEAD=True)
 SPARSE_KV_X2 = [("two-pass shipped (fp32 decode), logits cap 168", dict(_SHIPPED_TWO_PASS, LOGITS_MAXNREG=168)),
                 ("two-pass KV_X2, logits cap 168", dict(_SHIPPED_TWO_PASS, KV_X2=True, LOGITS_MAXNREG=168)),
                 ("two-pass shipped (fp32 decode), no cap", dict(_SHIPPED_TWO_PASS)),
-                ("two-pass KV_X2, no cap", dict(_SHIPPED_TWO_PASS, KV_X2=True))]
+                ("two-pass KV_X2, no cap", dict(_SHIPPED_TWO_PASS, KV_X2=True)),
+                # at T=1 (64K) the logits pass has one tile per 32-entry block (20): 16-entry blocks
+                # halve each tile's decode chain
+                ("two-pass KV_X2 N16, logits cap 168", dict(_SHIPPED_TWO_PASS, KV_X2=True, BLOCK_N=16,
+                                                            LOGITS_MAXNREG=168)),
+                # the logits pass one loop per pool (LOGITS_BLOCK_N; sm_90a, triton 3.6: 298 / 294
+                # instructions a 32-entry chunk against 483 for the shared loop, 453 / 464 a 64-entry one)
+                ("two-pass KV_X2, logits per pool 32, cap 168", dict(_SHIPPED_TWO_PASS, KV_X2=True,
+                                                                     LOGITS_BLOCK_N=32, LOGITS_MAXNREG=168)),
+                ("two-pass KV_X2, logits per pool 64, cap 168", dict(_SHIPPED_TWO_PASS, KV_X2=True,
+                                                                     LOGITS_BLOCK_N=64, LOGITS_MAXNREG=168))]
 # register caps on the two-pass form's logits pass alone (`--only sparse_two_pass`): the shipped table,
 # then the two-pass tiles without a cap and with each cap. Session twenty-seven measured a 168 cap on
 # both passes: logits 45.4 -> 38.8 us but values 49.9 -> 54.7 at T=64 (4K)

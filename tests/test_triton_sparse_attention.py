@@ -191,7 +191,9 @@ DECODE_VARIANTS = [dict(), dict(BLOCK_N=16), dict(BLOCK_N=16, num_stages=3), dic
                    dict(TWO_PASS=True, BLOCK_DV=256, num_warps=8), dict(TWO_PASS=True, LOGITS_MAXNREG=168),
                    dict(TWO_PASS=True, VALUES_AHEAD=True), dict(TWO_PASS=True, VALUES_AHEAD=True, BLOCK_N=16),
                    dict(TWO_PASS=True, VALUES_AHEAD=False), dict(TWO_PASS=True, VALUES_AHEAD=True, KV_X2=True),
-                   dict(TWO_PASS=True, VALUES_AHEAD=False, KV_X2=True, BLOCK_N=16)]
+                   dict(TWO_PASS=True, VALUES_AHEAD=False, KV_X2=True, BLOCK_N=16),
+                   dict(TWO_PASS=True, VALUES_AHEAD=True, KV_X2=True, LOGITS_BLOCK_N=64),
+                   dict(TWO_PASS=True, VALUES_AHEAD=True, KV_X2=True, BLOCK_N=16, LOGITS_BLOCK_N=64)]
 
 
 @pytest.fixture(scope="module")
@@ -497,6 +499,32 @@ def test_sparse_attention_two_pass_splits_and_mixed_lengths(dev, rng):
     empty[3][dead] = -1
     out = sa.sparse_attention_launch(*to(dev, empty), d ** -0.5, n_split=2, **cfg)
     check(out, empty, d ** -0.5, dead_rows=[r for r in range(t) if (empty[3][r] < 0).all()])
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(sink + 1e30) of an all-masked row
+@pytest.mark.parametrize("dev", DEVICES)
+def test_sparse_attention_two_pass_logits_blocks(dev, rng):
+    """LOGITS_BLOCK_N (the logits pass on its own entry blocks, one loop per pool): smaller,
+    equal and larger than the values pass's blocks, pools whose lengths are not multiples of
+    either, fp32 decode and KV_X2, a window-only launch: equal to the reference and to the
+    shared-block form (bit for bit on the GPU: every logit is the same sum)."""
+    t = 9
+    h, d = (4, 64) if dev == "cpu" else (64, 512)
+    s, n, k = (21, 60, 37) if dev == "cpu" else (128, 4096, 500)
+    base = dict(TWO_PASS_AHEAD, BLOCK_N=32) if dev == "cpu" else dict(sa.CONFIGS["cuda_decode_two_pass"])
+    args = make_inputs(rng, t, h, d, s, n, k, dead_rows=(5,), window_off_rows=(7,), n_seq=3)
+    win = make_inputs(rng, 4, h, d, s, 0, 0, glob=False, dead_rows=(1,))
+    for x2 in (False, True):
+        for a, dead in ((args, (5,)), (win, (1,))):
+            ref = sa.sparse_attention_launch(*to(dev, a), d ** -0.5, **dict(base, KV_X2=x2))
+            for lbn in (16, 32, 64):
+                out = sa.sparse_attention_launch(*to(dev, a), d ** -0.5, **dict(base, KV_X2=x2, LOGITS_BLOCK_N=lbn))
+                check(out, a, d ** -0.5, dead_rows=dead)
+                if dev != "cpu":
+                    assert torch.equal(out, ref), f"LOGITS_BLOCK_N {lbn} (KV_X2 {x2}) differs from the shared blocks"
+    for bad in (dict(TILED, LOGITS_BLOCK_N=32), dict(TWO_PASS, LOGITS_BLOCK_N=24), dict(TWO_PASS, LOGITS_BLOCK_N=8)):
+        with pytest.raises(ValueError, match="LOGITS_BLOCK_N"):
+            sa.sparse_attention_launch(*to(dev, args), d ** -0.5, **bad)
 
 
 def test_sparse_decode_form_chooses_the_decode_entry(monkeypatch):

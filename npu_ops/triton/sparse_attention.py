@@ -792,7 +792,8 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
                             DV_HALF: bool = False, MQA: bool = False, AHEAD: bool = True, LAZY: float = 0.0,
                             TWO_PASS: bool = False, ROWS: bool = False, min_blocks_per_split: int = 2,
                             LOGITS_MAXNREG: int | None = None, VALUES_AHEAD: bool = False, KV_X2: bool = False,
-                            n_split: int | None = None, rows_bound: tuple[int, int] | None = None) -> torch.Tensor:
+                            LOGITS_BLOCK_N: int | None = None, n_split: int | None = None,
+                            rows_bound: tuple[int, int] | None = None) -> torch.Tensor:
     """`sparse_attention` with explicit tile sizes (tests and tuning); `n_split` forces the split
     count. MQA (CUDA; whole rows): `_mqa_kernel` (each entry decoded once per head block and used
     as K and as V, the next block's words loaded ahead; LAZY: the running max moves only past
@@ -800,7 +801,9 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
     (`sparse_attention_two_pass`; tiled, BLOCK_D / BLOCK_DV as given; LOGITS_MAXNREG: a register
     cap for its logits pass on CUDA; VALUES_AHEAD: its values pass loads each entry block one
     ahead; KV_X2: both passes decode the cache rows straight to bf16 pairs on CUDA
-    (`_kv_decode_x2`), elsewhere through the shifted fp32 decode that mirrors it).
+    (`_kv_decode_x2`), elsewhere through the shifted fp32 decode that mirrors it; LOGITS_BLOCK_N:
+    the logits pass on entry blocks of its own size, each pool in its own loop,
+    `_logits_pools_kernel`).
     ROWS: every pool row read decoded once into a dense bf16 table, then bf16 gathers
     (`sparse_attention_rows`; whole rows, no splits; `rows_bound` sizes the table, see
     `ops.sparse_attention`)."""
@@ -832,6 +835,9 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
         raise ValueError("TWO_PASS takes none of MQA / DV_HALF / QK_T")
     if KV_X2 and not TWO_PASS:
         raise ValueError("KV_X2 is an option of the two-pass form (TWO_PASS=True)")
+    if LOGITS_BLOCK_N is not None and (not TWO_PASS or LOGITS_BLOCK_N < 16 or LOGITS_BLOCK_N & (LOGITS_BLOCK_N - 1)):
+        raise ValueError(f"LOGITS_BLOCK_N is an option of the two-pass form (TWO_PASS=True), a power of two >= 16 "
+                         f"(tl.dot's least N); got {LOGITS_BLOCK_N}")
     if ROWS and (MQA or DV_HALF or QK_T or TWO_PASS or BLOCK_N < 16 or d & (d - 1)):
         raise ValueError(f"ROWS takes none of MQA / DV_HALF / QK_T / TWO_PASS, BLOCK_N >= 16 and a power-of-two "
                          f"head_dim (got BLOCK_N {BLOCK_N}, head_dim {d})")
@@ -877,7 +883,7 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
             block_d=block_d, block_dv=block_dv, n_split=n_split, min_blocks_per_split=min_blocks_per_split,
             kw=kw, dot_bf16=dot_bf16,
             logits_kw={"maxnreg": LOGITS_MAXNREG} if LOGITS_MAXNREG and compiled_cuda else {},
-            values_ahead=VALUES_AHEAD, kv_x2=KV_X2, asm=KV_X2 and compiled_cuda)
+            values_ahead=VALUES_AHEAD, kv_x2=KV_X2, asm=KV_X2 and compiled_cuda, logits_block_n=LOGITS_BLOCK_N)
         _combine_splits(pacc, pm, pl, sk, out, n_split, dot_bf16)
         return out
     n_hb = -(-h // block_h)

@@ -23,6 +23,15 @@ KV_X2 (opt-in, `DSV41_SPARSE_KV_X2=1`): both passes decode the cache rows straig
 every value times KV_SHIFT, which the logits pass undoes on its softmax scale and the values pass
 on its accumulator (`sparse_attention._kv_decode_x2`, the module docstring there).
 
+LOGITS_BLOCK_N (opt-in, a launch option): the logits pass in `_logits_pools_kernel`, on entry
+blocks of its own size with each pool in its own loop (the decode fixed at compile time instead of
+both decodes behind a run-time branch), writing the logits at the values pass's positions; only
+the block maxima differ in count. Larger logits blocks spread a chunk's fixed work (the q chunk,
+the index row, the dot's setup) over more entries: with KV_X2 at sm_90a (triton 3.6) 9.3
+instructions an entry and chunk at 32 entries, 7.1-7.3 at 64 (168-register cap, 4 bytes of spill).
+Untimed when written (no device came); the values pass keeps BLOCK_N, where 64-entry blocks cost
+more per entry.
+
 Used through `sparse_attention_launch(..., TWO_PASS=True)` (a tile table entry); CUDA timing in
 benchmarks/RESULTS.md. Written for CUDA and the interpreters; on Ascend it is unverified on
 hardware (no table selects it there).
@@ -105,6 +114,63 @@ def _logits_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gidx_ptr
 
 
 @triton.jit
+def _logits_pool_tiles(q_ptr, kv_ptr, sc_ptr, idx_ptr, lg_ptr, mb_ptr, pid, num_programs, n_tiles, n_lb, n_hb, H, L,
+                       pos0, n_pos, mb0, n_e, n_mb, scale, kv_stride, sc_stride,
+                       D: tl.constexpr, BLOCK_H: tl.constexpr, LBN: tl.constexpr, BLOCK_D: tl.constexpr,
+                       IS_GLOB: tl.constexpr, DOT_BF16: tl.constexpr, KV_X2: tl.constexpr, ASM: tl.constexpr):
+    """`_logits_pools_kernel`'s tiles of one pool (IS_GLOB fixed at compile time): tile (query,
+    LBN-entry block j, head block) writes the logits of entries j*LBN .. of the query's index list
+    (length L) at lg positions pos0 + entry (those below n_pos) and their maximum at mb column
+    mb0 + j."""
+    nn = tl.arange(0, LBN)
+    for tile in range(pid, n_tiles, num_programs):
+        hb = tile % n_hb
+        r = tile // n_hb
+        j = r % n_lb
+        tq = r // n_lb
+        heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hok = heads < H
+        qrow = (tq * H + heads).to(tl.int64) * D
+        rows, ok = _entry_rows(idx_ptr, tq, L, j, True, LBN)
+        s = tl.zeros([BLOCK_H, LBN], dtype=tl.float32)
+        for c0 in range(0, D, BLOCK_D):
+            qe, qo = _load_halves(q_ptr, qrow, hok, c0, BLOCK_D, BLOCK_H)
+            k_e, k_o = _kv_block(kv_ptr, sc_ptr, rows, ok, c0, BLOCK_D, LBN, IS_GLOB, kv_stride, sc_stride, KV_X2, ASM)
+            s += tl.dot(_dot_in(qe.to(tl.float32), DOT_BF16), tl.trans(_dot_in(k_e, DOT_BF16)))
+            s += tl.dot(_dot_in(qo.to(tl.float32), DOT_BF16), tl.trans(_dot_in(k_o, DOT_BF16)))
+        s = tl.where(ok[None, :], s * scale, float("-inf"))
+        hrow = (tq * H + heads).to(tl.int64)
+        e = j * LBN + nn
+        tl.store(lg_ptr + hrow[:, None] * n_e + (pos0 + e)[None, :], s, mask=hok[:, None] & (e < n_pos)[None, :])
+        tl.store(mb_ptr + hrow * n_mb + mb0 + j, tl.max(s, axis=1), mask=hok)
+
+
+@triton.jit
+def _logits_pools_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gidx_ptr, lg_ptr, mb_ptr,
+                         H, S, K, n_wpos, n_gpos, n_wl, n_gl, n_hb, n_wtiles, n_gtiles, n_e, num_programs, scale,
+                         w_stride, ws_stride, g_stride, gs_stride,
+                         D: tl.constexpr, BLOCK_H: tl.constexpr, LBN: tl.constexpr, BLOCK_D: tl.constexpr,
+                         DOT_BF16: tl.constexpr, KV_X2: tl.constexpr = False, ASM: tl.constexpr = False,
+                         PDL: tl.constexpr = 0):
+    """Pass 1 with its own entry blocks (`LOGITS_BLOCK_N`): the window tiles, then the global
+    tiles, each pool in its own loop with the pool fixed at compile time (`_logits_kernel` holds
+    both decodes behind a run-time branch). The logits land at the values pass's positions
+    (window entry e at e, global entry e at n_wpos + e, the pools' padded lengths in BLOCK_N
+    blocks), so the values pass is unchanged; the maxima are one per LBN block of each pool."""
+    pdl_start(PDL)
+    if KV_X2:
+        scale = scale * KV_UNSHIFT
+    pid = tl.program_id(0)
+    n_mb = n_wl + n_gl
+    _logits_pool_tiles(q_ptr, win_ptr, wsc_ptr, widx_ptr, lg_ptr, mb_ptr, pid, num_programs, n_wtiles, n_wl, n_hb,
+                       H, S, 0, n_wpos, 0, n_e, n_mb, scale, w_stride, ws_stride,
+                       D, BLOCK_H, LBN, BLOCK_D, False, DOT_BF16, KV_X2, ASM)
+    _logits_pool_tiles(q_ptr, gkv_ptr, gsc_ptr, gidx_ptr, lg_ptr, mb_ptr, pid, num_programs, n_gtiles, n_gl, n_hb,
+                       H, K, n_wpos, n_gpos, n_wl, n_e, n_mb, scale, g_stride, gs_stride,
+                       D, BLOCK_H, LBN, BLOCK_D, True, DOT_BF16, KV_X2, ASM)
+
+
+@triton.jit
 def _values_range(lg_ptr, hrow, hok, m, l_i, acc_e, acc_o, idx_ptr, tq, L, off, lo, hi, kv_ptr, sc_ptr,
                   kv_stride, sc_stride, dv0, n_e, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
                   IS_GLOB: tl.constexpr, DOT_BF16: tl.constexpr, AHEAD: tl.constexpr, KV_X2: tl.constexpr,
@@ -146,13 +212,14 @@ def _values_range(lg_ptr, hrow, hok, m, l_i, acc_e, acc_o, idx_ptr, tq, L, off, 
 @triton.jit
 def _values_kernel(lg_ptr, mb_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gidx_ptr, sink_ptr,
                    out_ptr, pacc_ptr, pm_ptr, pl_ptr,
-                   H, S, K, n_wb, n_blocks, bps, n_split, n_hb, n_dv, n_tiles, num_programs,
+                   H, S, K, n_wb, n_blocks, n_mb, bps, n_split, n_hb, n_dv, n_tiles, num_programs,
                    w_stride, ws_stride, g_stride, gs_stride,
                    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
                    NB_MAX: tl.constexpr, SPLIT: tl.constexpr, DOT_BF16: tl.constexpr, AHEAD: tl.constexpr = False,
                    KV_X2: tl.constexpr = False, ASM: tl.constexpr = False, PDL: tl.constexpr = 0):
     """Pass 2: tile (query, split, head block, output-channel block) -> p.V over the split's
-    entry blocks with the query's exact maximum (window blocks, then global ones: `_values_range`);
+    entry blocks with the query's exact maximum (over the logits pass's n_mb block maxima; window
+    blocks, then global ones: `_values_range`);
     normalised bf16 output, or (SPLIT) the fp32 partial, that maximum and the partial sum for
     `_combine_kernel`. KV_X2: values times KV_SHIFT, undone on the accumulator at the end."""
     pdl_start(PDL)
@@ -169,7 +236,7 @@ def _values_kernel(lg_ptr, mb_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr,
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hok = heads < H
         hrow = (tq * H + heads).to(tl.int64)
-        mbs = tl.load(mb_ptr + hrow[:, None] * n_blocks + bb[None, :], mask=hok[:, None] & (bb < n_blocks)[None, :],
+        mbs = tl.load(mb_ptr + hrow[:, None] * n_mb + bb[None, :], mask=hok[:, None] & (bb < n_mb)[None, :],
                       other=float("-inf"))
         m = tl.maximum(tl.max(mbs, axis=1), RUNNING_MAX_INIT)  # an all-masked row: p = 0 everywhere
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -203,10 +270,11 @@ def _values_kernel(lg_ptr, mb_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr,
 def launch_two_pass(qc, wk, ws, wi, gk, gs, gi, sk, out, softmax_scale, *, s: int, k: int, block_h: int,
                     block_n: int, block_d: int, block_dv: int, n_split: int | None, min_blocks_per_split: int,
                     kw: dict, dot_bf16: bool, logits_kw: dict | None = None, values_ahead: bool = False,
-                    kv_x2: bool = False, asm: bool = False):
+                    kv_x2: bool = False, asm: bool = False, logits_block_n: int | None = None):
     """Both passes for `sparse_attention_launch` (inputs already validated and viewed as there;
     `logits_kw`: launch options for the logits pass alone, e.g. a register cap; `values_ahead`:
-    the values pass's AHEAD; `kv_x2` / `asm`: the kernels' KV_X2 / ASM); returns (n_split,
+    the values pass's AHEAD; `kv_x2` / `asm`: the kernels' KV_X2 / ASM; `logits_block_n`: the
+    logits pass in `_logits_pools_kernel` on blocks of that many entries); returns (n_split,
     pacc, pm, pl) for its combine step (n_split 1: `out` is written)."""
     from .launch import grid_for, num_workers
     from .sparse_attention import _auto_splits, split_buffers
@@ -216,14 +284,29 @@ def launch_two_pass(qc, wk, ws, wi, gk, gs, gi, sk, out, softmax_scale, *, s: in
     n_hb = -(-h // block_h)
     n_wb = -(-s // block_n)
     n_blocks = n_wb + -(-k // block_n)
-    lg = torch.empty(t, h, n_blocks * block_n, dtype=torch.float32, device=dev)
-    mb = torch.empty(t, h, n_blocks, dtype=torch.float32, device=dev)
-    l_tiles = t * n_blocks * n_hb
-    l_grid = grid_for(l_tiles, dev, cores="cube")
-    _logits_kernel[(l_grid,)](qc, wk, ws, wi, gk, gs, gi, lg, mb, h, s, k, n_wb, n_blocks, n_hb, l_tiles, l_grid,
-                              float(softmax_scale), wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
-                              D=d, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_BF16=dot_bf16,
-                              KV_X2=bool(kv_x2), ASM=bool(asm), **kw, **(logits_kw or {}), **pdl_launch(qc))
+    n_e = n_blocks * block_n
+    lg = torch.empty(t, h, n_e, dtype=torch.float32, device=dev)
+    if logits_block_n:
+        # every padded position the values pass reads is written (whatever the two block sizes)
+        n_wl, n_gl = -(-n_wb * block_n // logits_block_n), -(-(n_e - n_wb * block_n) // logits_block_n)
+        n_mb = n_wl + n_gl
+        mb = torch.empty(t, h, n_mb, dtype=torch.float32, device=dev)
+        n_wt, n_gt = t * n_wl * n_hb, t * n_gl * n_hb
+        l_grid = grid_for(max(n_wt, n_gt), dev, cores="cube")
+        _logits_pools_kernel[(l_grid,)](qc, wk, ws, wi, gk, gs, gi, lg, mb, h, s, k, n_wb * block_n, n_e - n_wb * block_n,
+                                        n_wl, n_gl, n_hb, n_wt, n_gt, n_e, l_grid, float(softmax_scale),
+                                        wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
+                                        D=d, BLOCK_H=block_h, LBN=logits_block_n, BLOCK_D=block_d, DOT_BF16=dot_bf16,
+                                        KV_X2=bool(kv_x2), ASM=bool(asm), **kw, **(logits_kw or {}), **pdl_launch(qc))
+    else:
+        n_mb = n_blocks
+        mb = torch.empty(t, h, n_blocks, dtype=torch.float32, device=dev)
+        l_tiles = t * n_blocks * n_hb
+        l_grid = grid_for(l_tiles, dev, cores="cube")
+        _logits_kernel[(l_grid,)](qc, wk, ws, wi, gk, gs, gi, lg, mb, h, s, k, n_wb, n_blocks, n_hb, l_tiles, l_grid,
+                                  float(softmax_scale), wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
+                                  D=d, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_BF16=dot_bf16,
+                                  KV_X2=bool(kv_x2), ASM=bool(asm), **kw, **(logits_kw or {}), **pdl_launch(qc))
     n_dv = d // block_dv
     base_tiles = t * n_hb * n_dv
     if n_split is None:
@@ -232,9 +315,9 @@ def launch_two_pass(qc, wk, ws, wi, gk, gs, gi, sk, out, softmax_scale, *, s: in
     v_tiles = base_tiles * n_split
     v_grid = grid_for(v_tiles, dev, cores="cube")
     _values_kernel[(v_grid,)](lg, mb, wk, ws, wi, gk, gs, gi, sk, out, pacc, pm, pl,
-                              h, s, k, n_wb, n_blocks, bps, n_split, n_hb, n_dv, v_tiles, v_grid,
+                              h, s, k, n_wb, n_blocks, n_mb, bps, n_split, n_hb, n_dv, v_tiles, v_grid,
                               wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
                               D=d, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DV=block_dv,
-                              NB_MAX=triton.next_power_of_2(n_blocks), SPLIT=n_split > 1, DOT_BF16=dot_bf16,
+                              NB_MAX=triton.next_power_of_2(n_mb), SPLIT=n_split > 1, DOT_BF16=dot_bf16,
                               AHEAD=bool(values_ahead), KV_X2=bool(kv_x2), ASM=bool(asm), **kw, **pdl_launch(lg))
     return n_split, pacc, pm, pl
