@@ -630,7 +630,7 @@ def run_prefill(model, args, clock: Clock, mm_rate: float, mem: Memory, log) -> 
 
 
 def env_settings() -> str:
-    """The DSV41_* variables of this process (kernel and path choices, e.g. DSV41_SPARSE_KV_X2=1), so a
+    """The DSV41_* variables of this process (kernel and path choices, e.g. DSV41_SPARSE_KV_X2=0), so a
     report says which choices it measured; "none (the defaults)" without any."""
     knobs = sorted(f"`{k}={v}`" for k, v in os.environ.items() if k.startswith("DSV41_"))
     return ", ".join(knobs) if knobs else "none (the defaults)"

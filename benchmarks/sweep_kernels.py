@@ -93,9 +93,9 @@ SPARSE_TWO_PASS = [("two-pass", dict(TWO_PASS=True)), ("two-pass N16", dict(TWO_
 # the two-pass form's FP4 decode to bf16 pairs (KV_X2: the experts' bf16x2 conversion, every value
 # times 2^-64) against the shipped table's fp32 decode, with and without the logits pass's cap
 _SHIPPED_TWO_PASS = dict(TWO_PASS=True, VALUES_AHEAD=True)
-SPARSE_KV_X2 = [("two-pass shipped (fp32 decode), logits cap 168", dict(_SHIPPED_TWO_PASS, LOGITS_MAXNREG=168)),
+SPARSE_KV_X2 = [("two-pass fp32 decode, logits cap 168", dict(_SHIPPED_TWO_PASS, LOGITS_MAXNREG=168)),
                 ("two-pass KV_X2, logits cap 168", dict(_SHIPPED_TWO_PASS, KV_X2=True, LOGITS_MAXNREG=168)),
-                ("two-pass shipped (fp32 decode), no cap", dict(_SHIPPED_TWO_PASS)),
+                ("two-pass fp32 decode, no cap", dict(_SHIPPED_TWO_PASS)),
                 ("two-pass KV_X2, no cap", dict(_SHIPPED_TWO_PASS, KV_X2=True)),
                 # at T=1 (64K) the logits pass has one tile per 32-entry block (20): 16-entry blocks
                 # halve each tile's decode chain

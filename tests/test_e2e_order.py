@@ -70,9 +70,9 @@ def test_report_names_the_environment_settings(monkeypatch):
     for k in [k for k in e2e.os.environ if k.startswith("DSV41_")]:
         monkeypatch.delenv(k)
     assert e2e.env_settings() == "none (the defaults)"
-    monkeypatch.setenv("DSV41_SPARSE_KV_X2", "1")
+    monkeypatch.setenv("DSV41_SPARSE_KV_X2", "0")
     monkeypatch.setenv("DSV41_FP8_DECODE", "fold")
-    assert e2e.env_settings() == "`DSV41_FP8_DECODE=fold`, `DSV41_SPARSE_KV_X2=1`"
+    assert e2e.env_settings() == "`DSV41_FP8_DECODE=fold`, `DSV41_SPARSE_KV_X2=0`"
 
 
 def test_span_charges_add_up_to_the_busy_time():

@@ -506,8 +506,9 @@ def test_sparse_attention_two_pass_splits_and_mixed_lengths(dev, rng):
 def test_sparse_attention_two_pass_logits_blocks(dev, rng):
     """LOGITS_BLOCK_N (the logits pass on its own entry blocks, one loop per pool): smaller,
     equal and larger than the values pass's blocks, pools whose lengths are not multiples of
-    either, fp32 decode and KV_X2, a window-only launch: equal to the reference and to the
-    shared-block form (bit for bit on the GPU: every logit is the same sum)."""
+    either, fp32 decode and KV_X2, a window-only launch: equal to the reference. (Not bit-equal
+    to the shared-block form in general: on an H100, 16-entry logits blocks gave other bits
+    than 32-entry ones, 2026-12-07; a dot's N may change the MMA and its summation order.)"""
     t = 9
     h, d = (4, 64) if dev == "cpu" else (64, 512)
     s, n, k = (21, 60, 37) if dev == "cpu" else (128, 4096, 500)
@@ -516,12 +517,9 @@ def test_sparse_attention_two_pass_logits_blocks(dev, rng):
     win = make_inputs(rng, 4, h, d, s, 0, 0, glob=False, dead_rows=(1,))
     for x2 in (False, True):
         for a, dead in ((args, (5,)), (win, (1,))):
-            ref = sa.sparse_attention_launch(*to(dev, a), d ** -0.5, **dict(base, KV_X2=x2))
             for lbn in (16, 32, 64):
                 out = sa.sparse_attention_launch(*to(dev, a), d ** -0.5, **dict(base, KV_X2=x2, LOGITS_BLOCK_N=lbn))
                 check(out, a, d ** -0.5, dead_rows=dead)
-                if dev != "cpu":
-                    assert torch.equal(out, ref), f"LOGITS_BLOCK_N {lbn} (KV_X2 {x2}) differs from the shared blocks"
     for bad in (dict(TILED, LOGITS_BLOCK_N=32), dict(TWO_PASS, LOGITS_BLOCK_N=24), dict(TWO_PASS, LOGITS_BLOCK_N=8)):
         with pytest.raises(ValueError, match="LOGITS_BLOCK_N"):
             sa.sparse_attention_launch(*to(dev, args), d ** -0.5, **bad)
@@ -548,8 +546,9 @@ def test_sparse_decode_form_chooses_the_decode_entry(monkeypatch):
 
 
 def test_sparse_kv_x2_switch(monkeypatch):
-    """DSV41_SPARSE_KV_X2=1 adds KV_X2 to the two-pass decode entry (capped or not) and nothing
-    else; unset it is off; a bad value is one clear error (read once per process: memo reset)."""
+    """KV_X2 is the two-pass decode entry's default (capped or not); DSV41_SPARSE_KV_X2=0 takes it
+    out of that entry and nothing else; a bad value is one clear error (read once per process:
+    memo reset)."""
     from dsv41.npu_ops.triton import launch
 
     monkeypatch.setattr(sa, "_backend_key", lambda device: "cuda")
@@ -560,12 +559,14 @@ def test_sparse_kv_x2_switch(monkeypatch):
     cap_t = sa.TWO_PASS_LOGITS_CAP["cuda"][0]
     monkeypatch.setattr(sa, "_SPARSE_KV_X2", [])
     monkeypatch.delenv("DSV41_SPARSE_KV_X2", raising=False)
-    assert not sa.config_for(dev, 8, 64).get("KV_X2") and not sa.config_for(dev, cap_t, 64).get("KV_X2")
-    monkeypatch.setattr(sa, "_SPARSE_KV_X2", [])
-    monkeypatch.setenv("DSV41_SPARSE_KV_X2", "1")
-    assert sa.config_for(dev, 8, 64) == dict(sa.CONFIGS["cuda_decode_two_pass"], KV_X2=True)
+    assert sa.config_for(dev, 8, 64) is sa.CONFIGS["cuda_decode_two_pass"] and sa.CONFIGS["cuda_decode_two_pass"]["KV_X2"]
     assert sa.config_for(dev, cap_t, 64)["KV_X2"] and sa.config_for(dev, cap_t, 64)["LOGITS_MAXNREG"]
+    monkeypatch.setattr(sa, "_SPARSE_KV_X2", [])
+    monkeypatch.setenv("DSV41_SPARSE_KV_X2", "0")
+    assert sa.config_for(dev, 8, 64) == dict(sa.CONFIGS["cuda_decode_two_pass"], KV_X2=False)
+    assert not sa.config_for(dev, cap_t, 64)["KV_X2"] and sa.config_for(dev, cap_t, 64)["LOGITS_MAXNREG"]
     assert sa.config_for(dev, 1, 64) is sa.CONFIGS["cuda_decode"]  # the one-pass T=1 entry keeps its decode
+    assert "KV_X2" not in sa.CONFIGS["cuda_decode"]
     monkeypatch.setattr(sa, "_SPARSE_KV_X2", [])
     monkeypatch.setenv("DSV41_SPARSE_KV_X2", "yes")
     with pytest.raises(ValueError, match="DSV41_SPARSE_KV_X2"):

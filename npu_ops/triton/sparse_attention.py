@@ -27,7 +27,7 @@ How it runs:
   in bf16 (E2M1 x E4M3: <= 6 significant bits; E4M3 x 2^k: 4 bits), so the q.k^T and p.V
   products run as bf16 tl.dot with fp32 accumulation, heads as M, entries as N. (Under the
   interpreter the dot operands stay fp32: same values, interpreter bf16 math is unreliable.)
-- KV_X2 (the two-pass form, opt-in: DSV41_SPARSE_KV_X2=1): the rows are decoded straight to bf16 pairs
+- KV_X2 (the two-pass form; the CUDA decode table's default, DSV41_SPARSE_KV_X2=0 turns it off): the rows are decoded straight to bf16 pairs
   instead (`_kv_decode_x2`; sm_90a SASS, triton 3.6: the logits pass's chunk loop 1222 -> 482
   instructions, a values-pass block 657 / 832 -> 461 / 480 for FP4 / window rows):
   packed FP4 bytes through the FP4 experts' conversion (`moe_fold._E2M1_BF16X4_ASM`: nibble
@@ -163,11 +163,14 @@ CONFIGS = {
     # KV_X2 (rows decoded straight to bf16 pairs: `_kv_decode_x2`), H200 2026-12-06 (graph us, 4K, the
     # shipped forms: no cap at 8, the cap at 64): T=8 25.0 -> 21.1, T=64 77.6 -> 66.6 (the same error against
     # the reference).
-    # Off until its GPU tests and the model's decode (4K and 32K) have run with it: the same decode
-    # faulted in the one-pass kernel (module docstring), and no device time was left to run them.
-    # DSV41_SPARSE_KV_X2=1 turns it on (`sparse_kv_x2`).
+    # On by default since 2026-12-07 (session forty-six): its GPU tests passed on an H100 (KV_X2
+    # bit-equal to the fp32 decode at model widths, split partials included) and the mini decode
+    # step at 4K (graph ms, processes alternated, one H100) went batch 8 2.930 / 2.939 -> 2.901 /
+    # 2.915, batch 64 4.437 / 4.436 -> 4.396 / 4.396; the sweep there: T=64 78.2 -> 68.6 us.
+    # DSV41_SPARSE_KV_X2=0 turns it off (`sparse_kv_x2`). (The one-pass T=1 kernel does not take
+    # it: the same decode faulted there, module docstring.)
     "cuda_decode_two_pass": dict(BLOCK_H=64, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=4, num_stages=2,
-                                 TWO_PASS=True, min_blocks_per_split=1, VALUES_AHEAD=True, KV_X2=False),
+                                 TWO_PASS=True, min_blocks_per_split=1, VALUES_AHEAD=True, KV_X2=True),
     "npu": dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128, num_warps=None, min_blocks_per_split=2),
     "interp": dict(BLOCK_H=16, BLOCK_N=16, BLOCK_D=None, BLOCK_DV=None, num_warps=None, min_blocks_per_split=1),
 }
@@ -1030,13 +1033,13 @@ def sparse_decode_form() -> str:
 
 
 def sparse_kv_x2() -> bool:
-    """DSV41_SPARSE_KV_X2 ("1" / "0", default "0"), read once per process: whether the two-pass
-    decode entry takes KV_X2 (the cache rows decoded straight to bf16 pairs; the entry's comment
-    says why it is off by default)."""
+    """DSV41_SPARSE_KV_X2 ("1" / "0", default "1"), read once per process: whether the two-pass
+    decode entry keeps its KV_X2 (the cache rows decoded straight to bf16 pairs; the entry's
+    comment has the measurements); "0" gives the fp32 decode."""
     import os
 
     if not _SPARSE_KV_X2:
-        v = os.environ.get("DSV41_SPARSE_KV_X2", "0").strip() or "0"
+        v = os.environ.get("DSV41_SPARSE_KV_X2", "1").strip() or "1"
         if v not in ("0", "1"):
             raise ValueError(f"DSV41_SPARSE_KV_X2: expected 0 or 1, got {v!r}")
         _SPARSE_KV_X2.append(v == "1")
@@ -1046,7 +1049,7 @@ def sparse_kv_x2() -> bool:
 def config_for(device: torch.device, t: int, h: int) -> dict:
     """The tile table entry for a launch: the decode entry (in the DSV41_SPARSE_DECODE form: by
     default two-pass from TWO_PASS_MIN_T tokens, its logits pass under TWO_PASS_LOGITS_CAP's register
-    cap from that many tokens, with KV_X2 under DSV41_SPARSE_KV_X2=1) when the queries' whole-head tiles would leave
+    cap from that many tokens, without its KV_X2 under DSV41_SPARSE_KV_X2=0) when the queries' whole-head tiles would leave
     most workers idle (small T: flash-decoding over head blocks and entry splits); otherwise the
     "<key>_prefill" entry where the backend has one, except while a graph is captured (the rows
     form's table is sized by the step's shapes, which a graph would freeze), else the main entry."""
@@ -1062,8 +1065,8 @@ def config_for(device: torch.device, t: int, h: int) -> dict:
             if two in CONFIGS and (form == "two_pass" or form == "auto" and t >= TWO_PASS_MIN_T):
                 cap = TWO_PASS_LOGITS_CAP.get(key)
                 extra = {"LOGITS_MAXNREG": cap[1]} if cap and t >= cap[0] else {}
-                if sparse_kv_x2():
-                    extra["KV_X2"] = True
+                if CONFIGS[two].get("KV_X2") and not sparse_kv_x2():
+                    extra["KV_X2"] = False
                 return dict(CONFIGS[two], **extra) if extra else CONFIGS[two]
             return CONFIGS[decode]
     prefill = CONFIGS.get(key + "_prefill")

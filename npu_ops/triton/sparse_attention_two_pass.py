@@ -19,7 +19,7 @@ per output block, four times in all, with an online softmax along the entries. H
 So q.k^T is computed once per query and every entry is decoded once for K and once (in slices)
 for V; the logits round trip costs H x entries x 8 bytes a query (L2-resident at decode sizes).
 
-KV_X2 (opt-in, `DSV41_SPARSE_KV_X2=1`): both passes decode the cache rows straight to bf16 pairs,
+KV_X2 (the CUDA decode table's default; `DSV41_SPARSE_KV_X2=0` turns it off): both passes decode the cache rows straight to bf16 pairs,
 every value times KV_SHIFT, which the logits pass undoes on its softmax scale and the values pass
 on its accumulator (`sparse_attention._kv_decode_x2`, the module docstring there).
 
@@ -29,8 +29,10 @@ both decodes behind a run-time branch), writing the logits at the values pass's 
 the block maxima differ in count. Larger logits blocks spread a chunk's fixed work (the q chunk,
 the index row, the dot's setup) over more entries: with KV_X2 at sm_90a (triton 3.6) 9.3
 instructions an entry and chunk at 32 entries, 7.1-7.3 at 64 (168-register cap, 4 bytes of spill).
-Untimed when written (no device came); the values pass keeps BLOCK_N, where 64-entry blocks cost
-more per entry.
+H100 2026-12-07 (`sweep_kernels.py --only sparse_x2`, graph us, KV_X2, cap 168): T=64 at 4K 68.6
+shared loop, 67.1 per pool at 32, 66.2 at 64; T=1 at 64K 14.8, 18.4, 22.4 (fewer tiles). Gains
+of ~2 us a layer at 64 tokens: no table takes it. The values pass keeps BLOCK_N, where 64-entry
+blocks cost more per entry.
 
 Used through `sparse_attention_launch(..., TWO_PASS=True)` (a tile table entry); CUDA timing in
 benchmarks/RESULTS.md. Written for CUDA and the interpreters; on Ascend it is unverified on
