@@ -177,6 +177,17 @@ def two_pass_rows(ptrs: dict[str, str]) -> list[tuple[str, str]]:
                       ASM=True)
         rows.append((f"two-pass logits per pool, KV_X2, {lbn} entries, cap {cap}", ptxas_usage(
             tp._logits_pools_kernel, lg, consts, cfg["num_warps"], cfg["num_stages"], maxnreg=cap, loops=True)))
+    # the opt-in logits split over channel chunks (LOGITS_SPLIT_D) and its values pass (the chunk
+    # partials summed, the split's own maximum first)
+    consts = dict(D=512, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], DOT_BF16=True,
+                  KV_X2=True, ASM=True, SPLIT_D=True)
+    rows.append(("two-pass logits split over D, KV_X2", ptxas_usage(
+        tp._logits_kernel, lg, consts, cfg["num_warps"], cfg["num_stages"])))
+    consts = dict(D=512, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_DV=cfg["BLOCK_DV"], NB_MAX=32,
+                  SPLIT=True, DOT_BF16=True, AHEAD=cfg["VALUES_AHEAD"], KV_X2=True, ASM=True,
+                  LG_PARTS=512 // cfg["BLOCK_D"])
+    rows.append(("two-pass values over split-D logits, KV_X2", ptxas_usage(
+        tp._values_kernel, lg, consts, cfg["num_warps"], cfg["num_stages"], loops=True)))
     return rows
 
 

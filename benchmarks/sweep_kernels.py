@@ -106,7 +106,12 @@ SPARSE_KV_X2 = [("two-pass fp32 decode, logits cap 168", dict(_SHIPPED_TWO_PASS,
                 ("two-pass KV_X2, logits per pool 32, cap 168", dict(_SHIPPED_TWO_PASS, KV_X2=True,
                                                                      LOGITS_BLOCK_N=32, LOGITS_MAXNREG=168)),
                 ("two-pass KV_X2, logits per pool 64, cap 168", dict(_SHIPPED_TWO_PASS, KV_X2=True,
-                                                                     LOGITS_BLOCK_N=64, LOGITS_MAXNREG=168))]
+                                                                     LOGITS_BLOCK_N=64, LOGITS_MAXNREG=168)),
+                # a logits tile per 128-channel chunk (LOGITS_SPLIT_D): at T=1 four times the logits
+                # tiles, each a quarter of the decode chain; the values pass sums the chunks
+                ("two-pass KV_X2, logits split over D", dict(_SHIPPED_TWO_PASS, KV_X2=True, LOGITS_SPLIT_D=True)),
+                ("two-pass KV_X2, logits split over D, cap 168", dict(_SHIPPED_TWO_PASS, KV_X2=True,
+                                                                      LOGITS_SPLIT_D=True, LOGITS_MAXNREG=168))]
 # register caps on the two-pass form's logits pass alone (`--only sparse_two_pass`): the shipped table,
 # then the two-pass tiles without a cap and with each cap. Session twenty-seven measured a 168 cap on
 # both passes: logits 45.4 -> 38.8 us but values 49.9 -> 54.7 at T=64 (4K)

@@ -193,7 +193,8 @@ DECODE_VARIANTS = [dict(), dict(BLOCK_N=16), dict(BLOCK_N=16, num_stages=3), dic
                    dict(TWO_PASS=True, VALUES_AHEAD=False), dict(TWO_PASS=True, VALUES_AHEAD=True, KV_X2=True),
                    dict(TWO_PASS=True, VALUES_AHEAD=False, KV_X2=True, BLOCK_N=16),
                    dict(TWO_PASS=True, VALUES_AHEAD=True, KV_X2=True, LOGITS_BLOCK_N=64),
-                   dict(TWO_PASS=True, VALUES_AHEAD=True, KV_X2=True, BLOCK_N=16, LOGITS_BLOCK_N=64)]
+                   dict(TWO_PASS=True, VALUES_AHEAD=True, KV_X2=True, BLOCK_N=16, LOGITS_BLOCK_N=64),
+                   dict(TWO_PASS=True, VALUES_AHEAD=True, KV_X2=True, LOGITS_SPLIT_D=True)]
 
 
 @pytest.fixture(scope="module")
@@ -523,6 +524,36 @@ def test_sparse_attention_two_pass_logits_blocks(dev, rng):
     for bad in (dict(TILED, LOGITS_BLOCK_N=32), dict(TWO_PASS, LOGITS_BLOCK_N=24), dict(TWO_PASS, LOGITS_BLOCK_N=8)):
         with pytest.raises(ValueError, match="LOGITS_BLOCK_N"):
             sa.sparse_attention_launch(*to(dev, args), d ** -0.5, **bad)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(sink + 1e30) of an all-masked row
+@pytest.mark.parametrize("dev", DEVICES)
+def test_sparse_attention_two_pass_logits_split_d(dev, rng):
+    """LOGITS_SPLIT_D (a logits tile per channel chunk; the values pass sums the chunks and each
+    split takes its own maximum, which the combine rescales): one split per entry block, a few and
+    the automatic choice, with masked entries, all-masked tokens and the fp32 decode and KV_X2;
+    a window-only launch; equal to the reference. With LOGITS_BLOCK_N it is one clear error."""
+    t = 9
+    h, d = (4, 64) if dev == "cpu" else (64, 512)
+    s, n, k = (21, 60, 37) if dev == "cpu" else (128, 4096, 500)
+    base = TWO_PASS_AHEAD if dev == "cpu" else dict(sa.CONFIGS["cuda_decode_two_pass"])
+    args = make_inputs(rng, t, h, d, s, n, k, dead_rows=(5,), window_off_rows=(7,), n_seq=3)
+    win_idx, glob_idx = args[3], args[6]
+    win_idx[torch.arange(s).unsqueeze(0) >= torch.randint(0, s + 1, (t, 1), generator=rng)] = -1
+    glob_idx[torch.arange(k).unsqueeze(0) >= torch.randint(0, k + 1, (t, 1), generator=rng)] = -1
+    dead = [r for r in range(t) if (win_idx[r] < 0).all() and (glob_idx[r] < 0).all()]
+    n_blocks = -(-s // base["BLOCK_N"]) + -(-k // base["BLOCK_N"])
+    win = make_inputs(rng, 4, h, d, s, 0, 0, glob=False, dead_rows=(1,))
+    for x2 in (False, True):
+        cfg = dict(base, KV_X2=x2, LOGITS_SPLIT_D=True)
+        for n_split in (n_blocks, 3, None):
+            out = sa.sparse_attention_launch(*to(dev, args), d ** -0.5, n_split=n_split, **cfg)
+            check(out, args, d ** -0.5, dead_rows=dead)
+        check(sa.sparse_attention_launch(*to(dev, win), d ** -0.5, **cfg), win, d ** -0.5, dead_rows=(1,))
+    with pytest.raises(ValueError, match="LOGITS_SPLIT_D"):
+        sa.sparse_attention_launch(*to(dev, args), d ** -0.5, **dict(base, LOGITS_SPLIT_D=True, LOGITS_BLOCK_N=32))
+    with pytest.raises(ValueError, match="LOGITS_SPLIT_D"):
+        sa.sparse_attention_launch(*to(dev, args), d ** -0.5, **dict(TILED, LOGITS_SPLIT_D=True))
 
 
 def test_sparse_decode_form_chooses_the_decode_entry(monkeypatch):

@@ -795,7 +795,8 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
                             DV_HALF: bool = False, MQA: bool = False, AHEAD: bool = True, LAZY: float = 0.0,
                             TWO_PASS: bool = False, ROWS: bool = False, min_blocks_per_split: int = 2,
                             LOGITS_MAXNREG: int | None = None, VALUES_AHEAD: bool = False, KV_X2: bool = False,
-                            LOGITS_BLOCK_N: int | None = None, n_split: int | None = None,
+                            LOGITS_BLOCK_N: int | None = None, LOGITS_SPLIT_D: bool = False,
+                            n_split: int | None = None,
                             rows_bound: tuple[int, int] | None = None) -> torch.Tensor:
     """`sparse_attention` with explicit tile sizes (tests and tuning); `n_split` forces the split
     count. MQA (CUDA; whole rows): `_mqa_kernel` (each entry decoded once per head block and used
@@ -806,7 +807,8 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
     ahead; KV_X2: both passes decode the cache rows straight to bf16 pairs on CUDA
     (`_kv_decode_x2`), elsewhere through the shifted fp32 decode that mirrors it; LOGITS_BLOCK_N:
     the logits pass on entry blocks of its own size, each pool in its own loop,
-    `_logits_pools_kernel`).
+    `_logits_pools_kernel`); LOGITS_SPLIT_D: the logits pass a tile per BLOCK_D-channel chunk
+    too, the values pass summing the chunks and each split taking its own maximum).
     ROWS: every pool row read decoded once into a dense bf16 table, then bf16 gathers
     (`sparse_attention_rows`; whole rows, no splits; `rows_bound` sizes the table, see
     `ops.sparse_attention`)."""
@@ -841,6 +843,8 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
     if LOGITS_BLOCK_N is not None and (not TWO_PASS or LOGITS_BLOCK_N < 16 or LOGITS_BLOCK_N & (LOGITS_BLOCK_N - 1)):
         raise ValueError(f"LOGITS_BLOCK_N is an option of the two-pass form (TWO_PASS=True), a power of two >= 16 "
                          f"(tl.dot's least N); got {LOGITS_BLOCK_N}")
+    if LOGITS_SPLIT_D and (not TWO_PASS or LOGITS_BLOCK_N is not None):
+        raise ValueError("LOGITS_SPLIT_D is an option of the two-pass form (TWO_PASS=True) without LOGITS_BLOCK_N")
     if ROWS and (MQA or DV_HALF or QK_T or TWO_PASS or BLOCK_N < 16 or d & (d - 1)):
         raise ValueError(f"ROWS takes none of MQA / DV_HALF / QK_T / TWO_PASS, BLOCK_N >= 16 and a power-of-two "
                          f"head_dim (got BLOCK_N {BLOCK_N}, head_dim {d})")
@@ -886,7 +890,8 @@ def sparse_attention_launch(q, swa_kv, swa_scale, win_idx, glob_kv, glob_scale, 
             block_d=block_d, block_dv=block_dv, n_split=n_split, min_blocks_per_split=min_blocks_per_split,
             kw=kw, dot_bf16=dot_bf16,
             logits_kw={"maxnreg": LOGITS_MAXNREG} if LOGITS_MAXNREG and compiled_cuda else {},
-            values_ahead=VALUES_AHEAD, kv_x2=KV_X2, asm=KV_X2 and compiled_cuda, logits_block_n=LOGITS_BLOCK_N)
+            values_ahead=VALUES_AHEAD, kv_x2=KV_X2, asm=KV_X2 and compiled_cuda, logits_block_n=LOGITS_BLOCK_N,
+            logits_split_d=LOGITS_SPLIT_D)
         _combine_splits(pacc, pm, pl, sk, out, n_split, dot_bf16)
         return out
     n_hb = -(-h // block_h)

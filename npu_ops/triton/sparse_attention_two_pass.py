@@ -34,6 +34,15 @@ shared loop, 67.1 per pool at 32, 66.2 at 64; T=1 at 64K 14.8, 18.4, 22.4 (fewer
 of ~2 us a layer at 64 tokens: no table takes it. The values pass keeps BLOCK_N, where 64-entry
 blocks cost more per entry.
 
+LOGITS_SPLIT_D (opt-in, a launch option; aimed at one token at a long context, where the logits
+pass has one tile per 32-entry block, 20 at 640 entries, each walking all four channel chunks):
+the logits pass takes a tile per BLOCK_D-channel chunk too and writes each chunk's scaled
+partial logits (lg [chunks, T, H, entries]); the values pass sums a block's chunks in chunk order,
+takes its split's own maximum over its blocks first (no block maxima), and the combine rescales
+the splits as the one-pass form's do. The sums differ from the fused form's only in rounding
+order. sm_90a (triton 3.6), KV_X2: the split logits kernel 128 registers (4 programs an SM), the
+values kernel 226. Untimed when written (no device time was left).
+
 Used through `sparse_attention_launch(..., TWO_PASS=True)` (a tile table entry); CUDA timing in
 benchmarks/RESULTS.md. Written for CUDA and the interpreters; on Ascend it is unverified on
 hardware (no table selects it there).
@@ -83,36 +92,51 @@ def _logits_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gidx_ptr
                    w_stride, ws_stride, g_stride, gs_stride,
                    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    DOT_BF16: tl.constexpr, KV_X2: tl.constexpr = False, ASM: tl.constexpr = False,
-                   PDL: tl.constexpr = 0):
+                   SPLIT_D: tl.constexpr = False, lg_cstride=0, PDL: tl.constexpr = 0):
     """Pass 1: tile (query, entry block, head block) -> scaled logits lg[query, heads, block's
     entries] (fp32, -inf where masked) and their maximum mb[query, heads, block]. KV_X2: keys
-    decoded by `_kv_decode_x2` (times KV_SHIFT), which the softmax scale undoes."""
+    decoded by `_kv_decode_x2` (times KV_SHIFT), which the softmax scale undoes. SPLIT_D: a tile
+    per BLOCK_D-channel chunk as well, writing that chunk's scaled partial logits at lg +
+    chunk * lg_cstride (no maxima: the values pass sums the chunks and takes its own)."""
     pdl_start(PDL)
     if KV_X2:
         scale = scale * KV_UNSHIFT
+    NC: tl.constexpr = D // BLOCK_D if SPLIT_D else 1
     pid = tl.program_id(0)
     nn = tl.arange(0, BLOCK_N)
     n_e = n_blocks * BLOCK_N
     for tile in range(pid, n_tiles, num_programs):
-        hb = tile % n_hb
-        r = tile // n_hb
+        ck = tile % NC  # (the chunk innermost: a block's chunk tiles share its index row in L2)
+        hb = (tile // NC) % n_hb
+        r = tile // NC // n_hb
         nb = r % n_blocks
         tq = r // n_blocks
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hok = heads < H
         qrow = (tq * H + heads).to(tl.int64) * D
         rows, ok, is_glob = _entry_block(widx_ptr, gidx_ptr, tq, nb, S, K, n_wb, BLOCK_N)
-        s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-        for c0 in range(0, D, BLOCK_D):
+        hrow = (tq * H + heads).to(tl.int64)
+        if SPLIT_D:
+            c0 = ck * BLOCK_D
             qe, qo = _load_halves(q_ptr, qrow, hok, c0, BLOCK_D, BLOCK_H)
             k_e, k_o = _entry_cols(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, is_glob, c0, BLOCK_D, BLOCK_N,
                                    w_stride, ws_stride, g_stride, gs_stride, KV_X2, ASM)
-            s += tl.dot(_dot_in(qe.to(tl.float32), DOT_BF16), tl.trans(_dot_in(k_e, DOT_BF16)))
+            s = tl.dot(_dot_in(qe.to(tl.float32), DOT_BF16), tl.trans(_dot_in(k_e, DOT_BF16)))
             s += tl.dot(_dot_in(qo.to(tl.float32), DOT_BF16), tl.trans(_dot_in(k_o, DOT_BF16)))
-        s = tl.where(ok[None, :], s * scale, float("-inf"))
-        hrow = (tq * H + heads).to(tl.int64)
-        tl.store(lg_ptr + hrow[:, None] * n_e + (nb * BLOCK_N + nn)[None, :], s, mask=hok[:, None])
-        tl.store(mb_ptr + hrow * n_blocks + nb, tl.max(s, axis=1), mask=hok)
+            s = tl.where(ok[None, :], s * scale, float("-inf"))
+            tl.store(lg_ptr + ck * lg_cstride + hrow[:, None] * n_e + (nb * BLOCK_N + nn)[None, :], s,
+                     mask=hok[:, None])
+        else:
+            s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+            for c0 in range(0, D, BLOCK_D):
+                qe, qo = _load_halves(q_ptr, qrow, hok, c0, BLOCK_D, BLOCK_H)
+                k_e, k_o = _entry_cols(win_ptr, wsc_ptr, gkv_ptr, gsc_ptr, rows, ok, is_glob, c0, BLOCK_D, BLOCK_N,
+                                       w_stride, ws_stride, g_stride, gs_stride, KV_X2, ASM)
+                s += tl.dot(_dot_in(qe.to(tl.float32), DOT_BF16), tl.trans(_dot_in(k_e, DOT_BF16)))
+                s += tl.dot(_dot_in(qo.to(tl.float32), DOT_BF16), tl.trans(_dot_in(k_o, DOT_BF16)))
+            s = tl.where(ok[None, :], s * scale, float("-inf"))
+            tl.store(lg_ptr + hrow[:, None] * n_e + (nb * BLOCK_N + nn)[None, :], s, mask=hok[:, None])
+            tl.store(mb_ptr + hrow * n_blocks + nb, tl.max(s, axis=1), mask=hok)
 
 
 @triton.jit
@@ -173,10 +197,21 @@ def _logits_pools_kernel(q_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr, gi
 
 
 @triton.jit
+def _block_logits(lg_ptr, hrow, hok, nb, n_e, lg_cstride, BLOCK_N: tl.constexpr, LG_PARTS: tl.constexpr):
+    """Entry block nb's logits [BH, BN] (-inf where masked): the one stored row, or with LG_PARTS
+    chunk partials their sum in chunk order."""
+    off = hrow[:, None] * n_e + (nb * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
+    s = tl.load(lg_ptr + off, mask=hok[:, None], other=float("-inf"))
+    for c in tl.static_range(1, LG_PARTS):
+        s += tl.load(lg_ptr + c * lg_cstride + off, mask=hok[:, None], other=float("-inf"))
+    return s
+
+
+@triton.jit
 def _values_range(lg_ptr, hrow, hok, m, l_i, acc_e, acc_o, idx_ptr, tq, L, off, lo, hi, kv_ptr, sc_ptr,
                   kv_stride, sc_stride, dv0, n_e, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
                   IS_GLOB: tl.constexpr, DOT_BF16: tl.constexpr, AHEAD: tl.constexpr, KV_X2: tl.constexpr,
-                  ASM: tl.constexpr):
+                  ASM: tl.constexpr, LG_PARTS: tl.constexpr = 1, lg_cstride=0):
     """p.V over entry blocks lo .. hi, all from one pool (block nb holds entries (nb - off) * BN ..
     of the query's index list idx_ptr [T, L]): each block's logits loaded, p = exp(logit - m)
     summed into l_i and rounded to bf16, its BLOCK_DV channels decoded and accumulated. AHEAD:
@@ -195,8 +230,7 @@ def _values_range(lg_ptr, hrow, hok, m, l_i, acc_e, acc_o, idx_ptr, tq, L, off, 
         else:
             rows, ok = _entry_rows(idx_ptr, tq, L, nb - off, True, BLOCK_N)
             cb, cs = _kv_raw(kv_ptr, sc_ptr, rows, ok, dv0, BLOCK_DV, IS_GLOB, kv_stride, sc_stride)
-        s = tl.load(lg_ptr + hrow[:, None] * n_e + (nb * BLOCK_N + nn)[None, :], mask=hok[:, None],
-                    other=float("-inf"))
+        s = _block_logits(lg_ptr, hrow, hok, nb, n_e, lg_cstride, BLOCK_N, LG_PARTS)
         p = tl.exp(s - m[:, None])
         l_i += tl.sum(p, axis=1)
         pb = _to_bf16(p, DOT_BF16)  # probabilities rounded to bf16 (nearest even) for p.V
@@ -218,10 +252,13 @@ def _values_kernel(lg_ptr, mb_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr,
                    w_stride, ws_stride, g_stride, gs_stride,
                    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
                    NB_MAX: tl.constexpr, SPLIT: tl.constexpr, DOT_BF16: tl.constexpr, AHEAD: tl.constexpr = False,
-                   KV_X2: tl.constexpr = False, ASM: tl.constexpr = False, PDL: tl.constexpr = 0):
+                   KV_X2: tl.constexpr = False, ASM: tl.constexpr = False, LG_PARTS: tl.constexpr = 1,
+                   lg_cstride=0, PDL: tl.constexpr = 0):
     """Pass 2: tile (query, split, head block, output-channel block) -> p.V over the split's
     entry blocks with the query's exact maximum (over the logits pass's n_mb block maxima; window
-    blocks, then global ones: `_values_range`);
+    blocks, then global ones: `_values_range`; LG_PARTS > 1, the logits pass's SPLIT_D: each
+    block's logits are the sum of that many chunk partials and the maximum is the split's own,
+    taken over its blocks first, the combine rescaling the splits);
     normalised bf16 output, or (SPLIT) the fp32 partial, that maximum and the partial sum for
     `_combine_kernel`. KV_X2: values times KV_SHIFT, undone on the accumulator at the end."""
     pdl_start(PDL)
@@ -238,21 +275,27 @@ def _values_kernel(lg_ptr, mb_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr,
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hok = heads < H
         hrow = (tq * H + heads).to(tl.int64)
-        mbs = tl.load(mb_ptr + hrow[:, None] * n_mb + bb[None, :], mask=hok[:, None] & (bb < n_mb)[None, :],
-                      other=float("-inf"))
-        m = tl.maximum(tl.max(mbs, axis=1), RUNNING_MAX_INIT)  # an all-masked row: p = 0 everywhere
+        b_lo = sp * bps
+        b_hi = tl.minimum(b_lo + bps, n_blocks)
+        if LG_PARTS > 1:
+            m = tl.full([BLOCK_H], RUNNING_MAX_INIT, dtype=tl.float32)
+            for nb in range(b_lo, b_hi):
+                m = tl.maximum(m, tl.max(_block_logits(lg_ptr, hrow, hok, nb, n_e, lg_cstride, BLOCK_N, LG_PARTS),
+                                         axis=1))
+        else:
+            mbs = tl.load(mb_ptr + hrow[:, None] * n_mb + bb[None, :], mask=hok[:, None] & (bb < n_mb)[None, :],
+                          other=float("-inf"))
+            m = tl.maximum(tl.max(mbs, axis=1), RUNNING_MAX_INIT)  # an all-masked row: p = 0 everywhere
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc_e = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
         acc_o = tl.zeros([BLOCK_H, BLOCK_DV // 2], dtype=tl.float32)
         dv0 = dvb * BLOCK_DV
-        b_lo = sp * bps
-        b_hi = tl.minimum(b_lo + bps, n_blocks)
         l_i, acc_e, acc_o = _values_range(lg_ptr, hrow, hok, m, l_i, acc_e, acc_o, widx_ptr, tq, S, 0, b_lo,
                                           tl.minimum(b_hi, n_wb), win_ptr, wsc_ptr, w_stride, ws_stride, dv0, n_e,
-                                          BLOCK_N, BLOCK_DV, False, DOT_BF16, AHEAD, KV_X2, ASM)
+                                          BLOCK_N, BLOCK_DV, False, DOT_BF16, AHEAD, KV_X2, ASM, LG_PARTS, lg_cstride)
         l_i, acc_e, acc_o = _values_range(lg_ptr, hrow, hok, m, l_i, acc_e, acc_o, gidx_ptr, tq, K, n_wb,
                                           tl.maximum(b_lo, n_wb), b_hi, gkv_ptr, gsc_ptr, g_stride, gs_stride, dv0,
-                                          n_e, BLOCK_N, BLOCK_DV, True, DOT_BF16, AHEAD, KV_X2, ASM)
+                                          n_e, BLOCK_N, BLOCK_DV, True, DOT_BF16, AHEAD, KV_X2, ASM, LG_PARTS, lg_cstride)
         if KV_X2:
             acc_e = acc_e * KV_UNSHIFT
             acc_o = acc_o * KV_UNSHIFT
@@ -272,11 +315,13 @@ def _values_kernel(lg_ptr, mb_ptr, win_ptr, wsc_ptr, widx_ptr, gkv_ptr, gsc_ptr,
 def launch_two_pass(qc, wk, ws, wi, gk, gs, gi, sk, out, softmax_scale, *, s: int, k: int, block_h: int,
                     block_n: int, block_d: int, block_dv: int, n_split: int | None, min_blocks_per_split: int,
                     kw: dict, dot_bf16: bool, logits_kw: dict | None = None, values_ahead: bool = False,
-                    kv_x2: bool = False, asm: bool = False, logits_block_n: int | None = None):
+                    kv_x2: bool = False, asm: bool = False, logits_block_n: int | None = None,
+                    logits_split_d: bool = False):
     """Both passes for `sparse_attention_launch` (inputs already validated and viewed as there;
     `logits_kw`: launch options for the logits pass alone, e.g. a register cap; `values_ahead`:
     the values pass's AHEAD; `kv_x2` / `asm`: the kernels' KV_X2 / ASM; `logits_block_n`: the
-    logits pass in `_logits_pools_kernel` on blocks of that many entries); returns (n_split,
+    logits pass in `_logits_pools_kernel` on blocks of that many entries; `logits_split_d`: the
+    logits pass's SPLIT_D, a tile per channel chunk); returns (n_split,
     pacc, pm, pl) for its combine step (n_split 1: `out` is written)."""
     from .launch import grid_for, num_workers
     from .sparse_attention import _auto_splits, split_buffers
@@ -287,7 +332,8 @@ def launch_two_pass(qc, wk, ws, wi, gk, gs, gi, sk, out, softmax_scale, *, s: in
     n_wb = -(-s // block_n)
     n_blocks = n_wb + -(-k // block_n)
     n_e = n_blocks * block_n
-    lg = torch.empty(t, h, n_e, dtype=torch.float32, device=dev)
+    n_parts = d // block_d if logits_split_d else 1
+    lg = torch.empty(n_parts, t, h, n_e, dtype=torch.float32, device=dev)
     if logits_block_n:
         # every padded position the values pass reads is written (whatever the two block sizes)
         n_wl, n_gl = -(-n_wb * block_n // logits_block_n), -(-(n_e - n_wb * block_n) // logits_block_n)
@@ -303,12 +349,13 @@ def launch_two_pass(qc, wk, ws, wi, gk, gs, gi, sk, out, softmax_scale, *, s: in
     else:
         n_mb = n_blocks
         mb = torch.empty(t, h, n_blocks, dtype=torch.float32, device=dev)
-        l_tiles = t * n_blocks * n_hb
+        l_tiles = t * n_blocks * n_hb * n_parts
         l_grid = grid_for(l_tiles, dev, cores="cube")
         _logits_kernel[(l_grid,)](qc, wk, ws, wi, gk, gs, gi, lg, mb, h, s, k, n_wb, n_blocks, n_hb, l_tiles, l_grid,
                                   float(softmax_scale), wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
                                   D=d, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_BF16=dot_bf16,
-                                  KV_X2=bool(kv_x2), ASM=bool(asm), **kw, **(logits_kw or {}), **pdl_launch(qc))
+                                  KV_X2=bool(kv_x2), ASM=bool(asm), SPLIT_D=n_parts > 1, lg_cstride=lg[0].numel(),
+                                  **kw, **(logits_kw or {}), **pdl_launch(qc))
     n_dv = d // block_dv
     base_tiles = t * n_hb * n_dv
     if n_split is None:
@@ -321,5 +368,6 @@ def launch_two_pass(qc, wk, ws, wi, gk, gs, gi, sk, out, softmax_scale, *, s: in
                               wk.stride(0), ws.stride(0), gk.stride(0), gs.stride(0),
                               D=d, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DV=block_dv,
                               NB_MAX=triton.next_power_of_2(n_mb), SPLIT=n_split > 1, DOT_BF16=dot_bf16,
-                              AHEAD=bool(values_ahead), KV_X2=bool(kv_x2), ASM=bool(asm), **kw, **pdl_launch(lg))
+                              AHEAD=bool(values_ahead), KV_X2=bool(kv_x2), ASM=bool(asm), LG_PARTS=n_parts,
+                              lg_cstride=lg[0].numel(), **kw, **pdl_launch(lg))
     return n_split, pacc, pm, pl
