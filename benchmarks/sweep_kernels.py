@@ -111,7 +111,10 @@ SPARSE_KV_X2 = [("two-pass fp32 decode, logits cap 168", dict(_SHIPPED_TWO_PASS,
                 # tiles, each a quarter of the decode chain; the values pass sums the chunks
                 ("two-pass KV_X2, logits split over D", dict(_SHIPPED_TWO_PASS, KV_X2=True, LOGITS_SPLIT_D=True)),
                 ("two-pass KV_X2, logits split over D, cap 168", dict(_SHIPPED_TWO_PASS, KV_X2=True,
-                                                                      LOGITS_SPLIT_D=True, LOGITS_MAXNREG=168))]
+                                                                      LOGITS_SPLIT_D=True, LOGITS_MAXNREG=168)),
+                ("two-pass KV_X2, logits split over D, 2 blocks a split", dict(_SHIPPED_TWO_PASS, KV_X2=True,
+                                                                               LOGITS_SPLIT_D=True,
+                                                                               min_blocks_per_split=2))]
 # register caps on the two-pass form's logits pass alone (`--only sparse_two_pass`): the shipped table,
 # then the two-pass tiles without a cap and with each cap. Session twenty-seven measured a 168 cap on
 # both passes: logits 45.4 -> 38.8 us but values 49.9 -> 54.7 at T=64 (4K)

@@ -571,6 +571,11 @@ def test_sparse_decode_form_chooses_the_decode_entry(monkeypatch):
             assert sa.config_for(dev, t, 64) is sa.CONFIGS[entry], (form, t)
         assert sa.config_for(dev, 2048, 64) is sa.CONFIGS["cuda_prefill"]
     monkeypatch.setattr(sa, "_SPARSE_DECODE", [])
+    monkeypatch.setenv("DSV41_SPARSE_DECODE", "split_d")  # one token: the two-pass form, logits split over D
+    assert sa.config_for(dev, 1, 64) == dict(sa.CONFIGS["cuda_decode_two_pass"], LOGITS_SPLIT_D=True)
+    assert sa.config_for(dev, 8, 64) is sa.CONFIGS["cuda_decode_two_pass"]
+    assert sa.config_for(dev, 2048, 64) is sa.CONFIGS["cuda_prefill"]
+    monkeypatch.setattr(sa, "_SPARSE_DECODE", [])
     monkeypatch.setenv("DSV41_SPARSE_DECODE", "three_pass")
     with pytest.raises(ValueError, match="DSV41_SPARSE_DECODE"):
         sa.config_for(dev, 8, 64)

@@ -1010,7 +1010,7 @@ def _auto_splits(base_tiles: int, n_blocks: int, workers: int, min_blocks_per_sp
 # from TWO_PASS_MIN_T tokens. H200 2026-12-03 (benchmarks/sweep_kernels.py, 64 heads x 512, window
 # 128 + top-512, graph us, one-pass / two-pass): T=1 at 64K 14.4 / 18.3 (pass 1 has only 20
 # tiles then), T=8 at 4K 43.9 / 27.1, T=64 at 4K 160.9 / 95.3. T = 2..7 untimed: 2 is a guess.
-SPARSE_DECODE_FORMS = ("auto", "one_pass", "two_pass")
+SPARSE_DECODE_FORMS = ("auto", "one_pass", "two_pass", "split_d")
 SPARSE_DECODE_DEFAULT = "auto"
 TWO_PASS_MIN_T = 2
 # A register cap on the two-pass form's logits pass from that many tokens, (tokens, registers) per
@@ -1067,9 +1067,14 @@ def config_for(device: torch.device, t: int, h: int) -> dict:
         if t * -(-h // cfg["BLOCK_H"]) <= num_workers(device, "cube") // DECODE_FILL_FRACTION:
             two = decode + "_two_pass"
             form = sparse_decode_form()
-            if two in CONFIGS and (form == "two_pass" or form == "auto" and t >= TWO_PASS_MIN_T):
+            # "split_d": as "auto", but one token takes the two-pass form with its logits split over
+            # channel chunks (LOGITS_SPLIT_D; opt-in, for timing against the one-pass kernel)
+            split_d = form == "split_d" and t == 1
+            if two in CONFIGS and (form == "two_pass" or split_d or form in ("auto", "split_d") and t >= TWO_PASS_MIN_T):
                 cap = TWO_PASS_LOGITS_CAP.get(key)
                 extra = {"LOGITS_MAXNREG": cap[1]} if cap and t >= cap[0] else {}
+                if split_d:
+                    extra["LOGITS_SPLIT_D"] = True
                 if CONFIGS[two].get("KV_X2") and not sparse_kv_x2():
                     extra["KV_X2"] = False
                 return dict(CONFIGS[two], **extra) if extra else CONFIGS[two]
