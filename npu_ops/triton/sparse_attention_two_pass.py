@@ -218,7 +218,6 @@ def _values_range(lg_ptr, hrow, hok, m, l_i, acc_e, acc_o, idx_ptr, tq, L, off, 
     the next block's index row and bytes are requested before this block's math, so the gather's
     latency (index row, then the rows it names) overlaps the work instead of preceding it.
     KV_X2: values decoded by `_kv_decode_x2` (times KV_SHIFT; the caller undoes it)."""
-    nn = tl.arange(0, BLOCK_N)
     if AHEAD:
         rows, ok = _entry_rows(idx_ptr, tq, L, lo - off, lo < hi, BLOCK_N)
         vb, vs = _kv_raw(kv_ptr, sc_ptr, rows, ok, dv0, BLOCK_DV, IS_GLOB, kv_stride, sc_stride)
