@@ -4,7 +4,7 @@ assembled by the ptxas that ships with Triton (`ptxas -v`). Integer arguments na
 DIVISIBLE and every pointer are marked divisible by 16, as Triton's launcher specialises them
 at run time (without the hint, loads are compiled per byte and the counts mislead).
 
-    python benchmarks/ptxas_usage.py [--only sparse,indexer,decode]
+    python benchmarks/ptxas_usage.py [--only sparse,indexer,decode,mhc]
 
 A check of static resource use (spill = local-memory traffic in the loop), not a timing. The
 "decode" group (the FP8 linears and FP4 experts at 2-64 rows) also reads each kernel's SASS
@@ -308,11 +308,42 @@ def decode_rows() -> list[tuple[str, str]]:
     return rows
 
 
+def mhc_rows() -> list[tuple[str, str]]:
+    """The mHC kernels at decode tiles (bf16 streams, d = 5120 slices of the CUDA table): the fused
+    mix with the next coefficients' partials and the entry partials, each with the projection
+    as x_new x fn^T (fn split per program) and transposed on fn's bf16 parts (TDOT), with loops."""
+    from dsv41.npu_ops.triton import mega_mhc as mm
+    from dsv41.npu_ops.triton import mhc_mixes as mx
+
+    tiles = mm.TILES["cuda"]
+    rows = []
+    for tdot in (False, True):
+        ptrs = {n: "*fp32" for n in mm._mhc_mix_kernel.arg_names if n.endswith("_ptr")}
+        ptrs.update(x_ptr="*bf16", y_ptr="*bf16", xnew_ptr="*i16", xhat_ptr="*i16", xn_ptr="*i16", nw_ptr="*bf16",
+                    count_ptr="*i32", fn_ptr="*bf16" if tdot else "*fp32")
+        rows.append((f"_mhc_mix_kernel {'TDOT' if tdot else 'fn^T'}", ptxas_usage(
+            mm._mhc_mix_kernel, ptrs, dict(BLOCK_T=tiles["block_t"], BLOCK_D=tiles["block_d"], HAS_FN=True, SPLIT=True,
+                                           OUT_BF16=True, WIDE=False, FUSED=False, CT=mm.COEF_T, CB=8, NORM=False,
+                                           BLOCK_N=8192, TDOT=tdot),
+            tiles["num_warps"], tiles["num_stages"], floats=("norm_eps", "hc_eps", "rms_eps"),
+            divisible=("D", "chunk"), loops=True)))
+        ptrs = {n: "*fp32" for n in mx._mhc_partials_kernel.arg_names if n.endswith("_ptr")}
+        ptrs.update(x_ptr="*bf16", xhat_ptr="*i16", xn_ptr="*i16", nw_ptr="*bf16", count_ptr="*i32",
+                    fn_ptr="*bf16" if tdot else "*fp32")
+        rows.append((f"_mhc_partials_kernel {'TDOT' if tdot else 'fn^T'}", ptxas_usage(
+            mx._mhc_partials_kernel, ptrs, dict(BLOCK_T=tiles["block_t"], BLOCK_D=tiles["block_d"], SPLIT=True,
+                                                FUSED=False, CT=mm.COEF_T, CB=8, WIDE=False, NORM=False, BLOCK_N=8192,
+                                                BF16=True, TDOT=tdot),
+            tiles["num_warps"], tiles["num_stages"], floats=("norm_eps", "hc_eps", "rms_eps"),
+            divisible=("D", "chunk"), loops=True)))
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="sparse,indexer", help="comma-separated: sparse, indexer, decode")
+    ap.add_argument("--only", default="sparse,indexer", help="comma-separated: sparse, indexer, decode, mhc")
     a = ap.parse_args()
-    groups = {"sparse": sparse_rows, "indexer": indexer_rows, "decode": decode_rows}
+    groups = {"sparse": sparse_rows, "indexer": indexer_rows, "decode": decode_rows, "mhc": mhc_rows}
     for name in a.only.split(","):
         for kernel, usage in groups[name]():
             print(f"| {kernel} | {usage} |", flush=True)

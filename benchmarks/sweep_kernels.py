@@ -630,6 +630,9 @@ def sweep_mhc_mix(rows, copy, tokens=(64, 4096)):
     ]
     decode = [(32, 64, 4, 2, 16), (64, 64, 4, 2, None), (64, 64, 8, 2, None), (16, 64, 4, 2, 32), (16, 128, 4, 2, 16),
               (16, 64, 4, 1, None)]
+    # the transposed projection on fn's bf16 parts (mega_mhc.TDOT_M): wgmma, no replicated update
+    tdot = [(16, 64, 4, 2, None, True), (16, 64, 4, 1, None, True), (16, 32, 4, 2, None, True),
+            (16, 32, 4, 1, None, True), (32, 64, 4, 1, None, True), (32, 32, 4, 2, None, True)]
     for t in tokens:
         x, y, post, comb, pre = mhc_activations(t)
         args = (x, y, post, comb, pre, fn, scale, base, 1e-20, 1e-6, CFG.hc_sinkhorn_iters)
@@ -637,11 +640,11 @@ def sweep_mhc_mix(rows, copy, tokens=(64, 4096)):
         with fp32_accumulation():  # the unfused torch sequence the kernel replaces
             t_ref = timeit(lambda args=args: ref_fn(*args), iters=5)
         nbytes = t * (2 * n + 2) * dim * 2 + fn.numel() * 4
-        for bt, bd, nw, ns, ds in variants + (decode if t <= 64 else []):
-            def call(args=args, bt=bt, bd=bd, nw=nw, ns=ns, ds=ds):
-                return mm.mhc_mix(*args, block_t=bt, block_d=bd, num_warps=nw, num_stages=ns, d_split=ds)
+        for bt, bd, nw, ns, ds, *td in variants + (decode if t <= 64 else []) + tdot:
+            def call(args=args, bt=bt, bd=bd, nw=nw, ns=ns, ds=ds, td=bool(td and td[0])):
+                return mm.mhc_mix(*args, block_t=bt, block_d=bd, num_warps=nw, num_stages=ns, d_split=ds, tdot=td)
 
-            name = f"mhc T={bt} D={bd} w={nw} s={ns} split={ds}"
+            name = f"mhc T={bt} D={bd} w={nw} s={ns} split={ds}" + (" tdot" if td and td[0] else "")
             try:
                 got = call()
                 frac = (got[0] != want[0]).float().mean().item()

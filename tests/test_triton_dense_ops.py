@@ -172,10 +172,12 @@ def test_mhc_entry_and_engram_gate(dev, rng):
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("fused", [False, True], ids=["two_launches", "fused"])
 @pytest.mark.parametrize("t", [1, 19])
-def test_mhc_mixes_coefficient_paths(dev, fused, t, rng):
+@pytest.mark.parametrize("tdot", [False, True], ids=["fn_dot", "tdot"])
+def test_mhc_mixes_coefficient_paths(dev, fused, t, tdot, rng):
     """mhc_mixes with the coefficients in a second launch or in the partials kernel's last
     program per token tile (several d chunks per tile; called twice: the tile counters return
-    to zero), outputs poisoned beforehand by NaN-filled allocations."""
+    to zero), with either projection form (tdot: fn's bf16 parts, transposed), outputs poisoned
+    beforehand by NaN-filled allocations."""
     n, d = 4, 256
     x = torch.randn(t, n, d, generator=rng).to(torch.bfloat16)
     fn = torch.randn(24, n * d, generator=rng) * (n * d) ** -0.5
@@ -183,7 +185,7 @@ def test_mhc_mixes_coefficient_paths(dev, fused, t, rng):
     want = mhc.mhc_mixes(x, fn, scale, base, 1e-20, 1e-6, 20)
     for _ in range(2):
         torch.empty(4 << 16, device=dev).fill_(float("nan"))  # poison the allocator's free blocks
-        got = mm.mhc_mixes(x.to(dev), fn.to(dev), scale.to(dev), base.to(dev), 1e-20, 1e-6, 20, fused=fused)
+        got = mm.mhc_mixes(x.to(dev), fn.to(dev), scale.to(dev), base.to(dev), 1e-20, 1e-6, 20, fused=fused, tdot=tdot)
         for g, w in zip(got, want):
             assert rel_err(g, w) < 1e-5
 

@@ -95,6 +95,30 @@ def test_mhc_mix_random(dev, t, d, with_fn, rng):
     check(dev, make_inputs(rng, t, d), with_fn)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("t,d,tiles", [(1, 128, {}), (5, 128, {}), (19, 96, {}), (33, 256, dict(block_t=32)),
+                                       (40, 192, dict(block_d=32, num_stages=1))])
+def test_mhc_mix_transposed_projection(dev, t, d, tiles, rng):
+    """`tdot` (fn's cached bf16 parts x x_new^T) against the reference, as the default form is held,
+    at several tiles; with d not a multiple of the slice and token tiles cut short."""
+    check(dev, make_inputs(rng, t, d), True, tdot=True, **tiles)
+
+
+def test_fn_bf16_parts_exact_and_cached(rng):
+    """fn's three bf16 parts add up to fn exactly (the split the kernel did per call; exact while
+    the last part stays a normal number, |fn| above ~2^-110), are kept on the tensor, and are made
+    again after fn changes in place."""
+    fn = torch.randn(24, 512, generator=rng) * 0.03
+    fn[0, :4] = torch.tensor([1e-30, -3.0, 0.0, 1.0 + 2.0 ** -23])  # tiny, large, zero, all 24 bits
+    parts = mm.fn_bf16_parts(fn)
+    assert parts.shape == (3, 24, 512) and parts.dtype == torch.bfloat16
+    assert torch.equal(parts.double().sum(0), fn.double())
+    assert mm.fn_bf16_parts(fn) is parts
+    fn.mul_(2.0)
+    again = mm.fn_bf16_parts(fn)
+    assert again is not parts and torch.equal(again.double().sum(0), fn.double())
+
+
 @pytest.mark.skipif(ASCEND_TRITON, reason="the fused coefficient epilogue (atomics, L2 loads) is the CUDA path")
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("t,d,d_split", [(1, 256, 4), (5, 128, 2), (33, 192, 3)])
@@ -242,8 +266,9 @@ def test_mhc_coef_mode_rejects_unknown(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", DEVICES[1:])
 @pytest.mark.parametrize("t", [1, 64, 300])
-def test_mhc_mix_real_width(dev, t, rng):
-    check(dev, make_inputs(rng, t, 5120), True)
+@pytest.mark.parametrize("tdot", [False, True], ids=["default", "tdot"])
+def test_mhc_mix_real_width(dev, t, tdot, rng):
+    check(dev, make_inputs(rng, t, 5120), True, tdot=tdot)
 
 
 @pytest.mark.parametrize("dev", DEVICES)

@@ -56,6 +56,16 @@ N_MIX = (2 + N_STREAMS) * N_STREAMS  # 24 coefficients per token
 # with the 16-token epilogue, before COEF_T; not measured since. It is correct on the H200
 # (tests/test_triton_mega_mhc.py, test_triton_dense_ops.py) and the CUDA path only (atomics).
 FUSED_COEF = False
+# The projection's orientation (`_mhc_mix_kernel`'s TDOT), chosen by the tile table's "tdot":
+# False, x_new [BLOCK_T, BLOCK_D] x fn^T (fn fp32, split into its three bf16 parts in every
+# program); True, fn's parts [TDOT_M, BLOCK_D] (split once per weight: `fn_bf16_parts`) x
+# x_new^T, so that the MMA is Hopper's wgmma (M = 64) and the activations reach it through
+# shared memory. With x_new as the A operand (M = BLOCK_T = 16: mma.sync, its 4 warps side by
+# side along N) Triton computes the whole elementwise update in that operand's layout, the same
+# on every warp: static sm_90a (triton 3.6, 16 x 64 tiles, 4 warps, 2 stages) 2696 SASS
+# instructions a slice a warp, 255 registers and 44 bytes of spill; with TDOT 1098 instructions,
+# 196 registers, no spill (1 stage: 870, 176 registers). fn's parts take 1.5x fp32 fn's bytes.
+TDOT_M = tl.constexpr(64)  # fn's 24 rows padded to the wgmma's M (the padding rows load as zeros)
 # Tokens per coefficient work item: one per warp of a 4-warp program (the Sinkhorn rounds are a
 # serial chain per token; more tokens per thread lengthen it).
 COEF_T = 4
@@ -103,8 +113,8 @@ def coef_tokens(t: int, narrow: bool, fused: bool = False) -> int:
         return 1
     return min(COEF_T, triton.next_power_of_2(max(1, t))) if narrow else COEF_T
 TILES = {
-    "cuda": {"block_t": 16, "block_d": 64, "num_warps": 4, "num_stages": 2, "d_split": 8},
-    "default": {"block_t": 16, "block_d": 64, "num_warps": 4, "num_stages": 1, "d_split": 2},
+    "cuda": {"block_t": 16, "block_d": 64, "num_warps": 4, "num_stages": 2, "d_split": 8, "tdot": False},
+    "default": {"block_t": 16, "block_d": 64, "num_warps": 4, "num_stages": 1, "d_split": 2, "tdot": False},
 }
 
 
@@ -197,10 +207,12 @@ def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_FN: tl.constexpr,
                     SPLIT: tl.constexpr, OUT_BF16: tl.constexpr, WIDE: tl.constexpr, FUSED: tl.constexpr,
                     CT: tl.constexpr, CB: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr,
-                    FN_FIRST: tl.constexpr = False, PDL: tl.constexpr = 0):
+                    FN_FIRST: tl.constexpr = False, PDL: tl.constexpr = 0, TDOT: tl.constexpr = False):
     """See the module docstring. FN_FIRST (decode: one token tile, one BLOCK_D slice per work item):
     each slice's fn loads are issued before its activation loads, so that the fn bytes (from HBM)
-    do not wait behind the x_new / x_hat stores (which Triton keeps in order with later loads)."""
+    do not wait behind the x_new / x_hat stores (which Triton keeps in order with later loads).
+    TDOT: fn_ptr holds fn's three bf16 parts [3, 24, 4d] and the projection runs transposed
+    (`_fn_partial_step_t`; see TDOT_M); the chunk partials are stored as without it."""
     pdl_start(PDL)
     pid = tl.program_id(0)
     dt = tl.arange(0, BLOCK_D)
@@ -241,13 +253,11 @@ def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr
         tok64 = offsets(tok, WIDE)  # int32 unless a tensor has 2^31 elements
         x_row = tok64[:, None] * (4 * D)
         y_row = tok64[:, None] * D
-        acc = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
-        comp = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
-        ss = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        acc, comp, ss = _partials_init(BLOCK_T, BLOCK_D, TDOT)
         for d0 in range(ck * chunk, tl.minimum(ck * chunk + chunk, D), BLOCK_D):
             cols = d0 + dt
             cm = cols < D
-            if HAS_FN and FN_FIRST:  # fn's slices requested with the activations, not after the stores
+            if HAS_FN and FN_FIRST and not TDOT:  # fn's slices requested with the activations
                 w0, w1, w2, w3 = _fn_slices(fn_ptr, offsets(kk, WIDE), kmask, cols, cm, D)
             m2 = tm[:, None] & cm[None, :]
             xo = x_row + cols[None, :]
@@ -268,20 +278,47 @@ def _mhc_mix_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, scale_ptr
             xh, _ = _round_out(q0[:, None] * f0 + q1[:, None] * f1 + q2[:, None] * f2 + q3[:, None] * f3,
                                out_ty, OUT_BF16)
             tl.store(xhat_ptr + yo, xh, mask=m2)
-            if HAS_FN and FN_FIRST:
+            if HAS_FN and TDOT:
+                acc, comp, ss = _fn_partial_step_t(acc, comp, ss, f0, f1, f2, f3, fn_ptr, cols, cm, D, SPLIT)
+            elif HAS_FN and FN_FIRST:
                 acc, comp, ss = _fn_partial_step_w(acc, comp, ss, f0, f1, f2, f3, w0, w1, w2, w3, SPLIT)
             elif HAS_FN:
                 acc, comp, ss = _fn_partial_step(acc, comp, ss, f0, f1, f2, f3, fn_ptr, offsets(kk, WIDE), kmask,
                                                  cols, cm, D, SPLIT)
         if HAS_FN:  # this chunk's share of m (with its Kahan residue) and of the sum of squares
-            po = (ck * T + offsets(tok, WIDE))[:, None] * 32 + kk[None, :]
-            tl.store(part_ptr + po, acc, mask=tm[:, None])
-            tl.store(pcomp_ptr + po, comp, mask=tm[:, None])
-            tl.store(pss_ptr + ck * T + tok, tl.sum(ss, axis=1), mask=tm)
+            _store_partials(part_ptr, pcomp_ptr, pss_ptr, acc, comp, ss, ck, T, offsets(tok, WIDE), tm, TDOT)
             if FUSED:  # the tile's last chunk computes the coefficients (no second launch)
                 _finish_coef(tile, count_ptr, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr,
                              ocomb_ptr, T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T, CT, CB, WIDE,
                              xhat_ptr, nw_ptr, xn_ptr, rms_eps, NORM, BLOCK_N, OUT_BF16, x_ptr, pre_ptr, False)
+
+
+@triton.jit
+def _partials_init(BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, TDOT: tl.constexpr):
+    """Zero (acc, comp, ss) of a work item: m's running sum and Kahan residue [BLOCK_T, 32] (with
+    TDOT transposed, [TDOT_M, BLOCK_T]) and the elementwise sum of squares [BLOCK_T, BLOCK_D]."""
+    if TDOT:
+        acc = tl.zeros((TDOT_M, BLOCK_T), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
+    return acc, tl.zeros_like(acc), tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+
+
+@triton.jit
+def _store_partials(part_ptr, pcomp_ptr, pss_ptr, acc, comp, ss, ck, T, tok, tm, TDOT: tl.constexpr):
+    """Chunk ck's share of m, its Kahan residue ([chunks, T, 32]) and its sum of squares ([chunks,
+    T]) for tokens `tok` (valid: tm); with TDOT the first 32 of acc's rows, transposed back."""
+    if TDOT:
+        rk = tl.arange(0, TDOT_M)
+        po = (ck * T + tok)[None, :] * 32 + rk[:, None]
+        pm = tm[None, :] & (rk[:, None] < 32)
+    else:
+        kk = tl.arange(0, 32)
+        po = (ck * T + tok)[:, None] * 32 + kk[None, :]
+        pm = tm[:, None]
+    tl.store(part_ptr + po, acc, mask=pm)
+    tl.store(pcomp_ptr + po, comp, mask=pm)
+    tl.store(pss_ptr + ck * T + tok, tl.sum(ss, axis=1), mask=tm)
 
 
 @triton.jit
@@ -294,6 +331,41 @@ def _fn_partial_step(acc, comp, ss, f0, f1, f2, f3, fn_ptr, krow, kmask, cols, c
     fo = krow[:, None] * (4 * D) + cols[None, :]
     part = _fn_dot(f0, fn_ptr, fo, fmask, SPLIT) + _fn_dot(f1, fn_ptr, fo + D, fmask, SPLIT)
     part += _fn_dot(f2, fn_ptr, fo + 2 * D, fmask, SPLIT) + _fn_dot(f3, fn_ptr, fo + 3 * D, fmask, SPLIT)
+    acc, comp = _kahan(acc, comp, part)
+    return acc, comp, ss
+
+
+@triton.jit
+def _parts_dot(f, parts_ptr, fo, fmask, part_stride, SPLIT: tl.constexpr):
+    """fn's parts at offsets fo [TDOT_M, BLOCK_D] (rows past 24 masked to zero) x f^T (f [BLOCK_T,
+    BLOCK_D], exact in bf16) -> [TDOT_M, BLOCK_T] fp32: each part's dot from a zero accumulator,
+    added (lo + mid) + hi as `_fn_dot_w` adds them. Without SPLIT (the interpreter) the parts are
+    upcast and the dots are fp32 "ieee" ones."""
+    hi = tl.load(parts_ptr + fo, mask=fmask, other=0.0)
+    mid = tl.load(parts_ptr + part_stride + fo, mask=fmask, other=0.0)
+    lo = tl.load(parts_ptr + 2 * part_stride + fo, mask=fmask, other=0.0)
+    if SPLIT:
+        fb = tl.trans(f.to(tl.bfloat16))
+        return (tl.dot(lo, fb) + tl.dot(mid, fb)) + tl.dot(hi, fb)
+    else:
+        ft = tl.trans(f)
+        return (tl.dot(lo.to(tl.float32), ft, input_precision="ieee")
+                + tl.dot(mid.to(tl.float32), ft, input_precision="ieee")) \
+            + tl.dot(hi.to(tl.float32), ft, input_precision="ieee")
+
+
+@triton.jit
+def _fn_partial_step_t(acc, comp, ss, f0, f1, f2, f3, parts_ptr, cols, cm, D, SPLIT: tl.constexpr):
+    """`_fn_partial_step` transposed (TDOT): (acc, comp) are [TDOT_M, BLOCK_T] and fn comes as its
+    bf16 parts [3, 24, 4D] (`fn_bf16_parts`)."""
+    ss += f0 * f0 + f1 * f1 + f2 * f2 + f3 * f3
+    rk = tl.arange(0, TDOT_M)
+    fo = rk[:, None] * (4 * D) + cols[None, :]
+    fmask = (rk < 24)[:, None] & cm[None, :]  # (N_MIX rows)
+    ps = 24 * 4 * D
+    part = _parts_dot(f0, parts_ptr, fo, fmask, ps, SPLIT) + _parts_dot(f1, parts_ptr, fo + D, fmask, ps, SPLIT)
+    part += _parts_dot(f2, parts_ptr, fo + 2 * D, fmask, ps, SPLIT) + _parts_dot(f3, parts_ptr, fo + 3 * D, fmask,
+                                                                                 ps, SPLIT)
     acc, comp = _kahan(acc, comp, part)
     return acc, comp, ss
 
@@ -560,13 +632,38 @@ def launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunk
                                **({} if interpreting() else {"num_warps": 4}), **pdl_launch(part))
 
 
+def split_bf16_parts(fn: torch.Tensor) -> torch.Tensor:
+    """fp32 fn [24, k] as [3, 24, k] bf16 (hi, mid, lo): the split `_fn_dot_w` does in registers
+    (hi = bf16(fn), mid = bf16(fn - hi), lo = bf16(fn - hi - mid), each difference exact in fp32),
+    so the parts' products are the ones the kernel's own split gives. hi + mid + lo == fn while lo
+    stays a normal bf16 (|fn| above ~2^-110; bits below 2^-133 are lost either way)."""
+    hi = fn.to(torch.bfloat16)
+    r1 = fn - hi.float()
+    mid = r1.to(torch.bfloat16)
+    return torch.stack((hi, mid, (r1 - mid.float()).to(torch.bfloat16)))
+
+
+def fn_bf16_parts(fn: torch.Tensor) -> torch.Tensor:
+    """`split_bf16_parts(fn)`, kept on the fn tensor and made again when fn changes in place (its
+    version counter): one split per weight, not one per call. While a CUDA graph is being captured
+    an uncached fn is split inside the graph and not kept (the split's kernels would only run at
+    replay); the engines run every step eagerly before capturing it, so that does not happen there."""
+    hit = getattr(fn, "_dsv41_bf16_parts", None)
+    if hit is not None and hit[0] == fn._version:
+        return hit[1]
+    parts = split_bf16_parts(fn)
+    if not (fn.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        fn._dsv41_bf16_parts = (fn._version, parts)
+    return parts
+
+
 def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
             fn: torch.Tensor | None, scale: torch.Tensor | None, base: torch.Tensor | None,
             norm_eps: float, hc_eps: float, iters: int, *, block_t: int | None = None,
             block_d: int | None = None, num_warps: int | None = None, workers: int | None = None,
             split: bool | None = None, d_split: int | None = None, num_stages: int | None = None,
             fused: bool | None = None, norm: tuple | None = None, early: bool | None = None,
-            chunk_block: int | None = None):
+            chunk_block: int | None = None, tdot: bool | None = None):
     """`ops.mhc_mix` in one pass: x [T, 4, d], y [T, d], post/pre [T, 4], comb [T, 4, 4];
     fn [24, 4d] fp32, scale [3], base [24] (or fn None). Returns (x_new [T, 4, d] in x's dtype,
     x_hat [T, d] in x's dtype, (pre, post, comb) fp32 or None). The keyword-only tile
@@ -575,7 +672,8 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     (default: DSV41_MHC_COEF, see coef_mode); `early` (default EARLY_LOADS on CUDA devices)
     issues the decode kernels' independent loads first; `chunk_block` fixes the chunk partials the
     coefficient epilogue adds per step (default `coef_chunk_block` of its tokens per tile, which
-    follows T: batch-invariant mode fixes it). `norm` = (weight [d], eps), with `fn` only: the
+    follows T: batch-invariant mode fixes it). `tdot` (default: the tile table's; bf16 streams with
+    fn only): the transposed projection on fn's cached bf16 parts (TDOT_M). `norm` = (weight [d], eps), with `fn` only: the
     coefficient epilogue also writes rms_norm(x_hat, weight, eps), returned as a fourth value
     (`mhc_mix_norm`)."""
     from .launch import grid_for, interpreting, needs_int64, num_workers
@@ -628,6 +726,8 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     grid = min(n_items, workers) if workers else grid_for(n_items, x.device, cores)
     if split is None:
         split = (not interpreting()) and x.dtype == torch.bfloat16
+    tdot = (tiles["tdot"] if tdot is None else tdot) and has_fn and x.dtype == torch.bfloat16
+    fn_arg = fn_bf16_parts(fn) if tdot else fn
     kw = {} if interpreting() else {"num_warps": num_warps or tiles["num_warps"],
                                     "num_stages": num_stages or tiles["num_stages"]}
     wide = needs_int64(x, fn if has_fn else None)
@@ -651,12 +751,12 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
         xn_arg = x_norm.view(torch.int16) if x.dtype == torch.bfloat16 else x_norm
     else:
         nw = xn_arg = x_hat  # unused placeholders
-    _mhc_mix_kernel[(grid,)](x, y, post, comb, pre, fn, scale, base, xnew_arg, xhat_arg, part, pcomp, pss, counts,
+    _mhc_mix_kernel[(grid,)](x, y, post, comb, pre, fn_arg, scale, base, xnew_arg, xhat_arg, part, pcomp, pss, counts,
                              opre, opost, ocomb, nw, xn_arg, t, d, chunk, n_chunks, n_items, grid, float(norm_eps),
                              float(hc_eps), int(iters), float(norm[1]) if norm is not None else 0.0, BLOCK_T=bt,
                              BLOCK_D=bd, HAS_FN=has_fn, SPLIT=split, OUT_BF16=x.dtype == torch.bfloat16, WIDE=wide,
                              FUSED=fused, CT=ct, CB=cb, NORM=norm is not None, BLOCK_N=triton.next_power_of_2(d),
-                             FN_FIRST=early and n_tiles == 1 and chunk == bd, **kw, **pdl_launch(x))
+                             FN_FIRST=early and n_tiles == 1 and chunk == bd, TDOT=tdot, **kw, **pdl_launch(x))
     if has_fn and not fused:
         launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps, iters, wide,
                     ct, (xhat_arg, nw, xn_arg, norm[1]) if norm is not None else None, early, cb)

@@ -22,8 +22,8 @@ from ...backends.reference.mhc import mhc_collapse as mhc_collapse_ref  # noqa: 
 from ...backends.reference.mhc import mhc_mixes as mhc_mixes_ref  # noqa: F401  (the oracle)
 from .pdl import pdl_launch, pdl_start
 from .block_scaled import bf16_bits16
-from .mega_mhc import (N_MIX, N_STREAMS, TILES, _finish_coef, _fn_partial_step, coef_chunk_block, coef_mode,
-                       coef_tokens, launch_coef)
+from .mega_mhc import (N_MIX, N_STREAMS, TILES, _finish_coef, _fn_partial_step, _fn_partial_step_t, _partials_init,
+                       _store_partials, coef_chunk_block, coef_mode, coef_tokens, fn_bf16_parts, launch_coef)
 
 
 @triton.jit
@@ -32,7 +32,9 @@ def _mhc_partials_kernel(x_ptr, fn_ptr, part_ptr, pcomp_ptr, pss_ptr, count_ptr,
                          num_programs, norm_eps, hc_eps, iters, rms_eps,
                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
                          CT: tl.constexpr, CB: tl.constexpr, WIDE: tl.constexpr, NORM: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr = 0):
+                         BLOCK_N: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr = 0, TDOT: tl.constexpr = False):
+    """The chunk partials of m (mega_mhc's projection, TDOT its transposed form on fn's bf16
+    parts), then the coefficients (FUSED: here; else `launch_coef`)."""
     pdl_start(PDL)
     pid = tl.program_id(0)
     dt = tl.arange(0, BLOCK_D)
@@ -44,9 +46,7 @@ def _mhc_partials_kernel(x_ptr, fn_ptr, part_ptr, pcomp_ptr, pss_ptr, count_ptr,
         tok = tile * BLOCK_T + tl.arange(0, BLOCK_T)
         tm = tok < T
         x_row = tok.to(tl.int64)[:, None] * (4 * D)
-        acc = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
-        comp = tl.zeros((BLOCK_T, 32), dtype=tl.float32)
-        ss = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        acc, comp, ss = _partials_init(BLOCK_T, BLOCK_D, TDOT)
         for d0 in range(ck * chunk, tl.minimum(ck * chunk + chunk, D), BLOCK_D):
             cols = d0 + dt
             cm = cols < D
@@ -56,12 +56,12 @@ def _mhc_partials_kernel(x_ptr, fn_ptr, part_ptr, pcomp_ptr, pss_ptr, count_ptr,
             f1 = tl.load(x_ptr + xo + D, mask=m2, other=0.0).to(tl.float32)
             f2 = tl.load(x_ptr + xo + 2 * D, mask=m2, other=0.0).to(tl.float32)
             f3 = tl.load(x_ptr + xo + 3 * D, mask=m2, other=0.0).to(tl.float32)
-            acc, comp, ss = _fn_partial_step(acc, comp, ss, f0, f1, f2, f3, fn_ptr, kk.to(tl.int64), kmask, cols, cm,
-                                             D, SPLIT)
-        po = (ck * T + tok.to(tl.int64))[:, None] * 32 + kk[None, :]
-        tl.store(part_ptr + po, acc, mask=tm[:, None])
-        tl.store(pcomp_ptr + po, comp, mask=tm[:, None])
-        tl.store(pss_ptr + ck * T + tok, tl.sum(ss, axis=1), mask=tm)
+            if TDOT:
+                acc, comp, ss = _fn_partial_step_t(acc, comp, ss, f0, f1, f2, f3, fn_ptr, cols, cm, D, SPLIT)
+            else:
+                acc, comp, ss = _fn_partial_step(acc, comp, ss, f0, f1, f2, f3, fn_ptr, kk.to(tl.int64), kmask, cols,
+                                                 cm, D, SPLIT)
+        _store_partials(part_ptr, pcomp_ptr, pss_ptr, acc, comp, ss, ck, T, tok.to(tl.int64), tm, TDOT)
         if FUSED:  # the tile's last chunk computes the coefficients (no second launch)
             _finish_coef(tile, count_ptr, part_ptr, pcomp_ptr, pss_ptr, scale_ptr, base_ptr, opre_ptr, opost_ptr,
                          ocomb_ptr, T, D, n_chunks, norm_eps, hc_eps, iters, BLOCK_T, CT, CB, WIDE,
@@ -70,14 +70,15 @@ def _mhc_partials_kernel(x_ptr, fn_ptr, part_ptr, pcomp_ptr, pss_ptr, count_ptr,
 
 def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
               hc_eps: float, iters: int, *, fused: bool | None = None, d_split: int | None = None,
-              collapse_norm: tuple | None = None, chunk_block: int | None = None):
+              collapse_norm: tuple | None = None, chunk_block: int | None = None, tdot: bool | None = None):
     """x [T, 4, d] -> (pre [T, 4], post [T, 4], comb [T, 4, 4]) fp32. `fused`: the coefficients
     come from the partials kernel's last program per token tile (one launch; default:
     DSV41_MHC_COEF); `d_split` fixes the d chunks per token tile (default: more when few tiles).
     `collapse_norm` = (pre_prev [T, 4], weight [d], eps): the coefficient epilogue also makes
     x_hat = mhc_collapse(x, pre_prev) and rms_norm(x_hat, weight, eps), returned after the
     coefficients (`mhc_enter_norm`). `chunk_block`: the chunk partials the coefficient epilogue
-    adds per step (`mega_mhc.mhc_mix`)."""
+    adds per step (`mega_mhc.mhc_mix`). `tdot`: the transposed projection on fn's bf16 parts
+    (default: the tile table's; bf16 streams only; `mega_mhc.TDOT_M`)."""
     from .launch import grid_for, interpreting, needs_int64, num_workers, tile_counters
 
     if x.dim() != 3 or x.shape[1] != N_STREAMS:
@@ -114,6 +115,7 @@ def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
     n_items = n_tiles * n_chunks
     grid = grid_for(n_items, x.device)
     split = (not interpreting()) and x.dtype == torch.bfloat16
+    tdot = (tiles["tdot"] if tdot is None else tdot) and x.dtype == torch.bfloat16
     kw = {} if interpreting() else {"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]}
     part = torch.empty(n_chunks, t, 32, dtype=torch.float32, device=x.device)
     pcomp = torch.empty_like(part)
@@ -125,11 +127,11 @@ def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
     wide = needs_int64(x, fn)
     counts = tile_counters(x.device, n_tiles) if fused else pss
     cb = chunk_block or coef_chunk_block(ct)
-    _mhc_partials_kernel[(grid,)](x, fn, part, pcomp, pss, counts, scale, base, pre, post, comb, pre_prev, xh_arg, nw,
+    _mhc_partials_kernel[(grid,)](x, fn_bf16_parts(fn) if tdot else fn, part, pcomp, pss, counts, scale, base, pre, post, comb, pre_prev, xh_arg, nw,
                                   xn_arg, t, d, chunk, n_chunks, n_items, grid, float(norm_eps), float(hc_eps),
                                   int(iters), float(rms_eps), BLOCK_T=bt, BLOCK_D=bd, SPLIT=split, FUSED=fused,
                                   CT=ct, CB=cb, WIDE=wide, NORM=norm,
-                                  BLOCK_N=triton.next_power_of_2(d), BF16=bf16, **kw, **pdl_launch(x))
+                                  BLOCK_N=triton.next_power_of_2(d), BF16=bf16, TDOT=tdot, **kw, **pdl_launch(x))
     if not fused:
         launch_coef(part, pcomp, pss, scale, base, pre, post, comb, t, d, n_chunks, norm_eps, hc_eps, iters, wide,
                     ct, (xh_arg, nw, xn_arg, rms_eps, x, pre_prev) if norm else None, cb=cb)
