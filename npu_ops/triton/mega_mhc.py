@@ -66,6 +66,12 @@ FUSED_COEF = False
 # instructions a slice a warp, 255 registers and 44 bytes of spill; with TDOT 1098 instructions,
 # 196 registers, no spill (1 stage: 870, 176 registers). fn's parts take 1.5x fp32 fn's bytes.
 TDOT_M = tl.constexpr(64)  # fn's 24 rows padded to the wgmma's M (the padding rows load as zeros)
+# Decode batches (T <= max_t, CUDA): TDOT with one stage, and 32-token tiles from wide_t tokens
+# (`tiles_for`). H100 (session forty-seven, sweep_kernels.py --only mhc_mix, graph us a call with
+# the coefficients, d = 5120, T = 1 / 8 / 64): the table (16 x 64, 2 stages) 12.0 / 12.3 / 21.2; TDOT
+# 2 stages 9.3 / 9.9 / 18.9; TDOT 1 stage 8.7 / 9.5 / 14.7; TDOT 32-token tiles 1 stage 9.9 / 10.6 /
+# 12.9; 32-wide slices 9.7 / 10.4 / 14.8. Prefill keeps the table (TDOT unmeasured there).
+DECODE_TDOT = {"max_t": 64, "num_stages": 1, "block_t": 16, "wide_t": 32, "wide_block_t": 32}
 # Tokens per coefficient work item: one per warp of a 4-warp program (the Sinkhorn rounds are a
 # serial chain per token; more tokens per thread lengthen it).
 COEF_T = 4
@@ -116,6 +122,22 @@ TILES = {
     "cuda": {"block_t": 16, "block_d": 64, "num_warps": 4, "num_stages": 2, "d_split": 8, "tdot": False},
     "default": {"block_t": 16, "block_d": 64, "num_warps": 4, "num_stages": 1, "d_split": 2, "tdot": False},
 }
+
+
+def tiles_for(t: int, device: torch.device, decode: bool = True) -> dict:
+    """The mHC kernels' tiles for a T-token call on `device`: TILES, with DECODE_TDOT's rule for
+    decode batches on CUDA unless `decode` is False (batch-invariant mode: tiles that do not follow
+    T, since a dot's shape may change its sums' bits)."""
+    from .launch import interpreting
+
+    if device.type != "cuda" or interpreting():
+        return TILES["default"]
+    tiles = TILES["cuda"]
+    if decode and t <= DECODE_TDOT["max_t"]:
+        wide = t >= DECODE_TDOT["wide_t"]
+        tiles = dict(tiles, tdot=True, num_stages=DECODE_TDOT["num_stages"],
+                     block_t=DECODE_TDOT["wide_block_t" if wide else "block_t"])
+    return tiles
 
 
 def ub_tiles(block_t: int, block_d: int) -> dict[str, tuple[int, ...]]:
@@ -663,7 +685,7 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
             block_d: int | None = None, num_warps: int | None = None, workers: int | None = None,
             split: bool | None = None, d_split: int | None = None, num_stages: int | None = None,
             fused: bool | None = None, norm: tuple | None = None, early: bool | None = None,
-            chunk_block: int | None = None, tdot: bool | None = None):
+            chunk_block: int | None = None, tdot: bool | None = None, decode_tiles: bool = True):
     """`ops.mhc_mix` in one pass: x [T, 4, d], y [T, d], post/pre [T, 4], comb [T, 4, 4];
     fn [24, 4d] fp32, scale [3], base [24] (or fn None). Returns (x_new [T, 4, d] in x's dtype,
     x_hat [T, d] in x's dtype, (pre, post, comb) fp32 or None). The keyword-only tile
@@ -672,8 +694,9 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     (default: DSV41_MHC_COEF, see coef_mode); `early` (default EARLY_LOADS on CUDA devices)
     issues the decode kernels' independent loads first; `chunk_block` fixes the chunk partials the
     coefficient epilogue adds per step (default `coef_chunk_block` of its tokens per tile, which
-    follows T: batch-invariant mode fixes it). `tdot` (default: the tile table's; bf16 streams with
-    fn only): the transposed projection on fn's cached bf16 parts (TDOT_M). `norm` = (weight [d], eps), with `fn` only: the
+    follows T: batch-invariant mode fixes it). `tdot` (default: `tiles_for`'s; bf16 streams with
+    fn only): the transposed projection on fn's cached bf16 parts (TDOT_M); `decode_tiles=False`
+    keeps the table's tiles at decode batches too (`tiles_for`). `norm` = (weight [d], eps), with `fn` only: the
     coefficient epilogue also writes rms_norm(x_hat, weight, eps), returned as a fourth value
     (`mhc_mix_norm`)."""
     from .launch import grid_for, interpreting, needs_int64, num_workers
@@ -709,7 +732,7 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     done = (x_new, x_hat, ((opre, opost, ocomb) if has_fn else None)) + ((x_norm,) if norm is not None else ())
     if t == 0:
         return done
-    tiles = TILES["cuda"] if x.device.type == "cuda" and not interpreting() else TILES["default"]
+    tiles = tiles_for(t, x.device, decode_tiles)
     bt = block_t or tiles["block_t"]
     bd = block_d or min(tiles["block_d"], triton.next_power_of_2(d))
     # d chunks per token tile: enough work items to fill the device (each chunk a whole number

@@ -1006,12 +1006,16 @@ def _auto_splits(base_tiles: int, n_blocks: int, workers: int, min_blocks_per_sp
 
 # The form of the decode entry (DSV41_SPARSE_DECODE, read once per process): "one_pass" (the
 # "<key>_decode" entry: online softmax, logits recomputed per output block), "two_pass" (its
-# "<key>_decode_two_pass" entry where the backend has one), or "auto" (the default): two-pass
-# from TWO_PASS_MIN_T tokens. H200 2026-12-03 (benchmarks/sweep_kernels.py, 64 heads x 512, window
-# 128 + top-512, graph us, one-pass / two-pass): T=1 at 64K 14.4 / 18.3 (pass 1 has only 20
-# tiles then), T=8 at 4K 43.9 / 27.1, T=64 at 4K 160.9 / 95.3. T = 2..7 untimed: 2 is a guess.
+# "<key>_decode_two_pass" entry where the backend has one), "auto": two-pass from TWO_PASS_MIN_T
+# tokens, or "split_d" (the default): as "auto", but one token takes the two-pass form with its
+# logits split over channel chunks (LOGITS_SPLIT_D). H200 2026-12-03 (benchmarks/sweep_kernels.py,
+# 64 heads x 512, window 128 + top-512, graph us, one-pass / two-pass): T=1 at 64K 14.4 / 18.3 (pass
+# 1 has only 20 tiles then), T=8 at 4K 43.9 / 27.1, T=64 at 4K 160.9 / 95.3. T = 2..7 untimed: 2 is
+# a guess. H100 2026-12-07 (session forty-seven, KV_X2 on), T=1 at 64K: one-pass 14.4, two-pass
+# 15.0, split over D 11.9-12.0 (ops.py: 14.4 -> 11.8); the mini batch-1 step at 4K 1.944 -> 1.931 ms
+# (three alternated rounds each). At T=64 the split form is slower (113 against 68 us): one token only.
 SPARSE_DECODE_FORMS = ("auto", "one_pass", "two_pass", "split_d")
-SPARSE_DECODE_DEFAULT = "auto"
+SPARSE_DECODE_DEFAULT = "split_d"
 TWO_PASS_MIN_T = 2
 # A register cap on the two-pass form's logits pass from that many tokens, (tokens, registers) per
 # backend key: 210 -> 168 registers leaves room for 3 programs of 4 warps an SM instead of 2 (its
@@ -1053,7 +1057,7 @@ def sparse_kv_x2() -> bool:
 
 def config_for(device: torch.device, t: int, h: int) -> dict:
     """The tile table entry for a launch: the decode entry (in the DSV41_SPARSE_DECODE form: by
-    default two-pass from TWO_PASS_MIN_T tokens, its logits pass under TWO_PASS_LOGITS_CAP's register
+    default two-pass, its logits split over channel chunks for one token, its logits pass under TWO_PASS_LOGITS_CAP's register
     cap from that many tokens, without its KV_X2 under DSV41_SPARSE_KV_X2=0) when the queries' whole-head tiles would leave
     most workers idle (small T: flash-decoding over head blocks and entry splits); otherwise the
     "<key>_prefill" entry where the backend has one, except while a graph is captured (the rows
@@ -1067,8 +1071,8 @@ def config_for(device: torch.device, t: int, h: int) -> dict:
         if t * -(-h // cfg["BLOCK_H"]) <= num_workers(device, "cube") // DECODE_FILL_FRACTION:
             two = decode + "_two_pass"
             form = sparse_decode_form()
-            # "split_d": as "auto", but one token takes the two-pass form with its logits split over
-            # channel chunks (LOGITS_SPLIT_D; opt-in, for timing against the one-pass kernel)
+            # "split_d" (the default): as "auto", but one token takes the two-pass form with its
+            # logits split over channel chunks (LOGITS_SPLIT_D)
             split_d = form == "split_d" and t == 1
             if two in CONFIGS and (form == "two_pass" or split_d or form in ("auto", "split_d") and t >= TWO_PASS_MIN_T):
                 cap = TWO_PASS_LOGITS_CAP.get(key)
