@@ -6,7 +6,10 @@ at run time (without the hint, loads are compiled per byte and the counts mislea
 
     python benchmarks/ptxas_usage.py [--only sparse,indexer,decode,mhc]
 
-A check of static resource use (spill = local-memory traffic in the loop), not a timing. The
+A check of static resource use (spill = local-memory traffic in the loop), not a timing; rows
+with tensor-core dots also name their MMA layouts and the elementwise ops placed in a dot
+operand's layout (`dot_layouts`: with `mma.sync` and warps along N that work repeats on every
+warp). The
 "decode" group (the FP8 linears and FP4 experts at 2-64 rows) also reads each kernel's SASS
 (`nvdisasm`) and reports its loops: instructions in the body, their most frequent opcodes and
 the plain global loads narrower than 4 bytes there ("narrow in-loop loads"). A load like that
@@ -65,11 +68,28 @@ def ptxas_usage(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, 
         usage = " | ".join(line.split(":", 1)[-1].strip() for line in r.stderr.splitlines()
                            if "registers" in line or "spill" in line)
         usage += f" | {kernel.metadata.shared} bytes shared memory (launch)"
+        layouts = dot_layouts(kernel.asm["ttgir"])
+        if layouts:
+            usage += " | " + layouts
         if loops:
             sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", cubin], capture_output=True, text=True,
                                   check=True).stdout
             usage += " | " + sass_loops(sass)
     return usage
+
+
+def dot_layouts(ttgir: str) -> str:
+    """The kernel's MMA layouts (version, warps along M and N) and how many elementwise ops
+    (`arith.*`) Triton placed in a dot operand's register layout. With `mma.sync` (version 2) and
+    warps side by side along N, the A operand is held whole by every warp, so elementwise work in
+    its layout is repeated on each (session forty-seven: the mHC mix's 16-token tiles, 93 ops,
+    2696 instructions a slice a warp against 1098 once moved to a wgmma's shared-memory operand)."""
+    mmas = re.findall(r"nvidia_mma<\{versionMajor = (\d), versionMinor = \d+, warpsPerCTA = \[([0-9, ]+)\]", ttgir)
+    if not mmas:
+        return ""
+    ops = [len(re.findall(rf"arith\.\w+ .*dot_op<\{{opIdx = {i}", ttgir)) for i in (0, 1)]
+    kinds = ", ".join(f"mma v{v} warps [{w}]" for v, w in dict.fromkeys(mmas))
+    return f"{kinds}; elementwise ops in the A / B operand layout: {ops[0]} / {ops[1]}"
 
 
 def sass_loops(sass: str) -> str:
@@ -309,15 +329,16 @@ def decode_rows() -> list[tuple[str, str]]:
 
 
 def mhc_rows() -> list[tuple[str, str]]:
-    """The mHC kernels at decode tiles (bf16 streams, d = 5120 slices of the CUDA table): the fused
-    mix with the next coefficients' partials and the entry partials, each with the projection
-    as x_new x fn^T (fn split per program) and transposed on fn's bf16 parts (TDOT), with loops."""
+    """The mHC kernels (bf16 streams, 16-token tiles of 64-wide slices): the fused mix with the next
+    coefficients' partials and the entry partials, each with the projection as x_new x fn^T (fn
+    split per program; the table's stages) and transposed on fn's bf16 parts (TDOT; the decode
+    rule's stages), with loops."""
     from dsv41.npu_ops.triton import mega_mhc as mm
     from dsv41.npu_ops.triton import mhc_mixes as mx
 
-    tiles = mm.TILES["cuda"]
     rows = []
-    for tdot in (False, True):
+    for tdot in (False, True):  # the table's tiles; TDOT as the decode rule runs it (DECODE_TDOT's stages)
+        tiles = dict(mm.TILES["cuda"], num_stages=mm.DECODE_TDOT["num_stages"]) if tdot else mm.TILES["cuda"]
         ptrs = {n: "*fp32" for n in mm._mhc_mix_kernel.arg_names if n.endswith("_ptr")}
         ptrs.update(x_ptr="*bf16", y_ptr="*bf16", xnew_ptr="*i16", xhat_ptr="*i16", xn_ptr="*i16", nw_ptr="*bf16",
                     count_ptr="*i32", fn_ptr="*bf16" if tdot else "*fp32")
