@@ -117,6 +117,10 @@ def test_fn_bf16_parts_exact_and_cached(rng):
     fn.mul_(2.0)
     again = mm.fn_bf16_parts(fn)
     assert again is not parts and torch.equal(again.double().sum(0), fn.double())
+    with torch.inference_mode():  # an inference tensor (no version counter): split once, kept
+        frozen = fn * 1.0
+    kept = mm.fn_bf16_parts(frozen)
+    assert mm.fn_bf16_parts(frozen) is kept and torch.equal(kept, again)
 
 
 @pytest.mark.skipif(ASCEND_TRITON, reason="the fused coefficient epilogue (atomics, L2 loads) is the CUDA path")

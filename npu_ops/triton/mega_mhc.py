@@ -667,15 +667,20 @@ def split_bf16_parts(fn: torch.Tensor) -> torch.Tensor:
 
 def fn_bf16_parts(fn: torch.Tensor) -> torch.Tensor:
     """`split_bf16_parts(fn)`, kept on the fn tensor and made again when fn changes in place (its
-    version counter): one split per weight, not one per call. While a CUDA graph is being captured
+    version counter; an inference tensor has none and can only change inside inference mode, where
+    nothing counts it: its parts are kept for good): one split per weight, not one per call. While a CUDA graph is being captured
     an uncached fn is split inside the graph and not kept (the split's kernels would only run at
     replay); the engines run every step eagerly before capturing it, so that does not happen there."""
+    try:
+        version = fn._version
+    except RuntimeError:  # an inference tensor (made under torch.inference_mode) has no version counter
+        version = None
     hit = getattr(fn, "_dsv41_bf16_parts", None)
-    if hit is not None and hit[0] == fn._version:
+    if hit is not None and hit[0] == version:
         return hit[1]
     parts = split_bf16_parts(fn)
     if not (fn.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        fn._dsv41_bf16_parts = (fn._version, parts)
+        fn._dsv41_bf16_parts = (version, parts)
     return parts
 
 
