@@ -104,6 +104,32 @@ def test_mhc_mix_transposed_projection(dev, t, d, tiles, rng):
     check(dev, make_inputs(rng, t, d), True, tdot=True, **tiles)
 
 
+def test_tiles_for_decode_rule(monkeypatch):
+    """CUDA decode batches take DECODE_TDOT's tiles (16-token tiles below wide_t tokens, 32 from it),
+    prefill and batch-invariant calls the table's; DSV41_MHC_TDOT=0 turns the rule off, a bad value
+    is one clear error (read once per process: memo reset here)."""
+    from dsv41.npu_ops.triton import launch
+
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    cuda, rule = torch.device("cuda"), mm.DECODE_TDOT
+    monkeypatch.setattr(mm, "_DECODE_TDOT_ON", [])
+    monkeypatch.delenv("DSV41_MHC_TDOT", raising=False)
+    for t, bt in ((1, rule["block_t"]), (rule["wide_t"] - 1, rule["block_t"]), (rule["wide_t"], rule["wide_block_t"]),
+                  (rule["max_t"], rule["wide_block_t"])):
+        tiles = mm.tiles_for(t, cuda)
+        assert tiles["tdot"] and tiles["block_t"] == bt and tiles["num_stages"] == rule["num_stages"], t
+    assert mm.tiles_for(rule["max_t"] + 1, cuda) is mm.TILES["cuda"]
+    assert mm.tiles_for(8, cuda, decode=False) is mm.TILES["cuda"]
+    assert mm.tiles_for(8, torch.device("cpu")) is mm.TILES["default"]
+    monkeypatch.setattr(mm, "_DECODE_TDOT_ON", [])
+    monkeypatch.setenv("DSV41_MHC_TDOT", "0")
+    assert mm.tiles_for(8, cuda) is mm.TILES["cuda"]
+    monkeypatch.setattr(mm, "_DECODE_TDOT_ON", [])
+    monkeypatch.setenv("DSV41_MHC_TDOT", "on")
+    with pytest.raises(ValueError, match="DSV41_MHC_TDOT"):
+        mm.tiles_for(8, cuda)
+
+
 def test_fn_bf16_parts_exact_and_cached(rng):
     """fn's three bf16 parts add up to fn exactly (the split the kernel did per call; exact while
     the last part stays a normal number, |fn| above ~2^-110), are kept on the tensor, and are made
