@@ -56,7 +56,7 @@ N_MIX = (2 + N_STREAMS) * N_STREAMS  # 24 coefficients per token
 # with the 16-token epilogue, before COEF_T; not measured since. It is correct on the H200
 # (tests/test_triton_mega_mhc.py, test_triton_dense_ops.py) and the CUDA path only (atomics).
 FUSED_COEF = False
-# The projection's orientation (`_mhc_mix_kernel`'s TDOT), chosen by the tile table's "tdot":
+# The projection's orientation (`_mhc_mix_kernel`'s TDOT), chosen by `tiles_for`'s "tdot":
 # False, x_new [BLOCK_T, BLOCK_D] x fn^T (fn fp32, split into its three bf16 parts in every
 # program); True, fn's parts [TDOT_M, BLOCK_D] (split once per weight: `fn_bf16_parts`) x
 # x_new^T, so that the MMA is Hopper's wgmma (M = 64) and the activations reach it through
@@ -64,7 +64,8 @@ FUSED_COEF = False
 # side along N) Triton computes the whole elementwise update in that operand's layout, the same
 # on every warp: static sm_90a (triton 3.6, 16 x 64 tiles, 4 warps, 2 stages) 2696 SASS
 # instructions a slice a warp, 255 registers and 44 bytes of spill; with TDOT 1098 instructions,
-# 196 registers, no spill (1 stage: 870, 176 registers). fn's parts take 1.5x fp32 fn's bytes.
+# 196 registers, no spill (1 stage: 917, 174 registers; `benchmarks/ptxas_usage.py --only mhc`).
+# fn's parts take 1.5x fp32 fn's bytes.
 TDOT_M = tl.constexpr(64)  # fn's 24 rows padded to the wgmma's M (the padding rows load as zeros)
 # Decode batches (T <= max_t, CUDA): TDOT with one stage, and 32-token tiles from wide_t tokens
 # (`tiles_for`). H100 (session forty-seven, sweep_kernels.py --only mhc_mix, graph us a call with
@@ -86,6 +87,8 @@ def decode_tdot_on() -> bool:
             raise ValueError(f"DSV41_MHC_TDOT: expected 0 or 1, got {v!r}")
         _DECODE_TDOT_ON.append(v == "1")
     return _DECODE_TDOT_ON[0]
+
+
 # Tokens per coefficient work item: one per warp of a 4-warp program (the Sinkhorn rounds are a
 # serial chain per token; more tokens per thread lengthen it).
 COEF_T = 4
@@ -682,9 +685,10 @@ def split_bf16_parts(fn: torch.Tensor) -> torch.Tensor:
 def fn_bf16_parts(fn: torch.Tensor) -> torch.Tensor:
     """`split_bf16_parts(fn)`, kept on the fn tensor and made again when fn changes in place (its
     version counter; an inference tensor has none and can only change inside inference mode, where
-    nothing counts it: its parts are kept for good): one split per weight, not one per call. While a CUDA graph is being captured
-    an uncached fn is split inside the graph and not kept (the split's kernels would only run at
-    replay); the engines run every step eagerly before capturing it, so that does not happen there."""
+    nothing counts it: its parts are kept for good): one split per weight, not one per call. While
+    a CUDA graph is being captured an uncached fn is split inside the graph and not kept (the
+    split's kernels would only run at replay); the engines run every step eagerly before capturing
+    it, so that does not happen there."""
     try:
         version = fn._version
     except RuntimeError:  # an inference tensor (made under torch.inference_mode) has no version counter
@@ -715,9 +719,9 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     coefficient epilogue adds per step (default `coef_chunk_block` of its tokens per tile, which
     follows T: batch-invariant mode fixes it). `tdot` (default: `tiles_for`'s; bf16 streams with
     fn only): the transposed projection on fn's cached bf16 parts (TDOT_M); `decode_tiles=False`
-    keeps the table's tiles at decode batches too (`tiles_for`). `norm` = (weight [d], eps), with `fn` only: the
-    coefficient epilogue also writes rms_norm(x_hat, weight, eps), returned as a fourth value
-    (`mhc_mix_norm`)."""
+    keeps the table's tiles at decode batches too (`tiles_for`). `norm` = (weight [d], eps), with
+    `fn` only: the coefficient epilogue also writes rms_norm(x_hat, weight, eps), returned as a
+    fourth value (`mhc_mix_norm`)."""
     from .launch import grid_for, interpreting, needs_int64, num_workers
 
     if x.dim() != 3 or x.shape[1] != N_STREAMS:

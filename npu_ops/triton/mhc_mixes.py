@@ -130,8 +130,9 @@ def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
     wide = needs_int64(x, fn)
     counts = tile_counters(x.device, n_tiles) if fused else pss
     cb = chunk_block or coef_chunk_block(ct)
-    _mhc_partials_kernel[(grid,)](x, fn_bf16_parts(fn) if tdot else fn, part, pcomp, pss, counts, scale, base, pre, post, comb, pre_prev, xh_arg, nw,
-                                  xn_arg, t, d, chunk, n_chunks, n_items, grid, float(norm_eps), float(hc_eps),
+    fn_arg = fn_bf16_parts(fn) if tdot else fn
+    _mhc_partials_kernel[(grid,)](x, fn_arg, part, pcomp, pss, counts, scale, base, pre, post, comb, pre_prev, xh_arg,
+                                  nw, xn_arg, t, d, chunk, n_chunks, n_items, grid, float(norm_eps), float(hc_eps),
                                   int(iters), float(rms_eps), BLOCK_T=bt, BLOCK_D=bd, SPLIT=split, FUSED=fused,
                                   CT=ct, CB=cb, WIDE=wide, NORM=norm,
                                   BLOCK_N=triton.next_power_of_2(d), BF16=bf16, TDOT=tdot, **kw, **pdl_launch(x))

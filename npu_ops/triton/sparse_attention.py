@@ -1057,11 +1057,12 @@ def sparse_kv_x2() -> bool:
 
 def config_for(device: torch.device, t: int, h: int) -> dict:
     """The tile table entry for a launch: the decode entry (in the DSV41_SPARSE_DECODE form: by
-    default two-pass, its logits split over channel chunks for one token, its logits pass under TWO_PASS_LOGITS_CAP's register
-    cap from that many tokens, without its KV_X2 under DSV41_SPARSE_KV_X2=0) when the queries' whole-head tiles would leave
-    most workers idle (small T: flash-decoding over head blocks and entry splits); otherwise the
-    "<key>_prefill" entry where the backend has one, except while a graph is captured (the rows
-    form's table is sized by the step's shapes, which a graph would freeze), else the main entry."""
+    default two-pass, its logits split over channel chunks for one token, its logits pass under
+    TWO_PASS_LOGITS_CAP's register cap from that many tokens, without its KV_X2 under
+    DSV41_SPARSE_KV_X2=0) when the queries' whole-head tiles would leave most workers idle (small
+    T: flash-decoding over head blocks and entry splits); otherwise the "<key>_prefill" entry
+    where the backend has one, except while a graph is captured (the rows form's table is sized by
+    the step's shapes, which a graph would freeze), else the main entry."""
     from .launch import num_workers
 
     key = _backend_key(device)
