@@ -296,9 +296,11 @@ def test_mhc_coef_mode_rejects_unknown(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", DEVICES[1:])
 @pytest.mark.parametrize("t", [1, 64, 300])
-@pytest.mark.parametrize("tdot", [False, True], ids=["default", "tdot"])
-def test_mhc_mix_real_width(dev, t, tdot, rng):
-    check(dev, make_inputs(rng, t, 5120), True, tdot=tdot)
+@pytest.mark.parametrize("kw", [dict(decode_tiles=False), {}, dict(tdot=True)], ids=["table", "default", "tdot"])
+def test_mhc_mix_real_width(dev, t, kw, rng):
+    """At the model's width: the table's tiles, the defaults (the decode rule up to 64 tokens,
+    `tiles_for`) and the transposed projection on the table's tiles at every T."""
+    check(dev, make_inputs(rng, t, 5120), True, **kw)
 
 
 @pytest.mark.parametrize("dev", DEVICES)
