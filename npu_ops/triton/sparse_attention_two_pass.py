@@ -34,14 +34,17 @@ shared loop, 67.1 per pool at 32, 66.2 at 64; T=1 at 64K 14.8, 18.4, 22.4 (fewer
 of ~2 us a layer at 64 tokens: no table takes it. The values pass keeps BLOCK_N, where 64-entry
 blocks cost more per entry.
 
-LOGITS_SPLIT_D (opt-in, a launch option; aimed at one token at a long context, where the logits
-pass has one tile per 32-entry block, 20 at 640 entries, each walking all four channel chunks):
+LOGITS_SPLIT_D (a launch option; one token's decode entry on CUDA since session forty-seven, by
+`sparse_attention.config_for`'s default form "split_d"; for one token at a long context, where
+the logits pass has one tile per 32-entry block, 20 at 640 entries, each walking all four channel
+chunks):
 the logits pass takes a tile per BLOCK_D-channel chunk too and writes each chunk's scaled
 partial logits (lg [chunks, T, H, entries]); the values pass sums a block's chunks in chunk order,
 takes its split's own maximum over its blocks first (no block maxima), and the combine rescales
 the splits as the one-pass form's do. The sums differ from the fused form's only in rounding
 order. sm_90a (triton 3.6), KV_X2: the split logits kernel 128 registers (4 programs an SM), the
-values kernel 226. Untimed when written (no device time was left).
+values kernel 226. H100 (2026-12-07), T=1 at 64K: 11.9 us against the one-pass kernel's 14.4; at
+T=64 slower (113 against 68 us), so only one token takes it.
 
 Used through `sparse_attention_launch(..., TWO_PASS=True)` (a tile table entry); CUDA timing in
 benchmarks/RESULTS.md. Written for CUDA and the interpreters; on Ascend it is unverified on
