@@ -112,7 +112,7 @@ def test_tiles_for_decode_rule(monkeypatch):
 
     monkeypatch.setattr(launch, "interpreting", lambda: False)
     cuda, rule = torch.device("cuda"), mm.DECODE_TDOT
-    monkeypatch.setattr(mm, "_DECODE_TDOT_ON", [])
+    monkeypatch.setattr(launch, "_SWITCHES", {})
     monkeypatch.delenv("DSV41_MHC_TDOT", raising=False)
     for t, bt in ((1, rule["block_t"]), (rule["wide_t"] - 1, rule["block_t"]), (rule["wide_t"], rule["wide_block_t"]),
                   (rule["max_t"], rule["wide_block_t"])):
@@ -121,10 +121,10 @@ def test_tiles_for_decode_rule(monkeypatch):
     assert mm.tiles_for(rule["max_t"] + 1, cuda) is mm.TILES["cuda"]
     assert mm.tiles_for(8, cuda, decode=False) is mm.TILES["cuda"]
     assert mm.tiles_for(8, torch.device("cpu")) is mm.TILES["default"]
-    monkeypatch.setattr(mm, "_DECODE_TDOT_ON", [])
+    monkeypatch.setattr(launch, "_SWITCHES", {})
     monkeypatch.setenv("DSV41_MHC_TDOT", "0")
     assert mm.tiles_for(8, cuda) is mm.TILES["cuda"]
-    monkeypatch.setattr(mm, "_DECODE_TDOT_ON", [])
+    monkeypatch.setattr(launch, "_SWITCHES", {})
     monkeypatch.setenv("DSV41_MHC_TDOT", "on")
     with pytest.raises(ValueError, match="DSV41_MHC_TDOT"):
         mm.tiles_for(8, cuda)

@@ -72,21 +72,8 @@ TDOT_M = tl.constexpr(64)  # fn's 24 rows padded to the wgmma's M (the padding r
 # the coefficients, d = 5120, T = 1 / 8 / 64): the table (16 x 64, 2 stages) 12.0 / 12.3 / 21.2; TDOT
 # 2 stages 9.3 / 9.9 / 18.9; TDOT 1 stage 8.7 / 9.5 / 14.7; TDOT 32-token tiles 1 stage 9.9 / 10.6 /
 # 12.9; 32-wide slices 9.7 / 10.4 / 14.8. Prefill keeps the table (TDOT unmeasured there).
+# DSV41_MHC_TDOT=0 (read once per process, `launch.env_switch`) keeps the table's tiles there too.
 DECODE_TDOT = {"max_t": 64, "num_stages": 1, "block_t": 16, "wide_t": 32, "wide_block_t": 32}
-_DECODE_TDOT_ON: list = []
-
-
-def decode_tdot_on() -> bool:
-    """DSV41_MHC_TDOT ("1" / "0", default "1"), read once per process: whether decode batches take
-    DECODE_TDOT's tiles ("0": the table's, for A/B runs)."""
-    import os
-
-    if not _DECODE_TDOT_ON:
-        v = os.environ.get("DSV41_MHC_TDOT", "1").strip() or "1"
-        if v not in ("0", "1"):
-            raise ValueError(f"DSV41_MHC_TDOT: expected 0 or 1, got {v!r}")
-        _DECODE_TDOT_ON.append(v == "1")
-    return _DECODE_TDOT_ON[0]
 
 
 # Tokens per coefficient work item: one per warp of a 4-warp program (the Sinkhorn rounds are a
@@ -145,12 +132,12 @@ def tiles_for(t: int, device: torch.device, decode: bool = True) -> dict:
     """The mHC kernels' tiles for a T-token call on `device`: TILES, with DECODE_TDOT's rule for
     decode batches on CUDA unless `decode` is False (batch-invariant mode: tiles that do not follow
     T, since a dot's shape may change its sums' bits) or DSV41_MHC_TDOT=0."""
-    from .launch import interpreting
+    from .launch import env_switch, interpreting
 
     if device.type != "cuda" or interpreting():
         return TILES["default"]
     tiles = TILES["cuda"]
-    if decode and t <= DECODE_TDOT["max_t"] and decode_tdot_on():
+    if decode and t <= DECODE_TDOT["max_t"] and env_switch("DSV41_MHC_TDOT", True):
         wide = t >= DECODE_TDOT["wide_t"]
         tiles = dict(tiles, tdot=True, num_stages=DECODE_TDOT["num_stages"],
                      block_t=DECODE_TDOT["wide_block_t" if wide else "block_t"])

@@ -1026,7 +1026,6 @@ TWO_PASS_MIN_T = 2
 # T=64 94.6 / 89.9 / 88.3 / 92.6.
 TWO_PASS_LOGITS_CAP = {"cuda": (16, 168)}
 _SPARSE_DECODE: list = []
-_SPARSE_KV_X2: list = []
 
 
 def sparse_decode_form() -> str:
@@ -1044,15 +1043,10 @@ def sparse_decode_form() -> str:
 def sparse_kv_x2() -> bool:
     """DSV41_SPARSE_KV_X2 ("1" / "0", default "1"), read once per process: whether the two-pass
     decode entry keeps its KV_X2 (the cache rows decoded straight to bf16 pairs; the entry's
-    comment has the measurements); "0" gives the fp32 decode."""
-    import os
+    comment has the measurements); "0" gives the fp32 decode (`launch.env_switch`)."""
+    from .launch import env_switch
 
-    if not _SPARSE_KV_X2:
-        v = os.environ.get("DSV41_SPARSE_KV_X2", "1").strip() or "1"
-        if v not in ("0", "1"):
-            raise ValueError(f"DSV41_SPARSE_KV_X2: expected 0 or 1, got {v!r}")
-        _SPARSE_KV_X2.append(v == "1")
-    return _SPARSE_KV_X2[0]
+    return env_switch("DSV41_SPARSE_KV_X2", True)
 
 
 def config_for(device: torch.device, t: int, h: int) -> dict:
