@@ -53,6 +53,27 @@ def freeze_host_objects() -> None:
     gc.freeze()
 
 
+_SWITCHES: dict[str, bool] = {}  # env_switch's memo (tests reset it)
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """A "0" / "1" environment switch (a kernel path's A/B choice), read once per process; any
+    other value is one clear error naming the variable."""
+    if name not in _SWITCHES:
+        v = os.environ.get(name, "").strip() or ("1" if default else "0")
+        if v not in ("0", "1"):
+            raise ValueError(f"{name}: expected 0 or 1, got {v!r}")
+        _SWITCHES[name] = v == "1"
+    return _SWITCHES[name]
+
+
+def join_mhc_coef(plat: "Platform", coef) -> None:
+    """Before reading mHC coefficients: join the lane their epilogue may have been forked on
+    (MHC_COEF_LANE, under DSV41_MHC_COEF_LANE=1; nothing to do otherwise)."""
+    if env_switch("DSV41_MHC_COEF_LANE", False):
+        plat.join(lane=MHC_COEF_LANE, out=coef)
+
+
 HOST_THREADS_ENV = "DSV41_HOST_THREADS"
 
 
@@ -194,6 +215,11 @@ def _tensors(out):
 
 
 _AUX_STREAMS: dict = {}  # (device, lane) -> the auxiliary stream `fork` uses there
+# The lane the mHC coefficient epilogue may be forked on (`npu_ops/triton/mega_mhc.py`, opt-in
+# DSV41_MHC_COEF_LANE=1): its outputs are read only by the next mHC step, so the model joins this
+# lane before it reads coefficients (`core.model.Block.mix`, `Streams.select`). Lanes 0 and 1 are
+# the indexer's and the compressor's.
+MHC_COEF_LANE = 2
 _CAPTURE_STREAMS: dict = {}  # device -> the stream its graphs are captured (and warmed up) on
 
 

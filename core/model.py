@@ -22,7 +22,7 @@ from torch import nn
 
 from ..backends import ops
 from ..backends.paging import table_rows
-from ..backends.platform import overlap, platform_for
+from ..backends.platform import join_mhc_coef, overlap, platform_for
 from .batch import Rows, StepBatch
 from .cache import FLOOR_DECODER, FLOOR_DRAFT, FLOOR_ENCODER, KVPool
 from .config import ModelConfig, yarn_inv_freq
@@ -706,6 +706,7 @@ class Block(nn.Module):
         and, when `nxt` = (fn, scale, base) is given, the next sublayer's coefficients; with
         `norm`, also the next input normed (`mhc_mix_norm`: no launch of its own), a fourth value."""
         cfg = self.cfg
+        join_mhc_coef(module_platform(self, x.device), coef)  # (the lane the previous mix's epilogue ran on)
         pre, post, comb = coef
         fn, scale, base = nxt if nxt is not None else (None, None, None)
         if norm is not None:
@@ -888,6 +889,7 @@ class Transformer(nn.Module):
                 blk.attn.update_global(blk.attn_input(s), rows, ctx)
                 ctx.precompressed.add(blk.layer_id)
                 sel = batch.decoder_rows
+                join_mhc_coef(module_platform(self, x.device), s.coef)
                 s, rows = s.select(sel), rows.select(sel)
                 engram = {k: v.select(sel) if isinstance(v, FetchedRows) else v[sel] for k, v in engram.items()}
                 if rows.num == 0:

@@ -115,3 +115,29 @@ def test_tile_counters_are_kept_per_stream(monkeypatch):
         launch.tile_counters(dev, 8)
     plat.key = 8  # a stream whose buffer exists may be used inside a capture
     assert launch.tile_counters(dev, 8).data_ptr() == aux.data_ptr()
+
+
+def test_mhc_mixes_join_the_coefficient_lane_when_it_is_on(tiny_cfg, fresh_seed, rng, monkeypatch):
+    """DSV41_MHC_COEF_LANE=1: every mHC step joins MHC_COEF_LANE (where a device forks the
+    coefficient epilogue; CPU runs it in order) before reading its coefficients, and the logits
+    stay the sequential ones; off (the default), nothing joins that lane."""
+    from dsv41.backends import platform
+
+    log = []
+
+    class Recording(platform.Platform):
+        def join(self, lane=0, out=None):
+            log.append(lane)
+
+    model = build_model(tiny_cfg, seed=fresh_seed, with_drafter=False)
+    ids = rand_prompt(tiny_cfg, 12, rng)
+    want = SingleSequence(model).feed(ids, all_logits=True)
+    for blk in model.layers:
+        blk._plat = Recording("cpu", torch.device("cpu"))
+    monkeypatch.setattr(platform, "_SWITCHES", {"DSV41_MHC_COEF_LANE": False})
+    SingleSequence(model).feed(ids, all_logits=True)
+    assert platform.MHC_COEF_LANE not in log
+    monkeypatch.setattr(platform, "_SWITCHES", {"DSV41_MHC_COEF_LANE": True})
+    got = SingleSequence(model).feed(ids, all_logits=True)
+    assert torch.equal(got, want)
+    assert log.count(platform.MHC_COEF_LANE) >= 2 * len(model.layers)  # (every mix of every feed step)

@@ -108,11 +108,12 @@ def test_tiles_for_decode_rule(monkeypatch):
     """CUDA decode batches take DECODE_TDOT's tiles (16-token tiles below wide_t tokens, 32 from it),
     prefill and batch-invariant calls the table's; DSV41_MHC_TDOT=0 turns the rule off, a bad value
     is one clear error (read once per process: memo reset here)."""
+    from dsv41.backends import platform
     from dsv41.npu_ops.triton import launch
 
     monkeypatch.setattr(launch, "interpreting", lambda: False)
     cuda, rule = torch.device("cuda"), mm.DECODE_TDOT
-    monkeypatch.setattr(launch, "_SWITCHES", {})
+    monkeypatch.setattr(platform, "_SWITCHES", {})
     monkeypatch.delenv("DSV41_MHC_TDOT", raising=False)
     for t, bt in ((1, rule["block_t"]), (rule["wide_t"] - 1, rule["block_t"]), (rule["wide_t"], rule["wide_block_t"]),
                   (rule["max_t"], rule["wide_block_t"])):
@@ -121,13 +122,51 @@ def test_tiles_for_decode_rule(monkeypatch):
     assert mm.tiles_for(rule["max_t"] + 1, cuda) is mm.TILES["cuda"]
     assert mm.tiles_for(8, cuda, decode=False) is mm.TILES["cuda"]
     assert mm.tiles_for(8, torch.device("cpu")) is mm.TILES["default"]
-    monkeypatch.setattr(launch, "_SWITCHES", {})
+    monkeypatch.setattr(platform, "_SWITCHES", {})
     monkeypatch.setenv("DSV41_MHC_TDOT", "0")
     assert mm.tiles_for(8, cuda) is mm.TILES["cuda"]
-    monkeypatch.setattr(launch, "_SWITCHES", {})
+    monkeypatch.setattr(platform, "_SWITCHES", {})
     monkeypatch.setenv("DSV41_MHC_TDOT", "on")
     with pytest.raises(ValueError, match="DSV41_MHC_TDOT"):
         mm.tiles_for(8, cuda)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dev", DEVICES[1:])
+@pytest.mark.parametrize("t", [1, 64])
+def test_mhc_coef_lane_same_bits_gpu(dev, t, rng, monkeypatch):
+    """DSV41_MHC_COEF_LANE=1: the coefficient launch forked on the side lane and joined
+    (`join_mhc_coef`) before anything reads it, eagerly and inside a captured CUDA graph: the same
+    bits as the launch on the calling stream."""
+    from dsv41.backends import platform
+
+    x, y, post, comb, pre, fn, scale, base = (v.to(dev) for v in make_inputs(rng, t, 5120))
+    args = (x, y, post, comb, pre, fn, scale, base, NORM_EPS, HC_EPS, ITERS)
+    plat = platform.platform_for(torch.device(dev))
+    monkeypatch.setattr(platform, "_SWITCHES", {"DSV41_MHC_COEF_LANE": False})
+    want = mm.mhc_mix(*args)
+    monkeypatch.setattr(platform, "_SWITCHES", {"DSV41_MHC_COEF_LANE": True})
+
+    def run():
+        out = mm.mhc_mix(*args)
+        platform.join_mhc_coef(plat, out[2])
+        return out
+
+    got = run()
+    side = torch.cuda.Stream(device=dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        run()  # (warm-up on the capture's side stream)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    graph.replay()
+    torch.cuda.synchronize(dev)
+    for out in (got, captured):
+        assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+        for a, b in zip(out[2], want[2]):
+            assert torch.equal(a, b)
 
 
 def test_fn_bf16_parts_exact_and_cached(rng):

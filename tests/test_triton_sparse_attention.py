@@ -595,6 +595,7 @@ def test_sparse_kv_x2_switch(monkeypatch):
     """KV_X2 is the two-pass decode entry's default (capped or not); DSV41_SPARSE_KV_X2=0 takes it
     out of that entry and nothing else; a bad value is one clear error (read once per process:
     memo reset)."""
+    from dsv41.backends import platform
     from dsv41.npu_ops.triton import launch
 
     monkeypatch.setattr(sa, "_backend_key", lambda device: "cuda")
@@ -603,17 +604,17 @@ def test_sparse_kv_x2_switch(monkeypatch):
     monkeypatch.delenv("DSV41_SPARSE_DECODE", raising=False)
     dev = torch.device("cpu")
     cap_t = sa.TWO_PASS_LOGITS_CAP["cuda"][0]
-    monkeypatch.setattr(launch, "_SWITCHES", {})
+    monkeypatch.setattr(platform, "_SWITCHES", {})
     monkeypatch.delenv("DSV41_SPARSE_KV_X2", raising=False)
     assert sa.config_for(dev, 8, 64) is sa.CONFIGS["cuda_decode_two_pass"] and sa.CONFIGS["cuda_decode_two_pass"]["KV_X2"]
     assert sa.config_for(dev, cap_t, 64)["KV_X2"] and sa.config_for(dev, cap_t, 64)["LOGITS_MAXNREG"]
-    monkeypatch.setattr(launch, "_SWITCHES", {})
+    monkeypatch.setattr(platform, "_SWITCHES", {})
     monkeypatch.setenv("DSV41_SPARSE_KV_X2", "0")
     assert sa.config_for(dev, 8, 64) == dict(sa.CONFIGS["cuda_decode_two_pass"], KV_X2=False)
     assert not sa.config_for(dev, cap_t, 64)["KV_X2"] and sa.config_for(dev, cap_t, 64)["LOGITS_MAXNREG"]
     assert sa.config_for(dev, 1, 64) == dict(sa.CONFIGS["cuda_decode_two_pass"], LOGITS_SPLIT_D=True, KV_X2=False)
     assert "KV_X2" not in sa.CONFIGS["cuda_decode"]  # (the one-pass entry keeps its decode)
-    monkeypatch.setattr(launch, "_SWITCHES", {})
+    monkeypatch.setattr(platform, "_SWITCHES", {})
     monkeypatch.setenv("DSV41_SPARSE_KV_X2", "yes")
     with pytest.raises(ValueError, match="DSV41_SPARSE_KV_X2"):
         sa.config_for(dev, 8, 64)

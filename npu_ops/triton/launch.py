@@ -13,20 +13,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-_SWITCHES: dict[str, bool] = {}  # env_switch's memo (tests reset it)
-
-
-def env_switch(name: str, default: bool) -> bool:
-    """A "0" / "1" environment switch (a kernel path's A/B choice), read once per process; any
-    other value is one clear error naming the variable."""
-    if name not in _SWITCHES:
-        v = os.environ.get(name, "").strip() or ("1" if default else "0")
-        if v not in ("0", "1"):
-            raise ValueError(f"{name}: expected 0 or 1, got {v!r}")
-        _SWITCHES[name] = v == "1"
-    return _SWITCHES[name]
-
-
 def num_workers(device: torch.device | str | None = None, cores: str = "vector") -> int:
     """Program count for a 1-D persistent launch: the device platform's worker count (SMs on
     CUDA; on Ascend vector cores, or AI (cube) cores for `cores="cube"` -- kernels using `tl.dot`

@@ -72,7 +72,11 @@ TDOT_M = tl.constexpr(64)  # fn's 24 rows padded to the wgmma's M (the padding r
 # the coefficients, d = 5120, T = 1 / 8 / 64): the table (16 x 64, 2 stages) 12.0 / 12.3 / 21.2; TDOT
 # 2 stages 9.3 / 9.9 / 18.9; TDOT 1 stage 8.7 / 9.5 / 14.7; TDOT 32-token tiles 1 stage 9.9 / 10.6 /
 # 12.9; 32-wide slices 9.7 / 10.4 / 14.8. Prefill keeps the table (TDOT unmeasured there).
-# DSV41_MHC_TDOT=0 (read once per process, `launch.env_switch`) keeps the table's tiles there too.
+# DSV41_MHC_TDOT=0 (read once per process, `backends.platform.env_switch`) keeps the table's tiles there too.
+# DSV41_MHC_COEF_LANE=1 (opt-in, unmeasured): the unfused coefficient launch of a call without
+# `norm` runs on the platform's side lane `MHC_COEF_LANE` (`coef_launch`): its outputs (pre, post,
+# comb) are read only by the next mHC step, after a whole sublayer, so it can run beside that
+# sublayer's first kernels instead of before them; the model joins the lane before it reads them.
 DECODE_TDOT = {"max_t": 64, "num_stages": 1, "block_t": 16, "wide_t": 32, "wide_block_t": 32}
 
 
@@ -132,7 +136,8 @@ def tiles_for(t: int, device: torch.device, decode: bool = True) -> dict:
     """The mHC kernels' tiles for a T-token call on `device`: TILES, with DECODE_TDOT's rule for
     decode batches on CUDA unless `decode` is False (batch-invariant mode: tiles that do not follow
     T, since a dot's shape may change its sums' bits) or DSV41_MHC_TDOT=0."""
-    from .launch import env_switch, interpreting
+    from ...backends.platform import env_switch
+    from .launch import interpreting
 
     if device.type != "cuda" or interpreting():
         return TILES["default"]
@@ -658,6 +663,31 @@ def launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunk
                                **({} if interpreting() else {"num_warps": 4}), **pdl_launch(part))
 
 
+def coef_launch(device: torch.device, *args, norm: tuple | None = None, **kw) -> None:
+    """`launch_coef(*args, norm=norm, **kw)`, on the side lane MHC_COEF_LANE under
+    DSV41_MHC_COEF_LANE=1 when nothing waits for it at once (no `norm`: a normed output is the
+    next sublayer's input) on a device with streams; else on the calling stream. The lane reads
+    the chunk partials (args[0:3]) that the calling stream wrote and that nobody holds afterwards:
+    they are marked as used on the lane, so their memory is not handed out again before it is
+    done. UNVERIFIED on hardware: written without a device (session forty-seven)."""
+    from ...backends.platform import MHC_COEF_LANE, env_switch, platform_for
+    from .launch import interpreting
+
+    if norm is not None or device.type != "cuda" or interpreting() or not env_switch("DSV41_MHC_COEF_LANE", False):
+        launch_coef(*args, norm=norm, **kw)
+        return
+
+    plat = platform_for(device)
+
+    def side() -> None:
+        lane = plat.current_stream()
+        for buf in args[:3]:
+            buf.record_stream(lane)
+        launch_coef(*args, norm=norm, **kw)
+
+    plat.fork(side, lane=MHC_COEF_LANE)
+
+
 def split_bf16_parts(fn: torch.Tensor) -> torch.Tensor:
     """fp32 fn [24, k] as [3, 24, k] bf16 (hi, mid, lo): the split `_fn_dot_w` does in registers
     (hi = bf16(fn), mid = bf16(fn - hi), lo = bf16(fn - hi - mid), each difference exact in fp32),
@@ -791,8 +821,9 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
                              FUSED=fused, CT=ct, CB=cb, NORM=norm is not None, BLOCK_N=triton.next_power_of_2(d),
                              FN_FIRST=early and n_tiles == 1 and chunk == bd, TDOT=tdot, **kw, **pdl_launch(x))
     if has_fn and not fused:
-        launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps, iters, wide,
-                    ct, (xhat_arg, nw, xn_arg, norm[1]) if norm is not None else None, early, cb)
+        coef_launch(x.device, part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunks, norm_eps, hc_eps,
+                    iters, wide, ct, norm=(xhat_arg, nw, xn_arg, norm[1]) if norm is not None else None, early=early,
+                    cb=cb)
     return done
 
 

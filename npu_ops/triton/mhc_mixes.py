@@ -23,7 +23,7 @@ from ...backends.reference.mhc import mhc_mixes as mhc_mixes_ref  # noqa: F401  
 from .pdl import pdl_launch, pdl_start
 from .block_scaled import bf16_bits16
 from .mega_mhc import (N_MIX, N_STREAMS, _finish_coef, _fn_partial_step, _fn_partial_step_t, _partials_init,
-                       _store_partials, coef_chunk_block, coef_mode, coef_tokens, fn_bf16_parts, launch_coef,
+                       _store_partials, coef_chunk_block, coef_launch, coef_mode, coef_tokens, fn_bf16_parts,
                        tiles_for)
 
 
@@ -137,8 +137,8 @@ def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
                                   CT=ct, CB=cb, WIDE=wide, NORM=norm,
                                   BLOCK_N=triton.next_power_of_2(d), BF16=bf16, TDOT=tdot, **kw, **pdl_launch(x))
     if not fused:
-        launch_coef(part, pcomp, pss, scale, base, pre, post, comb, t, d, n_chunks, norm_eps, hc_eps, iters, wide,
-                    ct, (xh_arg, nw, xn_arg, rms_eps, x, pre_prev) if norm else None, cb=cb)
+        coef_launch(x.device, part, pcomp, pss, scale, base, pre, post, comb, t, d, n_chunks, norm_eps, hc_eps, iters,
+                    wide, ct, norm=(xh_arg, nw, xn_arg, rms_eps, x, pre_prev) if norm else None, cb=cb)
     return done
 
 

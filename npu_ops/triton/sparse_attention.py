@@ -1043,8 +1043,8 @@ def sparse_decode_form() -> str:
 def sparse_kv_x2() -> bool:
     """DSV41_SPARSE_KV_X2 ("1" / "0", default "1"), read once per process: whether the two-pass
     decode entry keeps its KV_X2 (the cache rows decoded straight to bf16 pairs; the entry's
-    comment has the measurements); "0" gives the fp32 decode (`launch.env_switch`)."""
-    from .launch import env_switch
+    comment has the measurements); "0" gives the fp32 decode (`backends.platform.env_switch`)."""
+    from ...backends.platform import env_switch
 
     return env_switch("DSV41_SPARSE_KV_X2", True)
 
