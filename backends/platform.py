@@ -217,8 +217,8 @@ def _tensors(out):
 _AUX_STREAMS: dict = {}  # (device, lane) -> the auxiliary stream `fork` uses there
 # The lane the mHC coefficient epilogue may be forked on (`npu_ops/triton/mega_mhc.py`, opt-in
 # DSV41_MHC_COEF_LANE=1): its outputs are read only by the next mHC step, so the model joins this
-# lane before it reads coefficients (`core.model.Block.mix`, `Streams.select`). Lanes 0 and 1 are
-# the indexer's and the compressor's.
+# lane before it reads coefficients (`core.model.Block.mix`, and before the CED row selection in
+# `Transformer.forward`). Lanes 0 and 1 are the indexer's and the compressor's.
 MHC_COEF_LANE = 2
 _CAPTURE_STREAMS: dict = {}  # device -> the stream its graphs are captured (and warmed up) on
 
