@@ -1,7 +1,7 @@
 """`benchmarks/ptxas_usage.py`'s SASS loop report on a hand-written listing (no compiler needed):
 only the innermost loop is reported, a narrow load's distance runs to the first instruction
 that reads its register (a predicated one too), and the opcode counts ignore predicates and
-modifiers."""
+modifiers; its TTGIR layout report on a hand-written excerpt."""
 import importlib.util
 import pathlib
 
@@ -32,3 +32,19 @@ def test_sass_loops_reports_the_inner_loop():
 
 def test_sass_loops_without_loops():
     assert ptxas_usage.sass_loops("        /*0000*/                   EXIT ;\n") == "no loops"
+
+
+TTGIR = """
+#blocked = #ttg.blocked<{sizePerThread = [1, 8], threadsPerWarp = [4, 8], warpsPerCTA = [4, 1], order = [1, 0]}>
+#mma = #ttg.nvidia_mma<{versionMajor = 2, versionMinor = 0, warpsPerCTA = [1, 4], instrShape = [16, 8]}>
+    %a = arith.addf %x, %y : tensor<16x64xf32, #ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 2}>>
+    %b = arith.mulf %a, %a : tensor<16x64xf32, #ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 2}>>
+    %c = arith.constant dense<1> : tensor<16xi32, #ttg.slice<{dim = 1, parent = #ttg.dot_op<{opIdx = 1, parent = #mma, kWidth = 2}>}>>
+    %d = arith.addf %p, %q : tensor<16x64xf32, #blocked>
+"""
+
+
+def test_dot_layouts_counts_elementwise_ops_in_operand_layouts():
+    # two ops in the A operand's layout, one (a constant) in B's; a blocked-layout op is not counted
+    assert ptxas_usage.dot_layouts(TTGIR) == "mma v2 warps [1, 4]; elementwise ops in the A / B operand layout: 2 / 1"
+    assert ptxas_usage.dot_layouts("#blocked = #ttg.blocked<{}>") == ""
