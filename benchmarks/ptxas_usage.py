@@ -361,8 +361,8 @@ def mhc_rows() -> list[tuple[str, str]]:
     ptrs.update(xhat_ptr="*i16", xn_ptr="*i16", nw_ptr="*bf16", x_ptr="*bf16")
     for bt in (1, mm.COEF_T):  # the narrow decode tiles (one token a program) and the table's
         rows.append((f"_mhc_coef_kernel {bt} token(s) a program (loops: chunk sums, Sinkhorn round)", ptxas_usage(
-            mm._mhc_coef_kernel, ptrs, dict(BLOCK_T=bt, CB=mm.coef_chunk_block(bt), WIDE=False, NORM=False, BLOCK_N=8192,
-                                            BF16=True, COLLAPSE=False),
+            mm._mhc_coef_kernel, ptrs, dict(BLOCK_T=bt, CB=mm.coef_chunk_block(bt), WIDE=False, NORM=False,
+                                            BLOCK_N=8192, BF16=True, COLLAPSE=False),
             4, 1, floats=("norm_eps", "hc_eps", "rms_eps"), loops=True)))
     return rows
 
