@@ -663,27 +663,26 @@ def launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunk
                                **({} if interpreting() else {"num_warps": 4}), **pdl_launch(part))
 
 
-def coef_launch(device: torch.device, *args, norm: tuple | None = None, **kw) -> None:
-    """`launch_coef(*args, norm=norm, **kw)`, on the side lane MHC_COEF_LANE under
+def coef_launch(device: torch.device, part, pcomp, pss, *rest, norm: tuple | None = None, **kw) -> None:
+    """`launch_coef(part, pcomp, pss, *rest, norm=norm, **kw)`, on the side lane MHC_COEF_LANE under
     DSV41_MHC_COEF_LANE=1 when nothing waits for it at once (no `norm`: a normed output is the
     next sublayer's input) on a device with streams; else on the calling stream. The lane reads
-    the chunk partials (args[0:3]) that the calling stream wrote and that nobody holds afterwards:
-    they are marked as used on the lane, so their memory is not handed out again before it is
-    done. UNVERIFIED on hardware: written without a device (session forty-seven)."""
+    the chunk partials (part, pcomp, pss) that the calling stream wrote and that nobody holds
+    afterwards: they are marked as used on the lane, so their memory is not handed out again
+    before it is done. UNVERIFIED on hardware: written without a device (session forty-seven)."""
     from ...backends.platform import MHC_COEF_LANE, env_switch, platform_for
     from .launch import interpreting
 
     if norm is not None or device.type != "cuda" or interpreting() or not env_switch("DSV41_MHC_COEF_LANE", False):
-        launch_coef(*args, norm=norm, **kw)
+        launch_coef(part, pcomp, pss, *rest, norm=norm, **kw)
         return
-
     plat = platform_for(device)
 
     def side() -> None:
         lane = plat.current_stream()
-        for buf in args[:3]:
+        for buf in (part, pcomp, pss):
             buf.record_stream(lane)
-        launch_coef(*args, norm=norm, **kw)
+        launch_coef(part, pcomp, pss, *rest, norm=norm, **kw)
 
     plat.fork(side, lane=MHC_COEF_LANE)
 
