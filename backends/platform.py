@@ -586,17 +586,26 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 
 
 def platform_for(device: torch.device | str) -> Platform:
-    """The platform of a device; raises with the reason when its backend is unavailable."""
+    """The platform of a device; raises with the reason when its backend is unavailable. A device
+    named without an index gets the current one's, so the streams kept per device (side lanes,
+    capture stream) are the same for "cuda" and "cuda:0" (a fork keyed by one and a join by the
+    other waited on a stream outside the capture: cudaErrorStreamCaptureIsolation, H100
+    2026-12-07)."""
     kind = device.split(":")[0] if isinstance(device, str) else torch.device(device).type
     if kind == "npu":
         why = npu_unavailable_reason()
         if why:
             raise RuntimeError(f"npu: {why}")
-        return AscendPlatform("npu", torch.device(device))
+        dev = torch.device(device)
+        if dev.index is None:  # (see the CUDA case)
+            dev = torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
+        return AscendPlatform("npu", dev)
     dev = torch.device(device)
     if dev.type == "cuda":
         why = cuda_unavailable_reason()
         if why:
             raise RuntimeError(f"cuda: {why}")
+        if dev.index is None:  # "cuda" and "cuda:0" name one device: one key for its streams
+            dev = torch.device("cuda", torch.cuda.current_device())
         return CudaPlatform("cuda", dev)
     return Platform("cpu", dev)

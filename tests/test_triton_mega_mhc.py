@@ -104,10 +104,10 @@ def test_mhc_mix_transposed_projection(dev, t, d, tiles, rng):
     check(dev, make_inputs(rng, t, d), True, tdot=True, **tiles)
 
 
-def test_tiles_for_decode_rule(monkeypatch):
+def test_tiles_for_rules(monkeypatch):
     """CUDA decode batches take DECODE_TDOT's tiles (16-token tiles below wide_t tokens, 32 from it),
-    prefill and batch-invariant calls the table's; DSV41_MHC_TDOT=0 turns the rule off, a bad value
-    is one clear error (read once per process: memo reset here)."""
+    larger calls PREFILL_TDOT's, batch-invariant calls the table's; DSV41_MHC_TDOT=0 turns both
+    rules off, a bad value is one clear error (read once per process: memo reset here)."""
     from dsv41.backends import platform
     from dsv41.npu_ops.triton import launch
 
@@ -119,12 +119,17 @@ def test_tiles_for_decode_rule(monkeypatch):
                   (rule["max_t"], rule["wide_block_t"])):
         tiles = mm.tiles_for(t, cuda)
         assert tiles["tdot"] and tiles["block_t"] == bt and tiles["num_stages"] == rule["num_stages"], t
-    assert mm.tiles_for(rule["max_t"] + 1, cuda) is mm.TILES["cuda"]
-    assert mm.tiles_for(8, cuda, decode=False) is mm.TILES["cuda"]
+    for t in (rule["max_t"] + 1, 4096):
+        tiles = mm.tiles_for(t, cuda)
+        assert tiles["tdot"] and all(tiles[k] == v for k, v in mm.PREFILL_TDOT.items()), t
+        assert tiles["num_warps"] == mm.TILES["cuda"]["num_warps"]
+    assert mm.tiles_for(8, cuda, sized=False) is mm.TILES["cuda"]
+    assert mm.tiles_for(4096, cuda, sized=False) is mm.TILES["cuda"]
     assert mm.tiles_for(8, torch.device("cpu")) is mm.TILES["default"]
     monkeypatch.setattr(platform, "_SWITCHES", {})
     monkeypatch.setenv("DSV41_MHC_TDOT", "0")
     assert mm.tiles_for(8, cuda) is mm.TILES["cuda"]
+    assert mm.tiles_for(4096, cuda) is mm.TILES["cuda"]
     monkeypatch.setattr(platform, "_SWITCHES", {})
     monkeypatch.setenv("DSV41_MHC_TDOT", "on")
     with pytest.raises(ValueError, match="DSV41_MHC_TDOT"):
@@ -335,10 +340,10 @@ def test_mhc_coef_mode_rejects_unknown(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", DEVICES[1:])
 @pytest.mark.parametrize("t", [1, 64, 300])
-@pytest.mark.parametrize("kw", [dict(decode_tiles=False), {}, dict(tdot=True)], ids=["table", "default", "tdot"])
+@pytest.mark.parametrize("kw", [dict(sized_tiles=False), {}, dict(tdot=True)], ids=["table", "default", "tdot"])
 def test_mhc_mix_real_width(dev, t, kw, rng):
-    """At the model's width: the table's tiles, the defaults (the decode rule up to 64 tokens,
-    `tiles_for`) and the transposed projection on the table's tiles at every T."""
+    """At the model's width: the table's tiles, the defaults (`tiles_for`: the decode rule up to 64
+    tokens, the prefill rule above) and the transposed projection on the table's tiles at every T."""
     check(dev, make_inputs(rng, t, 5120), True, **kw)
 
 

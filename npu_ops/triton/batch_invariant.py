@@ -235,13 +235,13 @@ def _mhc_d_split(x: torch.Tensor) -> int:
 def mhc_mix(x, y, post, comb, pre, fn, scale, base, norm_eps, hc_eps, iters):
     """`ops.mhc_mix`, batch-invariant: the fused kernel with its table's fixed d split."""
     return mega_mhc.mhc_mix(x, y, post, comb, pre, fn, scale, base, norm_eps, hc_eps, iters, d_split=_mhc_d_split(x),
-                            chunk_block=MHC_COEF_CB, decode_tiles=False)
+                            chunk_block=MHC_COEF_CB, sized_tiles=False)
 
 
 def mhc_mixes(x, fn, scale, base, norm_eps, hc_eps, iters):
     """`ops.mhc_mixes`, batch-invariant: the partials kernel with the table's fixed d split."""
     return mhc_mixes_mod.mhc_mixes(x, fn, scale, base, norm_eps, hc_eps, iters, d_split=_mhc_d_split(x),
-                                   chunk_block=MHC_COEF_CB, decode_tiles=False)
+                                   chunk_block=MHC_COEF_CB, sized_tiles=False)
 
 
 def attention_splits(win_width: int, glob_width: int, key: str) -> int:

@@ -71,13 +71,19 @@ TDOT_M = tl.constexpr(64)  # fn's 24 rows padded to the wgmma's M (the padding r
 # (`tiles_for`). H100 (session forty-seven, sweep_kernels.py --only mhc_mix, graph us a call with
 # the coefficients, d = 5120, T = 1 / 8 / 64): the table (16 x 64, 2 stages) 12.0 / 12.3 / 21.2; TDOT
 # 2 stages 9.3 / 9.9 / 18.9; TDOT 1 stage 8.7 / 9.5 / 14.7; TDOT 32-token tiles 1 stage 9.9 / 10.6 /
-# 12.9; 32-wide slices 9.7 / 10.4 / 14.8. Prefill keeps the table (TDOT unmeasured there).
-# DSV41_MHC_TDOT=0 (read once per process, `backends.platform.env_switch`) keeps the table's tiles there too.
+# 12.9; 32-wide slices 9.7 / 10.4 / 14.8.
+# Prefill (T > max_t, CUDA): TDOT with 32 x 32 tiles and 2 stages (`PREFILL_TDOT`). H100 (session
+# forty-eight, the same sweep, T = 512 / 4096): the table (16 x 64, 2 stages) 147.7 / 606.9 us; TDOT
+# 16 x 64 96.9 / 545.0; TDOT 16 x 32 96.8 / 450.3; TDOT 32 x 64 1 stage 72.7 / 384.4; TDOT 32 x 32
+# 68.5 / 326.6 (every row checked against the fp64 oracle, the same differing fractions).
+# DSV41_MHC_TDOT=0 (read once per process, `backends.platform.env_switch`) keeps the table's tiles
+# at every size.
 # DSV41_MHC_COEF_LANE=1 (opt-in, unmeasured): the unfused coefficient launch of a call without
 # `norm` runs on the platform's side lane `MHC_COEF_LANE` (`coef_launch`): its outputs (pre, post,
 # comb) are read only by the next mHC step, after a whole sublayer, so it can run beside that
 # sublayer's first kernels instead of before them; the model joins the lane before it reads them.
 DECODE_TDOT = {"max_t": 64, "num_stages": 1, "block_t": 16, "wide_t": 32, "wide_block_t": 32}
+PREFILL_TDOT = {"block_t": 32, "block_d": 32, "num_stages": 2}
 
 
 # Tokens per coefficient work item: one per warp of a 4-warp program (the Sinkhorn rounds are a
@@ -132,21 +138,24 @@ TILES = {
 }
 
 
-def tiles_for(t: int, device: torch.device, decode: bool = True) -> dict:
-    """The mHC kernels' tiles for a T-token call on `device`: TILES, with DECODE_TDOT's rule for
-    decode batches on CUDA unless `decode` is False (batch-invariant mode: tiles that do not follow
-    T, since a dot's shape may change its sums' bits) or DSV41_MHC_TDOT=0."""
+def tiles_for(t: int, device: torch.device, sized: bool = True) -> dict:
+    """The mHC kernels' tiles for a T-token call on `device`: TILES, on CUDA with the TDOT rules
+    that follow T (DECODE_TDOT up to its max_t tokens, PREFILL_TDOT above) unless `sized` is False
+    (batch-invariant mode: tiles that do not follow T, since a dot's shape may change its sums'
+    bits) or DSV41_MHC_TDOT=0."""
     from ...backends.platform import env_switch
     from .launch import interpreting
 
     if device.type != "cuda" or interpreting():
         return TILES["default"]
     tiles = TILES["cuda"]
-    if decode and t <= DECODE_TDOT["max_t"] and env_switch("DSV41_MHC_TDOT", True):
-        wide = t >= DECODE_TDOT["wide_t"]
-        tiles = dict(tiles, tdot=True, num_stages=DECODE_TDOT["num_stages"],
-                     block_t=DECODE_TDOT["wide_block_t" if wide else "block_t"])
-    return tiles
+    if not sized or not env_switch("DSV41_MHC_TDOT", True):
+        return tiles
+    if t > DECODE_TDOT["max_t"]:
+        return dict(tiles, tdot=True, **PREFILL_TDOT)
+    wide = t >= DECODE_TDOT["wide_t"]
+    return dict(tiles, tdot=True, num_stages=DECODE_TDOT["num_stages"],
+                block_t=DECODE_TDOT["wide_block_t" if wide else "block_t"])
 
 
 def ub_tiles(block_t: int, block_d: int) -> dict[str, tuple[int, ...]]:
@@ -724,7 +733,7 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
             block_d: int | None = None, num_warps: int | None = None, workers: int | None = None,
             split: bool | None = None, d_split: int | None = None, num_stages: int | None = None,
             fused: bool | None = None, norm: tuple | None = None, early: bool | None = None,
-            chunk_block: int | None = None, tdot: bool | None = None, decode_tiles: bool = True):
+            chunk_block: int | None = None, tdot: bool | None = None, sized_tiles: bool = True):
     """`ops.mhc_mix` in one pass: x [T, 4, d], y [T, d], post/pre [T, 4], comb [T, 4, 4];
     fn [24, 4d] fp32, scale [3], base [24] (or fn None). Returns (x_new [T, 4, d] in x's dtype,
     x_hat [T, d] in x's dtype, (pre, post, comb) fp32 or None). The keyword-only tile
@@ -734,8 +743,8 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     issues the decode kernels' independent loads first; `chunk_block` fixes the chunk partials the
     coefficient epilogue adds per step (default `coef_chunk_block` of its tokens per tile, which
     follows T: batch-invariant mode fixes it). `tdot` (default: `tiles_for`'s; bf16 streams with
-    fn only): the transposed projection on fn's cached bf16 parts (TDOT_M); `decode_tiles=False`
-    keeps the table's tiles at decode batches too (`tiles_for`). `norm` = (weight [d], eps), with
+    fn only): the transposed projection on fn's cached bf16 parts (TDOT_M); `sized_tiles=False`
+    keeps the table's tiles whatever T (`tiles_for`). `norm` = (weight [d], eps), with
     `fn` only: the coefficient epilogue also writes rms_norm(x_hat, weight, eps), returned as a
     fourth value (`mhc_mix_norm`)."""
     from .launch import grid_for, interpreting, needs_int64, num_workers
@@ -771,7 +780,7 @@ def mhc_mix(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     done = (x_new, x_hat, ((opre, opost, ocomb) if has_fn else None)) + ((x_norm,) if norm is not None else ())
     if t == 0:
         return done
-    tiles = tiles_for(t, x.device, decode_tiles)
+    tiles = tiles_for(t, x.device, sized_tiles)
     bt = block_t or tiles["block_t"]
     bd = block_d or min(tiles["block_d"], triton.next_power_of_2(d))
     # d chunks per token tile: enough work items to fill the device (each chunk a whole number

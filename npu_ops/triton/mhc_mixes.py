@@ -72,7 +72,7 @@ def _mhc_partials_kernel(x_ptr, fn_ptr, part_ptr, pcomp_ptr, pss_ptr, count_ptr,
 def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
               hc_eps: float, iters: int, *, fused: bool | None = None, d_split: int | None = None,
               collapse_norm: tuple | None = None, chunk_block: int | None = None, tdot: bool | None = None,
-              decode_tiles: bool = True):
+              sized_tiles: bool = True):
     """x [T, 4, d] -> (pre [T, 4], post [T, 4], comb [T, 4, 4]) fp32. `fused`: the coefficients
     come from the partials kernel's last program per token tile (one launch; default:
     DSV41_MHC_COEF); `d_split` fixes the d chunks per token tile (default: more when few tiles).
@@ -80,7 +80,7 @@ def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
     x_hat = mhc_collapse(x, pre_prev) and rms_norm(x_hat, weight, eps), returned after the
     coefficients (`mhc_enter_norm`). `chunk_block`: the chunk partials the coefficient epilogue
     adds per step (`mega_mhc.mhc_mix`). `tdot`: the transposed projection on fn's bf16 parts
-    (default: `mega_mhc.tiles_for`'s; bf16 streams only; `mega_mhc.TDOT_M`); `decode_tiles`: as
+    (default: `mega_mhc.tiles_for`'s; bf16 streams only; `mega_mhc.TDOT_M`); `sized_tiles`: as
     `mega_mhc.mhc_mix`'s."""
     from .launch import grid_for, interpreting, needs_int64, num_workers, tile_counters
 
@@ -109,7 +109,7 @@ def mhc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
         rms_eps, bf16, done = 0.0, False, (pre, post, comb)
     if t == 0:
         return done
-    tiles = tiles_for(t, x.device, decode_tiles)
+    tiles = tiles_for(t, x.device, sized_tiles)
     bt, bd = tiles["block_t"], min(tiles["block_d"], triton.next_power_of_2(d))
     n_tiles, slices = -(-t // bt), -(-d // bd)
     want = d_split or max(tiles["d_split"], -(-2 * num_workers(x.device) // n_tiles))
