@@ -67,10 +67,18 @@ def env_switch(name: str, default: bool) -> bool:
     return _SWITCHES[name]
 
 
+def mhc_coef_lane_on(kind: str) -> bool:
+    """Whether the mHC coefficient launch goes to the side lane MHC_COEF_LANE on a `kind` device:
+    CUDA only (Ascend keeps it on the calling stream: unmeasured there), unless
+    DSV41_MHC_COEF_LANE=0. H100 (session forty-eight, mini decode graph at 4K, three alternated
+    rounds): batch 1 / 8 / 64 1.873 / 2.852 / 4.272 -> 1.820 / 2.810 / 4.216 ms."""
+    return kind == "cuda" and env_switch("DSV41_MHC_COEF_LANE", True)
+
+
 def join_mhc_coef(plat: "Platform", coef) -> None:
     """Before reading mHC coefficients: join the lane their epilogue may have been forked on
-    (MHC_COEF_LANE, under DSV41_MHC_COEF_LANE=1; nothing to do otherwise)."""
-    if env_switch("DSV41_MHC_COEF_LANE", False):
+    (MHC_COEF_LANE, where `mhc_coef_lane_on`; nothing to do otherwise)."""
+    if mhc_coef_lane_on(plat.kind):
         plat.join(lane=MHC_COEF_LANE, out=coef)
 
 
@@ -215,8 +223,8 @@ def _tensors(out):
 
 
 _AUX_STREAMS: dict = {}  # (device, lane) -> the auxiliary stream `fork` uses there
-# The lane the mHC coefficient epilogue may be forked on (`npu_ops/triton/mega_mhc.py`, opt-in
-# DSV41_MHC_COEF_LANE=1): its outputs are read only by the next mHC step, so the model joins this
+# The lane the mHC coefficient epilogue is forked on (`npu_ops/triton/mega_mhc.py`; CUDA, unless
+# DSV41_MHC_COEF_LANE=0: `mhc_coef_lane_on`): its outputs are read only by the next mHC step, so the model joins this
 # lane before it reads coefficients (`core.model.Block.mix`, and before the CED row selection in
 # `Transformer.forward`). Lanes 0 and 1 are the indexer's and the compressor's.
 MHC_COEF_LANE = 2

@@ -118,9 +118,10 @@ def test_tile_counters_are_kept_per_stream(monkeypatch):
 
 
 def test_mhc_mixes_join_the_coefficient_lane_when_it_is_on(tiny_cfg, fresh_seed, rng, monkeypatch):
-    """DSV41_MHC_COEF_LANE=1: every mHC step joins MHC_COEF_LANE (where a device forks the
-    coefficient epilogue; CPU runs it in order) before reading its coefficients, and the logits
-    stay the sequential ones; off (the default), nothing joins that lane."""
+    """On a CUDA platform (the default, DSV41_MHC_COEF_LANE unset) every mHC step joins
+    MHC_COEF_LANE (where the device forks the coefficient epilogue; here a recording platform
+    runs it in order) before reading its coefficients, and the logits stay the sequential ones;
+    with DSV41_MHC_COEF_LANE=0, or on a platform of another kind, nothing joins that lane."""
     from dsv41.backends import platform
 
     log = []
@@ -132,12 +133,19 @@ def test_mhc_mixes_join_the_coefficient_lane_when_it_is_on(tiny_cfg, fresh_seed,
     model = build_model(tiny_cfg, seed=fresh_seed, with_drafter=False)
     ids = rand_prompt(tiny_cfg, 12, rng)
     want = SingleSequence(model).feed(ids, all_logits=True)
-    for blk in model.layers:
-        blk._plat = Recording("cpu", torch.device("cpu"))
-    monkeypatch.setattr(platform, "_SWITCHES", {"DSV41_MHC_COEF_LANE": False})
-    SingleSequence(model).feed(ids, all_logits=True)
-    assert platform.MHC_COEF_LANE not in log
-    monkeypatch.setattr(platform, "_SWITCHES", {"DSV41_MHC_COEF_LANE": True})
-    got = SingleSequence(model).feed(ids, all_logits=True)
-    assert torch.equal(got, want)
-    assert log.count(platform.MHC_COEF_LANE) >= 2 * len(model.layers)  # (every mix of every feed step)
+    monkeypatch.delenv("DSV41_MHC_COEF_LANE", raising=False)
+    for kind, env, joins in (("cuda", "0", False), ("npu", None, False), ("cuda", None, True)):
+        for blk in model.layers:
+            blk._plat = Recording(kind, torch.device("cpu"))
+        monkeypatch.setattr(platform, "_SWITCHES", {})  # (the switch is read once per process)
+        if env is not None:
+            monkeypatch.setenv("DSV41_MHC_COEF_LANE", env)
+        else:
+            monkeypatch.delenv("DSV41_MHC_COEF_LANE", raising=False)
+        log.clear()
+        got = SingleSequence(model).feed(ids, all_logits=True)
+        assert torch.equal(got, want), (kind, env)
+        if joins:  # (every mix of every feed step)
+            assert log.count(platform.MHC_COEF_LANE) >= 2 * len(model.layers), (kind, env)
+        else:
+            assert platform.MHC_COEF_LANE not in log, (kind, env)

@@ -140,7 +140,7 @@ def test_tiles_for_rules(monkeypatch):
 @pytest.mark.parametrize("dev", DEVICES[1:])
 @pytest.mark.parametrize("t", [1, 64])
 def test_mhc_coef_lane_same_bits_gpu(dev, t, rng, monkeypatch):
-    """DSV41_MHC_COEF_LANE=1: the coefficient launch forked on the side lane and joined
+    """The coefficient launch forked on the side lane (the CUDA default) and joined
     (`join_mhc_coef`) before anything reads it, eagerly and inside a captured CUDA graph: the same
     bits as the launch on the calling stream."""
     from dsv41.backends import platform

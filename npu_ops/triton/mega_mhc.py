@@ -78,10 +78,11 @@ TDOT_M = tl.constexpr(64)  # fn's 24 rows padded to the wgmma's M (the padding r
 # 68.5 / 326.6 (every row checked against the fp64 oracle, the same differing fractions).
 # DSV41_MHC_TDOT=0 (read once per process, `backends.platform.env_switch`) keeps the table's tiles
 # at every size.
-# DSV41_MHC_COEF_LANE=1 (opt-in, unmeasured): the unfused coefficient launch of a call without
+# On CUDA (DSV41_MHC_COEF_LANE=0 turns it off) the unfused coefficient launch of a call without
 # `norm` runs on the platform's side lane `MHC_COEF_LANE` (`coef_launch`): its outputs (pre, post,
-# comb) are read only by the next mHC step, after a whole sublayer, so it can run beside that
-# sublayer's first kernels instead of before them; the model joins the lane before it reads them.
+# comb) are read only by the next mHC step, after a whole sublayer, so it runs beside that
+# sublayer's first kernels instead of before them; the model joins the lane before it reads them
+# (H100, mini decode graph at 4K: -53 / -42 / -56 us a step at batch 1 / 8 / 64).
 DECODE_TDOT = {"max_t": 64, "num_stages": 1, "block_t": 16, "wide_t": 32, "wide_block_t": 32}
 PREFILL_TDOT = {"block_t": 32, "block_d": 32, "num_stages": 2}
 
@@ -673,16 +674,17 @@ def launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunk
 
 
 def coef_launch(device: torch.device, part, pcomp, pss, *rest, norm: tuple | None = None, **kw) -> None:
-    """`launch_coef(part, pcomp, pss, *rest, norm=norm, **kw)`, on the side lane MHC_COEF_LANE under
-    DSV41_MHC_COEF_LANE=1 when nothing waits for it at once (no `norm`: a normed output is the
-    next sublayer's input) on a device with streams; else on the calling stream. The lane reads
-    the chunk partials (part, pcomp, pss) that the calling stream wrote and that nobody holds
-    afterwards: they are marked as used on the lane, so their memory is not handed out again
-    before it is done. UNVERIFIED on hardware: written without a device (session forty-seven)."""
-    from ...backends.platform import MHC_COEF_LANE, env_switch, platform_for
+    """`launch_coef(part, pcomp, pss, *rest, norm=norm, **kw)`, on the side lane MHC_COEF_LANE
+    (`backends.platform.mhc_coef_lane_on`: CUDA unless DSV41_MHC_COEF_LANE=0) when nothing waits
+    for it at once (no `norm`: a normed output is the next sublayer's input); else on the calling
+    stream. The lane reads the chunk partials (part, pcomp, pss) that the calling stream wrote and
+    that nobody holds afterwards: they are marked as used on the lane, so their memory is not
+    handed out again before it is done. Same bits as on the calling stream, eagerly and in a CUDA
+    graph (tests/test_triton_mega_mhc.py, H100 2026-12-07)."""
+    from ...backends.platform import MHC_COEF_LANE, mhc_coef_lane_on, platform_for
     from .launch import interpreting
 
-    if norm is not None or device.type != "cuda" or interpreting() or not env_switch("DSV41_MHC_COEF_LANE", False):
+    if norm is not None or interpreting() or not mhc_coef_lane_on(device.type):
         launch_coef(part, pcomp, pss, *rest, norm=norm, **kw)
         return
     plat = platform_for(device)
