@@ -224,9 +224,9 @@ def _tensors(out):
 
 _AUX_STREAMS: dict = {}  # (device, lane) -> the auxiliary stream `fork` uses there
 # The lane the mHC coefficient epilogue is forked on (`npu_ops/triton/mega_mhc.py`; CUDA, unless
-# DSV41_MHC_COEF_LANE=0: `mhc_coef_lane_on`): its outputs are read only by the next mHC step, so the model joins this
-# lane before it reads coefficients (`core.model.Block.mix`, and before the CED row selection in
-# `Transformer.forward`). Lanes 0 and 1 are the indexer's and the compressor's.
+# DSV41_MHC_COEF_LANE=0: `mhc_coef_lane_on`): its outputs are read only by the next mHC step, so
+# the model joins this lane before it reads coefficients (`core.model.Block.mix`, and before the
+# CED row selection in `Transformer.forward`). Lanes 0 and 1 are the indexer's and the compressor's.
 MHC_COEF_LANE = 2
 _CAPTURE_STREAMS: dict = {}  # device -> the stream its graphs are captured (and warmed up) on
 

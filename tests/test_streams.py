@@ -133,7 +133,6 @@ def test_mhc_mixes_join_the_coefficient_lane_when_it_is_on(tiny_cfg, fresh_seed,
     model = build_model(tiny_cfg, seed=fresh_seed, with_drafter=False)
     ids = rand_prompt(tiny_cfg, 12, rng)
     want = SingleSequence(model).feed(ids, all_logits=True)
-    monkeypatch.delenv("DSV41_MHC_COEF_LANE", raising=False)
     for kind, env, joins in (("cuda", "0", False), ("npu", None, False), ("cuda", None, True)):
         for blk in model.layers:
             blk._plat = Recording(kind, torch.device("cpu"))
