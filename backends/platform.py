@@ -228,6 +228,10 @@ _AUX_STREAMS: dict = {}  # (device, lane) -> the auxiliary stream `fork` uses th
 # the model joins this lane before it reads coefficients (`core.model.Block.mix`, and before the
 # CED row selection in `Transformer.forward`). Lanes 0 and 1 are the indexer's and the compressor's.
 MHC_COEF_LANE = 2
+# The lane Engram values (lookup + `wkv`: they read only the step's token ids) are forked on at a
+# step's start (`Transformer.forward`, `overlap_streams`' "engram"); `core.engram.EngramValues`
+# joins it before the layer's gate.
+ENGRAM_LANE = 3
 _CAPTURE_STREAMS: dict = {}  # device -> the stream its graphs are captured (and warmed up) on
 
 
@@ -335,6 +339,10 @@ class Platform:
     # a Full / Reindex layer's compressor and top-k run on a second stream beside its query and
     # KV projections by default at up to this many tokens (`Transformer.overlap_streams`)
     overlap_indexer_tokens = 0
+    # Engram values (lookup + wkv) forked at the step's start beside the layers before theirs by
+    # default at up to this many tokens (`Transformer.overlap_streams`' "engram"); 0: never (the
+    # default everywhere until measured)
+    overlap_engram_tokens = 0
 
     @property
     def backend(self) -> str:

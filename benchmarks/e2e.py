@@ -25,7 +25,8 @@ One run measures, on random weights with realistic statistics (MODEL.md section 
 - peak device memory against weights + KV pools;
 - optionally (`--offload`), decode with the Engram tables in page-locked host memory, and
   (`--streams`) with work on a second stream: each MoE's shared expert beside the routed experts,
-  then also each indexed layer's compressor and top-k beside its projections, and (`--pdl`)
+  then also each indexed layer's compressor and top-k beside its projections, then also the
+  Engram layers' values from the step's start, and (`--pdl`)
   with programmatic dependent launch off and in its two modes.
 Writes a dated markdown report naming the device (`--out`), and prints it.
 
@@ -717,12 +718,14 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
         L += table("Second stream (decode, graph replay)",
                    "One stream: everything in order; shared: each MoE's shared expert on a second stream "
                    "beside the routed experts; + indexer: also each Full / Reindex layer's compressor and "
-                   "top-k beside its query and KV projections. Same logits = the step's logits are "
-                   "bit-identical in all three.",
+                   "top-k beside its query and KV projections; + engram: also the Engram layers' values "
+                   "(lookup and wkv) from the step's start beside the layers before theirs. Same logits = "
+                   "the step's logits are bit-identical in all four.",
                    ["context", "batch", "one stream ms", "shared ms", "change", "shared + indexer ms", "change",
-                    "same logits"],
+                    "+ engram ms", "change", "same logits"],
                    [[r["ctx"], r["batch"], f"{r['one_s'] * 1e3:.3f}", *_ms_change(r, "shared_s", "one_s"),
-                     *_ms_change(r, "both_s", "one_s"), r["same"]] for r in streams])
+                     *_ms_change(r, "both_s", "one_s"), *_ms_change(r, "all_s", "one_s"), r["same"]]
+                    for r in streams])
     if pdl:
         modes = [k[:-2] for k in pdl[0] if k.endswith("_s")]
         L += table("Programmatic dependent launch (decode, graph replay)",
@@ -881,7 +884,8 @@ def _step_variants(model, args, clock: Clock, log, label: str, variants, reset) 
 
 def run_streams(model, args, clock: Clock, log) -> list[dict]:
     """Everything on one stream, each MoE's shared expert on a second stream beside its routed
-    experts, and the indexed layers' compressor and top-k there as well (`_step_variants`)."""
+    experts, the indexed layers' compressor and top-k there as well, and then also the Engram
+    layers' values from the step's start (`_step_variants`)."""
     def on(parts):
         def apply():
             model.overlap_streams(False)
@@ -889,7 +893,8 @@ def run_streams(model, args, clock: Clock, log) -> list[dict]:
                 model.overlap_streams(True, parts)
         return apply
 
-    variants = (("one", on(())), ("shared", on(("shared",))), ("both", on(("shared", "indexer"))))
+    variants = (("one", on(())), ("shared", on(("shared",))), ("both", on(("shared", "indexer"))),
+                ("all", on(("shared", "indexer", "engram"))))
     return _step_variants(model, args, clock, log, "streams", variants,
                           lambda: model.overlap_streams(None))  # (the platform's default again)
 

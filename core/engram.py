@@ -375,6 +375,28 @@ class FetchedRows:
         return replace(self, rows=self.rows[index])
 
 
+@dataclass
+class EngramValues:
+    """One layer's Engram values [T, (n + 1) d] (its rows looked up and projected by `wkv`),
+    forked on the platform's side lane ENGRAM_LANE at the step's start (`Transformer.forward`
+    under `overlap_streams`' "engram"): they read only the token ids, so they are made beside the
+    layers before theirs."""
+
+    kv: torch.Tensor
+    platform: Any
+
+    def ready(self) -> torch.Tensor:
+        """The values, with the current stream joined to the lane they were made on."""
+        from ..backends.platform import ENGRAM_LANE
+
+        self.platform.join(lane=ENGRAM_LANE, out=self.kv)
+        return self.kv
+
+    def select(self, index: torch.Tensor) -> "EngramValues":
+        """The values of a subset of the tokens (CED: the decoder's rows), read after the join."""
+        return replace(self, kv=self.ready()[index])
+
+
 def _byte_dtype(t: torch.Tensor) -> torch.dtype:
     """A same-width dtype `index_select` handles on the host (1-byte floats as uint8)."""
     return torch.uint8 if t.element_size() == 1 else t.dtype

@@ -22,11 +22,11 @@ from torch import nn
 
 from ..backends import ops
 from ..backends.paging import table_rows
-from ..backends.platform import join_mhc_coef, overlap, platform_for
+from ..backends.platform import ENGRAM_LANE, join_mhc_coef, overlap, platform_for
 from .batch import Rows, StepBatch
 from .cache import FLOOR_DECODER, FLOOR_DRAFT, FLOOR_ENCODER, KVPool
 from .config import ModelConfig, yarn_inv_freq
-from .engram import EngramPrefetch, FetchedRows, engram_multipliers, engram_primes
+from .engram import EngramPrefetch, EngramValues, FetchedRows, engram_multipliers, engram_primes
 from .parallel import SINGLE, Group
 
 BF16 = torch.bfloat16
@@ -617,17 +617,27 @@ class Engram(nn.Module):
                                self.cfg.engram_n_heads)
 
     def forward(self, x: torch.Tensor, rows, is_image: torch.Tensor) -> torch.Tensor:
-        """`rows`: row ids [T, 24] into the table, or the step's rows already fetched from a host
-        table (`FetchedRows`: looked up once their copy is done, on the device)."""
-        t, n, d = x.shape
+        """`rows`: row ids [T, 24] into the table, the step's rows already fetched from a host
+        table (`FetchedRows`: looked up once their copy is done, on the device), or this layer's
+        values made ahead on a side lane (`EngramValues`: read once the lane is joined)."""
+        kv = rows.ready() if isinstance(rows, EngramValues) else self.values(rows)
+        return self.gate(x, kv, is_image)
+
+    def values(self, rows) -> torch.Tensor:
+        """The values [T, (n + 1) d]: the rows looked up and projected by `wkv` (4 keys + 1 value).
+        They read only the token ids, not the streams (`Transformer.overlap_streams`' "engram")."""
         if isinstance(rows, FetchedRows):
             e = ops.engram_lookup(*rows.ready())
         elif self.group.world_size == 1:
             e = ops.engram_lookup(self.embed.weight, self.embed.scale, rows)
         else:
             e = self.sharded_lookup(rows)
-        kv = self.wkv(e)  # (engram_gate widens k and v itself, reading them in place)
-        k, v = kv[:, : n * d].reshape(t, n, d), kv[:, n * d:]
+        return self.wkv(e)
+
+    def gate(self, x: torch.Tensor, kv: torch.Tensor, is_image: torch.Tensor) -> torch.Tensor:
+        """Every stream plus its gate times the value (gate 0 on image tokens)."""
+        t, n, d = x.shape
+        k, v = kv[:, : n * d].reshape(t, n, d), kv[:, n * d:]  # (engram_gate widens them, reading in place)
         return ops.engram_gate(x, k, v, self.q_weight, self.k_weight, self.cfg.rms_norm_eps, is_image)
 
 
@@ -772,6 +782,7 @@ class Transformer(nn.Module):
         self.register_buffer("engram_map", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
         self.engram_pad = 0
         self.engram_fetch, self._prefetch = None, None  # host-offloaded tables (`offload_engram`)
+        self.overlap_engram: bool | None = None  # Engram values ahead on a side lane (`overlap_streams`)
         if cfg.vision is not None:  # DeepSeek-ViT + aligner + framing rows (core/vision.py)
             from .vision import (  # imports this module
                 IMAGE_FRAME,
@@ -784,17 +795,23 @@ class Transformer(nn.Module):
             for name in IMAGE_FRAME:
                 self.register_buffer(name, torch.empty(d, dtype=BF16))
 
-    def overlap_streams(self, on: bool | None = True, parts: tuple[str, ...] = ("shared", "indexer")) -> None:
+    def overlap_streams(self, on: bool | None = True,
+                        parts: tuple[str, ...] = ("shared", "indexer", "engram")) -> None:
         """Run work on a second device stream beside independent work (through the platform's
         streams and events; the same arithmetic, so the same logits): "shared", each MoE's shared
         expert beside its routed experts; "indexer", each Full / Reindex layer's compressor and
-        top-k beside its query and KV projections. None restores the platform's defaults
-        (`Platform.overlap_shared_tokens`, `overlap_indexer_tokens`): on CUDA at decode sizes,
-        where the H200 measured them faster (benchmarks/RESULTS-e2e.md); off on CPU (no streams)
-        and on NPU (unverified on hardware). `benchmarks/e2e.py --streams` measures them."""
-        bad = set(parts) - {"shared", "indexer"}
+        top-k beside its query and KV projections; "engram", the Engram layers' values (lookup and
+        `wkv`, from the token ids alone) from the step's start beside the layers before theirs.
+        None restores the platform's defaults (`Platform.overlap_shared_tokens`,
+        `overlap_indexer_tokens`, `overlap_engram_tokens`): shared and indexer on CUDA at decode
+        sizes, where the H200 measured them faster (benchmarks/RESULTS-e2e.md), Engram off until
+        measured; off on CPU (no streams) and on NPU (unverified on hardware). `benchmarks/e2e.py
+        --streams` measures them."""
+        bad = set(parts) - {"shared", "indexer", "engram"}
         if bad:
-            raise ValueError(f"unknown overlap parts {sorted(bad)}; known: shared, indexer")
+            raise ValueError(f"unknown overlap parts {sorted(bad)}; known: shared, indexer, engram")
+        if "engram" in parts:
+            self.overlap_engram = on
         for blk in self.layers:
             if "shared" in parts:
                 blk.ffn.overlap_shared = on
@@ -875,6 +892,7 @@ class Transformer(nn.Module):
         if batch.image_embeds is not None:  # (masked_scatter: no host read of the mask)
             x = x.masked_scatter(batch.is_image.unsqueeze(-1), batch.image_embeds.to(device=x.device, dtype=x.dtype))
         engram = self._engram_rows(batch)  # device row ids, or rows fetched ahead from host tables
+        engram = self._engram_ahead(engram, t, x.device)
         x = x.unsqueeze(1).expand(t, cfg.hc_mult, cfg.hidden_size).contiguous()
         # the first sublayer collapses with one-hot [1, 0, 0, 0]
         pre = constant_rows(f"first_stream.{cfg.hc_mult}", t, x.device,
@@ -891,7 +909,8 @@ class Transformer(nn.Module):
                 sel = batch.decoder_rows
                 join_mhc_coef(module_platform(self, x.device), s.coef)
                 s, rows = s.select(sel), rows.select(sel)
-                engram = {k: v.select(sel) if isinstance(v, FetchedRows) else v[sel] for k, v in engram.items()}
+                engram = {k: v.select(sel) if isinstance(v, (FetchedRows, EngramValues)) else v[sel]
+                          for k, v in engram.items()}
                 if rows.num == 0:
                     break
             if i == cfg.decoder_start:
@@ -932,6 +951,24 @@ class Transformer(nn.Module):
                                             self.cfg.engram_n_heads)
             self._prefetch = EngramPrefetch(layers, self.engram_map, self.engram_pad, self.embed.weight.device)
         return self._prefetch
+
+    def _engram_ahead(self, engram: dict, t: int, device: torch.device) -> dict:
+        """Under `overlap_engram` (None: the platform's default, `Platform.overlap_engram_tokens`),
+        the values of every Engram layer but the first block's (read at once, at the model's
+        entry) forked on side lane ENGRAM_LANE now, at the step's start: lookup and `wkv` read only
+        the token ids, so they run beside the layers before theirs (`EngramValues`; one rank only:
+        a sharded lookup sums over ranks; rows fetched from host tables stay on the main stream).
+        The same operations on the same inputs, so the same values."""
+        plat = module_platform(self, device)
+        on = self.overlap_engram
+        if on is None:
+            on = t <= plat.overlap_engram_tokens
+        if not on or self.group.world_size > 1:
+            return engram
+        entry = self.layers[0].layer_id
+        blocks = {blk.layer_id: blk for blk in self.layers}
+        return {i: EngramValues(plat.fork(lambda e=blocks[i].engram, r=r: e.values(r), lane=ENGRAM_LANE), plat)
+                if i != entry and not isinstance(r, FetchedRows) else r for i, r in engram.items()}
 
     def _engram_rows(self, batch: StepBatch) -> dict:
         """Per Engram layer: hashed row ids [T, 24] from the n-gram inputs the batch carries

@@ -1,6 +1,7 @@
 """The second device stream (`Transformer.overlap_streams`: each MoE's shared expert beside its
-routed experts, each indexed layer's compressor and top-k beside its projections): the same
-arithmetic, so the same logits and tokens with it on or off."""
+routed experts, each indexed layer's compressor and top-k beside its projections, the Engram
+layers' values from the step's start): the same arithmetic, so the same logits and tokens with it
+on or off."""
 
 from __future__ import annotations
 
@@ -17,11 +18,60 @@ def test_overlap_gives_the_same_logits(tiny_cfg, fresh_seed, rng):
     ids = rand_prompt(tiny_cfg, 12, rng)
     want = SingleSequence(model).feed(ids, all_logits=True)
     model.overlap_streams(True)
-    assert all(blk.ffn.overlap_shared and blk.attn.overlap_indexer for blk in model.layers)
+    assert all(blk.ffn.overlap_shared and blk.attn.overlap_indexer for blk in model.layers) and model.overlap_engram
     got = SingleSequence(model).feed(ids, all_logits=True)
     assert want.abs().max() > 0 and torch.equal(got, want)
     with pytest.raises(ValueError, match="unknown overlap parts"):
-        model.overlap_streams(True, parts=("indexer", "engram"))
+        model.overlap_streams(True, parts=("indexer", "router"))
+
+
+def test_engram_values_are_forked_at_the_step_start(tiny_cfg, fresh_seed, rng):
+    """With "engram" on, each Engram layer's values (lookup + wkv) but the entry block's are forked
+    on ENGRAM_LANE before the first block runs, and joined right before that layer's gate; off
+    (the default on every platform until measured), nothing is forked. Recorded by a CPU platform
+    that runs forked work at once; the logits stay the sequential ones. A CED prefill selects the
+    decoder's rows of forked values too."""
+    from dsv41.backends import ops
+    from dsv41.backends.platform import ENGRAM_LANE, Platform
+
+    log = []
+
+    class Recording(Platform):
+        def fork(self, fn, lane=0):
+            log.append(f"fork {lane}")
+            return fn()
+
+        def join(self, lane=0, out=None):
+            log.append(f"join {lane}")
+
+    model = build_model(tiny_cfg, seed=fresh_seed, with_drafter=False)
+    ids = rand_prompt(tiny_cfg, 12, rng)
+    want = SingleSequence(model).feed(ids, all_logits=True)
+    want_ced = SingleSequence(model).feed(ids, decoder_from=6, all_logits=True)
+    model._plat = Recording("cpu", torch.device("cpu"))
+    gate = ops.engram_gate
+
+    def logged_gate(*a, **k):
+        log.append("gate")
+        return gate(*a, **k)
+
+    engram_layers = [blk.layer_id for blk in model.layers if blk.engram is not None]
+    forked = [i for i in engram_layers if i != model.layers[0].layer_id]
+    assert forked, engram_layers  # (the tiny preset has Engram past the entry block)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops, "engram_gate", logged_gate)
+        SingleSequence(model).feed(ids, all_logits=True)
+        assert f"fork {ENGRAM_LANE}" not in log, log  # the default: off
+        model.overlap_streams(True, parts=("engram",))
+        log.clear()
+        got = SingleSequence(model).feed(ids, all_logits=True)
+        seen = list(log)
+        assert torch.equal(SingleSequence(model).feed(ids, decoder_from=6, all_logits=True), want_ced)  # CED
+    assert torch.equal(got, want)
+    lane = [e for e in seen if e in (f"fork {ENGRAM_LANE}", f"join {ENGRAM_LANE}", "gate")]
+    n = len(forked)
+    entry = ["gate"] if model.layers[0].engram is not None else []
+    assert lane == [f"fork {ENGRAM_LANE}"] * n + entry + [f"join {ENGRAM_LANE}", "gate"] * n, seen
 
 
 def test_full_layers_fork_their_compressor_from_the_layer_input(tiny_cfg, fresh_seed, rng):
