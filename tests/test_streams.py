@@ -13,6 +13,22 @@ from dsv41.core.weights import build_model
 from _util import rand_prompt
 
 
+def recording_platform(log: list, kind: str = "cpu"):
+    """A platform of `kind` on the CPU that runs forked work at once (as CPU does) and records its
+    forks and joins ("fork 1", "join 1") in `log`."""
+    from dsv41.backends.platform import Platform
+
+    class Recording(Platform):
+        def fork(self, fn, lane=0):
+            log.append(f"fork {lane}")
+            return fn()
+
+        def join(self, lane=0, out=None):
+            log.append(f"join {lane}")
+
+    return Recording(kind, torch.device("cpu"))
+
+
 def test_overlap_gives_the_same_logits(tiny_cfg, fresh_seed, rng):
     model = build_model(tiny_cfg, seed=fresh_seed, with_drafter=False)
     ids = rand_prompt(tiny_cfg, 12, rng)
@@ -32,23 +48,15 @@ def test_engram_values_are_forked_at_the_step_start(tiny_cfg, fresh_seed, rng):
     that runs forked work at once; the logits stay the sequential ones. A CED prefill selects the
     decoder's rows of forked values too."""
     from dsv41.backends import ops
-    from dsv41.backends.platform import ENGRAM_LANE, Platform
+    from dsv41.backends.platform import ENGRAM_LANE
 
     log = []
-
-    class Recording(Platform):
-        def fork(self, fn, lane=0):
-            log.append(f"fork {lane}")
-            return fn()
-
-        def join(self, lane=0, out=None):
-            log.append(f"join {lane}")
 
     model = build_model(tiny_cfg, seed=fresh_seed, with_drafter=False)
     ids = rand_prompt(tiny_cfg, 12, rng)
     want = SingleSequence(model).feed(ids, all_logits=True)
     want_ced = SingleSequence(model).feed(ids, decoder_from=6, all_logits=True)
-    model._plat = Recording("cpu", torch.device("cpu"))
+    model._plat = recording_platform(log)
     gate = ops.engram_gate
 
     def logged_gate(*a, **k):
@@ -80,24 +88,15 @@ def test_full_layers_fork_their_compressor_from_the_layer_input(tiny_cfg, fresh_
     joins lane 0; a Reindex layer forks its top-k alone, after the norm. The order is recorded by
     a CPU platform that runs forked work at once (as CPU does), and the logits stay the
     sequential ones."""
-    from dsv41.backends.platform import Platform
 
     log = []
-
-    class Recording(Platform):
-        def fork(self, fn, lane=0):
-            log.append(f"fork {lane}")
-            return fn()
-
-        def join(self, lane=0, out=None):
-            log.append(f"join {lane}")
 
     model = build_model(tiny_cfg, seed=fresh_seed, with_drafter=False)
     ids = rand_prompt(tiny_cfg, 12, rng)
     want = SingleSequence(model).feed(ids, all_logits=True)
     model.overlap_streams(True, parts=("indexer",))
     for blk in model.layers:
-        blk.attn._plat = Recording("cpu", torch.device("cpu"))
+        blk.attn._plat = recording_platform(log)
         norm = blk.attn.q_norm.forward
         blk.attn.q_norm.forward = lambda x, norm=norm: (log.append("q_norm"), norm(x))[1]
     got = SingleSequence(model).feed(ids, all_logits=True)
@@ -176,16 +175,12 @@ def test_mhc_mixes_join_the_coefficient_lane_when_it_is_on(tiny_cfg, fresh_seed,
 
     log = []
 
-    class Recording(platform.Platform):
-        def join(self, lane=0, out=None):
-            log.append(lane)
-
     model = build_model(tiny_cfg, seed=fresh_seed, with_drafter=False)
     ids = rand_prompt(tiny_cfg, 12, rng)
     want = SingleSequence(model).feed(ids, all_logits=True)
     for kind, env, joins in (("cuda", "0", False), ("npu", None, False), ("cuda", None, True)):
         for blk in model.layers:
-            blk._plat = Recording(kind, torch.device("cpu"))
+            blk._plat = recording_platform(log, kind)
         monkeypatch.setattr(platform, "_SWITCHES", {})  # (the switch is read once per process)
         if env is not None:
             monkeypatch.setenv("DSV41_MHC_COEF_LANE", env)
@@ -195,6 +190,6 @@ def test_mhc_mixes_join_the_coefficient_lane_when_it_is_on(tiny_cfg, fresh_seed,
         got = SingleSequence(model).feed(ids, all_logits=True)
         assert torch.equal(got, want), (kind, env)
         if joins:  # (every mix of every feed step)
-            assert log.count(platform.MHC_COEF_LANE) >= 2 * len(model.layers), (kind, env)
+            assert log.count(f"join {platform.MHC_COEF_LANE}") >= 2 * len(model.layers), (kind, env)
         else:
-            assert platform.MHC_COEF_LANE not in log, (kind, env)
+            assert f"join {platform.MHC_COEF_LANE}" not in log, (kind, env)
