@@ -198,15 +198,21 @@ def overlap(device: torch.device | str, side, main):
     path); see `AscendPlatform.overlap`. Everywhere else side() then main(), on the calling
     stream, so CPU and CUDA compute exactly what sequential code computes."""
     kind = device.split(":")[0] if isinstance(device, str) else torch.device(device).type
-    if kind == "npu":
-        plat = _OVERLAP_PLATFORMS.get(str(device))
-        if plat is None:  # checked once per device: this runs in every indexer layer's forward
-            plat = _OVERLAP_PLATFORMS[str(device)] = platform_for(device)
-        return plat.overlap(side, main)
+    if kind == "npu":  # (this runs in every indexer layer's forward: the platform is made once)
+        return cached_platform(device).overlap(side, main)
     return side(), main()
 
 
-_OVERLAP_PLATFORMS: dict = {}  # str(device) -> its Platform, for `overlap`
+_PLATFORMS: dict = {}  # str(device) -> its Platform, for `cached_platform`
+
+
+def cached_platform(device: torch.device | str) -> "Platform":
+    """`platform_for(device)`, made once per device name: for hot paths with no module to keep it
+    on (the indexer's `overlap`, the mHC coefficient launch's side lane)."""
+    plat = _PLATFORMS.get(str(device))
+    if plat is None:
+        plat = _PLATFORMS[str(device)] = platform_for(device)
+    return plat
 
 
 def _no_join() -> None:

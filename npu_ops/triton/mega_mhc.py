@@ -681,13 +681,13 @@ def coef_launch(device: torch.device, part, pcomp, pss, *rest, norm: tuple | Non
     that nobody holds afterwards: they are marked as used on the lane, so their memory is not
     handed out again before it is done. Same bits as on the calling stream, eagerly and in a CUDA
     graph (tests/test_triton_mega_mhc.py, H100 2026-12-07)."""
-    from ...backends.platform import MHC_COEF_LANE, mhc_coef_lane_on, platform_for
+    from ...backends.platform import MHC_COEF_LANE, cached_platform, mhc_coef_lane_on
     from .launch import interpreting
 
     if norm is not None or interpreting() or not mhc_coef_lane_on(device.type):
         launch_coef(part, pcomp, pss, *rest, norm=norm, **kw)
         return
-    plat = platform_for(device)
+    plat = cached_platform(device)
 
     def side() -> None:
         lane = plat.current_stream()
