@@ -255,13 +255,18 @@ def _capture_stream(plat: "Platform"):
     return _device_stream(_CAPTURE_STREAMS, plat)
 
 
-def aux_fork(plat: "Platform", fn, lane: int = 0):
+def aux_fork(plat: "Platform", fn, lane: int = 0, reads=()):
     """fn() on the device's auxiliary stream `lane`, after the work queued so far on the calling
     stream (side work forked off it: the lane waits for the calling stream, no host sync).
-    Returns fn's result; the caller joins the lane (`aux_join`) before it reads that result."""
+    Returns fn's result; the caller joins the lane (`aux_join`) before it reads that result.
+    `reads`: tensors fn reads that the calling stream made and may free before the join; they are
+    marked as used on the lane, so the caching allocator does not hand their memory to the calling
+    stream's next tensor before the lane has read them."""
     cur = plat.current_stream()
     aux = _device_stream(_AUX_STREAMS, plat, (plat.device, lane))
     aux.wait_stream(cur)
+    for t in reads:
+        t.record_stream(aux)
     with plat.use_stream(aux):
         return fn()
 
@@ -346,8 +351,10 @@ class Platform:
     # KV projections by default at up to this many tokens (`Transformer.overlap_streams`)
     overlap_indexer_tokens = 0
     # Engram values (lookup + wkv) forked at the step's start beside the layers before theirs by
-    # default at up to this many tokens (`Transformer.overlap_streams`' "engram"); 0: never (the
-    # default everywhere until measured)
+    # default at up to this many tokens (`Transformer.overlap_streams`' "engram"); 0: never. Off
+    # everywhere: on CUDA (H100 2026-12-07, mini at 4K, graph ms, processes alternated, the other
+    # defaults kept) it cost time at batch 1 (1.817 / 1.819 -> 1.845 / 1.852) and gained ~5 us at
+    # batch 8 (2.849 / 2.851 -> 2.842 / 2.846); in the mini preset only one Engram layer can move
     overlap_engram_tokens = 0
 
     @property
@@ -422,9 +429,10 @@ class Platform:
         side_out = side()
         return side_out, (main(side_out, _no_join) if joined else main())
 
-    def fork(self, fn, lane: int = 0):
+    def fork(self, fn, lane: int = 0, reads=()):
         """fn() as side work beside the caller's (`aux_fork` on devices with streams; here it
-        runs at once, on the calling stream). Join it (`join`) before reading its results."""
+        runs at once, on the calling stream). Join it (`join`) before reading its results.
+        `reads`: the calling stream's tensors fn reads that nobody may hold until the join."""
         return fn()
 
     def join(self, lane: int = 0, out=None) -> None:
@@ -445,8 +453,8 @@ class _StreamPlatform(Platform):
     def overlap(self, side, main, joined: bool = False):
         return aux_stream_overlap(self, side, main, joined)
 
-    def fork(self, fn, lane: int = 0):
-        return aux_fork(self, fn, lane)
+    def fork(self, fn, lane: int = 0, reads=()):
+        return aux_fork(self, fn, lane, reads)
 
     def join(self, lane: int = 0, out=None) -> None:
         aux_join(self, lane, out)

@@ -852,29 +852,46 @@ def _ms_change(row: dict, key: str, base: str) -> list[str]:
     return [f"{row[key] * 1e3:.3f}", f"{row[key] / row[base] - 1:+.1%}"]
 
 
+# interleaved timing rounds of `_step_variants` (each times reps / rounds replays, the median kept)
+VARIANT_ROUNDS = 5
+
+
 def _step_variants(model, args, clock: Clock, log, label: str, variants, reset) -> list[dict]:
     """Decode step time (graph replay) under each (name, apply) variant, batch 1 and the largest
     batch at the first context, and whether the step's logits are bit-identical in all of them
-    (`row["same"]`); `reset()` afterwards, also on failure."""
+    (`row["same"]`); `reset()` afterwards, also on failure. A variant's setting takes effect when
+    its step is captured, so every variant's step is captured first (its own engine and graph
+    pool) and then the variants are timed in VARIANT_ROUNDS interleaved rounds, each keeping its
+    median: timed one after the other, the last variant carried the process's drift (H100
+    2026-12-07: Engram values ahead, timed last, read 5-20 us faster at batch 1 than the default
+    while alternated processes gave them 26-33 us slower)."""
     ctx = args.contexts[0]
     rows = {b: dict(ctx=ctx, batch=b, same=True) for b in sorted({1, max(args.batches)})}
+    reps = max(1, args.reps // VARIANT_ROUNDS)
     try:
-        for name, apply in variants:
-            apply()
-            for b, row in rows.items():
+        for b, row in rows.items():
+            captured = []
+            for name, apply in variants:
+                apply()
                 engine = Engine(model, max_batch=b, graphs=True, max_model_len=ctx + 64, block_size=args.block_size,
                                 max_tokens_per_step=args.max_tokens_per_step)
                 seqs = fill_sequences(engine, b, ctx, torch.Generator().manual_seed(args.seed + b))
                 randomise_pool(engine.pool, args.seed)
                 batch = decode_batch(engine, seqs)
-                row[f"{name}_s"] = clock.per_call(lambda: engine.graphs.run(batch), args.reps)
-                logits = engine.graphs.run(batch).cpu()
+                logits = engine.graphs.run(batch).cpu()  # (captures the step)
                 row.setdefault("logits", logits)
                 row["same"] = row["same"] and bool(torch.equal(logits, row["logits"]))
+                captured.append((name, engine, seqs, batch))
+            times = {name: [] for name, *_ in captured}
+            for _ in range(VARIANT_ROUNDS):
+                for name, engine, _, batch in captured:
+                    times[name].append(clock.per_call(lambda e=engine, bt=batch: e.graphs.run(bt), reps))
+            for name, engine, seqs, _ in captured:
+                row[f"{name}_s"] = statistics.median(times[name])
                 for s in seqs:
                     engine.finish(s)
-                del engine
                 log(f"{label} {name} b={b}: {row[f'{name}_s'] * 1e3:.3f} ms")
+            del captured, engine
     finally:
         reset()
     for row in rows.values():
@@ -991,8 +1008,8 @@ def main() -> int:
                     help="the --pdl modes, comma-separated, the first the baseline of the table's changes "
                          "(default: off,wait,trigger,chain)")
     ap.add_argument("--streams", action="store_true",
-                    help="also decode with work on a second stream: the shared expert, then also the indexer "
-                         "(Transformer.overlap_streams)")
+                    help="also decode with work on side streams: the shared expert, then also the indexer, "
+                         "then also the Engram layers' values (Transformer.overlap_streams)")
     ap.add_argument("--numerics", action="store_true",
                     help="device vs CPU reference logits (official rounding) and greedy vs exact prefill")
     ap.add_argument("--numerics-tiny-positions", type=int, default=64,

@@ -804,9 +804,9 @@ class Transformer(nn.Module):
         `wkv`, from the token ids alone) from the step's start beside the layers before theirs.
         None restores the platform's defaults (`Platform.overlap_shared_tokens`,
         `overlap_indexer_tokens`, `overlap_engram_tokens`): shared and indexer on CUDA at decode
-        sizes, where the H200 measured them faster (benchmarks/RESULTS-e2e.md), Engram off until
-        measured; off on CPU (no streams) and on NPU (unverified on hardware). `benchmarks/e2e.py
-        --streams` measures them."""
+        sizes, where the H200 measured them faster (benchmarks/RESULTS-e2e.md), Engram off (it cost
+        time at batch 1 on an H100); off on CPU (no streams) and on NPU (unverified on hardware).
+        `benchmarks/e2e.py --streams` measures them."""
         bad = set(parts) - {"shared", "indexer", "engram"}
         if bad:
             raise ValueError(f"unknown overlap parts {sorted(bad)}; known: shared, indexer, engram")
@@ -967,7 +967,10 @@ class Transformer(nn.Module):
             return engram
         entry = self.layers[0].layer_id
         blocks = {blk.layer_id: blk for blk in self.layers}
-        return {i: EngramValues(plat.fork(lambda e=blocks[i].engram, r=r: e.values(r), lane=ENGRAM_LANE), plat)
+        # `reads`: nobody holds the row ids after this; the lane must keep their memory until it has
+        # read them (without it the lookup gathered with overwritten ids and faulted on an H100)
+        return {i: EngramValues(plat.fork(lambda e=blocks[i].engram, r=r: e.values(r), lane=ENGRAM_LANE, reads=(r,)),
+                                plat)
                 if i != entry and not isinstance(r, FetchedRows) else r for i, r in engram.items()}
 
     def _engram_rows(self, batch: StepBatch) -> dict:

@@ -84,3 +84,35 @@ def test_span_charges_add_up_to_the_busy_time():
     assert charged == {"a": 10.0, "b": 0.0, "c": 2.0, "d": 3.0}
     assert sum(charged.values()) == 12.0 + 3.0
     assert e2e.span_charges(list(reversed(launches))) == charged  # (walked by start, whatever the order)
+
+
+def test_step_variants_are_captured_first_then_timed_interleaved(monkeypatch, tmp_path, events):
+    """`--streams`: every variant's decode step is captured (its engine built) before any is timed,
+    and then timed in VARIANT_ROUNDS round-robin rounds, so no variant alone carries the process's
+    drift; the report keeps one row per batch with every variant."""
+    engines = []
+    real_engine = e2e.Engine
+
+    def engine(*args, **kwargs):
+        events.append("engine")
+        made = real_engine(*args, **kwargs)
+        engines.append(made)
+        return made
+
+    monkeypatch.setattr(e2e, "Engine", engine)
+    timed = []
+    real_run = e2e.Clock.per_call
+
+    def per_call(self, fn, reps, warmup=1):
+        events.append("per_call")
+        timed.append(fn.__defaults__[0] if fn.__defaults__ else None)  # the engine a variant's lambda times
+        return real_run(self, fn, reps, warmup)
+
+    monkeypatch.setattr(e2e.Clock, "per_call", per_call)
+    text = run(monkeypatch, tmp_path, "--contexts", "128", "--skip", "prefill,kernels", "--streams")
+    variants = 4
+    streams = engines[-variants:]  # the streams phase's engines, after the decode phase's
+    assert timed[-variants * e2e.VARIANT_ROUNDS:] == streams * e2e.VARIANT_ROUNDS, timed
+    last_engine = max(i for i, n in enumerate(events) if n == "engine")
+    assert "per_call" not in events[last_engine - variants + 1:last_engine + 1], events
+    assert "## Second stream" in text and "| 128 | 1 |" in text.split("## Second stream")[1], text

@@ -19,7 +19,7 @@ def recording_platform(log: list, kind: str = "cpu"):
     from dsv41.backends.platform import Platform
 
     class Recording(Platform):
-        def fork(self, fn, lane=0):
+        def fork(self, fn, lane=0, reads=()):
             log.append(f"fork {lane}")
             return fn()
 
@@ -133,6 +133,35 @@ def test_cuda_overlap_in_decode_graphs_gives_the_same_tokens(tiny_cfg, fresh_see
     assert tokens() == want
     model.overlap_streams(False, parts=("shared",))  # the indexer alone on the second stream
     assert tokens() == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_fork_keeps_the_tensors_it_reads(fresh_seed):
+    """A tensor the calling stream made, read on a side lane and dropped by the caller before the
+    join (the Engram row ids): named in `reads`, its memory is not handed to the calling stream's
+    next tensor while the lane still waits to read it. The lane is held back (a spin kernel) so
+    the caller's next tensor of the same size is filled before the lane reads."""
+    from dsv41.backends.platform import cached_platform
+
+    plat = cached_platform(torch.device("cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed)
+    src = torch.randint(1, 1 << 20, (1 << 20,), device="cuda", generator=gen)
+    want = src * 3
+    torch.cuda.synchronize()
+
+    def side(t):
+        torch.cuda._sleep(20_000_000)  # ~10 ms at H100 clocks: the caller runs ahead meanwhile
+        return t * 3
+
+    out = plat.fork(lambda t=src: side(t), lane=6, reads=(src,))
+    held = src.data_ptr()
+    del src
+    after = torch.full((1 << 20,), -7, dtype=want.dtype, device="cuda")  # same size: the freed block
+    plat.join(lane=6, out=out)
+    torch.cuda.synchronize()
+    assert after.data_ptr() != held, "the lane's input was handed to the caller's next tensor"
+    assert torch.equal(out, want) and int(after[0]) == -7
 
 
 def test_tile_counters_are_kept_per_stream(monkeypatch):

@@ -678,8 +678,8 @@ def coef_launch(device: torch.device, part, pcomp, pss, *rest, norm: tuple | Non
     (`backends.platform.mhc_coef_lane_on`: CUDA unless DSV41_MHC_COEF_LANE=0) when nothing waits
     for it at once (no `norm`: a normed output is the next sublayer's input); else on the calling
     stream. The lane reads the chunk partials (part, pcomp, pss) that the calling stream wrote and
-    that nobody holds afterwards: they are marked as used on the lane, so their memory is not
-    handed out again before it is done. Same bits as on the calling stream, eagerly and in a CUDA
+    that nobody holds afterwards: the fork marks them as used on the lane (`reads`), so their
+    memory is not handed out again before it is done. Same bits as on the calling stream, eagerly and in a CUDA
     graph (tests/test_triton_mega_mhc.py, H100 2026-12-07)."""
     from ...backends.platform import MHC_COEF_LANE, cached_platform, mhc_coef_lane_on
     from .launch import interpreting
@@ -687,15 +687,8 @@ def coef_launch(device: torch.device, part, pcomp, pss, *rest, norm: tuple | Non
     if norm is not None or interpreting() or not mhc_coef_lane_on(device.type):
         launch_coef(part, pcomp, pss, *rest, norm=norm, **kw)
         return
-    plat = cached_platform(device)
-
-    def side() -> None:
-        lane = plat.current_stream()
-        for buf in (part, pcomp, pss):
-            buf.record_stream(lane)
-        launch_coef(part, pcomp, pss, *rest, norm=norm, **kw)
-
-    plat.fork(side, lane=MHC_COEF_LANE)
+    cached_platform(device).fork(lambda: launch_coef(part, pcomp, pss, *rest, norm=norm, **kw),
+                                 lane=MHC_COEF_LANE, reads=(part, pcomp, pss))
 
 
 def split_bf16_parts(fn: torch.Tensor) -> torch.Tensor:
