@@ -27,7 +27,8 @@ One run measures, on random weights with realistic statistics (MODEL.md section 
   (`--streams`) with work on a second stream: each MoE's shared expert beside the routed experts,
   then also each indexed layer's compressor and top-k beside its projections, then also the
   Engram layers' values from the step's start, and (`--pdl`)
-  with programmatic dependent launch off and in its two modes.
+  with programmatic dependent launch off and in its modes (these variants are captured first,
+  then timed in interleaved rounds, so none alone carries the process's drift).
 Writes a dated markdown report naming the device (`--out`), and prints it.
 
 Host: on a device the timed phases (all but `--numerics`, whose reference runs on the CPU) run
@@ -719,8 +720,9 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
                    "One stream: everything in order; shared: each MoE's shared expert on a second stream "
                    "beside the routed experts; + indexer: also each Full / Reindex layer's compressor and "
                    "top-k beside its query and KV projections; + engram: also the Engram layers' values "
-                   "(lookup and wkv) from the step's start beside the layers before theirs. Same logits = "
-                   "the step's logits are bit-identical in all four.",
+                   "(lookup and wkv) from the step's start beside the layers before theirs. Each variant's "
+                   "step is captured first, then all are timed in interleaved rounds (medians). Same "
+                   "logits = the step's logits are bit-identical in all four.",
                    ["context", "batch", "one stream ms", "shared ms", "change", "shared + indexer ms", "change",
                     "+ engram ms", "change", "same logits"],
                    [[r["ctx"], r["batch"], f"{r['one_s'] * 1e3:.3f}", *_ms_change(r, "shared_s", "one_s"),
@@ -732,7 +734,8 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
                    "Off: each Triton kernel scheduled after the one ahead finishes; wait: scheduled when every "
                    "program of the one ahead has exited; trigger: as soon as every program of it has started; "
                    "chain: as soon as every program of it has passed its own wait. Under PDL a kernel waits on "
-                   "the device before touching memory (npu_ops/triton/pdl.py). Changes against "
+                   "the device before touching memory (npu_ops/triton/pdl.py). Captured first, timed in "
+                   "interleaved rounds (medians). Changes against "
                    f"{modes[0]}; same logits = bit-identical in every mode.",
                    ["context", "batch", f"{modes[0]} ms", *[c for m in modes[1:] for c in (f"{m} ms", "change")],
                     "same logits"],
