@@ -510,7 +510,7 @@ def fp4_quant_int(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # Ops whose reference has fp64 accumulation only (no float8): legal in fp32 on the NPU.
 FP32_REFERENCE_OPS = ("rope", "grouped_linear", "swiglu_clamped", "sinkhorn", "mhc_mixes", "mhc_collapse", "sample_race",
-                      "mhc_update", "mhc_mix", "moe_route", "engram_gate")
+                      "mhc_update", "mhc_mix", "moe_route", "engram_gate", "greedy_pick", "feed_tokens")
 # Ops whose reference needs fp64 on tiny tensors: run on the host, results copied to the NPU.
 HOST_REFERENCE_OPS = ()
 # Ops that touch float8 data: integer-op versions here (a Triton kernel wins where one exists).

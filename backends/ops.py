@@ -364,4 +364,23 @@ def sample_race(logits: Tensor, rows: Tensor, temperature: Tensor, top_k: Tensor
     last bit (a near-tie of two race scores can then go the other way)."""
 
 
+@_op
+def greedy_pick(logits: Tensor, out: Tensor | None = None) -> Tensor:
+    """Each row's greedy token and finiteness in one pass, int64 [R, 2] (written into `out`, a
+    persistent [R, 2] buffer, when given): column 0 the argmax of logits [R, V] (fp32 or bf16;
+    the first of equal maxima, as `torch.argmax`), column 1 is 1 where the row holds a NaN or an
+    infinity, else 0. A broken row's column 0 is still a token id in [0, V) (the overlapped
+    decode loop feeds it to the next step before the host reads the flag). Reference:
+    `dsv41.backends.reference.sampling`."""
+
+
+@_op(device_arg="picked")
+def feed_tokens(ids: Tensor, ngram_ids: Tensor, picked: Tensor) -> None:
+    """In place, the first thing a captured decode step does: each row whose input id is
+    negative, ids[i] = -1 - r, takes row r's greedy token of the step before, picked[r, 0]
+    (`greedy_pick`'s output, possibly patched by `sample_race` since), as its id and as its
+    n-gram's own token, ngram_ids[i, 0]; rows with ids >= 0 are left alone. ids [T] int64,
+    ngram_ids [T, n] int64, picked [R, 2] int64, all on one device."""
+
+
 from . import fused  # noqa: E402, F401  (registers the fused ops' compositions; imports this module)

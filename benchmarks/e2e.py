@@ -653,7 +653,8 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
     if dec:
         L += ["## Decode", "",
               "Step time = one decode step of every sequence (graph: the captured step replayed, inputs copied in; "
-              "eager: the same forward uncaptured). Engine = `Engine.step()` end to end with graphs (scheduling, "
+              "it ends with each row's greedy token and finiteness check, `ops.greedy_pick`; "
+              "eager: the same forward uncaptured, without them). Engine = `Engine.step()` end to end with graphs (scheduling, "
               "replay, sampling), with the overlapped decode loop (the next step launched before this one's tokens "
               "are read) and without it (no overlap), greedy; sampled = the overlapped engine with every row drawn "
               f"({', '.join(f'{k} {v}' for k, v in SAMPLED_ROWS.items())}, on the device: core/sampling.py). "

@@ -1150,6 +1150,33 @@ def sweep_sampler(rows, copy, tokens=(1, 8, 64)):
                 print(rows[-1], flush=True)
 
 
+def sweep_greedy_pick(rows, copy, tokens=(1, 8, 64)):
+    """`greedy_pick` at the model's vocabulary: the kernel (default and tile variants) against the
+    torch ops the engine ran after every decode replay before it (argmax, then the finiteness
+    check: isfinite, all, not, long, cat). Checked: the reference's picks, bit for bit."""
+    from dsv41.backends.reference import sampling as ref
+    from dsv41.npu_ops.triton import greedy_pick as gp
+
+    v = CFG.vocab_size
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    variants = {"default": {}, "block 1024": dict(block=1024), "block 4096": dict(block=4096),
+                "8 warps": dict(num_warps=8), "block 4096, 8 warps": dict(block=4096, num_warps=8),
+                "one slice": dict(splits=1), "8 slices": dict(splits=8)}
+    for t in tokens:
+        logits = torch.randn(t, v, device="cuda", generator=gen) * 4
+        torch_ops = lambda: torch.cat([logits.argmax(-1), (~torch.isfinite(logits).all()).long().view(1)])  # noqa: E731
+        want = ref.greedy_pick(logits)
+        t_ref = graph_time(torch_ops)
+        cells = []
+        for name, kw in variants.items():
+            same = torch.equal(gp.greedy_pick(logits, **kw), want)
+            cells.append(f"{name} {graph_time(lambda kw=kw: gp.greedy_pick(logits, **kw)) * 1e6:.1f}"
+                         f"{'' if same else ' WRONG'}")
+        rows.append(f"| greedy_pick | rows {t} x {v} fp32 | torch ops {t_ref * 1e6:.1f} us | "
+                    f"{' / '.join(cells)} us | read floor {logits.numel() * 4 / copy / 1e3:.1f} us |")
+        print(rows[-1], flush=True)
+
+
 def sweep_grouped_linear(rows, copy, tokens=(2, 4, 8, 16, 32, 64)):
     """`grouped_linear` at the mini width (wo_a: 8 groups of 1024 rows over 4096 channels, 64 MB
     bf16) at decode batches: cuBLAS's batched product against `_grouped_linear_kernel`'s tiles,
@@ -1188,7 +1215,7 @@ SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_inde
           "sparse_x2": lambda rows, copy, tokens=(2, 8, 32, 64): sweep_sparse_attention(
               rows, copy, tokens, variants=SPARSE_KV_X2),
           "moe_shared": sweep_moe_shared, "decode": sweep_decode, "dense": sweep_dense, "sampler": sweep_sampler,
-          "grouped_linear": sweep_grouped_linear}
+          "grouped_linear": sweep_grouped_linear, "greedy_pick": sweep_greedy_pick}
 
 
 def main() -> int:
@@ -1209,7 +1236,7 @@ def main() -> int:
         kw = {}
         if a.tokens and name in ("mhc_mix", "sparse_attention", "sparse_two_pass", "sparse_x2", "indexer_topk", "indexer_per_k", "indexer_rows", "select", "dense", "moe_experts",
                                  "moe_decode", "moe_rows", "moe_bytes", "moe_shared", "moe_slots", "sampler",
-                                 "grouped_linear"):
+                                 "grouped_linear", "greedy_pick"):
             kw["tokens"] = tuple(int(x) for x in a.tokens.split(","))
         if name in ("sparse_attention", "indexer_topk", "indexer_per_k", "indexer_rows", "moe_rows"):
             kw["check_only"] = a.check_only

@@ -49,7 +49,7 @@ import torch
 from .batch import Chunk, StepBatch, build_step
 from .cache import KVPool, SequenceState
 from .model import ForwardContext, Transformer, read_counts
-from .sampling import RowParams, sample_tokens, sampling_probs
+from .sampling import RowParams, pick_tokens, sampling_probs
 
 
 @dataclass
@@ -84,19 +84,24 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None)
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
-                pinned_empty=None) -> list[int]:
+                pinned_empty=None, picked: torch.Tensor | None = None) -> list[int]:
     """One token for each of the first len(params) rows of `logits` [R, V], row i drawing the
     token at positions[i] of its sequence (`core/sampling.py`: argmax, or the seeded exponential
     race on the device), read back with the finiteness check in one transfer (one device sync
-    per step). Non-finite logits are an error."""
+    per step). Non-finite logits are an error. `picked`: the rows' greedy picks already made (a
+    captured decode step's, `DecodeGraphs.picked`)."""
     if logits.shape[0] == 0:
         return []
-    tokens = sample_tokens(logits[:len(params)], RowParams.of(params, positions, logits.device, pinned_empty))
-    host = torch.cat([tokens, (~torch.isfinite(logits).all()).long().view(1)]).tolist()
-    if host[-1]:
+    rp = RowParams.of(params, positions, logits.device, pinned_empty)
+    return _checked_tokens(pick_tokens(logits[:len(params)], rp, picked).tolist())
+
+
+def _checked_tokens(picked: list[list[int]]) -> list[int]:
+    """The tokens of read-back picks ([token, non-finite flag] a row); non-finite logits are an error."""
+    if any(flag for _, flag in picked):
         raise ValueError("the model produced non-finite logits (NaN or Inf): the weights or the "
                          "device computation are broken")
-    return host[:len(params)]
+    return [tok for tok, _ in picked]
 
 
 class PrefixCache:
@@ -278,9 +283,8 @@ def _on_cpu(model: Transformer) -> bool:
 class _Launched:
     """A decode step launched by the overlapped loop whose tokens the host has not read yet."""
 
-    seqs: list  # the step's sequences, row order
-    tokens: torch.Tensor  # device [n] long: each row's greedy token (the next step's input ids)
-    host: torch.Tensor  # host [n + 1] long: the tokens and the non-finite flag, copied without a wait
+    seqs: list  # the step's sequences, row order (row i's token: the graphs' picked[i, 0])
+    host: torch.Tensor  # host [n, 2] long: the tokens and non-finite flags, copied without a wait
     copied: object  # platform event recorded after that copy
 
 
@@ -320,6 +324,7 @@ class Engine:
         # with decode graphs: launch the next decode step before reading this one's tokens
         self.overlap = overlap and self.graphs is not None
         self._launched: _Launched | None = None
+        self._graph_picks: torch.Tensor | None = None  # the last `run_chunks` replay's picks
 
     @property
     def device(self) -> torch.device:
@@ -454,9 +459,12 @@ class Engine:
             # built on the host: the graph runner copies it into its persistent device buffers
             # (one copy per field instead of a device tensor per field and then a copy)
             batch = build_step(self.cfg, self.pool, chunks, "cpu", self._image_token())
-            return self.graphs.run(batch), ctx, batch  # (graph replays keep no counters)
+            logits = self.graphs.run(batch)  # (graph replays keep no counters)
+            self._graph_picks = self.graphs.picked[:len(chunks)]
+            return logits, ctx, batch
         batch = build_step(self.cfg, self.pool, chunks, self.device, self._image_token())
         logits = self.model(batch, self.pool, ctx=ctx, check=check)
+        self._graph_picks = None
         return logits, ctx, batch
 
     def _image_token(self) -> int | None:
@@ -484,7 +492,8 @@ class Engine:
         logits, ctx, _ = self.run_chunks(chunks)
         wanted = [seq for seq, _, want in work if want != "none"]
         # (each drawn token's position: its sequence's length after this step's tokens)
-        tokens = sample_rows(logits, [s.params for s in wanted], [s.state.length for s in wanted])
+        tokens = sample_rows(logits, [s.params for s in wanted], [s.state.length for s in wanted],
+                             picked=self._graph_picks)
         # counters stay on the device until a result or `counters` reads them: a prefill chunk's
         # step returns without waiting for the device (the host builds the next one meanwhile)
         done, parts = ctx.count_parts()
@@ -539,25 +548,26 @@ class Engine:
         prefetch = self.model.engram_prefetch()
         return prefetch is None or not prefetch.layers
 
-    def _launch(self, seqs: list[Sequence], ids: torch.Tensor | None) -> _Launched:
-        """Build and replay one decode step of `seqs` (input ids from the host, or `ids` on the
-        device), draw its tokens on the device (`core/sampling.py`), then start copying them back."""
-        if ids is None:
+    def _launch(self, seqs: list[Sequence], prev_rows: list[int] | None) -> _Launched:
+        """Build and replay one decode step of `seqs` (input ids from the host, or, with
+        `prev_rows`, the launched step's tokens of those rows, on the device), draw its tokens on
+        the device (the greedy ones inside the replay, `core/sampling.py`), then start copying
+        them back."""
+        if prev_rows is None:
             chunks = [Chunk(s.state, [s.out[-1]], 0, "last", text_only=True) for s in seqs]
         else:  # the ids are on the device; the host list holds a placeholder until they are read
             chunks = [Chunk(s.state, [0], 0, "last", text_only=True) for s in seqs]
         batch = build_step(self.cfg, self.pool, chunks, "cpu", self._image_token())
-        logits = self.graphs.run(batch, ids)
+        logits = self.graphs.run(batch, prev_rows)
         platform = self.graphs.platform
         rows = RowParams.of([s.params for s in seqs], [s.state.length for s in seqs], logits.device,
                             platform.pinned_empty)
-        tokens = sample_tokens(logits, rows)
-        flag = (~torch.isfinite(logits).all()).long().view(1)
-        host = platform.pinned_empty((len(seqs) + 1,), torch.long)
-        host.copy_(torch.cat([tokens, flag]), non_blocking=True)
+        picked = pick_tokens(logits, rows, self.graphs.picked[:len(seqs)])
+        host = platform.pinned_empty((len(seqs), 2), torch.long)
+        host.copy_(picked, non_blocking=True)
         copied = platform.event()
         copied.record()
-        return _Launched(list(seqs), tokens, host, copied)
+        return _Launched(list(seqs), host, copied)
 
     def _overlapped_step(self) -> list[Sequence]:
         """Launch the next decode step (its input ids the launched step's tokens, on the
@@ -569,14 +579,8 @@ class Engine:
         # rows that still need a token after the one being read (max_new_tokens is known ahead)
         keep = [i for i, s in enumerate(prev.seqs) if len(s.out) + 1 < s.params.max_new_tokens]
         self._launched = None
-        if keep:
-            if len(keep) == len(prev.seqs):
-                ids = prev.tokens
-            else:
-                rows = self.graphs.platform.pinned_empty((len(keep),), torch.long)
-                rows.copy_(torch.tensor(keep))  # (page-locked: the copy does not wait for the device)
-                ids = prev.tokens.index_select(0, rows.to(prev.tokens.device, non_blocking=True))
-            self._launched = self._launch([prev.seqs[i] for i in keep], ids)
+        if keep:  # (the replay takes each kept row's token from the launched step's picks)
+            self._launched = self._launch([prev.seqs[i] for i in keep], keep)
         return self._read(prev)
 
     def _read(self, done: _Launched) -> list[Sequence]:
@@ -584,10 +588,7 @@ class Engine:
         stop, finish, free old SWA blocks. The next launched step (if any) ran with each token
         as its input: its placeholder in the host's token list is replaced here."""
         done.copied.synchronize()
-        host = done.host.tolist()
-        if host[-1]:
-            raise ValueError("the model produced non-finite logits (NaN or Inf): the weights or the "
-                             "device computation are broken")
+        host = _checked_tokens(done.host.tolist())
         nxt = self._launched
         in_next = set(map(id, nxt.seqs)) if nxt is not None else set()
         now = time.perf_counter()

@@ -100,12 +100,20 @@ def sampling_probs_rows(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
     return _probs_rows(logits, rp.temperature, rp.top_k, rp.top_p, rp.max_top_k, rp.any_top_p)
 
 
+def pick_tokens(logits: torch.Tensor, rp: RowParams | None, picked: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's token and non-finite flag, int64 [R, 2] on the logits' device (one read-back
+    for both): the argmax (`ops.greedy_pick`), or for the rows of `rp` the exponential race over
+    their `sampling_probs_rows`. `picked`: the greedy picks already made (a captured decode
+    step's), whose sampled rows are replaced in place."""
+    if picked is None:
+        picked = ops.greedy_pick(logits)
+    if rp is not None:
+        drawn = ops.sample_race(logits, rp.rows, rp.temperature, rp.top_k, rp.top_p, rp.keys, rp.max_top_k,
+                                rp.any_top_p)
+        picked[:, 0].index_copy_(0, rp.rows, drawn)
+    return picked
+
+
 def sample_tokens(logits: torch.Tensor, rp: RowParams | None) -> torch.Tensor:
-    """One token per row of logits [R, V] (int64 [R], on their device): the argmax, or for the
-    rows of `rp` the exponential race over their `sampling_probs_rows`."""
-    tokens = logits.argmax(-1)
-    if rp is None:
-        return tokens
-    drawn = ops.sample_race(logits, rp.rows, rp.temperature, rp.top_k, rp.top_p, rp.keys, rp.max_top_k,
-                            rp.any_top_p)
-    return tokens.index_copy(0, rp.rows, drawn)
+    """One token per row of logits [R, V] (int64 [R], on their device): `pick_tokens`' tokens."""
+    return pick_tokens(logits, rp)[:, 0]

@@ -17,6 +17,7 @@ from dataclasses import fields
 
 import torch
 
+from ..backends import ops
 from ..backends.platform import host_to_device, platform_for
 from ..core.batch import StepBatch
 from ..core.cache import KVPool
@@ -72,6 +73,10 @@ class DecodeGraphs:
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         self.graphs: dict[int, tuple] = {}  # bucket -> (graph or None, packed static inputs, logits)
         self._replayed = None  # event after the last replay (Engram fetch-ahead buffers in use)
+        # each row's greedy token and non-finite flag from the last replay (`ops.greedy_pick`,
+        # inside the captured step), shared by every bucket: a step's rows can take the step
+        # before's tokens as their input ids by row (`run`'s prev_rows, `ops.feed_tokens`)
+        self.picked = torch.zeros(self.buckets[-1], 2, dtype=torch.long, device=self.device)
 
     def _static(self, n: int) -> StepBatch:
         """Persistent input buffers of one bucket, holding padding rows."""
@@ -91,23 +96,34 @@ class DecodeGraphs:
             inputs = PackedInputs(self._static(n), self.platform)
             batch = inputs.static
             with self.platform.on_capture_stream():  # warm-up: allocations, per-stream state
-                logits = self.model(batch, self.pool, check=False)
+                logits = self._step(batch)
             graph = None
             if graph_class is not None:
                 self.platform.synchronize()
                 graph = graph_class()
                 with self.platform.graph_capture(graph, mem):
-                    logits = self.model(batch, self.pool, check=False)
+                    logits = self._step(batch)
             self.graphs[n] = (graph, inputs, logits)
+
+    def _step(self, batch: StepBatch) -> torch.Tensor:
+        """What a replay runs: the rows' device-fed input ids put in place, the forward, each
+        row's greedy token and finiteness into `picked` (the step's argmax and its check with
+        no launches after the replay)."""
+        ops.feed_tokens(batch.ids, batch.ngram_ids, self.picked)
+        logits = self.model(batch, self.pool, check=False)
+        ops.greedy_pick(logits, self.picked[:logits.shape[0]])
+        return logits
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def run(self, batch: StepBatch, ids: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, batch: StepBatch, prev_rows: list[int] | None = None) -> torch.Tensor:
         """Logits [n, V] of a decode batch (one token per sequence, no CED rows, no images),
-        by replaying the smallest bucket that holds it. `ids`: the rows' input tokens as a device
-        tensor [n] (the previous step's tokens, not yet read back), in place of `batch.ids`
-        and of the n-grams' current token; not with Engram rows fetched ahead on the host."""
+        by replaying the smallest bucket that holds it; each row's greedy token and non-finite
+        flag are in `picked[:n]` after it. `prev_rows`: row i's input token is row prev_rows[i]
+        of the replay before's `picked` (its tokens, on the device, not yet read back; the
+        sampler may have patched them), in place of `batch.ids` and of the n-grams' current
+        token; not with Engram rows fetched ahead on the host."""
         n = batch.num_tokens
         b = self.bucket(n)
         if b is None or batch.decoder_rows is not None or batch.logit_rows is not None or batch.image_embeds is not None:
@@ -118,13 +134,16 @@ class DecodeGraphs:
         graph, inputs, logits = self.graphs[b]
         static = inputs.static
         prefetch = self.model.engram_prefetch()
-        if ids is not None and prefetch is not None and prefetch.layers:
-            raise ValueError("device-side input ids need the Engram rows gathered on the device "
-                             "(the fetch-ahead hashes the host's n-grams)")
+        if prev_rows is not None:
+            if prefetch is not None and prefetch.layers:
+                raise ValueError("device-side input ids need the Engram rows gathered on the device "
+                                 "(the fetch-ahead hashes the host's n-grams)")
+            if len(prev_rows) != n or not all(0 <= r < len(self.picked) for r in prev_rows):
+                raise ValueError(f"prev_rows must name one row of the last replay for each of the {n} rows")
+            # -1 - r: `ops.feed_tokens`, first in the step, puts row r's token there and in the
+            # n-gram's column 0 (no copies before the replay)
+            batch.ids = -1 - torch.as_tensor(prev_rows, dtype=torch.long, device=batch.ids.device)
         inputs.fill(batch)  # (one host-to-device copy)
-        if ids is not None:  # column 0 of a row's n-gram is its own token
-            static.ids[:n].copy_(ids)
-            static.ngram_ids[:n, 0].copy_(ids)
         if graph is not None and prefetch is not None and prefetch.layers:
             # host-held Engram tables: the graph copies the rows from the fetch-ahead's staging
             # buffers, so the host fills them for this batch (padding rows hash as the pad id)
@@ -133,7 +152,7 @@ class DecodeGraphs:
             prefetch.gather(*static.ngram_host)
             prefetch.filled = {}  # (the captured copies are the device side)
         if graph is None:
-            logits = self.model(static, self.pool, check=False)
+            logits = self._step(static)
         else:
             graph.replay()
             if prefetch is not None:

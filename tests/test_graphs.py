@@ -118,7 +118,7 @@ def test_overlapped_decode_equals_step_by_step(tiny_cfg, fresh_seed, rng, device
         e = Engine(model, prefill_mode="exact", max_batch=4, graphs=True, max_model_len=48, overlap=overlap)
         fed = []
         graph_run = e.graphs.run
-        e.graphs.run = lambda b, ids=None: fed.append(ids is not None) or graph_run(b, ids)
+        e.graphs.run = lambda b, prev_rows=None: fed.append(prev_rows is not None) or graph_run(b, prev_rows)
         out = e.generate_batch([(p, sp, None) for p, sp in zip(prompts, params)])
         assert not e.running and not e.waiting and e._launched is None
         assert e.pool.free_global_blocks == e.pool.global_capacity - 1  # every block back

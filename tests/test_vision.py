@@ -617,6 +617,7 @@ def test_a_generated_image_token_id_is_text(vmodel, tiny_cfg, rng, monkeypatch):
 
     ids, _, _ = _image_first_prompt(vmodel, tiny_cfg, rng, size=(50, 50))
     img = preprocess(tiny_cfg.vision, Image.new("RGB", (50, 50), (200, 10, 10)))
-    monkeypatch.setattr(engine_mod, "sample_rows", lambda logits, params, gens: [tiny_cfg.image_token_id] * len(params))
+    monkeypatch.setattr(engine_mod, "sample_rows",
+                        lambda logits, params, gens, **kw: [tiny_cfg.image_token_id] * len(params))
     res = Engine(vmodel).generate([tiny_cfg.bos_token_id] + ids, SamplingParams(max_new_tokens=3), images=[img])
     assert res.token_ids == [tiny_cfg.image_token_id] * 3

@@ -1,5 +1,7 @@
-"""The sampler's reference (op `sample_race`): a sampled row's distribution (temperature, top-k,
-top-p) and the seeded exponential race over it, in plain fp32 torch ops on any device.
+"""The sampler's reference (ops `sample_race`, `greedy_pick`, `feed_tokens`): a sampled row's
+distribution (temperature, top-k, top-p) and the seeded exponential race over it, the greedy
+tokens with the finiteness check, and the decode step's device-fed input ids, in plain torch
+ops on any device.
 
 The uniforms are counter-based: U[v] is a 32-bit hash of (the draw's key, v), so every backend
 draws the same token from the same distribution (`dsv41.core.sampling` explains the scheme and
@@ -96,3 +98,20 @@ def sample_race(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Ten
     its `sampling_probs_rows` distribution and U its `uniforms` for keys[s]."""
     probs = sampling_probs_rows(logits.index_select(0, rows), temperature, top_k, top_p, max_top_k, any_top_p)
     return (probs / -torch.log(uniforms(keys, probs.shape[1]))).argmax(-1)
+
+
+@register("greedy_pick")
+def greedy_pick(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [R, 2]: each row's argmax (the first of equal maxima) and 1 where it is not finite."""
+    bad = (~torch.isfinite(logits)).any(-1)
+    picked = torch.stack([logits.argmax(-1), bad.long()], -1)
+    return picked if out is None else out.copy_(picked)
+
+
+@register("feed_tokens")
+def feed_tokens(ids: torch.Tensor, ngram_ids: torch.Tensor, picked: torch.Tensor) -> None:
+    """Rows with ids[i] = -1 - r < 0 take picked[r, 0] as ids[i] and ngram_ids[i, 0], in place."""
+    fed = ids < 0
+    tok = picked[:, 0].index_select(0, (-1 - ids).clamp(0, max(picked.shape[0] - 1, 0)))
+    ids.copy_(torch.where(fed, tok, ids))
+    ngram_ids[:, 0].copy_(torch.where(fed, tok, ngram_ids[:, 0]))

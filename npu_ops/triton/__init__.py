@@ -12,4 +12,4 @@ KERNELS = ["mxfp4_act_quant", "fp4_kv_store", "sparse_attention", "indexer_topk"
 # backend alone until the Ascend backend vets them).
 CUDA_KERNELS = ["block_linear", "moe_experts", "fp8_quant", "mxfp4_quant", "rms_norm", "rope", "swiglu", "sample_race",
                 "mhc_mixes", "engram_gate", "rope_store_kv", "rope_store_key", "unrope_grouped_linear", "table_rows",
-                "engram_hash", "mhc_mix_norm", "indexer_queries", "grouped_linear"]
+                "engram_hash", "mhc_mix_norm", "indexer_queries", "grouped_linear", "greedy_pick"]

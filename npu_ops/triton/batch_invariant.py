@@ -126,6 +126,7 @@ ROW_LOCAL_OPS = frozenset({
     "mhc_collapse", "engram_gate", "engram_lookup", "engram_hash", "table_rows", "window_rows", "compress_rows",
     "indexer_queries",
     "sample_race",  # every row split over the same programs whatever the row count (tested: alone == batch)
+    "greedy_pick", "feed_tokens",  # exact: the first maximum and integer copies, whatever the split
 })
 
 
