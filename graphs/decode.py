@@ -13,7 +13,7 @@ its bookkeeping is tested there). Graph capture on CUDA / NPU is unverified on h
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import torch
 
@@ -142,7 +142,7 @@ class DecodeGraphs:
                 raise ValueError(f"prev_rows must name one row of the last replay for each of the {n} rows")
             # -1 - r: `ops.feed_tokens`, first in the step, puts row r's token there and in the
             # n-gram's column 0 (no copies before the replay)
-            batch.ids = -1 - torch.as_tensor(prev_rows, dtype=torch.long, device=batch.ids.device)
+            batch = replace(batch, ids=-1 - torch.as_tensor(prev_rows, dtype=torch.long, device=batch.ids.device))
         inputs.fill(batch)  # (one host-to-device copy)
         if graph is not None and prefetch is not None and prefetch.layers:
             # host-held Engram tables: the graph copies the rows from the fetch-ahead's staging
