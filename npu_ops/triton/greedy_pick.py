@@ -124,11 +124,13 @@ def _feed_tokens_kernel(ids_ptr, ng_ptr, ng_stride, picked_ptr, picked_stride, T
     tl.store(ng_ptr + t.to(tl.int64) * ng_stride, tok, mask=fed)
 
 
-def pick_splits(rows: int, v: int, device, block: int) -> tuple[int, int]:
-    """(slices a row, logits a slice): about SM_FILL programs an SM over all rows."""
+def pick_splits(rows: int, v: int, device, block: int, want: int | None = None) -> tuple[int, int]:
+    """(slices a row, logits a slice) for `want` slices a row (default: about SM_FILL programs an
+    SM over all rows), each a whole number of blocks."""
     blocks = -(-v // block)
-    want = max(1, min(MAX_SPLIT, blocks, -(-SM_FILL * num_workers(device) // max(rows, 1))))
-    span = block * -(-blocks // want)
+    if want is None:
+        want = -(-SM_FILL * num_workers(device) // max(rows, 1))
+    span = block * -(-blocks // max(1, min(MAX_SPLIT, blocks, want)))
     return -(-v // span), span
 
 
@@ -151,11 +153,7 @@ def greedy_pick(logits: torch.Tensor, out: torch.Tensor | None = None, *, splits
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     block = block or (INTERPRETER_BLOCK if interpreting() else BLOCK)
-    if splits is None:
-        n_split, span = pick_splits(r, v, dev, block)
-    else:
-        span = block * -(-(-(-v // block)) // max(1, splits))
-        n_split = -(-v // span)
+    n_split, span = pick_splits(r, v, dev, block, splits)
     part_v = torch.empty(r * n_split if n_split > 1 else 1, dtype=torch.float32, device=dev)
     part_i = torch.empty(2 * r * n_split if n_split > 1 else 2, dtype=torch.int32, device=dev)
     counts = tile_counters(dev, r) if n_split > 1 else part_i
