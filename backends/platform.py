@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,30 @@ def mhc_coef_lane_on(kind: str) -> bool:
     DSV41_MHC_COEF_LANE=0. H100 (session forty-eight, mini decode graph at 4K, three alternated
     rounds): batch 1 / 8 / 64 1.873 / 2.852 / 4.272 -> 1.820 / 2.810 / 4.216 ms."""
     return kind == "cuda" and env_switch("DSV41_MHC_COEF_LANE", True)
+
+
+_COEF_LANE_SCOPE = threading.local()  # how deep this thread is in `mhc_coef_lane_scope`s
+
+
+@contextlib.contextmanager
+def mhc_coef_lane_scope():
+    """Where the mHC coefficient launch may be forked on MHC_COEF_LANE: inside this scope, whose
+    code joins the lane (`join_mhc_coef`) before it reads coefficients (`Transformer.forward`).
+    Outside it (an op called on its own: tests, benchmarks, any caller that reads the outputs
+    at once) the launch stays on the calling stream, so `ops.mhc_mix` / `ops.mhc_mixes` return
+    coefficients that are ready in stream order. Nests; per thread. Usable as a decorator."""
+    depth = getattr(_COEF_LANE_SCOPE, "depth", 0)
+    _COEF_LANE_SCOPE.depth = depth + 1
+    try:
+        yield
+    finally:
+        _COEF_LANE_SCOPE.depth = depth
+
+
+def mhc_coef_lane_forks(kind: str) -> bool:
+    """Whether an mHC coefficient launch on a `kind` device goes to MHC_COEF_LANE now: the lane is
+    on there (`mhc_coef_lane_on`) and the caller is inside `mhc_coef_lane_scope`."""
+    return getattr(_COEF_LANE_SCOPE, "depth", 0) > 0 and mhc_coef_lane_on(kind)
 
 
 def join_mhc_coef(plat: "Platform", coef) -> None:
@@ -230,9 +255,10 @@ def _tensors(out):
 
 _AUX_STREAMS: dict = {}  # (device, lane) -> the auxiliary stream `fork` uses there
 # The lane the mHC coefficient epilogue is forked on (`npu_ops/triton/mega_mhc.py`; CUDA, unless
-# DSV41_MHC_COEF_LANE=0: `mhc_coef_lane_on`): its outputs are read only by the next mHC step, so
-# the model joins this lane before it reads coefficients (`core.model.Block.mix`, and before the
-# CED row selection in `Transformer.forward`). Lanes 0 and 1 are the indexer's and the compressor's.
+# DSV41_MHC_COEF_LANE=0: `mhc_coef_lane_on`; only inside `mhc_coef_lane_scope`): its outputs are
+# read only by the next mHC step, so the model joins this lane before it reads coefficients
+# (`core.model.Block.mix`, and before the CED row selection in `Transformer.forward`). Lanes 0 and 1
+# are the indexer's and the compressor's.
 MHC_COEF_LANE = 2
 # The lane Engram values (lookup + `wkv`: they read only the step's token ids) are forked on at a
 # step's start (`Transformer.forward`, `overlap_streams`' "engram"); `core.engram.EngramValues`

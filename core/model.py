@@ -22,7 +22,7 @@ from torch import nn
 
 from ..backends import ops
 from ..backends.paging import table_rows
-from ..backends.platform import ENGRAM_LANE, join_mhc_coef, overlap, platform_for
+from ..backends.platform import ENGRAM_LANE, join_mhc_coef, mhc_coef_lane_scope, overlap, platform_for
 from .batch import Rows, StepBatch
 from .cache import FLOOR_DECODER, FLOOR_DRAFT, FLOOR_ENCODER, KVPool
 from .config import ModelConfig, yarn_inv_freq
@@ -871,6 +871,7 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence of {end} tokens exceeds max_position_embeddings ({cfg.max_position_embeddings})")
 
     @torch.no_grad()
+    @mhc_coef_lane_scope()  # (every mHC step joins the coefficient lane before reading: `Block.mix`)
     def forward(self, batch: StepBatch, cache: KVPool, *, ctx: ForwardContext | None = None,
                 return_hidden: bool = False, check: bool = True) -> torch.Tensor:
         """Run one step and return fp32 logits [n, V] of the batch's `logit_rows` (decoder rows;

@@ -222,3 +222,41 @@ def test_mhc_mixes_join_the_coefficient_lane_when_it_is_on(tiny_cfg, fresh_seed,
             assert log.count(f"join {platform.MHC_COEF_LANE}") >= 2 * len(model.layers), (kind, env)
         else:
             assert f"join {platform.MHC_COEF_LANE}" not in log, (kind, env)
+
+
+def test_mhc_coef_lane_forks_only_inside_its_scope(monkeypatch):
+    """The mHC coefficient launch goes to its side lane only inside `mhc_coef_lane_scope` (the
+    model's forward, which joins the lane before reading coefficients): an `ops.mhc_mix` /
+    `ops.mhc_mixes` called on its own returns coefficients ready in stream order. The scope
+    nests, ends with its block (also on an error), is per thread, and the lane stays off where
+    its switch or the device kind says so."""
+    import threading
+
+    from dsv41.backends import platform
+
+    monkeypatch.setattr(platform, "_SWITCHES", {"DSV41_MHC_COEF_LANE": True})
+    assert not platform.mhc_coef_lane_forks("cuda")
+    with platform.mhc_coef_lane_scope():
+        assert platform.mhc_coef_lane_forks("cuda") and not platform.mhc_coef_lane_forks("npu")
+        with platform.mhc_coef_lane_scope():
+            assert platform.mhc_coef_lane_forks("cuda")
+        assert platform.mhc_coef_lane_forks("cuda")  # (still inside the outer scope)
+        seen = []
+        worker = threading.Thread(target=lambda: seen.append(platform.mhc_coef_lane_forks("cuda")))
+        worker.start()
+        worker.join()
+        assert seen == [False]  # another thread is outside this thread's scope
+        monkeypatch.setattr(platform, "_SWITCHES", {"DSV41_MHC_COEF_LANE": False})
+        assert not platform.mhc_coef_lane_forks("cuda")
+        monkeypatch.setattr(platform, "_SWITCHES", {"DSV41_MHC_COEF_LANE": True})
+    assert not platform.mhc_coef_lane_forks("cuda")
+    with pytest.raises(RuntimeError, match="inside"):
+        with platform.mhc_coef_lane_scope():
+            raise RuntimeError("inside")
+    assert not platform.mhc_coef_lane_forks("cuda")
+
+    @platform.mhc_coef_lane_scope()
+    def decorated():
+        return platform.mhc_coef_lane_forks("cuda")
+
+    assert decorated() and not platform.mhc_coef_lane_forks("cuda")

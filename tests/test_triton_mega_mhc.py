@@ -140,9 +140,10 @@ def test_tiles_for_rules(monkeypatch):
 @pytest.mark.parametrize("dev", DEVICES[1:])
 @pytest.mark.parametrize("t", [1, 64])
 def test_mhc_coef_lane_same_bits_gpu(dev, t, rng, monkeypatch):
-    """The coefficient launch forked on the side lane (the CUDA default) and joined
-    (`join_mhc_coef`) before anything reads it, eagerly and inside a captured CUDA graph: the same
-    bits as the launch on the calling stream."""
+    """The coefficient launch forked on the side lane (the CUDA default inside
+    `mhc_coef_lane_scope`, as the model's forward runs) and joined (`join_mhc_coef`) before
+    anything reads it, eagerly and inside a captured CUDA graph: the same bits as the launch on
+    the calling stream."""
     from dsv41.backends import platform
 
     x, y, post, comb, pre, fn, scale, base = (v.to(dev) for v in make_inputs(rng, t, 5120))
@@ -152,6 +153,7 @@ def test_mhc_coef_lane_same_bits_gpu(dev, t, rng, monkeypatch):
     want = mm.mhc_mix(*args)
     monkeypatch.setattr(platform, "_SWITCHES", {"DSV41_MHC_COEF_LANE": True})
 
+    @platform.mhc_coef_lane_scope()
     def run():
         out = mm.mhc_mix(*args)
         platform.join_mhc_coef(plat, out[2])

@@ -675,16 +675,18 @@ def launch_coef(part, pcomp, pss, scale, base, opre, opost, ocomb, t, d, n_chunk
 
 def coef_launch(device: torch.device, part, pcomp, pss, *rest, norm: tuple | None = None, **kw) -> None:
     """`launch_coef(part, pcomp, pss, *rest, norm=norm, **kw)`, on the side lane MHC_COEF_LANE
-    (`backends.platform.mhc_coef_lane_on`: CUDA unless DSV41_MHC_COEF_LANE=0) when nothing waits
-    for it at once (no `norm`: a normed output is the next sublayer's input); else on the calling
-    stream. The lane reads the chunk partials (part, pcomp, pss) that the calling stream wrote and
+    (`backends.platform.mhc_coef_lane_forks`: CUDA unless DSV41_MHC_COEF_LANE=0, and only inside
+    `mhc_coef_lane_scope`, whose code joins the lane before reading coefficients: the model's
+    forward) when nothing waits for it at once (no `norm`: a normed output is the next
+    sublayer's input); else on the calling stream (an op called on its own returns ready
+    coefficients). The lane reads the chunk partials (part, pcomp, pss) that the calling stream wrote and
     that nobody holds afterwards: the fork marks them as used on the lane (`reads`), so their
     memory is not handed out again before it is done. Same bits as on the calling stream,
     eagerly and in a CUDA graph (tests/test_triton_mega_mhc.py, H100 2026-12-07)."""
-    from ...backends.platform import MHC_COEF_LANE, cached_platform, mhc_coef_lane_on
+    from ...backends.platform import MHC_COEF_LANE, cached_platform, mhc_coef_lane_forks
     from .launch import interpreting
 
-    if norm is not None or interpreting() or not mhc_coef_lane_on(device.type):
+    if norm is not None or interpreting() or not mhc_coef_lane_forks(device.type):
         launch_coef(part, pcomp, pss, *rest, norm=norm, **kw)
         return
     cached_platform(device).fork(lambda: launch_coef(part, pcomp, pss, *rest, norm=norm, **kw),
