@@ -549,6 +549,46 @@ def _sweep_reindex_at(rows, copy, tokens, n, pool_blocks, pool_block):
             itk.POOL_BLOCK, itk.SPLIT_CANDIDATES, itk.POOL_BESIDE_SELECT, itk.SPLIT_BOUND_WIDE = saved
 
 
+def sweep_indexer_bound(rows, copy, contexts=(32768, 65536), rounds=2):
+    """The T=1 split select's bound (`indexer_topk.SPLIT_BOUND_HIST_SHIFT`): from the histogram of
+    the chunk maxima the scores kernel counts, against the radix passes over the merged (and the
+    unmerged) maxima, on the whole op by the default dispatch: dense rows with all, half and a
+    quarter of their entries visible, and the pool source (the mini step's 2048 x 8 candidate
+    pool beside the select); the variants alternated `rounds` times. Ids (and pool) checked against
+    the reference, and the histogram buffer checked zero after the calls."""
+    from dsv41.npu_ops.triton import indexer_topk as itk
+
+    ref_fn = registry.resolve("indexer_topk", "reference")[0]
+    saved = (itk.SPLIT_BOUND_HIST_SHIFT, itk.SPLIT_BOUND_MERGE)
+    variants = (("histogram", saved[0] or 19, saved[1]), ("radix, merge 4", 0, 4), ("radix, no merge", 0, 1))
+    pools = ((0, 1), (CFG.candidate_topk_blocks, CFG.candidate_block_size))
+    try:
+        for n in contexts:
+            kc, ks, table, e = paged_index_keys(n, "cuda")
+            q = quant.mxfp4_qdq(torch.randn(1, HI, DI, device="cuda"))
+            w = torch.randn(1, HI, device="cuda") * DI ** -0.5 * HI ** -0.5
+            for frac, (pool_blocks, pool_block) in [(f, pools[0]) for f in (1, 2, 4)] + [(1, pools[1])]:
+                vis = torch.full((1,), n // frac, dtype=torch.long, device="cuda")
+                kw = dict(pool_blocks=pool_blocks, pool_block_size=pool_block)
+                with numerics("official"):
+                    want = ref_fn(q, w, kc, ks, table, e, vis, TOPK, **kw)
+                shape = f"T=1 {n // 1024}K, 1/{frac} visible"
+                shape += f", pool {pool_blocks}x{pool_block}" if pool_blocks else ""
+                for r in range(rounds):
+                    for label, shift, merge in variants:
+                        itk.SPLIT_BOUND_HIST_SHIFT, itk.SPLIT_BOUND_MERGE = shift, merge
+                        call = lambda kw=kw, vis=vis: itk.indexer_topk(q, w, kc, ks, table, e, vis, TOPK, **kw)  # noqa: E731
+                        got = call()
+                        ok = torch.equal(got[0], want[0]) and (not pool_blocks or torch.equal(got[1].long(),
+                                                                                               want[1].long()))
+                        hist = itk.bound_histogram(1, torch.device("cuda"))
+                        clean = hist is None or not bool(hist.any())
+                        bandwidth_row(rows, f"indexer_topk bound {label} (round {r + 1})", shape,
+                                      f"equal {ok}, histogram zero {clean}", call, n * (DI // 2 + DI // 32), copy)
+    finally:
+        itk.SPLIT_BOUND_HIST_SHIFT, itk.SPLIT_BOUND_MERGE = saved
+
+
 def sweep_engram(rows, copy):
     from dsv41.npu_ops.triton import engram_lookup as el
 
@@ -1206,7 +1246,7 @@ def sweep_grouped_linear(rows, copy, tokens=(2, 4, 8, 16, 32, 64)):
 
 SWEEPS = {"sparse_attention": sweep_sparse_attention, "indexer_topk": sweep_indexer,
           "indexer_per_k": sweep_indexer_per_k, "indexer_rows": sweep_indexer_rows, "select": sweep_select,
-          "reindex": sweep_reindex, "engram_lookup": sweep_engram,
+          "reindex": sweep_reindex, "indexer_bound": sweep_indexer_bound, "engram_lookup": sweep_engram,
           "fp4_quant": sweep_fp4_quant, "mhc_mix": sweep_mhc_mix, "linear": sweep_linear, "moe_experts": sweep_moe,
           "moe_decode": sweep_moe_decode, "moe_rows": sweep_moe_rows, "moe_bytes": sweep_moe_bytes,
           "moe_slots": sweep_moe_slots,

@@ -257,6 +257,69 @@ def test_split_select_merged_bound(dev, rng):
                             merge=3)
 
 
+def bound_hist_ref(maxima, shift):
+    """The split select's bound histograms in torch: each row's finite maxima counted by the top
+    32 - shift bits of their order keys read unsigned ([T, 2^(32 - shift)] int32)."""
+    nbins = 1 << (32 - shift)
+    bins = ((itk.order_keys(maxima) ^ -(2**31)) >> shift) & (nbins - 1)
+    return torch.stack([torch.bincount(b[torch.isfinite(m)].long(), minlength=nbins)
+                        for b, m in zip(bins, maxima)]).int()
+
+
+def hist_bound_ref(hist, k, shift):
+    """`_hist_bound` in torch: the order key at the lower edge of each row's highest bin with at
+    least k maxima at or above it (bin 0's edge where none has)."""
+    at_or_above = hist.long().flip(-1).cumsum(-1).flip(-1)
+    bins = torch.arange(hist.shape[1])
+    sel = torch.where(at_or_above >= k, bins, 0).amax(-1)
+    return (sel << shift) - 2**31
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_split_select_histogram_bound(dev, rng):
+    """The split select's bound from the histogram of the chunk maxima (`_hist_bound`): the ids
+    equal the reference's (random scores, ties with -0.0, all-negative wide exponents, the top k
+    at the row's end, maxima crowded into the k-th's bin, partly visible rows, a row with fewer
+    chunks than k taking the whole-row select); each part's bound is the lower edge of the
+    highest bin holding k maxima at or above it; the histogram is zero after every path (the
+    split parts, the whole-row select, the one-program kernel)."""
+    n, k, maxg = 1024, 8, 16  # 64 maxima: 8 per k
+    shift = itk.SPLIT_BOUND_HIST_SHIFT
+    s = torch.randn(8, n, generator=rng)
+    s[1] = torch.randint(-2, 3, (n,), generator=rng).float()  # ties
+    s[1, ::3] = -0.0
+    s[2] = -torch.rand(n, generator=rng) * 1e30  # all negative, wide exponents
+    s[3] = torch.arange(n).float()  # the top k at the row's end
+    s[4] = 1.0 + torch.randperm(n, generator=rng).float() * 2.0**-20  # every maximum in one bin
+    nv = torch.tensor([n, n, n, n, n, 600, 300, 100])  # 100: 7 visible chunks, fewer than k
+    valid = torch.arange(n).unsqueeze(0) < nv.unsqueeze(1)
+    masked = s.masked_fill(~valid, float("-inf"))
+    maxima = masked.view(8, -1, maxg).amax(-1)
+    want = ref_att._stable_topk_sorted(s, k, valid)
+    hist = bound_hist_ref(maxima, shift)
+    assert int(hist[7].sum()) == 7 and int(hist[4].count_nonzero()) == 1
+    for parts in (4, 8, 0):
+        h = hist.flatten().to(dev)
+        got = itk.topk_select(masked.to(dev), nv.to(dev), k, maxima.to(dev), maxg, parts=parts, min_maxima_per_k=0,
+                              hist=h)
+        assert torch.equal(got.cpu(), want), parts
+        assert not h.cpu().any(), parts
+    out = torch.empty(8, k, dtype=torch.long, device=dev)  # the bound itself (STOP=1: each part writes it)
+    h = hist.flatten().to(dev)
+    itk._split_select(masked.to(dev), maxima.to(dev), maxg, nv.to(dev), out, k, 4, 64, itk.RADIX_BITS, None,
+                      False, None, _stop=1, hist=h)
+    bound = hist_bound_ref(hist, k, shift)
+    for row in range(7):
+        assert out[row, :4].cpu().tolist() == [int(bound[row])] * 4, row
+        kth = itk.order_keys(maxima[row]).topk(k).values[-1]
+        assert bound[row] <= kth, row  # a lower bound of the k-th largest maximum
+    assert bound[4] <= itk.order_keys(maxima[4]).min()  # every maximum in one bin: all of them are >= it
+    assert not h.cpu().any()
+    with pytest.raises(ValueError, match="bound histogram"):
+        itk.topk_select(masked.to(dev), nv.to(dev), k, maxima.to(dev), maxg, parts=4, min_maxima_per_k=0,
+                        hist=h[:100])
+
+
 def _mapped_want(s, cand, cb, lim, k):
     """The Reindex selection written out: the stable top-k among the valid candidate columns
     (block >= 0, entry < lim), as entry ids ascending, -1 padded."""
@@ -369,16 +432,22 @@ def test_split_select_dispatch(monkeypatch):
 
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("per_k", [8, 2])
-def test_split_select_maxima_from_scores(dev, per_k, rng, monkeypatch):
+@pytest.mark.parametrize("bound", ["histogram", "radix"])
+def test_split_select_maxima_from_scores(dev, per_k, bound, rng, monkeypatch):
     """The whole op at decode rows with the split select: the scores kernel writes
     SPLIT_MAXIMA_PER_K maxima per k, the split select takes them as its bound (not the
-    whole-row select), and the ids equal the reference's (exact scores, ties)."""
+    whole-row select), from their histogram (counted by the scores kernel, zero again after
+    the select) or by radix passes over them, and the ids equal the reference's (exact scores,
+    ties)."""
+    if bound == "radix":
+        monkeypatch.setattr(itk, "SPLIT_BOUND_HIST_SHIFT", 0)
     monkeypatch.setattr(itk, "SPLIT_MAX_T", 64)
     monkeypatch.setattr(itk, "SPLIT_MAXIMA_PER_K", per_k)
     monkeypatch.setattr(itk, "SPLIT_MAXIMA_MIN_PER_K", min(per_k, itk.SPLIT_MAXIMA_MIN_PER_K))
     seen = []
     split_select = itk._split_select
-    monkeypatch.setattr(itk, "_split_select", lambda *a, **kw: seen.append(a[2]) or split_select(*a, **kw))
+    monkeypatch.setattr(itk, "_split_select",
+                        lambda *a, **kw: seen.append((a[2], kw.get("hist") is not None)) or split_select(*a, **kw))
     t, n, k, e = 2, 256, 5, 4
     q, w, codes, kscale = random_inputs(rng, t, 4, 64, n, exact=True)
     pc, ps, table = paged(rng, [(codes, kscale)], [0] * t, e)
@@ -387,7 +456,10 @@ def test_split_select_maxima_from_scores(dev, per_k, rng, monkeypatch):
     got_idx, _ = itk.indexer_topk(q.to(dev), w.to(dev), pc.to(dev), ps.to(dev), table.to(dev), e, nv.to(dev), k)
     assert torch.equal(got_idx.cpu(), want_idx)
     bn = itk._rows_config(t, 4, n, dev)[2]
-    assert seen == [itk.select_chunk(n, k, bn, per_k)] and seen[0] > 1
+    hist_on = itk.SPLIT_BOUND_HIST_SHIFT > 0
+    assert seen == [(itk.select_chunk(n, k, bn, per_k), hist_on)] and seen[0][0] > 1
+    if hist_on:  # the bound from the scores kernel's histogram, which the select left zero
+        assert not itk.bound_histogram(t, torch.device(dev)).any()
 
 
 # ---- kernel -------------------------------------------------------------------------------------
@@ -431,11 +503,20 @@ def test_tile_configs(dev, cfg, rows, layout, rng):
     valid = torch.arange(want.shape[1]).unsqueeze(0) < nv.unsqueeze(1)
     assert torch.equal(got.cpu()[valid], want[valid])
     assert torch.isneginf(got.cpu()[~valid]).all()
-    s, maxima, maxg = itk._scores(*args, topk=4, _cfg=cfg, rows=rows, maxg=4)  # the chunk maxima it writes
+    shift = itk.SPLIT_BOUND_HIST_SHIFT
+    hist = torch.zeros(t << (32 - shift), dtype=torch.int32, device=dev) if rows else None
+    s, maxima, maxg = itk._scores(*args, topk=4, _cfg=cfg, rows=rows, maxg=4, hist=hist)  # the chunk maxima it writes
     pad = -(-want.shape[1] // 4) * 4 - want.shape[1]
     ref_max = torch.nn.functional.pad(want.masked_fill(~valid, float("-inf")), (0, pad),
                                       value=float("-inf")).view(t, -1, 4).amax(-1)
     assert maxg == 4 and torch.equal(maxima.cpu(), ref_max)
+    if rows:  # the bound histograms it counts them into (finite maxima only: row 2 sees nothing)
+        assert torch.equal(hist.cpu().view(t, -1), bound_hist_ref(ref_max, shift))
+        assert int(hist.view(t, -1)[2].sum()) == 0 and int(hist.view(t, -1)[0].sum()) == -(-n // 4)
+    else:
+        with pytest.raises(ValueError, match="bound histogram"):
+            itk._scores(*args, topk=4, _cfg=cfg, rows=rows, maxg=4,
+                        hist=torch.zeros(t << (32 - shift), dtype=torch.int32, device=dev))
 
 
 @pytest.mark.parametrize("dev", DEVICES)

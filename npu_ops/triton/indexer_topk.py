@@ -61,7 +61,14 @@ with 32 parts over 2 (benchmarks/RESULTS.md). The default stays at 8 per k: the 
 block table's width N (n_visible is on the device), and a row with fewer than K chunks visible
 has no bound, so part 0 alone runs the whole-row select. At 8 per k that is a row below N / 8
 entries, at 2 per k below N / 2: in a decode graph whose table is sized for the longest
-sequence, most shorter rows would take the slow path (not timed on the device).
+sequence, most shorter rows would take the slow path (not timed on the device). The parts' bound
+is then the K-th largest of the maxima of up to SPLIT_BOUND_MERGE neighbouring chunks, or, by
+default (SPLIT_BOUND_HIST_SHIFT), read off a histogram of the maxima: the rows scores kernel
+counts each finite maximum into one of 8192 bins (the order key's top 13 bits: sign, exponent,
+4 mantissa bits; one atomic per maximum, `_count_maxima`), and each part takes the lower edge of
+the highest bin with K maxima at or above it (one 32 KB load and a prefix sum, `_hist_bound`,
+instead of radix passes over the maxima); the part that finishes the row zeroes its histogram,
+so the buffer (`bound_histogram`, one per device and stream) stays zero between calls.
 
 Reindex selection (same kernel, MAP): the row's columns are the candidate blocks' entries (-1
 blocks and entries past n_visible scored -inf); the chosen columns are written as their entry
@@ -499,12 +506,12 @@ def _word_scores(q, wh, words, e8, W: tl.constexpr, G: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
-def _indexer_rows_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_ptr, out_ptr, max_ptr,
+def _indexer_rows_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_ptr, out_ptr, max_ptr, hist_ptr,
                          T, NC, NB, E, G, n_nc, n_tiles, num_programs, code_stride, scale_stride,
                          H: tl.constexpr, HP: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr,
                          BLOCK_N: tl.constexpr, NSUB: tl.constexpr, LOWP: tl.constexpr, MAXG: tl.constexpr,
                          WORDS: tl.constexpr = 0, KEYS_M: tl.constexpr = 0, ASM: tl.constexpr = 0,
-                         PDL: tl.constexpr = 0):
+                         HIST_SHIFT: tl.constexpr = 0, PDL: tl.constexpr = 0):
     """Dense scores at decode shapes: a tile is one query (its heads padded to HP >= 16 rows) by
     NSUB blocks of BLOCK_N entries, tiles walked by a 1-D persistent loop. Each query reads its
     own rows (no test whether the tile's queries share them), and the next block's pool rows
@@ -512,7 +519,9 @@ def _indexer_rows_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_ptr,
     flight instead of waiting on one chain of dependent loads per block. Same arithmetic as
     `_indexer_scores_kernel` (`_byte_scores`); tiles wholly past n_visible compute nothing.
     WORDS: the keys loaded as int32 words and converted by `_decode_key_words` (one dot over
-    all channels; KEYS_M picks its orientation)."""
+    all channels; KEYS_M picks its orientation). HIST_SHIFT > 0: each finite chunk maximum is
+    also counted into its query's bound histogram (hist_ptr [T, 2^(32 - HIST_SHIFT)], zero
+    before; `_count_maxima`), which the split select reads for its bound and zeroes."""
     pdl_start(PDL)
     pid = tl.program_id(0)
     cn = tl.arange(0, BLOCK_N)
@@ -524,6 +533,9 @@ def _indexer_rows_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_ptr,
         nv = tl.minimum(tl.load(nvis_ptr + tq).to(tl.int32), NC)
         orow = out_ptr + tq.to(tl.int64) * NC
         mrow = max_ptr + tq.to(tl.int64) * G
+        hrow = hist_ptr
+        if HIST_SHIFT > 0:
+            hrow = hist_ptr + (tq.to(tl.int64) << (32 - HIST_SHIFT))
         if n0 < nv:
             if WORDS:
                 qw, wh = _load_query_words(q_ptr, w_ptr, tq, H, HP, 2 * DH, LOWP)
@@ -547,19 +559,20 @@ def _indexer_rows_kernel(q_ptr, w_ptr, code_ptr, scale_ptr, table_ptr, nvis_ptr,
                 else:
                     s = _byte_scores(q_even, q_odd, wh, b, e8, DHP, 1, HP, BLOCK_N, LOWP)
                 s = tl.where(vis[None, :], s, float("-inf"))
-                _store_row_scores(orow, mrow, s, n0 + sub * BLOCK_N, NC, G, BLOCK_N, MAXG)
+                _store_row_scores(orow, mrow, hrow, s, n0 + sub * BLOCK_N, NC, G, BLOCK_N, MAXG, HIST_SHIFT)
                 if sub + 1 < NSUB:
                     b, e8, vis = b_n, e8_n, vis_n
         else:
             for sub in tl.static_range(NSUB):
-                _store_row_scores(orow, mrow, tl.full([1, BLOCK_N], float("-inf"), dtype=tl.float32),
-                                  n0 + sub * BLOCK_N, NC, G, BLOCK_N, MAXG)
+                _store_row_scores(orow, mrow, hrow, tl.full([1, BLOCK_N], float("-inf"), dtype=tl.float32),
+                                  n0 + sub * BLOCK_N, NC, G, BLOCK_N, MAXG, 0)
 
 
 @triton.jit
-def _store_row_scores(orow, mrow, s, c0, NC, G, BLOCK_N: tl.constexpr, MAXG: tl.constexpr):
+def _store_row_scores(orow, mrow, hrow, s, c0, NC, G, BLOCK_N: tl.constexpr, MAXG: tl.constexpr,
+                      HIST_SHIFT: tl.constexpr):
     """One query's scores s [1, BLOCK_N] at entries c0 .. c0 + BLOCK_N, and (MAXG > 0) their
-    maxima over every MAXG entries."""
+    maxima over every MAXG entries, counted into the bound histogram hrow (HIST_SHIFT > 0)."""
     cols = c0 + tl.arange(0, BLOCK_N)
     tl.store(orow + cols[None, :], s, mask=(cols < NC)[None, :])
     if MAXG > 0:
@@ -569,6 +582,18 @@ def _store_row_scores(orow, mrow, s, c0, NC, G, BLOCK_N: tl.constexpr, MAXG: tl.
             mx = tl.max(tl.reshape(s, (1, BLOCK_N // MAXG, MAXG)), axis=2)
         gc = c0 // MAXG + tl.arange(0, BLOCK_N // MAXG)
         tl.store(mrow + gc[None, :], mx, mask=(gc < G)[None, :])
+        if HIST_SHIFT > 0:
+            _count_maxima(hrow, mx, (gc < G)[None, :], HIST_SHIFT)
+
+
+@triton.jit
+def _count_maxima(hrow, mx, ok, HIST_SHIFT: tl.constexpr):
+    """Count the finite chunk maxima mx (where ok) into the bound histogram hrow: bin = the top
+    32 - HIST_SHIFT bits of the order key read unsigned (sign, exponent and the leading mantissa
+    bits), so bins ascend with the scores. -inf maxima (chunks past n_visible) are not counted."""
+    NBINS: tl.constexpr = 1 << (32 - HIST_SHIFT)
+    b = ((_order_key(mx) ^ -2147483648) >> HIST_SHIFT) & (NBINS - 1)
+    tl.atomic_add(hrow + b, 1, mask=ok & (mx > float("-inf")), sem="relaxed")
 
 
 def _pow2(n: int) -> int:
@@ -737,9 +762,13 @@ def rows_words_fit(codes: torch.Tensor, d: int) -> bool:
 
 def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible, candidates=None,
             topk: int = 0, _cfg: tuple | None = None, maxg: int | None = None, rows: bool | None = None,
-            candidate_block_size: int = 1, words: bool | None = None, keys_m: bool | None = None):
+            candidate_block_size: int = 1, words: bool | None = None, keys_m: bool | None = None,
+            hist: torch.Tensor | None = None):
     """`indexer_scores` plus, when topk > 0 (dense), the chunk maxima that bound the top-k
-    select: (scores, maxima [T, ceil(N / maxg)] or None, maxg). `_cfg` fixes the tiles of the
+    select: (scores, maxima [T, ceil(N / maxg)] or None, maxg). `hist` (int32, zero, at least
+    T * 2^(32 - SPLIT_BOUND_HIST_SHIFT); `bound_histogram`): the rows kernel also counts the
+    maxima into it for the split select's bound (`topk_select(..., hist=)`, which zeroes it
+    again); untouched where no maxima are written (maxg 0). `_cfg` fixes the tiles of the
     chosen kernel (`_config`'s tuple; with rows, (HP, 1, BLOCK_N, NSUB, warps)); a `_cfg` without
     `rows` keeps the multi-query kernel (the batch-invariant mode's fixed tiles). `words` /
     `keys_m`: the rows kernel's word decode and its dot orientation (default ROWS_WORDS /
@@ -775,6 +804,8 @@ def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_
         rows = _cfg is None and use_rows_kernel(t, gather)
     if rows and gather:
         raise ValueError("the one-query-per-tile scores kernel is dense only (no candidates)")
+    if hist is not None and not rows:
+        raise ValueError("only the one-query-per-tile scores kernel counts the bound histogram")
     if _cfg is not None:
         hp, bt, bn, nsub, warps, *more = _cfg
         qsub = more[0] if more else 1
@@ -810,12 +841,13 @@ def _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_
         words = ROWS_WORDS if words is None else words
         if words and not rows_words_fit(codes, d):
             words = False
+        shift = _hist_shift(hist, t) if maxg else 0
         _indexer_rows_kernel[(grid,)](
             q.contiguous(), weights.contiguous(), codes, scales, table, nvis, out, maxima,
-            t, nc, nb, e, g, n_nc, n_tiles, grid, codes.stride(0), scales.stride(0),
+            hist if shift else nvis, t, nc, nb, e, g, n_nc, n_tiles, grid, codes.stride(0), scales.stride(0),
             H=h, HP=hp, DH=d // 2, DHP=_pow2(d // 2), BLOCK_N=bn, NSUB=nsub, LOWP=not interpreting(), MAXG=maxg,
             WORDS=bool(words), KEYS_M=bool(ROWS_KEYS_M if keys_m is None else keys_m),
-            ASM=q.device.type == "cuda" and not interpreting(), **extra, **pdl_launch(codes))
+            ASM=q.device.type == "cuda" and not interpreting(), HIST_SHIFT=shift, **extra, **pdl_launch(codes))
         return out, (maxima if maxg else None), maxg
     _indexer_scores_kernel[(grid,)](
         q.contiguous(), weights.contiguous(), codes, scales, table, nvis, cand, out, maxima,
@@ -983,6 +1015,28 @@ def _maxima_bound(src, g, k, BLOCK: tl.constexpr, MERGE: tl.constexpr, PER_K: tl
     else:
         thr, _ = _kth_key(src, g, k, BLOCK, RADIX_BITS)
     return thr
+
+
+@triton.jit
+def _hist_bound(hrow, k, HIST_SHIFT: tl.constexpr):
+    """The split select's bound from a row's histogram of chunk maxima (`_count_maxima`): the
+    lowest order key of the highest bin with at least k maxima at or above it. At least k maxima
+    are >= it, so it is a lower bound of their k-th largest (one bin's width below it at most:
+    1/16 of the value with HIST_SHIFT 19). Fewer than k counted: bin 0's edge, which keeps every
+    score (the select stays exact, only its survivors grow)."""
+    NBINS: tl.constexpr = 1 << (32 - HIST_SHIFT)
+    bins = tl.arange(0, NBINS)
+    c = tl.load(hrow + bins, cache_modifier=".cg")
+    at_or_above = tl.sum(c, axis=0) - tl.cumsum(c, axis=0) + c
+    sel = tl.max(tl.where(at_or_above >= k, bins, 0), axis=0)
+    return (sel << HIST_SHIFT) ^ -2147483648
+
+
+@triton.jit
+def _hist_clear(hrow, HIST_SHIFT: tl.constexpr):
+    """Zero a row's bound histogram (kept zero between calls, as `tile_counters`)."""
+    NBINS: tl.constexpr = 1 << (32 - HIST_SHIFT)
+    tl.store(hrow + tl.arange(0, NBINS), tl.zeros([NBINS], dtype=tl.int32))
 
 
 @triton.jit
@@ -1287,14 +1341,14 @@ def _region_take_looped(srow, prow, cnts, SL, K, orow, PP: tl.constexpr, WB: tl.
 
 @triton.jit
 def _split_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_ptr, part_ptr, count_ptr,
-                         cand_ptr, stage_ptr, pool_ptr, work_ptr, NBLK, NPOOL, T, N, G, K, KOUT, SL, P,
+                         cand_ptr, stage_ptr, pool_ptr, work_ptr, hist_ptr, NBLK, NPOOL, T, N, G, K, KOUT, SL, P,
                          num_programs,
                          MAXG: tl.constexpr, MBLOCK: tl.constexpr, SBLOCK: tl.constexpr, FBLOCK: tl.constexpr,
                          BLOCK: tl.constexpr, PP: tl.constexpr, RADIX_BITS: tl.constexpr, SPAN: tl.constexpr,
                          MERGE: tl.constexpr = 1, PER_K: tl.constexpr = 2, STOP: tl.constexpr = 0,
                          MAP: tl.constexpr = False, CB: tl.constexpr = 1, MAP_NV: tl.constexpr = False,
                          KP: tl.constexpr = 1, RB: tl.constexpr = 1, POOL: tl.constexpr = False,
-                         POOL_BLOCK: tl.constexpr = 16, PDL: tl.constexpr = 0):
+                         POOL_BLOCK: tl.constexpr = 16, HIST_SHIFT: tl.constexpr = 0, PDL: tl.constexpr = 0):
     """The dense top-K select of `_topk_select_kernel` (same result: the K largest of
     scores[t, :n_visible[t]], ties to the lower entry id, ascending ids, -1 padded) split over P
     programs per row, so that a decode step's few rows use many SMs:
@@ -1327,7 +1381,14 @@ def _split_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_p
     candidate pool's ascending blocks).
     POOL: programs num_programs .. + NPOOL make each row's candidate pool from the same maxima
     (`_pool_row`: blocks of MAXG entries, NBLK of them, into pool_ptr; work_ptr its scratch), so
-    the pool's one-program select runs beside the parts instead of in a launch after them."""
+    the pool's one-program select runs beside the parts instead of in a launch after them.
+    HIST_SHIFT > 0 (dense rows): step 1's bound comes from the row's histogram of its chunk
+    maxima instead (hist_ptr [T, 2^(32 - HIST_SHIFT)], counted by the scores kernel,
+    `_count_maxima`): the lower edge of the highest bin with at least K maxima at or above it, a
+    lower bound of the K-th largest maximum within one bin's width (`_hist_bound`: one load and a
+    prefix sum instead of the radix passes). The part that finishes the row (or part 0 where it
+    selects the whole row) zeroes the row's histogram for the next call; the ids are the same
+    whichever bound runs (any lower bound of the K-th largest score selects the same K)."""
     pdl_start(PDL)
     pid = tl.program_id(0)
     if POOL:
@@ -1344,11 +1405,18 @@ def _split_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_p
         crow = cand_ptr + t64 * (N // CB)
         stage = stage_ptr + t64 * KP
         g = (nv + MAXG - 1) // MAXG  # chunks holding a visible entry
+        hrow = hist_ptr
+        if HIST_SHIFT > 0:
+            hrow = hist_ptr + (t64 << (32 - HIST_SHIFT))
         if nv <= K or g < K:  # everything visible is selected, or the maxima bound nothing
             if p == 0:
                 _whole_row(row, orow, crow, stage, nv, K, KOUT, lim, nv <= K, BLOCK, RADIX_BITS, MAP, CB, KP, RB)
+                if HIST_SHIFT > 0:
+                    _hist_clear(hrow, HIST_SHIFT)
         else:
-            if SPAN:  # (G <= MBLOCK: the launcher's condition)
+            if HIST_SHIFT > 0:
+                bound = _hist_bound(hrow, K, HIST_SHIFT)
+            elif SPAN:  # (G <= MBLOCK: the launcher's condition)
                 bound, _ = _kth_key_span(max_ptr + t64 * G, g, K, MBLOCK, RADIX_BITS, 32)
             elif MERGE > 1:  # (G <= MBLOCK: the launcher's condition)
                 bound = _maxima_bound(max_ptr + t64 * G, g, K, MBLOCK, MERGE, PER_K, RADIX_BITS)
@@ -1382,8 +1450,12 @@ def _split_select_kernel(s_ptr, max_ptr, nvis_ptr, out_ptr, surv_s_ptr, surv_p_p
             done = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
             if STOP > 0:  # (timing only: no final select; the counter back to zero)
                 if done == P - 1:
+                    if HIST_SHIFT > 0:
+                        _hist_clear(hrow, HIST_SHIFT)
                     tl.atomic_xchg(count_ptr + t, 0)
             elif done == P - 1:  # every part has written its region: select among them
+                if HIST_SHIFT > 0:  # every part has read the histogram (before its count above)
+                    _hist_clear(hrow, HIST_SHIFT)
                 pi = tl.arange(0, PP)
                 cnts = tl.load(part_ptr + t64 * P + pi, mask=pi < P, other=0, cache_modifier=".cg")
                 total = tl.sum(cnts, axis=0)
@@ -1546,7 +1618,7 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
                 survivor_block: int | None = None, bound_passes: int | None = None,
                 span: bool | None = None, parts: int | None = None, candidate_block_size: int = 1,
                 merge: int | None = None, pool_out: torch.Tensor | None = None,
-                pool_n: int = 0) -> torch.Tensor:
+                pool_n: int = 0, hist: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's `_stable_topk_sorted(scores, k, arange < n_visible)` for finite visible
     scores, in one Triton launch (a program per query row, no host sync): [T, min(k, N)] int64.
     `maxima` [T, ceil(N / maxg)]: each row's maximum over every `maxg` entries (entries past
@@ -1558,6 +1630,9 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     over the candidates' entries (`reference.attention.pool_entries`; entries >= n_visible[t]
     are invalid when n_visible is given; invalid columns' scores are -inf) and sorted by entry
     id (-1 padded), as `reference.attention.indexer_topk`.
+    `hist`: the bound histograms the scores kernel counted the maxima into (`_scores(...,
+    hist=)`): the split select takes its bound from them and zeroes them; any other path
+    zeroes them here (the buffer must be zero for the next call).
     `radix_bits`: the radix select's digit width (RADIX_BITS_CHOICES; default RADIX_BITS).
     `survivor_block`: the tile of the bounded path's survivor select (a power of two >= k, at
     most `block`; default SELECT_SURVIVOR_BLOCK, 0 = `block`).
@@ -1585,6 +1660,8 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     if t == 0 or kout == 0:
         if pool_out is not None and t:
             pool_select(maxima, n_visible, n, pool_n, maxg, radix_bits, out=pool_out)
+        if hist is not None:
+            hist.zero_()
         return out
     blk = block or (64 if interpreting() else SELECT_BLOCK_NPU if scores.device.type == "npu" else SELECT_BLOCK)
     cap = capacity or max(SELECT_CAPACITY, _pow2(4 * k))
@@ -1611,13 +1688,16 @@ def topk_select(scores: torch.Tensor, n_visible: torch.Tensor | None, k: int, ma
     use_max = maxima is not None and (split or not mapped) and maxg > 1 and maxima.shape[1] >= per_k * k
     if use_max and (blk % maxg or maxima.shape[0] != t):
         raise ValueError(f"maxima {tuple(maxima.shape)} every {maxg} do not fit block {blk} / {t} rows")
+    if hist is not None and (mapped or not (split and use_max)):
+        hist.zero_()  # (counted for a bound this path does not take)
+        hist = None
     if split and use_max:
         beside = pool_out is not None and POOL_BESIDE_SELECT
         _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix,
                       SPLIT_FINAL_BLOCK if survivor_block is None else survivor_block,
                       SELECT_SPAN if span is None else bool(span), num_warps, merge=merge,
                       candidates=candidates if mapped else None, candidate_block_size=cb,
-                      pool=(pool_out, pool_n) if beside else None)
+                      pool=(pool_out, pool_n) if beside else None, hist=hist)
         if pool_out is not None and not beside:
             pool_select(maxima, n_visible, n, pool_n, maxg, radix_bits, out=pool_out)
         return out
@@ -1683,6 +1763,31 @@ def scores_chunk(t: int, n: int, k: int, block_n: int, device) -> int:
     return g
 
 
+def bound_histogram(t: int, device) -> torch.Tensor | None:
+    """The zeroed int32 histograms [t, 2^(32 - SPLIT_BOUND_HIST_SHIFT)] (flat) of t rows' chunk
+    maxima for the split select's bound, or None where that bound is off (the shift 0) or the
+    split select does not run for t rows (`select_parts`). One buffer per device and stream
+    (`tile_counters`, its own purpose): the scores kernel counts into it and the select's launch
+    right after zeroes it again, so no memset runs per call."""
+    from .launch import tile_counters
+
+    device = torch.device(device)
+    if SPLIT_BOUND_HIST_SHIFT <= 0 or not select_parts(t, device):
+        return None
+    return tile_counters(device, t << (32 - SPLIT_BOUND_HIST_SHIFT), "indexer_bound")
+
+
+def _hist_shift(hist: torch.Tensor | None, t: int) -> int:
+    """The kernels' HIST_SHIFT for a bound histogram buffer of t rows (0 without one)."""
+    if hist is None:
+        return 0
+    shift = SPLIT_BOUND_HIST_SHIFT
+    if not 0 < shift < 32 or hist.dtype != torch.int32 or hist.numel() < t << (32 - shift):
+        raise ValueError(f"bound histogram {hist.dtype} [{hist.numel()}] does not hold {t} rows of "
+                         f"2^{32 - shift} int32 bins")
+    return shift
+
+
 def _bound_merge(merge: int | None) -> int:
     """The split select's bound merge (`merge` or SPLIT_BOUND_MERGE), one of 1, 2, 4."""
     merge = SPLIT_BOUND_MERGE if merge is None else int(merge)
@@ -1692,14 +1797,16 @@ def _bound_merge(merge: int | None) -> int:
 
 
 def _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix, final_block, span, num_warps,
-                  _stop=0, merge=None, candidates=None, candidate_block_size=1, pool=None):
+                  _stop=0, merge=None, candidates=None, candidate_block_size=1, pool=None, hist=None):
     """`topk_select`'s bounded select on `_split_select_kernel`: `parts` programs per row
     (slices of the row's entries), the final select on a `final_block` tile. `merge`: the most
     neighbouring chunk maxima the bound merges (1, 2 or 4; default SPLIT_BOUND_MERGE; taken only
     without span passes and with the maxima on one tile). `candidates`: the Reindex selection
     (the kernel's MAP; n_visible may then be None). `pool` (out [T, n_blocks] int32, n_blocks):
     the candidate pool of the maxima's blocks (`pool_select`) by T more programs of the launch
-    (the kernel's POOL). `_stop`: the kernel's STOP (timing its stages)."""
+    (the kernel's POOL). `hist`: the maxima's bound histograms (`bound_histogram`, counted by the
+    scores kernel; dense rows only), read for the bound and zeroed (the kernel's HIST_SHIFT).
+    `_stop`: the kernel's STOP (timing its stages)."""
     from .launch import grid_for, interpreting, tile_counters
 
     t, n = scores.shape
@@ -1733,9 +1840,13 @@ def _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix, fi
         pool_out = _pool_out(pool[0], t, n_pool, scores.device)
         work = torch.empty(t, g, dtype=torch.float32, device=scores.device)
     pool_programs = t if pool is not None and n_pool > 0 else 0
+    if hist is not None and mapped:
+        raise ValueError("the bound histogram is a dense row's (the Reindex selection's scores kernel writes none)")
+    shift = _hist_shift(hist, t)
     _split_select_kernel[(grid + pool_programs,)](scores.contiguous(), maxima.contiguous(), nvis, out, surv_s,
                                   surv_p, part, tile_counters(scores.device, t),
-                                  candidates.contiguous() if mapped else out, stage, pool_out, work, n_pool,
+                                  candidates.contiguous() if mapped else out, stage, pool_out, work,
+                                  hist if shift else part, n_pool,
                                   max(pool_programs, 1), t, n, g, k, out.shape[1], sl, p,
                                   grid, MAXG=maxg, MBLOCK=mblock, SBLOCK=min(blk, _pow2(sl)), FBLOCK=fb, BLOCK=blk,
                                   PP=pp, RADIX_BITS=radix, SPAN=span and g <= mblock, MERGE=merge,
@@ -1743,7 +1854,8 @@ def _split_select(scores, maxima, maxg, n_visible, out, k, parts, blk, radix, fi
                                   CB=int(candidate_block_size) if mapped else 1,
                                   MAP_NV=mapped and n_visible is not None, KP=kp,
                                   RB=sort_rows(kp, scores.device.type == "npu"), POOL=pool_programs > 0,
-                                  POOL_BLOCK=16 if interpreting() else POOL_BLOCK, **extra, **pdl_launch(nvis))
+                                  POOL_BLOCK=16 if interpreting() else POOL_BLOCK, HIST_SHIFT=shift, **extra,
+                                  **pdl_launch(nvis))
     return out
 
 
@@ -1817,6 +1929,13 @@ SPLIT_MAXIMA_MIN_PER_K = 2
 # a quarter 30.8 / 30.6 (no merge left there); the bound alone 12.9 -> 6.6 us (32 parts).
 SPLIT_BOUND_MERGE = 4
 SPLIT_BOUND_PER_K = 2
+# The split select's bound from a histogram of the chunk maxima (`_count_maxima` in the rows scores
+# kernel, `_hist_bound` in the select; 0 turns it off, leaving the merged radix bound above): the
+# bins are the order keys' top 32 - SHIFT bits (19: 8192 bins, the sign, the exponent and 4
+# mantissa bits, so the bound lies at most 1/16 of the value below the K-th largest maximum). Every
+# part then loads 32 KB and takes one prefix sum instead of the radix passes over the maxima, and
+# the fine maxima (8 per k) bound every row, merged or not.
+SPLIT_BOUND_HIST_SHIFT = 19
 # the most chunk maxima a merged bound takes on one tile: up to 8192 the merged bound loads a row's
 # maxima at once instead of the unmerged bound's looped passes over 4096 tiles in every part (the
 # pool source's rows past 32K: one maximum per 8-entry pool block, 8192 of them at 64K). sm_90a:
@@ -1935,10 +2054,16 @@ def _indexer_topk_rows(q, weights, key_codes, key_scale, block_table, entries_pe
     # every BLOCK_N of tile_shape), which also bound the top-k select
     pool_maxima = (candidates is None and pool_blocks > 0 and reduce_scores is None
                    and pool_block_size & (pool_block_size - 1) == 0 and pool_block_size <= 64)
+    # the split select's bound from a histogram of the maxima the scores kernel counts (dense rows
+    # whose select splits; `bound_histogram`), handed from the scores launch to the select's
+    hist = (bound_histogram(q.shape[0], q.device) if candidates is None and reduce_scores is None and topk > 0
+            and _cfg is None and use_rows_kernel(q.shape[0], False) else None)
     s, maxima, maxg = _scores(q, weights, key_codes, key_scale, block_table, entries_per_block, n_visible,
                               candidates, topk=topk if reduce_scores is None else 0,
                               maxg=pool_block_size if pool_maxima else None, _cfg=_cfg,
-                              candidate_block_size=candidate_block_size)
+                              candidate_block_size=candidate_block_size, hist=hist)
+    if maxima is None:
+        hist = None  # (nothing counted)
     if reduce_scores is not None:  # model parallel: add the other ranks' heads (-inf stays -inf)
         s = reduce_scores(s)  # (this rank's maxima would not bound the summed scores: none taken)
     if candidates is not None:
@@ -1946,8 +2071,8 @@ def _indexer_topk_rows(q, weights, key_codes, key_scale, block_table, entries_pe
                            candidate_block_size=candidate_block_size), None
     if pool_blocks > 0 and pool_maxima:  # the pool from the select's maxima (beside it where it can)
         pool = _pool_out(None, s.shape[0], min(pool_blocks, maxima.shape[1]), s.device)
-        return topk_select(s, n_visible, topk, maxima, maxg, pool_out=pool, pool_n=pool_blocks), pool
-    idx = topk_select(s, n_visible, topk, maxima, maxg or 1)
+        return topk_select(s, n_visible, topk, maxima, maxg, pool_out=pool, pool_n=pool_blocks, hist=hist), pool
+    idx = topk_select(s, n_visible, topk, maxima, maxg or 1, hist=hist)
     if pool_blocks <= 0:
         return idx, None
     return idx, _candidate_pool(s, n_visible, pool_blocks, pool_block_size)

@@ -88,10 +88,13 @@ def ub_estimate(tiles: dict[str, tuple[int, ...]], bytes_per_element: int = 4) -
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
-def tile_counters(device: torch.device, n: int) -> torch.Tensor:
+def tile_counters(device: torch.device, n: int, purpose: str = "tiles") -> torch.Tensor:
     """Zeroed int32 per-tile counters for "the last program of a tile finishes it" launches on this
     device and stream (each kernel that bumps a counter resets it to 0, so the buffer stays zero
-    between calls: no memset per call, and kernels on one stream can share it). Keyed by the
+    between calls: no memset per call, and kernels on one stream can share it). `purpose` names a
+    buffer of its own for counts that live from one launch into the next (the indexer's bound
+    histogram: written by the scores kernel, read and zeroed by the select), which a kernel
+    launched in between must not share. Keyed by the
     platform's stream (`Platform.stream_key`), so kernels running at once on two streams (the
     shared expert on the aux stream beside the routed experts) never share counters. Made on a
     stream's first eager call; never inside a graph capture, where the zero fill would only be
@@ -99,7 +102,7 @@ def tile_counters(device: torch.device, n: int) -> torch.Tensor:
     before it, would count from whatever the memory held): graphs warm up on their capture
     stream first (`Platform.on_capture_stream`)."""
     plat = _platform(device)
-    key = (device.type, device.index, plat.stream_key())
+    key = (device.type, device.index, plat.stream_key(), purpose)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
         if plat.is_capturing():  # (asked only when allocating)
