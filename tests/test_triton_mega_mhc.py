@@ -136,6 +136,35 @@ def test_tiles_for_rules(monkeypatch):
         mm.tiles_for(8, cuda)
 
 
+def test_coef_launch_forks_only_inside_the_lane_scope(monkeypatch):
+    """`coef_launch` on a CUDA device with the lane on: forked on MHC_COEF_LANE (reading the chunk
+    partials) only inside `mhc_coef_lane_scope`; outside it, and with a `norm` (the next
+    sublayer's input), the launch runs on the calling stream. A recording platform stands in for
+    the device (the launch itself is recorded, not run)."""
+    from dsv41.backends import platform
+    from dsv41.npu_ops.triton import launch
+
+    log = []
+
+    class Recording(platform.Platform):
+        def fork(self, fn, lane=0, reads=()):
+            log.append(("fork", lane, len(reads)))
+            return fn()
+
+    monkeypatch.setattr(platform, "_SWITCHES", {"DSV41_MHC_COEF_LANE": True})
+    monkeypatch.setattr(platform, "cached_platform", lambda device: Recording("cuda", torch.device("cpu")))
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(mm, "launch_coef", lambda *a, **kw: log.append(("launch", kw.get("norm") is not None)))
+    cuda = torch.device("cuda")
+    mm.coef_launch(cuda, "part", "pcomp", "pss")
+    assert log == [("launch", False)]  # an op called on its own: on the calling stream
+    log.clear()
+    with platform.mhc_coef_lane_scope():
+        mm.coef_launch(cuda, "part", "pcomp", "pss")
+        mm.coef_launch(cuda, "part", "pcomp", "pss", norm=("x_hat",))
+    assert log == [("fork", platform.MHC_COEF_LANE, 3), ("launch", False), ("launch", True)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dev", DEVICES[1:])
 @pytest.mark.parametrize("t", [1, 64])
