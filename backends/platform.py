@@ -102,8 +102,10 @@ def mhc_coef_lane_forks(kind: str) -> bool:
 
 def join_mhc_coef(plat: "Platform", coef) -> None:
     """Before reading mHC coefficients: join the lane their epilogue may have been forked on
-    (MHC_COEF_LANE, where `mhc_coef_lane_on`; nothing to do otherwise)."""
-    if mhc_coef_lane_on(plat.kind):
+    (MHC_COEF_LANE, where `mhc_coef_lane_forks`: inside `mhc_coef_lane_scope`; nothing to do
+    otherwise, and nothing may be done: inside a graph capture, a wait on a lane that nothing in
+    the capture forked is a dependency on uncaptured work, which invalidates the capture)."""
+    if mhc_coef_lane_forks(plat.kind):
         plat.join(lane=MHC_COEF_LANE, out=coef)
 
 

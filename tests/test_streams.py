@@ -260,3 +260,13 @@ def test_mhc_coef_lane_forks_only_inside_its_scope(monkeypatch):
         return platform.mhc_coef_lane_forks("cuda")
 
     assert decorated() and not platform.mhc_coef_lane_forks("cuda")
+    # the join follows the same rule: outside the scope nothing was forked, and inside a graph
+    # capture a wait on a lane that nothing in the capture forked invalidates the capture (the
+    # DSpark draft graph, whose stages mix outside the model's forward)
+    log = []
+    plat = recording_platform(log, "cuda")
+    platform.join_mhc_coef(plat, None)
+    assert log == []
+    with platform.mhc_coef_lane_scope():
+        platform.join_mhc_coef(plat, None)
+    assert log == [f"join {platform.MHC_COEF_LANE}"]
