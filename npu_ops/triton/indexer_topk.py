@@ -1034,9 +1034,13 @@ def _hist_bound(hrow, k, HIST_SHIFT: tl.constexpr):
 
 @triton.jit
 def _hist_clear(hrow, HIST_SHIFT: tl.constexpr):
-    """Zero a row's bound histogram (kept zero between calls, as `tile_counters`)."""
+    """Zero a row's bound histogram (kept zero between calls, as `tile_counters`). The barrier
+    orders the zeros before any later load of the buffer by this program (a later job reads
+    another row's histogram, never this one's, but the loads are of the same buffer:
+    tests/test_kernel_barriers.py)."""
     NBINS: tl.constexpr = 1 << (32 - HIST_SHIFT)
     tl.store(hrow + tl.arange(0, NBINS), tl.zeros([NBINS], dtype=tl.int32))
+    tl.debug_barrier()
 
 
 @triton.jit
