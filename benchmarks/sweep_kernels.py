@@ -560,7 +560,7 @@ def sweep_indexer_bound(rows, copy, contexts=(32768, 65536), rounds=2):
 
     ref_fn = registry.resolve("indexer_topk", "reference")[0]
     saved = (itk.SPLIT_BOUND_HIST_SHIFT, itk.SPLIT_BOUND_MERGE)
-    variants = (("histogram", saved[0] or 19, saved[1]), ("radix, merge 4", 0, 4), ("radix, no merge", 0, 1))
+    variants = (("histogram", saved[0] or itk.HIST_SHIFT_DEFAULT, saved[1]), ("radix, merge 4", 0, 4), ("radix, no merge", 0, 1))
     pools = ((0, 1), (CFG.candidate_topk_blocks, CFG.candidate_block_size))
     try:
         for n in contexts:

@@ -1939,7 +1939,8 @@ SPLIT_BOUND_PER_K = 2
 # mantissa bits, so the bound lies at most 1/16 of the value below the K-th largest maximum). Every
 # part then loads 32 KB and takes one prefix sum instead of the radix passes over the maxima, and
 # the fine maxima (8 per k) bound every row, merged or not.
-SPLIT_BOUND_HIST_SHIFT = 19
+HIST_SHIFT_DEFAULT = 19
+SPLIT_BOUND_HIST_SHIFT = HIST_SHIFT_DEFAULT
 # the most chunk maxima a merged bound takes on one tile: up to 8192 the merged bound loads a row's
 # maxima at once instead of the unmerged bound's looped passes over 4096 tiles in every part (the
 # pool source's rows past 32K: one maximum per 8-entry pool block, 8192 of them at 64K). sm_90a:

@@ -679,9 +679,9 @@ def coef_launch(device: torch.device, part, pcomp, pss, *rest, norm: tuple | Non
     `mhc_coef_lane_scope`, whose code joins the lane before reading coefficients: the model's
     forward) when nothing waits for it at once (no `norm`: a normed output is the next
     sublayer's input); else on the calling stream (an op called on its own returns ready
-    coefficients). The lane reads the chunk partials (part, pcomp, pss) that the calling stream wrote and
-    that nobody holds afterwards: the fork marks them as used on the lane (`reads`), so their
-    memory is not handed out again before it is done. Same bits as on the calling stream,
+    coefficients). The lane reads the chunk partials (part, pcomp, pss) that the calling stream
+    wrote and that nobody holds afterwards: the fork marks them as used on the lane (`reads`), so
+    their memory is not handed out again before it is done. Same bits as on the calling stream,
     eagerly and in a CUDA graph (tests/test_triton_mega_mhc.py, H100 2026-12-07)."""
     from ...backends.platform import MHC_COEF_LANE, cached_platform, mhc_coef_lane_forks
     from .launch import interpreting
