@@ -639,7 +639,7 @@ def env_settings() -> str:
 
 
 def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre, mems, offload, num, failed,
-           streams=(), pdl=()) -> str:
+           streams=(), pdl=(), prefetch=()) -> str:
     """The markdown report."""
     now = datetime.datetime.now(datetime.timezone.utc)
     L = [f"# End-to-end benchmark: {args.preset} preset on {device_name}", "",
@@ -729,20 +729,28 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
                    [[r["ctx"], r["batch"], f"{r['one_s'] * 1e3:.3f}", *_ms_change(r, "shared_s", "one_s"),
                      *_ms_change(r, "both_s", "one_s"), *_ms_change(r, "all_s", "one_s"), r["same"]]
                     for r in streams])
+    def variants_table(title, note, rows):
+        """A `_step_variants` table: each variant's ms and its change against the first."""
+        names = [k[:-2] for k in rows[0] if k.endswith("_s")]
+        return table(title, f"{note} Captured first, timed in interleaved rounds (medians). Changes against "
+                            f"{names[0]}; same logits = bit-identical in every variant.",
+                     ["context", "batch", f"{names[0]} ms", *[c for m in names[1:] for c in (f"{m} ms", "change")],
+                      "same logits"],
+                     [[r["ctx"], r["batch"], f"{r[names[0] + '_s'] * 1e3:.3f}",
+                       *[c for m in names[1:] for c in _ms_change(r, m + "_s", names[0] + "_s")], r["same"]]
+                      for r in rows])
+
     if pdl:
-        modes = [k[:-2] for k in pdl[0] if k.endswith("_s")]
-        L += table("Programmatic dependent launch (decode, graph replay)",
-                   "Off: each Triton kernel scheduled after the one ahead finishes; wait: scheduled when every "
-                   "program of the one ahead has exited; trigger: as soon as every program of it has started; "
-                   "chain: as soon as every program of it has passed its own wait. Under PDL a kernel waits on "
-                   "the device before touching memory (npu_ops/triton/pdl.py). Captured first, timed in "
-                   "interleaved rounds (medians). Changes against "
-                   f"{modes[0]}; same logits = bit-identical in every mode.",
-                   ["context", "batch", f"{modes[0]} ms", *[c for m in modes[1:] for c in (f"{m} ms", "change")],
-                    "same logits"],
-                   [[r["ctx"], r["batch"], f"{r[modes[0] + '_s'] * 1e3:.3f}",
-                     *[c for m in modes[1:] for c in _ms_change(r, m + "_s", modes[0] + "_s")], r["same"]]
-                    for r in pdl])
+        L += variants_table("Programmatic dependent launch (decode, graph replay)",
+                            "Off: each Triton kernel scheduled after the one ahead finishes; wait: scheduled when "
+                            "every program of the one ahead has exited; trigger: as soon as every program of it has "
+                            "started; chain: as soon as every program of it has passed its own wait. Under PDL a "
+                            "kernel waits on the device before touching memory (npu_ops/triton/pdl.py).", pdl)
+    if prefetch:
+        L += variants_table("Weight prefetch before the PDL wait (decode, graph replay)",
+                            "The weight-streaming linears ask the L2 for their first weight bytes before waiting "
+                            "on the kernel ahead (`pdl_prefetch_start`), up to the budget in MiB a kernel (0: "
+                            "none); PDL in its default mode.", prefetch)
     if mems and mems[0]["peak"] is not None:
         L += table("Peak device memory", None, ["phase", "peak GB", "weights GB", "KV pools GB", "peak / (weights + KV)"],
                    [[m["phase"], f"{m['peak'] / 1e9:.2f}", f"{m['weights'] / 1e9:.2f}", f"{m['kv'] / 1e9:.2f}",
@@ -930,6 +938,26 @@ def _pdl_modes(text: str) -> list[str]:
     return modes
 
 
+def _mib_list(text: str) -> list[int]:
+    """--prefetch-mib: distinct budgets in MiB (integers >= 0), comma-separated."""
+    try:
+        mibs = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        mibs = []
+    if not mibs or any(m < 0 for m in mibs) or len(set(mibs)) != len(mibs):
+        raise argparse.ArgumentTypeError(f"{text!r}: give distinct budgets in MiB (integers >= 0), e.g. 0,8,24")
+    return mibs
+
+
+def run_prefetch(model, args, clock: Clock, log) -> list[dict]:
+    """Each --prefetch-mib weight prefetch budget of the PDL linears (npu_ops/triton/pdl.py,
+    `pdl_prefetch_start`), each graph captured under its setting (`_step_variants`)."""
+    from dsv41.npu_ops.triton import pdl
+
+    variants = [(f"{mib} MiB", lambda mib=mib: pdl.set_pdl_prefetch(mib)) for mib in args.prefetch_mib]
+    return _step_variants(model, args, clock, log, "prefetch", variants, lambda: pdl.set_pdl_prefetch(None))
+
+
 def run_pdl(model, args, clock: Clock, log) -> list[dict]:
     """Plain launches against programmatic dependent launch (npu_ops/triton/pdl.py), each graph
     captured under its setting (`_step_variants`)."""
@@ -1008,6 +1036,10 @@ def main() -> int:
     ap.add_argument("--offload", action="store_true", help="also decode with Engram tables in host memory")
     ap.add_argument("--pdl", action="store_true",
                     help="also decode under each programmatic dependent launch mode of --pdl-modes (npu_ops/triton/pdl.py)")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="also decode under each weight prefetch budget of --prefetch-mib (npu_ops/triton/pdl.py)")
+    ap.add_argument("--prefetch-mib", type=_mib_list, default=[0, 8, 24],
+                    help="the --prefetch budgets in MiB a kernel, comma-separated, the first the baseline")
     ap.add_argument("--pdl-modes", type=_pdl_modes, default=["off", "wait", "trigger", "chain"],
                     help="the --pdl modes, comma-separated, the first the baseline of the table's changes "
                          "(default: off,wait,trigger,chain)")
@@ -1050,7 +1082,7 @@ def main() -> int:
     clock.sync()
     build_s = time.perf_counter() - t
     log(f"{args.preset}: built in {build_s:.1f} s, {model_bytes(model, dev) / 1e9:.2f} GB of weights on {dev}")
-    dec, kernels, mems, pre, offload, num, streams, pdl = [], {}, [], [], [], [], [], []
+    dec, kernels, mems, pre, offload, num, streams, pdl, prefetch = [], {}, [], [], [], [], [], [], []
 
     def phase(name, fn):
         """Run one phase; a failure is logged and the others still run."""
@@ -1068,7 +1100,7 @@ def main() -> int:
     def write() -> str:
         """The report so far, written whole (temp name, then rename) after every phase."""
         text = report(args, device_name, copy_bw, mm_rate, build_s, dec, kernels, pre, mems, offload, num, failed,
-                      streams, pdl)
+                      streams, pdl, prefetch)
         tmp = args.out + ".tmp"
         with open(tmp, "w") as f:
             f.write(text)
@@ -1103,6 +1135,9 @@ def main() -> int:
         write()
     if args.pdl:
         pdl = phase("pdl", lambda: serving(lambda: run_pdl(model, args, clock, log))) or []
+        write()
+    if args.prefetch:
+        prefetch = phase("prefetch", lambda: serving(lambda: run_prefetch(model, args, clock, log))) or []
         write()
     if args.offload:
         offload = phase("offload", lambda: serving(lambda: run_offload(model, args, clock, log))) or []

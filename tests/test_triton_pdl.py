@@ -20,11 +20,49 @@ def _is_jit(fn: ast.FunctionDef) -> bool:
     return any("jit" in ast.unparse(d) for d in fn.decorator_list)
 
 
-def _first_statement(fn: ast.FunctionDef) -> ast.stmt:
+# What a kernel may compute before its wait on the kernel ahead (`pdl_prefetch_start`): its ids
+# and the weight ranges it asks the L2 for, never a load or a store.
+BEFORE_WAIT = {"tl.program_id", "tl.num_programs", "tl.arange", "tl.minimum", "tl.maximum", "tl.pointer_type",
+               "_decode_tile_ids", "_k_slice", "prefetch_rows", "prefetch_segments"}
+WAITS = {"pdl_start", "pdl_prefetch_start"}
+
+
+def _body(fn: ast.FunctionDef) -> list[ast.stmt]:
     body = fn.body
     if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
         body = body[1:]
-    return body[0]
+    return body
+
+
+def _wait_call(stmt: ast.stmt) -> str | None:
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Name) \
+            and stmt.value.func.id in WAITS:
+        return stmt.value.func.id
+    return None
+
+
+def _memory_free(stmt: ast.stmt) -> bool:
+    """An assignment whose calls are all BEFORE_WAIT functions or `.to` casts."""
+    if not isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+        return False
+    calls = [c for c in ast.walk(stmt) if isinstance(c, ast.Call)]
+    return all(ast.unparse(c.func) in BEFORE_WAIT or (isinstance(c.func, ast.Attribute) and c.func.attr == "to")
+               for c in calls)
+
+
+def _launch_asks(call: ast.Call, scope: ast.FunctionDef | None) -> bool:
+    """The launch passes `**pdl_launch(...)`, or `**name` with name from `pdl_prefetch_launch`."""
+    for k in call.keywords:
+        if k.arg is not None:
+            continue
+        if "pdl_launch" in ast.unparse(k.value):
+            return True
+        if isinstance(k.value, ast.Name) and scope is not None:
+            for a in ast.walk(scope):
+                if isinstance(a, ast.Assign) and "pdl_prefetch_launch(" in ast.unparse(a.value) and any(
+                        k.value.id in ast.unparse(t) for t in a.targets):
+                    return True
+    return False
 
 
 def test_every_pdl_kernel_waits_first_and_every_launch_asks():
@@ -32,18 +70,29 @@ def test_every_pdl_kernel_waits_first_and_every_launch_asks():
     for path in sorted(KERNELS.glob("*.py")):
         tree = ast.parse(path.read_text())
         pdl_kernels = {fn.name for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef) and _is_jit(fn)
-                       and "PDL" in [a.arg for a in fn.args.args] and fn.name != "pdl_start"}
+                       and "PDL" in [a.arg for a in fn.args.args] and fn.name not in WAITS}
         for fn in ast.walk(tree):
             if isinstance(fn, ast.FunctionDef) and fn.name in pdl_kernels:
-                first = ast.unparse(_first_statement(fn))
-                assert first == "pdl_start(PDL)", f"{path.name}:{fn.lineno} {fn.name} starts with {first!r}"
+                body = _body(fn)
+                i = next((i for i, st in enumerate(body) if _wait_call(st)), None)
+                assert i is not None, f"{path.name}:{fn.lineno} {fn.name} never waits (pdl_start / pdl_prefetch_start)"
+                wait = ast.unparse(body[i])
+                if _wait_call(body[i]) == "pdl_start":
+                    assert i == 0 and wait == "pdl_start(PDL)", f"{path.name}:{fn.lineno} {fn.name} starts with " \
+                                                                f"{ast.unparse(body[0])!r}"
+                else:
+                    assert wait.startswith("pdl_prefetch_start(PDL, "), f"{path.name}:{fn.lineno} {wait!r}"
+                    for st in body[:i]:
+                        assert _memory_free(st), \
+                            f"{path.name}:{st.lineno} {fn.name}: {ast.unparse(st)!r} before the wait"
+        scopes = {id(c): fn for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef) for c in ast.walk(fn)}
         launches = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and isinstance(c.func, ast.Subscript)
                     and isinstance(c.func.value, ast.Name) and c.func.value.id.endswith("_kernel")]
         for call in launches:
             name = call.func.value.id
-            asks = [k for k in call.keywords if k.arg is None and "pdl_launch" in ast.unparse(k.value)]
             # every kernel launched here takes PDL (a launch without it would leave the kernel plain)
-            assert name in pdl_kernels and asks, f"{path.name}:{call.lineno} launches {name} without pdl_launch"
+            assert name in pdl_kernels and _launch_asks(call, scopes.get(id(call))), \
+                f"{path.name}:{call.lineno} launches {name} without pdl_launch"
             checked += 1
     assert checked >= 50  # (the folder's launches; a parse that found none would prove nothing)
 
@@ -78,12 +127,42 @@ def test_pdl_is_off_where_it_does_not_apply(monkeypatch):
         pdl.set_pdl(None)
 
 
+def test_prefetch_budget_and_each_programs_share(monkeypatch):
+    """DSV41_PDL_PREFETCH (MiB, 0 = off): a bad value is one error naming the variable; the
+    launch keywords carry PREFETCH_BIT only where PDL applies, the budget is on and the rows are
+    16-byte aligned; each program's share is the budget over the programs in 16-byte units."""
+    pytest.importorskip("triton")
+    from dsv41.npu_ops.triton import pdl
+
+    try:
+        monkeypatch.setenv("DSV41_PDL_PREFETCH", "lots")
+        with pytest.raises(ValueError, match="DSV41_PDL_PREFETCH='lots'"):
+            pdl.set_pdl_prefetch(None)
+        with pytest.raises(ValueError, match=">= 0 MiB"):
+            pdl.set_pdl_prefetch(-1)
+        monkeypatch.setenv("DSV41_PDL_PREFETCH", "24")
+        pdl.set_pdl_prefetch(None)
+        assert pdl.pdl_prefetch_launch(torch.zeros(1), 100) == ({}, 0)  # PDL does not apply on the CPU
+        chain = {"PDL": 3, "launch_pdl": True}
+        monkeypatch.setattr(pdl, "pdl_launch", lambda t: chain)
+        assert pdl.pdl_prefetch_launch(torch.zeros(1), 100) == ({"PDL": 3 | 4, "launch_pdl": True},
+                                                                (24 << 20) // 100 // 16 * 16)
+        assert pdl.pdl_prefetch_launch(torch.zeros(1), 100, aligned=False) == (chain, 0)
+        assert pdl.pdl_prefetch_launch(torch.zeros(1), 1 << 30) == (chain, 0)  # a share under 16 bytes
+        pdl.set_pdl_prefetch(0)
+        assert pdl.pdl_prefetch_launch(torch.zeros(1), 100) == (chain, 0)
+    finally:
+        monkeypatch.delenv("DSV41_PDL_PREFETCH", raising=False)
+        pdl.set_pdl_prefetch(None)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("mode", ["wait", "trigger", "chain"])
+@pytest.mark.parametrize("mode", ["wait", "trigger", "chain", "chain+prefetch"])
 def test_cuda_decode_graphs_give_the_same_logits_with_and_without_pdl(tiny_cfg, fresh_seed, rng, mode):
     """Only the launch overlaps, never the memory effects: the same bits in captured decode
-    steps (with the second stream's fork and join at its CUDA default) and eager prefill."""
+    steps (with the second stream's fork and join at its CUDA default) and eager prefill;
+    "+prefetch": with the linears' weight prefetch before the wait (24 MiB a kernel)."""
     from dsv41.core.engine import Engine, SamplingParams
     from dsv41.core.weights import build_model
     from dsv41.npu_ops.triton import pdl
@@ -94,13 +173,17 @@ def test_cuda_decode_graphs_give_the_same_logits_with_and_without_pdl(tiny_cfg, 
     prompts = [rand_prompt(tiny_cfg, n, rng).tolist() for n in (5, 11, 3)]
 
     def run(m: str):
+        m, _, pre = m.partition("+")
         pdl.set_pdl(m)
+        pdl.set_pdl_prefetch(24 if pre else 0)
         try:
             engine = Engine(model, max_batch=4, graphs=True, max_model_len=64, record_logits=True)
             assert (pdl.pdl_launch(model.embed.weight) != {}) == (m != "off")
+            assert (pdl.pdl_prefetch_launch(model.embed.weight, 1)[1] > 0) == bool(pre)
             return engine.generate_batch([(p, SamplingParams(max_new_tokens=8), None) for p in prompts])
         finally:
             pdl.set_pdl(None)
+            pdl.set_pdl_prefetch(None)
 
     want, got = run("off"), run(mode)
     for w, g in zip(want, got):

@@ -51,7 +51,8 @@ import triton.language as tl
 from ...backends.fused import stacked_pair
 from ...backends.reference import quant
 from ...backends.reference.basic import linear as linear_ref  # noqa: F401  (the oracle)
-from .pdl import pdl_launch, pdl_start
+from .pdl import (pdl_launch, pdl_prefetch_launch, pdl_prefetch_start, pdl_start, prefetch_rows,
+                  prefetch_segments)
 from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, e4m3_byte, e8m0_value, fp8_exponent, fp8_qdq_groups,
                            fp8_round, gemv_acc, gemv_load_w, load_weight_tile, pow2, scaled_block_step)
 from .fp4_common import split_dot_acc
@@ -223,7 +224,7 @@ def _fold_scale_bytes(s_ptr, pid_n, rn64, nmask, k0, k_hi, s_stride, SCALE_X: tl
 
 @triton.jit
 def _fold_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride, s_stride, k_per_split,
-                        SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, QDQ_ROW: tl.constexpr,
+                        pre_bytes, SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, QDQ_ROW: tl.constexpr,
                         SCALE_X: tl.constexpr, LOWP: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = 0):
     """The FP8 (E4M3, E8M0 per 32x32 block) linear at decode sizes on the tensor cores, the
@@ -234,12 +235,15 @@ def _fold_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
     SCALE_X (BN == 32, one scale row-block per program) the weight scale of each 32-wide K block
     multiplies that block of x; else it multiplies the weight tile ([BN, BK/32, 32] view). Either
     way every product is exact and the sums are fp32 (the tiled kernel's numerics class).
-    QDQ_ROW (M == 1, BM padded): x's single row is quantise-dequantised here (no separate pass)."""
-    pdl_start(PDL)
-    NB: tl.constexpr = BK // 32
+    QDQ_ROW (M == 1, BM padded): x's single row is quantise-dequantised here (no separate pass).
+    The tile's first `pre_bytes` weight bytes are asked of the L2 before the wait."""
     pid_n, pid_m, pid_k, rn, rm, nmask, mmask, rn64, rm64 = _decode_tile_ids(M, N, BM, BN)
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
     k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
+    pre_ptrs, pre_n = prefetch_rows(w_ptr.to(tl.pointer_type(tl.int8), bitcast=True), rn64, nmask, K, k_lo, k_hi,
+                                    pre_bytes, BN)
+    pdl_prefetch_start(PDL, pre_ptrs, pre_n)
+    NB: tl.constexpr = BK // 32
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
     sb = _fold_scale_bytes(s_ptr, pid_n, rn64, nmask, k_lo, k_hi, s_stride, SCALE_X, BN, NB)
     for k0 in range(k_lo, k_hi, BK):
         kk = k0 + tl.arange(0, BK)
@@ -272,7 +276,7 @@ def _fold_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
 
 @triton.jit
 def _fold_tm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride, s_stride, k_per_split,
-                    SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, LOWP: tl.constexpr,
+                    pre_bytes, SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, LOWP: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = 0):
     """The FP8 linear at 9..64 rows, token-major: acc [BM, BN] += x tile [BM, BK] @ W'^T [BK, BN],
     W' the weight tile with its power-of-two block scales multiplied in (exact bf16 operands and
@@ -281,12 +285,15 @@ def _fold_tm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, 
     the weight on the register side each MMA is waited on before the next conversion). The next
     step's scale bytes are loaded a step ahead: the compiler's pipeline takes the weight and x
     tiles but not the scales, whose load otherwise stalls every step. x holds its FP8
-    quantise-dequantise values (bf16)."""
-    pdl_start(PDL)
-    NB: tl.constexpr = BK // 32
+    quantise-dequantise values (bf16). The tile's first `pre_bytes` weight bytes are asked of the
+    L2 before the wait."""
     pid_n, pid_m, pid_k, rn, rm, nmask, mmask, rn64, rm64 = _decode_tile_ids(M, N, BM, BN)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
     k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
+    pre_ptrs, pre_n = prefetch_rows(w_ptr.to(tl.pointer_type(tl.int8), bitcast=True), rn64, nmask, K, k_lo, k_hi,
+                                    pre_bytes, BN)
+    pdl_prefetch_start(PDL, pre_ptrs, pre_n)
+    NB: tl.constexpr = BK // 32
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
     s_rows = s_ptr + (rn64 // 32)[:, None] * s_stride
     kb = k_lo // 32 + tl.arange(0, NB)
     s = tl.load(s_rows + kb[None, :], mask=nmask[:, None] & (kb * 32 < k_hi)[None, :], other=0)
@@ -362,7 +369,8 @@ def _xs_scale_bytes(s_ptr, srow, sok, k0, k_hi, s_stride, NB: tl.constexpr):
 
 @triton.jit
 def _fold_xs_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride, s_stride, k_per_split,
-                    SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, QDQ_ROW: tl.constexpr, PLACE: tl.constexpr,
+                    pre_bytes, SPLIT_K: tl.constexpr, OUT_BF16: tl.constexpr, QDQ_ROW: tl.constexpr,
+                    PLACE: tl.constexpr,
                     LOWP: tl.constexpr, MP: tl.constexpr, BX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = 0):
     """The FP8 linear for M <= MP rows (decode, batch 1..8) with the weight scales on x's side,
     so the weight goes from its load through one conversion into the dot (no per-element scale
@@ -373,16 +381,20 @@ def _fold_xs_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, 
     2^-120; X' carries 2^64 and the sums 2^56 back), else the hardware E4M3 -> bf16 conversion.
     Exact operands and fp32 sums, as `_fold_linear_kernel` (exact while |x| * scale < 2^63 with
     PLACE). QDQ_ROW (M == 1): x's row is FP8-quantised here (no separate pass). BX >= G * MP
-    (at least 16, the dot's minimum width); unused columns are zero."""
-    pdl_start(PDL)
-    NB: tl.constexpr = BK // 32
-    G: tl.constexpr = BN // 32
+    (at least 16, the dot's minimum width); unused columns are zero. The tile's first
+    `pre_bytes` weight bytes are asked of the L2 before the wait."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     rn = pid_n * BN + tl.arange(0, BN)
     nmask = rn < N
     rn64 = rn.to(tl.int64)
+    k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
+    pre_ptrs, pre_n = prefetch_rows(w_ptr.to(tl.pointer_type(tl.int8), bitcast=True), rn64, nmask, K, k_lo, k_hi,
+                                    pre_bytes, BN)
+    pdl_prefetch_start(PDL, pre_ptrs, pre_n)
+    NB: tl.constexpr = BK // 32
+    G: tl.constexpr = BN // 32
     col = tl.arange(0, BX)
     grp = col // MP
     mcol = pid_m * MP + col % MP
@@ -390,7 +402,6 @@ def _fold_xs_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, 
     srow = pid_n * G + grp
     sok = cok & (srow * 32 < N)
     acc = tl.zeros((BN, BX), dtype=tl.float32)
-    k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
     sb = _xs_scale_bytes(s_ptr, srow, sok, k_lo, k_hi, s_stride, NB)
     for k0 in range(k_lo, k_hi, BK):
         kk = k0 + tl.arange(0, BK)
@@ -500,7 +511,7 @@ def _row_dot(wd, xs0, xs1, xs2, xs3, ASM: tl.constexpr):
 
 
 @triton.jit
-def _row_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, KW, s_stride, rows_per_prog,
+def _row_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, KW, s_stride, rows_per_prog, pre_bytes,
                      OUT_BF16: tl.constexpr, RS: tl.constexpr, BWA: tl.constexpr, BWB: tl.constexpr,
                      ASM: tl.constexpr, PDL: tl.constexpr = 0):
     """The FP8 linear at one activation row, streaming whole weight rows: program p owns the
@@ -515,10 +526,13 @@ def _row_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, KW, s_stride, rows_per_pro
     E4M3 value x x'[k] (at most 8 significant bits) -- the fold kernels' class (exact products,
     fp32 sums), on the CUDA cores: no split-K, no partials, no counters. The next step's rows
     are loaded before this step's are used (two steps in flight). (`linear_pair`'s two weights
-    run through it as one: stacked at load, `core.weights.stack_linears`.)"""
-    pdl_start(PDL)
+    run through it as one: stacked at load, `core.weights.stack_linears`.) The first `pre_bytes`
+    of the program's rows are asked of the L2 before the wait (`pdl_prefetch_start`)."""
     n_lo = tl.program_id(0) * rows_per_prog
     n_hi = tl.minimum(n_lo + rows_per_prog, N)
+    pre_ptrs, pre_n = prefetch_segments(w_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + n_lo.to(tl.int64) * KW * 4,
+                                        tl.minimum((n_hi - n_lo) * KW * 4, pre_bytes), 128)
+    pdl_prefetch_start(PDL, pre_ptrs, pre_n)
     sw_row = s_ptr + (n_lo // 32) * s_stride
     rr = tl.arange(0, RS)
     rows = n_lo + rr
@@ -545,15 +559,18 @@ def _row_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, KW, s_stride, rows_per_pro
 
 
 @triton.jit
-def _dense_row_kernel(x_ptr, w_ptr, out_ptr, N, K, rows_per_prog,
+def _dense_row_kernel(x_ptr, w_ptr, out_ptr, N, K, rows_per_prog, pre_bytes,
                       OUT_BF16: tl.constexpr, RS: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = 0):
     """A plain bf16 weight at one activation row (`dense_row_fits`: the compressor's stacked wkv /
     wgate with fp32 outputs, the indexer's weights_proj and wk, which cuBLAS ran as split-K GEMMs
     with a reduction each): program p owns `rows_per_prog` rows. Each output is the fp32 sum of
-    exact bf16 x bf16 products (cuBLAS's class, another order)."""
-    pdl_start(PDL)
+    exact bf16 x bf16 products (cuBLAS's class, another order). The first `pre_bytes` of the
+    program's rows are asked of the L2 before the wait."""
     n_lo = tl.program_id(0) * rows_per_prog
     n_hi = tl.minimum(n_lo + rows_per_prog, N)
+    pre_ptrs, pre_n = prefetch_segments(w_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + n_lo.to(tl.int64) * K * 2,
+                                        tl.minimum((n_hi - n_lo) * K * 2, pre_bytes), 128)
+    pdl_prefetch_start(PDL, pre_ptrs, pre_n)
     rr = tl.arange(0, RS)
     for n0 in range(n_lo, n_hi, RS):
         rows = n0 + rr
@@ -896,10 +913,11 @@ def _launch_fold(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_k=N
     split_k, k_per_split, part, counts = _split_k_buffers(m, n, k, bk, k_steps, split_k, n_n * n_m, out)
     out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
     kw = {} if interp else {"num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages or cfg["num_stages"]}
+    pdl_kw, pre = pdl_prefetch_launch(x2, n_n * n_m * split_k, aligned=k % 16 == 0 and weight.data_ptr() % 16 == 0)
     _fold_linear_kernel[(n_n, n_m, split_k)](
         x2, weight, scale.view(torch.uint8), out_arg, part, counts, m, n, k, x2.stride(0), scale.shape[1], k_per_split,
-        SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, QDQ_ROW=qdq_row, SCALE_X=bn == 32, LOWP=not interp,
-        BM=bm, BN=bn, BK=bk, **kw, **pdl_launch(x2))
+        pre, SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, QDQ_ROW=qdq_row, SCALE_X=bn == 32,
+        LOWP=not interp, BM=bm, BN=bn, BK=bk, **kw, **pdl_kw)
 
 
 def _launch_fold_tm(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_k=None, num_warps=None,
@@ -926,10 +944,11 @@ def _launch_fold_tm(x2, weight, scale, out, *, bm=None, bn=None, bk=None, split_
     split_k, k_per_split, part, counts = _split_k_buffers(m, n, k, bk, k_steps, split_k, n_n * n_m, out)
     out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
     kw = {} if interp else {"num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages or cfg["num_stages"]}
+    pdl_kw, pre = pdl_prefetch_launch(x2, n_n * n_m * split_k, aligned=k % 16 == 0 and weight.data_ptr() % 16 == 0)
     _fold_tm_kernel[(n_n, n_m, split_k)](
         x2, weight, scale.view(torch.uint8), out_arg, part, counts, m, n, k, x2.stride(0), scale.shape[1], k_per_split,
-        SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, LOWP=not interp, BM=bm, BN=bn, BK=bk,
-        **kw, **pdl_launch(x2))
+        pre, SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, LOWP=not interp, BM=bm, BN=bn, BK=bk,
+        **kw, **pdl_kw)
 
 
 # `_fold_tm_kernel` (FP8 at 9..64 rows by default, `fold_tm_tiles`). H200 2026-12-04
@@ -1080,11 +1099,12 @@ def _launch_fold_xs(x2, weight, scale, out, *, place: bool, bn=None, bk=None, sp
     split_k, k_per_split, part, counts = _split_k_buffers(m, n, k, bk, k_steps, split_k, n_n, out)
     out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
     kw = {} if interp else {"num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages or cfg["num_stages"]}
+    pdl_kw, pre = pdl_prefetch_launch(x2, n_n * split_k, aligned=k % 16 == 0 and weight.data_ptr() % 16 == 0)
     _fold_xs_kernel[(n_n, 1, split_k)](
         x2, weight.view(torch.uint8) if place else weight, scale.view(torch.uint8), out_arg, part, counts, m, n, k,
-        x2.stride(0), scale.shape[1], k_per_split,
+        x2.stride(0), scale.shape[1], k_per_split, pre,
         SPLIT_K=split_k, OUT_BF16=out.dtype == torch.bfloat16, QDQ_ROW=qdq_row, PLACE=place, LOWP=not interp,
-        MP=mp, BX=bx, BN=bn, BK=bk, **kw, **pdl_launch(x2))
+        MP=mp, BX=bx, BN=bn, BK=bk, **kw, **pdl_kw)
 
 
 def rows_fit(k: int) -> bool:
@@ -1122,9 +1142,11 @@ def _launch_row_gemv(x2, weight, scale, out, *, rs=None, rpp=None, waves=None, n
                          f"rs <= rpp <= 32 (one row of 32x32 scale blocks per program)")
     out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
     kw_opts = {} if interp else {"num_warps": num_warps or cfg["num_warps"], "num_stages": 1}
-    _row_gemv_kernel[(-(-n // rpp),)](x2, weight.view(torch.int32), scale.view(torch.uint8), out_arg, n, kw,
-                                      scale.shape[1], rpp, OUT_BF16=out.dtype == torch.bfloat16, RS=rs, BWA=bwa,
-                                      BWB=bwb, ASM=not interp, **kw_opts, **pdl_launch(x2))
+    grid = -(-n // rpp)
+    pdl_kw, pre = pdl_prefetch_launch(x2, grid, aligned=k % 16 == 0 and weight.data_ptr() % 16 == 0)
+    _row_gemv_kernel[(grid,)](x2, weight.view(torch.int32), scale.view(torch.uint8), out_arg, n, kw,
+                              scale.shape[1], rpp, pre, OUT_BF16=out.dtype == torch.bfloat16, RS=rs, BWA=bwa,
+                              BWB=bwb, ASM=not interp, **kw_opts, **pdl_kw)
 
 
 def _launch_fp8_mma(x2, weight, scale, out, *, f16: bool = False, bm=None, bn=None, bk=None, split_k=None,
@@ -1323,8 +1345,11 @@ def _launch_dense_row(x2, weight, out, **tiles):
     bk = min(cfg["bk"], triton.next_power_of_2(x2.shape[1]))
     kw = {} if interp else {"num_warps": cfg["num_warps"]}
     out_arg = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
-    _dense_row_kernel[(-(-n // rpp),)](x2, weight, out_arg, n, x2.shape[1], rpp, OUT_BF16=out.dtype == torch.bfloat16,
-                                      RS=rs, BK=bk, **kw, **pdl_launch(x2))
+    grid = -(-n // rpp)
+    pdl_kw, pre = pdl_prefetch_launch(x2, grid, aligned=x2.shape[1] % 8 == 0 and weight.element_size() == 2
+                                      and weight.data_ptr() % 16 == 0)
+    _dense_row_kernel[(grid,)](x2, weight, out_arg, n, x2.shape[1], rpp, pre, OUT_BF16=out.dtype == torch.bfloat16,
+                               RS=rs, BK=bk, **kw, **pdl_kw)
 
 
 def linear_pair(x: torch.Tensor, weight_a: torch.Tensor, scale_a: torch.Tensor | None, weight_b: torch.Tensor,

@@ -49,17 +49,64 @@ except ImportError:
 _HAS_GDC = hasattr(_tl_cuda, "gdc_wait") and hasattr(_tl_cuda, "gdc_launch_dependents")
 
 
+# PDL's bit for the weight prefetch ahead of the wait (`pdl_prefetch_start`, `pdl_prefetch_launch`)
+PREFETCH_BIT = tl.constexpr(4)
+
+
 @triton.jit
 def pdl_start(PDL: tl.constexpr):
     """First statement of a kernel launched with `pdl_launch`: under "trigger" let the next kernel
     be scheduled, then (every mode) wait for the one ahead, its writes visible, before touching
-    memory; under "chain" let the next kernel be scheduled only after that wait."""
-    if PDL == 2:
+    memory; under "chain" let the next kernel be scheduled only after that wait. (PDL's bit
+    PREFETCH_BIT is `pdl_prefetch_start`'s; the mode is the low two bits.)"""
+    if PDL % 4 == 2:
         tl.extra.cuda.gdc_launch_dependents()
-    if PDL >= 1:
+    if PDL % 4 >= 1:
         tl.extra.cuda.gdc_wait()
-    if PDL == 3:
+    if PDL % 4 == 3:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+# One L2 prefetch of nbytes ($2, a multiple of 16; 0: none) from the 16-byte aligned address $1
+# (the bulk-copy unit's prefetch, sm_90: the request returns at once, the lines arrive in the L2).
+_PREFETCH_L2_ASM = tl.constexpr("""{
+.reg .pred p;
+setp.gt.s32 p, $2, 0;
+@p cp.async.bulk.prefetch.L2.global [$1], $2;
+mov.u32 $0, 0;
+}""")
+
+
+@triton.jit
+def pdl_prefetch_start(PDL: tl.constexpr, ptrs, nbytes):
+    """`pdl_start` for a kernel that streams a weight: with PDL's PREFETCH_BIT, first ask the L2
+    for the bytes [ptrs, ptrs + nbytes) (each element one range: 16-byte aligned, nbytes a
+    multiple of 16, 0 for none), then wait as `pdl_start`. Under "chain" a kernel is scheduled
+    while the one ahead still runs, so its first weight bytes stream in during that kernel
+    instead of after it. Only memory no kernel of a step writes (weights) may be named: the
+    prefetch runs before the wait for the kernel ahead. (CUDA sm_90 only: PDL is 0 elsewhere.)"""
+    if PDL >= PREFETCH_BIT:
+        tl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+    pdl_start(PDL)
+
+
+@triton.jit
+def prefetch_rows(base, rows, ok, row_bytes, lo, hi, pre_bytes, R: tl.constexpr):
+    """Bytes lo .. hi of the rows `rows` [R] (int64; where ok) of a matrix at the byte pointer
+    `base`, row stride row_bytes (all multiples of 16), as ranges for `pdl_prefetch_start`, at
+    most pre_bytes in all (pre_bytes / R a row, whole 16-byte units)."""
+    per_row = pre_bytes // R // 16 * 16
+    return base + rows * row_bytes + lo, tl.where(ok, tl.minimum(hi - lo, per_row), 0)
+
+
+@triton.jit
+def prefetch_segments(base, nbytes, NT: tl.constexpr):
+    """One contiguous range [base, base + nbytes) (nbytes a multiple of 16, base 16-byte aligned;
+    base a byte pointer) as NT ranges for `pdl_prefetch_start`: (pointers [NT], sizes [NT])."""
+    seg = (nbytes // 16 + NT - 1) // NT * 16
+    off = tl.arange(0, NT) * seg
+    return base + off, tl.maximum(tl.minimum(seg, nbytes - off), 0)
 
 
 MODES = {"0": 0, "off": 0, "wait": 1, "trigger": 2, "chain": 3}
@@ -105,3 +152,40 @@ def pdl_launch(t: torch.Tensor) -> dict:
         return _OFF
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     return _LAUNCH[_mode] if _supported(index) else _OFF
+
+
+# The weight bytes a kernel's programs ask the L2 for before their wait, in all (a kernel's
+# share per program is this over its programs): MiB from DSV41_PDL_PREFETCH, 0 = no prefetch.
+# Half the H100 / H200's 50 MB L2, so the prefetched bytes do not push each other out before use.
+PREFETCH_MIB_DEFAULT = 0
+_prefetch_mib = None
+
+
+def set_pdl_prefetch(mib: int | None) -> None:
+    """The prefetch budget in MiB for later launches (None: DSV41_PDL_PREFETCH again, default
+    PREFETCH_MIB_DEFAULT; 0: off). Graphs captured before keep their launches."""
+    global _prefetch_mib
+    if mib is None:
+        raw = os.environ.get("DSV41_PDL_PREFETCH", str(PREFETCH_MIB_DEFAULT)).strip()
+        try:
+            mib = int(raw)
+        except ValueError:
+            raise ValueError(f"DSV41_PDL_PREFETCH={raw!r}: give the prefetch budget in MiB (0: off)") from None
+    if mib < 0:
+        raise ValueError(f"the PDL prefetch budget must be >= 0 MiB, got {mib}")
+    _prefetch_mib = mib
+
+
+def pdl_prefetch_launch(t: torch.Tensor, programs: int, *, aligned: bool = True) -> tuple[dict, int]:
+    """(launch keywords, bytes per program) for a `pdl_prefetch_start` kernel of `programs`
+    programs on t's device: `pdl_launch`'s keywords with PREFETCH_BIT where PDL applies and the
+    budget is on, and each program's share of the budget (a multiple of 16; 0: no prefetch).
+    `aligned`: the weight's rows are whole 16-byte units (else no prefetch: the bulk prefetch
+    needs 16-byte aligned ranges)."""
+    kw = pdl_launch(t)
+    if _prefetch_mib is None:
+        set_pdl_prefetch(None)
+    if not kw or not _prefetch_mib or not aligned:
+        return kw, 0
+    share = (_prefetch_mib << 20) // max(1, programs) // 16 * 16
+    return ({"PDL": kw["PDL"] | PREFETCH_BIT.value, "launch_pdl": True}, share) if share else (kw, 0)

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch, pdl_start
+from .pdl import pdl_launch, pdl_prefetch_launch, pdl_prefetch_start, pdl_start, prefetch_rows
 from .block_scaled import bf16_bits16, e4m3_byte, e8m0_value, fp8_exponent, fp8_round, pow2
 from .launch import interpreting, num_workers, tile_counters
 
@@ -312,6 +312,7 @@ def _finish_lanes(v, tok, row, ok, out_ptr, part_ptr, pid_k, M, N, SPLIT_K: tl.c
 
 @triton.jit
 def _row_mma_kernel(xq_ptr, xf_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, s_stride, blocks_per_split,
+                    pre_bytes,
                     SPLIT_K: tl.constexpr, SLICED: tl.constexpr, OUT_BF16: tl.constexpr, ONE: tl.constexpr,
                     NW: tl.constexpr,
                     BB: tl.constexpr, ASM: tl.constexpr, PANEL: tl.constexpr = False, DIAG: tl.constexpr = False,
@@ -321,10 +322,16 @@ def _row_mma_kernel(xq_ptr, xf_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, 
     w: E4M3 codes as int32 words [N, K / 4]; s: E8M0 [ceil(N / 32), s_stride]. ONE: M == 1.
     DIAG (ONE, BB == 4, 16-byte rows and slices of whole steps): `_diag_step`, the row sums
     totalled across each quad at the end (L2: its weight loads' L2 hint, `lane_words`). UF:
-    the K loop's unroll factor."""
-    pdl_start(PDL)
+    the K loop's unroll factor. The program's first `pre_bytes` weight bytes are asked of the
+    L2 before the wait (row-major weights; the launcher passes 0 for PANEL)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pre_rows = pid_n * (16 * NW) + tl.arange(0, 16 * NW)
+    pre_lo = pid_k * blocks_per_split * 32
+    pre_ptrs, pre_n = prefetch_rows(w_ptr.to(tl.pointer_type(tl.int8), bitcast=True), pre_rows.to(tl.int64),
+                                    pre_rows < N, K, pre_lo, tl.minimum(K, pre_lo + blocks_per_split * 32), pre_bytes,
+                                    16 * NW)
+    pdl_prefetch_start(PDL, pre_ptrs, pre_n)
     lane = tl.arange(0, NW * 32)
     warp = lane // 32
     g = (lane % 32) // 4
@@ -458,10 +465,12 @@ def launch_row_mma(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     kw = {} if interp else {"num_warps": nw}
     uf = 1 if interp else int(unroll or TILES["unroll"])
     l2h = not interp and bool(TILES["l2_hint"] if l2_hint is None else l2_hint)
+    pdl_kw, pre = pdl_prefetch_launch(xf, n_tiles * split_k,
+                                      aligned=k % 16 == 0 and weight.data_ptr() % 16 == 0 and not panel)
     _row_mma_kernel[(n_tiles, split_k)](
         xq.view(torch.int32), xf, weight.view(torch.int32), scale.view(torch.uint8), out_arg, part, counts, m, n, k,
-        scale.shape[1], per, SPLIT_K=split_k, SLICED=split_k > 1, OUT_BF16=out.dtype == torch.bfloat16, ONE=m == 1, NW=nw, BB=bb,
-        ASM=not interp, PANEL=panel, DIAG=diag, UF=uf, L2=l2h, **kw, **pdl_launch(xf))
+        scale.shape[1], per, pre, SPLIT_K=split_k, SLICED=split_k > 1, OUT_BF16=out.dtype == torch.bfloat16,
+        ONE=m == 1, NW=nw, BB=bb, ASM=not interp, PANEL=panel, DIAG=diag, UF=uf, L2=l2h, **kw, **pdl_kw)
 
 
 def panel_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ...backends.fused import unrope_grouped_linear as unrope_grouped_linear_ref  # noqa: F401  (the oracle)
-from .pdl import pdl_launch, pdl_start
+from .pdl import pdl_launch, pdl_prefetch_launch, pdl_prefetch_start, pdl_start, prefetch_segments
 from .block_scaled import bf16_bits16, bf16_round
 from .rope import partner_cols, rope_cols
 
@@ -73,16 +73,19 @@ def _unrope_grouped_linear_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, out_ptr, N, K,
 
 
 @triton.jit
-def _unrope_rows_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, out_ptr, K, D, R, RO, rows_per_prog,
+def _unrope_rows_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, out_ptr, K, D, R, RO, rows_per_prog, pre_bytes,
                         KP: tl.constexpr, RS: tl.constexpr, PDL: tl.constexpr = 0):
     """One token (the decode batch of one): program p owns `rows_per_prog` consecutive output rows,
     all in one group (rows_per_prog divides RO). The group's K channels of x are rotated back once
     per program (rounded to bf16 as `rope` returns) and held in registers as bf16;
     the weight rows stream RS at a time, each step one contiguous run of RS * K values, the next
-    step's loaded before this one's are used (two steps in flight, as the one-row FP8 kernel)."""
-    pdl_start(PDL)
+    step's loaded before this one's are used (two steps in flight, as the one-row FP8 kernel).
+    The first `pre_bytes` of the program's rows are asked of the L2 before the wait."""
     n_lo = tl.program_id(0) * rows_per_prog
     n_hi = n_lo + rows_per_prog
+    pre_ptrs, pre_n = prefetch_segments(w_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + n_lo.to(tl.int64) * K * 2,
+                                        tl.minimum(rows_per_prog * K * 2, pre_bytes), 128)
+    pdl_prefetch_start(PDL, pre_ptrs, pre_n)
     group = n_lo // RO
     kk = tl.arange(0, KP)
     kmask = kk < K
@@ -114,8 +117,10 @@ def _launch_rows(x, cos, sin, weight, out, k, d, r, ro) -> None:
     rpp = min(ro & -ro, triton.next_power_of_2(max(1, -(-n // (cfg["waves"] * num_workers(x.device))))))
     rs = min(rpp, 1 << (max(1, cfg["step_bytes"] // (2 * k)).bit_length() - 1))
     kw = {} if interpreting() else {"num_warps": cfg["num_warps"], "num_stages": 1}
-    _unrope_rows_kernel[(n // rpp,)](x, cos, sin, weight, out.view(torch.int16), k, d, r, ro, rpp,
-                                     KP=triton.next_power_of_2(k), RS=rs, **kw, **pdl_launch(weight))
+    pdl_kw, pre = pdl_prefetch_launch(weight, n // rpp, aligned=k % 8 == 0 and weight.element_size() == 2
+                                      and weight.data_ptr() % 16 == 0)
+    _unrope_rows_kernel[(n // rpp,)](x, cos, sin, weight, out.view(torch.int16), k, d, r, ro, rpp, pre,
+                                     KP=triton.next_power_of_2(k), RS=rs, **kw, **pdl_kw)
 
 
 def unrope_grouped_linear(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
