@@ -749,7 +749,7 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
     if prefetch:
         L += variants_table("Weight prefetch before the PDL wait (decode, graph replay)",
                             "The weight-streaming linears ask the L2 for their first weight bytes before waiting "
-                            "on the kernel ahead (`pdl_prefetch_start`), up to the budget in MiB a kernel (0: "
+                            "on the kernel ahead (`pdl_prefetch_rows_start`), up to the budget in MiB a kernel (0: "
                             "none); PDL in its default mode.", prefetch)
     if mems and mems[0]["peak"] is not None:
         L += table("Peak device memory", None, ["phase", "peak GB", "weights GB", "KV pools GB", "peak / (weights + KV)"],
@@ -951,7 +951,7 @@ def _mib_list(text: str) -> list[int]:
 
 def run_prefetch(model, args, clock: Clock, log) -> list[dict]:
     """Each --prefetch-mib weight prefetch budget of the PDL linears (npu_ops/triton/pdl.py,
-    `pdl_prefetch_start`), each graph captured under its setting (`_step_variants`)."""
+    `pdl_prefetch_rows_start`), each graph captured under its setting (`_step_variants`)."""
     from dsv41.npu_ops.triton import pdl
 
     variants = [(f"{mib} MiB", lambda mib=mib: pdl.set_pdl_prefetch(mib)) for mib in args.prefetch_mib]

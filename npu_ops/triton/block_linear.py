@@ -51,8 +51,7 @@ import triton.language as tl
 from ...backends.fused import stacked_pair
 from ...backends.reference import quant
 from ...backends.reference.basic import linear as linear_ref  # noqa: F401  (the oracle)
-from .pdl import (pdl_launch, pdl_prefetch_launch, pdl_prefetch_start, pdl_start, prefetch_rows,
-                  prefetch_segments)
+from .pdl import pdl_launch, pdl_prefetch_launch, pdl_prefetch_range_start, pdl_prefetch_rows_start, pdl_start
 from .block_scaled import (W_DENSE, W_FP4, W_FP8, bf16_bits16, e4m3_byte, e8m0_value, fp8_exponent, fp8_qdq_groups,
                            fp8_round, gemv_acc, gemv_load_w, load_weight_tile, pow2, scaled_block_step)
 from .fp4_common import split_dot_acc
@@ -239,9 +238,7 @@ def _fold_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N,
     The tile's first `pre_bytes` weight bytes are asked of the L2 before the wait."""
     pid_n, pid_m, pid_k, rn, rm, nmask, mmask, rn64, rm64 = _decode_tile_ids(M, N, BM, BN)
     k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
-    pre_ptrs, pre_n = prefetch_rows(w_ptr.to(tl.pointer_type(tl.int8), bitcast=True), rn64, nmask, K, k_lo, k_hi,
-                                    pre_bytes, BN)
-    pdl_prefetch_start(PDL, pre_ptrs, pre_n)
+    pdl_prefetch_rows_start(PDL, w_ptr, rn64, nmask, K, k_lo, k_hi, pre_bytes, BN)
     NB: tl.constexpr = BK // 32
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     sb = _fold_scale_bytes(s_ptr, pid_n, rn64, nmask, k_lo, k_hi, s_stride, SCALE_X, BN, NB)
@@ -289,9 +286,7 @@ def _fold_tm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, 
     L2 before the wait."""
     pid_n, pid_m, pid_k, rn, rm, nmask, mmask, rn64, rm64 = _decode_tile_ids(M, N, BM, BN)
     k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
-    pre_ptrs, pre_n = prefetch_rows(w_ptr.to(tl.pointer_type(tl.int8), bitcast=True), rn64, nmask, K, k_lo, k_hi,
-                                    pre_bytes, BN)
-    pdl_prefetch_start(PDL, pre_ptrs, pre_n)
+    pdl_prefetch_rows_start(PDL, w_ptr, rn64, nmask, K, k_lo, k_hi, pre_bytes, BN)
     NB: tl.constexpr = BK // 32
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     s_rows = s_ptr + (rn64 // 32)[:, None] * s_stride
@@ -390,9 +385,7 @@ def _fold_xs_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, M, N, K, 
     nmask = rn < N
     rn64 = rn.to(tl.int64)
     k_lo, k_hi = _k_slice(pid_k, k_per_split, K)
-    pre_ptrs, pre_n = prefetch_rows(w_ptr.to(tl.pointer_type(tl.int8), bitcast=True), rn64, nmask, K, k_lo, k_hi,
-                                    pre_bytes, BN)
-    pdl_prefetch_start(PDL, pre_ptrs, pre_n)
+    pdl_prefetch_rows_start(PDL, w_ptr, rn64, nmask, K, k_lo, k_hi, pre_bytes, BN)
     NB: tl.constexpr = BK // 32
     G: tl.constexpr = BN // 32
     col = tl.arange(0, BX)
@@ -527,12 +520,10 @@ def _row_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, KW, s_stride, rows_per_pro
     fp32 sums), on the CUDA cores: no split-K, no partials, no counters. The next step's rows
     are loaded before this step's are used (two steps in flight). (`linear_pair`'s two weights
     run through it as one: stacked at load, `core.weights.stack_linears`.) The first `pre_bytes`
-    of the program's rows are asked of the L2 before the wait (`pdl_prefetch_start`)."""
+    of the program's rows are asked of the L2 before the wait (`pdl_prefetch_rows_start`)."""
     n_lo = tl.program_id(0) * rows_per_prog
     n_hi = tl.minimum(n_lo + rows_per_prog, N)
-    pre_ptrs, pre_n = prefetch_segments(w_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + n_lo.to(tl.int64) * KW * 4,
-                                        tl.minimum((n_hi - n_lo) * KW * 4, pre_bytes), 128)
-    pdl_prefetch_start(PDL, pre_ptrs, pre_n)
+    pdl_prefetch_range_start(PDL, w_ptr, n_lo.to(tl.int64) * KW * 4, tl.minimum((n_hi - n_lo) * KW * 4, pre_bytes), 128)
     sw_row = s_ptr + (n_lo // 32) * s_stride
     rr = tl.arange(0, RS)
     rows = n_lo + rr
@@ -568,9 +559,7 @@ def _dense_row_kernel(x_ptr, w_ptr, out_ptr, N, K, rows_per_prog, pre_bytes,
     program's rows are asked of the L2 before the wait."""
     n_lo = tl.program_id(0) * rows_per_prog
     n_hi = tl.minimum(n_lo + rows_per_prog, N)
-    pre_ptrs, pre_n = prefetch_segments(w_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + n_lo.to(tl.int64) * K * 2,
-                                        tl.minimum((n_hi - n_lo) * K * 2, pre_bytes), 128)
-    pdl_prefetch_start(PDL, pre_ptrs, pre_n)
+    pdl_prefetch_range_start(PDL, w_ptr, n_lo.to(tl.int64) * K * 2, tl.minimum((n_hi - n_lo) * K * 2, pre_bytes), 128)
     rr = tl.arange(0, RS)
     for n0 in range(n_lo, n_hi, RS):
         rows = n0 + rr

@@ -49,7 +49,7 @@ except ImportError:
 _HAS_GDC = hasattr(_tl_cuda, "gdc_wait") and hasattr(_tl_cuda, "gdc_launch_dependents")
 
 
-# PDL's bit for the weight prefetch ahead of the wait (`pdl_prefetch_start`, `pdl_prefetch_launch`)
+# PDL's bit for the weight prefetch ahead of the wait (`pdl_prefetch_rows_start`, `pdl_prefetch_launch`)
 PREFETCH_BIT = tl.constexpr(4)
 
 
@@ -58,7 +58,7 @@ def pdl_start(PDL: tl.constexpr):
     """First statement of a kernel launched with `pdl_launch`: under "trigger" let the next kernel
     be scheduled, then (every mode) wait for the one ahead, its writes visible, before touching
     memory; under "chain" let the next kernel be scheduled only after that wait. (PDL's bit
-    PREFETCH_BIT is `pdl_prefetch_start`'s; the mode is the low two bits.)"""
+    PREFETCH_BIT is the weight prefetch's, `pdl_prefetch_rows_start`; the mode is the low two bits.)"""
     if PDL % 4 == 2:
         tl.extra.cuda.gdc_launch_dependents()
     if PDL % 4 >= 1:
@@ -78,35 +78,39 @@ mov.u32 $0, 0;
 
 
 @triton.jit
-def pdl_prefetch_start(PDL: tl.constexpr, ptrs, nbytes):
-    """`pdl_start` for a kernel that streams a weight: with PDL's PREFETCH_BIT, first ask the L2
-    for the bytes [ptrs, ptrs + nbytes) (each element one range: 16-byte aligned, nbytes a
-    multiple of 16, 0 for none), then wait as `pdl_start`. Under "chain" a kernel is scheduled
-    while the one ahead still runs, so its first weight bytes stream in during that kernel
-    instead of after it. Only memory no kernel of a step writes (weights) may be named: the
-    prefetch runs before the wait for the kernel ahead. (CUDA sm_90 only: PDL is 0 elsewhere.)"""
+def _prefetch_l2(ptrs, nbytes):
+    """One L2 prefetch per element: [ptrs, ptrs + nbytes) (16-byte aligned, nbytes a multiple of
+    16; 0: none)."""
+    tl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def pdl_prefetch_rows_start(PDL: tl.constexpr, w_ptr, rows, ok, row_bytes, lo, hi, pre_bytes, R: tl.constexpr):
+    """`pdl_start` for a kernel that streams a weight in tiles: with PDL's PREFETCH_BIT first ask
+    the L2 for bytes lo .. hi of its rows `rows` [R] (int64, where ok) of the weight at w_ptr
+    (row stride row_bytes; all multiples of 16), at most pre_bytes in all (pre_bytes / R a row,
+    whole 16-byte units), then wait as `pdl_start`. Under "chain" a kernel is scheduled while the
+    one ahead still runs, so its first weight bytes stream in during that kernel instead of
+    after it. Only memory no kernel of a step writes (weights) may be named: the prefetch runs
+    before the wait for the kernel ahead. (CUDA sm_90 only: PDL is 0 elsewhere, and nothing here
+    is computed without the bit.)"""
     if PDL >= PREFETCH_BIT:
-        tl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False,
-                                  pack=1)
+        base = w_ptr.to(tl.pointer_type(tl.int8), bitcast=True)
+        per_row = pre_bytes // R // 16 * 16
+        _prefetch_l2(base + rows * row_bytes + lo, tl.where(ok, tl.minimum(hi - lo, per_row), 0))
     pdl_start(PDL)
 
 
 @triton.jit
-def prefetch_rows(base, rows, ok, row_bytes, lo, hi, pre_bytes, R: tl.constexpr):
-    """Bytes lo .. hi of the rows `rows` [R] (int64; where ok) of a matrix at the byte pointer
-    `base`, row stride row_bytes (all multiples of 16), as ranges for `pdl_prefetch_start`, at
-    most pre_bytes in all (pre_bytes / R a row, whole 16-byte units)."""
-    per_row = pre_bytes // R // 16 * 16
-    return base + rows * row_bytes + lo, tl.where(ok, tl.minimum(hi - lo, per_row), 0)
-
-
-@triton.jit
-def prefetch_segments(base, nbytes, NT: tl.constexpr):
-    """One contiguous range [base, base + nbytes) (nbytes a multiple of 16, base 16-byte aligned;
-    base a byte pointer) as NT ranges for `pdl_prefetch_start`: (pointers [NT], sizes [NT])."""
-    seg = (nbytes // 16 + NT - 1) // NT * 16
-    off = tl.arange(0, NT) * seg
-    return base + off, tl.maximum(tl.minimum(seg, nbytes - off), 0)
+def pdl_prefetch_range_start(PDL: tl.constexpr, w_ptr, offset, nbytes, NT: tl.constexpr):
+    """`pdl_prefetch_rows_start` for one contiguous range of a weight: bytes offset .. offset +
+    nbytes from w_ptr (16-byte aligned, a multiple of 16), asked for as NT pieces."""
+    if PDL >= PREFETCH_BIT:
+        seg = (nbytes // 16 + NT - 1) // NT * 16
+        off = tl.arange(0, NT) * seg
+        _prefetch_l2(w_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + offset + off,
+                     tl.maximum(tl.minimum(seg, nbytes - off), 0))
+    pdl_start(PDL)
 
 
 MODES = {"0": 0, "off": 0, "wait": 1, "trigger": 2, "chain": 3}
@@ -177,7 +181,7 @@ def set_pdl_prefetch(mib: int | None) -> None:
 
 
 def pdl_prefetch_launch(t: torch.Tensor, programs: int, *, aligned: bool = True) -> tuple[dict, int]:
-    """(launch keywords, bytes per program) for a `pdl_prefetch_start` kernel of `programs`
+    """(launch keywords, bytes per program) for a kernel that prefetches (`pdl_prefetch_rows_start`) of `programs`
     programs on t's device: `pdl_launch`'s keywords with PREFETCH_BIT where PDL applies and the
     budget is on, and each program's share of the budget (a multiple of 16; 0: no prefetch).
     `aligned`: the weight's rows are whole 16-byte units (else no prefetch: the bulk prefetch

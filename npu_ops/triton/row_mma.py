@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch, pdl_prefetch_launch, pdl_prefetch_start, pdl_start, prefetch_rows
+from .pdl import pdl_launch, pdl_prefetch_launch, pdl_prefetch_rows_start, pdl_start
 from .block_scaled import bf16_bits16, e4m3_byte, e8m0_value, fp8_exponent, fp8_round, pow2
 from .launch import interpreting, num_workers, tile_counters
 
@@ -328,10 +328,8 @@ def _row_mma_kernel(xq_ptr, xf_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, 
     pid_k = tl.program_id(1)
     pre_rows = pid_n * (16 * NW) + tl.arange(0, 16 * NW)
     pre_lo = pid_k * blocks_per_split * 32
-    pre_ptrs, pre_n = prefetch_rows(w_ptr.to(tl.pointer_type(tl.int8), bitcast=True), pre_rows.to(tl.int64),
-                                    pre_rows < N, K, pre_lo, tl.minimum(K, pre_lo + blocks_per_split * 32), pre_bytes,
-                                    16 * NW)
-    pdl_prefetch_start(PDL, pre_ptrs, pre_n)
+    pdl_prefetch_rows_start(PDL, w_ptr, pre_rows.to(tl.int64), pre_rows < N, K, pre_lo,
+                            tl.minimum(K, pre_lo + blocks_per_split * 32), pre_bytes, 16 * NW)
     lane = tl.arange(0, NW * 32)
     warp = lane // 32
     g = (lane % 32) // 4

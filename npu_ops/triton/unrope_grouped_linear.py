@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ...backends.fused import unrope_grouped_linear as unrope_grouped_linear_ref  # noqa: F401  (the oracle)
-from .pdl import pdl_launch, pdl_prefetch_launch, pdl_prefetch_start, pdl_start, prefetch_segments
+from .pdl import pdl_launch, pdl_prefetch_launch, pdl_prefetch_range_start, pdl_start
 from .block_scaled import bf16_bits16, bf16_round
 from .rope import partner_cols, rope_cols
 
@@ -83,9 +83,7 @@ def _unrope_rows_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, out_ptr, K, D, R, RO, ro
     The first `pre_bytes` of the program's rows are asked of the L2 before the wait."""
     n_lo = tl.program_id(0) * rows_per_prog
     n_hi = n_lo + rows_per_prog
-    pre_ptrs, pre_n = prefetch_segments(w_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + n_lo.to(tl.int64) * K * 2,
-                                        tl.minimum(rows_per_prog * K * 2, pre_bytes), 128)
-    pdl_prefetch_start(PDL, pre_ptrs, pre_n)
+    pdl_prefetch_range_start(PDL, w_ptr, n_lo.to(tl.int64) * K * 2, tl.minimum(rows_per_prog * K * 2, pre_bytes), 128)
     group = n_lo // RO
     kk = tl.arange(0, KP)
     kmask = kk < K
