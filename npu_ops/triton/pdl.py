@@ -160,7 +160,9 @@ def pdl_launch(t: torch.Tensor) -> dict:
 
 # The weight bytes a kernel's programs ask the L2 for before their wait, in all (a kernel's
 # share per program is this over its programs): MiB from DSV41_PDL_PREFETCH, 0 = no prefetch.
-# Half the H100 / H200's 50 MB L2, so the prefetched bytes do not push each other out before use.
+# Off by default: written 2026-12-07 and not yet run on a GPU (benchmarks/e2e.py --prefetch
+# compares budgets; a budget up to about half the H100 / H200's 50 MB L2 keeps the prefetched
+# bytes from pushing each other out before use).
 PREFETCH_MIB_DEFAULT = 0
 _prefetch_mib = None
 
