@@ -23,6 +23,15 @@ replay; the logits bit-identical in all four modes): batch 1 off 1.794 ms, "wait
 early trigger loses (a run of later kernels parked on the SMs, holding their slots); "chain" is
 the default where PDL applies (`DSV41_PDL=off` turns it off).
 
+Weight prefetch (`DSV41_PDL_PREFETCH=MiB`, default 0 = off; written 2026-12-07, not yet run on a
+GPU): a kernel that streams a weight may start with `pdl_prefetch_rows_start` /
+`pdl_prefetch_range_start` instead, which with PDL's PREFETCH_BIT first ask the L2 for its first
+weight bytes (`cp.async.bulk.prefetch.L2`, up to its launch's share of the budget) and then wait
+as `pdl_start`. Under "chain" the kernel is scheduled while the one ahead runs, so the bytes
+stream in during it. Only weights are named (no kernel of a step writes them), and before that
+start a kernel computes only its ids and ranges: tests/test_triton_pdl.py checks both rules.
+Launches of such kernels ask `pdl_prefetch_launch(t, programs)` for their keywords and share.
+
 Host side: `pdl_launch(t)` gives the launch arguments, `{"PDL": mode, "launch_pdl": True}` where
 PDL is on and applies (a CUDA tensor on a device of capability >= 9, Triton with `gdc_wait`,
 not the interpreter), else `{}` (the kernels' `PDL` defaults to 0: the interpreters,
@@ -183,9 +192,10 @@ def set_pdl_prefetch(mib: int | None) -> None:
 
 
 def pdl_prefetch_launch(t: torch.Tensor, programs: int, *, aligned: bool = True) -> tuple[dict, int]:
-    """(launch keywords, bytes per program) for a kernel that prefetches (`pdl_prefetch_rows_start`) of `programs`
-    programs on t's device: `pdl_launch`'s keywords with PREFETCH_BIT where PDL applies and the
-    budget is on, and each program's share of the budget (a multiple of 16; 0: no prefetch).
+    """(launch keywords, bytes per program) for a launch of `programs` programs of a prefetching
+    kernel (`pdl_prefetch_rows_start` / `pdl_prefetch_range_start`) on t's device: `pdl_launch`'s
+    keywords with PREFETCH_BIT where PDL applies and the budget is on, and each program's share of
+    the budget (a multiple of 16; 0: no prefetch).
     `aligned`: the weight's rows are whole 16-byte units (else no prefetch: the bulk prefetch
     needs 16-byte aligned ranges)."""
     kw = pdl_launch(t)
