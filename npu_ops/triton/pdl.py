@@ -94,31 +94,47 @@ def _prefetch_l2(ptrs, nbytes):
 
 
 @triton.jit
+def prefetch_row_ranges(rows, ok, row_bytes, lo, hi, pre_bytes, R: tl.constexpr):
+    """Byte offsets [R] (int64) and sizes [R] of bytes lo .. hi of the rows `rows` [R] (int64;
+    size 0 where not ok) of a matrix of row stride row_bytes, at most pre_bytes in all
+    (pre_bytes / R a row, whole 16-byte units)."""
+    per_row = pre_bytes // R // 16 * 16
+    return rows * row_bytes + lo, tl.where(ok, tl.minimum(hi - lo, per_row), 0)
+
+
+@triton.jit
+def prefetch_range_pieces(offset, nbytes, NT: tl.constexpr):
+    """Byte offsets [NT] and sizes [NT] of the range offset .. offset + nbytes (nbytes a multiple
+    of 16) cut into NT pieces of whole 16-byte units (the last ones may be empty)."""
+    seg = (nbytes // 16 + NT - 1) // NT * 16
+    off = tl.arange(0, NT) * seg
+    return offset + off, tl.maximum(tl.minimum(seg, nbytes - off), 0)
+
+
+@triton.jit
 def pdl_prefetch_rows_start(PDL: tl.constexpr, w_ptr, rows, ok, row_bytes, lo, hi, pre_bytes, R: tl.constexpr):
     """`pdl_start` for a kernel that streams a weight in tiles: with PDL's PREFETCH_BIT first ask
     the L2 for bytes lo .. hi of its rows `rows` [R] (int64, where ok) of the weight at w_ptr
-    (row stride row_bytes; all multiples of 16), at most pre_bytes in all (pre_bytes / R a row,
-    whole 16-byte units), then wait as `pdl_start`. Under "chain" a kernel is scheduled while the
-    one ahead still runs, so its first weight bytes stream in during that kernel instead of
+    (row stride row_bytes; all multiples of 16), at most pre_bytes in all
+    (`prefetch_row_ranges`), then wait as `pdl_start`. Under "chain" a kernel is scheduled while
+    the one ahead still runs, so its first weight bytes stream in during that kernel instead of
     after it. Only memory no kernel of a step writes (weights) may be named: the prefetch runs
     before the wait for the kernel ahead. (CUDA sm_90 only: PDL is 0 elsewhere, and nothing here
     is computed without the bit.)"""
     if PDL >= PREFETCH_BIT:
-        base = w_ptr.to(tl.pointer_type(tl.int8), bitcast=True)
-        per_row = pre_bytes // R // 16 * 16
-        _prefetch_l2(base + rows * row_bytes + lo, tl.where(ok, tl.minimum(hi - lo, per_row), 0))
+        off, n = prefetch_row_ranges(rows, ok, row_bytes, lo, hi, pre_bytes, R)
+        _prefetch_l2(w_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + off, n)
     pdl_start(PDL)
 
 
 @triton.jit
 def pdl_prefetch_range_start(PDL: tl.constexpr, w_ptr, offset, nbytes, NT: tl.constexpr):
     """`pdl_prefetch_rows_start` for one contiguous range of a weight: bytes offset .. offset +
-    nbytes from w_ptr (16-byte aligned, a multiple of 16), asked for as NT pieces."""
+    nbytes from w_ptr (16-byte aligned, a multiple of 16), asked for as NT pieces
+    (`prefetch_range_pieces`)."""
     if PDL >= PREFETCH_BIT:
-        seg = (nbytes // 16 + NT - 1) // NT * 16
-        off = tl.arange(0, NT) * seg
-        _prefetch_l2(w_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + offset + off,
-                     tl.maximum(tl.minimum(seg, nbytes - off), 0))
+        off, n = prefetch_range_pieces(offset, nbytes, NT)
+        _prefetch_l2(w_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + off, n)
     pdl_start(PDL)
 
 
