@@ -26,9 +26,10 @@ One run measures, on random weights with realistic statistics (MODEL.md section 
 - optionally (`--offload`), decode with the Engram tables in page-locked host memory, and
   (`--streams`) with work on a second stream: each MoE's shared expert beside the routed experts,
   then also each indexed layer's compressor and top-k beside its projections, then also the
-  Engram layers' values from the step's start, and (`--pdl`)
-  with programmatic dependent launch off and in its modes (these variants are captured first,
-  then timed in interleaved rounds, so none alone carries the process's drift).
+  Engram layers' values from the step's start, (`--pdl`) with programmatic dependent launch
+  off and in its modes, and (`--prefetch`) with the decode linears' weight prefetch before their
+  PDL wait at each budget of `--prefetch-mib` (these variants are captured first, then timed in
+  interleaved rounds, so none alone carries the process's drift).
 Writes a dated markdown report naming the device (`--out`), and prints it.
 
 Host: on a device the timed phases (all but `--numerics`, whose reference runs on the CPU) run
