@@ -172,6 +172,7 @@ def _supported(index: int) -> bool:
 
 
 _LAUNCH = {m: {"PDL": m, "launch_pdl": True} for m in _NAMES if m}
+_PREFETCH_LAUNCH = {m: {"PDL": m | PREFETCH_BIT.value, "launch_pdl": True} for m in _NAMES if m}
 _OFF: dict = {}
 
 
@@ -220,4 +221,4 @@ def pdl_prefetch_launch(t: torch.Tensor, programs: int, *, aligned: bool = True)
     if not kw or not _prefetch_mib or not aligned:
         return kw, 0
     share = (_prefetch_mib << 20) // max(1, programs) // 16 * 16
-    return ({"PDL": kw["PDL"] | PREFETCH_BIT.value, "launch_pdl": True}, share) if share else (kw, 0)
+    return (_PREFETCH_LAUNCH[kw["PDL"]], share) if share else (kw, 0)
