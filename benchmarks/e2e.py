@@ -730,25 +730,14 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
                    [[r["ctx"], r["batch"], f"{r['one_s'] * 1e3:.3f}", *_ms_change(r, "shared_s", "one_s"),
                      *_ms_change(r, "both_s", "one_s"), *_ms_change(r, "all_s", "one_s"), r["same"]]
                     for r in streams])
-    def variants_table(title, note, rows):
-        """A `_step_variants` table: each variant's ms and its change against the first."""
-        names = [k[:-2] for k in rows[0] if k.endswith("_s")]
-        return table(title, f"{note} Captured first, timed in interleaved rounds (medians). Changes against "
-                            f"{names[0]}; same logits = bit-identical in every variant.",
-                     ["context", "batch", f"{names[0]} ms", *[c for m in names[1:] for c in (f"{m} ms", "change")],
-                      "same logits"],
-                     [[r["ctx"], r["batch"], f"{r[names[0] + '_s'] * 1e3:.3f}",
-                       *[c for m in names[1:] for c in _ms_change(r, m + "_s", names[0] + "_s")], r["same"]]
-                      for r in rows])
-
     if pdl:
-        L += variants_table("Programmatic dependent launch (decode, graph replay)",
+        L += _variants_table("Programmatic dependent launch (decode, graph replay)",
                             "Off: each Triton kernel scheduled after the one ahead finishes; wait: scheduled when "
                             "every program of the one ahead has exited; trigger: as soon as every program of it has "
                             "started; chain: as soon as every program of it has passed its own wait. Under PDL a "
                             "kernel waits on the device before touching memory (npu_ops/triton/pdl.py).", pdl)
     if prefetch:
-        L += variants_table("Weight prefetch before the PDL wait (decode, graph replay)",
+        L += _variants_table("Weight prefetch before the PDL wait (decode, graph replay)",
                             "The weight-streaming linears ask the L2 for their first weight bytes before waiting "
                             "on the kernel ahead (`pdl_prefetch_rows_start`), up to the budget in MiB a kernel (0: "
                             "none); PDL in its default mode.", prefetch)
@@ -778,6 +767,18 @@ def report(args, device_name: str, copy_bw, mm_rate, build_s, dec, kernels, pre,
         L += [f"Phases that failed in this run (traceback in the log): {', '.join(failed)}.", ""]
     L += ["## Targets", ""] + targets(dec, pre, mems)
     return "\n".join(L) + "\n"
+
+
+def _variants_table(title: str, note: str, rows: list[dict]) -> list[str]:
+    """A `_step_variants` section: each variant's ms and its change against the first."""
+    names = [k[:-2] for k in rows[0] if k.endswith("_s")]
+    return table(title, f"{note} Captured first, timed in interleaved rounds (medians). Changes against "
+                        f"{names[0]}; same logits = bit-identical in every variant.",
+                 ["context", "batch", f"{names[0]} ms", *[c for m in names[1:] for c in (f"{m} ms", "change")],
+                  "same logits"],
+                 [[r["ctx"], r["batch"], f"{r[names[0] + '_s'] * 1e3:.3f}",
+                   *[c for m in names[1:] for c in _ms_change(r, m + "_s", names[0] + "_s")], r["same"]]
+                  for r in rows])
 
 
 def table(title: str, intro: str | None, header: list[str], rows: list[list]) -> list[str]:
