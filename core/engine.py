@@ -317,6 +317,7 @@ class Engine:
         self.max_model_len = max_model_len or self.cfg.max_position_embeddings
         self.graphs = self._capture(max_model_len) if graphs else None
         self._draft_graph = None  # captured on first speculative use (`draft_graph`)
+        self._verify_graphs = None  # likewise (`verify_graphs`)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._counters, self._counter_parts = Counter(), []
@@ -363,6 +364,38 @@ class Engine:
 
             self._draft_graph = DraftGraph(drafter, self.pool, self.graphs.table_blocks).capture()
         return self._draft_graph
+
+    def verify_graphs(self):
+        """DSpark's verification forward captured over this engine's fixed pools, once per row
+        count up to the draft block + 1 (once per engine; None without decode graphs or while
+        Engram rows are fetched ahead on the host, whose host gathers a replay cannot redo):
+        `graphs/verify.py`."""
+        if self.graphs is None:
+            return None
+        prefetch = self.model.engram_prefetch()
+        if prefetch is not None and prefetch.layers:
+            return None
+        if self._verify_graphs is None:
+            from ..graphs.verify import VerifyGraphs
+
+            self._verify_graphs = VerifyGraphs(self.model, self.pool, self.cfg.dspark_block_size + 1,
+                                               self.graphs.table_blocks).capture()
+        return self._verify_graphs
+
+    def verify(self, state: SequenceState, ids: list[int]):
+        """One DSpark verification forward: `ids` (the last token, then the drafts) at the
+        sequence's next positions, every row's logits and the drafter's target features. A
+        captured graph replays it where the engine has them (`verify_graphs`), else the model
+        runs eagerly. Returns (logits [n, V], features [n, n_targets * d], the step's counter
+        parts, or None for a replay, which keeps no counters)."""
+        chunk = Chunk(state, ids, 0, "all", text_only=True)
+        graphs = self.verify_graphs()
+        if graphs is not None:
+            batch = build_step(self.cfg, self.pool, [chunk], "cpu", self._image_token())
+            logits, feats = graphs.run(batch)
+            return logits, feats, None
+        logits, ctx, _ = self.run_chunks([chunk], ForwardContext(features={}))
+        return logits, target_features_of(ctx, self.cfg), ctx.count_parts()
 
     def replay_length(self) -> int:
         w = self.cfg.sliding_window

@@ -33,10 +33,8 @@ from pathlib import Path
 
 import torch
 
-from .batch import Chunk
-from .dspark import DSpark, target_features
+from .dspark import DSpark
 from .engine import Engine, GenerationResult, SamplingParams, sample, sampling_probs
-from .model import ForwardContext
 from .tokenizer import atomic_write_text
 
 PROFILE_ENV = "DSV41_SPEC_PROFILE"
@@ -269,16 +267,16 @@ def generate_speculative(engine: Engine, prompt: list[int], params: SamplingPara
             drafts = draft.tokens[:k].tolist()
             tb = time.perf_counter()
             start = state.length
-            logits, ctx, _ = engine.run_chunks([Chunk(state, [tok] + drafts, 0, "all", text_only=True)],
-                                               ForwardContext(features={}))
-            seq.add_counts(*ctx.count_parts())  # read once, with the result (no sync per verification)
+            logits, feats, counts = engine.verify(state, [tok] + drafts)  # (a graph replay on devices)
+            if counts is not None:
+                seq.add_counts(*counts)  # read once, with the result (no sync per verification)
             if greedy:
                 a, nxt = accept_greedy(logits, drafts)
             else:
                 q = torch.stack([sampling_probs(lg, p) for lg in draft.logits[:k]]) if k else logits[:0]
                 a, nxt = accept_sampled(torch.stack([sampling_probs(lg, p) for lg in logits]), q, drafts, gen)
             state.length = start + 1 + a  # roll back the rejected drafts
-            drafter.absorb(pool, state, target_features(ctx, cfg)[: a + 1], start)
+            drafter.absorb(pool, state, feats[: a + 1], start)
             state.free_old_swa(pool, state.length - 2 * cfg.sliding_window)
             stats.steps, stats.drafted, stats.accepted = stats.steps + 1, stats.drafted + k, stats.accepted + a
             stats.draft_s += tb - ta
@@ -304,6 +302,7 @@ def measure_profile(engine: Engine, *, prompt_len: int = 32, repeats: int = 5, s
     a warm-up. `sync` waits for the device (the platform's synchronize)."""
     cfg, model = engine.cfg, engine.model
     drafter = DSpark(model)
+    drafter.graph = engine.draft_graph(drafter)  # greedy drafts replay it, as in a run (None: eager)
     b = drafter.block_size
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -330,7 +329,7 @@ def measure_profile(engine: Engine, *, prompt_len: int = 32, repeats: int = 5, s
 
     def verify(n: int):
         start = state.length
-        engine.run_chunks([Chunk(state, ids[:n], 0, "all")])
+        engine.verify(state, ids[:n])  # (replayed where a run would replay it)
         state.length = start  # every run sees the same cache
 
     tps = [n / timed(lambda n=n: verify(n)) for n in range(1, b + 2)]

@@ -347,7 +347,7 @@ def _generate(args, group, device) -> int:
     model = _load_weights(args, cfg, device, tok, group, with_drafter=args.speculative)
     if tok is not None and not args.ckpt:  # a checkpoint's map is installed by the loader
         install_engram_vocab(model, tok)
-    graphs = device.type != "cpu" and not args.eager  # decode steps and greedy draft blocks replayed
+    graphs = device.type != "cpu" and not args.eager  # decode steps, verifications and greedy drafts replayed
     margin = cfg.dspark_block_size if args.speculative else 0  # a draft block reaches past the last token
     engine = Engine(model, prefill_mode=args.prefill_mode, max_batch=1, graphs=graphs, overlap=not args.no_overlap,
                     max_tokens_per_step=args.max_tokens_per_step,
@@ -488,8 +488,12 @@ def cmd_profile_spec(args) -> int:
     sync, bar = _progress_sync(platform_for(device).synchronize, cfg.dspark_block_size, args.repeats)
     try:
         with bar:
-            prof = measure_profile(Engine(model), prompt_len=args.prompt_len, repeats=args.repeats, seed=args.seed,
-                                   sync=sync)
+            # timed as `run` decodes: on a device the verification and the greedy draft block replay
+            # their graphs (`graphs/verify.py`, `graphs/draft.py`), unless --eager
+            b, graphs = cfg.dspark_block_size, device.type != "cpu" and not args.eager
+            engine = Engine(model, max_batch=1, graphs=graphs,
+                            max_model_len=min(args.prompt_len + 2 * b + 2, cfg.max_position_embeddings))
+            prof = measure_profile(engine, prompt_len=args.prompt_len, repeats=args.repeats, seed=args.seed, sync=sync)
     except ValueError as e:
         raise UserError(str(e)) from None
     try:
@@ -716,6 +720,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--repeats", type=int, default=5, help="timed runs per point (median; one warm-up before)")
     sp.add_argument("--prompt-len", type=int, default=32, help="context length the steps are timed at")
     sp.add_argument("--seed", type=int, default=0, help="random weights (without --ckpt) and prompt")
+    sp.add_argument("--eager", action="store_true", help="time the steps without device graphs (as `run --eager`)")
     sp.set_defaults(func=cmd_profile_spec)
 
     m = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint in the shipped form",

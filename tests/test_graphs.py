@@ -6,6 +6,8 @@ import pytest
 import torch
 from _util import rand_prompt
 
+from dsv41.core.batch import Chunk, build_step
+from dsv41.core.cache import SequenceState
 from dsv41.core.engine import Engine, SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -96,6 +98,64 @@ def test_draft_graph_equals_eager_draft(tiny_cfg, fresh_seed, rng, device):
     else:
         want = Engine(model, prefill_mode="exact").generate(prompt, params).token_ids
     assert out.token_ids == want
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_verify_graphs_equal_eager_verification(tiny_cfg, fresh_seed, rng, device):
+    """A verification replayed from its row count's capture (`graphs/verify.py`) gives the eager
+    verification's logits and target features for every k = 0 .. block size, at two context
+    lengths (bit for bit on CPU, where the reference is batch-invariant; on a device in the
+    batch-invariant mode, since the eager step's narrower tables may take other splits)."""
+    from dsv41.backends.registry import batch_invariant_mode
+    from dsv41.core.model import ForwardContext
+    from dsv41.core.weights import build_model
+
+    model = build_model(tiny_cfg, seed=fresh_seed, device=device)
+    with batch_invariant_mode(device != "cpu"):
+        engine = Engine(model, prefill_mode="exact", max_batch=2, graphs=True, max_model_len=48)
+        graphs = engine.verify_graphs()
+        assert graphs is not None and engine.verify_graphs() is graphs  # captured once per engine
+        assert sorted(graphs.graphs) == list(range(1, tiny_cfg.dspark_block_size + 2))
+        seq, _, _ = engine.prefill_alone(rand_prompt(tiny_cfg, 13, rng).tolist(), SamplingParams(max_new_tokens=24))
+        state, checked = seq.state, 0
+        for extra in (0, 9):  # then a longer context: other blocks, the ring further on
+            if extra:
+                engine.run_chunks([Chunk(state, rand_prompt(tiny_cfg, extra, rng).tolist(), 0, "none", text_only=True)])
+            for k in range(tiny_cfg.dspark_block_size + 1):
+                ids, start = rand_prompt(tiny_cfg, k + 1, rng).tolist(), state.length
+                logits, feats, counts = engine.verify(state, ids)
+                assert counts is None  # a replay (no counters)
+                got = logits.clone(), feats.clone()
+                state.length = start
+                ctx = ForwardContext(features={})
+                want_logits, _, _ = engine.run_chunks([Chunk(state, ids, 0, "all", text_only=True)], ctx)
+                state.length = start
+                want = want_logits, torch.cat([ctx.features[i] for i in tiny_cfg.dspark_target_layer_ids], -1)
+                for g, w in zip(got, want):
+                    assert g.shape == w.shape and torch.isfinite(g).all()
+                    assert torch.equal(g, w), f"k={k}: max difference {(g.float() - w.float()).abs().max()}"
+                checked += 1
+        engine.finish(seq)
+    assert checked == 2 * (tiny_cfg.dspark_block_size + 1)
+    with pytest.raises(ValueError, match="not a verification"):  # two sequences: not this capture
+        graphs.run(build_step(tiny_cfg, engine.pool, [Chunk(SequenceState(), [5], 0, "all"),
+                                                     Chunk(SequenceState(), [6], 0, "all")], "cpu"))
+
+
+def test_spec_profile_times_the_replayed_steps(tiny_model, tiny_cfg):
+    """`measure_profile` on a graph engine times the verification and the greedy draft through
+    their captures, as a speculative run replays them (on CPU the captures run eagerly)."""
+    from dsv41.core.spec_decode import measure_profile
+
+    engine = Engine(tiny_model, max_batch=1, graphs=True, max_model_len=8 + 2 * tiny_cfg.dspark_block_size + 2)
+    replays = []
+    graphs = engine.verify_graphs()
+    run = graphs.run
+    graphs.run = lambda b: replays.append(b.num_tokens) or run(b)
+    prof = measure_profile(engine, prompt_len=8, repeats=1)
+    assert prof.tokens == list(range(1, tiny_cfg.dspark_block_size + 2))
+    assert sorted(set(replays)) == prof.tokens  # every point through its capture
+    assert engine._draft_graph is not None
 
 
 @pytest.mark.parametrize("device", DEVICES)
