@@ -187,18 +187,39 @@ class DSpark:
             state.floors[FLOOR_DRAFT] = start
         elif start != state.draft_length:
             raise ValueError(f"drafter context must continue at position {state.draft_length}, got {start}")
-        s0 = self.stages[0]
         pos = list(range(start, start + t))
         rows = self._rows_at(pool, state, pos)
+        self._write_kv(pool, feats, torch.tensor(pos, device=feats.device), lambda swa: rows)
+        state.draft_length = start + t
+
+    def _write_kv(self, pool: KVPool, feats: torch.Tensor, positions: torch.Tensor, rows_of) -> None:
+        """Each stage's context KV of the rows at `positions` (device [T]) from the target
+        features [T, n_targets * d], written at `rows_of(stage's SWA pool)`."""
+        s0 = self.stages[0]
         h = s0.main_norm(s0.main_proj(feats))
         cos, sin = None, None
         for st in self.stages:
             a = st.attn
             if cos is None:  # every stage is a ratio-0 layer: one RoPE table
-                cos, sin = rope_tables(a.inv_freq, torch.tensor(pos, device=feats.device))
+                cos, sin = rope_tables(a.inv_freq, positions)
             kv8, kv_s = ops.fp8_quant(ops.rope(a.kv_norm(a.wkv(h)), cos, sin))
-            pool.swa[a.layer_id].write(rows, kv8, kv_s)
-        state.draft_length = start + t
+            swa = pool.swa[a.layer_id]
+            swa.write(rows_of(swa), kv8, kv_s)
+
+    @torch.no_grad()
+    def write_context(self, pool: KVPool, rows: Rows, feats: torch.Tensor) -> None:
+        """`absorb`'s KV writes for a step's rows, addressed on the device through the step's
+        tables (no host read, so a verification graph holds it: `graphs/verify.py`). A
+        verification writes every verified row; `advance` then keeps the accepted ones as
+        context. The rejected rows' entries lie at positions past the new context, where the
+        next draft block writes its own rows before any window reads them."""
+        self._write_kv(pool, feats, rows.pos, rows.swa_rows)
+
+    def advance(self, state: SequenceState, start: int, n: int) -> None:
+        """The context now holds n more positions from `start`, written by `write_context`."""
+        if state.draft_length == 0 or start != state.draft_length:
+            raise ValueError(f"drafter context must continue at position {state.draft_length}, got {start}")
+        state.draft_length = start + n
 
     def _block_batch(self, pool: KVPool, state: SequenceState, last_token: int) -> StepBatch:
         """The draft block as a one-sequence step: rows at positions n .. n+B-1 (n = context

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .batch import Chunk, StepBatch, build_step
+from .batch import Chunk, Rows, StepBatch, build_step
 from .cache import KVPool, SequenceState
 from .model import ForwardContext, Transformer, read_counts
 from .sampling import RowParams, pick_tokens, sampling_probs
@@ -384,18 +384,25 @@ class Engine:
 
     def verify(self, state: SequenceState, ids: list[int]):
         """One DSpark verification forward: `ids` (the last token, then the drafts) at the
-        sequence's next positions, every row's logits and the drafter's target features. A
-        captured graph replays it where the engine has them (`verify_graphs`), else the model
-        runs eagerly. Returns (logits [n, V], features [n, n_targets * d], the step's counter
-        parts, or None for a replay, which keeps no counters)."""
+        sequence's next positions, every row's logits and the drafter's target features; the
+        drafter's context KV of every row is written too, where the model has one
+        (`DSpark.write_context`: the caller keeps the accepted rows with `DSpark.advance`). A captured graph replays it where the
+        engine has them (`verify_graphs`), else the model runs eagerly. Returns (logits [n, V],
+        features [n, n_targets * d], the step's counter parts, or None for a replay, which
+        keeps no counters)."""
+        from .dspark import DSpark
+
         chunk = Chunk(state, ids, 0, "all", text_only=True)
         graphs = self.verify_graphs()
         if graphs is not None:
             batch = build_step(self.cfg, self.pool, [chunk], "cpu", self._image_token())
             logits, feats = graphs.run(batch)
             return logits, feats, None
-        logits, ctx, _ = self.run_chunks([chunk], ForwardContext(features={}))
-        return logits, target_features_of(ctx, self.cfg), ctx.count_parts()
+        logits, ctx, batch = self.run_chunks([chunk], ForwardContext(features={}))
+        feats = target_features_of(ctx, self.cfg)
+        if getattr(self.model, "mtp", None) is not None:
+            DSpark(self.model).write_context(self.pool, Rows.of(batch, self.cfg), feats)
+        return logits, feats, ctx.count_parts()
 
     def replay_length(self) -> int:
         w = self.cfg.sliding_window

@@ -276,7 +276,10 @@ def generate_speculative(engine: Engine, prompt: list[int], params: SamplingPara
                 q = torch.stack([sampling_probs(lg, p) for lg in draft.logits[:k]]) if k else logits[:0]
                 a, nxt = accept_sampled(torch.stack([sampling_probs(lg, p) for lg in logits]), q, drafts, gen)
             state.length = start + 1 + a  # roll back the rejected drafts
-            drafter.absorb(pool, state, feats[: a + 1], start)
+            if isinstance(drafter, DSpark) and drafter.model is model:
+                drafter.advance(state, start, a + 1)  # the verification wrote the accepted rows' context
+            else:
+                drafter.absorb(pool, state, feats[: a + 1], start)
             state.free_old_swa(pool, state.length - 2 * cfg.sliding_window)
             stats.steps, stats.drafted, stats.accepted = stats.steps + 1, stats.drafted + k, stats.accepted + a
             stats.draft_s += tb - ta

@@ -2,8 +2,9 @@
 
 A verification step runs the main model over one sequence's last token and its k drafts
 (k = 0 .. `dspark_block_size`): k + 1 rows, block tables of a fixed width, every row's logits
-and the drafter's target-layer features wanted. Like a decode step it reads nothing back to the
-host, so each of the block size + 1 row counts is captured once (`torch.cuda.CUDAGraph`,
+and the drafter's target-layer features wanted, then writes the drafter's context KV of every
+row (`DSpark.write_context`; the caller keeps the accepted ones, `DSpark.advance`). Like a
+decode step it reads nothing back to the host, so each of the block size + 1 row counts is captured once (`torch.cuda.CUDAGraph`,
 `torch.npu.NPUGraph`, through the platform) and replayed with the step's inputs copied into
 persistent buffers. Without it every verification ran the model eagerly, tens of times slower
 than a replayed decode step (README, status of DSpark on devices).
@@ -17,9 +18,9 @@ from __future__ import annotations
 import torch
 
 from ..backends.platform import platform_for
-from ..core.batch import StepBatch
+from ..core.batch import Rows, StepBatch
 from ..core.cache import KVPool
-from ..core.dspark import target_features
+from ..core.dspark import DSpark, target_features
 from ..core.model import ForwardContext, Transformer
 from .decode import fill_static
 
@@ -33,6 +34,8 @@ class VerifyGraphs:
         self.device = model.embed.weight.device
         self.platform = platform_for(self.device)
         self.max_rows = max_rows
+        # (its stages are the model's `mtp`: any DSpark of the model writes the same)
+        self.drafter = DSpark(model) if getattr(model, "mtp", None) is not None else None
         self.graphs: dict[int, tuple] = {}  # rows -> (graph or None, static batch, logits, features)
 
     def _static(self, t: int) -> StepBatch:
@@ -44,10 +47,14 @@ class VerifyGraphs:
                          ngram_image=z(t, ng, dt=torch.bool), is_image=z(t, dt=torch.bool))
 
     def _step(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a replay runs: the forward, every row's logits and the target-layer features."""
+        """What a replay runs: the forward, every row's logits and the target-layer features,
+        then the drafter's context KV of every row (`DSpark.write_context`)."""
         ctx = ForwardContext(features={})
         logits = self.model(batch, self.pool, ctx=ctx, check=False)
-        return logits, target_features(ctx, self.model.cfg)
+        feats = target_features(ctx, self.model.cfg)
+        if self.drafter is not None:
+            self.drafter.write_context(self.pool, Rows.of(batch, self.model.cfg), feats)
+        return logits, feats
 
     def capture(self) -> VerifyGraphs:
         """Warm up and capture every row count (largest first, sharing one memory pool); the

@@ -194,6 +194,60 @@ def test_greedy_speculation_is_lossless(tiny_model, tiny_cfg, rng, n_prompt, mod
     assert 0 < st["accepted"] < st["drafted"]  # partial acceptances and rollbacks both happened
 
 
+class _RecordingDSpark(DSpark):
+    """A DSpark that drafts for real (its tokens and confidences recorded) but proposes the
+    oracle's tokens, so verifications accept partially."""
+
+    def __init__(self, model, oracle):
+        super().__init__(model)
+        self.oracle, self.seen = oracle, []
+
+    def draft(self, pool, state, last_token, choose=None):
+        real = super().draft(pool, state, last_token, choose)
+        self.seen.append((real.tokens.clone(), real.confidence.clone()))
+        return self.oracle.draft(pool, state, last_token, choose)
+
+
+class _AbsorbingDrafter:
+    """The same drafter behind a plain object: `generate_speculative` then absorbs the accepted
+    rows' features itself instead of keeping the context the verification wrote."""
+
+    def __init__(self, inner):
+        self.inner, self.block_size = inner, inner.block_size
+
+    def absorb(self, *args):
+        DSpark.absorb(self.inner, *args)
+
+    def draft(self, *args, **kwargs):
+        return self.inner.draft(*args, **kwargs)
+
+
+def test_context_written_by_the_verification_equals_absorbing_the_accepted_rows(tiny_model, tiny_cfg, rng):
+    """Speculation keeps the drafter context the verification wrote for every row (`DSpark.
+    write_context` + `advance`, what a verification graph does); absorbing only the accepted rows'
+    features after each step, as before, gives the real drafter the same drafts and confidences
+    bit for bit, through partial acceptances and rollbacks."""
+    prompt = rand_prompt(tiny_cfg, 9, rng).tolist()
+    params = SamplingParams(max_new_tokens=18)
+    eng = Engine(tiny_model, prefill_mode="exact")
+    ref = eng.generate(prompt, params).token_ids
+    seed = int(torch.randint(0, 2**31, (), generator=rng))
+    runs = []
+    for wrap in (False, True):
+        oracle = OracleDrafter(prompt + ref, tiny_cfg.dspark_block_size, tiny_cfg.vocab_size,
+                               torch.Generator().manual_seed(seed))
+        drafter = _RecordingDSpark(tiny_model, oracle)
+        out = generate_speculative(eng, prompt, params, SpecOptions(spec_len=tiny_cfg.dspark_block_size),
+                                   drafter=_AbsorbingDrafter(drafter) if wrap else drafter)
+        assert out.token_ids == ref
+        assert 0 < out.spec["accepted"] < out.spec["drafted"], f"seed {seed}: no partial acceptance"
+        runs.append(drafter.seen)
+    kept, absorbed = runs
+    assert len(kept) == len(absorbed) > 2
+    for (t1, c1), (t2, c2) in zip(kept, absorbed):
+        assert torch.equal(t1, t2) and torch.equal(c1, c2)
+
+
 def test_sampled_speculation_runs(tiny_model, tiny_cfg, rng):
     eng = Engine(tiny_model, prefill_mode="exact")
     prompt = rand_prompt(tiny_cfg, 6, rng).tolist()

@@ -105,8 +105,10 @@ def test_verify_graphs_equal_eager_verification(tiny_cfg, fresh_seed, rng, devic
     """A verification replayed from its row count's capture (`graphs/verify.py`) gives the eager
     verification's logits and target features for every k = 0 .. block size, at two context
     lengths (bit for bit on CPU, where the reference is batch-invariant; on a device in the
-    batch-invariant mode, since the eager step's narrower tables may take other splits)."""
+    batch-invariant mode, since the eager step's narrower tables may take other splits), and
+    writes the drafter's context of its rows as `DSpark.absorb` writes it from those features."""
     from dsv41.backends.registry import batch_invariant_mode
+    from dsv41.core.dspark import DSpark
     from dsv41.core.model import ForwardContext
     from dsv41.core.weights import build_model
 
@@ -118,6 +120,11 @@ def test_verify_graphs_equal_eager_verification(tiny_cfg, fresh_seed, rng, devic
         assert sorted(graphs.graphs) == list(range(1, tiny_cfg.dspark_block_size + 2))
         seq, _, _ = engine.prefill_alone(rand_prompt(tiny_cfg, 13, rng).tolist(), SamplingParams(max_new_tokens=24))
         state, checked = seq.state, 0
+        drafter = DSpark(model)
+        stage_pools = [engine.pool.swa[st.attn.layer_id] for st in drafter.stages]
+        rows_at = lambda start, n: drafter._rows_at(engine.pool, state, list(range(start, start + n)))  # noqa: E731
+        drafter_rows = lambda start, n: [t[rows_at(start, n)].clone() for swa in stage_pools  # noqa: E731
+                                         for t in (swa.kv.view(torch.uint8), swa.scale.view(torch.uint8))]
         for extra in (0, 9):  # then a longer context: other blocks, the ring further on
             if extra:
                 engine.run_chunks([Chunk(state, rand_prompt(tiny_cfg, extra, rng).tolist(), 0, "none", text_only=True)])
@@ -126,6 +133,12 @@ def test_verify_graphs_equal_eager_verification(tiny_cfg, fresh_seed, rng, devic
                 logits, feats, counts = engine.verify(state, ids)
                 assert counts is None  # a replay (no counters)
                 got = logits.clone(), feats.clone()
+                written = drafter_rows(start, k + 1)
+                for swa in stage_pools:  # the same context again through `absorb`, on cleared rows
+                    swa.kv[rows_at(start, k + 1)] = 0
+                state.draft_length = start
+                drafter.absorb(engine.pool, state, feats, start)
+                assert all(torch.equal(w, a) for w, a in zip(written, drafter_rows(start, k + 1)))
                 state.length = start
                 ctx = ForwardContext(features={})
                 want_logits, _, _ = engine.run_chunks([Chunk(state, ids, 0, "all", text_only=True)], ctx)
