@@ -318,6 +318,7 @@ class Engine:
         self.graphs = self._capture(max_model_len) if graphs else None
         self._draft_graph = None  # captured on first speculative use (`draft_graph`)
         self._verify_graphs = None  # likewise (`verify_graphs`)
+        self._context_writer = None  # a DSpark of the model for eager verifications' context writes
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._counters, self._counter_parts = Counter(), []
@@ -386,12 +387,10 @@ class Engine:
         """One DSpark verification forward: `ids` (the last token, then the drafts) at the
         sequence's next positions, every row's logits and the drafter's target features; the
         drafter's context KV of every row is written too, where the model has one
-        (`DSpark.write_context`: the caller keeps the accepted rows with `DSpark.advance`). A captured graph replays it where the
-        engine has them (`verify_graphs`), else the model runs eagerly. Returns (logits [n, V],
-        features [n, n_targets * d], the step's counter parts, or None for a replay, which
-        keeps no counters)."""
-        from .dspark import DSpark
-
+        (`DSpark.write_context`: the caller keeps the accepted rows with `DSpark.advance`). A
+        captured graph replays it where the engine has them (`verify_graphs`), else the model
+        runs eagerly. Returns (logits [n, V], features [n, n_targets * d], the step's counter
+        parts, or None for a replay, which keeps no counters)."""
         chunk = Chunk(state, ids, 0, "all", text_only=True)
         graphs = self.verify_graphs()
         if graphs is not None:
@@ -401,7 +400,11 @@ class Engine:
         logits, ctx, batch = self.run_chunks([chunk], ForwardContext(features={}))
         feats = target_features_of(ctx, self.cfg)
         if getattr(self.model, "mtp", None) is not None:
-            DSpark(self.model).write_context(self.pool, Rows.of(batch, self.cfg), feats)
+            if self._context_writer is None:
+                from .dspark import DSpark
+
+                self._context_writer = DSpark(self.model)
+            self._context_writer.write_context(self.pool, Rows.of(batch, self.cfg), feats)
         return logits, feats, ctx.count_parts()
 
     def replay_length(self) -> int:

@@ -4,10 +4,10 @@ A verification step runs the main model over one sequence's last token and its k
 (k = 0 .. `dspark_block_size`): k + 1 rows, block tables of a fixed width, every row's logits
 and the drafter's target-layer features wanted, then writes the drafter's context KV of every
 row (`DSpark.write_context`; the caller keeps the accepted ones, `DSpark.advance`). Like a
-decode step it reads nothing back to the host, so each of the block size + 1 row counts is captured once (`torch.cuda.CUDAGraph`,
-`torch.npu.NPUGraph`, through the platform) and replayed with the step's inputs copied into
-persistent buffers. Without it every verification ran the model eagerly, tens of times slower
-than a replayed decode step (README, status of DSpark on devices).
+decode step it reads nothing back to the host, so each of the block size + 1 row counts is
+captured once (`torch.cuda.CUDAGraph`, `torch.npu.NPUGraph`, through the platform) and replayed
+with the step's inputs copied into persistent buffers. Without it every verification ran the
+model eagerly, tens of times slower than a replayed decode step (README, the draft graph's row).
 
 On CPU there is no graph: the runner runs the same static batch eagerly (which is how its
 buffers are tested there). Capture on CUDA / NPU is unverified on hardware.
