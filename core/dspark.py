@@ -153,6 +153,19 @@ def target_features(ctx: ForwardContext, cfg: ModelConfig) -> torch.Tensor:
     return torch.cat([f[f.shape[0] - t:] for f in feats], -1)
 
 
+def verify_forward(model, pool: KVPool, batch: StepBatch, writer: DSpark | None, check: bool = False):
+    """The body of a verification step, eager or inside its captured graph (`graphs/verify.py`):
+    the forward over `batch` with every row's logits, the target features of its rows and, with
+    a `writer` (a DSpark of the model), the drafter's context KV of every row
+    (`DSpark.write_context`). Returns (logits, features, the forward's context)."""
+    ctx = ForwardContext(features={})
+    logits = model(batch, pool, ctx=ctx, check=check)
+    feats = target_features(ctx, model.cfg)
+    if writer is not None:
+        writer.write_context(pool, Rows.of(batch, model.cfg), feats)
+    return logits, feats, ctx
+
+
 class DSpark:
     """Runs the `mtp` stages of a `Transformer`: absorbs context features into the stages' SWA
     pools (the sequence's SWA block table addresses them by position, like the backbone's

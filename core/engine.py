@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .batch import Chunk, Rows, StepBatch, build_step
+from .batch import Chunk, StepBatch, build_step
 from .cache import KVPool, SequenceState
 from .model import ForwardContext, Transformer, read_counts
 from .sampling import RowParams, pick_tokens, sampling_probs
@@ -318,7 +318,7 @@ class Engine:
         self.graphs = self._capture(max_model_len) if graphs else None
         self._draft_graph = None  # captured on first speculative use (`draft_graph`)
         self._verify_graphs = None  # likewise (`verify_graphs`)
-        self._context_writer = None  # a DSpark of the model for eager verifications' context writes
+        self._context_writer = None  # a DSpark of the model writing verifications' context (`_writer`)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._counters, self._counter_parts = Counter(), []
@@ -380,7 +380,7 @@ class Engine:
             from ..graphs.verify import VerifyGraphs
 
             self._verify_graphs = VerifyGraphs(self.model, self.pool, self.cfg.dspark_block_size + 1,
-                                               self.graphs.table_blocks).capture()
+                                               self.graphs.table_blocks, self._writer()).capture()
         return self._verify_graphs
 
     def verify(self, state: SequenceState, ids: list[int]):
@@ -391,21 +391,26 @@ class Engine:
         captured graph replays it where the engine has them (`verify_graphs`), else the model
         runs eagerly. Returns (logits [n, V], features [n, n_targets * d], the step's counter
         parts, or None for a replay, which keeps no counters)."""
+        from .dspark import verify_forward
+
         chunk = Chunk(state, ids, 0, "all", text_only=True)
         graphs = self.verify_graphs()
         if graphs is not None:
             batch = build_step(self.cfg, self.pool, [chunk], "cpu", self._image_token())
             logits, feats = graphs.run(batch)
             return logits, feats, None
-        logits, ctx, batch = self.run_chunks([chunk], ForwardContext(features={}))
-        feats = target_features_of(ctx, self.cfg)
-        if getattr(self.model, "mtp", None) is not None:
-            if self._context_writer is None:
-                from .dspark import DSpark
-
-                self._context_writer = DSpark(self.model)
-            self._context_writer.write_context(self.pool, Rows.of(batch, self.cfg), feats)
+        batch = build_step(self.cfg, self.pool, [chunk], self.device, self._image_token())
+        logits, feats, ctx = verify_forward(self.model, self.pool, batch, self._writer())
         return logits, feats, ctx.count_parts()
+
+    def _writer(self):
+        """The engine's one DSpark of its model, writing verifications' drafter context (None
+        without a drafter)."""
+        if self._context_writer is None and getattr(self.model, "mtp", None) is not None:
+            from .dspark import DSpark
+
+            self._context_writer = DSpark(self.model)
+        return self._context_writer
 
     def replay_length(self) -> int:
         w = self.cfg.sliding_window

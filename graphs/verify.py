@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 
 from ..backends.platform import platform_for
-from ..core.batch import Rows, StepBatch
+from ..core.batch import StepBatch
 from ..core.cache import KVPool
-from ..core.dspark import DSpark, target_features
-from ..core.model import ForwardContext, Transformer
+from ..core.dspark import DSpark, verify_forward
+from ..core.model import Transformer
 from .decode import fill_static
 
 
@@ -29,13 +29,13 @@ class VerifyGraphs:
     """The verification forward of `model` over the fixed pools of `pool`, one capture per row
     count 1 .. `max_rows`, block tables `table_blocks` wide (enough for the longest sequence)."""
 
-    def __init__(self, model: Transformer, pool: KVPool, max_rows: int, table_blocks: int):
+    def __init__(self, model: Transformer, pool: KVPool, max_rows: int, table_blocks: int,
+                 writer: DSpark | None):
         self.model, self.pool, self.table_blocks = model, pool, table_blocks
         self.device = model.embed.weight.device
         self.platform = platform_for(self.device)
         self.max_rows = max_rows
-        # (its stages are the model's `mtp`: any DSpark of the model writes the same)
-        self.drafter = DSpark(model) if getattr(model, "mtp", None) is not None else None
+        self.writer = writer  # the drafter context's writer (`verify_forward`), None without a drafter
         self.graphs: dict[int, tuple] = {}  # rows -> (graph or None, static batch, logits, features)
 
     def _static(self, t: int) -> StepBatch:
@@ -47,13 +47,8 @@ class VerifyGraphs:
                          ngram_image=z(t, ng, dt=torch.bool), is_image=z(t, dt=torch.bool))
 
     def _step(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a replay runs: the forward, every row's logits and the target-layer features,
-        then the drafter's context KV of every row (`DSpark.write_context`)."""
-        ctx = ForwardContext(features={})
-        logits = self.model(batch, self.pool, ctx=ctx, check=False)
-        feats = target_features(ctx, self.model.cfg)
-        if self.drafter is not None:
-            self.drafter.write_context(self.pool, Rows.of(batch, self.model.cfg), feats)
+        """What a replay runs: the eager verification's body (`dspark.verify_forward`)."""
+        logits, feats, _ = verify_forward(self.model, self.pool, batch, self.writer)
         return logits, feats
 
     def capture(self) -> VerifyGraphs:
